@@ -1,0 +1,1 @@
+"""Converters: raw corpora to foundrymix MDS shards (readers -> encoders -> writer)."""

@@ -1,0 +1,1 @@
+"""Mixing: typed loader config, manifest validation, exact plan, decoded StreamingDataset."""

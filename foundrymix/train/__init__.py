@@ -1,0 +1,1 @@
+"""Training: Composer model wrapper, callbacks, trainer builder."""
