@@ -1,0 +1,191 @@
+"""Turn a :class:`TrainConfig` into a Composer ``Trainer`` and run it.
+
+Everything that can be refused is refused here, before the first step: a stream the
+mixer rejects, a model that does not fit ``max_seq_len``, a batch size the ranks
+cannot split, a ``load_path`` that does not exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from composer import Trainer
+from composer.callbacks import LRMonitor, SpeedMonitor
+from composer.core import Callback, Evaluator
+from composer.loggers import FileLogger, LoggerDestination
+from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler, DecoupledAdamW,
+                            LinearWithWarmupScheduler)
+from composer.utils import dist, reproducibility
+
+from foundrymix.mix.config import ConfigError
+from foundrymix.mix.mixer import StreamMixer
+from foundrymix.train.callbacks import EpochBoundary, SampleLog, StopAt, StreamAccounting
+from foundrymix.train.config import SampleLogConfig, StopAtConfig, TrainConfig
+from foundrymix.train.model import CausalLM, build_hf_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainRun:
+    """What :func:`build_trainer` made, for callers that want more than ``fit()``."""
+
+    config: TrainConfig
+    trainer: Trainer
+    mixer: StreamMixer
+    accounting: StreamAccounting
+    plan: Any
+
+
+def _device(cfg: TrainConfig) -> str:
+    if cfg.device != 'auto':
+        return cfg.device
+    return 'gpu' if torch.cuda.is_available() else 'cpu'
+
+
+def _precision(cfg: TrainConfig, device: str) -> str:
+    if cfg.precision != 'auto':
+        return cfg.precision
+    return 'amp_bf16' if device == 'gpu' else 'fp32'
+
+
+def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name == 'adamw':
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return DecoupledAdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def _scheduler(cfg: TrainConfig) -> Any:
+    s = cfg.scheduler
+    if s.name == 'cosine_with_warmup':
+        return CosineAnnealingWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+    if s.name == 'linear_decay_with_warmup':
+        return LinearWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+    return ConstantWithWarmupScheduler(t_warmup=s.t_warmup)
+
+
+def _loggers(cfg: TrainConfig) -> list[LoggerDestination]:
+    out: list[LoggerDestination] = []
+    if 'file' in cfg.loggers:
+        opts = dict(cfg.loggers['file'])
+        out.append(FileLogger(filename=opts.pop('filename', '{run_name}/logs-rank{rank}.txt'), **opts))
+    return out
+
+
+def _out_dir(cfg: TrainConfig) -> str:
+    if cfg.stream_accounting.out_dir:
+        return cfg.stream_accounting.out_dir
+    if cfg.save_folder:
+        return os.path.join(os.path.dirname(os.path.abspath(cfg.save_folder)) or '.', 'report')
+    return os.path.join('runs', cfg.run_name, 'report')
+
+
+def _check_load_path(cfg: TrainConfig) -> None:
+    path = cfg.load_path
+    if path and '://' not in path and not os.path.exists(path):
+        raise FileNotFoundError(f'load_path: {path}: no such checkpoint')
+
+
+def build_trainer(cfg: TrainConfig) -> TrainRun:
+    """Validate everything, then build model, data, callbacks and the Composer trainer."""
+    world = dist.get_world_size()
+    if cfg.global_train_batch_size % world:
+        raise ConfigError(f'global_train_batch_size={cfg.global_train_batch_size} is not divisible by '
+                          f'the {world} ranks')
+    device_batch = cfg.global_train_batch_size // world
+    micro = cfg.device_train_microbatch_size if cfg.device_train_microbatch_size is not None else device_batch
+    if isinstance(micro, int) and (micro <= 0 or device_batch % micro):
+        raise ConfigError(f'device_train_microbatch_size={micro} does not divide the per-rank batch '
+                          f'({device_batch} = {cfg.global_train_batch_size} / {world} ranks)')
+    _check_load_path(cfg)
+
+    mixer = StreamMixer(cfg.train_loader)
+    mixer.validate()
+    if mixer.max_seq_len != cfg.max_seq_len:
+        raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
+                          f'{mixer.max_seq_len} tokens')
+    if cfg.tokenizer is not None:
+        from foundrymix.tokenizer import load_tokenizer, tokenizer_info
+        expected = tokenizer_info(load_tokenizer(cfg.tokenizer)).fingerprint
+        if expected != mixer.tokenizer.fingerprint:
+            raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
+                              f'converted with ({mixer.tokenizer.name})')
+    plan = mixer.plan(batch_size=device_batch, max_duration=cfg.max_duration, world_size=world)
+
+    reproducibility.seed_all(cfg.seed)
+    hf_model = build_hf_model(cfg.model, mixer.tokenizer, cfg.max_seq_len)
+    model = CausalLM(hf_model, attention=cfg.model.attention)
+    train_loader = mixer.build_dataloader(batch_size=device_batch)
+
+    eval_dataloader: Optional[Evaluator] = None
+    if cfg.eval_loader is not None:
+        eval_mixer = StreamMixer(cfg.eval_loader)
+        eval_mixer.validate()
+        if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != mixer.tokenizer.fingerprint:
+            raise ConfigError('eval_loader streams differ from train_loader streams in max_seq_len or tokenizer')
+        eval_batch = cfg.device_eval_batch_size or device_batch
+        eval_dataloader = Evaluator(label='eval', dataloader=eval_mixer.build_dataloader(batch_size=eval_batch),
+                                    metric_names=['LanguageCrossEntropy'])
+
+    acc_cfg = cfg.stream_accounting
+    accounting = StreamAccounting(
+        stream_names=mixer.stream_names,
+        planned_share=[s.share for s in plan.streams],
+        out_dir=_out_dir(cfg), log_interval=acc_cfg.log_interval, plot=acc_cfg.plot)
+    callbacks: list[Callback] = [EpochBoundary(), accounting]
+    for name, opts in cfg.callbacks.items():
+        if name == 'sample_log':
+            assert isinstance(opts, SampleLogConfig)
+            callbacks.append(SampleLog(opts.path))
+        elif name == 'stop_at':
+            assert isinstance(opts, StopAtConfig)
+            callbacks.append(StopAt(opts.time))
+        elif name == 'speed_monitor':
+            callbacks.append(SpeedMonitor(**opts))
+        elif name == 'lr_monitor':
+            callbacks.append(LRMonitor())
+
+    device = _device(cfg)
+    console = 'console' in cfg.loggers
+    trainer = Trainer(
+        model=model,
+        train_dataloader=train_loader,
+        eval_dataloader=eval_dataloader,
+        eval_interval=cfg.eval_interval,
+        eval_subset_num_batches=cfg.eval_subset_num_batches,
+        max_duration=cfg.max_duration,
+        optimizers=_optimizer(cfg, model),
+        schedulers=_scheduler(cfg),
+        step_schedulers_every_batch=True,
+        device=device,
+        precision=_precision(cfg, device),
+        device_train_microbatch_size=micro,
+        callbacks=callbacks,
+        loggers=_loggers(cfg),
+        run_name=cfg.run_name,
+        progress_bar=cfg.progress_bar,
+        log_to_console=console,
+        console_log_interval=cfg.log_interval,
+        console_stream=cfg.loggers.get('console', {}).get('stream', 'stdout') if console else 'stderr',
+        save_folder=cfg.save_folder,
+        save_interval=cfg.save_interval,
+        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+        save_overwrite=cfg.save_overwrite,
+        autoresume=cfg.autoresume,
+        load_path=None if cfg.autoresume and not cfg.load_path else cfg.load_path,
+        seed=cfg.seed,
+    )
+    return TrainRun(config=cfg, trainer=trainer, mixer=mixer, accounting=accounting, plan=plan)
+
+
+def train(cfg: TrainConfig) -> TrainRun:
+    """Build and fit; returns the run (its accounting holds the per-stream summary)."""
+    run = build_trainer(cfg)
+    run.trainer.fit()
+    run.trainer.close()
+    return run

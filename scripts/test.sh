@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command (README and CI): set up .venv if needed, then run the test suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow` for the slow tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,224 @@
+"""Training: exact resumption (mid-epoch, at an epoch boundary, after SIGKILL), accounting, errors.
+
+Every run is a real ``python train.py`` process on real shards converted from the bundled
+samples, with a tiny Llama on CPU. A "straight" run is compared with runs that stop and
+resume: the per-batch global sample ids (``sample_log`` callback) must be identical and
+the final weights bitwise equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
+from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 128
+BATCH = 6
+N_BATCHES = 40
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory, arxiv_jsonl, dolly_jsonl) -> dict[str, str]:
+    """Small real streams: part of one arXiv paper (pretrain) and 150 Dolly examples (finetune)."""
+    root = tmp_path_factory.mktemp('train-data')
+    with open(arxiv_jsonl, encoding='utf-8') as f:
+        paper = json.loads(f.readline())['text'][:12000]
+    (root / 'paper.jsonl').write_text(json.dumps({'text': paper}) + '\n', encoding='utf-8')
+    with open(dolly_jsonl, encoding='utf-8') as f:
+        dolly = [next(f) for _ in range(150)]
+    (root / 'dolly.jsonl').write_text(''.join(dolly), encoding='utf-8')
+    convert_pretrain([str(root / 'paper.jsonl')], str(root / 'arxiv'),
+                     PretrainOptions(max_seq_len=SEQ, workers=1))
+    convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
+                     FinetuneOptions(max_seq_len=SEQ, workers=1))
+    return {'arxiv': str(root / 'arxiv'), 'dolly': str(root / 'dolly')}
+
+
+def write_config(path: Path, data: dict[str, str], **top) -> Path:
+    cfg = {
+        'run_name': 'resume-test',
+        'seed': 5,
+        'max_seq_len': SEQ,
+        'model': {'type': 'llama', 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1,
+                  'num_attention_heads': 2, 'num_key_value_heads': 2, 'max_position_embeddings': SEQ},
+        'train_loader': {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1.5},
+                                     'dolly': {'local': data['dolly']}},
+                         'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0},
+        'global_train_batch_size': BATCH,
+        'max_duration': f'{N_BATCHES}ba',
+        'optimizer': {'lr': 0.01},
+        'scheduler': {'name': 'cosine_with_warmup', 't_warmup': '3ba', 'alpha_f': 0.1},
+        'save_interval': '1000ba',
+        'log_interval': '5ba',
+        'loggers': {},
+    }
+    cfg.update(top)
+    path.write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    return path
+
+
+def train(config: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / 'train.py'), str(config), *overrides],
+                          capture_output=True, text=True, cwd=config.parent, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f'train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}')
+    return proc
+
+
+def final_state(save_folder: Path) -> dict:
+    ckpt = torch.load(save_folder / 'latest-rank0.pt', map_location='cpu', weights_only=False)
+    return ckpt['state']
+
+
+def sample_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    wa, wb = a['model'], b['model']
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f'weights differ at {k}'
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory, data) -> dict:
+    """The reference: N batches in one go."""
+    run = tmp_path_factory.mktemp('straight')
+    cfg = write_config(run / 'c.yaml', data, save_folder=str(run / 'ckpt'),
+                       callbacks={'sample_log': {'path': str(run / 'samples.jsonl')},
+                                  'stream_accounting': {'out_dir': str(run / 'report')}})
+    train(cfg)
+    state = final_state(run / 'ckpt')
+    log = sample_log(run / 'samples.jsonl')
+    epoch_batches = next(b['batch'] for b in log if b['epoch'] == 1)
+    return {'dir': run, 'state': state, 'log': log, 'epoch_batches': epoch_batches,
+            'report': json.loads((run / 'report' / 'stream_accounting.json').read_text())}
+
+
+def test_straight_run_covers_epochs(straight):
+    log = straight['log']
+    assert [b['batch'] for b in log] == list(range(N_BATCHES))
+    assert all(len(b['sample_ids']) == BATCH for b in log)
+    e = straight['epoch_batches']
+    assert 2 < e < N_BATCHES // 2, 'the test needs 2+ epochs in the run'
+    first = [s for b in log[:e] for s in b['sample_ids']]
+    second = [s for b in log[e:2 * e] for s in b['sample_ids']]
+    assert first != second, 'epochs must be reshuffled'
+    assert straight['state']['timestamp']['Timestamp']['batch'] == N_BATCHES
+
+
+def resumed_run(tmp_path: Path, data: dict, stop_at: str, save_interval: str) -> tuple[dict, list[dict], dict]:
+    cfg = write_config(tmp_path / 'c.yaml', data, save_folder=str(tmp_path / 'ckpt'), save_interval=save_interval,
+                       callbacks={'sample_log': {'path': str(tmp_path / 'samples.jsonl')},
+                                  'stream_accounting': {'out_dir': str(tmp_path / 'report')}})
+    train(cfg, f'callbacks.stop_at.time={stop_at}')
+    stopped = final_state(tmp_path / 'ckpt')
+    ckpt = os.path.realpath(tmp_path / 'ckpt' / 'latest-rank0.pt')
+    train(cfg, f'load_path={ckpt}')
+    report = json.loads((tmp_path / 'report' / 'stream_accounting.json').read_text())
+    return stopped, sample_log(tmp_path / 'samples.jsonl'), report
+
+
+def test_resume_mid_epoch_is_exact(tmp_path, data, straight):
+    k = straight['epoch_batches'] // 2
+    stopped, log, report = resumed_run(tmp_path, data, f'{k}ba', f'{k}ba')
+    assert stopped['timestamp']['Timestamp']['batch'] == k and stopped['timestamp']['Timestamp']['epoch'] == 0
+    assert log == straight['log']
+    assert_same_weights(final_state(tmp_path / 'ckpt'), straight['state'])
+    assert report['streams'] == straight['report']['streams']
+
+
+def test_resume_at_epoch_boundary_is_exact(tmp_path, data, straight):
+    """composer 0.32.1 + streaming 0.13.0 alone replay epoch 0 here; we must not."""
+    stopped, log, report = resumed_run(tmp_path, data, '1ep', '1ep')
+    e = straight['epoch_batches']
+    assert stopped['timestamp']['Timestamp']['batch'] == e and stopped['timestamp']['Timestamp']['epoch'] == 1
+    assert stopped['timestamp']['Timestamp']['batch_in_epoch'] == 0
+    assert log == straight['log']
+    first = [b['sample_ids'] for b in log[:e]]
+    second = [b['sample_ids'] for b in log[e:2 * e]]
+    assert first != second
+    assert_same_weights(final_state(tmp_path / 'ckpt'), straight['state'])
+    assert report['streams'] == straight['report']['streams']
+
+
+def test_sigkill_then_autoresume_is_exact(tmp_path, data, straight):
+    cfg = write_config(tmp_path / 'c.yaml', data, save_folder=str(tmp_path / 'ckpt'), save_interval='3ba',
+                       autoresume=True, run_name='killed',
+                       callbacks={'sample_log': {'path': str(tmp_path / 'samples.jsonl')}})
+    cmd = [sys.executable, str(ROOT / 'train.py'), str(cfg)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = tmp_path / 'ckpt' / 'ep0-ba6-rank0.pt'
+    deadline = time.time() + 240
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert target.exists(), 'no checkpoint at batch 6 before the deadline'
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(sample_log(tmp_path / 'samples.jsonl'))
+    assert killed_at < N_BATCHES, 'the run finished before it was killed'
+    train(cfg)  # same command: autoresume finds latest-rank0.pt
+    assert sample_log(tmp_path / 'samples.jsonl') == straight['log']
+    assert_same_weights(final_state(tmp_path / 'ckpt'), straight['state'])
+
+
+def test_accounting_matches_sample_log(straight, data):
+    """Per-stream counters equal what the logged sample ids say; shares sum to 1."""
+    report = straight['report']
+    streams = list(report['streams'])
+    assert streams == ['arxiv', 'dolly']
+    counted = [0, 0]
+    for b in straight['log']:
+        for s in b['stream_ids']:
+            counted[s] += 1
+    assert [report['streams'][n]['samples'] for n in streams] == counted
+    assert report['total']['samples'] == N_BATCHES * BATCH
+    arxiv = report['streams']['arxiv']
+    assert arxiv['tokens'] == arxiv['samples'] * SEQ == arxiv['loss_tokens']  # pretrain rows are full
+    dolly = report['streams']['dolly']
+    assert dolly['loss_tokens'] < dolly['tokens'] <= dolly['samples'] * SEQ  # loss only on responses
+    assert abs(sum(s['share'] for s in report['streams'].values()) - 1) < 1e-9
+    assert (straight['dir'] / 'report' / 'stream_accounting.png').stat().st_size > 1000
+
+
+@pytest.mark.parametrize('override, message', [
+    ('train_loader.streams.missing={local: /nonexistent/dir}', 'missing'),
+    ('model.max_position_embeddings=32', 'max_position_embeddings=32 does not fit max_seq_len=128'),
+    ('global_train_batch_size=0', 'global_train_batch_size must be positive'),
+    ('load_path=/nonexistent/ckpt.pt', 'load_path: /nonexistent/ckpt.pt: no such checkpoint'),
+    ('max_seq_len=256', 'max_seq_len=256, but the train streams hold rows of 128 tokens'),
+    ('bogus_key=1', "unknown key 'bogus_key'"),
+    ('device_train_microbatch_size=4', 'device_train_microbatch_size=4 does not divide the per-rank batch'),
+])
+def test_bad_config_fails_before_training(tmp_path, data, override, message):
+    cfg = write_config(tmp_path / 'c.yaml', data, save_folder=str(tmp_path / 'ckpt'))
+    proc = train(cfg, override, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / 'ckpt').exists()
+
+
+def test_batch_not_divisible_by_ranks(tmp_path, data, monkeypatch):
+    from composer.utils import dist
+
+    from foundrymix.mix.config import ConfigError
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.config import load_config
+
+    cfg = load_config(str(write_config(tmp_path / 'c.yaml', data)))
+    monkeypatch.setattr(dist, 'get_world_size', lambda: 4)
+    with pytest.raises(ConfigError, match=r'global_train_batch_size=6 is not divisible by the 4 ranks'):
+        build_trainer(cfg)
