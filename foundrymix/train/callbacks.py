@@ -162,9 +162,10 @@ class StreamAccounting(Callback):
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
 
-        steps = [p['batch'] for p in self.history]
-        tokens = np.array([p['tokens'] for p in self.history], dtype=np.float64)
-        samples = np.array([p['samples'] for p in self.history], dtype=np.float64)
+        zero = [0] * len(self.stream_names)
+        steps = [0] + [p['batch'] for p in self.history]
+        tokens = np.array([zero] + [p['tokens'] for p in self.history], dtype=np.float64)
+        samples = np.array([zero] + [p['samples'] for p in self.history], dtype=np.float64)
         total_tokens = tokens.sum(axis=1)
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for i, name in enumerate(self.stream_names):

@@ -1,0 +1,122 @@
+"""``MixedDataset``: streaming's ``StreamingDataset`` that decodes rows and fixes epoch-end resumption.
+
+Why a subclass and not a wrapper: shuffling, per-epoch sampling, partitioning over
+ranks/workers and mid-epoch resumption all live in ``StreamingDataset``; we only change
+what one sample looks like (:func:`foundrymix.schema.decode_row` plus where it came
+from) and how ``state_dict`` names a finished epoch.
+
+The resumption fix. Composer 0.32.1 checkpoints with
+``dataset.state_dict(num_samples=timestamp.sample_in_epoch, from_beginning=True)``. At
+an epoch boundary ``sample_in_epoch`` is already 0 while streaming's ``next_epoch - 1``
+still names the finished epoch ``e``, so the saved state is ``{epoch: e,
+sample_in_epoch: 0}`` and a resumed run replays epoch ``e``. Here a finished epoch is
+recognised two ways and saved as ``{epoch: e + 1, sample_in_epoch: 0}``:
+
+1. the sample count handed to ``state_dict`` reaches the epoch's global size;
+2. :meth:`MixedDataset.mark_epoch_complete` was called (the trainer does so on
+   Composer's ``EPOCH_END``; plain-PyTorch users after exhausting an epoch).
+
+The mark remembers *which* epoch was completed. ``next_epoch`` lives in shared memory
+and is advanced by the DataLoader worker that starts the next epoch, so as soon as the
+next epoch's iteration begins the mark no longer names the current epoch and is void.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from streaming import StreamingDataset
+
+from foundrymix.schema import IGNORE_INDEX
+
+#: decoded keys, in the order of the rows of the per-sample block
+DECODED_KEYS = ('input_ids', 'labels', 'attention_mask', 'sequence_id', 'position_ids')
+
+
+def decode_row_fast(row: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Exactly :func:`foundrymix.schema.decode_row`, in one allocation and slice writes.
+
+    Why a second implementation: decoding runs once per sample in the DataLoader
+    workers and ``decode_row``'s whole-row ``repeat``/``cumsum`` calls cost about as
+    much as reading the row. Rows hold few segments and spans, so per-segment slice
+    assignment into one ``(5, L)`` block is several times faster. Equality with
+    ``decode_row`` is tested on pretrain, packed and padded finetune rows.
+    """
+    ids = row['input_ids']
+    seq_len = ids.shape[0]
+    block = np.empty((5, seq_len), dtype=np.int64)
+    input_ids, labels, attention_mask, sequence_id, position_ids = block
+    input_ids[:] = ids
+    labels.fill(IGNORE_INDEX)
+    spans = row['loss_spans'].tolist()
+    for i in range(0, len(spans) - 1, 2):
+        start, end = spans[i], spans[i + 1]
+        labels[start:end] = input_ids[start:end]
+    start = 0
+    for seg, length in enumerate(row['doc_lens'].tolist()):
+        end = start + length
+        sequence_id[start:end] = seg
+        position_ids[start:end] = _ARANGE[:length] if length <= _ARANGE.shape[0] else np.arange(length)
+        start = end
+    attention_mask[:start] = 1
+    attention_mask[start:] = 0
+    sequence_id[start:] = -1
+    position_ids[start:] = 0
+    return dict(zip(DECODED_KEYS, block))
+
+
+_ARANGE = np.arange(1 << 16, dtype=np.int64)
+
+
+class MixedDataset(StreamingDataset):
+    """A ``StreamingDataset`` over foundrymix streams whose samples are model inputs.
+
+    Each sample is ``decode_row(row)`` (computed by :func:`decode_row_fast`; ``input_ids``, ``labels``, ``attention_mask``,
+    ``sequence_id``, ``position_ids``) plus ``stream_id`` (index into
+    :attr:`stream_names`) and ``sample_id`` (the global sample index).
+    """
+
+    def __init__(self, *, stream_names: Sequence[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stream_names = list(stream_names)
+        if len(self.stream_names) != self.num_streams:
+            raise ValueError(f'{len(self.stream_names)} stream names for {self.num_streams} streams')
+        # First global sample index of streams 1..n-1: bisect gives the stream of a sample.
+        self._stream_starts = [int(x) for x in self.sample_offset_per_stream[1:]]
+        self._completed_epoch: Optional[int] = None
+
+    def stream_of(self, sample_id: int) -> int:
+        """Index of the stream a global sample index belongs to."""
+        return bisect.bisect_right(self._stream_starts, sample_id)
+
+    def get_item(self, idx: int, retry: int = 7) -> dict[str, Any]:
+        row = super().get_item(idx, retry)
+        sample = decode_row_fast(row)
+        sample['stream_id'] = self.stream_of(idx)
+        sample['sample_id'] = int(idx)
+        return sample
+
+    # ------------------------------------------------------------ resumption
+    def _current_epoch(self) -> int:
+        """The epoch ``state_dict`` would name (the last one started, or a loaded one)."""
+        epoch, _ = self._resume(self._parallel_rank_world, self.next_epoch - 1)
+        return epoch
+
+    def mark_epoch_complete(self) -> None:
+        """Record that the current epoch was fully consumed (call in the main process).
+
+        Until the next epoch's iteration begins, ``state_dict`` then names the start of
+        the next epoch instead of the (already finished) current one.
+        """
+        self._completed_epoch = self._current_epoch()
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        state = super().state_dict(num_samples, from_beginning)
+        finished = state['sample_in_epoch'] >= self.epoch_size or (
+            self._completed_epoch is not None and self._completed_epoch == state['epoch'])
+        if finished:
+            state['epoch'] += 1
+            state['sample_in_epoch'] = 0
+        return state

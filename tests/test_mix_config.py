@@ -1,0 +1,102 @@
+"""LoaderConfig: strict keys, typed values, one kind of weight, cache dirs for remote-only streams."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from foundrymix.mix.config import ConfigError, LoaderConfig, StreamSpec
+
+
+def test_parses_llm_foundry_shape_from_dictconfig():
+    cfg = OmegaConf.create({
+        'variables': {'root': '/data'},
+        'train_loader': {
+            'streams': {
+                'arxiv': {'local': '${variables.root}/arxiv', 'remote': 's3://b/arxiv',
+                          'split': 'train', 'repeat': 2.5},
+                'dolly': {'local': '/data/dolly', 'choose': 100},
+            },
+            'shuffle': True, 'shuffle_seed': 17, 'batching_method': 'stratified',
+            'num_workers': 2,
+        }})
+    c = LoaderConfig.from_dict(cfg.train_loader)
+    assert c.streams['arxiv'] == StreamSpec(name='arxiv', local='/data/arxiv', remote='s3://b/arxiv',
+                                            split='train', repeat=2.5)
+    assert c.streams['dolly'].choose == 100 and c.streams['dolly'].weight_kind == 'choose'
+    assert (c.shuffle_seed, c.batching_method, c.num_workers, c.drop_last) == (17, 'stratified', 2, True)
+    assert c.stream_dir('arxiv') == '/data/arxiv/train'
+
+
+def test_unknown_stream_key_names_key_and_allowed():
+    with pytest.raises(ConfigError) as e:
+        LoaderConfig.from_dict({'streams': {'arxiv': {'local': '/x', 'repaet': 2}}})
+    assert str(e.value) == ("train_loader.streams.arxiv: unknown key 'repaet'; allowed: local, "
+                            "remote, split, repeat, proportion, choose")
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match=r"^train_loader: unknown key 'shufle'; allowed: streams, "
+                                          r"shuffle, shuffle_seed, "):
+        LoaderConfig.from_dict({'streams': {'a': {'local': '/x'}}, 'shufle': False})
+
+
+def test_mixing_proportion_with_repeat_is_refused():
+    with pytest.raises(ConfigError) as e:
+        LoaderConfig.from_dict({'streams': {'a': {'local': '/a', 'proportion': 0.5},
+                                            'b': {'local': '/b', 'repeat': 2},
+                                            'c': {'local': '/c'}}})
+    assert str(e.value).startswith(
+        'train_loader.streams: cannot mix relative and absolute weights: proportion is set on a but '
+        'not on b (repeat), c (no weight).')
+
+
+def test_epoch_size_with_repeat_is_refused():
+    with pytest.raises(ConfigError, match=r'train_loader.epoch_size: cannot be combined with '
+                                          r'repeat/choose \(set on b\)'):
+        LoaderConfig.from_dict({'streams': {'a': {'local': '/a'}, 'b': {'local': '/b', 'repeat': 2}},
+                                'epoch_size': 100})
+
+
+@pytest.mark.parametrize('stream, message', [
+    ({'local': '/a', 'repeat': 1, 'choose': 3},
+     'train_loader.streams.a: give at most one of repeat, proportion, choose (got repeat, choose); the others are derived'),
+    ({'split': 'train'}, 'train_loader.streams.a: needs local and/or remote'),
+    ({'local': '/a', 'repeat': 'lots'}, "train_loader.streams.a.repeat: expected float, got 'lots'"),
+    ({'local': '/a', 'repeat': -1}, 'train_loader.streams.a.repeat: must be >= 0, got -1.0'),
+])
+def test_bad_stream_entries(stream, message):
+    with pytest.raises(ConfigError) as e:
+        LoaderConfig.from_dict({'streams': {'a': stream}})
+    assert str(e.value) == message
+
+
+def test_bad_enum_and_types():
+    with pytest.raises(ConfigError, match=r"train_loader.batching_method: 'balanced' is not one of "
+                                          r"random, stratified, per_stream, device_per_stream"):
+        LoaderConfig.from_dict({'streams': {'a': {'local': '/a'}}, 'batching_method': 'balanced'})
+    with pytest.raises(ConfigError, match=r"train_loader.num_workers: expected int, got 2.5"):
+        LoaderConfig.from_dict({'streams': {'a': {'local': '/a'}}, 'num_workers': 2.5})
+    with pytest.raises(ConfigError, match=r'train_loader.streams: must be a non-empty mapping'):
+        LoaderConfig.from_dict({'streams': {}})
+    with pytest.raises(ConfigError, match=r"train_loader: missing required key 'streams'"):
+        LoaderConfig.from_dict({}, )
+    c = LoaderConfig.from_dict({'streams': {'a': {'local': '/a', 'proportion': 1}},
+                                'epoch_size': '2k'})
+    assert c.epoch_size == 2000
+
+
+def test_remote_only_stream_gets_a_cache_dir_keyed_by_remote(tmp_path):
+    c = LoaderConfig.from_dict({'streams': {'a': {'remote': 's3://bucket/a', 'split': 'train'},
+                                            'b': {'remote': 's3://bucket/b'}},
+                                'cache_root': str(tmp_path)})
+    la, lb = c.stream_local('a'), c.stream_local('b')
+    assert os.path.dirname(la) == str(tmp_path) and os.path.basename(la).startswith('a-')
+    assert la != lb
+    assert c.stream_dir('a') == os.path.join(la, 'train')
+    assert c.stream_remote_dir('a') == 's3://bucket/a/train'
+    again = LoaderConfig.from_dict({'streams': {'a': {'remote': 's3://bucket/a'}},
+                                    'cache_root': str(tmp_path)})
+    assert again.stream_local('a') == la

@@ -1,0 +1,142 @@
+"""``foundrymix plan``: exact numbers from manifests and index files only; CLI text, JSON, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from foundrymix.cli import main
+from foundrymix.mix.config import ConfigError
+from foundrymix.mix.mixer import StreamMixer
+from foundrymix.mix.plan import parse_duration
+from mix_helpers import build_three, loader_dict
+
+YAML = '''
+variables:
+  root: {root}
+global_train_batch_size: 8
+max_duration: {duration}
+model:
+  name: anything
+train_loader:
+  streams:
+    arxiv:
+      local: ${{variables.root}}/arxiv
+      repeat: 1
+    wiki:
+      local: ${{variables.root}}/wiki
+      repeat: 2.5
+    dolly:
+      local: ${{variables.root}}/dolly
+      repeat: 0.5
+  shuffle_seed: 17
+'''
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp('plan')
+    build_three(str(root), (120, 80, 60))
+    return root
+
+
+def write_yaml(tmp_path, root, duration='3ep'):
+    path = tmp_path / 'run.yaml'
+    path.write_text(YAML.format(root=root, duration=duration))
+    return str(path)
+
+
+def test_plan_numbers(root):
+    dirs = {n: str(root / n) for n in ('arxiv', 'wiki', 'dolly')}
+    m = StreamMixer.from_dict(loader_dict(dirs, {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 2.5},
+                                                 'dolly': {'repeat': 0.5}}))
+    p = m.plan(2, '1000tok')
+    assert p.epoch_size == 120 + 200 + 30
+    arxiv, wiki, dolly = p.streams
+    assert (wiki.rows, wiki.rows_per_epoch, wiki.passes, wiki.full_passes, wiki.rows_seen_extra) == \
+        (80, 200, 2.5, 2, 40)
+    assert (dolly.kind, dolly.rows_per_epoch, dolly.unseen_rows, dolly.tokens_exact) == \
+        ('finetune', 30, 30, False)
+    assert arxiv.tokens_exact and wiki.tokens_exact  # full rows: exact despite 2.5x
+    assert wiki.tokens_per_epoch == 200 * 32 and wiki.slot_tokens_per_epoch == 6400
+    man = m.manifests['dolly'].counts
+    assert dolly.tokens_per_epoch == man.tokens * 0.5
+    assert dolly.loss_tokens_per_epoch == man.loss_tokens * 0.5
+    assert arxiv.share == 120 / 350
+    assert abs(sum(s.token_share for s in p.streams) - 1) < 1e-12
+    assert any(w.startswith('dolly: under one pass (0.5x): 30 of 60 rows are not seen') for w in p.warnings)
+    d = p.duration  # 1000 tokens / (2 rows x 32) -> 16 batches
+    assert (d.total_batches, d.total_samples, d.total_tokens, d.full_epochs, d.last_epoch,
+            d.last_batch_in_epoch) == (16, 32, 1024, 0, 0, 16)
+    assert d.epochs == 16 / 175
+
+
+@pytest.mark.parametrize('text, expected', [('100ba', (100, 'ba')), ('5000sp', (5000, 'sp')),
+                                            ('1000000tok', (1000000, 'tok')), ('3ep', (3, 'ep')),
+                                            (2, (2, 'ep'))])
+def test_parse_duration(text, expected):
+    assert parse_duration(text) == expected
+
+
+def test_parse_duration_refuses_other_units():
+    with pytest.raises(ConfigError, match=r"max_duration: '0.5dur' is not a Composer time string"):
+        parse_duration('0.5dur')
+
+
+def test_cli_table(root, tmp_path, capsys):
+    assert main(['plan', write_yaml(tmp_path, root, '100ba')]) == 0
+    out = capsys.readouterr().out
+    assert '40 rows 2x, 40 rows 3x' in out
+    assert 'global batch 8 (8 x 1 ranks): 43 batches = 344 samples per epoch' in out
+    assert ('max_duration 100ba: 100 batches, 800 samples, 25,600 tokens = 2.326 epochs (2 full); '
+            'stops in epoch 2 after batch 14 (sample 112 of the epoch)') in out
+    assert 'warning: max_duration 100ba ends mid-epoch' in out
+    assert 'warning: 6 of 350 sampled rows per epoch are never trained' in out
+
+
+def test_cli_json_and_overrides(root, tmp_path, capsys):
+    path = write_yaml(tmp_path, root)
+    assert main(['plan', '--json', path, 'train_loader.streams.dolly.repeat=1',
+                 'global_train_batch_size=4']) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data['epoch_size'] == 380 and data['batches_per_epoch'] == 95
+    assert data['duration']['total_batches'] == 285 and data['duration']['ends_mid_epoch'] is False
+    assert data['duration']['rows_per_stream'] == {'arxiv': 360, 'wiki': 600, 'dolly': 180}
+    assert [s['name'] for s in data['streams']] == ['arxiv', 'wiki', 'dolly']
+
+
+def test_cli_reads_no_shards(root, tmp_path, capsys, monkeypatch):
+    opened = []
+    real_open = open
+
+    def spy(file, *a, **k):
+        opened.append(os.fspath(file))
+        return real_open(file, *a, **k)
+    monkeypatch.setattr('builtins.open', spy)
+    assert main(['plan', write_yaml(tmp_path, root)]) == 0
+    assert not [f for f in opened if f.endswith('.mds')]
+    assert any(f.endswith('foundrymix.json') for f in opened)
+
+
+@pytest.mark.parametrize('override, message', [
+    ('train_loader.streams.wiki.repaet=3',
+     "train_loader.streams.wiki: unknown key 'repaet'; allowed: local, remote, split, repeat, "
+     "proportion, choose"),
+    ('train_loader.streams.wiki.proportion=0.5',
+     'train_loader.streams.wiki: give at most one of repeat, proportion, choose'),
+    ('max_duration=3xx', "max_duration: '3xx' is not a Composer time string"),
+])
+def test_cli_errors_exit_2(root, tmp_path, capsys, override, message):
+    assert main(['plan', write_yaml(tmp_path, root), override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'foundrymix plan: error: {message}')
+
+
+def test_cli_missing_manifest(tmp_path, capsys):
+    (tmp_path / 'arxiv').mkdir()
+    (tmp_path / 'wiki').mkdir()
+    (tmp_path / 'dolly').mkdir()
+    assert main(['plan', write_yaml(tmp_path, tmp_path)]) == 2
+    assert 'train_loader.streams.arxiv: no foundrymix manifest' in capsys.readouterr().err
