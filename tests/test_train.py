@@ -197,17 +197,32 @@ def test_accounting_matches_sample_log(straight, data):
 @pytest.mark.parametrize('override, message', [
     ('train_loader.streams.missing={local: /nonexistent/dir}', 'missing'),
     ('model.max_position_embeddings=32', 'max_position_embeddings=32 does not fit max_seq_len=128'),
+    ('model.vocab_size=100', 'model.vocab_size=100 is smaller than the tokenizer vocabulary (8192'),
     ('global_train_batch_size=0', 'global_train_batch_size must be positive'),
     ('load_path=/nonexistent/ckpt.pt', 'load_path: /nonexistent/ckpt.pt: no such checkpoint'),
     ('max_seq_len=256', 'max_seq_len=256, but the train streams hold rows of 128 tokens'),
     ('bogus_key=1', "unknown key 'bogus_key'"),
+    ('optimizer.lrr=1', "optimizer: unknown key 'lrr'"),
     ('device_train_microbatch_size=4', 'device_train_microbatch_size=4 does not divide the per-rank batch'),
 ])
 def test_bad_config_fails_before_training(tmp_path, data, override, message):
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.config import load_config
+
+    cfg_path = write_config(tmp_path / 'c.yaml', data, save_folder=str(tmp_path / 'ckpt'))
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        build_trainer(load_config(str(cfg_path), [override]))
+    assert message in str(err.value)
+    assert not (tmp_path / 'ckpt').exists()
+
+
+def test_cli_reports_config_error(tmp_path, data):
+    """Through train.py: exit code 2, one clear line, no traceback, no step run."""
     cfg = write_config(tmp_path / 'c.yaml', data, save_folder=str(tmp_path / 'ckpt'))
-    proc = train(cfg, override, check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
+    proc = train(cfg, 'model.max_position_embeddings=32', check=False)
+    assert proc.returncode == 2
+    assert 'foundrymix train: error: model.max_position_embeddings=32 does not fit max_seq_len=128' in proc.stderr
+    assert 'Traceback' not in proc.stderr
     assert not (tmp_path / 'ckpt').exists()
 
 

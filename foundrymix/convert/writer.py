@@ -13,11 +13,12 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-from typing import Any, Optional
-
-from streaming import MDSWriter
+from typing import TYPE_CHECKING, Any, Optional
 
 from foundrymix.schema import MANIFEST_NAME, Manifest, mds_columns
+
+if TYPE_CHECKING:
+    from streaming import MDSWriter
 
 
 class OutputExistsError(FileExistsError):
@@ -50,7 +51,10 @@ class ShardWriter:
         for stale in glob.glob(os.path.join(parent, f'.{name}.partial-*')):
             shutil.rmtree(stale, ignore_errors=True)
         self.partial = os.path.join(parent, f'.{name}.partial-{os.getpid()}')
-        self._writer: Optional[MDSWriter] = MDSWriter(
+        # imported here: streaming imports torch (seconds), which conversion workers
+        # forked before this point never need
+        from streaming import MDSWriter
+        self._writer: Optional['MDSWriter'] = MDSWriter(
             out=self.partial, columns=mds_columns(max_seq_len, token_dtype),
             compression=compression, size_limit=size_limit, progress_bar=False, exist_ok=False)
         self.rows = 0

@@ -1,0 +1,103 @@
+"""Options and set-up shared by the pretrain and finetune converters.
+
+Everything that can fail cheaply (bad options, missing inputs, non-empty output,
+unknown tokenizer, ``max_seq_len`` too small) is checked before any work starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from foundrymix.convert.pipeline import default_workers
+from foundrymix.convert.readers import discover_inputs
+from foundrymix.convert.writer import check_output_dir
+from foundrymix.schema import TokenizerInfo, token_dtype_for
+from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
+
+ON_ERROR = ('raise', 'skip')
+
+
+@dataclass
+class ConvertOptions:
+    """Options every conversion takes.
+
+    ``bos``/``eos``: whether each document (example) gets a BOS in front / an EOS at
+    the end. ``bos=None`` follows the tokenizer (BOS iff it adds one by default).
+    ``workers=0`` means all cores. ``chunk_bytes`` is the share of input a worker reads
+    at a time (it does not change the output).
+    """
+
+    tokenizer: str = DEMO_TOKENIZER
+    max_seq_len: int = 2048
+    workers: int = 0
+    overwrite: bool = False
+    on_error: str = 'raise'
+    bos: Optional[bool] = None
+    eos: bool = True
+    compression: Optional[str] = None
+    size_limit: str = '64mb'
+    chunk_bytes: int = 1 << 20
+    progress: bool = False
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The options as recorded in the manifest (run-time knobs left out)."""
+        d = asdict(self)
+        for knob in ('workers', 'overwrite', 'progress', 'chunk_bytes'):
+            d.pop(knob)
+        return d
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a conversion resolved before starting: inputs, tokenizer and separators."""
+
+    inputs: list[str]
+    tokenizer: Any
+    info: TokenizerInfo
+    token_dtype: str
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    workers: int
+
+
+def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: int = 1) -> Setup:
+    """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
+
+    ``min_content`` is how many non-special tokens a row must at least have room for.
+    """
+    if options.on_error not in ON_ERROR:
+        raise ValueError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
+    if options.workers < 0:
+        raise ValueError(f'--workers must be >= 0 (0 = all cores), got {options.workers}')
+    if options.chunk_bytes <= 0:
+        raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
+    resolved = discover_inputs(inputs)
+    check_output_dir(os.path.abspath(out), options.overwrite)
+    tok = load_tokenizer(options.tokenizer)
+    info = tokenizer_info(tok)
+    use_bos = info.add_bos if options.bos is None else options.bos
+    if use_bos and info.bos_id is None:
+        raise ValueError(f'--bos: tokenizer {info.name!r} has no BOS token')
+    bos_id = info.bos_id if use_bos else None
+    eos_id = info.eos_id if options.eos else None
+    n_special = (bos_id is not None) + (eos_id is not None)
+    if options.max_seq_len < n_special + min_content:
+        raise ValueError(
+            f'--max-seq-len {options.max_seq_len} is too small: each sequence needs {n_special} '
+            f'special token(s) (BOS/EOS) and at least {min_content} more')
+    return Setup(inputs=resolved, tokenizer=tok, info=info, token_dtype=token_dtype_for(info.vocab_size),
+                 bos_id=bos_id, eos_id=eos_id, workers=options.workers or default_workers())
+
+
+def encode_texts(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens, via the Rust batch encoder.
+
+    ``encode_batch_fast`` (tokenizers >= 0.20) skips offset tracking, which we do not use.
+    """
+    if not texts:
+        return []
+    backend = tok.backend_tokenizer
+    encode = getattr(backend, 'encode_batch_fast', backend.encode_batch)
+    return [e.ids for e in encode(texts, add_special_tokens=False)]

@@ -1,0 +1,325 @@
+"""Find input files and read them as records, in chunks that workers can process alone.
+
+Why chunks: conversion is bound by tokenization, so workers must read and parse their
+own share of the input instead of receiving text from the main process. A chunk is a
+small, picklable description of a share -- a byte range of a plain ``.jsonl`` file
+(cut at line ends), a row group of a parquet file, a row range of a Hugging Face
+dataset saved to disk, or a group of ``.txt`` files. Compressed ``.jsonl.gz`` /
+``.jsonl.zst`` files cannot be split by byte ranges, so the main process reads them
+as a stream and hands out blocks of whole lines (the ``payload``). Chunks are produced
+lazily, in input order, so memory stays flat whatever the corpus size.
+
+Records are dicts. A record that cannot be read is yielded as a :class:`BadRecord`
+(reason + detail) so the caller decides between stopping and skipping; its position
+is reported as ``file:line`` (jsonl, 1-based line) or ``file:row`` (parquet and
+datasets, 0-based row), or the file alone (txt).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+JSONL_SUFFIXES = ('.jsonl', '.json', '.ndjson')
+COMPRESSED_SUFFIXES = ('.gz', '.zst')
+TEXT_SUFFIXES = ('.txt',)
+PARQUET_SUFFIXES = ('.parquet',)
+#: how many .txt documents one chunk holds (one document per file)
+TXT_FILES_PER_CHUNK = 64
+#: rows per chunk of a dataset saved to disk
+HF_ROWS_PER_CHUNK = 2048
+
+
+class InputError(ValueError):
+    """An input record is unusable; the message names file, line (or row) and field."""
+
+    def __init__(self, location: str, reason: str, detail: str) -> None:
+        super().__init__(f'{location}: {detail}')
+        self.location = location
+        self.reason = reason
+        self.detail = detail
+
+
+class InputNotFoundError(FileNotFoundError):
+    """An input path or glob matches nothing."""
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """A record that could not be read: ``reason`` is the manifest key, ``detail`` the message."""
+
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One worker's share of the input (see module docstring).
+
+    ``first_line`` is the 1-based line (jsonl) or 0-based row (parquet, datasets) of the
+    chunk's first record; ``None`` for a byte range of a plain jsonl file, whose line
+    number is known only after the chunks before it were read.
+    """
+
+    fmt: str  # jsonl | jsonl_stream | txt | parquet | hf
+    path: str
+    start: int = 0
+    end: int = 0
+    first_line: Optional[int] = None
+    payload: Optional[bytes] = None
+    paths: tuple[str, ...] = ()
+
+
+def input_format(path: str) -> str:
+    """Format of one resolved input: jsonl | jsonl_stream | txt | parquet | hf."""
+    if os.path.isdir(path):
+        if _is_hf_dataset(path):
+            return 'hf'
+        raise ValueError(f'{path}: a directory is not a single input (expected a dataset saved '
+                         f'with `datasets.save_to_disk`)')
+    name = path.lower()
+    if name.endswith(COMPRESSED_SUFFIXES):
+        base = name.rsplit('.', 1)[0]
+        if base.endswith(JSONL_SUFFIXES):
+            return 'jsonl_stream'
+        raise ValueError(f'{path}: only compressed jsonl is supported (.jsonl.gz, .jsonl.zst)')
+    if name.endswith(JSONL_SUFFIXES):
+        return 'jsonl'
+    if name.endswith(TEXT_SUFFIXES):
+        return 'txt'
+    if name.endswith(PARQUET_SUFFIXES):
+        return 'parquet'
+    raise ValueError(f'{path}: unsupported input type (expected .jsonl[.gz|.zst], .txt, .parquet '
+                     f'or a dataset saved to disk)')
+
+
+def _is_hf_dataset(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, 'state.json')) or os.path.isfile(
+        os.path.join(path, 'dataset_dict.json'))
+
+
+def _supported(path: str) -> bool:
+    try:
+        input_format(path)
+        return True
+    except ValueError:
+        return False
+
+
+def _expand_dir(directory: str) -> list[str]:
+    """Inputs inside a directory: itself if it is a saved dataset, else supported files, sorted."""
+    if os.path.isfile(os.path.join(directory, 'dataset_dict.json')):
+        with open(os.path.join(directory, 'dataset_dict.json'), encoding='utf-8') as f:
+            splits = json.load(f).get('splits', [])
+        return [os.path.join(directory, s) for s in splits]
+    if _is_hf_dataset(directory):
+        return [directory]
+    found: list[str] = []
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
+        hf = [d for d in dirs if _is_hf_dataset(os.path.join(root, d))]
+        found.extend(p for d in hf for p in _expand_dir(os.path.join(root, d)))
+        dirs[:] = [d for d in dirs if d not in hf and not d.startswith('.')]
+        found.extend(os.path.join(root, f) for f in sorted(files)
+                     if not f.startswith('.') and _supported(os.path.join(root, f)))
+    return found
+
+
+def discover_inputs(specs: Sequence[str]) -> list[str]:
+    """Resolve files, globs and directories to an ordered, duplicate-free list of inputs.
+
+    Order is the order of ``specs``; a glob or directory contributes its matches sorted
+    by path, so the output of a conversion does not depend on file-system order.
+    """
+    if not specs:
+        raise ValueError('no inputs given')
+    resolved: list[str] = []
+    for spec in specs:
+        if glob.has_magic(spec):
+            matches = sorted(glob.glob(spec, recursive=True))
+            if not matches:
+                raise InputNotFoundError(f'{spec}: no file matches this pattern')
+            paths = [p for m in matches for p in (_expand_dir(m) if os.path.isdir(m) else [m])
+                     if os.path.isdir(p) or _supported(p)]
+        elif os.path.isdir(spec):
+            paths = _expand_dir(spec)
+        elif os.path.exists(spec):
+            input_format(spec)  # raises for an unsupported file named explicitly
+            paths = [spec]
+        else:
+            raise InputNotFoundError(f'{spec}: no such file or directory')
+        if not paths:
+            raise ValueError(f'{spec}: no supported input files found (.jsonl[.gz|.zst], .txt, '
+                             f'.parquet, datasets saved to disk)')
+        resolved.extend(os.path.abspath(p) for p in paths)
+    return list(dict.fromkeys(resolved))
+
+
+def plan_chunks(inputs: Sequence[str], chunk_bytes: int) -> Iterator[Chunk]:
+    """Lazily cut ``inputs`` into chunks of about ``chunk_bytes``, in input order."""
+    txt_group: list[str] = []
+    for path in inputs:
+        fmt = input_format(path)
+        if fmt != 'txt' and txt_group:
+            yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
+            txt_group = []
+        if fmt == 'jsonl':
+            yield from _jsonl_ranges(path, chunk_bytes)
+        elif fmt == 'jsonl_stream':
+            yield from _stream_blocks(path, chunk_bytes)
+        elif fmt == 'txt':
+            txt_group.append(path)
+            if len(txt_group) == TXT_FILES_PER_CHUNK:
+                yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
+                txt_group = []
+        elif fmt == 'parquet':
+            import pyarrow.parquet as pq
+            meta = pq.ParquetFile(path).metadata
+            row = 0
+            for g in range(meta.num_row_groups):
+                yield Chunk('parquet', path, start=g, end=g + 1, first_line=row)
+                row += meta.row_group(g).num_rows
+        else:  # hf
+            n = len(_load_hf(path))
+            for start in range(0, n, HF_ROWS_PER_CHUNK):
+                yield Chunk('hf', path, start=start, end=min(n, start + HF_ROWS_PER_CHUNK),
+                            first_line=start)
+    if txt_group:
+        yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
+
+
+def _jsonl_ranges(path: str, chunk_bytes: int) -> Iterator[Chunk]:
+    size = os.path.getsize(path)
+    start = 0
+    with open(path, 'rb') as f:
+        while start < size:
+            f.seek(min(size, start + chunk_bytes))
+            f.readline()  # move to the end of the line the cut falls in
+            end = min(size, f.tell())
+            yield Chunk('jsonl', path, start=start, end=end)
+            start = end
+
+
+def _open_compressed(path: str) -> io.BufferedIOBase:
+    if path.lower().endswith('.gz'):
+        return gzip.open(path, 'rb')
+    import zstandard
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, 'rb'), closefd=True))
+
+
+def _stream_blocks(path: str, chunk_bytes: int) -> Iterator[Chunk]:
+    line = 1
+    with _open_compressed(path) as f:
+        while True:
+            lines = f.readlines(chunk_bytes)
+            if not lines:
+                return
+            yield Chunk('jsonl_stream', path, first_line=line, payload=b''.join(lines))
+            line += len(lines)
+
+
+def count_lines(data: bytes) -> int:
+    """Number of lines in a block (a last line without newline counts)."""
+    return data.count(b'\n') + (1 if data and not data.endswith(b'\n') else 0)
+
+
+def read_chunk_bytes(chunk: Chunk) -> bytes:
+    """The raw jsonl bytes of a chunk (a file range, or the payload of a compressed block)."""
+    if chunk.payload is not None:
+        return chunk.payload
+    with open(chunk.path, 'rb') as f:
+        f.seek(chunk.start)
+        return f.read(chunk.end - chunk.start)
+
+
+def read_records(chunk: Chunk, fields: Sequence[str]) -> tuple[int, list[tuple[str, Optional[int], Any]]]:
+    """Read a chunk: ``(n_lines, [(path, index, record), ...])``.
+
+    ``record`` is a dict or a :class:`BadRecord`; ``index`` is the offset of its line
+    (row) inside the chunk, ``None`` for txt files. ``n_lines`` counts the chunk's lines
+    (rows), blank ones included, so the caller can number the lines of later chunks.
+    Blank jsonl lines are not records. ``fields`` names the columns to load from
+    columnar inputs (others are not read).
+    """
+    if chunk.fmt in ('jsonl', 'jsonl_stream'):
+        data = read_chunk_bytes(chunk)
+        records = [(chunk.path, i, _parse_json_line(line))
+                   for i, line in enumerate(data.split(b'\n')) if line.strip()]
+        return count_lines(data), records
+    if chunk.fmt == 'txt':
+        return len(chunk.paths), [(path, None, _read_txt(path, fields[0])) for path in chunk.paths]
+    if chunk.fmt == 'parquet':
+        import pyarrow.parquet as pq
+        pf = pq.ParquetFile(chunk.path)
+        columns = [c for c in fields if c in pf.schema_arrow.names]
+        rows = pf.read_row_group(chunk.start, columns=columns).to_pylist()
+        return len(rows), [(chunk.path, i, rec) for i, rec in enumerate(rows)]
+    ds = _load_hf(chunk.path)  # hf
+    columns = [c for c in fields if c in ds.column_names]
+    part = ds.select_columns(columns)[chunk.start:chunk.end]
+    n = chunk.end - chunk.start
+    return n, [(chunk.path, i, {c: part[c][i] for c in columns}) for i in range(n)]
+
+
+def _read_txt(path: str, field: str) -> Any:
+    """A whole .txt file as one document, under the first requested field name."""
+    with open(path, 'rb') as f:
+        data = f.read()
+    try:
+        return {field: data.decode('utf-8')}
+    except UnicodeDecodeError as e:
+        return BadRecord('invalid_utf8', f'invalid UTF-8 at byte {e.start}')
+
+
+def _parse_json_line(line: bytes) -> Any:
+    try:
+        text = line.decode('utf-8')
+    except UnicodeDecodeError as e:
+        return BadRecord('invalid_utf8', f'invalid UTF-8 at byte {e.start} of the line')
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRecord('malformed_json', f'malformed JSON: {e.msg} (column {e.colno})')
+    if not isinstance(rec, dict):
+        return BadRecord('malformed_json', f'expected a JSON object, got {type(rec).__name__}')
+    return rec
+
+
+_HF_CACHE: dict[str, Any] = {}
+
+
+def _load_hf(path: str) -> Any:
+    """A dataset saved to disk, memory-mapped once per process."""
+    if path not in _HF_CACHE:
+        from datasets import load_from_disk
+        ds = load_from_disk(path)
+        if not hasattr(ds, 'column_names') or isinstance(ds.column_names, dict):
+            raise ValueError(f'{path}: expected a single dataset split, got a DatasetDict')
+        _HF_CACHE[path] = ds
+    return _HF_CACHE[path]
+
+
+def location(path: str, line: Optional[int], fmt: str) -> str:
+    """``file:line`` for jsonl, ``file:row N`` for columnar inputs, ``file`` for txt."""
+    if line is None:
+        return path
+    return f'{path}:{line}' if fmt.startswith('jsonl') else f'{path}:row {line}'
+
+
+def type_name(value: Any) -> str:
+    return 'null' if value is None else type(value).__name__
+
+
+def get_string(rec: dict, field: str) -> str | BadRecord:
+    """``rec[field]`` if it is a string, else the reason it is not."""
+    if field not in rec:
+        return BadRecord('missing_field', f"field '{field}': missing")
+    value = rec[field]
+    if not isinstance(value, str):
+        return BadRecord('not_string', f"field '{field}': expected a string, got {type_name(value)}")
+    return value

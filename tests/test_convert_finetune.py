@@ -1,0 +1,144 @@
+"""convert finetune on the real Dolly/HH sample: loss masks cover exactly the responses."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from convert_helpers import ids, read_jsonl, read_rows, spans, write_jsonl
+from foundrymix.convert.finetune import FinetuneOptions, Packer, convert_finetune
+from foundrymix.tokenizer import load_tokenizer, tokenizer_info
+
+L = 512
+
+
+def expected_examples(tokenizer, records):
+    """Reference ``(ids, loss_start)`` per record: [BOS] prompt response EOS, loss from response."""
+    info = tokenizer_info(load_tokenizer(tokenizer))
+    out = []
+    for r in records:
+        head = ([info.bos_id] if info.add_bos else []) + ids(tokenizer, r['prompt'])
+        out.append((head + ids(tokenizer, r['response']) + [info.eos_id], len(head)))
+    return out
+
+
+def segments(rows):
+    for row in rows:
+        start = 0
+        for n in row['doc_lens'].tolist():
+            yield row, start, n
+            start += n
+
+
+def test_loss_masks_cover_exactly_the_responses(any_tokenizer, dolly_jsonl, tmp_path):
+    records = read_jsonl(dolly_jsonl)
+    tok = load_tokenizer(any_tokenizer)
+    m = convert_finetune([str(dolly_jsonl)], str(tmp_path / 'out'),
+                         FinetuneOptions(tokenizer=any_tokenizer, max_seq_len=L, workers=1))
+    rows = read_rows(tmp_path / 'out')
+    expected = expected_examples(any_tokenizer, records)
+    by_ids = defaultdict(list)
+    for i, (ex, loss_start) in enumerate(expected):
+        by_ids[tuple(ex)].append((i, loss_start))
+    seen, loss_tokens = [], 0
+    for row, start, n in segments(rows):
+        seg = row['input_ids'][start:start + n].tolist()
+        i, loss_start = by_ids[tuple(seg)].pop(0)  # every segment is one whole example
+        seen.append(i)
+        row_spans = [(s - start, e - start) for s, e in spans(row) if start <= s < start + n]
+        assert row_spans == [(loss_start, n)]
+        assert tok.decode(seg[loss_start:]) == records[i]['response'] + tok.eos_token
+        loss_tokens += n - loss_start
+    too_long = [i for i, (ex, _) in enumerate(expected) if len(ex) > L]
+    assert sorted(seen) == sorted(set(range(len(records))) - set(too_long))
+    c = m.counts
+    assert m.dropped == {'too_long': len(too_long)} and len(too_long) > 0
+    assert c.documents_read == 1000 and c.documents_written == len(seen)
+    assert c.loss_tokens == loss_tokens and c.rows == len(rows)
+    assert c.rows * L == c.tokens + c.pad_tokens
+    assert sum(int(r['doc_lens'].sum()) for r in rows) == c.tokens
+    pad_id = tokenizer_info(tok).pad_id
+    assert all((r['input_ids'][r['doc_lens'].sum():] == pad_id).all() for r in rows)
+    # first-fit packing leaves under 5% of the row space as padding
+    assert c.pad_tokens < 0.05 * c.rows * L
+
+
+def test_packer_first_fit_with_window():
+    p = Packer(10, window=2)
+    ex = lambda n: (np.arange(n), np.zeros(0, np.int32))  # noqa: E731
+    out = []
+    for n in (6, 5, 4, 3, 7, 2, 1):
+        out += [[len(e[0]) for e in r] for r in p.add(*ex(n))]
+    out += [[len(e[0]) for e in r] for r in p.flush()]
+    # 6; 5 opens a row; 4 fills (6,4) -> written; 3 joins (5); 7 opens a row; 2 joins
+    # (5,3) -> full, written; 1 joins (7); flush writes (7,1)
+    assert out == [[6, 4], [5, 3, 2], [7, 1]]
+
+
+def test_window_overflow_writes_oldest_row():
+    p = Packer(10, window=1)
+    ex = lambda n: (np.arange(n), np.zeros(0, np.int32))  # noqa: E731
+    assert p.add(*ex(6)) == []
+    closed = p.add(*ex(7))  # opens a second row: window of 1 exceeded, the oldest goes
+    assert [len(e[0]) for e in closed[0]] == [6]
+    closed = p.add(*ex(4))  # fits nowhere (7+4 > 10): a new row, the row of 7 is written
+    assert [len(e[0]) for e in closed[0]] == [7]
+    assert [[len(e[0]) for e in r] for r in p.flush()] == [[4]]
+
+
+def test_no_pack_truncate_and_loss_on_prompt(dolly_jsonl, tmp_path):
+    records = read_jsonl(dolly_jsonl, 200)
+    src = write_jsonl(tmp_path / 'in.jsonl', records)
+    L2 = 128
+    m = convert_finetune([str(src)], str(tmp_path / 'out'),
+                         FinetuneOptions(max_seq_len=L2, workers=1, pack=False, too_long='truncate',
+                                         loss_on_prompt=True))
+    exp = expected_examples('foundrymix-bpe-8k', records)
+    rows = read_rows(tmp_path / 'out')
+    assert len(rows) == m.counts.rows == 200  # one example per row, none dropped
+    assert m.dropped == {'truncated_tokens': sum(max(0, len(e) - L2) for e, _ in exp)}
+    for row, (ex, _) in zip(rows, exp):
+        n = min(len(ex), L2)
+        assert row['doc_lens'].tolist() == [n]
+        assert row['input_ids'][:n].tolist() == ex[:n]
+        assert spans(row) == [(1, n)]  # the first token is never a target
+
+
+def test_workers_give_identical_rows(dolly_jsonl, tmp_path):
+    rows = []
+    for w in (1, 2):
+        convert_finetune([str(dolly_jsonl)], str(tmp_path / f'w{w}'),
+                         FinetuneOptions(max_seq_len=256, workers=w, chunk_bytes=32 << 10))
+        rows.append(read_rows(tmp_path / f'w{w}'))
+    assert len(rows[0]) == len(rows[1]) > 0
+    for a, b in zip(*rows):
+        assert all(np.array_equal(a[k], b[k]) for k in ('input_ids', 'loss_spans', 'doc_lens'))
+
+
+CHATS = [
+    {'messages': [{'role': 'system', 'content': 'Be brief.'},
+                  {'role': 'user', 'content': 'What is 2+2?'},
+                  {'role': 'assistant', 'content': 'Four.'},
+                  {'role': 'user', 'content': 'And 3+3?'},
+                  {'role': 'assistant', 'content': 'Six.'}]},
+    {'prompt': 'Say hi.', 'completion': 'Hi!'},
+]
+
+
+@pytest.mark.parametrize('chat_loss', ['all', 'last'])
+def test_chat_template_turns(any_tokenizer, tmp_path, chat_loss):
+    src = write_jsonl(tmp_path / 'chat.jsonl', CHATS)
+    tok = load_tokenizer(any_tokenizer)
+    convert_finetune([str(src)], str(tmp_path / 'out'),
+                     FinetuneOptions(tokenizer=any_tokenizer, max_seq_len=256, workers=1, chat_loss=chat_loss,
+                                     pack=False))
+    chat_row, pr_row = read_rows(tmp_path / 'out')
+    trained = [tok.decode(chat_row['input_ids'][s:e].tolist()) for s, e in spans(chat_row)]
+    if tok.chat_template:  # bundled: ChatML; the turn's end marker is trained, not the header
+        turns = ['Four.<|im_end|>\n', 'Six.<|im_end|>\n<|endoftext|>']
+    else:  # plain template "role: content\n"
+        turns = ['Four.\n', 'Six.\n' + tok.eos_token]
+    assert trained == (turns if chat_loss == 'all' else turns[1:])
+    assert [tok.decode(pr_row['input_ids'][s:e].tolist()) for s, e in spans(pr_row)] == ['Hi!' + tok.eos_token]

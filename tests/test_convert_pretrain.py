@@ -1,0 +1,166 @@
+"""convert pretrain on the real arXiv sample: rows reproduce the tokenized corpus exactly."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zstandard
+from streaming import StreamingDataset
+
+from convert_helpers import ids, read_jsonl, read_rows, write_jsonl
+from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+from foundrymix.schema import Manifest
+from foundrymix.tokenizer import load_tokenizer, tokenizer_info
+
+L = 256
+
+
+def reference_stream(tokenizer: str, texts: list[str], bos: bool, eos: bool) -> tuple[list[int], list[int]]:
+    """All documents as ``[BOS] ids [EOS]`` back to back, and each document's length."""
+    info = tokenizer_info(load_tokenizer(tokenizer))
+    stream, lens = [], []
+    for text in texts:
+        doc = ([info.bos_id] if bos else []) + ids(tokenizer, text) + ([info.eos_id] if eos else [])
+        stream += doc
+        lens.append(len(doc))
+    return stream, lens
+
+
+def expected_pieces(lens: list[int], n_rows: int) -> list[list[int]]:
+    """Document pieces per row, computed the slow obvious way."""
+    owner = np.repeat(np.arange(len(lens)), lens)[:n_rows * L].reshape(n_rows, L)
+    return [np.unique(r, return_counts=True)[1].tolist() for r in owner]
+
+
+def test_rows_reproduce_tokenized_corpus(any_tokenizer, arxiv_jsonl, tmp_path):
+    texts = [r['text'] for r in read_jsonl(arxiv_jsonl)]
+    tok = load_tokenizer(any_tokenizer)
+    add_bos = tokenizer_info(tok).add_bos
+    assert add_bos == (any_tokenizer != 'foundrymix-bpe-8k')
+    m = convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'out'),
+                         PretrainOptions(tokenizer=any_tokenizer, max_seq_len=L, workers=1))
+    stream, lens = reference_stream(any_tokenizer, texts, bos=add_bos, eos=True)
+    rows = read_rows(tmp_path / 'out')
+    c = m.counts
+    assert len(rows) == c.rows and c.rows * L + c.tail_tokens == len(stream)
+    assert c.tail_tokens < L and c.tokens == c.loss_tokens == c.rows * L and c.pad_tokens == 0
+    got = np.concatenate([r['input_ids'] for r in rows])
+    assert got.dtype == np.uint16
+    assert got.tolist() == stream[:c.rows * L]
+    assert all(r['loss_spans'].tolist() == [0, L] for r in rows)
+    assert [r['doc_lens'].tolist() for r in rows] == expected_pieces(lens, c.rows)
+    assert c.documents_read == c.documents_written == 20
+    # decoding the first document's tokens gives its text back
+    start = 1 if add_bos else 0
+    assert tok.decode(got[start:lens[0] - 1].tolist()) == texts[0]
+    assert m.options['separators']['bos'] == add_bos and m.options['separators']['eos']
+    assert Manifest.read(str(tmp_path / 'out')) == m
+
+
+def test_workers_give_identical_rows(arxiv_jsonl, tmp_path):
+    outs = []
+    for w in (1, 2):
+        m = convert_pretrain([str(arxiv_jsonl)], str(tmp_path / f'w{w}'),
+                             PretrainOptions(max_seq_len=L, workers=w, chunk_bytes=64 << 10))
+        outs.append((m.counts, read_rows(tmp_path / f'w{w}')))
+    (c1, r1), (c2, r2) = outs
+    assert c1 == c2 and len(r1) == len(r2) == c1.rows
+    for a, b in zip(r1, r2):
+        for col in ('input_ids', 'loss_spans', 'doc_lens'):
+            assert np.array_equal(a[col], b[col])
+
+
+def test_manifest_counts_match_streaming_dataset(arxiv_jsonl, tmp_path):
+    out = tmp_path / 'out'
+    m = convert_pretrain([str(arxiv_jsonl)], str(out), PretrainOptions(max_seq_len=1024, workers=1))
+    ds = StreamingDataset(local=str(out), shuffle=False, batch_size=1)
+    assert len(ds) == m.counts.rows == 352
+    assert sum(int(ds[i]['doc_lens'].sum()) for i in range(len(ds))) == m.counts.tokens
+    assert sorted(os.listdir(out)) == ['foundrymix.json', 'index.json', 'shard.00000.mds']
+
+
+@pytest.mark.parametrize('bos,eos', [(False, True), (True, False)])
+def test_separator_overrides(spm_tokenizer, arxiv_jsonl, tmp_path, bos, eos):
+    texts = [r['text'] for r in read_jsonl(arxiv_jsonl, 3)]
+    src = write_jsonl(tmp_path / 'in.jsonl', [{'text': t} for t in texts])
+    m = convert_pretrain([str(src)], str(tmp_path / 'out'),
+                         PretrainOptions(tokenizer=spm_tokenizer, max_seq_len=L, workers=1, bos=bos, eos=eos))
+    stream, _ = reference_stream(spm_tokenizer, texts, bos=bos, eos=eos)
+    got = np.concatenate([r['input_ids'] for r in read_rows(tmp_path / 'out')])
+    assert got.tolist() == stream[:m.counts.rows * L]
+    assert m.counts.rows * L + m.counts.tail_tokens == len(stream)
+
+
+def test_no_separator_refused(arxiv_jsonl, tmp_path):
+    with pytest.raises(ValueError, match='at least one of BOS and EOS'):
+        convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'o'), PretrainOptions(bos=False, eos=False))
+
+
+def _write_formats(tmp_path, texts) -> dict[str, list[str]]:
+    """The same documents as gz, zst, txt files, parquet and a saved HF dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+    payload = ''.join(f'{{"text": {__import__("json").dumps(t)}}}\n' for t in texts).encode()
+    (tmp_path / 'a.jsonl.gz').write_bytes(gzip.compress(payload))
+    (tmp_path / 'a.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(payload))
+    txt = tmp_path / 'txt'
+    txt.mkdir()
+    for i, t in enumerate(texts):
+        (txt / f'doc{i:02d}.txt').write_text(t, encoding='utf-8')
+    pq.write_table(pa.table({'text': texts}), tmp_path / 'a.parquet', row_group_size=2)
+    Dataset.from_dict({'text': texts}).save_to_disk(str(tmp_path / 'hf'))
+    return {'gz': [str(tmp_path / 'a.jsonl.gz')], 'zst': [str(tmp_path / 'a.jsonl.zst')],
+            'txt': [str(txt)], 'parquet': [str(tmp_path / 'a.parquet')],
+            'hf': [str(tmp_path / 'hf')], 'glob': [str(txt / 'doc0*.txt')]}
+
+
+def test_all_input_formats_give_the_same_rows(arxiv_jsonl, tmp_path):
+    texts = [r['text'] for r in read_jsonl(arxiv_jsonl, 5)]
+    stream, _ = reference_stream('foundrymix-bpe-8k', texts, bos=False, eos=True)
+    for fmt, inputs in _write_formats(tmp_path, texts).items():
+        out = tmp_path / f'out-{fmt}'
+        m = convert_pretrain(inputs, str(out), PretrainOptions(max_seq_len=L, workers=1, chunk_bytes=4096))
+        got = np.concatenate([r['input_ids'] for r in read_rows(out)])
+        assert got.tolist() == stream[:m.counts.rows * L], fmt
+        assert m.counts.documents_read == 5 and len(m.counts.__dict__) == 7, fmt
+
+
+def test_sigkill_mid_conversion_leaves_nothing_complete(arxiv_jsonl, tmp_path):
+    big = tmp_path / 'big.jsonl'
+    with open(big, 'wb') as f:
+        for _ in range(15):
+            f.write(arxiv_jsonl.read_bytes())
+    out = tmp_path / 'out'
+    cmd = [sys.executable, '-m', 'foundrymix.cli', 'convert', 'pretrain', str(big), '-o', str(out),
+           '--max-seq-len', '256', '--workers', '1', '--size-limit', '64kb', '--no-progress']
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        partial = None
+        while time.time() < deadline and partial is None:
+            for name in os.listdir(tmp_path):
+                p = tmp_path / name
+                if name.startswith('.out.partial-') and any(x.endswith('.mds') for x in os.listdir(p)):
+                    partial = p
+            time.sleep(0.05)
+        assert partial is not None, 'conversion never started writing shards'
+        assert proc.poll() is None, proc.stderr.read().decode()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not out.exists()
+    assert not (partial / 'index.json').exists() and not (partial / 'foundrymix.json').exists()
+    # the next run cleans the leftover and completes
+    small = write_jsonl(tmp_path / 'small.jsonl', read_jsonl(arxiv_jsonl, 2))
+    convert_pretrain([str(small)], str(out), PretrainOptions(max_seq_len=L, workers=1))
+    assert not partial.exists() and (out / 'index.json').exists()
+    shutil.rmtree(out)
