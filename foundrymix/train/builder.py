@@ -156,7 +156,7 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
         model=model,
         train_dataloader=train_loader,
         eval_dataloader=eval_dataloader,
-        eval_interval=cfg.eval_interval,
+        eval_interval=cfg.eval_interval if eval_dataloader is not None else 1,
         eval_subset_num_batches=cfg.eval_subset_num_batches,
         max_duration=cfg.max_duration,
         optimizers=_optimizer(cfg, model),
