@@ -170,6 +170,11 @@ def encode_row(input_ids: np.ndarray, loss_spans: list[tuple[int, int]] | np.nda
     }
 
 
+#: decoded keys, in the order of the rows of the per-sample block
+DECODED_KEYS = ('input_ids', 'labels', 'attention_mask', 'sequence_id', 'position_ids')
+_ARANGE = np.arange(1 << 16, dtype=np.int64)
+
+
 def decode_row(row: dict[str, Any]) -> dict[str, np.ndarray]:
     """Turn a stored MDS row into model inputs (all ``int64`` arrays of ``max_seq_len``).
 
@@ -177,28 +182,29 @@ def decode_row(row: dict[str, Any]) -> dict[str, np.ndarray]:
     (0 on padding), ``sequence_id`` (segment index per token, ``-1`` on padding) and
     ``position_ids`` (restarting at 0 in every segment, 0 on padding), so attention and
     positions can stay inside one document or packed example.
+
+    It runs once per sample in the DataLoader workers, so it is written for speed: one
+    ``(5, L)`` allocation and a slice write per segment and span (rows hold few), which
+    costs several times less than whole-row ``repeat``/``cumsum`` arithmetic.
     """
-    input_ids = np.asarray(row['input_ids']).astype(np.int64)
-    seq_len = input_ids.shape[0]
-    spans = np.asarray(row['loss_spans'], dtype=np.int64).reshape(-1, 2)
-    doc_lens = np.asarray(row['doc_lens'], dtype=np.int64)
-
-    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
-    for start, end in spans:
+    ids = np.asarray(row['input_ids'])
+    seq_len = ids.shape[0]
+    block = np.empty((5, seq_len), dtype=np.int64)
+    input_ids, labels, attention_mask, sequence_id, position_ids = block
+    input_ids[:] = ids
+    labels.fill(IGNORE_INDEX)
+    spans = np.asarray(row['loss_spans']).reshape(-1).tolist()
+    for i in range(0, len(spans) - 1, 2):
+        start, end = spans[i], spans[i + 1]
         labels[start:end] = input_ids[start:end]
-
-    n_real = int(doc_lens.sum())
-    attention_mask = np.zeros(seq_len, dtype=np.int64)
-    attention_mask[:n_real] = 1
-    sequence_id = np.full(seq_len, -1, dtype=np.int64)
-    sequence_id[:n_real] = np.repeat(np.arange(len(doc_lens), dtype=np.int64), doc_lens)
-    starts = np.concatenate(([0], np.cumsum(doc_lens)[:-1])) if len(doc_lens) else np.zeros(0, np.int64)
-    position_ids = np.zeros(seq_len, dtype=np.int64)
-    position_ids[:n_real] = np.arange(n_real, dtype=np.int64) - np.repeat(starts, doc_lens)
-    return {
-        'input_ids': input_ids,
-        'labels': labels,
-        'attention_mask': attention_mask,
-        'sequence_id': sequence_id,
-        'position_ids': position_ids,
-    }
+    start = 0
+    for seg, length in enumerate(np.asarray(row['doc_lens']).reshape(-1).tolist()):
+        end = start + length
+        sequence_id[start:end] = seg
+        position_ids[start:end] = _ARANGE[:length] if length <= _ARANGE.shape[0] else np.arange(length)
+        start = end
+    attention_mask[:start] = 1
+    attention_mask[start:] = 0
+    sequence_id[start:] = -1
+    position_ids[start:] = 0
+    return dict(zip(DECODED_KEYS, block))
