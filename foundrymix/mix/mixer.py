@@ -23,6 +23,22 @@ from foundrymix.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, Tokenizer
 
 INDEX_NAME = 'index.json'
 
+
+def _is_not_found(error: BaseException) -> bool:
+    """True if a streaming downloader error means "no such object" (or no access to it).
+
+    Backends differ: S3 raises botocore's ``ClientError`` with code 403/404/NoSuchKey
+    (also for a missing bucket), GCS/OCI/Azure and local copies raise ``FileNotFoundError``.
+    """
+    if isinstance(error, FileNotFoundError):
+        return True
+    response = getattr(error, 'response', None)
+    if isinstance(response, dict):
+        code = str(response.get('Error', {}).get('Code', ''))
+        return code in ('403', '404', 'NoSuchKey', 'NoSuchBucket', 'AccessDenied')
+    return False
+
+
 if TYPE_CHECKING:  # torch/streaming are imported lazily
     from foundrymix.mix.dataset import MixedDataset
     from foundrymix.mix.plan import Plan
@@ -63,7 +79,15 @@ class StreamMixer:
         try:
             CloudDownloader.direct_download(remote_path, local_path, self.config.download_timeout)
         except Exception as e:  # downloader errors vary by backend
-            raise ConfigError(f'{self.where}.streams.{name}: cannot download {remote_path}: '
+            where = f'{self.where}.streams.{name}'
+            if _is_not_found(e):
+                what = 'foundrymix manifest' if basename == MANIFEST_NAME else basename
+                raise ConfigError(
+                    f'{where}: no {what} at {remote_path} (not found or access denied). Check '
+                    f'that remote {remote_dir!r} (bucket and path) is right and holds a whole '
+                    f'directory made by `foundrymix convert` ({MANIFEST_NAME}, {INDEX_NAME} '
+                    f'and shards)') from e
+            raise ConfigError(f'{where}: cannot download {remote_path}: '
                               f'{type(e).__name__}: {e}') from e
         return local_path
 

@@ -85,6 +85,21 @@ def _out_dir(cfg: TrainConfig) -> str:
     return os.path.join('runs', cfg.run_name, 'report')
 
 
+def _share_cpu_threads(device: str) -> None:
+    """Split the CPU cores over the ranks of this node, as ``torchrun`` does.
+
+    Why: Composer's launcher leaves ``OMP_NUM_THREADS`` unset, so every CPU rank starts
+    one intra-op thread per core; with ``composer -n 2`` on 2 cores the ranks' threads
+    oversubscribe the cores and each collective waits on descheduled threads (a 2-rank
+    CPU run took ~1.7x as long). An explicit ``OMP_NUM_THREADS`` is respected.
+    """
+    local_ranks = dist.get_local_world_size()
+    if device != 'cpu' or local_ranks <= 1 or os.environ.get('OMP_NUM_THREADS'):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // local_ranks))
+
+
 def _check_load_path(cfg: TrainConfig) -> None:
     path = cfg.load_path
     if path and '://' not in path and not os.path.exists(path):
@@ -151,6 +166,7 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
             callbacks.append(LRMonitor())
 
     device = _device(cfg)
+    _share_cpu_threads(device)
     console = 'console' in cfg.loggers
     trainer = Trainer(
         model=model,

@@ -1,0 +1,260 @@
+"""Many ranks through Composer's launcher (``composer -n 2 train.py``, CPU, gloo).
+
+What streaming 0.13.0 guarantees across world sizes, and what is asserted here. For a
+fixed dataset, ``shuffle_seed``, ``num_canonical_nodes`` (NCN) and ``shuffle_block_size``
+(which defaults from NCN), epoch ``e`` has one global sample order ``G``: sampling
+(``resample_streams``: seed + epoch) and shuffling (``get_shuffle``: seed, epoch, NCN)
+never look at the world, and the partition (``get_partitions_orig``) lays the NCN
+canonical-node rows out column by column into ``G`` before it splits ``G`` over
+physical nodes and ranks. ``G`` holds each of the ``epoch_size`` ids once, plus, when NCN
+does not divide ``epoch_size``, a repeat of the last id of each short canonical row
+(``len(G) = NCN * ceil(epoch_size / NCN)``). On one node with ``R`` ranks, per-rank
+batch ``B`` (global batch ``R*B`` fixed), rank ``r``'s ``k``-th batch is
+
+    G[k*R*B + i*R + r]  for i in 0..B-1
+
+so global batch ``k`` (ranks concatenated in rank order, as ``sample_log`` writes it)
+is ``G[k*R*B : (k+1)*R*B]`` in the order ``i*R + r``: exactly the samples of the 1-rank
+run's batch ``k`` (that slice in order), permuted. This holds for every full global batch
+``k < len(G) // (R*B)``. At the epoch's tail each rank is padded to ``ceil(len(G) / R)``
+rows with *repeated* ids, so when ``len(G) % (R*B) > R*(B-1)`` an R-rank run trains one
+extra global batch per epoch (the rest of ``G`` plus repeats) that a 1-rank run drops
+(``test_partition_guarantee``). The data here has NCN 1 and ``epoch_size % 6 == 2``:
+no extra batch, the same number of batches per epoch on 1 and 2 ranks.
+Resumption: the checkpoint stores the *global* ``sample_in_epoch`` (plus NCN and seed)
+and the resumed partition drops exactly ``G[:sample_in_epoch]`` whatever the new world
+size, so a run resumed on 1 rank continues with ``G[sample_in_epoch:]`` in order.
+NCN must be fixed: left unset it defaults to the number of physical nodes (``py1e``), and
+a different NCN is a different ``G``. (Runs here use ``num_workers: 0``.)
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
+from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 128
+BATCH = 6          # global batch
+RANKS = 2
+EPOCH = 12         # batches per epoch of the data below (checked in the data fixture)
+N_BATCHES = 18     # the runs cross the epoch boundary
+STOP = 14          # the 2-rank run stops mid epoch 1; 1 rank resumes from there
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory, arxiv_jsonl, dolly_jsonl) -> dict[str, str]:
+    """Part of one arXiv paper (pretrain, 22 rows) and 150 Dolly examples (finetune, 41 rows)."""
+    root = tmp_path_factory.mktemp('dist-data')
+    with open(arxiv_jsonl, encoding='utf-8') as f:
+        paper = json.loads(f.readline())['text'][:12000]
+    (root / 'paper.jsonl').write_text(json.dumps({'text': paper}) + '\n', encoding='utf-8')
+    with open(dolly_jsonl, encoding='utf-8') as f:
+        dolly = [next(f) for _ in range(150)]
+    (root / 'dolly.jsonl').write_text(''.join(dolly), encoding='utf-8')
+    convert_pretrain([str(root / 'paper.jsonl')], str(root / 'arxiv'),
+                     PretrainOptions(max_seq_len=SEQ, workers=1, size_limit='4kb'))
+    convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
+                     FinetuneOptions(max_seq_len=SEQ, workers=1, size_limit='4kb'))
+    paths = {'arxiv': str(root / 'arxiv'), 'dolly': str(root / 'dolly')}
+    # Preconditions of the exact assertions below, on 1 and 2 ranks: EPOCH full global
+    # batches per epoch and no extra padded tail batch (epoch_size % 6 <= RANKS * (3 - 1)).
+    from foundrymix.mix.mixer import StreamMixer
+    mixer = StreamMixer.from_dict(yaml.safe_load(write_config(root, paths).read_text())['train_loader'])
+    for ranks in (1, RANKS):
+        plan = mixer.plan(BATCH // ranks, world_size=ranks)
+        assert plan.batches_per_epoch == EPOCH and plan.epoch_size % BATCH <= RANKS * (BATCH // RANKS - 1)
+    return paths
+
+
+def write_config(run: Path, data: dict[str, str], **top) -> Path:
+    cfg = {
+        'run_name': 'dist-test',
+        'seed': 5,
+        'max_seq_len': SEQ,
+        'model': {'type': 'llama', 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1,
+                  'num_attention_heads': 2, 'num_key_value_heads': 2, 'max_position_embeddings': SEQ},
+        'train_loader': {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1.5},
+                                     'dolly': {'local': data['dolly']}},
+                         'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0,
+                         'num_canonical_nodes': 1},
+        'global_train_batch_size': BATCH,
+        'max_duration': f'{N_BATCHES}ba',
+        'optimizer': {'lr': 0.01},
+        'save_folder': str(run / 'ckpt'),
+        'save_interval': '1000ba',
+        'loggers': {},
+        'callbacks': {'sample_log': {'path': str(run / 'samples.jsonl')},
+                      'stream_accounting': {'out_dir': str(run / 'report'), 'log_interval': '1ba',
+                                            'plot': False}},
+    }
+    cfg.update(top)
+    path = run / 'c.yaml'
+    path.write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], cwd: Path) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300)
+    if proc.returncode != 0:
+        ranks = ''.join(f'\n--- {p.name}\n{p.read_text()[-3000:]}' for p in sorted(cwd.glob('rank*.err')))
+        raise AssertionError(f'{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n'
+                             f'{proc.stderr[-5000:]}{ranks}')
+
+
+def train_1rank(config: Path, *overrides: str) -> None:
+    run([sys.executable, str(ROOT / 'train.py'), str(config), *overrides], config.parent)
+
+
+def train_nranks(config: Path, *overrides: str, n: int = RANKS) -> None:
+    """Composer's launcher (the venv's ``composer`` script), n CPU ranks on a free port."""
+    launcher = Path(sys.executable).parent / 'composer'
+    cmd = [str(launcher)] if launcher.exists() else [sys.executable, '-m', 'composer.cli.launcher']
+    d = config.parent
+    run(cmd + ['-n', str(n), '--master_addr', '127.0.0.1', '--master_port', str(free_port()),
+               '--stdout', str(d / 'rank{rank}.out'), '--stderr', str(d / 'rank{rank}.err'),
+               str(ROOT / 'train.py'), str(config), *overrides], d)
+
+
+def sample_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def report(run_dir: Path) -> dict:
+    return json.loads((run_dir / 'report' / 'stream_accounting.json').read_text())
+
+
+def checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location='cpu', weights_only=False)
+
+
+def as_ranks(global_batch: list, ranks: int) -> list:
+    """A 1-rank global batch ``G[kRB:(k+1)RB]`` as R ranks hold it, concatenated in rank order."""
+    return [global_batch[i * ranks + r] for r in range(ranks) for i in range(len(global_batch) // ranks)]
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory, data) -> dict:
+    """Reference: N_BATCHES on one rank."""
+    d = tmp_path_factory.mktemp('one-rank')
+    train_1rank(write_config(d, data))
+    return {'log': sample_log(d / 'samples.jsonl'), 'report': report(d)}
+
+
+@pytest.fixture(scope='module')
+def two_ranks(tmp_path_factory, data) -> dict:
+    """2 ranks via the launcher, stopped at STOP (past the epoch boundary), checkpoint there."""
+    d = tmp_path_factory.mktemp('two-ranks')
+    cfg = write_config(d, data, save_interval=f'{STOP}ba')
+    train_nranks(cfg, f'callbacks.stop_at.time={STOP}ba')
+    return {'dir': d, 'config': cfg, 'log': sample_log(d / 'samples.jsonl'), 'report': report(d),
+            'ckpt': d / 'ckpt' / f'ep1-ba{STOP}-rank0.pt'}
+
+
+@pytest.mark.filterwarnings('ignore:Attempting to partition')  # resuming near an epoch's end
+def test_partition_guarantee():
+    """The relation stated in the module docstring, on streaming's own partition function."""
+    from streaming.base.partition.orig import get_partitions_orig as parts
+
+    def rank_batches(n, ncn, ranks, b, drop=0):  # -> (ranks, batches, b), workers_per_rank=1
+        return parts(n, ncn, 1, ranks, 1, b, drop)[0, :, 0]
+
+    for n in range(40, 90):
+        for ncn in (1, 2, 4):
+            g = rank_batches(n, ncn, 1, 1).reshape(-1)  # G: the 1-rank order
+            # G holds every id once, plus (when NCN does not divide n) a repeat of the last id
+            # of each short canonical-node row: len(G) = NCN * ceil(n / NCN).
+            assert len(g) == ncn * -(-n // ncn) and set(g.tolist()) == set(range(n))
+            for ranks, b in ((2, 3), (4, 1), (4, 2)):
+                full, extra = len(g) // (ranks * b), len(g) % (ranks * b) > ranks * (b - 1)
+                got = rank_batches(n, ncn, ranks, b)
+                real = got[:, (got != -1).all(axis=(0, 2))]  # batches no rank pads with -1
+                assert real.shape[1] == full + extra
+                for k in range(full):
+                    assert real[:, k].reshape(-1).tolist() == as_ranks(
+                        g[k * ranks * b:(k + 1) * ranks * b].tolist(), ranks)
+                if extra:  # the tail: the rest of G plus repeats of ids already in the epoch
+                    tail = Counter(real[:, full].reshape(-1).tolist())
+                    rest = Counter(g[full * ranks * b:].tolist())
+                    assert rest < tail and set(tail) <= set(g.tolist())
+                # elastic resume: dropping d global samples continues with G[d:]
+                for d in range(0, len(g) - ranks * b, ranks * b):
+                    resumed = rank_batches(n, ncn, ranks, b, d)
+                    assert resumed[:, 0].reshape(-1).tolist() == as_ranks(g[d:d + ranks * b].tolist(), ranks)
+        assert not np.array_equal(rank_batches(n, 1, 1, 1), rank_batches(n, 2, 1, 1))  # NCN matters
+
+
+def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
+    log1, log2 = straight['log'], two_ranks['log']
+    assert [b['batch'] for b in log2] == list(range(STOP))
+    assert [b['epoch'] for b in log2] == [b['epoch'] for b in log1[:STOP]]
+    assert [b['epoch'] for b in log1].index(1) == EPOCH  # the 2-rank run crossed an epoch boundary
+    for b1, b2 in zip(log1, log2):
+        assert b2['sample_ids'] == as_ranks(b1['sample_ids'], RANKS), b1['batch']
+        assert b2['stream_ids'] == as_ranks(b1['stream_ids'], RANKS), b1['batch']
+        assert sorted(b2['sample_ids']) == sorted(b1['sample_ids'])
+    assert any(b2['sample_ids'] != b1['sample_ids'] for b1, b2 in zip(log1, log2))  # ranks did split
+    state = checkpoint(two_ranks['ckpt'])
+    assert len(state['rng']) == RANKS  # one RNG state per rank: the run really had 2 ranks
+    ts = state['state']['timestamp']['Timestamp']
+    assert (ts['batch'], ts['epoch'], ts['sample'], ts['sample_in_epoch']) == (
+        STOP, 1, STOP * BATCH, (STOP - EPOCH) * BATCH)
+    assert state['state']['dataset_state']['train'] == {
+        'epoch': 1, 'sample_in_epoch': (STOP - EPOCH) * BATCH, 'num_canonical_nodes': 1, 'shuffle_seed': 3,
+        'initial_physical_nodes': 1}
+
+
+def test_two_rank_accounting_equals_one_rank(straight, two_ranks):
+    """Counters are all-reduced over ranks: every logged point equals the 1-rank run's."""
+    hist1 = [p for p in straight['report']['history'] if p['batch'] <= STOP]
+    assert two_ranks['report']['history'] == hist1
+    assert two_ranks['report']['batch'] == STOP
+    at_stop = hist1[-1]
+    assert at_stop['batch'] == STOP
+    for i, name in enumerate(('arxiv', 'dolly')):
+        got = two_ranks['report']['streams'][name]
+        assert (got['samples'], got['tokens'], got['loss_tokens']) == (
+            at_stop['samples'][i], at_stop['tokens'][i], at_stop['loss_tokens'][i])
+    assert two_ranks['report']['total']['samples'] == STOP * BATCH
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(straight, two_ranks, tmp_path):
+    """Elastic: stopped on 2 ranks, resumed on 1; the remaining global samples exactly."""
+    import shutil
+    d = tmp_path / 'resumed'
+    shutil.copytree(two_ranks['dir'], d)  # the 2-rank run's log, report and checkpoints
+    cfg = write_config(d, _data_of(two_ranks['config']), save_interval=f'{STOP}ba')
+    train_1rank(cfg, f'load_path={d / "ckpt" / two_ranks["ckpt"].name}')
+    log1, log = straight['log'], sample_log(d / 'samples.jsonl')
+    assert [b['batch'] for b in log] == list(range(N_BATCHES))
+    assert log[:STOP] == two_ranks['log']                 # kept as the 2-rank run wrote it
+    assert log[STOP:] == log1[STOP:]                      # then G[sample_in_epoch:] in order
+    for b, b1 in zip(log, log1):                          # per global batch: the same samples
+        assert sorted(b['sample_ids']) == sorted(b1['sample_ids'])
+        assert b['epoch'] == b1['epoch']
+    rep = report(d)
+    assert rep['streams'] == straight['report']['streams']
+    assert rep['history'] == straight['report']['history']
+
+
+def _data_of(config: Path) -> dict[str, str]:
+    streams = yaml.safe_load(config.read_text())['train_loader']['streams']
+    return {name: s['local'] for name, s in streams.items()}
