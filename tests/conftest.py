@@ -50,3 +50,34 @@ def any_tokenizer(request) -> str:
 @pytest.fixture(scope='session')
 def spm_tokenizer() -> str:
     return spm_tokenizer_path()
+
+
+#: rows of the small real streams below (tokens per row)
+SMALL_SEQ = 128
+
+
+@pytest.fixture(scope='session')
+def small_streams(tmp_path_factory) -> dict[str, Path]:
+    """Small real streams shared by the training, S3 and distributed tests.
+
+    The first 12,000 characters of one arXiv paper (pretrain, 22 rows of 128) and the
+    first 150 Dolly examples (finetune, packed), converted by the real converters into
+    several small shards each. Read-only for the tests.
+    """
+    import json
+
+    from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
+    from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+
+    root = tmp_path_factory.mktemp('small-streams')
+    with open(SAMPLES / 'arxiv_sample.jsonl', encoding='utf-8') as f:
+        paper = json.loads(f.readline())['text'][:12000]
+    (root / 'paper.jsonl').write_text(json.dumps({'text': paper}) + '\n', encoding='utf-8')
+    with open(SAMPLES / 'dolly_hhrlhf_sample.jsonl', encoding='utf-8') as f:
+        dolly = [next(f) for _ in range(150)]
+    (root / 'dolly.jsonl').write_text(''.join(dolly), encoding='utf-8')
+    convert_pretrain([str(root / 'paper.jsonl')], str(root / 'arxiv'),
+                     PretrainOptions(max_seq_len=SMALL_SEQ, workers=1, size_limit='4kb'))
+    convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
+                     FinetuneOptions(max_seq_len=SMALL_SEQ, workers=1, size_limit='4kb'))
+    return {'arxiv': root / 'arxiv', 'dolly': root / 'dolly'}

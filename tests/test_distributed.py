@@ -42,11 +42,9 @@ import pytest
 import torch
 import yaml
 
-from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
-from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 
 ROOT = Path(__file__).resolve().parent.parent
-SEQ = 128
+from conftest import SMALL_SEQ as SEQ
 BATCH = 6          # global batch
 RANKS = 2
 EPOCH = 12         # batches per epoch of the data below (checked in the data fixture)
@@ -55,20 +53,10 @@ STOP = 14          # the 2-rank run stops mid epoch 1; 1 rank resumes from there
 
 
 @pytest.fixture(scope='module')
-def data(tmp_path_factory, arxiv_jsonl, dolly_jsonl) -> dict[str, str]:
+def data(small_streams, tmp_path_factory) -> dict[str, str]:
     """Part of one arXiv paper (pretrain, 22 rows) and 150 Dolly examples (finetune, 41 rows)."""
-    root = tmp_path_factory.mktemp('dist-data')
-    with open(arxiv_jsonl, encoding='utf-8') as f:
-        paper = json.loads(f.readline())['text'][:12000]
-    (root / 'paper.jsonl').write_text(json.dumps({'text': paper}) + '\n', encoding='utf-8')
-    with open(dolly_jsonl, encoding='utf-8') as f:
-        dolly = [next(f) for _ in range(150)]
-    (root / 'dolly.jsonl').write_text(''.join(dolly), encoding='utf-8')
-    convert_pretrain([str(root / 'paper.jsonl')], str(root / 'arxiv'),
-                     PretrainOptions(max_seq_len=SEQ, workers=1, size_limit='4kb'))
-    convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
-                     FinetuneOptions(max_seq_len=SEQ, workers=1, size_limit='4kb'))
-    paths = {'arxiv': str(root / 'arxiv'), 'dolly': str(root / 'dolly')}
+    root = tmp_path_factory.mktemp('dist-config')
+    paths = {name: str(path) for name, path in small_streams.items()}
     # Preconditions of the exact assertions below, on 1 and 2 ranks: EPOCH full global
     # batches per epoch and no extra padded tail batch (epoch_size % 6 <= RANKS * (3 - 1)).
     from foundrymix.mix.mixer import StreamMixer

@@ -23,14 +23,12 @@ import pytest
 import torch
 import yaml
 
-from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
-from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.mix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = 'fmx-test'
-SEQ = 128
+from conftest import SMALL_SEQ as SEQ
 BATCH = 6
 METADATA = {'foundrymix.json', 'index.json'}
 
@@ -69,20 +67,9 @@ def s3():
 
 
 @pytest.fixture(scope='module')
-def data(tmp_path_factory, arxiv_jsonl, dolly_jsonl) -> dict[str, Path]:
+def data(small_streams) -> dict[str, Path]:
     """Part of one arXiv paper (pretrain) and 150 Dolly examples (finetune), several shards each."""
-    root = tmp_path_factory.mktemp('s3-data')
-    with open(arxiv_jsonl, encoding='utf-8') as f:
-        paper = json.loads(f.readline())['text'][:12000]
-    (root / 'paper.jsonl').write_text(json.dumps({'text': paper}) + '\n', encoding='utf-8')
-    with open(dolly_jsonl, encoding='utf-8') as f:
-        dolly = [next(f) for _ in range(150)]
-    (root / 'dolly.jsonl').write_text(''.join(dolly), encoding='utf-8')
-    convert_pretrain([str(root / 'paper.jsonl')], str(root / 'arxiv'),
-                     PretrainOptions(max_seq_len=SEQ, workers=1, size_limit='4kb'))
-    convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
-                     FinetuneOptions(max_seq_len=SEQ, workers=1, size_limit='4kb'))
-    return {'arxiv': root / 'arxiv', 'dolly': root / 'dolly'}
+    return small_streams
 
 
 def shard_files(stream_dir: Path) -> set[str]:

@@ -20,30 +20,17 @@ import pytest
 import torch
 import yaml
 
-from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
-from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 
 ROOT = Path(__file__).resolve().parent.parent
-SEQ = 128
+from conftest import SMALL_SEQ as SEQ
+
 BATCH = 6
 N_BATCHES = 40
 
 
 @pytest.fixture(scope='module')
-def data(tmp_path_factory, arxiv_jsonl, dolly_jsonl) -> dict[str, str]:
-    """Small real streams: part of one arXiv paper (pretrain) and 150 Dolly examples (finetune)."""
-    root = tmp_path_factory.mktemp('train-data')
-    with open(arxiv_jsonl, encoding='utf-8') as f:
-        paper = json.loads(f.readline())['text'][:12000]
-    (root / 'paper.jsonl').write_text(json.dumps({'text': paper}) + '\n', encoding='utf-8')
-    with open(dolly_jsonl, encoding='utf-8') as f:
-        dolly = [next(f) for _ in range(150)]
-    (root / 'dolly.jsonl').write_text(''.join(dolly), encoding='utf-8')
-    convert_pretrain([str(root / 'paper.jsonl')], str(root / 'arxiv'),
-                     PretrainOptions(max_seq_len=SEQ, workers=1))
-    convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
-                     FinetuneOptions(max_seq_len=SEQ, workers=1))
-    return {'arxiv': str(root / 'arxiv'), 'dolly': str(root / 'dolly')}
+def data(small_streams) -> dict[str, str]:
+    return {name: str(path) for name, path in small_streams.items()}
 
 
 def write_config(path: Path, data: dict[str, str], **top) -> Path:

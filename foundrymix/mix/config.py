@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
 ALLOWED_BATCHING = ('random', 'stratified', 'per_stream', 'device_per_stream')
