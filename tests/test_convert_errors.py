@@ -46,12 +46,19 @@ def test_invalid_utf8(capsys, tmp_path):
     assert m.skipped == {'invalid_utf8': 1}
 
 
-def test_line_numbers_across_chunks(tmp_path):
+@pytest.mark.parametrize('parallel', ['threads', 'processes'])
+def test_line_numbers_across_chunks(tmp_path, parallel):
     src = tmp_path / 'data.jsonl'
-    src.write_text(GOOD * 500 + '{"text": null}\n', encoding='utf-8')
+    src.write_text(GOOD * 500 + '{"text": null}\n' + GOOD * 500, encoding='utf-8')
     with pytest.raises(ValueError, match=rf"{src}:501: field 'text': expected a string, got null"):
         convert_pretrain([str(src)], str(tmp_path / 'o'), PretrainOptions(max_seq_len=64, workers=2,
-                                                                            chunk_bytes=1000))
+                                                                            chunk_bytes=1000,
+                                                                            parallel=parallel))
+    assert not (tmp_path / 'o').exists()
+    m = convert_pretrain([str(src)], str(tmp_path / 'o'),
+                         PretrainOptions(max_seq_len=64, workers=2, chunk_bytes=1000, parallel=parallel,
+                                         on_error='skip'))
+    assert m.skipped == {'not_string': 1} and m.counts.documents_read == 1001
 
 
 def test_finetune_bad_fields(capsys, tmp_path):

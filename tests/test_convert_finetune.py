@@ -108,13 +108,17 @@ def test_no_pack_truncate_and_loss_on_prompt(dolly_jsonl, tmp_path):
 
 def test_workers_give_identical_rows(dolly_jsonl, tmp_path):
     rows = []
-    for w in (1, 2):
-        convert_finetune([str(dolly_jsonl)], str(tmp_path / f'w{w}'),
-                         FinetuneOptions(max_seq_len=256, workers=w, chunk_bytes=32 << 10))
-        rows.append(read_rows(tmp_path / f'w{w}'))
-    assert len(rows[0]) == len(rows[1]) > 0
-    for a, b in zip(*rows):
-        assert all(np.array_equal(a[k], b[k]) for k in ('input_ids', 'loss_spans', 'doc_lens'))
+    for w, mode in ((1, None), (2, 'threads'), (2, 'processes')):
+        out = tmp_path / f'w{w}-{mode}'
+        convert_finetune([str(dolly_jsonl)], str(out),
+                         FinetuneOptions(max_seq_len=256, workers=w, parallel=mode, chunk_bytes=32 << 10))
+        rows.append((read_rows(out), (out / 'index.json').read_bytes()))
+    (r1, index1), *others = rows
+    assert len(r1) > 0
+    for r2, index2 in others:
+        assert len(r1) == len(r2) and index1 == index2
+        for a, b in zip(r1, r2):
+            assert all(np.array_equal(a[k], b[k]) for k in ('input_ids', 'loss_spans', 'doc_lens'))
 
 
 CHATS = [

@@ -65,17 +65,45 @@ def test_rows_reproduce_tokenized_corpus(any_tokenizer, arxiv_jsonl, tmp_path):
     assert Manifest.read(str(tmp_path / 'out')) == m
 
 
+#: (workers, parallel): in the calling thread, tokenizer threads, worker processes
+PARALLEL_SETUPS = [(1, None), (2, 'threads'), (3, 'threads'), (2, 'processes')]
+
+
 def test_workers_give_identical_rows(arxiv_jsonl, tmp_path):
     outs = []
-    for w in (1, 2):
-        m = convert_pretrain([str(arxiv_jsonl)], str(tmp_path / f'w{w}'),
-                             PretrainOptions(max_seq_len=L, workers=w, chunk_bytes=64 << 10))
-        outs.append((m.counts, read_rows(tmp_path / f'w{w}')))
-    (c1, r1), (c2, r2) = outs
-    assert c1 == c2 and len(r1) == len(r2) == c1.rows
-    for a, b in zip(r1, r2):
-        for col in ('input_ids', 'loss_spans', 'doc_lens'):
-            assert np.array_equal(a[col], b[col])
+    for w, mode in PARALLEL_SETUPS:
+        out = tmp_path / f'w{w}-{mode}'
+        m = convert_pretrain([str(arxiv_jsonl)], str(out),
+                             PretrainOptions(max_seq_len=L, workers=w, parallel=mode, chunk_bytes=64 << 10))
+        outs.append((m, read_rows(out), (out / 'index.json').read_bytes(),
+                     (out / 'foundrymix.json').read_bytes()))
+    m1, r1, index1, manifest1 = outs[0]
+    assert 'parallel' not in m1.options and 'workers' not in m1.options
+    for m2, r2, index2, manifest2 in outs[1:]:
+        assert m1.counts == m2.counts and len(r1) == len(r2) == m1.counts.rows
+        # shards (their hashes are in the index) and manifest are byte-identical
+        assert index1 == index2 and manifest1 == manifest2
+        for a, b in zip(r1, r2):
+            for col in ('input_ids', 'loss_spans', 'doc_lens'):
+                assert np.array_equal(a[col], b[col])
+
+
+def test_threads_restore_tokenizers_parallelism(arxiv_jsonl, tmp_path, monkeypatch):
+    """Workers encode single-threaded during the run; the setting comes back after."""
+    for value, workers in (('true', 2), (None, 2), ('true', 1)):
+        if value is None:
+            monkeypatch.delenv('TOKENIZERS_PARALLELISM', raising=False)
+        else:
+            monkeypatch.setenv('TOKENIZERS_PARALLELISM', value)
+        convert_pretrain([str(arxiv_jsonl)], str(tmp_path / f'o-{value}-{workers}'),
+                         PretrainOptions(max_seq_len=L, workers=workers, parallel='threads'))
+        assert os.environ.get('TOKENIZERS_PARALLELISM') == value
+
+
+def test_unknown_parallel_mode(arxiv_jsonl, tmp_path):
+    with pytest.raises(ValueError, match='--parallel must be one of threads, processes'):
+        convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'o'), PretrainOptions(parallel='fibers'))
+    assert not (tmp_path / 'o').exists()
 
 
 def test_manifest_counts_match_streaming_dataset(arxiv_jsonl, tmp_path):
@@ -164,3 +192,33 @@ def test_sigkill_mid_conversion_leaves_nothing_complete(arxiv_jsonl, tmp_path):
     convert_pretrain([str(small)], str(out), PretrainOptions(max_seq_len=L, workers=1))
     assert not partial.exists() and (out / 'index.json').exists()
     shutil.rmtree(out)
+
+
+def _tree_bytes(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize('tokenizer', ['foundrymix-bpe-8k', 'spm'])
+def test_cli_process_matches_in_process(arxiv_jsonl, tmp_path, tokenizer, spm_tokenizer):
+    """A standalone ``foundrymix convert`` loads transformers without torch and writes shards in
+    a background thread; the output must be byte for byte what an in-process call writes."""
+    tok = spm_tokenizer if tokenizer == 'spm' else tokenizer
+    src = write_jsonl(tmp_path / 'small.jsonl', read_jsonl(arxiv_jsonl, 6))
+    convert_pretrain([str(src)], str(tmp_path / 'lib'), PretrainOptions(tokenizer=tok, max_seq_len=L,
+                                                                        size_limit='64kb'))
+    env = {k: v for k, v in os.environ.items() if k not in ('USE_TORCH', 'USE_TF', 'USE_FLAX')}
+    cmd = [sys.executable, '-m', 'foundrymix.cli', 'convert', 'pretrain', str(src), '-o',
+           str(tmp_path / 'cli'), '--tokenizer', tok, '--max-seq-len', str(L), '--size-limit', '64kb',
+           '--no-progress']
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert 'PyTorch' not in proc.stderr  # transformers' "no torch" advisory is silenced
+    lib, cli = _tree_bytes(tmp_path / 'lib'), _tree_bytes(tmp_path / 'cli')
+    assert len(lib) > 3 and lib == cli
+
+
+def test_writer_thread_errors_reach_the_caller(arxiv_jsonl, tmp_path):
+    with pytest.raises(ValueError, match='Invalid compression'):
+        convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'o'), PretrainOptions(max_seq_len=L,
+                                                                                  compression='nope'))
+    assert os.listdir(tmp_path) == []  # neither the output nor a partial directory

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import sys
 from typing import Any
 
 from foundrymix.convert.common import ON_ERROR
 from foundrymix.convert.finetune import CHAT_LOSS, TOO_LONG, FinetuneOptions, convert_finetune
+from foundrymix.convert.pipeline import PARALLEL_MODES
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.tokenizer import DEMO_TOKENIZER
 
@@ -20,7 +24,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f'bundled name, local tokenizer dir, SentencePiece .model, or cached name '
                         f'(offline; default {DEMO_TOKENIZER})')
     p.add_argument('--max-seq-len', type=int, default=2048, help='tokens per row (default 2048)')
-    p.add_argument('--workers', type=int, default=0, help='worker processes (default 0 = all cores)')
+    p.add_argument('--workers', type=int, default=0,
+                   help='chunks tokenized at once, each on one core (default 0 = all cores); '
+                        'threads of this process or worker processes, see --parallel; the output '
+                        'is the same for any value')
+    p.add_argument('--parallel', choices=PARALLEL_MODES, default=None,
+                   help='how the workers run: threads of this process, each tokenizing on one '
+                        'core while the Rust tokenizer releases the GIL (default for pretrain), '
+                        'or forked processes (default for finetune, whose chat templates and '
+                        'example assembly are Python work)')
     p.add_argument('--overwrite', action='store_true', help='replace a non-empty output directory')
     p.add_argument('--on-error', choices=ON_ERROR, default='raise',
                    help='bad records: stop with an error naming file, line and field (raise), or '
@@ -39,14 +51,50 @@ def _options(cls: type, args: argparse.Namespace) -> Any:
     return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)})
 
 
-def _run_pretrain(args: argparse.Namespace) -> int:
-    convert_pretrain(args.inputs, args.out, _options(PretrainOptions, args))
+def _standalone() -> bool:
+    """Whether this process was started as ``foundrymix convert ...`` and has not imported
+    torch or transformers yet (not a test or notebook calling the CLI in-process)."""
+    return sys.argv[1:2] == ['convert'] and 'torch' not in sys.modules and 'transformers' not in sys.modules
+
+
+def _start_up_lean() -> None:
+    """Keep ``transformers`` from importing torch in a standalone ``foundrymix convert``.
+
+    Conversion needs transformers only for its tokenizers, but with torch installed
+    transformers imports it first (seconds on one core, before any work can start).
+    The shard writer still imports torch (``streaming`` needs it), but in a thread of
+    its own while the tokenizer threads are busy, so the import overlaps the work.
+    Not done in-process (tests, notebooks): later code may need transformers with
+    torch. Explicit settings of these variables win.
+    """
+    for var in ('USE_TORCH', 'USE_TF', 'USE_FLAX'):
+        os.environ.setdefault(var, '0')
+    # silence "None of PyTorch, TensorFlow >= 2.0, or Flax have been found"
+    os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
+
+
+def _exit_lean() -> None:
+    """Let interpreter shutdown skip garbage-collecting torch's object graph (about a
+    second); everything is written and closed by now. Standalone processes only."""
+    gc.freeze()
+
+
+def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
+    standalone = _standalone()
+    if standalone:
+        _start_up_lean()
+    convert(args.inputs, args.out, _options(options_cls, args))
+    if standalone:
+        _exit_lean()
     return 0
+
+
+def _run_pretrain(args: argparse.Namespace) -> int:
+    return _run(convert_pretrain, PretrainOptions, args)
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
-    convert_finetune(args.inputs, args.out, _options(FinetuneOptions, args))
-    return 0
+    return _run(convert_finetune, FinetuneOptions, args)
 
 
 def register(subparsers: Any) -> None:

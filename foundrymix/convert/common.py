@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from foundrymix.convert.pipeline import default_workers
+from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
 from foundrymix.convert.readers import discover_inputs
 from foundrymix.convert.writer import check_output_dir
 from foundrymix.schema import TokenizerInfo, token_dtype_for
@@ -25,8 +25,12 @@ class ConvertOptions:
 
     ``bos``/``eos``: whether each document (example) gets a BOS in front / an EOS at
     the end. ``bos=None`` follows the tokenizer (BOS iff it adds one by default).
-    ``workers=0`` means all cores. ``chunk_bytes`` is the share of input a worker reads
-    at a time (it does not change the output).
+    ``workers`` is how many chunks are encoded at once, each on one core: threads of
+    this process (``parallel='threads'``) or worker processes (``'processes'``);
+    ``None`` picks the converter's default (pretrain: threads, finetune: processes),
+    see :mod:`foundrymix.convert.pipeline`. ``0`` means all cores.
+    ``chunk_bytes`` is the share of input a worker reads at a time. None of these
+    three changes the output.
     """
 
     tokenizer: str = DEMO_TOKENIZER
@@ -39,12 +43,13 @@ class ConvertOptions:
     compression: Optional[str] = None
     size_limit: str = '64mb'
     chunk_bytes: int = 1 << 20
+    parallel: Optional[str] = None
     progress: bool = False
 
     def to_manifest(self) -> dict[str, Any]:
         """The options as recorded in the manifest (run-time knobs left out)."""
         d = asdict(self)
-        for knob in ('workers', 'overwrite', 'progress', 'chunk_bytes'):
+        for knob in ('workers', 'parallel', 'overwrite', 'progress', 'chunk_bytes'):
             d.pop(knob)
         return d
 
@@ -71,11 +76,15 @@ def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: i
         raise ValueError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
     if options.workers < 0:
         raise ValueError(f'--workers must be >= 0 (0 = all cores), got {options.workers}')
+    if options.parallel is not None and options.parallel not in PARALLEL_MODES:
+        raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, "
+                         f"got {options.parallel!r}")
     if options.chunk_bytes <= 0:
         raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
     resolved = discover_inputs(inputs)
     check_output_dir(os.path.abspath(out), options.overwrite)
-    tok = load_tokenizer(options.tokenizer)
+    with importing('transformers'):
+        tok = load_tokenizer(options.tokenizer)
     info = tokenizer_info(tok)
     use_bos = info.add_bos if options.bos is None else options.bos
     if use_bos and info.bos_id is None:

@@ -52,6 +52,10 @@ TOO_LONG = ('drop', 'truncate')
 CHAT_LOSS = ('all', 'last')
 #: used when the response field is missing (LLM-Foundry's name for the response)
 RESPONSE_ALIAS = 'completion'
+#: default ``parallel`` mode: rendering chat templates and assembling examples is Python
+#: work that holds the GIL, so processes beat threads here (see
+#: :mod:`foundrymix.convert.pipeline`)
+FINETUNE_PARALLEL = 'processes'
 
 
 @dataclass
@@ -308,7 +312,8 @@ def run_finetune(setup: Setup, out: str, options: FinetuneOptions, manifest: Man
 
     initargs = (options.tokenizer, options, setup.bos_id, setup.eos_id, setup.token_dtype)
     chunks = plan_chunks(setup.inputs, options.chunk_bytes)
-    with ordered_map(_encode_chunk, chunks, setup.workers, _init, initargs) as results, \
+    with ordered_map(_encode_chunk, chunks, setup.workers, _init, initargs,
+                     mode=options.parallel or FINETUNE_PARALLEL) as results, \
             ShardWriter(out, L, setup.token_dtype, overwrite=options.overwrite,
                         compression=options.compression, size_limit=options.size_limit) as writer:
         try:

@@ -10,9 +10,10 @@ lengths of the document pieces inside it (a document cut across rows gives a pie
 each row). The tokens after the last full row are not written; their number is
 ``counts.tail_tokens``.
 
-Workers tokenize whole chunks (see :mod:`foundrymix.convert.pipeline`); the main
-process receives one flat token array and the document lengths per chunk, cuts rows
-and writes them, so the rows are the same for any number of workers.
+Workers (threads or processes) read and tokenize whole chunks (see
+:mod:`foundrymix.convert.pipeline`); the calling thread receives one flat token array
+and the document lengths per chunk, in input order, cuts rows and writes them, so the
+rows are the same for any number and kind of workers.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _init(tokenizer: str, text_field: str, bos_id: Optional[int], eos_id: Option
 
 
 def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
-    """Read, check and tokenize one chunk (runs in a worker)."""
+    """Read, check and tokenize one chunk (runs in a worker thread or process)."""
     w = _worker
     n_lines, records = read_records(chunk, (w['field'],))
     errors = ChunkErrors()
@@ -72,7 +73,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
         if isinstance(text, BadRecord):
             errors.add(path, index, text.reason, text.detail)
             if w['on_error'] == 'raise':
-                break  # the main process stops at this error; no need to tokenize
+                break  # the conversion stops at this error; no need to tokenize
             continue
         texts.append(text)
     ids = encode_texts(w['tok'], texts)
@@ -177,7 +178,8 @@ def run_pretrain(setup: Setup, out: str, options: PretrainOptions, manifest: Man
                 setup.token_dtype, options.on_error)
     full_span = np.asarray([0, L], dtype=np.int32)
     chunks = plan_chunks(setup.inputs, options.chunk_bytes)
-    with ordered_map(_encode_chunk, chunks, setup.workers, _init, initargs) as results, \
+    with ordered_map(_encode_chunk, chunks, setup.workers, _init, initargs,
+                     mode=options.parallel or 'threads') as results, \
             ShardWriter(out, L, setup.token_dtype, overwrite=options.overwrite,
                         compression=options.compression, size_limit=options.size_limit) as writer:
         try:

@@ -1,11 +1,11 @@
 """Find input files and read them as records, in chunks that workers can process alone.
 
 Why chunks: conversion is bound by tokenization, so workers must read and parse their
-own share of the input instead of receiving text from the main process. A chunk is a
+own share of the input instead of receiving text from the thread that writes. A chunk is a
 small, picklable description of a share -- a byte range of a plain ``.jsonl`` file
 (cut at line ends), a row group of a parquet file, a row range of a Hugging Face
 dataset saved to disk, or a group of ``.txt`` files. Compressed ``.jsonl.gz`` /
-``.jsonl.zst`` files cannot be split by byte ranges, so the main process reads them
+``.jsonl.zst`` files cannot be split by byte ranges, so the calling thread reads them
 as a stream and hands out blocks of whole lines (the ``payload``). Chunks are produced
 lazily, in input order, so memory stays flat whatever the corpus size.
 
