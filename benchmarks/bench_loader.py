@@ -4,7 +4,14 @@ Both sides read the same shards (3 streams: two pretrain, one packed finetune) w
 same shuffle, batch size and a DataLoader with 2 workers, in the same run, alternating
 (raw, mixer, raw, mixer, ...) so machine noise hits both alike. The raw side does the
 minimum a trainer needs (stack ``input_ids``); the mixer side decodes every row
-(labels, attention mask, positions, sequence ids, stream id) and collates 7 tensors.
+(labels, attention mask, positions, sequence ids, stream id) into 7 int64 tensors.
+
+What the mixer side does (see ``foundrymix/mix/collate.py``): the workers yield stored
+rows, ``collate`` decodes a batch at a time into one buffer, and the batch crosses to
+the main process as its compact rows (~4 KB per row, through the worker's result pipe)
+and is decoded again there -- cheaper than shipping ~80 KB per row of int64 through a
+fresh shared-memory segment, whose pages are slow to fault in (VMs especially). The
+raw side ships its ``input_ids`` batch the way torch does (a shared-memory segment).
 
     .venv/bin/python benchmarks/bench_loader.py [--rows 3000] [--seq-len 2048] [--rounds 3]
 
@@ -25,7 +32,6 @@ import tempfile
 import time
 import warnings
 
-import numpy as np
 import torch
 from torch.utils.data import default_collate
 

@@ -183,28 +183,58 @@ def decode_row(row: dict[str, Any]) -> dict[str, np.ndarray]:
     ``position_ids`` (restarting at 0 in every segment, 0 on padding), so attention and
     positions can stay inside one document or packed example.
 
-    It runs once per sample in the DataLoader workers, so it is written for speed: one
-    ``(5, L)`` allocation and a slice write per segment and span (rows hold few), which
-    costs several times less than whole-row ``repeat``/``cumsum`` arithmetic.
+    The one-row case of :func:`decode_rows` (one code path, so both agree bitwise).
     """
     ids = np.asarray(row['input_ids'])
-    seq_len = ids.shape[0]
-    block = np.empty((5, seq_len), dtype=np.int64)
-    input_ids, labels, attention_mask, sequence_id, position_ids = block
-    input_ids[:] = ids
+    spans = np.asarray(row['loss_spans']).reshape(-1)
+    doc_lens = np.asarray(row['doc_lens']).reshape(-1)
+    block = np.empty((5, 1, ids.shape[0]), dtype=np.int64)
+    decode_rows(ids[None], spans, [spans.size], doc_lens, [doc_lens.size], out=block)
+    return dict(zip(DECODED_KEYS, block[:, 0]))
+
+
+def decode_rows(input_ids: np.ndarray, loss_spans: Any, span_counts: Any, doc_lens: Any,
+                doc_counts: Any, out: np.ndarray) -> np.ndarray:
+    """:func:`decode_row` for a batch of rows, written into ``out`` (``int64``, ``(5, n, L)``).
+
+    ``input_ids`` is the ``(n, L)`` stack of the rows' tokens; ``loss_spans`` and
+    ``doc_lens`` are the rows' arrays concatenated, ``span_counts``/``doc_counts`` how many
+    values of each belong to each row. ``out[k]`` holds key ``DECODED_KEYS[k]``.
+
+    It runs once per batch in the DataLoader workers (and once more where the batch is
+    unpickled), so it is written for speed: whole-batch copies and fills, then a slice
+    write per span and segment (rows hold few). We measured this at ~65 us for 8 x 2048
+    tokens against ~100 us for a fully vectorised version (``bincount``/``cumsum`` marks
+    for spans, ``repeat`` over document lengths and masked scatters), whose whole-batch
+    arithmetic costs more than a few dozen slice writes.
+    """
+    n = input_ids.shape[0]
+    ids_out, labels, attention_mask, sequence_id, position_ids = out
+    ids_out[...] = input_ids
     labels.fill(IGNORE_INDEX)
-    spans = np.asarray(row['loss_spans']).reshape(-1).tolist()
-    for i in range(0, len(spans) - 1, 2):
-        start, end = spans[i], spans[i + 1]
-        labels[start:end] = input_ids[start:end]
-    start = 0
-    for seg, length in enumerate(np.asarray(row['doc_lens']).reshape(-1).tolist()):
-        end = start + length
-        sequence_id[start:end] = seg
-        position_ids[start:end] = _ARANGE[:length] if length <= _ARANGE.shape[0] else np.arange(length)
-        start = end
-    attention_mask[:start] = 1
-    attention_mask[start:] = 0
-    sequence_id[start:] = -1
-    position_ids[start:] = 0
-    return dict(zip(DECODED_KEYS, block))
+    attention_mask.fill(0)
+    sequence_id.fill(-1)
+    position_ids.fill(0)
+    spans = np.asarray(loss_spans).reshape(-1).tolist()
+    lens = np.asarray(doc_lens).reshape(-1).tolist()
+    span_at = doc_at = 0
+    for i, n_spans, n_docs in zip(range(n), np.asarray(span_counts).tolist(),
+                                  np.asarray(doc_counts).tolist()):
+        tokens, row_labels = ids_out[i], labels[i]
+        row_spans = spans[span_at:span_at + n_spans]
+        span_at += n_spans
+        for j in range(0, n_spans - 1, 2):
+            start, end = row_spans[j], row_spans[j + 1]
+            row_labels[start:end] = tokens[start:end]
+        row_seq, row_pos = sequence_id[i], position_ids[i]
+        start = 0
+        for seg, length in enumerate(lens[doc_at:doc_at + n_docs]):
+            end = start + length
+            row_seq[start:end] = seg
+            row_pos[start:end] = _ARANGE[:length] if length <= _ARANGE.shape[0] else np.arange(length)
+            start = end
+        doc_at += n_docs
+        attention_mask[i, :start] = 1
+        row_seq[start:] = -1  # already so, unless a negative length moved ``start`` back
+        row_pos[start:] = 0
+    return out

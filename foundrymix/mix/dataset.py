@@ -24,11 +24,18 @@ next epoch's iteration begins the mark no longer names the current epoch and is 
 from __future__ import annotations
 
 import bisect
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from streaming import StreamingDataset
 
 from foundrymix.schema import decode_row
+
+
+class _RowIndex(int):
+    """A sample index that asks :meth:`MixedDataset.get_item` for the stored row, undecoded."""
+
+    __slots__ = ()
+
 
 class MixedDataset(StreamingDataset):
     """A ``StreamingDataset`` over foundrymix streams whose samples are model inputs.
@@ -36,6 +43,15 @@ class MixedDataset(StreamingDataset):
     Each sample is ``decode_row(row)`` (``input_ids``, ``labels``, ``attention_mask``,
     ``sequence_id``, ``position_ids``) plus ``stream_id`` (index into
     :attr:`stream_names`) and ``sample_id`` (the global sample index).
+
+    With :attr:`yield_rows` set (``StreamMixer.build_dataloader`` sets it), *iterating*
+    yields :meth:`get_row` samples instead -- the stored row, undecoded -- and
+    :func:`foundrymix.mix.collate.collate` decodes the whole batch at once, straight into
+    the batch buffer (a few numpy calls per batch instead of a few dozen per sample).
+    Indexing (``ds[i]``) always decodes. How: streaming's ``__iter__`` maps
+    ``__getitem__`` over the ids from ``_each_sample_id``; those ids come back marked, and
+    ``get_item`` skips decoding for marked ids. If a streaming version stops passing them
+    through, samples arrive decoded, which ``collate`` also accepts (only slower).
     """
 
     def __init__(self, *, stream_names: Sequence[str], **kwargs: Any) -> None:
@@ -46,17 +62,32 @@ class MixedDataset(StreamingDataset):
         # First global sample index of streams 1..n-1: bisect gives the stream of a sample.
         self._stream_starts = [int(x) for x in self.sample_offset_per_stream[1:]]
         self._completed_epoch: Optional[int] = None
+        self.yield_rows = False
 
     def stream_of(self, sample_id: int) -> int:
         """Index of the stream a global sample index belongs to."""
         return bisect.bisect_right(self._stream_starts, sample_id)
 
-    def get_item(self, idx: int, retry: int = 7) -> dict[str, Any]:
+    def get_row(self, idx: int, retry: int = 7) -> dict[str, Any]:
+        """The stored row (``input_ids``, ``loss_spans``, ``doc_lens``) plus ``stream_id``, ``sample_id``."""
         row = super().get_item(idx, retry)
+        idx = int(idx)
+        row['stream_id'] = bisect.bisect_right(self._stream_starts, idx)
+        row['sample_id'] = idx
+        return row
+
+    def get_item(self, idx: int, retry: int = 7) -> dict[str, Any]:
+        row = self.get_row(idx, retry)
+        if type(idx) is _RowIndex:
+            return row
         sample = decode_row(row)
-        sample['stream_id'] = self.stream_of(idx)
-        sample['sample_id'] = int(idx)
+        sample['stream_id'] = row['stream_id']
+        sample['sample_id'] = row['sample_id']
         return sample
+
+    def _each_sample_id(self, it: Any) -> Iterator[int]:
+        ids = super()._each_sample_id(it)
+        return map(_RowIndex, ids) if self.yield_rows else ids
 
     # ------------------------------------------------------------ resumption
     def _current_epoch(self) -> int:

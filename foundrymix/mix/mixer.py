@@ -221,12 +221,16 @@ class StreamMixer:
         ``StreamingDataLoader`` counts samples it yielded, so plain-PyTorch users get
         ``loader.state_dict()``/``load_state_dict()`` for resumption; Composer uses the
         dataset's ``state_dict`` directly.
+
+        Sets ``dataset.yield_rows``: iterating the dataset yields stored rows, which
+        ``collate`` decodes a batch at a time (indexing the dataset still decodes).
         """
         from streaming import StreamingDataLoader
 
         from foundrymix.mix.collate import collate
         c = self.config
         dataset = dataset if dataset is not None else self.build_dataset(batch_size)
+        dataset.yield_rows = True
         extra: dict[str, Any] = {}
         if c.num_workers > 0:
             extra['persistent_workers'] = c.persistent_workers
