@@ -1,0 +1,61 @@
+"""The model wrapper: document attention really keeps packed documents apart; loss uses labels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foundrymix.schema import TokenizerInfo, decode_row, encode_row
+from foundrymix.mix.collate import collate
+from foundrymix.train.model import CausalLM, ModelSpec, build_hf_model
+
+TOK = TokenizerInfo(name='t', vocab_size=64, fingerprint='f', bos_id=None, eos_id=0, pad_id=1, add_bos=False)
+SEQ = 16
+SMALL = {
+    'llama': {'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 2, 'num_attention_heads': 2,
+              'max_position_embeddings': SEQ},
+    'gpt2': {'n_embd': 32, 'n_layer': 2, 'n_head': 2, 'n_positions': SEQ},
+}
+
+
+def batch_of(first_doc: list[int]) -> dict[str, torch.Tensor]:
+    """One row: a 6-token document, then a 7-token document, then 3 padding tokens."""
+    ids = first_doc + [10, 11, 12, 13, 14, 15, 16] + [1, 1, 1]
+    row = encode_row(ids, [(0, 13)], [6, 7], 'uint16')
+    return dict(collate([{**decode_row(row), 'stream_id': 0, 'sample_id': 0}]))
+
+
+def model_for(kind: str, attention: str) -> CausalLM:
+    torch.manual_seed(0)
+    spec = ModelSpec.from_dict({'type': kind, 'attention': attention, **SMALL[kind]})
+    return CausalLM(build_hf_model(spec, TOK, SEQ), attention=spec.attention).eval()
+
+
+@pytest.mark.parametrize('kind', ['llama', 'gpt2'])
+def test_document_attention_isolates_packed_documents(kind):
+    model = model_for(kind, 'document')
+    with torch.no_grad():
+        a = model(batch_of([2, 3, 4, 5, 6, 0])).logits
+        b = model(batch_of([7, 8, 9, 20, 21, 0])).logits
+    assert not torch.allclose(a[0, :6], b[0, :6])           # the first document changed ...
+    torch.testing.assert_close(a[0, 6:13], b[0, 6:13], rtol=0, atol=1e-5)  # ... the second did not see it
+
+
+@pytest.mark.parametrize('kind', ['llama', 'gpt2'])
+def test_causal_attention_sees_across_documents(kind):
+    model = model_for(kind, 'causal')
+    with torch.no_grad():
+        a = model(batch_of([2, 3, 4, 5, 6, 0])).logits
+        b = model(batch_of([7, 8, 9, 20, 21, 0])).logits
+    assert not torch.allclose(a[0, 6:13], b[0, 6:13])
+
+
+def test_loss_is_mean_cross_entropy_over_labelled_positions():
+    model = model_for('llama', 'document')
+    batch = batch_of([2, 3, 4, 5, 6, 0])
+    out = model(batch)
+    logits, labels = out.logits[0, :-1], batch['labels'][0, 1:]
+    keep = labels != -100
+    expected = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    torch.testing.assert_close(model.loss(out, batch), expected)
+    assert int(keep.sum()) == 12  # 13 labelled tokens, the first has no predecessor
