@@ -140,3 +140,23 @@ def test_cli_missing_manifest(tmp_path, capsys):
     (tmp_path / 'dolly').mkdir()
     assert main(['plan', write_yaml(tmp_path, tmp_path)]) == 2
     assert 'train_loader.streams.arxiv: no foundrymix manifest' in capsys.readouterr().err
+
+
+def test_padded_rank_repeats_are_warned(tmp_path):
+    """65 rows on 2 ranks x 3: streaming pads a rank's share with a repeat that gets trained."""
+    import numpy as np
+    from streaming.base.partition import get_partitions
+
+    from mix_helpers import build_stream
+
+    build_stream(str(tmp_path / 'a'), 'pretrain', 65, 0)
+    mixer = StreamMixer.from_dict({'streams': {'a': {'local': str(tmp_path / 'a')}}, 'num_canonical_nodes': 1})
+    plan = mixer.plan(batch_size=3, max_duration='1ep', world_size=2)
+    # What streaming itself hands the 2 ranks (1 node, 1 worker each), in full batches of 3.
+    parts = get_partitions('orig', 65, 1, 1, 2, 1, 3)  # (nodes, ranks, workers, batches, batch)
+    ids = parts[parts >= 0]
+    assert len(ids) == 66 and len(set(ids.tolist())) == 65
+    assert (plan.epoch_size, plan.samples_per_epoch, plan.batches_per_epoch) == (65, 66, 11)
+    assert any('1 rows per epoch are trained twice' in w for w in plan.warnings)
+    one_rank = mixer.plan(batch_size=6, max_duration='1ep', world_size=1)
+    assert not any('trained twice' in w for w in one_rank.warnings)

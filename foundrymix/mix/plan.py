@@ -316,6 +316,13 @@ def build_plan(mixer: 'StreamMixer', batch_size: int, max_duration: Optional[Any
                + (' (drop_last)' if c.drop_last else ''))
         warnings.append(f'{epoch_size - samples_per_epoch:,} of {epoch_size:,} sampled rows per '
                         f'epoch are never trained: {why}')
+    elif samples_per_epoch > epoch_size:
+        # streaming pads every rank's share to the same length with repeated rows, and on
+        # some sizes those padded rows fill one more full batch on every rank.
+        warnings.append(f'{samples_per_epoch - epoch_size:,} rows per epoch are trained twice: '
+                        f'streaming pads the {world_size} ranks\' shares of {epoch_size:,} rows to '
+                        f'equal length with repeats, which fill one more global batch of {G}; '
+                        f'choose an epoch size or batch that divides evenly to avoid it')
 
     stream_plans = []
     for i, name in enumerate(names):
