@@ -81,3 +81,19 @@ def small_streams(tmp_path_factory) -> dict[str, Path]:
     convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
                      FinetuneOptions(max_seq_len=SMALL_SEQ, workers=1, size_limit='4kb'))
     return {'arxiv': root / 'arxiv', 'dolly': root / 'dolly'}
+
+
+def tiny_run_config(train_loader: dict, **top) -> dict:
+    """A training config for a tiny Llama on ``SMALL_SEQ`` rows; ``top`` overrides any key."""
+    cfg = {
+        'seed': 5,
+        'max_seq_len': SMALL_SEQ,
+        'model': {'type': 'llama', 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1,
+                  'num_attention_heads': 2, 'num_key_value_heads': 2, 'max_position_embeddings': SMALL_SEQ},
+        'train_loader': train_loader,
+        'optimizer': {'lr': 0.01},
+        'save_interval': '1000ba',
+        'loggers': {},
+    }
+    cfg.update(top)
+    return cfg

@@ -44,7 +44,7 @@ import yaml
 
 
 ROOT = Path(__file__).resolve().parent.parent
-from conftest import SMALL_SEQ as SEQ
+from conftest import tiny_run_config
 BATCH = 6          # global batch
 RANKS = 2
 EPOCH = 12         # batches per epoch of the data below (checked in the data fixture)
@@ -68,26 +68,12 @@ def data(small_streams, tmp_path_factory) -> dict[str, str]:
 
 
 def write_config(run: Path, data: dict[str, str], **top) -> Path:
-    cfg = {
-        'run_name': 'dist-test',
-        'seed': 5,
-        'max_seq_len': SEQ,
-        'model': {'type': 'llama', 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1,
-                  'num_attention_heads': 2, 'num_key_value_heads': 2, 'max_position_embeddings': SEQ},
-        'train_loader': {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1.5},
-                                     'dolly': {'local': data['dolly']}},
-                         'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0,
-                         'num_canonical_nodes': 1},
-        'global_train_batch_size': BATCH,
-        'max_duration': f'{N_BATCHES}ba',
-        'optimizer': {'lr': 0.01},
-        'save_folder': str(run / 'ckpt'),
-        'save_interval': '1000ba',
-        'loggers': {},
-        'callbacks': {'sample_log': {'path': str(run / 'samples.jsonl')},
-                      'stream_accounting': {'out_dir': str(run / 'report'), 'log_interval': '1ba',
-                                            'plot': False}},
-    }
+    loader = {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1.5}, 'dolly': {'local': data['dolly']}},
+              'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0, 'num_canonical_nodes': 1}
+    callbacks = {'sample_log': {'path': str(run / 'samples.jsonl')},
+                 'stream_accounting': {'out_dir': str(run / 'report'), 'log_interval': '1ba', 'plot': False}}
+    cfg = tiny_run_config(loader, run_name='dist-test', global_train_batch_size=BATCH,
+                          max_duration=f'{N_BATCHES}ba', save_folder=str(run / 'ckpt'), callbacks=callbacks)
     cfg.update(top)
     path = run / 'c.yaml'
     path.write_text(yaml.safe_dump(cfg), encoding='utf-8')

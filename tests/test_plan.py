@@ -144,7 +144,6 @@ def test_cli_missing_manifest(tmp_path, capsys):
 
 def test_padded_rank_repeats_are_warned(tmp_path):
     """65 rows on 2 ranks x 3: streaming pads a rank's share with a repeat that gets trained."""
-    import numpy as np
     from streaming.base.partition import get_partitions
 
     from mix_helpers import build_stream

@@ -28,7 +28,7 @@ from foundrymix.mix.mixer import StreamMixer
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = 'fmx-test'
-from conftest import SMALL_SEQ as SEQ
+from conftest import tiny_run_config
 BATCH = 6
 METADATA = {'foundrymix.json', 'index.json'}
 
@@ -208,22 +208,11 @@ def test_unreachable_endpoint_names_stream_and_path(tmp_path, bucket, monkeypatc
 def test_train_py_on_s3_streams(tmp_path, s3, bucket, data, local_epoch):
     """A real ``python train.py`` run on remote-only streams, endpoint passed through the env."""
     cache = tmp_path / 'cache'
-    cfg = {
-        'run_name': 's3-test',
-        'seed': 5,
-        'max_seq_len': SEQ,
-        'model': {'type': 'llama', 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1,
-                  'num_attention_heads': 2, 'num_key_value_heads': 2, 'max_position_embeddings': SEQ},
-        'train_loader': loader_cfg(bucket, 'remote', cache),
-        'global_train_batch_size': BATCH,
-        'max_duration': '5ba',
-        'optimizer': {'lr': 0.01},
-        'save_folder': str(tmp_path / 'ckpt'),
-        'save_interval': '5ba',
-        'loggers': {},
-        'callbacks': {'sample_log': {'path': str(tmp_path / 'samples.jsonl')},
-                      'stream_accounting': {'out_dir': str(tmp_path / 'report')}},
-    }
+    cfg = tiny_run_config(
+        loader_cfg(bucket, 'remote', cache), run_name='s3-test', global_train_batch_size=BATCH,
+        max_duration='5ba', save_folder=str(tmp_path / 'ckpt'), save_interval='5ba',
+        callbacks={'sample_log': {'path': str(tmp_path / 'samples.jsonl')},
+                   'stream_accounting': {'out_dir': str(tmp_path / 'report')}})
     (tmp_path / 'c.yaml').write_text(yaml.safe_dump(cfg), encoding='utf-8')
     env = {k: v for k, v in os.environ.items() if not k.startswith('AWS_') and k != 'S3_ENDPOINT_URL'}
     env.update(s3['env'])

@@ -23,6 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 from conftest import SMALL_SEQ as SEQ
+from conftest import tiny_run_config
 
 BATCH = 6
 N_BATCHES = 40
@@ -34,24 +35,12 @@ def data(small_streams) -> dict[str, str]:
 
 
 def write_config(path: Path, data: dict[str, str], **top) -> Path:
-    cfg = {
-        'run_name': 'resume-test',
-        'seed': 5,
-        'max_seq_len': SEQ,
-        'model': {'type': 'llama', 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1,
-                  'num_attention_heads': 2, 'num_key_value_heads': 2, 'max_position_embeddings': SEQ},
-        'train_loader': {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1.5},
-                                     'dolly': {'local': data['dolly']}},
-                         'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0},
-        'global_train_batch_size': BATCH,
-        'max_duration': f'{N_BATCHES}ba',
-        'optimizer': {'lr': 0.01},
-        'scheduler': {'name': 'cosine_with_warmup', 't_warmup': '3ba', 'alpha_f': 0.1},
-        'save_interval': '1000ba',
-        'log_interval': '5ba',
-        'loggers': {},
-    }
-    cfg.update(top)
+    loader = {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1.5}, 'dolly': {'local': data['dolly']}},
+              'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0}
+    defaults = {'run_name': 'resume-test', 'global_train_batch_size': BATCH, 'max_duration': f'{N_BATCHES}ba',
+                'scheduler': {'name': 'cosine_with_warmup', 't_warmup': '3ba', 'alpha_f': 0.1},
+                'log_interval': '5ba'}
+    cfg = tiny_run_config(loader, **{**defaults, **top})
     path.write_text(yaml.safe_dump(cfg), encoding='utf-8')
     return path
 
