@@ -12,52 +12,29 @@ import argparse
 import json
 from typing import Any, Optional, Sequence
 
-from foundrymix.mix.config import ConfigError
-
-
-def load_yaml(path: str, overrides: Sequence[str] = ()) -> Any:
-    """Load ``path`` with omegaconf, merge ``key=value`` overrides, resolve interpolations."""
-    import os
-
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f'{path}: no such config file')
-    try:
-        cfg = OmegaConf.load(path)
-        bad = [o for o in overrides if '=' not in o]
-        if bad:
-            raise ConfigError(f'override {bad[0]!r} is not key=value')
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f'{path}: {type(e).__name__}: {e}') from None
-    except Exception as e:  # yaml.YAMLError and friends
-        if type(e).__module__.startswith('yaml'):
-            raise ConfigError(f'{path}: not valid YAML: {e}') from None
-        raise
+from foundrymix.config import ConfigError, load_yaml
 
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
-                   max_duration: Optional[str] = None) -> Any:
-    """Build the :class:`~foundrymix.mix.plan.Plan` of a training YAML."""
-    from foundrymix.mix.mixer import StreamMixer
+                   max_duration: Optional[str] = None, nodes: int = 1) -> Any:
+    """Build the :class:`~foundrymix.mix.plan.Plan` of a training YAML.
 
-    cfg = load_yaml(path, overrides)
-    if not isinstance(cfg, dict) or 'train_loader' not in cfg:
-        raise ConfigError(f'{path}: no train_loader section')
-    gbs = cfg.get('global_train_batch_size')
-    if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs <= 0:
-        raise ConfigError(f'{path}: global_train_batch_size must be a positive integer, '
-                          f'got {gbs!r}')
+    The YAML is read by the same typed reader as ``train`` (:class:`PlanConfig`): a key
+    a run would refuse is refused here too, with the same message.
+    """
+    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.train.config import PlanConfig
+
+    data = load_yaml(path, overrides)
+    if max_duration is not None:
+        data['max_duration'] = max_duration
+    cfg = PlanConfig.from_dict(data)
+    gbs = cfg.global_train_batch_size
     if gbs % world_size:
         raise ConfigError(f'global_train_batch_size {gbs} is not divisible by world size '
                           f'{world_size}')
-    mixer = StreamMixer.from_dict(cfg['train_loader'], 'train_loader')
-    duration = max_duration if max_duration is not None else cfg.get('max_duration')
-    return mixer.plan(gbs // world_size, duration, world_size=world_size)
+    mixer = StreamMixer(cfg.train_loader, 'train_loader')
+    return mixer.plan(gbs // world_size, cfg.max_duration, world_size=world_size, nodes=nodes)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -65,11 +42,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
-        from rich.console import Console
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=160)
-        plan.render(console)
+        from foundrymix.mix.report import render_plan
+        render_plan(plan)
     return 0
 
 

@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
-from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
 
-ALLOWED_BATCHING = ('random', 'stratified', 'per_stream', 'device_per_stream')
-ALLOWED_SAMPLING = ('balanced', 'fixed')
-ALLOWED_SHUFFLE_ALGOS = ('py1e', 'py1br', 'py1b', 'py1s', 'py2s', 'naive')
-ALLOWED_PARTITION_ALGOS = ('orig', 'relaxed')
+from foundrymix.config import FROM_KEY, ConfigError, read_dataclass, to_plain
+
+__all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'CACHE_ROOT_ENV']
+
+BatchingMethod = Literal['random', 'stratified', 'per_stream', 'device_per_stream']
+SamplingMethod = Literal['balanced', 'fixed']
+ShuffleAlgo = Literal['py1e', 'py1br', 'py1b', 'py1s', 'py2s', 'naive']
+PartitionAlgo = Literal['orig', 'relaxed']
+HashAlgo = Literal['sha1', 'sha224', 'sha256', 'sha384', 'sha512', 'sha3_224', 'sha3_256',
+                   'sha3_384', 'sha3_512', 'md5', 'xxh32', 'xxh64', 'xxh128', 'xxh3_64',
+                   'xxh3_128']
 
 #: environment variable naming where remote-only streams are cached (default: a tempdir)
 CACHE_ROOT_ENV = 'FOUNDRYMIX_CACHE'
-
-
-class ConfigError(ValueError):
-    """The loader config cannot run; the message names the offending key and stream."""
+_SCHEME = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
 
 
 @dataclass
@@ -32,10 +37,12 @@ class StreamSpec:
     """One entry of ``train_loader.streams``: where a stream lives and how much of it to use.
 
     At most one of ``repeat`` (multiplier on the stream's rows), ``proportion`` (relative
-    share of the epoch) and ``choose`` (exact rows per epoch) may be given.
+    share of the epoch) and ``choose`` (exact rows per epoch) may be given. ``local`` is a
+    directory on this machine: a URL there is refused (streaming would read it as a
+    relative path named ``s3:``); URLs go in ``remote``.
     """
 
-    name: str
+    name: str = field(default='', metadata=FROM_KEY)
     local: Optional[str] = None
     remote: Optional[str] = None
     split: Optional[str] = None
@@ -50,6 +57,20 @@ class StreamSpec:
                 return key
         return None
 
+    def check(self, where: str) -> None:
+        if not self.local and not self.remote:
+            raise ConfigError(f'{where}: needs local and/or remote')
+        if self.local and _SCHEME.match(self.local):
+            raise ConfigError(f'{where}.local: {self.local!r} is a URL, not a local directory; put '
+                              f'it in remote: (and local: where to cache it, or leave local out)')
+        given = [k for k in ('repeat', 'proportion', 'choose') if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ConfigError(f'{where}: give at most one of repeat, proportion, choose '
+                              f'(got {", ".join(given)}); the others are derived')
+        for key in given:
+            if getattr(self, key) < 0:
+                raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')
+
 
 @dataclass
 class LoaderConfig:
@@ -63,24 +84,25 @@ class LoaderConfig:
     streams: dict[str, StreamSpec]
     shuffle: bool = True
     shuffle_seed: int = 9176
-    shuffle_algo: str = 'py1e'
+    shuffle_algo: ShuffleAlgo = 'py1e'
     shuffle_block_size: Optional[int] = None
-    batching_method: str = 'random'
+    batching_method: BatchingMethod = 'random'
     epoch_size: Optional[int] = None
     num_workers: int = 0
     num_canonical_nodes: Optional[int] = None
     predownload: Optional[int] = None
     cache_limit: Optional[Union[int, str]] = None
     download_timeout: float = 60
-    sampling_method: str = 'balanced'
+    sampling_method: SamplingMethod = 'balanced'
     prefetch_factor: Optional[int] = None
     persistent_workers: bool = False
     pin_memory: bool = False
     drop_last: bool = True
     download_retry: int = 2
     sampling_granularity: int = 1
-    partition_algo: str = 'relaxed'
-    validate_hash: Optional[str] = None
+    partition_algo: PartitionAlgo = 'relaxed'
+    #: check shard hashes recorded in index.json when streaming downloads a shard
+    validate_hash: Optional[HashAlgo] = None
     keep_zip: bool = False
     timeout: float = 0
     #: where remote-only streams are cached (default ``$FOUNDRYMIX_CACHE`` or a tempdir)
@@ -94,38 +116,17 @@ class LoaderConfig:
         Raises :class:`ConfigError` naming ``where.key`` for unknown keys, bad types and
         impossible weightings.
         """
-        d = _to_plain(d, where)
-        allowed = [f.name for f in fields(cls)]
-        _check_keys(d, allowed, where)
-        if 'streams' not in d:
+        data = to_plain(d, where)
+        if data.get('streams') is None:
             raise ConfigError(f'{where}: missing required key \'streams\' (a mapping of stream '
                               f'name to {{local, remote, split, repeat | proportion | choose}})')
-        raw_streams = d['streams']
-        if not isinstance(raw_streams, Mapping) or not raw_streams:
-            raise ConfigError(f'{where}.streams: must be a non-empty mapping of stream name to '
-                              f'stream settings, got {raw_streams!r}')
-        streams = {}
-        for name, spec in raw_streams.items():
-            streams[str(name)] = _parse_stream(str(name), spec, f'{where}.streams.{name}')
-        kwargs: dict[str, Any] = {'streams': streams}
-        types = {f.name: f.type for f in fields(cls)}
-        for key, value in d.items():
-            if key == 'streams':
-                continue
-            kwargs[key] = _coerce(value, types[key], f'{where}.{key}')
-        config = cls(**kwargs)
-        config.check(where)
-        return config
+        return read_dataclass(cls, data, where)
 
     def check(self, where: str = 'train_loader') -> None:
-        """Checks that need the whole config: enums, ranges, one kind of weight."""
-        for key, allowed in (('batching_method', ALLOWED_BATCHING),
-                             ('sampling_method', ALLOWED_SAMPLING),
-                             ('shuffle_algo', ALLOWED_SHUFFLE_ALGOS),
-                             ('partition_algo', ALLOWED_PARTITION_ALGOS)):
-            value = getattr(self, key)
-            if value not in allowed:
-                raise ConfigError(f'{where}.{key}: {value!r} is not one of {", ".join(allowed)}')
+        """Checks that need the whole config: ranges, one kind of weight."""
+        if not self.streams:
+            raise ConfigError(f'{where}.streams: must be a non-empty mapping of stream name to '
+                              f'stream settings, got {{}}')
         for key in ('shuffle_seed', 'num_workers', 'download_retry'):
             if getattr(self, key) < 0:
                 raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')
@@ -150,6 +151,14 @@ class LoaderConfig:
                 f'{", ".join(weighted_absolute)}): with absolute weights the epoch size is their '
                 f'sum. Use proportion on every stream to fix the epoch size.')
 
+    @property
+    def proportion_sum(self) -> Optional[float]:
+        """Sum of the streams' proportions (None unless weights are proportions)."""
+        values = [s.proportion for s in self.streams.values()]
+        if any(v is None for v in values):
+            return None
+        return float(sum(values))  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ paths
     def stream_local(self, name: str) -> str:
         """The local directory of stream ``name`` (without split), caching remote-only ones.
@@ -161,7 +170,7 @@ class LoaderConfig:
         spec = self.streams[name]
         if spec.local:
             return os.path.abspath(os.path.expanduser(spec.local))
-        assert spec.remote, 'checked in _parse_stream'
+        assert spec.remote, 'checked in StreamSpec.check'
         root = self.cache_root or os.environ.get(CACHE_ROOT_ENV) or os.path.join(
             tempfile.gettempdir(), 'foundrymix-cache')
         key = hashlib.blake2s(spec.remote.encode('utf-8'), digest_size=8).hexdigest()
@@ -178,85 +187,3 @@ class LoaderConfig:
         if not spec.remote:
             return None
         return os.path.join(spec.remote, spec.split) if spec.split else spec.remote
-
-
-STREAM_KEYS = [f.name for f in fields(StreamSpec) if f.name != 'name']
-
-
-def _to_plain(d: Any, where: str) -> dict[str, Any]:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        DictConfig = ()  # type: ignore
-    if DictConfig and isinstance(d, DictConfig):
-        d = OmegaConf.to_container(d, resolve=True)
-    if not isinstance(d, Mapping):
-        raise ConfigError(f'{where}: must be a mapping, got {type(d).__name__}')
-    return dict(d)
-
-
-def _check_keys(d: Mapping[str, Any], allowed: list[str], where: str) -> None:
-    for key in d:
-        if key not in allowed:
-            raise ConfigError(f'{where}: unknown key {key!r}; allowed: {", ".join(allowed)}')
-
-
-def _parse_stream(name: str, spec: Any, where: str) -> StreamSpec:
-    if spec is None:
-        spec = {}
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f'{where}: must be a mapping with keys {", ".join(STREAM_KEYS)}, '
-                          f'got {spec!r}')
-    _check_keys(spec, STREAM_KEYS, where)
-    types = {f.name: f.type for f in fields(StreamSpec)}
-    kwargs = {k: _coerce(v, types[k], f'{where}.{k}') for k, v in spec.items()}
-    out = StreamSpec(name=name, **kwargs)
-    if not out.local and not out.remote:
-        raise ConfigError(f'{where}: needs local and/or remote')
-    given = [k for k in ('repeat', 'proportion', 'choose') if getattr(out, k) is not None]
-    if len(given) > 1:
-        raise ConfigError(f'{where}: give at most one of repeat, proportion, choose '
-                          f'(got {", ".join(given)}); the others are derived')
-    for key in given:
-        if getattr(out, key) < 0:
-            raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(out, key)}')
-    return out
-
-
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Convert a YAML scalar to the field's type; a clear error when it cannot be."""
-    ann = str(annotation)
-    if value is None:
-        if 'Optional' in ann or 'None' in ann:
-            return None
-        raise ConfigError(f'{where}: must not be null')
-    try:
-        if ann.startswith('bool'):
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ('true', 'false'):
-                return value.lower() == 'true'
-            raise TypeError
-        if 'Union[int, str]' in ann:  # cache_limit: '10gb' or bytes
-            return value if isinstance(value, str) else int(value)
-        if ann in ('int', 'Optional[int]'):
-            if isinstance(value, bool):
-                raise TypeError
-            if isinstance(value, str):
-                from streaming.base.util import number_abbrev_to_int
-                return int(number_abbrev_to_int(value))
-            if isinstance(value, float) and not value.is_integer():
-                raise TypeError
-            return int(value)
-        if ann in ('float', 'Optional[float]'):
-            if isinstance(value, bool):
-                raise TypeError
-            return float(value)
-        if ann in ('str', 'Optional[str]'):
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise TypeError
-            return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f'{where}: expected {ann.replace("Optional[", "").rstrip("]")}, '
-                          f'got {value!r}') from None
-    return value

@@ -1,64 +1,76 @@
-"""The training YAML as typed objects: omegaconf for loading, dataclasses for meaning.
+"""The training YAML as typed objects, read by the one config layer (:mod:`foundrymix.config`).
 
 Why not hand the raw ``DictConfig`` around: an unknown or misspelt key must be an error
 that names it (LLM-Foundry filters keys by ``inspect.signature`` and silently drops
-typos). omegaconf does what it is good at -- YAML, ``${variables.x}`` interpolation and
-``key=value`` command-line overrides -- and :meth:`TrainConfig.from_dict` turns the
-resolved mapping into dataclasses, refusing anything it does not know.
+typos). omegaconf loads the YAML, resolves ``${variables.x}`` and applies ``key=value``
+overrides; :func:`foundrymix.config.read_dataclass` turns the result into these
+dataclasses, refusing anything it does not know. Imports neither torch nor composer.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
-from foundrymix.mix.config import ConfigError, LoaderConfig
-from foundrymix.train.model import ModelSpec
+from foundrymix.config import (ConfigError, check_duration, check_keys, load_yaml, read_dataclass,
+                               to_plain)
+from foundrymix.mix.config import LoaderConfig
 
-
-def _check_keys(d: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    for key in d:
-        if key not in allowed:
-            raise ConfigError(f'{where}: unknown key {key!r}; allowed: {", ".join(allowed)}')
+AttentionMode = Literal['document', 'causal']
 
 
-def _from_mapping(cls: type, d: Optional[Mapping[str, Any]], where: str) -> Any:
-    """Build a flat dataclass from a mapping, refusing unknown keys."""
-    d = dict(d or {})
-    names = [f.name for f in fields(cls)]
-    _check_keys(d, names, where)
-    return cls(**d)
+class ModelConfigError(ConfigError):
+    """The ``model`` section does not describe a causal LM that fits the data."""
+
+
+@dataclass
+class ModelSpec:
+    """The ``model`` section: a transformers ``model_type`` plus its config fields.
+
+    Read with :meth:`from_config`: ``type`` (or ``model_type``) and ``attention`` are
+    ours, every other key is handed to the transformers config of that type.
+    """
+
+    model_type: str
+    attention: AttentionMode
+    config_kwargs: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> 'ModelSpec':
+        return cls.from_config(d, 'model')
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'ModelSpec':
+        d = to_plain(value, where)
+        model_type = d.pop('type', None) or d.pop('model_type', None)
+        if not model_type:
+            raise ModelConfigError(f"{where}: needs 'type' (a transformers model_type such as "
+                                   f"llama or gpt2)")
+        attention = d.pop('attention', 'document')
+        if attention not in ('document', 'causal'):
+            raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
+        return cls(model_type=str(model_type), attention=attention, config_kwargs=d)
 
 
 @dataclass
 class OptimizerConfig:
     """Composer's ``DecoupledAdamW`` (``decoupled_adamw``) or torch's ``AdamW`` (``adamw``)."""
 
-    name: str = 'decoupled_adamw'
+    name: Literal['decoupled_adamw', 'adamw'] = 'decoupled_adamw'
     lr: float = 1.0e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1.0e-8
     weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.name not in ('decoupled_adamw', 'adamw'):
-            raise ConfigError(f'optimizer.name: {self.name!r}; allowed: decoupled_adamw, adamw')
-        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
 
 
 @dataclass
 class SchedulerConfig:
     """LR schedule: ``cosine_with_warmup``, ``linear_decay_with_warmup`` or ``constant_with_warmup``."""
 
-    name: str = 'cosine_with_warmup'
+    name: Literal['cosine_with_warmup', 'linear_decay_with_warmup',
+                  'constant_with_warmup'] = 'cosine_with_warmup'
     t_warmup: str = '0ba'
     alpha_f: float = 0.1
-
-    def __post_init__(self) -> None:
-        allowed = ('cosine_with_warmup', 'linear_decay_with_warmup', 'constant_with_warmup')
-        if self.name not in allowed:
-            raise ConfigError(f'scheduler.name: {self.name!r}; allowed: {", ".join(allowed)}')
 
 
 @dataclass
@@ -94,6 +106,36 @@ CALLBACKS: dict[str, type] = {
 LOGGERS = ('console', 'file')
 
 
+def _read_callbacks(value: Any, where: str) -> dict[str, Any]:
+    callbacks = to_plain(value, where)
+    check_keys(callbacks, list(CALLBACKS), where)
+    return {name: (dict(v or {}) if CALLBACKS[name] is dict
+                   else read_dataclass(CALLBACKS[name], v, f'{where}.{name}'))
+            for name, v in callbacks.items()}
+
+
+def _read_loggers(value: Any, where: str) -> dict[str, dict[str, Any]]:
+    loggers = to_plain(value, where)
+    check_keys(loggers, LOGGERS, where)
+    return {k: to_plain(v, f'{where}.{k}') for k, v in loggers.items()}
+
+
+class Callbacks(dict):
+    """``callbacks``: YAML name -> that callback's config (see :data:`CALLBACKS`)."""
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'Callbacks':
+        return cls(_read_callbacks(value, where))
+
+
+class Loggers(dict):
+    """``loggers``: ``console`` and/or ``file`` with their options."""
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'Loggers':
+        return cls(_read_loggers(value, where))
+
+
 @dataclass
 class TrainConfig:
     """A whole training YAML (``variables`` is resolved and dropped)."""
@@ -107,7 +149,7 @@ class TrainConfig:
     eval_loader: Optional[LoaderConfig] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device_train_microbatch_size: Any = None  # int or 'auto'; default: the device batch
+    device_train_microbatch_size: Optional[Union[int, Literal['auto']]] = None  # default: the device batch
     device_eval_batch_size: Optional[int] = None
     eval_interval: str = '1ep'
     eval_subset_num_batches: int = -1
@@ -123,66 +165,53 @@ class TrainConfig:
     device: str = 'auto'
     progress_bar: bool = False
     log_interval: str = '10ba'
-    loggers: dict[str, dict[str, Any]] = field(default_factory=lambda: {'console': {}})
-    callbacks: dict[str, Any] = field(default_factory=dict)
+    loggers: Loggers = field(default_factory=lambda: Loggers({'console': {}}))
+    callbacks: Callbacks = field(default_factory=Callbacks)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> 'TrainConfig':
         d = dict(d)
         d.pop('variables', None)
-        names = [f.name for f in fields(cls)] + ['variables']
-        _check_keys(d, names, 'config')
-        for required in ('max_seq_len', 'model', 'train_loader', 'global_train_batch_size', 'max_duration'):
-            if d.get(required) is None:
-                raise ConfigError(f'config: missing required key {required!r}')
-        d['model'] = ModelSpec.from_dict(d['model'])
-        d['train_loader'] = LoaderConfig.from_dict(d['train_loader'], where='train_loader')
-        if d.get('eval_loader') is not None:
-            d['eval_loader'] = LoaderConfig.from_dict(d['eval_loader'], where='eval_loader')
-        d['optimizer'] = _from_mapping(OptimizerConfig, d.get('optimizer'), 'optimizer')
-        d['scheduler'] = _from_mapping(SchedulerConfig, d.get('scheduler'), 'scheduler')
-        loggers = dict(d.get('loggers') or {})
-        _check_keys(loggers, LOGGERS, 'loggers')
-        d['loggers'] = {k: dict(v or {}) for k, v in loggers.items()}
-        callbacks = dict(d.get('callbacks') or {})
-        _check_keys(callbacks, list(CALLBACKS), 'callbacks')
-        d['callbacks'] = {
-            name: (dict(v or {}) if CALLBACKS[name] is dict
-                   else _from_mapping(CALLBACKS[name], v, f'callbacks.{name}'))
-            for name, v in callbacks.items()
-        }
-        for key in ('max_duration', 'eval_interval', 'save_interval', 'log_interval'):
-            if key in d and d[key] is not None:
-                d[key] = str(d[key])
-        cfg = cls(**d)
-        if cfg.global_train_batch_size <= 0:
+        return read_dataclass(cls, d)
+
+    def check(self, where: str) -> None:
+        if self.global_train_batch_size <= 0:
             raise ConfigError('global_train_batch_size must be positive')
-        return cfg
+        check_duration(self.max_duration, 'max_duration')
 
     @property
     def stream_accounting(self) -> StreamAccountingConfig:
         return self.callbacks.get('stream_accounting') or StreamAccountingConfig()
 
 
+@dataclass
+class PlanConfig:
+    """What ``foundrymix plan`` reads of a training YAML; every other training key is allowed
+    (and ignored), any key a training run would refuse is refused here too."""
+
+    train_loader: LoaderConfig
+    global_train_batch_size: int
+    max_duration: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> 'PlanConfig':
+        d = dict(d)
+        d.pop('variables', None)
+        others = [name for name in TrainConfig.__dataclass_fields__ if name not in cls.__dataclass_fields__]
+        picked = {k: v for k, v in d.items() if k not in others}
+        check_keys(d, list(TrainConfig.__dataclass_fields__), '')
+        return read_dataclass(cls, picked)
+
+    def check(self, where: str) -> None:
+        if self.global_train_batch_size <= 0:
+            raise ConfigError(f'global_train_batch_size must be a positive integer, got '
+                              f'{self.global_train_batch_size}')
+        check_duration(self.max_duration, 'max_duration')
+
+
 def load_config(path: str, overrides: Sequence[str] = ()) -> TrainConfig:
     """Load a YAML, apply ``key=value`` overrides, resolve interpolations, type it."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f'{path}: no such config file')
-    try:
-        cfg = OmegaConf.load(path)
-        for item in overrides:
-            if '=' not in item:
-                raise ConfigError(f'override {item!r}: expected key=value')
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        data = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f'{path}: {e}') from None
-    if not isinstance(data, dict):
-        raise ConfigError(f'{path}: expected a mapping at the top level')
+    data = load_yaml(path, overrides)
     try:
         return TrainConfig.from_dict(data)
     except ConfigError as e:
