@@ -1,0 +1,105 @@
+"""The one config reader: every annotation kind is checked, errors name the full key path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import pytest
+
+from foundrymix.config import ConfigError, check_duration, load_yaml, read_dataclass
+
+
+@dataclass
+class Leaf:
+    size: int
+    mode: Literal['fast', 'exact'] = 'fast'
+
+
+@dataclass
+class Middle:
+    leaves: dict[str, Leaf] = field(default_factory=dict)
+    ratio: Optional[float] = None
+
+
+@dataclass
+class Top:
+    middle: Middle
+    names: list[str] = field(default_factory=list)
+    pair: tuple[float, float] = (0.0, 1.0)
+    limit: Optional[Union[int, str]] = None
+    width: int | None = None
+    flags: dict[str, bool] = field(default_factory=dict)
+    anything: Any = None
+
+
+def read(d: dict) -> Top:
+    return read_dataclass(Top, d, 'cfg')
+
+
+def test_reads_every_kind():
+    t = read({'middle': {'leaves': {'a': {'size': '2k', 'mode': 'exact'}}, 'ratio': 1},
+              'names': ['x', 3], 'pair': [1, 2.5], 'limit': '10gb', 'width': 7,
+              'flags': {'on': 'true'}, 'anything': {'free': [1]}})
+    assert t.middle.leaves['a'] == Leaf(size=2000, mode='exact')
+    assert t.middle.ratio == 1.0 and isinstance(t.middle.ratio, float)
+    assert t.names == ['x', '3'] and t.pair == (1.0, 2.5)
+    assert t.limit == '10gb' and read({'middle': {}, 'limit': 5}).limit == 5
+    assert t.width == 7 and t.flags == {'on': True} and t.anything == {'free': [1]}
+
+
+@pytest.mark.parametrize('data, message', [
+    ({'middle': {'leaves': {'a': {'size': 'many'}}}},
+     "cfg.middle.leaves.a.size: expected int, got 'many'"),
+    ({'middle': {'leaves': {'a': {'size': 1, 'mode': 'slow'}}}},
+     "cfg.middle.leaves.a.mode: 'slow' is not one of fast, exact"),
+    ({'middle': {'leaves': {'a': {'size': 1, 'colour': 'red'}}}},
+     "cfg.middle.leaves.a: unknown key 'colour'; allowed: size, mode"),
+    ({'middle': {'leaves': {'a': {}}}}, "cfg.middle.leaves.a: missing required key 'size'"),
+    ({'middle': {'ratio': 'half'}}, "cfg.middle.ratio: expected float, got 'half'"),
+    ({'middle': {}, 'names': 'abc'}, "cfg.names: expected a list, got 'abc'"),
+    ({'middle': {}, 'names': [['nested']]}, "cfg.names[0]: expected str, got ['nested']"),
+    ({'middle': {}, 'pair': [1]}, 'cfg.pair: expected 2 values, got 1'),
+    ({'middle': {}, 'width': 2.5}, 'cfg.width: expected int, got 2.5'),
+    ({'middle': {}, 'width': True}, 'cfg.width: expected int, got True'),
+    ({'middle': {}, 'limit': [1]}, 'cfg.limit: expected int or str, got [1]'),
+    ({'middle': {}, 'flags': {'on': 'yes'}}, "cfg.flags.on: expected bool, got 'yes'"),
+    ({'middle': {}, 'flags': ['on']}, "cfg.flags: expected a mapping, got ['on']"),
+    ({'middle': 3}, 'cfg.middle: must be a mapping, got 3'),
+    ({}, "cfg: missing required key 'middle'"),
+])
+def test_wrong_types_name_the_key_path(data, message):
+    with pytest.raises(ConfigError) as e:
+        read(data)
+    assert str(e.value) == message
+
+
+def test_duration_needs_a_unit():
+    with pytest.raises(ConfigError) as e:
+        check_duration('10', 'max_duration')
+    assert str(e.value) == ("max_duration: '10' has no unit; write it as a Composer time string "
+                            "(e.g. 10ep, 10ba, 5000sp, 1000000tok)")
+    check_duration('10ba', 'max_duration')
+
+
+def test_yaml_overrides_and_plus_form(tmp_path):
+    path = tmp_path / 'c.yaml'
+    path.write_text('variables: {n: 3}\na: ${variables.n}\nb: {c: 1}\n')
+    assert load_yaml(str(path), ['b.c=2', '+d=x']) == {'variables': {'n': 3}, 'a': 3,
+                                                       'b': {'c': 2}, 'd': 'x'}
+    with pytest.raises(ConfigError, match="override 'oops' is not key=value"):
+        load_yaml(str(path), ['oops'])
+    path.write_text('a: [1\n')
+    with pytest.raises(ConfigError, match='not valid YAML'):
+        load_yaml(str(path))
+
+
+def test_reading_a_config_imports_neither_torch_nor_composer():
+    code = ('import sys; from foundrymix.train.config import TrainConfig, PlanConfig; '
+            'from foundrymix.mix.config import LoaderConfig; '
+            'print(sorted(m for m in ("torch", "composer", "streaming", "transformers") '
+            'if m in sys.modules))')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == '[]'
