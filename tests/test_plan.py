@@ -48,29 +48,55 @@ def write_yaml(tmp_path, root, duration='3ep'):
     return str(path)
 
 
+def streaming_epochs(dirs, weights, batch_size, epochs):
+    """Per epoch, the (stream tag, row) of every sample streaming's own ``StreamingDataset``
+    yields, in order: the independent truth the plan must match."""
+    from streaming import Stream, StreamingDataset
+
+    from mix_helpers import identity
+    streams = [Stream(local=dirs[n], **weights.get(n, {})) for n in ('arxiv', 'wiki', 'dolly')]
+    ds = StreamingDataset(streams=streams, batch_size=batch_size, shuffle=True, shuffle_seed=17)
+    out = [[identity(sample['input_ids']) for sample in ds] for _ in range(epochs)]
+    del ds
+    return out
+
+
 def test_plan_numbers(root):
+    """Plan figures against hand-computed values and against streaming's own iteration."""
+    from collections import Counter
+
+    from mix_helpers import MAX_SEQ_LEN, finetune_layout
     dirs = {n: str(root / n) for n in ('arxiv', 'wiki', 'dolly')}
-    m = StreamMixer.from_dict(loader_dict(dirs, {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 2.5},
-                                                 'dolly': {'repeat': 0.5}}))
-    p = m.plan(2, '1000tok')
-    assert p.epoch_size == 120 + 200 + 30
+    weights = {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 2.5}, 'dolly': {'repeat': 0.5}}
+    m = StreamMixer.from_dict(loader_dict(dirs, weights, shuffle_seed=17))
+    p = m.plan(2, '200ba')
+    epochs = streaming_epochs(dirs, weights, 2, 2)
+    seen = Counter(tag for tag, _ in epochs[0])
+    # hand-computed: 120 x 1 + 80 x 2.5 + 60 x 0.5 rows, in batches of 2
+    assert p.epoch_size == 120 + 200 + 30 == len(epochs[0]) and p.batches_per_epoch == 175
     arxiv, wiki, dolly = p.streams
-    assert (wiki.rows, wiki.rows_per_epoch, wiki.passes, wiki.full_passes, wiki.rows_seen_extra) == \
-        (80, 200, 2.5, 2, 40)
-    assert (dolly.kind, dolly.rows_per_epoch, dolly.unseen_rows, dolly.tokens_exact) == \
-        ('finetune', 30, 30, False)
+    assert [s.rows_per_epoch for s in p.streams] == [seen[0], seen[1], seen[2]] == [120, 200, 30]
+    wiki_rows = Counter(Counter(r for t, r in epochs[0] if t == 1).values())
+    assert (wiki.full_passes, wiki.rows_seen_extra) == (2, 40) and wiki_rows == {2: 40, 3: 40}
+    dolly_rows = {r for t, r in epochs[0] if t == 2}
+    assert (dolly.kind, dolly.unseen_rows, dolly.tokens_exact) == ('finetune', 30, False)
+    assert len(dolly_rows) == 30
+    # real tokens of what streaming yields: full rows for pretrain, the packed layout for dolly
+    real = {0: lambda r: MAX_SEQ_LEN, 1: lambda r: MAX_SEQ_LEN,
+            2: lambda r: sum(finetune_layout(r, MAX_SEQ_LEN)[1])}
+    realized = [sum(real[t](r) for t, r in epochs[0] if t == i) for i in range(3)]
     assert arxiv.tokens_exact and wiki.tokens_exact  # full rows: exact despite 2.5x
-    assert wiki.tokens_per_epoch == 200 * 32 and wiki.slot_tokens_per_epoch == 6400
-    man = m.manifests['dolly'].counts
-    assert dolly.tokens_per_epoch == man.tokens * 0.5
-    assert dolly.loss_tokens_per_epoch == man.loss_tokens * 0.5
-    assert arxiv.share == 120 / 350
-    assert abs(sum(s.token_share for s in p.streams) - 1) < 1e-12
+    assert [arxiv.tokens_per_epoch, wiki.tokens_per_epoch] == realized[:2] == [3840, 6400]
+    all_dolly = sum(real[2](r) for r in range(60))
+    assert dolly.tokens_per_epoch == all_dolly / 2  # expected value of a random half
+    assert min(realized[2], dolly.tokens_per_epoch) / max(realized[2], dolly.tokens_per_epoch) > 0.8
     assert any(w.startswith('dolly: under one pass (0.5x): 30 of 60 rows are not seen') for w in p.warnings)
-    d = p.duration  # 1000 tokens / (2 rows x 32) -> 16 batches
+    d = p.duration  # 200 batches = epoch 0 (175) + 25 batches (50 samples) of epoch 1
     assert (d.total_batches, d.total_samples, d.total_tokens, d.full_epochs, d.last_epoch,
-            d.last_batch_in_epoch) == (16, 32, 1024, 0, 0, 16)
-    assert d.epochs == 16 / 175
+            d.last_batch_in_epoch) == (200, 400, 400 * 32, 1, 1, 25)
+    trained = Counter(t for t, _ in epochs[0] + epochs[1][:50])
+    assert d.rows_per_stream == {'arxiv': trained[0], 'wiki': trained[1], 'dolly': trained[2]}
+    assert m.plan(2, '1000tok').duration.total_batches == 16  # ceil(1000 / (2 x 32))
 
 
 @pytest.mark.parametrize('text, expected', [('100ba', (100, 'ba')), ('5000sp', (5000, 'sp')),
