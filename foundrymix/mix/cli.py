@@ -30,9 +30,17 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
         data['max_duration'] = max_duration
     cfg = PlanConfig.from_dict(data)
     gbs = cfg.global_train_batch_size
-    if gbs % world_size:
+    if gbs % world_size or world_size % nodes:
         raise ConfigError(f'global_train_batch_size {gbs} is not divisible by world size '
-                          f'{world_size}')
+                          f'{world_size}, or world size by nodes ({nodes})')
+    if cfg.train_loader.stages is not None:
+        from foundrymix.mix.stages import Topology, plan_run
+        run, _ = plan_run(cfg.train_loader, gbs // world_size, cfg.max_duration,
+                          Topology(nodes=nodes, ranks_per_node=world_size // nodes))
+        return run
+    if cfg.max_duration is None:
+        raise ConfigError("config: missing required key 'max_duration' (it may be left out only "
+                          "with train_loader.stages: the run is then the sum of the stages)")
     mixer = StreamMixer(cfg.train_loader, 'train_loader')
     return mixer.plan(gbs // world_size, cfg.max_duration, world_size=world_size, nodes=nodes)
 
@@ -41,9 +49,18 @@ def _run(args: argparse.Namespace) -> int:
     plan = plan_from_yaml(args.config, args.overrides, args.world_size, args.max_duration)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
+    elif hasattr(plan, 'stages'):
+        from foundrymix.mix.report import render_run_plan
+        render_run_plan(plan)
     else:
         from foundrymix.mix.report import render_plan
         render_plan(plan)
+    if args.png:
+        from foundrymix.mix.report import plot_run_plan
+        from foundrymix.mix.stages import as_run_plan
+        plot_run_plan(as_run_plan(plan), args.png)
+        if not args.json:
+            print(f'picture: {args.png}')
     return 0
 
 
@@ -62,4 +79,6 @@ def register(subparsers: Any) -> None:
                    help='number of ranks (global_train_batch_size is split over them)')
     p.add_argument('--max-duration', default=None,
                    help='override max_duration (Composer time string: 3ep, 100ba, 5000sp, 1000tok)')
+    p.add_argument('--png', default=None, metavar='FILE',
+                   help='also draw the planned mixture over training steps (stages marked)')
     p.set_defaults(func=_run)

@@ -72,6 +72,53 @@ class StreamSpec:
                 raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')
 
 
+#: keys of a stage besides the loader knobs it may override
+STAGE_KEYS = ('name', 'duration', 'streams')
+#: a later stage's default shuffle seed is ``shuffle_seed + index * STAGE_SEED_STEP``
+STAGE_SEED_STEP = 1_000_003
+
+
+@dataclass
+class StageSpec:
+    """One entry of ``train_loader.stages``: a name, a duration and its own mixture.
+
+    ``streams`` are read against ``train_loader.streams``: a stream named there may be
+    given by its weight alone (its location is inherited); a new stream gives its
+    location too. ``overrides`` are loader knobs (``shuffle_seed``, ``batching_method``,
+    ...) that differ from ``train_loader``'s in this stage.
+    """
+
+    name: str
+    duration: str
+    streams: dict[str, Any]
+    overrides: dict[str, Any]
+    where: str
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'StageSpec':
+        from foundrymix.config import check_duration, check_keys, read_value
+        d = to_plain(value, where)
+        knobs = [k for k in LoaderConfig.__dataclass_fields__ if k not in ('streams', 'stages')]
+        check_keys(d, list(STAGE_KEYS) + knobs, where)
+        for key in STAGE_KEYS:
+            if d.get(key) is None:
+                raise ConfigError(f'{where}: missing required key {key!r}')
+        name = read_value(d.pop('name'), str, f'{where}.name')
+        duration = read_value(d.pop('duration'), str, f'{where}.duration')
+        check_duration(duration, f'{where}.duration')
+        streams = to_plain(d.pop('streams'), f'{where}.streams')
+        if not streams:
+            raise ConfigError(f'{where}.streams: a stage needs at least one stream')
+        hints = _loader_hints()
+        overrides = {k: read_value(v, hints[k], f'{where}.{k}') for k, v in d.items()}
+        return cls(name=name, duration=duration, streams=streams, overrides=overrides, where=where)
+
+
+def _loader_hints() -> dict[str, Any]:
+    import typing
+    return typing.get_type_hints(LoaderConfig)
+
+
 @dataclass
 class LoaderConfig:
     """``train_loader``: the streams plus the knobs of ``StreamingDataset`` and ``DataLoader``.
@@ -81,7 +128,9 @@ class LoaderConfig:
     full, so per-stream token counts stay exact arithmetic).
     """
 
-    streams: dict[str, StreamSpec]
+    streams: dict[str, StreamSpec] = field(default_factory=dict)
+    #: curricula: ordered stages, each with its own mixture and duration (see StageSpec)
+    stages: Optional[list[StageSpec]] = None
     shuffle: bool = True
     shuffle_seed: int = 9176
     shuffle_algo: ShuffleAlgo = 'py1e'
@@ -117,13 +166,16 @@ class LoaderConfig:
         impossible weightings.
         """
         data = to_plain(d, where)
-        if data.get('streams') is None:
+        if data.get('streams') is None and data.get('stages') is None:
             raise ConfigError(f'{where}: missing required key \'streams\' (a mapping of stream '
                               f'name to {{local, remote, split, repeat | proportion | choose}})')
         return read_dataclass(cls, data, where)
 
     def check(self, where: str = 'train_loader') -> None:
         """Checks that need the whole config: ranges, one kind of weight."""
+        if self.stages is not None:
+            self._check_stages(where)
+            return
         if not self.streams:
             raise ConfigError(f'{where}.streams: must be a non-empty mapping of stream name to '
                               f'stream settings, got {{}}')
@@ -150,6 +202,50 @@ class LoaderConfig:
                 f'{where}.epoch_size: cannot be combined with repeat/choose (set on '
                 f'{", ".join(weighted_absolute)}): with absolute weights the epoch size is their '
                 f'sum. Use proportion on every stream to fix the epoch size.')
+
+    def _check_stages(self, where: str) -> None:
+        if not self.stages:
+            raise ConfigError(f'{where}.stages: must list at least one stage')
+        weighted = sorted(n for n, s in self.streams.items() if s.weight_kind)
+        if weighted:
+            raise ConfigError(
+                f'{where}.streams: with stages, train_loader.streams only says where streams are; '
+                f'set weights in each stage (weighted here: {", ".join(weighted)})')
+        names = [s.name for s in self.stages]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f'{where}.stages: stage names must be unique ({", ".join(dupes)})')
+        for stage in self.stage_configs(where):
+            pass  # each stage's own config is checked as it is built
+
+    def stage_configs(self, where: str = 'train_loader') -> list['LoaderConfig']:
+        """The loader config of every stage: ``train_loader``'s knobs, the stage's overrides,
+        its streams (locations inherited from ``train_loader.streams``), and a shuffle seed
+        of its own unless given, so every stage reshuffles afresh.
+
+        Without ``stages`` the run is one stage: this config itself.
+        """
+        import dataclasses
+
+        from foundrymix.config import read_dataclass
+        if self.stages is None:
+            return [self]
+        out = []
+        for i, stage in enumerate(self.stages):
+            streams = {}
+            for name, raw in stage.streams.items():
+                base = self.streams.get(str(name))
+                merged = {k: getattr(base, k) for k in ('local', 'remote', 'split')
+                          if base is not None and getattr(base, k) is not None}
+                merged.update(to_plain(raw, f'{stage.where}.streams.{name}'))
+                streams[str(name)] = read_dataclass(StreamSpec, merged,
+                                                    f'{stage.where}.streams.{name}', key=str(name))
+            knobs = dict(stage.overrides)
+            knobs.setdefault('shuffle_seed', self.shuffle_seed + i * STAGE_SEED_STEP)
+            config = dataclasses.replace(self, streams=streams, stages=None, **knobs)
+            config.check(stage.where)
+            out.append(config)
+        return out
 
     @property
     def proportion_sum(self) -> Optional[float]:

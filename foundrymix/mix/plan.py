@@ -91,6 +91,7 @@ class Plan:
     batching_method: str
     shuffle_seed: int
     duration: Optional[DurationPlan] = None
+    duration_name: str = 'max_duration'   # 'stage duration' in a stage of a staged run
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -115,10 +116,12 @@ class _Epoch:
 
 
 def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
-               max_duration: Optional[Any] = None, topology: Topology = Topology()) -> Plan:
+               max_duration: Optional[Any] = None, topology: Topology = Topology(),
+               duration_name: str = 'max_duration') -> Plan:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size.
 
     Pure: reads nothing but ``infos`` (manifests and index files the catalog read).
+    ``duration_name`` is what messages call the duration (a stage's, or the run's).
     """
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
@@ -134,13 +137,14 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 world_size=topology.world_size, global_batch_size=G,
                 batches_per_epoch=epoch.batches, samples_per_epoch=int(epoch.trained.sum()),
                 max_seq_len=L, batching_method=config.batching_method,
-                shuffle_seed=config.shuffle_seed, warnings=warnings, notes=notes)
+                shuffle_seed=config.shuffle_seed, warnings=warnings, notes=notes,
+                duration_name=duration_name)
     if max_duration is not None:
         plan.duration = plan_duration(plan, max_duration, [i.name for i in infos], epoch)
         d = plan.duration
         if d.ends_mid_epoch:
             warnings.append(
-                f'max_duration {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
+                f'{duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
                 f'{d.last_batch_in_epoch:,} of {epoch.batches:,} batches (sample '
                 f'{d.last_sample_in_epoch:,} of {plan.samples_per_epoch:,}); the rest of that '
                 f'epoch\'s rows are not trained')

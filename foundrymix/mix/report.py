@@ -45,11 +45,12 @@ def render_plan(plan: Plan, console: Any = None) -> None:
         where = (f'stops in epoch {d.last_epoch} after batch {d.last_batch_in_epoch:,} '
                  f'(sample {d.last_sample_in_epoch:,} of the epoch)' if d.ends_mid_epoch
                  else f'ends exactly at the end of epoch {d.last_epoch}')
-        console.print(f'max_duration {d.max_duration}: {d.total_batches:,} batches, '
+        console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '
                       f'{d.total_samples:,} samples, {d.total_tokens:,} tokens = '
                       f'{d.epochs:.4g} epochs ({d.full_epochs} full); {where}')
         if d.rows_per_stream is not None:
-            console.print('rows trained per stream over the run: ' + ', '.join(
+            scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
+            console.print(f'rows trained per stream over {scope}: ' + ', '.join(
                 f'{k} {v:,}' for k, v in d.rows_per_stream.items()))
     for note in plan.notes:
         console.print(f'note: {note}')
@@ -65,3 +66,73 @@ def seen_text(s: StreamPlan) -> str:
         return f'{s.rows_seen_extra:,} rows 1x, {s.unseen_rows:,} unseen'
     return (f'{s.rows - s.rows_seen_extra:,} rows {s.full_passes}x, '
             f'{s.rows_seen_extra:,} rows {s.full_passes + 1}x')
+
+
+def render_run_plan(run: Any, console: Any = None) -> None:
+    """Print a staged run: the stages and where they fall, each stage's mixture, the totals."""
+    from rich.table import Table
+
+    console = console or console_for_output()
+    table = Table(title=f'Stages ({run.total_batches:,} global batches of '
+                        f'{run.global_batch_size} rows x {run.max_seq_len} tokens)')
+    for col in ('stage', 'duration', 'batches', 'first batch', 'last batch', 'epochs of its mixture'):
+        table.add_column(col, justify='left' if col in ('stage', 'duration') else 'right')
+    for s in run.stages:
+        table.add_row(f'{s.index} {s.name}', s.duration, f'{s.batches:,}', f'{s.start_batch:,}',
+                      f'{s.end_batch - 1:,}', f'{s.plan.duration.epochs:.4g}')
+    console.print(table)
+    for s in run.stages:
+        console.rule(f'stage {s.index} {s.name}: batches {s.start_batch:,}-{s.end_batch - 1:,}')
+        render_plan(s.plan, console)
+    reused = sorted({n for s in run.stages[1:] for n in (p.name for p in s.plan.streams)
+                     if any(n in (p.name for p in t.plan.streams) for t in run.stages[:s.index])})
+    if reused:
+        console.print(f'note: {", ".join(reused)} come back in a later stage: each stage starts a '
+                      f'fresh pass over its streams, shuffled with its own seed')
+    console.rule('whole run')
+    console.print('rows trained per stream over the run: ' + ', '.join(
+        f'{k} {v:,}' for k, v in run.rows_per_stream.items()))
+
+
+def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:
+    """A picture of the planned mixture over training steps: one band per stream (its
+    share of each global batch), stage boundaries marked; ``realized`` (batch ->
+    cumulative rows per stream, from the accounting report) is drawn over it."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names: list[str] = []
+    for s in run.stages:
+        names += [p.name for p in s.plan.streams if p.name not in names]
+    xs, shares = [], []
+    for s in run.stages:
+        rows = s.plan.duration.rows_per_stream or {p.name: p.trained_rows_per_epoch
+                                                  for p in s.plan.streams}
+        total = sum(rows.values()) or 1
+        share = [rows.get(n, 0) / total for n in names]
+        xs += [s.start_batch, s.end_batch]
+        shares += [share, share]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.stackplot(xs, np.array(shares).T, labels=[f'{n} (plan)' for n in names], alpha=0.55)
+    for s in run.stages[1:]:
+        ax.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
+    for s in run.stages:
+        ax.text((s.start_batch + s.end_batch) / 2, 1.01, s.name, ha='center', va='bottom', fontsize=8)
+    if realized is not None:
+        batches, rows = realized
+        rows = np.asarray(rows, dtype=np.float64)
+        step = np.diff(np.vstack([np.zeros(rows.shape[1]), rows]), axis=0)
+        frac = np.cumsum(step / np.maximum(step.sum(axis=1, keepdims=True), 1), axis=1)
+        for i, name in enumerate(names):
+            ax.step(batches, frac[:, i], where='post', linewidth=1.2, label=f'{name} (realized)')
+    ax.set_xlim(0, run.total_batches)
+    ax.set_ylim(0, 1.08)
+    ax.set_xlabel('global batch')
+    ax.set_ylabel('share of the batch (rows)')
+    ax.set_title('Planned mixture over training')
+    ax.legend(fontsize=7, loc='lower right')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -144,7 +144,8 @@ class TrainConfig:
     model: ModelSpec
     train_loader: LoaderConfig
     global_train_batch_size: int
-    max_duration: str
+    #: may be left out with ``train_loader.stages`` (the run is then the sum of the stages)
+    max_duration: Optional[str] = None
     tokenizer: Optional[str] = None
     eval_loader: Optional[LoaderConfig] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -178,6 +179,9 @@ class TrainConfig:
         if self.global_train_batch_size <= 0:
             raise ConfigError('global_train_batch_size must be positive')
         check_duration(self.max_duration, 'max_duration')
+        if self.max_duration is None and self.train_loader.stages is None:
+            raise ConfigError("config: missing required key 'max_duration' (it may be left out "
+                              "only with train_loader.stages: the run is then the sum of the stages)")
 
     @property
     def stream_accounting(self) -> StreamAccountingConfig:

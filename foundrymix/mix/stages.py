@@ -1,0 +1,232 @@
+"""Stages (curricula): each stage's mixture, its exact length in batches, and the run's plan.
+
+Why resolve every stage to whole batches before training: a stage switch must happen at
+one exact global batch on every rank, and "2 epochs of this mixture" or "50M tokens"
+must mean the same batch count to the plan, the loader and a resumed run. So
+``ep``/``sp``/``tok`` durations become batches here, once, from the stage's own plan
+(:func:`~foundrymix.mix.plan.build_plan`); a duration that is not a whole number of
+global batches is refused with the numbers rather than rounded.
+
+A stage is a loader config of its own (:meth:`LoaderConfig.stage_configs`), with its
+own catalog, so a stream reused by a later stage is simply read again: each stage
+starts a fresh, seeded pass over its streams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from foundrymix.config import ConfigError, parse_duration
+from foundrymix.mix.catalog import Catalog, StreamInfo
+from foundrymix.mix.config import LoaderConfig
+from foundrymix.mix.plan import Plan, build_plan
+from foundrymix.mix.simulate import Topology
+
+
+@dataclass
+class StagePlan:
+    """One stage: where it starts and ends in the run (global batches) and its mixture."""
+
+    index: int
+    name: str
+    duration: str
+    start_batch: int            # first global batch of the stage (0-based)
+    batches: int
+    plan: Plan                  # the stage's per-epoch mixture and its duration
+
+    @property
+    def end_batch(self) -> int:
+        """One past the stage's last global batch."""
+        return self.start_batch + self.batches
+
+
+@dataclass
+class RunPlan:
+    """Every stage of a run, in order, and the rows each stream trains over the whole run."""
+
+    stages: list[StagePlan]
+    global_batch_size: int
+    max_seq_len: int
+    total_batches: int
+    rows_per_stream: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def stage_at(self, batch: int) -> StagePlan:
+        """The stage that trains global batch ``batch`` (0-based)."""
+        for stage in self.stages:
+            if batch < stage.end_batch:
+                return stage
+        return self.stages[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for s, stage in zip(d['stages'], self.stages):
+            s['end_batch'] = stage.end_batch
+        return d
+
+
+def stage_batches(duration: str, plan: Plan, where: str) -> int:
+    """A stage duration as an exact number of global batches; refused unless whole."""
+    value, unit = parse_duration(duration, where)
+    G, L, bpe = plan.global_batch_size, plan.max_seq_len, plan.batches_per_epoch
+    if bpe <= 0:
+        raise ConfigError(f'{where}: the stage\'s epoch ({plan.epoch_size:,} rows) holds no full '
+                          f'global batch of {G} rows; add rows, raise the weights or lower the '
+                          f'batch size')
+    if unit == 'ba':
+        return value
+    if unit == 'ep':
+        return value * bpe
+    per_batch = G if unit == 'sp' else G * L
+    if value % per_batch:
+        what = 'samples' if unit == 'sp' else f'tokens ({G} rows x {L})'
+        raise ConfigError(
+            f'{where}: {duration} is not a whole number of global batches of {per_batch:,} '
+            f'{what}: {value / per_batch:.4g} batches; use {value // per_batch * per_batch}'
+            f'{unit} or {(value // per_batch + 1) * per_batch}{unit}')
+    return value // per_batch
+
+
+def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
+    """One validated catalog per stage (a run without stages has one)."""
+    configs = config.stage_configs(where)
+    if config.stages is None:
+        catalogs = [Catalog(configs[0], where)]
+    else:
+        catalogs = [Catalog(c, s.where) for c, s in zip(configs, config.stages)]
+    for catalog in catalogs:
+        catalog.validate()
+    lens = {c.where: c.max_seq_len for c in catalogs}
+    prints = {c.where: c.tokenizer.fingerprint for c in catalogs}
+    if len(set(lens.values())) > 1 or len(set(prints.values())) > 1:
+        listing = ', '.join(f'{w}: max_seq_len {lens[w]}, tokenizer {prints[w][:12]}' for w in lens)
+        raise ConfigError(f'{where}.stages: stages disagree on max_seq_len or tokenizer ({listing})')
+    return catalogs
+
+
+def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_size: int,
+                   max_duration: Optional[str], topology: Topology = Topology(),
+                   where: str = 'train_loader') -> RunPlan:
+    """The plan of a staged run: each stage's mixture and exact batches, and the run totals.
+
+    ``max_duration`` may be None (the run is the sum of the stages) or must equal that sum.
+    """
+    assert config.stages is not None
+    configs = config.stage_configs(where)
+    stages: list[StagePlan] = []
+    start = 0
+    for i, (spec, cfg, stage_infos) in enumerate(zip(config.stages, configs, infos)):
+        probe = build_plan(cfg, stage_infos, batch_size, None, topology)
+        batches = stage_batches(spec.duration, probe, f'{spec.where}.duration')
+        if batches <= 0:
+            raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
+        plan = build_plan(cfg, stage_infos, batch_size, f'{batches}ba', topology, 'stage duration')
+        stages.append(StagePlan(index=i, name=spec.name, duration=spec.duration,
+                                start_batch=start, batches=batches, plan=plan))
+        start += batches
+    G = stages[0].plan.global_batch_size
+    L = stages[0].plan.max_seq_len
+    run = RunPlan(stages=stages, global_batch_size=G, max_seq_len=L, total_batches=start)
+    if max_duration is not None:
+        _check_max_duration(max_duration, run)
+    for stage in stages:
+        rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
+        for name, n in (rows or {}).items():
+            run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
+        run.warnings += [f'stage {stage.name}: {w}' for w in stage.plan.warnings]
+    return run
+
+
+def _check_max_duration(max_duration: str, run: RunPlan) -> None:
+    value, unit = parse_duration(max_duration)
+    G, L, total = run.global_batch_size, run.max_seq_len, run.total_batches
+    sums = {'ba': total, 'sp': total * G, 'tok': total * G * L}
+    if unit == 'ep':
+        raise ConfigError(f'max_duration: {max_duration} is ambiguous with stages (epochs of '
+                          f'which stage?); leave it out (the run is the sum of the stages, '
+                          f'{total}ba) or give {total}ba')
+    if value != sums[unit]:
+        raise ConfigError(f'max_duration: {max_duration} differs from the sum of the stages, '
+                          f'{sums[unit]}{unit} ({total} batches); leave max_duration out or make '
+                          f'them equal')
+
+
+def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] = None,
+             topology: Optional[Topology] = None,
+             where: str = 'train_loader') -> tuple[RunPlan, list[Catalog]]:
+    """Validate every stage and plan the run; returns the plan and each stage's catalog.
+
+    ``num_canonical_nodes`` is fixed up front (streaming's fresh-start default for this
+    topology, unless configured) so that the plan, every stage's dataset and a resumed
+    run all use the same sample order.
+    """
+    import dataclasses
+
+    topology = topology or Topology()
+    if config.num_canonical_nodes is None:
+        nodes = topology.nodes
+        ncn = 64 * nodes if config.shuffle_algo in ('py1s', 'py2s') else nodes
+        config = dataclasses.replace(config, num_canonical_nodes=ncn)
+    catalogs = stage_catalogs(config, where)
+    infos = [c.infos() for c in catalogs]
+    return build_run_plan(config, infos, batch_size, max_duration, topology, where), catalogs
+
+
+def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], batch_size: int) -> dict[str, Any]:
+    """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes.
+
+    Stored in checkpoints; a resumed run compares it field by field, so a refusal can
+    name the stage, the stream and the field.
+    """
+    knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_algo',
+                                             'shuffle_block_size', 'batching_method', 'epoch_size',
+                                             'sampling_method', 'sampling_granularity',
+                                             'partition_algo', 'num_canonical_nodes',
+                                             'drop_last')}
+    streams = {}
+    for info in infos:
+        index = json.dumps(info.index.get('shards', []), sort_keys=True).encode('utf-8')
+        streams[info.name] = {
+            'directory': info.remote_dir or info.directory,
+            'repeat': info.spec.repeat, 'proportion': info.spec.proportion,
+            'choose': info.spec.choose,
+            'index': hashlib.sha256(index).hexdigest()[:16],
+        }
+    return {'batch_size': batch_size, 'knobs': knobs, 'streams': streams}
+
+
+def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two stage fingerprints (empty if none)."""
+    out = []
+    if old['batch_size'] != new['batch_size']:
+        out.append(f'per-rank batch size {old["batch_size"]} -> {new["batch_size"]}')
+    for key, value in old['knobs'].items():
+        if new['knobs'].get(key) != value:
+            out.append(f'{key} {value!r} -> {new["knobs"].get(key)!r}')
+    for name in sorted(set(old['streams']) | set(new['streams'])):
+        if name not in new['streams']:
+            out.append(f'stream {name} removed')
+            continue
+        if name not in old['streams']:
+            out.append(f'stream {name} added')
+            continue
+        for key, value in old['streams'][name].items():
+            if new['streams'][name].get(key) != value:
+                out.append(f'stream {name}: {key} {value!r} -> {new["streams"][name].get(key)!r}')
+    return out
+
+
+def as_run_plan(plan: Any) -> RunPlan:
+    """A run plan as it is; a single mixture's plan as a one-stage run (for pictures)."""
+    if isinstance(plan, RunPlan):
+        return plan
+    batches = plan.duration.total_batches if plan.duration else plan.batches_per_epoch
+    stage = StagePlan(index=0, name='all', duration=f'{batches}ba', start_batch=0,
+                      batches=batches, plan=plan)
+    rows = dict(plan.duration.rows_per_stream or {}) if plan.duration else {}
+    return RunPlan(stages=[stage], global_batch_size=plan.global_batch_size,
+                   max_seq_len=plan.max_seq_len, total_batches=batches, rows_per_stream=rows,
+                   warnings=list(plan.warnings))
