@@ -129,8 +129,6 @@ class LoaderConfig:
     """
 
     streams: dict[str, StreamSpec] = field(default_factory=dict)
-    #: curricula: ordered stages, each with its own mixture and duration (see StageSpec)
-    stages: Optional[list[StageSpec]] = None
     shuffle: bool = True
     shuffle_seed: int = 9176
     shuffle_algo: ShuffleAlgo = 'py1e'
@@ -156,6 +154,8 @@ class LoaderConfig:
     timeout: float = 0
     #: where remote-only streams are cached (default ``$FOUNDRYMIX_CACHE`` or a tempdir)
     cache_root: Optional[str] = None
+    #: curricula: ordered stages, each with its own mixture and duration (see StageSpec)
+    stages: Optional[list[StageSpec]] = None
 
     # ------------------------------------------------------------------ parsing
     @classmethod
