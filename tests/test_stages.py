@@ -1,0 +1,199 @@
+"""Stages at the data level: exact batches per stage, exact counts, exact resume, change rules."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+
+from foundrymix.config import ConfigError
+from foundrymix.mix.config import LoaderConfig
+from foundrymix.mix.staged_loader import build_staged_loader
+from mix_helpers import build_three, identity
+
+BATCH = 4
+
+
+@pytest.fixture(scope='module')
+def dirs(tmp_path_factory):
+    return build_three(str(tmp_path_factory.mktemp('stages')), (120, 80, 60))
+
+
+def three_stages(dirs, **extra):
+    """pretrain-heavy (fractional repeat, in ba) -> mix (in tok) -> finetune-heavy (in ep)."""
+    return {
+        'streams': {n: {'local': d} for n, d in dirs.items()},
+        'shuffle_seed': 17,
+        'stages': [
+            {'name': 'pretrain', 'duration': '30ba',
+             'streams': {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 0.5}}},
+            {'name': 'mix', 'duration': '2560tok',
+             'streams': {'arxiv': {'repeat': 0.25}, 'wiki': {'repeat': 1}, 'dolly': {'repeat': 1}}},
+            {'name': 'finetune', 'duration': '2ep',
+             'streams': {'dolly': {'repeat': 1}, 'arxiv': {'repeat': 0.1}}},
+        ],
+        **extra,
+    }
+
+
+def loader(d, max_duration=None):
+    return build_staged_loader(LoaderConfig.from_dict(d), BATCH, max_duration)
+
+
+def run_all(staged):
+    """Every batch: (stage ids, stream names, sample ids, (tag, row) of each sample)."""
+    out = []
+    for b in staged:
+        out.append((b['stage_id'].tolist(), [staged.stream_names[i] for i in b['stream_id'].tolist()],
+                    b['sample_id'].tolist(), [identity(ids) for ids in b['input_ids'].numpy()]))
+    return out
+
+
+@pytest.fixture(scope='module')
+def straight(dirs):
+    staged = loader(three_stages(dirs))
+    return staged.run, run_all(staged)
+
+
+def test_stage_lengths_are_exact_batches(straight):
+    run, _ = straight
+    # 2560 tokens = 20 batches of 4 rows x 32; 2ep of the finetune mixture (72 rows) = 2 x 18
+    assert [(s.name, s.start_batch, s.batches) for s in run.stages] == \
+        [('pretrain', 0, 30), ('mix', 30, 20), ('finetune', 50, 36)]
+    assert run.total_batches == 86 and run.stages[2].plan.batches_per_epoch == 18
+
+
+def test_counts_and_boundaries_equal_the_plan(straight):
+    run, batches = straight
+    assert len(batches) == run.total_batches
+    for stage in run.stages:
+        stage_batches = batches[stage.start_batch:stage.end_batch]
+        assert all(set(ids) == {stage.index} for ids, *_ in stage_batches)  # switch on the batch
+        got = Counter(name for _, names, _, _ in stage_batches for name in names)
+        assert dict(got) == stage.plan.duration.rows_per_stream
+    tags = {'arxiv': 0, 'wiki': 1, 'dolly': 2}
+    for _, names, _, idents in batches:  # stream ids name the rows' true streams
+        assert [tags[n] for n in names] == [t for t, _ in idents]
+    total = Counter(n for _, names, _, _ in batches for n in names)
+    assert dict(total) == run.rows_per_stream
+
+
+def test_epochs_inside_a_stage_reshuffle_and_never_repeat_a_row(straight):
+    run, batches = straight
+    ft = run.stages[2]
+    epochs = [batches[ft.start_batch + e * 18:ft.start_batch + (e + 1) * 18] for e in range(2)]
+    rows = [[i for _, _, _, idents in ep for i in idents] for ep in epochs]
+    for ep in rows:
+        dolly = Counter(r for t, r in ep if t == 2)
+        assert sorted(dolly) == list(range(60)) and set(dolly.values()) == {1}  # 1 pass each
+        assert sum(1 for t, _ in ep if t == 0) == 12  # arxiv 0.1x of 120
+    assert rows[0] != rows[1]  # each epoch reshuffled
+    # the mix stage starts a fresh pass: its arxiv rows are not a continuation of pretrain's
+    assert run.stages[1].plan.shuffle_seed != run.stages[0].plan.shuffle_seed
+
+
+@pytest.mark.parametrize('at', [5, 30, 41, 50, 68, 85])
+def test_resume_anywhere_gives_the_same_batches(dirs, straight, at):
+    """Inside a stage, at a stage boundary (30, 50), at an epoch boundary inside a stage (68)."""
+    _, batches = straight
+    first = loader(three_stages(dirs))
+    it = iter(first)
+    for _ in range(at):
+        next(it)
+    state = first.dataset.state_dict()
+    del it
+    assert state['batch'] == at
+    resumed = loader(three_stages(dirs))
+    resumed.dataset.load_state_dict(state)
+    assert run_all(resumed) == batches[at:]
+
+
+def state_at(dirs, at, d=None):
+    staged = loader(d or three_stages(dirs))
+    it = iter(staged)
+    for _ in range(at):
+        next(it)
+    return staged.dataset.state_dict()
+
+
+def test_editing_a_trained_stage_is_refused(dirs):
+    state = state_at(dirs, 40)
+    changed = three_stages(dirs)
+    changed['stages'][0]['streams']['wiki']['repeat'] = 2.0
+    with pytest.raises(ConfigError) as e:
+        loader(changed).dataset.load_state_dict(state)
+    assert str(e.value).startswith('train_loader.stages (pretrain): its data changed since the '
+                                   'checkpoint (stream wiki: repeat 0.5 -> 2.0)')
+    current = three_stages(dirs)
+    current['stages'][1]['streams']['dolly'] = {'repeat': 3}
+    with pytest.raises(ConfigError, match=r'stages \(mix\): its data changed .*stream dolly: '
+                                          r'repeat 1.0 -> 3.0.*duration: 10ba\) and add a new stage'):
+        loader(current).dataset.load_state_dict(state)
+    shorter = three_stages(dirs)
+    shorter['stages'][0]['duration'] = '20ba'
+    with pytest.raises(ConfigError, match=r'finished with 30 batches, now 20'):
+        loader(shorter).dataset.load_state_dict(state)
+
+
+def test_later_stages_may_change_and_stages_may_be_appended(dirs, straight):
+    _, batches = straight
+    state = state_at(dirs, 40)
+    d = three_stages(dirs)
+    d['stages'][2]['streams']['arxiv']['repeat'] = 0.5  # not trained yet: editable
+    d['stages'].append({'name': 'extra', 'duration': '3ba', 'streams': {'wiki': {'repeat': 1}}})
+    staged = loader(d)
+    staged.dataset.load_state_dict(state)
+    got = run_all(staged)
+    assert got[:10] == batches[40:50]  # the rest of the current stage is unchanged
+    # finetune now 60 + 60 rows per epoch: 2ep = 2 x 30 batches, then 'extra'
+    assert staged.run.total_batches == 50 + 60 + 3 and len(got) == 113 - 40
+    assert all(ids == [3] * BATCH for ids, *_ in got[-3:])
+
+
+def test_end_the_current_stage_now_and_switch_the_mixture(dirs, straight):
+    """The documented recipe: the current stage ends at the resume batch, a new stage follows."""
+    _, batches = straight
+    state = state_at(dirs, 41)
+    d = three_stages(dirs)
+    d['stages'][1]['duration'] = '11ba'  # the 11 batches of 'mix' already trained
+    d['stages'].insert(2, {'name': 'mix2', 'duration': '5ba',
+                           'streams': {'dolly': {'repeat': 1}, 'wiki': {'repeat': 1}}})
+    staged = loader(d)
+    staged.dataset.load_state_dict(state)
+    got = run_all(staged)
+    assert [g[0] for g in got[:5]] == [[2] * BATCH] * 5  # mix2 from exactly batch 41
+    assert {n for g in got[:5] for n in g[1]} <= {'dolly', 'wiki'}
+    assert len(got) == 5 + 36
+
+
+@pytest.mark.parametrize('change, message', [
+    (lambda d: d['stages'][0].update(duration='30sp'),
+     r"stages\[0\].duration: 30sp is not a whole number of global batches of 4 samples: 7.5 "
+     r"batches; use 28sp or 32sp"),
+    (lambda d: d['stages'][1].update(duration='100tok'),
+     r"stages\[1\].duration: 100tok is not a whole number of global batches of 128 tokens"),
+    (lambda d: d['stages'][0].update(duration='0ba'), r"stages\[0\].duration: must be positive"),
+    (lambda d: d['stages'][0].update(streams={}), r"stages\[0\].streams: a stage needs at least one stream"),
+    (lambda d: d['stages'][0].update(shufle=3), r"stages\[0\]: unknown key 'shufle'"),
+    (lambda d: d['stages'][0].pop('duration'), r"stages\[0\]: missing required key 'duration'"),
+    (lambda d: d['stages'][2]['streams'].update(arxiv={'choose': 1}, dolly={'choose': 2}),
+     r"stages\[2\].duration: the stage's epoch \(3 rows\) holds no full global batch of 4 rows"),
+    (lambda d: d['streams']['arxiv'].update(repeat=2),
+     r"train_loader.streams: with stages, train_loader.streams only says where streams are"),
+])
+def test_refusals(dirs, change, message):
+    d = copy.deepcopy(three_stages(dirs))
+    change(d)
+    with pytest.raises(ConfigError, match=message):
+        loader(d)
+
+
+def test_max_duration_must_equal_the_sum(dirs):
+    assert loader(three_stages(dirs), '86ba').run.total_batches == 86
+    assert loader(three_stages(dirs), f'{86 * 4 * 32}tok').run.total_batches == 86
+    with pytest.raises(ConfigError, match=r'max_duration: 90ba differs from the sum of the stages, '
+                                          r'86ba \(86 batches\)'):
+        loader(three_stages(dirs), '90ba')
+    with pytest.raises(ConfigError, match=r'max_duration: 2ep is ambiguous with stages'):
+        loader(three_stages(dirs), '2ep')
