@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence
 
 from foundrymix.mix.config import ConfigError, LoaderConfig
+from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
 from foundrymix.train.model import ModelSpec
 
 
@@ -61,36 +62,6 @@ class SchedulerConfig:
             raise ConfigError(f'scheduler.name: {self.name!r}; allowed: {", ".join(allowed)}')
 
 
-@dataclass
-class StreamAccountingConfig:
-    """Per-stream token accounting (always on; these are its settings)."""
-
-    log_interval: str = '10ba'
-    out_dir: Optional[str] = None  # default: <save_folder>/.. or ./runs/<run_name>
-    plot: bool = True
-
-
-@dataclass
-class SampleLogConfig:
-    """Write every batch's global sample ids (and streams) to a JSONL file."""
-
-    path: str = 'sample_log.jsonl'
-
-
-@dataclass
-class StopAtConfig:
-    """Stop (not shorten) the run at ``time``, e.g. to fit a cluster time limit."""
-
-    time: str
-
-
-CALLBACKS: dict[str, type] = {
-    'stream_accounting': StreamAccountingConfig,
-    'sample_log': SampleLogConfig,
-    'stop_at': StopAtConfig,
-    'speed_monitor': dict,
-    'lr_monitor': dict,
-}
 LOGGERS = ('console', 'file')
 
 
@@ -146,11 +117,8 @@ class TrainConfig:
         d['loggers'] = {k: dict(v or {}) for k, v in loggers.items()}
         callbacks = dict(d.get('callbacks') or {})
         _check_keys(callbacks, list(CALLBACKS), 'callbacks')
-        d['callbacks'] = {
-            name: (dict(v or {}) if CALLBACKS[name] is dict
-                   else _from_mapping(CALLBACKS[name], v, f'callbacks.{name}'))
-            for name, v in callbacks.items()
-        }
+        d['callbacks'] = {name: _from_mapping(CALLBACKS[name].config, v, f'callbacks.{name}')
+                          for name, v in callbacks.items()}
         for key in ('max_duration', 'eval_interval', 'save_interval', 'log_interval'):
             if key in d and d[key] is not None:
                 d[key] = str(d[key])
