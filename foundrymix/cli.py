@@ -38,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand (``args.func``); user-facing errors become one line, exit 2."""
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

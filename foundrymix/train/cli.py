@@ -9,7 +9,6 @@ starts, so registering the subcommand keeps ``foundrymix plan`` fast.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Optional, Sequence
 
 DESCRIPTION = ('Train a randomly initialised transformers causal LM on the mix a YAML describes. '
@@ -56,12 +55,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python train.py CONFIG [key=value ...]``: config errors exit 2 with one line, no traceback."""
     parser = argparse.ArgumentParser(prog='train.py', description=DESCRIPTION)
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_cli(args)
-    except KeyboardInterrupt:
-        print('interrupted', file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f'foundrymix train: error: {e}', file=sys.stderr)
-        return 2
+    from foundrymix.cli import run
+    return run(parser.parse_args(argv))
