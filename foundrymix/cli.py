@@ -1,4 +1,4 @@
-"""``foundrymix`` command line: convert | inspect | plan | train.
+"""``foundrymix`` command line: convert | inspect | plan | train | report.
 
 Each subcommand lives beside the code it drives and registers itself through a
 ``register(subparsers)`` function, so this module only dispatches.
@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     'foundrymix.inspect',
     'foundrymix.mix.cli',
     'foundrymix.train.cli',
+    'foundrymix.train.report',
 )
 
 
@@ -37,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand (``args.func``); user-facing errors become one line, exit 2."""
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

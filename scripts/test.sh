@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README and CI): set up .venv if needed, then run the test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow` for the slow tests.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m 'not slow'` for a quick run without the slow tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

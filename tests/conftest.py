@@ -6,7 +6,6 @@ Area-specific fixtures live in each test module (or ``tests/<area>_helpers.py``)
 from __future__ import annotations
 
 import os
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,8 @@ import pytest
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
 
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / 'data' / 'samples'
-
-#: bundled byte-level BPE (GPT-2 style: no BOS, EOS ``<|endoftext|>``, ChatML template)
-DEMO_TOKENIZER = 'foundrymix-bpe-8k'
-
-
-def spm_tokenizer_path() -> str:
-    """Mistral's Llama-style SentencePiece model shipped inside ``mistral-common`` (adds BOS)."""
-    return str(resources.files('mistral_common') / 'data' / 'tokenizer.model.v1')
+# Still importable from here for the test modules not yet switched to ``from helpers import``.
+from helpers import DEMO_TOKENIZER, ROOT, SAMPLES, SMALL_SEQ, spm_tokenizer_path, tiny_run_config  # noqa: F401
 
 
 @pytest.fixture(scope='session')
@@ -52,10 +43,6 @@ def spm_tokenizer() -> str:
     return spm_tokenizer_path()
 
 
-#: rows of the small real streams below (tokens per row)
-SMALL_SEQ = 128
-
-
 @pytest.fixture(scope='session')
 def small_streams(tmp_path_factory) -> dict[str, Path]:
     """Small real streams shared by the training, S3 and distributed tests.
@@ -81,19 +68,3 @@ def small_streams(tmp_path_factory) -> dict[str, Path]:
     convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
                      FinetuneOptions(max_seq_len=SMALL_SEQ, workers=1, size_limit='4kb'))
     return {'arxiv': root / 'arxiv', 'dolly': root / 'dolly'}
-
-
-def tiny_run_config(train_loader: dict, **top) -> dict:
-    """A training config for a tiny Llama on ``SMALL_SEQ`` rows; ``top`` overrides any key."""
-    cfg = {
-        'seed': 5,
-        'max_seq_len': SMALL_SEQ,
-        'model': {'type': 'llama', 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1,
-                  'num_attention_heads': 2, 'num_key_value_heads': 2, 'max_position_embeddings': SMALL_SEQ},
-        'train_loader': train_loader,
-        'optimizer': {'lr': 0.01},
-        'save_interval': '1000ba',
-        'loggers': {},
-    }
-    cfg.update(top)
-    return cfg

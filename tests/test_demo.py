@@ -2,7 +2,9 @@
 
 ``scripts/demo.sh`` runs for real (conversion of both full samples, inspect, plan,
 training) with a short ``max_duration`` so the suite stays fast; every YAML in
-``yamls/`` must build a trainer (model, mixer, plan) on the demo's data.
+``yamls/`` must build a trainer (model, mixer, plan) on the demo's data. What the demo
+wrote is checked against independent sources: streaming's own ``StreamingDataset`` over
+the output directories and a count by hand with the ``tokenizers`` library.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+from helpers import ROOT, SAMPLES
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # the whole demo: two conversions and a training run
+SEQ = 256
 
 
 @pytest.fixture(scope='module')
@@ -32,7 +37,10 @@ def test_demo_runs_end_to_end(demo):
     for name, kind in (('arxiv', 'pretrain'), ('dolly', 'finetune')):
         manifest = json.loads((out / 'data' / name / 'foundrymix.json').read_text())
         assert manifest['kind'] == kind and manifest['max_seq_len'] == 256
-        assert manifest['counts']['rows'] * 256 == manifest['counts']['tokens'] + manifest['counts']['pad_tokens']
+        rows = stored_rows(out / 'data' / name)
+        assert_rows_match_counts(rows, manifest['counts'])
+        if name == 'arxiv':
+            assert_pretrain_rows_by_hand(rows, manifest['counts'])
     report = json.loads((out / 'report' / 'stream_accounting.json').read_text())
     assert report['batch'] == 6
     assert report['total']['samples'] == 6 * 8
@@ -47,6 +55,8 @@ def test_demo_runs_end_to_end(demo):
 @pytest.mark.parametrize('yaml_name', sorted(p.name for p in (ROOT / 'yamls').glob('*.yaml')))
 def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
     """Each example config validates against real shards and builds a trainer."""
+    from composer.core import Time
+
     from foundrymix.train.builder import build_trainer
     from foundrymix.train.config import load_config
 
@@ -58,7 +68,61 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
                       [f'variables.out={tmp_path}', f'variables.data={tmp_path / "data"}'])
     run = build_trainer(cfg)
     try:
-        assert run.mixer.max_seq_len == cfg.max_seq_len
         assert run.plan.streams and all(s.rows_per_epoch > 0 for s in run.plan.streams)
+        # The plan (our arithmetic on manifests and index files) against the dataset the
+        # trainer iterates (streaming's own index reading and Stream.apply_weights).
+        dataset = run.trainer.state.train_dataloader.dataset
+        assert [s.name for s in run.plan.streams] == list(raw_yaml(yaml_name)['train_loader']['streams'])
+        assert [s.rows for s in run.plan.streams] == dataset.samples_per_stream.tolist()
+        assert [s.rows_per_epoch for s in run.plan.streams] == [int(s.choose) for s in dataset.streams]
+        assert run.plan.epoch_size == dataset.epoch_size
+        # The model the trainer holds is the one the YAML describes (read with plain yaml).
+        model = raw_yaml(yaml_name)['model']
+        hf = run.trainer.state.model.model.config
+        assert hf.model_type == model.pop('type')
+        model.pop('attention', None)
+        assert model and {key: getattr(hf, key) for key in model} == model
+        assert run.trainer.state.max_duration == Time.from_timestring(str(raw_yaml(yaml_name)['max_duration']))
     finally:
         run.trainer.close()
+
+
+def raw_yaml(name: str) -> dict:
+    import yaml
+    return yaml.safe_load((ROOT / 'yamls' / name).read_text())
+
+
+def stored_rows(directory: Path) -> list[dict]:
+    """Every row of an MDS directory, in order, as streaming's ``StreamingDataset`` reads it."""
+    from streaming import StreamingDataset
+    dataset = StreamingDataset(local=str(directory), batch_size=1)
+    return [dataset[i] for i in range(dataset.num_samples)]
+
+
+def assert_rows_match_counts(rows: list[dict], counts: dict) -> None:
+    """The manifest's counts against the stored rows (columns as the schema stores them)."""
+    assert counts['rows'] == len(rows)
+    assert all(len(r['input_ids']) == SEQ for r in rows)
+    real = sum(int(np.sum(r['doc_lens'])) for r in rows)        # tokens of documents / examples
+    spans = [np.asarray(r['loss_spans']).reshape(-1, 2) for r in rows]
+    assert counts['tokens'] == real
+    assert counts['pad_tokens'] == len(rows) * SEQ - real
+    assert counts['loss_tokens'] == sum(int((s[:, 1] - s[:, 0]).sum()) for s in spans)
+
+
+def assert_pretrain_rows_by_hand(rows: list[dict], counts: dict) -> None:
+    """Pretrain: every paper tokenized alone (no BOS, EOS after each), all concatenated and
+    cut into rows of 256; the stored rows are exactly that token stream, the rest is the tail."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(ROOT / 'foundrymix' / 'assets' / 'tokenizers' / 'foundrymix-bpe-8k'
+                                  / 'tokenizer.json'))
+    eos = tok.token_to_id('<|endoftext|>')
+    with open(SAMPLES / 'arxiv_sample.jsonl', encoding='utf-8') as f:
+        papers = [json.loads(line)['text'] for line in f if line.strip()]
+    stream = [t for text in papers for t in tok.encode(text, add_special_tokens=False).ids + [eos]]
+    n_rows = len(stream) // SEQ
+    assert (counts['rows'], counts['tokens'], counts['tail_tokens'], counts['pad_tokens']) == (
+        n_rows, n_rows * SEQ, len(stream) - n_rows * SEQ, 0)
+    assert counts['documents_read'] == len(papers)
+    stored = np.concatenate([np.asarray(r['input_ids']) for r in rows])
+    assert stored.tolist() == stream[:n_rows * SEQ]

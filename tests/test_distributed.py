@@ -41,10 +41,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import ROOT, tiny_run_config
 
-
-ROOT = Path(__file__).resolve().parent.parent
-from conftest import tiny_run_config
 BATCH = 6          # global batch
 RANKS = 2
 EPOCH = 12         # batches per epoch of the data below (checked in the data fixture)
@@ -176,6 +174,7 @@ def test_partition_guarantee():
         assert not np.array_equal(rank_batches(n, 1, 1, 1), rank_batches(n, 2, 1, 1))  # NCN matters
 
 
+@pytest.mark.slow  # trainings on 1 and 2 ranks (composer -n 2)
 def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
     log1, log2 = straight['log'], two_ranks['log']
     assert [b['batch'] for b in log2] == list(range(STOP))
@@ -196,6 +195,7 @@ def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
         'initial_physical_nodes': 1}
 
 
+@pytest.mark.slow  # trainings on 1 and 2 ranks (composer -n 2)
 def test_two_rank_accounting_equals_one_rank(straight, two_ranks):
     """Counters are all-reduced over ranks: every logged point equals the 1-rank run's."""
     hist1 = [p for p in straight['report']['history'] if p['batch'] <= STOP]
@@ -210,6 +210,7 @@ def test_two_rank_accounting_equals_one_rank(straight, two_ranks):
     assert two_ranks['report']['total']['samples'] == STOP * BATCH
 
 
+@pytest.mark.slow  # trainings on 1 and 2 ranks (composer -n 2)
 def test_two_rank_checkpoint_resumes_on_one_rank(straight, two_ranks, tmp_path):
     """Elastic: stopped on 2 ranks, resumed on 1; the remaining global samples exactly."""
     import shutil

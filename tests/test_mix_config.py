@@ -7,7 +7,8 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from foundrymix.mix.config import ConfigError, LoaderConfig, StreamSpec
+from foundrymix.config import ConfigError
+from foundrymix.mix.config import LoaderConfig, StreamSpec
 
 
 def test_parses_llm_foundry_shape_from_dictconfig():

@@ -31,22 +31,23 @@ def model_for(kind: str, attention: str) -> CausalLM:
     return CausalLM(build_hf_model(spec, TOK, SEQ), attention=spec.attention).eval()
 
 
+def logits_with_two_first_documents(kind: str, attention: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of two rows that differ only in their first document."""
+    model = model_for(kind, attention)
+    with torch.no_grad():
+        return model(batch_of([2, 3, 4, 5, 6, 0])).logits, model(batch_of([7, 8, 9, 20, 21, 0])).logits
+
+
 @pytest.mark.parametrize('kind', ['llama', 'gpt2'])
 def test_document_attention_isolates_packed_documents(kind):
-    model = model_for(kind, 'document')
-    with torch.no_grad():
-        a = model(batch_of([2, 3, 4, 5, 6, 0])).logits
-        b = model(batch_of([7, 8, 9, 20, 21, 0])).logits
+    a, b = logits_with_two_first_documents(kind, 'document')
     assert not torch.allclose(a[0, :6], b[0, :6])           # the first document changed ...
     torch.testing.assert_close(a[0, 6:13], b[0, 6:13], rtol=0, atol=1e-5)  # ... the second did not see it
 
 
 @pytest.mark.parametrize('kind', ['llama', 'gpt2'])
 def test_causal_attention_sees_across_documents(kind):
-    model = model_for(kind, 'causal')
-    with torch.no_grad():
-        a = model(batch_of([2, 3, 4, 5, 6, 0])).logits
-        b = model(batch_of([7, 8, 9, 20, 21, 0])).logits
+    a, b = logits_with_two_first_documents(kind, 'causal')
     assert not torch.allclose(a[0, 6:13], b[0, 6:13])
 
 

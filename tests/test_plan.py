@@ -8,7 +8,7 @@ import os
 import pytest
 
 from foundrymix.cli import main
-from foundrymix.mix.config import ConfigError
+from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
 from foundrymix.mix.plan import parse_duration
 from mix_helpers import build_three, loader_dict

@@ -23,12 +23,12 @@ import pytest
 import torch
 import yaml
 
-from foundrymix.mix.config import ConfigError
+from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = 'fmx-test'
-from conftest import tiny_run_config
+from helpers import tiny_run_config
 BATCH = 6
 METADATA = {'foundrymix.json', 'index.json'}
 
@@ -205,6 +205,7 @@ def test_unreachable_endpoint_names_stream_and_path(tmp_path, bucket, monkeypatc
         f'EndpointConnectionError: Could not connect to the endpoint URL: "{dead}/')
 
 
+@pytest.mark.slow
 def test_train_py_on_s3_streams(tmp_path, s3, bucket, data, local_epoch):
     """A real ``python train.py`` run on remote-only streams, endpoint passed through the env."""
     cache = tmp_path / 'cache'

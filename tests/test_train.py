@@ -19,11 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-
-ROOT = Path(__file__).resolve().parent.parent
-from conftest import SMALL_SEQ as SEQ
-from conftest import tiny_run_config
+from helpers import ROOT, tiny_run_config
+from helpers import SMALL_SEQ as SEQ
 
 BATCH = 6
 N_BATCHES = 40
@@ -84,6 +81,7 @@ def straight(tmp_path_factory, data) -> dict:
             'report': json.loads((run / 'report' / 'stream_accounting.json').read_text())}
 
 
+@pytest.mark.slow  # whole train.py runs
 def test_straight_run_covers_epochs(straight):
     log = straight['log']
     assert [b['batch'] for b in log] == list(range(N_BATCHES))
@@ -108,6 +106,7 @@ def resumed_run(tmp_path: Path, data: dict, stop_at: str, save_interval: str) ->
     return stopped, sample_log(tmp_path / 'samples.jsonl'), report
 
 
+@pytest.mark.slow  # whole train.py runs
 def test_resume_mid_epoch_is_exact(tmp_path, data, straight):
     k = straight['epoch_batches'] // 2
     stopped, log, report = resumed_run(tmp_path, data, f'{k}ba', f'{k}ba')
@@ -117,6 +116,7 @@ def test_resume_mid_epoch_is_exact(tmp_path, data, straight):
     assert report['streams'] == straight['report']['streams']
 
 
+@pytest.mark.slow  # whole train.py runs
 def test_resume_at_epoch_boundary_is_exact(tmp_path, data, straight):
     """composer 0.32.1 + streaming 0.13.0 alone replay epoch 0 here; we must not."""
     stopped, log, report = resumed_run(tmp_path, data, '1ep', '1ep')
@@ -131,6 +131,7 @@ def test_resume_at_epoch_boundary_is_exact(tmp_path, data, straight):
     assert report['streams'] == straight['report']['streams']
 
 
+@pytest.mark.slow  # whole train.py runs
 def test_sigkill_then_autoresume_is_exact(tmp_path, data, straight):
     cfg = write_config(tmp_path / 'c.yaml', data, save_folder=str(tmp_path / 'ckpt'), save_interval='3ba',
                        autoresume=True, run_name='killed',
@@ -151,6 +152,7 @@ def test_sigkill_then_autoresume_is_exact(tmp_path, data, straight):
     assert_same_weights(final_state(tmp_path / 'ckpt'), straight['state'])
 
 
+@pytest.mark.slow  # whole train.py runs
 def test_accounting_matches_sample_log(straight, data):
     """Per-stream counters equal what the logged sample ids say; shares sum to 1."""
     report = straight['report']
@@ -205,7 +207,7 @@ def test_cli_reports_config_error(tmp_path, data):
 def test_batch_not_divisible_by_ranks(tmp_path, data, monkeypatch):
     from composer.utils import dist
 
-    from foundrymix.mix.config import ConfigError
+    from foundrymix.config import ConfigError
     from foundrymix.train.builder import build_trainer
     from foundrymix.train.config import load_config
 

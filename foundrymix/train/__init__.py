@@ -1,1 +1,1 @@
-"""Training: Composer model wrapper, callbacks, trainer builder."""
+"""Training: config, model wrapper, callbacks (one table, one module each), trainer builder, report, CLI."""

@@ -10,21 +10,22 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from composer import Trainer
-from composer.callbacks import LRMonitor, SpeedMonitor
 from composer.core import Callback, Evaluator
 from composer.loggers import FileLogger, LoggerDestination
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler, DecoupledAdamW,
                             LinearWithWarmupScheduler)
 from composer.utils import dist, reproducibility
 
-from foundrymix.mix.config import ConfigError
+from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
-from foundrymix.train.callbacks import EpochBoundary, SampleLog, StopAt, StreamAccounting
-from foundrymix.train.config import SampleLogConfig, StopAtConfig, TrainConfig
+from foundrymix.train.callbacks import CallbackContext, build_callbacks
+from foundrymix.train.callbacks.accounting import StreamAccounting
+from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
+from foundrymix.train.config import TrainConfig
 from foundrymix.train.model import CausalLM, build_hf_model
 
 log = logging.getLogger(__name__)
@@ -77,14 +78,6 @@ def _loggers(cfg: TrainConfig) -> list[LoggerDestination]:
     return out
 
 
-def _out_dir(cfg: TrainConfig) -> str:
-    if cfg.stream_accounting.out_dir:
-        return cfg.stream_accounting.out_dir
-    if cfg.save_folder:
-        return os.path.join(os.path.dirname(os.path.abspath(cfg.save_folder)) or '.', 'report')
-    return os.path.join('runs', cfg.run_name, 'report')
-
-
 def _share_cpu_threads(device: str) -> None:
     """Split the CPU cores over the ranks of this node, as ``torchrun`` does.
 
@@ -106,8 +99,8 @@ def _check_load_path(cfg: TrainConfig) -> None:
         raise FileNotFoundError(f'load_path: {path}: no such checkpoint')
 
 
-def build_trainer(cfg: TrainConfig) -> TrainRun:
-    """Validate everything, then build model, data, callbacks and the Composer trainer."""
+def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
+    """(per-rank batch, microbatch); refuses a batch the ranks or microbatches cannot split."""
     world = dist.get_world_size()
     if cfg.global_train_batch_size % world:
         raise ConfigError(f'global_train_batch_size={cfg.global_train_batch_size} is not divisible by '
@@ -117,8 +110,11 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     if isinstance(micro, int) and (micro <= 0 or device_batch % micro):
         raise ConfigError(f'device_train_microbatch_size={micro} does not divide the per-rank batch '
                           f'({device_batch} = {cfg.global_train_batch_size} / {world} ranks)')
-    _check_load_path(cfg)
+    return device_batch, micro
 
+
+def _train_mixer(cfg: TrainConfig) -> StreamMixer:
+    """The validated train mixer; its rows must be ``max_seq_len`` long, from ``cfg.tokenizer``."""
     mixer = StreamMixer(cfg.train_loader)
     mixer.validate()
     if mixer.max_seq_len != cfg.max_seq_len:
@@ -130,49 +126,40 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
         if expected != mixer.tokenizer.fingerprint:
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
                               f'converted with ({mixer.tokenizer.name})')
-    plan = mixer.plan(batch_size=device_batch, max_duration=cfg.max_duration, world_size=world)
+    return mixer
 
-    reproducibility.seed_all(cfg.seed)
-    hf_model = build_hf_model(cfg.model, mixer.tokenizer, cfg.max_seq_len)
-    model = CausalLM(hf_model, attention=cfg.model.attention)
-    train_loader = mixer.build_dataloader(batch_size=device_batch)
 
-    eval_dataloader: Optional[Evaluator] = None
-    if cfg.eval_loader is not None:
-        eval_mixer = StreamMixer(cfg.eval_loader)
-        eval_mixer.validate()
-        if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != mixer.tokenizer.fingerprint:
-            raise ConfigError('eval_loader streams differ from train_loader streams in max_seq_len or tokenizer')
-        eval_batch = cfg.device_eval_batch_size or device_batch
-        eval_dataloader = Evaluator(label='eval', dataloader=eval_mixer.build_dataloader(batch_size=eval_batch),
-                                    metric_names=['LanguageCrossEntropy'])
+def _evaluator(cfg: TrainConfig, mixer: StreamMixer, device_batch: int) -> Optional[Evaluator]:
+    """The ``eval_loader`` as an evaluator, or None; its streams must match the train streams."""
+    if cfg.eval_loader is None:
+        return None
+    eval_mixer = StreamMixer(cfg.eval_loader)
+    eval_mixer.validate()
+    if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != mixer.tokenizer.fingerprint:
+        raise ConfigError('eval_loader streams differ from train_loader streams in max_seq_len or tokenizer')
+    eval_batch = cfg.device_eval_batch_size or device_batch
+    return Evaluator(label='eval', dataloader=eval_mixer.build_dataloader(batch_size=eval_batch),
+                     metric_names=['LanguageCrossEntropy'])
 
-    acc_cfg = cfg.stream_accounting
-    accounting = StreamAccounting(
-        stream_names=mixer.stream_names,
-        planned_share=[s.share for s in plan.streams],
-        out_dir=_out_dir(cfg), log_interval=acc_cfg.log_interval, plot=acc_cfg.plot)
-    callbacks: list[Callback] = [EpochBoundary(), accounting]
-    for name, opts in cfg.callbacks.items():
-        if name == 'sample_log':
-            assert isinstance(opts, SampleLogConfig)
-            callbacks.append(SampleLog(opts.path))
-        elif name == 'stop_at':
-            assert isinstance(opts, StopAtConfig)
-            callbacks.append(StopAt(opts.time))
-        elif name == 'speed_monitor':
-            callbacks.append(SpeedMonitor(**opts))
-        elif name == 'lr_monitor':
-            callbacks.append(LRMonitor())
 
+def _callbacks(cfg: TrainConfig, mixer: StreamMixer, plan: Any) -> tuple[list[Callback], StreamAccounting]:
+    """``EpochBoundary`` first, then every callback of the table the run uses (accounting always)."""
+    ctx = CallbackContext(config=cfg, stream_names=mixer.stream_names,
+                          planned_share=[s.share for s in plan.streams])
+    built = build_callbacks(cfg.callbacks, ctx)
+    return [EpochBoundary(), *built.values()], built['stream_accounting']
+
+
+def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
+             micro: Union[int, str], callbacks: list[Callback]) -> Trainer:
     device = _device(cfg)
     _share_cpu_threads(device)
     console = 'console' in cfg.loggers
-    trainer = Trainer(
+    return Trainer(
         model=model,
         train_dataloader=train_loader,
-        eval_dataloader=eval_dataloader,
-        eval_interval=cfg.eval_interval if eval_dataloader is not None else 1,
+        eval_dataloader=evaluator,
+        eval_interval=cfg.eval_interval if evaluator is not None else 1,
         eval_subset_num_batches=cfg.eval_subset_num_batches,
         max_duration=cfg.max_duration,
         optimizers=_optimizer(cfg, model),
@@ -196,6 +183,22 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
         load_path=None if cfg.autoresume and not cfg.load_path else cfg.load_path,
         seed=cfg.seed,
     )
+
+
+def build_trainer(cfg: TrainConfig) -> TrainRun:
+    """Validate everything, then build model, data, callbacks and the Composer trainer."""
+    device_batch, micro = _batch_sizes(cfg)
+    _check_load_path(cfg)
+    mixer = _train_mixer(cfg)
+    plan = mixer.plan(batch_size=device_batch, max_duration=cfg.max_duration, world_size=dist.get_world_size())
+
+    reproducibility.seed_all(cfg.seed)
+    hf_model = build_hf_model(cfg.model, mixer.tokenizer, cfg.max_seq_len)
+    model = CausalLM(hf_model, attention=cfg.model.attention)
+    train_loader = mixer.build_dataloader(batch_size=device_batch)
+    evaluator = _evaluator(cfg, mixer, device_batch)
+    callbacks, accounting = _callbacks(cfg, mixer, plan)
+    trainer = _trainer(cfg, model, train_loader, evaluator, micro, callbacks)
     return TrainRun(config=cfg, trainer=trainer, mixer=mixer, accounting=accounting, plan=plan)
 
 

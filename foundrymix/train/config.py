@@ -15,42 +15,8 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 from foundrymix.config import (ConfigError, check_duration, check_keys, load_yaml, read_dataclass,
                                to_plain)
 from foundrymix.mix.config import LoaderConfig
-
-AttentionMode = Literal['document', 'causal']
-
-
-class ModelConfigError(ConfigError):
-    """The ``model`` section does not describe a causal LM that fits the data."""
-
-
-@dataclass
-class ModelSpec:
-    """The ``model`` section: a transformers ``model_type`` plus its config fields.
-
-    Read with :meth:`from_config`: ``type`` (or ``model_type``) and ``attention`` are
-    ours, every other key is handed to the transformers config of that type.
-    """
-
-    model_type: str
-    attention: AttentionMode
-    config_kwargs: dict[str, Any]
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> 'ModelSpec':
-        return cls.from_config(d, 'model')
-
-    @classmethod
-    def from_config(cls, value: Any, where: str) -> 'ModelSpec':
-        d = to_plain(value, where)
-        model_type = d.pop('type', None) or d.pop('model_type', None)
-        if not model_type:
-            raise ModelConfigError(f"{where}: needs 'type' (a transformers model_type such as "
-                                   f"llama or gpt2)")
-        attention = d.pop('attention', 'document')
-        if attention not in ('document', 'causal'):
-            raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
-        return cls(model_type=str(model_type), attention=attention, config_kwargs=d)
-
+from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
+from foundrymix.train.model_spec import ModelSpec
 
 @dataclass
 class OptimizerConfig:
@@ -73,44 +39,13 @@ class SchedulerConfig:
     alpha_f: float = 0.1
 
 
-@dataclass
-class StreamAccountingConfig:
-    """Per-stream token accounting (always on; these are its settings)."""
-
-    log_interval: str = '10ba'
-    out_dir: Optional[str] = None  # default: <save_folder>/.. or ./runs/<run_name>
-    plot: bool = True
-
-
-@dataclass
-class SampleLogConfig:
-    """Write every batch's global sample ids (and streams) to a JSONL file."""
-
-    path: str = 'sample_log.jsonl'
-
-
-@dataclass
-class StopAtConfig:
-    """Stop (not shorten) the run at ``time``, e.g. to fit a cluster time limit."""
-
-    time: str
-
-
-CALLBACKS: dict[str, type] = {
-    'stream_accounting': StreamAccountingConfig,
-    'sample_log': SampleLogConfig,
-    'stop_at': StopAtConfig,
-    'speed_monitor': dict,
-    'lr_monitor': dict,
-}
 LOGGERS = ('console', 'file')
 
 
 def _read_callbacks(value: Any, where: str) -> dict[str, Any]:
     callbacks = to_plain(value, where)
     check_keys(callbacks, list(CALLBACKS), where)
-    return {name: (dict(v or {}) if CALLBACKS[name] is dict
-                   else read_dataclass(CALLBACKS[name], v, f'{where}.{name}'))
+    return {name: read_dataclass(CALLBACKS[name].config, v, f'{where}.{name}')
             for name, v in callbacks.items()}
 
 
@@ -121,7 +56,8 @@ def _read_loggers(value: Any, where: str) -> dict[str, dict[str, Any]]:
 
 
 class Callbacks(dict):
-    """``callbacks``: YAML name -> that callback's config (see :data:`CALLBACKS`)."""
+    """``callbacks``: YAML name -> that callback's config (the table in
+    :mod:`foundrymix.train.callbacks`)."""
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'Callbacks':

@@ -25,9 +25,9 @@ from composer.metrics.nlp import LanguageCrossEntropy
 from composer.models import ComposerModel
 
 from foundrymix.schema import IGNORE_INDEX, TokenizerInfo
-from foundrymix.train.config import AttentionMode, ModelConfigError, ModelSpec
+from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec
 
-__all__ = ['CausalLM', 'ModelConfigError', 'ModelSpec', 'build_hf_model']
+__all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'build_hf_model']
 
 
 def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) -> torch.nn.Module:

@@ -1,0 +1,126 @@
+"""The ``callbacks`` section of a training YAML: one table, YAML name -> (config, factory).
+
+Adding a callback is one entry in :data:`CALLBACKS`: a small dataclass for its YAML
+options (unknown keys are refused by the config reader) and a factory that builds the
+Composer callback. This module imports neither torch nor composer, so reading a config
+(and ``foundrymix plan``) stays fast; each factory imports its callback class when the
+trainer is built. The callbacks themselves live beside this file, one per module.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+
+@dataclass
+class CallbackContext:
+    """What a factory may need besides its own options: the run and the planned mixture."""
+
+    config: Any  # the TrainConfig
+    stream_names: Sequence[str]
+    planned_share: Sequence[float]
+
+
+@dataclass
+class StreamAccountingConfig:
+    """Per-stream token accounting (always on; these are its settings)."""
+
+    log_interval: str = '10ba'
+    out_dir: Optional[str] = None  # default: <save_folder>/../report or ./runs/<run_name>/report
+    plot: bool = True
+
+    def report_dir(self, save_folder: Optional[str], run_name: str) -> str:
+        """Where ``stream_accounting.{json,png}`` go."""
+        if self.out_dir:
+            return self.out_dir
+        if save_folder:
+            return os.path.join(os.path.dirname(os.path.abspath(save_folder)) or '.', 'report')
+        return os.path.join('runs', run_name, 'report')
+
+
+@dataclass
+class SampleLogConfig:
+    """Write every batch's global sample ids (and streams) to a JSONL file."""
+
+    path: str = 'sample_log.jsonl'
+
+
+@dataclass
+class StopAtConfig:
+    """Stop (not shorten) the run at ``time``, e.g. to fit a cluster time limit."""
+
+    time: str
+
+
+@dataclass
+class SpeedMonitorConfig:
+    """Composer's ``SpeedMonitor``: throughput over the last ``window_size`` batches."""
+
+    window_size: int = 100
+    gpu_flops_available: Optional[float] = None
+    time_unit: str = 'hours'
+
+
+@dataclass
+class LRMonitorConfig:
+    """Composer's ``LRMonitor``: logs the learning rate of every parameter group (no options)."""
+
+
+def _stream_accounting(opts: StreamAccountingConfig, ctx: CallbackContext) -> Any:
+    from foundrymix.train.callbacks.accounting import StreamAccounting
+    return StreamAccounting(stream_names=ctx.stream_names, planned_share=ctx.planned_share,
+                            out_dir=opts.report_dir(ctx.config.save_folder, ctx.config.run_name),
+                            log_interval=opts.log_interval, plot=opts.plot)
+
+
+def _sample_log(opts: SampleLogConfig, ctx: CallbackContext) -> Any:
+    from foundrymix.train.callbacks.sample_log import SampleLog
+    return SampleLog(opts.path)
+
+
+def _stop_at(opts: StopAtConfig, ctx: CallbackContext) -> Any:
+    from foundrymix.train.callbacks.stop_at import StopAt
+    return StopAt(opts.time)
+
+
+def _speed_monitor(opts: SpeedMonitorConfig, ctx: CallbackContext) -> Any:
+    from composer.callbacks import SpeedMonitor
+    return SpeedMonitor(window_size=opts.window_size, gpu_flops_available=opts.gpu_flops_available,
+                        time_unit=opts.time_unit)
+
+
+def _lr_monitor(opts: LRMonitorConfig, ctx: CallbackContext) -> Any:
+    from composer.callbacks import LRMonitor
+    return LRMonitor()
+
+
+@dataclass(frozen=True)
+class CallbackEntry:
+    """One row of the table: the YAML options' dataclass and what builds the callback."""
+
+    config: type
+    factory: Callable[[Any, CallbackContext], Any]
+
+
+#: YAML name -> (config dataclass, factory). ``stream_accounting`` is always built (with
+#: default options when the YAML leaves it out); the others only when named.
+CALLBACKS: dict[str, CallbackEntry] = {
+    'stream_accounting': CallbackEntry(StreamAccountingConfig, _stream_accounting),
+    'sample_log': CallbackEntry(SampleLogConfig, _sample_log),
+    'stop_at': CallbackEntry(StopAtConfig, _stop_at),
+    'speed_monitor': CallbackEntry(SpeedMonitorConfig, _speed_monitor),
+    'lr_monitor': CallbackEntry(LRMonitorConfig, _lr_monitor),
+}
+ALWAYS_ON = ('stream_accounting',)
+
+
+def build_callbacks(options: dict[str, Any], ctx: CallbackContext) -> dict[str, Any]:
+    """Build every callback the YAML names plus the always-on ones, always-on first.
+
+    ``options`` maps a YAML name to its config dataclass (as the config reader made it).
+    Returns YAML name -> Composer callback, in build order.
+    """
+    names = [*ALWAYS_ON, *(n for n in options if n not in ALWAYS_ON)]
+    return {name: CALLBACKS[name].factory(options.get(name) or CALLBACKS[name].config(), ctx) for name in names}

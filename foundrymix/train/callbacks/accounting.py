@@ -1,0 +1,152 @@
+"""``StreamAccounting``: samples, tokens and loss tokens consumed per stream, against the plan.
+
+Counting only: the counters live in Composer checkpoints (``state_dict`` /
+``load_state_dict``), so a resumed run continues them instead of starting over; the
+files are written by :mod:`foundrymix.train.report` from :meth:`StreamAccounting.summary`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from composer.core import Callback, State, Time, TimeUnit
+from composer.loggers import Logger
+from composer.utils import dist
+
+from foundrymix.schema import IGNORE_INDEX
+from foundrymix.train import report
+
+#: the counters, in the order of :meth:`StreamAccounting.count`'s rows
+COUNTERS = ('samples', 'tokens', 'loss_tokens')
+
+
+def interval_hit(timestamp: Any, interval: Time) -> bool:
+    if interval.unit == TimeUnit.BATCH:
+        return int(timestamp.batch) % interval.value == 0
+    if interval.unit == TimeUnit.EPOCH:
+        return int(timestamp.batch_in_epoch) == 0
+    raise ValueError(f'log interval must be in batches or epochs, got {interval}')
+
+
+def count(batch: Mapping[str, torch.Tensor], n_streams: int) -> torch.Tensor:
+    """This rank's batch as a ``(3, n_streams)`` tensor: samples, real tokens, loss tokens.
+
+    From the batch itself: ``stream_id`` per row, ``attention_mask`` (real tokens) and
+    ``labels`` (``IGNORE_INDEX`` where there is no loss).
+    """
+    stream_id = batch['stream_id'].reshape(-1)
+    real = batch['attention_mask'].sum(dim=1)
+    loss = (batch['labels'] != IGNORE_INDEX).sum(dim=1)
+    counts = torch.zeros(3, n_streams, dtype=torch.int64, device=stream_id.device)
+    counts[0].index_add_(0, stream_id, torch.ones_like(stream_id))
+    counts[1].index_add_(0, stream_id, real.to(torch.int64))
+    counts[2].index_add_(0, stream_id, loss.to(torch.int64))
+    return counts
+
+
+class StreamAccounting(Callback):
+    """Count samples, tokens and loss tokens consumed per stream; compare with the plan.
+
+    Counts come from the batches (:func:`count`), summed over all ranks. Every
+    ``log_interval`` it records a history point and logs, per stream, cumulative tokens
+    and loss tokens, the realized share of samples and tokens, the planned share of
+    samples, and the epoch. At the end rank 0 writes ``stream_accounting.json`` (and
+    ``.png`` with ``plot``) into ``out_dir``.
+    """
+
+    def __init__(self, stream_names: Sequence[str], planned_share: Sequence[float],
+                 out_dir: str, log_interval: str = '10ba', plot: bool = True) -> None:
+        self.stream_names = list(stream_names)
+        self.planned_share = [float(s) for s in planned_share]
+        self.out_dir = out_dir
+        self.log_interval = Time.from_timestring(log_interval)
+        self.plot = plot
+        self.counts = np.zeros((len(COUNTERS), len(self.stream_names)), dtype=np.int64)
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def samples(self) -> np.ndarray:
+        return self.counts[0]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.counts[1]
+
+    @property
+    def loss_tokens(self) -> np.ndarray:
+        return self.counts[2]
+
+    # -- events -------------------------------------------------------------------
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        counts = count(state.batch, len(self.stream_names))
+        dist.all_reduce(counts, reduce_operation='SUM')
+        self.counts += counts.cpu().numpy()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if interval_hit(state.timestamp, self.log_interval):
+            self.record(state, logger)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if not self.history or self.history[-1]['batch'] != int(state.timestamp.batch):
+            self.record(state, logger)
+        if dist.get_global_rank() == 0:
+            self.write_summary(state)
+
+    def record(self, state: State, logger: Logger) -> None:
+        """Append a history point and log the per-stream metrics."""
+        point = {'batch': int(state.timestamp.batch), 'epoch': int(state.timestamp.epoch)}
+        point.update({name: self.counts[i].tolist() for i, name in enumerate(COUNTERS)})
+        self.history.append(point)
+        metrics: dict[str, Any] = {'streams/epoch': int(state.timestamp.epoch)}
+        for name, s in self.streams().items():
+            for key in ('tokens', 'loss_tokens', 'share', 'token_share', 'planned_share'):
+                metrics[f'streams/{name}/{key}'] = s[key]
+        logger.log_metrics(metrics)
+
+    # -- output -------------------------------------------------------------------
+    def streams(self) -> dict[str, dict[str, Any]]:
+        """Per stream: the counters, realized shares of samples and tokens, planned share."""
+        total_samples = max(int(self.samples.sum()), 1)
+        total_tokens = max(int(self.tokens.sum()), 1)
+        return {name: {'samples': int(self.samples[i]),
+                       'tokens': int(self.tokens[i]),
+                       'loss_tokens': int(self.loss_tokens[i]),
+                       'share': float(self.samples[i]) / total_samples,
+                       'token_share': float(self.tokens[i]) / total_tokens,
+                       'planned_share': self.planned_share[i]}
+                for i, name in enumerate(self.stream_names)}
+
+    def summary(self, state: Optional[State] = None) -> dict[str, Any]:
+        """The report's data (without ``history``); ``batch``/``epoch`` from ``state`` if given."""
+        out: dict[str, Any] = {'streams': self.streams(),
+                               'total': {name: int(self.counts[i].sum()) for i, name in enumerate(COUNTERS)}}
+        if state is not None:
+            out['batch'] = int(state.timestamp.batch)
+            out['epoch'] = int(state.timestamp.epoch)
+        return out
+
+    @property
+    def summary_path(self) -> str:
+        return report.summary_path(self.out_dir)
+
+    @property
+    def plot_path(self) -> str:
+        return report.plot_path(self.out_dir)
+
+    def write_summary(self, state: Optional[State] = None) -> None:
+        report.write_report({**self.summary(state), 'history': self.history}, self.out_dir, plot=self.plot)
+
+    # -- checkpointing --------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {'stream_names': self.stream_names, 'samples': self.samples.tolist(),
+                'tokens': self.tokens.tolist(), 'loss_tokens': self.loss_tokens.tolist(),
+                'history': self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if list(state['stream_names']) != self.stream_names:
+            raise ValueError(f'checkpoint counts streams {state["stream_names"]}, this run has '
+                             f'{self.stream_names}: resuming a different mixture')
+        self.counts = np.array([state[name] for name in COUNTERS], dtype=np.int64).reshape(len(COUNTERS), -1)
+        self.history = list(state['history'])

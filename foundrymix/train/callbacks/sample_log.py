@@ -1,0 +1,44 @@
+"""``SampleLog``: which global sample ids (and streams) each batch held, as JSONL."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+
+class SampleLog(Callback):
+    """Append each global batch's sample ids and streams to a JSONL file (rank 0).
+
+    One line per batch: ``{"batch": b, "epoch": e, "sample_ids": [...], "stream_ids":
+    [...]}`` in rank order. On resume, lines for batches at or after the checkpoint are
+    dropped first, so the file always describes exactly what the weights saw.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0 or not os.path.exists(self.path):
+            return
+        resumed_at = int(state.timestamp.batch)
+        with open(self.path, encoding='utf-8') as f:
+            keep = [line for line in f if line.strip() and json.loads(line)['batch'] < resumed_at]
+        with open(self.path, 'w', encoding='utf-8') as f:
+            f.writelines(keep)
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        ids = state.batch['sample_id'].reshape(-1).tolist()
+        streams = state.batch['stream_id'].reshape(-1).tolist()
+        gathered = dist.all_gather_object((ids, streams))
+        if dist.get_global_rank() != 0:
+            return
+        all_ids = [i for rank_ids, _ in gathered for i in rank_ids]
+        all_streams = [s for _, rank_streams in gathered for s in rank_streams]
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, 'a', encoding='utf-8') as f:
+            f.write(json.dumps({'batch': int(state.timestamp.batch), 'epoch': int(state.timestamp.epoch),
+                                'sample_ids': all_ids, 'stream_ids': all_streams}) + '\n')

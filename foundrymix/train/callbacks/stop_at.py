@@ -1,0 +1,32 @@
+"""``StopAt``: end a job at a given time while the schedule keeps the whole run's length."""
+
+from __future__ import annotations
+
+from composer.core import Callback, State, Time, TimeUnit
+from composer.loggers import Logger
+
+
+class StopAt(Callback):
+    """Stop training gracefully at a given time (``'40ba'`` or ``'1ep'``), keeping ``max_duration``.
+
+    Why: a long run often has to be cut into jobs shorter than a cluster's time limit.
+    The LR schedule must still follow the *whole* run's ``max_duration``, so the run
+    is stopped rather than shortened; with a matching ``save_interval`` the last
+    checkpoint is at exactly that time, and ``autoresume`` continues from it.
+    """
+
+    def __init__(self, time: str) -> None:
+        self.time = Time.from_timestring(time)
+        if self.time.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH):
+            raise ValueError(f'callbacks.stop_at.time must be in batches or epochs, got {time!r}')
+
+    def _reached(self, state: State) -> bool:
+        return state.timestamp.get(self.time.unit) >= self.time
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.time.unit == TimeUnit.BATCH and self._reached(state):
+            state.stop_training()
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        if self.time.unit == TimeUnit.EPOCH and self._reached(state):
+            state.stop_training()

@@ -1,0 +1,136 @@
+"""The per-stream accounting report: ``stream_accounting.json``, its plot and its table.
+
+Plain data in, files out: everything here works from the summary dict the
+:class:`~foundrymix.train.callbacks.accounting.StreamAccounting` callback produces (or
+the JSON a finished run wrote), so ``foundrymix report RUN/report`` re-renders the table
+and the PNG of any run without torch. The summary::
+
+    {"streams": {name: {"samples", "tokens", "loss_tokens", "share", "token_share",
+                        "planned_share"}, ...},
+     "total": {"samples", "tokens", "loss_tokens"},
+     "batch": b, "epoch": e,                     # where the run ended
+     "history": [{"batch", "epoch", "samples": [...], "tokens": [...],
+                  "loss_tokens": [...]}, ...]}   # cumulative, one list entry per stream
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Optional
+
+SUMMARY_NAME = 'stream_accounting.json'
+PLOT_NAME = 'stream_accounting.png'
+
+
+def summary_path(out_dir: str) -> str:
+    return os.path.join(out_dir, SUMMARY_NAME)
+
+
+def plot_path(out_dir: str) -> str:
+    return os.path.join(out_dir, PLOT_NAME)
+
+
+def write_report(summary: dict[str, Any], out_dir: str, plot: bool = True) -> None:
+    """Write ``stream_accounting.json`` and (with ``plot`` and a history) the PNG into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(summary_path(out_dir), 'w', encoding='utf-8') as f:
+        json.dump(summary, f, indent=2)
+    if plot and summary.get('history'):
+        write_plot(summary, plot_path(out_dir))
+
+
+def write_plot(summary: dict[str, Any], path: str) -> None:
+    """Cumulative tokens per stream against batches, realized (solid) and planned (dashed)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(summary['streams'])
+    planned_share = [summary['streams'][n]['planned_share'] for n in names]
+    history = summary['history']
+    zero = [0] * len(names)
+    steps = [0] + [p['batch'] for p in history]
+    tokens = np.array([zero] + [p['tokens'] for p in history], dtype=np.float64)
+    samples = np.array([zero] + [p['samples'] for p in history], dtype=np.float64)
+    total_tokens = tokens.sum(axis=1)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, name in enumerate(names):
+        line, = ax.plot(steps, tokens[:, i], label=f'{name} (realized)')
+        # Planned tokens: planned sample share x realized tokens per sample of the stream.
+        per_sample = tokens[-1, i] / max(samples[-1, i], 1)
+        planned = np.array([planned_share[i] * s.sum() * per_sample for s in samples])
+        ax.plot(steps, planned, linestyle='--', color=line.get_color(), alpha=0.6,
+                label=f'{name} (plan {planned_share[i]:.1%})')
+    ax.plot(steps, total_tokens, color='black', linewidth=0.8, label='all streams')
+    ax.set_xlabel('batch')
+    ax.set_ylabel('cumulative tokens')
+    ax.set_title('Tokens per stream: realized vs planned share')
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(summary: dict[str, Any]) -> Any:
+    """The summary as a rich table: per stream, what was consumed against the plan."""
+    from rich.table import Table
+
+    title = 'per-stream accounting'
+    if 'batch' in summary:
+        title += f' after {summary["batch"]} batches ({summary["epoch"]} full epochs)'
+    out = Table(title=title)
+    for col in ('stream', 'samples', 'tokens', 'loss tokens', 'share', 'planned share'):
+        out.add_column(col, justify='left' if col == 'stream' else 'right')
+    for name, s in summary['streams'].items():
+        out.add_row(name, f'{s["samples"]:,}', f'{s["tokens"]:,}', f'{s["loss_tokens"]:,}',
+                    f'{s["share"]:.2%}', f'{s["planned_share"]:.2%}')
+    return out
+
+
+def print_report(summary: dict[str, Any], out_dir: str, plot: bool, console: Optional[Any] = None) -> None:
+    """Print the table and where the JSON (and the PNG, with ``plot``) are."""
+    if console is None:
+        from rich.console import Console
+        console = Console()
+    console.print(table(summary))
+    console.print(f'summary: {summary_path(out_dir)}')
+    if plot:
+        console.print(f'plot:    {plot_path(out_dir)}')
+
+
+def load_summary(path: str) -> tuple[dict[str, Any], str]:
+    """``path`` is a report directory or its ``stream_accounting.json``: (summary, report dir)."""
+    file = summary_path(path) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f'{file}: no such file (expected a report directory or its {SUMMARY_NAME})')
+    with open(file, encoding='utf-8') as f:
+        try:
+            summary = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f'{file}: not JSON: {e}') from None
+    if not isinstance(summary, dict) or not isinstance(summary.get('streams'), dict):
+        raise ValueError(f"{file}: not a stream accounting summary (no 'streams' mapping)")
+    return summary, os.path.dirname(os.path.abspath(file))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser('report', help="re-render a training run's per-stream accounting",
+                              description=f'Print the per-stream table of a finished (or stopped) run and '
+                                          f'write {PLOT_NAME} again beside its {SUMMARY_NAME}.')
+    p.add_argument('path', metavar='RUN_REPORT_DIR_or_JSON',
+                   help=f'the report directory (stream_accounting.out_dir) or its {SUMMARY_NAME}')
+    p.add_argument('--no-plot', dest='plot', action='store_false', help=f'print the table only, no {PLOT_NAME}')
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    summary, out_dir = load_summary(args.path)
+    plot = args.plot and bool(summary.get('history'))
+    if plot:
+        write_plot(summary, plot_path(out_dir))
+    print_report(summary, out_dir, plot)
+    return 0

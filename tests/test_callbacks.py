@@ -1,0 +1,75 @@
+"""The callbacks table: YAML options are typed per callback, and the trainer gets each
+callback the YAML names (plus the always-on ones) built from its options."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers import tiny_run_config
+
+
+def config_dict(callbacks: dict, loader: dict | None = None) -> dict:
+    loader = loader or {'streams': {'a': {'local': '/nonexistent/a'}}}
+    return tiny_run_config(loader, global_train_batch_size=2, max_duration='2ba', callbacks=callbacks)
+
+
+def test_every_entry_is_a_dataclass_with_defaults_or_required_keys():
+    from foundrymix.train.callbacks import CALLBACKS
+    assert list(CALLBACKS) == ['stream_accounting', 'sample_log', 'stop_at', 'speed_monitor', 'lr_monitor']
+    for name, entry in CALLBACKS.items():
+        assert dataclasses.is_dataclass(entry.config), name
+        assert callable(entry.factory), name
+
+
+def test_options_are_typed_per_callback():
+    from foundrymix.train.callbacks import LRMonitorConfig, SampleLogConfig, SpeedMonitorConfig, StopAtConfig
+    from foundrymix.train.config import TrainConfig
+
+    cfg = TrainConfig.from_dict(config_dict({'speed_monitor': {'window_size': 5}, 'lr_monitor': None,
+                                             'sample_log': {'path': 's.jsonl'}, 'stop_at': {'time': '3ba'}}))
+    assert cfg.callbacks == {'speed_monitor': SpeedMonitorConfig(window_size=5), 'lr_monitor': LRMonitorConfig(),
+                             'sample_log': SampleLogConfig(path='s.jsonl'), 'stop_at': StopAtConfig(time='3ba')}
+
+
+@pytest.mark.parametrize('callbacks, message', [
+    ({'speed_monitor': {'windw_size': 5}}, "callbacks.speed_monitor: unknown key 'windw_size'"),
+    ({'lr_monitor': {'interval': 1}}, "callbacks.lr_monitor: unknown key 'interval'"),
+    ({'sampel_log': {}}, "callbacks: unknown key 'sampel_log'"),
+])
+def test_unknown_callback_keys_are_refused(callbacks, message):
+    from foundrymix.config import ConfigError
+    from foundrymix.train.config import TrainConfig
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict(config_dict(callbacks))
+    assert message in str(err.value)
+
+
+def test_trainer_gets_the_callbacks_the_yaml_names(small_streams, tmp_path):
+    from composer.callbacks import LRMonitor, SpeedMonitor
+
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.callbacks.accounting import StreamAccounting
+    from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
+    from foundrymix.train.callbacks.sample_log import SampleLog
+    from foundrymix.train.callbacks.stop_at import StopAt
+    from foundrymix.train.config import TrainConfig
+
+    loader = {'streams': {name: {'local': str(path)} for name, path in small_streams.items()}, 'num_workers': 0}
+    cfg = TrainConfig.from_dict(config_dict(
+        {'speed_monitor': {'window_size': 3}, 'sample_log': {'path': str(tmp_path / 's.jsonl')},
+         'stop_at': {'time': '1ep'}, 'lr_monitor': {}}, loader))
+    run = build_trainer(cfg)
+    try:
+        ours = [c for c in run.trainer.state.callbacks
+                if isinstance(c, (EpochBoundary, StreamAccounting, SpeedMonitor, SampleLog, StopAt, LRMonitor))]
+        assert [type(c) for c in ours] == [EpochBoundary, StreamAccounting, SpeedMonitor, SampleLog, StopAt,
+                                           LRMonitor]
+        assert ours[1] is run.accounting and run.accounting.stream_names == ['arxiv', 'dolly']
+        assert run.accounting.planned_share == [s.share for s in run.plan.streams]
+        assert run.accounting.out_dir == 'runs/foundrymix/report'  # no save_folder, no out_dir
+        assert ours[2].history_samples.maxlen == 3 + 1  # SpeedMonitor keeps window_size + 1 points
+        assert ours[3].path == str(tmp_path / 's.jsonl')
+        assert str(ours[4].time) == '1ep'
+    finally:
+        run.trainer.close()
