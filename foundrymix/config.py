@@ -40,15 +40,22 @@ def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f'{path}: no such config file')
-    dotlist = []
+    pairs = []
     for item in overrides:
         if '=' not in item:
             raise ConfigError(f'override {item!r} is not key=value')
-        dotlist.append(item[1:] if item.startswith('+') else item)
+        key, value = item.split('=', 1)
+        pairs.append((key[1:] if key.startswith('+') else key, value))
     try:
         cfg = OmegaConf.load(path)
-        if dotlist:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+        for key, value in pairs:
+            # omegaconf's own value grammar (lists, mappings, ${...}); update() also walks
+            # into lists (``train_loader.stages.0.duration=10ba``), which merging a dotlist can't
+            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f'_={value}']), resolve=False)['_']
+            try:
+                OmegaConf.update(cfg, key, parsed, merge=True, force_add=True)
+            except (OmegaConfBaseException, TypeError, ValueError, IndexError) as e:
+                raise ConfigError(f'override {key}={value}: {e}') from None
         data = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f'{path}: {type(e).__name__}: {e}') from None

@@ -115,24 +115,41 @@ def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:
         xs += [s.start_batch, s.end_batch]
         shares += [share, share]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.stackplot(xs, np.array(shares).T, labels=[f'{n} (plan)' for n in names], alpha=0.55)
+    bands = ax.stackplot(xs, np.array(shares).T, labels=[f'{n} (plan)' for n in names], alpha=0.45)
     for s in run.stages[1:]:
         ax.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
     for s in run.stages:
         ax.text((s.start_batch + s.end_batch) / 2, 1.01, s.name, ha='center', va='bottom', fontsize=8)
     if realized is not None:
-        batches, rows = realized
-        rows = np.asarray(rows, dtype=np.float64)
-        step = np.diff(np.vstack([np.zeros(rows.shape[1]), rows]), axis=0)
-        frac = np.cumsum(step / np.maximum(step.sum(axis=1, keepdims=True), 1), axis=1)
-        for i, name in enumerate(names):
-            ax.step(batches, frac[:, i], where='post', linewidth=1.2, label=f'{name} (realized)')
+        _draw_realized(ax, run, names, realized, [tuple(b.get_facecolor()[0][:3]) for b in bands])
     ax.set_xlim(0, run.total_batches)
     ax.set_ylim(0, 1.08)
     ax.set_xlabel('global batch')
-    ax.set_ylabel('share of the batch (rows)')
-    ax.set_title('Planned mixture over training')
+    ax.set_ylabel('share of rows (stacked)')
+    ax.set_title('Planned mixture over training' + (' and realized (lines: share so far in the '
+                                                     'stage)' if realized is not None else ''))
     ax.legend(fontsize=7, loc='lower right')
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _draw_realized(ax: Any, run: Any, names: list[str], realized: Any, colors: list[Any]) -> None:
+    """Stacked realized shares, each stage counted from its own start, as step lines."""
+    import numpy as np
+
+    batches = np.asarray(realized[0])
+    rows = np.asarray(realized[1], dtype=np.float64)
+    for stage in run.stages:
+        before = batches <= stage.start_batch
+        base = rows[before][-1] if before.any() else np.zeros(rows.shape[1])
+        inside = (batches > stage.start_batch) & (batches <= stage.end_batch)
+        if not inside.any():
+            continue
+        delta = rows[inside] - base
+        stacked = np.cumsum(delta / np.maximum(delta.sum(axis=1, keepdims=True), 1), axis=1)
+        xs = np.concatenate(([stage.start_batch], batches[inside]))
+        for i, name in enumerate(names[:-1] if len(names) > 1 else names):
+            ys = np.concatenate(([stacked[0, i]], stacked[:, i]))
+            ax.step(xs, ys, where='pre', color=colors[i], linewidth=1.4,
+                    label=f'{name} (realized)' if stage.index == 0 else None)

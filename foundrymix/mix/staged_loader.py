@@ -54,11 +54,15 @@ class StagedPosition(IterableDataset):
     def state_dict(self, num_samples: int = 0, from_beginning: bool = True) -> dict[str, Any]:
         stage = self.run.stage_at(self.batch)
         done = [s for s in self.run.stages if s.start_batch <= self.batch]
+        epoch, in_epoch = divmod(self.batch - stage.start_batch, stage.plan.batches_per_epoch)
         return {
             'batch': self.batch,
             'stage': stage.index,
             'stage_name': stage.name,
             'batch_in_stage': self.batch - stage.start_batch,
+            # the stage dataset's position, as streaming resumes it
+            'stage_dataset': {'epoch': epoch,
+                              'sample_in_epoch': in_epoch * stage.plan.global_batch_size},
             'stages': [{'name': s.name, 'start_batch': s.start_batch, 'batches': s.batches,
                         'fingerprint': self.fingerprints[s.index]} for s in done],
         }

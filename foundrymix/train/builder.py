@@ -113,9 +113,8 @@ def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
     return device_batch, micro
 
 
-def _train_mixer(cfg: TrainConfig) -> StreamMixer:
+def _train_mixer(cfg: TrainConfig, mixer: StreamMixer) -> StreamMixer:
     """The validated train mixer; its rows must be ``max_seq_len`` long, from ``cfg.tokenizer``."""
-    mixer = StreamMixer(cfg.train_loader)
     mixer.validate()
     if mixer.max_seq_len != cfg.max_seq_len:
         raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
@@ -142,16 +141,55 @@ def _evaluator(cfg: TrainConfig, mixer: StreamMixer, device_batch: int) -> Optio
                      metric_names=['LanguageCrossEntropy'])
 
 
-def _callbacks(cfg: TrainConfig, mixer: StreamMixer, plan: Any) -> tuple[list[Callback], StreamAccounting]:
+@dataclass
+class TrainData:
+    """The train loader and what the rest of the run needs to know about it."""
+
+    loader: Any
+    mixer: StreamMixer            # the (first stage's) mixer: tokenizer, max_seq_len
+    plan: Any                     # Plan, or RunPlan for a staged run
+    stream_names: list[str]       # run-wide stream index -> name (the batches' stream_id)
+    planned_share: list[float]    # of the rows trained over the run
+    max_duration: str
+    stage_names: Optional[list[str]] = None
+
+
+def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
+    """The train loader: one mixture (a ``StreamingDataLoader``), or every stage in turn."""
+    if cfg.train_loader.stages is None:
+        mixer = _train_mixer(cfg, StreamMixer(cfg.train_loader))
+        plan = mixer.plan(batch_size=device_batch, max_duration=cfg.max_duration,
+                          world_size=dist.get_world_size())
+        return TrainData(loader=mixer.build_dataloader(batch_size=device_batch), mixer=mixer,
+                         plan=plan, stream_names=mixer.stream_names,
+                         planned_share=[s.share for s in plan.streams],
+                         max_duration=str(cfg.max_duration))
+    from foundrymix.mix.plan import Topology
+    from foundrymix.mix.staged_loader import build_staged_loader
+    ranks_per_node = dist.get_local_world_size()
+    topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
+    loader = build_staged_loader(cfg.train_loader, device_batch, cfg.max_duration, topology)
+    for mixer in loader.mixers:
+        _train_mixer(cfg, mixer)
+    run = loader.run
+    total = sum(run.rows_per_stream.values()) or 1
+    return TrainData(loader=loader, mixer=loader.mixers[0], plan=run,
+                     stream_names=loader.stream_names,
+                     planned_share=[run.rows_per_stream.get(n, 0) / total for n in loader.stream_names],
+                     max_duration=f'{run.total_batches}ba',
+                     stage_names=[s.name for s in run.stages])
+
+
+def _callbacks(cfg: TrainConfig, data: TrainData) -> tuple[list[Callback], StreamAccounting]:
     """``EpochBoundary`` first, then every callback of the table the run uses (accounting always)."""
-    ctx = CallbackContext(config=cfg, stream_names=mixer.stream_names,
-                          planned_share=[s.share for s in plan.streams])
+    ctx = CallbackContext(config=cfg, stream_names=data.stream_names,
+                          planned_share=data.planned_share, stage_names=data.stage_names)
     built = build_callbacks(cfg.callbacks, ctx)
     return [EpochBoundary(), *built.values()], built['stream_accounting']
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
-             micro: Union[int, str], callbacks: list[Callback]) -> Trainer:
+             micro: Union[int, str], callbacks: list[Callback], max_duration: str) -> Trainer:
     device = _device(cfg)
     _share_cpu_threads(device)
     console = 'console' in cfg.loggers
@@ -161,7 +199,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         eval_dataloader=evaluator,
         eval_interval=cfg.eval_interval if evaluator is not None else 1,
         eval_subset_num_batches=cfg.eval_subset_num_batches,
-        max_duration=cfg.max_duration,
+        max_duration=max_duration,
         optimizers=_optimizer(cfg, model),
         schedulers=_scheduler(cfg),
         step_schedulers_every_batch=True,
@@ -189,17 +227,16 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     """Validate everything, then build model, data, callbacks and the Composer trainer."""
     device_batch, micro = _batch_sizes(cfg)
     _check_load_path(cfg)
-    mixer = _train_mixer(cfg)
-    plan = mixer.plan(batch_size=device_batch, max_duration=cfg.max_duration, world_size=dist.get_world_size())
+    data = _train_data(cfg, device_batch)
 
     reproducibility.seed_all(cfg.seed)
-    hf_model = build_hf_model(cfg.model, mixer.tokenizer, cfg.max_seq_len)
+    hf_model = build_hf_model(cfg.model, data.mixer.tokenizer, cfg.max_seq_len)
     model = CausalLM(hf_model, attention=cfg.model.attention)
-    train_loader = mixer.build_dataloader(batch_size=device_batch)
-    evaluator = _evaluator(cfg, mixer, device_batch)
-    callbacks, accounting = _callbacks(cfg, mixer, plan)
-    trainer = _trainer(cfg, model, train_loader, evaluator, micro, callbacks)
-    return TrainRun(config=cfg, trainer=trainer, mixer=mixer, accounting=accounting, plan=plan)
+    evaluator = _evaluator(cfg, data.mixer, device_batch)
+    callbacks, accounting = _callbacks(cfg, data)
+    trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
+    return TrainRun(config=cfg, trainer=trainer, mixer=data.mixer, accounting=accounting,
+                    plan=data.plan)
 
 
 def train(cfg: TrainConfig) -> TrainRun:
@@ -207,4 +244,16 @@ def train(cfg: TrainConfig) -> TrainRun:
     run = build_trainer(cfg)
     run.trainer.fit()
     run.trainer.close()
+    if dist.get_global_rank() == 0 and cfg.train_loader.stages is not None:
+        _plot_staged(run)
     return run
+
+
+def _plot_staged(run: TrainRun) -> None:
+    """The planned mixture over the run's batches with the realized one drawn over it."""
+    from foundrymix.mix.report import plot_run_plan
+    history = run.accounting.history
+    if not history or not run.accounting.plot:
+        return
+    realized = ([p['batch'] for p in history], [p['samples'] for p in history])
+    plot_run_plan(run.plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized)

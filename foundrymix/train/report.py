@@ -80,7 +80,9 @@ def table(summary: dict[str, Any]) -> Any:
     from rich.table import Table
 
     title = 'per-stream accounting'
-    if 'batch' in summary:
+    if 'batch' in summary and summary.get('stages'):
+        title += f' after {summary["batch"]} batches ({len(summary["stages"])} stages)'
+    elif 'batch' in summary:
         title += f' after {summary["batch"]} batches ({summary["epoch"]} full epochs)'
     out = Table(title=title)
     for col in ('stream', 'samples', 'tokens', 'loss tokens', 'share', 'planned share'):
@@ -91,12 +93,26 @@ def table(summary: dict[str, Any]) -> Any:
     return out
 
 
+def stage_table(stages: dict[str, Any]) -> Any:
+    """Rows, tokens and loss tokens each stream gave to each stage of a staged run."""
+    from rich.table import Table
+    t = Table(title='per stage')
+    for col in ('stage', 'stream', 'samples', 'tokens', 'loss tokens'):
+        t.add_column(col, justify='left' if col in ('stage', 'stream') else 'right')
+    for stage, streams in stages.items():
+        for name, c in streams.items():
+            t.add_row(stage, name, f'{c["samples"]:,}', f'{c["tokens"]:,}', f'{c["loss_tokens"]:,}')
+    return t
+
+
 def print_report(summary: dict[str, Any], out_dir: str, plot: bool, console: Optional[Any] = None) -> None:
     """Print the table and where the JSON (and the PNG, with ``plot``) are."""
     if console is None:
         from rich.console import Console
         console = Console()
     console.print(table(summary))
+    if summary.get('stages'):
+        console.print(stage_table(summary['stages']))
     console.print(f'summary: {summary_path(out_dir)}')
     if plot:
         console.print(f'plot:    {plot_path(out_dir)}')

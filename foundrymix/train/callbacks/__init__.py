@@ -21,6 +21,7 @@ class CallbackContext:
     config: Any  # the TrainConfig
     stream_names: Sequence[str]
     planned_share: Sequence[float]
+    stage_names: Optional[Sequence[str]] = None  # a staged run's stages, in order
 
 
 @dataclass
@@ -71,6 +72,7 @@ class LRMonitorConfig:
 def _stream_accounting(opts: StreamAccountingConfig, ctx: CallbackContext) -> Any:
     from foundrymix.train.callbacks.accounting import StreamAccounting
     return StreamAccounting(stream_names=ctx.stream_names, planned_share=ctx.planned_share,
+                            stage_names=ctx.stage_names,
                             out_dir=opts.report_dir(ctx.config.save_folder, ctx.config.run_name),
                             log_interval=opts.log_interval, plot=opts.plot)
 

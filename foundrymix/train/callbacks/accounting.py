@@ -57,8 +57,13 @@ class StreamAccounting(Callback):
     """
 
     def __init__(self, stream_names: Sequence[str], planned_share: Sequence[float],
-                 out_dir: str, log_interval: str = '10ba', plot: bool = True) -> None:
+                 out_dir: str, log_interval: str = '10ba', plot: bool = True,
+                 stage_names: Optional[Sequence[str]] = None) -> None:
         self.stream_names = list(stream_names)
+        #: a staged run's stages; batches then carry ``stage_id`` and are counted per stage too
+        self.stage_names = list(stage_names) if stage_names else None
+        self.stage_counts = np.zeros((len(self.stage_names or ()), len(COUNTERS), len(self.stream_names)),
+                                     dtype=np.int64)
         self.planned_share = [float(s) for s in planned_share]
         self.out_dir = out_dir
         self.log_interval = Time.from_timestring(log_interval)
@@ -82,7 +87,10 @@ class StreamAccounting(Callback):
     def after_dataloader(self, state: State, logger: Logger) -> None:
         counts = count(state.batch, len(self.stream_names))
         dist.all_reduce(counts, reduce_operation='SUM')
-        self.counts += counts.cpu().numpy()
+        counts = counts.cpu().numpy()
+        self.counts += counts
+        if self.stage_names is not None:  # a batch never straddles two stages
+            self.stage_counts[int(state.batch['stage_id'].reshape(-1)[0])] += counts
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if interval_hit(state.timestamp, self.log_interval):
@@ -122,6 +130,11 @@ class StreamAccounting(Callback):
         """The report's data (without ``history``); ``batch``/``epoch`` from ``state`` if given."""
         out: dict[str, Any] = {'streams': self.streams(),
                                'total': {name: int(self.counts[i].sum()) for i, name in enumerate(COUNTERS)}}
+        if self.stage_names is not None:
+            out['stages'] = {
+                stage: {name: {c: int(self.stage_counts[k, i, j]) for i, c in enumerate(COUNTERS)}
+                        for j, name in enumerate(self.stream_names) if self.stage_counts[k, 0, j]}
+                for k, stage in enumerate(self.stage_names)}
         if state is not None:
             out['batch'] = int(state.timestamp.batch)
             out['epoch'] = int(state.timestamp.epoch)
@@ -142,7 +155,8 @@ class StreamAccounting(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {'stream_names': self.stream_names, 'samples': self.samples.tolist(),
                 'tokens': self.tokens.tolist(), 'loss_tokens': self.loss_tokens.tolist(),
-                'history': self.history}
+                'history': self.history, 'stage_names': self.stage_names,
+                'stage_counts': self.stage_counts.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state['stream_names']) != self.stream_names:
@@ -150,3 +164,11 @@ class StreamAccounting(Callback):
                              f'{self.stream_names}: resuming a different mixture')
         self.counts = np.array([state[name] for name in COUNTERS], dtype=np.int64).reshape(len(COUNTERS), -1)
         self.history = list(state['history'])
+        if self.stage_names is not None:
+            old = list(state.get('stage_names') or [])
+            counts = np.array(state.get('stage_counts') or [], dtype=np.int64).reshape(
+                len(old), len(COUNTERS), len(self.stream_names))
+            self.stage_counts[:] = 0
+            for k, stage in enumerate(old):  # stages appended since the checkpoint start at 0
+                if stage in self.stage_names:
+                    self.stage_counts[self.stage_names.index(stage)] = counts[k]

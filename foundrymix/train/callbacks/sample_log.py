@@ -33,12 +33,16 @@ class SampleLog(Callback):
     def after_dataloader(self, state: State, logger: Logger) -> None:
         ids = state.batch['sample_id'].reshape(-1).tolist()
         streams = state.batch['stream_id'].reshape(-1).tolist()
-        gathered = dist.all_gather_object((ids, streams))
+        stage = state.batch.get('stage_id')
+        stages = stage.reshape(-1).tolist() if stage is not None else None
+        gathered = dist.all_gather_object((ids, streams, stages))
         if dist.get_global_rank() != 0:
             return
-        all_ids = [i for rank_ids, _ in gathered for i in rank_ids]
-        all_streams = [s for _, rank_streams in gathered for s in rank_streams]
+        line = {'batch': int(state.timestamp.batch), 'epoch': int(state.timestamp.epoch),
+                'sample_ids': [i for rank_ids, _, _ in gathered for i in rank_ids],
+                'stream_ids': [s for _, rank_streams, _ in gathered for s in rank_streams]}
+        if stages is not None:  # a staged run: the stage of every sample
+            line['stage_ids'] = [s for _, _, rank_stages in gathered for s in rank_stages]
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, 'a', encoding='utf-8') as f:
-            f.write(json.dumps({'batch': int(state.timestamp.batch), 'epoch': int(state.timestamp.epoch),
-                                'sample_ids': all_ids, 'stream_ids': all_streams}) + '\n')
+            f.write(json.dumps(line) + '\n')
