@@ -68,6 +68,9 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
                       [f'variables.out={tmp_path}', f'variables.data={tmp_path / "data"}'])
     run = build_trainer(cfg)
     try:
+        if cfg.train_loader.stages is not None:
+            check_staged_example(run, yaml_name)
+            return
         assert run.plan.streams and all(s.rows_per_epoch > 0 for s in run.plan.streams)
         # The plan (our arithmetic on manifests and index files) against the dataset the
         # trainer iterates (streaming's own index reading and Stream.apply_weights).
@@ -85,6 +88,24 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
         assert run.trainer.state.max_duration == Time.from_timestring(str(raw_yaml(yaml_name)['max_duration']))
     finally:
         run.trainer.close()
+
+
+def check_staged_example(run, yaml_name: str) -> None:
+    """A staged example: every stage's plan against the dataset streaming builds for it."""
+    import gc
+
+    from composer.core import Time
+    stages = raw_yaml(yaml_name)['train_loader']['stages']
+    loader = run.trainer.state.train_dataloader
+    assert [s.name for s in run.plan.stages] == [s['name'] for s in stages]
+    for stage, mixer in zip(run.plan.stages, loader.mixers):
+        dataset = mixer.build_dataset(loader.batch_size)
+        assert [s.name for s in stage.plan.streams] == list(stages[stage.index]['streams'])
+        assert [s.rows_per_epoch for s in stage.plan.streams] == [int(s.choose) for s in dataset.streams]
+        assert stage.plan.epoch_size == dataset.epoch_size
+        del dataset
+        gc.collect()
+    assert run.trainer.state.max_duration == Time.from_timestring(f'{sum(s.batches for s in run.plan.stages)}ba')
 
 
 def raw_yaml(name: str) -> dict:
