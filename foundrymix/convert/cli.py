@@ -43,12 +43,17 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help='EOS after each document/example (default: on)')
     p.add_argument('--compression', default=None, help='MDS shard compression, e.g. zstd')
     p.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
+    p.add_argument('--hash', action='append', default=[], metavar='ALGO',
+                   help='also write this shard hash to index.json (repeatable; e.g. sha1, sha256, '
+                        'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
     p.add_argument('--no-progress', dest='progress', action='store_false',
                    help='no progress bar or summary table')
 
 
 def _options(cls: type, args: argparse.Namespace) -> Any:
-    return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)})
+    values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
+    values['hash'] = tuple(values.get('hash', ()))
+    return cls(**values)
 
 
 def _standalone() -> bool:

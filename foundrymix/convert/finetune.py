@@ -33,12 +33,14 @@ example lengths.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
-from foundrymix.convert.common import ConvertOptions, Setup, encode_texts, prepare
+from foundrymix.convert.common import ConvertOptions, Setup, prepare
+from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.pipeline import (ChunkErrors, LineCounter, Progress, apply_error_policy,
                                          ordered_map)
 from foundrymix.convert.readers import (BadRecord, Chunk, get_string, plan_chunks, read_records,
@@ -49,6 +51,8 @@ from foundrymix.schema import Manifest, encode_row
 from foundrymix.tokenizer import load_tokenizer
 
 TOO_LONG = ('drop', 'truncate')
+#: roles every chat template handles (see :func:`allowed_roles`)
+CHAT_ROLES = ('system', 'user', 'assistant')
 CHAT_LOSS = ('all', 'last')
 #: used when the response field is missing (LLM-Foundry's name for the response)
 RESPONSE_ALIAS = 'completion'
@@ -125,6 +129,11 @@ def _chat_segments(messages: Any, o: FinetuneOptions, tok: Any) -> Segments | Ba
             value = get_string(m, key)
             if isinstance(value, BadRecord):
                 return BadRecord(value.reason, f"field '{f}[{i}].{key}': {value.detail.split(': ', 1)[1]}")
+    allowed = allowed_roles(tok)
+    for m in messages:
+        if m['role'] not in allowed:
+            return BadRecord('unknown_role', f"field '{f}': unknown role {m['role']!r} "
+                                             f"(allowed: {', '.join(allowed)})")
     assistant = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     if not assistant:
         return BadRecord('no_assistant', f"field '{f}': no assistant message")
@@ -136,6 +145,20 @@ def _chat_segments(messages: Any, o: FinetuneOptions, tok: Any) -> Segments | Ba
                      (m['content'] + '\n', o.loss_on_prompt or i in trained)]
         return segs
     return _template_segments(messages, trained, o.loss_on_prompt, tok)
+
+
+def allowed_roles(tok: Any) -> tuple[str, ...]:
+    """Roles a chat may use: system, user and assistant, plus tool where the template
+    handles it (it names the role ``'tool'``) or the plain template is used (it renders
+    any role as ``"{role}: "``).
+
+    Why check: a misspelt or differently cased role (``USER``, ``wizard``) renders as some
+    unintended text or, for ``Assistant``, silently drops the turn from the loss.
+    """
+    template = tok.chat_template
+    if template is None or re.search(r"""['"]tool['"]""", str(template)):
+        return CHAT_ROLES + ('tool',)
+    return CHAT_ROLES
 
 
 def _template_segments(messages: list[dict], trained: set[int], loss_on_prompt: bool,
@@ -315,11 +338,12 @@ def run_finetune(setup: Setup, out: str, options: FinetuneOptions, manifest: Man
     with ordered_map(_encode_chunk, chunks, setup.workers, _init, initargs,
                      mode=options.parallel or FINETUNE_PARALLEL) as results, \
             ShardWriter(out, L, setup.token_dtype, overwrite=options.overwrite,
-                        compression=options.compression, size_limit=options.size_limit) as writer:
+                        compression=options.compression, size_limit=options.size_limit,
+                        hashes=options.hash_algorithms) as writer:
         try:
             for chunk, res in results:
                 apply_error_policy(chunk, res.errors, lines.first_line(chunk, res.n_lines),
-                                   options.on_error, manifest.skipped)
+                                   options.on_error, manifest)
                 c.documents_read += res.n_records
                 for reason, n in res.dropped.items():
                     manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n

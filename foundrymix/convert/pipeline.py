@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.readers import Chunk, InputError, location
+from foundrymix.schema import SKIP_LOCATIONS, Manifest
 
 PARALLEL_MODES = ('threads', 'processes')
 _PARALLELISM = 'TOKENIZERS_PARALLELISM'
@@ -184,14 +185,22 @@ class LineCounter:
 
 
 def apply_error_policy(chunk: Chunk, errors: ChunkErrors, first_line: Optional[int],
-                       on_error: str, skipped: dict[str, int]) -> None:
-    """Raise :class:`InputError` for the first bad record, or count each one as skipped."""
+                       on_error: str, manifest: Manifest) -> None:
+    """Raise :class:`InputError` for the first bad record, or count each one as skipped.
+
+    Skipped records are counted by reason in ``manifest.skipped``, and the first
+    ``SKIP_LOCATIONS`` of each reason are kept in ``manifest.skipped_at`` as ``file:line``
+    so that they can be found.
+    """
     for path, index, reason, detail in errors.items:
-        if on_error == 'skip':
-            skipped[reason] = skipped.get(reason, 0) + 1
-            continue
         line = None if index is None or first_line is None else first_line + index
-        raise InputError(location(path, line, chunk.fmt), reason, detail)
+        where = location(path, line, chunk.fmt)
+        if on_error != 'skip':
+            raise InputError(where, reason, detail)
+        manifest.skipped[reason] = manifest.skipped.get(reason, 0) + 1
+        seen = manifest.skipped_at.setdefault(reason, [])
+        if len(seen) < SKIP_LOCATIONS:
+            seen.append(where)
 
 
 class Progress:

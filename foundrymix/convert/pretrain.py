@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from foundrymix.convert.common import ConvertOptions, Setup, encode_texts, prepare
+from foundrymix.convert.common import ConvertOptions, Setup, prepare
+from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.pipeline import (ChunkErrors, LineCounter, Progress, apply_error_policy,
                                          ordered_map)
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
@@ -85,7 +86,12 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
     pos = 0
     for x in ids:
         end = pos + len(x) + n_sep
-        tokens[pos:end] = head + x + tail if n_sep else x
+        if isinstance(x, list):
+            tokens[pos:end] = head + x + tail if n_sep else x
+        else:  # a huge document, already an array (no list concatenation)
+            tokens[pos:pos + len(head)] = head
+            tokens[pos + len(head):end - len(tail)] = x
+            tokens[end - len(tail):end] = tail
         pos = end
     return _ChunkTokens(tokens, doc_lens, n_lines, len(records), errors)
 
@@ -181,11 +187,12 @@ def run_pretrain(setup: Setup, out: str, options: PretrainOptions, manifest: Man
     with ordered_map(_encode_chunk, chunks, setup.workers, _init, initargs,
                      mode=options.parallel or 'threads') as results, \
             ShardWriter(out, L, setup.token_dtype, overwrite=options.overwrite,
-                        compression=options.compression, size_limit=options.size_limit) as writer:
+                        compression=options.compression, size_limit=options.size_limit,
+                        hashes=options.hash_algorithms) as writer:
         try:
             for chunk, res in results:
                 apply_error_policy(chunk, res.errors, lines.first_line(chunk, res.n_lines),
-                                   options.on_error, manifest.skipped)
+                                   options.on_error, manifest)
                 counts.documents_read += res.n_records
                 counts.documents_written += len(res.doc_lens)
                 for ids, pieces in cutter.feed(res.tokens, res.doc_lens):
