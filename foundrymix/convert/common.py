@@ -51,8 +51,9 @@ class ConvertOptions:
 
     @property
     def hash_algorithms(self) -> list[str]:
-        """Shard hash algorithms written to ``index.json``: the fast default, then ``hash``."""
-        return list(dict.fromkeys((DEFAULT_HASH, *(self.hash or ()))))
+        """Shard hash algorithms written to ``index.json``: the fast default and ``hash``,
+        sorted and unique (as ``MDSWriter`` requires)."""
+        return sorted({DEFAULT_HASH, *(self.hash or ())})
 
     def to_manifest(self) -> dict[str, Any]:
         """The options as recorded in the manifest (run-time knobs left out)."""

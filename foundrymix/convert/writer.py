@@ -122,7 +122,7 @@ class ShardWriter:
         self.out = os.path.realpath(out)
         self.overwrite = overwrite
         check_output_dir(self.out, overwrite)
-        hashes = [DEFAULT_HASH] if hashes is None else list(hashes)
+        hashes = [DEFAULT_HASH] if hashes is None else sorted(set(hashes))
         check_hashes(hashes)
         parent, name = os.path.split(self.out)
         os.makedirs(parent, exist_ok=True)
