@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
 from foundrymix.convert.paths import check_input_urls, check_out_url, check_overlap
-from foundrymix.convert.readers import discover_inputs
+from foundrymix.convert.discover import discover_inputs
 from foundrymix.convert.writer import DEFAULT_HASH, check_hashes, check_output_dir
 from foundrymix.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
