@@ -19,7 +19,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument('inputs', nargs='+', metavar='INPUT',
                    help='files, globs or directories: .jsonl[.gz|.zst], .txt (one document per '
                         'file), .parquet, or datasets saved with save_to_disk')
-    p.add_argument('-o', '--out', required=True, help='output directory (must be empty or absent)')
+    p.add_argument('-o', '--out', required=True, help='local output directory (must be empty or absent, unless --overwrite; never an '
+                        'input, inside one, or holding one)')
     p.add_argument('--tokenizer', default=DEMO_TOKENIZER,
                    help=f'bundled name, local tokenizer dir, SentencePiece .model, or cached name '
                         f'(offline; default {DEMO_TOKENIZER})')

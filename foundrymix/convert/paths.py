@@ -67,7 +67,7 @@ def check_overlap(specs: Sequence[str], resolved: Sequence[str], out: str) -> No
         real = os.path.realpath(path)
         if _inside(real, real_out):
             raise UnsafePathsError(
-                f'input {path} is inside the output directory {out}'
+                f'input {path} is {"the" if real == real_out else "inside the"} output directory {out}'
                 f'{f" (resolved: {real} in {real_out})" if real != os.path.abspath(path) else ""}; '
                 f'writing there (--overwrite) would delete it. Choose another --out')
         if os.path.isdir(real) and _inside(real_out, real):
