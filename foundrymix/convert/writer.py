@@ -230,8 +230,9 @@ class ShardWriter:
         except OSError as e:
             if old is not None and not os.path.exists(self.out):
                 os.rename(old, self.out)
-            raise OutputExistsError(f'{self.out}: could not move the output into place ({e}); '
-                                    f'another conversion into the same --out?') from e
+            raise OutputExistsError(f'{self.out}: output directory appeared while converting (another '
+                                    f'conversion into the same --out?); could not move this output '
+                                    f'into place ({e}); left the other alone') from e
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
