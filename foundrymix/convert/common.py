@@ -1,7 +1,9 @@
 """Options and set-up shared by the pretrain and finetune converters.
 
 Everything that can fail cheaply (bad options, missing inputs, non-empty output,
-unknown tokenizer, ``max_seq_len`` too small) is checked before any work starts.
+``--out`` overlapping an input or given as a URL (:mod:`foundrymix.convert.paths`),
+unknown hash, unknown tokenizer, ``max_seq_len`` too small) is checked before any work
+starts, so a mistake costs nothing and touches nothing.
 """
 
 from __future__ import annotations
