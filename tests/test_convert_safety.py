@@ -59,9 +59,11 @@ def _overlap_cases(tmp_path, data):
     link.symlink_to(data, target_is_directory=True)
     return {
         'out_is_input_dir': ([str(data)], str(data), (str(data), str(data))),
-        'out_contains_input_file': ([str(data / 'sub' / 'b.jsonl')], str(data), (str(data / 'sub' / 'b.jsonl'), str(data))),
+        'out_contains_input_file': ([str(data / 'sub' / 'b.jsonl')], str(data),
+                                    (str(data / 'sub' / 'b.jsonl'), str(data))),
         'out_is_link_to_input_dir': ([str(data)], str(link), (str(data), str(link))),
-        'out_inside_input_dir': ([str(data)], str(data / 'sub' / 'mds'), (str(data / 'sub' / 'mds'), str(data))),
+        'out_inside_input_dir': ([str(data)], str(data / 'sub' / 'mds'),
+                                 (str(data / 'sub' / 'mds'), str(data))),
         'out_inside_globbed_dir': ([str(tmp_path / 'da*')], str(data / 'mds'), (str(data / 'mds'), str(data))),
     }
 
@@ -126,9 +128,10 @@ def test_earlier_output_and_partials_in_input_dir_are_not_read(tmp_path, corpus)
 
 
 def test_output_dir_named_as_input_is_refused(capsys, tmp_path, corpus):
-    convert_pretrain([str(corpus / 'a.jsonl')], str(tmp_path / 'out'), PretrainOptions(max_seq_len=L, workers=1))
-    for spec, marker in ((tmp_path / 'out', 'foundrymix.json'), (tmp_path / 'out' / 'index.json', 'foundrymix.json'),
-                         (tmp_path / 'out' / 'foundrymix.json', 'foundrymix.json')):
+    out = tmp_path / 'out'
+    convert_pretrain([str(corpus / 'a.jsonl')], str(out), PretrainOptions(max_seq_len=L, workers=1))
+    for spec, marker in ((out, 'foundrymix.json'), (out / 'index.json', 'foundrymix.json'),
+                         (out / 'foundrymix.json', 'foundrymix.json')):
         rc, err = convert(capsys, str(spec), '-o', str(tmp_path / 'again'))
         assert rc == 2 and f'{spec}: ' in err and 'a foundrymix output directory' in err, err
         assert f'(it holds {marker}), not an input' in err

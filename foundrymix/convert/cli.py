@@ -17,10 +17,13 @@ from foundrymix.tokenizer import DEMO_TOKENIZER
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument('inputs', nargs='+', metavar='INPUT',
-                   help='files, globs or directories: .jsonl[.gz|.zst], .txt (one document per '
-                        'file), .parquet, or datasets saved with save_to_disk')
-    p.add_argument('-o', '--out', required=True, help='local output directory (must be empty or absent, unless --overwrite; never an '
-                        'input, inside one, or holding one)')
+                   help='files, globs or directories: .jsonl/.ndjson[.gz|.zst], .txt (one document '
+                        'per file), .parquet, or datasets saved with save_to_disk; .json (JSON '
+                        'Lines) only when named or globbed as *.json. Directories skip earlier '
+                        'outputs, hidden entries and --out')
+    p.add_argument('-o', '--out', required=True,
+                   help='local output directory (empty or absent, unless --overwrite; never an input, '
+                        'inside an input directory, or holding an input)')
     p.add_argument('--tokenizer', default=DEMO_TOKENIZER,
                    help=f'bundled name, local tokenizer dir, SentencePiece .model, or cached name '
                         f'(offline; default {DEMO_TOKENIZER})')

@@ -95,7 +95,8 @@ def _expand_dir(directory: str, exclude: Optional[str] = None) -> list[str]:
     found: list[str] = []
     for root, dirs, files in os.walk(directory):
         dirs.sort()
-        dirs[:] = [d for d in dirs if not d.startswith('.') and not _skipped_dir(os.path.join(root, d), exclude)]
+        dirs[:] = [d for d in dirs
+                   if not d.startswith('.') and not _skipped_dir(os.path.join(root, d), exclude)]
         hf = [d for d in dirs if _is_hf_dataset(os.path.join(root, d))]
         found.extend(p for d in hf for p in _expand_dir(os.path.join(root, d)))
         dirs[:] = [d for d in dirs if d not in hf]
