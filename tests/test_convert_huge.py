@@ -77,3 +77,27 @@ def test_huge_single_line_document_in_bounded_memory(arxiv_jsonl, tmp_path):
     got = np.concatenate([r['input_ids'] for r in read_rows(out)]).astype(np.int64)
     n = len(want) // L * L
     assert len(got) == n and np.array_equal(got, want[:n])
+
+
+@pytest.mark.parametrize('too_long', ['drop', 'truncate'])
+def test_finetune_huge_response_is_sliced_then_dropped_or_truncated(arxiv_jsonl, tmp_path, too_long):
+    """A 1.5 MB response (over the slicing threshold) goes through the sliced path and is
+    dropped, or truncated to exactly the whole-text tokens' first row."""
+    from convert_helpers import spans, write_jsonl
+    from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
+    response = ' '.join(r['text'].strip() for r in read_jsonl(arxiv_jsonl))[:1_500_000]
+    src = write_jsonl(tmp_path / 'ft.jsonl', [{'prompt': 'Summarise:', 'response': response},
+                                               {'prompt': 'Hi', 'response': 'Hello!'}])
+    L = 256
+    m = convert_finetune([str(src)], str(tmp_path / 'out'),
+                         FinetuneOptions(max_seq_len=L, workers=1, too_long=too_long, pack=False))
+    rows = read_rows(tmp_path / 'out')
+    if too_long == 'drop':
+        assert m.dropped == {'too_long': 1} and len(rows) == 1
+        return
+    tok = 'foundrymix-bpe-8k'
+    prompt = ids(tok, 'Summarise:')
+    want = (prompt + ids(tok, response))[:L]
+    assert len(rows) == 2 and rows[0]['input_ids'].tolist() == want
+    assert spans(rows[0]) == [(len(prompt), L)]
+    assert m.dropped['truncated_tokens'] == len(prompt) + len(ids(tok, response)) + 1 - L

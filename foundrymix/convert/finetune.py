@@ -98,31 +98,42 @@ def _segments(rec: dict, o: FinetuneOptions, tok: Any) -> Segments | BadRecord:
     return [(prompt, o.loss_on_prompt), (response, True)]
 
 
-def _assemble(seg_ids: list[list[int]], flags: list[bool], bos: Optional[int],
-              eos: Optional[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Concatenate segments with BOS/EOS; loss spans merged, never on the first token."""
-    ids: list[int] = [] if bos is None else [bos]
+def _assemble(seg_ids: list[list[int] | np.ndarray], flags: list[bool], bos: Optional[int],
+              eos: Optional[int]) -> tuple[list[int] | np.ndarray, list[tuple[int, int]]]:
+    """Concatenate segments with BOS/EOS; loss spans merged, never on the first token.
+
+    The ids are a list, or a ``uint32`` array when a segment is one (a huge text, see
+    :mod:`foundrymix.convert.encode`), so such a text is never turned into a list of ints.
+    """
+    head = [] if bos is None else [bos]
     spans: list[tuple[int, int]] = []
+    pos = len(head)
     for part, loss in zip(seg_ids, flags):
-        start = len(ids)
-        ids.extend(part)
-        if loss and part:
+        start, pos = pos, pos + len(part)
+        if loss and pos > start:
             if spans and spans[-1][1] == start:
-                spans[-1] = (spans[-1][0], len(ids))
+                spans[-1] = (spans[-1][0], pos)
             else:
-                spans.append((start, len(ids)))
+                spans.append((start, pos))
+    tail = [] if eos is None else [eos]
     if eos is not None:
-        ids.append(eos)
-        if flags and flags[-1] and spans and spans[-1][1] == len(ids) - 1:
-            spans[-1] = (spans[-1][0], len(ids))
+        pos += 1
+        if flags and flags[-1] and spans and spans[-1][1] == pos - 1:
+            spans[-1] = (spans[-1][0], pos)
     if spans and spans[0][0] == 0:
         spans[0] = (1, spans[0][1])
         if spans[0][0] == spans[0][1]:
             spans.pop(0)
+    if any(isinstance(part, np.ndarray) for part in seg_ids):
+        return np.concatenate([np.asarray(p, dtype=np.uint32) for p in (head, *seg_ids, tail)]), spans
+    ids = head
+    for part in seg_ids:
+        ids.extend(part)
+    ids.extend(tail)
     return ids, spans
 
 
-def _fit(ids: list[int], spans: list[tuple[int, int]], o: FinetuneOptions,
+def _fit(ids: list[int] | np.ndarray, spans: list[tuple[int, int]], o: FinetuneOptions,
          dropped: dict[str, int]) -> Optional[Example]:
     """Apply ``too_long`` and the no-loss rule to one assembled example (``None``: dropped)."""
     L = o.max_seq_len
