@@ -140,3 +140,25 @@ def test_skip_locations_in_manifest_and_summary(capsys, tmp_path, monkeypatch):
     d = json.loads((tmp_path / 'out' / 'foundrymix.json').read_text())
     del d['skipped_at']
     assert Manifest.from_dict(d).skipped_at == {}
+
+
+def _worker_sigterm(chunk) -> bool:
+    import signal
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_worker_processes_die_on_sigterm(monkeypatch):
+    """Importing composer installs a SIGTERM handler (sys.exit) that forked workers inherit;
+    Pool.terminate() then could wait forever for a worker. Workers reset it."""
+    import signal
+    import sys
+
+    from foundrymix.convert.pipeline import ordered_map
+    from foundrymix.convert.readers import Chunk
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        chunks = [Chunk('jsonl', f'c{i}') for i in range(4)]
+        with ordered_map(_worker_sigterm, chunks, 2, lambda: None, (), mode='processes') as results:
+            assert [ok for _, ok in results] == [True] * 4
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -37,6 +37,7 @@ import gc
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -79,8 +80,18 @@ def default_workers() -> int:
 
 
 def _init_worker(initializer: Callable[..., None], initargs: tuple) -> None:
-    # Each worker tokenizes single-threaded: N processes each running the Rust
-    # tokenizer's own thread pool would oversubscribe the cores.
+    """Set up a forked worker process.
+
+    SIGTERM goes back to its default: ``Pool.terminate()`` stops workers with SIGTERM and
+    then waits for them, but a handler the parent had installed is inherited by the fork
+    (importing composer installs one that calls ``sys.exit``), and a worker running
+    Python exit code on locks it inherited mid-use can then hang the conversion's end
+    forever (seen in the test suite under load). A worker has nothing to clean up.
+
+    Each worker tokenizes single-threaded: N processes each running the Rust tokenizer's
+    own thread pool would oversubscribe the cores.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ[_PARALLELISM] = 'false'
     initializer(*initargs)
 
