@@ -35,6 +35,8 @@ import numpy as np
 SCHEMA_VERSION = 1
 MANIFEST_NAME = 'foundrymix.json'
 IGNORE_INDEX = -100
+#: how many skipped-record locations a manifest keeps per reason
+SKIP_LOCATIONS = 10
 
 Kind = Literal['pretrain', 'finetune']
 
@@ -113,6 +115,9 @@ class Manifest:
     counts: Counts = field(default_factory=Counts)
     dropped: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
+    #: where the first skipped records of each reason were (``file:line``), so they can be
+    #: found and fixed; at most ``SKIP_LOCATIONS`` per reason (absent in older manifests)
+    skipped_at: dict[str, list[str]] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -134,6 +139,7 @@ class Manifest:
             counts=Counts.from_dict(d.get('counts', {})),
             dropped={k: int(v) for k, v in d.get('dropped', {}).items()},
             skipped={k: int(v) for k, v in d.get('skipped', {}).items()},
+            skipped_at={k: [str(x) for x in v] for k, v in (d.get('skipped_at') or {}).items()},
             inputs=list(d.get('inputs', [])),
             options=dict(d.get('options', {})),
             schema_version=int(d.get('schema_version', -1)),

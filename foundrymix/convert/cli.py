@@ -17,9 +17,13 @@ from foundrymix.tokenizer import DEMO_TOKENIZER
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument('inputs', nargs='+', metavar='INPUT',
-                   help='files, globs or directories: .jsonl[.gz|.zst], .txt (one document per '
-                        'file), .parquet, or datasets saved with save_to_disk')
-    p.add_argument('-o', '--out', required=True, help='output directory (must be empty or absent)')
+                   help='files, globs or directories: .jsonl/.ndjson[.gz|.zst], .txt (one document '
+                        'per file), .parquet, or datasets saved with save_to_disk; .json (JSON '
+                        'Lines) only when named or globbed as *.json. Directories skip earlier '
+                        'outputs, hidden entries and --out')
+    p.add_argument('-o', '--out', required=True,
+                   help='local output directory (empty or absent, unless --overwrite; never an input, '
+                        'inside an input directory, or holding an input)')
     p.add_argument('--tokenizer', default=DEMO_TOKENIZER,
                    help=f'bundled name, local tokenizer dir, SentencePiece .model, or cached name '
                         f'(offline; default {DEMO_TOKENIZER})')
@@ -43,12 +47,17 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help='EOS after each document/example (default: on)')
     p.add_argument('--compression', default=None, help='MDS shard compression, e.g. zstd')
     p.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
+    p.add_argument('--hash', action='append', default=[], metavar='ALGO',
+                   help='also write this shard hash to index.json (repeatable; e.g. sha1, sha256, '
+                        'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
     p.add_argument('--no-progress', dest='progress', action='store_false',
                    help='no progress bar or summary table')
 
 
 def _options(cls: type, args: argparse.Namespace) -> Any:
-    return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)})
+    values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
+    values['hash'] = tuple(values.get('hash', ()))
+    return cls(**values)
 
 
 def _standalone() -> bool:

@@ -1,7 +1,9 @@
 """Options and set-up shared by the pretrain and finetune converters.
 
 Everything that can fail cheaply (bad options, missing inputs, non-empty output,
-unknown tokenizer, ``max_seq_len`` too small) is checked before any work starts.
+``--out`` overlapping an input or given as a URL (:mod:`foundrymix.convert.paths`),
+unknown hash, unknown tokenizer, ``max_seq_len`` too small) is checked before any work
+starts, so a mistake costs nothing and touches nothing.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
-from foundrymix.convert.readers import discover_inputs
-from foundrymix.convert.writer import check_output_dir
+from foundrymix.convert.paths import check_input_urls, check_out_url, check_overlap
+from foundrymix.convert.discover import discover_inputs
+from foundrymix.convert.writer import DEFAULT_HASH, check_hashes, check_output_dir
 from foundrymix.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
@@ -30,7 +33,8 @@ class ConvertOptions:
     ``None`` picks the converter's default (pretrain: threads, finetune: processes),
     see :mod:`foundrymix.convert.pipeline`. ``0`` means all cores.
     ``chunk_bytes`` is the share of input a worker reads at a time. None of these
-    three changes the output.
+    three changes the output. ``hash``: shard hash algorithms written to ``index.json``
+    besides the default ``xxh3_64`` (any that streaming validates, e.g. ``sha1``).
     """
 
     tokenizer: str = DEMO_TOKENIZER
@@ -45,12 +49,20 @@ class ConvertOptions:
     chunk_bytes: int = 1 << 20
     parallel: Optional[str] = None
     progress: bool = False
+    hash: tuple[str, ...] = ()
+
+    @property
+    def hash_algorithms(self) -> list[str]:
+        """Shard hash algorithms written to ``index.json``: the fast default and ``hash``,
+        sorted and unique (as ``MDSWriter`` requires)."""
+        return sorted({DEFAULT_HASH, *(self.hash or ())})
 
     def to_manifest(self) -> dict[str, Any]:
         """The options as recorded in the manifest (run-time knobs left out)."""
         d = asdict(self)
-        for knob in ('workers', 'parallel', 'overwrite', 'progress', 'chunk_bytes'):
+        for knob in ('workers', 'parallel', 'overwrite', 'progress', 'chunk_bytes', 'hash'):
             d.pop(knob)
+        d['hashes'] = self.hash_algorithms
         return d
 
 
@@ -81,7 +93,12 @@ def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: i
                          f"got {options.parallel!r}")
     if options.chunk_bytes <= 0:
         raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
-    resolved = discover_inputs(inputs)
+    check_out_url(out)
+    check_input_urls(inputs)
+    check_overlap(inputs, [], out)  # before discovery: an input equal to --out is named as such
+    resolved = discover_inputs(inputs, exclude=os.path.realpath(out))
+    check_overlap([], resolved, out)
+    check_hashes(options.hash_algorithms)
     check_output_dir(os.path.abspath(out), options.overwrite)
     with importing('transformers'):
         tok = load_tokenizer(options.tokenizer)
@@ -98,15 +115,3 @@ def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: i
             f'special token(s) (BOS/EOS) and at least {min_content} more')
     return Setup(inputs=resolved, tokenizer=tok, info=info, token_dtype=token_dtype_for(info.vocab_size),
                  bos_id=bos_id, eos_id=eos_id, workers=options.workers or default_workers())
-
-
-def encode_texts(tok: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, without special tokens, via the Rust batch encoder.
-
-    ``encode_batch_fast`` (tokenizers >= 0.20) skips offset tracking, which we do not use.
-    """
-    if not texts:
-        return []
-    backend = tok.backend_tokenizer
-    encode = getattr(backend, 'encode_batch_fast', backend.encode_batch)
-    return [e.ids for e in encode(texts, add_special_tokens=False)]

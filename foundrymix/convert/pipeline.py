@@ -37,6 +37,7 @@ import gc
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.readers import Chunk, InputError, location
+from foundrymix.schema import SKIP_LOCATIONS, Manifest
 
 PARALLEL_MODES = ('threads', 'processes')
 _PARALLELISM = 'TOKENIZERS_PARALLELISM'
@@ -78,8 +80,18 @@ def default_workers() -> int:
 
 
 def _init_worker(initializer: Callable[..., None], initargs: tuple) -> None:
-    # Each worker tokenizes single-threaded: N processes each running the Rust
-    # tokenizer's own thread pool would oversubscribe the cores.
+    """Set up a forked worker process.
+
+    SIGTERM goes back to its default: ``Pool.terminate()`` stops workers with SIGTERM and
+    then waits for them, but a handler the parent had installed is inherited by the fork
+    (importing composer installs one that calls ``sys.exit``), and a worker running
+    Python exit code on locks it inherited mid-use can then hang the conversion's end
+    forever (seen in the test suite under load). A worker has nothing to clean up.
+
+    Each worker tokenizes single-threaded: N processes each running the Rust tokenizer's
+    own thread pool would oversubscribe the cores.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ[_PARALLELISM] = 'false'
     initializer(*initargs)
 
@@ -184,14 +196,22 @@ class LineCounter:
 
 
 def apply_error_policy(chunk: Chunk, errors: ChunkErrors, first_line: Optional[int],
-                       on_error: str, skipped: dict[str, int]) -> None:
-    """Raise :class:`InputError` for the first bad record, or count each one as skipped."""
+                       on_error: str, manifest: Manifest) -> None:
+    """Raise :class:`InputError` for the first bad record, or count each one as skipped.
+
+    Skipped records are counted by reason in ``manifest.skipped``, and the first
+    ``SKIP_LOCATIONS`` of each reason are kept in ``manifest.skipped_at`` as ``file:line``
+    so that they can be found.
+    """
     for path, index, reason, detail in errors.items:
-        if on_error == 'skip':
-            skipped[reason] = skipped.get(reason, 0) + 1
-            continue
         line = None if index is None or first_line is None else first_line + index
-        raise InputError(location(path, line, chunk.fmt), reason, detail)
+        where = location(path, line, chunk.fmt)
+        if on_error != 'skip':
+            raise InputError(where, reason, detail)
+        manifest.skipped[reason] = manifest.skipped.get(reason, 0) + 1
+        seen = manifest.skipped_at.setdefault(reason, [])
+        if len(seen) < SKIP_LOCATIONS:
+            seen.append(where)
 
 
 class Progress:

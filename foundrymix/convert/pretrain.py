@@ -10,27 +10,25 @@ lengths of the document pieces inside it (a document cut across rows gives a pie
 each row). The tokens after the last full row are not written; their number is
 ``counts.tail_tokens``.
 
-Workers (threads or processes) read and tokenize whole chunks (see
-:mod:`foundrymix.convert.pipeline`); the calling thread receives one flat token array
-and the document lengths per chunk, in input order, cuts rows and writes them, so the
-rows are the same for any number and kind of workers.
+Workers (threads or processes) read and tokenize whole chunks (the encode step,
+:func:`_encode_chunk`); the calling thread receives one flat token array and the
+document lengths per chunk, in input order, and cuts rows (:class:`_PretrainRows`), so
+the rows are the same for any number and kind of workers. The rest is the shared
+driver (:mod:`foundrymix.convert.driver`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 
-from foundrymix.convert.common import ConvertOptions, Setup, encode_texts, prepare
-from foundrymix.convert.pipeline import (ChunkErrors, LineCounter, Progress, apply_error_policy,
-                                         ordered_map)
-from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
-from foundrymix.convert.report import print_summary
-from foundrymix.convert.writer import ShardWriter
-from foundrymix.schema import Counts, Manifest, encode_row
-from foundrymix.tokenizer import load_tokenizer
+from foundrymix.convert.common import ConvertOptions, Setup
+from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records, worker_state
+from foundrymix.convert.encode import encode_texts
+from foundrymix.convert.readers import BadRecord, Chunk, get_string
+from foundrymix.schema import Manifest, encode_row
 
 
 @dataclass
@@ -41,53 +39,43 @@ class PretrainOptions(ConvertOptions):
 
 
 @dataclass
-class _ChunkTokens:
+class _ChunkTokens(ChunkResult):
     """A worker's result: all documents of a chunk, separators included, back to back."""
 
     tokens: np.ndarray
     doc_lens: np.ndarray
-    n_lines: int
-    n_records: int
-    errors: ChunkErrors = field(default_factory=ChunkErrors)
 
 
-_worker: dict[str, Any] = {}
-
-
-def _init(tokenizer: str, text_field: str, bos_id: Optional[int], eos_id: Optional[int],
-          token_dtype: str, on_error: str) -> None:
-    _worker.update(tok=load_tokenizer(tokenizer), field=text_field, bos=bos_id, eos=eos_id,
-                   dtype=token_dtype, on_error=on_error)
+def _document(rec: dict, text_field: str) -> str | BadRecord:
+    text = get_string(rec, text_field)
+    if isinstance(text, str) and not text:
+        return BadRecord('empty_document', f"field '{text_field}': empty document")
+    return text
 
 
 def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
     """Read, check and tokenize one chunk (runs in a worker thread or process)."""
-    w = _worker
-    n_lines, records = read_records(chunk, (w['field'],))
-    errors = ChunkErrors()
-    texts: list[str] = []
-    for path, index, rec in records:
-        text = rec if isinstance(rec, BadRecord) else get_string(rec, w['field'])
-        if isinstance(text, str) and not text:
-            text = BadRecord('empty_document', f"field '{w['field']}': empty document")
-        if isinstance(text, BadRecord):
-            errors.add(path, index, text.reason, text.detail)
-            if w['on_error'] == 'raise':
-                break  # the conversion stops at this error; no need to tokenize
-            continue
-        texts.append(text)
-    ids = encode_texts(w['tok'], texts)
-    head = [] if w['bos'] is None else [w['bos']]
-    tail = [] if w['eos'] is None else [w['eos']]
+    w = worker_state()
+    field = w.options.text_field
+    n_lines, n_records, texts, errors = parse_records(chunk, (field,), lambda rec: _document(rec, field),
+                                                      w.options.on_error)
+    ids = encode_texts(w.tok, texts)
+    head = [] if w.bos_id is None else [w.bos_id]
+    tail = [] if w.eos_id is None else [w.eos_id]
     n_sep = len(head) + len(tail)
     doc_lens = np.fromiter((len(x) + n_sep for x in ids), dtype=np.int64, count=len(ids))
-    tokens = np.empty(int(doc_lens.sum()), dtype=w['dtype'])
+    tokens = np.empty(int(doc_lens.sum()), dtype=w.token_dtype)
     pos = 0
     for x in ids:
         end = pos + len(x) + n_sep
-        tokens[pos:end] = head + x + tail if n_sep else x
+        if isinstance(x, list):
+            tokens[pos:end] = head + x + tail if n_sep else x
+        else:  # a huge document, already an array (no list concatenation)
+            tokens[pos:pos + len(head)] = head
+            tokens[pos + len(head):end - len(tail)] = x
+            tokens[end - len(tail):end] = tail
         pos = end
-    return _ChunkTokens(tokens, doc_lens, n_lines, len(records), errors)
+    return _ChunkTokens(n_lines, n_records, errors, tokens, doc_lens)
 
 
 class RowCutter:
@@ -141,19 +129,29 @@ class RowCutter:
         return len(self.rest_pieces) - (0 if self.rest_starts_doc else 1)
 
 
-def convert_pretrain(inputs: list[str], out: str, options: PretrainOptions) -> Manifest:
-    """Convert pretraining corpora in ``inputs`` to MDS shards plus manifest in ``out``."""
-    if options.bos is False and not options.eos:
-        raise ValueError('--no-bos with --no-eos would join documents with no separator; '
-                         'keep at least one of BOS and EOS')
-    setup = prepare(inputs, out, options)
-    manifest = Manifest(kind='pretrain', max_seq_len=options.max_seq_len,
-                        token_dtype=setup.token_dtype, tokenizer=setup.info, inputs=setup.inputs,
-                        options=_manifest_options(options, setup))
-    seconds = run_pretrain(setup, out, options, manifest)
-    if options.progress:
-        print_summary(manifest, out, seconds)
-    return manifest
+class _PretrainRows(RowBuilder):
+    """Cuts the token stream into rows with one loss span over the whole row."""
+
+    def __init__(self, setup: Setup, options: PretrainOptions, manifest: Manifest) -> None:
+        self.counts = manifest.counts
+        self.dtype = setup.token_dtype
+        self.cutter = RowCutter(options.max_seq_len, setup.token_dtype)
+        self.full_span = np.asarray([0, options.max_seq_len], dtype=np.int32)
+
+    def add(self, result: _ChunkTokens) -> Iterator[dict]:
+        self.counts.documents_written += len(result.doc_lens)
+        for ids, pieces in self.cutter.feed(result.tokens, result.doc_lens):
+            self.counts.rows += 1
+            yield encode_row(ids, self.full_span, pieces, self.dtype)
+
+    def progress(self, result: _ChunkTokens) -> tuple[int, int]:
+        return len(result.doc_lens), int(result.doc_lens.sum())
+
+    def close(self) -> None:
+        c = self.counts
+        c.tokens = c.loss_tokens = c.rows * self.cutter.max_seq_len
+        c.tail_tokens = self.cutter.tail_tokens
+        c.documents_written -= self.cutter.tail_documents
 
 
 def _manifest_options(options: PretrainOptions, setup: Setup) -> dict[str, Any]:
@@ -164,40 +162,13 @@ def _manifest_options(options: PretrainOptions, setup: Setup) -> dict[str, Any]:
     return d
 
 
-def run_pretrain(setup: Setup, out: str, options: PretrainOptions, manifest: Manifest) -> float:
-    """Stream chunks through the workers, cut rows, write shards and fill ``manifest``.
+PRETRAIN = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_chunk, parallel='threads',
+                     builder=_PretrainRows, manifest_options=_manifest_options)
 
-    Returns the seconds spent.
-    """
-    L = options.max_seq_len
-    counts: Counts = manifest.counts
-    cutter = RowCutter(L, setup.token_dtype)
-    lines = LineCounter()
-    progress = Progress(options.progress, 'convert pretrain')
-    initargs = (options.tokenizer, options.text_field, setup.bos_id, setup.eos_id,
-                setup.token_dtype, options.on_error)
-    full_span = np.asarray([0, L], dtype=np.int32)
-    chunks = plan_chunks(setup.inputs, options.chunk_bytes)
-    with ordered_map(_encode_chunk, chunks, setup.workers, _init, initargs,
-                     mode=options.parallel or 'threads') as results, \
-            ShardWriter(out, L, setup.token_dtype, overwrite=options.overwrite,
-                        compression=options.compression, size_limit=options.size_limit) as writer:
-        try:
-            for chunk, res in results:
-                apply_error_policy(chunk, res.errors, lines.first_line(chunk, res.n_lines),
-                                   options.on_error, manifest.skipped)
-                counts.documents_read += res.n_records
-                counts.documents_written += len(res.doc_lens)
-                for ids, pieces in cutter.feed(res.tokens, res.doc_lens):
-                    writer.write(encode_row(ids, full_span, pieces, setup.token_dtype))
-                    counts.rows += 1
-                progress.update(len(res.doc_lens), int(res.doc_lens.sum()))
-        finally:
-            seconds = progress.close()
-        if counts.documents_read == 0:
-            raise ValueError(f'no documents found in {len(setup.inputs)} input file(s)')
-        counts.tokens = counts.loss_tokens = counts.rows * L
-        counts.tail_tokens = cutter.tail_tokens
-        counts.documents_written -= cutter.tail_documents
-        writer.finish(manifest)
-    return seconds
+
+def convert_pretrain(inputs: list[str], out: str, options: PretrainOptions) -> Manifest:
+    """Convert pretraining corpora in ``inputs`` to MDS shards plus manifest in ``out``."""
+    if options.bos is False and not options.eos:
+        raise ValueError('--no-bos with --no-eos would join documents with no separator; '
+                         'keep at least one of BOS and EOS')
+    return convert(PRETRAIN, inputs, out, options)

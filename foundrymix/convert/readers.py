@@ -1,4 +1,4 @@
-"""Find input files and read them as records, in chunks that workers can process alone.
+"""Read input files as records, in chunks that workers can process alone.
 
 Why chunks: conversion is bound by tokenization, so workers must read and parse their
 own share of the input instead of receiving text from the thread that writes. A chunk is a
@@ -9,6 +9,8 @@ dataset saved to disk, or a group of ``.txt`` files. Compressed ``.jsonl.gz`` /
 as a stream and hands out blocks of whole lines (the ``payload``). Chunks are produced
 lazily, in input order, so memory stays flat whatever the corpus size.
 
+Finding the inputs is :mod:`foundrymix.convert.discover`.
+
 Records are dicts. A record that cannot be read is yielded as a :class:`BadRecord`
 (reason + detail) so the caller decides between stopping and skipping; its position
 is reported as ``file:line`` (jsonl, 1-based line) or ``file:row`` (parquet and
@@ -17,7 +19,6 @@ datasets, 0-based row), or the file alone (txt).
 
 from __future__ import annotations
 
-import glob
 import gzip
 import io
 import json
@@ -25,10 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-JSONL_SUFFIXES = ('.jsonl', '.json', '.ndjson')
-COMPRESSED_SUFFIXES = ('.gz', '.zst')
-TEXT_SUFFIXES = ('.txt',)
-PARQUET_SUFFIXES = ('.parquet',)
+from foundrymix.convert.discover import input_format
+
 #: how many .txt documents one chunk holds (one document per file)
 TXT_FILES_PER_CHUNK = 64
 #: rows per chunk of a dataset saved to disk
@@ -43,10 +42,6 @@ class InputError(ValueError):
         self.location = location
         self.reason = reason
         self.detail = detail
-
-
-class InputNotFoundError(FileNotFoundError):
-    """An input path or glob matches nothing."""
 
 
 @dataclass(frozen=True)
@@ -73,91 +68,6 @@ class Chunk:
     first_line: Optional[int] = None
     payload: Optional[bytes] = None
     paths: tuple[str, ...] = ()
-
-
-def input_format(path: str) -> str:
-    """Format of one resolved input: jsonl | jsonl_stream | txt | parquet | hf."""
-    if os.path.isdir(path):
-        if _is_hf_dataset(path):
-            return 'hf'
-        raise ValueError(f'{path}: a directory is not a single input (expected a dataset saved '
-                         f'with `datasets.save_to_disk`)')
-    name = path.lower()
-    if name.endswith(COMPRESSED_SUFFIXES):
-        base = name.rsplit('.', 1)[0]
-        if base.endswith(JSONL_SUFFIXES):
-            return 'jsonl_stream'
-        raise ValueError(f'{path}: only compressed jsonl is supported (.jsonl.gz, .jsonl.zst)')
-    if name.endswith(JSONL_SUFFIXES):
-        return 'jsonl'
-    if name.endswith(TEXT_SUFFIXES):
-        return 'txt'
-    if name.endswith(PARQUET_SUFFIXES):
-        return 'parquet'
-    raise ValueError(f'{path}: unsupported input type (expected .jsonl[.gz|.zst], .txt, .parquet '
-                     f'or a dataset saved to disk)')
-
-
-def _is_hf_dataset(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, 'state.json')) or os.path.isfile(
-        os.path.join(path, 'dataset_dict.json'))
-
-
-def _supported(path: str) -> bool:
-    try:
-        input_format(path)
-        return True
-    except ValueError:
-        return False
-
-
-def _expand_dir(directory: str) -> list[str]:
-    """Inputs inside a directory: itself if it is a saved dataset, else supported files, sorted."""
-    if os.path.isfile(os.path.join(directory, 'dataset_dict.json')):
-        with open(os.path.join(directory, 'dataset_dict.json'), encoding='utf-8') as f:
-            splits = json.load(f).get('splits', [])
-        return [os.path.join(directory, s) for s in splits]
-    if _is_hf_dataset(directory):
-        return [directory]
-    found: list[str] = []
-    for root, dirs, files in os.walk(directory):
-        dirs.sort()
-        hf = [d for d in dirs if _is_hf_dataset(os.path.join(root, d))]
-        found.extend(p for d in hf for p in _expand_dir(os.path.join(root, d)))
-        dirs[:] = [d for d in dirs if d not in hf and not d.startswith('.')]
-        found.extend(os.path.join(root, f) for f in sorted(files)
-                     if not f.startswith('.') and _supported(os.path.join(root, f)))
-    return found
-
-
-def discover_inputs(specs: Sequence[str]) -> list[str]:
-    """Resolve files, globs and directories to an ordered, duplicate-free list of inputs.
-
-    Order is the order of ``specs``; a glob or directory contributes its matches sorted
-    by path, so the output of a conversion does not depend on file-system order.
-    """
-    if not specs:
-        raise ValueError('no inputs given')
-    resolved: list[str] = []
-    for spec in specs:
-        if glob.has_magic(spec):
-            matches = sorted(glob.glob(spec, recursive=True))
-            if not matches:
-                raise InputNotFoundError(f'{spec}: no file matches this pattern')
-            paths = [p for m in matches for p in (_expand_dir(m) if os.path.isdir(m) else [m])
-                     if os.path.isdir(p) or _supported(p)]
-        elif os.path.isdir(spec):
-            paths = _expand_dir(spec)
-        elif os.path.exists(spec):
-            input_format(spec)  # raises for an unsupported file named explicitly
-            paths = [spec]
-        else:
-            raise InputNotFoundError(f'{spec}: no such file or directory')
-        if not paths:
-            raise ValueError(f'{spec}: no supported input files found (.jsonl[.gz|.zst], .txt, '
-                             f'.parquet, datasets saved to disk)')
-        resolved.extend(os.path.abspath(p) for p in paths)
-    return list(dict.fromkeys(resolved))
 
 
 def plan_chunks(inputs: Sequence[str], chunk_bytes: int) -> Iterator[Chunk]:

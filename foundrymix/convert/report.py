@@ -37,7 +37,12 @@ def manifest_table(manifest: Manifest, title: str, seconds: Optional[float] = No
     if manifest.kind == 'pretrain':
         rows.append(('tail tokens (not written)', f'{c.tail_tokens:,}'))
     rows += [(f'dropped: {k}', f'{v:,}') for k, v in sorted(manifest.dropped.items())]
-    rows += [(f'skipped: {k}', f'{v:,}') for k, v in sorted(manifest.skipped.items())]
+    for reason, n in sorted(manifest.skipped.items()):
+        rows.append((f'skipped: {reason}', f'{n:,}'))
+        at = manifest.skipped_at.get(reason, [])
+        if at:
+            more = f'\n(+{n - len(at):,} more)' if n > len(at) else ''
+            rows.append(('  first at', '\n'.join(at) + more))
     if seconds is not None:
         rows.append(('time', f'{seconds:,.1f} s ({c.tokens / max(seconds, 1e-9):,.0f} tok/s)'))
     for what, value in rows:

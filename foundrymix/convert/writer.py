@@ -4,21 +4,29 @@ Why write aside and rename: a conversion killed half-way (Ctrl-C, SIGKILL, a ful
 disk) must never leave a directory that looks finished. Shards, ``index.json`` and
 ``foundrymix.json`` are written into a hidden sibling directory; only when all of
 them are on disk is that directory renamed to the requested output path (a rename on
-one filesystem is atomic). A leftover ``.<name>.partial-<pid>`` is obviously partial
-and is removed by the next run.
+one filesystem is atomic). A leftover ``.<name>.partial-<pid>-<tag>`` is obviously
+partial; the next run removes it once its process ``pid`` is gone (a live one may be a
+conversion into the same ``--out`` running right now, and is left alone).
+
+Shards are hashed into ``index.json`` (``xxh3_64`` by default, fast enough to be free;
+more with ``--hash``), so streaming's ``validate_hash`` can check downloaded shards.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import queue
+import re
+import secrets
 import shutil
 import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
+from foundrymix.convert.paths import check_out_url
 from foundrymix.convert.pipeline import importing
 from foundrymix.schema import MANIFEST_NAME, Manifest, mds_columns
 
@@ -40,6 +48,54 @@ def check_output_dir(out: str, overwrite: bool) -> None:
                 f'{out}: output directory is not empty; pass --overwrite to replace it')
 
 
+#: shard hash written by default: xxh3_64 hashes at tens of GB/s, so it costs nothing
+DEFAULT_HASH = 'xxh3_64'
+
+
+def supported_hashes() -> set[str]:
+    """The algorithms ``streaming.base.hashing`` supports (same rule: hashlib's, except
+    ``shake_*``, plus xxhash's), computed without importing streaming (and torch)."""
+    import xxhash
+    algos = {a for a in hashlib.algorithms_available if hasattr(hashlib, a) and not a.startswith('shake_')}
+    return algos | set(xxhash.algorithms_available)
+
+
+def check_hashes(algos: list[str]) -> None:
+    known = supported_hashes()
+    unknown = [a for a in algos if a not in known]
+    if unknown:
+        raise ValueError(f"--hash {unknown[0]!r} is not a hash streaming supports "
+                         f"(choose from {', '.join(sorted(known))})")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (``os.kill(pid, 0)``: no signal is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_partials(parent: str, name: str) -> list[str]:
+    """Remove ``.<name>.partial-<pid>[-<tag>]`` directories whose process is dead.
+
+    Those of live processes (another conversion into the same ``--out``, or this one)
+    are kept. Returns the removed paths.
+    """
+    removed = []
+    pattern = re.compile(rf'^\.{re.escape(name)}\.partial-(\d+)(?:-[0-9a-f]+)?(?:\.old)?$')
+    for stale in glob.glob(os.path.join(glob.escape(parent), f'.{glob.escape(name)}.partial-*')):
+        match = pattern.match(os.path.basename(stale))
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+        removed.append(stale)
+    return removed
+
+
 #: rows waiting for the writer thread are capped at about this many bytes of tokens
 QUEUE_BYTES = 64 << 20
 _FINISH = object()
@@ -59,14 +115,20 @@ class ShardWriter:
     """
 
     def __init__(self, out: str, max_seq_len: int, token_dtype: str, overwrite: bool = False,
-                 compression: Optional[str] = None, size_limit: int | str = '64mb') -> None:
-        self.out = os.path.abspath(out)
+                 compression: Optional[str] = None, size_limit: int | str = '64mb',
+                 hashes: Optional[list[str]] = None) -> None:
+        check_out_url(out)
+        # a symbolic link to a directory: write beside, and replace, its target
+        self.out = os.path.realpath(out)
+        self.overwrite = overwrite
         check_output_dir(self.out, overwrite)
+        hashes = [DEFAULT_HASH] if hashes is None else sorted(set(hashes))
+        check_hashes(hashes)
         parent, name = os.path.split(self.out)
         os.makedirs(parent, exist_ok=True)
-        for stale in glob.glob(os.path.join(parent, f'.{name}.partial-*')):
-            shutil.rmtree(stale, ignore_errors=True)
-        self.partial = os.path.join(parent, f'.{name}.partial-{os.getpid()}')
+        remove_stale_partials(parent, name)
+        # the tag keeps two writers of one process (threads, notebooks) apart
+        self.partial = os.path.join(parent, f'.{name}.partial-{os.getpid()}-{secrets.token_hex(4)}')
         self.rows = 0
         self.finished = False
         self._writer: Optional['MDSWriter'] = None
@@ -77,10 +139,11 @@ class ShardWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max(64, QUEUE_BYTES // row_bytes))
         self._thread = threading.Thread(
             target=self._run, name='foundrymix-shard-writer', daemon=True,
-            args=(mds_columns(max_seq_len, token_dtype), compression, size_limit))
+            args=(mds_columns(max_seq_len, token_dtype), compression, size_limit, hashes))
         self._thread.start()
 
-    def _run(self, columns: dict[str, str], compression: Optional[str], size_limit: int | str) -> None:
+    def _run(self, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
+             hashes: list[str]) -> None:
         try:
             # imported here, off the caller's thread: streaming imports torch, which
             # conversion workers forked before never need
@@ -90,7 +153,8 @@ class ShardWriter:
                 if self._closed:
                     return
                 self._writer = MDSWriter(out=self.partial, columns=columns, compression=compression,
-                                         size_limit=size_limit, progress_bar=False, exist_ok=False)
+                                         size_limit=size_limit, hashes=hashes, progress_bar=False,
+                                         exist_ok=False)
             while True:
                 row = self._queue.get()
                 if row is _FINISH:
@@ -136,11 +200,41 @@ class ShardWriter:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
-        if os.path.exists(self.out):
-            shutil.rmtree(self.out)  # overwrite was checked in __init__
-        os.rename(self.partial, self.out)
+        self._publish()
         self.finished = True
         return self.out
+
+    def _publish(self) -> None:
+        """Move the partial directory into place, re-checking ``out`` first.
+
+        Another conversion may have published the same ``out`` while this one ran: without
+        ``overwrite`` that output is left alone and this one fails (its partial directory is
+        removed by :meth:`abort`). With ``overwrite`` the old output is renamed aside before
+        the new one moves in and only then deleted, so ``out`` is never missing for long.
+        """
+        if os.path.lexists(self.out):
+            if not os.path.isdir(self.out) or os.path.islink(self.out):
+                raise OutputExistsError(f'{self.out}: output path appeared while converting and is '
+                                        f'not a directory; left it alone')
+            if os.listdir(self.out) and not self.overwrite:
+                raise OutputExistsError(
+                    f'{self.out}: output directory appeared while converting (another conversion '
+                    f'into the same --out?); left it alone and discarded this output. Pass '
+                    f'--overwrite to replace it, or choose another --out')
+        old = None
+        if os.path.isdir(self.out) and os.listdir(self.out):
+            old = f'{self.partial}.old'
+            os.rename(self.out, old)
+        try:
+            os.rename(self.partial, self.out)
+        except OSError as e:
+            if old is not None and not os.path.exists(self.out):
+                os.rename(old, self.out)
+            raise OutputExistsError(f'{self.out}: output directory appeared while converting (another '
+                                    f'conversion into the same --out?); could not move this output '
+                                    f'into place ({e}); left the other alone') from e
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
         with self._lock:

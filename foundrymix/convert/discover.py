@@ -1,0 +1,194 @@
+"""Find the input files of a conversion: files, globs and directories, in a fixed order.
+
+Why rules: a directory given as input often holds more than the corpus -- an earlier
+conversion's output, a conversion in progress, configs -- and reading any of those as
+records is wrong (``foundrymix.json`` read as JSON Lines, say). So directory walks skip
+output directories (``foundrymix.json`` or an MDS ``index.json``), hidden entries
+(``.<out>.partial-<pid>`` among them), the conversion's own ``--out``, and ``.json``
+files, which are as often JSON documents as JSON Lines (name them explicitly, or glob
+``*.json``, to read them). A ``.json`` input is checked to really be JSON Lines.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Optional, Sequence
+
+from foundrymix.schema import MANIFEST_NAME
+
+JSONL_SUFFIXES = ('.jsonl', '.json', '.ndjson')
+#: read only when named (or globbed as ``*.json``), not when a directory is expanded:
+#: a ``.json`` file is as often a JSON document (a config, an index) as JSON Lines
+NOT_EXPANDED_SUFFIXES = ('.json',)
+#: a directory holding one of these is conversion output, never an input
+OUTPUT_MARKERS = (MANIFEST_NAME, 'index.json')
+COMPRESSED_SUFFIXES = ('.gz', '.zst')
+TEXT_SUFFIXES = ('.txt',)
+PARQUET_SUFFIXES = ('.parquet',)
+class InputNotFoundError(FileNotFoundError):
+    """An input path or glob matches nothing."""
+
+
+def input_format(path: str) -> str:
+    """Format of one resolved input: jsonl | jsonl_stream | txt | parquet | hf."""
+    if os.path.isdir(path):
+        if _is_hf_dataset(path):
+            return 'hf'
+        raise ValueError(f'{path}: a directory is not a single input (expected a dataset saved '
+                         f'with `datasets.save_to_disk`)')
+    name = path.lower()
+    if name.endswith(COMPRESSED_SUFFIXES):
+        base = name.rsplit('.', 1)[0]
+        if base.endswith(JSONL_SUFFIXES):
+            return 'jsonl_stream'
+        raise ValueError(f'{path}: only compressed jsonl is supported (.jsonl.gz, .jsonl.zst)')
+    if name.endswith(JSONL_SUFFIXES):
+        return 'jsonl'
+    if name.endswith(TEXT_SUFFIXES):
+        return 'txt'
+    if name.endswith(PARQUET_SUFFIXES):
+        return 'parquet'
+    raise ValueError(f'{path}: unsupported input type (expected .jsonl[.gz|.zst], .txt, .parquet '
+                     f'or a dataset saved to disk)')
+
+
+def _is_hf_dataset(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, 'state.json')) or os.path.isfile(
+        os.path.join(path, 'dataset_dict.json'))
+
+
+def _supported(path: str, expanding: bool = False) -> bool:
+    """Whether ``path`` is an input we read; ``expanding``: found by walking a directory
+    or a glob, where a ``.json`` file is not taken as JSON Lines (see :func:`discover_inputs`)."""
+    try:
+        input_format(path)
+    except ValueError:
+        return False
+    return not (expanding and path.lower().endswith(NOT_EXPANDED_SUFFIXES))
+
+
+def output_marker(directory: str) -> Optional[str]:
+    """The file that marks ``directory`` as conversion output (``foundrymix.json`` or an MDS
+    ``index.json``), or ``None``: such directories are never inputs."""
+    for name in OUTPUT_MARKERS:
+        if os.path.isfile(os.path.join(directory, name)):
+            return name
+    return None
+
+
+def _expand_dir(directory: str, exclude: Optional[str] = None) -> list[str]:
+    """Inputs inside a directory: itself if it is a saved dataset, else supported files, sorted.
+
+    Skipped while walking: hidden entries (``.<out>.partial-<pid>`` work directories
+    among them), output directories (:func:`output_marker`), the real path ``exclude``
+    (the conversion's own ``--out``), and ``.json`` files (often JSON documents, not
+    JSON Lines: name them explicitly to read them).
+    """
+    if os.path.isfile(os.path.join(directory, 'dataset_dict.json')):
+        with open(os.path.join(directory, 'dataset_dict.json'), encoding='utf-8') as f:
+            splits = json.load(f).get('splits', [])
+        return [os.path.join(directory, s) for s in splits]
+    if _is_hf_dataset(directory):
+        return [directory]
+    found: list[str] = []
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
+        dirs[:] = [d for d in dirs
+                   if not d.startswith('.') and not _skipped_dir(os.path.join(root, d), exclude)]
+        hf = [d for d in dirs if _is_hf_dataset(os.path.join(root, d))]
+        found.extend(p for d in hf for p in _expand_dir(os.path.join(root, d)))
+        dirs[:] = [d for d in dirs if d not in hf]
+        found.extend(os.path.join(root, f) for f in sorted(files)
+                     if not f.startswith('.') and _supported(os.path.join(root, f), expanding=True))
+    return found
+
+
+def _skipped_dir(path: str, exclude: Optional[str]) -> bool:
+    return output_marker(path) is not None or (
+        exclude is not None and os.path.realpath(path) == exclude)
+
+
+def _refuse_output_dir(spec: str, directory: str) -> None:
+    marker = output_marker(directory)
+    if marker is not None:
+        what = 'a foundrymix output directory' if marker == MANIFEST_NAME else 'an MDS output directory'
+        where = spec if os.path.isdir(spec) else directory
+        raise ValueError(f'{spec}: {"" if where == spec else f"in {where}, "}{what} (it holds {marker}), '
+                         f'not an input; give the raw corpus instead')
+
+
+def check_json_lines(path: str) -> None:
+    """Refuse a ``.json`` file that is not JSON Lines (e.g. a pretty-printed document or an
+    array), with a clear error instead of a malformed record per line.
+
+    Only the first non-blank line is parsed: it must be a whole JSON object.
+    """
+    with open(path, 'rb') as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                ok = isinstance(json.loads(line), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f'{path}: not JSON Lines (its first line is not a whole JSON object; '
+                                 f'a pretty-printed JSON document or an array?); write one object per '
+                                 f'line (.jsonl)')
+            return
+
+
+def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list[str]:
+    """Resolve files, globs and directories to an ordered, duplicate-free list of inputs.
+
+    Order is the order of ``specs``; a glob or directory contributes its matches sorted
+    by path, so the output of a conversion does not depend on file-system order.
+
+    Rules: a file named explicitly is read whatever its supported suffix, ``.json``
+    included (as JSON Lines, checked by :func:`check_json_lines`); a directory or a glob
+    contributes ``.jsonl``/``.ndjson`` (maybe compressed), ``.txt``, ``.parquet`` and
+    saved datasets, and ``.json`` only from a glob whose pattern ends in ``.json``. Output
+    directories (``foundrymix.json`` or ``index.json``), hidden entries and the real path
+    ``exclude`` are never read; naming an output directory or a file in one is an error.
+    """
+    if not specs:
+        raise ValueError('no inputs given')
+    resolved: list[str] = []
+    for spec in specs:
+        if glob.has_magic(spec):
+            paths = _glob_inputs(spec, exclude)
+        elif os.path.isdir(spec):
+            _refuse_output_dir(spec, spec)
+            paths = _expand_dir(spec, exclude)
+        elif os.path.exists(spec):
+            _refuse_output_dir(spec, os.path.dirname(os.path.abspath(spec)))
+            input_format(spec)  # raises for an unsupported file named explicitly
+            paths = [spec]
+        else:
+            raise InputNotFoundError(f'{spec}: no such file or directory')
+        if not paths:
+            raise ValueError(f'{spec}: no supported input files found (.jsonl[.gz|.zst], .ndjson, .txt, '
+                             f'.parquet, datasets saved to disk; .json only when named)')
+        for p in paths:
+            if p.lower().endswith('.json'):
+                check_json_lines(p)
+        resolved.extend(os.path.abspath(p) for p in paths)
+    return list(dict.fromkeys(resolved))
+
+
+def _glob_inputs(spec: str, exclude: Optional[str]) -> list[str]:
+    matches = sorted(glob.glob(spec, recursive=True))
+    if not matches:
+        raise InputNotFoundError(f'{spec}: no file matches this pattern')
+    asked_json = spec.lower().endswith('.json')
+    paths = []
+    for m in matches:
+        if os.path.isdir(m):
+            if not _skipped_dir(m, exclude):
+                paths.extend(_expand_dir(m, exclude))
+        elif output_marker(os.path.dirname(os.path.abspath(m))) is None and (
+                _supported(m, expanding=True) or (asked_json and _supported(m))):
+            paths.append(m)
+    return paths

@@ -1,0 +1,163 @@
+"""The one conversion driver: chunks -> workers -> rows -> shards, for every converter.
+
+Why one driver: pretrain and finetune differ only in how a chunk's records become
+token arrays (the *encode step*, run in the workers) and how those arrays become
+rows (the *row builder*, run in the calling thread: cutting a token stream, packing
+examples). Everything else -- set-up checks, the ordered parallel map, the error
+policy with line numbers, counting, progress, atomic shard writing, the summary --
+is the same and lives here, so a fix to it reaches both.
+
+A converter supplies a :class:`Converter`: its ``kind``, the module-level encode
+function (workers pickle it by reference), its default parallel mode, and a factory
+for its :class:`RowBuilder`. Workers reach their tokenizer and options through one
+typed :class:`WorkerState`, set up once per worker by :func:`init_worker`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from foundrymix.convert.common import ConvertOptions, Setup, prepare
+from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
+from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_records
+from foundrymix.convert.report import print_summary
+from foundrymix.convert.writer import ShardWriter
+from foundrymix.schema import Manifest
+from foundrymix.tokenizer import load_tokenizer
+
+
+@dataclass
+class WorkerState:
+    """What an encode step needs, loaded once per worker (thread pool or process)."""
+
+    tok: Any
+    options: Any  # the converter's ConvertOptions subclass
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    token_dtype: str
+
+
+_state: Optional[WorkerState] = None
+
+
+def init_worker(options: ConvertOptions, bos_id: Optional[int], eos_id: Optional[int],
+                token_dtype: str) -> None:
+    """Load the tokenizer for this worker (in the calling process for thread workers)."""
+    global _state
+    _state = WorkerState(tok=load_tokenizer(options.tokenizer), options=options, bos_id=bos_id,
+                         eos_id=eos_id, token_dtype=token_dtype)
+
+
+def worker_state() -> WorkerState:
+    assert _state is not None, 'init_worker was not called in this worker'
+    return _state
+
+
+@dataclass
+class ChunkResult:
+    """What every encode step returns besides its arrays: lines and records seen, errors."""
+
+    n_lines: int
+    n_records: int
+    errors: ChunkErrors
+
+
+def parse_records(chunk: Chunk, fields: Sequence[str], parse: Callable[[dict], Any],
+                  on_error: str) -> tuple[int, int, list[Any], ChunkErrors]:
+    """Read a chunk and ``parse`` each record: ``(n_lines, n_records, parsed, errors)``.
+
+    ``parse`` returns the record's usable form or a :class:`BadRecord`. With
+    ``on_error='raise'`` reading stops at the first bad record: the conversion stops
+    there anyway, so nothing after it needs tokenizing.
+    """
+    n_lines, records = read_records(chunk, fields)
+    errors = ChunkErrors()
+    parsed: list[Any] = []
+    for path, index, rec in records:
+        item = rec if isinstance(rec, BadRecord) else parse(rec)
+        if isinstance(item, BadRecord):
+            errors.add(path, index, item.reason, item.detail)
+            if on_error == 'raise':
+                break
+            continue
+        parsed.append(item)
+    return n_lines, len(records), parsed, errors
+
+
+class RowBuilder:
+    """Turns encode results, in input order, into MDS rows and fills ``manifest.counts``."""
+
+    def add(self, result: Any) -> Iterator[dict]:
+        """Rows completed by one chunk's result."""
+        raise NotImplementedError
+
+    def flush(self) -> Iterator[dict]:
+        """Rows still held at the end of the input."""
+        return iter(())
+
+    def progress(self, result: Any) -> tuple[int, int]:
+        """(documents, tokens) of a result, for the progress bar."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Final counts once every row is written (e.g. the unwritten tail)."""
+
+
+@dataclass(frozen=True)
+class Converter:
+    """What one kind of conversion supplies to the driver."""
+
+    kind: str  # Manifest.kind
+    noun: str  # what a record is, for messages: documents | examples
+    encode_chunk: Callable[[Chunk], ChunkResult]
+    parallel: str  # default ConvertOptions.parallel
+    builder: Callable[[Setup, Any, Manifest], RowBuilder]
+    manifest_options: Callable[[Any, Setup], dict[str, Any]]
+    min_content: int = 1
+
+
+def convert(converter: Converter, inputs: list[str], out: str, options: ConvertOptions) -> Manifest:
+    """Check everything, convert ``inputs`` to shards plus manifest in ``out``, print the summary."""
+    setup = prepare(inputs, out, options, min_content=converter.min_content)
+    manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
+                        tokenizer=setup.info, inputs=setup.inputs,
+                        options=converter.manifest_options(options, setup))
+    seconds = run(converter, setup, out, options, manifest)
+    if options.progress:
+        print_summary(manifest, out, seconds)
+    return manifest
+
+
+def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions, manifest: Manifest) -> float:
+    """Stream chunks through the workers, build rows, write shards, fill ``manifest``.
+
+    Returns the seconds spent. The output appears only if everything succeeded.
+    """
+    builder = converter.builder(setup, options, manifest)
+    lines = LineCounter()
+    progress = Progress(options.progress, f'convert {converter.kind}')
+    initargs = (options, setup.bos_id, setup.eos_id, setup.token_dtype)
+    chunks = plan_chunks(setup.inputs, options.chunk_bytes)
+    with ordered_map(converter.encode_chunk, chunks, setup.workers, init_worker, initargs,
+                     mode=options.parallel or converter.parallel) as results, \
+            ShardWriter(out, options.max_seq_len, setup.token_dtype, overwrite=options.overwrite,
+                        compression=options.compression, size_limit=options.size_limit,
+                        hashes=options.hash_algorithms) as writer:
+        try:
+            for chunk, res in results:
+                apply_error_policy(chunk, res.errors, lines.first_line(chunk, res.n_lines),
+                                   options.on_error, manifest)
+                manifest.counts.documents_read += res.n_records
+                for row in builder.add(res):
+                    writer.write(row)
+                progress.update(*builder.progress(res))
+            for row in builder.flush():
+                writer.write(row)
+        finally:
+            seconds = progress.close()
+        if manifest.counts.documents_read == 0:
+            raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
+        builder.close()
+        writer.finish(manifest)
+    return seconds
