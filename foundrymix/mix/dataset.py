@@ -24,11 +24,12 @@ next epoch's iteration begins the mark no longer names the current epoch and is 
 from __future__ import annotations
 
 import bisect
+import os
 from typing import Any, Iterator, Optional, Sequence
 
 from streaming import StreamingDataset
 
-from foundrymix.schema import decode_row
+from foundrymix.schema import CorruptRowError, check_row, decode_row
 
 
 class _RowIndex(int):
@@ -54,27 +55,96 @@ class MixedDataset(StreamingDataset):
     through, samples arrive decoded, which ``collate`` also accepts (only slower).
     """
 
-    def __init__(self, *, stream_names: Sequence[str], **kwargs: Any) -> None:
+    def __init__(self, *, stream_names: Sequence[str], vocab_size: Optional[int] = None,
+                 max_seq_len: Optional[int] = None, check_shard_files: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.stream_names = list(stream_names)
+        #: rows are checked against these (:func:`foundrymix.schema.check_row`); ``None`` skips
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
         if len(self.stream_names) != self.num_streams:
             raise ValueError(f'{len(self.stream_names)} stream names for {self.num_streams} streams')
+        if check_shard_files:
+            self.check_shard_files()
         # First global sample index of streams 1..n-1: bisect gives the stream of a sample.
         self._stream_starts = [int(x) for x in self.sample_offset_per_stream[1:]]
         self._completed_epoch: Optional[int] = None
         self.yield_rows = False
+
+    def check_shard_files(self) -> None:
+        """Raise :class:`~foundrymix.shards.ShardFilesError` if a stream's shard files are damaged.
+
+        One ``stat`` per shard (:func:`foundrymix.shards.check_shard_files`). A stream with
+        no remote must have every shard, each of the size its ``index.json`` records:
+        streaming would otherwise notice a missing shard only in a background thread and
+        end the epoch early without an error. For a remote stream only the shards already
+        in the local cache are checked (the others are downloaded when needed).
+        """
+        from dataclasses import asdict
+
+        from foundrymix.shards import check_shard_files, shard_files_error
+        for stream_id, stream in enumerate(self.streams):
+            begin = int(self.shard_offset_per_stream[stream_id])
+            end = begin + int(self.shards_per_stream[stream_id])
+            index = {'shards': [{'raw_data': asdict(shard.file_pairs[0][0]),
+                                 'zip_data': (asdict(shard.file_pairs[0][1])
+                                              if shard.file_pairs[0][1] else None)}
+                                for shard in self.shards[begin:end]]}
+            directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
+            problems = check_shard_files(directory, index, allow_missing=bool(stream.remote))
+            if problems:
+                raise shard_files_error(self.stream_names[stream_id], directory, problems)
 
     def stream_of(self, sample_id: int) -> int:
         """Index of the stream a global sample index belongs to."""
         return bisect.bisect_right(self._stream_starts, sample_id)
 
     def get_row(self, idx: int, retry: int = 7) -> dict[str, Any]:
-        """The stored row (``input_ids``, ``loss_spans``, ``doc_lens``) plus ``stream_id``, ``sample_id``."""
-        row = super().get_item(idx, retry)
+        """The stored row (``input_ids``, ``loss_spans``, ``doc_lens``) plus ``stream_id``, ``sample_id``.
+
+        The row is checked (:func:`foundrymix.schema.check_row`: ids below ``vocab_size``,
+        ``max_seq_len`` tokens, sane spans and lengths) and a bad row, or a streaming error
+        while reading it (truncated shard, corrupt offsets, a shard that is gone), raises
+        :class:`~foundrymix.schema.CorruptRowError` naming the stream, shard file, row
+        within the shard and global sample id -- before the model sees the row.
+        """
+        try:
+            row = super().get_item(idx, retry)
+        except Exception as e:
+            where = self.row_location(idx)
+            if where is None:  # not a valid sample index: not a data problem
+                raise
+            raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}') from e
+        problem = check_row(row, self.vocab_size, self.max_seq_len)
+        if problem is not None:
+            raise self._row_error(idx, problem)
         idx = int(idx)
         row['stream_id'] = bisect.bisect_right(self._stream_starts, idx)
         row['sample_id'] = idx
         return row
+
+    def row_location(self, sample_id: int) -> Optional[tuple[str, str, str, int]]:
+        """(stream name, stream directory, shard file, row within the shard) of a sample.
+
+        ``None`` if ``sample_id`` is not a sample of this dataset.
+        """
+        try:
+            shard_id, row = self.spanner[int(sample_id)]
+        except (IndexError, ValueError, RuntimeError):
+            return None
+        stream_id = int(self.stream_per_shard[shard_id])
+        stream = self.streams[stream_id]
+        shard = self.shards[shard_id]
+        basename = shard.file_pairs[0][0].basename
+        directory = os.path.join(stream.local, stream.split or '')
+        return self.stream_names[stream_id], directory.rstrip(os.sep), basename, int(row)
+
+    def _row_error(self, sample_id: int, problem: str) -> CorruptRowError:
+        location = self.row_location(sample_id)
+        stream, directory, shard, row = location if location is not None else (None, None, None, None)
+        return CorruptRowError(stream=stream, shard=shard, row=row, sample_id=int(sample_id),
+                               problem=problem, directory=directory)
 
     def get_item(self, idx: int, retry: int = 7) -> dict[str, Any]:
         row = self.get_row(idx, retry)
