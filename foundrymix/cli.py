@@ -1,4 +1,4 @@
-"""``foundrymix`` command line: convert | inspect | plan | train.
+"""``foundrymix`` command line: convert | inspect | plan | train | verify.
 
 Each subcommand lives beside the code it drives and registers itself through a
 ``register(subparsers)`` function, so this module only dispatches.
@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     'foundrymix.inspect',
     'foundrymix.mix.cli',
     'foundrymix.train.cli',
+    'foundrymix.verify',
 )
 
 
