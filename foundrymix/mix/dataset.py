@@ -32,6 +32,10 @@ from streaming import StreamingDataset
 from foundrymix.schema import CorruptRowError, check_row, decode_row
 
 
+class ShardPrepareError(ValueError):
+    """streaming could not download, decompress or hash-check a shard; names stream and shard."""
+
+
 class _RowIndex(int):
     """A sample index that asks :meth:`MixedDataset.get_item` for the stored row, undecoded."""
 
@@ -157,7 +161,37 @@ class MixedDataset(StreamingDataset):
 
     def _each_sample_id(self, it: Any) -> Iterator[int]:
         ids = super()._each_sample_id(it)
-        return map(_RowIndex, ids) if self.yield_rows else ids
+        yield from map(_RowIndex, ids) if self.yield_rows else ids
+        # streaming stops an epoch quietly when its shard-preparing thread fails (a missing
+        # shard of a local-only stream, a validate_hash the index lacks, a checksum failure):
+        # the thread's traceback is logged and iteration just ends. Make that an error.
+        event = getattr(self, '_event', None)
+        if event is not None and event.is_set() and it.yield_index < it.total:
+            raise self._prepare_error(it)
+
+    def _prepare_error(self, it: Any) -> 'ShardPrepareError':
+        """Name the shard streaming failed to prepare (retried here to get its exception)."""
+        from streaming.base.dataset import _ShardState
+        stopped = (f'the epoch stopped after {it.yield_index:,} of {it.total:,} samples of this '
+                   f'worker')
+        states = self._shard_states
+        for shard_id in range(len(self.shards)):
+            if states[shard_id] != _ShardState.PREPARING:
+                continue
+            stream_id = int(self.stream_per_shard[shard_id])
+            stream, shard = self.streams[stream_id], self.shards[shard_id]
+            directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
+            where = (f"stream '{self.stream_names[stream_id]}' ({directory}), shard "
+                     f'{shard.file_pairs[0][0].basename}')
+            try:
+                stream.prepare_shard(shard)
+            except Exception as e:
+                return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
+                                         f'{type(e).__name__}: {e}; {stopped}')
+            return ShardPrepareError(f'{where}: streaming failed to prepare the shard and it '
+                                     f'succeeded on a retry (a transient error?); {stopped}')
+        return ShardPrepareError(f"streaming's shard-preparing thread failed (see the traceback "
+                                 f'logged above); {stopped}')
 
     # ------------------------------------------------------------ resumption
     def _current_epoch(self) -> int:
