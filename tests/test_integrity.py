@@ -283,3 +283,25 @@ def test_token_bytes_helper_finds_the_tokens(streams):
     stored = np.frombuffer(shard_path(arxiv, 1).read_bytes()[start:end], np.uint16)
     row = LocalDataset(local=str(arxiv))[first_row_of_shard(arxiv, 1) + 3]
     assert np.array_equal(stored, row['input_ids'])
+
+
+def test_training_stops_on_the_named_row(tmp_path, streams, capsys):
+    """The bug as reported: training on 0xFF tokens died in the embedding (IndexError, no
+    stream or shard named). Now ``foundrymix train`` stops with the row named (DataLoader
+    worker included) and no traceback."""
+    import yaml
+
+    from conftest import tiny_run_config
+    arxiv = streams['arxiv']
+    set_tokens_ff(arxiv, 1, 4, token=7)
+    cfg = tiny_run_config({'streams': {'arxiv': {'local': str(arxiv)}}, 'num_workers': 1},
+                          run_name='corrupt', global_train_batch_size=2, max_duration='20ba',
+                          save_folder=str(tmp_path / 'ckpt'))
+    (tmp_path / 'c.yaml').write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    assert main(['train', str(tmp_path / 'c.yaml')]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"foundrymix train: error: corrupt row: stream 'arxiv' ({arxiv}), shard shard.00001.mds, "
+        f'row 4 (sample 17): token id 65535 >= vocabulary size 8192 (first bad id 65535 at '
+        f'position 7)\n')
+    assert 'Traceback' not in err and 'IndexError' not in err
