@@ -268,3 +268,22 @@ def test_verify_s3(capsys, tmp_path, monkeypatch, s3, hashed):
     assert capsys.readouterr().err.startswith(
         f'foundrymix verify: error: s3://{BUCKET}/nothere/foundrymix.json: no foundrymix manifest')
     assert os.listdir(scratch) == []  # every temporary download directory was removed
+
+
+def test_loader_names_a_shard_missing_from_the_remote(tmp_path, s3, hashed):
+    """A remote stream whose bucket lost a shard: streaming's download thread fails, which used
+    to end the epoch quietly after 13 of 22 rows (a logged traceback, no error); now the
+    loader names the stream and shard."""
+    from foundrymix.mix.dataset import ShardPrepareError
+    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.schema import CorruptRowError
+    deleted = copy_stream(hashed, tmp_path / 'del')
+    shard_path(deleted, 1).unlink()
+    url = upload(s3, deleted, 'loader-del')
+    cfg = {'streams': {'arxiv': {'remote': url}}, 'cache_root': str(tmp_path / 'cache'),
+           'shuffle': False, 'num_workers': 0}
+    with pytest.raises((ShardPrepareError, CorruptRowError)) as err:
+        [b for b in StreamMixer.from_dict(cfg).build_dataloader(1)]
+    text = str(err.value)
+    assert "stream 'arxiv' (" in text and 'shard shard.00001.mds' in text
+    assert f'ClientError: Object {url}/shard.00001.mds not found' in text
