@@ -33,7 +33,17 @@ from foundrymix.schema import CorruptRowError, check_row, decode_row
 
 
 class ShardPrepareError(ValueError):
-    """streaming could not download, decompress or hash-check a shard; names stream and shard."""
+    """streaming could not download, decompress or hash-check a shard; names stream and shard.
+
+    Re-raised by torch in the main process as ``ShardPrepareError(worker text)``; the
+    worker's traceback is dropped there, keeping the one-line message.
+    """
+
+    def __init__(self, text: str = '') -> None:
+        marker = f'{type(self).__name__}: '
+        if 'Original Traceback' in text and marker in text:
+            text = text.rsplit(marker, 1)[1].strip()
+        super().__init__(text)
 
 
 class _RowIndex(int):
@@ -115,6 +125,8 @@ class MixedDataset(StreamingDataset):
         """
         try:
             row = super().get_item(idx, retry)
+        except ShardPrepareError:
+            raise
         except Exception as e:
             where = self.row_location(idx)
             if where is None:  # not a valid sample index: not a data problem
@@ -169,6 +181,55 @@ class MixedDataset(StreamingDataset):
         if event is not None and event.is_set() and it.yield_index < it.total:
             raise self._prepare_error(it)
 
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        """streaming's ``prepare_shard``, but a blocking wait on a shard that another thread is
+        preparing gives up (naming the shard) once that preparation has failed.
+
+        streaming waits ``while state == PREPARING`` with no end: when its background thread
+        fails on a shard (missing, hash mismatch) the shard stays PREPARING and a row read
+        that needs it waited forever (seen as a hung test). Here: if this process's thread
+        failed, raise at once; otherwise give up after ``2 * download_timeout + 60`` s (a
+        preparation that failed in another worker process leaves no trace here).
+        """
+        if not blocking:
+            super().prepare_shard(shard_id, False)
+            return
+        from time import monotonic, sleep
+
+        from streaming.base.dataset import _ShardState
+        stream = self.streams[int(self.stream_per_shard[shard_id])]
+        limit = 2 * float(stream.download_timeout) + 60
+        while True:
+            # Non-blocking: prepares the shard here if it is remote (raising on failure), and
+            # returns at once if someone else is preparing it -- then we wait, with an end.
+            super().prepare_shard(shard_id, False)
+            deadline = monotonic() + limit
+            while self._shard_states[shard_id] == _ShardState.PREPARING:
+                event = getattr(self, '_event', None)
+                if event is not None and event.is_set():
+                    raise self._shard_error(shard_id, "streaming's shard-preparing thread failed")
+                if monotonic() > deadline:
+                    raise self._shard_error(shard_id, f'the shard stayed "preparing" for {limit:.0f} s '
+                                                      '(its preparation failed in another worker?)')
+                sleep(0.007)
+            if self._shard_states[shard_id] == _ShardState.LOCAL:
+                return
+
+    def _shard_error(self, shard_id: int, context: str) -> 'ShardPrepareError':
+        """Name a shard streaming failed to prepare (retried here to get its exception)."""
+        stream_id = int(self.stream_per_shard[shard_id])
+        stream, shard = self.streams[stream_id], self.shards[shard_id]
+        directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
+        where = (f"stream '{self.stream_names[stream_id]}' ({directory}), shard "
+                 f'{shard.file_pairs[0][0].basename}')
+        try:
+            stream.prepare_shard(shard)
+        except Exception as e:
+            return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
+                                     f'{type(e).__name__}: {e}; {context}')
+        return ShardPrepareError(f'{where}: streaming failed to prepare the shard and it '
+                                 f'succeeded on a retry (a transient error?); {context}')
+
     def _prepare_error(self, it: Any) -> 'ShardPrepareError':
         """Name the shard streaming failed to prepare (retried here to get its exception)."""
         from streaming.base.dataset import _ShardState
@@ -178,18 +239,7 @@ class MixedDataset(StreamingDataset):
         for shard_id in range(len(self.shards)):
             if states[shard_id] != _ShardState.PREPARING:
                 continue
-            stream_id = int(self.stream_per_shard[shard_id])
-            stream, shard = self.streams[stream_id], self.shards[shard_id]
-            directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
-            where = (f"stream '{self.stream_names[stream_id]}' ({directory}), shard "
-                     f'{shard.file_pairs[0][0].basename}')
-            try:
-                stream.prepare_shard(shard)
-            except Exception as e:
-                return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
-                                         f'{type(e).__name__}: {e}; {stopped}')
-            return ShardPrepareError(f'{where}: streaming failed to prepare the shard and it '
-                                     f'succeeded on a retry (a transient error?); {stopped}')
+            return self._shard_error(shard_id, stopped)
         return ShardPrepareError(f"streaming's shard-preparing thread failed (see the traceback "
                                  f'logged above); {stopped}')
 
