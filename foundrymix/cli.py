@@ -1,4 +1,4 @@
-"""``foundrymix`` command line: convert | inspect | plan | train | report.
+"""``foundrymix`` command line: convert | inspect | verify | plan | train | report.
 
 Each subcommand lives beside the code it drives and registers itself through a
 ``register(subparsers)`` function, so this module only dispatches.
@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     'foundrymix.mix.cli',
     'foundrymix.train.cli',
     'foundrymix.train.report',
+    'foundrymix.verify',
 )
 
 

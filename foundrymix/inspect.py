@@ -2,19 +2,23 @@
 
 ``--decode K`` prints the first K rows, segment by segment (documents or packed
 examples), with the tokens that carry no loss (labels ``-100``) between ``⟦`` and ``⟧``,
-so a finetune row shows its prompts bracketed and its responses bare.
+so a finetune row shows its prompts bracketed and its responses bare. Rows are read
+with the loader's checks (shard sizes against ``index.json``, token ids below the
+vocabulary, spans and lengths inside the row): a damaged row stops with its shard file
+and row named (``foundrymix verify`` checks every row).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from foundrymix.schema import Manifest, decode_row
+from foundrymix.schema import CorruptRowError, Manifest, decode_row
 
 NO_LOSS_OPEN, NO_LOSS_CLOSE = '⟦', '⟧'
 
@@ -37,15 +41,44 @@ def render_row(row: dict[str, Any], tok: Any) -> list[str]:
     return out
 
 
-def _decode(directory: str, manifest: Manifest, k: int) -> None:
-    from streaming import LocalDataset
+def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(shard file, row within the shard, stored row) of a local directory, in order, checked.
 
+    Each row passes :func:`foundrymix.schema.check_row` against the manifest (the checks
+    the loader runs); a missing or damaged shard or bad row raises
+    :class:`~foundrymix.shards.ShardFilesError` / :class:`~foundrymix.schema.CorruptRowError`
+    naming the shard file and row.
+    """
+    from foundrymix.shards import (check_shard_files, decompress_shard, iter_shard_rows, read_index,
+                                   shard_files_error, shard_name)
+    index = read_index(directory)
+    sample = 0
+    for shard in index['shards']:
+        name = shard_name(shard)
+        problems = check_shard_files(directory, {'shards': [shard]})
+        if problems:
+            raise shard_files_error(os.path.basename(os.path.normpath(directory)), directory, problems)
+        raw_path = os.path.join(directory, shard['raw_data']['basename'])
+        if os.path.isfile(raw_path):
+            with open(raw_path, 'rb') as f:
+                data = f.read()
+        else:
+            with open(os.path.join(directory, shard['zip_data']['basename']), 'rb') as f:
+                data = decompress_shard(shard, f.read())
+        for result in iter_shard_rows(data, shard, manifest.tokenizer.vocab_size, manifest.max_seq_len):
+            if result.problem is not None:
+                raise CorruptRowError(shard=name, row=result.row, sample_id=sample + result.row,
+                                      problem=result.problem, directory=directory)
+            yield name, result.row, result.value
+        sample += int(shard['samples'])
+
+
+def _decode(directory: str, manifest: Manifest, k: int) -> None:
     from foundrymix.tokenizer import load_tokenizer
     tok = load_tokenizer(manifest.tokenizer.name)
-    ds = LocalDataset(local=directory)
     print(f'no loss on text in {NO_LOSS_OPEN}...{NO_LOSS_CLOSE}')
-    for r in range(min(k, len(ds))):
-        row = ds[r]
+    rows = iter_checked_rows(directory, manifest)
+    for r, (_, _, row) in zip(range(k), rows):
         n_real = int(np.sum(row['doc_lens']))
         for s, text in enumerate(render_row(row, tok)):
             print(f'--- row {r}, segment {s} ---')

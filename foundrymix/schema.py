@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
@@ -174,6 +175,124 @@ def encode_row(input_ids: np.ndarray, loss_spans: list[tuple[int, int]] | np.nda
         'loss_spans': spans,
         'doc_lens': np.asarray(doc_lens, dtype=np.int32).reshape(-1),
     }
+
+
+class CorruptRowError(ValueError):
+    """A stored row that cannot be read or breaks the schema, named by stream, shard and row.
+
+    Raised where rows are read (``MixedDataset``, ``foundrymix inspect --decode``,
+    ``foundrymix verify``) so that a damaged shard stops the run with the shard file and
+    row to look at, instead of an ``IndexError`` from the model's embedding or a streaming
+    traceback. Attributes: ``stream`` (name, may be ``None``), ``shard`` (shard file
+    basename), ``row`` (row index within the shard), ``sample_id`` (global sample index,
+    ``None`` outside a dataset), ``problem`` (what is wrong), ``directory``.
+
+    Constructible from its message alone, as torch's DataLoader re-raises a worker's
+    exception in the main process as ``type(e)(text)``; the fields are then parsed back
+    from the worker's text and the message is the worker's message (no worker traceback).
+    """
+
+    def __init__(self, text: str = '', *, stream: Optional[str] = None, shard: Optional[str] = None,
+                 row: Optional[int] = None, sample_id: Optional[int] = None,
+                 problem: Optional[str] = None, directory: Optional[str] = None) -> None:
+        if problem is None and text:
+            parsed = _parse_row_error(text)
+            if parsed is not None:
+                text, stream, shard, row, sample_id, problem, directory = parsed
+        elif problem is not None and not text:
+            text = format_row_error(problem, shard=shard, row=row, stream=stream,
+                                    sample_id=sample_id, directory=directory)
+        super().__init__(text)
+        self.stream, self.shard, self.row = stream, shard, row
+        self.sample_id, self.problem, self.directory = sample_id, problem, directory
+
+
+def format_row_error(problem: str, *, shard: Optional[str], row: Optional[int],
+                     stream: Optional[str] = None, sample_id: Optional[int] = None,
+                     directory: Optional[str] = None) -> str:
+    """One line: ``corrupt row: stream 'S' (DIR), shard F, row R (sample N): PROBLEM``."""
+    where = []
+    if stream is not None:
+        where.append(f"stream '{stream}'" + (f' ({directory})' if directory else ''))
+    elif directory:
+        where.append(directory)
+    where.append(f'shard {shard}, row {row}' + (f' (sample {sample_id})' if sample_id is not None else ''))
+    problem = ' '.join(str(problem).split())  # one line, so it survives a worker's traceback
+    return f"corrupt row: {', '.join(where)}: {problem}"
+
+
+_ROW_ERROR_RE = re.compile(
+    r"corrupt row: (?:stream '(?P<stream>[^']*)'(?: \((?P<sdir>[^)]*)\))?, |(?P<dir>[^,\n]*), )?"
+    r"shard (?P<shard>[^,\n]*), row (?P<row>\d+)(?: \(sample (?P<sample>\d+)\))?: "
+    r"(?P<problem>[^\n]*)")
+
+
+def _parse_row_error(text: str) -> Optional[tuple]:
+    """Fields of the last :func:`format_row_error` line in ``text`` (e.g. a worker's traceback)."""
+    matches = list(_ROW_ERROR_RE.finditer(text))
+    if not matches:
+        return None
+    m = matches[-1]
+    sample = m.group('sample')
+    return (m.group(0), m.group('stream'), m.group('shard'), int(m.group('row')),
+            int(sample) if sample is not None else None, m.group('problem'),
+            m.group('sdir') or m.group('dir'))
+
+
+def check_row(row: dict[str, Any], vocab_size: Optional[int] = None,
+              max_seq_len: Optional[int] = None) -> Optional[str]:
+    """What is wrong with a stored row, or ``None`` if it keeps the schema.
+
+    Checks: ``input_ids`` is one-dimensional with ``max_seq_len`` tokens, every id is
+    ``< vocab_size`` (and not negative); ``doc_lens`` are non-negative and sum to at most
+    ``max_seq_len``; ``loss_spans`` has an even length and every span has
+    ``0 <= start <= end <= max_seq_len``. ``None`` for ``vocab_size``/``max_seq_len``
+    skips the id check / takes the row's own length.
+
+    What it cannot see: bytes flipped inside token ids that stay below the vocabulary
+    size are valid ids -- only the shard hashes (``foundrymix verify``) catch those.
+
+    Cheap (a ``max`` over the tokens and a few Python comparisons on the short span and
+    length arrays): it runs for every row a ``MixedDataset`` reads.
+    """
+    try:
+        ids, spans, lens = row['input_ids'], row['loss_spans'], row['doc_lens']
+    except KeyError as e:
+        return f'no column {e} (not a foundrymix row)'
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1:
+        return f'input_ids has shape {np.shape(ids)}, expected ({max_seq_len},)'
+    n = ids.shape[0]
+    if max_seq_len is not None and n != max_seq_len:
+        return f'input_ids has {n} tokens, expected max_seq_len {max_seq_len}'
+    if n:
+        if vocab_size is not None:
+            top = int(ids.max())
+            if top >= vocab_size:
+                pos = int(np.argmax(ids >= vocab_size))
+                return (f'token id {top} >= vocabulary size {vocab_size} (first bad id '
+                        f'{int(ids[pos])} at position {pos})')
+        if ids.dtype.kind == 'i':
+            low = int(ids.min())
+            if low < 0:
+                return f'negative token id {low} at position {int(np.argmax(ids < 0))}'
+    lens_list = np.asarray(lens).reshape(-1).tolist()
+    if lens_list:
+        if min(lens_list) < 0:
+            return f'negative document length in doc_lens {_short(lens_list)}'
+        if sum(lens_list) > n:
+            return f'doc_lens {_short(lens_list)} sum to {sum(lens_list)} > {n} tokens in the row'
+    spans_list = np.asarray(spans).reshape(-1).tolist()
+    if len(spans_list) % 2:
+        return f'loss_spans has odd length {len(spans_list)} {_short(spans_list)}'
+    for j in range(0, len(spans_list), 2):
+        start, end = spans_list[j], spans_list[j + 1]
+        if not 0 <= start <= end <= n:
+            return f'loss span [{start}, {end}) is outside 0 <= start <= end <= {n}'
+    return None
+
+
+def _short(values: list) -> str:
+    return str(values) if len(values) <= 8 else f'[{", ".join(map(str, values[:8]))}, ...]'
 
 
 #: decoded keys, in the order of the rows of the per-sample block

@@ -1,52 +1,323 @@
-"""Shard files against ``index.json``: read the index, stat the shards (placeholder, see merge)."""
+"""Shard integrity: ``index.json`` validation, shard files against the index, hashes, rows.
+
+Layers, cheapest first (each catches what the previous cannot):
+
+1. :func:`read_index` -- ``index.json`` parses, is streaming's version 2 MDS index, and
+   every shard entry has the fields streaming reads. Errors name the file and shard.
+2. :func:`check_shard_files` -- every shard file exists with the byte size ``index.json``
+   records (one ``stat`` per shard, nothing read). Catches deleted, truncated or
+   overwritten shards before a run starts; streaming itself notices a missing local
+   shard only when it reads it (a stream with no remote then ends its epoch early, with
+   a traceback from a background thread and no error in the training loop).
+3. :func:`shard_hash_status` -- the hashes ``index.json`` records (``MDSWriter(hashes=...)``)
+   against the bytes. The only layer that sees bit flips that leave every token id
+   below the vocabulary size: such a row is a valid row, just the wrong one.
+4. :func:`iter_shard_rows` + :func:`foundrymix.schema.check_row` -- every row decodes
+   and keeps the schema (ids below the vocabulary, spans and lengths inside the row).
+
+``foundrymix verify`` (:mod:`foundrymix.verify`) runs all four; the loader runs 2 for
+local-only streams and 4 on every row it reads (``MixedDataset``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Literal, Optional
+
+import numpy as np
+
+INDEX_NAME = 'index.json'
+#: the only streaming index version (streaming 0.13 reads only this one)
+INDEX_VERSION = 2
 
 
-@dataclass(frozen=True)
-class ShardProblem:
-    shard: str
-    problem: str
-
-    def __str__(self) -> str:
-        return f'{self.shard}: {self.problem}'
+class IndexFileError(ValueError):
+    """``index.json`` is missing, not JSON, or not a streaming MDS index; names the file."""
 
 
 def read_index(path: str) -> dict[str, Any]:
-    with open(path, encoding='utf-8') as f:
-        try:
-            index = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f'{path}: not valid JSON: {e}') from e
-    if not isinstance(index, dict) or not isinstance(index.get('shards'), list):
-        raise ValueError(f'{path}: not an MDS index (no shards list)')
+    """Read and validate an ``index.json`` (``path`` is the file or its directory).
+
+    Raises :class:`IndexFileError` naming the file (``FileNotFoundError`` is not used, so
+    a missing index in a directory that has a manifest reads as damage, not a typo).
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, INDEX_NAME)
+    try:
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise IndexFileError(f'{path}: no {INDEX_NAME} (an incomplete conversion or copy?)') from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise IndexFileError(f'{path}: cannot read {INDEX_NAME}: {e}') from e
+    try:
+        index = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise IndexFileError(f'{path}: not valid JSON ({e}); the index is damaged') from e
+    return validate_index(index, path)
+
+
+def validate_index(index: Any, where: str = INDEX_NAME) -> dict[str, Any]:
+    """Check the parsed index has what streaming and foundrymix read; ``where`` names it in errors."""
+    if not isinstance(index, dict):
+        raise IndexFileError(f'{where}: expected a JSON object, found {type(index).__name__}')
+    if index.get('version') != INDEX_VERSION:
+        raise IndexFileError(f'{where}: streaming index version {index.get("version")!r}, '
+                             f'expected {INDEX_VERSION}')
+    shards = index.get('shards')
+    if not isinstance(shards, list):
+        raise IndexFileError(f'{where}: no "shards" list')
+    names: set[str] = set()
+    for i, shard in enumerate(shards):
+        at = f'{where}: shard {i}'
+        if not isinstance(shard, dict):
+            raise IndexFileError(f'{at}: expected an object, found {type(shard).__name__}')
+        if shard.get('format') != 'mds':
+            raise IndexFileError(f'{at}: format {shard.get("format")!r}, expected "mds"')
+        if shard.get('version') != INDEX_VERSION:
+            raise IndexFileError(f'{at}: version {shard.get("version")!r}, expected {INDEX_VERSION}')
+        if not _is_count(shard.get('samples')):
+            raise IndexFileError(f'{at}: "samples" is {shard.get("samples")!r}, expected a count')
+        for key in ('column_names', 'column_encodings', 'column_sizes'):
+            if not isinstance(shard.get(key), list):
+                raise IndexFileError(f'{at}: no "{key}" list')
+        for key in ('raw_data', 'zip_data'):
+            info = shard.get(key)
+            if info is None and key == 'zip_data':
+                continue
+            if (not isinstance(info, dict) or not isinstance(info.get('basename'), str)
+                    or not info['basename'] or not _is_count(info.get('bytes'))
+                    or not isinstance(info.get('hashes', {}), dict)):
+                raise IndexFileError(f'{at}: "{key}" must be {{"basename", "bytes", "hashes"}}, '
+                                     f'found {info!r}')
+            base = info['basename']
+            if os.path.isabs(base) or '..' in base.split('/'):
+                raise IndexFileError(f'{at}: shard file name {base!r} leaves the directory')
+            if base in names:
+                raise IndexFileError(f'{at}: shard file {base} listed twice')
+            names.add(base)
+        if shard.get('zip_data') is not None and not shard.get('compression'):
+            raise IndexFileError(f'{at}: "zip_data" without "compression"')
     return index
 
 
-def hashes_in_index(index: dict[str, Any]) -> set[str]:
-    sets = [set((s.get('raw_data') or {}).get('hashes') or {}) for s in index['shards']]
-    return set.intersection(*sets) if sets else set()
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def check_shard_files(directory: str, index: dict[str, Any], missing_ok: bool = False) -> list[ShardProblem]:
+def shard_name(shard: dict[str, Any]) -> str:
+    """The file a shard entry is known by: its raw (uncompressed) basename."""
+    return shard['raw_data']['basename']
+
+
+# ---------------------------------------------------------------- files vs index
+@dataclass(frozen=True)
+class ShardProblem:
+    """A shard file that is missing or whose size differs from what ``index.json`` records."""
+
+    shard: str  #: the shard's raw basename, e.g. ``shard.00003.mds``
+    path: str  #: the file checked (the raw file, or the compressed one for compressed shards)
+    kind: Literal['missing', 'size']
+    expected_bytes: int  #: the size ``index.json`` records for ``path``
+    found_bytes: Optional[int]  #: the size on disk, ``None`` if missing
+
+    def describe(self) -> str:
+        if self.kind == 'missing':
+            return (f'{self.path}: shard file missing (index.json records '
+                    f'{self.expected_bytes:,} bytes)')
+        how = 'truncated' if self.found_bytes < self.expected_bytes else 'longer than recorded'
+        return (f'{self.path}: {self.found_bytes:,} bytes, index.json records '
+                f'{self.expected_bytes:,} ({how})')
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+class ShardFilesError(ValueError):
+    """Shard files missing or of the wrong size; ``problems`` lists them (:class:`ShardProblem`)."""
+
+    def __init__(self, text: str, problems: Optional[list[ShardProblem]] = None) -> None:
+        super().__init__(text)
+        self.problems = list(problems or [])
+
+
+def shard_files_error(stream: str, directory: str, problems: list[ShardProblem]) -> ShardFilesError:
+    """One error for a stream's damaged shard files, each named with expected vs found bytes."""
+    listing = '; '.join(p.describe() for p in problems[:10])
+    more = f'; and {len(problems) - 10} more' if len(problems) > 10 else ''
+    return ShardFilesError(
+        f"stream '{stream}' ({directory}): {len(problems)} shard file(s) do not match "
+        f'{INDEX_NAME}: {listing}{more}. Re-copy or re-convert the stream '
+        f'(`foundrymix verify {directory}` checks every shard)', problems)
+
+
+def _size(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def check_shard_files(directory: str, index: dict[str, Any],
+                      allow_missing: bool = False) -> list[ShardProblem]:
+    """Shards of ``index`` (read from ``directory``) that are missing or of the wrong size.
+
+    One ``stat`` per file, nothing read. A shard is present as its raw file or, if
+    compressed, its compressed file (a conversion writes only the compressed one; a
+    streaming cache may hold either or both); every file present must have the recorded
+    size. ``allow_missing=True`` is for a *cache* of a remote stream, where shards not
+    yet downloaded are expected: only the sizes of present files are checked. For a
+    stream with no remote (its local directory is the data), leave it ``False``.
+    """
     problems = []
     for shard in index['shards']:
-        for key in ('raw_data', 'zip_data'):
-            data = shard.get(key)
-            if not data:
+        name = shard_name(shard)
+        pairs = [shard['raw_data']] + ([shard['zip_data']] if shard.get('zip_data') else [])
+        present = 0
+        for info in pairs:
+            path = os.path.join(directory, info['basename'])
+            found = _size(path)
+            if found is None:
                 continue
-            path = os.path.join(directory, data['basename'])
-            if os.path.exists(path):
-                size = os.path.getsize(path)
-                if size != int(data['bytes']):
-                    problems.append(ShardProblem(data['basename'], f'{size:,} bytes, index.json records {int(data["bytes"]):,}'))
-                break
-        else:
-            if not missing_ok:
-                problems.append(ShardProblem(shard['raw_data']['basename'], 'missing'))
+            present += 1
+            if found != int(info['bytes']):
+                problems.append(ShardProblem(name, path, 'size', int(info['bytes']), found))
+        if not present and not allow_missing:
+            stored = pairs[-1]  # what a conversion writes: the compressed file if any
+            problems.append(ShardProblem(name, os.path.join(directory, stored['basename']),
+                                         'missing', int(stored['bytes']), None))
     return problems
+
+
+# ---------------------------------------------------------------- hashes
+def _validated_file(shard: dict[str, Any]) -> dict[str, Any]:
+    """The file streaming hashes for ``validate_hash``: the compressed one if any, else raw."""
+    return shard.get('zip_data') or shard['raw_data']
+
+
+def hashes_in_index(index: dict[str, Any]) -> set[str]:
+    """Hash algorithms recorded for every shard (the file streaming's ``validate_hash`` checks).
+
+    Empty when the index records none (older conversions) or has no shards. A
+    ``validate_hash`` outside this set makes streaming raise ``Hash algorithm ... does
+    not match with those provided during dataset creation`` when it fetches a shard.
+    """
+    common: Optional[set[str]] = None
+    for shard in index['shards']:
+        algos = set(_validated_file(shard).get('hashes') or {})
+        common = algos if common is None else common & algos
+    return common or set()
+
+
+def validate_hash_problem(stream: str, index: dict[str, Any], algorithm: Optional[str]) -> Optional[str]:
+    """Why ``validate_hash: algorithm`` cannot work for ``stream``, or ``None`` if it can.
+
+    For the loader config check: name the stream, the algorithm and what the index has.
+    """
+    if not algorithm:
+        return None
+    from streaming.base.hashing import is_hash
+    if not is_hash(algorithm):
+        return f'validate_hash {algorithm!r} is not a hash algorithm streaming knows'
+    have = hashes_in_index(index)
+    if algorithm in have:
+        return None
+    listing = ', '.join(sorted(have)) if have else 'none (converted without shard hashes)'
+    return (f'stream {stream!r}: validate_hash {algorithm!r} is not recorded in its {INDEX_NAME} '
+            f'(hashes recorded for every shard: {listing}); streaming would fail when it '
+            f'fetches a shard. Use one of those, or drop validate_hash')
+
+
+@dataclass(frozen=True)
+class HashCheck:
+    """One recorded hash of one shard file against its bytes."""
+
+    file: str
+    algorithm: str
+    expected: str
+    found: str
+
+    @property
+    def ok(self) -> bool:
+        return self.expected == self.found
+
+
+def shard_hash_checks(info: dict[str, Any], data: bytes) -> list[HashCheck]:
+    """Every hash recorded in ``info`` (an index ``raw_data``/``zip_data``) against ``data``."""
+    from streaming.base.hashing import get_hash, is_hash
+    out = []
+    for algo, expected in sorted((info.get('hashes') or {}).items()):
+        found = get_hash(algo, data) if is_hash(algo) else '(unknown algorithm)'
+        out.append(HashCheck(info['basename'], algo, str(expected), found))
+    return out
+
+
+# ---------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class RowResult:
+    """One row of a shard read from its bytes: the row, or what is wrong with it."""
+
+    row: int  #: index within the shard
+    value: Optional[dict[str, Any]]  #: the decoded MDS row (``None`` if unreadable)
+    problem: Optional[str]  #: why it is unreadable or breaks the schema (``None`` if fine)
+
+
+def shard_header_problems(data: bytes, shard: dict[str, Any]) -> list[str]:
+    """Problems of a shard's header and offset table (row count, where rows end)."""
+    samples = int(shard['samples'])
+    if len(data) < 4:
+        return [f'{len(data)} bytes: shorter than the shard header']
+    out = []
+    n = int(np.frombuffer(data[:4], np.uint32)[0])
+    if n != samples:
+        out.append(f'shard header says {n:,} rows, index.json records {samples:,}')
+    table_end = 4 + 4 * (samples + 1)
+    if len(data) < table_end:
+        out.append(f'{len(data):,} bytes: offset table of {samples:,} rows cut off (truncated)')
+    else:
+        last = int(np.frombuffer(data[table_end - 4:table_end], np.uint32)[0])
+        if last != len(data):
+            out.append(f'last row ends at byte {last:,}, the shard has {len(data):,} bytes')
+    return out
+
+
+def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int] = None,
+                    max_seq_len: Optional[int] = None) -> Iterator[RowResult]:
+    """Each of the ``samples`` rows ``index.json`` records for a shard, read from its raw bytes.
+
+    Reads exactly as streaming does (offset pair at ``4 * (1 + row)``, then the row's
+    bytes) but bounds-checks the offsets and catches decode errors, so one bad row is
+    reported, not raised; each row is then checked with :func:`check_row`.
+    """
+    from streaming.base.format import reader_from_json
+
+    from foundrymix.schema import check_row
+    reader = reader_from_json('', None, shard)
+    samples = int(shard['samples'])
+    size = len(data)
+    table_end = 4 + 4 * (samples + 1)
+    for r in range(samples):
+        at = 4 * (1 + r)
+        if at + 8 > size:
+            yield RowResult(r, None, f'its offsets are past the end of the shard ({size:,} bytes: '
+                                     f'truncated)')
+            continue
+        begin, end = (int(x) for x in np.frombuffer(data[at:at + 8], np.uint32))
+        if not table_end <= begin <= end <= size:
+            yield RowResult(r, None, f'offsets [{begin:,}, {end:,}) are not inside the row data '
+                                     f'[{table_end:,}, {size:,}) (corrupt offsets or truncated shard)')
+            continue
+        try:
+            value = reader.decode_sample(data[begin:end])
+        except Exception as e:  # numpy/struct errors on garbage bytes
+            yield RowResult(r, None, f'cannot decode: {type(e).__name__}: {e}')
+            continue
+        yield RowResult(r, value, check_row(value, vocab_size, max_seq_len))
+
+
+def decompress_shard(shard: dict[str, Any], data: bytes) -> bytes:
+    """Raw bytes of a shard from the bytes of its compressed file (streaming's codecs)."""
+    from streaming.base.compression import decompress
+    return decompress(shard['compression'], data)

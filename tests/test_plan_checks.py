@@ -10,6 +10,7 @@ import pytest
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
+from foundrymix.shards import ShardFilesError
 from foundrymix.train.config import load_config
 from mix_helpers import build_stream
 
@@ -66,8 +67,9 @@ def test_validate_hash_must_be_recorded(root):
                                    'validate_hash': 'sha1'})
     with pytest.raises(ConfigError) as e:
         mixer.validate()
-    assert str(e.value).startswith("train_loader.validate_hash: 'sha1' is not recorded in the "
-                                   "index of stream a (hashes recorded: ")
+    assert str(e.value).startswith("train_loader.validate_hash: stream 'a': validate_hash 'sha1' "
+                                   "is not recorded in its index.json (hashes recorded for every "
+                                   "shard: xxh3_64); streaming would fail when it fetches a shard")
 
 
 def copy_stream(src, dst):
@@ -87,11 +89,11 @@ def test_shards_not_matching_the_index_are_refused_by_plan(root, tmp_path, damag
     else:
         path.unlink()
     mixer = StreamMixer.from_dict({'streams': {'a': {'local': str(tmp_path / 'a')}}})
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ShardFilesError) as e:
         mixer.plan(batch_size=4)
-    assert str(e.value).startswith(f'train_loader.streams.a: shards do not match index.json: '
-                                   f'{shard["basename"]}')
+    assert str(e.value).startswith(f"stream 'a' ({tmp_path / 'a'}): 1 shard file(s) do not match "
+                                   f"index.json: {path}: ")
     if damage == 'truncate':
-        assert '100' in str(e.value) and f'{shard["bytes"]:,}' in str(e.value)
+        assert f'100 bytes, index.json records {shard["bytes"]:,} (truncated)' in str(e.value)
     else:
-        assert 'missing' in str(e.value)
+        assert f'shard file missing (index.json records {shard["bytes"]:,} bytes)' in str(e.value)

@@ -187,22 +187,14 @@ class Catalog:
             raise ConfigError(f'{where}: unknown manifest kind {m.kind!r}')
         if m.counts.rows <= 0:
             raise ConfigError(f'{where}: stream has no rows')
-        from foundrymix.shards import check_shard_files
+        from foundrymix.shards import check_shard_files, shard_files_error, validate_hash_problem
         problems = check_shard_files(info.directory, info.index,
-                                     missing_ok=info.remote_dir is not None)
+                                     allow_missing=info.remote_dir is not None)
         if problems:
-            listing = '; '.join(str(p) for p in problems[:5])
-            more = f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''
-            raise ConfigError(f'{where}: shards do not match {INDEX_NAME}: {listing}{more}. '
-                              f'Re-convert or re-copy the stream; `foundrymix verify '
-                              f'{info.directory}` checks every shard')
-        algo = self.config.validate_hash
-        if algo is not None and algo not in info.hashes:
-            have = ', '.join(sorted(info.hashes)) or 'none'
-            raise ConfigError(
-                f'{self.where}.validate_hash: {algo!r} is not recorded in the index of stream '
-                f'{info.name} (hashes recorded: {have}); use one of those, or re-convert with '
-                f'`--hash {algo}`')
+            raise shard_files_error(info.name, info.directory, problems)
+        problem = validate_hash_problem(info.name, info.index, self.config.validate_hash)
+        if problem:
+            raise ConfigError(f'{self.where}.validate_hash: {problem}')
 
     def _check_agree(self, infos: list[StreamInfo]) -> None:
         checks = (

@@ -24,11 +24,26 @@ next epoch's iteration begins the mark no longer names the current epoch and is 
 from __future__ import annotations
 
 import bisect
+import os
 from typing import Any, Iterator, Optional, Sequence
 
 from streaming import StreamingDataset
 
-from foundrymix.schema import decode_row
+from foundrymix.schema import CorruptRowError, check_row, decode_row
+
+
+class ShardPrepareError(ValueError):
+    """streaming could not download, decompress or hash-check a shard; names stream and shard.
+
+    Re-raised by torch in the main process as ``ShardPrepareError(worker text)``; the
+    worker's traceback is dropped there, keeping the one-line message.
+    """
+
+    def __init__(self, text: str = '') -> None:
+        marker = f'{type(self).__name__}: '
+        if 'Original Traceback' in text and marker in text:
+            text = text.rsplit(marker, 1)[1].strip()
+        super().__init__(text)
 
 
 class _RowIndex(int):
@@ -54,27 +69,98 @@ class MixedDataset(StreamingDataset):
     through, samples arrive decoded, which ``collate`` also accepts (only slower).
     """
 
-    def __init__(self, *, stream_names: Sequence[str], **kwargs: Any) -> None:
+    def __init__(self, *, stream_names: Sequence[str], vocab_size: Optional[int] = None,
+                 max_seq_len: Optional[int] = None, check_shard_files: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.stream_names = list(stream_names)
+        #: rows are checked against these (:func:`foundrymix.schema.check_row`); ``None`` skips
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
         if len(self.stream_names) != self.num_streams:
             raise ValueError(f'{len(self.stream_names)} stream names for {self.num_streams} streams')
+        if check_shard_files:
+            self.check_shard_files()
         # First global sample index of streams 1..n-1: bisect gives the stream of a sample.
         self._stream_starts = [int(x) for x in self.sample_offset_per_stream[1:]]
         self._completed_epoch: Optional[int] = None
         self.yield_rows = False
+
+    def check_shard_files(self) -> None:
+        """Raise :class:`~foundrymix.shards.ShardFilesError` if a stream's shard files are damaged.
+
+        One ``stat`` per shard (:func:`foundrymix.shards.check_shard_files`). A stream with
+        no remote must have every shard, each of the size its ``index.json`` records:
+        streaming would otherwise notice a missing shard only in a background thread and
+        end the epoch early without an error. For a remote stream only the shards already
+        in the local cache are checked (the others are downloaded when needed).
+        """
+        from dataclasses import asdict
+
+        from foundrymix.shards import check_shard_files, shard_files_error
+        for stream_id, stream in enumerate(self.streams):
+            begin = int(self.shard_offset_per_stream[stream_id])
+            end = begin + int(self.shards_per_stream[stream_id])
+            index = {'shards': [{'raw_data': asdict(shard.file_pairs[0][0]),
+                                 'zip_data': (asdict(shard.file_pairs[0][1])
+                                              if shard.file_pairs[0][1] else None)}
+                                for shard in self.shards[begin:end]]}
+            directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
+            problems = check_shard_files(directory, index, allow_missing=bool(stream.remote))
+            if problems:
+                raise shard_files_error(self.stream_names[stream_id], directory, problems)
 
     def stream_of(self, sample_id: int) -> int:
         """Index of the stream a global sample index belongs to."""
         return bisect.bisect_right(self._stream_starts, sample_id)
 
     def get_row(self, idx: int, retry: int = 7) -> dict[str, Any]:
-        """The stored row (``input_ids``, ``loss_spans``, ``doc_lens``) plus ``stream_id``, ``sample_id``."""
-        row = super().get_item(idx, retry)
+        """The stored row (``input_ids``, ``loss_spans``, ``doc_lens``) plus ``stream_id``, ``sample_id``.
+
+        The row is checked (:func:`foundrymix.schema.check_row`: ids below ``vocab_size``,
+        ``max_seq_len`` tokens, sane spans and lengths) and a bad row, or a streaming error
+        while reading it (truncated shard, corrupt offsets, a shard that is gone), raises
+        :class:`~foundrymix.schema.CorruptRowError` naming the stream, shard file, row
+        within the shard and global sample id -- before the model sees the row.
+        """
+        try:
+            row = super().get_item(idx, retry)
+        except ShardPrepareError:
+            raise
+        except Exception as e:
+            where = self.row_location(idx)
+            if where is None:  # not a valid sample index: not a data problem
+                raise
+            raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}') from e
+        problem = check_row(row, self.vocab_size, self.max_seq_len)
+        if problem is not None:
+            raise self._row_error(idx, problem)
         idx = int(idx)
         row['stream_id'] = bisect.bisect_right(self._stream_starts, idx)
         row['sample_id'] = idx
         return row
+
+    def row_location(self, sample_id: int) -> Optional[tuple[str, str, str, int]]:
+        """(stream name, stream directory, shard file, row within the shard) of a sample.
+
+        ``None`` if ``sample_id`` is not a sample of this dataset.
+        """
+        try:
+            shard_id, row = self.spanner[int(sample_id)]
+        except (IndexError, ValueError, RuntimeError):
+            return None
+        stream_id = int(self.stream_per_shard[shard_id])
+        stream = self.streams[stream_id]
+        shard = self.shards[shard_id]
+        basename = shard.file_pairs[0][0].basename
+        directory = os.path.join(stream.local, stream.split or '')
+        return self.stream_names[stream_id], directory.rstrip(os.sep), basename, int(row)
+
+    def _row_error(self, sample_id: int, problem: str) -> CorruptRowError:
+        location = self.row_location(sample_id)
+        stream, directory, shard, row = location if location is not None else (None, None, None, None)
+        return CorruptRowError(stream=stream, shard=shard, row=row, sample_id=int(sample_id),
+                               problem=problem, directory=directory)
 
     def get_item(self, idx: int, retry: int = 7) -> dict[str, Any]:
         row = self.get_row(idx, retry)
@@ -87,7 +173,75 @@ class MixedDataset(StreamingDataset):
 
     def _each_sample_id(self, it: Any) -> Iterator[int]:
         ids = super()._each_sample_id(it)
-        return map(_RowIndex, ids) if self.yield_rows else ids
+        yield from map(_RowIndex, ids) if self.yield_rows else ids
+        # streaming stops an epoch quietly when its shard-preparing thread fails (a missing
+        # shard of a local-only stream, a validate_hash the index lacks, a checksum failure):
+        # the thread's traceback is logged and iteration just ends. Make that an error.
+        event = getattr(self, '_event', None)
+        if event is not None and event.is_set() and it.yield_index < it.total:
+            raise self._prepare_error(it)
+
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        """streaming's ``prepare_shard``, but a blocking wait on a shard that another thread is
+        preparing gives up (naming the shard) once that preparation has failed.
+
+        streaming waits ``while state == PREPARING`` with no end: when its background thread
+        fails on a shard (missing, hash mismatch) the shard stays PREPARING and a row read
+        that needs it waited forever (seen as a hung test). Here: if this process's thread
+        failed, raise at once; otherwise give up after ``2 * download_timeout + 60`` s (a
+        preparation that failed in another worker process leaves no trace here).
+        """
+        if not blocking:
+            super().prepare_shard(shard_id, False)
+            return
+        from time import monotonic, sleep
+
+        from streaming.base.dataset import _ShardState
+        stream = self.streams[int(self.stream_per_shard[shard_id])]
+        limit = 2 * float(stream.download_timeout) + 60
+        while True:
+            # Non-blocking: prepares the shard here if it is remote (raising on failure), and
+            # returns at once if someone else is preparing it -- then we wait, with an end.
+            super().prepare_shard(shard_id, False)
+            deadline = monotonic() + limit
+            while self._shard_states[shard_id] == _ShardState.PREPARING:
+                event = getattr(self, '_event', None)
+                if event is not None and event.is_set():
+                    raise self._shard_error(shard_id, "streaming's shard-preparing thread failed")
+                if monotonic() > deadline:
+                    raise self._shard_error(shard_id, f'the shard stayed "preparing" for {limit:.0f} s '
+                                                      '(its preparation failed in another worker?)')
+                sleep(0.007)
+            if self._shard_states[shard_id] == _ShardState.LOCAL:
+                return
+
+    def _shard_error(self, shard_id: int, context: str) -> 'ShardPrepareError':
+        """Name a shard streaming failed to prepare (retried here to get its exception)."""
+        stream_id = int(self.stream_per_shard[shard_id])
+        stream, shard = self.streams[stream_id], self.shards[shard_id]
+        directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
+        where = (f"stream '{self.stream_names[stream_id]}' ({directory}), shard "
+                 f'{shard.file_pairs[0][0].basename}')
+        try:
+            stream.prepare_shard(shard)
+        except Exception as e:
+            return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
+                                     f'{type(e).__name__}: {e}; {context}')
+        return ShardPrepareError(f'{where}: streaming failed to prepare the shard and it '
+                                 f'succeeded on a retry (a transient error?); {context}')
+
+    def _prepare_error(self, it: Any) -> 'ShardPrepareError':
+        """Name the shard streaming failed to prepare (retried here to get its exception)."""
+        from streaming.base.dataset import _ShardState
+        stopped = (f'the epoch stopped after {it.yield_index:,} of {it.total:,} samples of this '
+                   f'worker')
+        states = self._shard_states
+        for shard_id in range(len(self.shards)):
+            if states[shard_id] != _ShardState.PREPARING:
+                continue
+            return self._shard_error(shard_id, stopped)
+        return ShardPrepareError(f"streaming's shard-preparing thread failed (see the traceback "
+                                 f'logged above); {stopped}')
 
     # ------------------------------------------------------------ resumption
     def _current_epoch(self) -> int:

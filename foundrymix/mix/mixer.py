@@ -82,8 +82,8 @@ class StreamMixer:
         from foundrymix.mix.dataset import MixedDataset
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
-        streams = self.streams()
-        return MixedDataset(stream_names=self.stream_names, streams=streams,
+        return MixedDataset(stream_names=self.stream_names, streams=self.streams(),
+                            vocab_size=self.tokenizer.vocab_size, max_seq_len=self.max_seq_len,
                             **self.dataset_kwargs(batch_size))
 
     def build_dataloader(self, batch_size: int, dataset: Optional['MixedDataset'] = None) -> Any:
