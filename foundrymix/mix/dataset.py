@@ -24,6 +24,7 @@ next epoch's iteration begins the mark no longer names the current epoch and is 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 from typing import Any, Iterator, Optional, Sequence
 
@@ -72,7 +73,8 @@ class MixedDataset(StreamingDataset):
     def __init__(self, *, stream_names: Sequence[str], vocab_size: Optional[int] = None,
                  max_seq_len: Optional[int] = None, check_shard_files: bool = True,
                  **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        with _prefix_scan_without_leaks():
+            super().__init__(**kwargs)
         self.stream_names = list(stream_names)
         #: rows are checked against these (:func:`foundrymix.schema.check_row`); ``None`` skips
         self.vocab_size = vocab_size
@@ -265,3 +267,75 @@ class MixedDataset(StreamingDataset):
             state['epoch'] += 1
             state['sample_in_epoch'] = 0
         return state
+
+    # ------------------------------------------------------------ teardown
+    def release(self) -> None:
+        """Close this dataset's shared memory now (and unlink what this process created).
+
+        Why: streaming registers every shared-memory segment's cleanup with ``atexit``, so
+        a dataset that is dropped keeps its segments -- and about 36 file descriptors per
+        stream -- until the process exits. A staged run drops one dataset per stage, and
+        a long session (a notebook, the test suite) would run out of descriptors. Call
+        it only when the dataset and its DataLoader iterators are done.
+        """
+        import atexit
+
+        iterator = getattr(self, '_iterator', None)
+        if iterator is not None:
+            iterator.exit()  # stop streaming's prepare/ready threads before their memory goes
+        for shm in _shared_memories(self):
+            atexit.unregister(shm.cleanup)
+            try:
+                shm.cleanup()
+            except (BufferError, OSError):  # a numpy view still exports the buffer
+                pass
+
+
+@contextlib.contextmanager
+def _prefix_scan_without_leaks() -> Iterator[None]:
+    """Let streaming's shared-memory prefix scan close what it only peeks at.
+
+    Why: to pick a prefix, streaming 0.13 opens the ``<prefix>_locals`` segment of every
+    live dataset in this machine's ``/dev/shm`` (``shared/prefix.py:_check_and_find``) with
+    ``auto_cleanup=True``, which registers each with ``atexit`` and so keeps its file
+    descriptors open until the process exits. Each new dataset thus leaks a descriptor or
+    two per dataset already alive -- quadratic in a process that builds many (a staged
+    run, a notebook, the test suite hit the 20,000-descriptor limit). Segments opened
+    without creating them are only read, so they need no cleanup at exit: they are closed
+    when dropped. Segments streaming creates keep their cleanup.
+    """
+    from streaming.base.shared import prefix
+
+    original = prefix.SharedMemory
+
+    class PeekedSharedMemory(original):  # type: ignore[misc, valid-type]
+        def __init__(self, name: Optional[str] = None, create: Optional[bool] = None,
+                     size: int = 0, auto_cleanup: bool = True) -> None:
+            super().__init__(name, create, size, auto_cleanup and bool(create))
+
+    prefix.SharedMemory = PeekedSharedMemory
+    try:
+        yield
+    finally:
+        prefix.SharedMemory = original
+
+
+def _shared_memories(root: Any, depth: int = 3) -> Iterator[Any]:
+    """streaming ``SharedMemory`` objects reachable from ``root``'s attributes (its shared
+    arrays, scalars and barriers hold them one or two levels down)."""
+    from streaming.base.shared.memory import SharedMemory
+
+    seen: set[int] = set()
+    level = [root]
+    for _ in range(depth):
+        nxt = []
+        for obj in level:
+            for value in vars(obj).values():
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+                if isinstance(value, SharedMemory):
+                    yield value
+                elif type(value).__module__.startswith('streaming.base.shared') and hasattr(value, '__dict__'):
+                    nxt.append(value)
+        level = nxt

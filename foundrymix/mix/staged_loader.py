@@ -153,8 +153,9 @@ class StagedDataLoader(DataLoader):
                     raise RuntimeError(f'stage {stage.name}: an epoch yielded no batch')
         finally:
             loader = None
+            gc.collect()  # the loader's iterator (and any workers) first
+            dataset.release()  # then the stage's shared memory: a later stage may reuse its dirs
             del dataset
-            gc.collect()  # streaming frees the stage's shared memory when its dataset dies
 
 
 def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str] = None,
