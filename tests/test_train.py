@@ -138,11 +138,14 @@ def test_sigkill_then_autoresume_is_exact(tmp_path, data, straight):
                        callbacks={'sample_log': {'path': str(tmp_path / 'samples.jsonl')}})
     cmd = [sys.executable, str(ROOT / 'train.py'), str(cfg)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = tmp_path / 'ckpt' / 'ep0-ba6-rank0.pt'
+    latest = tmp_path / 'ckpt' / 'latest-rank0.pt'
+
+    def saved_ba6() -> bool:  # what autoresume will find (Composer's symlink) is ba6
+        return latest.is_symlink() and os.readlink(latest).endswith('ep0-ba6-rank0.pt')
     deadline = time.time() + 240
-    while not target.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert target.exists(), 'no checkpoint at batch 6 before the deadline'
+    while not saved_ba6() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert saved_ba6(), 'no checkpoint at batch 6 before the deadline'
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = len(sample_log(tmp_path / 'samples.jsonl'))
