@@ -192,7 +192,7 @@ def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
         STOP, 1, STOP * BATCH, (STOP - EPOCH) * BATCH)
     assert state['state']['dataset_state']['train'] == {
         'epoch': 1, 'sample_in_epoch': (STOP - EPOCH) * BATCH, 'num_canonical_nodes': 1, 'shuffle_seed': 3,
-        'initial_physical_nodes': 1}
+        'initial_physical_nodes': 1, 'global_batch_size': BATCH}
 
 
 @pytest.mark.slow  # trainings on 1 and 2 ranks (composer -n 2)

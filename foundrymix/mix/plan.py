@@ -217,6 +217,16 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                   whole_batches=whole_batches, simulator=simulator)
 
 
+def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
+                topology: Topology, epoch: int = 0) -> list[np.ndarray]:
+    """The global batches (sample ids) of epoch ``epoch`` as the loader on ``topology`` will
+    train them, replayed with streaming's ``generate_work`` (for checks and tools)."""
+    from foundrymix.mix.simulate import epoch_batches
+    planned = _plan_epoch(config, infos, batch_size, topology, [])
+    return epoch_batches(planned.simulator.ds, epoch, topology, config.num_workers,
+                         config.drop_last)
+
+
 def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str]) -> Optional[list[RankPlan]]:
     """Every rank's rows per stream in epoch 0, from streaming's own partition (None when the
     epoch is too large to replay)."""
