@@ -30,6 +30,9 @@ def dirs(root):
 
 def test_trim_chooses_splits_the_cut_by_share():
     assert trim_chooses((120, 200, 30), 6) == (118, 197, 29)   # 2.06, 3.43, 0.51 -> 2, 3, 1
+    # with rows (120, 80, 60): from the fractional passes 0, 40, 30 first: 3.43, 2.57 -> 3, 3
+    assert trim_chooses((120, 200, 30), 6, (120, 80, 60)) == (120, 197, 27)
+    assert trim_chooses((120, 200, 30), 72, (120, 80, 60)) == (119, 159, 0)  # 70 + 2 of 320
     assert sum(trim_chooses((7, 1, 1), 5)) == 4 and all(c >= 0 for c in trim_chooses((7, 1, 1), 5))
 
 
@@ -56,14 +59,14 @@ def test_absolute_weights_are_trimmed_and_iteration_equals_plan(root):
     m = StreamMixer.from_dict(loader_dict(dirs(root), {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 2.5},
                                                        'dolly': {'repeat': 0.5}}, shuffle_seed=17))
     plan = m.plan(8, '1ep')
-    assert plan.epoch_size == 344 and plan.left_out_per_epoch == {'arxiv': 2, 'wiki': 3, 'dolly': 1}
-    assert {s.name: s.rows_per_epoch for s in plan.streams} == {'arxiv': 118, 'wiki': 197, 'dolly': 29}
+    assert plan.epoch_size == 344 and plan.left_out_per_epoch == {'arxiv': 0, 'wiki': 3, 'dolly': 3}
+    assert {s.name: s.rows_per_epoch for s in plan.streams} == {'arxiv': 120, 'wiki': 197, 'dolly': 27}
     ds = m.build_dataset(8)
     got = Counter(identity(s['input_ids'])[0] for s in ds)
     del ds
-    assert got == {0: 118, 1: 197, 2: 29}        # streaming's own iteration of the dataset
+    assert got == {0: 120, 1: 197, 2: 27}        # streaming's own iteration of the dataset
     assert any('exact epoch: 344 rows = 43 whole global batches of 8 (the weights ask for 350); '
-               'left out per epoch: arxiv 2 (of 120), wiki 3 (of 200), dolly 1 (of 30)' in n for n in plan.notes)
+               'left out per epoch: wiki 3 (of 200), dolly 3 (of 30)' in n for n in plan.notes)
 
 
 def test_stratified_shares_that_round_are_refused_with_the_fix(root):

@@ -9,8 +9,8 @@ stream's share of a global batch (0.7/0.3 of 8 rows trains 6 + 2 = 75 %/25 %). W
 * makes the epoch a multiple of ``lcm(global batch, num_canonical_nodes)`` rows -- then
   streaming's partition (``get_partitions_orig``) pads nothing on any nodes x ranks with
   that global batch -- by lowering ``epoch_size`` (relative weights: streaming splits it
-  by proportion as usual) or by trimming ``choose`` per stream, largest share first
-  (absolute weights); the rows an epoch leaves out are counted per stream;
+  by proportion as usual) or by trimming ``choose`` per stream, from fractional passes
+  first, in proportion (absolute weights); the rows an epoch leaves out are counted;
 * refuses stratified batching whose per-batch shares cannot be whole rows, naming the
   shares it would train and the nearest global batch size that fits.
 
@@ -79,25 +79,40 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     if all(i.spec.weight_kind in (None, 'proportion') for i in infos):
         trimmed = EpochWeights(size - cut, None, nominal, (), unit)
     else:
-        trimmed = EpochWeights(None, trim_chooses(nominal, cut), nominal, (), unit)
+        rows = tuple(i.rows for i in infos)
+        trimmed = EpochWeights(None, trim_chooses(nominal, cut, rows), nominal, (), unit)
     streams, _ = weighted_streams(infos, trimmed, config.shuffle_seed)
     return EpochWeights(trimmed.epoch_size, trimmed.chooses, nominal,
                         tuple(int(s.choose) for s in streams), unit)
 
 
-def trim_chooses(chooses: tuple[int, ...], cut: int) -> tuple[int, ...]:
-    """``chooses`` less ``cut`` rows in all, split in proportion to each (largest remainder,
-    ties to the earlier stream), so the shares move as little as rows allow."""
-    total = sum(chooses)
-    exact = [cut * c / total for c in chooses]
-    cuts = [min(int(x), c) for x, c in zip(exact, chooses)]
-    order = sorted(range(len(chooses)), key=lambda i: (-(exact[i] - cuts[i]), i))
-    for i in order:
+def trim_chooses(chooses: tuple[int, ...], cut: int,
+                 rows: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+    """``chooses`` less ``cut`` rows in all.
+
+    Taken first from the streams' fractional passes (``choose % rows``: rows already drawn
+    as a random subset each epoch), so a stream asked for whole passes keeps them; split in
+    proportion (largest remainder, ties to the earlier stream) so shares move least.
+    """
+    extras = tuple(c % n for c, n in zip(chooses, rows)) if rows else tuple(0 for _ in chooses)
+    first = _split(min(cut, sum(extras)), extras)
+    left = tuple(c - k for c, k in zip(chooses, first))
+    return tuple(c - k for c, k in zip(left, _split(cut - sum(first), left)))
+
+
+def _split(cut: int, caps: tuple[int, ...]) -> tuple[int, ...]:
+    """``cut`` split over ``caps`` in proportion to them, none above its cap."""
+    total = sum(caps)
+    if cut <= 0 or total <= 0:
+        return tuple(0 for _ in caps)
+    exact = [cut * c / total for c in caps]
+    cuts = [min(int(x), c) for x, c in zip(exact, caps)]
+    for i in sorted(range(len(caps)), key=lambda i: (-(exact[i] - cuts[i]), i)):
         if sum(cuts) == cut:
             break
-        if cuts[i] < chooses[i]:
+        if cuts[i] < caps[i]:
             cuts[i] += 1
-    return tuple(c - k for c, k in zip(chooses, cuts))
+    return tuple(cuts)
 
 
 def stratified_portions(proportions: list[float], global_batch: int) -> list[int]:
