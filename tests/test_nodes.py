@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.skipif(shutil.which('unshare') is None or os.geteuid() 
 
 BATCH = 8          # global batch: 2 per rank on 4 ranks, 4 on 2, 8 on 1
 STOP = 5           # checkpoint (mid epoch 0) that the elastic resumes start from
+TIMEOUT = 240      # seconds per training (runs take 10-60 s on 2 busy cores)
 
 
 @pytest.fixture(scope='module')
@@ -114,14 +116,40 @@ def train(d: Path, config: Path, *overrides: str, nodes: int = 1, nproc: int = 1
         cmds = [[sys.executable, str(ROOT / 'train.py'), *args]]
     else:
         cmds = [_node_cmd(d, n, nodes, nproc, port, args) for n in range(nodes)]
-    procs = [subprocess.Popen(c, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    env = {**os.environ, 'PYTHONFAULTHANDLER': '1'}  # SIGABRT on a hang prints every stack
+    procs = [subprocess.Popen(c, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for c in cmds]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        outs = [_abort(p) for p in procs]
     text = '\n'.join(outs) + ''.join(f'\n--- {p.name}\n{p.read_text()[-3000:]}'
                                      for p in sorted(d.glob('node*-rank*.err')))
     if any(p.returncode for p in procs):
         raise AssertionError(f'training failed ({[p.returncode for p in procs]}):\n{text[-8000:]}')
     return text
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f'/proc/{pid}/task').glob('*'):
+        for child in (task / 'children').read_text().split():
+            out += [int(child)] + _descendants(int(child))
+    return out
+
+
+def _abort(proc: subprocess.Popen) -> str:
+    """A hung launcher: SIGABRT its ranks (faulthandler prints their stacks), then kill it."""
+    for pid in _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
+            pass
+    try:
+        return proc.communicate(timeout=20)[0] + '\n[hung: ranks aborted after timeout]'
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0] + '\n[hung: killed after timeout]'
 
 
 def batch_sets(log: list[dict]) -> list[Counter]:
