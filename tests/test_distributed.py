@@ -19,13 +19,13 @@ run's batch ``k`` (that slice in order), permuted. This holds for every full glo
 ``k < len(G) // (R*B)``. At the epoch's tail each rank is padded to ``ceil(len(G) / R)``
 rows with *repeated* ids, so when ``len(G) % (R*B) > R*(B-1)`` an R-rank run trains one
 extra global batch per epoch (the rest of ``G`` plus repeats) that a 1-rank run drops
-(``test_partition_guarantee``). The data here has NCN 1 and ``epoch_size % 6 == 2``:
-no extra batch, the same number of batches per epoch on 1 and 2 ranks.
+(``test_partition_guarantee``). foundrymix's exact epochs (the default) are a multiple of
+the global batch, so there is no tail at all: the same batches per epoch on 1 and 2 ranks.
 Resumption: the checkpoint stores the *global* ``sample_in_epoch`` (plus NCN and seed)
 and the resumed partition drops exactly ``G[:sample_in_epoch]`` whatever the new world
 size, so a run resumed on 1 rank continues with ``G[sample_in_epoch:]`` in order.
-NCN must be fixed: left unset it defaults to the number of physical nodes (``py1e``), and
-a different NCN is a different ``G``. (Runs here use ``num_workers: 0``.)
+NCN must be fixed (foundrymix defaults it to 1; streaming's own default is the number of
+physical nodes), and a different NCN is a different ``G``. (Runs here use ``num_workers: 0``.)
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
         STOP, 1, STOP * BATCH, (STOP - EPOCH) * BATCH)
     assert state['state']['dataset_state']['train'] == {
         'epoch': 1, 'sample_in_epoch': (STOP - EPOCH) * BATCH, 'num_canonical_nodes': 1, 'shuffle_seed': 3,
-        'initial_physical_nodes': 1}
+        'initial_physical_nodes': 1, 'global_batch_size': BATCH}
 
 
 @pytest.mark.slow  # trainings on 1 and 2 ranks (composer -n 2)

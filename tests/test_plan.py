@@ -112,7 +112,8 @@ def test_parse_duration_refuses_other_units():
 
 
 def test_cli_table(root, tmp_path, capsys):
-    assert main(['plan', write_yaml(tmp_path, root, '100ba')]) == 0
+    # exact: false keeps streaming's epoch of 350 rows, cut by drop_last (the old default)
+    assert main(['plan', write_yaml(tmp_path, root, '100ba'), 'train_loader.exact=false']) == 0
     out = capsys.readouterr().out
     assert '40 rows 2x, 40 rows 3x' in out
     assert 'global batch 8 (8 x 1 ranks): 43 batches = 344 samples per epoch' in out
@@ -175,7 +176,8 @@ def test_padded_rank_repeats_are_warned(tmp_path):
     from mix_helpers import build_stream
 
     build_stream(str(tmp_path / 'a'), 'pretrain', 65, 0)
-    mixer = StreamMixer.from_dict({'streams': {'a': {'local': str(tmp_path / 'a')}}, 'num_canonical_nodes': 1})
+    mixer = StreamMixer.from_dict({'streams': {'a': {'local': str(tmp_path / 'a')}}, 'num_canonical_nodes': 1,
+                                  'exact': False})  # streaming's padding
     plan = mixer.plan(batch_size=3, max_duration='1ep', world_size=2)
     # What streaming itself hands the 2 ranks (1 node, 1 worker each), in full batches of 3.
     parts = get_partitions('orig', 65, 1, 1, 2, 1, 3)  # (nodes, ranks, workers, batches, batch)

@@ -145,7 +145,9 @@ def test_plan_downloads_only_manifest_and_index(tmp_path, bucket, data):
     local = StreamMixer.from_dict(loader_cfg(data, 'local')).plan(BATCH, '30ba')
     assert plan.to_dict() == local.to_dict()
     rows = {n: json.loads((data[n] / 'foundrymix.json').read_text())['counts']['rows'] for n in data}
-    assert plan.epoch_size == int(1.5 * rows['arxiv']) + rows['dolly']  # the numbers compared are real
+    nominal = int(1.5 * rows['arxiv']) + rows['dolly']  # the numbers compared are real
+    assert sum(plan.nominal_rows_per_epoch.values()) == nominal
+    assert plan.epoch_size == nominal - nominal % plan.global_batch_size  # exact: whole batches
     assert plan.batches_per_epoch == plan.epoch_size // BATCH
 
 

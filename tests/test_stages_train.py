@@ -149,7 +149,7 @@ def test_editing_a_trained_stage_refuses_to_resume(tmp_path, data):
             'repeat 0.25 -> 2.0)') in proc.stderr
 
 
-def test_two_ranks_three_stages_and_resume(tmp_path, data):
+def test_two_ranks_three_stages_and_resume(tmp_path, data, straight):
     straight_dir, resumed_dir = tmp_path / 'straight', tmp_path / 'resumed'
     straight_dir.mkdir()
     resumed_dir.mkdir()
@@ -165,3 +165,13 @@ def test_two_ranks_three_stages_and_resume(tmp_path, data):
     train_nranks(cfg2, f'load_path={os.path.realpath(resumed_dir / "ckpt" / "latest-rank0.pt")}')
     assert sample_log(resumed_dir / 'samples.jsonl') == log
     assert_same_weights(final_state(resumed_dir / 'ckpt'), final_state(straight_dir / 'ckpt'))
+    # Elastic across a stage boundary: the 2-rank checkpoint at batch 8 (inside stage mix,
+    # which ends at 10) resumed on 1 rank. Every global batch, as a set, is the 1-rank run's.
+    one = tmp_path / 'one-rank'
+    one.mkdir()
+    (one / 'samples.jsonl').write_text(''.join(json.dumps(b) + '\n' for b in log[:8]))
+    train(write_config(one, data), f'load_path={next((resumed_dir / "ckpt").glob("*-ba8-rank0.pt"))}')
+    reference = [Counter(b['sample_ids']) for b in straight['log']]
+    assert run.stages[1].start_batch < 8 < run.stages[1].end_batch
+    assert [Counter(b['sample_ids']) for b in log] == reference
+    assert [Counter(b['sample_ids']) for b in sample_log(one / 'samples.jsonl')] == reference

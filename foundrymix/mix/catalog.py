@@ -225,13 +225,17 @@ class Catalog:
         return self.info(self.names[0]).manifest.tokenizer
 
 
-def make_streams(infos: list[StreamInfo]) -> list[Any]:
+def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None) -> list[Any]:
     """Fresh ``streaming.Stream`` objects, one per stream, in order: the one place they are built.
 
     ``StreamingDataset`` and the plan (which replays streaming's sampling) both take
-    these, so what is planned is what is trained.
+    these, so what is planned is what is trained. ``chooses`` (rows per stream per epoch)
+    replaces the configured absolute weights when an exact epoch trims them.
     """
     from streaming import Stream
+    if chooses is not None:
+        return [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
+                for i, c in zip(infos, chooses)]
     return [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, repeat=i.spec.repeat,
                    proportion=i.spec.proportion, choose=i.spec.choose)
             for i in infos]

@@ -45,8 +45,22 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
     return mixer.plan(gbs // world_size, cfg.max_duration, world_size=world_size, nodes=nodes)
 
 
+def _topology(args: argparse.Namespace) -> tuple[int, int]:
+    """(world size, nodes) from ``--nodes``/``--ranks-per-node`` or ``--world-size`` (one node)."""
+    if args.ranks_per_node is None:
+        if args.nodes != 1 and args.world_size == 1:
+            raise ConfigError('--nodes needs --ranks-per-node (or --world-size, the total ranks)')
+        return args.world_size, args.nodes
+    world = args.nodes * args.ranks_per_node
+    if args.world_size not in (1, world):
+        raise ConfigError(f'--world-size {args.world_size} differs from --nodes {args.nodes} x '
+                          f'--ranks-per-node {args.ranks_per_node} = {world}')
+    return world, args.nodes
+
+
 def _run(args: argparse.Namespace) -> int:
-    plan = plan_from_yaml(args.config, args.overrides, args.world_size, args.max_duration)
+    world, nodes = _topology(args)
+    plan = plan_from_yaml(args.config, args.overrides, world, args.max_duration, nodes)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     elif hasattr(plan, 'stages'):
@@ -77,6 +91,11 @@ def register(subparsers: Any) -> None:
     p.add_argument('--json', action='store_true', help='print the plan as JSON')
     p.add_argument('--world-size', type=int, default=1,
                    help='number of ranks (global_train_batch_size is split over them)')
+    p.add_argument('--nodes', type=int, default=1,
+                   help='number of nodes (machines); with --ranks-per-node the plan gives every '
+                        "rank's rows exactly as streaming partitions them")
+    p.add_argument('--ranks-per-node', type=int, default=None,
+                   help='ranks (GPUs) per node; world size = nodes x ranks per node')
     p.add_argument('--max-duration', default=None,
                    help='override max_duration (Composer time string: 3ep, 100ba, 5000sp, 1000tok)')
     p.add_argument('--png', default=None, metavar='FILE',

@@ -136,7 +136,12 @@ class LoaderConfig:
     batching_method: BatchingMethod = 'random'
     epoch_size: Optional[int] = None
     num_workers: int = 0
-    num_canonical_nodes: Optional[int] = None
+    #: fixed (not streaming's "physical nodes" default): one global sample order on any
+    #: topology, so a run resumes on any number of nodes; stored in checkpoints
+    num_canonical_nodes: int = 1
+    #: epochs of whole global batches: no row trained twice by rank padding, stratified
+    #: batches of exactly the requested shares (False: streaming's padding and rounding)
+    exact: bool = True
     predownload: Optional[int] = None
     cache_limit: Optional[Union[int, str]] = None
     download_timeout: float = 60
@@ -182,6 +187,9 @@ class LoaderConfig:
         for key in ('shuffle_seed', 'num_workers', 'download_retry'):
             if getattr(self, key) < 0:
                 raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')
+        if self.num_canonical_nodes <= 0:
+            raise ConfigError(f'{where}.num_canonical_nodes: must be positive, got '
+                              f'{self.num_canonical_nodes}')
         if self.sampling_granularity <= 0:
             raise ConfigError(f'{where}.sampling_granularity: must be positive')
         if self.epoch_size is not None and self.epoch_size <= 0:

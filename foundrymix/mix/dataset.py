@@ -72,9 +72,10 @@ class MixedDataset(StreamingDataset):
 
     def __init__(self, *, stream_names: Sequence[str], vocab_size: Optional[int] = None,
                  max_seq_len: Optional[int] = None, check_shard_files: bool = True,
-                 **kwargs: Any) -> None:
+                 global_batch_size: Optional[int] = None, **kwargs: Any) -> None:
         with _prefix_scan_without_leaks():
             super().__init__(**kwargs)
+        self.global_batch_size = global_batch_size
         self.stream_names = list(stream_names)
         #: rows are checked against these (:func:`foundrymix.schema.check_row`); ``None`` skips
         self.vocab_size = vocab_size
@@ -266,7 +267,19 @@ class MixedDataset(StreamingDataset):
         if finished:
             state['epoch'] += 1
             state['sample_in_epoch'] = 0
+        state['global_batch_size'] = self.global_batch_size
         return state
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        """Resume at a checkpoint's position, refusing what would change the sample order.
+
+        Streaming would silently adopt the checkpoint's ``num_canonical_nodes``, so the run
+        would no longer follow its plan; a different global batch changes the exact epoch
+        and where every batch starts. Both must stay fixed across a resize.
+        """
+        check_resume(obj, self.num_canonical_nodes, self.global_batch_size)
+        super().load_state_dict(obj)
+
 
     # ------------------------------------------------------------ teardown
     def release(self) -> None:
@@ -289,6 +302,26 @@ class MixedDataset(StreamingDataset):
                 shm.cleanup()
             except (BufferError, OSError):  # a numpy view still exports the buffer
                 pass
+
+
+def check_resume(obj: dict[str, Any], num_canonical_nodes: int,
+                 global_batch_size: Optional[int]) -> None:
+    """Refuse a checkpointed data position made with another ``num_canonical_nodes`` or
+    global batch size (a :class:`~foundrymix.config.ConfigError` naming both values)."""
+    from foundrymix.config import ConfigError
+    old = obj.get('num_canonical_nodes')
+    if old is not None and old != num_canonical_nodes:
+        raise ConfigError(
+            f'train_loader.num_canonical_nodes: the checkpoint was trained with {old}, this run '
+            f'has {num_canonical_nodes}; it fixes the global sample order, so resuming would '
+            f'lose or repeat rows. Set train_loader.num_canonical_nodes: {old} to resume')
+    old_g = obj.get('global_batch_size')
+    if old_g is not None and global_batch_size is not None and old_g != global_batch_size:
+        raise ConfigError(
+            f'global_train_batch_size: the checkpoint was trained with a global batch of '
+            f'{old_g} rows, this run has {global_batch_size}; the epoch and every batch are made '
+            f'of global batches, so it must stay fixed across a resize (the per-rank batch is '
+            f'global_train_batch_size / ranks). Set global_train_batch_size: {old_g} to resume')
 
 
 @contextlib.contextmanager

@@ -64,12 +64,13 @@ class StreamMixer:
         """Fresh ``streaming.Stream`` objects, one per configured stream, in config order."""
         return make_streams(self.catalog.infos())
 
-    def dataset_kwargs(self, batch_size: int) -> dict[str, Any]:
-        """Keyword arguments of ``StreamingDataset`` (without streams) for this config."""
+    def dataset_kwargs(self, batch_size: int, epoch_size: Optional[int] = None) -> dict[str, Any]:
+        """Keyword arguments of ``StreamingDataset`` (without streams) for this config;
+        ``epoch_size`` is the exact epoch's (see :func:`~foundrymix.mix.exact.epoch_weights`)."""
         c = self.config
         return dict(
             download_retry=c.download_retry, download_timeout=c.download_timeout,
-            validate_hash=c.validate_hash, keep_zip=c.keep_zip, epoch_size=c.epoch_size,
+            validate_hash=c.validate_hash, keep_zip=c.keep_zip, epoch_size=epoch_size,
             predownload=c.predownload, cache_limit=c.cache_limit,
             sampling_method=c.sampling_method, sampling_granularity=c.sampling_granularity,
             partition_algo=c.partition_algo, num_canonical_nodes=c.num_canonical_nodes,
@@ -77,14 +78,26 @@ class StreamMixer:
             shuffle_seed=c.shuffle_seed, shuffle_block_size=c.shuffle_block_size,
             batching_method=c.batching_method)
 
-    def build_dataset(self, batch_size: int) -> 'MixedDataset':
-        """One ``MixedDataset`` over all streams; ``batch_size`` is the per-rank batch size."""
+    def build_dataset(self, batch_size: int, world_size: Optional[int] = None) -> 'MixedDataset':
+        """One ``MixedDataset`` over all streams; ``batch_size`` is the per-rank batch size.
+
+        ``world_size`` (default: the ranks of this job, from the launcher's environment)
+        fixes the global batch, which an exact epoch is made of: the plan for the same
+        global batch gives the same streams and epoch size.
+        """
+        from streaming.base.distributed import get_world_size
+
         from foundrymix.mix.dataset import MixedDataset
+        from foundrymix.mix.exact import epoch_weights
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
-        return MixedDataset(stream_names=self.stream_names, streams=self.streams(),
+        G = batch_size * (world_size or get_world_size())
+        infos = self.catalog.infos()
+        weights = epoch_weights(self.config, infos, G, self.where)
+        return MixedDataset(stream_names=self.stream_names, global_batch_size=G,
+                            streams=make_streams(infos, weights.chooses),
                             vocab_size=self.tokenizer.vocab_size, max_seq_len=self.max_seq_len,
-                            **self.dataset_kwargs(batch_size))
+                            **self.dataset_kwargs(batch_size, weights.epoch_size))
 
     def build_dataloader(self, batch_size: int, dataset: Optional['MixedDataset'] = None) -> Any:
         """A ``StreamingDataLoader`` (a torch ``DataLoader``) of collated int64 batches.
@@ -113,7 +126,8 @@ class StreamMixer:
 
     def plan(self, batch_size: int, max_duration: Optional[Any] = None, world_size: int = 1,
              nodes: int = 1) -> 'Plan':
-        """The exact per-epoch mixture and where ``max_duration`` ends (reads no shards)."""
+        """The exact per-epoch mixture and where ``max_duration`` ends (reads no shards), for
+        ``world_size`` ranks over ``nodes`` nodes."""
         from foundrymix.mix.plan import Topology, build_plan
         if world_size <= 0 or world_size % nodes:
             raise ConfigError(f'world_size ({world_size}) must be a positive multiple of the '

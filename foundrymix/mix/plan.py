@@ -27,12 +27,14 @@ from typing import Any, Optional
 
 import numpy as np
 
-from foundrymix.config import DURATION_UNITS, ConfigError, number_abbrev_to_int, parse_duration
-from foundrymix.mix.catalog import StreamInfo, make_streams
+from foundrymix.config import DURATION_UNITS, ConfigError, parse_duration
+from foundrymix.mix.catalog import StreamInfo
 from foundrymix.mix.config import LoaderConfig
+from foundrymix.mix.exact import EpochWeights, epoch_weights, stratified_portions, weighted_streams
 from foundrymix.mix.simulate import SIMULATE_LIMIT, EpochSimulator, PlanDataset, Topology
 
-__all__ = ['Plan', 'StreamPlan', 'DurationPlan', 'Topology', 'build_plan', 'parse_duration']
+__all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan',
+           'parse_duration']
 
 
 @dataclass
@@ -47,7 +49,7 @@ class StreamPlan:
     full_passes: int           # every row is seen at least this many times per epoch ...
     rows_seen_extra: int       # ... and this many rows once more (a fresh random subset each epoch)
     unseen_rows: int           # rows not seen at all in an epoch (passes < 1)
-    share: float               # of the epoch's rows
+    share: float               # of the rows trained (stratified: of every batch, as rounded)
     trained_rows_per_epoch: int  # rows in full batches of epoch 0 (drop_last / stratified cuts)
     slot_tokens_per_epoch: int   # rows_per_epoch x max_seq_len (what Composer's `tok` counts)
     tokens_per_epoch: float      # real (non-padding) tokens; exact iff tokens_exact
@@ -77,6 +79,18 @@ class DurationPlan:
 
 
 @dataclass
+class RankPlan:
+    """One rank's share of every epoch, exactly as streaming partitions it (epoch 0)."""
+
+    rank: int                  # global rank
+    node: int
+    local_rank: int
+    batches_per_epoch: int
+    samples_per_epoch: int
+    rows_per_stream: dict[str, int]
+
+
+@dataclass
 class Plan:
     """The mixture per epoch and, given ``max_duration``, how long the run is."""
 
@@ -92,6 +106,17 @@ class Plan:
     shuffle_seed: int
     duration: Optional[DurationPlan] = None
     duration_name: str = 'max_duration'   # 'stage duration' in a stage of a staged run
+    nodes: int = 1
+    ranks_per_node: int = 1
+    num_canonical_nodes: int = 1
+    exact: bool = True
+    #: rows per stream per epoch the weights ask for, and how many an exact epoch leaves out
+    nominal_rows_per_epoch: dict[str, int] = field(default_factory=dict)
+    left_out_per_epoch: dict[str, int] = field(default_factory=dict)
+    #: rows trained a second time in an epoch because streaming pads ranks (exact: 0)
+    repeated_rows_per_epoch: int = 0
+    #: per rank (global rank order); None when the epoch is too large to replay
+    per_rank: Optional[list[RankPlan]] = None
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -110,6 +135,8 @@ class _Epoch:
     chooses: np.ndarray         # rows sampled per stream per epoch
     epoch_size: int
     trained: np.ndarray         # rows in full batches of epoch 0, per stream
+    shares: np.ndarray          # share of the rows trained, per stream (stratified: per batch)
+    weights: EpochWeights
     batches: int
     whole_batches: bool         # epoch is whole global batches of plain random batching
     simulator: EpochSimulator
@@ -132,13 +159,21 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     G = batch_size * topology.world_size
     epoch = _plan_epoch(config, infos, batch_size, topology, notes)
     _warn_epoch(config, infos, epoch, G, topology.world_size, warnings)
+    _note_exact(config, epoch, G, warnings, notes)
+    names = [i.name for i in infos]
     plan = Plan(streams=_stream_plans(infos, epoch, L, warnings, notes),
                 epoch_size=epoch.epoch_size, batch_size=batch_size,
                 world_size=topology.world_size, global_batch_size=G,
                 batches_per_epoch=epoch.batches, samples_per_epoch=int(epoch.trained.sum()),
                 max_seq_len=L, batching_method=config.batching_method,
                 shuffle_seed=config.shuffle_seed, warnings=warnings, notes=notes,
-                duration_name=duration_name)
+                duration_name=duration_name, nodes=topology.nodes,
+                ranks_per_node=topology.ranks_per_node,
+                num_canonical_nodes=config.num_canonical_nodes, exact=config.exact,
+                nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
+                left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
+                repeated_rows_per_epoch=max(0, int(epoch.trained.sum()) - epoch.epoch_size),
+                per_rank=_rank_plans(epoch, topology, names))
     if max_duration is not None:
         plan.duration = plan_duration(plan, max_duration, [i.name for i in infos], epoch)
         d = plan.duration
@@ -155,14 +190,11 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 topology: Topology, notes: list[str]) -> _Epoch:
     """Rows per stream per epoch exactly as ``StreamingDataset.__init__`` samples them
     (``Stream.apply_weights``), and rows trained in full batches of one epoch."""
-    from streaming import Stream
-
-    streams = make_streams(infos)
+    G = batch_size * topology.world_size
+    weights = epoch_weights(config, infos, G)
+    streams, epoch_size = weighted_streams(infos, weights, config.shuffle_seed)
     shard_rows = [i.shard_rows for i in infos]
     rows = np.array([sum(r) for r in shard_rows], np.int64)
-    epoch_size_value = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
-    epoch_size = Stream.apply_weights(streams, rows, epoch_size_value, config.shuffle_seed)
-    G = batch_size * topology.world_size
     ds = PlanDataset(config, streams, shard_rows, epoch_size, batch_size, topology.nodes)
     simulator = EpochSimulator(ds, topology, config)
     chooses = np.array([int(s.choose) for s in streams], np.int64)
@@ -176,8 +208,37 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
         trained = chooses
         notes.append('epoch too large to generate its order: trained rows per stream are the '
                      'sampled rows (the drop_last tail is not subtracted per stream)')
+    if config.batching_method == 'stratified':
+        shares = np.array(stratified_portions([float(s.proportion) for s in streams], G)) / G
+    else:
+        shares = chooses / epoch_size if epoch_size else np.zeros(len(streams))
     return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
-                  batches=batches, whole_batches=whole_batches, simulator=simulator)
+                  shares=shares, weights=weights, batches=batches,
+                  whole_batches=whole_batches, simulator=simulator)
+
+
+def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
+                topology: Topology, epoch: int = 0) -> list[np.ndarray]:
+    """The global batches (sample ids) of epoch ``epoch`` as the loader on ``topology`` will
+    train them, replayed with streaming's ``generate_work`` (for checks and tools)."""
+    from foundrymix.mix.simulate import epoch_batches
+    planned = _plan_epoch(config, infos, batch_size, topology, [])
+    return epoch_batches(planned.simulator.ds, epoch, topology, config.num_workers,
+                         config.drop_last)
+
+
+def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str]) -> Optional[list[RankPlan]]:
+    """Every rank's rows per stream in epoch 0, from streaming's own partition (None when the
+    epoch is too large to replay)."""
+    if epoch.epoch_size > SIMULATE_LIMIT:
+        return None
+    out = []
+    for r, (counts, batches) in enumerate(epoch.simulator.rank_counts(0)):
+        out.append(RankPlan(rank=r, node=r // topology.ranks_per_node,
+                            local_rank=r % topology.ranks_per_node, batches_per_epoch=batches,
+                            samples_per_epoch=int(counts.sum()),
+                            rows_per_stream={n: int(c) for n, c in zip(names, counts)}))
+    return out
 
 
 def _warn_epoch(config: LoaderConfig, infos: list[StreamInfo], epoch: _Epoch, G: int,
@@ -211,6 +272,30 @@ def _warn_epoch(config: LoaderConfig, infos: list[StreamInfo], epoch: _Epoch, G:
                         f'or batch that divides evenly to avoid it')
 
 
+def _note_exact(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str],
+                notes: list[str]) -> None:
+    """What an exact epoch leaves out; stratified shares that rounding changes (exact: false)."""
+    names = list(config.streams)
+    left = {n: k for n, k in zip(names, epoch.weights.left_out) if k}
+    if left:
+        nominal = sum(epoch.weights.nominal)
+        listing = ', '.join(f'{n} {k:,} (of {c:,})' for n, k, c in
+                            zip(names, epoch.weights.left_out, epoch.weights.nominal) if k)
+        notes.append(f'exact epoch: {epoch.epoch_size:,} rows = {epoch.epoch_size // G:,} whole '
+                     f'global batches of {G} (the weights ask for {nominal:,}); left out per epoch: '
+                     f'{listing} -- a fresh random subset of those rows each epoch. No row is '
+                     f'trained twice by rank padding (exact: false pads instead)')
+    if config.batching_method == 'stratified':
+        asked = epoch.chooses / epoch.epoch_size
+        if np.abs(asked - epoch.shares).max() > 1e-6:
+            per = ' + '.join(f'{n} {round(s * G)}' for n, s in zip(names, epoch.shares))
+            warnings.append(
+                f'stratified batching trains {per} rows of every global batch of {G} ('
+                + ', '.join(f'{n} {s:.1%}' for n, s in zip(names, epoch.shares))
+                + ' -- the shares shown), not the requested '
+                + ', '.join(f'{n} {a:.1%}' for n, a in zip(names, asked)))
+
+
 def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list[str],
                   notes: list[str]) -> list[StreamPlan]:
     """Per-stream rows: passes, which rows repeat, token and loss-token figures and shares."""
@@ -224,7 +309,7 @@ def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list
         plans.append(StreamPlan(
             name=info.name, kind=m.kind, rows=n, rows_per_epoch=choose, passes=ratio,
             full_passes=full, rows_seen_extra=extra, unseen_rows=n - extra if full == 0 else 0,
-            share=choose / epoch.epoch_size if epoch.epoch_size else 0.0,
+            share=float(epoch.shares[i]),
             trained_rows_per_epoch=int(epoch.trained[i]), slot_tokens_per_epoch=choose * L,
             tokens_per_epoch=m.counts.tokens * ratio,
             loss_tokens_per_epoch=m.counts.loss_tokens * ratio,

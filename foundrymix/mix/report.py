@@ -18,6 +18,31 @@ def console_for_output() -> Any:
     return console if console.is_terminal else Console(width=160)
 
 
+#: a plan lists every rank up to this many, else the range over ranks
+MAX_RANK_ROWS = 16
+
+
+def render_ranks(plan: Plan, console: Any) -> None:
+    """Topology, num_canonical_nodes, exactness and every rank's rows per stream per epoch."""
+    mode = ('exact: whole global batches, no row trained twice by rank padding' if plan.exact
+            else 'exact: false (streaming pads ranks with repeated rows)')
+    console.print(f'topology {plan.nodes} node(s) x {plan.ranks_per_node} rank(s), '
+                  f'num_canonical_nodes {plan.num_canonical_nodes}; {mode}; repeated by padding '
+                  f'per epoch: {plan.repeated_rows_per_epoch:,}')
+    if not plan.per_rank:
+        return
+    names = [s.name for s in plan.streams]
+    if len(plan.per_rank) <= MAX_RANK_ROWS:
+        for r in plan.per_rank:
+            console.print(f'  rank {r.rank} (node {r.node}, local {r.local_rank}): '
+                          f'{r.batches_per_epoch:,} batches, {r.samples_per_epoch:,} rows/epoch ('
+                          + ', '.join(f'{n} {r.rows_per_stream[n]:,}' for n in names) + ')')
+        return
+    for n in names:
+        counts = [r.rows_per_stream[n] for r in plan.per_rank]
+        console.print(f'  {n}: {min(counts):,}..{max(counts):,} rows per rank per epoch')
+
+
 def render_plan(plan: Plan, console: Any = None) -> None:
     """Print ``plan``: the per-epoch mixture table, the run length, notes and warnings."""
     from rich.table import Table
@@ -40,6 +65,7 @@ def render_plan(plan: Plan, console: Any = None) -> None:
         f'global batch {plan.global_batch_size} ({plan.batch_size} x {plan.world_size} '
         f'ranks): {plan.batches_per_epoch:,} batches = {plan.samples_per_epoch:,} samples '
         f'per epoch')
+    render_ranks(plan, console)
     if plan.duration:
         d = plan.duration
         where = (f'stops in epoch {d.last_epoch} after batch {d.last_batch_in_epoch:,} '

@@ -56,7 +56,7 @@ class PlanDataset:
         self.partition_algo = c.partition_algo
         self.epoch_seed_change = c.shuffle and c.sampling_method == 'balanced'
         self.initial_physical_nodes = None
-        # As StreamingDataset._resume defaults them on a fresh start.
+        # As StreamingDataset._resume defaults them on a fresh start (foundrymix fixes it).
         if c.num_canonical_nodes:
             self.num_canonical_nodes = c.num_canonical_nodes
         elif c.shuffle_algo in ('py1s', 'py2s'):
@@ -74,14 +74,13 @@ class PlanDataset:
         self.sample_offset_per_stream = np.concatenate(([0], np.cumsum(rows)[:-1])).astype(np.int64)
 
 
-def epoch_batches(ds: PlanDataset, epoch: int, topology: Topology, num_workers: int,
-                  drop_last: bool) -> list[np.ndarray]:
-    """The global batches of one epoch, in training order, as DataLoaders will yield them.
+def rank_batches(ds: PlanDataset, epoch: int, topology: Topology, num_workers: int,
+                 drop_last: bool) -> list[list[np.ndarray]]:
+    """Every rank's batches of one epoch (global rank order), as its DataLoader yields them.
 
     Each rank's DataLoader takes its workers' sample streams (streaming's partition,
     ``-1`` padding skipped), cuts each into ``batch_size`` batches (dropping a short last
-    one if ``drop_last``) and yields them worker by worker in turn; global batch ``k``
-    is batch ``k`` of every rank.
+    one if ``drop_last``) and yields them worker by worker in turn.
     """
     from streaming.base.batching import generate_work
     from streaming.base.world import World
@@ -105,7 +104,15 @@ def epoch_batches(ds: PlanDataset, epoch: int, topology: Topology, num_workers: 
             for i in range(max((len(b) for b in worker_batches), default=0)):
                 order += [b[i] for b in worker_batches if i < len(b)]
             per_rank.append(order)
-    n = min(len(r) for r in per_rank)  # every rank must step together
+    return per_rank
+
+
+def epoch_batches(ds: PlanDataset, epoch: int, topology: Topology, num_workers: int,
+                  drop_last: bool) -> list[np.ndarray]:
+    """The global batches of one epoch, in training order: global batch ``k`` is batch ``k``
+    of every rank (ranks step together, so the shortest rank ends the epoch)."""
+    per_rank = rank_batches(ds, epoch, topology, num_workers, drop_last)
+    n = min(len(r) for r in per_rank)
     return [np.concatenate([r[k] for r in per_rank]) for k in range(n)]
 
 
@@ -129,3 +136,15 @@ class EpochSimulator:
         ids = np.concatenate(batches)
         stream_ids = np.searchsorted(self.ds.sample_offset_per_stream, ids, side='right') - 1
         return np.bincount(stream_ids, minlength=n_streams).astype(np.int64), len(batches)
+
+    def rank_counts(self, epoch: int) -> list[tuple[np.ndarray, int]]:
+        """(rows trained per stream, batches) of every rank in epoch ``epoch`` (global rank
+        order), counting only the batches all ranks step through together."""
+        per_rank = rank_batches(self.ds, epoch, self.topology, self.num_workers, self.drop_last)
+        n = min(len(r) for r in per_rank)
+        out = []
+        for batches in per_rank:
+            ids = np.concatenate(batches[:n]) if n else np.zeros(0, np.int64)
+            stream_ids = np.searchsorted(self.ds.sample_offset_per_stream, ids, side='right') - 1
+            out.append((np.bincount(stream_ids, minlength=self.ds.num_streams).astype(np.int64), n))
+        return out

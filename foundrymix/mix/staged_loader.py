@@ -164,7 +164,8 @@ def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str
     from foundrymix.mix.stages import plan_run, stage_fingerprint
 
     run, catalogs = plan_run(config, batch_size, max_duration, topology, where)
-    fingerprints = [stage_fingerprint(c.config, c.infos(), batch_size) for c in catalogs]
+    world = topology.world_size if topology is not None else 1
+    fingerprints = [stage_fingerprint(c.config, c.infos(), batch_size * world) for c in catalogs]
     mixers = [StreamMixer(c.config, c.where) for c in catalogs]
     names: list[str] = []
     for mixer in mixers:

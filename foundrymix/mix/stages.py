@@ -175,7 +175,8 @@ def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] 
     return build_run_plan(config, infos, batch_size, max_duration, topology, where), catalogs
 
 
-def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], batch_size: int) -> dict[str, Any]:
+def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
+                      global_batch_size: int) -> dict[str, Any]:
     """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes.
 
     Stored in checkpoints; a resumed run compares it field by field, so a refusal can
@@ -185,7 +186,7 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], batch_size:
                                              'shuffle_block_size', 'batching_method', 'epoch_size',
                                              'sampling_method', 'sampling_granularity',
                                              'partition_algo', 'num_canonical_nodes',
-                                             'drop_last')}
+                                             'drop_last', 'exact')}
     streams = {}
     for info in infos:
         index = json.dumps(info.index.get('shards', []), sort_keys=True).encode('utf-8')
@@ -195,14 +196,16 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], batch_size:
             'choose': info.spec.choose,
             'index': hashlib.sha256(index).hexdigest()[:16],
         }
-    return {'batch_size': batch_size, 'knobs': knobs, 'streams': streams}
+    # the global batch, not the per-rank one: a resize keeps it and changes nothing trained
+    return {'global_batch_size': global_batch_size, 'knobs': knobs, 'streams': streams}
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable differences between two stage fingerprints (empty if none)."""
     out = []
-    if old['batch_size'] != new['batch_size']:
-        out.append(f'per-rank batch size {old["batch_size"]} -> {new["batch_size"]}')
+    if old.get('global_batch_size') != new['global_batch_size']:
+        out.append(f'global batch size {old.get("global_batch_size")} -> '
+                   f'{new["global_batch_size"]} (global_train_batch_size must stay fixed)')
     for key, value in old['knobs'].items():
         if new['knobs'].get(key) != value:
             out.append(f'{key} {value!r} -> {new["knobs"].get(key)!r}')

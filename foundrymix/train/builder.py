@@ -159,7 +159,8 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     if cfg.train_loader.stages is None:
         mixer = _train_mixer(cfg, StreamMixer(cfg.train_loader))
         plan = mixer.plan(batch_size=device_batch, max_duration=cfg.max_duration,
-                          world_size=dist.get_world_size())
+                          world_size=dist.get_world_size(),
+                          nodes=dist.get_world_size() // dist.get_local_world_size())
         return TrainData(loader=mixer.build_dataloader(batch_size=device_batch), mixer=mixer,
                          plan=plan, stream_names=mixer.stream_names,
                          planned_share=[s.share for s in plan.streams],

@@ -1,0 +1,152 @@
+"""Exact epochs on any topology: whole global batches, no rank padding, true stratified shares.
+
+Why: streaming pads every rank's share of an epoch with repeated rows when the epoch
+does not divide evenly over canonical nodes, nodes and ranks, so some rows are trained
+twice (and which ones depends on the topology). Stratified batching rounds every
+stream's share of a global batch (0.7/0.3 of 8 rows trains 6 + 2 = 75 %/25 %). With
+``exact: true`` (the default) foundrymix instead
+
+* makes the epoch a multiple of ``lcm(global batch, num_canonical_nodes)`` rows -- then
+  streaming's partition (``get_partitions_orig``) pads nothing on any nodes x ranks with
+  that global batch -- by lowering ``epoch_size`` (relative weights: streaming splits it
+  by proportion as usual) or by trimming ``choose`` per stream, from fractional passes
+  first, in proportion (absolute weights); the rows an epoch leaves out are counted;
+* refuses stratified batching whose per-batch shares cannot be whole rows, naming the
+  shares it would train and the nearest global batch size that fits.
+
+The same :func:`epoch_weights` feeds the plan and the dataset, so what is planned is
+what is trained. ``exact: false`` keeps streaming's behaviour (and the plan reports it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from foundrymix.config import ConfigError, number_abbrev_to_int
+from foundrymix.mix.catalog import StreamInfo, make_streams
+from foundrymix.mix.config import LoaderConfig
+
+
+@dataclass(frozen=True)
+class EpochWeights:
+    """How one epoch samples each stream, as handed to ``StreamingDataset``."""
+
+    epoch_size: Optional[int]            # streaming's ``epoch_size`` argument
+    chooses: Optional[tuple[int, ...]]   # per-stream ``choose`` replacing repeat/choose, if trimmed
+    nominal: tuple[int, ...]             # rows per stream per epoch the weights ask for
+    rows: tuple[int, ...]                # rows per stream per epoch actually sampled
+    unit: int                            # the epoch is a multiple of this (1 if not exact)
+
+    @property
+    def left_out(self) -> tuple[int, ...]:
+        """Rows per stream per epoch the weights ask for but the exact epoch leaves out."""
+        return tuple(n - r for n, r in zip(self.nominal, self.rows))
+
+
+def weighted_streams(infos: list[StreamInfo], weights: EpochWeights, seed: int) -> tuple[list[Any], int]:
+    """Fresh streams with ``weights`` applied exactly as ``StreamingDataset.__init__`` applies
+    them; returns (streams, epoch size)."""
+    from streaming import Stream
+    streams = make_streams(infos, weights.chooses)
+    rows = np.array([i.rows for i in infos], np.int64)
+    return streams, Stream.apply_weights(streams, rows, weights.epoch_size, seed)
+
+
+def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: int,
+                  where: str = 'train_loader') -> EpochWeights:
+    """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches
+    when ``config.exact`` and batching is ``random``; stratified shares checked."""
+    requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
+    base = EpochWeights(requested, None, (), (), 1)
+    streams, size = weighted_streams(infos, base, config.shuffle_seed)
+    nominal = tuple(int(s.choose) for s in streams)
+    base = EpochWeights(requested, None, nominal, nominal, 1)
+    if not config.exact:
+        return base
+    if config.batching_method == 'stratified':
+        check_stratified([i.name for i in infos], [float(s.proportion) for s in streams],
+                         global_batch, where)
+    if config.batching_method != 'random':
+        return base
+    unit = math.lcm(global_batch, config.num_canonical_nodes)
+    cut = size % unit
+    if cut == 0 or size - cut <= 0:  # (no whole batch at all: the plan refuses it, naming why)
+        return EpochWeights(requested, None, nominal, nominal, unit)
+    if all(i.spec.weight_kind in (None, 'proportion') for i in infos):
+        trimmed = EpochWeights(size - cut, None, nominal, (), unit)
+    else:
+        rows = tuple(i.rows for i in infos)
+        trimmed = EpochWeights(None, trim_chooses(nominal, cut, rows), nominal, (), unit)
+    streams, _ = weighted_streams(infos, trimmed, config.shuffle_seed)
+    return EpochWeights(trimmed.epoch_size, trimmed.chooses, nominal,
+                        tuple(int(s.choose) for s in streams), unit)
+
+
+def trim_chooses(chooses: tuple[int, ...], cut: int,
+                 rows: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+    """``chooses`` less ``cut`` rows in all.
+
+    Taken first from the streams' fractional passes (``choose % rows``: rows already drawn
+    as a random subset each epoch), so a stream asked for whole passes keeps them; split in
+    proportion (largest remainder, ties to the earlier stream) so shares move least.
+    """
+    extras = tuple(c % n for c, n in zip(chooses, rows)) if rows else tuple(0 for _ in chooses)
+    first = _split(min(cut, sum(extras)), extras)
+    left = tuple(c - k for c, k in zip(chooses, first))
+    return tuple(c - k for c, k in zip(left, _split(cut - sum(first), left)))
+
+
+def _split(cut: int, caps: tuple[int, ...]) -> tuple[int, ...]:
+    """``cut`` split over ``caps`` in proportion to them, none above its cap."""
+    total = sum(caps)
+    if cut <= 0 or total <= 0:
+        return tuple(0 for _ in caps)
+    exact = [cut * c / total for c in caps]
+    cuts = [min(int(x), c) for x, c in zip(exact, caps)]
+    for i in sorted(range(len(caps)), key=lambda i: (-(exact[i] - cuts[i]), i)):
+        if sum(cuts) == cut:
+            break
+        if cuts[i] < caps[i]:
+            cuts[i] += 1
+    return tuple(cuts)
+
+
+def stratified_portions(proportions: list[float], global_batch: int) -> list[int]:
+    """Rows per stream in every global batch, computed as streaming's stratified batching does
+    (``int(p x G)``, the shortfall to the largest remainders)."""
+    props = np.array(proportions, np.float64)
+    portions = np.array([int(p * global_batch) for p in proportions], np.int64)
+    missing = global_batch - int(portions.sum())
+    if missing > 0:
+        leftover = global_batch * props - portions
+        portions[np.flip(np.argsort(leftover))[:missing]] += 1
+    return [int(p) for p in portions]
+
+
+def _whole(proportions: list[float], batch: int) -> bool:
+    return all(abs(p * batch - round(p * batch)) < 1e-6 for p in proportions)
+
+
+def check_stratified(names: list[str], proportions: list[float], global_batch: int,
+                     where: str = 'train_loader') -> None:
+    """Refuse stratified batching whose requested shares are not whole rows of a global batch."""
+    if _whole(proportions, global_batch):
+        return
+    portions = stratified_portions(proportions, global_batch)
+    trains = ' + '.join(f'{n} {k}' for n, k in zip(names, portions))
+    real = ', '.join(f'{n} {k / global_batch:.1%}' for n, k in zip(names, portions))
+    asked = ', '.join(f'{n} {p:.4g}' for n, p in zip(names, proportions))
+    fits = next((g for g in range(global_batch + 1, 64 * global_batch + 1)
+                 if _whole(proportions, g)), None)
+    hint = (f'a global batch of {fits} (the nearest larger one with whole shares; '
+            f'global_train_batch_size must also divide over the ranks), or ' if fits else '')
+    nearest = ', '.join(f'{n} {k}/{global_batch}' for n, k in zip(names, portions))
+    raise ConfigError(
+        f'{where}.batching_method: stratified with proportions {asked} cannot be realized in a '
+        f'global batch of {global_batch}: every batch would train {trains} rows ({real}). Use '
+        f'{hint}proportions that are multiples of 1/{global_batch} (nearest: {nearest}), or set '
+        f'{where}.exact: false to train the rounded shares')

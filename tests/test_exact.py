@@ -1,0 +1,131 @@
+"""Exact epochs on any topology (``exact: true``, the default), against streaming's own
+partition and iteration; stratified shares realized or refused; plan --nodes/--ranks-per-node."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from foundrymix.cli import main
+from foundrymix.config import ConfigError
+from foundrymix.mix.exact import trim_chooses
+from foundrymix.mix.mixer import StreamMixer
+from mix_helpers import build_stream, build_three, identity, loader_dict
+from test_plan import write_yaml
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp('exact')
+    build_three(str(root), (120, 80, 60))
+    build_stream(str(root / 'a65'), 'pretrain', 65, 0)
+    return root
+
+
+def dirs(root):
+    return {n: str(root / n) for n in ('arxiv', 'wiki', 'dolly')}
+
+
+def test_trim_chooses_splits_the_cut_by_share():
+    assert trim_chooses((120, 200, 30), 6) == (118, 197, 29)   # 2.06, 3.43, 0.51 -> 2, 3, 1
+    # with rows (120, 80, 60): from the fractional passes 0, 40, 30 first: 3.43, 2.57 -> 3, 3
+    assert trim_chooses((120, 200, 30), 6, (120, 80, 60)) == (120, 197, 27)
+    assert trim_chooses((120, 200, 30), 72, (120, 80, 60)) == (119, 159, 0)  # 70 + 2 of 320
+    assert sum(trim_chooses((7, 1, 1), 5)) == 4 and all(c >= 0 for c in trim_chooses((7, 1, 1), 5))
+
+
+@pytest.mark.parametrize('nodes, ranks, batch', [(1, 2, 3), (2, 3, 1), (2, 2, 2), (4, 2, 1)])
+def test_exact_epoch_is_padding_free_on_the_topology(root, nodes, ranks, batch):
+    """65 rows: streaming's own partition of the exact epoch holds every position once."""
+    from streaming.base.partition import get_partitions
+    mixer = StreamMixer.from_dict({'streams': {'a': {'local': str(root / 'a65')}}})
+    plan = mixer.plan(batch, '1ep', world_size=nodes * ranks, nodes=nodes)
+    G = batch * nodes * ranks
+    assert plan.epoch_size == 65 - 65 % G and plan.left_out_per_epoch == {'a': 65 % G}
+    parts = get_partitions('orig', plan.epoch_size, 1, nodes, ranks, 1, batch)
+    ids = parts[parts >= 0]
+    assert sorted(ids.tolist()) == list(range(plan.epoch_size))   # no padding repeat
+    assert (plan.samples_per_epoch, plan.repeated_rows_per_epoch) == (plan.epoch_size, 0)
+    assert [r.samples_per_epoch for r in plan.per_rank] == [plan.epoch_size // (nodes * ranks)] * (nodes * ranks)
+    loose = StreamMixer.from_dict({'streams': {'a': {'local': str(root / 'a65')}}, 'exact': False})
+    old = loose.plan(batch, '1ep', world_size=nodes * ranks, nodes=nodes)
+    assert old.epoch_size == 65 and old.left_out_per_epoch == {'a': 0}
+
+
+def test_absolute_weights_are_trimmed_and_iteration_equals_plan(root):
+    """repeat 1 / 2.5 / 0.5 = 350 rows; a global batch of 8 -> 344, cut in proportion."""
+    m = StreamMixer.from_dict(loader_dict(dirs(root), {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 2.5},
+                                                       'dolly': {'repeat': 0.5}}, shuffle_seed=17))
+    plan = m.plan(8, '1ep')
+    assert plan.epoch_size == 344 and plan.left_out_per_epoch == {'arxiv': 0, 'wiki': 3, 'dolly': 3}
+    assert {s.name: s.rows_per_epoch for s in plan.streams} == {'arxiv': 120, 'wiki': 197, 'dolly': 27}
+    ds = m.build_dataset(8)
+    got = Counter(identity(s['input_ids'])[0] for s in ds)
+    del ds
+    assert got == {0: 120, 1: 197, 2: 27}        # streaming's own iteration of the dataset
+    assert any('exact epoch: 344 rows = 43 whole global batches of 8 (the weights ask for 350); '
+               'left out per epoch: wiki 3 (of 200), dolly 3 (of 30)' in n for n in plan.notes)
+
+
+def test_stratified_shares_that_round_are_refused_with_the_fix(root):
+    m = StreamMixer.from_dict(loader_dict({k: v for k, v in dirs(root).items() if k != 'dolly'},
+                                          {'arxiv': {'proportion': 0.7}, 'wiki': {'proportion': 0.3}},
+                                          batching_method='stratified'))
+    with pytest.raises(ConfigError, match=r'stratified with proportions arxiv 0\.7, wiki 0\.3 cannot be '
+                       r'realized in a global batch of 8: every batch would train arxiv 6 \+ wiki 2 rows '
+                       r'\(arxiv 75\.0%, wiki 25\.0%\)\. Use a global batch of 10 '):
+        m.plan(8, '1ep')
+    with pytest.raises(ConfigError, match='cannot be realized in a global batch of 8'):
+        m.build_dataset(8)
+    plan = m.plan(5, '1ep', world_size=2)     # 10 rows: 7 + 3, the shares asked for
+    assert [s.share for s in plan.streams] == [0.7, 0.3]
+
+
+def test_stratified_exact_false_shows_the_share_really_trained(root):
+    m = StreamMixer.from_dict(loader_dict({k: v for k, v in dirs(root).items() if k != 'dolly'},
+                                          {'arxiv': {'proportion': 0.7}, 'wiki': {'proportion': 0.3}},
+                                          batching_method='stratified', exact=False))
+    plan = m.plan(8, '1ep')
+    assert [s.share for s in plan.streams] == [0.75, 0.25]
+    assert any('stratified batching trains arxiv 6 + wiki 2 rows of every global batch of 8 '
+               '(arxiv 75.0%, wiki 25.0% -- the shares shown), not the requested arxiv 70.0%, '
+               'wiki 30.0%' in w for w in plan.warnings)
+    ds = m.build_dataset(8)
+    loader = m.build_dataloader(8, ds)
+    first = next(iter(loader))
+    assert Counter(first['stream_id'].tolist()) == {0: 6, 1: 2}   # what streaming trains
+    del loader, ds
+
+
+def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
+    assert main(['plan', write_yaml(tmp_path, root, '1ep'), '--nodes', '2', '--ranks-per-node', '2',
+                 '--json']) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan['nodes'], plan['ranks_per_node'], plan['world_size'], plan['batch_size']) == (2, 2, 4, 2)
+    assert [(r['rank'], r['node'], r['local_rank']) for r in plan['per_rank']] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    totals = Counter()
+    for r in plan['per_rank']:
+        totals.update(r['rows_per_stream'])
+        assert r['samples_per_epoch'] == plan['samples_per_epoch'] // 4
+    assert dict(totals) == {s['name']: s['trained_rows_per_epoch'] for s in plan['streams']}
+    assert main(['plan', write_yaml(tmp_path, root, '1ep'), '--world-size', '4']) == 0
+    out = capsys.readouterr().out
+    assert 'topology 1 node(s) x 4 rank(s), num_canonical_nodes 1; exact' in out
+    assert 'rank 3 (node 0, local 3): 43 batches, 86 rows/epoch' in out
+    assert main(['plan', write_yaml(tmp_path, root, '1ep'), '--nodes', '2', '--world-size', '3',
+                 '--ranks-per-node', '2']) == 2
+    assert '--world-size 3 differs from --nodes 2 x --ranks-per-node 2 = 4' in capsys.readouterr().err
+
+
+def test_resume_state_is_checked(root):
+    from foundrymix.mix.dataset import check_resume
+    check_resume({'num_canonical_nodes': 1, 'global_batch_size': 8}, 1, 8)
+    check_resume({'num_canonical_nodes': 1}, 1, 8)   # checkpoints from before the key
+    with pytest.raises(ConfigError, match=r'num_canonical_nodes: the checkpoint was trained with 2, '
+                                          r'this run has 1.*Set train_loader.num_canonical_nodes: 2'):
+        check_resume({'num_canonical_nodes': 2, 'global_batch_size': 8}, 1, 8)
+    with pytest.raises(ConfigError, match=r'global batch of 8 rows, this run has 4'):
+        check_resume({'num_canonical_nodes': 1, 'global_batch_size': 8}, 1, 4)
