@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
 import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
@@ -62,8 +61,9 @@ if TYPE_CHECKING:
 DEFAULT_TASK_BYTES = 64 << 20
 #: Ray re-runs a failed task (worker crash or exception) this many times
 MAX_RETRIES = 3
-#: test hook: ``"<task index>:<marker file>"`` makes that task's first attempt die
-#: half-way (``os._exit``) unless the marker file exists; the attempt creates it
+#: test hook, read in the driver and handed to the tasks: ``"<task index>:<marker file>"``
+#: makes that task's attempt die half-way (``os._exit``) unless the marker file exists;
+#: the dying attempt creates it, so only the first attempt dies
 FAIL_ENV = 'FOUNDRYMIX_RAY_FAIL_ONCE'
 
 
@@ -123,9 +123,8 @@ def _init_task_worker(options: ConvertOptions, setup: Setup) -> None:
         _init_task_worker.key = key  # type: ignore[attr-defined]
 
 
-def _maybe_fail(index: int, rows_written: int) -> None:
-    """The :data:`FAIL_ENV` test hook: kill this worker once, mid-task."""
-    spec = os.environ.get(FAIL_ENV)
+def _maybe_fail(spec: Optional[str], index: int, rows_written: int) -> None:
+    """The :data:`FAIL_ENV` test hook: kill this worker once, mid-task (after some rows)."""
     if not spec or rows_written == 0:
         return
     target, marker = spec.split(':', 1)
@@ -135,7 +134,7 @@ def _maybe_fail(index: int, rows_written: int) -> None:
 
 
 def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: str,
-             options: ConvertOptions, setup: Setup) -> TaskResult:
+             options: ConvertOptions, setup: Setup, fail: Optional[str] = None) -> TaskResult:
     """Encode ``chunks`` in order, build rows and write them as MDS shards (in a Ray worker)."""
     _init_task_worker(options, setup)
     with importing('streaming'):
@@ -161,7 +160,7 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
         docs, tokens = builder.progress(res)
         result.docs += docs
         result.tokens += tokens
-        _maybe_fail(index, manifest.counts.rows)
+        _maybe_fail(fail, index, manifest.counts.rows)
     for row in builder.flush():
         writer.write(row)
     writer.finish()
@@ -285,7 +284,8 @@ def run(converter: 'Converter', setup: Setup, out: str, options: ConvertOptions,
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=True)(run_task)
         with _MergedOutput(out, options, setup.token_dtype) as output:
             try:
-                futures = [remote.remote(converter, chunks, i, output.partial, options, lean)
+                fail = os.environ.get(FAIL_ENV)
+                futures = [remote.remote(converter, chunks, i, output.partial, options, lean, fail)
                            for i, chunks in enumerate(tasks)]
                 results = _gather(futures, progress)
             finally:
