@@ -87,10 +87,16 @@ def test_pretrain_equals_default_engine_per_task(tmp_path, arxiv_jsonl):
     assert 0 <= whole.counts.rows - got.counts.rows <= len(pieces) - 1
     rows_equal(rows[:refs[0].counts.rows], read_rows(tmp_path / 'whole')[:refs[0].counts.rows])
     assert Manifest.read(str(tmp_path / 'ray')).options == whole.options
-    # training reads it like any stream: every row once, in order
-    loader = StreamMixer.from_dict({'streams': {'ray': {'local': str(tmp_path / 'ray')}}, 'shuffle': False,
-                                    'num_workers': 0, 'drop_last': False}).build_dataloader(4)
-    ids = np.concatenate([b['input_ids'].numpy() for b in loader])
+    assert_reads_as_a_stream(tmp_path / 'ray', rows, got)
+
+
+def assert_reads_as_a_stream(directory: Path, rows: list[dict], manifest: Manifest) -> None:
+    """``plan`` and the training loader see the merged output like any stream: every row once."""
+    mixer = StreamMixer.from_dict({'streams': {'ray': {'local': str(directory)}}, 'shuffle': False,
+                                   'num_workers': 0, 'drop_last': False})
+    (plan,) = mixer.plan(4, '1ep').streams
+    assert (plan.rows, plan.rows_per_epoch, plan.tokens_per_epoch) == (len(rows), len(rows), manifest.counts.tokens)
+    ids = np.concatenate([b['input_ids'].numpy() for b in mixer.build_dataloader(4)])
     np.testing.assert_array_equal(ids, np.stack([r['input_ids'] for r in rows]).astype(np.int64))
 
 
@@ -154,3 +160,26 @@ def test_cli_engine_ray(tmp_path, arxiv_jsonl, capsys):
     m = Manifest.read(str(tmp_path / 'cli'))
     assert m.counts.documents_read == 20 and m.counts.rows == len(read_rows(tmp_path / 'cli'))
     assert 'engine' not in m.options
+
+
+@pytest.mark.slow
+def test_two_node_cluster(tmp_path, arxiv_jsonl):
+    """Real raylets: a head and a worker node (1 CPU each) give the very same output as the local Ray."""
+    from ray.cluster_utils import Cluster
+    opts = PretrainOptions(max_seq_len=SEQ, chunk_bytes=CHUNK, engine='ray', ray_task_bytes=TASK)
+    one = convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'one'), opts)
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={'num_cpus': 1, 'include_dashboard': False})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        two = convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'two'), opts)
+        nodes = {n['NodeID'] for n in ray.nodes() if n['Alive']}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # for the tests after this one
+    assert len(nodes) == 2
+    assert two.counts == one.counts
+    rows_equal(read_rows(tmp_path / 'two'), read_rows(tmp_path / 'one'))
