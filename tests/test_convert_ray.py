@@ -153,6 +153,16 @@ def test_task_killed_midway_is_retried_with_identical_output(tmp_path, arxiv_jso
     assert (tmp_path / 'retried' / 'index.json').read_text() == (tmp_path / 'clean' / 'index.json').read_text()
 
 
+def test_task_failing_for_good_fails_the_job_and_leaves_nothing(tmp_path, arxiv_jsonl, monkeypatch):
+    """Every attempt of task 2 raises (its marker cannot be created): after Ray's retries the
+    conversion fails with that error, and neither ``--out`` nor a partial directory is left."""
+    opts = PretrainOptions(max_seq_len=SEQ, workers=2, chunk_bytes=CHUNK, engine='ray', ray_task_bytes=TASK)
+    monkeypatch.setenv(FAIL_ENV, f"2:{tmp_path / 'no-such-dir' / 'marker'}")
+    with pytest.raises(ray.exceptions.RayTaskError, match='FileNotFoundError'):
+        convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'out' / 'failed'), opts)
+    assert list((tmp_path / 'out').iterdir()) == []
+
+
 def test_cli_engine_ray(tmp_path, arxiv_jsonl, capsys):
     from foundrymix.cli import main
     assert main(['convert', 'pretrain', str(arxiv_jsonl), '--out', str(tmp_path / 'cli'), '--max-seq-len',

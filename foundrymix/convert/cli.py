@@ -56,6 +56,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument('--ray-address', default=None,
                    help='with --engine ray: the cluster to join (e.g. ray://head:10001 or auto); '
                         'default: start a local Ray with --workers CPUs')
+    p.add_argument('--ray-task-mb', type=float, default=None,
+                   help='with --engine ray: input MB per task (default 64); each task ends its own '
+                        'last row (pretrain tail, finetune packing), so larger tasks lose less')
     p.add_argument('--no-progress', dest='progress', action='store_false',
                    help='no progress bar or summary table')
 
@@ -63,6 +66,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _options(cls: type, args: argparse.Namespace) -> Any:
     values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
     values['hash'] = tuple(values.get('hash', ()))
+    if getattr(args, 'ray_task_mb', None) is not None:
+        values['ray_task_bytes'] = max(1, int(args.ray_task_mb * (1 << 20)))
     return cls(**values)
 
 

@@ -273,6 +273,15 @@ def _gather(futures: list[Any], progress: Progress) -> list[TaskResult]:
     return [results[i] for i in range(len(futures))]
 
 
+def _cancel(futures: list[Any], timeout: float = 60) -> None:
+    """Stop the tasks still running (a task failed for good, or Ctrl-C) and wait for them,
+    so that none writes into the partial directory after it is removed."""
+    import ray
+    for ref in futures:
+        ray.cancel(ref, force=True)
+    ray.wait(futures, num_returns=len(futures), timeout=timeout)
+
+
 def run(converter: 'Converter', setup: Setup, out: str, options: ConvertOptions, manifest: Manifest) -> float:
     """The Ray engine's counterpart of :func:`foundrymix.convert.driver.run` (same contract)."""
     started = _connect(options)
@@ -287,7 +296,11 @@ def run(converter: 'Converter', setup: Setup, out: str, options: ConvertOptions,
                 fail = os.environ.get(FAIL_ENV)
                 futures = [remote.remote(converter, chunks, i, output.partial, options, lean, fail)
                            for i, chunks in enumerate(tasks)]
-                results = _gather(futures, progress)
+                try:
+                    results = _gather(futures, progress)
+                except BaseException:
+                    _cancel(futures)  # before the partial directory is removed
+                    raise
             finally:
                 seconds = progress.close()
             _apply_results(results, tasks, options, manifest)
