@@ -7,8 +7,9 @@ measures, as whole ``foundrymix convert pretrain`` subprocesses (start-up includ
 (b) ``--engine ray`` starting its own local Ray with ``--workers`` CPUs, tasks of
     ``--task-mb`` MB (Ray start-up, worker start-up and merge included).
 
-Then the per-task overhead, in-process against one already running local Ray: 64 tiny
-documents as 64 tasks and as one task (see :func:`task_overhead`).
+Then the fixed costs, in-process against a local Ray: worker start-up and the cost of
+one task (see :func:`task_overhead`). Other work on the machine skews every figure, so
+the load average is printed.
 
     .venv/bin/python benchmarks/bench_convert_ray.py [--mb 20] [--workers 2] [--task-mb 4]
 """
@@ -41,12 +42,13 @@ def run_cli(corpus: Path, out: Path, args: argparse.Namespace, *extra: str) -> d
 
 
 def task_overhead(tmp: Path, args: argparse.Namespace, n: int = 64) -> tuple[float, float, float]:
-    """Fixed cost of one task, against an already running local Ray with warm workers.
+    """What a task costs besides its tokenizing, against a freshly started local Ray.
 
-    ``n`` one-line documents converted as ``n`` tasks and as one task: tokenizing is
-    negligible, so the extra seconds times the CPUs over the extra tasks are what a task
-    costs besides its work (scheduling, arguments and result, one MDS writer and index).
-    Returns (core-seconds per task, seconds for 1 task, seconds for n tasks).
+    ``n`` one-line documents (tokenizing negligible) as one task, twice: the first run
+    starts the worker processes (each imports streaming/torch and loads the tokenizer
+    once), the second finds them warm. Then as ``n`` tasks: their seconds times the CPUs
+    over ``n`` bound what one task costs (scheduling, arguments and result, one MDS
+    writer and its index, reading its chunk). Returns (cold s, warm s, core-s per task).
     """
     import ray
 
@@ -56,18 +58,14 @@ def task_overhead(tmp: Path, args: argparse.Namespace, n: int = 64) -> tuple[flo
     ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
     try:
         times = []
-        for i, task_bytes in enumerate((1 << 30, 1, 1)):  # the first run warms the workers up
+        for i, task_bytes in enumerate((1 << 30, 1 << 30, 1)):
             t0 = time.perf_counter()
             convert_pretrain([str(tiny)], str(tmp / f'tiny{i}'), PretrainOptions(
                 max_seq_len=64, engine='ray', chunk_bytes=1, ray_task_bytes=task_bytes))
             times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        convert_pretrain([str(tiny)], str(tmp / 'tiny-one'), PretrainOptions(
-            max_seq_len=64, engine='ray', chunk_bytes=1, ray_task_bytes=1 << 30))
-        one = time.perf_counter() - t0
     finally:
         ray.shutdown()
-    return (times[2] - one) * args.workers / (n - 1), one, times[2]
+    return times[0], times[1], times[2] * args.workers / n
 
 
 def main() -> None:
@@ -78,6 +76,7 @@ def main() -> None:
     ap.add_argument('--max-seq-len', type=int, default=2048)
     args = ap.parse_args()
     os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix='fm-bench-ray-') as tmp_name:
         tmp = Path(tmp_name)
         corpus = tmp / 'corpus.jsonl'
@@ -90,9 +89,11 @@ def main() -> None:
         rayed = run_cli(corpus, tmp / 'ray', args, '--engine', 'ray', '--ray-task-mb', str(args.task_mb))
         print(f"ray engine (own Ray):    {rayed['tok_s']:>10,.0f} tok/s ({rayed['tokens']:,} tokens in "
               f"{rayed['seconds']:.1f} s, {rayed['rows']:,} rows; Ray start-up included)", flush=True)
-        per_task, one, many = task_overhead(tmp, args)
-        print(f'per-task overhead (running Ray, warm workers, 64 tiny documents): 1 task {one:.2f} s, '
-              f'64 tasks {many:.2f} s -> {per_task:.3f} core-seconds per task')
+        cold, warm, per_task = task_overhead(tmp, args)
+        print(f'fixed costs (64 tiny documents): first job on a fresh Ray (worker start-up) {cold:.2f} s, '
+              f'same job with warm workers {warm:.2f} s, as 64 tasks: <= {per_task * 1000:.0f} ms of '
+              f'one core per task')
+    print(f'1-minute load average before / after: {load[0]:.2f} / {os.getloadavg()[0]:.2f}')
 
 
 if __name__ == '__main__':
