@@ -44,11 +44,12 @@ def run_cli(corpus: Path, out: Path, args: argparse.Namespace, *extra: str) -> d
 def task_overhead(tmp: Path, args: argparse.Namespace, n: int = 64) -> tuple[float, float, float]:
     """What a task costs besides its tokenizing, against a freshly started local Ray.
 
-    ``n`` one-line documents (tokenizing negligible) as one task, twice: the first run
+    ``n`` one-line documents (tokenizing negligible) as ``n`` tasks on a fresh Ray: that
     starts the worker processes (each imports streaming/torch and loads the tokenizer
-    once), the second finds them warm. Then as ``n`` tasks: their seconds times the CPUs
-    over ``n`` bound what one task costs (scheduling, arguments and result, one MDS
-    writer and its index, reading its chunk). Returns (cold s, warm s, core-s per task).
+    once). Then, with warm workers, as one task and again as ``n`` tasks: the extra
+    seconds times the CPUs over the extra tasks are what one task costs (scheduling,
+    arguments and result, one MDS writer and its index). Returns (cold s, warm s for
+    ``n`` tasks, core-s per task).
     """
     import ray
 
@@ -58,14 +59,14 @@ def task_overhead(tmp: Path, args: argparse.Namespace, n: int = 64) -> tuple[flo
     ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
     try:
         times = []
-        for i, task_bytes in enumerate((1 << 30, 1 << 30, 1)):
+        for i, task_bytes in enumerate((1, 1 << 30, 1)):
             t0 = time.perf_counter()
             convert_pretrain([str(tiny)], str(tmp / f'tiny{i}'), PretrainOptions(
                 max_seq_len=64, engine='ray', chunk_bytes=1, ray_task_bytes=task_bytes))
             times.append(time.perf_counter() - t0)
     finally:
         ray.shutdown()
-    return times[0], times[1], times[2] * args.workers / n
+    return times[0], times[2], max(0.0, times[2] - times[1]) * args.workers / (n - 1)
 
 
 def main() -> None:
@@ -90,9 +91,8 @@ def main() -> None:
         print(f"ray engine (own Ray):    {rayed['tok_s']:>10,.0f} tok/s ({rayed['tokens']:,} tokens in "
               f"{rayed['seconds']:.1f} s, {rayed['rows']:,} rows; Ray start-up included)", flush=True)
         cold, warm, per_task = task_overhead(tmp, args)
-        print(f'fixed costs (64 tiny documents): first job on a fresh Ray (worker start-up) {cold:.2f} s, '
-              f'same job with warm workers {warm:.2f} s, as 64 tasks: <= {per_task * 1000:.0f} ms of '
-              f'one core per task')
+        print(f'fixed costs (64 tiny documents as 64 tasks): on a fresh Ray (worker start-up) {cold:.2f} s, '
+              f'with warm workers {warm:.2f} s -> {per_task * 1000:.0f} ms of one core per task')
     print(f'1-minute load average before / after: {load[0]:.2f} / {os.getloadavg()[0]:.2f}')
 
 
