@@ -112,6 +112,21 @@ def test_finetune_packs_per_task(tmp_path, dolly_jsonl):
     assert got.dropped == {'too_long': sum(m.dropped.get('too_long', 0) for m in refs)} and got.dropped['too_long'] > 0
 
 
+def test_compressed_input_spreads_over_tasks(tmp_path, arxiv_jsonl):
+    """A .jsonl.gz is read by the driver in blocks (they travel to the tasks as payloads)."""
+    import gzip
+    corpus = tmp_path / 'arxiv.jsonl.gz'
+    corpus.write_bytes(gzip.compress(arxiv_jsonl.read_bytes()))
+    local = PretrainOptions(max_seq_len=SEQ, workers=2, chunk_bytes=CHUNK)
+    pieces = split_by_task([corpus], tmp_path / 'pieces')
+    assert len(pieces) == 4
+    want, refs = per_piece(convert_pretrain, pieces, tmp_path, local)
+    got = convert_pretrain([str(corpus)], str(tmp_path / 'ray'),
+                           dataclasses.replace(local, engine='ray', ray_task_bytes=TASK))
+    rows_equal(read_rows(tmp_path / 'ray'), want)
+    assert dataclasses.asdict(got.counts) == summed(refs)
+
+
 def bad_corpus(path: Path, arxiv_jsonl: Path) -> Path:
     """The arXiv sample with bad records between documents: spread over every task."""
     lines = arxiv_jsonl.read_bytes().splitlines(keepends=True)

@@ -45,7 +45,7 @@ import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, importing
@@ -67,24 +67,24 @@ MAX_RETRIES = 3
 FAIL_ENV = 'FOUNDRYMIX_RAY_FAIL_ONCE'
 
 
-def plan_tasks(chunks: Sequence[Chunk] | Iterator[Chunk], task_bytes: int) -> list[list[Chunk]]:
+def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]]:
     """Group consecutive chunks into tasks of about ``task_bytes`` input bytes, in order.
 
-    Chunks without a byte range (parquet row groups, dataset rows, txt groups) count as
-    ``task_bytes`` / 16 each, so a task holds a bounded number of them too.
+    Lazy, like :func:`plan_chunks`: the driver holds only the tasks in flight (a block of
+    a compressed file carries its bytes). Chunks without a byte range (parquet row
+    groups, dataset rows, txt groups) count as ``task_bytes`` / 16 each, so a task holds
+    a bounded number of them too.
     """
-    tasks: list[list[Chunk]] = []
     current: list[Chunk] = []
     size = 0
     for chunk in chunks:
         current.append(chunk)
         size += _chunk_size(chunk, task_bytes)
         if size >= task_bytes:
-            tasks.append(current)
+            yield current
             current, size = [], 0
     if current:
-        tasks.append(current)
-    return tasks
+        yield current
 
 
 def _chunk_size(chunk: Chunk, task_bytes: int) -> int:
@@ -259,18 +259,42 @@ def _connect(options: ConvertOptions) -> bool:
     return True
 
 
-def _gather(futures: list[Any], progress: Progress) -> list[TaskResult]:
-    """Wait for every task, updating the progress bar as each finishes; results in task order."""
-    import ray
+def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[Chunk]], window: int,
+               progress: Progress) -> tuple[list[TaskResult], list[list[Chunk]]]:
+    """Submit tasks as they are planned, at most ``window`` in flight; wait for all.
+
+    Returns the results in task order (whatever order they finished in) and each task's
+    chunks without their payloads (the driver needs only their places, for line numbers).
+    If a task fails for good (or on Ctrl-C) the others are cancelled first.
+    """
+    futures: list[Any] = []
+    kept: list[list[Chunk]] = []
     results: dict[int, TaskResult] = {}
-    pending = list(futures)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        for ref in done:
-            res = ray.get(ref)
-            results[res.index] = res
-            progress.update(res.docs, res.tokens)
-    return [results[i] for i in range(len(futures))]
+    pending: list[Any] = []
+    try:
+        for i, chunks in enumerate(tasks):
+            kept.append([dataclasses.replace(c, payload=None) for c in chunks])
+            futures.append(submit(i, chunks))
+            pending.append(futures[-1])
+            while len(pending) >= window:
+                pending = _collect(pending, results, progress)
+        while pending:
+            pending = _collect(pending, results, progress)
+    except BaseException:
+        _cancel(futures)  # before the partial directory is removed
+        raise
+    return [results[i] for i in range(len(futures))], kept
+
+
+def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progress) -> list[Any]:
+    """Wait for one more task to finish; record its result and update the progress bar."""
+    import ray
+    done, pending = ray.wait(pending, num_returns=1)
+    for ref in done:
+        res = ray.get(ref)
+        results[res.index] = res
+        progress.update(res.docs, res.tokens)
+    return pending
 
 
 def _cancel(futures: list[Any], timeout: float = 60) -> None:
@@ -288,25 +312,22 @@ def run(converter: 'Converter', setup: Setup, out: str, options: ConvertOptions,
     import ray
     try:
         tasks = plan_tasks(plan_chunks(setup.inputs, options.chunk_bytes), options.ray_task_bytes)
-        progress = Progress(options.progress, f'convert {converter.kind} (ray, {len(tasks)} tasks)')
+        progress = Progress(options.progress, f'convert {converter.kind} (ray)')
         lean = dataclasses.replace(setup, tokenizer=None)  # workers load their own
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=True)(run_task)
+        window = max(2, 2 * int(ray.cluster_resources().get('CPU', 1)))
+        fail = os.environ.get(FAIL_ENV)
         with _MergedOutput(out, options, setup.token_dtype) as output:
             try:
-                fail = os.environ.get(FAIL_ENV)
-                futures = [remote.remote(converter, chunks, i, output.partial, options, lean, fail)
-                           for i, chunks in enumerate(tasks)]
-                try:
-                    results = _gather(futures, progress)
-                except BaseException:
-                    _cancel(futures)  # before the partial directory is removed
-                    raise
+                results, kept = _run_tasks(
+                    lambda i, chunks: remote.remote(converter, chunks, i, output.partial, options, lean, fail),
+                    tasks, window, progress)
             finally:
                 seconds = progress.close()
-            _apply_results(results, tasks, options, manifest)
+            _apply_results(results, kept, options, manifest)
             if manifest.counts.documents_read == 0:
                 raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
-            output.publish(manifest, len(tasks))
+            output.publish(manifest, len(kept))
         return seconds
     finally:
         if started:
