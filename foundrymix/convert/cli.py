@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from foundrymix.convert.common import ON_ERROR
+from foundrymix.convert.common import ENGINES, ON_ERROR
 from foundrymix.convert.finetune import CHAT_LOSS, TOO_LONG, FinetuneOptions, convert_finetune
 from foundrymix.convert.pipeline import PARALLEL_MODES
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
@@ -50,6 +50,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument('--hash', action='append', default=[], metavar='ALGO',
                    help='also write this shard hash to index.json (repeatable; e.g. sha1, sha256, '
                         'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
+    p.add_argument('--engine', choices=ENGINES, default='local',
+                   help='local: this machine (default); ray: tasks on a Ray cluster (pip install '
+                        "'foundrymix[ray]'), each writing its own shards, merged at the end")
+    p.add_argument('--ray-address', default=None,
+                   help='with --engine ray: the cluster to join (e.g. ray://head:10001 or auto); '
+                        'default: start a local Ray with --workers CPUs')
+    p.add_argument('--ray-task-mb', type=float, default=None,
+                   help='with --engine ray: input MB per task (default 64); each task ends its own '
+                        'last row (pretrain tail, finetune packing), so larger tasks lose less')
     p.add_argument('--no-progress', dest='progress', action='store_false',
                    help='no progress bar or summary table')
 
@@ -57,6 +66,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _options(cls: type, args: argparse.Namespace) -> Any:
     values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
     values['hash'] = tuple(values.get('hash', ()))
+    if getattr(args, 'ray_task_mb', None) is not None:
+        values['ray_task_bytes'] = max(1, int(args.ray_task_mb * (1 << 20)))
     return cls(**values)
 
 

@@ -20,6 +20,7 @@ from foundrymix.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
 ON_ERROR = ('raise', 'skip')
+ENGINES = ('local', 'ray')
 
 
 @dataclass
@@ -33,7 +34,10 @@ class ConvertOptions:
     ``None`` picks the converter's default (pretrain: threads, finetune: processes),
     see :mod:`foundrymix.convert.pipeline`. ``0`` means all cores.
     ``chunk_bytes`` is the share of input a worker reads at a time. None of these
-    three changes the output. ``hash``: shard hash algorithms written to ``index.json``
+    three changes the output. ``engine``: ``'local'`` (this machine, the default) or
+    ``'ray'`` (tasks on a Ray cluster at ``ray_address``, or a local Ray; each task
+    converts about ``ray_task_bytes`` of input, see :mod:`foundrymix.convert.ray_engine`).
+    ``hash``: shard hash algorithms written to ``index.json``
     besides the default ``xxh3_64`` (any that streaming validates, e.g. ``sha1``).
     """
 
@@ -50,6 +54,9 @@ class ConvertOptions:
     parallel: Optional[str] = None
     progress: bool = False
     hash: tuple[str, ...] = ()
+    engine: str = 'local'
+    ray_address: Optional[str] = None
+    ray_task_bytes: int = 64 << 20
 
     @property
     def hash_algorithms(self) -> list[str]:
@@ -60,7 +67,8 @@ class ConvertOptions:
     def to_manifest(self) -> dict[str, Any]:
         """The options as recorded in the manifest (run-time knobs left out)."""
         d = asdict(self)
-        for knob in ('workers', 'parallel', 'overwrite', 'progress', 'chunk_bytes', 'hash'):
+        for knob in ('workers', 'parallel', 'overwrite', 'progress', 'chunk_bytes', 'hash', 'engine',
+                     'ray_address', 'ray_task_bytes'):
             d.pop(knob)
         d['hashes'] = self.hash_algorithms
         return d
@@ -91,6 +99,10 @@ def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: i
     if options.parallel is not None and options.parallel not in PARALLEL_MODES:
         raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, "
                          f"got {options.parallel!r}")
+    if options.engine not in ENGINES:
+        raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
+    if options.ray_task_bytes <= 0:
+        raise ValueError(f'ray_task_bytes must be positive, got {options.ray_task_bytes}')
     if options.chunk_bytes <= 0:
         raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
     check_out_url(out)

@@ -123,7 +123,11 @@ def convert(converter: Converter, inputs: list[str], out: str, options: ConvertO
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
                         tokenizer=setup.info, inputs=setup.inputs,
                         options=converter.manifest_options(options, setup))
-    seconds = run(converter, setup, out, options, manifest)
+    if options.engine == 'ray':  # tasks on a Ray cluster; the rest of this module is reused
+        from foundrymix.convert import ray_engine
+        seconds = ray_engine.run(converter, setup, out, options, manifest)
+    else:
+        seconds = run(converter, setup, out, options, manifest)
     if options.progress:
         print_summary(manifest, out, seconds)
     return manifest

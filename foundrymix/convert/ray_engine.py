@@ -1,0 +1,334 @@
+"""``--engine ray``: the same conversion, spread over the tasks of a Ray cluster.
+
+Why a second engine: the default engine uses the cores of one machine; a corpus of
+terabytes wants many. Everything that defines the output is reused unchanged -- the
+chunk plan (:func:`~foundrymix.convert.readers.plan_chunks`, so one huge jsonl file is
+spread by byte ranges), the converters' encode steps and row builders (same BOS/EOS
+policy, same cutting and packing), the error policy and the atomic publish -- so
+only the *split into tasks* differs from a single-machine run:
+
+* **Tasks.** Consecutive chunks, in input order, are grouped into tasks of about
+  ``ray_task_bytes`` of input (a task may span files; a file may span tasks). Each task
+  is a Ray task (one CPU) that encodes its chunks in order, builds rows with a fresh row
+  builder and writes MDS shards to ``task-NNNNN/`` inside the hidden partial output
+  directory. Its output is therefore a pure function of its chunks.
+* **Tails and packing per task.** Pretrain: each task cuts its own token stream, so the
+  tokens after its last full row (fewer than ``max_seq_len``) are not written and are
+  counted in ``tail_tokens``; the manifest stays exact (``tail_tokens`` is the sum, and
+  documents lying wholly in a tail are not counted as written). Compared with the
+  default engine, rows that would straddle a task boundary are missing and the rows
+  after it start at the task's first document: at most ``max_seq_len - 1`` tokens per
+  task are not written. Finetune: each task packs its own examples with the same
+  first-fit packer, so the open rows are flushed at each task end.
+* **Errors.** Tasks do not apply the error policy: they return each chunk's line count
+  and bad records, and the driver applies the policy in input order with the same line
+  counter as the default engine. So ``--on-error raise`` stops with the same
+  ``file:line`` message, and ``--on-error skip`` gives the same counts and locations.
+* **Merge.** When every task is done, their ``index.json`` files are merged in task
+  order into one (shard basenames prefixed with ``task-NNNNN/``; what streaming's
+  ``merge_index`` does, without its temporary downloads), then ``foundrymix.json`` with
+  the summed counts is written and the directory renamed into place by the same
+  :class:`~foundrymix.convert.writer.ShardWriter` publish as the default engine. Rows
+  are in input order whatever the cluster size or task finish order.
+* **Retries.** A task whose worker dies or raises is re-run by Ray (``max_retries``); an
+  attempt first clears its task directory, so a half-written attempt leaves nothing. A
+  job that fails removes the partial directory and writes no index.
+
+The output directory must be on a filesystem every node sees (tasks write to it), and
+inputs must be readable at the same paths on every node. Workers must be able to import
+``foundrymix`` (installed on each node, or shipped with a Ray ``runtime_env``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+
+from foundrymix.convert.common import ConvertOptions, Setup
+from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, importing
+from foundrymix.convert.readers import Chunk, plan_chunks
+from foundrymix.convert.writer import _FINISH, ShardWriter
+from foundrymix.schema import Counts, Manifest, mds_columns
+
+if TYPE_CHECKING:
+    from foundrymix.convert.driver import Converter
+
+#: default input bytes per Ray task: big enough that a task's fixed cost (scheduling,
+#: the worker's first tokenizer load, one MDS writer) is small against its tokenizing
+DEFAULT_TASK_BYTES = 64 << 20
+#: Ray re-runs a failed task (worker crash or exception) this many times
+MAX_RETRIES = 3
+#: test hook, read in the driver and handed to the tasks: ``"<task index>:<marker file>"``
+#: makes that task's attempt die half-way (``os._exit``) unless the marker file exists;
+#: the dying attempt creates it, so only the first attempt dies
+FAIL_ENV = 'FOUNDRYMIX_RAY_FAIL_ONCE'
+
+
+def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]]:
+    """Group consecutive chunks into tasks of about ``task_bytes`` input bytes, in order.
+
+    Lazy, like :func:`plan_chunks`: the driver holds only the tasks in flight (a block of
+    a compressed file carries its bytes). Chunks without a byte range (parquet row
+    groups, dataset rows, txt groups) count as ``task_bytes`` / 16 each, so a task holds
+    a bounded number of them too.
+    """
+    current: list[Chunk] = []
+    size = 0
+    for chunk in chunks:
+        current.append(chunk)
+        size += _chunk_size(chunk, task_bytes)
+        if size >= task_bytes:
+            yield current
+            current, size = [], 0
+    if current:
+        yield current
+
+
+def _chunk_size(chunk: Chunk, task_bytes: int) -> int:
+    if chunk.payload is not None:
+        return len(chunk.payload)
+    if chunk.fmt == 'jsonl':
+        return chunk.end - chunk.start
+    return max(1, task_bytes // 16)
+
+
+@dataclass
+class TaskResult:
+    """What a task hands back: per-chunk line counts and bad records, and its counts."""
+
+    index: int
+    chunk_lines: list[int]  # n_lines per chunk, in order
+    chunk_records: list[int]  # n_records per chunk
+    chunk_errors: list[Any]  # ChunkErrors per chunk
+    counts: Counts
+    dropped: dict[str, int]
+    docs: int  # for progress
+    tokens: int
+
+
+def _task_dir(partial: str, index: int) -> str:
+    return os.path.join(partial, f'task-{index:05d}')
+
+
+def _init_task_worker(options: ConvertOptions, setup: Setup) -> None:
+    """Load the tokenizer once per Ray worker process (re-used by later tasks)."""
+    from foundrymix.convert import driver
+    os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one task = one core
+    key = (options, setup.bos_id, setup.eos_id, setup.token_dtype)
+    if getattr(_init_task_worker, 'key', None) != key:
+        driver.init_worker(*key)
+        _init_task_worker.key = key  # type: ignore[attr-defined]
+
+
+def _maybe_fail(spec: Optional[str], index: int, rows_written: int) -> None:
+    """The :data:`FAIL_ENV` test hook: kill this worker once, mid-task (after some rows)."""
+    if not spec or rows_written == 0:
+        return
+    target, marker = spec.split(':', 1)
+    if int(target) == index and not os.path.exists(marker):
+        open(marker, 'w').close()
+        os._exit(17)
+
+
+def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: str,
+             options: ConvertOptions, setup: Setup, fail: Optional[str] = None) -> TaskResult:
+    """Encode ``chunks`` in order, build rows and write them as MDS shards (in a Ray worker)."""
+    _init_task_worker(options, setup)
+    with importing('streaming'):
+        from streaming import MDSWriter
+    manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len,
+                        token_dtype=setup.token_dtype, tokenizer=setup.info)
+    builder = converter.builder(setup, options, manifest)
+    out = _task_dir(partial, index)
+    shutil.rmtree(out, ignore_errors=True)  # a previous attempt's rows
+    result = TaskResult(index, [], [], [], manifest.counts, manifest.dropped, 0, 0)
+    writer = MDSWriter(out=out, columns=mds_columns(options.max_seq_len, setup.token_dtype),
+                       compression=options.compression, size_limit=options.size_limit,
+                       hashes=options.hash_algorithms, progress_bar=False, exist_ok=False)
+    for chunk in chunks:
+        res = converter.encode_chunk(chunk)
+        result.chunk_lines.append(res.n_lines)
+        result.chunk_records.append(res.n_records)
+        result.chunk_errors.append(res.errors)
+        if res.errors.items and options.on_error == 'raise':
+            break  # the driver raises for this record; nothing after it matters
+        for row in builder.add(res):
+            writer.write(row)
+        docs, tokens = builder.progress(res)
+        result.docs += docs
+        result.tokens += tokens
+        _maybe_fail(fail, index, manifest.counts.rows)
+    for row in builder.flush():
+        writer.write(row)
+    writer.finish()
+    builder.close()
+    return result
+
+
+class _MergedOutput(ShardWriter):
+    """The default engine's atomic output directory, filled by tasks instead of rows.
+
+    Reuses :class:`ShardWriter`'s partial directory naming, stale-partial clean-up,
+    publish (re-check of ``--out``, rename) and abort, so the Ray output is exactly as
+    atomic; its writer thread only creates the directory, the tasks write the shards.
+    """
+
+    def __init__(self, out: str, options: ConvertOptions, token_dtype: str) -> None:
+        super().__init__(out, options.max_seq_len, token_dtype, overwrite=options.overwrite,
+                         compression=options.compression, size_limit=options.size_limit,
+                         hashes=options.hash_algorithms)
+        os.makedirs(self.partial, exist_ok=True)
+
+    def _run(self, *args: Any) -> None:
+        try:
+            os.makedirs(self.partial, exist_ok=True)
+            while self._queue.get() not in (None, _FINISH):
+                pass
+        except BaseException as e:  # handed to the caller's thread
+            self._error = e
+
+    def publish(self, manifest: Manifest, n_tasks: int) -> None:
+        """Merge the task indexes into ``index.json``, write the manifest, rename into place."""
+        merge_task_indexes(self.partial, n_tasks)
+        self.rows = manifest.counts.rows
+        self.finish(manifest)
+
+
+def merge_task_indexes(partial: str, n_tasks: int) -> None:
+    """One ``index.json`` listing every task's shards in task order, as ``task-NNNNN/<file>``.
+
+    Basenames are unique because each task has its own subdirectory; streaming resolves
+    them relative to the stream's root, so the shards stay where the tasks wrote them.
+    """
+    import json
+    shards = []
+    for i in range(n_tasks):
+        sub = os.path.basename(_task_dir(partial, i))
+        with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
+            index = json.load(f)
+        for shard in index['shards']:
+            for key in ('raw_data', 'zip_data'):
+                if shard.get(key):
+                    shard[key]['basename'] = f"{sub}/{shard[key]['basename']}"
+            shards.append(shard)
+        os.remove(os.path.join(partial, sub, 'index.json'))
+    with open(os.path.join(partial, 'index.json'), 'w', encoding='utf-8') as f:
+        json.dump({'version': 2, 'shards': shards}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _add_counts(manifest: Manifest, res: TaskResult) -> None:
+    c = manifest.counts
+    for name in ('rows', 'tokens', 'pad_tokens', 'loss_tokens', 'documents_written', 'tail_tokens'):
+        setattr(c, name, getattr(c, name) + getattr(res.counts, name))
+    for reason, n in res.dropped.items():
+        manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
+
+
+def _apply_results(results: list[TaskResult], tasks: list[list[Chunk]], options: ConvertOptions,
+                   manifest: Manifest) -> None:
+    """Error policy, line numbers and counts, in input order, as the default engine does."""
+    lines = LineCounter()
+    for res, chunks in zip(results, tasks):
+        for chunk, n_lines, n_records, errors in zip(chunks, res.chunk_lines, res.chunk_records,
+                                                      res.chunk_errors):
+            apply_error_policy(chunk, errors, lines.first_line(chunk, n_lines), options.on_error, manifest)
+            manifest.counts.documents_read += n_records
+        _add_counts(manifest, res)
+
+
+def _connect(options: ConvertOptions) -> bool:
+    """Use the Ray already initialized, else join ``ray_address`` or start a local one.
+
+    Returns whether this call started it (then the conversion shuts it down). A local
+    Ray gets ``workers`` CPUs (0 = all cores) and no dashboard.
+    """
+    with importing('ray'):
+        import ray
+    if ray.is_initialized():
+        return False
+    if options.ray_address:
+        ray.init(address=options.ray_address, log_to_driver=True)
+    else:
+        from foundrymix.convert.pipeline import default_workers
+        ray.init(num_cpus=options.workers or default_workers(), include_dashboard=False)
+    return True
+
+
+def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[Chunk]], window: int,
+               progress: Progress) -> tuple[list[TaskResult], list[list[Chunk]]]:
+    """Submit tasks as they are planned, at most ``window`` in flight; wait for all.
+
+    Returns the results in task order (whatever order they finished in) and each task's
+    chunks without their payloads (the driver needs only their places, for line numbers).
+    If a task fails for good (or on Ctrl-C) the others are cancelled first.
+    """
+    futures: list[Any] = []
+    kept: list[list[Chunk]] = []
+    results: dict[int, TaskResult] = {}
+    pending: list[Any] = []
+    try:
+        for i, chunks in enumerate(tasks):
+            kept.append([dataclasses.replace(c, payload=None) for c in chunks])
+            futures.append(submit(i, chunks))
+            pending.append(futures[-1])
+            while len(pending) >= window:
+                pending = _collect(pending, results, progress)
+        while pending:
+            pending = _collect(pending, results, progress)
+    except BaseException:
+        _cancel(futures)  # before the partial directory is removed
+        raise
+    return [results[i] for i in range(len(futures))], kept
+
+
+def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progress) -> list[Any]:
+    """Wait for one more task to finish; record its result and update the progress bar."""
+    import ray
+    done, pending = ray.wait(pending, num_returns=1)
+    for ref in done:
+        res = ray.get(ref)
+        results[res.index] = res
+        progress.update(res.docs, res.tokens)
+    return pending
+
+
+def _cancel(futures: list[Any], timeout: float = 60) -> None:
+    """Stop the tasks still running (a task failed for good, or Ctrl-C) and wait for them,
+    so that none writes into the partial directory after it is removed."""
+    import ray
+    for ref in futures:
+        ray.cancel(ref, force=True)
+    ray.wait(futures, num_returns=len(futures), timeout=timeout)
+
+
+def run(converter: 'Converter', setup: Setup, out: str, options: ConvertOptions, manifest: Manifest) -> float:
+    """The Ray engine's counterpart of :func:`foundrymix.convert.driver.run` (same contract)."""
+    started = _connect(options)
+    import ray
+    try:
+        tasks = plan_tasks(plan_chunks(setup.inputs, options.chunk_bytes), options.ray_task_bytes)
+        progress = Progress(options.progress, f'convert {converter.kind} (ray)')
+        lean = dataclasses.replace(setup, tokenizer=None)  # workers load their own
+        remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=True)(run_task)
+        window = max(2, 2 * int(ray.cluster_resources().get('CPU', 1)))
+        fail = os.environ.get(FAIL_ENV)
+        with _MergedOutput(out, options, setup.token_dtype) as output:
+            try:
+                results, kept = _run_tasks(
+                    lambda i, chunks: remote.remote(converter, chunks, i, output.partial, options, lean, fail),
+                    tasks, window, progress)
+            finally:
+                seconds = progress.close()
+            _apply_results(results, kept, options, manifest)
+            if manifest.counts.documents_read == 0:
+                raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
+            output.publish(manifest, len(kept))
+        return seconds
+    finally:
+        if started:
+            ray.shutdown()
