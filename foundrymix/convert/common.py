@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
 from foundrymix.convert.paths import check_input_urls, check_out_url, check_overlap
 from foundrymix.convert.discover import discover_inputs
@@ -50,6 +51,7 @@ class ConvertOptions:
     parallel: Optional[str] = None
     progress: bool = False
     hash: tuple[str, ...] = ()
+    preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
 
     @property
     def hash_algorithms(self) -> list[str]:
@@ -91,6 +93,8 @@ def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: i
     if options.parallel is not None and options.parallel not in PARALLEL_MODES:
         raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, "
                          f"got {options.parallel!r}")
+    if options.preprocess is not None:
+        load_preprocess(options.preprocess)  # fails fast, naming the function
     if options.chunk_bytes <= 0:
         raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
     check_out_url(out)

@@ -40,6 +40,7 @@ from foundrymix.convert.chat import Segments, chat_segments
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records, worker_state
 from foundrymix.convert.encode import encode_texts
+from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.packing import Packer, build_row
 from foundrymix.convert.readers import BadRecord, Chunk, get_string
 from foundrymix.schema import Manifest
@@ -70,6 +71,8 @@ class FinetuneOptions(ConvertOptions):
     chat_loss: str = 'all'
     pack: bool = True
     pack_window: int = 64
+    prompt_template: Optional[str] = None  # --prompt '{context}' (see mapping.py)
+    response_template: Optional[str] = None  # --response ' {continuation}'
 
 
 @dataclass
@@ -77,24 +80,33 @@ class _ChunkExamples(ChunkResult):
     """A worker's result: the examples of a chunk, encoded, in input order."""
 
     examples: list[Example]
-    dropped: dict[str, int]
+
+
+def _templates(o: FinetuneOptions) -> tuple[Optional[Template], Optional[Template]]:
+    return parse_template(o.prompt_template, '--prompt'), parse_template(o.response_template, '--response')
 
 
 def _segments(rec: dict, o: FinetuneOptions, tok: Any) -> Segments | BadRecord:
-    """The example's text pieces with their loss flags, or why the record is unusable."""
-    if o.messages_field in rec:
+    """The example's text pieces with their loss flags, or why the record is unusable.
+
+    A template (``--prompt``/``--response``) replaces its field; with either, records
+    are prompt/response examples even if they hold a messages field.
+    """
+    ptemplate, rtemplate = _templates(o)
+    if o.messages_field in rec and ptemplate is None and rtemplate is None:
         return chat_segments(rec[o.messages_field], o.messages_field, o.chat_loss, o.loss_on_prompt, tok)
-    prompt = get_string(rec, o.prompt_field)
+    prompt = get_string(rec, o.prompt_field) if ptemplate is None else ptemplate.render(rec)
     if isinstance(prompt, BadRecord):
         return prompt
     rfield = o.response_field
     if rfield not in rec and RESPONSE_ALIAS in rec:
         rfield = RESPONSE_ALIAS
-    response = get_string(rec, rfield)
+    response = get_string(rec, rfield) if rtemplate is None else rtemplate.render(rec)
     if isinstance(response, BadRecord):
         return response
     if not response:
-        return BadRecord('empty_document', f"field '{rfield}': empty response")
+        what = f"field '{rfield}'" if rtemplate is None else f'--response {rtemplate.source!r}'
+        return BadRecord('empty_document', f'{what}: empty response')
     return [(prompt, o.loss_on_prompt), (response, True)]
 
 
@@ -154,11 +166,11 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
     """Read, check, template and tokenize one chunk (runs in a worker)."""
     w = worker_state()
     o: FinetuneOptions = w.options
-    fields = (o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field)
-    n_lines, n_records, examples_segs, errors = parse_records(
-        chunk, fields, lambda rec: _segments(rec, o, w.tok), o.on_error)
+    fields = read_fields((o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field),
+                         _templates(o), o.preprocess)
+    n_lines, n_records, examples_segs, errors, dropped = parse_records(
+        chunk, fields, lambda rec: _segments(rec, o, w.tok), o.on_error, o.preprocess)
     flat = encode_texts(w.tok, [text for segs in examples_segs for text, _ in segs])
-    dropped: dict[str, int] = {}
     examples = []
     pos = 0
     for segs in examples_segs:
@@ -167,7 +179,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
         example = _fit(ids, spans, o, dropped)
         if example is not None:
             examples.append(example)
-    return _ChunkExamples(n_lines, n_records, errors, examples, dropped)
+    return _ChunkExamples(n_lines, n_records, errors, dropped, examples)
 
 
 class _FinetuneRows(RowBuilder):
@@ -182,9 +194,6 @@ class _FinetuneRows(RowBuilder):
         self.dtype = setup.token_dtype
 
     def add(self, result: _ChunkExamples) -> Iterator[dict]:
-        dropped = self.manifest.dropped
-        for reason, n in result.dropped.items():
-            dropped[reason] = dropped.get(reason, 0) + n
         for ids, spans in result.examples:
             yield from self._rows(self.packer.add(ids, spans) if self.pack else [[(ids, spans)]])
 
@@ -227,4 +236,5 @@ def convert_finetune(inputs: list[str], out: str, options: FinetuneOptions) -> M
         raise ValueError(f"--chat-loss must be one of {', '.join(CHAT_LOSS)}, got {options.chat_loss!r}")
     if options.pack_window < 1:
         raise ValueError(f'pack_window must be >= 1, got {options.pack_window}')
+    _templates(options)  # a bad template fails before any work
     return convert(FINETUNE, inputs, out, options)
