@@ -114,6 +114,10 @@ class RowBuilder:
     def close(self) -> None:
         """Final counts once every row is written (e.g. the unwritten tail)."""
 
+    def fit_length(self, share: float) -> Optional[int]:
+        """The sequence length that ``share`` of the records fit in, where known (for the summary)."""
+        return None
+
 
 @dataclass(frozen=True)
 class Converter:
@@ -134,16 +138,18 @@ def convert(converter: Converter, inputs: list[str], out: str, options: ConvertO
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
                         tokenizer=setup.info, inputs=setup.inputs,
                         options=converter.manifest_options(options, setup))
-    seconds = run(converter, setup, out, options, manifest)
+    seconds, builder = run(converter, setup, out, options, manifest)
     if options.progress:
-        print_summary(manifest, out, seconds)
+        print_summary(manifest, out, seconds, fit_95=builder.fit_length(0.95))
     return manifest
 
 
-def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions, manifest: Manifest) -> float:
+def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions,
+        manifest: Manifest) -> tuple[float, RowBuilder]:
     """Stream chunks through the workers, build rows, write shards, fill ``manifest``.
 
-    Returns the seconds spent. The output appears only if everything succeeded.
+    Returns the seconds spent and the row builder. The output appears only if everything
+    succeeded.
     """
     builder = converter.builder(setup, options, manifest)
     lines = LineCounter()
@@ -173,4 +179,4 @@ def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions, m
             raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
         builder.close()
         writer.finish(manifest)
-    return seconds
+    return seconds, builder

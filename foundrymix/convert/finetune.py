@@ -80,6 +80,7 @@ class _ChunkExamples(ChunkResult):
     """A worker's result: the examples of a chunk, encoded, in input order."""
 
     examples: list[Example]
+    lengths: np.ndarray  # of every assembled example, kept or not (for the summary)
 
 
 def _templates(o: FinetuneOptions) -> tuple[Optional[Template], Optional[Template]]:
@@ -172,14 +173,16 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
         chunk, fields, lambda rec: _segments(rec, o, w.tok), o.on_error, o.preprocess)
     flat = encode_texts(w.tok, [text for segs in examples_segs for text, _ in segs])
     examples = []
+    lengths = np.zeros(len(examples_segs), dtype=np.int64)
     pos = 0
-    for segs in examples_segs:
+    for i, segs in enumerate(examples_segs):
         ids, spans = _assemble(flat[pos:pos + len(segs)], [loss for _, loss in segs], w.bos_id, w.eos_id)
         pos += len(segs)
+        lengths[i] = len(ids)
         example = _fit(ids, spans, o, dropped)
         if example is not None:
             examples.append(example)
-    return _ChunkExamples(n_lines, n_records, errors, dropped, examples)
+    return _ChunkExamples(n_lines, n_records, errors, dropped, examples, lengths)
 
 
 class _FinetuneRows(RowBuilder):
@@ -192,8 +195,10 @@ class _FinetuneRows(RowBuilder):
         self.packer = Packer(options.max_seq_len, options.pack_window)
         self.pad = setup.info.pad_id
         self.dtype = setup.token_dtype
+        self.lengths: list[np.ndarray] = []
 
     def add(self, result: _ChunkExamples) -> Iterator[dict]:
+        self.lengths.append(result.lengths)
         for ids, spans in result.examples:
             yield from self._rows(self.packer.add(ids, spans) if self.pack else [[(ids, spans)]])
 
@@ -211,6 +216,11 @@ class _FinetuneRows(RowBuilder):
             c.loss_tokens += int(np.diff(row['loss_spans'].reshape(-1, 2), axis=1).sum())
             c.documents_written += len(examples)
             yield row
+
+    def fit_length(self, share: float) -> Optional[int]:
+        """The smallest length that ``share`` of the examples (kept or dropped) fit in."""
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
+        return int(np.quantile(lengths, share, method='higher')) if len(lengths) else None
 
     def progress(self, result: _ChunkExamples) -> tuple[int, int]:
         return len(result.examples), sum(len(ids) for ids, _ in result.examples)
