@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Optional
 
-from foundrymix.convert.readers import BadRecord, type_name
+from foundrymix.convert.readers import BadRecord, fields_of, type_name
 
 _NAME = r'[A-Za-z_][A-Za-z0-9_\-]*'
 _FIELD = re.compile(rf'({_NAME})((?:\.{_NAME}|\[-?\d+\]|\[{_NAME}\])*)$')
@@ -132,12 +132,8 @@ class Template:
         return ''.join(out)
 
 
-def _fields_of(rec: dict) -> str:
-    return ', '.join(sorted(map(str, rec))) or 'none'
-
-
 def _missing(ref: FieldRef, what: str, have: dict) -> BadRecord:
-    return BadRecord('missing_field', f"field '{ref.text}': {what} missing (has: {_fields_of(have)})")
+    return BadRecord('missing_field', f"field '{ref.text}': {what} missing (has: {fields_of(have)})")
 
 
 def resolve(rec: dict, ref: FieldRef) -> str | BadRecord:

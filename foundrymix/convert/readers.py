@@ -227,11 +227,15 @@ def type_name(value: Any) -> str:
     return 'null' if value is None else type(value).__name__
 
 
+def fields_of(rec: dict) -> str:
+    """The fields a record has, for a missing-field message: what to use instead."""
+    return ', '.join(sorted(map(str, rec))) or 'none'
+
+
 def get_string(rec: dict, field: str) -> str | BadRecord:
     """``rec[field]`` if it is a string, else the reason it is not."""
     if field not in rec:
-        have = ', '.join(sorted(map(str, rec))) or 'none'
-        return BadRecord('missing_field', f"field '{field}': missing (has: {have})")
+        return BadRecord('missing_field', f"field '{field}': missing (has: {fields_of(rec)})")
     value = rec[field]
     if not isinstance(value, str):
         return BadRecord('not_string', f"field '{field}': expected a string, got {type_name(value)}")
