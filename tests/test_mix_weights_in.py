@@ -69,6 +69,18 @@ def test_loss_token_shares_in_the_plan(small_streams):
     assert [round(s.loss_token_share, 12) for s in plan.streams] == [round(x, 12) for x in p]
 
 
+def test_weights_in_is_part_of_a_stage_fingerprint(small_streams):
+    """Changing weights_in changes the data trained: the resume rules must see it."""
+    from foundrymix.mix.stages import fingerprint_changes, stage_fingerprint
+    prints = {}
+    for weights_in in ('rows', 'tokens'):
+        mixer = StreamMixer.from_dict(loader_cfg(small_streams, 0.5, 0.5, 40, weights_in))
+        prints[weights_in] = stage_fingerprint(mixer.config, mixer.catalog.infos(), 1)
+    assert 'weights_in' not in prints['rows']['knobs']  # fingerprints of older checkpoints unchanged
+    assert fingerprint_changes(prints['rows'], prints['tokens']) == ["weights_in 'rows' -> 'tokens'"]
+    assert fingerprint_changes(prints['tokens'], prints['rows']) == ["weights_in 'tokens' -> 'rows'"]
+
+
 def test_weights_in_needs_proportions(small_streams):
     cfg = {'streams': {'arxiv': {'local': str(small_streams['arxiv']), 'repeat': 1}}, 'weights_in': 'tokens'}
     with pytest.raises(ConfigError) as e:
