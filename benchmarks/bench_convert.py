@@ -1,20 +1,26 @@
-"""Benchmark ``foundrymix convert pretrain`` against the tokenizer's own batch throughput.
+"""Benchmark ``foundrymix convert`` against each tokenizer's own batch throughput.
 
-Builds a jsonl corpus (default 150 MB, ``--quick`` 20 MB) by repeating the bundled arXiv
-sample in shuffled order, then measures in the same run:
+For each tokenizer (the bundled BPE and Mistral's SentencePiece model from
+``mistral-common``) and each kind (pretrain: the arXiv sample; finetune: the Dolly/HH
+sample as prompt/response, packed), builds a jsonl corpus (default 150 MB, ``--quick``
+20 MB) by repeating the sample in shuffled order, then measures in the same run,
+``--rounds`` times (medians and ranges are printed):
 
 (a) the ceiling: the Rust tokenizer's ``encode_batch_fast`` (or ``encode_batch``) on the
-    same documents with its own thread pool on all cores (``TOKENIZERS_PARALLELISM=true``),
-    in batches of 64 documents (``--batch-docs``), timing the encode calls only (not
-    reading, JSON parsing or start-up);
-(b) the whole ``foundrymix convert pretrain`` as a subprocess (start-up, reading,
-    parsing, writing shards included), with the peak RSS of its process tree.
+    same texts (pretrain: each document; finetune: each prompt and each response, as the
+    converter encodes them) with its own thread pool on all cores
+    (``TOKENIZERS_PARALLELISM=true``), in batches of 64 records (``--batch-docs``), timing
+    the encode calls only (not reading, JSON parsing or start-up);
+(b) the whole ``foundrymix convert`` as a subprocess (start-up, reading, parsing,
+    assembling, packing, writing shards included), with the peak RSS of its process tree.
 
-Prints tokens/s for both and their ratio (target >= 0.75), and the 1-minute load
-average before and after each measurement: other work on the machine skews the ratio,
-so measure when the load is low.
+Both are given as tokens/s of the *same* token count (the ceiling's: the texts'
+tokens, without BOS/EOS), so the ratio is the share of the ceiling the whole conversion
+reaches (targets: pretrain >= 0.85, finetune >= 0.7). The 1-minute load average is
+printed before and after: other work on the machine skews the ratio.
 
-    .venv/bin/python benchmarks/bench_convert.py [--quick] [--mb N] [--workers N] [--parallel MODE]
+    .venv/bin/python benchmarks/bench_convert.py [--quick] [--mb N] [--rounds 3]
+        [--tokenizers bpe,spm] [--kinds pretrain,finetune] [--workers N]
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import argparse
 import json
 import os
 import random
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -31,12 +39,25 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / 'data' / 'samples' / 'arxiv_sample.jsonl'
+SAMPLES = {'pretrain': ROOT / 'data' / 'samples' / 'arxiv_sample.jsonl',
+           'finetune': ROOT / 'data' / 'samples' / 'dolly_hhrlhf_sample.jsonl'}
+#: the texts of a record that the converter tokenizes, per kind
+FIELDS = {'pretrain': ('text',), 'finetune': ('prompt', 'response')}
+TARGETS = {'pretrain': 0.85, 'finetune': 0.7}
 
 
-def build_corpus(path: Path, megabytes: int, seed: int = 0) -> int:
-    """Write shuffled repeats of the sample until ``megabytes``; return the document count."""
-    lines = SAMPLE.read_bytes().splitlines(keepends=True)
+def tokenizer_path(name: str) -> str:
+    """``bpe``: the bundled tokenizer; ``spm``: Mistral's SentencePiece model (tests/helpers.py)."""
+    if name == 'bpe':
+        return 'foundrymix-bpe-8k'
+    sys.path.insert(0, str(ROOT / 'tests'))
+    from helpers import spm_tokenizer_path
+    return spm_tokenizer_path()
+
+
+def build_corpus(path: Path, kind: str, megabytes: int, seed: int = 0) -> int:
+    """Write shuffled repeats of the kind's sample until ``megabytes``; return the record count."""
+    lines = SAMPLES[kind].read_bytes().splitlines(keepends=True)
     rng = random.Random(seed)
     target, size, n = megabytes << 20, 0, 0
     with open(path, 'wb') as f:
@@ -49,7 +70,7 @@ def build_corpus(path: Path, megabytes: int, seed: int = 0) -> int:
     return n
 
 
-def ceiling(path: Path, tokenizer: str, batch_docs: int = 64) -> tuple[float, int]:
+def ceiling(path: Path, tokenizer: str, kind: str, batch_docs: int = 64) -> tuple[float, int]:
     """Tokens/s of the tokenizer's own parallel batch encoder (tokenization time only)."""
     os.environ['TOKENIZERS_PARALLELISM'] = 'true'
     from foundrymix.tokenizer import load_tokenizer
@@ -58,7 +79,8 @@ def ceiling(path: Path, tokenizer: str, batch_docs: int = 64) -> tuple[float, in
     tokens, seconds = 0, 0.0
     with open(path, encoding='utf-8') as f:
         while True:
-            texts = [json.loads(line)['text'] for _, line in zip(range(batch_docs), f)]
+            texts = [rec[k] for _, line in zip(range(batch_docs), f)
+                     for rec in [json.loads(line)] for k in FIELDS[kind]]
             if not texts:
                 break
             t0 = time.perf_counter()
@@ -86,9 +108,10 @@ def tree_memory(proc: psutil.Process, pss: bool) -> tuple[int, int]:
     return rss_sum, pss_sum
 
 
-def run_convert(corpus: Path, out: Path, tokenizer: str, max_seq_len: int, workers: int,
+def run_convert(corpus: Path, out: Path, kind: str, tokenizer: str, max_seq_len: int, workers: int,
                 parallel: str | None) -> dict:
-    cmd = [sys.executable, '-m', 'foundrymix.cli', 'convert', 'pretrain', str(corpus), '-o', str(out),
+    """Time one whole conversion as a subprocess; peak memory of its process tree."""
+    cmd = [sys.executable, '-m', 'foundrymix.cli', 'convert', kind, str(corpus), '-o', str(out),
            '--tokenizer', tokenizer, '--max-seq-len', str(max_seq_len), '--workers', str(workers),
            '--no-progress', *(['--parallel', parallel] if parallel else [])]
     t0 = time.perf_counter()
@@ -106,47 +129,71 @@ def run_convert(corpus: Path, out: Path, tokenizer: str, max_seq_len: int, worke
     seconds = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f'conversion failed with exit code {proc.returncode}')
-    counts = json.loads((out / 'foundrymix.json').read_text())['counts']
-    tokens = counts['tokens'] + counts['tail_tokens']
-    return {'seconds': seconds, 'tokens': tokens, 'tok_s': tokens / seconds, 'peak_rss': peak,
-            'peak_pss': peak_pss}
+    manifest = json.loads((out / 'foundrymix.json').read_text())
+    return {'seconds': seconds, 'peak_rss': peak, 'peak_pss': peak_pss, 'counts': manifest['counts'],
+            'dropped': manifest.get('dropped', {})}
+
+
+def measure(tmp: Path, kind: str, tok_name: str, args: argparse.Namespace) -> dict:
+    """One round: the conversion, then the ceiling on the same corpus; tokens/s of both."""
+    corpus = tmp / f'{kind}.jsonl'
+    out = tmp / f'out-{kind}-{tok_name}'
+    load = [os.getloadavg()[0]]
+    conv = run_convert(corpus, out, kind, tokenizer_path(tok_name), args.max_seq_len, args.workers,
+                       args.parallel)
+    load.append(os.getloadavg()[0])
+    ceil_tok_s, tokens = ceiling(corpus, tokenizer_path(tok_name), kind, args.batch_docs)
+    load.append(os.getloadavg()[0])
+    shutil.rmtree(out)
+    conv_tok_s = tokens / conv['seconds']
+    return {'conv': conv_tok_s, 'ceil': ceil_tok_s, 'ratio': conv_tok_s / ceil_tok_s, 'tokens': tokens,
+            'seconds': conv['seconds'], 'rss': conv['peak_rss'], 'pss': conv['peak_pss'], 'load': load,
+            'dropped': conv['dropped']}
+
+
+def _median_range(values: list[float], fmt: str) -> str:
+    return f'{format(statistics.median(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]'
+
+
+def report(kind: str, tok_name: str, rounds: list[dict]) -> None:
+    """Medians [ranges] over the rounds of one tokenizer and kind."""
+    r0 = rounds[0]
+    print(f'{kind:8s} {tok_name:3s}: convert {_median_range([r["conv"] for r in rounds], ",.0f")} tok/s, '
+          f'ceiling {_median_range([r["ceil"] for r in rounds], ",.0f")} tok/s, ratio '
+          f'{_median_range([r["ratio"] for r in rounds], ".2f")} (target >= {TARGETS[kind]}); '
+          f'{r0["tokens"]:,} tokens, peak RSS {max(r["rss"] for r in rounds) / 2**20:,.0f} MB, '
+          f'PSS {max(r["pss"] for r in rounds) / 2**20:,.0f} MB; load '
+          + ', '.join(f'{r["load"][0]:.1f}/{r["load"][1]:.1f}/{r["load"][2]:.1f}' for r in rounds)
+          + (f'; dropped {r0["dropped"]}' if r0['dropped'] else ''), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--mb', type=int, default=150, help='corpus size in MB (default 150)')
-    ap.add_argument('--quick', action='store_true', help='20 MB corpus')
-    ap.add_argument('--tokenizer', default='foundrymix-bpe-8k')
+    ap.add_argument('--quick', action='store_true', help='20 MB corpora')
+    ap.add_argument('--rounds', type=int, default=3, help='measurements per case (default 3)')
+    ap.add_argument('--tokenizers', default='bpe,spm', help='bpe (bundled), spm (Mistral SentencePiece)')
+    ap.add_argument('--kinds', default='pretrain,finetune')
     ap.add_argument('--max-seq-len', type=int, default=2048)
     ap.add_argument('--workers', type=int, default=0, help='convert --workers (0 = all cores)')
     ap.add_argument('--parallel', choices=('threads', 'processes'), default=None,
                     help='convert --parallel (default: the converter\'s default)')
-    ap.add_argument('--batch-docs', type=int, default=64, help='documents per encode call of the ceiling')
+    ap.add_argument('--batch-docs', type=int, default=64, help='records per encode call of the ceiling')
     args = ap.parse_args()
     mb = 20 if args.quick else args.mb
+    kinds, toks = args.kinds.split(','), args.tokenizers.split(',')
     with tempfile.TemporaryDirectory(prefix='fm-bench-') as tmp:
-        corpus = Path(tmp) / 'corpus.jsonl'
-        docs = build_corpus(corpus, mb)
-        print(f'corpus: {corpus.stat().st_size / 2**20:.0f} MB, {docs:,} documents, '
-              f'{os.cpu_count()} cores', flush=True)
-        load = [os.getloadavg()[0]]
-        conv = run_convert(corpus, Path(tmp) / 'out', args.tokenizer, args.max_seq_len, args.workers,
-                           args.parallel)
-        load.append(os.getloadavg()[0])
-        ceil_tok_s, ceil_tokens = ceiling(corpus, args.tokenizer, args.batch_docs)
-        load.append(os.getloadavg()[0])
-    # the conversion's tokens include one EOS per document
-    assert conv['tokens'] == ceil_tokens + docs, (conv['tokens'], ceil_tokens, docs)
-    print(f'ceiling (tokenizer batch encode, all cores, {args.batch_docs} docs per call): '
-          f'{ceil_tok_s:,.0f} tok/s ({ceil_tokens:,} tokens)')
-    print(f'foundrymix convert pretrain (whole process): {conv["tok_s"]:,.0f} tok/s '
-          f'({conv["tokens"]:,} tokens in {conv["seconds"]:.1f} s)')
-    print(f'ratio: {conv["tok_s"] / ceil_tok_s:.2f}  (target >= 0.75)')
-    print(f'peak memory of the conversion process tree: RSS {conv["peak_rss"] / 2**20:,.0f} MB '
-          f'(sampled every 0.1 s), PSS {conv["peak_pss"] / 2**20:,.0f} MB (every 2 s)')
-    print(f'1-minute load average (the benchmark itself included): {load[0]:.2f} before, '
-          f'{load[1]:.2f} after the conversion, '
-          f'{load[2]:.2f} after the ceiling')
+        for kind in kinds:
+            n = build_corpus(Path(tmp) / f'{kind}.jsonl', kind, mb)
+            print(f'{kind} corpus: {mb} MB, {n:,} records', flush=True)
+        print(f'{os.cpu_count()} cores; rounds {args.rounds}; figures: median [min-max]; load: 1-min '
+              f'load average before/after the conversion/after the ceiling', flush=True)
+        results = {(k, t): [] for k in kinds for t in toks}
+        for _ in range(args.rounds):  # rounds interleaved, so a burst of load hits every case
+            for key in results:
+                results[key].append(measure(Path(tmp), *key, args))
+        for (kind, tok_name), rounds in results.items():
+            report(kind, tok_name, rounds)
 
 
 if __name__ == '__main__':

@@ -93,7 +93,7 @@ def test_pretrain_equals_default_engine_per_task(tmp_path, arxiv_jsonl):
 def assert_reads_as_a_stream(directory: Path, rows: list[dict], manifest: Manifest) -> None:
     """``plan`` and the training loader see the merged output like any stream: every row once."""
     mixer = StreamMixer.from_dict({'streams': {'ray': {'local': str(directory)}}, 'shuffle': False,
-                                   'num_workers': 0, 'drop_last': False})
+                                   'num_workers': 0, 'drop_last': False, 'exact': False})
     (plan,) = mixer.plan(4, '1ep').streams
     assert (plan.rows, plan.rows_per_epoch, plan.tokens_per_epoch) == (len(rows), len(rows), manifest.counts.tokens)
     ids = np.concatenate([b['input_ids'].numpy() for b in mixer.build_dataloader(4)])

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from foundrymix.convert.common import ENGINES, ON_ERROR
 from foundrymix.convert.finetune import CHAT_LOSS, TOO_LONG, FinetuneOptions, convert_finetune
@@ -59,12 +60,30 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument('--ray-task-mb', type=float, default=None,
                    help='with --engine ray: input MB per task (default 64); each task ends its own '
                         'last row (pretrain tail, finetune packing), so larger tasks lose less')
+    p.add_argument('--preprocess', metavar='MODULE:FUNCTION', default=None,
+                   help='Python function run on every record first (module importable from the '
+                        'current directory or installed): takes the record dict, returns a dict '
+                        '(read as usual) or None to skip it (counted as dropped: preprocess_skipped)')
     p.add_argument('--no-progress', dest='progress', action='store_false',
                    help='no progress bar or summary table')
 
 
+_ESCAPES = {'n': '\n', 't': '\t', '\\': '\\'}
+
+
+def unescape(template: Optional[str]) -> Optional[str]:
+    r"""``\n``, ``\t`` and ``\\`` in a command-line template as the characters (shells pass
+    them literally); other backslashes stay."""
+    if template is None:
+        return None
+    return re.sub(r'\\([nt\\])', lambda m: _ESCAPES[m.group(1)], template)
+
+
 def _options(cls: type, args: argparse.Namespace) -> Any:
     values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
+    for k in ('text_template', 'prompt_template', 'response_template'):
+        if k in values:
+            values[k] = unescape(values[k])
     values['hash'] = tuple(values.get('hash', ()))
     if getattr(args, 'ray_task_mb', None) is not None:
         values['ray_task_bytes'] = max(1, int(args.ray_task_mb * (1 << 20)))
@@ -126,6 +145,9 @@ def register(subparsers: Any) -> None:
                                    'exactly --max-seq-len tokens (the tail is counted in the manifest).')
     _common(p)
     p.add_argument('--text-field', default='text', help='JSON/column field with the text (default text)')
+    p.add_argument('--text', dest='text_template', metavar='TEMPLATE', default=None,
+                   help=r"build the text from fields instead, e.g. '{title}\n\n{body}' "
+                        r"(\n, \t, \\ are escapes; see --prompt in 'convert finetune -h' for the field syntax)")
     p.set_defaults(func=_run_pretrain)
 
     f = sub.add_parser('finetune', help='prompt/response or chat examples -> packed rows with loss masks',
@@ -134,6 +156,12 @@ def register(subparsers: Any) -> None:
     _common(f)
     f.add_argument('--prompt-field', default='prompt')
     f.add_argument('--response-field', default='response', help="(a 'completion' field is accepted too)")
+    f.add_argument('--prompt', dest='prompt_template', metavar='TEMPLATE', default=None,
+                   help="build the prompt from fields, e.g. '{context}'. Fields: {name}, {name.key} "
+                        "(dict key), {name[0]} (list index), {name[other]} (index or key = the value "
+                        "of field other, e.g. {endings[label]}); {{ }} are literal braces")
+    f.add_argument('--response', dest='response_template', metavar='TEMPLATE', default=None,
+                   help="build the response from fields, e.g. ' {continuation}'")
     f.add_argument('--messages-field', default='messages', help='chat field: list of {role, content}')
     f.add_argument('--too-long', choices=TOO_LONG, default='drop',
                    help='examples longer than --max-seq-len: drop (default) or truncate')

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
 from foundrymix.convert.paths import check_input_urls, check_out_url, check_overlap
 from foundrymix.convert.discover import discover_inputs
@@ -57,6 +58,7 @@ class ConvertOptions:
     engine: str = 'local'
     ray_address: Optional[str] = None
     ray_task_bytes: int = 64 << 20
+    preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
 
     @property
     def hash_algorithms(self) -> list[str]:
@@ -103,6 +105,8 @@ def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: i
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
     if options.ray_task_bytes <= 0:
         raise ValueError(f'ray_task_bytes must be positive, got {options.ray_task_bytes}')
+    if options.preprocess is not None:
+        load_preprocess(options.preprocess)  # fails fast, naming the function
     if options.chunk_bytes <= 0:
         raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
     check_out_url(out)

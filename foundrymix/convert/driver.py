@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from foundrymix.convert.common import ConvertOptions, Setup, prepare
+from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
 from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_records
 from foundrymix.convert.report import print_summary
@@ -61,20 +62,30 @@ class ChunkResult:
     n_lines: int
     n_records: int
     errors: ChunkErrors
+    dropped: dict[str, int]  # records left out on purpose, by reason (manifest.dropped)
 
 
-def parse_records(chunk: Chunk, fields: Sequence[str], parse: Callable[[dict], Any],
-                  on_error: str) -> tuple[int, int, list[Any], ChunkErrors]:
-    """Read a chunk and ``parse`` each record: ``(n_lines, n_records, parsed, errors)``.
+def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable[[dict], Any],
+                  on_error: str, preprocess: Optional[str] = None
+                  ) -> tuple[int, int, list[Any], ChunkErrors, dict[str, int]]:
+    """Read a chunk and ``parse`` each record: ``(n_lines, n_records, parsed, errors, dropped)``.
 
     ``parse`` returns the record's usable form or a :class:`BadRecord`. With
     ``on_error='raise'`` reading stops at the first bad record: the conversion stops
-    there anyway, so nothing after it needs tokenizing.
+    there anyway, so nothing after it needs tokenizing. ``preprocess`` (``module:function``,
+    see :mod:`foundrymix.convert.mapping`) runs on each record first; records it returns
+    ``None`` for are counted in ``dropped``. ``fields=None`` reads every column.
     """
     n_lines, records = read_records(chunk, fields)
     errors = ChunkErrors()
     parsed: list[Any] = []
+    dropped: dict[str, int] = {}
     for path, index, rec in records:
+        if preprocess is not None and not isinstance(rec, BadRecord):
+            rec = apply_preprocess(preprocess, rec)
+            if rec is None:
+                dropped[PREPROCESS_SKIPPED] = dropped.get(PREPROCESS_SKIPPED, 0) + 1
+                continue
         item = rec if isinstance(rec, BadRecord) else parse(rec)
         if isinstance(item, BadRecord):
             errors.add(path, index, item.reason, item.detail)
@@ -82,7 +93,7 @@ def parse_records(chunk: Chunk, fields: Sequence[str], parse: Callable[[dict], A
                 break
             continue
         parsed.append(item)
-    return n_lines, len(records), parsed, errors
+    return n_lines, len(records), parsed, errors, dropped
 
 
 class RowBuilder:
@@ -102,6 +113,10 @@ class RowBuilder:
 
     def close(self) -> None:
         """Final counts once every row is written (e.g. the unwritten tail)."""
+
+    def fit_length(self, share: float) -> Optional[int]:
+        """The sequence length that ``share`` of the records fit in, where known (for the summary)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -125,18 +140,21 @@ def convert(converter: Converter, inputs: list[str], out: str, options: ConvertO
                         options=converter.manifest_options(options, setup))
     if options.engine == 'ray':  # tasks on a Ray cluster; the rest of this module is reused
         from foundrymix.convert import ray_engine
-        seconds = ray_engine.run(converter, setup, out, options, manifest)
+        seconds, builder = ray_engine.run(converter, setup, out, options, manifest), None
     else:
-        seconds = run(converter, setup, out, options, manifest)
+        seconds, builder = run(converter, setup, out, options, manifest)
     if options.progress:
-        print_summary(manifest, out, seconds)
+        print_summary(manifest, out, seconds,
+                      fit_95=builder.fit_length(0.95) if builder is not None else None)
     return manifest
 
 
-def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions, manifest: Manifest) -> float:
+def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions,
+        manifest: Manifest) -> tuple[float, RowBuilder]:
     """Stream chunks through the workers, build rows, write shards, fill ``manifest``.
 
-    Returns the seconds spent. The output appears only if everything succeeded.
+    Returns the seconds spent and the row builder. The output appears only if everything
+    succeeded.
     """
     builder = converter.builder(setup, options, manifest)
     lines = LineCounter()
@@ -153,6 +171,8 @@ def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions, m
                 apply_error_policy(chunk, res.errors, lines.first_line(chunk, res.n_lines),
                                    options.on_error, manifest)
                 manifest.counts.documents_read += res.n_records
+                for reason, n in res.dropped.items():
+                    manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
                 for row in builder.add(res):
                     writer.write(row)
                 progress.update(*builder.progress(res))
@@ -164,4 +184,4 @@ def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions, m
             raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
         builder.close()
         writer.finish(manifest)
-    return seconds
+    return seconds, builder

@@ -20,13 +20,14 @@ driver (:mod:`foundrymix.convert.driver`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records, worker_state
 from foundrymix.convert.encode import encode_texts
+from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.readers import BadRecord, Chunk, get_string
 from foundrymix.schema import Manifest, encode_row
 
@@ -36,6 +37,7 @@ class PretrainOptions(ConvertOptions):
     """Options of ``convert pretrain`` (see :class:`ConvertOptions` for the common ones)."""
 
     text_field: str = 'text'
+    text_template: Optional[str] = None  # --text '{title}\n\n{body}' (see mapping.py)
 
 
 @dataclass
@@ -46,19 +48,22 @@ class _ChunkTokens(ChunkResult):
     doc_lens: np.ndarray
 
 
-def _document(rec: dict, text_field: str) -> str | BadRecord:
-    text = get_string(rec, text_field)
+def _document(rec: dict, text_field: str, template: Optional[Template]) -> str | BadRecord:
+    text = get_string(rec, text_field) if template is None else template.render(rec)
     if isinstance(text, str) and not text:
-        return BadRecord('empty_document', f"field '{text_field}': empty document")
+        what = f"field '{text_field}'" if template is None else f'--text {template.source!r}'
+        return BadRecord('empty_document', f'{what}: empty document')
     return text
 
 
 def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
     """Read, check and tokenize one chunk (runs in a worker thread or process)."""
     w = worker_state()
-    field = w.options.text_field
-    n_lines, n_records, texts, errors = parse_records(chunk, (field,), lambda rec: _document(rec, field),
-                                                      w.options.on_error)
+    o: PretrainOptions = w.options
+    field, template = o.text_field, parse_template(o.text_template, '--text')
+    fields = read_fields((field,), (template,), o.preprocess)
+    n_lines, n_records, texts, errors, dropped = parse_records(
+        chunk, fields, lambda rec: _document(rec, field, template), o.on_error, o.preprocess)
     ids = encode_texts(w.tok, texts)
     head = [] if w.bos_id is None else [w.bos_id]
     tail = [] if w.eos_id is None else [w.eos_id]
@@ -75,7 +80,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
             tokens[pos + len(head):end - len(tail)] = x
             tokens[end - len(tail):end] = tail
         pos = end
-    return _ChunkTokens(n_lines, n_records, errors, tokens, doc_lens)
+    return _ChunkTokens(n_lines, n_records, errors, dropped, tokens, doc_lens)
 
 
 class RowCutter:

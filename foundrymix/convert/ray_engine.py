@@ -155,6 +155,8 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
         result.chunk_errors.append(res.errors)
         if res.errors.items and options.on_error == 'raise':
             break  # the driver raises for this record; nothing after it matters
+        for reason, n in res.dropped.items():  # as the default engine's driver counts them
+            manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
         for row in builder.add(res):
             writer.write(row)
         docs, tokens = builder.progress(res)

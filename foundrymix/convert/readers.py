@@ -147,14 +147,16 @@ def read_chunk_bytes(chunk: Chunk) -> bytes:
         return f.read(chunk.end - chunk.start)
 
 
-def read_records(chunk: Chunk, fields: Sequence[str]) -> tuple[int, list[tuple[str, Optional[int], Any]]]:
+def read_records(chunk: Chunk, fields: Optional[Sequence[str]]
+                 ) -> tuple[int, list[tuple[str, Optional[int], Any]]]:
     """Read a chunk: ``(n_lines, [(path, index, record), ...])``.
 
     ``record`` is a dict or a :class:`BadRecord`; ``index`` is the offset of its line
     (row) inside the chunk, ``None`` for txt files. ``n_lines`` counts the chunk's lines
     (rows), blank ones included, so the caller can number the lines of later chunks.
     Blank jsonl lines are not records. ``fields`` names the columns to load from
-    columnar inputs (others are not read).
+    columnar inputs (others are not read; ``None``: all); the first is the field a
+    ``.txt`` file's text goes to (``text`` when ``None``).
     """
     if chunk.fmt in ('jsonl', 'jsonl_stream'):
         data = read_chunk_bytes(chunk)
@@ -162,15 +164,15 @@ def read_records(chunk: Chunk, fields: Sequence[str]) -> tuple[int, list[tuple[s
                    for i, line in enumerate(data.split(b'\n')) if line.strip()]
         return count_lines(data), records
     if chunk.fmt == 'txt':
-        return len(chunk.paths), [(path, None, _read_txt(path, fields[0])) for path in chunk.paths]
+        return len(chunk.paths), [(path, None, _read_txt(path, fields[0] if fields else 'text')) for path in chunk.paths]
     if chunk.fmt == 'parquet':
         import pyarrow.parquet as pq
         pf = pq.ParquetFile(chunk.path)
-        columns = [c for c in fields if c in pf.schema_arrow.names]
+        columns = None if fields is None else [c for c in fields if c in pf.schema_arrow.names]
         rows = pf.read_row_group(chunk.start, columns=columns).to_pylist()
         return len(rows), [(chunk.path, i, rec) for i, rec in enumerate(rows)]
     ds = _load_hf(chunk.path)  # hf
-    columns = [c for c in fields if c in ds.column_names]
+    columns = list(ds.column_names) if fields is None else [c for c in fields if c in ds.column_names]
     part = ds.select_columns(columns)[chunk.start:chunk.end]
     n = chunk.end - chunk.start
     return n, [(chunk.path, i, {c: part[c][i] for c in columns}) for i in range(n)]
@@ -225,10 +227,15 @@ def type_name(value: Any) -> str:
     return 'null' if value is None else type(value).__name__
 
 
+def fields_of(rec: dict) -> str:
+    """The fields a record has, for a missing-field message: what to use instead."""
+    return ', '.join(sorted(map(str, rec))) or 'none'
+
+
 def get_string(rec: dict, field: str) -> str | BadRecord:
     """``rec[field]`` if it is a string, else the reason it is not."""
     if field not in rec:
-        return BadRecord('missing_field', f"field '{field}': missing")
+        return BadRecord('missing_field', f"field '{field}': missing (has: {fields_of(rec)})")
     value = rec[field]
     if not isinstance(value, str):
         return BadRecord('not_string', f"field '{field}': expected a string, got {type_name(value)}")

@@ -50,6 +50,75 @@ def manifest_table(manifest: Manifest, title: str, seconds: Optional[float] = No
     return table
 
 
-def print_summary(manifest: Manifest, out: str, seconds: float) -> None:
-    """The table printed at the end of a conversion (on stderr, like the progress bar)."""
-    Console(file=sys.stderr).print(manifest_table(manifest, f'foundrymix convert -> {out}', seconds))
+#: share of examples dropped as too long above which the summary warns
+TOO_LONG_WARN = 0.05
+
+
+def _yes_no(flag: bool) -> str:
+    return 'yes' if flag else 'no'
+
+
+def separators_note(manifest: Manifest) -> str:
+    """Whether BOS/EOS were inserted, and why (the tokenizer's default or an override)."""
+    sep = manifest.options.get('separators', {})
+    t = manifest.tokenizer
+    noun = 'document' if manifest.kind == 'pretrain' else 'example'
+    bos, eos = bool(sep.get('bos')), bool(sep.get('eos'))
+    default = 'the tokenizer adds BOS' if t.add_bos else 'the tokenizer adds no BOS'
+    bos_why = default if manifest.options.get('bos') is None else 'set by --bos/--no-bos'
+    return (f'separators: BOS inserted before each {noun}: {_yes_no(bos)}'
+            f'{f" (id {t.bos_id})" if bos else ""} ({bos_why}); EOS inserted after each {noun}: '
+            f'{_yes_no(eos)}{f" (id {t.eos_id})" if eos else " (--no-eos)"}.')
+
+
+def _left_out(manifest: Manifest) -> str:
+    n_skipped = sum(manifest.skipped.values())
+    parts = [f'{n:,} dropped ({k})' for k, n in sorted(manifest.dropped.items()) if k != 'truncated_tokens']
+    if n_skipped:
+        parts.append(f'{n_skipped:,} skipped as bad records')
+    return ('; ' + ', '.join(parts)) if parts else ''
+
+
+def documents_note(manifest: Manifest) -> str:
+    """Documents (examples) read against written, and where the difference went."""
+    c = manifest.counts
+    if manifest.kind != 'pretrain':
+        return f'examples: {c.documents_read:,} read, {c.documents_written:,} written{_left_out(manifest)}.'
+    tail_docs = c.documents_read - c.documents_written - sum(manifest.skipped.values()) - \
+        sum(v for k, v in manifest.dropped.items() if k != 'truncated_tokens')
+    return (f'documents: {c.documents_read:,} read, {c.documents_written:,} written (wholly or in part)'
+            f'{_left_out(manifest)}. The last {c.tail_tokens:,} tokens, after the last full row of '
+            f'{manifest.max_seq_len:,}, are not written (rows are never padded): {tail_docs:,} '
+            f'document(s) lie wholly in them.')
+
+
+def too_long_warning(manifest: Manifest, fit_95: Optional[int]) -> Optional[str]:
+    """A warning when more than ``TOO_LONG_WARN`` of the examples were dropped as too long."""
+    n, read = manifest.dropped.get('too_long', 0), manifest.counts.documents_read
+    if not read or n / read <= TOO_LONG_WARN:
+        return None
+    L = manifest.max_seq_len
+    bigger = f', or --max-seq-len {fit_95:,} to fit 95 % of them' if fit_95 and fit_95 > L else ''
+    return (f'warning: {100 * n / read:.1f} % of examples ({n:,} of {read:,}) were dropped as longer '
+            f'than --max-seq-len {L:,}; use --too-long truncate to keep their first {L:,} tokens'
+            f'{bigger}.')
+
+
+def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]:
+    """The plain sentences printed under the summary table; warnings start with ``warning:``."""
+    notes = [separators_note(manifest), documents_note(manifest)]
+    warning = too_long_warning(manifest, fit_95)
+    return notes + ([warning] if warning else [])
+
+
+def print_summary(manifest: Manifest, out: str, seconds: float, fit_95: Optional[int] = None) -> None:
+    """The table printed at the end of a conversion (on stderr, like the progress bar), then
+    plain sentences on what the table cannot say: separators, what was not written, warnings.
+
+    ``fit_95``: the example length (tokens) that 95 % of the examples fit in, if known.
+    """
+    console = Console(file=sys.stderr)
+    console.print(manifest_table(manifest, f'foundrymix convert -> {out}', seconds))
+    for note in summary_notes(manifest, fit_95):
+        style = 'yellow' if note.startswith('warning:') else None
+        console.print(note, style=style, soft_wrap=True, markup=False, highlight=False)

@@ -225,18 +225,50 @@ class Catalog:
         return self.info(self.names[0]).manifest.tokenizer
 
 
-def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None) -> list[Any]:
+def units_per_row(info: StreamInfo, weights_in: str) -> float:
+    """Rows, real tokens or loss tokens per row of a stream, on average (from its manifest)."""
+    c = info.manifest.counts
+    if weights_in == 'rows':
+        return 1.0
+    total = c.tokens if weights_in == 'tokens' else c.loss_tokens
+    if total <= 0:
+        raise ConfigError(f'{info.where}: weights_in {weights_in}: the stream has no '
+                          f'{weights_in.replace("_", " ")}, so no share of them can be drawn from it')
+    return total / c.rows
+
+
+def row_proportions(infos: list[StreamInfo], weights_in: str) -> list[Optional[float]]:
+    """The row proportions that give the streams' ``proportion`` as shares of ``weights_in``.
+
+    A stream's share of tokens is rows x tokens per row, so the rows must be in proportion
+    ``p_i / (tokens per row)_i``; rescaled to the same sum as the requested ones. Other
+    weights (repeat, choose, none) pass through: the config allows ``weights_in`` other
+    than rows only when every stream has a proportion.
+    """
+    given = [i.spec.proportion for i in infos]
+    if weights_in == 'rows' or any(p is None for p in given):
+        return given
+    raw = [p / units_per_row(i, weights_in) for p, i in zip(given, infos)]  # type: ignore[operator]
+    scale = sum(given) / sum(raw) if sum(raw) > 0 else 0.0  # type: ignore[arg-type]
+    return [r * scale for r in raw]
+
+
+def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
+                 weights_in: str = 'rows') -> list[Any]:
     """Fresh ``streaming.Stream`` objects, one per stream, in order: the one place they are built.
 
     ``StreamingDataset`` and the plan (which replays streaming's sampling) both take
     these, so what is planned is what is trained. ``chooses`` (rows per stream per epoch)
-    replaces the configured absolute weights when an exact epoch trims them.
+    replaces the configured weights when an exact epoch trims them; otherwise
+    ``weights_in`` says what ``proportion`` is a share of (:func:`row_proportions` turns
+    it into rows here).
     """
     from streaming import Stream
     if chooses is not None:
         return [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
                 for i, c in zip(infos, chooses)]
+    proportions = row_proportions(infos, weights_in)
     return [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, repeat=i.spec.repeat,
-                   proportion=i.spec.proportion, choose=i.spec.choose)
-            for i in infos]
+                   proportion=p, choose=i.spec.choose)
+            for i, p in zip(infos, proportions)]
 

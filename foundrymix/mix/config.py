@@ -23,6 +23,8 @@ BatchingMethod = Literal['random', 'stratified', 'per_stream', 'device_per_strea
 SamplingMethod = Literal['balanced', 'fixed']
 ShuffleAlgo = Literal['py1e', 'py1br', 'py1b', 'py1s', 'py2s', 'naive']
 PartitionAlgo = Literal['orig', 'relaxed']
+#: what ``proportion`` is a share of (see ``LoaderConfig.weights_in``)
+WeightsIn = Literal['rows', 'tokens', 'loss_tokens']
 HashAlgo = Literal['sha1', 'sha224', 'sha256', 'sha384', 'sha512', 'sha3_224', 'sha3_256',
                    'sha3_384', 'sha3_512', 'md5', 'xxh32', 'xxh64', 'xxh128', 'xxh3_64',
                    'xxh3_128']
@@ -161,6 +163,10 @@ class LoaderConfig:
     cache_root: Optional[str] = None
     #: curricula: ordered stages, each with its own mixture and duration (see StageSpec)
     stages: Optional[list[StageSpec]] = None
+    #: what ``proportion`` is a share of: rows (streaming's meaning), real tokens or loss
+    #: tokens; the catalog turns token shares into row proportions from the manifests
+    #: (``catalog.row_proportions``) before streams are built, so plan and loader agree
+    weights_in: WeightsIn = 'rows'
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -204,6 +210,11 @@ class LoaderConfig:
                 f'on {", ".join(relative)} but not on {absolute_desc}. Give every stream a '
                 f'proportion (the epoch is then epoch_size rows split by proportion), or give '
                 f'none a proportion and use repeat/choose (the epoch is their sum).')
+        if self.weights_in != 'rows' and absolute:
+            raise ConfigError(
+                f'{where}.weights_in: {self.weights_in} applies to proportion weights only; '
+                f'give every stream a proportion (not set on {", ".join(absolute)}) or use '
+                f'weights_in: rows')
         weighted_absolute = sorted(n for n, k in kinds.items() if k in ('repeat', 'choose'))
         if self.epoch_size is not None and weighted_absolute:
             raise ConfigError(

@@ -47,11 +47,12 @@ class EpochWeights:
         return tuple(n - r for n, r in zip(self.nominal, self.rows))
 
 
-def weighted_streams(infos: list[StreamInfo], weights: EpochWeights, seed: int) -> tuple[list[Any], int]:
+def weighted_streams(infos: list[StreamInfo], weights: EpochWeights, seed: int,
+                     weights_in: str = 'rows') -> tuple[list[Any], int]:
     """Fresh streams with ``weights`` applied exactly as ``StreamingDataset.__init__`` applies
     them; returns (streams, epoch size)."""
     from streaming import Stream
-    streams = make_streams(infos, weights.chooses)
+    streams = make_streams(infos, weights.chooses, weights_in)
     rows = np.array([i.rows for i in infos], np.int64)
     return streams, Stream.apply_weights(streams, rows, weights.epoch_size, seed)
 
@@ -62,7 +63,7 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     when ``config.exact`` and batching is ``random``; stratified shares checked."""
     requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
     base = EpochWeights(requested, None, (), (), 1)
-    streams, size = weighted_streams(infos, base, config.shuffle_seed)
+    streams, size = weighted_streams(infos, base, config.shuffle_seed, config.weights_in)
     nominal = tuple(int(s.choose) for s in streams)
     base = EpochWeights(requested, None, nominal, nominal, 1)
     if not config.exact:
@@ -81,7 +82,7 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     else:
         rows = tuple(i.rows for i in infos)
         trimmed = EpochWeights(None, trim_chooses(nominal, cut, rows), nominal, (), unit)
-    streams, _ = weighted_streams(infos, trimmed, config.shuffle_seed)
+    streams, _ = weighted_streams(infos, trimmed, config.shuffle_seed, config.weights_in)
     return EpochWeights(trimmed.epoch_size, trimmed.chooses, nominal,
                         tuple(int(s.choose) for s in streams), unit)
 

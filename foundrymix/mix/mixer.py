@@ -62,7 +62,7 @@ class StreamMixer:
     # ------------------------------------------------------------ building
     def streams(self) -> list[Any]:
         """Fresh ``streaming.Stream`` objects, one per configured stream, in config order."""
-        return make_streams(self.catalog.infos())
+        return make_streams(self.catalog.infos(), self.config.weights_in)
 
     def dataset_kwargs(self, batch_size: int, epoch_size: Optional[int] = None) -> dict[str, Any]:
         """Keyword arguments of ``StreamingDataset`` (without streams) for this config;

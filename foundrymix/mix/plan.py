@@ -161,7 +161,10 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     _warn_epoch(config, infos, epoch, G, topology.world_size, warnings)
     _note_exact(config, epoch, G, warnings, notes)
     names = [i.name for i in infos]
-    plan = Plan(streams=_stream_plans(infos, epoch, L, warnings, notes),
+    stream_plans = _stream_plans(infos, epoch, L, warnings, notes)
+    if config.weights_in != 'rows':
+        notes.append(weights_in_note(config.weights_in, stream_plans, L))
+    plan = Plan(streams=stream_plans,
                 epoch_size=epoch.epoch_size, batch_size=batch_size,
                 world_size=topology.world_size, global_batch_size=G,
                 batches_per_epoch=epoch.batches, samples_per_epoch=int(epoch.trained.sum()),
@@ -186,13 +189,38 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     return plan
 
 
+def share_rounding(plans: list[StreamPlan], weights_in: str, L: int) -> float:
+    """How far a realized share (of ``weights_in``) can be from the requested one, at most.
+
+    streaming rounds each stream's rows per epoch to a whole number, within one row of
+    the exact value; a row holds at most ``L`` tokens. So each stream's tokens are off by
+    at most ``L`` and the total by ``n L``: a share differs by at most
+    ``2 n L / (T - n L)`` for ``T`` tokens per epoch (for fractional passes over finetune
+    rows, the tokens are expected values on top of this).
+    """
+    total = sum(s.tokens_per_epoch if weights_in == 'tokens' else s.loss_tokens_per_epoch for s in plans)
+    slack = len(plans) * L
+    return 1.0 if total <= slack else 2 * slack / (total - slack)
+
+
+def weights_in_note(weights_in: str, plans: list[StreamPlan], L: int) -> str:
+    """The plan's statement of what the proportions mean and how exactly they are met."""
+    col = 'tok share' if weights_in == 'tokens' else 'loss share'
+    bound = share_rounding(plans, weights_in, L)
+    return (f'weights_in: {weights_in}: proportions are shares of {weights_in.replace("_", " ")} '
+            f'(column {col!r}), turned into row proportions from the manifests (rows: '
+            + ', '.join(f'{s.name} {s.share:.1%}' for s in plans) +
+            f'); streaming rounds rows per stream to whole rows, so a realized share differs '
+            f'from the requested one by at most {100 * bound:.2g} percentage points')
+
+
 def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 topology: Topology, notes: list[str]) -> _Epoch:
     """Rows per stream per epoch exactly as ``StreamingDataset.__init__`` samples them
     (``Stream.apply_weights``), and rows trained in full batches of one epoch."""
     G = batch_size * topology.world_size
     weights = epoch_weights(config, infos, G)
-    streams, epoch_size = weighted_streams(infos, weights, config.shuffle_seed)
+    streams, epoch_size = weighted_streams(infos, weights, config.shuffle_seed, config.weights_in)
     shard_rows = [i.shard_rows for i in infos]
     rows = np.array([sum(r) for r in shard_rows], np.int64)
     ds = PlanDataset(config, streams, shard_rows, epoch_size, batch_size, topology.nodes)

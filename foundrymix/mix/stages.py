@@ -187,6 +187,8 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
                                              'sampling_method', 'sampling_granularity',
                                              'partition_algo', 'num_canonical_nodes',
                                              'drop_last', 'exact')}
+    if config.weights_in != 'rows':  # only then: fingerprints of older checkpoints stay valid
+        knobs['weights_in'] = config.weights_in
     streams = {}
     for info in infos:
         index = json.dumps(info.index.get('shards', []), sort_keys=True).encode('utf-8')
@@ -200,15 +202,22 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
     return {'global_batch_size': global_batch_size, 'knobs': knobs, 'streams': streams}
 
 
+#: knobs a fingerprint records only when not at their default (so older checkpoints match)
+_OPTIONAL_KNOBS = {'weights_in': 'rows'}
+
+
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable differences between two stage fingerprints (empty if none)."""
     out = []
     if old.get('global_batch_size') != new['global_batch_size']:
         out.append(f'global batch size {old.get("global_batch_size")} -> '
                    f'{new["global_batch_size"]} (global_train_batch_size must stay fixed)')
-    for key, value in old['knobs'].items():
-        if new['knobs'].get(key) != value:
-            out.append(f'{key} {value!r} -> {new["knobs"].get(key)!r}')
+    knob_keys = list(old['knobs']) + [k for k in new['knobs'] if k not in old['knobs']]
+    for key in knob_keys:
+        value = old['knobs'].get(key, _OPTIONAL_KNOBS.get(key))
+        now = new['knobs'].get(key, _OPTIONAL_KNOBS.get(key))
+        if now != value:
+            out.append(f'{key} {value!r} -> {now!r}')
     for name in sorted(set(old['streams']) | set(new['streams'])):
         if name not in new['streams']:
             out.append(f'stream {name} removed')

@@ -1,0 +1,218 @@
+"""Field mapping at conversion: templates over a record's fields and ``--preprocess``.
+
+Why: real corpora rarely have a ``prompt``/``response`` (or ``text``) field. LAMBADA has
+``context``/``continuation``, HellaSwag an ``endings`` list chosen by ``label``, PIQA
+``sol1``/``sol2`` chosen by ``label``. A template builds the field from others::
+
+    --prompt '{context}' --response ' {continuation}'
+    --prompt '{ctx}' --response ' {endings[label]}'
+    --text '{title}\\n\\n{body}'
+
+Field syntax (inside ``{}``), resolved by :func:`resolve` against the record only:
+
+* ``name`` -- a top-level field;
+* ``.key`` -- a key of a dict, literally: ``{meta.source}``;
+* ``[3]`` -- an integer index into a list: ``{choices[0]}`` (negative counts from the end);
+* ``[other]`` -- *indirection*: the value of the record's top-level field ``other``
+  used as the index (list: an int or a string of digits) or key (dict):
+  ``{choices[gold]}`` is ``rec['choices'][rec['gold']]``.
+
+Values must be strings, ints or floats (inserted with ``str``). No format specs or
+``!r``/``!s`` conversions, and no attribute access: ``str.format`` on the record would
+reach Python internals (``{x.__class__}``), so the templates are parsed with
+:class:`string.Formatter` and resolved here. ``{{`` and ``}}`` are literal braces.
+
+``--preprocess module:function`` runs first on every record: it gets the record dict
+and returns a dict (then read as usual, by field names or templates) or ``None`` to skip
+the record, counted as ``dropped.preprocess_skipped``. The module is imported by name in
+every worker (forked processes included), from the current directory or an installed
+package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import string
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Optional
+
+from foundrymix.convert.readers import BadRecord, fields_of, type_name
+
+_NAME = r'[A-Za-z_][A-Za-z0-9_\-]*'
+_FIELD = re.compile(rf'({_NAME})((?:\.{_NAME}|\[-?\d+\]|\[{_NAME}\])*)$')
+_STEP = re.compile(rf'\.({_NAME})|\[(-?\d+)\]|\[({_NAME})\]')
+
+#: the manifest's ``dropped`` key for records a preprocess function returned None for
+PREPROCESS_SKIPPED = 'preprocess_skipped'
+
+
+class TemplateError(ValueError):
+    """A template that cannot be parsed (raised before any work starts)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One access after the first name: ``kind`` is key (``.k``), index (``[3]``) or field (``[f]``)."""
+
+    kind: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class FieldRef:
+    """A parsed ``{...}``: its text, top-level name and the steps after it."""
+
+    text: str
+    name: str
+    steps: tuple[Step, ...]
+
+    def fields(self) -> set[str]:
+        """Top-level fields this reference reads (for columnar inputs)."""
+        return {self.name} | {s.value for s in self.steps if s.kind == 'field'}
+
+
+def parse_field(text: str, template: str, option: str) -> FieldRef:
+    m = _FIELD.match(text)
+    if not m:
+        raise TemplateError(f"{option} {template!r}: bad field {{{text}}}: use name, name.key, "
+                            f"name[0] or name[other_field]")
+    steps = []
+    for key, index, field in _STEP.findall(m.group(2)):
+        steps.append(Step('key', key) if key else Step('index', int(index)) if index else Step('field', field))
+    return FieldRef(text, m.group(1), tuple(steps))
+
+
+@dataclass(frozen=True)
+class Template:
+    """A parsed template: literal text and field references, alternating."""
+
+    source: str
+    option: str  # the command-line option, for messages
+    parts: tuple[str | FieldRef, ...]
+
+    @classmethod
+    def parse(cls, source: str, option: str) -> 'Template':
+        try:
+            pieces = list(string.Formatter().parse(source))
+        except ValueError as e:
+            raise TemplateError(f'{option} {source!r}: {e}') from None
+        parts: list[str | FieldRef] = []
+        for literal, field, spec, conversion in pieces:
+            if literal:
+                parts.append(literal)
+            if field is None:
+                continue
+            if spec or conversion:
+                raise TemplateError(f'{option} {source!r}: format specs and conversions are not '
+                                    f'supported ({{{field}{"!" + conversion if conversion else ""}'
+                                    f'{":" + spec if spec else ""}}})')
+            if not field:
+                raise TemplateError(f'{option} {source!r}: empty field {{}}: name a field')
+            parts.append(parse_field(field, source, option))
+        return cls(source, option, tuple(parts))
+
+    def fields(self) -> set[str]:
+        return set().union(*(p.fields() for p in self.parts if isinstance(p, FieldRef)))
+
+    def render(self, rec: dict) -> str | BadRecord:
+        """The template filled from ``rec``, or why it cannot be (naming the field)."""
+        out = []
+        for part in self.parts:
+            if isinstance(part, str):
+                out.append(part)
+                continue
+            value = resolve(rec, part)
+            if isinstance(value, BadRecord):
+                return BadRecord(value.reason, f'{self.option} {self.source!r}: {value.detail}')
+            out.append(value)
+        return ''.join(out)
+
+
+def _missing(ref: FieldRef, what: str, have: dict) -> BadRecord:
+    return BadRecord('missing_field', f"field '{ref.text}': {what} missing (has: {fields_of(have)})")
+
+
+def resolve(rec: dict, ref: FieldRef) -> str | BadRecord:
+    """The string value of ``ref`` in ``rec`` (see the module docstring for the syntax)."""
+    if ref.name not in rec:
+        return _missing(ref, f"'{ref.name}'", rec)
+    value, path = rec[ref.name], ref.name
+    for step in ref.steps:
+        key: Any = step.value
+        if step.kind == 'field':
+            if key not in rec:
+                return _missing(ref, f"index field '{key}'", rec)
+            key = rec[key]
+            if isinstance(value, list) and isinstance(key, str) and re.fullmatch(r'-?\d+', key):
+                key = int(key)
+        if isinstance(value, dict):
+            if not isinstance(key, str) or key not in value:
+                return _missing(ref, f'key {key!r} of {path}', value)
+            value = value[key]
+        elif isinstance(value, list):
+            if not isinstance(key, int) or isinstance(key, bool):
+                return BadRecord('bad_index', f"field '{ref.text}': {path} is a list, index {key!r} "
+                                              f'is not an integer')
+            if not -len(value) <= key < len(value):
+                return BadRecord('bad_index', f"field '{ref.text}': index {key} out of range "
+                                              f'({path} has {len(value)} items)')
+            value = value[key]
+        else:
+            return BadRecord('bad_index', f"field '{ref.text}': {path} is {type_name(value)}, "
+                                          f'cannot index it with {key!r}')
+        path = f'{path}[{key!r}]'
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return BadRecord('not_string', f"field '{ref.text}': expected a string or number, got "
+                                       f'{type_name(value)}')
+    return value if isinstance(value, str) else str(value)
+
+
+@lru_cache(maxsize=None)
+def parse_template(source: Optional[str], option: str) -> Optional[Template]:
+    """The parsed template (cached: workers call this per chunk), ``None`` for ``None``."""
+    return None if source is None else Template.parse(source, option)
+
+
+@lru_cache(maxsize=None)
+def load_preprocess(spec: str) -> Callable[[dict], Any]:
+    """Import ``module:function`` (the current directory first on ``sys.path``); errors name it."""
+    module_name, sep, func_name = spec.partition(':')
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"--preprocess {spec!r}: expected module:function, e.g. my_prep:to_prompt")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f'--preprocess {spec!r}: cannot import module {module_name!r}: {e}') from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f'--preprocess {spec!r}: module {module_name!r} has no function {func_name!r}')
+    return func
+
+
+def read_fields(named: tuple[str, ...], templates: tuple[Optional[Template], ...],
+                preprocess: Optional[str]) -> Optional[tuple[str, ...]]:
+    """Top-level fields to read from columnar inputs: all (``None``) for a preprocess
+    function, else the ``named`` ones and those the templates use."""
+    if preprocess is not None:
+        return None
+    used = set().union(*(t.fields() for t in templates if t is not None))
+    return tuple(dict.fromkeys([*named, *sorted(used)]))
+
+
+def apply_preprocess(spec: str, rec: dict) -> dict | None | BadRecord:
+    """``spec``'s function on ``rec``: a dict, ``None`` (skip), or why it failed (naming it)."""
+    try:
+        out = load_preprocess(spec)(rec)
+    except Exception as e:  # noqa: BLE001 -- any failure of user code is a bad record
+        return BadRecord('preprocess_error', f'--preprocess {spec}: {type(e).__name__}: {e}')
+    if out is not None and not isinstance(out, dict):
+        return BadRecord('preprocess_error', f'--preprocess {spec}: returned {type_name(out)}, '
+                                             f'expected a dict or None')
+    return out
