@@ -26,7 +26,7 @@ from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.config import TrainConfig
-from foundrymix.train.model import CausalLM, build_hf_model
+from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ def _train_mixer(cfg: TrainConfig, mixer: StreamMixer) -> StreamMixer:
         if expected != mixer.tokenizer.fingerprint:
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
                               f'converted with ({mixer.tokenizer.name})')
+    check_pretrained_tokenizer(cfg.model, mixer.tokenizer)
     return mixer
 
 
