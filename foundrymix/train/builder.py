@@ -25,6 +25,7 @@ from foundrymix.mix.mixer import StreamMixer
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
+from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.config import TrainConfig
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
 
@@ -182,12 +183,14 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
                      stage_names=[s.name for s in run.stages])
 
 
-def _callbacks(cfg: TrainConfig, data: TrainData) -> tuple[list[Callback], StreamAccounting]:
-    """``EpochBoundary`` first, then every callback of the table the run uses (accounting always)."""
+def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any) -> tuple[list[Callback], StreamAccounting]:
+    """``EpochBoundary`` and ``ModelInfo`` first, then every callback of the table the run uses
+    (accounting always)."""
     ctx = CallbackContext(config=cfg, stream_names=data.stream_names,
                           planned_share=data.planned_share, stage_names=data.stage_names)
     built = build_callbacks(cfg.callbacks, ctx)
-    return [EpochBoundary(), *built.values()], built['stream_accounting']
+    info = ModelInfo(hf_model.config, cfg.model.attention, data.mixer.tokenizer, cfg.model.pretrained)
+    return [EpochBoundary(), info, *built.values()], built['stream_accounting']
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
@@ -235,7 +238,7 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     hf_model = build_hf_model(cfg.model, data.mixer.tokenizer, cfg.max_seq_len)
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator = _evaluator(cfg, data.mixer, device_batch)
-    callbacks, accounting = _callbacks(cfg, data)
+    callbacks, accounting = _callbacks(cfg, data, hf_model)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
     return TrainRun(config=cfg, trainer=trainer, mixer=data.mixer, accounting=accounting,
                     plan=data.plan)
