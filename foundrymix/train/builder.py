@@ -15,7 +15,6 @@ from typing import Any, Optional, Union
 import torch
 from composer import Trainer
 from composer.core import Callback, Evaluator
-from composer.loggers import FileLogger, LoggerDestination
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler, DecoupledAdamW,
                             LinearWithWarmupScheduler)
 from composer.utils import dist, reproducibility
@@ -27,6 +26,7 @@ from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.config import TrainConfig
+from foundrymix.train.console import console_kwargs, resume_line
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,14 +69,6 @@ def _scheduler(cfg: TrainConfig) -> Any:
     if s.name == 'linear_decay_with_warmup':
         return LinearWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
     return ConstantWithWarmupScheduler(t_warmup=s.t_warmup)
-
-
-def _loggers(cfg: TrainConfig) -> list[LoggerDestination]:
-    out: list[LoggerDestination] = []
-    if 'file' in cfg.loggers:
-        opts = dict(cfg.loggers['file'])
-        out.append(FileLogger(filename=opts.pop('filename', '{run_name}/logs-rank{rank}.txt'), **opts))
-    return out
 
 
 def _share_cpu_threads(device: str) -> None:
@@ -197,7 +189,6 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
              micro: Union[int, str], callbacks: list[Callback], max_duration: str) -> Trainer:
     device = _device(cfg)
     _share_cpu_threads(device)
-    console = 'console' in cfg.loggers
     return Trainer(
         model=model,
         train_dataloader=train_loader,
@@ -212,12 +203,9 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         precision=_precision(cfg, device),
         device_train_microbatch_size=micro,
         callbacks=callbacks,
-        loggers=_loggers(cfg),
+        loggers=cfg.loggers.build(cfg.run_name),
         run_name=cfg.run_name,
-        progress_bar=cfg.progress_bar,
-        log_to_console=console,
-        console_log_interval=cfg.log_interval,
-        console_stream=cfg.loggers.get('console', {}).get('stream', 'stdout') if console else 'stderr',
+        **console_kwargs(cfg),
         save_folder=cfg.save_folder,
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
@@ -240,6 +228,9 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     evaluator = _evaluator(cfg, data.mixer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
+    line = resume_line(trainer.state)
+    if line and dist.get_global_rank() == 0:
+        print(line, flush=True)
     return TrainRun(config=cfg, trainer=trainer, mixer=data.mixer, accounting=accounting,
                     plan=data.plan)
 
