@@ -149,9 +149,10 @@ def wandb_history(run_file: Path) -> dict:
 
 
 def test_wandb_offline_gets_the_stream_metrics(small_streams, tmp_path, monkeypatch):
-    pytest.importorskip('wandb')
+    wandb = pytest.importorskip('wandb')
     monkeypatch.setenv('WANDB_MODE', 'offline')
     monkeypatch.setenv('WANDB_SILENT', 'true')
     expected = run_logged({'wandb': {'project': 'fm', 'dir': str(tmp_path / 'wb')}}, small_streams, tmp_path)
+    wandb.teardown()  # the wandb-core service writes the run file out when it shuts down (as at exit)
     [run_file] = (tmp_path / 'wb' / 'wandb').glob('offline-run-*/run-*.wandb')
     assert_series(wandb_history(run_file), expected)
