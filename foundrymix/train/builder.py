@@ -27,6 +27,7 @@ from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.config import TrainConfig
 from foundrymix.train.console import console_kwargs, resume_line
+from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         device=device,
         precision=_precision(cfg, device),
         device_train_microbatch_size=micro,
+        parallelism_config=parallelism_config(cfg.fsdp, device),
         callbacks=callbacks,
         loggers=cfg.loggers.build(cfg.run_name),
         run_name=cfg.run_name,

@@ -16,6 +16,7 @@ from foundrymix.config import (ConfigError, check_duration, check_keys, load_yam
                                to_plain)
 from foundrymix.mix.config import LoaderConfig
 from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
+from foundrymix.train.gpu import FSDPSettings
 from foundrymix.train.loggers import Loggers
 from foundrymix.train.model_spec import ModelSpec
 
@@ -84,6 +85,8 @@ class TrainConfig:
     seed: int = 17
     precision: str = 'auto'
     device: str = 'auto'
+    #: Composer FSDP settings (``parallelism_config={'fsdp': ...}``); GPU runs only
+    fsdp: Optional[FSDPSettings] = None
     #: ``None``: on when stdout is a terminal (Composer's bar; the console dump stays at ``log_interval``)
     progress_bar: Optional[bool] = None
     log_interval: str = '10ba'

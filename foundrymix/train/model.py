@@ -10,9 +10,13 @@ never contribute.
 Attention modes (``model.attention``):
 
 * ``document`` (default): tokens attend only inside their own document / packed
-  example. We pass the per-segment ``position_ids`` and no 2D mask; transformers (4.57)
-  derives a block-diagonal causal mask from restarting position ids. Padding tokens
-  become one-token segments that attend only to themselves.
+  example. We pass the per-segment ``position_ids`` and no 2D mask. With
+  ``attn_implementation: sdpa`` (default) transformers (4.57) derives a block-diagonal
+  causal mask from restarting position ids (a dense mask: memory grows with the square
+  of the row length); with ``flash_attention_2`` (GPU, ``flash-attn`` installed) it
+  turns the same position ids into ``cu_seqlens`` and runs flash-attention's varlen
+  kernel, no mask at all. Padding tokens become one-token segments that attend only
+  to themselves.
 * ``causal``: plain causal attention over the whole row, padding masked.
 """
 
@@ -75,13 +79,32 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     attn = spec.attn_implementation or 'sdpa'
     try:
         if spec.pretrained is not None and spec.load_weights:
-            return AutoModelForCausalLM.from_pretrained(
+            model = AutoModelForCausalLM.from_pretrained(
                 spec.pretrained, config=config, local_files_only=True, attn_implementation=attn,
                 dtype=torch.float32)
-        config._attn_implementation = attn
-        return AutoModelForCausalLM.from_config(config)
+        else:
+            config._attn_implementation = attn
+            model = AutoModelForCausalLM.from_config(config)
     except (ValueError, ImportError) as e:  # not a causal LM, flash-attn missing, ...
         raise ModelConfigError(f'model: {spec.model_type!r}: {e}') from None
+    add_fsdp_hooks(model)
+    return model
+
+
+def add_fsdp_hooks(model: torch.nn.Module) -> None:
+    """Tell Composer's FSDP to shard (and, with ``activation_checkpointing``, checkpoint) per
+    transformer block: the classes transformers lists in ``_no_split_modules``.
+
+    Why: without ``fsdp_wrap_fn`` Composer wraps only the whole model, one all-gather of
+    every weight at once, which defeats sharding. Plain attributes: ignored without FSDP.
+    """
+    blocks = frozenset(getattr(model, '_no_split_modules', None) or ())
+
+    def is_block(module: torch.nn.Module) -> bool:
+        return type(module).__name__ in blocks
+
+    model.fsdp_wrap_fn = is_block
+    model.activation_checkpointing_fn = is_block
 
 
 #: vocab padding that still counts as "the same vocabulary" when a model directory has no tokenizer
