@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -38,6 +39,8 @@ def test_a_resumed_staged_run_says_where_it_resumes(small_streams, tmp_path, cap
     first.trainer.fit()
     first.trainer.close()
     assert 'resumed from' not in capsys.readouterr().out
+    del first
+    gc.collect()  # streaming's shared memory for these local dirs is freed with the datasets
 
     ckpt = tmp_path / 'ckpt' / 'ep0-ba3-rank0.pt'
     again = build_trainer(cfg_of(loader, tmp_path, load_path=str(ckpt), loggers={}))
