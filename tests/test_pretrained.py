@@ -30,7 +30,8 @@ LLAMA = tiny_run_config({})['model']
     ({'type': 'llama', 'atention': 'causal'}, "model.atention: unknown key for a 'llama' model (transformers "
                                               "llama config); did you mean 'attention'?"),
     ({'type': 'lama'}, "model.type: 'lama' is not a transformers model_type (did you mean 'llama'?)"),
-    ({'type': 'llama', 'config_overrides': {'num_layers': 2}}, "model.num_layers: unknown key for a 'llama' model"),
+    ({'type': 'llama', 'config_overrides': {'num_layers': 2}},
+     "model.config_overrides.num_layers: unknown key for a 'llama' model"),
     ({'pretrained': '/nonexistent/model'}, 'model.pretrained: /nonexistent/model: not a local Hugging Face model '
                                            'directory (no config.json; models are never downloaded)'),
     ({'pretrained': True}, 'model.pretrained: true needs pretrained_model_name_or_path'),

@@ -78,9 +78,9 @@ class ModelSpec:
         if attn is not None and attn not in AttnImplementation.__args__:
             raise ModelConfigError(f"{where}.attn_implementation: {attn!r}; allowed: "
                                    f"{', '.join(AttnImplementation.__args__)}")
-        kwargs = {**d, **overrides}
-        check_config_keys(str(model_type), kwargs, where)
-        return cls(model_type=str(model_type), attention=attention, config_kwargs=kwargs,
+        check_config_keys(str(model_type), d, where)
+        check_config_keys(str(model_type), overrides, f'{where}.config_overrides')
+        return cls(model_type=str(model_type), attention=attention, config_kwargs={**d, **overrides},
                    pretrained=pretrained, load_weights=load_weights, attn_implementation=attn)
 
 
