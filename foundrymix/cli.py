@@ -1,4 +1,4 @@
-"""``foundrymix`` command line: convert | inspect | verify | plan | train | report.
+"""``foundrymix`` command line: convert | inspect | verify | plan | train | report | export.
 
 Each subcommand lives beside the code it drives and registers itself through a
 ``register(subparsers)`` function, so this module only dispatches.
@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     'foundrymix.train.cli',
     'foundrymix.train.report',
     'foundrymix.verify',
+    'foundrymix.train.export',
 )
 
 

@@ -15,7 +15,6 @@ from typing import Any, Optional, Union
 import torch
 from composer import Trainer
 from composer.core import Callback, Evaluator
-from composer.loggers import FileLogger, LoggerDestination
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler, DecoupledAdamW,
                             LinearWithWarmupScheduler)
 from composer.utils import dist, reproducibility
@@ -25,8 +24,11 @@ from foundrymix.mix.mixer import StreamMixer
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
+from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.config import TrainConfig
-from foundrymix.train.model import CausalLM, build_hf_model
+from foundrymix.train.console import console_kwargs, resume_line
+from foundrymix.train.gpu import parallelism_config
+from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +70,6 @@ def _scheduler(cfg: TrainConfig) -> Any:
     if s.name == 'linear_decay_with_warmup':
         return LinearWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
     return ConstantWithWarmupScheduler(t_warmup=s.t_warmup)
-
-
-def _loggers(cfg: TrainConfig) -> list[LoggerDestination]:
-    out: list[LoggerDestination] = []
-    if 'file' in cfg.loggers:
-        opts = dict(cfg.loggers['file'])
-        out.append(FileLogger(filename=opts.pop('filename', '{run_name}/logs-rank{rank}.txt'), **opts))
-    return out
 
 
 def _share_cpu_threads(device: str) -> None:
@@ -125,6 +119,7 @@ def _train_mixer(cfg: TrainConfig, mixer: StreamMixer) -> StreamMixer:
         if expected != mixer.tokenizer.fingerprint:
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
                               f'converted with ({mixer.tokenizer.name})')
+    check_pretrained_tokenizer(cfg.model, mixer.tokenizer)
     return mixer
 
 
@@ -181,19 +176,20 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
                      stage_names=[s.name for s in run.stages])
 
 
-def _callbacks(cfg: TrainConfig, data: TrainData) -> tuple[list[Callback], StreamAccounting]:
-    """``EpochBoundary`` first, then every callback of the table the run uses (accounting always)."""
+def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any) -> tuple[list[Callback], StreamAccounting]:
+    """``EpochBoundary`` and ``ModelInfo`` first, then every callback of the table the run uses
+    (accounting always)."""
     ctx = CallbackContext(config=cfg, stream_names=data.stream_names,
                           planned_share=data.planned_share, stage_names=data.stage_names)
     built = build_callbacks(cfg.callbacks, ctx)
-    return [EpochBoundary(), *built.values()], built['stream_accounting']
+    info = ModelInfo(hf_model.config, cfg.model.attention, data.mixer.tokenizer, cfg.model.pretrained)
+    return [EpochBoundary(), info, *built.values()], built['stream_accounting']
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
              micro: Union[int, str], callbacks: list[Callback], max_duration: str) -> Trainer:
     device = _device(cfg)
     _share_cpu_threads(device)
-    console = 'console' in cfg.loggers
     return Trainer(
         model=model,
         train_dataloader=train_loader,
@@ -207,13 +203,11 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         device=device,
         precision=_precision(cfg, device),
         device_train_microbatch_size=micro,
+        parallelism_config=parallelism_config(cfg.fsdp, device),
         callbacks=callbacks,
-        loggers=_loggers(cfg),
+        loggers=cfg.loggers.build(cfg.run_name),
         run_name=cfg.run_name,
-        progress_bar=cfg.progress_bar,
-        log_to_console=console,
-        console_log_interval=cfg.log_interval,
-        console_stream=cfg.loggers.get('console', {}).get('stream', 'stdout') if console else 'stderr',
+        **console_kwargs(cfg),
         save_folder=cfg.save_folder,
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
@@ -234,8 +228,11 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     hf_model = build_hf_model(cfg.model, data.mixer.tokenizer, cfg.max_seq_len)
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator = _evaluator(cfg, data.mixer, device_batch)
-    callbacks, accounting = _callbacks(cfg, data)
+    callbacks, accounting = _callbacks(cfg, data, hf_model)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
+    line = resume_line(trainer.state)
+    if line and dist.get_global_rank() == 0:
+        print(line, flush=True)
     return TrainRun(config=cfg, trainer=trainer, mixer=data.mixer, accounting=accounting,
                     plan=data.plan)
 

@@ -16,6 +16,8 @@ from foundrymix.config import (ConfigError, check_duration, check_keys, load_yam
                                to_plain)
 from foundrymix.mix.config import LoaderConfig
 from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
+from foundrymix.train.gpu import FSDPSettings
+from foundrymix.train.loggers import Loggers
 from foundrymix.train.model_spec import ModelSpec
 
 @dataclass
@@ -39,20 +41,11 @@ class SchedulerConfig:
     alpha_f: float = 0.1
 
 
-LOGGERS = ('console', 'file')
-
-
 def _read_callbacks(value: Any, where: str) -> dict[str, Any]:
     callbacks = to_plain(value, where)
     check_keys(callbacks, list(CALLBACKS), where)
     return {name: read_dataclass(CALLBACKS[name].config, v, f'{where}.{name}')
             for name, v in callbacks.items()}
-
-
-def _read_loggers(value: Any, where: str) -> dict[str, dict[str, Any]]:
-    loggers = to_plain(value, where)
-    check_keys(loggers, LOGGERS, where)
-    return {k: to_plain(v, f'{where}.{k}') for k, v in loggers.items()}
 
 
 class Callbacks(dict):
@@ -62,14 +55,6 @@ class Callbacks(dict):
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'Callbacks':
         return cls(_read_callbacks(value, where))
-
-
-class Loggers(dict):
-    """``loggers``: ``console`` and/or ``file`` with their options."""
-
-    @classmethod
-    def from_config(cls, value: Any, where: str) -> 'Loggers':
-        return cls(_read_loggers(value, where))
 
 
 @dataclass
@@ -100,9 +85,12 @@ class TrainConfig:
     seed: int = 17
     precision: str = 'auto'
     device: str = 'auto'
-    progress_bar: bool = False
+    #: Composer FSDP settings (``parallelism_config={'fsdp': ...}``); GPU runs only
+    fsdp: Optional[FSDPSettings] = None
+    #: ``None``: on when stdout is a terminal (Composer's bar; the console dump stays at ``log_interval``)
+    progress_bar: Optional[bool] = None
     log_interval: str = '10ba'
-    loggers: Loggers = field(default_factory=lambda: Loggers({'console': {}}))
+    loggers: Loggers = field(default_factory=Loggers.default)
     callbacks: Callbacks = field(default_factory=Callbacks)
 
     @classmethod

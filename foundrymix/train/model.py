@@ -1,4 +1,4 @@
-"""A randomly initialised ``transformers`` causal LM wrapped as a Composer model.
+"""A ``transformers`` causal LM (random init or a local pretrained directory) as a Composer model.
 
 Why our own small wrapper instead of ``composer.models.HuggingFaceModel``: foundrymix
 batches carry bookkeeping keys (``stream_id``, ``sample_id``, ``sequence_id``) that a
@@ -10,9 +10,13 @@ never contribute.
 Attention modes (``model.attention``):
 
 * ``document`` (default): tokens attend only inside their own document / packed
-  example. We pass the per-segment ``position_ids`` and no 2D mask; transformers (4.57)
-  derives a block-diagonal causal mask from restarting position ids. Padding tokens
-  become one-token segments that attend only to themselves.
+  example. We pass the per-segment ``position_ids`` and no 2D mask. With
+  ``attn_implementation: sdpa`` (default) transformers (4.57) derives a block-diagonal
+  causal mask from restarting position ids (a dense mask: memory grows with the square
+  of the row length); with ``flash_attention_2`` (GPU, ``flash-attn`` installed) it
+  turns the same position ids into ``cu_seqlens`` and runs flash-attention's varlen
+  kernel, no mask at all. Padding tokens become one-token segments that attend only
+  to themselves.
 * ``causal``: plain causal attention over the whole row, padding masked.
 """
 
@@ -27,24 +31,31 @@ from composer.models import ComposerModel
 from foundrymix.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec
 
-__all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'build_hf_model']
+__all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'build_hf_model',
+           'check_pretrained_tokenizer']
 
 
-def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) -> torch.nn.Module:
-    """Random-init causal LM from a config; refuse one that cannot hold the data."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _hf_config(spec: ModelSpec, tokenizer: TokenizerInfo) -> Any:
+    """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides."""
+    from transformers import AutoConfig
 
     kwargs = dict(spec.config_kwargs)
-    kwargs.setdefault('vocab_size', tokenizer.vocab_size)
-    kwargs.setdefault('eos_token_id', tokenizer.eos_id)
-    kwargs.setdefault('pad_token_id', tokenizer.pad_id)
-    if tokenizer.bos_id is not None:
-        kwargs.setdefault('bos_token_id', tokenizer.bos_id)
+    if spec.pretrained is None:  # token ids from the streams' tokenizer unless the YAML says
+        kwargs.setdefault('vocab_size', tokenizer.vocab_size)
+        kwargs.setdefault('eos_token_id', tokenizer.eos_id)
+        kwargs.setdefault('pad_token_id', tokenizer.pad_id)
+        if tokenizer.bos_id is not None:
+            kwargs.setdefault('bos_token_id', tokenizer.bos_id)
     kwargs.setdefault('use_cache', False)
     try:
-        config = AutoConfig.for_model(spec.model_type, **kwargs)
-    except (ValueError, TypeError) as e:
+        if spec.pretrained is not None:
+            return AutoConfig.from_pretrained(spec.pretrained, local_files_only=True, **kwargs)
+        return AutoConfig.for_model(spec.model_type, **kwargs)
+    except (ValueError, TypeError, OSError) as e:
         raise ModelConfigError(f'model: {e}') from None
+
+
+def _check_fits(config: Any, tokenizer: TokenizerInfo, max_seq_len: int) -> None:
     if config.vocab_size < tokenizer.vocab_size:
         raise ModelConfigError(f'model.vocab_size={config.vocab_size} is smaller than the tokenizer '
                                f'vocabulary ({tokenizer.vocab_size}, {tokenizer.name})')
@@ -54,13 +65,79 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
             if positions < max_seq_len:
                 raise ModelConfigError(f'model.{key}={positions} does not fit max_seq_len={max_seq_len}')
             break
-    if spec.attention == 'document':
-        config._attn_implementation = 'sdpa'
+
+
+def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) -> torch.nn.Module:
+    """The causal LM: random init from a config, or a local pretrained directory's weights.
+
+    Refuses one that cannot hold the data (vocabulary, positions) before any weight loads.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(spec, tokenizer)
+    _check_fits(config, tokenizer, max_seq_len)
+    attn = spec.attn_implementation or 'sdpa'
     try:
-        model = AutoModelForCausalLM.from_config(config)
-    except ValueError as e:
-        raise ModelConfigError(f'model: {spec.model_type!r} is not a causal LM: {e}') from None
+        if spec.pretrained is not None and spec.load_weights:
+            model = AutoModelForCausalLM.from_pretrained(
+                spec.pretrained, config=config, local_files_only=True, attn_implementation=attn,
+                dtype=torch.float32)
+        else:
+            config._attn_implementation = attn
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, ImportError) as e:  # not a causal LM, flash-attn missing, ...
+        raise ModelConfigError(f'model: {spec.model_type!r}: {e}') from None
+    add_fsdp_hooks(model)
     return model
+
+
+def add_fsdp_hooks(model: torch.nn.Module) -> None:
+    """Tell Composer's FSDP to shard (and, with ``activation_checkpointing``, checkpoint) per
+    transformer block: the classes transformers lists in ``_no_split_modules``.
+
+    Why: without ``fsdp_wrap_fn`` Composer wraps only the whole model, one all-gather of
+    every weight at once, which defeats sharding. Plain attributes: ignored without FSDP.
+    """
+    blocks = frozenset(getattr(model, '_no_split_modules', None) or ())
+
+    def is_block(module: torch.nn.Module) -> bool:
+        return type(module).__name__ in blocks
+
+    model.fsdp_wrap_fn = is_block
+    model.activation_checkpointing_fn = is_block
+
+
+#: vocab padding that still counts as "the same vocabulary" when a model directory has no tokenizer
+VOCAB_PAD = 128
+
+
+def check_pretrained_tokenizer(spec: ModelSpec, streams: TokenizerInfo) -> None:
+    """Refuse streams tokenized with another vocabulary than the pretrained model's.
+
+    With a tokenizer in the model directory the fingerprints must be equal; without one,
+    the model's ``vocab_size`` must be the streams' vocabulary (padded by < ``VOCAB_PAD``).
+    """
+    if spec.pretrained is None:
+        return
+    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
+
+    try:
+        model_tok = tokenizer_info(load_tokenizer(spec.pretrained))
+    except TokenizerError:
+        model_tok = None
+    if model_tok is not None:
+        if model_tok.fingerprint != streams.fingerprint:
+            raise ModelConfigError(
+                f'model.pretrained: {spec.pretrained} has another tokenizer (vocabulary {model_tok.vocab_size}, '
+                f'fingerprint {model_tok.fingerprint[:12]}) than the streams ({streams.name}, vocabulary '
+                f'{streams.vocab_size}, fingerprint {streams.fingerprint[:12]})')
+        return
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(spec.pretrained, local_files_only=True).vocab_size
+    if not 0 <= vocab - streams.vocab_size < VOCAB_PAD:
+        raise ModelConfigError(
+            f'model.pretrained: {spec.pretrained} (no tokenizer) has vocab_size={vocab}, the streams\' '
+            f'tokenizer {streams.name} has {streams.vocab_size} tokens: another vocabulary')
 
 
 class CausalLM(ComposerModel):

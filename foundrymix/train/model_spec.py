@@ -1,13 +1,33 @@
-"""The ``model`` section of a training YAML, read without torch (see :mod:`foundrymix.train.model`)."""
+"""The ``model`` section of a training YAML, read without building a model.
+
+Why strict: a misspelt transformers config key (``hiden_size: 64``) used to be handed
+to ``AutoConfig`` and silently ignored, so a run trained a model of the wrong size.
+Every key that is not ours is checked against the transformers config class of the
+chosen ``type`` (its ``__init__`` parameters, attribute aliases and the attributes of a
+default instance); an unknown key is an error naming the nearest valid one.
+
+transformers is imported only when a ``model`` section is read (``foundrymix plan``
+never reads it); importing transformers imports torch, so this is not torch-free.
+"""
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+import json
+import os
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Optional
 
 from foundrymix.config import ConfigError, to_plain
 
 AttentionMode = Literal['document', 'causal']
+AttnImplementation = Literal['sdpa', 'eager', 'flash_attention_2']
+
+#: our keys; every other key of the section is a transformers config field
+OWN_KEYS = ('type', 'model_type', 'attention', 'attn_implementation', 'pretrained',
+            'pretrained_model_name_or_path', 'config_overrides')
 
 
 class ModelConfigError(ConfigError):
@@ -18,14 +38,23 @@ class ModelConfigError(ConfigError):
 class ModelSpec:
     """The ``model`` section: a transformers ``model_type`` plus its config fields.
 
-    Read with :meth:`from_config` (the config reader calls it): ``type`` (or
-    ``model_type``) and ``attention`` are ours, every other key is handed to the
-    transformers config of that type.
+    Read with :meth:`from_config` (the config reader calls it). Ours: ``type`` (or
+    ``model_type``), ``attention``, ``attn_implementation`` and ``pretrained`` (a local
+    Hugging Face model directory whose weights are loaded; LLM-Foundry's
+    ``pretrained_model_name_or_path: DIR`` + ``pretrained: true`` means the same, and
+    ``pretrained: false`` there takes only the directory's config, randomly initialised).
+    Every other key (and LLM-Foundry's ``config_overrides`` mapping) overrides the
+    transformers config.
     """
 
     model_type: str
     attention: AttentionMode
     config_kwargs: dict[str, Any]
+    #: local HF model directory: config (and, with ``load_weights``, weights) come from it
+    pretrained: Optional[str] = None
+    load_weights: bool = False
+    #: ``None``: ``sdpa`` (document attention via a block-diagonal mask from position ids)
+    attn_implementation: Optional[AttnImplementation] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> 'ModelSpec':
@@ -34,11 +63,87 @@ class ModelSpec:
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'ModelSpec':
         d = to_plain(value, where)
+        overrides = to_plain(d.pop('config_overrides', None), f'{where}.config_overrides')
+        pretrained, load_weights = _read_pretrained(d, where)
         model_type = d.pop('type', None) or d.pop('model_type', None)
-        if not model_type:
+        if pretrained is not None:
+            model_type = _pretrained_type(pretrained, model_type, where)
+        elif not model_type:
             raise ModelConfigError(f"{where}: needs 'type' (a transformers model_type such as "
-                                   f"llama or gpt2)")
+                                   f"llama or gpt2) or 'pretrained' (a local Hugging Face model directory)")
         attention = d.pop('attention', 'document')
         if attention not in ('document', 'causal'):
             raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
-        return cls(model_type=str(model_type), attention=attention, config_kwargs=d)
+        attn = d.pop('attn_implementation', None)
+        if attn is not None and attn not in AttnImplementation.__args__:
+            raise ModelConfigError(f"{where}.attn_implementation: {attn!r}; allowed: "
+                                   f"{', '.join(AttnImplementation.__args__)}")
+        check_config_keys(str(model_type), d, where)
+        check_config_keys(str(model_type), overrides, f'{where}.config_overrides')
+        return cls(model_type=str(model_type), attention=attention, config_kwargs={**d, **overrides},
+                   pretrained=pretrained, load_weights=load_weights, attn_implementation=attn)
+
+
+def _read_pretrained(d: dict[str, Any], where: str) -> tuple[Optional[str], bool]:
+    """(model directory, load its weights?) from ``pretrained`` or LLM-Foundry's spelling."""
+    value = d.pop('pretrained', None)
+    name = d.pop('pretrained_model_name_or_path', None)
+    if name is not None:  # LLM-Foundry: the path here, ``pretrained`` a bool
+        if not isinstance(value, (bool, type(None))):
+            raise ModelConfigError(f'{where}.pretrained: with pretrained_model_name_or_path it is true '
+                                   f'(load the weights) or false (config only), got {value!r}')
+        path, load = str(name), value is not False
+        key = f'{where}.pretrained_model_name_or_path'
+    elif value is None or value is False:
+        return None, False
+    elif value is True:
+        raise ModelConfigError(f'{where}.pretrained: true needs pretrained_model_name_or_path; or write '
+                               f'pretrained: /path/to/model_dir')
+    else:
+        path, load, key = str(value), True, f'{where}.pretrained'
+    if not os.path.isfile(os.path.join(path, 'config.json')):
+        raise ModelConfigError(f'{key}: {path}: not a local Hugging Face model directory (no config.json; '
+                               f'models are never downloaded)')
+    return path, load
+
+
+def _pretrained_type(path: str, model_type: Any, where: str) -> str:
+    with open(os.path.join(path, 'config.json'), encoding='utf-8') as f:
+        saved = json.load(f).get('model_type')
+    if not saved:
+        raise ModelConfigError(f'{where}.pretrained: {path}/config.json names no model_type')
+    if model_type and model_type != saved:
+        raise ModelConfigError(f'{where}.type: {model_type!r}, but {path} holds a {saved!r} model')
+    return saved
+
+
+@functools.lru_cache(maxsize=16)
+def config_keys(model_type: str) -> frozenset[str]:
+    """Every key the transformers config class of ``model_type`` understands."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config_cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise KeyError(model_type) from None
+    params = [p.name for p in inspect.signature(config_cls.__init__).parameters.values()
+              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != 'self']
+    attrs = [k for k in vars(config_cls()) if not k.startswith('_')]
+    return frozenset([*params, *attrs, *getattr(config_cls, 'attribute_map', {})])
+
+
+def check_config_keys(model_type: str, kwargs: Mapping[str, Any], where: str) -> None:
+    """Refuse a key the config class of ``model_type`` does not know, naming the nearest."""
+    try:
+        valid = config_keys(model_type)
+    except KeyError:
+        from transformers import CONFIG_MAPPING
+        near = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ''
+        raise ModelConfigError(f'{where}.type: {model_type!r} is not a transformers model_type{hint}') from None
+    for key in kwargs:
+        if key not in valid:
+            near = difflib.get_close_matches(key, sorted(valid) + list(OWN_KEYS), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ''
+            raise ModelConfigError(f'{where}.{key}: unknown key for a {model_type!r} model '
+                                   f'(transformers {model_type} config){hint}')

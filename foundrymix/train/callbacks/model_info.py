@@ -1,0 +1,34 @@
+"""``ModelInfo``: what ``foundrymix export`` needs to rebuild the model, kept in every checkpoint.
+
+Why a callback: Composer checkpoints hold the wrapper's weights (``model.`` prefix) but
+not the transformers config nor the tokenizer; a callback's ``state_dict`` is saved in
+``state['callbacks']['ModelInfo']`` of every checkpoint, so an export never has to guess
+the architecture from a YAML that may have changed since.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from composer.core import Callback
+
+from foundrymix.schema import TokenizerInfo
+
+
+class ModelInfo(Callback):
+    """Records the HF config, attention mode and the streams' tokenizer (saved, never loaded)."""
+
+    def __init__(self, hf_config: Any, attention: str, tokenizer: TokenizerInfo,
+                 pretrained: Optional[str] = None) -> None:
+        self.hf_config = hf_config
+        self.attention = attention
+        self.tokenizer = tokenizer
+        self.pretrained = pretrained
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'hf_config': self.hf_config.to_dict(), 'attention': self.attention,
+                'tokenizer': self.tokenizer.name, 'tokenizer_fingerprint': self.tokenizer.fingerprint,
+                'pretrained': self.pretrained}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: this run's model describes itself."""

@@ -1,0 +1,119 @@
+"""``foundrymix export CHECKPOINT --to-hf DIR``: a Composer checkpoint as a transformers model.
+
+Why: a run's checkpoints are Composer full-state files (weights under a ``model.``
+prefix, optimizer, data position); everything downstream (evaluation harnesses,
+``generate``, the Hub) wants a ``save_pretrained`` directory. The export rebuilds the
+model from the transformers config the checkpoint recorded (the ``ModelInfo``
+callback), loads the weights strictly (every tensor accounted for), writes
+``config.json`` + ``model.safetensors``, and saves the tokenizer the streams were
+converted with, after checking its fingerprint against the one recorded at training.
+
+A model trained with ``attention: document`` is an ordinary causal LM; it reproduces
+the training logits on packed rows when given the same restarting ``position_ids``, no
+``attention_mask`` and ``use_cache=False`` (transformers 4.57 derives the block-diagonal
+mask from position ids only without a KV cache; the exported config turns the cache
+on for generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+PREFIX = 'model.'  # the CausalLM wrapper's attribute holding the transformers model
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported (what and why in the message)."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser('export', help='write a checkpoint as a transformers model directory',
+                              description='Write a Composer checkpoint of a foundrymix run as a Hugging Face '
+                                          'model directory (config.json, model.safetensors, tokenizer), '
+                                          'loadable offline with AutoModelForCausalLM/AutoTokenizer.from_pretrained.')
+    p.add_argument('checkpoint', help='a Composer checkpoint file of a foundrymix run (e.g. latest-rank0.pt)')
+    p.add_argument('--to-hf', required=True, metavar='DIR', dest='out', help='output model directory')
+    p.add_argument('--overwrite', action='store_true', help='write into a non-empty DIR')
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    out = export_to_hf(args.checkpoint, args.out, overwrite=args.overwrite)
+    print(f'exported {args.checkpoint} -> {out}')
+    return 0
+
+
+def load_checkpoint_state(path: str) -> dict[str, Any]:
+    """The ``state`` of a (rank 0, unsharded) Composer checkpoint file."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'{path}: no such checkpoint file')
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+    except Exception as e:  # a tar of shards, a truncated file, not a checkpoint at all
+        raise ExportError(f'{path}: not a Composer checkpoint file ({type(e).__name__}: {e})') from None
+    if not isinstance(ckpt, dict) or 'state' not in ckpt or 'model' not in ckpt['state']:
+        raise ExportError(f'{path}: not a Composer checkpoint (no state.model)')
+    return ckpt['state']
+
+
+def model_info(state: dict[str, Any], path: str) -> dict[str, Any]:
+    info = state.get('callbacks', {}).get('ModelInfo')
+    if info is None:
+        raise ExportError(f'{path}: the checkpoint has no ModelInfo record (written by a foundrymix older '
+                          f'than export support); resume it for one step with this version to re-save it')
+    return info
+
+
+def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
+    """The transformers model with the checkpoint's weights (strict: no tensor missing or extra)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config_dict = dict(info['hf_config'])
+    config = CONFIG_MAPPING[config_dict['model_type']].from_dict(config_dict)
+    config.use_cache = True  # training turned the KV cache off; generation wants it
+    model = AutoModelForCausalLM.from_config(config)
+    weights = {k[len(PREFIX):]: v for k, v in state['model'].items() if k.startswith(PREFIX)}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ExportError(f'checkpoint weights do not fit the recorded {config.model_type} config: '
+                          f'missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}')
+    return model
+
+
+def find_tokenizer(info: dict[str, Any]) -> Any:
+    """The streams' tokenizer (by its manifest name, else the pretrained model's directory);
+    refuses one whose fingerprint differs from the one recorded at training."""
+    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
+
+    tried = []
+    for name in (info['tokenizer'], info.get('pretrained')):
+        if not name:
+            continue
+        try:
+            tok = load_tokenizer(name)
+        except TokenizerError as e:
+            tried.append(f'{name!r}: {str(e).splitlines()[0]}')
+            continue
+        if tokenizer_info(tok).fingerprint == info['tokenizer_fingerprint']:
+            return tok
+        tried.append(f'{name!r}: another fingerprint')
+    raise ExportError(f"no tokenizer with the fingerprint the run trained with "
+                      f"({info['tokenizer_fingerprint'][:12]}): {'; '.join(tried)}")
+
+
+def export_to_hf(checkpoint: str, out: str, overwrite: bool = False) -> str:
+    """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``."""
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise FileExistsError(f'{out}: exists and is not empty (use --overwrite)')
+    state = load_checkpoint_state(checkpoint)
+    info = model_info(state, checkpoint)
+    model = hf_model_from_state(state, info)
+    tokenizer = find_tokenizer(info)  # before writing anything
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

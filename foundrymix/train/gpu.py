@@ -1,0 +1,54 @@
+"""GPU settings of a training YAML: the ``fsdp`` section, handed to Composer as ``parallelism_config``.
+
+Why our own typed copy of Composer's ``FSDPConfig``: the config reader checks every key
+and value (a misspelt ``sharding_stratgy`` or ``mixed_precision: FUL`` is an error that
+names it) without importing torch; a key left out keeps Composer's default, so only
+the keys the YAML sets reach Composer. ``tests/test_gpu_settings.py`` checks that every
+key here is a field of Composer's ``FSDPConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Optional
+
+from foundrymix.config import ConfigError
+
+
+@dataclass
+class FSDPSettings:
+    """``fsdp:`` -- Composer FSDP (``parallelism_config={'fsdp': ...}``); null keeps Composer's default."""
+
+    sharding_strategy: Optional[Literal['FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD',
+                                        '_HYBRID_SHARD_ZERO2']] = None
+    mixed_precision: Optional[Literal['DEFAULT', 'PURE', 'FULL']] = None
+    state_dict_type: Optional[Literal['full', 'sharded']] = None
+    activation_checkpointing: Optional[bool] = None
+    activation_checkpointing_reentrant: Optional[bool] = None
+    activation_cpu_offload: Optional[bool] = None
+    cpu_offload: Optional[bool] = None
+    auto_wrap: Optional[bool] = None
+    backward_prefetch: Optional[Literal['BACKWARD_PRE', 'BACKWARD_POST', 'NONE']] = None
+    forward_prefetch: Optional[bool] = None
+    limit_all_gathers: Optional[bool] = None
+    use_orig_params: Optional[bool] = None
+    sync_module_states: Optional[bool] = None
+    keep_low_precision_grads: Optional[bool] = None
+    data_parallel_shard_degree: Optional[int] = None
+    data_parallel_replicate_degree: Optional[int] = None
+    load_monolith_rank0_only: Optional[bool] = None
+    verbose: Optional[bool] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Only the keys the YAML set (Composer fills in the rest)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def parallelism_config(fsdp: Optional[FSDPSettings], device: str) -> Optional[dict[str, Any]]:
+    """Composer's ``parallelism_config`` for the ``fsdp`` section; FSDP needs GPUs."""
+    if fsdp is None:
+        return None
+    if device != 'gpu':
+        raise ConfigError(f'fsdp: FSDP runs on GPUs; this run is on device {device!r} '
+                          f'(leave fsdp out, or set device: gpu)')
+    return {'fsdp': fsdp.as_dict()}
