@@ -21,6 +21,9 @@ MDS columns (see :data:`COLUMNS`):
 Labels use the Hugging Face convention: ``labels[i]`` is the target *at* position ``i``
 and the model shifts internally, so a span ``[s, e)`` means tokens ``s..e-1`` are
 predicted (from the tokens before them).
+
+Length (over ~300 lines): the schema, its encoder/decoder and the row checks must agree
+bitwise, so they stay in one file.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ Layers, cheapest first (each catches what the previous cannot):
 
 ``foundrymix verify`` (:mod:`foundrymix.verify`) runs all four; the loader runs 2 for
 local-only streams and 4 on every row it reads (``MixedDataset``).
+
+Length (over ~300 lines): the layers above, each a few small functions, torch-free so that
+``verify`` and the catalog use them without importing streaming.
 """
 
 from __future__ import annotations
@@ -321,3 +324,18 @@ def decompress_shard(shard: dict[str, Any], data: bytes) -> bytes:
     """Raw bytes of a shard from the bytes of its compressed file (streaming's codecs)."""
     from streaming.base.compression import decompress
     return decompress(shard['compression'], data)
+
+
+def is_not_found(error: BaseException) -> bool:
+    """True if a streaming downloader error means "no such object" (or no access to it).
+
+    Backends differ: S3 raises botocore's ``ClientError`` with code 403/404/NoSuchKey
+    (also for a missing bucket), GCS/OCI/Azure and local copies raise ``FileNotFoundError``.
+    """
+    if isinstance(error, FileNotFoundError):
+        return True
+    response = getattr(error, 'response', None)
+    if isinstance(response, dict):
+        code = str(response.get('Error', {}).get('Code', ''))
+        return code in ('403', '404', 'NoSuchKey', 'NoSuchBucket', 'AccessDenied')
+    return False

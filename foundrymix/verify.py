@@ -16,6 +16,9 @@ Prints one line per shard and a verdict; exit code 0 iff intact, 1 if anything i
 damaged, 2 for usage errors (no such directory, not a foundrymix directory, a remote
 that cannot be reached). A remote directory is fetched one file at a time through
 streaming's ``CloudDownloader`` into a temporary directory, removed afterwards.
+
+Length (over ~300 lines): one command -- where shard files come from (local or fetched),
+the per-shard report and the table; the checks themselves live in ``shards.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from foundrymix.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
-from foundrymix.shards import (INDEX_NAME, IndexFileError, decompress_shard, iter_shard_rows,
+from foundrymix.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
                                shard_hash_checks, shard_header_problems, shard_name, validate_index)
 
 #: row problems listed per shard (all are counted)
@@ -98,19 +101,9 @@ class VerifyReport:
         return d
 
 
+
 def is_remote(location: str) -> bool:
     return '://' in location and not location.startswith('file://')
-
-
-def _is_not_found(error: BaseException) -> bool:
-    """A downloader error meaning "no such object" (S3 403/404/NoSuchKey; others FileNotFoundError)."""
-    if isinstance(error, FileNotFoundError):
-        return True
-    response = getattr(error, 'response', None)
-    if isinstance(response, dict):
-        code = str(response.get('Error', {}).get('Code', ''))
-        return code in ('403', '404', 'NoSuchKey', 'NoSuchBucket', 'AccessDenied')
-    return False
 
 
 class _Source:
@@ -138,7 +131,7 @@ class _Source:
         try:
             CloudDownloader.direct_download(f'{self.location}/{basename}', local, self.timeout)
         except Exception as e:  # downloader errors vary by backend
-            if _is_not_found(e):
+            if is_not_found(e):
                 return None
             raise ConnectionError(f'cannot download {self.location}/{basename}: '
                                   f'{type(e).__name__}: {e}') from e

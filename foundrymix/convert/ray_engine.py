@@ -37,6 +37,9 @@ only the *split into tasks* differs from a single-machine run:
 The output directory must be on a filesystem every node sees (tasks write to it), and
 inputs must be readable at the same paths on every node. Workers must be able to import
 ``foundrymix`` (installed on each node, or shipped with a Ray ``runtime_env``).
+
+Length (over ~300 lines): task planning, the task body, the merge and the atomic output
+of one engine; everything else is the default engine's code, reused.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError
 from foundrymix.mix.config import LoaderConfig, StreamSpec
 from foundrymix.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
+from foundrymix.shards import is_not_found
 
 INDEX_NAME = 'index.json'
 
@@ -51,21 +52,6 @@ class StreamInfo:
         """Hash algorithms recorded for every shard of this stream (empty if none)."""
         from foundrymix.shards import hashes_in_index
         return hashes_in_index(self.index)
-
-
-def is_not_found(error: BaseException) -> bool:
-    """True if a streaming downloader error means "no such object" (or no access to it).
-
-    Backends differ: S3 raises botocore's ``ClientError`` with code 403/404/NoSuchKey
-    (also for a missing bucket), GCS/OCI/Azure and local copies raise ``FileNotFoundError``.
-    """
-    if isinstance(error, FileNotFoundError):
-        return True
-    response = getattr(error, 'response', None)
-    if isinstance(response, dict):
-        code = str(response.get('Error', {}).get('Code', ''))
-        return code in ('403', '404', 'NoSuchKey', 'NoSuchBucket', 'AccessDenied')
-    return False
 
 
 class Catalog:

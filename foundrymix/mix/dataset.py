@@ -19,6 +19,9 @@ recognised two ways and saved as ``{epoch: e + 1, sample_in_epoch: 0}``:
 The mark remembers *which* epoch was completed. ``next_epoch`` lives in shared memory
 and is advanced by the DataLoader worker that starts the next epoch, so as soon as the
 next epoch's iteration begins the mark no longer names the current epoch and is void.
+
+Length (over ~300 lines): resumption, named shard errors, row checks and shared-memory
+teardown each work around one streaming 0.13 behaviour in the same subclass.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ tokens Composer counts (``tok``) are rows x ``max_seq_len`` exactly. Real (non-p
 and loss tokens per epoch are the manifest totals x passes: exact when every row is seen
 equally often (whole passes) or rows are uniform (pretrain), otherwise an *expected*
 value, because a fractional pass picks a random subset of rows (``exact`` says which).
+
+Length (over ~300 lines): the Plan, StreamPlan, RankPlan and DurationPlan dataclasses, whose
+fields are the plan's documentation, sit beside the functions that fill them; the
+arithmetic is split into per-epoch, per-rank and per-duration functions.
 """
 
 from __future__ import annotations
