@@ -62,7 +62,7 @@ class StreamMixer:
     # ------------------------------------------------------------ building
     def streams(self) -> list[Any]:
         """Fresh ``streaming.Stream`` objects, one per configured stream, in config order."""
-        return make_streams(self.catalog.infos(), self.config.weights_in)
+        return make_streams(self.catalog.infos(), weights_in=self.config.weights_in)
 
     def dataset_kwargs(self, batch_size: int, epoch_size: Optional[int] = None) -> dict[str, Any]:
         """Keyword arguments of ``StreamingDataset`` (without streams) for this config;
@@ -95,7 +95,7 @@ class StreamMixer:
         infos = self.catalog.infos()
         weights = epoch_weights(self.config, infos, G, self.where)
         return MixedDataset(stream_names=self.stream_names, global_batch_size=G,
-                            streams=make_streams(infos, weights.chooses),
+                            streams=make_streams(infos, weights.chooses, self.config.weights_in),
                             vocab_size=self.tokenizer.vocab_size, max_seq_len=self.max_seq_len,
                             **self.dataset_kwargs(batch_size, weights.epoch_size))
 
