@@ -85,9 +85,16 @@ class Catalog:
             return local_path  # the caller reports it missing
         from streaming.base.storage import CloudDownloader
         remote_path = os.path.join(remote_dir, basename)
+        # Into a file of this process's own, then renamed: the ranks of a node fetch the same
+        # file into the same cache at once, and must never see each other's half-copies.
+        part = f'{local_path}.part-{os.getpid()}'
         try:
-            CloudDownloader.direct_download(remote_path, local_path, self.config.download_timeout)
+            os.makedirs(os.path.dirname(local_path), exist_ok=True)
+            CloudDownloader.direct_download(remote_path, part, self.config.download_timeout)
+            os.replace(part, local_path)
         except Exception as e:  # downloader errors vary by backend
+            if os.path.exists(part):
+                os.remove(part)
             if is_not_found(e):
                 what = 'foundrymix manifest' if basename == MANIFEST_NAME else basename
                 raise ConfigError(
