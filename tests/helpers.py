@@ -6,6 +6,7 @@ import directly.
 
 from __future__ import annotations
 
+import contextlib
 from importlib import resources
 from pathlib import Path
 
@@ -38,3 +39,42 @@ def tiny_run_config(train_loader: dict, **top) -> dict:
     }
     cfg.update(top)
     return cfg
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str):
+    """A real S3 HTTP endpoint (moto's server) on 127.0.0.1 with ``bucket`` created, and the
+    environment streaming/boto3 read pointed at it: yields endpoint, env and a boto3 client."""
+    import logging
+
+    import boto3
+    import pytest
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger('werkzeug').setLevel(logging.ERROR)  # no line per request
+    port = free_port()
+    server = ThreadedMotoServer(ip_address='127.0.0.1', port=port, verbose=False)
+    server.start()
+    endpoint = f'http://127.0.0.1:{port}'
+    env = {'S3_ENDPOINT_URL': endpoint, 'AWS_ACCESS_KEY_ID': 'testing',
+           'AWS_SECRET_ACCESS_KEY': 'testing', 'AWS_DEFAULT_REGION': 'us-east-1'}
+    mp = pytest.MonkeyPatch()
+    for key, value in env.items():
+        mp.setenv(key, value)
+    for key in ('AWS_SESSION_TOKEN', 'AWS_PROFILE', 'MOSAICML_STREAMING_AWS_REQUESTER_PAYS'):
+        mp.delenv(key, raising=False)
+    try:
+        client = boto3.client('s3', endpoint_url=endpoint)
+        client.create_bucket(Bucket=bucket)
+        yield {'endpoint': endpoint, 'env': env, 'client': client}
+    finally:
+        mp.undo()
+        server.stop()

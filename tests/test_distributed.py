@@ -31,7 +31,6 @@ physical nodes), and a different NCN is a different ``G``. (Runs here use ``num_
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -41,7 +40,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import ROOT, tiny_run_config
+from helpers import ROOT, free_port, tiny_run_config
 
 BATCH = 6          # global batch
 RANKS = 2
@@ -78,10 +77,6 @@ def write_config(run: Path, data: dict[str, str], **top) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], cwd: Path) -> None:

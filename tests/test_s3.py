@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,42 +26,18 @@ from foundrymix.mix.mixer import StreamMixer
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = 'fmx-test'
-from helpers import tiny_run_config
+from helpers import free_port, moto_s3, tiny_run_config
 BATCH = 6
 METADATA = {'foundrymix.json', 'index.json'}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope='module')
 def s3():
     """A moto S3 server on 127.0.0.1, with the env streaming/boto3 read pointed at it."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger('werkzeug').setLevel(logging.ERROR)  # no line per request
-    port = free_port()
-    server = ThreadedMotoServer(ip_address='127.0.0.1', port=port, verbose=False)
-    server.start()
-    endpoint = f'http://127.0.0.1:{port}'
-    env = {'S3_ENDPOINT_URL': endpoint, 'AWS_ACCESS_KEY_ID': 'testing',
-           'AWS_SECRET_ACCESS_KEY': 'testing', 'AWS_DEFAULT_REGION': 'us-east-1'}
-    mp = pytest.MonkeyPatch()
-    for key, value in env.items():
-        mp.setenv(key, value)
-    for key in ('AWS_SESSION_TOKEN', 'AWS_PROFILE', 'MOSAICML_STREAMING_AWS_REQUESTER_PAYS'):
-        mp.delenv(key, raising=False)
-    try:
-        import boto3
-        client = boto3.client('s3', endpoint_url=endpoint)
-        client.create_bucket(Bucket=BUCKET)
-        yield {'endpoint': endpoint, 'env': env, 'client': client}
-    finally:
-        mp.undo()
-        server.stop()
+    with moto_s3(BUCKET) as server:
+        yield server
 
 
 @pytest.fixture(scope='module')

@@ -8,15 +8,14 @@ their bytes (``integrity_helpers``), local and through an S3 endpoint (moto's se
 from __future__ import annotations
 
 import json
-import logging
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from foundrymix.cli import main
+from helpers import moto_s3
 from integrity_helpers import (HASHES, convert_paper, copy_stream, corrupt_offset, first_row_cut, strip_hashes,
                                first_row_of_shard, flip_bits, index_of, set_tokens_ff, shard_path,
                                truncate)
@@ -197,36 +196,13 @@ def test_compressed_stream(capsys, tmp_path, hashed_zstd):
 
 
 # ---------------------------------------------------------------- S3 (moto server)
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope='module')
 def s3():
     """A moto S3 server on 127.0.0.1, with the env streaming/boto3 read pointed at it."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger('werkzeug').setLevel(logging.ERROR)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address='127.0.0.1', port=port, verbose=False)
-    server.start()
-    endpoint = f'http://127.0.0.1:{port}'
-    mp = pytest.MonkeyPatch()
-    for key, value in {'S3_ENDPOINT_URL': endpoint, 'AWS_ACCESS_KEY_ID': 'testing',
-                       'AWS_SECRET_ACCESS_KEY': 'testing', 'AWS_DEFAULT_REGION': 'us-east-1'}.items():
-        mp.setenv(key, value)
-    for key in ('AWS_SESSION_TOKEN', 'AWS_PROFILE', 'MOSAICML_STREAMING_AWS_REQUESTER_PAYS'):
-        mp.delenv(key, raising=False)
-    try:
-        import boto3
-        client = boto3.client('s3', endpoint_url=endpoint)
-        client.create_bucket(Bucket=BUCKET)
-        yield client
-    finally:
-        mp.undo()
-        server.stop()
+    with moto_s3(BUCKET) as server:
+        yield server['client']
 
 
 def upload(client, stream: Path, prefix: str) -> str:
