@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from foundrymix.convert.common import ENGINES, ON_ERROR
 from foundrymix.convert.finetune import CHAT_LOSS, TOO_LONG, FinetuneOptions, convert_finetune
+from foundrymix.convert.paths import is_url
 from foundrymix.convert.pipeline import PARALLEL_MODES
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.tokenizer import DEMO_TOKENIZER
@@ -24,7 +25,17 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'outputs, hidden entries and --out')
     p.add_argument('-o', '--out', required=True,
                    help='local output directory (empty or absent, unless --overwrite; never an input, '
-                        'inside an input directory, or holding an input)')
+                        'inside an input directory, or holding an input), or s3://bucket/prefix: '
+                        'shards are uploaded as they are finished, foundrymix.json and index.json '
+                        'last, so readers never see a partial dataset (a failed or killed run leaves '
+                        'no index). The prefix must be empty unless --overwrite. Credentials and '
+                        'endpoint as for boto3 and streaming: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY '
+                        'or AWS_PROFILE, S3_ENDPOINT_URL for S3-compatible stores; AWS_MAX_ATTEMPTS '
+                        'retries per request (default 8)')
+    p.add_argument('--keep-local', metavar='DIR', default=None,
+                   help='with --out s3://...: also keep a complete local copy in DIR (same rules as a '
+                        'local --out); without it shards are staged in the temp dir ($TMPDIR) and '
+                        'deleted once uploaded')
     p.add_argument('--tokenizer', default=DEMO_TOKENIZER,
                    help=f'bundled name, local tokenizer dir, SentencePiece .model, or cached name '
                         f'(offline; default {DEMO_TOKENIZER})')
@@ -38,7 +49,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'core while the Rust tokenizer releases the GIL (default for pretrain), '
                         'or forked processes (default for finetune, whose chat templates and '
                         'example assembly are Python work)')
-    p.add_argument('--overwrite', action='store_true', help='replace a non-empty output directory')
+    p.add_argument('--overwrite', action='store_true',
+                   help='replace a non-empty output directory; for s3:// the old index.json and '
+                        'foundrymix.json are deleted before the first new shard is uploaded and the '
+                        'old shards after the new index; objects foundrymix did not write are kept')
     p.add_argument('--on-error', choices=ON_ERROR, default='raise',
                    help='bad records: stop with an error naming file, line and field (raise), or '
                         'skip them and count each by reason in the manifest (skip)')
@@ -53,7 +67,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
     p.add_argument('--engine', choices=ENGINES, default='local',
                    help='local: this machine (default); ray: tasks on a Ray cluster (pip install '
-                        "'foundrymix[ray]'), each writing its own shards, merged at the end")
+                        "'foundrymix[ray]'), each writing its own shards, merged at the end "
+                        '(to a directory every node sees: not to s3://)')
     p.add_argument('--ray-address', default=None,
                    help='with --engine ray: the cluster to join (e.g. ray://head:10001 or auto); '
                         'default: start a local Ray with --workers CPUs')
@@ -118,11 +133,21 @@ def _exit_lean() -> None:
     gc.freeze()
 
 
+def _out(args: argparse.Namespace) -> Any:
+    """``--out`` alone, or the (local, remote) pair of ``--keep-local DIR --out s3://...``."""
+    if args.keep_local is None:
+        return args.out
+    if not is_url(args.out):
+        raise SystemExit(f'--keep-local {args.keep_local}: only with --out s3://bucket/prefix '
+                         f'(--out {args.out} is already local)')
+    return (args.keep_local, args.out)
+
+
 def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
     standalone = _standalone()
     if standalone:
         _start_up_lean()
-    convert(args.inputs, args.out, _options(options_cls, args))
+    convert(args.inputs, _out(args), _options(options_cls, args))
     if standalone:
         _exit_lean()
     return 0

@@ -1,7 +1,8 @@
 """Options and set-up shared by the pretrain and finetune converters.
 
 Everything that can fail cheaply (bad options, missing inputs, non-empty output,
-``--out`` overlapping an input or given as a URL (:mod:`foundrymix.convert.paths`),
+``--out`` overlapping an input (:mod:`foundrymix.convert.paths`), an ``s3://`` output whose
+bucket cannot be reached or whose prefix holds a dataset (:mod:`foundrymix.convert.upload`),
 unknown hash, unknown tokenizer, ``max_seq_len`` too small) is checked before any work
 starts, so a mistake costs nothing and touches nothing.
 """
@@ -14,7 +15,7 @@ from typing import Any, Optional
 
 from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
-from foundrymix.convert.paths import check_input_urls, check_out_url, check_overlap
+from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, split_out
 from foundrymix.convert.discover import discover_inputs
 from foundrymix.convert.writer import DEFAULT_HASH, check_hashes, check_output_dir
 from foundrymix.schema import TokenizerInfo, token_dtype_for
@@ -87,9 +88,11 @@ class Setup:
     bos_id: Optional[int]
     eos_id: Optional[int]
     workers: int
+    output: Output = Output(local=None, remote=None)
+    remote: Any = None  # the checked S3 prefix (foundrymix.convert.upload.S3Target), if any
 
 
-def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: int = 1) -> Setup:
+def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_content: int = 1) -> Setup:
     """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
 
     ``min_content`` is how many non-special tokens a row must at least have room for.
@@ -109,13 +112,24 @@ def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: i
         load_preprocess(options.preprocess)  # fails fast, naming the function
     if options.chunk_bytes <= 0:
         raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
-    check_out_url(out)
+    output = split_out(out)
+    if output.remote is not None and options.engine == 'ray':
+        raise ValueError(f'--engine ray cannot write to {output.remote}: Ray tasks write their shards '
+                         f'to a directory every node sees; convert into such a directory, then '
+                         f'upload it (index.json last), or use the default engine')
     check_input_urls(inputs)
-    check_overlap(inputs, [], out)  # before discovery: an input equal to --out is named as such
-    resolved = discover_inputs(inputs, exclude=os.path.realpath(out))
-    check_overlap([], resolved, out)
+    local = output.local
+    if local is not None:
+        check_overlap(inputs, [], local)  # before discovery: an input equal to --out is named as such
+    resolved = discover_inputs(inputs, exclude=os.path.realpath(local) if local is not None else None)
+    if local is not None:
+        check_overlap([], resolved, local)
+        check_output_dir(os.path.abspath(local), options.overwrite)
     check_hashes(options.hash_algorithms)
-    check_output_dir(os.path.abspath(out), options.overwrite)
+    remote = None
+    if output.remote is not None:  # reaches the endpoint: after the free checks, before any work
+        from foundrymix.convert.upload import check_remote
+        remote = check_remote(output.remote, options.overwrite)
     with importing('transformers'):
         tok = load_tokenizer(options.tokenizer)
     info = tokenizer_info(tok)
@@ -130,4 +144,5 @@ def prepare(inputs: list[str], out: str, options: ConvertOptions, min_content: i
             f'--max-seq-len {options.max_seq_len} is too small: each sequence needs {n_special} '
             f'special token(s) (BOS/EOS) and at least {min_content} more')
     return Setup(inputs=resolved, tokenizer=tok, info=info, token_dtype=token_dtype_for(info.vocab_size),
-                 bos_id=bos_id, eos_id=eos_id, workers=options.workers or default_workers())
+                 bos_id=bos_id, eos_id=eos_id, workers=options.workers or default_workers(),
+                 output=output, remote=remote)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from foundrymix.convert.common import ConvertOptions, Setup, prepare
+from foundrymix.convert.paths import OutSpec
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
 from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_records
@@ -132,29 +133,35 @@ class Converter:
     min_content: int = 1
 
 
-def convert(converter: Converter, inputs: list[str], out: str, options: ConvertOptions) -> Manifest:
-    """Check everything, convert ``inputs`` to shards plus manifest in ``out``, print the summary."""
+def convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
+    """Check everything, convert ``inputs`` to shards plus manifest in ``out``, print the summary.
+
+    ``out``: a local directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair
+    (see :func:`foundrymix.convert.paths.split_out`).
+    """
     setup = prepare(inputs, out, options, min_content=converter.min_content)
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
                         tokenizer=setup.info, inputs=setup.inputs,
                         options=converter.manifest_options(options, setup))
     if options.engine == 'ray':  # tasks on a Ray cluster; the rest of this module is reused
         from foundrymix.convert import ray_engine
-        seconds, builder = ray_engine.run(converter, setup, out, options, manifest), None
+        seconds, builder = ray_engine.run(converter, setup, setup.output.local, options, manifest), None
+        uploaded = None
     else:
-        seconds, builder = run(converter, setup, out, options, manifest)
+        seconds, builder, uploaded = run(converter, setup, options, manifest)
     if options.progress:
-        print_summary(manifest, out, seconds,
-                      fit_95=builder.fit_length(0.95) if builder is not None else None)
+        print_summary(manifest, str(setup.output), seconds,
+                      fit_95=builder.fit_length(0.95) if builder is not None else None, uploaded=uploaded)
     return manifest
 
 
-def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions,
-        manifest: Manifest) -> tuple[float, RowBuilder]:
+def run(converter: Converter, setup: Setup, options: ConvertOptions,
+        manifest: Manifest) -> tuple[float, RowBuilder, Optional[str]]:
     """Stream chunks through the workers, build rows, write shards, fill ``manifest``.
 
-    Returns the seconds spent and the row builder. The output appears only if everything
-    succeeded.
+    Writes to ``setup.output`` (uploading to ``setup.remote`` as shards are finished).
+    Returns the seconds spent, the row builder and the upload summary (objects, bytes,
+    retries; None without upload). The output appears only if everything succeeded.
     """
     builder = converter.builder(setup, options, manifest)
     lines = LineCounter()
@@ -163,9 +170,10 @@ def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions,
     chunks = plan_chunks(setup.inputs, options.chunk_bytes)
     with ordered_map(converter.encode_chunk, chunks, setup.workers, init_worker, initargs,
                      mode=options.parallel or converter.parallel) as results, \
-            ShardWriter(out, options.max_seq_len, setup.token_dtype, overwrite=options.overwrite,
-                        compression=options.compression, size_limit=options.size_limit,
-                        hashes=options.hash_algorithms) as writer:
+            ShardWriter(setup.output.local, options.max_seq_len, setup.token_dtype,
+                        overwrite=options.overwrite, compression=options.compression,
+                        size_limit=options.size_limit, hashes=options.hash_algorithms,
+                        remote=setup.remote) as writer:
         try:
             for chunk, res in results:
                 apply_error_policy(chunk, res.errors, lines.first_line(chunk, res.n_lines),
@@ -184,4 +192,4 @@ def run(converter: Converter, setup: Setup, out: str, options: ConvertOptions,
             raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
         builder.close()
         writer.finish(manifest)
-    return seconds, builder
+    return seconds, builder, writer.upload_summary

@@ -38,6 +38,7 @@ import numpy as np
 
 from foundrymix.convert.chat import Segments, chat_segments
 from foundrymix.convert.common import ConvertOptions, Setup
+from foundrymix.convert.paths import OutSpec
 from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records, worker_state
 from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
@@ -234,8 +235,9 @@ FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chun
                      builder=_FinetuneRows, manifest_options=_manifest_options, min_content=2)
 
 
-def convert_finetune(inputs: list[str], out: str, options: FinetuneOptions) -> Manifest:
-    """Convert finetuning data in ``inputs`` to MDS shards plus manifest in ``out``."""
+def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions) -> Manifest:
+    """Convert finetuning data in ``inputs`` to MDS shards plus manifest in ``out`` (a local
+    directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair)."""
     if options.too_long not in TOO_LONG:
         raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {options.too_long!r}")
     if options.chat_loss not in CHAT_LOSS:

@@ -6,10 +6,13 @@ Why: ``--overwrite`` deletes the output directory before publishing the new one.
 symbolic links (``os.path.realpath``), so a link cannot hide the overlap. The checks
 run before any work and hold with or without ``--overwrite``.
 
-Object-store URLs (``s3://...``) are not local paths: ``os.path`` would happily turn
-``s3://bucket/x`` into a local folder ``s3:/bucket/x``. They are refused for ``--out``
-(writing to object stores is not supported yet: convert locally, then upload) and for
-inputs (download first).
+Object-store URLs are not local paths: ``os.path`` would happily turn ``s3://bucket/x``
+into a local folder ``s3:/bucket/x``. So ``--out`` is split first (:func:`split_out`):
+an ``s3://bucket/prefix`` output is uploaded as it is written
+(:mod:`foundrymix.convert.upload`; other schemes are refused), optionally with a local
+copy (``--keep-local DIR``, or the pair ``(DIR, 's3://...')`` in Python, as streaming's
+``MDSWriter(out=(local, remote))``), and only the local directory goes through the
+checks below. Inputs given as URLs are refused (download them first).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 _URL = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
 
@@ -32,11 +36,51 @@ def is_url(path: str) -> bool:
 
 
 def check_out_url(out: str) -> None:
-    """Refuse ``scheme://`` output paths before ``os.path`` turns them into local folders."""
+    """Refuse a ``scheme://`` path as a *local* output directory (see :func:`split_out`)."""
     if is_url(out):
         raise UnsafePathsError(
-            f'--out {out}: writing to object stores is not supported yet; convert to a local '
-            f'directory, then upload it (e.g. `aws s3 sync DIR {out}`)')
+            f'{out}: a URL cannot be the local output directory; give the remote as '
+            f'--out s3://bucket/prefix and the local copy as --keep-local DIR')
+
+
+#: what ``--out`` may be: a local directory, an ``s3://`` prefix, or a (local, remote) pair
+OutSpec = Union[str, tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where a conversion goes: a local directory, an S3 prefix, or both (a local copy)."""
+
+    local: Optional[str]
+    remote: Optional[str]
+
+    def __str__(self) -> str:
+        if self.remote and self.local:
+            return f'{self.remote} (local copy: {self.local})'
+        return self.remote or self.local or ''
+
+
+def split_out(out: OutSpec) -> Output:
+    """``--out`` as given (a string, or a ``(local, remote)`` pair) -> :class:`Output`.
+
+    Only ``s3://`` is supported as a remote; a URL in the local slot is refused.
+    """
+    if isinstance(out, (tuple, list)):
+        if len(out) != 2:
+            raise UnsafePathsError(f'--out {out!r}: expected a local directory, an s3:// prefix '
+                                   f'or a (local directory, s3:// prefix) pair')
+        local, remote = out
+        check_out_url(local)
+        if not is_url(remote):
+            raise UnsafePathsError(f'{remote}: the remote of an output pair must be s3://bucket/prefix')
+    elif is_url(out):
+        local, remote = None, out
+    else:
+        local, remote = out, None
+    if remote is not None and not remote.lower().startswith('s3://'):
+        raise UnsafePathsError(f'--out {remote}: only s3://bucket/prefix is supported as a remote output; '
+                               f'for another store convert to a local directory, then copy it')
+    return Output(local=local, remote=remote)
 
 
 def check_input_urls(specs: Sequence[str]) -> None:

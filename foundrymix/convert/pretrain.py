@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from foundrymix.convert.common import ConvertOptions, Setup
+from foundrymix.convert.paths import OutSpec
 from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records, worker_state
 from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
@@ -171,8 +172,9 @@ PRETRAIN = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_chu
                      builder=_PretrainRows, manifest_options=_manifest_options)
 
 
-def convert_pretrain(inputs: list[str], out: str, options: PretrainOptions) -> Manifest:
-    """Convert pretraining corpora in ``inputs`` to MDS shards plus manifest in ``out``."""
+def convert_pretrain(inputs: list[str], out: 'OutSpec', options: PretrainOptions) -> Manifest:
+    """Convert pretraining corpora in ``inputs`` to MDS shards plus manifest in ``out`` (a local
+    directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair)."""
     if options.bos is False and not options.eos:
         raise ValueError('--no-bos with --no-eos would join documents with no separator; '
                          'keep at least one of BOS and EOS')

@@ -111,14 +111,17 @@ def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]
     return notes + ([warning] if warning else [])
 
 
-def print_summary(manifest: Manifest, out: str, seconds: float, fit_95: Optional[int] = None) -> None:
+def print_summary(manifest: Manifest, out: str, seconds: float, fit_95: Optional[int] = None,
+                  uploaded: Optional[str] = None) -> None:
     """The table printed at the end of a conversion (on stderr, like the progress bar), then
     plain sentences on what the table cannot say: separators, what was not written, warnings.
 
     ``fit_95``: the example length (tokens) that 95 % of the examples fit in, if known.
+    ``uploaded``: what an ``s3://`` upload did (objects, MB, retries by reason).
     """
     console = Console(file=sys.stderr)
     console.print(manifest_table(manifest, f'foundrymix convert -> {out}', seconds))
-    for note in summary_notes(manifest, fit_95):
+    notes = summary_notes(manifest, fit_95) + ([uploaded[0].upper() + uploaded[1:] + '.'] if uploaded else [])
+    for note in notes:
         style = 'yellow' if note.startswith('warning:') else None
         console.print(note, style=style, soft_wrap=True, markup=False, highlight=False)

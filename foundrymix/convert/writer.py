@@ -8,6 +8,12 @@ one filesystem is atomic). A leftover ``.<name>.partial-<pid>-<tag>`` is obvious
 partial; the next run removes it once its process ``pid`` is gone (a live one may be a
 conversion into the same ``--out`` running right now, and is left alone).
 
+With an ``s3://`` output (:mod:`foundrymix.convert.upload`) the same hidden directory is
+the staging area: each shard is uploaded as soon as it is closed (and, without a local
+copy, deleted once uploaded; the directory then lives in the system temp dir), and
+``foundrymix.json`` and ``index.json`` go up last. With a local copy as well, the local
+directory is published first (it is complete), then the remote metadata.
+
 Shards are hashed into ``index.json`` (``xxh3_64`` by default, fast enough to be free;
 more with ``--hash``), so streaming's ``validate_hash`` can check downloaded shards.
 """
@@ -16,18 +22,21 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import queue
 import re
 import secrets
 import shutil
 import threading
+import tempfile
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from foundrymix.convert.paths import check_out_url
 from foundrymix.convert.pipeline import importing
+from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader, shard_file
 from foundrymix.schema import MANIFEST_NAME, Manifest, mds_columns
 
 if TYPE_CHECKING:
@@ -114,24 +123,34 @@ class ShardWriter:
     the next :meth:`write` or by :meth:`finish`.
     """
 
-    def __init__(self, out: str, max_seq_len: int, token_dtype: str, overwrite: bool = False,
+    def __init__(self, out: Optional[str], max_seq_len: int, token_dtype: str, overwrite: bool = False,
                  compression: Optional[str] = None, size_limit: int | str = '64mb',
-                 hashes: Optional[list[str]] = None) -> None:
-        check_out_url(out)
-        # a symbolic link to a directory: write beside, and replace, its target
-        self.out = os.path.realpath(out)
+                 hashes: Optional[list[str]] = None, remote: Optional[S3Target] = None) -> None:
+        """``out``: the local output directory, or None for an upload-only output (then
+        ``remote``, checked by :func:`~foundrymix.convert.upload.check_remote`, is required)."""
+        assert out is not None or remote is not None, 'no output given'
         self.overwrite = overwrite
-        check_output_dir(self.out, overwrite)
         hashes = [DEFAULT_HASH] if hashes is None else sorted(set(hashes))
         check_hashes(hashes)
-        parent, name = os.path.split(self.out)
-        os.makedirs(parent, exist_ok=True)
+        if out is not None:
+            check_out_url(out)
+            # a symbolic link to a directory: write beside, and replace, its target
+            self.out: Optional[str] = os.path.realpath(out)
+            check_output_dir(self.out, overwrite)
+            parent, name = os.path.split(self.out)
+            os.makedirs(parent, exist_ok=True)
+        else:
+            self.out = None
+            parent = tempfile.gettempdir()
+            name = 'foundrymix-upload-' + re.sub(r'[^A-Za-z0-9_.-]+', '_', str(remote.url)[5:])
         remove_stale_partials(parent, name)
         # the tag keeps two writers of one process (threads, notebooks) apart
         self.partial = os.path.join(parent, f'.{name}.partial-{os.getpid()}-{secrets.token_hex(4)}')
         self.rows = 0
+        self._submitted = 0
         self.finished = False
         self._writer: Optional['MDSWriter'] = None
+        self._uploader = None if remote is None else Uploader(remote, self.partial, keep_local=out is not None)
         self._error: Optional[BaseException] = None
         self._closed = False
         self._lock = threading.Lock()  # orders creating the MDSWriter against abort()
@@ -159,12 +178,25 @@ class ShardWriter:
                 row = self._queue.get()
                 if row is _FINISH:
                     self._writer.finish()
+                    self._upload_new_shards()
                     return
                 if row is None:  # abort
                     return
                 self._writer.write(row)
+                self._upload_new_shards()
         except BaseException as e:  # handed to the caller's thread
             self._error = e
+
+    def _upload_new_shards(self) -> None:
+        """Hand the shards the MDS writer has closed since the last call to the uploader
+        (``MDSWriter.shards`` gets an entry once its file is written); blocks while the
+        uploader is too far behind, which in turn holds back :meth:`write`."""
+        if self._uploader is None:
+            return
+        shards = self._writer.shards
+        while self._submitted < len(shards):
+            self._uploader.submit(shard_file(shards[self._submitted]))
+            self._submitted += 1
 
     def _put(self, item: Any) -> None:
         while True:
@@ -200,9 +232,38 @@ class ShardWriter:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
-        self._publish()
+        if self._uploader is None:
+            self._publish()
+        else:
+            self._finish_upload()
         self.finished = True
-        return self.out
+        return self.out or str(self._uploader.url)
+
+    def _finish_upload(self) -> None:
+        """Wait for the shard uploads, publish the local copy (if kept), then upload the
+        manifest and index last; without a local copy the staging directory goes."""
+        uploader = self._uploader
+        with open(os.path.join(self.partial, INDEX_NAME), encoding='utf-8') as f:
+            shard_files = {shard_file(s) for s in json.load(f)['shards']}
+        uploader.drain()
+        if self.out is not None:
+            self._publish()
+            uploader.local = self.out
+        try:
+            uploader.finish(shard_files)
+        except Exception as e:
+            if self.out is not None:
+                raise RemoteOutputError(
+                    f'{e}\nThe local copy {self.out} is complete; upload it later, e.g. '
+                    f'`aws s3 sync --exclude index.json {self.out} {uploader.url}`, then index.json') from e
+            raise
+        if self.out is None:
+            shutil.rmtree(self.partial, ignore_errors=True)
+
+    @property
+    def upload_summary(self) -> Optional[str]:
+        """What the upload did (objects, MB, retries), once finished; None without upload."""
+        return None if self._uploader is None else self._uploader.summary()
 
     def _publish(self) -> None:
         """Move the partial directory into place, re-checking ``out`` first.
@@ -237,6 +298,8 @@ class ShardWriter:
             shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
+        if self._uploader is not None:
+            self._uploader.stop()  # a writer thread waiting to hand over a shard gives up
         with self._lock:
             self._closed = True
             started = self._writer is not None
@@ -250,6 +313,8 @@ class ShardWriter:
             self._queue.put(None)
             self._thread.join()
         self._writer = None
+        if self._uploader is not None:
+            self._uploader.abort()
         shutil.rmtree(self.partial, ignore_errors=True)
 
     def __enter__(self) -> 'ShardWriter':

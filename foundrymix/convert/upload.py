@@ -1,0 +1,430 @@
+"""Upload a conversion to ``s3://bucket/prefix`` so that a reader never sees half a dataset.
+
+Why this order: readers (streaming, ``foundrymix inspect|verify|plan``) take a prefix as a
+dataset once ``index.json`` is there. So shards are uploaded while the conversion runs,
+each as soon as the shard writer has closed it, then ``foundrymix.json``, and
+``index.json`` last of all. A conversion that fails or is killed before that leaves no
+index at the prefix; on a failure this process can still report, it also deletes what it
+uploaded (best effort: an endpoint that stopped answering cannot be cleaned).
+
+Replacing a dataset (``--overwrite``): the old ``index.json`` and ``foundrymix.json`` are
+deleted *before* the first new shard is uploaded (new shards may reuse old shard names,
+and a reader must never pair the old index with new shards), and old shards that the new
+dataset does not reuse are deleted only after the new index is up. Only objects listed in
+the old index are ever deleted, plus objects this conversion or an interrupted earlier
+one wrote (each upload carries the metadata ``foundrymix-writer``); anything else at the
+prefix is the user's and is left alone.
+
+What is refused up front, before any tokenizing: a bucket that does not exist or cannot
+be read, credentials S3 rejects, an endpoint that does not answer (each naming the URL
+and S3's error code); a prefix that holds a dataset (``index.json`` or
+``foundrymix.json``) or any other object, unless ``--overwrite``; and, even with
+``--overwrite``, a prefix holding objects named like shards (``shard.NNNNN.mds...``,
+``task-NNNNN/...``) that foundrymix did not write, since a new shard could replace them.
+
+Why boto3 and not streaming's ``S3Uploader``: that uploader retries with its own loop,
+hides the attempts, uploads ``index.json`` inside ``MDSWriter.finish`` (before our
+manifest, and even after a failed shard upload has only been logged), and has no notion
+of replacing a dataset safely. Here one boto3 client (thread-safe) uses botocore's
+``standard`` retry mode (exponential backoff with jitter on throttling such as 503
+``SlowDown``, 5xx, connection resets and timeouts; ``AWS_MAX_ATTEMPTS`` sets the attempts,
+default 8), and a ``needs-retry`` event handler counts every failed attempt by reason, so
+the summary can say how many retries the upload took. Credentials and endpoint are found
+as streaming finds them: boto3's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``AWS_PROFILE``, ``~/.aws``, instance roles) and ``S3_ENDPOINT_URL`` for S3-compatible
+stores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from foundrymix.schema import MANIFEST_NAME
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = 'index.json'
+#: S3 object metadata set on every object a conversion uploads (``x-amz-meta-foundrymix-writer``)
+WRITER_META = {'foundrymix-writer': 'convert'}
+#: object names a conversion writes besides the metadata files
+_SHARD_NAME = re.compile(r'^(task-\d+/)?shard\.\d+\.mds(\.[A-Za-z0-9:_-]+)?$')
+#: shard uploads in flight at once, and shards finished but not yet uploaded that the
+#: shard writer may get ahead by (so local disk holds at most about this many shards)
+UPLOAD_THREADS = 4
+MAX_PENDING = 2 * UPLOAD_THREADS
+DEFAULT_ATTEMPTS = 8
+
+
+class RemoteOutputError(ValueError):
+    """The S3 output prefix cannot be written (named, with the S3 error code), or is not empty."""
+
+
+@dataclass(frozen=True)
+class S3Url:
+    """``s3://bucket/prefix``; ``prefix`` without leading or trailing slashes ('' = bucket root)."""
+
+    bucket: str
+    prefix: str
+
+    def key(self, name: str) -> str:
+        return f'{self.prefix}/{name}' if self.prefix else name
+
+    def url(self, name: str = '') -> str:
+        key = self.key(name) if name else self.prefix
+        return f's3://{self.bucket}/{key}'.rstrip('/')
+
+    def __str__(self) -> str:
+        return self.url()
+
+
+def parse_s3_url(url: str) -> S3Url:
+    """Split ``s3://bucket/prefix``; other schemes are refused (only S3 uploads are supported)."""
+    scheme, sep, rest = url.partition('://')
+    if not sep or scheme.lower() != 's3':
+        raise RemoteOutputError(f'--out {url}: only s3://bucket/prefix is supported as a remote output '
+                                f'(for another store, convert to a local directory and copy it)')
+    bucket, _, prefix = rest.partition('/')
+    if not bucket:
+        raise RemoteOutputError(f'--out {url}: no bucket name (expected s3://bucket/prefix)')
+    return S3Url(bucket, prefix.strip('/'))
+
+
+def error_code(error: BaseException) -> str:
+    """S3's error code (``NoSuchBucket``, ``InvalidAccessKeyId``, ``SlowDown``...), or the
+    exception's class name for errors below HTTP (connection refused, timeouts)."""
+    response = getattr(error, 'response', None)
+    if isinstance(response, dict):
+        code = response.get('Error', {}).get('Code')
+        if code:
+            return str(code)
+    return type(error).__name__
+
+
+def _hint(code: str) -> str:
+    if code in ('NoSuchBucket', '404', 'NotFound'):
+        return 'check the bucket name and the endpoint (S3_ENDPOINT_URL)'
+    if code in ('InvalidAccessKeyId', 'SignatureDoesNotMatch', 'AccessDenied', '403', 'Forbidden',
+                'NoCredentialsError', 'PartialCredentialsError', 'ExpiredToken'):
+        return ('check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) '
+                'and that they may list, read, write and delete under this prefix')
+    return 'check that the endpoint is up and reachable (S3_ENDPOINT_URL, network, proxy settings)'
+
+
+def describe(action: str, url: str, error: BaseException) -> str:
+    """One message naming the URL, what was attempted, S3's error code and what to check."""
+    code = error_code(error)
+    return f'{url}: {action} failed ({code}: {error}); {_hint(code)}'
+
+
+@dataclass
+class RetryCounter:
+    """Failed attempts botocore retried, by reason (S3 error code, HTTP status, exception).
+
+    Counted in a ``needs-retry`` handler, which botocore calls after every attempt; an
+    attempt counts when it raised (reset, timeout) or got a 5xx/429 answer. The last failed
+    attempt of a request that fails for good is counted too, but then the upload fails.
+    """
+
+    reasons: Counter = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, response: Any = None, caught_exception: Optional[BaseException] = None,
+                 **_: Any) -> None:
+        reason = None
+        if caught_exception is not None:
+            reason = type(caught_exception).__name__
+        elif response is not None:
+            http, parsed = response
+            if http.status_code >= 500 or http.status_code == 429:
+                reason = (parsed or {}).get('Error', {}).get('Code') or f'HTTP {http.status_code}'
+        if reason is not None:
+            with self._lock:
+                self.reasons[reason] += 1
+        return None  # never decides whether to retry: botocore's own handler does
+
+    @property
+    def total(self) -> int:
+        return sum(self.reasons.values())
+
+    def summary(self) -> str:
+        if not self.total:
+            return 'no retries'
+        parts = ', '.join(f'{reason} {n}' for reason, n in sorted(self.reasons.items()))
+        return f'{self.total} retries ({parts})'
+
+
+def make_client(retries: RetryCounter, max_attempts: Optional[int] = None,
+                connect_timeout: float = 10, read_timeout: float = 60) -> Any:
+    """A boto3 S3 client with standard retries, bounded timeouts and the retry counter."""
+    import boto3
+    from botocore.config import Config
+
+    if max_attempts is None:
+        max_attempts = int(os.environ.get('AWS_MAX_ATTEMPTS') or DEFAULT_ATTEMPTS)
+    config = Config(retries={'mode': 'standard', 'max_attempts': max_attempts},
+                    connect_timeout=connect_timeout, read_timeout=read_timeout,
+                    max_pool_connections=UPLOAD_THREADS + 4)
+    client = boto3.session.Session().client('s3', config=config,
+                                            endpoint_url=os.environ.get('S3_ENDPOINT_URL') or None)
+    client.meta.events.register('needs-retry.s3', retries)
+    return client
+
+
+def _list_keys(client: Any, url: S3Url) -> list[str]:
+    """Every key under the prefix, relative to it (the prefix as a folder: ``prefix/``)."""
+    start = f'{url.prefix}/' if url.prefix else ''
+    names = []
+    for page in client.get_paginator('list_objects_v2').paginate(Bucket=url.bucket, Prefix=start):
+        names.extend(obj['Key'][len(start):] for obj in page.get('Contents', []))
+    return names
+
+
+def index_files(index: dict[str, Any]) -> set[str]:
+    """The shard files an ``index.json`` lists (raw and zip data, relative to the dataset)."""
+    names = set()
+    for shard in index.get('shards', []):
+        for key in ('raw_data', 'zip_data'):
+            if shard.get(key):
+                names.add(shard[key]['basename'])
+    return names
+
+
+def shard_file(shard: dict[str, Any]) -> str:
+    """The one file ``MDSWriter`` writes for an index entry (the compressed one if any)."""
+    return (shard.get('zip_data') or shard['raw_data'])['basename']
+
+
+@dataclass
+class Preflight:
+    """What the prefix held when the conversion started, and what it may replace."""
+
+    url: S3Url
+    old_metadata: list[str]  # index.json / foundrymix.json present (deleted first on overwrite)
+    replaceable: set[str]  # shard files of the old index, and leftovers foundrymix wrote
+    foreign: int  # objects left alone
+
+
+def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
+    """Check the bucket and prefix before any work; refuse what must not be written over."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        keys = _list_keys(client, url)  # a LIST, not HEAD: its error body names S3's code
+    except (ClientError, BotoCoreError) as e:
+        raise RemoteOutputError(describe(f'checking bucket {url.bucket!r}', str(url), e)) from e
+    metadata = [n for n in (INDEX_NAME, MANIFEST_NAME) if n in keys]
+    if keys and not overwrite:
+        what = (f'holds a dataset ({", ".join(metadata)})' if metadata else
+                f'is not empty ({len(keys)} object(s), e.g. {sorted(keys)[0]!r}; leftovers of an '
+                f'interrupted conversion have no index.json)')
+        raise RemoteOutputError(f'--out {url}: the prefix {what}; pass --overwrite to replace it '
+                                f'(only objects foundrymix wrote are ever deleted), or choose another prefix')
+    listed: set[str] = set()
+    if INDEX_NAME in keys:
+        try:
+            body = client.get_object(Bucket=url.bucket, Key=url.key(INDEX_NAME))['Body'].read()
+            listed = index_files(json.loads(body))
+        except (ClientError, BotoCoreError) as e:
+            raise RemoteOutputError(describe('reading the old index', url.url(INDEX_NAME), e)) from e
+        except (ValueError, KeyError, TypeError) as e:
+            raise RemoteOutputError(f'{url.url(INDEX_NAME)}: the old index is not valid JSON of an MDS '
+                                    f'index ({e}); remove it yourself if the prefix may be replaced') from e
+    replaceable = {k for k in keys if k in listed}
+    foreign = 0
+    for key in keys:
+        if key in listed or key in metadata:
+            continue
+        if _SHARD_NAME.match(key):
+            try:
+                meta = client.head_object(Bucket=url.bucket, Key=url.key(key)).get('Metadata', {})
+            except (ClientError, BotoCoreError) as e:
+                raise RemoteOutputError(describe('reading object metadata', url.url(key), e)) from e
+            if meta.get('foundrymix-writer') != WRITER_META['foundrymix-writer']:
+                raise RemoteOutputError(
+                    f'--out {url}: {url.url(key)} is named like a shard but is neither listed in an '
+                    f'index.json there nor written by foundrymix; a new shard could replace it. Move '
+                    f'it, or choose another prefix')
+            replaceable.add(key)  # left by an interrupted conversion
+        else:
+            foreign += 1
+    return Preflight(url=url, old_metadata=metadata, replaceable=replaceable, foreign=foreign)
+
+
+def check_remote(url: str, overwrite: bool) -> 'S3Target':
+    """Parse ``url``, connect, and check the prefix (before any tokenizing)."""
+    parsed = parse_s3_url(url)
+    retries = RetryCounter()
+    client = make_client(retries)
+    # the up-front check fails fast: few attempts, short timeouts (an endpoint that
+    # never answers is reported after about 3 x 10 s, not minutes)
+    quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10)
+    return S3Target(preflight(parsed, overwrite, quick), client, quick, retries)
+
+
+@dataclass
+class S3Target:
+    """A checked output prefix with its clients (uploads; quick checks and clean-up) and
+    retry counter."""
+
+    checked: Preflight
+    client: Any
+    quick: Any
+    retries: RetryCounter
+
+    @property
+    def url(self) -> S3Url:
+        return self.checked.url
+
+
+class Uploader:
+    """Uploads finished shards from ``local`` in the background, then the metadata last.
+
+    :meth:`submit` hands over one shard file (relative name); it blocks while
+    ``MAX_PENDING`` shards wait, so the local disk holds a bounded number of shards.
+    Without ``keep_local`` a shard's local file is deleted once S3 has confirmed it.
+    :meth:`finish` waits for every shard, uploads ``foundrymix.json`` then ``index.json``,
+    then deletes old shards the new dataset did not replace. :meth:`abort` stops and
+    deletes this run's objects. The first upload error stops everything: the next
+    :meth:`submit` or :meth:`finish` raises it.
+    """
+
+    def __init__(self, target: S3Target, local: str, keep_local: bool) -> None:
+        self.target = target
+        self.local = local
+        self.keep_local = keep_local
+        self.uploaded: list[str] = []
+        self.bytes = 0
+        self.seconds = 0.0
+        self._started = False
+        self.published = False  # index.json of this conversion is up
+        self.removed = 0
+        self._slots = threading.BoundedSemaphore(MAX_PENDING)
+        self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix='foundrymix-upload')
+        self._futures: list[Future] = []
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+
+    @property
+    def url(self) -> S3Url:
+        return self.target.url
+
+    def _start(self) -> None:
+        """Before the first upload: take the old dataset's index and manifest away."""
+        if self._started:
+            return
+        self._started = True
+        for name in self.target.checked.old_metadata:  # index.json first: streaming's marker
+            self._call('deleting the old dataset\'s', name, self.target.client.delete_object,
+                       Bucket=self.url.bucket, Key=self.url.key(name))
+        logger.info('%s: removed the old %s before uploading', self.url,
+                    ' and '.join(self.target.checked.old_metadata) or 'nothing')
+
+    def _call(self, action: str, name: str, fn: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            return fn(**kwargs)
+        except (ClientError, BotoCoreError) as e:
+            raise RemoteOutputError(describe(f'{action} {name}', self.url.url(name), e)) from e
+
+    def _put(self, name: str) -> None:
+        path = os.path.join(self.local, name)
+        size = os.path.getsize(path)
+        with open(path, 'rb') as f:
+            self._call('uploading', name, self.target.client.put_object, Bucket=self.url.bucket,
+                       Key=self.url.key(name), Body=f, ContentLength=size, Metadata=WRITER_META)
+        with self._lock:
+            self.uploaded.append(name)
+            self.bytes += size
+
+    def _upload_shard(self, name: str) -> None:
+        try:
+            if self._error is None:
+                self._put(name)
+                if not self.keep_local:
+                    os.remove(os.path.join(self.local, name))
+        except BaseException as e:
+            with self._lock:
+                if self._error is None:
+                    self._error = e
+        finally:
+            self._slots.release()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, name: str) -> None:
+        """Upload shard file ``name`` (relative to ``local``) in the background."""
+        self.raise_error()
+        self._start()
+        while not self._slots.acquire(timeout=0.1):
+            self.raise_error()
+        self._futures.append(self._pool.submit(self._upload_shard, name))
+
+    def drain(self) -> None:
+        """Wait until every submitted shard is uploaded (raises the first upload error)."""
+        self._start()
+        for fut in self._futures:
+            fut.result()
+        self.raise_error()
+        self._pool.shutdown(wait=True)
+
+    def stop(self) -> None:
+        """Make every later :meth:`submit` raise, and queued shards be skipped."""
+        with self._lock:
+            if self._error is None:
+                self._error = RuntimeError('upload aborted')
+
+    def finish(self, shard_files: set[str]) -> None:
+        """After :meth:`drain`: upload ``foundrymix.json`` then ``index.json`` from ``local``,
+        then delete old shards the new dataset did not replace."""
+        self.drain()
+        missing = shard_files - set(self.uploaded)
+        assert not missing, f'shards never handed to the uploader: {sorted(missing)}'
+        self._put(MANIFEST_NAME)
+        self._put(INDEX_NAME)  # from here on readers see the new dataset
+        self.published = True
+        stale = sorted(self.target.checked.replaceable - shard_files)
+        for name in stale:
+            try:
+                self.target.client.delete_object(Bucket=self.url.bucket, Key=self.url.key(name))
+            except Exception as e:  # noqa: BLE001 - the new dataset is complete; say what is left
+                logger.warning('%s', describe('removing the old shard', self.url.url(name), e))
+        self.seconds = time.perf_counter() - self._t0
+        self.removed = len(stale)
+        logger.info('%s', self.summary())
+
+    def summary(self) -> str:
+        """Objects and MB uploaded, MB/s since the start, retries by reason, old shards removed."""
+        mb = self.bytes / 1e6
+        rate = f', {mb / self.seconds:.1f} MB/s' if self.seconds > 0 else ''
+        removed = f'; removed {self.removed} old shard file(s)' if self.removed else ''
+        return (f'uploaded {len(self.uploaded)} objects ({mb:,.1f} MB{rate}) to {self.url}: '
+                f'{self.target.retries.summary()}{removed}')
+
+    def abort(self) -> None:
+        """Stop uploading and delete what this run uploaded, index and manifest first (best effort)."""
+        self.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.published:
+            return
+        with self._lock:
+            names = sorted(self.uploaded, key=lambda n: (n != INDEX_NAME, n != MANIFEST_NAME, n))
+        for name in names:
+            try:
+                self.target.quick.delete_object(Bucket=self.url.bucket, Key=self.url.key(name))
+            except Exception as e:  # noqa: BLE001 - the original error matters more
+                logger.warning('%s', describe('removing this conversion\'s', self.url.url(name), e))
+                if name in (INDEX_NAME, MANIFEST_NAME):
+                    continue
+                break  # the endpoint is likely gone; the prefix has no index either way
