@@ -138,7 +138,7 @@ def _out(args: argparse.Namespace) -> Any:
     if args.keep_local is None:
         return args.out
     if not is_url(args.out):
-        raise SystemExit(f'--keep-local {args.keep_local}: only with --out s3://bucket/prefix '
+        raise ValueError(f'--keep-local {args.keep_local}: only with --out s3://bucket/prefix '
                          f'(--out {args.out} is already local)')
     return (args.keep_local, args.out)
 
