@@ -156,6 +156,257 @@ class RetryCounter:
         return sum(self.reasons.values())
 
     def summary(self) -> str:
+        if not self.total:
+            return 'no retries'
+        parts = ', '.join(f'{reason} {n}' for reason, n in sorted(self.reasons.items()))
+        return f'{self.total} retries ({parts})'
+
+
+def make_client(retries: RetryCounter, max_attempts: Optional[int] = None,
+                connect_timeout: float = 10, read_timeout: float = 60) -> Any:
+    """A boto3 S3 client with standard retries, bounded timeouts and the retry counter."""
+    import boto3
+    from botocore.config import Config
+
+    if max_attempts is None:
+        max_attempts = int(os.environ.get('AWS_MAX_ATTEMPTS') or DEFAULT_ATTEMPTS)
+    config = Config(retries={'mode': 'standard', 'total_max_attempts': max_attempts},
+                    connect_timeout=connect_timeout, read_timeout=read_timeout,
+                    max_pool_connections=UPLOAD_THREADS + 4)
+    client = boto3.session.Session().client('s3', config=config,
+                                            endpoint_url=os.environ.get('S3_ENDPOINT_URL') or None)
+    client.meta.events.register('needs-retry.s3', retries)
+    return client
+
+
+def _list_keys(client: Any, url: S3Url) -> list[str]:
+    """Every key under the prefix, relative to it (the prefix as a folder: ``prefix/``)."""
+    start = f'{url.prefix}/' if url.prefix else ''
+    names = []
+    for page in client.get_paginator('list_objects_v2').paginate(Bucket=url.bucket, Prefix=start):
+        names.extend(obj['Key'][len(start):] for obj in page.get('Contents', []))
+    return names
+
+
+def index_files(index: dict[str, Any]) -> set[str]:
+    """The shard files an ``index.json`` lists (raw and zip data, relative to the dataset)."""
+    names = set()
+    for shard in index.get('shards', []):
+        for key in ('raw_data', 'zip_data'):
+            if shard.get(key):
+                names.add(shard[key]['basename'])
+    return names
+
+
+def shard_file(shard: dict[str, Any]) -> str:
+    """The one file ``MDSWriter`` writes for an index entry (the compressed one if any)."""
+    return (shard.get('zip_data') or shard['raw_data'])['basename']
+
+
+@dataclass
+class Preflight:
+    """What the prefix held when the conversion started, and what it may replace."""
+
+    url: S3Url
+    old_metadata: list[str]  # index.json / foundrymix.json present (deleted first on overwrite)
+    replaceable: set[str]  # shard files of the old index, and leftovers foundrymix wrote
+    foreign: int  # objects left alone
+
+
+def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
+    """Check the bucket and prefix before any work; refuse what must not be written over."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        keys = _list_keys(client, url)  # a LIST, not HEAD: its error body names S3's code
+    except (ClientError, BotoCoreError) as e:
+        raise RemoteOutputError(describe('listing the prefix', str(url), e)) from e
+    metadata = [n for n in (INDEX_NAME, MANIFEST_NAME) if n in keys]
+    if keys and not overwrite:
+        what = (f'holds a dataset ({", ".join(metadata)})' if metadata else
+                f'is not empty ({len(keys)} object(s), e.g. {sorted(keys)[0]!r}; leftovers of an '
+                f'interrupted conversion have no index.json)')
+        raise RemoteOutputError(f'--out {url}: the prefix {what}; pass --overwrite to replace it '
+                                f'(only objects foundrymix wrote are ever deleted), or choose another prefix')
+    listed: set[str] = set()
+    if INDEX_NAME in keys:
+        try:
+            body = client.get_object(Bucket=url.bucket, Key=url.key(INDEX_NAME))['Body'].read()
+            listed = index_files(json.loads(body))
+        except (ClientError, BotoCoreError) as e:
+            raise RemoteOutputError(describe('reading the old index', url.url(INDEX_NAME), e)) from e
+        except (ValueError, KeyError, TypeError) as e:
+            raise RemoteOutputError(f'{url.url(INDEX_NAME)}: the old index is not valid JSON of an MDS '
+                                    f'index ({e}); remove it yourself if the prefix may be replaced') from e
+    replaceable = {k for k in keys if k in listed}
+    foreign = 0
+    for key in keys:
+        if key in listed or key in metadata:
+            continue
+        if _SHARD_NAME.match(key):
+            try:
+                meta = client.head_object(Bucket=url.bucket, Key=url.key(key)).get('Metadata', {})
+            except (ClientError, BotoCoreError) as e:
+                raise RemoteOutputError(describe('reading object metadata', url.url(key), e)) from e
+            if meta.get('foundrymix-writer') != WRITER_META['foundrymix-writer']:
+                raise RemoteOutputError(
+                    f'--out {url}: {url.url(key)} is named like a shard but is neither listed in an '
+                    f'index.json there nor written by foundrymix; a new shard could replace it. Move '
+                    f'it, or choose another prefix')
+            replaceable.add(key)  # left by an interrupted conversion
+        else:
+            foreign += 1
+    return Preflight(url=url, old_metadata=metadata, replaceable=replaceable, foreign=foreign)
+
+
+def check_remote(url: str, overwrite: bool) -> 'S3Target':
+    """Parse ``url``, connect, and check the prefix (before any tokenizing)."""
+    parsed = parse_s3_url(url)
+    retries = RetryCounter()
+    client = make_client(retries)
+    # the up-front check fails fast: few attempts, short timeouts (an endpoint that
+    # never answers is reported after about 3 x 10 s, not minutes)
+    quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10)
+    return S3Target(preflight(parsed, overwrite, quick), client, quick, retries)
+
+
+@dataclass
+class S3Target:
+    """A checked output prefix with its clients (uploads; quick checks and clean-up) and
+    retry counter."""
+
+    checked: Preflight
+    client: Any
+    quick: Any
+    retries: RetryCounter
+
+    @property
+    def url(self) -> S3Url:
+        return self.checked.url
+
+
+class Uploader:
+    """Uploads finished shards from ``local`` in the background, then the metadata last.
+
+    :meth:`submit` hands over one shard file (relative name); it blocks while
+    ``MAX_PENDING`` shards wait, so the local disk holds a bounded number of shards.
+    Without ``keep_local`` a shard's local file is deleted once S3 has confirmed it.
+    :meth:`finish` waits for every shard, uploads ``foundrymix.json`` then ``index.json``,
+    then deletes old shards the new dataset did not replace. :meth:`abort` stops and
+    deletes this run's objects. The first upload error stops everything: the next
+    :meth:`submit` or :meth:`finish` raises it.
+    """
+
+    def __init__(self, target: S3Target, local: str, keep_local: bool) -> None:
+        self.target = target
+        self.local = local
+        self.keep_local = keep_local
+        self.uploaded: list[str] = []
+        self.bytes = 0
+        self.seconds = 0.0
+        self._started = False
+        self.published = False  # index.json of this conversion is up
+        self.removed = 0
+        self._slots = threading.BoundedSemaphore(MAX_PENDING)
+        self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix='foundrymix-upload')
+        self._futures: list[Future] = []
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+
+    @property
+    def url(self) -> S3Url:
+        return self.target.url
+
+    def _start(self) -> None:
+        """Before the first upload: take the old dataset's index and manifest away."""
+        if self._started:
+            return
+        self._started = True
+        self._t0 = time.perf_counter()
+        for name in self.target.checked.old_metadata:  # index.json first: streaming's marker
+            self._call('deleting the old dataset\'s', name, self.target.client.delete_object,
+                       Bucket=self.url.bucket, Key=self.url.key(name))
+        if self.target.checked.old_metadata:
+            logger.info('%s: removed the old %s before uploading', self.url,
+                        ' and '.join(self.target.checked.old_metadata))
+
+    def _call(self, action: str, name: str, fn: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            return fn(**kwargs)
+        except (ClientError, BotoCoreError) as e:
+            raise RemoteOutputError(describe(f'{action} {name}', self.url.url(name), e)) from e
+
+    def _put(self, name: str) -> None:
+        path = os.path.join(self.local, name)
+        size = os.path.getsize(path)
+        with open(path, 'rb') as f:
+            self._call('uploading', name, self.target.client.put_object, Bucket=self.url.bucket,
+                       Key=self.url.key(name), Body=f, ContentLength=size, Metadata=WRITER_META)
+        with self._lock:
+            self.uploaded.append(name)
+            self.bytes += size
+
+    def _upload_shard(self, name: str) -> None:
+        try:
+            if self._error is None:
+                self._put(name)
+                if not self.keep_local:
+                    os.remove(os.path.join(self.local, name))
+        except BaseException as e:
+            with self._lock:
+                if self._error is None:
+                    self._error = e
+        finally:
+            self._slots.release()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, name: str) -> None:
+        """Upload shard file ``name`` (relative to ``local``) in the background."""
+        self.raise_error()
+        self._start()
+        while not self._slots.acquire(timeout=0.1):
+            self.raise_error()
+        self._futures.append(self._pool.submit(self._upload_shard, name))
+
+    def drain(self) -> None:
+        """Wait until every submitted shard is uploaded (raises the first upload error)."""
+        self._start()
+        for fut in self._futures:
+            fut.result()
+        self.raise_error()
+        self._pool.shutdown(wait=True)
+
+    def stop(self) -> None:
+        """Make every later :meth:`submit` raise, and queued shards be skipped."""
+        with self._lock:
+            if self._error is None:
+                self._error = RuntimeError('upload aborted')
+
+    def finish(self, shard_files: set[str]) -> None:
+        """After :meth:`drain`: upload ``foundrymix.json`` then ``index.json`` from ``local``,
+        then delete old shards the new dataset did not replace."""
+        self.drain()
+        missing = shard_files - set(self.uploaded)
+        assert not missing, f'shards never handed to the uploader: {sorted(missing)}'
+        self._put(MANIFEST_NAME)
+        self._put(INDEX_NAME)  # from here on readers see the new dataset
+        self.published = True
+        stale = sorted(self.target.checked.replaceable - shard_files)
+        for name in stale:
+            try:
+                self.target.client.delete_object(Bucket=self.url.bucket, Key=self.url.key(name))
+            except Exception as e:  # noqa: BLE001 - the new dataset is complete; say what is left
+                logger.warning('%s', describe('removing the old shard', self.url.url(name), e))
+        self.seconds = time.perf_counter() - self._t0
+        self.removed = len(stale)
+        logger.info('%s', self.summary())
+
+    def summary(self) -> str:
         """Objects and MB uploaded, seconds from the first shard handed over to the index
         uploaded (the upload overlaps the conversion), retries by reason, old shards removed."""
         removed = f'; removed {self.removed} old shard file(s)' if self.removed else ''

@@ -28,8 +28,8 @@ import queue
 import re
 import secrets
 import shutil
-import threading
 import tempfile
+import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
