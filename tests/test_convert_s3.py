@@ -172,11 +172,14 @@ def test_existing_dataset_is_refused_and_overwrite_deletes_only_what_foundrymix_
     # old index and manifest went before the first new shard, old shards after the new index
     events = [(m, p) for m, p, what in proxy.log if m in ('PUT', 'DELETE')]
     names = [(m, p.split('?')[0].rsplit('/', 1)[-1]) for m, p in events]
-    assert names[:2] == [('DELETE', 'index.json'), ('DELETE', 'foundrymix.json')]
+    # (the old shard list is saved first, for a next --overwrite should this one fail)
+    assert names[:3] == [('PUT', '.foundrymix-replacing.json'), ('DELETE', 'index.json'),
+                         ('DELETE', 'foundrymix.json')]
     last_put = max(i for i, (m, _) in enumerate(names) if m == 'PUT')
     assert names[last_put] == ('PUT', 'index.json')
-    deleted = {n for m, n in names[last_put:] if m == 'DELETE'}
-    assert deleted == old_shards - shard_names(reference['index.json']) and len(deleted) > 5
+    deleted = [n for m, n in names[last_put:] if m == 'DELETE']
+    assert deleted[-1] == '.foundrymix-replacing.json'
+    assert set(deleted[:-1]) == old_shards - shard_names(reference['index.json']) and len(deleted) > 5
 
     # a shard-named object foundrymix did not write is never replaced, even with --overwrite
     s3['client'].put_object(Bucket=BUCKET, Key='run2/shard.09999.mds', Body=b'not ours')
@@ -204,23 +207,34 @@ def test_upload_under_faults_is_bitwise_the_same_and_counts_the_retries(s3, corp
 
 
 @pytest.mark.parametrize('fail_at', ['shard.00003.mds', 'index.json'])
-def test_permanent_error_leaves_no_index(s3, corpus, reference, monkeypatch, tmp_path, fail_at):
-    """503s on every attempt of one PUT: the conversion fails naming the object and the code,
-    removes what it uploaded and leaves no index; a local copy is published only if complete."""
+def test_permanent_error_leaves_no_index_and_overwrite_recovers(s3, corpus, reference, monkeypatch,
+                                                                tmp_path, fail_at):
+    """503s on every attempt of one PUT while replacing a dataset uploaded by other means
+    (``aws s3 sync``: no foundrymix tag): the conversion fails naming the object and the code,
+    removes what it uploaded and leaves no index; a local copy is published only if complete;
+    the next ``--overwrite`` still knows the old shards and finishes the job."""
+    old = {f'{name}' + ('' if name.endswith('.json') else '.old'): blob for name, blob in reference.items()}
+    old['index.json'] = reference['index.json'].replace(b'.mds"', b'.mds.old"')
+    for name, blob in old.items():
+        s3['client'].put_object(Bucket=BUCKET, Key=f'broken/{name}', Body=blob)
     monkeypatch.setenv('AWS_MAX_ATTEMPTS', '2')
     copy = tmp_path / 'copy'
     with FaultProxy(s3['endpoint'], error_rate=1.0, max_faults_per_request=10 ** 6,
                     should_fault=lambda m, p: m == 'PUT' and p.split('?')[0].endswith(fail_at)) as proxy:
         monkeypatch.setenv('S3_ENDPOINT_URL', proxy.endpoint)
         with pytest.raises(RemoteOutputError, match=rf's3://{BUCKET}/broken/{fail_at}: uploading .*SlowDown'):
-            convert_pretrain([str(corpus)], (str(copy), f's3://{BUCKET}/broken'), options())
-    assert proxy.counts['503'] == 2
-    assert objects(s3, 'broken') == {}
+            convert_pretrain([str(corpus)], (str(copy), f's3://{BUCKET}/broken'), options(overwrite=True))
+    assert proxy.counts['503'] == 2  # AWS_MAX_ATTEMPTS
+    monkeypatch.setenv('S3_ENDPOINT_URL', s3['endpoint'])
+    left = objects(s3, 'broken')
+    assert set(left) == {n for n in old if n.endswith('.old')} | {'.foundrymix-replacing.json'}
     assert os.listdir(tempfile.tempdir) == []
     if fail_at == 'index.json':  # converted completely: the local copy is kept
         assert files(copy) == reference
     else:
         assert not copy.exists() and os.listdir(tmp_path) == ['tmp']
+    convert_pretrain([str(corpus)], f's3://{BUCKET}/broken', options(overwrite=True))
+    assert objects(s3, 'broken') == reference  # old shards and the marker removed
 
 
 def test_sigkill_mid_upload_leaves_no_index_and_overwrite_recovers(s3, corpus, reference, monkeypatch,

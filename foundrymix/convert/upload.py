@@ -13,7 +13,10 @@ and a reader must never pair the old index with new shards), and old shards that
 dataset does not reuse are deleted only after the new index is up. Only objects listed in
 the old index are ever deleted, plus objects this conversion or an interrupted earlier
 one wrote (each upload carries the metadata ``foundrymix-writer``); anything else at the
-prefix is the user's and is left alone.
+prefix is the user's and is left alone. Before the old index goes, the list of its shards
+is saved as ``.foundrymix-replacing.json`` (deleted at the end), so that when the
+replacement fails or is killed the next ``--overwrite`` still knows which objects the old
+dataset owned (its shards may carry no tag: ``aws s3 sync`` uploads).
 
 What is refused up front, before any tokenizing: a bucket that does not exist or cannot
 be read, credentials S3 rejects, an endpoint that does not answer (each naming the URL
@@ -53,6 +56,10 @@ from foundrymix.schema import MANIFEST_NAME
 logger = logging.getLogger(__name__)
 
 INDEX_NAME = 'index.json'
+#: written before an old index is deleted (``--overwrite``): the shard files the replaced
+#: dataset listed, so that a replacement that fails or is killed half-way can still be
+#: finished (and its old shards removed) by the next ``--overwrite``; deleted at the end
+REPLACING_NAME = '.foundrymix-replacing.json'
 #: S3 object metadata set on every object a conversion uploads (``x-amz-meta-foundrymix-writer``)
 WRITER_META = {'foundrymix-writer': 'convert'}
 #: object names a conversion writes besides the metadata files
@@ -211,6 +218,7 @@ class Preflight:
     old_metadata: list[str]  # index.json / foundrymix.json present (deleted first on overwrite)
     replaceable: set[str]  # shard files of the old index, and leftovers foundrymix wrote
     foreign: int  # objects left alone
+    keys: set[str] = field(default_factory=set)  # everything under the prefix at the start
 
 
 def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
@@ -229,19 +237,21 @@ def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
         raise RemoteOutputError(f'--out {url}: the prefix {what}; pass --overwrite to replace it '
                                 f'(only objects foundrymix wrote are ever deleted), or choose another prefix')
     listed: set[str] = set()
-    if INDEX_NAME in keys:
+    for name in (INDEX_NAME, REPLACING_NAME):  # the old index, and one a failed replacement left
+        if name not in keys:
+            continue
         try:
-            body = client.get_object(Bucket=url.bucket, Key=url.key(INDEX_NAME))['Body'].read()
-            listed = index_files(json.loads(body))
+            body = client.get_object(Bucket=url.bucket, Key=url.key(name))['Body'].read()
+            listed |= index_files(json.loads(body))
         except (ClientError, BotoCoreError) as e:
-            raise RemoteOutputError(describe('reading the old index', url.url(INDEX_NAME), e)) from e
-        except (ValueError, KeyError, TypeError) as e:
-            raise RemoteOutputError(f'{url.url(INDEX_NAME)}: the old index is not valid JSON of an MDS '
-                                    f'index ({e}); remove it yourself if the prefix may be replaced') from e
+            raise RemoteOutputError(describe('reading the old index', url.url(name), e)) from e
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise RemoteOutputError(f'{url.url(name)}: not valid JSON of an MDS index ({e}); remove it '
+                                    f'yourself if the prefix may be replaced') from e
     replaceable = {k for k in keys if k in listed}
     foreign = 0
     for key in keys:
-        if key in listed or key in metadata:
+        if key in listed or key in metadata or key == REPLACING_NAME:
             continue
         if _SHARD_NAME.match(key):
             try:
@@ -256,7 +266,8 @@ def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
             replaceable.add(key)  # left by an interrupted conversion
         else:
             foreign += 1
-    return Preflight(url=url, old_metadata=metadata, replaceable=replaceable, foreign=foreign)
+    return Preflight(url=url, old_metadata=metadata, replaceable=replaceable, foreign=foreign,
+                     keys=set(keys))
 
 
 def check_remote(url: str, overwrite: bool) -> 'S3Target':
@@ -324,6 +335,11 @@ class Uploader:
             return
         self._started = True
         self._t0 = time.perf_counter()
+        if self.target.checked.replaceable:  # remember the old shards before their index goes
+            body = json.dumps({'shards': [{'raw_data': {'basename': n}}
+                                          for n in sorted(self.target.checked.replaceable)]})
+            self._call('writing', REPLACING_NAME, self.target.client.put_object, Bucket=self.url.bucket,
+                       Key=self.url.key(REPLACING_NAME), Body=body.encode(), Metadata=WRITER_META)
         for name in self.target.checked.old_metadata:  # index.json first: streaming's marker
             self._call('deleting the old dataset\'s', name, self.target.client.delete_object,
                        Bucket=self.url.bucket, Key=self.url.key(name))
@@ -400,10 +416,17 @@ class Uploader:
         for name in stale:
             try:
                 self.target.client.delete_object(Bucket=self.url.bucket, Key=self.url.key(name))
+                self.removed += 1
             except Exception as e:  # noqa: BLE001 - the new dataset is complete; say what is left
                 logger.warning('%s', describe('removing the old shard', self.url.url(name), e))
+                break  # the list stays in REPLACING_NAME for the next --overwrite
+        else:
+            if self.target.checked.replaceable or REPLACING_NAME in self.target.checked.keys:
+                try:
+                    self.target.client.delete_object(Bucket=self.url.bucket, Key=self.url.key(REPLACING_NAME))
+                except Exception as e:  # noqa: BLE001
+                    logger.warning('%s', describe('removing', self.url.url(REPLACING_NAME), e))
         self.seconds = time.perf_counter() - self._t0
-        self.removed = len(stale)
         logger.info('%s', self.summary())
 
     def summary(self) -> str:
