@@ -31,7 +31,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'no index). The prefix must be empty unless --overwrite. Credentials and '
                         'endpoint as for boto3 and streaming: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY '
                         'or AWS_PROFILE, S3_ENDPOINT_URL for S3-compatible stores; AWS_MAX_ATTEMPTS '
-                        'retries per request (default 8)')
+                        'attempts per request (default 8; 503 SlowDown, resets and timeouts are '
+                        'retried with backoff, and counted in the summary)')
     p.add_argument('--keep-local', metavar='DIR', default=None,
                    help='with --out s3://...: also keep a complete local copy in DIR (same rules as a '
                         'local --out); without it shards are staged in the temp dir ($TMPDIR) and '
