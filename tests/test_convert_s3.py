@@ -263,11 +263,32 @@ def test_sigkill_mid_upload_leaves_no_index_and_overwrite_recovers(s3, corpus, r
     assert staging() == []  # stale staging directory of the dead pid removed
 
 
+@pytest.mark.slow  # a local Ray starts (12-30 s)
+def test_ray_engine_uploads_the_same_objects(s3, corpus, tmp_path):
+    """``--engine ray`` to s3:// publishes what it writes locally (per-task shards under
+    ``task-NNNNN/``), object for object."""
+    ray = pytest.importorskip('ray')
+    papers = tmp_path / 'papers.jsonl'  # three papers: two tasks
+    with open(SAMPLES / 'arxiv_sample.jsonl', encoding='utf-8') as f:
+        papers.write_text(''.join(next(f) for _ in range(3)), encoding='utf-8')
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray_options = options(engine='ray', chunk_bytes=16 << 10, ray_task_bytes=32 << 10)
+        convert_pretrain([str(papers)], str(tmp_path / 'ray'), ray_options)
+        convert_pretrain([str(papers)], f's3://{BUCKET}/ray', ray_options)
+    finally:
+        ray.shutdown()
+    local = {str(p.relative_to(tmp_path / 'ray')): p.read_bytes()
+             for p in sorted((tmp_path / 'ray').rglob('*')) if p.is_file()}
+    assert objects(s3, 'ray') == local
+    assert {name.split('/')[0] for name in local if '/' in name} == {'task-00000', 'task-00001'}
+    assert [n for n in os.listdir(tempfile.tempdir) if n.startswith('.foundrymix-upload-')] == []
+
+
 @pytest.mark.parametrize('out, endpoint, engine, message', [
-    (f's3://no-such-bucket/x', None, 'local', r's3://no-such-bucket/x: listing the prefix .*NoSuchBucket.*check the bucket name'),
+    (f's3://no-such-bucket/x', None, 'ray', r's3://no-such-bucket/x: listing the prefix .*NoSuchBucket.*check the bucket name'),
     (f's3://{BUCKET}/x', 'dead', 'local', rf's3://{BUCKET}/x: .*EndpointConnectionError.*endpoint is up'),
     ('gs://bucket/x', None, 'local', r'only s3://bucket/prefix is supported'),
-    (f's3://{BUCKET}/x', None, 'ray', r'--engine ray cannot write to s3://'),
 ])
 def test_bad_remote_fails_before_any_work(corpus, monkeypatch, out, endpoint, engine, message):
     """The tokenizer named does not exist: the S3 error coming first shows that the prefix
@@ -275,6 +296,6 @@ def test_bad_remote_fails_before_any_work(corpus, monkeypatch, out, endpoint, en
     if endpoint == 'dead':
         monkeypatch.setenv('S3_ENDPOINT_URL', f'http://127.0.0.1:{free_port()}')
     start = time.monotonic()
-    with pytest.raises((RemoteOutputError, UnsafePathsError, ValueError), match=message):
+    with pytest.raises((RemoteOutputError, UnsafePathsError), match=message):
         convert_pretrain([str(corpus)], out, options(tokenizer='no-such-tokenizer', engine=engine))
     assert time.monotonic() - start < 15

@@ -69,7 +69,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument('--engine', choices=ENGINES, default='local',
                    help='local: this machine (default); ray: tasks on a Ray cluster (pip install '
                         "'foundrymix[ray]'), each writing its own shards, merged at the end "
-                        '(to a directory every node sees: not to s3://)')
+                        '(in a directory every node sees; with --out s3://, each task\'s shards are '
+                        'uploaded when it is done: give --keep-local a shared directory on a '
+                        'multi-node cluster)')
     p.add_argument('--ray-address', default=None,
                    help='with --engine ray: the cluster to join (e.g. ray://head:10001 or auto); '
                         'default: start a local Ray with --workers CPUs')

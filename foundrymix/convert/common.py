@@ -113,10 +113,6 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     if options.chunk_bytes <= 0:
         raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
     output = split_out(out)
-    if output.remote is not None and options.engine == 'ray':
-        raise ValueError(f'--engine ray cannot write to {output.remote}: Ray tasks write their shards '
-                         f'to a directory every node sees; convert into such a directory, then '
-                         f'upload it (index.json last), or use the default engine')
     check_input_urls(inputs)
     local = output.local
     if local is not None:

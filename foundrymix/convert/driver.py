@@ -145,8 +145,8 @@ def convert(converter: Converter, inputs: list[str], out: OutSpec, options: Conv
                         options=converter.manifest_options(options, setup))
     if options.engine == 'ray':  # tasks on a Ray cluster; the rest of this module is reused
         from foundrymix.convert import ray_engine
-        seconds, builder = ray_engine.run(converter, setup, setup.output.local, options, manifest), None
-        uploaded = None
+        (seconds, uploaded), builder = ray_engine.run(converter, setup, setup.output.local, options,
+                                                      manifest), None
     else:
         seconds, builder, uploaded = run(converter, setup, options, manifest)
     if options.progress:

@@ -30,6 +30,12 @@ only the *split into tasks* differs from a single-machine run:
   the summed counts is written and the directory renamed into place by the same
   :class:`~foundrymix.convert.writer.ShardWriter` publish as the default engine. Rows
   are in input order whatever the cluster size or task finish order.
+* **Upload.** With ``--out s3://bucket/prefix`` (:mod:`foundrymix.convert.upload`), the
+  shards of each task are uploaded as soon as the task is done (as ``task-NNNNN/<file>``,
+  the names the merged index gives them), and ``foundrymix.json`` and ``index.json`` last,
+  by the same publish step as the default engine. The staging directory is the partial
+  directory next to ``--keep-local DIR`` or, without it, in the driver's temp dir: on a
+  cluster of several nodes give ``--keep-local`` a directory every node sees.
 * **Retries.** A task whose worker dies or raises is re-run by Ray (``max_retries``); an
   attempt first clears its task directory, so a half-written attempt leaves nothing. A
   job that fails removes the partial directory and writes no index.
@@ -53,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, importing
 from foundrymix.convert.readers import Chunk, plan_chunks
+from foundrymix.convert.upload import shard_file
 from foundrymix.convert.writer import _FINISH, ShardWriter
 from foundrymix.schema import Counts, Manifest, mds_columns
 
@@ -181,11 +188,22 @@ class _MergedOutput(ShardWriter):
     atomic; its writer thread only creates the directory, the tasks write the shards.
     """
 
-    def __init__(self, out: str, options: ConvertOptions, token_dtype: str) -> None:
+    def __init__(self, out: Optional[str], options: ConvertOptions, token_dtype: str,
+                 remote: Any = None) -> None:
         super().__init__(out, options.max_seq_len, token_dtype, overwrite=options.overwrite,
                          compression=options.compression, size_limit=options.size_limit,
-                         hashes=options.hash_algorithms)
+                         hashes=options.hash_algorithms, remote=remote)
         os.makedirs(self.partial, exist_ok=True)
+
+    def task_done(self, index: int) -> None:
+        """Upload a finished task's shards now (with an ``s3://`` output), while others run."""
+        if self._uploader is None:
+            return
+        import json
+        sub = os.path.basename(_task_dir(self.partial, index))
+        with open(os.path.join(self.partial, sub, 'index.json'), encoding='utf-8') as f:
+            for shard in json.load(f)['shards']:
+                self._uploader.submit(f'{sub}/{shard_file(shard)}')
 
     def _run(self, *args: Any) -> None:
         try:
@@ -265,11 +283,13 @@ def _connect(options: ConvertOptions) -> bool:
 
 
 def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[Chunk]], window: int,
-               progress: Progress) -> tuple[list[TaskResult], list[list[Chunk]]]:
+               progress: Progress, on_done: Callable[[int], None] = lambda index: None,
+               ) -> tuple[list[TaskResult], list[list[Chunk]]]:
     """Submit tasks as they are planned, at most ``window`` in flight; wait for all.
 
     Returns the results in task order (whatever order they finished in) and each task's
     chunks without their payloads (the driver needs only their places, for line numbers).
+    ``on_done(index)`` runs in this thread as each task finishes (uploads its shards).
     If a task fails for good (or on Ctrl-C) the others are cancelled first.
     """
     futures: list[Any] = []
@@ -282,23 +302,26 @@ def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[C
             futures.append(submit(i, chunks))
             pending.append(futures[-1])
             while len(pending) >= window:
-                pending = _collect(pending, results, progress)
+                pending = _collect(pending, results, progress, on_done)
         while pending:
-            pending = _collect(pending, results, progress)
+            pending = _collect(pending, results, progress, on_done)
     except BaseException:
         _cancel(futures)  # before the partial directory is removed
         raise
     return [results[i] for i in range(len(futures))], kept
 
 
-def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progress) -> list[Any]:
-    """Wait for one more task to finish; record its result and update the progress bar."""
+def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progress,
+             on_done: Callable[[int], None]) -> list[Any]:
+    """Wait for one more task to finish; record its result, update the progress bar, hand
+    it to ``on_done``."""
     import ray
     done, pending = ray.wait(pending, num_returns=1)
     for ref in done:
         res = ray.get(ref)
         results[res.index] = res
         progress.update(res.docs, res.tokens)
+        on_done(res.index)
     return pending
 
 
@@ -311,29 +334,32 @@ def _cancel(futures: list[Any], timeout: float = 60) -> None:
     ray.wait(futures, num_returns=len(futures), timeout=timeout)
 
 
-def run(converter: 'Converter', setup: Setup, out: str, options: ConvertOptions, manifest: Manifest) -> float:
-    """The Ray engine's counterpart of :func:`foundrymix.convert.driver.run` (same contract)."""
+def run(converter: 'Converter', setup: Setup, out: Optional[str], options: ConvertOptions,
+        manifest: Manifest) -> tuple[float, Optional[str]]:
+    """The Ray engine's counterpart of :func:`foundrymix.convert.driver.run` (same contract):
+    writes ``out`` (None: upload only) and uploads to ``setup.remote`` if given. Returns the
+    seconds spent and the upload summary."""
     started = _connect(options)
     import ray
     try:
         tasks = plan_tasks(plan_chunks(setup.inputs, options.chunk_bytes), options.ray_task_bytes)
         progress = Progress(options.progress, f'convert {converter.kind} (ray)')
-        lean = dataclasses.replace(setup, tokenizer=None)  # workers load their own
+        lean = dataclasses.replace(setup, tokenizer=None, remote=None)  # workers load their own; no S3 client
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=True)(run_task)
         window = max(2, 2 * int(ray.cluster_resources().get('CPU', 1)))
         fail = os.environ.get(FAIL_ENV)
-        with _MergedOutput(out, options, setup.token_dtype) as output:
+        with _MergedOutput(out, options, setup.token_dtype, remote=setup.remote) as output:
             try:
                 results, kept = _run_tasks(
                     lambda i, chunks: remote.remote(converter, chunks, i, output.partial, options, lean, fail),
-                    tasks, window, progress)
+                    tasks, window, progress, output.task_done)
             finally:
                 seconds = progress.close()
             _apply_results(results, kept, options, manifest)
             if manifest.counts.documents_read == 0:
                 raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
             output.publish(manifest, len(kept))
-        return seconds
+        return seconds, output.upload_summary
     finally:
         if started:
             ray.shutdown()
