@@ -184,11 +184,14 @@ class BoundedS3Downloader(S3Downloader):
         while True:
             attempt += 1
             remaining = max(deadline - time.monotonic(), 0.05)
+            # Socket timeouts of this attempt: the whole timeout for a first attempt, what is
+            # left of it for a retry (so no attempt outlives the deadline).
+            wanted = timeout if attempt == 1 else min(timeout, remaining)
             try:
                 if (self._s3_client is None
-                        or getattr(self, '_client_timeout', timeout) > remaining + 0.5):
+                        or abs(getattr(self, '_client_timeout', wanted) - wanted) > 0.5):
                     self._create_s3_client(unsigned=getattr(self, '_unsigned', False),
-                                           timeout=min(timeout, remaining))
+                                           timeout=wanted)
                 try:
                     self._get(remote, local)
                 except NoCredentialsError:
