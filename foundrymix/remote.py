@@ -22,9 +22,11 @@ missing key all read "403"/"404" ("not found"). Here:
   the S3 error code (``NoSuchKey``, ``NoSuchBucket``, ``InvalidAccessKeyId``,
   ``SignatureDoesNotMatch``, ``AccessDenied``, HTTP status), the endpoint, and what to check.
 
-In training, streaming's ``Stream`` retries a shard ``download_retry`` times (1 s, 2 s, ...
-backoff), so a shard that cannot be fetched fails within about
-``download_retry * (download_timeout + 2 s)``. Other backends (gs://, oci://, azure, local
+In training, streaming's ``Stream`` makes ``download_retry`` attempts per shard (1 s, 2 s,
+... backoff between them), and ``MixedDataset`` prepares a failed shard once more to name
+it and its error, so a shard that cannot be fetched stops training within about
+``2 * download_retry * download_timeout`` plus those backoffs (measured: 4.6 s with
+``download_timeout: 2, download_retry: 1``; 11.9 s with ``download_retry: 2``). Other backends (gs://, oci://, azure, local
 paths) keep streaming's own downloaders; their errors are classified as far as they can
 be (``FileNotFoundError`` -> not_found).
 """

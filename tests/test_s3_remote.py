@@ -241,7 +241,7 @@ def test_hung_endpoint_during_training_names_the_shard(tmp_path, s3, small_strea
     with silent_server() as hung:
         monkeypatch.setenv('S3_ENDPOINT_URL', hung)
         loader = mixer.build_dataloader(batch_size=BATCH)
-        e = fails_within(7, lambda: next(iter(loader)))
+        e = fails_within(8, lambda: next(iter(loader)))  # measured 4.6 s
     cache = mixer.config.stream_dir('ds')
     assert type(e).__name__ == 'ShardPrepareError'
     assert str(e).startswith(
