@@ -250,3 +250,18 @@ def test_hung_endpoint_during_training_names_the_shard(tmp_path, s3, small_strea
             and f': no answer from {hung} within 2 s (download_timeout)' in str(e))
     del loader
     gc.collect()
+
+
+def test_inspect_decode_remote_fetches_only_the_shards_it_shows(s3, small_streams, capsys):
+    local = small_streams['dolly']
+    url = upload(s3, local, 'decode')
+    assert main(['inspect', str(local), '--decode', '2']) == 0
+    want = capsys.readouterr().out.split('no loss on text in')[1]
+    with s3_requests() as requests:
+        assert main(['inspect', url, '--decode', '2']) == 0
+    out = capsys.readouterr().out
+    assert out.split('no loss on text in')[1] == want and url in out
+    index = json.loads((local / 'index.json').read_text())
+    assert int(index['shards'][0]['samples']) >= 2  # so the first shard alone holds the 2 rows
+    assert requests == [f'GET /{BUCKET}/decode/{f}' for f in
+                        ('foundrymix.json', 'index.json', index['shards'][0]['raw_data']['basename'])]
