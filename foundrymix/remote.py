@@ -76,7 +76,10 @@ class RemoteError(ConnectionError):
 
     def __init__(self, url: str, kind: str, code: str, text: str) -> None:
         super().__init__(f'{url}: {text}')
-        self.url, self.kind, self.code = url, kind, code
+        self.url, self.kind, self.code, self.text = url, kind, code, text
+
+    def __reduce__(self) -> Any:  # picklable across processes (DataLoader workers)
+        return (type(self), (self.url, self.kind, self.code, self.text))
 
 
 def _code(error: BaseException) -> Optional[str]:
