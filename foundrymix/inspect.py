@@ -6,6 +6,12 @@ so a finetune row shows its prompts bracketed and its responses bare. Rows are r
 with the loader's checks (shard sizes against ``index.json``, token ids below the
 vocabulary, spans and lengths inside the row): a damaged row stops with its shard file
 and row named (``foundrymix verify`` checks every row).
+
+A remote directory (``s3://bucket/prefix``, or any remote streaming reads) is read
+without a dataset cache: only ``foundrymix.json`` is downloaded, into a temporary
+directory removed afterwards; ``--decode K`` adds ``index.json`` and the shards that hold
+the first K rows. Each download is bounded by ``--timeout`` (see :mod:`foundrymix.remote`),
+and a remote that cannot be read fails with its URL, S3 error code and what to check.
 """
 
 from __future__ import annotations
@@ -86,26 +92,72 @@ def _decode(directory: str, manifest: Manifest, k: int) -> None:
         print(f'--- row {r}: {manifest.max_seq_len - n_real} padding tokens ---')
 
 
+def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None:
+    """Download what ``inspect`` shows of remote ``url`` into ``directory``: the manifest, and
+    for ``--decode`` the index and the shards holding the first ``decode`` rows."""
+    from foundrymix.remote import download
+    from foundrymix.schema import MANIFEST_NAME
+    from foundrymix.shards import INDEX_NAME, is_not_found, read_index
+    url = url.rstrip('/')
+
+    def get(basename: str, what: str) -> None:
+        try:
+            download(f'{url}/{basename}', os.path.join(directory, basename), timeout)
+        except ConnectionError as e:
+            if is_not_found(e):
+                raise FileNotFoundError(f'{url}/{basename}: no {what} ({e}). Is {url!r} a directory '
+                                        f'made by `foundrymix convert`?') from e
+            raise
+
+    get(MANIFEST_NAME, 'foundrymix manifest')
+    if not decode:
+        return
+    get(INDEX_NAME, INDEX_NAME)
+    rows = 0
+    for shard in read_index(directory)['shards']:
+        if rows >= decode:
+            break
+        stored = shard.get('zip_data') or shard['raw_data']
+        get(stored['basename'], 'shard file listed in index.json')
+        rows += int(shard['samples'])
+
+
 def _run(args: argparse.Namespace) -> int:
-    manifest = Manifest.read(args.dir)
+    from foundrymix.verify import is_remote
+    if not is_remote(args.dir):
+        return _show(args.dir, args.dir, args)
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix='foundrymix-inspect-') as tmp:
+        try:
+            _fetch_remote(args.dir, tmp, args.decode, args.timeout)
+        except ConnectionError as e:  # foundrymix.remote.RemoteError: URL, S3 code, what to check
+            print(f'foundrymix inspect: error: {e}', file=sys.stderr)
+            return 2
+        return _show(tmp, args.dir.rstrip('/'), args)
+
+
+def _show(directory: str, title: str, args: argparse.Namespace) -> int:
+    manifest = Manifest.read(directory)
     if args.json:
         print(manifest.to_json(), end='')
     else:
         from rich.console import Console
 
         from foundrymix.convert.report import manifest_table
-        Console(file=sys.stdout).print(manifest_table(manifest, args.dir))
+        Console(file=sys.stdout).print(manifest_table(manifest, title))
         print('inputs:', *manifest.inputs, sep='\n  ')
         print('options:', json.dumps(manifest.options, sort_keys=True))
     if args.decode:
-        _decode(args.dir, manifest, args.decode)
+        _decode(directory, manifest, args.decode)
     return 0
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser('inspect', help='show a converted directory: manifest and decoded rows')
-    p.add_argument('dir', help='a foundrymix output directory')
+    p.add_argument('dir', help='a foundrymix output directory, or a remote one (s3://bucket/prefix)')
     p.add_argument('--json', action='store_true', help='print the manifest as JSON')
     p.add_argument('--decode', type=int, default=0, metavar='K',
                    help='print the first K rows as text, no-loss spans marked')
+    p.add_argument('--timeout', type=float, default=60.0,
+                   help='seconds per remote file download (default %(default)s)')
     p.set_defaults(func=_run)

@@ -327,15 +327,21 @@ def decompress_shard(shard: dict[str, Any], data: bytes) -> bytes:
 
 
 def is_not_found(error: BaseException) -> bool:
-    """True if a streaming downloader error means "no such object" (or no access to it).
+    """True if a downloader error means "no such object" -- and nothing else.
 
-    Backends differ: S3 raises botocore's ``ClientError`` with code 403/404/NoSuchKey
-    (also for a missing bucket), GCS/OCI/Azure and local copies raise ``FileNotFoundError``.
+    A missing bucket, rejected credentials, access denied or an unreachable endpoint are
+    not "not found": callers report those with their S3 error code
+    (:class:`foundrymix.remote.RemoteError`), so a wrong key never reads as a missing
+    dataset. S3 gives ``NoSuchKey``/404; GCS/OCI/Azure and local copies raise
+    ``FileNotFoundError``.
     """
     if isinstance(error, FileNotFoundError):
         return True
+    kind = getattr(error, 'kind', None)
+    if isinstance(kind, str):  # a foundrymix.remote.RemoteError
+        return kind == 'not_found'
     response = getattr(error, 'response', None)
     if isinstance(response, dict):
         code = str(response.get('Error', {}).get('Code', ''))
-        return code in ('403', '404', 'NoSuchKey', 'NoSuchBucket', 'AccessDenied')
+        return code in ('404', 'NoSuchKey', 'NotFound')
     return False

@@ -14,8 +14,11 @@ remote streaming reads):
 
 Prints one line per shard and a verdict; exit code 0 iff intact, 1 if anything is
 damaged, 2 for usage errors (no such directory, not a foundrymix directory, a remote
-that cannot be reached). A remote directory is fetched one file at a time through
-streaming's ``CloudDownloader`` into a temporary directory, removed afterwards.
+that cannot be read: its error names the URL, the S3 error code -- ``NoSuchBucket``,
+``InvalidAccessKeyId``, ``SignatureDoesNotMatch``, ``AccessDenied`` -- and what to
+check). A remote directory is fetched one file at a time through
+:func:`foundrymix.remote.download` (each file within ``--timeout`` s plus well under a
+second, see :mod:`foundrymix.remote`) into a temporary directory, removed afterwards.
 
 Length (over ~300 lines): one command -- where shard files come from (local or fetched),
 the per-shard report and the table; the checks themselves live in ``shards.py``.
@@ -127,14 +130,13 @@ class _Source:
         local = self.path(basename)
         if not self.remote:
             return local if os.path.isfile(local) else None
-        from streaming.base.storage import CloudDownloader
+        from foundrymix.remote import download
         try:
-            CloudDownloader.direct_download(f'{self.location}/{basename}', local, self.timeout)
-        except Exception as e:  # downloader errors vary by backend
+            download(f'{self.location}/{basename}', local, self.timeout)
+        except ConnectionError as e:  # foundrymix.remote.RemoteError: names URL, S3 code, what to check
             if is_not_found(e):
                 return None
-            raise ConnectionError(f'cannot download {self.location}/{basename}: '
-                                  f'{type(e).__name__}: {e}') from e
+            raise
         return local
 
     def release(self, basename: str) -> None:

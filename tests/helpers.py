@@ -78,3 +78,88 @@ def moto_s3(bucket: str):
     finally:
         mp.undo()
         server.stop()
+
+
+@contextlib.contextmanager
+def silent_server():
+    """An endpoint that accepts TCP connections and never answers (a hung store or proxy):
+    yields its URL. Connections are held open until the context exits."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(('127.0.0.1', 0))
+    server.listen(64)
+    server.settimeout(0.1)
+    held: list = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f'http://127.0.0.1:{server.getsockname()[1]}'
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+@contextlib.contextmanager
+def s3_requests():
+    """The requests every moto server of this process answers while inside, as
+    ``'GET /bucket/key'`` strings (from werkzeug's request log)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            if '"' in text:
+                method, path = text.split('"')[1].split()[:2]
+                lines.append(f'{method} {path.split("?")[0]}')
+
+    log = logging.getLogger('werkzeug')
+    level, handler = log.level, Collect()
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
+def moto_auth(endpoint: str):
+    """Make the moto server at ``endpoint`` check credentials (it accepts any by default).
+
+    Creates an IAM user with an access key and no policy, then switches moto's request
+    authentication on (``/moto-api/reset-auth`` to 0, the server side of
+    ``moto.core.set_initial_no_auth_action_count(0)``): an unknown key id then gets
+    ``InvalidAccessKeyId``, the user's key id with a wrong secret ``SignatureDoesNotMatch``,
+    and the user's own credentials ``AccessDenied``. Yields {key_id, secret}; switched off
+    again on exit (the setting is global to moto in this process).
+    """
+    import boto3
+    import requests
+
+    iam = boto3.client('iam', endpoint_url=endpoint)
+    iam.create_user(UserName='no-policy')
+    key = iam.create_access_key(UserName='no-policy')['AccessKey']
+    requests.post(f'{endpoint}/moto-api/reset-auth', data=b'0', timeout=10).raise_for_status()
+    try:
+        yield {'key_id': key['AccessKeyId'], 'secret': key['SecretAccessKey']}
+    finally:
+        requests.post(f'{endpoint}/moto-api/reset-auth', data=b'inf', timeout=10).raise_for_status()

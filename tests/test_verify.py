@@ -262,4 +262,5 @@ def test_loader_names_a_shard_missing_from_the_remote(tmp_path, s3, hashed):
         [b for b in StreamMixer.from_dict(cfg).build_dataloader(1)]
     text = str(err.value)
     assert "stream 'arxiv' (" in text and 'shard shard.00001.mds' in text
-    assert f'ClientError: Object {url}/shard.00001.mds not found' in text
+    assert (f'RemoteError: {url}/shard.00001.mds: S3 NoSuchKey: no such object at '
+            f'{os.environ["S3_ENDPOINT_URL"]}; check the path after the bucket (the prefix)') in text

@@ -2,9 +2,11 @@
 
 Why one module: the mixer, the plan and every CLI need the same facts about a stream --
 its manifest (``foundrymix.json``), rows per shard (``index.json``), whether its shards
-are whole -- and remote streams need them fetched first. Only this module knows how:
-local paths, streaming's own downloader for remotes (every backend streaming supports),
-and one place that tells "not found" from "cannot reach". Nothing here reads a shard.
+are whole -- and remote streams need them fetched first, and checked against the remote
+on every start (:meth:`Catalog.sync_remote`: a re-uploaded dataset must never be read
+through stale cached shards). Only this module knows how: local paths, and remotes
+through :mod:`foundrymix.remote` (bounded S3 downloads whose errors carry the S3 error
+code; streaming's own downloader for every other backend). Nothing here reads a shard.
 
 :meth:`Catalog.validate` refuses streams that cannot share a batch (``max_seq_len``,
 tokenizer, schema) before a single row is read: streaming only notices when it reads a
@@ -13,6 +15,7 @@ row, or never, if the columns happen to decode.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -20,9 +23,20 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError
 from foundrymix.mix.config import LoaderConfig, StreamSpec
 from foundrymix.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
-from foundrymix.shards import is_not_found
 
 INDEX_NAME = 'index.json'
+logger = logging.getLogger(__name__)
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    """True if files ``a`` and ``b`` both exist with the same bytes."""
+    try:
+        if os.path.getsize(a) != os.path.getsize(b):
+            return False
+        with open(a, 'rb') as fa, open(b, 'rb') as fb:
+            return fa.read() == fb.read()
+    except FileNotFoundError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,7 @@ class Catalog:
         self.config = config
         self.where = where
         self._infos: dict[str, StreamInfo] = {}
+        self._synced: set[str] = set()
         self._validated = False
 
     @property
@@ -72,39 +87,122 @@ class Catalog:
 
     # ------------------------------------------------------------ metadata
     def fetch(self, name: str, basename: str) -> str:
-        """Local path of a stream's small metadata file, downloading it if remote-only.
+        """Local path of a stream's small metadata file, synced with the remote first if any.
 
-        Uses streaming's own downloader, so every remote streaming supports works and the
-        file lands where ``Stream`` expects its index (``local/split``).
+        See :meth:`sync_remote`: a stream with a remote gets its ``foundrymix.json`` and
+        ``index.json`` from the remote on every start, where ``Stream`` expects its index
+        (``local/split``).
         """
-        local_path = os.path.join(self.config.stream_dir(name), basename)
-        if os.path.isfile(local_path):
-            return local_path
+        if self.config.stream_remote_dir(name) is not None:
+            self.sync_remote(name)
+        return os.path.join(self.config.stream_dir(name), basename)
+
+    def sync_remote(self, name: str) -> None:
+        """Fetch a remote stream's manifest and index, and make sure no stale shard is read.
+
+        Why on every start: streaming trusts any shard file already in ``local`` (it never
+        compares content), so a dataset re-uploaded to the same prefix after the cache was
+        filled was read as a mix of old shards and the new index (seen as ``cannot reshape
+        array of size 133 into shape (256,)`` mid-run). Both files are downloaded afresh
+        (two small GETs; S3 error codes come with a GET, not with a HEAD) and compared byte
+        for byte with the local copies:
+
+        * same bytes, or no local copy yet: installed (renamed into place);
+        * different, in foundrymix's own cache (no ``local:`` given): the remote changed.
+          The shard files the *old* index lists are removed (they are this cache's, not
+          user data), the new metadata is installed, and a warning names the stream;
+        * different, in a ``local:`` directory the user named: refused with an error naming
+          the stream, the remote and the directory; nothing there is deleted.
+
+        With the remote unreachable this raises even if a cached copy exists: without the
+        remote nothing tells whether the cache is current (drop ``remote:`` and point
+        ``local:`` at a complete copy to train offline). Each file is fetched within the
+        bound of :mod:`foundrymix.remote` (``download_timeout`` plus well under a second).
+        Ranks of a node may run this at once: each downloads into files of its own and
+        renames them into place, so none reads another's half-copy.
+        """
+        if name in self._synced:
+            return
+        from foundrymix.remote import RemoteError, download
         remote_dir = self.config.stream_remote_dir(name)
-        if remote_dir is None:
-            return local_path  # the caller reports it missing
-        from streaming.base.storage import CloudDownloader
-        remote_path = os.path.join(remote_dir, basename)
-        # Into a file of this process's own, then renamed: the ranks of a node fetch the same
-        # file into the same cache at once, and must never see each other's half-copies.
-        part = f'{local_path}.part-{os.getpid()}'
+        assert remote_dir is not None
+        directory = self.config.stream_dir(name)
+        where = self._where(name)
+        os.makedirs(directory, exist_ok=True)
+        fresh = {b: os.path.join(directory, f'{b}.part-{os.getpid()}')
+                 for b in (MANIFEST_NAME, INDEX_NAME)}
         try:
-            os.makedirs(os.path.dirname(local_path), exist_ok=True)
-            CloudDownloader.direct_download(remote_path, part, self.config.download_timeout)
-            os.replace(part, local_path)
-        except Exception as e:  # downloader errors vary by backend
-            if os.path.exists(part):
-                os.remove(part)
-            if is_not_found(e):
-                what = 'foundrymix manifest' if basename == MANIFEST_NAME else basename
-                raise ConfigError(
-                    f'{self._where(name)}: no {what} at {remote_path} (not found or access '
-                    f'denied). Check that remote {remote_dir!r} (bucket and path) is right and '
-                    f'holds a whole directory made by `foundrymix convert` ({MANIFEST_NAME}, '
-                    f'{INDEX_NAME} and shards)') from e
-            raise ConfigError(f'{self._where(name)}: cannot download {remote_path}: '
-                              f'{type(e).__name__}: {e}') from e
-        return local_path
+            for basename, part in fresh.items():
+                url = f'{remote_dir.rstrip("/")}/{basename}'
+                try:
+                    download(url, part, self.config.download_timeout)
+                except RemoteError as e:
+                    raise self._remote_error(name, basename, e) from e
+            changed = [b for b, part in fresh.items()
+                       if not _same_bytes(part, os.path.join(directory, b))]
+            cached = [b for b in fresh if os.path.isfile(os.path.join(directory, b))]
+            if cached and changed:
+                self._remote_changed(name, directory, remote_dir, changed)
+            for basename, part in fresh.items():  # the index last: it names the shards
+                os.replace(part, os.path.join(directory, basename))
+        finally:
+            for part in fresh.values():
+                if os.path.exists(part):
+                    os.remove(part)
+        self._synced.add(name)
+
+    def _remote_error(self, name: str, basename: str, e: Any) -> ConfigError:
+        where, remote_dir = self._where(name), self.config.stream_remote_dir(name)
+        directory = self.config.stream_dir(name)
+        if e.kind == 'not_found' and basename == MANIFEST_NAME:
+            return ConfigError(
+                f'{where}: no foundrymix manifest at {e.url} ({e.code}: no such object). Check '
+                f'that remote {remote_dir!r} (bucket and path) is right and holds a whole '
+                f'directory made by `foundrymix convert` ({MANIFEST_NAME}, {INDEX_NAME} and shards)')
+        if e.kind == 'not_found':
+            return ConfigError(
+                f'{where}: no {INDEX_NAME} at {e.url} ({e.code}: no such object), though '
+                f'{MANIFEST_NAME} is there: an incomplete conversion or upload? Re-run '
+                f'`foundrymix convert` into {remote_dir!r} (it uploads {INDEX_NAME} last)')
+        cached = os.path.isfile(os.path.join(directory, INDEX_NAME))
+        note = (f' (a copy is cached in {directory}, but without the remote nothing tells '
+                f'whether it is current, so it is not used)' if cached else '')
+        return ConfigError(f'{where}: cannot read {e}{note}')
+
+    def _remote_changed(self, name: str, directory: str, remote_dir: str,
+                        changed: list[str]) -> None:
+        """The remote's metadata differs from the local copy: refresh our cache, or refuse."""
+        where, spec = self._where(name), self.config.streams[name]
+        what = ' and '.join(changed)
+        if spec.local:
+            raise ConfigError(
+                f'{where}: remote {remote_dir} changed since local {directory} was filled ({what} '
+                f'differ): its shard files are stale, and streaming would read them as the new '
+                f"dataset's. foundrymix never deletes files in a directory you named in local:; "
+                f'delete {directory} (to download the new dataset there), point local: at an '
+                f"empty directory, or leave local: out to use foundrymix's cache (refreshed "
+                f'when its remote changes)')
+        from foundrymix.shards import read_index
+        removed = 0
+        try:
+            old = read_index(os.path.join(directory, INDEX_NAME))
+        except ValueError:
+            old = {'shards': []}  # no readable old index: nothing it named can be trusted
+        for shard in old['shards']:
+            for key in ('raw_data', 'zip_data'):
+                info = shard.get(key)
+                if not info:
+                    continue
+                for path in (os.path.join(directory, info['basename']),
+                             os.path.join(directory, info['basename']) + '.tmp'):
+                    try:
+                        os.remove(path)
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+        logger.warning('%s: remote %s changed since the cache %s was filled (%s differ): '
+                       'fetched the new metadata and removed %d stale cached shard file(s)',
+                       where, remote_dir, directory, what, removed)
 
     def info(self, name: str) -> StreamInfo:
         """Manifest and index of stream ``name`` (fetched if remote-only), read once."""
@@ -254,14 +352,19 @@ def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
     these, so what is planned is what is trained. ``chooses`` (rows per stream per epoch)
     replaces the configured weights when an exact epoch trims them; otherwise
     ``weights_in`` says what ``proportion`` is a share of (:func:`row_proportions` turns
-    it into rows here).
+    it into rows here). Remote s3 streams fetch their shards with
+    :class:`foundrymix.remote.BoundedS3Downloader` (``download_timeout`` honoured).
     """
     from streaming import Stream
-    if chooses is not None:
-        return [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
-                for i, c in zip(infos, chooses)]
-    proportions = row_proportions(infos, weights_in)
-    return [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, repeat=i.spec.repeat,
-                   proportion=p, choose=i.spec.choose)
-            for i, p in zip(infos, proportions)]
 
+    from foundrymix.remote import bound_stream_downloads
+    if chooses is not None:
+        streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
+                   for i, c in zip(infos, chooses)]
+    else:
+        proportions = row_proportions(infos, weights_in)
+        streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split,
+                          repeat=i.spec.repeat, proportion=p, choose=i.spec.choose)
+                   for i, p in zip(infos, proportions)]
+    # s3 shards through the downloader that honours download_timeout (foundrymix.remote)
+    return [bound_stream_downloads(s) for s in streams]

@@ -146,6 +146,8 @@ class LoaderConfig:
     exact: bool = True
     predownload: Optional[int] = None
     cache_limit: Optional[Union[int, str]] = None
+    #: seconds a remote file download may wait on the store: bounds each metadata and s3
+    #: shard fetch as a whole when the store fails or hangs (see foundrymix.remote)
     download_timeout: float = 60
     sampling_method: SamplingMethod = 'balanced'
     prefetch_factor: Optional[int] = None
