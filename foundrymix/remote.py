@@ -82,7 +82,9 @@ class RemoteError(ConnectionError):
         return (type(self), (self.url, self.kind, self.code, self.text))
 
 
-def _code(error: BaseException) -> Optional[str]:
+def s3_code(error: BaseException) -> Optional[str]:
+    """S3's error code (``NoSuchBucket``, ``SlowDown``...) or the HTTP status of a botocore
+    error; None for errors below HTTP (connection refused, timeouts)."""
     response = getattr(error, 'response', None)
     if isinstance(response, dict):
         code = response.get('Error', {}).get('Code')
@@ -100,7 +102,7 @@ def classify(error: BaseException, url: str, timeout: Optional[float] = None,
         return error
     from botocore.exceptions import (ConnectTimeoutError, EndpointConnectionError, NoCredentialsError,
                                      ReadTimeoutError)
-    code = _code(error)
+    code = s3_code(error)
     bucket = urllib.parse.urlparse(url).netloc
     at = f'at {endpoint()}' if url.startswith('s3://') else ''
     tried = f' ({attempts} attempts)' if attempts > 1 else ''
@@ -151,7 +153,7 @@ def _is_transient(error: BaseException) -> bool:
     from botocore.exceptions import (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError,
                                      HTTPClientError, IncompleteReadError, ReadTimeoutError,
                                      ResponseStreamingError)
-    code = _code(error)
+    code = s3_code(error)
     if code is not None:
         return code in _TRANSIENT
     return isinstance(error, (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError,
@@ -204,7 +206,7 @@ class BoundedS3Downloader(S3Downloader):
                     self._get(remote, local)
                 return
             except ClientError as e:
-                if _code(e) == '400' and not getattr(self, '_unsigned', False):
+                if s3_code(e) == '400' and not getattr(self, '_unsigned', False):
                     # streaming's fallback for public buckets: try once unsigned
                     self._create_s3_client(unsigned=True, timeout=min(timeout, remaining))
                     continue
@@ -216,7 +218,7 @@ class BoundedS3Downloader(S3Downloader):
             if not _is_transient(error) or attempt >= MAX_ATTEMPTS or left <= backoff:
                 raise classify(error, remote, timeout, attempt) from error
             logger.warning('%s: attempt %d of %d failed (%s); retrying in %.1f s', remote, attempt,
-                           MAX_ATTEMPTS, _code(error) or f'{type(error).__name__}: {error}', backoff)
+                           MAX_ATTEMPTS, s3_code(error) or f'{type(error).__name__}: {error}', backoff)
             time.sleep(backoff)
 
     def _get(self, remote: str, local: str) -> None:

@@ -106,14 +106,9 @@ def parse_s3_url(url: str) -> S3Url:
 
 
 def error_code(error: BaseException) -> str:
-    """S3's error code (``NoSuchBucket``, ``InvalidAccessKeyId``, ``SlowDown``...), or the
-    exception's class name for errors below HTTP (connection refused, timeouts)."""
-    response = getattr(error, 'response', None)
-    if isinstance(response, dict):
-        code = response.get('Error', {}).get('Code')
-        if code:
-            return str(code)
-    return type(error).__name__
+    """S3's error code, or the exception's class name for errors below HTTP."""
+    from foundrymix.remote import s3_code
+    return s3_code(error) or type(error).__name__
 
 
 def _hint(code: str) -> str:
