@@ -19,12 +19,15 @@ from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarm
                             LinearWithWarmupScheduler)
 from composer.utils import dist, reproducibility
 
+from foundrymix import s3_retries
 from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
+from foundrymix.s3_retries import S3RetryCounter
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
+from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig
 from foundrymix.train.console import console_kwargs, resume_line
 from foundrymix.train.gpu import parallelism_config
@@ -176,14 +179,15 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
                      stage_names=[s.name for s in run.stages])
 
 
-def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any) -> tuple[list[Callback], StreamAccounting]:
-    """``EpochBoundary`` and ``ModelInfo`` first, then every callback of the table the run uses
+def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any,
+               retry_counter: S3RetryCounter) -> tuple[list[Callback], StreamAccounting]:
+    """``EpochBoundary``, ``ModelInfo`` and ``S3Log`` first, then every callback of the table the run uses
     (accounting always)."""
     ctx = CallbackContext(config=cfg, stream_names=data.stream_names,
                           planned_share=data.planned_share, stage_names=data.stage_names)
     built = build_callbacks(cfg.callbacks, ctx)
     info = ModelInfo(hf_model.config, cfg.model.attention, data.mixer.tokenizer, cfg.model.pretrained)
-    return [EpochBoundary(), info, *built.values()], built['stream_accounting']
+    return [EpochBoundary(), info, S3Log(retry_counter), *built.values()], built['stream_accounting']
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
@@ -222,13 +226,14 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     """Validate everything, then build model, data, callbacks and the Composer trainer."""
     device_batch, micro = _batch_sizes(cfg)
     _check_load_path(cfg)
+    retry_counter = s3_retries.install()  # before the first metadata fetch
     data = _train_data(cfg, device_batch)
 
     reproducibility.seed_all(cfg.seed)
     hf_model = build_hf_model(cfg.model, data.mixer.tokenizer, cfg.max_seq_len)
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator = _evaluator(cfg, data.mixer, device_batch)
-    callbacks, accounting = _callbacks(cfg, data, hf_model)
+    callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
     line = resume_line(trainer.state)
     if line and dist.get_global_rank() == 0:
