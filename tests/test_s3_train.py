@@ -101,7 +101,7 @@ def bucket_keys(s3, prefix: str) -> set[str]:
     return {o['Key'][len(prefix):] for o in listed}
 
 
-@pytest.mark.slow  # four whole train.py runs
+@pytest.mark.slow  # five whole train.py runs
 def test_checkpoints_on_s3_autoresume_and_load_path_are_exact(tmp_path, s3, bucket):
     # The straight run, checkpoints in a local save_folder.
     straight = tmp_path / 'straight'
@@ -115,16 +115,19 @@ def test_checkpoints_on_s3_autoresume_and_load_path_are_exact(tmp_path, s3, buck
     save = f's3://{BUCKET}/runs/cut/ckpts'
     job = tmp_path / 'job'
     cfg = run_cfg(job, bucket, run_name='cut', save_folder=save, save_interval='4ba', autoresume=True)
-    out1 = train(job / 'first', cfg, s3['env'], 'callbacks.stop_at.time=4ba')
-    assert 'resumed from' not in out1.stdout
+    out = train(job / 'first', cfg, s3['env'], 'callbacks.stop_at.time=4ba')
+    assert 'resumed from' not in out.stdout
     assert bucket_keys(s3, 'runs/cut/ckpts/') == {'ep0-ba4-rank0.pt', 'latest-rank0.pt.symlink'}
     link = s3['client'].get_object(Bucket=BUCKET, Key='runs/cut/ckpts/latest-rank0.pt.symlink')
     assert link['Body'].read().decode() == 'runs/cut/ckpts/ep0-ba4-rank0.pt'
     assert [b['batch'] for b in sample_log(job / 'samples.jsonl')] == [0, 1, 2, 3]
 
-    # Job 2: same config, a fresh working directory (no local copy): autoresume from the bucket.
-    out2 = train(job / 'second', cfg, s3['env'])
-    assert 'resumed from' in out2.stdout and 'at batch 4 (epoch 0, batch 4 of it)' in out2.stdout
+    # Job 2, same config in a fresh directory (no local copy): autoresume from the bucket.
+    out = train(job / 'second', cfg, s3['env'], 'callbacks.stop_at.time=8ba')
+    assert f'resumed from {save}/ep0-ba4-rank0.pt at batch 4 (epoch 0, batch 4 of it)' in out.stdout
+    # Job 3 in job 2's directory: the bucket's latest (ba8), not what job 2 resumed from.
+    out = train(job / 'second', cfg, s3['env'])
+    assert f'resumed from {save}/ep0-ba8-rank0.pt at batch 8' in out.stdout
     assert sample_log(job / 'samples.jsonl') == ref_log
     assert bucket_keys(s3, 'runs/cut/ckpts/') == {'ep0-ba4-rank0.pt', 'ep0-ba8-rank0.pt',
                                                   'ep0-ba12-rank0.pt', 'latest-rank0.pt.symlink'}
@@ -133,13 +136,14 @@ def test_checkpoints_on_s3_autoresume_and_load_path_are_exact(tmp_path, s3, buck
     assert final.keys() == ref_weights.keys()
     for k in final:
         assert torch.equal(final[k], ref_weights[k]), f'weights differ at {k}'
+    assert not list((job / 'second').glob('s3*')), 'no local s3:/... download folder'
 
     # load_path: s3://... (no autoresume, no save_folder) continues from batch 8.
     loaded = tmp_path / 'loaded'
-    out3 = train(loaded, run_cfg(loaded, bucket, run_name='loaded', load_path=f'{save}/ep0-ba8-rank0.pt'),
-                 s3['env'])
-    assert f'resumed from {save}/ep0-ba8-rank0.pt at batch 8' in out3.stdout
-    assert sample_log(loaded / 'samples.jsonl') == ref_log[8:]
+    out = train(loaded, run_cfg(loaded, bucket, run_name='loaded', load_path=f'{save}/ep0-ba8-rank0.pt'),
+                s3['env'], 'callbacks.stop_at.time=10ba')
+    assert f'resumed from {save}/ep0-ba8-rank0.pt at batch 8' in out.stdout
+    assert sample_log(loaded / 'samples.jsonl') == ref_log[8:10]
 
 
 def test_epoch_under_faults_is_bitwise_the_local_epoch_and_retries_are_counted(tmp_path, s3, bucket,
@@ -196,6 +200,6 @@ def test_train_py_epoch_under_faults_with_workers_logs_retries(tmp_path, s3, buc
     m = LINE.search(out.stdout)
     assert m, out.stdout[-3000:]
     requests, retries = int(m.group(1)), int(m.group(2))
-    assert retries == faults and requests + retries == proxy.counts['requests']
+    assert retries == faults and requests + retries == proxy.counts['requests'], (m.group(0), proxy.log)
     assert f"503 SlowDown {proxy.counts['503']}" in m.group(3) or not proxy.counts['503']
     assert re.search(r'^S3 \(epoch 0\): \d+ requests', out.stdout, re.M)

@@ -8,6 +8,8 @@ metadata fetch), summed over the ranks; a run that made no S3 request prints not
 
 from __future__ import annotations
 
+from typing import Optional
+
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
@@ -18,15 +20,15 @@ from foundrymix.s3_retries import FIELDS, RetryCounts, S3RetryCounter
 class S3Log(Callback):
     """Print ``S3 (epoch E): ...`` at each epoch end and ``S3 (run): ...`` at fit end (rank 0).
 
-    The run line covers everything since the trainer was built: the metadata fetched while
-    it was built and every shard downloaded during training (also by DataLoader workers,
+    The run line covers everything since ``since`` (the builder passes the counts before it
+    fetched any metadata): the metadata fetched while the trainer was built and every shard downloaded during training (also by DataLoader workers,
     which fork from the rank and share its counters).
     """
 
-    def __init__(self, counter: S3RetryCounter) -> None:
+    def __init__(self, counter: S3RetryCounter, since: Optional[RetryCounts] = None) -> None:
         self.counter = counter
-        self.start = counter.snapshot()
-        self.epoch_start = self.start
+        self._run_counts = since if since is not None else counter.snapshot()
+        self._epoch_counts = self._run_counts
         self.lines: list[str] = []  # what was printed, for callers and tests
 
     def _summed(self, counts: RetryCounts) -> RetryCounts:
@@ -44,8 +46,8 @@ class S3Log(Callback):
 
     def epoch_end(self, state: State, logger: Logger) -> None:
         now = self.counter.snapshot()
-        self._print(now - self.epoch_start, f'epoch {int(state.timestamp.epoch) - 1}')
-        self.epoch_start = now
+        self._print(now - self._epoch_counts, f'epoch {int(state.timestamp.epoch) - 1}')
+        self._epoch_counts = now
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self._print(self.counter.snapshot() - self.start, 'run')
+        self._print(self.counter.snapshot() - self._run_counts, 'run')
