@@ -32,7 +32,7 @@ from foundrymix.train.config import TrainConfig
 from foundrymix.train.console import console_kwargs, resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
-from foundrymix.train.remote_resume import is_remote, latest_checkpoint
+from foundrymix.train.remote_resume import is_remote, latest_checkpoint, poll_uploads_sooner
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +246,7 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     evaluator = _evaluator(cfg, data.mixer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
+    poll_uploads_sooner(trainer)
     line = resume_line(trainer.state)
     if line and dist.get_global_rank() == 0:
         print(line, flush=True)

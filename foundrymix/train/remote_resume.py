@@ -53,3 +53,21 @@ def latest_checkpoint(save_folder: str) -> Optional[str]:
     if not target:
         raise RuntimeError(f'autoresume: {store.get_uri(key)} is empty (it should name the latest checkpoint)')
     return store.get_uri(target)
+
+
+#: seconds between checks that a checkpoint's upload is complete (Composer's default: 30)
+UPLOAD_POLL_S = 2.0
+
+
+def poll_uploads_sooner(trainer) -> None:
+    """Make Composer check every :data:`UPLOAD_POLL_S` s (not 30 s) that a checkpoint's upload
+    is complete before it uploads ``latest-rank0.pt.symlink`` pointing at it.
+
+    Why: the symlink is what autoresume reads; with a 30 s poll, a job killed up to 30 s after
+    a checkpoint was uploaded resumes from the checkpoint before it, and every job's end waits
+    up to 30 s for the last poll. A HEAD request every 2 s costs nothing. The setting is a
+    private attribute of Composer 0.32's ``CheckpointSaver``; if it is gone, nothing changes.
+    """
+    saver = getattr(trainer, '_checkpoint_saver', None)
+    if saver is not None and hasattr(saver, '_symlink_upload_wait_before_next_try_in_seconds'):
+        saver._symlink_upload_wait_before_next_try_in_seconds = UPLOAD_POLL_S
