@@ -37,20 +37,51 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 from fault_proxy import FaultProxy  # noqa: E402
 from helpers import moto_s3  # noqa: E402
-from mix_helpers import build_stream  # noqa: E402
+import mix_helpers  # noqa: E402
 
 from foundrymix import s3_retries  # noqa: E402
+from foundrymix.convert.writer import ShardWriter  # noqa: E402
 from foundrymix.mix.mixer import StreamMixer  # noqa: E402
+from foundrymix.schema import Counts, Manifest, encode_row  # noqa: E402
 
 BUCKET = 'fmx-bench'
 SHARD = 64 << 20  # the converter's default size_limit ('64mb')
+
+
+def build_stream(out: str, kind: str, rows: int, tag: int, seq_len: int) -> None:
+    """``rows`` synthetic rows (the test helpers' rows; the row number they carry as a token
+    wraps at 8000 to stay inside the demo vocabulary) in shards of the default size."""
+    tok = mix_helpers.demo_tokenizer_info()
+    counts = Counts()
+    with ShardWriter(out, seq_len, 'uint16', size_limit=SHARD) as w:
+        for r in range(rows):
+            if kind == 'pretrain':
+                ids, spans, doc_lens = mix_helpers.pretrain_row(tag, r % 8000, seq_len)
+            else:
+                ids, spans, doc_lens = mix_helpers.finetune_row(tag, r % 8000, seq_len, tok.pad_id)
+            w.write(encode_row(ids, spans, doc_lens, 'uint16'))
+            counts.rows += 1
+            counts.tokens += sum(doc_lens)
+            counts.pad_tokens += seq_len - sum(doc_lens)
+            counts.loss_tokens += sum(e - s for s, e in spans)
+            counts.documents_read += len(doc_lens)
+            counts.documents_written += len(doc_lens)
+        w.finish(Manifest(kind=kind, max_seq_len=seq_len, token_dtype='uint16', tokenizer=tok,
+                          counts=counts, inputs=[f'synthetic-{tag}']))
 
 
 def read_epoch(cfg: dict, batch: int, seq_len: int) -> tuple[float, int]:
     """Seconds from building the loader to the last batch, and the tokens it held."""
     start = time.perf_counter()
     mixer = StreamMixer.from_dict(cfg)
-    loader = mixer.build_dataloader(batch_size=batch)
+    for attempt in range(3):
+        try:
+            loader = mixer.build_dataloader(batch_size=batch)
+            break
+        except FileExistsError as e:  # streaming's machine-global shm names: another job raced us
+            if attempt == 2:
+                raise
+            print(f'  (retrying the loader: {e})')
     rows = sum(b['input_ids'].shape[0] for b in loader)
     secs = time.perf_counter() - start
     del loader, mixer
@@ -77,8 +108,8 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         dirs = {'web': os.path.join(root, 'src', 'web'), 'chat': os.path.join(root, 'src', 'chat')}
-        build_stream(dirs['web'], 'pretrain', args.rows, 0, max_seq_len=args.seq_len, size_limit=SHARD)
-        build_stream(dirs['chat'], 'finetune', args.rows // 4, 1, max_seq_len=args.seq_len, size_limit=SHARD)
+        build_stream(dirs['web'], 'pretrain', args.rows, 0, args.seq_len)
+        build_stream(dirs['chat'], 'finetune', args.rows // 4, 1, args.seq_len)
         files = [(n, f) for n, d in dirs.items() for f in sorted(os.listdir(d))]
         size = sum(os.path.getsize(os.path.join(dirs[n], f)) for n, f in files)
         shards = sum(f.endswith('.mds') for _, f in files)
