@@ -19,16 +19,20 @@ from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarm
                             LinearWithWarmupScheduler)
 from composer.utils import dist, reproducibility
 
+from foundrymix import s3_retries
 from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
+from foundrymix.s3_retries import RetryCounts, S3RetryCounter
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
+from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig
 from foundrymix.train.console import console_kwargs, resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
+from foundrymix.train.remote_resume import is_remote, latest_checkpoint, poll_uploads_sooner
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,16 @@ def _check_load_path(cfg: TrainConfig) -> None:
     path = cfg.load_path
     if path and '://' not in path and not os.path.exists(path):
         raise FileNotFoundError(f'load_path: {path}: no such checkpoint')
+
+
+def _resume_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """Composer's ``autoresume``/``load_path``; for a remote ``save_folder`` we find the latest
+    checkpoint in the bucket ourselves (see :mod:`foundrymix.train.remote_resume`)."""
+    if cfg.autoresume and is_remote(cfg.save_folder):
+        latest = latest_checkpoint(cfg.save_folder)
+        return {'autoresume': False, 'load_path': latest or cfg.load_path}
+    return {'autoresume': cfg.autoresume,
+            'load_path': None if cfg.autoresume and not cfg.load_path else cfg.load_path}
 
 
 def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
@@ -176,14 +190,15 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
                      stage_names=[s.name for s in run.stages])
 
 
-def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any) -> tuple[list[Callback], StreamAccounting]:
-    """``EpochBoundary`` and ``ModelInfo`` first, then every callback of the table the run uses
+def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any,
+               retry_counter: S3RetryCounter, since: RetryCounts) -> tuple[list[Callback], StreamAccounting]:
+    """``EpochBoundary``, ``ModelInfo`` and ``S3Log`` first, then every callback of the table the run uses
     (accounting always)."""
     ctx = CallbackContext(config=cfg, stream_names=data.stream_names,
                           planned_share=data.planned_share, stage_names=data.stage_names)
     built = build_callbacks(cfg.callbacks, ctx)
     info = ModelInfo(hf_model.config, cfg.model.attention, data.mixer.tokenizer, cfg.model.pretrained)
-    return [EpochBoundary(), info, *built.values()], built['stream_accounting']
+    return [EpochBoundary(), info, S3Log(retry_counter, since), *built.values()], built['stream_accounting']
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
@@ -212,8 +227,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
         save_overwrite=cfg.save_overwrite,
-        autoresume=cfg.autoresume,
-        load_path=None if cfg.autoresume and not cfg.load_path else cfg.load_path,
+        **_resume_kwargs(cfg),
         seed=cfg.seed,
     )
 
@@ -222,14 +236,17 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     """Validate everything, then build model, data, callbacks and the Composer trainer."""
     device_batch, micro = _batch_sizes(cfg)
     _check_load_path(cfg)
+    retry_counter = s3_retries.install()  # before the first metadata fetch
+    retries_before = retry_counter.snapshot()
     data = _train_data(cfg, device_batch)
 
     reproducibility.seed_all(cfg.seed)
     hf_model = build_hf_model(cfg.model, data.mixer.tokenizer, cfg.max_seq_len)
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator = _evaluator(cfg, data.mixer, device_batch)
-    callbacks, accounting = _callbacks(cfg, data, hf_model)
+    callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
+    poll_uploads_sooner(trainer)
     line = resume_line(trainer.state)
     if line and dist.get_global_rank() == 0:
         print(line, flush=True)

@@ -76,11 +76,17 @@ class TrainConfig:
     eval_interval: str = '1ep'
     eval_subset_num_batches: int = -1
     run_name: str = 'foundrymix'
+    #: a local directory or ``s3://bucket/prefix`` (Composer uploads each checkpoint, then
+    #: ``latest-rank0.pt.symlink`` naming it; endpoint and credentials from the environment)
     save_folder: Optional[str] = None
     save_interval: str = '1ep'
+    #: local checkpoints kept (-1: all); Composer never deletes checkpoints in a bucket
     save_num_checkpoints_to_keep: int = -1
     save_overwrite: bool = False
+    #: resume from the latest checkpoint in ``save_folder`` (for ``s3://``: the one the
+    #: bucket's ``latest-rank0.pt.symlink`` names, see :mod:`foundrymix.train.remote_resume`)
     autoresume: bool = False
+    #: a checkpoint to start from (local path or ``s3://...``); ignored when autoresume finds one
     load_path: Optional[str] = None
     seed: int = 17
     precision: str = 'auto'

@@ -29,14 +29,14 @@ class StreamAccountingConfig:
     """Per-stream token accounting (always on; these are its settings)."""
 
     log_interval: str = '10ba'
-    out_dir: Optional[str] = None  # default: <save_folder>/../report or ./runs/<run_name>/report
+    out_dir: Optional[str] = None  # default: <save_folder>/../report (a local save_folder) or ./runs/<run_name>/report
     plot: bool = True
 
     def report_dir(self, save_folder: Optional[str], run_name: str) -> str:
         """Where ``stream_accounting.{json,png}`` go."""
         if self.out_dir:
             return self.out_dir
-        if save_folder:
+        if save_folder and '://' not in save_folder:  # a remote save_folder has no local parent
             return os.path.join(os.path.dirname(os.path.abspath(save_folder)) or '.', 'report')
         return os.path.join('runs', run_name, 'report')
 
