@@ -76,7 +76,8 @@ class MixedDataset(StreamingDataset):
     def __init__(self, *, stream_names: Sequence[str], vocab_size: Optional[int] = None,
                  max_seq_len: Optional[int] = None, check_shard_files: bool = True,
                  global_batch_size: Optional[int] = None, **kwargs: Any) -> None:
-        with _prefix_scan_without_leaks():
+        from foundrymix.mix.cache import registering_prefix
+        with registering_prefix(), _prefix_scan_without_leaks():
             super().__init__(**kwargs)
         self.global_batch_size = global_batch_size
         self.stream_names = list(stream_names)
@@ -91,6 +92,8 @@ class MixedDataset(StreamingDataset):
         self._stream_starts = [int(x) for x in self.sample_offset_per_stream[1:]]
         self._completed_epoch: Optional[int] = None
         self.yield_rows = False
+        #: the cache directories this dataset claimed (:mod:`foundrymix.mix.cache`), if any
+        self.cache_claims: Any = None
 
     def check_shard_files(self) -> None:
         """Raise :class:`~foundrymix.shards.ShardFilesError` if a stream's shard files are damaged.
@@ -137,7 +140,9 @@ class MixedDataset(StreamingDataset):
             where = self.row_location(idx)
             if where is None:  # not a valid sample index: not a data problem
                 raise
-            raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}') from e
+            from foundrymix.mix.cache import disk_full_hint
+            raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}'
+                                       f'{disk_full_hint(str(e), where[1])}') from e
         problem = check_row(row, self.vocab_size, self.max_seq_len)
         if problem is not None:
             raise self._row_error(idx, problem)
@@ -231,8 +236,10 @@ class MixedDataset(StreamingDataset):
         try:
             stream.prepare_shard(shard)
         except Exception as e:
+            from foundrymix.mix.cache import disk_full_hint
             return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
-                                     f'{type(e).__name__}: {e}; {context}')
+                                     f'{type(e).__name__}: {e}{disk_full_hint(str(e), directory)}; '
+                                     f'{context}')
         return ShardPrepareError(f'{where}: streaming failed to prepare the shard and it '
                                  f'succeeded on a retry (a transient error?); {context}')
 
@@ -305,6 +312,8 @@ class MixedDataset(StreamingDataset):
                 shm.cleanup()
             except (BufferError, OSError):  # a numpy view still exports the buffer
                 pass
+        if self.cache_claims is not None:  # after the shared memory: the next run may take the dirs
+            self.cache_claims.release()
 
 
 def check_resume(obj: dict[str, Any], num_canonical_nodes: int,
