@@ -203,7 +203,7 @@ class MixedDataset(StreamingDataset):
         preparation that failed in another worker process leaves no trace here).
         """
         if not blocking:
-            super().prepare_shard(shard_id, False)
+            self._prepare_shard_once(shard_id)
             return
         from time import monotonic, sleep
 
@@ -213,7 +213,7 @@ class MixedDataset(StreamingDataset):
         while True:
             # Non-blocking: prepares the shard here if it is remote (raising on failure), and
             # returns at once if someone else is preparing it -- then we wait, with an end.
-            super().prepare_shard(shard_id, False)
+            self._prepare_shard_once(shard_id)
             deadline = monotonic() + limit
             while self._shard_states[shard_id] == _ShardState.PREPARING:
                 event = getattr(self, '_event', None)
@@ -225,6 +225,63 @@ class MixedDataset(StreamingDataset):
                 sleep(0.007)
             if self._shard_states[shard_id] == _ShardState.LOCAL:
                 return
+
+    def _prepare_shard_once(self, shard_id: int) -> None:
+        """streaming's non-blocking ``prepare_shard``, but with ``cache_limit`` a download in
+        flight counts against the limit from its start.
+
+        Why: streaming evicts until ``cache usage + the new shard`` fits, then downloads with
+        the lock released and adds the shard to the usage only when it is complete. Two
+        downloads at once (the prepare-ahead thread and the reading thread of each worker)
+        both see room for one shard: the disk held ``cache_limit`` plus a shard or more
+        (measured: 102 KB on disk under an 88 KB limit). Here the shard's size is reserved
+        before the download and settled after, so the cache never holds more than the
+        limit. If only downloads in flight fill the limit, this waits for one to finish
+        (then evicts it if need be) instead of streaming's "no shards present locally to
+        evict".
+        """
+        if not self.cache_limit:
+            super().prepare_shard(shard_id, False)
+            return
+        from time import sleep
+
+        import numpy as np
+        from filelock import FileLock
+        from streaming.base.dataset import _ShardState
+        if not hasattr(self, '_cache_filelock'):
+            self._cache_filelock = FileLock(self._cache_filelock_path)
+        lock = self._cache_filelock
+        with lock:
+            if self._shard_states[shard_id] != _ShardState.REMOTE:
+                remote = False
+            else:
+                remote = True
+                self._shard_states[shard_id] = _ShardState.PREPARING
+        if not remote:  # present (maybe zipped) or being prepared: streaming's own logic
+            super().prepare_shard(shard_id, False)
+            return
+        stream = self.streams[int(self.stream_per_shard[shard_id])]
+        shard = self.shards[shard_id]
+        size = int(shard.get_max_size())
+        while True:
+            with lock:
+                while self.cache_limit < self.cache_usage + size and \
+                        (self._shard_states.numpy() == _ShardState.LOCAL).any():
+                    self._evict_coldest_shard()
+                if self.cache_limit >= self.cache_usage + size:
+                    self.cache_usage += size  # reserved until the download is done
+                    break
+            sleep(0.007)  # only downloads in flight fill the cache: wait for one to finish
+        try:
+            delta = stream.prepare_shard(shard)
+        except BaseException:
+            with lock:  # the shard stays PREPARING: the waiting readers report it failed
+                self.cache_usage -= size
+            raise
+        with lock:
+            self.cache_usage += int(delta) - size
+            self._shard_access_times[shard_id] = np.uint64(__import__('time').time_ns())
+            self._shard_states[shard_id] = _ShardState.LOCAL
 
     def _shard_error(self, shard_id: int, context: str) -> 'ShardPrepareError':
         """Name a shard streaming failed to prepare (retried here to get its exception)."""
