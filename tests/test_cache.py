@@ -85,7 +85,8 @@ def reader(tmp_path: Path, name: str, s3, **spec) -> tuple[subprocess.Popen, Pat
                FOUNDRYMIX_CACHE=str(tmp_path / 'cache'))
     with open(f'{out}.log', 'w') as log:  # a file, not a pipe: never blocks the process
         proc = subprocess.Popen([sys.executable, str(HERE / 'cache_reader.py'),
-                                 str(tmp_path / f'{name}.json')], env=env, stdout=log, stderr=log)
+                                 str(tmp_path / f'{name}.json')], env=env, stdout=log, stderr=log,
+                                start_new_session=True)
     return proc, out
 
 
@@ -170,7 +171,10 @@ def test_a_sigkilled_reader_does_not_stop_the_next_run(tmp_path, s3, small, monk
     while not Path(str(out) + '.paused').exists():
         assert proc.poll() is None and time.monotonic() < deadline, Path(f'{out}.log').read_text()
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    # The whole process group, as a scheduler or the OOM killer ends a job: with the main
+    # process alone, multiprocessing's resource tracker (a child) would unlink its shared
+    # memory after it, sometimes.
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     homes = home_dirs(tmp_path, small)
     stale = shm_registering(homes[0])

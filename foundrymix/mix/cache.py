@@ -270,8 +270,11 @@ def _prefix_in_use(prefix: str) -> bool:
     """Whether any process maps or holds open one of streaming's segments ``<prefix>_*``.
 
     Python's ``SharedMemory`` creates segments with mode 0600, so only processes of the
-    owner's uid (or root) can use them; every process whose ``/proc`` entry we cannot read
-    counts as a user (nothing is cleaned on a guess).
+    owner's uid (or root) use them, and a Python process of our own uid is dumpable, so
+    its ``/proc/PID/maps`` and ``fd`` are readable to us. Processes whose entries we may
+    not read are skipped: of another user, or non-dumpable (in this project's containers
+    pid 1, the sandbox's agent, is such a process; counting it as a user meant never
+    cleaning anything).
     """
     needle = f'{_SHM_DIR}/{prefix}_'
     me = str(os.getpid())
@@ -288,10 +291,10 @@ def _prefix_in_use(prefix: str) -> bool:
                         return True
                 except OSError:
                     continue
-        except FileNotFoundError:  # the process ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # the process ended meanwhile
             continue
-        except PermissionError:
-            return True
+        except PermissionError:  # not ours to read (see above)
+            continue
     return False
 
 
