@@ -149,7 +149,7 @@ def test_a_named_local_held_by_a_live_run_is_refused_by_name(tmp_path, s3, small
         first = list(named)[0]
         assert str(err.value).startswith(
             f"train_loader.streams.{first}.local: {named[first]['local']} is in use by another live "
-            f'run, pid {proc.pid} (pid {proc.pid}). streaming cannot read one cache directory')
+            f'run, pid {proc.pid}. streaming cannot read one cache directory')
     finally:
         go.touch()
     got = finish(proc, out)[0]  # the holder was left alone: its epoch is whole

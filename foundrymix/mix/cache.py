@@ -201,7 +201,8 @@ def claim(home: str, shared_default: bool, where: str) -> tuple[str, bool]:
                                 owners[0][1].get('run', 'unknown') if owners else 'unknown', path)
                 return path, True
         path, owner = owners[0] if owners else (home, {})
-        who = f"{owner.get('run', 'a run')} (pid {owner.get('pid', '?')})"
+        run = str(owner.get('run', 'a run'))
+        who = run if run.startswith('pid ') else f"{run} (pid {owner.get('pid', '?')})"
         if not shared_default:
             raise ConfigError(
                 f'{where}.local: {home} is in use by another live run, {who}. streaming cannot '
