@@ -327,3 +327,37 @@ print(json.dumps(out))
     failed = out['failed']
     assert directory in failed and 'shard.' in failed and 'No space left on device' in failed
     assert 'the cache disk is full' in failed and 'cache_limit' in failed
+
+
+@pytest.mark.slow
+def test_a_sigkilled_convert_does_not_stop_the_next_one(tmp_path, arxiv_jsonl):
+    """``foundrymix convert`` killed (its process group) once it has written shards into its
+    partial directory: the same command then completes, the dead run's partial directory
+    is gone, and the output equals a conversion that was never interrupted."""
+    from convert_helpers import read_rows
+    big = tmp_path / 'big.jsonl'
+    big.write_bytes(arxiv_jsonl.read_bytes())
+    out = tmp_path / 'out'
+    cmd = [sys.executable, '-m', 'foundrymix.cli', 'convert', 'pretrain', str(big), '-o', str(out),
+           '--max-seq-len', '128', '--workers', '1', '--no-progress', '--size-limit', '8kb']
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith('.out.partial-') and any(p.glob('shard.*'))
+                  for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, 'finished before it was killed'
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert any(p.name.startswith('.out.partial-') for p in tmp_path.iterdir())  # what it left
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ['big.jsonl', 'out']
+    ref = tmp_path / 'ref'
+    subprocess.run([*cmd[:cmd.index('-o') + 1], str(ref), *cmd[cmd.index('-o') + 2:]], env=env,
+                   check=True, capture_output=True, timeout=240)
+    def plain(d):
+        return [{k: v.tolist() if hasattr(v, 'tolist') else v for k, v in r.items()} for r in read_rows(d)]
+    rows = plain(out)
+    assert len(rows) > 50 and rows == plain(ref)
