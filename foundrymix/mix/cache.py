@@ -16,10 +16,12 @@ refuses a second live dataset over the same directory *of a remote stream* with
   directory the user named (``local:`` with a ``remote:``) is never swapped: a second
   live run over it gets a :class:`ConfigError` naming the directory and the run that
   holds it.
-* A run killed by SIGKILL never runs its ``atexit`` cleanup, so its shared memory stays
-  and names its directory; the next run over that directory got the same ``Reused local
-  directory`` error until the machine rebooted. See :func:`clean_stale` for what is
-  cleaned here and what streaming's own ``clean_stale_shared_memory`` covers.
+* A run killed by SIGKILL (its process group, as a scheduler or the OOM killer does)
+  never runs its ``atexit`` cleanup, so its shared memory stays and names its directory;
+  killed before its first download, the next run over that directory got the same
+  ``Reused local directory`` error until someone cleaned ``/dev/shm``. See
+  :func:`clean_stale` for what is cleaned here and what streaming's own
+  ``clean_stale_shared_memory`` covers.
 * ``cache_limit`` below streaming's minimum, or a cache disk too small for what the run
   downloads, are refused with the stream, shard and directory named
   (:func:`check_space`) -- not found out mid-run.
@@ -323,9 +325,11 @@ def clean_stale(directory: str, stream_dirs: list[tuple[str, dict[str, Any]]]) -
       prefixes 0, 1, ... until the first prefix with none, whether its owner is alive or
       not (it would pull the shared memory from under a live run on the same machine),
       and it leaves the ``/tmp`` filelocks; it is meant to be called once per machine
-      before any run starts. While the stale segments exist streaming refuses the
-      directory (``Reused local directory``); stale filelocks alone only make it skip
-      their prefix (a leak, not an error).
+      before any run starts. A run killed after building its dataset but before its
+      first download leaves the segments without filelocks: streaming then refuses the
+      directory (``Reused local directory``) until someone cleans them. A run killed
+      mid-epoch also leaves the filelocks, which make streaming skip the dead prefix: no
+      error, but the segments and files leak for good.
     * partial downloads in each stream directory: ``<shard>.<8 hex>`` (boto3's temporary
       name), ``<file>.tmp`` (streaming's other backends, decompression, ``index.json``)
       for files the index names; ``<file>.part-PID`` (our metadata fetch) whose PID is
