@@ -281,8 +281,12 @@ class LoaderConfig:
         """The local directory of stream ``name`` (without split), caching remote-only ones.
 
         A remote-only stream is cached under ``cache_root`` in a directory keyed by a hash
-        of the remote URL, so two runs over the same remote share the cache and two
-        different remotes never collide.
+        of the remote URL, so two different remotes never collide and runs over the same
+        remote *one after another* reuse its downloaded shards. Runs that overlap in time
+        do not share it: streaming refuses two live datasets over one directory, so the
+        dataset a run builds claims the directory for its life and a second live run reads
+        from a sibling (``<this>-run2``, ...; see :mod:`foundrymix.mix.cache`). This is the
+        configured directory; the one a dataset uses is its streams' ``local``.
         """
         spec = self.streams[name]
         if spec.local:

@@ -76,7 +76,8 @@ class MixedDataset(StreamingDataset):
     def __init__(self, *, stream_names: Sequence[str], vocab_size: Optional[int] = None,
                  max_seq_len: Optional[int] = None, check_shard_files: bool = True,
                  global_batch_size: Optional[int] = None, **kwargs: Any) -> None:
-        with _prefix_scan_without_leaks():
+        from foundrymix.mix.cache import registering_prefix
+        with registering_prefix(), _prefix_scan_without_leaks():
             super().__init__(**kwargs)
         self.global_batch_size = global_batch_size
         self.stream_names = list(stream_names)
@@ -91,6 +92,8 @@ class MixedDataset(StreamingDataset):
         self._stream_starts = [int(x) for x in self.sample_offset_per_stream[1:]]
         self._completed_epoch: Optional[int] = None
         self.yield_rows = False
+        #: the cache directories this dataset claimed (:mod:`foundrymix.mix.cache`), if any
+        self.cache_claims: Any = None
 
     def check_shard_files(self) -> None:
         """Raise :class:`~foundrymix.shards.ShardFilesError` if a stream's shard files are damaged.
@@ -137,7 +140,9 @@ class MixedDataset(StreamingDataset):
             where = self.row_location(idx)
             if where is None:  # not a valid sample index: not a data problem
                 raise
-            raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}') from e
+            from foundrymix.mix.cache import disk_full_hint
+            raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}'
+                                       f'{disk_full_hint(str(e), where[1])}') from e
         problem = check_row(row, self.vocab_size, self.max_seq_len)
         if problem is not None:
             raise self._row_error(idx, problem)
@@ -198,7 +203,7 @@ class MixedDataset(StreamingDataset):
         preparation that failed in another worker process leaves no trace here).
         """
         if not blocking:
-            super().prepare_shard(shard_id, False)
+            self._prepare_shard_once(shard_id)
             return
         from time import monotonic, sleep
 
@@ -208,7 +213,7 @@ class MixedDataset(StreamingDataset):
         while True:
             # Non-blocking: prepares the shard here if it is remote (raising on failure), and
             # returns at once if someone else is preparing it -- then we wait, with an end.
-            super().prepare_shard(shard_id, False)
+            self._prepare_shard_once(shard_id)
             deadline = monotonic() + limit
             while self._shard_states[shard_id] == _ShardState.PREPARING:
                 event = getattr(self, '_event', None)
@@ -221,6 +226,63 @@ class MixedDataset(StreamingDataset):
             if self._shard_states[shard_id] == _ShardState.LOCAL:
                 return
 
+    def _prepare_shard_once(self, shard_id: int) -> None:
+        """streaming's non-blocking ``prepare_shard``, but with ``cache_limit`` a download in
+        flight counts against the limit from its start.
+
+        Why: streaming evicts until ``cache usage + the new shard`` fits, then downloads with
+        the lock released and adds the shard to the usage only when it is complete. Two
+        downloads at once (the prepare-ahead thread and the reading thread of each worker)
+        both see room for one shard: the disk held ``cache_limit`` plus a shard or more
+        (measured: 102 KB on disk under an 88 KB limit). Here the shard's size is reserved
+        before the download and settled after, so the cache never holds more than the
+        limit. If only downloads in flight fill the limit, this waits for one to finish
+        (then evicts it if need be) instead of streaming's "no shards present locally to
+        evict".
+        """
+        if not self.cache_limit:
+            super().prepare_shard(shard_id, False)
+            return
+        from time import sleep
+
+        import numpy as np
+        from filelock import FileLock
+        from streaming.base.dataset import _ShardState
+        if not hasattr(self, '_cache_filelock'):
+            self._cache_filelock = FileLock(self._cache_filelock_path)
+        lock = self._cache_filelock
+        with lock:
+            if self._shard_states[shard_id] != _ShardState.REMOTE:
+                remote = False
+            else:
+                remote = True
+                self._shard_states[shard_id] = _ShardState.PREPARING
+        if not remote:  # present (maybe zipped) or being prepared: streaming's own logic
+            super().prepare_shard(shard_id, False)
+            return
+        stream = self.streams[int(self.stream_per_shard[shard_id])]
+        shard = self.shards[shard_id]
+        size = int(shard.get_max_size())
+        while True:
+            with lock:
+                while self.cache_limit < self.cache_usage + size and \
+                        (self._shard_states.numpy() == _ShardState.LOCAL).any():
+                    self._evict_coldest_shard()
+                if self.cache_limit >= self.cache_usage + size:
+                    self.cache_usage += size  # reserved until the download is done
+                    break
+            sleep(0.007)  # only downloads in flight fill the cache: wait for one to finish
+        try:
+            delta = stream.prepare_shard(shard)
+        except BaseException:
+            with lock:  # the shard stays PREPARING: the waiting readers report it failed
+                self.cache_usage -= size
+            raise
+        with lock:
+            self.cache_usage += int(delta) - size
+            self._shard_access_times[shard_id] = np.uint64(__import__('time').time_ns())
+            self._shard_states[shard_id] = _ShardState.LOCAL
+
     def _shard_error(self, shard_id: int, context: str) -> 'ShardPrepareError':
         """Name a shard streaming failed to prepare (retried here to get its exception)."""
         stream_id = int(self.stream_per_shard[shard_id])
@@ -231,8 +293,10 @@ class MixedDataset(StreamingDataset):
         try:
             stream.prepare_shard(shard)
         except Exception as e:
+            from foundrymix.mix.cache import disk_full_hint
             return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
-                                     f'{type(e).__name__}: {e}; {context}')
+                                     f'{type(e).__name__}: {e}{disk_full_hint(str(e), directory)}; '
+                                     f'{context}')
         return ShardPrepareError(f'{where}: streaming failed to prepare the shard and it '
                                  f'succeeded on a retry (a transient error?); {context}')
 
@@ -305,6 +369,8 @@ class MixedDataset(StreamingDataset):
                 shm.cleanup()
             except (BufferError, OSError):  # a numpy view still exports the buffer
                 pass
+        if self.cache_claims is not None:  # after the shared memory: the next run may take the dirs
+            self.cache_claims.release()
 
 
 def check_resume(obj: dict[str, Any], num_canonical_nodes: int,

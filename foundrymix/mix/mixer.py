@@ -91,13 +91,31 @@ class StreamMixer:
         from foundrymix.mix.exact import epoch_weights
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
+        from foundrymix.mix import cache
         G = batch_size * (world_size or get_world_size())
         infos = self.catalog.infos()
         weights = epoch_weights(self.config, infos, G, self.where)
-        return MixedDataset(stream_names=self.stream_names, global_batch_size=G,
-                            streams=make_streams(infos, weights.chooses, self.config.weights_in),
-                            vocab_size=self.tokenizer.vocab_size, max_seq_len=self.max_seq_len,
-                            **self.dataset_kwargs(batch_size, weights.epoch_size))
+        # Claim the cache directories (another live run's are not shared), clean what killed
+        # runs left there, and refuse a cache too small -- all before streaming starts.
+        infos, claims = cache.prepare(self.config, infos, self.where)
+        try:
+            dataset = MixedDataset(stream_names=self.stream_names, global_batch_size=G,
+                                   streams=make_streams(infos, weights.chooses, self.config.weights_in),
+                                   vocab_size=self.tokenizer.vocab_size, max_seq_len=self.max_seq_len,
+                                   **self.dataset_kwargs(batch_size, weights.epoch_size))
+        except ValueError as e:
+            claims.release()
+            if 'Reused local directory' in str(e):
+                raise ConfigError(
+                    f'{self.where}.streams: a cache directory of this run is registered by another '
+                    f'live streaming dataset on this machine (not a foundrymix run, or one in this '
+                    f'process): {e}. Give the stream its own local: directory') from e
+            raise
+        except BaseException:
+            claims.release()
+            raise
+        dataset.cache_claims = claims
+        return dataset
 
     def build_dataloader(self, batch_size: int, dataset: Optional['MixedDataset'] = None) -> Any:
         """A ``StreamingDataLoader`` (a torch ``DataLoader``) of collated int64 batches.
