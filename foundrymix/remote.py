@@ -161,6 +161,24 @@ def _is_transient(error: BaseException) -> bool:
                               HTTPClientError, socket.timeout, TimeoutError, ConnectionResetError))
 
 
+def retry_reason(error: BaseException) -> str:
+    """Why a request is tried again, in :mod:`foundrymix.s3_retries`'s words."""
+    code = s3_code(error)
+    if code in ('SlowDown', '503'):
+        return 'slowdown'
+    if code is not None:
+        return 'http_other'
+    name = type(error).__name__
+    if 'EndpointConnection' in name or 'ConnectTimeout' in name:
+        return 'connect'
+    if 'Timeout' in name or isinstance(error, (socket.timeout, TimeoutError)):
+        return 'timeout'
+    if any(w in name for w in ('Closed', 'Reset', 'Protocol', 'Connection', 'IncompleteRead',
+                               'ResponseStreaming')):
+        return 'reset'
+    return 'other'
+
+
 class BoundedS3Downloader(S3Downloader):
     """streaming's S3 downloader with a deadline per file; see the module docstring for the bound.
 
@@ -217,8 +235,10 @@ class BoundedS3Downloader(S3Downloader):
             backoff = BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random() / 2)
             if not _is_transient(error) or attempt >= MAX_ATTEMPTS or left <= backoff:
                 raise classify(error, remote, timeout, attempt) from error
+            # ``s3_retry`` lets foundrymix.s3_retries count this retry (and why) for the log.
             logger.warning('%s: attempt %d of %d failed (%s); retrying in %.1f s', remote, attempt,
-                           MAX_ATTEMPTS, s3_code(error) or f'{type(error).__name__}: {error}', backoff)
+                           MAX_ATTEMPTS, s3_code(error) or f'{type(error).__name__}: {error}', backoff,
+                           extra={'s3_retry': retry_reason(error)})
             time.sleep(backoff)
 
     def _get(self, remote: str, local: str) -> None:

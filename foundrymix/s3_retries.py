@@ -15,7 +15,10 @@ is log at DEBUG level through fixed loggers:
   action of ...``: one per retry; the reason (HTTP status and S3 error code, or the
   exception) is read from botocore's ``Endpoint._needs_retry`` frame that emitted it;
 * ``streaming.base.util``: ``Attempt i/n failed with: ...``: streaming downloads a shard
-  again (after botocore's own attempts were spent).
+  again (after botocore's own attempts were spent);
+* ``foundrymix.remote``: the bounded S3 downloader foundrymix gives every ``s3://`` stream
+  retries by itself within ``download_timeout`` (botocore's retries are off there) and tags
+  each retry record with its reason (``s3_retry``).
 
 :func:`install` puts a counting *filter* on those loggers (and lowers them to DEBUG): the
 filter counts, then drops the DEBUG records the user's logging setup would not have shown,
@@ -42,7 +45,7 @@ REASON_LABELS = {'slowdown': '503 SlowDown', 'http_other': 'other HTTP error',
                  'other': 'other'}
 
 _LOGGERS = ('botocore.endpoint', 'botocore.retries.standard', 'botocore.retryhandler',
-            'streaming.base.util')
+            'streaming.base.util', 'foundrymix.remote')
 
 
 @dataclass
@@ -117,6 +120,10 @@ class _CountingFilter(logging.Filter):
             self.counter._add('attempts')
         elif msg.startswith('Retry needed, retrying request') or msg.startswith('Retry needed, action of'):
             self.counter._add('retries', _reason(sys._getframe(1)))
+        elif hasattr(record, 's3_retry'):
+            # foundrymix.remote's BoundedS3Downloader retries by itself (botocore's retries are
+            # off there): each attempt is a new API call, so the retry is not a new request.
+            self.counter._add('retries', record.s3_retry, requests=-1)
         elif record.name == 'streaming.base.util' and msg.startswith('Attempt '):
             self.counter._add('redownloads')
         return record.levelno >= self.show_level
@@ -131,11 +138,12 @@ class S3RetryCounter:
         self._lock = ctx.Lock()
         self._filters: list[tuple[logging.Logger, _CountingFilter, int]] = []
 
-    def _add(self, name: str, reason: Optional[str] = None) -> None:
+    def _add(self, name: str, reason: Optional[str] = None, requests: int = 0) -> None:
         with self._lock:
             self._values[FIELDS.index(name)] += 1
             if reason is not None:
                 self._values[FIELDS.index(reason)] += 1
+            self._values[FIELDS.index('requests')] += requests
 
     def snapshot(self) -> RetryCounts:
         with self._lock:
