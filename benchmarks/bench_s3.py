@@ -48,12 +48,13 @@ BUCKET = 'fmx-bench'
 SHARD = 64 << 20  # the converter's default size_limit ('64mb')
 
 
-def build_stream(out: str, kind: str, rows: int, tag: int, seq_len: int) -> None:
+def build_stream(out: str, kind: str, rows: int, tag: int, seq_len: int,
+                 size_limit: int = SHARD) -> None:
     """``rows`` synthetic rows (the test helpers' rows; the row number they carry as a token
-    wraps at 8000 to stay inside the demo vocabulary) in shards of the default size."""
+    wraps at 8000 to stay inside the demo vocabulary) in shards of ``size_limit`` bytes."""
     tok = mix_helpers.demo_tokenizer_info()
     counts = Counts()
-    with ShardWriter(out, seq_len, 'uint16', size_limit=SHARD) as w:
+    with ShardWriter(out, seq_len, 'uint16', size_limit=size_limit) as w:
         for r in range(rows):
             if kind == 'pretrain':
                 ids, spans, doc_lens = mix_helpers.pretrain_row(tag, r % 8000, seq_len)
@@ -98,6 +99,9 @@ def main() -> int:
     ap.add_argument('--workers', type=int, default=2)
     ap.add_argument('--repeats', type=int, default=3)
     ap.add_argument('--error-rate', type=float, default=0.05)
+    ap.add_argument('--shard-mb', type=int, default=SHARD >> 20,
+                    help='shard size_limit in MB (default: the converter\'s 64); smaller shards '
+                         'mean more requests, so a 5%% fault rate meets a few of them')
     ap.add_argument('--quick', action='store_true', help='4000 rows, 1 repeat: a smoke run')
     args = ap.parse_args()
     if args.quick:
@@ -108,12 +112,12 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         dirs = {'web': os.path.join(root, 'src', 'web'), 'chat': os.path.join(root, 'src', 'chat')}
-        build_stream(dirs['web'], 'pretrain', args.rows, 0, args.seq_len)
-        build_stream(dirs['chat'], 'finetune', args.rows // 4, 1, args.seq_len)
+        build_stream(dirs['web'], 'pretrain', args.rows, 0, args.seq_len, args.shard_mb << 20)
+        build_stream(dirs['chat'], 'finetune', args.rows // 4, 1, args.seq_len, args.shard_mb << 20)
         files = [(n, f) for n, d in dirs.items() for f in sorted(os.listdir(d))]
         size = sum(os.path.getsize(os.path.join(dirs[n], f)) for n, f in files)
         shards = sum(f.endswith('.mds') for _, f in files)
-        print(f'corpus: {shards} shards (size_limit 64 MB), {size / 2**20:.0f} MiB, '
+        print(f'corpus: {shards} shards (size_limit {args.shard_mb} MB), {size / 2**20:.0f} MiB, '
               f'{args.rows + args.rows // 4} rows x {args.seq_len} tokens, built in '
               f'{time.perf_counter() - t0:.1f}s')
 
