@@ -202,3 +202,18 @@ def test_rows_equal_plain_reference(any_tokenizer, dolly_jsonl, tmp_path, too_lo
         assert row['input_ids'].tolist() == tokens
         assert row['loss_spans'].tolist() == row_spans
         assert row['doc_lens'].tolist() == lens
+
+
+def test_default_parallel_mode_follows_the_records(dolly_jsonl, tmp_path):
+    """Threads for prompt/response examples (Rust work), processes for chats and
+    --preprocess (Python work that holds the GIL); --parallel wins."""
+    from foundrymix.convert.common import prepare
+    from foundrymix.convert.finetune import FINETUNE
+    chats = write_jsonl(tmp_path / 'chats.jsonl', CHATS[:1] * 20)
+    cases = [(dolly_jsonl, {}, 'threads'), (chats, {}, 'processes'),
+             (chats, {'prompt_template': '{messages[0].content}', 'response_template': 'ok'}, 'threads'),
+             (dolly_jsonl, {'preprocess': 'json:loads'}, 'processes'),
+             (chats, {'parallel': 'threads'}, 'threads')]
+    for src, kw, mode in cases:
+        o = FinetuneOptions(**kw)
+        assert FINETUNE.parallel_mode(prepare([str(src)], str(tmp_path / 'o'), o, 2), o) == mode, (src, kw)
