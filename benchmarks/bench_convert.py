@@ -14,7 +14,9 @@ sample as prompt/response, packed), builds a jsonl corpus (default 150 MB, ``--q
 (b) the whole ``foundrymix convert`` as a subprocess (start-up, reading, parsing,
     assembling, packing, writing shards included), with the peak RSS of its process tree.
 
-Both are given as tokens/s of the *same* token count (the ceiling's: the texts'
+Each round brackets (b) between (a) on the first and (a) on the second half of the
+corpus, so a load that changes during the round weighs on both alike. Both are given
+as tokens/s of the *same* token count (the ceiling's: the texts'
 tokens, without BOS/EOS), so the ratio is the share of the ceiling the whole conversion
 reaches (targets: pretrain >= 0.85, finetune >= 0.7). The 1-minute load average is
 printed before and after: other work on the machine skews the ratio.
@@ -70,23 +72,26 @@ def build_corpus(path: Path, kind: str, megabytes: int, seed: int = 0) -> int:
     return n
 
 
-def ceiling(path: Path, tokenizer: str, kind: str, batch_docs: int = 64) -> tuple[float, int]:
-    """Tokens/s of the tokenizer's own parallel batch encoder (tokenization time only)."""
+def ceiling(path: Path, tokenizer: str, kind: str, batch_docs: int = 64,
+            half: int | None = None) -> tuple[float, int]:
+    """Tokens/s of the tokenizer's own parallel batch encoder (tokenization time only):
+    ``(tokens / seconds, tokens)``; ``half`` (0 or 1): only that half of the records."""
     os.environ['TOKENIZERS_PARALLELISM'] = 'true'
     from foundrymix.tokenizer import load_tokenizer
     backend = load_tokenizer(tokenizer).backend_tokenizer
     encode = getattr(backend, 'encode_batch_fast', backend.encode_batch)
-    tokens, seconds = 0, 0.0
     with open(path, encoding='utf-8') as f:
-        while True:
-            texts = [rec[k] for _, line in zip(range(batch_docs), f)
-                     for rec in [json.loads(line)] for k in FIELDS[kind]]
-            if not texts:
-                break
-            t0 = time.perf_counter()
-            enc = encode(texts, add_special_tokens=False)
-            seconds += time.perf_counter() - t0
-            tokens += sum(len(e.ids) for e in enc)
+        lines = f.readlines()
+    if half is not None:
+        lines = lines[:len(lines) // 2] if half == 0 else lines[len(lines) // 2:]
+    tokens, seconds = 0, 0.0
+    for start in range(0, len(lines), batch_docs):
+        texts = [rec[k] for line in lines[start:start + batch_docs]
+                 for rec in [json.loads(line)] for k in FIELDS[kind]]
+        t0 = time.perf_counter()
+        enc = encode(texts, add_special_tokens=False)
+        seconds += time.perf_counter() - t0
+        tokens += sum(len(e.ids) for e in enc)
     return tokens / seconds, tokens
 
 
@@ -135,16 +140,23 @@ def run_convert(corpus: Path, out: Path, kind: str, tokenizer: str, max_seq_len:
 
 
 def measure(tmp: Path, kind: str, tok_name: str, args: argparse.Namespace) -> dict:
-    """One round: the conversion, then the ceiling on the same corpus; tokens/s of both."""
+    """One round: the ceiling on the first half of the corpus, the conversion of the whole
+    corpus, the ceiling on the second half. Bracketing the conversion this way, at no
+    extra cost, gives a load that rises or falls during the round about the same weight
+    in both figures."""
     corpus = tmp / f'{kind}.jsonl'
     out = tmp / f'out-{kind}-{tok_name}'
+    tok = tokenizer_path(tok_name)
     load = [os.getloadavg()[0]]
-    conv = run_convert(corpus, out, kind, tokenizer_path(tok_name), args.max_seq_len, args.workers,
-                       args.parallel)
+    rate0, tokens0 = ceiling(corpus, tok, kind, args.batch_docs, half=0)
     load.append(os.getloadavg()[0])
-    ceil_tok_s, tokens = ceiling(corpus, tokenizer_path(tok_name), kind, args.batch_docs)
+    conv = run_convert(corpus, out, kind, tok, args.max_seq_len, args.workers, args.parallel)
+    load.append(os.getloadavg()[0])
+    rate1, tokens1 = ceiling(corpus, tok, kind, args.batch_docs, half=1)
     load.append(os.getloadavg()[0])
     shutil.rmtree(out)
+    tokens = tokens0 + tokens1
+    ceil_tok_s = tokens / (tokens0 / rate0 + tokens1 / rate1)
     conv_tok_s = tokens / conv['seconds']
     return {'conv': conv_tok_s, 'ceil': ceil_tok_s, 'ratio': conv_tok_s / ceil_tok_s, 'tokens': tokens,
             'seconds': conv['seconds'], 'rss': conv['peak_rss'], 'pss': conv['peak_pss'], 'load': load,
@@ -163,7 +175,7 @@ def report(kind: str, tok_name: str, rounds: list[dict]) -> None:
           f'{_median_range([r["ratio"] for r in rounds], ".2f")} (target >= {TARGETS[kind]}); '
           f'{r0["tokens"]:,} tokens, peak RSS {max(r["rss"] for r in rounds) / 2**20:,.0f} MB, '
           f'PSS {max(r["pss"] for r in rounds) / 2**20:,.0f} MB; load '
-          + ', '.join(f'{r["load"][0]:.1f}/{r["load"][1]:.1f}/{r["load"][2]:.1f}' for r in rounds)
+          + ', '.join('/'.join(f'{x:.1f}' for x in r['load']) for r in rounds)
           + (f'; dropped {r0["dropped"]}' if r0['dropped'] else ''), flush=True)
 
 
@@ -186,8 +198,9 @@ def main() -> None:
         for kind in kinds:
             n = build_corpus(Path(tmp) / f'{kind}.jsonl', kind, mb)
             print(f'{kind} corpus: {mb} MB, {n:,} records', flush=True)
-        print(f'{os.cpu_count()} cores; rounds {args.rounds}; figures: median [min-max]; load: 1-min '
-              f'load average before/after the conversion/after the ceiling', flush=True)
+        print(f'{os.cpu_count()} cores; rounds {args.rounds}; figures: median [min-max], the ratio taken '
+              f'per round; load: 1-min load average before the round, before and after the '
+              f'conversion, after the round', flush=True)
         results = {(k, t): [] for k in kinds for t in toks}
         for _ in range(args.rounds):  # rounds interleaved, so a burst of load hits every case
             for key in results:

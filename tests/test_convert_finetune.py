@@ -146,3 +146,74 @@ def test_chat_template_turns(any_tokenizer, tmp_path, chat_loss):
         turns = ['Four.\n', 'Six.\n' + tok.eos_token]
     assert trained == (turns if chat_loss == 'all' else turns[1:])
     assert [tok.decode(pr_row['input_ids'][s:e].tolist()) for s, e in spans(pr_row)] == ['Hi!' + tok.eos_token]
+
+
+def reference_rows(tokenizer, records, max_seq_len, too_long):
+    """The rows of ``convert finetune`` computed the plain way: HF Python tokenization per
+    text, one list per example, first-fit packing over a window of 64 open rows."""
+    info = tokenizer_info(load_tokenizer(tokenizer))
+    open_rows, rows = [], []
+    for r in records:
+        prompt = ([info.bos_id] if info.add_bos else []) + ids(tokenizer, r['prompt'])
+        ex = prompt + ids(tokenizer, r['response']) + [info.eos_id]
+        ex_spans = [max(1, len(prompt)), len(ex)]
+        if len(ex) > max_seq_len:
+            if too_long == 'drop':
+                continue
+            ex, ex_spans = ex[:max_seq_len], [ex_spans[0], max_seq_len]
+            if ex_spans[0] >= max_seq_len:
+                continue  # no loss token left
+        for row in open_rows:
+            if sum(len(e) for e, _ in row) + len(ex) <= max_seq_len:
+                row.append((ex, ex_spans))
+                break
+        else:
+            open_rows.append([(ex, ex_spans)])
+            row = open_rows[-1]
+            if len(open_rows) > 64 and sum(len(e) for e, _ in row) < max_seq_len:
+                rows.append(open_rows.pop(0))
+        if sum(len(e) for e, _ in row) == max_seq_len:
+            rows.append(row)
+            open_rows.remove(row)
+    out = []
+    for row in rows + open_rows:
+        tokens, row_spans, pos = [], [], 0
+        for e, (s, t) in row:
+            tokens += e
+            row_spans += [pos + s, pos + t]
+            pos += len(e)
+        out.append((tokens + [info.pad_id] * (max_seq_len - pos), row_spans, [len(e) for e, _ in row]))
+    return out
+
+
+@pytest.mark.parametrize('too_long', ['drop', 'truncate'])
+def test_rows_equal_plain_reference(any_tokenizer, dolly_jsonl, tmp_path, too_long):
+    """Every row, bit for bit, equals the plain per-example computation (the converter
+    assembles a chunk's examples in one array and packs views of it)."""
+    records = read_jsonl(dolly_jsonl, 600)
+    src = write_jsonl(tmp_path / 'in.jsonl', records)
+    convert_finetune([str(src)], str(tmp_path / 'out'),
+                     FinetuneOptions(tokenizer=any_tokenizer, max_seq_len=256, too_long=too_long,
+                                     workers=2, chunk_bytes=64 << 10))
+    rows = read_rows(tmp_path / 'out')
+    expected = reference_rows(any_tokenizer, records, 256, too_long)
+    assert len(rows) == len(expected) > 100
+    for row, (tokens, row_spans, lens) in zip(rows, expected):
+        assert row['input_ids'].tolist() == tokens
+        assert row['loss_spans'].tolist() == row_spans
+        assert row['doc_lens'].tolist() == lens
+
+
+def test_default_parallel_mode_follows_the_records(dolly_jsonl, tmp_path):
+    """Threads for prompt/response examples (Rust work), processes for chats and
+    --preprocess (Python work that holds the GIL); --parallel wins."""
+    from foundrymix.convert.common import prepare
+    from foundrymix.convert.finetune import FINETUNE
+    chats = write_jsonl(tmp_path / 'chats.jsonl', CHATS[:1] * 20)
+    cases = [(dolly_jsonl, {}, 'threads'), (chats, {}, 'processes'),
+             (chats, {'prompt_template': '{messages[0].content}', 'response_template': 'ok'}, 'threads'),
+             (dolly_jsonl, {'preprocess': 'json:loads'}, 'processes'),
+             (chats, {'parallel': 'threads'}, 'threads')]
+    for src, kw, mode in cases:
+        o = FinetuneOptions(**kw)
+        assert FINETUNE.parallel_mode(prepare([str(src)], str(tmp_path / 'o'), o, 2), o) == mode, (src, kw)

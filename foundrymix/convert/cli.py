@@ -47,9 +47,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'is the same for any value')
     p.add_argument('--parallel', choices=PARALLEL_MODES, default=None,
                    help='how the workers run: threads of this process, each tokenizing on one '
-                        'core while the Rust tokenizer releases the GIL (default for pretrain), '
-                        'or forked processes (default for finetune, whose chat templates and '
-                        'example assembly are Python work)')
+                        'core while the Rust tokenizer releases the GIL (default for pretrain and '
+                        'prompt/response finetuning), or forked processes (default for chats and '
+                        '--preprocess, whose Python work holds the GIL)')
     p.add_argument('--overwrite', action='store_true',
                    help='replace a non-empty output directory; for s3:// the old index.json and '
                         'foundrymix.json are deleted before the first new shard is uploaded and the '

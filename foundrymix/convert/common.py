@@ -33,7 +33,8 @@ class ConvertOptions:
     the end. ``bos=None`` follows the tokenizer (BOS iff it adds one by default).
     ``workers`` is how many chunks are encoded at once, each on one core: threads of
     this process (``parallel='threads'``) or worker processes (``'processes'``);
-    ``None`` picks the converter's default (pretrain: threads, finetune: processes),
+    ``None`` picks the converter's default (pretrain and prompt/response finetuning:
+    threads; chats and ``preprocess``: processes),
     see :mod:`foundrymix.convert.pipeline`. ``0`` means all cores.
     ``chunk_bytes`` is the share of input a worker reads at a time. None of these
     three changes the output. ``engine``: ``'local'`` (this machine, the default) or

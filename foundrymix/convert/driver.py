@@ -131,6 +131,14 @@ class Converter:
     builder: Callable[[Setup, Any, Manifest], RowBuilder]
     manifest_options: Callable[[Any, Setup], dict[str, Any]]
     min_content: int = 1
+    #: picks the default parallel mode from the inputs and options instead of ``parallel``
+    choose_parallel: Optional[Callable[[Setup, Any], str]] = None
+
+    def parallel_mode(self, setup: Setup, options: ConvertOptions) -> str:
+        """``options.parallel`` if given, else this converter's default for these inputs."""
+        if options.parallel:
+            return options.parallel
+        return self.choose_parallel(setup, options) if self.choose_parallel else self.parallel
 
 
 def convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
@@ -169,7 +177,7 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
     initargs = (options, setup.bos_id, setup.eos_id, setup.token_dtype)
     chunks = plan_chunks(setup.inputs, options.chunk_bytes)
     with ordered_map(converter.encode_chunk, chunks, setup.workers, init_worker, initargs,
-                     mode=options.parallel or converter.parallel) as results, \
+                     mode=converter.parallel_mode(setup, options)) as results, \
             ShardWriter(setup.output.local, options.max_seq_len, setup.token_dtype,
                         overwrite=options.overwrite, compression=options.compression,
                         size_limit=options.size_limit, hashes=options.hash_algorithms,

@@ -31,6 +31,7 @@ example lengths.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -43,7 +44,7 @@ from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, conver
 from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.packing import Packer, build_row
-from foundrymix.convert.readers import BadRecord, Chunk, get_string
+from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
 from foundrymix.schema import Manifest
 
 __all__ = ['CHAT_LOSS', 'TOO_LONG', 'FinetuneOptions', 'Packer', 'convert_finetune']
@@ -52,10 +53,12 @@ TOO_LONG = ('drop', 'truncate')
 CHAT_LOSS = ('all', 'last')
 #: used when the response field is missing (LLM-Foundry's name for the response)
 RESPONSE_ALIAS = 'completion'
-#: default ``parallel`` mode: rendering chat templates and assembling examples is Python
-#: work that holds the GIL, so processes beat threads here (see
-#: :mod:`foundrymix.convert.pipeline`)
+#: default ``parallel`` mode for chats and ``--preprocess``: rendering chat templates (or a
+#: user's function) is Python work that holds the GIL, so processes beat threads there;
+#: prompt/response examples take threads (see :func:`_default_parallel`)
 FINETUNE_PARALLEL = 'processes'
+#: records of the first chunk looked at to tell chats from prompt/response examples
+_SNIFF_RECORDS = 64
 
 Example = tuple[np.ndarray, np.ndarray]  # (ids, flat loss spans)
 
@@ -78,10 +81,27 @@ class FinetuneOptions(ConvertOptions):
 
 @dataclass
 class _ChunkExamples(ChunkResult):
-    """A worker's result: the examples of a chunk, encoded, in input order."""
+    """A worker's result: the kept examples of a chunk, in input order, back to back.
 
-    examples: list[Example]
+    Example ``i`` is ``tokens[o_i:o_i + example_lens[i]]`` (``o_i`` the sum of the lengths
+    before it) with ``span_counts[i]`` loss spans, flat ``(start, end)`` pairs relative
+    to the example, in ``spans``.
+    """
+
+    tokens: np.ndarray
+    example_lens: np.ndarray
+    spans: np.ndarray
+    span_counts: np.ndarray
     lengths: np.ndarray  # of every assembled example, kept or not (for the summary)
+
+    def examples(self) -> Iterator[Example]:
+        """``(ids, flat spans)`` of each kept example: views into the chunk's arrays."""
+        ends = np.cumsum(self.example_lens).tolist()
+        span_ends = (2 * np.cumsum(self.span_counts)).tolist()
+        start = span_start = 0
+        for end, span_end in zip(ends, span_ends):
+            yield self.tokens[start:end], self.spans[span_start:span_end]
+            start, span_start = end, span_end
 
 
 def _templates(o: FinetuneOptions) -> tuple[Optional[Template], Optional[Template]]:
@@ -112,25 +132,23 @@ def _segments(rec: dict, o: FinetuneOptions, tok: Any) -> Segments | BadRecord:
     return [(prompt, o.loss_on_prompt), (response, True)]
 
 
-def _assemble(seg_ids: list[list[int] | np.ndarray], flags: list[bool], bos: Optional[int],
-              eos: Optional[int]) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """Concatenate segments with BOS/EOS; loss spans merged, never on the first token.
+def _layout(seg_lens: list[int], flags: list[bool], n_head: int, has_eos: bool
+            ) -> tuple[int, list[tuple[int, int]]]:
+    """Length and loss spans of ``[BOS] + segments + [EOS]``: spans merged, never on the first token.
 
-    The ids come back as one ``uint32`` array (a segment may already be one: a huge text,
-    see :mod:`foundrymix.convert.encode`).
+    Works on segment lengths only, so a chunk's token ids are concatenated once, for all
+    its examples (:func:`_encode_chunk`), instead of one small array per example.
     """
-    head = [] if bos is None else [bos]
     spans: list[tuple[int, int]] = []
-    pos = len(head)
-    for part, loss in zip(seg_ids, flags):
-        start, pos = pos, pos + len(part)
+    pos = n_head
+    for n, loss in zip(seg_lens, flags):
+        start, pos = pos, pos + n
         if loss and pos > start:
             if spans and spans[-1][1] == start:
                 spans[-1] = (spans[-1][0], pos)
             else:
                 spans.append((start, pos))
-    tail = [] if eos is None else [eos]
-    if eos is not None:
+    if has_eos:
         pos += 1
         if flags and flags[-1] and spans and spans[-1][1] == pos - 1:
             spans[-1] = (spans[-1][0], pos)
@@ -138,30 +156,55 @@ def _assemble(seg_ids: list[list[int] | np.ndarray], flags: list[bool], bos: Opt
         spans[0] = (1, spans[0][1])
         if spans[0][0] == spans[0][1]:
             spans.pop(0)
-    # each list of ids goes to numpy in one C call: extending a Python list first cost
-    # ~5% of a finetune conversion (cProfile), the later asarray another copy
-    return np.concatenate([np.asarray(p, dtype=np.uint32) for p in (head, *seg_ids, tail)]), spans
+    return pos, spans
 
 
-def _fit(ids: list[int] | np.ndarray, spans: list[tuple[int, int]], o: FinetuneOptions,
-         dropped: dict[str, int]) -> Optional[Example]:
-    """Apply ``too_long`` and the no-loss rule to one assembled example (``None``: dropped)."""
+def _fit(n: int, spans: list[tuple[int, int]], o: FinetuneOptions,
+         dropped: dict[str, int]) -> Optional[tuple[int, list[tuple[int, int]]]]:
+    """Apply ``too_long`` and the no-loss rule to one example of ``n`` tokens: the length
+    and spans to keep (its first tokens), or ``None`` (dropped, counted in ``dropped``)."""
     L = o.max_seq_len
-    if len(ids) > L:
+    if n > L:
         if o.too_long == 'drop':
             dropped['too_long'] = dropped.get('too_long', 0) + 1
             return None
-        dropped['truncated_tokens'] = dropped.get('truncated_tokens', 0) + len(ids) - L
-        ids = ids[:L]
+        dropped['truncated_tokens'] = dropped.get('truncated_tokens', 0) + n - L
+        n = L
         spans = [(s, min(e, L)) for s, e in spans if s < L]
     if not spans:
         dropped['no_loss_tokens'] = dropped.get('no_loss_tokens', 0) + 1
         return None
-    return np.asarray(ids, dtype=worker_state().token_dtype), np.asarray(spans, dtype=np.int32).reshape(-1)
+    return n, spans
+
+
+def _concat(parts: list[list[int] | np.ndarray], total: int, dtype: str) -> np.ndarray:
+    """``parts`` back to back as one array: runs of lists in one C call each (one
+    ``np.asarray`` per small list cost more than the lists' conversion itself); arrays
+    (huge texts, see :mod:`foundrymix.convert.encode`) are copied as they are."""
+    if all(type(p) is list for p in parts):
+        return np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=total)
+    pieces: list[np.ndarray] = []
+    run: list[list[int]] = []
+    for p in parts:
+        if type(p) is list:
+            run.append(p)
+            continue
+        if run:
+            pieces.append(np.fromiter(itertools.chain.from_iterable(run), dtype=dtype))
+            run = []
+        pieces.append(np.asarray(p, dtype=dtype))
+    if run:
+        pieces.append(np.fromiter(itertools.chain.from_iterable(run), dtype=dtype))
+    return np.concatenate(pieces)
 
 
 def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
-    """Read, check, template and tokenize one chunk (runs in a worker)."""
+    """Read, check, template and tokenize one chunk (runs in a worker).
+
+    The kept examples come back as one token array (and their lengths and spans), not
+    one array each: a chunk holds a thousand short examples, and per-example numpy
+    calls and pickling were a fifth of a finetune conversion.
+    """
     w = worker_state()
     o: FinetuneOptions = w.options
     fields = read_fields((o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field),
@@ -169,17 +212,39 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
     n_lines, n_records, examples_segs, errors, dropped = parse_records(
         chunk, fields, lambda rec: _segments(rec, o, w.tok), o.on_error, o.preprocess)
     flat = encode_texts(w.tok, [text for segs in examples_segs for text, _ in segs])
-    examples = []
+    head: list[int] = [] if w.bos_id is None else [w.bos_id]
+    tail: list[int] = [] if w.eos_id is None else [w.eos_id]
     lengths = np.zeros(len(examples_segs), dtype=np.int64)
+    parts: list[list[int] | np.ndarray] = []
+    kept_lens: list[int] = []
+    kept_spans: list[int] = []
+    span_counts: list[int] = []
     pos = 0
     for i, segs in enumerate(examples_segs):
-        ids, spans = _assemble(flat[pos:pos + len(segs)], [loss for _, loss in segs], w.bos_id, w.eos_id)
+        seg_ids = flat[pos:pos + len(segs)]
         pos += len(segs)
-        lengths[i] = len(ids)
-        example = _fit(ids, spans, o, dropped)
-        if example is not None:
-            examples.append(example)
-    return _ChunkExamples(n_lines, n_records, errors, dropped, examples, lengths)
+        n, spans = _layout([len(x) for x in seg_ids], [loss for _, loss in segs], len(head), bool(tail))
+        lengths[i] = n
+        fit = _fit(n, spans, o, dropped)
+        if fit is None:
+            continue
+        keep, spans = fit
+        if keep == n:
+            parts.append(head)
+            parts.extend(seg_ids)
+            parts.append(tail)
+        else:  # truncated: its first ``keep`` tokens
+            parts.append(_concat([head, *seg_ids, tail], n, 'uint32')[:keep])
+        kept_lens.append(keep)
+        kept_spans.extend(x for span in spans for x in span)
+        span_counts.append(len(spans))
+    total = sum(kept_lens)
+    return _ChunkExamples(n_lines, n_records, errors, dropped,
+                          tokens=_concat(parts, total, w.token_dtype) if total else
+                          np.zeros(0, dtype=w.token_dtype),
+                          example_lens=np.asarray(kept_lens, dtype=np.int64),
+                          spans=np.asarray(kept_spans, dtype=np.int32),
+                          span_counts=np.asarray(span_counts, dtype=np.int64), lengths=lengths)
 
 
 class _FinetuneRows(RowBuilder):
@@ -196,7 +261,7 @@ class _FinetuneRows(RowBuilder):
 
     def add(self, result: _ChunkExamples) -> Iterator[dict]:
         self.lengths.append(result.lengths)
-        for ids, spans in result.examples:
+        for ids, spans in result.examples():
             yield from self._rows(self.packer.add(ids, spans) if self.pack else [[(ids, spans)]])
 
     def flush(self) -> Iterator[dict]:
@@ -220,7 +285,7 @@ class _FinetuneRows(RowBuilder):
         return int(np.quantile(lengths, share, method='higher')) if len(lengths) else None
 
     def progress(self, result: _ChunkExamples) -> tuple[int, int]:
-        return len(result.examples), sum(len(ids) for ids, _ in result.examples)
+        return len(result.example_lens), int(result.example_lens.sum())
 
 
 def _manifest_options(options: FinetuneOptions, setup: Setup) -> dict[str, Any]:
@@ -230,9 +295,34 @@ def _manifest_options(options: FinetuneOptions, setup: Setup) -> dict[str, Any]:
     return d
 
 
+def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
+    """``threads`` for prompt/response examples, ``processes`` for chats or ``--preprocess``.
+
+    Why: with prompt/response examples nearly all work is the Rust tokenizer, which
+    releases the GIL, and threads save forking and pickling every chunk's result back
+    (measured: ~7 % less CPU on 2 cores). Chat templates are rendered in Python, which
+    holds the GIL, so there processes run that in parallel. Which one the input holds is
+    read from the first records of the first chunk (a few ms); the output is the same
+    either way.
+    """
+    ptemplate, rtemplate = _templates(o)
+    if o.preprocess is not None:
+        return FINETUNE_PARALLEL
+    if ptemplate is not None or rtemplate is not None:
+        return 'threads'  # templates make every record a prompt/response example
+    first = next(iter(plan_chunks(setup.inputs, o.chunk_bytes)), None)
+    if first is None:
+        return 'threads'
+    _, records = read_records(first, (o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field))
+    sample = [rec for _, _, rec in records[:_SNIFF_RECORDS] if isinstance(rec, dict)]
+    chats = sum(o.messages_field in rec for rec in sample)
+    return FINETUNE_PARALLEL if chats * 2 > len(sample) else 'threads'
+
+
 # min_content: room for at least one prompt token and one response token
 FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chunk, parallel=FINETUNE_PARALLEL,
-                     builder=_FinetuneRows, manifest_options=_manifest_options, min_content=2)
+                     builder=_FinetuneRows, manifest_options=_manifest_options, min_content=2,
+                     choose_parallel=_default_parallel)
 
 
 def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions) -> Manifest:

@@ -10,7 +10,7 @@ corpus).
 
 Two modes (``ConvertOptions.parallel``):
 
-* ``threads`` (the default for pretraining): one process, ``workers`` threads each
+* ``threads`` (the default for pretraining and prompt/response finetuning): one process, ``workers`` threads each
   running the encoder on its own chunk. The Rust tokenizer releases the GIL while it
   encodes, so the threads tokenize on all cores at once, and the little Python work
   (JSON parsing, turning ids into arrays, cutting rows, writing shards: ~5% of the
@@ -21,10 +21,11 @@ Two modes (``ConvertOptions.parallel``):
   small documents balance by themselves -- unlike one ``encode_batch`` call over the
   Rust thread pool, which waits for its slowest document. Nothing is pickled or
   forked, and start-up is that of one process.
-* ``processes`` (the default for finetuning): ``workers`` forked processes, each
-  tokenizing single-threaded. The Python side of encoding then runs in parallel too,
-  at the price of pickling every result back: worth it when that side is heavy, as
-  with chat templates (measured ~20% faster than threads on 2 cores).
+* ``processes`` (the default for chats and ``--preprocess``): ``workers`` forked
+  processes, each tokenizing single-threaded. The Python side of encoding then runs in
+  parallel too, at the price of pickling every result back: worth it when that side is
+  heavy, as with chat templates (measured ~20% faster than threads on 2 cores), not for
+  prompt/response examples (threads: ~7% less CPU).
 
 ``workers == 1`` runs the very same encoder in the calling thread, also tokenizing
 single-threaded.

@@ -30,17 +30,16 @@ import secrets
 import shutil
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
+from foundrymix.convert.mds import LeanMDSWriter
 from foundrymix.convert.paths import check_out_url
 from foundrymix.convert.pipeline import importing
 from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader, shard_file
 from foundrymix.schema import MANIFEST_NAME, Manifest, mds_columns
 
-if TYPE_CHECKING:
-    from streaming import MDSWriter
 
 
 class OutputExistsError(FileExistsError):
@@ -105,6 +104,21 @@ def remove_stale_partials(parent: str, name: str) -> list[str]:
     return removed
 
 
+def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
+                hashes: list[str]) -> Any:
+    """The MDS writer for ``out``: uncompressed shards without importing ``streaming`` (and
+    so torch: seconds of a core, see :mod:`foundrymix.convert.mds`), compressed ones
+    through ``streaming.MDSWriter``; both write the same files."""
+    if compression is None:
+        return LeanMDSWriter(out, columns, hashes=hashes, size_limit=size_limit)
+    # imported here, off the caller's thread: streaming imports torch, which conversion
+    # workers forked before never need
+    with importing('streaming'):
+        from streaming import MDSWriter
+    return MDSWriter(out=out, columns=columns, compression=compression, size_limit=size_limit,
+                     hashes=hashes, progress_bar=False, exist_ok=False)
+
+
 #: rows waiting for the writer thread are capped at about this many bytes of tokens
 QUEUE_BYTES = 64 << 20
 _FINISH = object()
@@ -116,9 +130,9 @@ class ShardWriter:
     Use as a context manager; call :meth:`finish` with the manifest to publish. Leaving
     the block without ``finish`` (an exception) deletes the partial directory.
 
-    Rows are written by a background thread, which also imports ``streaming`` (it
-    pulls in torch and torchvision: seconds of one core). So :meth:`write` returns at
-    once and the conversion keeps its workers busy meanwhile; a bounded queue (about
+    Rows are written by a background thread (which, for compressed output only, also
+    imports ``streaming``: torch and torchvision, seconds of one core). So :meth:`write`
+    returns at once and the conversion keeps its workers busy; a bounded queue (about
     ``QUEUE_BYTES`` of tokens) keeps memory flat. An error in the thread is raised by
     the next :meth:`write` or by :meth:`finish`.
     """
@@ -149,7 +163,7 @@ class ShardWriter:
         self.rows = 0
         self._submitted = 0
         self.finished = False
-        self._writer: Optional['MDSWriter'] = None
+        self._writer: Any = None  # LeanMDSWriter or streaming's MDSWriter
         self._uploader = None if remote is None else Uploader(remote, self.partial, keep_local=out is not None)
         self._error: Optional[BaseException] = None
         self._closed = False
@@ -164,16 +178,10 @@ class ShardWriter:
     def _run(self, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
              hashes: list[str]) -> None:
         try:
-            # imported here, off the caller's thread: streaming imports torch, which
-            # conversion workers forked before never need
-            with importing('streaming'):
-                from streaming import MDSWriter
             with self._lock:
                 if self._closed:
                     return
-                self._writer = MDSWriter(out=self.partial, columns=columns, compression=compression,
-                                         size_limit=size_limit, hashes=hashes, progress_bar=False,
-                                         exist_ok=False)
+                self._writer = _mds_writer(self.partial, columns, compression, size_limit, hashes)
             while True:
                 row = self._queue.get()
                 if row is _FINISH:
