@@ -239,48 +239,59 @@ class MixedDataset(StreamingDataset):
         limit. If only downloads in flight fill the limit, this waits for one to finish
         (then evicts it if need be) instead of streaming's "no shards present locally to
         evict".
+
+        The state is read and acted on under one hold of the cache lock, and every state is
+        handled here, never handed to streaming's ``prepare_shard``: that re-reads the state
+        under a lock of its own, and a shard evicted between the two reads (LOCAL when we
+        looked, REMOTE when streaming did) was downloaded by streaming's path, unreserved.
+        Under CPU load that happened a few times an epoch and the cache reached a shard over
+        the limit (94,049 bytes under an 88,314-byte limit; cache_usage said so too).
         """
         if not self.cache_limit:
             super().prepare_shard(shard_id, False)
             return
-        from time import sleep
+        import time
 
-        import numpy as np
         from filelock import FileLock
         from streaming.base.dataset import _ShardState
         if not hasattr(self, '_cache_filelock'):
             self._cache_filelock = FileLock(self._cache_filelock_path)
         lock = self._cache_filelock
-        with lock:
-            if self._shard_states[shard_id] != _ShardState.REMOTE:
-                remote = False
-            else:
-                remote = True
-                self._shard_states[shard_id] = _ShardState.PREPARING
-        if not remote:  # present (maybe zipped) or being prepared: streaming's own logic
-            super().prepare_shard(shard_id, False)
-            return
         stream = self.streams[int(self.stream_per_shard[shard_id])]
         shard = self.shards[shard_id]
-        size = int(shard.get_max_size())
+        with lock:
+            state = self._shard_states[shard_id]
+            if state == _ShardState.PREPARING:
+                return  # someone else prepares it; the blocking caller waits on the state
+            if state == _ShardState.LOCAL:
+                raw = os.path.join(stream.local, stream.split or '', shard.file_pairs[0][0].basename)
+                if os.path.isfile(raw):
+                    self._shard_access_times[shard_id] = time.time_ns()  # touch it
+                    return
+                need = int(shard.get_raw_size())  # only the zip is here: unpack it
+            elif state == _ShardState.REMOTE:
+                need = int(shard.get_max_size())  # raw and zip at once while unpacking
+            else:
+                raise RuntimeError(f'shard {shard_id}: invalid shard state {state}')
+            self._shard_states[shard_id] = _ShardState.PREPARING  # ours now: not evicted
         while True:
             with lock:
-                while self.cache_limit < self.cache_usage + size and \
+                while self.cache_limit < self.cache_usage + need and \
                         (self._shard_states.numpy() == _ShardState.LOCAL).any():
                     self._evict_coldest_shard()
-                if self.cache_limit >= self.cache_usage + size:
-                    self.cache_usage += size  # reserved until the download is done
+                if self.cache_limit >= self.cache_usage + need:
+                    self.cache_usage += need  # reserved until the download is done
                     break
-            sleep(0.007)  # only downloads in flight fill the cache: wait for one to finish
+            time.sleep(0.007)  # only downloads in flight fill the cache: wait for one to finish
         try:
             delta = stream.prepare_shard(shard)
         except BaseException:
             with lock:  # the shard stays PREPARING: the waiting readers report it failed
-                self.cache_usage -= size
+                self.cache_usage -= need
             raise
         with lock:
-            self.cache_usage += int(delta) - size
-            self._shard_access_times[shard_id] = np.uint64(__import__('time').time_ns())
+            self.cache_usage += int(delta) - need
+            self._shard_access_times[shard_id] = time.time_ns()
             self._shard_states[shard_id] = _ShardState.LOCAL
 
     def _shard_error(self, shard_id: int, context: str) -> 'ShardPrepareError':
@@ -291,7 +302,16 @@ class MixedDataset(StreamingDataset):
         where = (f"stream '{self.stream_names[stream_id]}' ({directory}), shard "
                  f'{shard.file_pairs[0][0].basename}')
         try:
-            stream.prepare_shard(shard)
+            delta = stream.prepare_shard(shard)
+            if self.cache_limit and delta:
+                # What the retry put in the cache counts against cache_limit like any download
+                # (at worst a shard someone else also fetched is counted twice: more eviction,
+                # never more disk than counted).
+                from filelock import FileLock
+                if not hasattr(self, '_cache_filelock'):
+                    self._cache_filelock = FileLock(self._cache_filelock_path)
+                with self._cache_filelock:
+                    self.cache_usage += int(delta)
         except Exception as e:
             from foundrymix.mix.cache import disk_full_hint
             return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
