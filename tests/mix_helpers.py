@@ -105,3 +105,16 @@ def loader_dict(dirs: dict[str, str], weights: dict[str, dict[str, Any]], **extr
 def identity(sample_input_ids: np.ndarray) -> tuple[int, int]:
     """(stream tag, row index) encoded in a row's first two tokens."""
     return int(sample_input_ids[0]) - TAG_BASE, int(sample_input_ids[1])
+
+
+def read_epoch(config: dict, batch_size: int) -> list[dict]:
+    """Every batch of one epoch of the loader ``config`` (tensors cloned), the loader released
+    afterwards (its shared memory and cache claims go with it)."""
+    import gc
+
+    from foundrymix.mix.mixer import StreamMixer
+    loader = StreamMixer.from_dict(config).build_dataloader(batch_size=batch_size)
+    batches = [{k: v.clone() for k, v in b.items()} for b in loader]
+    del loader
+    gc.collect()
+    return batches

@@ -26,6 +26,7 @@ import yaml
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
+import mix_helpers
 from helpers import ROOT, free_port, moto_auth, moto_s3, s3_requests, silent_server
 
 BUCKET = 'fmx-remote'
@@ -55,11 +56,7 @@ def cfg(stream: dict, **knobs) -> dict:
 
 
 def read_epoch(config: dict) -> list[dict[str, torch.Tensor]]:
-    loader = StreamMixer.from_dict(config).build_dataloader(batch_size=BATCH)
-    batches = [{k: v.clone() for k, v in b.items()} for b in loader]
-    del loader
-    gc.collect()
-    return batches
+    return mix_helpers.read_epoch(config, BATCH)
 
 
 def assert_same_batches(got, want) -> None:

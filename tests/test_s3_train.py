@@ -12,7 +12,6 @@ by ``train.py``; without faults the count is 0.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -27,6 +26,7 @@ import yaml
 from fault_proxy import FaultProxy
 from foundrymix import s3_retries
 from foundrymix.mix.mixer import StreamMixer
+import mix_helpers
 from helpers import ROOT, moto_s3, tiny_run_config
 
 BUCKET = 'fmx-train'
@@ -60,11 +60,7 @@ def loader_cfg(paths: dict, kind: str, cache: Path | None = None, num_workers: i
 
 
 def read_epoch(cfg: dict) -> list[dict[str, torch.Tensor]]:
-    loader = StreamMixer.from_dict(cfg).build_dataloader(batch_size=BATCH)
-    batches = [{k: v.clone() for k, v in b.items()} for b in loader]
-    del loader
-    gc.collect()
-    return batches
+    return mix_helpers.read_epoch(cfg, BATCH)
 
 
 def train(cwd: Path, cfg: dict, env: dict, *overrides: str) -> subprocess.CompletedProcess:
