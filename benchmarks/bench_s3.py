@@ -40,9 +40,7 @@ from helpers import moto_s3  # noqa: E402
 import mix_helpers  # noqa: E402
 
 from foundrymix import s3_retries  # noqa: E402
-from foundrymix.convert.writer import ShardWriter  # noqa: E402
 from foundrymix.mix.mixer import StreamMixer  # noqa: E402
-from foundrymix.schema import Counts, Manifest, encode_row  # noqa: E402
 
 BUCKET = 'fmx-bench'
 SHARD = 64 << 20  # the converter's default size_limit ('64mb')
@@ -50,25 +48,8 @@ SHARD = 64 << 20  # the converter's default size_limit ('64mb')
 
 def build_stream(out: str, kind: str, rows: int, tag: int, seq_len: int,
                  size_limit: int = SHARD) -> None:
-    """``rows`` synthetic rows (the test helpers' rows; the row number they carry as a token
-    wraps at 8000 to stay inside the demo vocabulary) in shards of ``size_limit`` bytes."""
-    tok = mix_helpers.demo_tokenizer_info()
-    counts = Counts()
-    with ShardWriter(out, seq_len, 'uint16', size_limit=size_limit) as w:
-        for r in range(rows):
-            if kind == 'pretrain':
-                ids, spans, doc_lens = mix_helpers.pretrain_row(tag, r % 8000, seq_len)
-            else:
-                ids, spans, doc_lens = mix_helpers.finetune_row(tag, r % 8000, seq_len, tok.pad_id)
-            w.write(encode_row(ids, spans, doc_lens, 'uint16'))
-            counts.rows += 1
-            counts.tokens += sum(doc_lens)
-            counts.pad_tokens += seq_len - sum(doc_lens)
-            counts.loss_tokens += sum(e - s for s, e in spans)
-            counts.documents_read += len(doc_lens)
-            counts.documents_written += len(doc_lens)
-        w.finish(Manifest(kind=kind, max_seq_len=seq_len, token_dtype='uint16', tokenizer=tok,
-                          counts=counts, inputs=[f'synthetic-{tag}']))
+    """``rows`` synthetic rows (the test helpers' rows) in shards of ``size_limit`` bytes."""
+    mix_helpers.build_stream(out, kind, rows, tag, seq_len, size_limit=size_limit)
 
 
 def read_epoch(cfg: dict, batch: int, seq_len: int) -> tuple[float, int]:

@@ -63,15 +63,18 @@ def finetune_row(tag: int, r: int, max_seq_len: int, pad_id: int) -> tuple[np.nd
 def build_stream(out: str, kind: str, rows: int, tag: int, max_seq_len: int = MAX_SEQ_LEN,
                  tokenizer: Optional[TokenizerInfo] = None, size_limit: int = 1 << 11,
                  schema_version: Optional[int] = None) -> Manifest:
-    """Write ``rows`` synthetic rows of ``kind`` to ``out`` (several small shards) with a manifest."""
+    """Write ``rows`` synthetic rows of ``kind`` to ``out`` (several small shards) with a manifest.
+
+    The row number each row carries as a token wraps at 8000, inside the demo vocabulary, so
+    a benchmark can build large streams too (rows below 8000 are unchanged)."""
     tok = tokenizer or demo_tokenizer_info()
     counts = Counts()
     with ShardWriter(out, max_seq_len, 'uint16', size_limit=size_limit) as w:
         for r in range(rows):
             if kind == 'pretrain':
-                ids, spans, doc_lens = pretrain_row(tag, r, max_seq_len)
+                ids, spans, doc_lens = pretrain_row(tag, r % 8000, max_seq_len)
             else:
-                ids, spans, doc_lens = finetune_row(tag, r, max_seq_len, tok.pad_id)
+                ids, spans, doc_lens = finetune_row(tag, r % 8000, max_seq_len, tok.pad_id)
             w.write(encode_row(ids, spans, doc_lens, 'uint16'))
             counts.rows += 1
             counts.tokens += sum(doc_lens)
