@@ -66,6 +66,7 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(str(ROOT / 'yamls' / yaml_name),
                       [f'variables.out={tmp_path}', f'variables.data={tmp_path / "data"}'])
+    from foundrymix.mix.mixer import build_dataset
     run = build_trainer(cfg)
     try:
         if cfg.train_loader.stages is not None:
@@ -74,7 +75,10 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
         assert run.plan.streams and all(s.rows_per_epoch > 0 for s in run.plan.streams)
         # The plan (our arithmetic on manifests and index files) against the dataset the
         # trainer iterates (streaming's own index reading and Stream.apply_weights).
-        dataset = run.trainer.state.train_dataloader.dataset
+        loader = run.trainer.state.train_dataloader  # the run's loader: its one stage's dataset
+        stage = run.run_plan.stages[0]
+        dataset = build_dataset(stage.config, stage.infos, stage.weights, loader.batch_size,
+                                run.run_plan.global_batch_size)
         assert [s.name for s in run.plan.streams] == list(raw_yaml(yaml_name)['train_loader']['streams'])
         assert [s.rows for s in run.plan.streams] == dataset.samples_per_stream.tolist()
         assert [s.rows_per_epoch for s in run.plan.streams] == [int(s.choose) for s in dataset.streams]
@@ -98,8 +102,10 @@ def check_staged_example(run, yaml_name: str) -> None:
     stages = raw_yaml(yaml_name)['train_loader']['stages']
     loader = run.trainer.state.train_dataloader
     assert [s.name for s in run.plan.stages] == [s['name'] for s in stages]
-    for stage, mixer in zip(run.plan.stages, loader.mixers):
-        dataset = mixer.build_dataset(loader.batch_size)
+    from foundrymix.mix.mixer import build_dataset
+    for stage in run.plan.stages:
+        dataset = build_dataset(stage.config, stage.infos, stage.weights, loader.batch_size,
+                                run.plan.global_batch_size)
         assert [s.name for s in stage.plan.streams] == list(stages[stage.index]['streams'])
         assert [s.rows_per_epoch for s in stage.plan.streams] == [int(s.choose) for s in dataset.streams]
         assert stage.plan.epoch_size == dataset.epoch_size

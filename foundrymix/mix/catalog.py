@@ -71,10 +71,14 @@ class StreamInfo:
 class Catalog:
     """The streams of one loader config: metadata fetched and read once, then validated."""
 
-    def __init__(self, config: LoaderConfig, where: str = 'train_loader') -> None:
+    def __init__(self, config: LoaderConfig, where: str = 'train_loader',
+                 shared: Optional[dict[Any, StreamInfo]] = None) -> None:
         self.config = config
         self.where = where
         self._infos: dict[str, StreamInfo] = {}
+        #: metadata read by other catalogs of the same run (its stages), keyed by location:
+        #: a stream several stages use is read -- and fetched from its remote -- once
+        self._shared: dict[Any, StreamInfo] = shared if shared is not None else {}
         self._synced: set[str] = set()
         self._validated = False
 
@@ -207,7 +211,16 @@ class Catalog:
     def info(self, name: str) -> StreamInfo:
         """Manifest and index of stream ``name`` (fetched if remote-only), read once."""
         if name not in self._infos:
-            self._infos[name] = self._read(name)
+            key = (self.config.stream_dir(name), self.config.stream_remote_dir(name))
+            known = self._shared.get(key)
+            if known is None:
+                known = self._shared[key] = self._read(name)
+            else:  # the same files under this catalog's name, weights and key path
+                import dataclasses
+                known = dataclasses.replace(known, name=name, spec=self.config.streams[name],
+                                            local=self.config.stream_local(name),
+                                            where=self._where(name))
+            self._infos[name] = known
         return self._infos[name]
 
     def _read(self, name: str) -> StreamInfo:

@@ -22,7 +22,6 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
     The YAML is read by the same typed reader as ``train`` (:class:`PlanConfig`): a key
     a run would refuse is refused here too, with the same message.
     """
-    from foundrymix.mix.mixer import StreamMixer
     from foundrymix.train.config import PlanConfig
 
     data = load_yaml(path, overrides)
@@ -33,16 +32,11 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
     if gbs % world_size or world_size % nodes:
         raise ConfigError(f'global_train_batch_size {gbs} is not divisible by world size '
                           f'{world_size}, or world size by nodes ({nodes})')
-    if cfg.train_loader.stages is not None:
-        from foundrymix.mix.stages import Topology, plan_run
-        run, _ = plan_run(cfg.train_loader, gbs // world_size, cfg.max_duration,
-                          Topology(nodes=nodes, ranks_per_node=world_size // nodes))
-        return run
-    if cfg.max_duration is None:
-        raise ConfigError("config: missing required key 'max_duration' (it may be left out only "
-                          "with train_loader.stages: the run is then the sum of the stages)")
-    mixer = StreamMixer(cfg.train_loader, 'train_loader')
-    return mixer.plan(gbs // world_size, cfg.max_duration, world_size=world_size, nodes=nodes)
+    # The same function the trainer builds its loader from: what is printed is what trains.
+    from foundrymix.mix.stages import Topology, plan_run
+    run, _ = plan_run(cfg.train_loader, gbs // world_size, cfg.max_duration,
+                      Topology(nodes=nodes, ranks_per_node=world_size // nodes))
+    return run if run.explicit else run.stages[0].plan
 
 
 def _topology(args: argparse.Namespace) -> tuple[int, int]:

@@ -22,7 +22,9 @@ from foundrymix.mix.config import LoaderConfig
 from foundrymix.schema import Manifest, TokenizerInfo
 
 if TYPE_CHECKING:  # torch/streaming are imported lazily
+    from foundrymix.mix.catalog import StreamInfo
     from foundrymix.mix.dataset import MixedDataset
+    from foundrymix.mix.exact import EpochWeights
     from foundrymix.mix.plan import Plan
 
 
@@ -67,80 +69,30 @@ class StreamMixer:
     def dataset_kwargs(self, batch_size: int, epoch_size: Optional[int] = None) -> dict[str, Any]:
         """Keyword arguments of ``StreamingDataset`` (without streams) for this config;
         ``epoch_size`` is the exact epoch's (see :func:`~foundrymix.mix.exact.epoch_weights`)."""
-        c = self.config
-        return dict(
-            download_retry=c.download_retry, download_timeout=c.download_timeout,
-            validate_hash=c.validate_hash, keep_zip=c.keep_zip, epoch_size=epoch_size,
-            predownload=c.predownload, cache_limit=c.cache_limit,
-            sampling_method=c.sampling_method, sampling_granularity=c.sampling_granularity,
-            partition_algo=c.partition_algo, num_canonical_nodes=c.num_canonical_nodes,
-            batch_size=batch_size, shuffle=c.shuffle, shuffle_algo=c.shuffle_algo,
-            shuffle_seed=c.shuffle_seed, shuffle_block_size=c.shuffle_block_size,
-            batching_method=c.batching_method)
+        return dataset_kwargs(self.config, batch_size, epoch_size)
 
     def build_dataset(self, batch_size: int, world_size: Optional[int] = None) -> 'MixedDataset':
         """One ``MixedDataset`` over all streams; ``batch_size`` is the per-rank batch size.
 
         ``world_size`` (default: the ranks of this job, from the launcher's environment)
         fixes the global batch, which an exact epoch is made of: the plan for the same
-        global batch gives the same streams and epoch size.
+        global batch gives the same streams and epoch size. (The trainer builds its
+        datasets from the run's plan instead: :func:`build_dataset`.)
         """
         from streaming.base.distributed import get_world_size
 
-        from foundrymix.mix.dataset import MixedDataset
         from foundrymix.mix.exact import epoch_weights
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
-        from foundrymix.mix import cache
         G = batch_size * (world_size or get_world_size())
         infos = self.catalog.infos()
         weights = epoch_weights(self.config, infos, G, self.where)
-        # Claim the cache directories (another live run's are not shared), clean what killed
-        # runs left there, and refuse a cache too small -- all before streaming starts.
-        infos, claims = cache.prepare(self.config, infos, self.where)
-        try:
-            dataset = MixedDataset(stream_names=self.stream_names, global_batch_size=G,
-                                   streams=make_streams(infos, weights.chooses, self.config.weights_in),
-                                   vocab_size=self.tokenizer.vocab_size, max_seq_len=self.max_seq_len,
-                                   **self.dataset_kwargs(batch_size, weights.epoch_size))
-        except ValueError as e:
-            claims.release()
-            if 'Reused local directory' in str(e):
-                raise ConfigError(
-                    f'{self.where}.streams: a cache directory of this run is registered by another '
-                    f'live streaming dataset on this machine (not a foundrymix run, or one in this '
-                    f'process): {e}. Give the stream its own local: directory') from e
-            raise
-        except BaseException:
-            claims.release()
-            raise
-        dataset.cache_claims = claims
-        return dataset
+        return build_dataset(self.config, infos, weights, batch_size, G, self.where)
 
     def build_dataloader(self, batch_size: int, dataset: Optional['MixedDataset'] = None) -> Any:
-        """A ``StreamingDataLoader`` (a torch ``DataLoader``) of collated int64 batches.
-
-        ``StreamingDataLoader`` counts samples it yielded, so plain-PyTorch users get
-        ``loader.state_dict()``/``load_state_dict()`` for resumption; Composer uses the
-        dataset's ``state_dict`` directly.
-
-        Sets ``dataset.yield_rows``: iterating the dataset yields stored rows, which
-        ``collate`` decodes a batch at a time (indexing the dataset still decodes).
-        """
-        from streaming import StreamingDataLoader
-
-        from foundrymix.mix.collate import collate
-        c = self.config
+        """A ``StreamingDataLoader`` of collated int64 batches (see :func:`build_dataloader`)."""
         dataset = dataset if dataset is not None else self.build_dataset(batch_size)
-        dataset.yield_rows = True
-        extra: dict[str, Any] = {}
-        if c.num_workers > 0:
-            extra['persistent_workers'] = c.persistent_workers
-            if c.prefetch_factor is not None:
-                extra['prefetch_factor'] = c.prefetch_factor
-        return StreamingDataLoader(dataset, batch_size=batch_size, collate_fn=collate,
-                                   num_workers=c.num_workers, pin_memory=c.pin_memory,
-                                   drop_last=c.drop_last, timeout=c.timeout, **extra)
+        return build_dataloader(self.config, dataset, batch_size)
 
     def plan(self, batch_size: int, max_duration: Optional[Any] = None, world_size: int = 1,
              nodes: int = 1) -> 'Plan':
@@ -152,3 +104,76 @@ class StreamMixer:
                               f'number of nodes ({nodes})')
         return build_plan(self.config, self.catalog.infos(), batch_size, max_duration,
                           Topology(nodes=nodes, ranks_per_node=world_size // nodes))
+
+
+def dataset_kwargs(c: LoaderConfig, batch_size: int, epoch_size: Optional[int] = None) -> dict[str, Any]:
+    """Keyword arguments of ``StreamingDataset`` (without streams) for loader config ``c``."""
+    return dict(
+        download_retry=c.download_retry, download_timeout=c.download_timeout,
+        validate_hash=c.validate_hash, keep_zip=c.keep_zip, epoch_size=epoch_size,
+        predownload=c.predownload, cache_limit=c.cache_limit,
+        sampling_method=c.sampling_method, sampling_granularity=c.sampling_granularity,
+        partition_algo=c.partition_algo, num_canonical_nodes=c.num_canonical_nodes,
+        batch_size=batch_size, shuffle=c.shuffle, shuffle_algo=c.shuffle_algo,
+        shuffle_seed=c.shuffle_seed, shuffle_block_size=c.shuffle_block_size,
+        batching_method=c.batching_method)
+
+
+def build_dataset(config: LoaderConfig, infos: list['StreamInfo'], weights: 'EpochWeights',
+                  batch_size: int, global_batch: int, where: str = 'train_loader') -> 'MixedDataset':
+    """The ``MixedDataset`` of one mixture, from what its plan holds: the streams' metadata
+    (read once by the catalog) and the epoch weights (computed once by the plan).
+
+    Claims the cache directories (another live run's are not shared), cleans what killed
+    runs left there, and refuses a cache too small -- all before streaming starts.
+    """
+    from foundrymix.mix import cache
+    from foundrymix.mix.dataset import MixedDataset
+    if batch_size <= 0:
+        raise ConfigError(f'batch_size must be positive, got {batch_size}')
+    infos, claims = cache.prepare(config, infos, where)
+    manifest = infos[0].manifest
+    try:
+        dataset = MixedDataset(stream_names=[i.name for i in infos], global_batch_size=global_batch,
+                               streams=make_streams(infos, weights.chooses, config.weights_in),
+                               vocab_size=manifest.tokenizer.vocab_size,
+                               max_seq_len=manifest.max_seq_len,
+                               **dataset_kwargs(config, batch_size, weights.epoch_size))
+    except ValueError as e:
+        claims.release()
+        if 'Reused local directory' in str(e):
+            raise ConfigError(
+                f'{where}.streams: a cache directory of this run is registered by another '
+                f'live streaming dataset on this machine (not a foundrymix run, or one in this '
+                f'process): {e}. Give the stream its own local: directory') from e
+        raise
+    except BaseException:
+        claims.release()
+        raise
+    dataset.cache_claims = claims
+    return dataset
+
+
+def build_dataloader(config: LoaderConfig, dataset: 'MixedDataset', batch_size: int) -> Any:
+    """A ``StreamingDataLoader`` (a torch ``DataLoader``) of collated int64 batches.
+
+    ``StreamingDataLoader`` counts samples it yielded, so plain-PyTorch users get
+    ``loader.state_dict()``/``load_state_dict()`` for resumption; Composer uses the
+    dataset's ``state_dict`` directly.
+
+    Sets ``dataset.yield_rows``: iterating the dataset yields stored rows, which
+    ``collate`` decodes a batch at a time (indexing the dataset still decodes).
+    """
+    from streaming import StreamingDataLoader
+
+    from foundrymix.mix.collate import collate
+    c = config
+    dataset.yield_rows = True
+    extra: dict[str, Any] = {}
+    if c.num_workers > 0:
+        extra['persistent_workers'] = c.persistent_workers
+        if c.prefetch_factor is not None:
+            extra['prefetch_factor'] = c.prefetch_factor
+    return StreamingDataLoader(dataset, batch_size=batch_size, collate_fn=collate,
+                               num_workers=c.num_workers, pin_memory=c.pin_memory,
+                               drop_last=c.drop_last, timeout=c.timeout, **extra)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -123,6 +123,9 @@ class Plan:
     per_rank: Optional[list[RankPlan]] = None
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: what the loader hands ``StreamingDataset`` (``epoch_size``, trimmed ``choose`` per
+    #: stream, the exact unit): computed here once, never recomputed by the loader
+    weights: Optional[EpochWeights] = None
 
     def stream(self, name: str) -> StreamPlan:
         return next(s for s in self.streams if s.name == name)
@@ -148,11 +151,15 @@ class _Epoch:
 
 def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                max_duration: Optional[Any] = None, topology: Topology = Topology(),
-               duration_name: str = 'max_duration') -> Plan:
+               duration_name: str = 'max_duration',
+               duration_batches: Optional[Callable[['Plan'], int]] = None) -> Plan:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size.
 
     Pure: reads nothing but ``infos`` (manifests and index files the catalog read).
     ``duration_name`` is what messages call the duration (a stage's, or the run's).
+    ``duration_batches`` (instead of ``max_duration``) turns the per-epoch plan into the
+    duration's batches -- a stage's ``duration`` needs the epoch to be known -- so a stage
+    is planned (and its weights computed) once.
     """
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
@@ -180,7 +187,9 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
                 repeated_rows_per_epoch=max(0, int(epoch.trained.sum()) - epoch.epoch_size),
-                per_rank=_rank_plans(epoch, topology, names))
+                per_rank=_rank_plans(epoch, topology, names), weights=epoch.weights)
+    if duration_batches is not None:
+        max_duration = f'{duration_batches(plan)}ba'
     if max_duration is not None:
         plan.duration = plan_duration(plan, max_duration, [i.name for i in infos], epoch)
         d = plan.duration

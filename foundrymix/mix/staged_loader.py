@@ -1,4 +1,5 @@
-"""One DataLoader for a whole staged run: each stage's mixture, switched at its exact batch.
+"""The run's one DataLoader: each stage's mixture, built from the run's plan, switched at its
+exact batch -- for every run (a run without ``stages:`` is one stage).
 
 Why one loader and one Composer ``fit``: the LR schedule, the optimizer and the
 checkpoints belong to the whole run, and Composer checkpoints the train loader's
@@ -6,57 +7,88 @@ checkpoints belong to the whole run, and Composer checkpoints the train loader's
 ``max_duration`` (and the schedule) stage by stage. So :class:`StagedDataLoader` is a
 ``torch.utils.data.DataLoader`` whose ``dataset`` is a :class:`StagedPosition` -- the
 run's position (global batch), what Composer saves and loads -- and whose iterator
-builds each stage's :class:`~foundrymix.mix.dataset.MixedDataset` in turn, yields
+builds each stage's :class:`~foundrymix.mix.dataset.MixedDataset` in turn from the
+stage's plan (its streams' metadata and epoch weights, never recomputed here), yields
 exactly the planned number of batches from it (whole epochs of the stage's mixture,
 each reshuffled by streaming, then the rest of one), and drops it before the next stage
 starts: streaming refuses two live datasets over one local directory, and a stream
 reused by a later stage must still work.
 
+Why one path for every run: a single mixture and a staged run used to be two loaders
+with two resume mechanisms, and only the staged one checked that the data trained so
+far was unchanged (a plain run resumed on another directory under the same stream name,
+silently). Now every run has one position, one plan and one resume check.
+
 The position counts batches *yielded to the trainer*, so a checkpoint names the next
-batch exactly, whatever Composer thinks an epoch is (the whole run is one Composer
-epoch). Resuming sets the stage's dataset to (epoch, sample in epoch) computed from that
-batch, which streaming resumes exactly.
+batch exactly. For a run without stages, ``composer_epochs`` (the trainer's setting)
+makes one iteration of the loader one epoch of its mixture, so Composer's epochs --
+``max_duration: 3ep``, ``save_interval: 1ep``, ``eval_interval: 1ep`` -- are data epochs,
+as they were with streaming's own loader; a staged run is one Composer epoch (as
+before), and a plain ``for`` loop over the loader (the default) runs the whole run. Resuming sets the stage's dataset to (epoch,
+sample in epoch) computed from the batch, which streaming resumes exactly.
 
 Rules for changing the data on resume (checked by :meth:`StagedPosition.load_state_dict`):
-what has been trained is immutable -- stages already finished and the current stage
-must have the same data definition (:func:`~foundrymix.mix.stages.stage_fingerprint`)
-and the same start batch; later stages may change and new ones may be appended.
+what has been trained is immutable -- stages already (partly) trained must have the
+same data definition (:func:`~foundrymix.mix.stages.stage_fingerprint`) and the same
+start batch; a finished stage keeps its length. Later stages (including one that starts
+exactly at the checkpoint) may change, and new ones -- with new streams -- may be
+appended; the run may be extended.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
-from foundrymix.mix.stages import RunPlan, fingerprint_changes
+from foundrymix.mix.stages import RunPlan, StagePlan, fingerprint_changes
+
+log = logging.getLogger(__name__)
+
+#: version of :meth:`StagedPosition.state_dict` (1: no ``version`` key, staged runs only;
+#: checkpoints of single-mixture runs before it hold streaming's own dataset state)
+POSITION_VERSION = 2
+
+
+@dataclass
+class Resumed:
+    """What a resume found, for the resume line: where, and what the checkpoint's run was."""
+
+    batch: int
+    old_total_batches: Optional[int]   # None: the checkpoint did not record it
+    legacy: bool = False               # a single-mixture checkpoint from before fingerprints
 
 
 class StagedPosition(IterableDataset):
-    """The staged run's position: the next global batch, and what each stage was.
+    """The run's position: the next global batch, and what each trained stage was.
 
     Composer finds it as ``train_dataloader.dataset`` and checkpoints it through
     :meth:`state_dict` / :meth:`load_state_dict`.
     """
 
-    def __init__(self, run: RunPlan, fingerprints: list[dict[str, Any]]) -> None:
+    def __init__(self, run: RunPlan) -> None:
         self.run = run
-        self.fingerprints = fingerprints
         self.batch = 0  # next global batch to yield
+        self.resumed: Optional[Resumed] = None
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - the loader iterates, not this
         raise TypeError('iterate the StagedDataLoader, not its position')
 
     def state_dict(self, num_samples: int = 0, from_beginning: bool = True) -> dict[str, Any]:
         stage = self.run.stage_at(self.batch)
-        done = [s for s in self.run.stages if s.start_batch <= self.batch]
+        # stages with at least one batch trained: their data is now immutable
+        done = [s for s in self.run.stages if s.start_batch < self.batch]
         epoch, in_epoch = divmod(self.batch - stage.start_batch, stage.plan.batches_per_epoch)
         return {
+            'version': POSITION_VERSION,
             'batch': self.batch,
+            'total_batches': self.run.total_batches,
+            'global_batch_size': self.run.global_batch_size,
             'stage': stage.index,
             'stage_name': stage.name,
             'batch_in_stage': self.batch - stage.start_batch,
@@ -64,26 +96,69 @@ class StagedPosition(IterableDataset):
             'stage_dataset': {'epoch': epoch,
                               'sample_in_epoch': in_epoch * stage.plan.global_batch_size},
             'stages': [{'name': s.name, 'start_batch': s.start_batch, 'batches': s.batches,
-                        'fingerprint': self.fingerprints[s.index]} for s in done],
+                        'fingerprint': s.fingerprint} for s in done],
         }
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
         """Resume at ``obj['batch']`` after checking that the trained past is unchanged."""
+        if 'batch' not in obj:
+            self._load_legacy(obj)
+            return
         batch = int(obj['batch'])
         if batch > self.run.total_batches:
-            raise ConfigError(f'checkpoint is at batch {batch}, beyond the {self.run.total_batches} '
-                              f'batches of the stages now configured')
+            raise ConfigError(
+                f'the checkpoint is at batch {batch}, beyond the {self.run.total_batches} batches '
+                f'this config trains: a run cannot be shortened below what it trained (give '
+                f'max_duration / the stages at least {batch} batches)')
         for old in obj['stages']:
-            self._check_unchanged(old, batch)
+            if old['start_batch'] < batch:  # (older checkpoints also list a stage starting here)
+                self._check_unchanged(old, batch)
         self.batch = batch
+        total = obj.get('total_batches')
+        self.resumed = Resumed(batch, int(total) if total is not None else None)
+
+    def _load_legacy(self, obj: dict[str, Any]) -> None:
+        """A single-mixture checkpoint from before the run contract: streaming's own dataset
+        state (``epoch``, ``sample_in_epoch``, ...). Accepted for a run without stages, at the
+        batch it names; its data cannot be checked (it recorded no fingerprint), so say so."""
+        from foundrymix.mix.dataset import check_resume
+        stage = self.run.stages[0]
+        if self.run.explicit or 'epoch' not in obj:
+            raise ConfigError(
+                'the checkpoint holds a single-mixture data position from an older foundrymix; '
+                'resume it with the same train_loader without stages: (then add stages in a later '
+                'resume: the run without stages is the stage named main)')
+        assert stage.config is not None
+        check_resume(obj, stage.config.num_canonical_nodes, self.run.global_batch_size)
+        seed = obj.get('shuffle_seed')
+        if seed is not None and seed != stage.config.shuffle_seed:
+            raise ConfigError(f'train_loader.shuffle_seed: the checkpoint was trained with {seed}, '
+                              f'this run has {stage.config.shuffle_seed}; set it back to resume')
+        G = self.run.global_batch_size
+        batch = int(obj['epoch']) * stage.plan.batches_per_epoch + int(obj['sample_in_epoch']) // G
+        if batch > self.run.total_batches:
+            raise ConfigError(f'the checkpoint is at batch {batch}, beyond the '
+                              f'{self.run.total_batches} batches of max_duration')
+        log.warning('the checkpoint was written by an older foundrymix and records no fingerprint '
+                    'of its data: resuming at batch %d (epoch %s, sample %s) without checking that '
+                    'its streams, weights and files are unchanged; later checkpoints record them',
+                    batch, obj['epoch'], obj['sample_in_epoch'])
+        self.batch = batch
+        self.resumed = Resumed(batch, None, legacy=True)
 
     def _check_unchanged(self, old: dict[str, Any], batch: int) -> None:
         name = old['name']
         new = next((s for s in self.run.stages if s.name == name), None)
-        where = f'train_loader.stages ({name})'
+        where = f'train_loader.stages ({name})' if self.run.explicit else 'train_loader'
+        trained = batch - old['start_batch']
         if new is None:
-            raise ConfigError(f'{where}: stage {name!r} was trained up to batch {batch} and is gone '
-                              f'from the config; trained stages cannot be removed or renamed')
+            raise ConfigError(
+                f'train_loader.stages: stage {name!r} was trained (batches {old["start_batch"]} to '
+                f'{min(batch, old["start_batch"] + old["batches"]) - 1}) and is gone from the '
+                f'config; trained stages cannot be removed or renamed'
+                + (f' (a run without stages: is the one stage {name!r}: to add stages to it, make '
+                   f'the first stage {{name: {name}, duration: {old["batches"]}ba}} with the same '
+                   f'streams)' if not self.run.explicit or name == 'main' else ''))
         if new.start_batch != old['start_batch']:
             raise ConfigError(f'{where}: starts at batch {new.start_batch}, the checkpoint trained '
                               f'it from batch {old["start_batch"]}; earlier stages changed length')
@@ -91,83 +166,144 @@ class StagedPosition(IterableDataset):
         if finished and new.batches != old['batches']:
             raise ConfigError(f'{where}: finished with {old["batches"]} batches, now '
                               f'{new.batches}; a finished stage cannot change')
-        if not finished and new.batches < batch - new.start_batch:
+        if not finished and new.batches < trained:
             raise ConfigError(f'{where}: now {new.batches} batches, but the checkpoint already '
-                              f'trained {batch - new.start_batch} of it')
-        changes = fingerprint_changes(old['fingerprint'], self.fingerprints[new.index])
+                              f'trained {trained} of it')
+        changes = fingerprint_changes(old['fingerprint'], new.fingerprint)
         if changes:
+            if finished:
+                advice = ('a finished stage is what the model was trained on; to train other data '
+                          'from here, append a stage')
+            elif self.run.explicit:
+                advice = (f'to change the mixture from here, end this stage at the resume batch '
+                          f'(duration: {trained}ba) and add a new stage after it')
+            else:
+                advice = (f'to change the mixture from here, put the trained part in a stage and '
+                          f'add one: stages: [{{name: {name}, duration: {trained}ba, streams: '
+                          f'<the old ones>}}, {{name: next, duration: ..., streams: <the new '
+                          f'ones>}}] (and leave max_duration out)')
             raise ConfigError(
-                f'{where}: its data changed since the checkpoint ({"; ".join(changes)}); what is '
-                f'trained cannot change. To change the mixture from here, end this stage at the '
-                f'resume batch (duration: {batch - new.start_batch}ba) and add a new stage')
+                f'{where}: its data changed since the checkpoint ({"; ".join(changes)}); what '
+                f'is trained cannot change (the checkpoint trained {trained} batches of it). '
+                f'{advice}')
+
+
+@dataclass
+class _Active:
+    """The stage being iterated: its dataset and streaming's loader over it."""
+
+    stage: StagePlan
+    dataset: Any
+    loader: Any
 
 
 class StagedDataLoader(DataLoader):
-    """Batches of every stage in order; ``stream_id`` is the run-wide stream index and
-    ``stage_id`` the stage of each sample."""
+    """Batches of every stage in order; ``stream_id`` is the run-wide stream index and, in a
+    run with ``stages:``, ``stage_id`` the stage of each sample."""
 
-    def __init__(self, run: RunPlan, mixers: list[StreamMixer], fingerprints: list[dict[str, Any]],
-                 batch_size: int, stream_names: list[str]) -> None:
-        super().__init__(StagedPosition(run, fingerprints), batch_size=batch_size)
+    def __init__(self, run: RunPlan, batch_size: int, composer_epochs: bool = False) -> None:
+        super().__init__(StagedPosition(run), batch_size=batch_size)
         self.run = run
-        self.mixers = mixers
-        self.stream_names = stream_names
-        self._maps = [torch.tensor([stream_names.index(n) for n in m.stream_names])
-                      for m in mixers]
+        if composer_epochs and run.explicit:
+            # A staged run is one Composer epoch, as before the run contract: ending Composer
+            # epochs at stage switches would renumber epochs after a resume exactly at a
+            # switch (Composer saved batch_in_epoch > 0 there and would count on).
+            composer_epochs = False
+        self.composer_epochs = composer_epochs
+        self.stream_names = run.stream_names
+        self._maps = [torch.tensor([self.stream_names.index(n) for n in s.stream_names])
+                      for s in run.stages]
+        self._active: Optional[_Active] = None
+
+    @property
+    def position(self) -> StagedPosition:
+        return self.dataset  # type: ignore[return-value]
 
     def __len__(self) -> int:
-        return self.run.total_batches
+        """Batches of one iteration: the whole run, or (``composer_epochs``, one stage) one
+        epoch of its mixture -- Composer yields at most this many per epoch and converts
+        ``ep`` times (``t_warmup: 1ep``) with it."""
+        if not self.composer_epochs:
+            return self.run.total_batches
+        return max(s.plan.batches_per_epoch for s in self.run.stages)
 
     def __iter__(self) -> Iterator[Any]:
-        position: StagedPosition = self.dataset  # type: ignore[assignment]
+        position = self.position
         while position.batch < self.run.total_batches:
-            stage = self.run.stage_at(position.batch)
-            yield from self._stage_batches(stage.index, position)
+            yield from self._epoch(position)
+            if self.composer_epochs:
+                return
 
-    def _stage_batches(self, index: int, position: StagedPosition) -> Iterator[Any]:
-        stage = self.run.stages[index]
-        mixer = self.mixers[index]
-        dataset = mixer.build_dataset(self.batch_size)
+    def _epoch(self, position: StagedPosition) -> Iterator[Any]:
+        """The rest of the current stage's current epoch (up to the stage's end)."""
+        stage = self.run.stage_at(position.batch)
+        active = self._activate(stage, position)
+        stream_map = self._maps[stage.index]
+        yielded, whole = 0, False
+        try:
+            for batch in active.loader:
+                batch['stream_id'] = stream_map[batch['stream_id']]
+                if self.run.explicit:
+                    batch['stage_id'] = torch.full_like(batch['stream_id'], stage.index)
+                position.batch += 1
+                yielded += 1
+                yield batch
+                if position.batch >= stage.end_batch:
+                    break
+            whole = True
+        finally:
+            # Abandoned mid-epoch (the run stopped, or the caller broke off): streaming's
+            # loader would start a new epoch next time, so the next iteration rebuilds the
+            # stage's dataset at the position instead.
+            if not whole or position.batch >= stage.end_batch:
+                self.release()
+        if not yielded:
+            raise RuntimeError(f'stage {stage.name}: an epoch yielded no batch')
+
+    def _activate(self, stage: StagePlan, position: StagedPosition) -> _Active:
+        """The stage's dataset, built from its plan (and set to the position) once per stage."""
+        from foundrymix.mix.mixer import build_dataloader, build_dataset
+        if self._active is not None and self._active.stage.index == stage.index:
+            return self._active
+        self.release()
+        assert stage.config is not None
+        G = self.run.global_batch_size
+        dataset = build_dataset(stage.config, stage.infos, stage.weights, self.batch_size, G,
+                                stage.where)
         done = position.batch - stage.start_batch
-        bpe = stage.plan.batches_per_epoch
-        epoch, in_epoch = divmod(done, bpe)
+        epoch, in_epoch = divmod(done, stage.plan.batches_per_epoch)
         if done:
             dataset.load_state_dict({
-                'epoch': epoch, 'sample_in_epoch': in_epoch * stage.plan.global_batch_size,
+                'epoch': epoch, 'sample_in_epoch': in_epoch * G,
                 'num_canonical_nodes': dataset.num_canonical_nodes,
-                'shuffle_seed': mixer.config.shuffle_seed, 'initial_physical_nodes': None})
-        loader: Optional[Any] = mixer.build_dataloader(self.batch_size, dataset)
-        stream_map = self._maps[index]
-        try:
-            while position.batch < stage.end_batch:
-                yielded = 0
-                for batch in loader:
-                    batch['stream_id'] = stream_map[batch['stream_id']]
-                    batch['stage_id'] = torch.full_like(batch['stream_id'], index)
-                    position.batch += 1
-                    yielded += 1
-                    yield batch
-                    if position.batch >= stage.end_batch:
-                        break
-                if not yielded:
-                    raise RuntimeError(f'stage {stage.name}: an epoch yielded no batch')
-        finally:
-            loader = None
-            gc.collect()  # the loader's iterator (and any workers) first
-            dataset.release()  # then the stage's shared memory: a later stage may reuse its dirs
-            del dataset
+                'shuffle_seed': stage.config.shuffle_seed, 'initial_physical_nodes': None})
+        loader = build_dataloader(stage.config, dataset, self.batch_size)
+        self._active = _Active(stage, dataset, loader)
+        return self._active
+
+    def release(self) -> None:
+        """Drop the current stage's dataset: its loader (and workers) first, then its shared
+        memory, so a later stage (or run) may reuse its directories."""
+        active, self._active = self._active, None
+        if active is None:
+            return
+        dataset = active.dataset
+        active.loader = None
+        del active
+        gc.collect()  # the loader's iterator (and any workers) first
+        dataset.release()
+
+
+def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False) -> StagedDataLoader:
+    """The loader of a planned run (``run`` from :func:`~foundrymix.mix.stages.plan_run`)."""
+    return StagedDataLoader(run, batch_size, composer_epochs)
 
 
 def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str] = None,
-                        topology: Any = None, where: str = 'train_loader') -> StagedDataLoader:
+                        topology: Any = None, where: str = 'train_loader',
+                        composer_epochs: bool = False) -> StagedDataLoader:
     """Validate every stage, plan the run, and return its loader (``loader.run`` is the plan)."""
-    from foundrymix.mix.stages import plan_run, stage_fingerprint
+    from foundrymix.mix.stages import plan_run
 
-    run, catalogs = plan_run(config, batch_size, max_duration, topology, where)
-    world = topology.world_size if topology is not None else 1
-    fingerprints = [stage_fingerprint(c.config, c.infos(), batch_size * world) for c in catalogs]
-    mixers = [StreamMixer(c.config, c.where) for c in catalogs]
-    names: list[str] = []
-    for mixer in mixers:
-        names += [n for n in mixer.stream_names if n not in names]
-    return StagedDataLoader(run, mixers, fingerprints, batch_size, names)
+    run, _ = plan_run(config, batch_size, max_duration, topology, where)
+    return build_run_loader(run, batch_size, composer_epochs)

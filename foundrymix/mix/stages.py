@@ -22,13 +22,26 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError, parse_duration
 from foundrymix.mix.catalog import Catalog, StreamInfo
 from foundrymix.mix.config import LoaderConfig
+from foundrymix.mix.exact import EpochWeights
 from foundrymix.mix.plan import Plan, build_plan
 from foundrymix.mix.simulate import Topology
 
 
+#: the name of the one stage of a run without ``stages:`` (name it so to append stages to
+#: such a run: ``stages: [{name: main, duration: <its max_duration>, streams: ...}, ...]``)
+MAIN_STAGE = 'main'
+
+
 @dataclass
 class StagePlan:
-    """One stage: where it starts and ends in the run (global batches) and its mixture."""
+    """One stage: where it starts and ends in the run (global batches), its mixture, and
+    everything the loader is built from.
+
+    The last four fields are the contract between plan and loader: the stage's loader
+    config, its streams' metadata (read once by the catalog), the epoch weights handed to
+    ``StreamingDataset`` (computed once, by the plan) and the stage's fingerprint (what
+    the resume rules compare). The loader never recomputes or re-reads any of them.
+    """
 
     index: int
     name: str
@@ -36,16 +49,40 @@ class StagePlan:
     start_batch: int            # first global batch of the stage (0-based)
     batches: int
     plan: Plan                  # the stage's per-epoch mixture and its duration
+    config: Optional[LoaderConfig] = field(default=None, repr=False, compare=False)
+    infos: list[StreamInfo] = field(default_factory=list, repr=False, compare=False)
+    fingerprint: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    where: str = 'train_loader'
 
     @property
     def end_batch(self) -> int:
         """One past the stage's last global batch."""
         return self.start_batch + self.batches
 
+    @property
+    def weights(self) -> EpochWeights:
+        """The epoch weights the plan computed: what the stage's dataset is given."""
+        assert self.plan.weights is not None
+        return self.plan.weights
+
+    @property
+    def stream_names(self) -> list[str]:
+        return [s.name for s in self.plan.streams]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {'index': self.index, 'name': self.name, 'duration': self.duration,
+                'start_batch': self.start_batch, 'batches': self.batches,
+                'end_batch': self.end_batch, 'plan': self.plan.to_dict()}
+
 
 @dataclass
 class RunPlan:
-    """Every stage of a run, in order, and the rows each stream trains over the whole run."""
+    """Every stage of a run, in order, and the rows each stream trains over the whole run.
+
+    One per run, computed once (:func:`plan_run`); a run without ``stages:`` is one stage
+    (``explicit`` False). ``foundrymix plan`` prints it, the loader is built from it, the
+    accounting expects its shares and a resumed run checks its fingerprints.
+    """
 
     stages: list[StagePlan]
     global_batch_size: int
@@ -53,6 +90,15 @@ class RunPlan:
     total_batches: int
     rows_per_stream: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    explicit: bool = True       # False: a single mixture (no ``stages:``), one stage
+
+    @property
+    def stream_names(self) -> list[str]:
+        """Run-wide stream index -> name: every stage's streams, in order of first use."""
+        names: list[str] = []
+        for stage in self.stages:
+            names += [n for n in stage.stream_names if n not in names]
+        return names
 
     def stage_at(self, batch: int) -> StagePlan:
         """The stage that trains global batch ``batch`` (0-based)."""
@@ -62,10 +108,10 @@ class RunPlan:
         return self.stages[-1]
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for s, stage in zip(d['stages'], self.stages):
-            s['end_batch'] = stage.end_batch
-        return d
+        return {'stages': [s.to_dict() for s in self.stages],
+                'global_batch_size': self.global_batch_size, 'max_seq_len': self.max_seq_len,
+                'total_batches': self.total_batches, 'rows_per_stream': dict(self.rows_per_stream),
+                'warnings': list(self.warnings), 'explicit': self.explicit}
 
 
 def stage_batches(duration: str, plan: Plan, where: str) -> int:
@@ -91,12 +137,17 @@ def stage_batches(duration: str, plan: Plan, where: str) -> int:
 
 
 def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
-    """One validated catalog per stage (a run without stages has one)."""
+    """One validated catalog per stage (a run without stages has one).
+
+    The stages share one metadata cache: a stream that several stages use (or two names
+    for one directory) has its manifest and index read -- downloaded, for a remote -- once.
+    """
     configs = config.stage_configs(where)
+    shared: dict[Any, Any] = {}
     if config.stages is None:
-        catalogs = [Catalog(configs[0], where)]
+        catalogs = [Catalog(configs[0], where, shared)]
     else:
-        catalogs = [Catalog(c, s.where) for c, s in zip(configs, config.stages)]
+        catalogs = [Catalog(c, s.where, shared) for c, s in zip(configs, config.stages)]
     for catalog in catalogs:
         catalog.validate()
     lens = {c.where: c.max_seq_len for c in catalogs}
@@ -110,33 +161,59 @@ def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Ca
 def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_size: int,
                    max_duration: Optional[str], topology: Topology = Topology(),
                    where: str = 'train_loader') -> RunPlan:
-    """The plan of a staged run: each stage's mixture and exact batches, and the run totals.
+    """The plan of a run: each stage's mixture, weights and exact batches, and the run totals.
 
-    ``max_duration`` may be None (the run is the sum of the stages) or must equal that sum.
+    With ``stages:``, ``max_duration`` may be None (the run is the sum of the stages) or
+    must equal that sum. Without, the run is one stage, :data:`MAIN_STAGE`, as long as
+    ``max_duration`` (``sp``/``tok`` round up to whole batches, as Composer stops after
+    the batch that reaches them). Each stage is planned -- and its epoch weights
+    computed -- exactly once.
     """
-    assert config.stages is not None
     configs = config.stage_configs(where)
+    G = batch_size * topology.world_size
     stages: list[StagePlan] = []
-    start = 0
-    for i, (spec, cfg, stage_infos) in enumerate(zip(config.stages, configs, infos)):
-        probe = build_plan(cfg, stage_infos, batch_size, None, topology)
-        batches = stage_batches(spec.duration, probe, f'{spec.where}.duration')
-        if batches <= 0:
-            raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
-        plan = build_plan(cfg, stage_infos, batch_size, f'{batches}ba', topology, 'stage duration')
-        stages.append(StagePlan(index=i, name=spec.name, duration=spec.duration,
-                                start_batch=start, batches=batches, plan=plan))
-        start += batches
-    G = stages[0].plan.global_batch_size
+    if config.stages is None:
+        if max_duration is None:
+            raise ConfigError("config: missing required key 'max_duration' (it may be left out "
+                              "only with train_loader.stages: the run is then the sum of the stages)")
+        plan = build_plan(configs[0], infos[0], batch_size, max_duration, topology)
+        assert plan.duration is not None
+        batches = plan.duration.total_batches
+        stages.append(StagePlan(index=0, name=MAIN_STAGE, duration=str(max_duration),
+                                start_batch=0, batches=batches, plan=plan, config=configs[0],
+                                infos=infos[0], where=where,
+                                fingerprint=stage_fingerprint(configs[0], infos[0], G)))
+    else:
+        start = 0
+        for i, (spec, cfg, stage_infos) in enumerate(zip(config.stages, configs, infos)):
+            def resolve(probe: Plan, spec: Any = spec) -> int:
+                batches = stage_batches(spec.duration, probe, f'{spec.where}.duration')
+                if batches <= 0:
+                    raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
+                return batches
+            plan = build_plan(cfg, stage_infos, batch_size, None, topology, 'stage duration',
+                              duration_batches=resolve)
+            assert plan.duration is not None
+            batches = plan.duration.total_batches
+            stages.append(StagePlan(index=i, name=spec.name, duration=spec.duration,
+                                    start_batch=start, batches=batches, plan=plan, config=cfg,
+                                    infos=stage_infos, where=spec.where,
+                                    fingerprint=stage_fingerprint(cfg, stage_infos, G)))
+            start += batches
     L = stages[0].plan.max_seq_len
-    run = RunPlan(stages=stages, global_batch_size=G, max_seq_len=L, total_batches=start)
-    if max_duration is not None:
+    run = RunPlan(stages=stages, global_batch_size=stages[0].plan.global_batch_size,
+                  max_seq_len=L, total_batches=sum(s.batches for s in stages),
+                  explicit=config.stages is not None)
+    if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
     for stage in stages:
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
         for name, n in (rows or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
-        run.warnings += [f'stage {stage.name}: {w}' for w in stage.plan.warnings]
+        if run.explicit:
+            run.warnings += [f'stage {stage.name}: {w}' for w in stage.plan.warnings]
+        else:
+            run.warnings += stage.plan.warnings
     return run
 
 
@@ -236,9 +313,9 @@ def as_run_plan(plan: Any) -> RunPlan:
     if isinstance(plan, RunPlan):
         return plan
     batches = plan.duration.total_batches if plan.duration else plan.batches_per_epoch
-    stage = StagePlan(index=0, name='all', duration=f'{batches}ba', start_batch=0,
+    stage = StagePlan(index=0, name=MAIN_STAGE, duration=f'{batches}ba', start_batch=0,
                       batches=batches, plan=plan)
     rows = dict(plan.duration.rows_per_stream or {}) if plan.duration else {}
     return RunPlan(stages=[stage], global_batch_size=plan.global_batch_size,
                    max_seq_len=plan.max_seq_len, total_batches=batches, rows_per_stream=rows,
-                   warnings=list(plan.warnings))
+                   warnings=list(plan.warnings), explicit=False)

@@ -22,14 +22,17 @@ from composer.utils import dist, reproducibility
 from foundrymix import s3_retries
 from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
+from foundrymix.mix.staged_loader import StagedDataLoader, build_run_loader
+from foundrymix.mix.stages import RunPlan
 from foundrymix.s3_retries import RetryCounts, S3RetryCounter
+from foundrymix.schema import TokenizerInfo
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig
-from foundrymix.train.console import console_kwargs, resume_line
+from foundrymix.train.console import console_kwargs, extension_line, resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
 from foundrymix.train.remote_resume import is_remote, latest_checkpoint, poll_uploads_sooner
@@ -43,9 +46,9 @@ class TrainRun:
 
     config: TrainConfig
     trainer: Trainer
-    mixer: StreamMixer
+    run_plan: RunPlan             # the run's one plan (a single mixture: one stage)
     accounting: StreamAccounting
-    plan: Any
+    plan: Any                     # a single mixture's Plan, or the RunPlan of a staged run
 
 
 def _device(cfg: TrainConfig) -> str:
@@ -121,29 +124,28 @@ def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
     return device_batch, micro
 
 
-def _train_mixer(cfg: TrainConfig, mixer: StreamMixer) -> StreamMixer:
-    """The validated train mixer; its rows must be ``max_seq_len`` long, from ``cfg.tokenizer``."""
-    mixer.validate()
-    if mixer.max_seq_len != cfg.max_seq_len:
+def _check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: TokenizerInfo) -> None:
+    """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
+    pretrained model's)."""
+    if max_seq_len != cfg.max_seq_len:
         raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
-                          f'{mixer.max_seq_len} tokens')
+                          f'{max_seq_len} tokens')
     if cfg.tokenizer is not None:
         from foundrymix.tokenizer import load_tokenizer, tokenizer_info
         expected = tokenizer_info(load_tokenizer(cfg.tokenizer)).fingerprint
-        if expected != mixer.tokenizer.fingerprint:
+        if expected != tokenizer.fingerprint:
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
-                              f'converted with ({mixer.tokenizer.name})')
-    check_pretrained_tokenizer(cfg.model, mixer.tokenizer)
-    return mixer
+                              f'converted with ({tokenizer.name})')
+    check_pretrained_tokenizer(cfg.model, tokenizer)
 
 
-def _evaluator(cfg: TrainConfig, mixer: StreamMixer, device_batch: int) -> Optional[Evaluator]:
+def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo, device_batch: int) -> Optional[Evaluator]:
     """The ``eval_loader`` as an evaluator, or None; its streams must match the train streams."""
     if cfg.eval_loader is None:
         return None
     eval_mixer = StreamMixer(cfg.eval_loader)
     eval_mixer.validate()
-    if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != mixer.tokenizer.fingerprint:
+    if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != tokenizer.fingerprint:
         raise ConfigError('eval_loader streams differ from train_loader streams in max_seq_len or tokenizer')
     eval_batch = cfg.device_eval_batch_size or device_batch
     return Evaluator(label='eval', dataloader=eval_mixer.build_dataloader(batch_size=eval_batch),
@@ -154,50 +156,61 @@ def _evaluator(cfg: TrainConfig, mixer: StreamMixer, device_batch: int) -> Optio
 class TrainData:
     """The train loader and what the rest of the run needs to know about it."""
 
-    loader: Any
-    mixer: StreamMixer            # the (first stage's) mixer: tokenizer, max_seq_len
-    plan: Any                     # Plan, or RunPlan for a staged run
-    stream_names: list[str]       # run-wide stream index -> name (the batches' stream_id)
-    planned_share: list[float]    # of the rows trained over the run
-    max_duration: str
-    stage_names: Optional[list[str]] = None
+    loader: StagedDataLoader
+    run: RunPlan                  # the run's one plan: the loader is built from it
+    tokenizer: TokenizerInfo
+    max_duration: str             # what Composer is given
+
+    @property
+    def plan(self) -> Any:
+        """What ``TrainRun.plan`` shows: the mixture's Plan (no stages), else the RunPlan."""
+        return self.run if self.run.explicit else self.run.stages[0].plan
+
+    @property
+    def planned_share(self) -> list[float]:
+        """Per run-wide stream: a single mixture's per-epoch share of rows; a staged run's
+        share of the rows trained over the run."""
+        total = sum(self.run.rows_per_stream.values())
+        if not self.run.explicit or not total:
+            shares = {s.name: s.share for s in self.run.stages[0].plan.streams}
+            return [shares.get(n, 0.0) for n in self.loader.stream_names]
+        return [self.run.rows_per_stream.get(n, 0) / total for n in self.loader.stream_names]
+
+    @property
+    def stage_names(self) -> Optional[list[str]]:
+        return [s.name for s in self.run.stages] if self.run.explicit else None
 
 
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
-    """The train loader: one mixture (a ``StreamingDataLoader``), or every stage in turn."""
-    if cfg.train_loader.stages is None:
-        mixer = _train_mixer(cfg, StreamMixer(cfg.train_loader))
-        plan = mixer.plan(batch_size=device_batch, max_duration=cfg.max_duration,
-                          world_size=dist.get_world_size(),
-                          nodes=dist.get_world_size() // dist.get_local_world_size())
-        return TrainData(loader=mixer.build_dataloader(batch_size=device_batch), mixer=mixer,
-                         plan=plan, stream_names=mixer.stream_names,
-                         planned_share=[s.share for s in plan.streams],
-                         max_duration=str(cfg.max_duration))
+    """The run's plan (once: catalogs read once, weights computed once per stage) and the one
+    loader built from it -- for a single mixture (one stage) as for a staged run."""
     from foundrymix.mix.plan import Topology
-    from foundrymix.mix.staged_loader import build_staged_loader
+    from foundrymix.mix.stages import plan_run
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
-    loader = build_staged_loader(cfg.train_loader, device_batch, cfg.max_duration, topology)
-    for mixer in loader.mixers:
-        _train_mixer(cfg, mixer)
-    run = loader.run
-    total = sum(run.rows_per_stream.values()) or 1
-    return TrainData(loader=loader, mixer=loader.mixers[0], plan=run,
-                     stream_names=loader.stream_names,
-                     planned_share=[run.rows_per_stream.get(n, 0) / total for n in loader.stream_names],
-                     max_duration=f'{run.total_batches}ba',
-                     stage_names=[s.name for s in run.stages])
+    run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology)
+    if run.explicit and cfg.scheduler.t_warmup.strip().endswith('ep'):
+        raise ConfigError(f'scheduler.t_warmup: {cfg.scheduler.t_warmup} is ambiguous with stages '
+                          f'(epochs of which stage?); give it in batches (ba) or as a fraction '
+                          f'of the run (e.g. 0.05dur)')
+    for catalog in catalogs:
+        _check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
+    loader = build_run_loader(run, device_batch, composer_epochs=True)
+    # A single mixture keeps Composer's own reading of max_duration (3ep: three of its
+    # epochs, which are the mixture's); stages are batches.
+    max_duration = f'{run.total_batches}ba' if run.explicit else str(cfg.max_duration)
+    return TrainData(loader=loader, run=run, tokenizer=catalogs[0].tokenizer,
+                     max_duration=max_duration)
 
 
 def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any,
                retry_counter: S3RetryCounter, since: RetryCounts) -> tuple[list[Callback], StreamAccounting]:
     """``EpochBoundary``, ``ModelInfo`` and ``S3Log`` first, then every callback of the table the run uses
     (accounting always)."""
-    ctx = CallbackContext(config=cfg, stream_names=data.stream_names,
+    ctx = CallbackContext(config=cfg, stream_names=data.loader.stream_names,
                           planned_share=data.planned_share, stage_names=data.stage_names)
     built = build_callbacks(cfg.callbacks, ctx)
-    info = ModelInfo(hf_model.config, cfg.model.attention, data.mixer.tokenizer, cfg.model.pretrained)
+    info = ModelInfo(hf_model.config, cfg.model.attention, data.tokenizer, cfg.model.pretrained)
     return [EpochBoundary(), info, S3Log(retry_counter, since), *built.values()], built['stream_accounting']
 
 
@@ -241,16 +254,19 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     data = _train_data(cfg, device_batch)
 
     reproducibility.seed_all(cfg.seed)
-    hf_model = build_hf_model(cfg.model, data.mixer.tokenizer, cfg.max_seq_len)
+    hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
     model = CausalLM(hf_model, attention=cfg.model.attention)
-    evaluator = _evaluator(cfg, data.mixer, device_batch)
+    evaluator = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
     poll_uploads_sooner(trainer)
     line = resume_line(trainer.state)
     if line and dist.get_global_rank() == 0:
         print(line, flush=True)
-    return TrainRun(config=cfg, trainer=trainer, mixer=data.mixer, accounting=accounting,
+        extended = extension_line(trainer.state, _scheduler(cfg), cfg.optimizer.lr)
+        if extended:
+            print(extended, flush=True)
+    return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
                     plan=data.plan)
 
 
@@ -259,7 +275,7 @@ def train(cfg: TrainConfig) -> TrainRun:
     run = build_trainer(cfg)
     run.trainer.fit()
     run.trainer.close()
-    if dist.get_global_rank() == 0 and cfg.train_loader.stages is not None:
+    if dist.get_global_rank() == 0 and run.run_plan.explicit:
         _plot_staged(run)
     return run
 

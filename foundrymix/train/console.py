@@ -37,3 +37,37 @@ def resume_line(state: Any) -> Optional[str]:
         stage = run.stage_at(position.batch)
         where += f', stage {stage.name!r}, batch {position.batch - stage.start_batch} of it'
     return f'resumed from {state.load_path} at batch {int(ts.batch)} ({where})'
+
+
+def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
+    """What a resume that changed the run's length does to the LR schedule, or None.
+
+    Why: Composer does not checkpoint ``max_duration``; a schedule is a function of the
+    elapsed fraction of it, so extending a finished run (``max_duration`` 1ep -> 2ep, or
+    appended stages) silently moved a cosine schedule back up (0.00134 -> 0.00628 at the
+    resume batch, seen with composer 0.32). The run's position records the run's length,
+    so a resume can say what changes: the LR at the resume batch under the checkpoint's
+    length and under this run's.
+    """
+    position = getattr(state.train_dataloader, 'dataset', None)
+    resumed = getattr(position, 'resumed', None)
+    run = getattr(position, 'run', None)
+    if resumed is None or run is None or resumed.old_total_batches is None:
+        return None
+    old, new = resumed.old_total_batches, run.total_batches
+    if old == new:
+        return None
+    saved = state.max_duration
+    try:
+        state.max_duration = f'{old}ba'
+        before = base_lr * scheduler(state)
+        state.max_duration = f'{new}ba'
+        after = base_lr * scheduler(state)
+    finally:
+        state.max_duration = saved
+    what = 'extended' if new > old else 'shortened'
+    done = ' (it had finished)' if resumed.batch >= old else ''
+    same = ' (unchanged)' if abs(before - after) <= 1e-12 * max(abs(before), 1e-30) else ''
+    return (f'the run is {what} from {old} to {new} batches{done}: the LR schedule now spans '
+            f'{new} batches; LR at batch {resumed.batch}: {before:.6g} under the checkpoint\'s '
+            f'length, {after:.6g} now{same}')

@@ -159,16 +159,43 @@ class StreamAccounting(Callback):
                 'stage_counts': self.stage_counts.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if list(state['stream_names']) != self.stream_names:
-            raise ValueError(f'checkpoint counts streams {state["stream_names"]}, this run has '
-                             f'{self.stream_names}: resuming a different mixture')
-        self.counts = np.array([state[name] for name in COUNTERS], dtype=np.int64).reshape(len(COUNTERS), -1)
-        self.history = list(state['history'])
-        if self.stage_names is not None:
-            old = list(state.get('stage_names') or [])
-            counts = np.array(state.get('stage_counts') or [], dtype=np.int64).reshape(
-                len(old), len(COUNTERS), len(self.stream_names))
+        """Continue the checkpoint's counters, by stream name.
+
+        The run's streams may have grown since the checkpoint (a stage appended with a
+        stream the run had not used): those start at zero. A stream the checkpoint counted
+        is never dropped -- the stages that trained it are immutable, so it is still in the
+        run's plan; if not, the resume check has already refused the config.
+        """
+        old = list(state['stream_names'])
+        gone = [n for n in old if n not in self.stream_names]
+        if gone:
+            raise ValueError(f'checkpoint counts streams {old}, this run has {self.stream_names}: '
+                             f'{gone} trained before and missing now (resuming a different mixture)')
+        cols = [self.stream_names.index(n) for n in old]
+
+        def widen(rows: Any) -> np.ndarray:
+            rows = np.array(rows, dtype=np.int64).reshape(-1, len(old))
+            out = np.zeros((rows.shape[0], len(self.stream_names)), dtype=np.int64)
+            out[:, cols] = rows
+            return out
+
+        self.counts = widen([state[name] for name in COUNTERS])
+        self.history = []
+        for point in state['history']:
+            point = dict(point)
+            for name in COUNTERS:
+                point[name] = widen([point[name]])[0].tolist()
+            self.history.append(point)
+        if self.stage_names is not None and state.get('stage_names') is None:
+            # a run without stages (the stage 'main') that now has stages: it was all 'main'
             self.stage_counts[:] = 0
-            for k, stage in enumerate(old):  # stages appended since the checkpoint start at 0
+            if 'main' in self.stage_names:
+                self.stage_counts[self.stage_names.index('main')] = self.counts
+        elif self.stage_names is not None:
+            stages = list(state.get('stage_names') or [])
+            counts = np.array(state.get('stage_counts') or [], dtype=np.int64).reshape(
+                len(stages), len(COUNTERS), len(old))
+            self.stage_counts[:] = 0
+            for k, stage in enumerate(stages):  # stages appended since the checkpoint start at 0
                 if stage in self.stage_names:
-                    self.stage_counts[self.stage_names.index(stage)] = counts[k]
+                    self.stage_counts[self.stage_names.index(stage)] = widen(counts[k])

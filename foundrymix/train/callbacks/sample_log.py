@@ -16,13 +16,21 @@ class SampleLog(Callback):
     One line per batch: ``{"batch": b, "epoch": e, "sample_ids": [...], "stream_ids":
     [...]}`` in rank order. On resume, lines for batches at or after the checkpoint are
     dropped first, so the file always describes exactly what the weights saw.
+
+    Why that happens at the first batch and not at ``fit_start``: a start that is refused
+    after ``fit_start`` (Composer refusing to overwrite a finished run's checkpoints, a
+    failing first batch) must leave an earlier run's log as it was; a rerun of a finished
+    run's command truncated its 10-line log to 0 before.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._trimmed = False
 
-    def fit_start(self, state: State, logger: Logger) -> None:
-        if dist.get_global_rank() != 0 or not os.path.exists(self.path):
+    def _trim(self, state: State) -> None:
+        """Drop lines for batches at or after this run's first batch (rank 0, once)."""
+        self._trimmed = True
+        if not os.path.exists(self.path):
             return
         resumed_at = int(state.timestamp.batch)
         with open(self.path, encoding='utf-8') as f:
@@ -31,6 +39,8 @@ class SampleLog(Callback):
             f.writelines(keep)
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
+        if not self._trimmed and dist.get_global_rank() == 0:
+            self._trim(state)
         ids = state.batch['sample_id'].reshape(-1).tolist()
         streams = state.batch['stream_id'].reshape(-1).tolist()
         stage = state.batch.get('stage_id')
