@@ -473,9 +473,9 @@ def check_cached(name: str, directory: str, index: dict[str, Any],
     an earlier run, was read as it was: the rows of a damaged file, trained on. Here every
     cached file of the index must have its recorded size and, with ``validate_hash``, its
     recorded hash (each file is hashed once, at the start of the run, by the node's first
-    process: the cost is one read of the cache -- measured on 64 MB shards, xxh3_64 hashes
-    6.6-8.9 GB/s in memory and the check ran at 2.4-6 GB/s from the page cache and
-    0.6-0.8 GB/s from disk on the 2-core test machine). A file that does not
+    process: the cost is one read of the cache -- measured on 64 MB shards on the shared
+    2-core test machine, xxh3_64 hashes 4.5-8.9 GB/s in memory, and the check ran at
+    2.1-8 GB/s from the page cache and 0.6-1.3 GB/s from disk). A file that does not
     match is removed with its partial copies (a warning names it): streaming then
     downloads it again, and checks the new copy's hash.
     """
@@ -514,8 +514,8 @@ def check_cached(name: str, directory: str, index: dict[str, Any],
 
 def _file_hash(path: str, size: int, algorithm: str) -> str:
     """streaming's ``get_hash`` of a file, read through ``mmap``: no copy of the file in
-    memory (measured on 64 MB shards: 2-3 GB/s warm, against 0.3-0.45 GB/s for ``read()``
-    then hash, on this project's 2-core test machine)."""
+    memory (measured on 64 MB shards from the page cache: 2.1-8 GB/s, against 0.3-1.1 GB/s
+    for ``read()`` then hash, on the shared 2-core test machine)."""
     import mmap
 
     from streaming.base.hashing import get_hash
