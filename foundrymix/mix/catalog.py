@@ -292,8 +292,9 @@ class Catalog:
         if m.counts.rows <= 0:
             raise ConfigError(f'{where}: stream has no rows')
         from foundrymix.shards import check_shard_files, shard_files_error, validate_hash_problem
-        problems = check_shard_files(info.directory, info.index,
-                                     allow_missing=info.remote_dir is not None)
+        # A remote stream's cached shards are checked (and damaged ones removed, to be
+        # downloaded again) when a run starts: foundrymix.mix.cache.check_cached.
+        problems = [] if info.remote_dir is not None else check_shard_files(info.directory, info.index)
         if problems:
             raise shard_files_error(info.name, info.directory, problems)
         problem = validate_hash_problem(info.name, info.index, self.config.validate_hash)

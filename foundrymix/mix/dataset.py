@@ -50,6 +50,19 @@ class ShardPrepareError(ValueError):
         super().__init__(text)
 
 
+class CorruptShardError(ShardPrepareError):
+    """A remote stream's shard does not match the hash its ``index.json`` records.
+
+    Names the stream, the shard, the remote file and what to do; the damaged copy is
+    removed from the cache first (:meth:`MixedDataset._corrupt_shard`), so the next run
+    downloads it again instead of training on it.
+    """
+
+
+#: how streaming 0.13 words a ``validate_hash`` mismatch (``ValueError``, ``stream.py``)
+_CHECKSUM_FAILURE = 'Checksum failure: '
+
+
 class _RowIndex(int):
     """A sample index that asks :meth:`MixedDataset.get_item` for the stored row, undecoded."""
 
@@ -227,6 +240,50 @@ class MixedDataset(StreamingDataset):
                 return
 
     def _prepare_shard_once(self, shard_id: int) -> None:
+        """:meth:`_start_shard`, a shard that fails its hash raising :class:`CorruptShardError`."""
+        try:
+            self._start_shard(shard_id)
+        except ValueError as e:
+            if not self._is_remote_checksum_failure(shard_id, e):
+                raise
+            raise self._corrupt_shard(shard_id, str(e)) from e
+
+    def _is_remote_checksum_failure(self, shard_id: int, error: BaseException) -> bool:
+        stream = self.streams[int(self.stream_per_shard[shard_id])]
+        return (isinstance(error, ValueError) and not isinstance(error, ShardPrepareError)
+                and str(error).startswith(_CHECKSUM_FAILURE)
+                and bool(stream.remote) and stream.remote != stream.local)
+
+    def _corrupt_shard(self, shard_id: int, failure: str) -> CorruptShardError:
+        """Remove a remote stream's shard that failed its hash from the cache; the error naming it.
+
+        Why: streaming 0.13 checks ``validate_hash`` right after a download and leaves the
+        file in place when it fails; the next run (a restart after a pre-emption) found it
+        cached, never checked it again, and trained on it. Remembered per process, so
+        the error that ends the epoch (:meth:`_prepare_error`) is this one.
+        """
+        from foundrymix.mix.cache import remove_shard_files
+        stream_id = int(self.stream_per_shard[shard_id])
+        stream, shard = self.streams[stream_id], self.shards[shard_id]
+        raw, zip_ = shard.file_pairs[0]
+        directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
+        failed = os.path.basename(failure[len(_CHECKSUM_FAILURE):].strip()) or raw.basename
+        remote = os.path.join(stream.remote, stream.split or '').rstrip('/')
+        removed = remove_shard_files(directory, [raw.basename] + ([zip_.basename] if zip_ else []))
+        error = CorruptShardError(
+            f"stream '{self.stream_names[stream_id]}' ({directory}), shard {raw.basename}: "
+            f'{remote}/{failed} does not match the {stream.validate_hash} hash its index.json '
+            f'records: the shard in the remote is damaged (or was replaced without its '
+            f'index.json). Removed it from the cache ({", ".join(removed) or "nothing left"}). '
+            f'Re-upload the shard: re-run `foundrymix convert` on the same inputs with '
+            f'`--out {remote} --overwrite`; `foundrymix verify {remote}` checks every shard '
+            f'of the remote')
+        if not hasattr(self, '_corrupt'):
+            self._corrupt: dict[int, CorruptShardError] = {}
+        self._corrupt[shard_id] = error
+        return error
+
+    def _start_shard(self, shard_id: int) -> None:
         """streaming's non-blocking ``prepare_shard``, but with ``cache_limit`` a download in
         flight counts against the limit from its start.
 
@@ -296,6 +353,9 @@ class MixedDataset(StreamingDataset):
 
     def _shard_error(self, shard_id: int, context: str) -> 'ShardPrepareError':
         """Name a shard streaming failed to prepare (retried here to get its exception)."""
+        known = getattr(self, '_corrupt', {}).get(shard_id)
+        if known is not None:
+            return known
         stream_id = int(self.stream_per_shard[shard_id])
         stream, shard = self.streams[stream_id], self.shards[shard_id]
         directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
@@ -313,6 +373,8 @@ class MixedDataset(StreamingDataset):
                 with self._cache_filelock:
                     self.cache_usage += int(delta)
         except Exception as e:
+            if self._is_remote_checksum_failure(shard_id, e):
+                return self._corrupt_shard(shard_id, str(e))
             from foundrymix.mix.cache import disk_full_hint
             return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
                                      f'{type(e).__name__}: {e}{disk_full_hint(str(e), directory)}; '
@@ -325,6 +387,8 @@ class MixedDataset(StreamingDataset):
         from streaming.base.dataset import _ShardState
         stopped = (f'the epoch stopped after {it.yield_index:,} of {it.total:,} samples of this '
                    f'worker')
+        for error in getattr(self, '_corrupt', {}).values():
+            return error
         states = self._shard_states
         for shard_id in range(len(self.shards)):
             if states[shard_id] != _ShardState.PREPARING:
