@@ -2,8 +2,8 @@
 same ``save_folder`` and ``convert --overwrite`` of a stream directory a run reads are
 refused, with real ``train.py`` / ``python -m foundrymix.cli`` processes.
 
-The first run is kept alive with a long ``max_duration`` and killed once the second
-process has been refused.
+The first run is kept alive with a long ``max_duration``, stopped (SIGSTOP: alive,
+holding its claims, using no CPU) and killed once the second process has been refused.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def start_training(cfg: Path, ready: Path) -> subprocess.Popen:
     if not ready.exists():
         proc.kill()
         raise AssertionError(f'the first run did not start: {proc.communicate()[1][-3000:]}')
+    proc.send_signal(signal.SIGSTOP)  # stays alive (holding its claims) without using the CPU
     return proc
 
 
@@ -69,14 +70,14 @@ def paper(tmp_path) -> Path:
     return src
 
 
+@pytest.mark.slow  # two train.py processes
 def test_second_run_into_a_live_runs_save_folder_is_refused(tmp_path, small_streams):
     streams = {name: str(path) for name, path in small_streams.items()}
     ckpt = tmp_path / 'ckpt'
-    a = write_config(tmp_path / 'a.yaml', streams, save_folder=str(ckpt), save_interval='2ba',
+    a = write_config(tmp_path / 'a.yaml', streams, save_folder=str(ckpt), save_interval='10ba',
                      save_overwrite=True, run_name='a')
-    first = start_training(a, ckpt / 'ep0-ba2-rank0.pt')
+    first = start_training(a, ckpt / 'ep0-ba10-rank0.pt')
     try:
-        time.sleep(0.5)  # a few more checkpoints
         b_dir = tmp_path / 'b'
         b_dir.mkdir()
         b = write_config(b_dir / 'b.yaml', streams, save_folder=str(ckpt), save_interval='2ba',
@@ -102,12 +103,13 @@ def test_second_run_into_a_live_runs_save_folder_is_refused(tmp_path, small_stre
         for name in before_kill if not os.path.islink(ckpt / name))
 
 
+@pytest.mark.slow  # a train.py process and four conversions
 def test_convert_overwrite_of_a_stream_a_live_run_reads_is_refused(tmp_path, paper):
     data = tmp_path / 'arxiv'
     assert convert(paper, data).returncode == 0
     original = files(data)
     cfg = write_config(tmp_path / 'run.yaml', {'arxiv': str(data)}, save_folder=str(tmp_path / 'ckpt'),
-                       save_interval='1ba')
+                       save_interval='1ba', save_num_checkpoints_to_keep=1)
     run = start_training(cfg, tmp_path / 'ckpt' / 'ep0-ba1-rank0.pt')
     try:
         refused = convert(paper, data, '--overwrite', '--no-eos')
@@ -120,7 +122,7 @@ def test_convert_overwrite_of_a_stream_a_live_run_reads_is_refused(tmp_path, pap
         f'{sys.executable} {ROOT / "train.py"} {cfg}; writing there now would corrupt what it reads. '
         f'Wait for that run to end, or choose another --out')
     assert files(data) == original
-    assert run.poll() is None  # the run goes on
+    assert run.poll() is None  # the run lives on
     kill(run)  # SIGKILL: the kernel drops its claim
     done = convert(paper, data, '--overwrite', '--no-eos')
     assert done.returncode == 0, done.stderr
