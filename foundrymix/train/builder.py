@@ -320,7 +320,16 @@ def train(cfg: TrainConfig) -> TrainRun:
     """Build and fit; returns the run (its accounting holds the per-stream summary)."""
     run = build_trainer(cfg)
     try:
-        run.trainer.fit()
+        try:
+            run.trainer.fit()
+        except FileExistsError as e:
+            # Composer 0.32 refuses an earlier run's checkpoints in save_folder at FIT_START and
+            # says "set overwrite=True", a key this config does not have: name the ones it has.
+            if 'may conflict with a future checkpoint' not in str(e):
+                raise
+            raise FileExistsError(f'{e} ({cfg.save_folder} holds an earlier run\'s checkpoints: '
+                                  f'save_overwrite=true replaces them, autoresume=true continues it if it '
+                                  f'did not finish, or choose another save_folder)') from None
         run.trainer.close()
         if dist.get_global_rank() == 0 and cfg.train_loader.stages is not None:
             _plot_staged(run)
