@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from foundrymix import claims
 from foundrymix.convert.common import ConvertOptions, Setup, prepare
-from foundrymix.convert.paths import OutSpec
+from foundrymix.convert.paths import OutSpec, split_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
 from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_records
@@ -146,7 +147,40 @@ def convert(converter: Converter, inputs: list[str], out: OutSpec, options: Conv
 
     ``out``: a local directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair
     (see :func:`foundrymix.convert.paths.split_out`).
+
+    The local output directory is claimed exclusively first (:func:`claim_output`) and
+    held until the conversion ends.
     """
+    claim = claim_output(split_out(out).local)
+    try:
+        return _convert(converter, inputs, out, options)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def claim_output(local: Optional[str]) -> Optional[claims.Claim]:
+    """Claim the local output directory for this conversion, or refuse naming the live run
+    that reads (or writes) it.
+
+    Why: ``convert --overwrite`` of a directory a training run was reading succeeded, and
+    the run trained 16 more batches of mixed old/new rows, then died with ``corrupt row``.
+    Training runs hold a shared claim on every local stream directory they read
+    (:func:`foundrymix.train.builder.claim_run`); this exclusive claim is refused while
+    any of them lives, and a run starting during the conversion is refused in turn.
+    """
+    if local is None:
+        return None
+    path = claims.normalize(local)
+    try:
+        return claims.try_claim(path, claims.EXCLUSIVE)
+    except claims.Busy as e:
+        raise ValueError(f'--out {local}: {path} is in use by a live run, {claims.describe(e.holders)}; '
+                         f'writing there now would corrupt what it reads. Wait for that run to end, '
+                         f'or choose another --out') from None
+
+
+def _convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
     setup = prepare(inputs, out, options, min_content=converter.min_content)
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
                         tokenizer=setup.info, inputs=setup.inputs,

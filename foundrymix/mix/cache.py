@@ -26,16 +26,13 @@ refuses a second live dataset over the same directory *of a remote stream* with
   downloads, are refused with the stream, shard and directory named
   (:func:`check_space`) -- not found out mid-run.
 
-How a claim works: per candidate directory two files in ``<tmp>/foundrymix-claims``
-(outside the cache, so nothing is added to a directory the user named): ``<h>.inuse``,
-on which every process of the run holds a shared ``flock`` while its dataset lives, and
-``<h>.owner``, the run that took it. ``flock`` is released by the kernel when a process
-dies, even by SIGKILL, so a claim can never go stale. A third file, ``<h>.guard`` of the
-configured directory, is locked exclusively for the few milliseconds a claim is decided,
-so two runs starting at once never pick the same directory. The ranks of one job on a
-node share the run id ``MASTER_ADDR:MASTER_PORT`` (the launcher's rendezvous; two live
-jobs on a node cannot share it) and so the same directory, which streaming requires; a
-single process's run id is its pid.
+How a claim works: each candidate directory is claimed ``EXCLUSIVE`` for the run with
+:mod:`foundrymix.claims` (flock files in ``<tmp>/foundrymix-claims``, outside the cache,
+so nothing is added to a directory the user named; released by the kernel when a process
+dies, even by SIGKILL, so a claim can never go stale). While candidates are tried, the
+configured directory's ``<h>.group`` lock is held, so two runs starting at once never
+pick the same directory. The ranks of one job on a node share the run id
+``MASTER_ADDR:MASTER_PORT`` and so the same directory, which streaming requires.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -55,6 +51,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from foundrymix import claims
+from foundrymix.claims import Claim, pid_alive as _pid_alive
 from foundrymix.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -68,154 +66,66 @@ _PARTIAL = re.compile(r'^(?P<base>.+)\.(?:[0-9A-Fa-f]{8}|tmp)$')
 _PART_PID = re.compile(r'^(?P<base>.+)\.part-(?P<pid>\d+)$')
 
 
-def claims_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), 'foundrymix-claims')
-
-
-def run_id() -> str:
-    """What the processes of one run on this node share: the launcher's rendezvous, or the pid."""
-    if int(os.environ.get('WORLD_SIZE', '1') or 1) > 1 and os.environ.get('MASTER_PORT'):
-        return f"job {os.environ.get('MASTER_ADDR', '')}:{os.environ['MASTER_PORT']}"
-    return f'pid {os.getpid()}'
-
-
-def _key(path: str) -> str:
-    return hashlib.blake2s(os.path.normpath(path).encode('utf-8'), digest_size=10).hexdigest()
-
-
 def candidate(home: str, k: int) -> str:
     """The ``k``-th directory a run may use for default-cache directory ``home`` (0: itself)."""
     return home if k == 0 else f'{home}-run{k + 1}'
 
 
 @dataclass
-class _Held:
-    fd: int
-    home: str
-    count: int = 1
-
-
-#: directories this process has claimed: path -> open ``.inuse`` file and reference count
-_held: dict[str, _Held] = {}
-
-
-@dataclass
 class Claims:
     """Directories one dataset claimed; :meth:`release` when the dataset is done."""
 
-    dirs: list[str] = field(default_factory=list)
+    held: list[Claim] = field(default_factory=list)
+
+    @property
+    def dirs(self) -> list[str]:
+        return [c.path for c in self.held]
 
     def release(self) -> None:
-        while self.dirs:
-            release_dir(self.dirs.pop())
+        while self.held:
+            self.held.pop().release()
 
 
-def release_dir(path: str) -> None:
-    held = _held.get(path)
-    if held is None:
-        return
-    held.count -= 1
-    if held.count > 0:
-        return
-    del _held[path]
-    # Under the guard (every claimer opens .inuse only while holding it): if no other
-    # process of the run still holds the directory, its claim files go.
-    h = os.path.join(claims_dir(), _key(path))
-    guard_fd = os.open(os.path.join(claims_dir(), f'{_key(held.home)}.guard'), os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(guard_fd, fcntl.LOCK_EX)
-        fcntl.flock(held.fd, fcntl.LOCK_UN)
-        try:
-            fcntl.flock(held.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
-        for suffix in ('.owner', '.inuse'):
-            try:
-                os.unlink(h + suffix)
-            except FileNotFoundError:
-                pass
-    finally:
-        os.close(held.fd)
-        os.close(guard_fd)
-
-
-def _read_owner(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding='utf-8') as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def claim(home: str, shared_default: bool, where: str) -> tuple[str, bool]:
+def claim(home: str, shared_default: bool, where: str) -> Claim:
     """Claim a directory for this run: ``home`` itself or, for the default cache
     (``shared_default``), its first sibling no other live run holds.
 
-    Returns (directory, fresh): ``fresh`` when no live run held it before this one (then
-    whatever a dead run left in it may be cleaned). A ``local:`` the user named and
-    another live run holds raises :class:`ConfigError`.
+    Returns the claim of the directory (``path``); ``fresh`` when no live run held it
+    before this one (then whatever a dead run left in it may be cleaned). A ``local:`` the
+    user named and another live run holds raises :class:`ConfigError`.
     """
-    root = claims_dir()
-    os.makedirs(root, exist_ok=True)
-    me = run_id()
-    guard_fd = os.open(os.path.join(root, f'{_key(home)}.guard'), os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(guard_fd, fcntl.LOCK_EX)
-        for k in range(MAX_CANDIDATES if shared_default else 1):
-            path = candidate(home, k)
-            if path in _held:  # this process already holds one: its datasets share it
-                _held[path].count += 1
-                return path, False
-        owners = []
+    configured, home = home, claims.normalize(home)
+    paths = [candidate(home, k) for k in range(MAX_CANDIDATES if shared_default else 1)]
+    me = claims.run_id()
+    busy: list[claims.Busy] = []
+    with claims.guard(home, '.group'):  # two runs starting at once never pick the same directory
         # First a directory this run already holds (another rank of the same job), then a free one.
-        for pass_ in ('mine', 'free'):
-            for k in range(MAX_CANDIDATES if shared_default else 1):
-                path = candidate(home, k)
-                h = os.path.join(root, _key(path))
-                if pass_ == 'mine' and not os.path.exists(f'{h}.owner'):
-                    continue
-                fd = os.open(f'{h}.inuse', os.O_RDWR | os.O_CREAT, 0o666)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:  # some live process holds it
-                    owner = _read_owner(f'{h}.owner')
-                    if owner.get('run') == me:
-                        fcntl.flock(fd, fcntl.LOCK_SH)
-                        _held[path] = _Held(fd, home)
-                        return path, False
-                    os.close(fd)
-                    if pass_ == 'free':
-                        owners.append((path, owner))
-                    continue
-                if pass_ == 'mine':  # free: not this run's; decided in the second pass
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    os.close(fd)
-                    continue
-                tmp = f'{h}.owner.part-{os.getpid()}'
-                with open(tmp, 'w', encoding='utf-8') as f:
-                    json.dump({'run': me, 'pid': os.getpid(), 'dir': path}, f)
-                os.replace(tmp, f'{h}.owner')
-                fcntl.flock(fd, fcntl.LOCK_SH)  # others of this run may join; we hold the guard
-                _held[path] = _Held(fd, home)
-                if path != home:
-                    log.warning('%s: cache directory %s is in use by another live run (%s); this run '
-                                'uses %s (its shards are downloaded again)', where, home,
-                                owners[0][1].get('run', 'unknown') if owners else 'unknown', path)
-                return path, True
-        path, owner = owners[0] if owners else (home, {})
-        run = str(owner.get('run', 'a run'))
-        who = run if run.startswith('pid ') else f"{run} (pid {owner.get('pid', '?')})"
-        if not shared_default:
-            raise ConfigError(
-                f'{where}.local: {home} is in use by another live run, {who}. streaming cannot '
-                f'read one cache directory from two runs at once (it registers each live '
-                f'dataset\'s directory machine-wide and refuses a second). Give this run its own '
-                f'local: directory, or leave local: out to use the default cache, which gives '
-                f'runs that overlap in time a directory each')
-        raise ConfigError(f'{where}: all {MAX_CANDIDATES} cache directories for {home} are in use '
-                          f'by live runs (e.g. {who}); set cache_root to another directory')
-    finally:
-        os.close(guard_fd)
+        for path in paths:
+            owner = claims.exclusive_owner(path)
+            if owner is not None and owner.run == me:
+                return claims.try_claim(path, claims.EXCLUSIVE)
+        for path in paths:
+            try:
+                got = claims.try_claim(path, claims.EXCLUSIVE)
+            except claims.Busy as e:
+                busy.append(e)
+                continue
+            if path != home:
+                log.warning('%s: cache directory %s is in use by another live run (%s); this run '
+                            'uses %s (its shards are downloaded again)', where, configured,
+                            busy[0].holders[0].run if busy and busy[0].holders else 'unknown', path)
+            return got
+    holders = busy[0].holders if busy else []
+    who = holders[0].who() if holders else 'a run'
+    if not shared_default:
+        raise ConfigError(
+            f'{where}.local: {configured} is in use by another live run, {who}. streaming cannot '
+            f'read one cache directory from two runs at once (it registers each live '
+            f'dataset\'s directory machine-wide and refuses a second). Give this run its own '
+            f'local: directory, or leave local: out to use the default cache, which gives '
+            f'runs that overlap in time a directory each')
+    raise ConfigError(f'{where}: all {MAX_CANDIDATES} cache directories for {configured} are in use '
+                      f'by live runs (e.g. {who}); set cache_root to another directory')
 
 
 @contextlib.contextmanager
@@ -299,16 +209,6 @@ def _prefix_in_use(prefix: str) -> bool:
         except PermissionError:  # not ours to read (see above)
             continue
     return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def clean_stale(directory: str, stream_dirs: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -625,7 +525,7 @@ def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claim
     node's first process only, as streaming's local leader alone sets up the cache and
     the others wait for it), and check the space: the infos to build streams from (``local`` may now be a sibling
     of the configured directory) and the claims to release with the dataset."""
-    claims = Claims()
+    held = Claims()
     out = []
     try:
         for info in infos:
@@ -633,20 +533,22 @@ def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claim
                 out.append(info)
                 continue
             shared_default = not info.spec.local
-            local, fresh = claim(info.local, shared_default, f'{where}.streams.{info.name}')
-            claims.dirs.append(local)
+            got = claim(info.local, shared_default, f'{where}.streams.{info.name}')
+            held.held.append(got)
+            local = got.path if os.path.normpath(got.path) != os.path.normpath(claims.normalize(info.local)) \
+                else info.local
             if local != info.local:
                 info = _moved(info, local)
-            if fresh:
+            if got.fresh:
                 clean_stale(local, [(info.directory, info.index)])
             if int(os.environ.get('LOCAL_RANK', '0') or 0) == 0:  # streaming's local leader
                 check_cached(info.name, info.directory, info.index, config.validate_hash)
             out.append(info)
         check_space(config, out, where)
     except BaseException:
-        claims.release()
+        held.release()
         raise
-    return out, claims
+    return out, held
 
 
 def _moved(info: Any, local: str) -> Any:

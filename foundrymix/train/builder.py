@@ -2,11 +2,13 @@
 
 Everything that can be refused is refused here, before the first step: a stream the
 mixer rejects, a model that does not fit ``max_seq_len``, a batch size the ranks
-cannot split, a ``load_path`` that does not exist.
+cannot split, a ``load_path`` that does not exist, a ``save_folder`` another live run
+writes, a stream directory a conversion is replacing (:func:`claim_run`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -17,9 +19,9 @@ from composer import Trainer
 from composer.core import Callback, Evaluator
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler, DecoupledAdamW,
                             LinearWithWarmupScheduler)
-from composer.utils import dist, reproducibility
+from composer.utils import dist, format_name_with_dist, reproducibility
 
-from foundrymix import s3_retries
+from foundrymix import claims, s3_retries
 from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
 from foundrymix.mix.staged_loader import StagedDataLoader, build_run_loader
@@ -49,6 +51,8 @@ class TrainRun:
     run_plan: RunPlan             # the run's one plan (a single mixture: one stage)
     accounting: StreamAccounting
     plan: Any                     # a single mixture's Plan, or the RunPlan of a staged run
+    #: the run's claims (save_folder, stream directories); :func:`train` releases them at the end
+    claims: claims.ClaimSet = dataclasses.field(default_factory=claims.ClaimSet)
 
 
 def _device(cfg: TrainConfig) -> str:
@@ -245,10 +249,68 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
     )
 
 
+def claim_run(cfg: TrainConfig) -> claims.ClaimSet:
+    """Claim what this run must not share: ``save_folder`` exclusively, every local stream
+    directory (of every stage, and of ``eval_loader``) as a reader.
+
+    Why: two runs into one ``save_folder`` with ``save_overwrite`` both exited 0 and the
+    folder held only the second run's checkpoints; ``convert --overwrite`` of a directory
+    a run read made it train 16 batches of mixed old/new rows, then die with ``corrupt
+    row``. Taken before anything of the run is written (checkpoints, loggers, sample log,
+    report), so a refused start changes nothing. An ``s3://`` save_folder is claimed by its
+    URL, on this machine only. Remote streams' cache directories are claimed by the
+    dataset (:mod:`foundrymix.mix.cache`). See :mod:`foundrymix.claims`.
+    """
+    held = claims.ClaimSet()
+    try:
+        if cfg.save_folder:
+            folder = format_name_with_dist(cfg.save_folder, cfg.run_name)  # as Composer names it
+            try:
+                held.held.append(claims.try_claim(claims.normalize(folder), claims.EXCLUSIVE))
+            except claims.Busy as e:
+                raise ConfigError(
+                    f'save_folder: {folder} is in use by another live run, '
+                    f'{claims.describe(e.holders)}. Two runs saving into one folder overwrite each '
+                    f"other's checkpoints: give this run its own save_folder, or wait for that run "
+                    f'to end') from None
+        for where, loader in (('train_loader', cfg.train_loader), ('eval_loader', cfg.eval_loader)):
+            for stage in loader.stage_configs(where) if loader is not None else []:
+                for name, spec in stage.streams.items():
+                    if spec.remote:
+                        continue
+                    for path in dict.fromkeys((stage.stream_local(name), stage.stream_dir(name))):
+                        try:
+                            held.held.append(claims.try_claim(claims.normalize(path), claims.SHARED))
+                        except claims.Busy as e:
+                            raise ConfigError(
+                                f'{where}.streams.{name}: {path} is held by another live run, '
+                                f'{claims.describe(e.holders)} (a conversion replacing it, or a run '
+                                f'writing there); reading it now would mix old and new rows. Wait '
+                                f'for that run to end') from None
+    except BaseException:
+        held.release()
+        raise
+    return held
+
+
 def build_trainer(cfg: TrainConfig) -> TrainRun:
-    """Validate everything, then build model, data, callbacks and the Composer trainer."""
+    """Validate everything, then build model, data, callbacks and the Composer trainer.
+
+    The run's claims (:func:`claim_run`) are held from the start; :func:`train` releases
+    them when the run ends (a caller that only builds: ``run.claims.release()``, or they
+    go with the process).
+    """
     device_batch, micro = _batch_sizes(cfg)
     _check_load_path(cfg)
+    held = claim_run(cfg)
+    try:
+        return _build(cfg, device_batch, micro, held)
+    except BaseException:
+        held.release()
+        raise
+
+
+def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: claims.ClaimSet) -> TrainRun:
     retry_counter = s3_retries.install()  # before the first metadata fetch
     retries_before = retry_counter.snapshot()
     data = _train_data(cfg, device_batch)
@@ -267,16 +329,28 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
         if extended:
             print(extended, flush=True)
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
-                    plan=data.plan)
+                    plan=data.plan, claims=held)
 
 
 def train(cfg: TrainConfig) -> TrainRun:
     """Build and fit; returns the run (its accounting holds the per-stream summary)."""
     run = build_trainer(cfg)
-    run.trainer.fit()
-    run.trainer.close()
-    if dist.get_global_rank() == 0 and run.run_plan.explicit:
-        _plot_staged(run)
+    try:
+        try:
+            run.trainer.fit()
+        except FileExistsError as e:
+            # Composer 0.32 refuses an earlier run's checkpoints in save_folder at FIT_START and
+            # says "set overwrite=True", a key this config does not have: name the ones it has.
+            if 'may conflict with a future checkpoint' not in str(e):
+                raise
+            raise FileExistsError(f'{e} ({cfg.save_folder} holds an earlier run\'s checkpoints: '
+                                  f'save_overwrite=true replaces them, autoresume=true continues it if it '
+                                  f'did not finish, or choose another save_folder)') from None
+        run.trainer.close()
+        if dist.get_global_rank() == 0 and run.run_plan.explicit:
+            _plot_staged(run)
+    finally:
+        run.claims.release()
     return run
 
 

@@ -1,0 +1,275 @@
+"""Claims on the paths live runs use, so that concurrent runs cannot destroy each other's files.
+
+Why: two ``train.py`` runs into one ``save_folder`` both exited 0 and every checkpoint left
+was the second run's; ``convert --overwrite`` of a dataset a live run was reading succeeded,
+and the run trained 16 more batches of mixed old/new rows before dying with ``corrupt
+row``. So a live run claims what it uses, and whoever would destroy it is refused:
+
+* ``EXCLUSIVE``: one run (all processes of one job) -- a training run's ``save_folder``, a
+  conversion's output directory, a cache directory the user named.
+* ``SHARED``: any number of readers -- every local stream directory a training run reads.
+  An exclusive claim is refused while readers hold the path, and readers while an
+  exclusive holder does (unless it is the same run).
+
+How: per path, files in ``<tmp>/foundrymix-claims`` named by a hash of the path (never in
+the user's directory): ``<h>.inuse``, on which every holding process keeps a shared
+``flock``; ``<h>.excl``, locked shared by exclusive holders only; ``<h>.owner``, the
+exclusive run (for joining and for the refusal message); ``<h>.reader-<pid>``, one per
+reading process (for the message). ``flock`` is released by the kernel when a process
+dies, even by SIGKILL, so a claim never goes stale; the record files only name holders,
+and a dead holder's are ignored and cleaned. ``<h>.guard`` is locked exclusively for the
+milliseconds a claim is decided or released, so two processes never decide at once.
+
+The processes of one job share the run id ``MASTER_ADDR:MASTER_PORT`` (the launcher's
+rendezvous; two live jobs on a node cannot share it) and so one exclusive claim, as the
+ranks writing one ``save_folder`` or reading one cache directory must; a single
+process's run id is its pid. Claims are per machine: the claims directory is local, so
+runs on different nodes over a shared file system do not see each other's claims.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import shlex
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Optional
+
+EXCLUSIVE = 'exclusive'
+SHARED = 'shared'
+#: longest command line recorded for a holder
+_CMD_CHARS = 200
+
+
+def claims_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), 'foundrymix-claims')
+
+
+def run_id() -> str:
+    """What the processes of one run on this node share: the launcher's rendezvous, or the pid."""
+    if int(os.environ.get('WORLD_SIZE', '1') or 1) > 1 and os.environ.get('MASTER_PORT'):
+        return f"job {os.environ.get('MASTER_ADDR', '')}:{os.environ['MASTER_PORT']}"
+    return f'pid {os.getpid()}'
+
+
+def normalize(path: str) -> str:
+    """The path a claim is about: symbolic links resolved (``s3://...`` URLs as given)."""
+    return path if '://' in path else os.path.realpath(os.path.expanduser(path))
+
+
+def key(path: str) -> str:
+    """File-name stem of ``path``'s claim files (``path`` already normalized)."""
+    return hashlib.blake2s(path.encode('utf-8'), digest_size=10).hexdigest()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Holder:
+    """A process holding a claim, as recorded in its ``.owner`` / ``.reader-<pid>`` file."""
+
+    run: str
+    pid: int
+    cmd: str = ''
+
+    def who(self) -> str:
+        return self.run if self.run.startswith('pid ') else f'{self.run} (pid {self.pid})'
+
+    def describe(self) -> str:
+        return f'{self.who()}: {self.cmd}' if self.cmd else self.who()
+
+
+class Busy(ValueError):
+    """``path`` is held by other live runs (``holders``; empty when none could be named)."""
+
+    def __init__(self, path: str, mode: str, holders: list[Holder]) -> None:
+        self.path, self.mode, self.holders = path, mode, holders
+        super().__init__(f'{path} is in use by another live run, {describe(holders)}')
+
+
+def describe(holders: list[Holder]) -> str:
+    return '; '.join(h.describe() for h in holders) or 'a run that could not be named'
+
+
+@dataclass
+class _Held:
+    fds: list[int]
+    count: int = 1
+
+
+#: claims this process holds: (path, mode) -> open lock files and reference count
+_held: dict[tuple[str, str], _Held] = {}
+
+
+@dataclass
+class Claim:
+    """One claim of this process; ``fresh`` when no live run held the path before."""
+
+    path: str
+    mode: str
+    fresh: bool
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            _release(self.path, self.mode)
+
+
+def _me() -> Holder:
+    cmd = shlex.join(getattr(sys, 'orig_argv', None) or [sys.executable, *sys.argv])
+    return Holder(run=run_id(), pid=os.getpid(), cmd=cmd[:_CMD_CHARS])
+
+
+@contextlib.contextmanager
+def guard(path: str, suffix: str = '.guard') -> Iterator[None]:
+    """Hold ``path``'s guard lock (``suffix`` ``.group``: a caller's lock over several claims)."""
+    root = claims_dir()
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, key(path) + suffix), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _open(name: str) -> int:
+    return os.open(name, os.O_RDWR | os.O_CREAT, 0o666)
+
+
+def _try_ex(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _read(name: str) -> Optional[Holder]:
+    try:
+        with open(name, encoding='utf-8') as f:
+            d = json.load(f)
+        return Holder(run=str(d['run']), pid=int(d['pid']), cmd=str(d.get('cmd', '')))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(name: str, holder: Holder) -> None:
+    tmp = f'{name}.part-{os.getpid()}'
+    with open(tmp, 'w', encoding='utf-8') as f:
+        json.dump(asdict(holder), f)
+    os.replace(tmp, name)
+
+
+def _remove(*names: str) -> None:
+    for name in names:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+
+
+def _readers(h: str) -> list[Holder]:
+    found = (_read(n) for n in sorted(glob.glob(glob.escape(h) + '.reader-*')))
+    return [r for r in found if r is not None and pid_alive(r.pid)]
+
+
+def _state(h: str) -> tuple[bool, Optional[Holder]]:
+    """(anyone holds the path, its live exclusive owner); call under the guard."""
+    fd = _open(h + '.inuse')
+    try:
+        if _try_ex(fd):
+            return False, None
+    finally:
+        os.close(fd)
+    fd = _open(h + '.excl')
+    try:
+        if _try_ex(fd):
+            return True, None
+        return True, _read(h + '.owner') or Holder(run='unknown', pid=0)
+    finally:
+        os.close(fd)
+
+
+def exclusive_owner(path: str) -> Optional[Holder]:
+    """The live run holding ``path`` exclusively, if any (``path`` normalized)."""
+    with guard(path):
+        return _state(os.path.join(claims_dir(), key(path)))[1]
+
+
+def try_claim(path: str, mode: str) -> Claim:
+    """Claim ``path`` (normalized) for this run, or raise :class:`Busy` naming who holds it.
+
+    ``EXCLUSIVE`` is granted when nobody holds the path or this run holds it exclusively
+    (another rank of the job joins); ``SHARED`` unless another run holds it exclusively.
+    """
+    held = _held.get((path, mode))
+    if held is not None:  # this process holds it already: its users share the claim
+        held.count += 1
+        return Claim(path, mode, fresh=False)
+    me = _me()
+    h = os.path.join(claims_dir(), key(path))
+    with guard(path):
+        busy, owner = _state(h)
+        if not busy:  # records left by dead holders
+            _remove(h + '.owner', *glob.glob(glob.escape(h) + '.reader-*'))
+        mine = owner is not None and owner.run == me.run
+        if mode == EXCLUSIVE and busy and not mine:
+            raise Busy(path, mode, [owner] if owner is not None else _readers(h))
+        if mode == SHARED and owner is not None and not mine:
+            raise Busy(path, mode, [owner])
+        fds = [_open(h + '.inuse')]
+        if mode == EXCLUSIVE:
+            fds.append(_open(h + '.excl'))
+            if not busy:
+                _write(h + '.owner', me)
+        else:
+            _write(f'{h}.reader-{me.pid}', me)
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        _held[(path, mode)] = _Held(fds)
+        return Claim(path, mode, fresh=not busy)
+
+
+def _release(path: str, mode: str) -> None:
+    held = _held.get((path, mode))
+    if held is None:
+        return
+    held.count -= 1
+    if held.count > 0:
+        return
+    del _held[(path, mode)]
+    h = os.path.join(claims_dir(), key(path))
+    with guard(path):
+        if mode == SHARED:
+            _remove(f'{h}.reader-{os.getpid()}')
+        for fd in held.fds:
+            os.close(fd)  # releases the locks
+        if not _state(h)[0]:  # nobody else holds it: its files go (claimers open them under the guard)
+            _remove(h + '.owner', h + '.inuse', h + '.excl', *glob.glob(glob.escape(h) + '.reader-*'))
+
+
+@dataclass
+class ClaimSet:
+    """Claims held together (one run's) and released together."""
+
+    held: list[Claim] = field(default_factory=list)
+
+    def release(self) -> None:
+        while self.held:
+            self.held.pop().release()
