@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -97,3 +99,69 @@ def test_shards_not_matching_the_index_are_refused_by_plan(root, tmp_path, damag
         assert f'100 bytes, index.json records {shard["bytes"]:,} (truncated)' in str(e.value)
     else:
         assert f'shard file missing (index.json records {shard["bytes"]:,} bytes)' in str(e.value)
+
+
+def run_cli(*args: str):
+    """The real command line in a fresh process (what a user types)."""
+    return subprocess.run([sys.executable, '-m', 'foundrymix.cli', *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def cut_index(root, tmp_path):
+    """A copy of stream a whose index.json lost its last shard (the shard file stays), the
+    run YAML on it, and the refusal message plan and train give (with verify's problem)."""
+    damaged = tmp_path / 'a'
+    index = copy_stream(root / 'a', damaged)
+    dropped = index['shards'].pop()
+    (damaged / 'index.json').write_text(json.dumps(index))
+    listed = 40 - dropped['samples']
+    problem = (f'{damaged / "index.json"} lists {listed:,} rows, {damaged / "foundrymix.json"} '
+               f'records 40: they are not from one whole conversion (streaming reads only the rows '
+               f'index.json lists); re-run `foundrymix convert` into {damaged}')
+    message = (f'train_loader.streams.a: {problem} (`foundrymix verify {damaged}` shows which '
+               f'shards are there)')
+    yaml = tmp_path / 'run.yaml'
+    yaml.write_text(YAML.format(a=damaged, b=root / 'b'))
+    return damaged, yaml, message, problem
+
+
+def test_index_listing_fewer_rows_than_the_manifest_is_refused_by_plan_and_verify(root, tmp_path, capsys):
+    """An index.json cut short trained fewer rows than the manifest's, and ``plan`` only
+    warned; plan, train and verify now all refuse it alike."""
+    damaged, yaml, message, problem = cut_index(root, tmp_path)
+    proc = run_cli('plan', str(yaml))
+    assert (proc.returncode, proc.stdout) == (2, ''), proc.stderr
+    assert proc.stderr == f'foundrymix plan: error: {message}\n'
+
+    # the advice, followed: verify names the same two counts
+    assert main(['verify', str(damaged)]) == 1
+    out = capsys.readouterr().out
+    assert f'  {problem}\n' in out
+    assert 'verdict: CORRUPT' in out
+
+
+def test_index_listing_fewer_rows_than_the_manifest_is_refused_by_train(root, tmp_path, capsys):
+    _, yaml, message, _ = cut_index(root, tmp_path)
+    assert main(['train', str(yaml)]) == 2
+    assert capsys.readouterr().err == f'foundrymix train: error: {message}\n'
+
+
+def test_stream_mapping_overrides_replace_the_yaml_streams(root, tmp_path, capsys):
+    """``train_loader.streams={a: ...}`` (and a stage's ``streams={...}``) planned the YAML's
+    streams plus the typed ones; now exactly the typed ones."""
+    assert main(['plan', '--json', str(root / 'run.yaml'),
+                 f'train_loader.streams={{a: {{local: {root / "a"}}}}}']) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [(s['name'], s['rows_per_epoch']) for s in plan['streams']] == [('a', 40)]
+
+    staged = tmp_path / 'staged.yaml'
+    staged.write_text(YAML.format(a=root / 'a', b=root / 'b').replace('max_duration: 2ep\n', '')
+                      .replace(', proportion: 0.9', '').replace(', proportion: 0.8', '') +
+                      '  stages:\n'
+                      '    - {name: first, duration: 2ba, streams: {a: {proportion: 1.0}}}\n'
+                      '    - {name: second, duration: 2ba, streams: {a: {proportion: 0.5}, '
+                      'b: {proportion: 0.5}}}\n')
+    proc = run_cli('plan', '--json', str(staged), 'train_loader.stages.1.streams={b: {proportion: 1.0}}')
+    assert proc.returncode == 0, proc.stderr
+    stages = json.loads(proc.stdout)['stages']
+    assert [[s['name'] for s in st['plan']['streams']] for st in stages] == [['a'], ['b']]

@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any, Optional, Sequence
 
-from foundrymix.config import ConfigError, load_yaml
+from foundrymix.config import OVERRIDES_HELP, ConfigError, load_yaml
 
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
@@ -86,8 +86,8 @@ def register(subparsers: Any) -> None:
                     'where max_duration ends.')
     p.add_argument('config', help='training YAML with a train_loader section')
     p.add_argument('overrides', nargs='*',
-                   help='key=value overrides (omegaconf dotlist); put options such as --json '
-                        'before the config or after the last override')
+                   help=f'{OVERRIDES_HELP}; put options such as --json before the config or '
+                        'after the last override')
     p.add_argument('--json', action='store_true', help='print the plan as JSON')
     p.add_argument('--world-size', type=int, default=1,
                    help='number of ranks (global_train_batch_size is split over them)')
