@@ -117,7 +117,7 @@ def test_mapping_and_list_overrides_replace_scalar_overrides_set(tmp_path):
 
 
 def test_reading_a_config_imports_neither_torch_nor_composer():
-    code = ('import sys; from foundrymix.train.config import TrainConfig, PlanConfig; '
+    code = ('import sys; from foundrymix.train.config import TrainConfig; import foundrymix.train.plan_cli; '
             'from foundrymix.mix.config import LoaderConfig; '
             'print(sorted(m for m in ("torch", "composer", "streaming", "transformers") '
             'if m in sys.modules))')

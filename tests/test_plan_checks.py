@@ -44,13 +44,46 @@ def root(tmp_path_factory):
                                   "max_seq_len, model, train_loader, global_train_batch_size"),
     ('train_loader.streams.a.local=s3://bucket/a',
      "train_loader.streams.a.local: 's3://bucket/a' is a URL, not a local directory"),
+    # keys plan used to skip (it read only train_loader, the batch and max_duration)
+    ('optimizer.lrr=0.1', "optimizer: unknown key 'lrr'; allowed: name, lr, betas, eps, weight_decay"),
+    ('scheduler.t_warmpu=10ba', "scheduler: unknown key 't_warmpu'; allowed: name, t_warmup, alpha_f"),
+    ('callbacks.stream_acounting={}', "callbacks: unknown key 'stream_acounting'; allowed: "),
+    ('seed=17.5', 'seed: expected int, got 17.5'),
 ])
 def test_plan_and_train_refuse_alike(root, capsys, override, message):
+    """``plan`` reads the whole run config as ``train`` does: same refusal, same words, and
+    nothing printed before it."""
     assert main(['plan', str(root / 'run.yaml'), override]) == 2
-    assert capsys.readouterr().err.startswith(f'foundrymix plan: error: {message}')
+    out, err = capsys.readouterr()
+    assert out == ''
+    assert err.startswith(f'foundrymix plan: error: {root / "run.yaml"}: {message}')
     with pytest.raises(ConfigError) as e:
         load_config(str(root / 'run.yaml'), [override])
     assert str(e.value).startswith(f'{root / "run.yaml"}: {message}')
+
+
+def test_plan_refuses_a_fractional_seed_through_the_real_cli(root):
+    proc = run_cli('plan', str(root / 'run.yaml'), 'seed=17.5')
+    assert (proc.returncode, proc.stdout) == (2, '')
+    assert proc.stderr == (f'foundrymix plan: error: {root / "run.yaml"}: seed: expected int, '
+                           f'got 17.5\n')
+
+
+def test_plan_refuses_a_microbatch_the_ranks_cannot_split(root, capsys):
+    """Issue 26: ``composer -n 2`` died in a launcher crash dump on a microbatch of 4 with a
+    global batch of 4 (2 per rank), and ``plan --world-size 2`` said nothing. Plan now refuses
+    it for that topology, in the words train uses on a rank count that cannot split it."""
+    proc = run_cli('plan', '--world-size', '2', str(root / 'run.yaml'), 'device_train_microbatch_size=4')
+    assert (proc.returncode, proc.stdout) == (2, '')
+    assert proc.stderr == ('foundrymix plan: error: device_train_microbatch_size=4 does not divide '
+                           'the per-rank batch (2 = 4 / 2 ranks)\n')
+    assert main(['plan', '--json', str(root / 'run.yaml'), 'device_train_microbatch_size=4']) == 0
+    capsys.readouterr()
+    # one rank: train refuses a microbatch of 3 exactly as plan does
+    for command in ('plan', 'train'):
+        assert main([command, str(root / 'run.yaml'), 'device_train_microbatch_size=3']) == 2
+        assert capsys.readouterr().err == (f'foundrymix {command}: error: device_train_microbatch_size=3 '
+                                           f'does not divide the per-rank batch (4 = 4 / 1 ranks)\n')
 
 
 def test_proportions_not_summing_to_one_are_stated(root, capsys):

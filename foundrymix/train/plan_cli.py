@@ -1,9 +1,13 @@
 """``foundrymix plan CONFIG.yaml``: the exact mixture of a training YAML, from manifests only.
 
-The YAML is a full training config; only ``train_loader``, ``global_train_batch_size``
-and ``max_duration`` are read (``variables`` and any other keys may be present and are
-used only through omegaconf interpolation). ``key=value`` overrides use omegaconf
-dotlist syntax, as the trainer does (``train_loader.shuffle_seed=3``).
+The YAML is read exactly as ``train`` reads it (:func:`~foundrymix.train.config.load_config`,
+the whole :class:`~foundrymix.train.config.TrainConfig`, and the batch split over
+``--world-size`` ranks): a config ``train`` would refuse -- a misspelt optimizer key,
+``seed: 17.5``, a microbatch that does not divide the per-rank batch -- is refused here
+with the same message, before anything is printed. That is why this command lives in
+``train/`` and not in ``mix/``: ``mix/`` (the loader library) does not import ``train/``.
+``key=value`` overrides use omegaconf dotlist syntax, as the trainer does
+(``train_loader.shuffle_seed=3``).
 """
 
 from __future__ import annotations
@@ -12,37 +16,26 @@ import argparse
 import json
 from typing import Any, Optional, Sequence
 
-from foundrymix.config import OVERRIDES_HELP, ConfigError, load_yaml
+from foundrymix.config import OVERRIDES_HELP, ConfigError
 
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
                    max_duration: Optional[str] = None, nodes: int = 1) -> Any:
-    """Build the :class:`~foundrymix.mix.plan.Plan` of a training YAML.
-
-    The YAML is read by the same typed reader as ``train`` (:class:`PlanConfig`): a key
-    a run would refuse is refused here too, with the same message.
-    """
+    """Build the :class:`~foundrymix.mix.plan.Plan` (or staged ``RunPlan``) of a training YAML."""
     from foundrymix.mix.mixer import StreamMixer
-    from foundrymix.train.config import PlanConfig
+    from foundrymix.train.config import load_config, split_batch
 
-    data = load_yaml(path, overrides)
-    if max_duration is not None:
-        data['max_duration'] = max_duration
-    cfg = PlanConfig.from_dict(data)
-    gbs = cfg.global_train_batch_size
-    if gbs % world_size or world_size % nodes:
-        raise ConfigError(f'global_train_batch_size {gbs} is not divisible by world size '
-                          f'{world_size}, or world size by nodes ({nodes})')
+    cfg = load_config(path, overrides, max_duration)
+    device_batch, _ = split_batch(cfg, world_size)
+    if world_size % nodes:
+        raise ConfigError(f'world size {world_size} is not divisible by the {nodes} nodes')
     if cfg.train_loader.stages is not None:
         from foundrymix.mix.stages import Topology, plan_run
-        run, _ = plan_run(cfg.train_loader, gbs // world_size, cfg.max_duration,
+        run, _ = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
                           Topology(nodes=nodes, ranks_per_node=world_size // nodes))
         return run
-    if cfg.max_duration is None:
-        raise ConfigError("config: missing required key 'max_duration' (it may be left out only "
-                          "with train_loader.stages: the run is then the sum of the stages)")
     mixer = StreamMixer(cfg.train_loader, 'train_loader')
-    return mixer.plan(gbs // world_size, cfg.max_duration, world_size=world_size, nodes=nodes)
+    return mixer.plan(device_batch, cfg.max_duration, world_size=world_size, nodes=nodes)
 
 
 def _topology(args: argparse.Namespace) -> tuple[int, int]:
