@@ -74,10 +74,12 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         'plan', help='print the exact per-stream mixture and run length of a training YAML',
-        description='Reads only manifests and index files (no shards): per stream the rows, rows '
-                    'per epoch, passes, shares of rows/tokens/loss tokens; the epoch size; and '
-                    'where max_duration ends.')
-    p.add_argument('config', help='training YAML with a train_loader section')
+        description='Checks the whole training YAML as `foundrymix train` does (refusing what it '
+                    'would refuse on --world-size ranks, with the same message), then reads only '
+                    'manifests and index files (no shards): per stream the rows, rows per epoch, '
+                    'passes, shares of rows/tokens/loss tokens; the epoch size; and where '
+                    'max_duration ends.')
+    p.add_argument('config', help='training YAML (the one `foundrymix train` runs)')
     p.add_argument('overrides', nargs='*',
                    help=f'{OVERRIDES_HELP}; put options such as --json before the config or '
                         'after the last override')
