@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 SUBCOMMAND_MODULES = (
     'foundrymix.convert.cli',
     'foundrymix.inspect',
-    'foundrymix.mix.cli',
+    'foundrymix.train.plan_cli',
     'foundrymix.train.cli',
     'foundrymix.train.report',
     'foundrymix.verify',

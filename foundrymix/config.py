@@ -29,11 +29,21 @@ class ConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------- YAML
-def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Load ``path`` with omegaconf, merge ``key=value`` overrides, resolve interpolations.
+#: ``--help`` of the ``key=value`` arguments of ``train`` and ``plan`` (see :func:`load_yaml`)
+OVERRIDES_HELP = ('key=value overrides of the YAML (omegaconf dotlist, e.g. train_loader.shuffle_seed=3); '
+                  'a mapping or list value ({...}, [...]) replaces the YAML\'s value at that key, '
+                  'it is not merged into it')
 
-    Hydra's ``+key=value`` (add a key) is accepted as the plain ``key=value``: the typed
-    reader decides whether the key exists.
+
+def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Load ``path`` with omegaconf, apply ``key=value`` overrides, resolve interpolations.
+
+    A scalar value sets that one key. A mapping or list value (``train_loader.streams={a:
+    {local: /d}}``) *replaces* the YAML's value at that key: whoever types a whole mapping
+    means that mapping; merging it into the YAML's (omegaconf's ``update(merge=True)``, the
+    default until issue 27) kept every stream the YAML had besides, silently. Hydra's
+    ``+key=value`` (add a key) is accepted as the plain ``key=value``: the typed reader
+    decides whether the key exists.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -53,7 +63,8 @@ def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
             # into lists (``train_loader.stages.0.duration=10ba``), which merging a dotlist can't
             parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f'_={value}']), resolve=False)['_']
             try:
-                OmegaConf.update(cfg, key, parsed, merge=True, force_add=True)
+                OmegaConf.update(cfg, key, parsed, merge=not isinstance(parsed, (dict, list)),
+                                 force_add=True)
             except (OmegaConfBaseException, TypeError, ValueError, IndexError) as e:
                 raise ConfigError(f'override {key}={value}: {e}') from None
         data = OmegaConf.to_container(cfg, resolve=True)

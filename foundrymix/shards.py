@@ -156,6 +156,23 @@ def shard_files_error(stream: str, directory: str, problems: list[ShardProblem])
         f'(`foundrymix verify {directory}` checks every shard)', problems)
 
 
+def row_count_problem(index_path: str, manifest_path: str, indexed: int, recorded: int,
+                      location: str) -> Optional[str]:
+    """The problem when ``index.json`` and the manifest disagree on a stream's rows, else None.
+
+    Why refused and not warned: streaming reads only the rows ``index.json`` lists, so an
+    index listing fewer rows than the manifest (a conversion or copy cut short, or files of
+    two conversions mixed) trained fewer rows than planned without a word. ``plan``,
+    ``train`` (the catalog) and ``verify`` all say it with these words. (``index.json``
+    records no tokens per shard, so rows are the one count both files hold.)
+    """
+    if indexed == recorded:
+        return None
+    return (f'{index_path} lists {indexed:,} rows, {manifest_path} records {recorded:,}: they '
+            f'are not from one whole conversion (streaming reads only the rows {INDEX_NAME} '
+            f'lists); re-run `foundrymix convert` into {location}')
+
+
 def _size(path: str) -> Optional[int]:
     try:
         return os.stat(path).st_size

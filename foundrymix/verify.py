@@ -37,7 +37,8 @@ from typing import Any, Callable, Optional
 
 from foundrymix.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
 from foundrymix.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
-                               shard_hash_checks, shard_header_problems, shard_name, validate_index)
+                               row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
+                               validate_index)
 
 #: row problems listed per shard (all are counted)
 MAX_ROW_PROBLEMS = 20
@@ -213,9 +214,10 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
         c = manifest.counts
         report.expected = {'rows': c.rows, 'tokens': c.tokens, 'loss_tokens': c.loss_tokens}
         indexed = sum(int(s['samples']) for s in index['shards'])
-        if indexed != c.rows:
-            report.count_problems.append(f'{source.name(INDEX_NAME)}: {indexed:,} rows in its shards, '
-                                   f'{MANIFEST_NAME} records {c.rows:,}')
+        problem = row_count_problem(source.name(INDEX_NAME), source.name(MANIFEST_NAME), indexed,
+                                    c.rows, source.location)
+        if problem:
+            report.count_problems.append(problem)
         for key, what in (('rows', 'intact rows'), ('tokens', 'tokens in intact rows'),
                           ('loss_tokens', 'loss tokens in intact rows')):
             if report.found[key] != report.expected[key]:

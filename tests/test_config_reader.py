@@ -96,8 +96,28 @@ def test_yaml_overrides_and_plus_form(tmp_path):
         load_yaml(str(path))
 
 
+def test_mapping_and_list_overrides_replace_scalar_overrides_set(tmp_path):
+    """A mapping typed on the command line was merged into the YAML's, keeping streams the
+    user left out; it (and a list) now replaces the value at its key, as typed."""
+    path = tmp_path / 'c.yaml'
+    path.write_text('seed: 1\n'
+                    'train_loader:\n'
+                    '  streams: {a: {local: /a, repeat: 2}, b: {local: /b}}\n'
+                    '  stages:\n'
+                    '    - {name: s0, streams: {a: {repeat: 1}, b: {repeat: 1}}}\n'
+                    '    - {name: s1, streams: {a: {repeat: 1}, b: {repeat: 2}}}\n'
+                    'tags: [x, y, z]\n')
+    data = load_yaml(str(path), ['train_loader.streams={a: {local: /c}}',
+                                 'train_loader.stages.1.streams={b: {repeat: 3}}',
+                                 'tags=[w]', 'seed=4', 'train_loader.stages.0.streams.a.repeat=5'])
+    assert data == {'seed': 4, 'tags': ['w'], 'train_loader': {
+        'streams': {'a': {'local': '/c'}},
+        'stages': [{'name': 's0', 'streams': {'a': {'repeat': 5}, 'b': {'repeat': 1}}},
+                   {'name': 's1', 'streams': {'b': {'repeat': 3}}}]}}
+
+
 def test_reading_a_config_imports_neither_torch_nor_composer():
-    code = ('import sys; from foundrymix.train.config import TrainConfig, PlanConfig; '
+    code = ('import sys; from foundrymix.train.config import TrainConfig; import foundrymix.train.plan_cli; '
             'from foundrymix.mix.config import LoaderConfig; '
             'print(sorted(m for m in ("torch", "composer", "streaming", "transformers") '
             'if m in sys.modules))')

@@ -18,8 +18,9 @@ variables:
   root: {root}
 global_train_batch_size: 8
 max_duration: {duration}
-model:
-  name: anything
+max_seq_len: 32
+model: {{type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1,
+         num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 32}}
 train_loader:
   streams:
     arxiv:
@@ -156,9 +157,10 @@ def test_cli_reads_no_shards(root, tmp_path, capsys, monkeypatch):
     ('max_duration=3xx', "max_duration: '3xx' is not a Composer time string"),
 ])
 def test_cli_errors_exit_2(root, tmp_path, capsys, override, message):
-    assert main(['plan', write_yaml(tmp_path, root), override]) == 2
+    path = write_yaml(tmp_path, root)
+    assert main(['plan', path, override]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f'foundrymix plan: error: {message}')
+    assert err.startswith(f'foundrymix plan: error: {path}: {message}')
 
 
 def test_cli_missing_manifest(tmp_path, capsys):

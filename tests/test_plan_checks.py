@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -42,13 +44,46 @@ def root(tmp_path_factory):
                                   "max_seq_len, model, train_loader, global_train_batch_size"),
     ('train_loader.streams.a.local=s3://bucket/a',
      "train_loader.streams.a.local: 's3://bucket/a' is a URL, not a local directory"),
+    # keys plan used to skip (it read only train_loader, the batch and max_duration)
+    ('optimizer.lrr=0.1', "optimizer: unknown key 'lrr'; allowed: name, lr, betas, eps, weight_decay"),
+    ('scheduler.t_warmpu=10ba', "scheduler: unknown key 't_warmpu'; allowed: name, t_warmup, alpha_f"),
+    ('callbacks.stream_acounting={}', "callbacks: unknown key 'stream_acounting'; allowed: "),
+    ('seed=17.5', 'seed: expected int, got 17.5'),
 ])
 def test_plan_and_train_refuse_alike(root, capsys, override, message):
+    """``plan`` reads the whole run config as ``train`` does: same refusal, same words, and
+    nothing printed before it."""
     assert main(['plan', str(root / 'run.yaml'), override]) == 2
-    assert capsys.readouterr().err.startswith(f'foundrymix plan: error: {message}')
+    out, err = capsys.readouterr()
+    assert out == ''
+    assert err.startswith(f'foundrymix plan: error: {root / "run.yaml"}: {message}')
     with pytest.raises(ConfigError) as e:
         load_config(str(root / 'run.yaml'), [override])
     assert str(e.value).startswith(f'{root / "run.yaml"}: {message}')
+
+
+def test_plan_refuses_a_fractional_seed_through_the_real_cli(root):
+    proc = run_cli('plan', str(root / 'run.yaml'), 'seed=17.5')
+    assert (proc.returncode, proc.stdout) == (2, '')
+    assert proc.stderr == (f'foundrymix plan: error: {root / "run.yaml"}: seed: expected int, '
+                           f'got 17.5\n')
+
+
+def test_plan_refuses_a_microbatch_the_ranks_cannot_split(root, capsys):
+    """Issue 26: ``composer -n 2`` died in a launcher crash dump on a microbatch of 4 with a
+    global batch of 4 (2 per rank), and ``plan --world-size 2`` said nothing. Plan now refuses
+    it for that topology, in the words train uses on a rank count that cannot split it."""
+    proc = run_cli('plan', '--world-size', '2', str(root / 'run.yaml'), 'device_train_microbatch_size=4')
+    assert (proc.returncode, proc.stdout) == (2, '')
+    assert proc.stderr == ('foundrymix plan: error: device_train_microbatch_size=4 does not divide '
+                           'the per-rank batch (2 = 4 / 2 ranks)\n')
+    assert main(['plan', '--json', str(root / 'run.yaml'), 'device_train_microbatch_size=4']) == 0
+    capsys.readouterr()
+    # one rank: train refuses a microbatch of 3 exactly as plan does
+    for command in ('plan', 'train'):
+        assert main([command, str(root / 'run.yaml'), 'device_train_microbatch_size=3']) == 2
+        assert capsys.readouterr().err == (f'foundrymix {command}: error: device_train_microbatch_size=3 '
+                                           f'does not divide the per-rank batch (4 = 4 / 1 ranks)\n')
 
 
 def test_proportions_not_summing_to_one_are_stated(root, capsys):
@@ -97,3 +132,69 @@ def test_shards_not_matching_the_index_are_refused_by_plan(root, tmp_path, damag
         assert f'100 bytes, index.json records {shard["bytes"]:,} (truncated)' in str(e.value)
     else:
         assert f'shard file missing (index.json records {shard["bytes"]:,} bytes)' in str(e.value)
+
+
+def run_cli(*args: str):
+    """The real command line in a fresh process (what a user types)."""
+    return subprocess.run([sys.executable, '-m', 'foundrymix.cli', *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def cut_index(root, tmp_path):
+    """A copy of stream a whose index.json lost its last shard (the shard file stays), the
+    run YAML on it, and the refusal message plan and train give (with verify's problem)."""
+    damaged = tmp_path / 'a'
+    index = copy_stream(root / 'a', damaged)
+    dropped = index['shards'].pop()
+    (damaged / 'index.json').write_text(json.dumps(index))
+    listed = 40 - dropped['samples']
+    problem = (f'{damaged / "index.json"} lists {listed:,} rows, {damaged / "foundrymix.json"} '
+               f'records 40: they are not from one whole conversion (streaming reads only the rows '
+               f'index.json lists); re-run `foundrymix convert` into {damaged}')
+    message = (f'train_loader.streams.a: {problem} (`foundrymix verify {damaged}` shows which '
+               f'shards are there)')
+    yaml = tmp_path / 'run.yaml'
+    yaml.write_text(YAML.format(a=damaged, b=root / 'b'))
+    return damaged, yaml, message, problem
+
+
+def test_index_listing_fewer_rows_than_the_manifest_is_refused_by_plan_and_verify(root, tmp_path, capsys):
+    """An index.json cut short trained fewer rows than the manifest's, and ``plan`` only
+    warned; plan, train and verify now all refuse it alike."""
+    damaged, yaml, message, problem = cut_index(root, tmp_path)
+    proc = run_cli('plan', str(yaml))
+    assert (proc.returncode, proc.stdout) == (2, ''), proc.stderr
+    assert proc.stderr == f'foundrymix plan: error: {message}\n'
+
+    # the advice, followed: verify names the same two counts
+    assert main(['verify', str(damaged)]) == 1
+    out = capsys.readouterr().out
+    assert f'  {problem}\n' in out
+    assert 'verdict: CORRUPT' in out
+
+
+def test_index_listing_fewer_rows_than_the_manifest_is_refused_by_train(root, tmp_path, capsys):
+    _, yaml, message, _ = cut_index(root, tmp_path)
+    assert main(['train', str(yaml)]) == 2
+    assert capsys.readouterr().err == f'foundrymix train: error: {message}\n'
+
+
+def test_stream_mapping_overrides_replace_the_yaml_streams(root, tmp_path, capsys):
+    """``train_loader.streams={a: ...}`` (and a stage's ``streams={...}``) planned the YAML's
+    streams plus the typed ones; now exactly the typed ones."""
+    assert main(['plan', '--json', str(root / 'run.yaml'),
+                 f'train_loader.streams={{a: {{local: {root / "a"}}}}}']) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [(s['name'], s['rows_per_epoch']) for s in plan['streams']] == [('a', 40)]
+
+    staged = tmp_path / 'staged.yaml'
+    staged.write_text(YAML.format(a=root / 'a', b=root / 'b').replace('max_duration: 2ep\n', '')
+                      .replace(', proportion: 0.9', '').replace(', proportion: 0.8', '') +
+                      '  stages:\n'
+                      '    - {name: first, duration: 2ba, streams: {a: {proportion: 1.0}}}\n'
+                      '    - {name: second, duration: 2ba, streams: {a: {proportion: 0.5}, '
+                      'b: {proportion: 0.5}}}\n')
+    proc = run_cli('plan', '--json', str(staged), 'train_loader.stages.1.streams={b: {proportion: 1.0}}')
+    assert proc.returncode == 0, proc.stderr
+    stages = json.loads(proc.stdout)['stages']
+    assert [[s['name'] for s in st['plan']['streams']] for st in stages] == [['a'], ['b']]

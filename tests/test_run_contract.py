@@ -184,7 +184,7 @@ def test_next_stage_is_editable_from_a_checkpoint_at_the_boundary(tmp_path, data
     proc = train(cfg, f'load_path={latest(tmp_path)}', 'train_loader.stages.1.streams.dolly.repeat=1',
                  'train_loader.stages.1.name=two-b')
     assert 'stage' in proc.stdout
-    from foundrymix.mix.cli import plan_from_yaml
+    from foundrymix.train.plan_cli import plan_from_yaml
     run = plan_from_yaml(str(cfg), ['train_loader.stages.1.streams.dolly.repeat=1',
                                     'train_loader.stages.1.name=two-b'])
     log = sample_log(tmp_path / 'samples.jsonl')

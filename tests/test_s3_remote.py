@@ -27,7 +27,7 @@ from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.mix.mixer import StreamMixer
 import mix_helpers
-from helpers import ROOT, free_port, moto_auth, moto_s3, s3_requests, silent_server
+from helpers import ROOT, free_port, moto_auth, moto_s3, s3_requests, silent_server, tiny_run_config
 
 BUCKET = 'fmx-remote'
 BATCH = 4
@@ -194,7 +194,7 @@ def test_hung_endpoint_fails_within_download_timeout(tmp_path, s3, small_streams
             f'train_loader.streams.ds: cannot read {url}/foundrymix.json: no answer from {hung} within '
             f'2 s (download_timeout); check S3_ENDPOINT_URL, the network and any proxy, or raise '
             f'download_timeout for a slow store')
-        run = {'global_train_batch_size': BATCH, 'max_duration': '1ep', 'train_loader': config}
+        run = tiny_run_config(config, global_train_batch_size=BATCH, max_duration='1ep')
         (tmp_path / 'run.yaml').write_text(yaml.safe_dump(run))
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         start = time.monotonic()

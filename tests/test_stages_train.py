@@ -61,7 +61,7 @@ def write_config(run: Path, data: dict[str, str], **top) -> Path:
 
 
 def planned(config: Path, world_size: int = 1):
-    from foundrymix.mix.cli import plan_from_yaml
+    from foundrymix.train.plan_cli import plan_from_yaml
     return plan_from_yaml(str(config), world_size=world_size)
 
 

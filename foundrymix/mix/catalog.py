@@ -9,7 +9,8 @@ through :mod:`foundrymix.remote` (bounded S3 downloads whose errors carry the S3
 code; streaming's own downloader for every other backend). Nothing here reads a shard.
 
 :meth:`Catalog.validate` refuses streams that cannot share a batch (``max_seq_len``,
-tokenizer, schema) before a single row is read: streaming only notices when it reads a
+tokenizer, schema), or whose ``index.json`` and manifest disagree on the rows, before a
+single row is read: streaming only notices when it reads a
 row, or never, if the columns happen to decode.
 """
 
@@ -37,6 +38,11 @@ def _same_bytes(a: str, b: str) -> bool:
             return fa.read() == fb.read()
     except FileNotFoundError:
         return False
+
+
+def _file(location: str, basename: str) -> str:
+    """``basename`` inside a local directory or under a remote prefix, for messages."""
+    return f'{location.rstrip("/")}/{basename}' if '://' in location else os.path.join(location, basename)
 
 
 @dataclass(frozen=True)
@@ -291,7 +297,14 @@ class Catalog:
             raise ConfigError(f'{where}: unknown manifest kind {m.kind!r}')
         if m.counts.rows <= 0:
             raise ConfigError(f'{where}: stream has no rows')
-        from foundrymix.shards import check_shard_files, shard_files_error, validate_hash_problem
+        from foundrymix.shards import (check_shard_files, row_count_problem, shard_files_error,
+                                       validate_hash_problem)
+        location = info.remote_dir or info.directory
+        problem = row_count_problem(_file(location, INDEX_NAME), _file(location, MANIFEST_NAME),
+                                    info.rows, m.counts.rows, location)
+        if problem:
+            raise ConfigError(f'{where}: {problem} (`foundrymix verify {location}` shows which '
+                              f'shards are there)')
         # A remote stream's cached shards are checked (and damaged ones removed, to be
         # downloaded again) when a run starts: foundrymix.mix.cache.check_cached.
         problems = [] if info.remote_dir is not None else check_shard_files(info.directory, info.index)

@@ -169,7 +169,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     L = infos[0].manifest.max_seq_len
     G = batch_size * topology.world_size
     epoch = _plan_epoch(config, infos, batch_size, topology, notes)
-    _warn_epoch(config, infos, epoch, G, topology.world_size, warnings)
+    _warn_epoch(config, epoch, G, topology.world_size, warnings)
     _note_exact(config, epoch, G, warnings, notes)
     names = [i.name for i in infos]
     stream_plans = _stream_plans(infos, epoch, L, warnings, notes)
@@ -282,13 +282,9 @@ def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str]) -> Optional
     return out
 
 
-def _warn_epoch(config: LoaderConfig, infos: list[StreamInfo], epoch: _Epoch, G: int,
+def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int,
                 world_size: int, warnings: list[str]) -> None:
     """Warnings about rows an epoch samples but does not train, or trains twice."""
-    for info, n in zip(infos, epoch.rows):
-        if info.manifest.counts.rows != n:
-            warnings.append(f'{info.name}: manifest says {info.manifest.counts.rows:,} rows, '
-                            f'index.json has {int(n):,}; the index (what streaming reads) is used')
     total = config.proportion_sum
     if total is not None and abs(total - 1.0) > 1e-9:
         given = ' + '.join(f'{s.proportion:g}' for s in config.streams.values())

@@ -33,7 +33,7 @@ from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
-from foundrymix.train.config import TrainConfig
+from foundrymix.train.config import TrainConfig, split_batch
 from foundrymix.train.console import console_kwargs, extension_line, resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
@@ -115,17 +115,8 @@ def _resume_kwargs(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
-    """(per-rank batch, microbatch); refuses a batch the ranks or microbatches cannot split."""
-    world = dist.get_world_size()
-    if cfg.global_train_batch_size % world:
-        raise ConfigError(f'global_train_batch_size={cfg.global_train_batch_size} is not divisible by '
-                          f'the {world} ranks')
-    device_batch = cfg.global_train_batch_size // world
-    micro = cfg.device_train_microbatch_size if cfg.device_train_microbatch_size is not None else device_batch
-    if isinstance(micro, int) and (micro <= 0 or device_batch % micro):
-        raise ConfigError(f'device_train_microbatch_size={micro} does not divide the per-rank batch '
-                          f'({device_batch} = {cfg.global_train_batch_size} / {world} ranks)')
-    return device_batch, micro
+    """(per-rank batch, microbatch) on this run's ranks (:func:`split_batch`)."""
+    return split_batch(cfg, dist.get_world_size())
 
 
 def _check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: TokenizerInfo) -> None:

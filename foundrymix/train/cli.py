@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional, Sequence
 
+from foundrymix.config import OVERRIDES_HELP
+
 DESCRIPTION = ('Train a randomly initialised transformers causal LM on the mix a YAML describes. '
                'key=value arguments override the YAML.')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('config', help='training YAML (see yamls/)')
-    parser.add_argument('overrides', nargs='*', metavar='key=value', help='omegaconf dotlist overrides')
+    parser.add_argument('overrides', nargs='*', metavar='key=value', help=OVERRIDES_HELP)
     parser.set_defaults(func=run_cli, command='train')
 
 

@@ -118,34 +118,35 @@ class TrainConfig:
         return self.callbacks.get('stream_accounting') or StreamAccountingConfig()
 
 
-@dataclass
-class PlanConfig:
-    """What ``foundrymix plan`` reads of a training YAML; every other training key is allowed
-    (and ignored), any key a training run would refuse is refused here too."""
+def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]]:
+    """(per-rank batch, microbatch) of ``cfg`` on ``world_size`` ranks; refuses a batch the ranks
+    or the microbatches cannot split.
 
-    train_loader: LoaderConfig
-    global_train_batch_size: int
-    max_duration: Optional[str] = None
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> 'PlanConfig':
-        d = dict(d)
-        d.pop('variables', None)
-        others = [name for name in TrainConfig.__dataclass_fields__ if name not in cls.__dataclass_fields__]
-        picked = {k: v for k, v in d.items() if k not in others}
-        check_keys(d, list(TrainConfig.__dataclass_fields__), '')
-        return read_dataclass(cls, picked)
-
-    def check(self, where: str) -> None:
-        if self.global_train_batch_size <= 0:
-            raise ConfigError(f'global_train_batch_size must be a positive integer, got '
-                              f'{self.global_train_batch_size}')
-        check_duration(self.max_duration, 'max_duration')
+    Pure, so ``foundrymix plan --world-size N`` refuses what ``composer -n N`` would, in the
+    same words: there the check ran only inside the launched ranks, and the launcher buried
+    the one-line error under a crash dump of every rank (issue 26).
+    """
+    gbs = cfg.global_train_batch_size
+    if gbs % world_size:
+        raise ConfigError(f'global_train_batch_size={gbs} is not divisible by the {world_size} ranks')
+    device_batch = gbs // world_size
+    micro = cfg.device_train_microbatch_size if cfg.device_train_microbatch_size is not None else device_batch
+    if isinstance(micro, int) and (micro <= 0 or device_batch % micro):
+        raise ConfigError(f'device_train_microbatch_size={micro} does not divide the per-rank batch '
+                          f'({device_batch} = {gbs} / {world_size} ranks)')
+    return device_batch, micro
 
 
-def load_config(path: str, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Load a YAML, apply ``key=value`` overrides, resolve interpolations, type it."""
+def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional[str] = None) -> TrainConfig:
+    """Load a YAML, apply ``key=value`` overrides, resolve interpolations, type it.
+
+    ``train`` and ``plan`` both read a run this way, so ``plan`` refuses every config
+    ``train`` refuses, with the same message. ``max_duration`` (``plan --max-duration``)
+    replaces the YAML's before it is read.
+    """
     data = load_yaml(path, overrides)
+    if max_duration is not None:
+        data['max_duration'] = max_duration
     try:
         return TrainConfig.from_dict(data)
     except ConfigError as e:

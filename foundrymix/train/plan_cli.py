@@ -1,9 +1,13 @@
 """``foundrymix plan CONFIG.yaml``: the exact mixture of a training YAML, from manifests only.
 
-The YAML is a full training config; only ``train_loader``, ``global_train_batch_size``
-and ``max_duration`` are read (``variables`` and any other keys may be present and are
-used only through omegaconf interpolation). ``key=value`` overrides use omegaconf
-dotlist syntax, as the trainer does (``train_loader.shuffle_seed=3``).
+The YAML is read exactly as ``train`` reads it (:func:`~foundrymix.train.config.load_config`,
+the whole :class:`~foundrymix.train.config.TrainConfig`, and the batch split over
+``--world-size`` ranks): a config ``train`` would refuse -- a misspelt optimizer key,
+``seed: 17.5``, a microbatch that does not divide the per-rank batch -- is refused here
+with the same message, before anything is printed. That is why this command lives in
+``train/`` and not in ``mix/``: ``mix/`` (the loader library) does not import ``train/``.
+``key=value`` overrides use omegaconf dotlist syntax, as the trainer does
+(``train_loader.shuffle_seed=3``).
 """
 
 from __future__ import annotations
@@ -12,29 +16,22 @@ import argparse
 import json
 from typing import Any, Optional, Sequence
 
-from foundrymix.config import ConfigError, load_yaml
+from foundrymix.config import OVERRIDES_HELP, ConfigError
 
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
                    max_duration: Optional[str] = None, nodes: int = 1) -> Any:
-    """Build the :class:`~foundrymix.mix.plan.Plan` of a training YAML.
-
-    The YAML is read by the same typed reader as ``train`` (:class:`PlanConfig`): a key
-    a run would refuse is refused here too, with the same message.
-    """
-    from foundrymix.train.config import PlanConfig
-
-    data = load_yaml(path, overrides)
-    if max_duration is not None:
-        data['max_duration'] = max_duration
-    cfg = PlanConfig.from_dict(data)
-    gbs = cfg.global_train_batch_size
-    if gbs % world_size or world_size % nodes:
-        raise ConfigError(f'global_train_batch_size {gbs} is not divisible by world size '
-                          f'{world_size}, or world size by nodes ({nodes})')
-    # The same function the trainer builds its loader from: what is printed is what trains.
+    """Build the plan of a training YAML: a single mixture's :class:`~foundrymix.mix.plan.Plan`,
+    or a staged run's ``RunPlan`` -- from :func:`~foundrymix.mix.stages.plan_run`, the same
+    function the trainer builds its loader from, so what is printed is what trains."""
     from foundrymix.mix.stages import Topology, plan_run
-    run, _ = plan_run(cfg.train_loader, gbs // world_size, cfg.max_duration,
+    from foundrymix.train.config import load_config, split_batch
+
+    cfg = load_config(path, overrides, max_duration)
+    device_batch, _ = split_batch(cfg, world_size)
+    if world_size % nodes:
+        raise ConfigError(f'world size {world_size} is not divisible by the {nodes} nodes')
+    run, _ = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
                       Topology(nodes=nodes, ranks_per_node=world_size // nodes))
     return run if run.explicit else run.stages[0].plan
 
@@ -75,13 +72,15 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         'plan', help='print the exact per-stream mixture and run length of a training YAML',
-        description='Reads only manifests and index files (no shards): per stream the rows, rows '
-                    'per epoch, passes, shares of rows/tokens/loss tokens; the epoch size; and '
-                    'where max_duration ends.')
-    p.add_argument('config', help='training YAML with a train_loader section')
+        description='Checks the whole training YAML as `foundrymix train` does (refusing what it '
+                    'would refuse on --world-size ranks, with the same message), then reads only '
+                    'manifests and index files (no shards): per stream the rows, rows per epoch, '
+                    'passes, shares of rows/tokens/loss tokens; the epoch size; and where '
+                    'max_duration ends.')
+    p.add_argument('config', help='training YAML (the one `foundrymix train` runs)')
     p.add_argument('overrides', nargs='*',
-                   help='key=value overrides (omegaconf dotlist); put options such as --json '
-                        'before the config or after the last override')
+                   help=f'{OVERRIDES_HELP}; put options such as --json before the config or '
+                        'after the last override')
     p.add_argument('--json', action='store_true', help='print the plan as JSON')
     p.add_argument('--world-size', type=int, default=1,
                    help='number of ranks (global_train_batch_size is split over them)')
