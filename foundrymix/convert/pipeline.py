@@ -25,7 +25,9 @@ Two modes (``ConvertOptions.parallel``):
   processes, each tokenizing single-threaded. The Python side of encoding then runs in
   parallel too, at the price of pickling every result back: worth it when that side is
   heavy, as with chat templates (measured ~20% faster than threads on 2 cores), not for
-  prompt/response examples (threads: ~7% less CPU).
+  prompt/response examples (threads: ~7% less CPU). A worker that dies (the OOM
+  killer's SIGKILL, ``sys.exit`` or a segfault in a ``--preprocess`` function) stops the
+  conversion at once with a message naming its chunk and exit code (:class:`ProcessPool`).
 
 ``workers == 1`` runs the very same encoder in the calling thread, also tokenizing
 single-threaded.
@@ -259,7 +261,7 @@ class ordered_map:
             raise ValueError(f"parallel mode must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
         self.fn = fn
         self.chunks = iter(chunks)
-        self.pool: Any = None
+        self.pool: Optional[ProcessPool] = None
         self.threads: Optional[ThreadPoolExecutor] = None
         self.pending: deque = deque()
         self._saved_env: Optional[tuple[Optional[str]]] = None
