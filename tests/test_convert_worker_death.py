@@ -139,3 +139,19 @@ def test_preprocess_that_ends_its_worker_stops_the_conversion(tmp_path, func, ho
     assert re.fullmatch(rf'foundrymix convert: error: worker process \d+ for {re.escape(str(src))} bytes '
                         rf'0-{src.stat().st_size} {re.escape(how)}; the conversion was stopped\n', err), err
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def _failing_init() -> None:
+    raise OSError('tokenizer file vanished')
+
+
+@pytest.mark.timeout(30)
+def test_worker_whose_initializer_fails_stops_the_conversion():
+    """multiprocessing.Pool restarted such a worker over and over and waited forever."""
+    from foundrymix.convert.pipeline import ordered_map
+    from foundrymix.convert.readers import Chunk
+    chunks = [Chunk('jsonl', f'c{i}') for i in range(4)]
+    with pytest.raises(OSError, match='^tokenizer file vanished$'):
+        with ordered_map(bool, chunks, 2, _failing_init, (), mode='processes') as results:
+            list(results)
+    assert psutil.Process().children() == []
