@@ -46,6 +46,12 @@ def project(root: Path) -> Path:
     return root
 
 
+def dataset(out: Path, max_seq_len: int = 256, size_limit: str = '64mb') -> Manifest:
+    """A real foundrymix output of the arxiv sample, made in this process (set-up only)."""
+    return convert_pretrain([str(ARXIV)], str(out), PretrainOptions(max_seq_len=max_seq_len, workers=1,
+                                                                    size_limit=size_limit))
+
+
 KINDS = {'pretrain': (ARXIV, ['--max-seq-len', '256']),
          'finetune': (DOLLY, ['--max-seq-len', '256'])}
 
@@ -73,7 +79,7 @@ def test_overwrite_refuses_a_folder_foundrymix_did_not_write(tmp_path, kind, eng
 
 def test_overwrite_refuses_a_dataset_with_foreign_files(tmp_path):
     out = tmp_path / 'out'
-    assert cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '256').returncode == 0
+    dataset(out)
     (out / 'README.txt').write_text('my notes about this dataset\n')
     (out / 'eval').mkdir()
     (out / 'eval' / 'scores.csv').write_text('a,b\n')
@@ -88,7 +94,7 @@ def test_overwrite_refuses_a_dataset_with_foreign_files(tmp_path):
 def test_overwrite_refuses_an_mds_folder_without_manifest(tmp_path):
     """streaming's own MDSWriter output (index.json, no foundrymix.json) is not foundrymix's."""
     out = tmp_path / 'out'
-    assert cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '256').returncode == 0
+    dataset(out)
     os.remove(out / 'foundrymix.json')
     before = tree_hash(tmp_path)
     r = cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '128', '--overwrite')
@@ -98,20 +104,19 @@ def test_overwrite_refuses_an_mds_folder_without_manifest(tmp_path):
     assert tree_hash(tmp_path) == before
 
 
-@pytest.mark.parametrize('many', ['more', 'fewer'])
-def test_overwrite_replaces_a_dataset_with_only_its_files(tmp_path, many):
+def test_overwrite_replaces_a_dataset_with_only_its_files(tmp_path):
     """The old shards the new index does not reuse are removed; exactly the new dataset remains."""
     out = tmp_path / 'out'
-    first, second = ('100kb', '64mb') if many == 'fewer' else ('64mb', '100kb')
-    assert cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '256', '--size-limit', first).returncode == 0
-    old_files = sorted(os.listdir(out))
-    r = cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '128', '--size-limit', second, '--overwrite')
+    old = dataset(out, size_limit='100kb')
+    old_shards = sorted(os.listdir(out))
+    r = cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '128', '--overwrite')
     assert r.returncode == 0, r.stderr
     index = json.loads((out / 'index.json').read_text())
     shards = [s['raw_data']['basename'] for s in index['shards']]
-    assert sorted(os.listdir(out)) == sorted(['foundrymix.json', 'index.json', *shards])
-    assert len(shards) != len(old_files) - 2
-    assert Manifest.read(str(out)).max_seq_len == 128 and len(read_rows(out)) == Manifest.read(str(out)).counts.rows
+    assert shards == ['shard.00000.mds'] and len(old_shards) == 2 + 8, old_shards
+    assert sorted(os.listdir(out)) == ['foundrymix.json', 'index.json', 'shard.00000.mds']
+    new = Manifest.read(str(out))
+    assert new.max_seq_len == 128 and len(read_rows(out)) == new.counts.rows > old.counts.rows
     assert sorted(os.listdir(tmp_path)) == ['out']  # no partial or .old left beside it
 
 
@@ -123,13 +128,14 @@ def test_overwrite_accepts_an_empty_folder(tmp_path):
     assert Manifest.read(str(out)).counts.rows == len(read_rows(out)) > 0
 
 
+@pytest.mark.slow  # about 25 s on a loaded 2-core machine (two CLI runs, one killed)
 def test_overwrite_after_a_killed_conversion(tmp_path):
     """What a SIGKILLed conversion leaves (its partial directory beside --out, the old output
     untouched) is replaced by the next --overwrite, and the leftover partial is removed."""
     big = tmp_path / 'big.jsonl'
     big.write_bytes(ARXIV.read_bytes() * 4)
     out = tmp_path / 'out'
-    assert cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '256').returncode == 0
+    dataset(out)
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM='false')
     proc = subprocess.Popen([sys.executable, '-m', 'foundrymix.cli', 'convert', 'pretrain', str(big),
                              '--out', str(out), '--max-seq-len', '64', '--size-limit', '256kb',

@@ -116,12 +116,12 @@ def check_output_dir(out: str, overwrite: bool) -> None:
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise OutputExistsError(f'{out}: output path exists and is not a directory')
+        foreign = foreign_entries(out)
+        if foreign:  # with or without overwrite: advice to pass it would not work
+            raise OutputExistsError(_foreign_message(out, foreign))
         if os.listdir(out) and not overwrite:
             raise OutputExistsError(
                 f'{out}: output directory is not empty; pass --overwrite to replace it')
-        foreign = foreign_entries(out)
-        if foreign:
-            raise OutputExistsError(_foreign_message(out, foreign))
 
 
 def remove_output(out: str) -> list[str]:
