@@ -1,7 +1,8 @@
 """Checks that keep a conversion from reading its own output or harming its inputs.
 
-Why: ``--overwrite`` deletes the output directory before publishing the new one. If
-``--out`` is an input, holds an input, or lies inside an input directory, that deletes
+Why: ``--overwrite`` deletes the dataset in the output directory before publishing the
+new one (only files foundrymix wrote: :func:`foundrymix.convert.writer.check_output_dir`).
+If ``--out`` is an input, holds an input, or lies inside an input directory, that deletes
 (or, on the next run, re-reads) the user's corpus. Paths are compared after resolving
 symbolic links (``os.path.realpath``), so a link cannot hide the overlap. The checks
 run before any work and hold with or without ``--overwrite``.
