@@ -6,7 +6,7 @@ same shuffle, batch size and a DataLoader with 2 workers, in the same run, alter
 minimum a trainer needs (stack ``input_ids``); the mixer side decodes every row
 (labels, attention mask, positions, sequence ids, stream id) into 7 int64 tensors.
 
-What the mixer side does (see ``foundrymix/mix/collate.py``): the workers yield stored
+What the mixer side does (see ``foundrymix/loader/collate.py``): the workers yield stored
 rows, ``collate`` decodes a batch at a time into one buffer, and the batch crosses to
 the main process as its compact rows (~4 KB per row, through the worker's result pipe)
 and is decoded again there -- cheaper than shipping ~80 KB per row of int64 through a
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 from mix_helpers import build_stream  # noqa: E402
 
-from foundrymix.mix.mixer import StreamMixer  # noqa: E402
+from foundrymix.loader.mixer import StreamMixer  # noqa: E402
 
 WEIGHTS = {'web': {'repeat': 1}, 'code': {'repeat': 1.5}, 'chat': {'repeat': 1}}
 

@@ -39,8 +39,8 @@ from fault_proxy import FaultProxy  # noqa: E402
 from helpers import moto_s3  # noqa: E402
 import mix_helpers  # noqa: E402
 
-from foundrymix import s3_retries  # noqa: E402
-from foundrymix.mix.mixer import StreamMixer  # noqa: E402
+from foundrymix.s3 import retries as s3_retries  # noqa: E402
+from foundrymix.loader.mixer import StreamMixer  # noqa: E402
 
 BUCKET = 'fmx-bench'
 SHARD = 64 << 20  # the converter's default size_limit ('64mb')

@@ -10,6 +10,6 @@ __all__ = ['__version__', 'StreamMixer']
 def __getattr__(name: str) -> Any:
     # Lazy: importing foundrymix (e.g. in conversion workers) must not import torch/streaming.
     if name == 'StreamMixer':
-        from foundrymix.mix.mixer import StreamMixer
+        from foundrymix.loader.mixer import StreamMixer
         return StreamMixer
     raise AttributeError(name)

@@ -11,16 +11,16 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-from foundrymix.errors import FoundrymixError
+from foundrymix.errors import run_command
 
 # module path -> registers one or more subcommands
 SUBCOMMAND_MODULES = (
     'foundrymix.convert.cli',
-    'foundrymix.inspect',
-    'foundrymix.train.plan_cli',
+    'foundrymix.tools.inspect',
+    'foundrymix.tools.plan',
     'foundrymix.train.cli',
     'foundrymix.train.report',
-    'foundrymix.verify',
+    'foundrymix.tools.verify',
     'foundrymix.train.export',
 )
 
@@ -45,19 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed subcommand (``args.func``); user-facing errors become one line, exit 2."""
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print('interrupted', file=sys.stderr)
-        return 130
-    except (FoundrymixError, FileNotFoundError, FileExistsError, PermissionError) as e:
-        # User-facing errors carry file/line/field in their message; no traceback. (An OS
-        # error about a file names it.) Any other exception -- a ValueError included -- is a
-        # bug, and keeps its traceback.
-        print(f'foundrymix {args.command}: error: {e}', file=sys.stderr)
-        return 2
+#: run a parsed subcommand; user-facing errors become one line (see foundrymix.errors)
+run = run_command
 
 
 if __name__ == '__main__':

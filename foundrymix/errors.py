@@ -8,6 +8,9 @@ keeps the builtin base callers catch (``ValueError``, ``FileNotFoundError``, ...
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 
 class FoundrymixError(Exception):
     """An error whose message says what is wrong and what to do (printed as one line)."""
@@ -23,3 +26,22 @@ class MissingError(FoundrymixError, FileNotFoundError):
 
 class ExistsError(FoundrymixError, FileExistsError):
     """Something the user owns is in the way; the message says how to proceed."""
+
+
+def run_command(args: Any) -> int:
+    """Run a parsed subcommand (``args.func``); user-facing errors become one line, exit 2.
+
+    Here (and not in ``foundrymix/cli.py``) because ``python train.py`` runs its command
+    through it too, and nothing may import the CLI module on top of the package.
+    """
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print('interrupted', file=sys.stderr)
+        return 130
+    except (FoundrymixError, FileNotFoundError, FileExistsError, PermissionError) as e:
+        # User-facing errors carry file/line/field in their message; no traceback. (An OS
+        # error about a file names it.) Any other exception -- a ValueError included -- is a
+        # bug, and keeps its traceback.
+        print(f'foundrymix {args.command}: error: {e}', file=sys.stderr)
+        return 2

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from foundrymix.errors import FoundrymixError
-from foundrymix.schema import TokenizerInfo
+from foundrymix.format.schema import TokenizerInfo
 
 BUNDLED_DIR = Path(__file__).resolve().parent / 'assets' / 'tokenizers'
 DEMO_TOKENIZER = 'foundrymix-bpe-8k'

@@ -40,7 +40,7 @@ def _wait(path: str, limit: float = 80) -> None:
 def main(spec_path: str) -> None:
     import faulthandler
     faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where, and ends
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
     spec = json.loads(open(spec_path, encoding='utf-8').read())
     sync = spec.get('sync')
     with open(spec['out'], 'w', encoding='utf-8') as out:

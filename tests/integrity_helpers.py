@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conftest import SAMPLES, SMALL_SEQ
+from helpers import SAMPLES, SMALL_SEQ
 
 HASHES = ('sha1', 'xxh3_64')
 

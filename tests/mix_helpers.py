@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from foundrymix.convert.writer import ShardWriter
-from foundrymix.schema import Counts, Manifest, TokenizerInfo, encode_row
+from foundrymix.format.schema import Counts, Manifest, TokenizerInfo, encode_row
 
 TAG_BASE = 7000
 MAX_SEQ_LEN = 32
@@ -115,7 +115,7 @@ def read_epoch(config: dict, batch_size: int) -> list[dict]:
     afterwards (its shared memory and cache claims go with it)."""
     import gc
 
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
     loader = StreamMixer.from_dict(config).build_dataloader(batch_size=batch_size)
     batches = [{k: v.clone() for k, v in b.items()} for b in loader]
     del loader

@@ -41,7 +41,7 @@ def state_at(batch, n_batch: int, epoch: int = 0, batch_in_epoch: int | None = N
 @pytest.fixture(scope='module')
 def epoch_batches(small_streams) -> list:
     """One epoch of real collated batches over the small streams (every row once)."""
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
     mixer = StreamMixer.from_dict({'streams': {name: {'local': str(small_streams[name])} for name in NAMES},
                                    'shuffle': True, 'shuffle_seed': 11, 'num_workers': 0})
     batches = list(mixer.build_dataloader(batch_size=BATCH))

@@ -26,7 +26,7 @@ import pytest
 
 from cache_reader import summary
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
+from foundrymix.loader.mixer import StreamMixer
 from helpers import moto_s3
 from mix_helpers import build_stream
 
@@ -97,14 +97,14 @@ def finish(proc: subprocess.Popen, out: Path) -> list[dict]:
 
 
 def shm_registering(directory: str) -> list[str]:
-    from foundrymix.mix.cache import _LOCALS_SHM, _read_locals
+    from foundrymix.loader.cache import _LOCALS_SHM, _read_locals
     return sorted(n for n in os.listdir('/dev/shm') if _LOCALS_SHM.match(n)
                   and any(d.startswith(directory) for d in _read_locals(n)))
 
 
 def home_dirs(tmp_path: Path, streams) -> list[str]:
     """The default-cache directory of each remote stream (what a lone run uses)."""
-    from foundrymix.mix.config import LoaderConfig
+    from foundrymix.plan.config import LoaderConfig
     cfg = LoaderConfig.from_dict(dict(loader(streams, 'remote'), cache_root=str(tmp_path / 'cache')))
     return [cfg.stream_local(n) for n in streams]
 
@@ -301,7 +301,7 @@ def test_cache_disk_too_small_is_refused_before_the_first_batch(tmp_path, s3, bi
     script = f"""
 import json, os
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
+from foundrymix.loader.mixer import StreamMixer
 root = {str(tmp_path / 'small')!r}
 cfg = {{'streams': {{'big': {{'remote': {big['remote']!r}}}}}, 'cache_root': root}}
 out = {{}}

@@ -117,8 +117,8 @@ def test_mapping_and_list_overrides_replace_scalar_overrides_set(tmp_path):
 
 
 def test_reading_a_config_imports_neither_torch_nor_composer():
-    code = ('import sys; from foundrymix.train.config import TrainConfig; import foundrymix.train.plan_cli; '
-            'from foundrymix.mix.config import LoaderConfig; '
+    code = ('import sys; from foundrymix.train.config import TrainConfig; import foundrymix.tools.plan; '
+            'from foundrymix.plan.config import LoaderConfig; '
             'print(sorted(m for m in ("torch", "composer", "streaming", "transformers") '
             'if m in sys.modules))')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)

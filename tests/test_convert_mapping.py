@@ -12,7 +12,7 @@ import pytest
 from convert_helpers import read_rows, spans, write_jsonl
 from foundrymix.cli import main
 from foundrymix.convert.mapping import Template, TemplateError
-from foundrymix.schema import Manifest
+from foundrymix.format.schema import Manifest
 from foundrymix.tokenizer import load_tokenizer
 
 TOK = load_tokenizer('foundrymix-bpe-8k')

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from streaming import MDSWriter
 
-from foundrymix.convert.mds import LeanMDSWriter, size_limit_bytes
-from foundrymix.schema import encode_row, mds_columns
+from foundrymix.format.mds import LeanMDSWriter, size_limit_bytes
+from foundrymix.format.schema import encode_row, mds_columns
 from helpers import ROOT
 
 

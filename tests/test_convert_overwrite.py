@@ -22,7 +22,7 @@ from helpers import ROOT, SAMPLES
 from test_convert_safety import tree_hash
 from foundrymix.cli import main
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
-from foundrymix.schema import Manifest
+from foundrymix.format.schema import Manifest
 
 ARXIV = SAMPLES / 'arxiv_sample.jsonl'
 DOLLY = SAMPLES / 'dolly_hhrlhf_sample.jsonl'

@@ -17,7 +17,7 @@ from streaming import StreamingDataset
 
 from convert_helpers import ids, read_jsonl, read_rows, write_jsonl
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
-from foundrymix.schema import Manifest
+from foundrymix.format.schema import Manifest
 from foundrymix.tokenizer import load_tokenizer, tokenizer_info
 
 L = 256

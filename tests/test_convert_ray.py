@@ -24,7 +24,7 @@ from foundrymix.convert.finetune import FinetuneOptions, convert_finetune  # noq
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain  # noqa: E402
 from foundrymix.convert.ray_engine import FAIL_ENV, plan_tasks  # noqa: E402
 from foundrymix.convert.readers import InputError, plan_chunks, read_chunk_bytes  # noqa: E402
-from foundrymix.schema import Manifest  # noqa: E402
+from foundrymix.format.schema import Manifest  # noqa: E402
 
 SEQ = 256
 #: small chunks and tasks so that the ~1 MB samples spread over several tasks

@@ -14,7 +14,7 @@ from convert_helpers import read_rows, write_jsonl
 from foundrymix.cli import main
 from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
-from foundrymix.schema import Manifest
+from foundrymix.format.schema import Manifest
 
 L = 128
 

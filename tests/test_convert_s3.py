@@ -119,7 +119,7 @@ def test_upload_is_the_local_conversion_while_it_runs_and_reads_back(s3, corpus,
 
     monkeypatch.setenv('S3_ENDPOINT_URL', s3['endpoint'])
     assert main(['verify', f's3://{BUCKET}/run1']) == 0
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
 
     def epoch(stream: dict) -> list[list[int]]:
         mixer = StreamMixer.from_dict({'streams': {'paper': stream}, 'shuffle': False, 'num_workers': 0,

@@ -16,7 +16,7 @@ import pytest
 from convert_helpers import read_rows, write_jsonl
 from foundrymix.cli import main
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
-from foundrymix.schema import Manifest
+from foundrymix.format.schema import Manifest
 
 L = 64
 GOOD = '{"text": "A perfectly fine document about cats and dogs."}\n'
@@ -189,7 +189,7 @@ def test_output_that_appears_meanwhile_is_left_alone(tmp_path, corpus):
     """A second conversion into the same --out publishes first: this one fails at its
     rename with a clear error, and the other output is untouched."""
     from foundrymix.convert.writer import OutputExistsError, ShardWriter
-    from foundrymix.schema import encode_row
+    from foundrymix.format.schema import encode_row
     from foundrymix.tokenizer import load_tokenizer, tokenizer_info
 
     out = tmp_path / 'out'

@@ -66,7 +66,7 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(str(ROOT / 'yamls' / yaml_name),
                       [f'variables.out={tmp_path}', f'variables.data={tmp_path / "data"}'])
-    from foundrymix.mix.mixer import build_dataset
+    from foundrymix.loader.mixer import build_dataset
     run = build_trainer(cfg)
     try:
         if cfg.train_loader.stages is not None:
@@ -102,7 +102,7 @@ def check_staged_example(run, yaml_name: str) -> None:
     stages = raw_yaml(yaml_name)['train_loader']['stages']
     loader = run.trainer.state.train_dataloader
     assert [s.name for s in run.plan.stages] == [s['name'] for s in stages]
-    from foundrymix.mix.mixer import build_dataset
+    from foundrymix.loader.mixer import build_dataset
     for stage in run.plan.stages:
         dataset = build_dataset(stage.config, stage.infos, stage.weights, loader.batch_size,
                                 run.plan.global_batch_size)

@@ -56,7 +56,7 @@ def data(small_streams, tmp_path_factory) -> dict[str, str]:
     paths = {name: str(path) for name, path in small_streams.items()}
     # Preconditions of the exact assertions below, on 1 and 2 ranks: EPOCH full global
     # batches per epoch and no extra padded tail batch (epoch_size % 6 <= RANKS * (3 - 1)).
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
     mixer = StreamMixer.from_dict(yaml.safe_load(write_config(root, paths).read_text())['train_loader'])
     for ranks in (1, RANKS):
         plan = mixer.plan(BATCH // ranks, world_size=ranks)

@@ -10,8 +10,8 @@ import pytest
 
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
-from foundrymix.mix.exact import trim_chooses
-from foundrymix.mix.mixer import StreamMixer
+from foundrymix.plan.exact import trim_chooses
+from foundrymix.loader.mixer import StreamMixer
 from mix_helpers import build_stream, build_three, identity, loader_dict
 from test_plan import write_yaml
 
@@ -121,7 +121,7 @@ def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
 
 
 def test_resume_state_is_checked(root):
-    from foundrymix.mix.dataset import check_resume
+    from foundrymix.loader.dataset import check_resume
     check_resume({'num_canonical_nodes': 1, 'global_batch_size': 8}, 1, 8)
     check_resume({'num_canonical_nodes': 1}, 1, 8)   # checkpoints from before the key
     with pytest.raises(ConfigError, match=r'num_canonical_nodes: the checkpoint was trained with 2, '

@@ -17,7 +17,7 @@ from foundrymix.cli import main as cli
 @pytest.fixture(scope='module', params=['causal', 'document'])
 def exported(request, small_streams, tmp_path_factory) -> dict:
     """One finished run per attention mode and its export."""
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
     from foundrymix.train.builder import build_trainer
     from foundrymix.train.config import TrainConfig
 

@@ -15,7 +15,7 @@ import torch
 from helpers import tiny_run_config
 
 from foundrymix.config import ConfigError
-from foundrymix.schema import TokenizerInfo
+from foundrymix.format.schema import TokenizerInfo
 from foundrymix.train.config import TrainConfig
 from foundrymix.train.gpu import FSDPSettings, parallelism_config
 from foundrymix.train.model import CausalLM, ModelSpec, build_hf_model

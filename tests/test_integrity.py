@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from foundrymix.cli import main
-from foundrymix.mix.dataset import ShardPrepareError
-from foundrymix.mix.mixer import StreamMixer
-from foundrymix.schema import CorruptRowError, Manifest, check_row
-from foundrymix.shards import (IndexFileError, ShardFilesError, ShardProblem, check_shard_files,
+from foundrymix.loader.dataset import ShardPrepareError
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.format.schema import CorruptRowError, Manifest, check_row
+from foundrymix.format.shards import (IndexFileError, ShardFilesError, ShardProblem, check_shard_files,
                                hashes_in_index, read_index, validate_hash_problem)
 from foundrymix.config import ConfigError
 from integrity_helpers import (HASHES, convert_paper, copy_stream, corrupt_offset, first_row_cut, strip_hashes,
@@ -147,8 +147,8 @@ def test_truncated_shard_named_by_size_check_and_by_the_loader(streams):
         f'{new:,} bytes, index.json records {old:,} (truncated)')
     # Without the up-front check (e.g. a file cut after start-up) the row read names it.
     mixer = StreamMixer.from_dict(loader_cfg(streams))
-    from foundrymix.mix.catalog import make_streams
-    from foundrymix.mix.dataset import MixedDataset
+    from foundrymix.plan.catalog import make_streams
+    from foundrymix.loader.dataset import MixedDataset
     infos = [mixer.catalog.info(n) for n in mixer.stream_names]  # read, not validated
     ds = MixedDataset(stream_names=mixer.stream_names, streams=make_streams(infos), vocab_size=VOCAB,
                       max_seq_len=infos[0].manifest.max_seq_len, check_shard_files=False,
@@ -299,7 +299,7 @@ def test_training_stops_on_the_named_row(tmp_path, streams, capsys):
     worker included) and no traceback."""
     import yaml
 
-    from conftest import tiny_run_config
+    from helpers import tiny_run_config
     arxiv = streams['arxiv']
     set_tokens_ff(arxiv, 1, 4, token=7)
     cfg = tiny_run_config({'streams': {'arxiv': {'local': str(arxiv)}}, 'num_workers': 1},

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from foundrymix.mix.collate import Batch, collate
-from foundrymix.schema import DECODED_KEYS, IGNORE_INDEX, decode_row, encode_row
+from foundrymix.loader.collate import Batch, collate
+from foundrymix.format.schema import DECODED_KEYS, IGNORE_INDEX, decode_row, encode_row
 from mix_helpers import finetune_row, pretrain_row
 
 

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.config import LoaderConfig, StreamSpec
+from foundrymix.plan.config import LoaderConfig, StreamSpec
 
 
 def test_parses_llm_foundry_shape_from_dictconfig():

@@ -7,8 +7,8 @@ import collections
 import numpy as np
 import pytest
 
-from foundrymix.mix.mixer import StreamMixer
-from foundrymix.schema import IGNORE_INDEX
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.format.schema import IGNORE_INDEX
 from mix_helpers import MAX_SEQ_LEN, build_three, finetune_layout, identity, loader_dict, pretrain_row
 
 ROWS = {'arxiv': 120, 'wiki': 80, 'dolly': 60}

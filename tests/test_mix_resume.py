@@ -14,7 +14,7 @@ import textwrap
 import pytest
 from streaming import StreamingDataset
 
-from foundrymix.mix.mixer import StreamMixer
+from foundrymix.loader.mixer import StreamMixer
 from mix_helpers import build_three, loader_dict
 
 BATCH = 4
@@ -23,7 +23,7 @@ WEIGHTS = {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 2.5}, 'dolly': {'repeat': 
 # Runs in a brand-new interpreter: fresh dataset per state, load it, iterate two epochs.
 CHILD = textwrap.dedent('''
     import gc, json, sys
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
     job = json.load(sys.stdin)
     out = []
     for state in job['states']:

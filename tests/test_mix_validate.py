@@ -7,8 +7,8 @@ import os
 import pytest
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
-from foundrymix.schema import MANIFEST_NAME
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.format.schema import MANIFEST_NAME
 from mix_helpers import build_stream, demo_tokenizer_info, loader_dict, other_tokenizer_info
 
 

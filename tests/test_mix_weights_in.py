@@ -12,9 +12,9 @@ import collections
 import pytest
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
-from foundrymix.mix.plan import share_rounding
-from foundrymix.schema import Manifest
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.plan.mixture import share_rounding
+from foundrymix.format.schema import Manifest
 
 ARXIV_ROWS = 11  # of 22: half a pass of uniform pretrain rows
 
@@ -71,7 +71,7 @@ def test_loss_token_shares_in_the_plan(small_streams):
 
 def test_weights_in_is_part_of_a_stage_fingerprint(small_streams):
     """Changing weights_in changes the data trained: the resume rules must see it."""
-    from foundrymix.mix.stages import fingerprint_changes, stage_fingerprint
+    from foundrymix.plan.stages import fingerprint_changes, stage_fingerprint
     prints = {}
     for weights_in in ('rows', 'tokens'):
         mixer = StreamMixer.from_dict(loader_cfg(small_streams, 0.5, 0.5, 40, weights_in))

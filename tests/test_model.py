@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundrymix.schema import TokenizerInfo, decode_row, encode_row
-from foundrymix.mix.collate import collate
+from foundrymix.format.schema import TokenizerInfo, decode_row, encode_row
+from foundrymix.loader.collate import collate
 from foundrymix.train.model import CausalLM, ModelSpec, build_hf_model
 
 TOK = TokenizerInfo(name='t', vocab_size=64, fingerprint='f', bos_id=None, eos_id=0, pad_id=1, add_bos=False)

@@ -70,7 +70,7 @@ def loader(remote: dict[str, str], cache: Path, **knobs) -> dict:
 @pytest.fixture(scope='module')
 def plan(remote, tmp_path_factory):
     """The plan for 2 nodes x 2 ranks (and the run length: one epoch and 2 batches more)."""
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
     mixer = StreamMixer.from_dict(loader(remote, tmp_path_factory.mktemp('plan-cache')))
     p = mixer.plan(BATCH // 4, '1ep', world_size=4, nodes=2)
     assert p.epoch_size % BATCH == 0 and p.batches_per_epoch > STOP + 2
@@ -172,7 +172,7 @@ def four_ranks(tmp_path_factory, remote, plan) -> dict:
 
 @pytest.mark.slow  # 1 rank and 2 nodes x 2 ranks
 def test_four_ranks_on_two_nodes_train_the_plan_once(plan, one_rank, four_ranks):
-    from foundrymix.mix.plan import Topology, epoch_order
+    from foundrymix.plan.mixture import Topology, epoch_order
     log4, log1 = four_ranks['log'], one_rank['log']
     epoch = [b for b in log4 if b['epoch'] == 0]
     assert len(epoch) == plan.batches_per_epoch and len(log4) == plan.batches_per_epoch + 2

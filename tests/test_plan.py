@@ -9,8 +9,8 @@ import pytest
 
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
-from foundrymix.mix.plan import parse_duration
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.plan.mixture import parse_duration
 from mix_helpers import build_three, loader_dict
 
 YAML = '''

@@ -11,8 +11,8 @@ import pytest
 
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
-from foundrymix.shards import ShardFilesError
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.format.shards import ShardFilesError
 from foundrymix.train.config import load_config
 from mix_helpers import build_stream
 

@@ -55,7 +55,7 @@ def pretrained_dir(tmp_path_factory, small_streams):
     """A tiny Llama trained 5 steps by transformers (AdamW) on arxiv rows, plus the bundled tokenizer."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
     from foundrymix.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
@@ -158,7 +158,7 @@ def test_without_a_tokenizer_the_vocab_size_must_match(small_streams, pretrained
     import json
 
     from foundrymix.train.model import check_pretrained_tokenizer
-    from foundrymix.mix.mixer import StreamMixer
+    from foundrymix.loader.mixer import StreamMixer
 
     bare = tmp_path / 'bare'
     bare.mkdir()

@@ -41,7 +41,8 @@ def data(small_streams) -> dict[str, str]:
 # ----------------------------------------------------------------- in-process: one plan
 def _count_calls(monkeypatch) -> dict[str, int]:
     """Count epoch-weight computations and catalog metadata reads wherever they happen."""
-    from foundrymix.mix import catalog, exact, plan
+    from foundrymix.plan import catalog, exact
+    from foundrymix.plan import mixture as plan
     calls = {'weights': 0, 'reads': 0}
     weights, read = exact.epoch_weights, catalog.Catalog._read
 
@@ -60,10 +61,10 @@ def _count_calls(monkeypatch) -> dict[str, int]:
 
 @pytest.mark.parametrize('staged', [True, False], ids=['three-stages', 'no-stages'])
 def test_plan_and_loader_share_one_plan(data, monkeypatch, staged):
-    from foundrymix.mix import mixer
-    from foundrymix.mix.config import LoaderConfig
-    from foundrymix.mix.staged_loader import build_run_loader
-    from foundrymix.mix.stages import plan_run
+    from foundrymix.loader import mixer
+    from foundrymix.plan.config import LoaderConfig
+    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.plan.stages import plan_run
 
     loader_cfg = {'streams': {'arxiv': {'local': data['arxiv']}, 'dolly': {'local': data['dolly']}},
                   'shuffle_seed': 3}
@@ -188,7 +189,7 @@ def test_next_stage_is_editable_from_a_checkpoint_at_the_boundary(tmp_path, data
     proc = train(cfg, f'load_path={latest(tmp_path)}', 'train_loader.stages.1.streams.dolly.repeat=1',
                  'train_loader.stages.1.name=two-b')
     assert 'stage' in proc.stdout
-    from foundrymix.train.plan_cli import plan_from_yaml
+    from foundrymix.tools.plan import plan_from_yaml
     run = plan_from_yaml(str(cfg), ['train_loader.stages.1.streams.dolly.repeat=1',
                                     'train_loader.stages.1.name=two-b'])
     log = sample_log(tmp_path / 'samples.jsonl')

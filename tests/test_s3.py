@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
+from foundrymix.loader.mixer import StreamMixer
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = 'fmx-test'

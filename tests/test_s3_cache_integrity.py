@@ -30,8 +30,8 @@ import pytest
 
 import cache_reader
 from foundrymix.cli import main
-from foundrymix.mix.dataset import CorruptShardError
-from foundrymix.mix.mixer import StreamMixer
+from foundrymix.loader.dataset import CorruptShardError
+from foundrymix.loader.mixer import StreamMixer
 from helpers import ROOT, SMALL_SEQ, moto_s3
 from integrity_helpers import convert_paper, flip_bits, index_of, shard_path, truncate
 
@@ -110,7 +110,7 @@ def test_shard_damaged_in_the_remote_is_removed_named_and_read_right_after_reupl
     first = run_reader(tmp_path, 'run1', config, env)
     assert first.returncode != 0
     message = (
-        f"foundrymix.mix.dataset.CorruptShardError: stream 'ds' ({stream_dir}), shard shard.00001.mds: {url}/shard.00001.mds "
+        f"foundrymix.loader.dataset.CorruptShardError: stream 'ds' ({stream_dir}), shard shard.00001.mds: {url}/shard.00001.mds "
         f'does not match the xxh3_64 hash its index.json records: the shard in the remote is damaged '
         f'(or was replaced without its index.json). Removed it from the cache '
         f'({stream_dir}/shard.00001.mds). Re-upload the shard: re-run `foundrymix convert` on the '
@@ -174,7 +174,7 @@ def test_cached_shard_changed_in_place_is_hashed_removed_and_downloaded_again(
 
     flip_bits(stream_dir, 1, 2, token=10)  # same size: only the hash can tell
     cached = shard_path(stream_dir, 1)
-    with caplog.at_level(logging.WARNING, logger='foundrymix.mix.cache'):
+    with caplog.at_level(logging.WARNING, logger='foundrymix.loader.cache'):
         got = read(config)
     assert [r.getMessage() for r in caplog.records] == [
         f"stream 'ds': cached shard file {cached}: its xxh3_64 hash does not match the one "
@@ -192,7 +192,7 @@ def test_cached_shard_truncated_is_removed_and_downloaded_again(tmp_path, s3, go
     stream_dir = Path(StreamMixer.from_dict(config).config.stream_dir('ds'))
     old, new = truncate(stream_dir, 0, 100)
     cached = shard_path(stream_dir, 0)
-    with caplog.at_level(logging.WARNING, logger='foundrymix.mix.cache'):
+    with caplog.at_level(logging.WARNING, logger='foundrymix.loader.cache'):
         got = read(config)
     assert [r.getMessage() for r in caplog.records] == [
         f"stream 'ds': cached shard file {cached}: {new:,} bytes, index.json records {old:,}; "

@@ -25,7 +25,7 @@ import yaml
 
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
-from foundrymix.mix.mixer import StreamMixer
+from foundrymix.loader.mixer import StreamMixer
 import mix_helpers
 from helpers import ROOT, free_port, moto_auth, moto_s3, s3_requests, silent_server, tiny_run_config
 
@@ -79,7 +79,7 @@ def test_changed_remote_refreshes_foundrymix_cache(tmp_path, s3, small_streams, 
 
     upload(s3, b, 'changing')  # B's shards reuse A's names (shard.00000.mds, ...), other sizes
     b_rows = StreamMixer.from_dict(cfg({'local': str(b)})).plan(BATCH).epoch_size
-    with caplog.at_level(logging.WARNING, logger='foundrymix.mix.catalog'):
+    with caplog.at_level(logging.WARNING, logger='foundrymix.plan.catalog'):
         plan = StreamMixer.from_dict(remote_cfg).plan(BATCH)
     assert plan.epoch_size == b_rows
     assert [r.getMessage() for r in caplog.records] == [

@@ -24,8 +24,8 @@ import torch
 import yaml
 
 from fault_proxy import FaultProxy
-from foundrymix import s3_retries
-from foundrymix.mix.mixer import StreamMixer
+from foundrymix.s3 import retries as s3_retries
+from foundrymix.loader.mixer import StreamMixer
 import mix_helpers
 from helpers import ROOT, moto_s3, tiny_run_config
 

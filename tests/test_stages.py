@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.config import LoaderConfig
-from foundrymix.mix.staged_loader import build_staged_loader
+from foundrymix.plan.config import LoaderConfig
+from foundrymix.loader.run_loader import build_staged_loader
 from mix_helpers import build_three, identity
 
 BATCH = 4

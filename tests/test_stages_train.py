@@ -61,7 +61,7 @@ def write_config(run: Path, data: dict[str, str], **top) -> Path:
 
 
 def planned(config: Path, world_size: int = 1):
-    from foundrymix.train.plan_cli import plan_from_yaml
+    from foundrymix.tools.plan import plan_from_yaml
     return plan_from_yaml(str(config), world_size=world_size)
 
 
@@ -90,8 +90,8 @@ def test_three_stages_follow_the_plan_exactly(straight):
         assert all(set(b['stage_ids']) == {st.index} for b in log[st.start_batch:st.end_batch])
     assert per_stage(log, run) == [s.plan.duration.rows_per_stream for s in run.stages]
     # the same batches, sample for sample, as the loader yields outside the trainer
-    from foundrymix.mix.config import LoaderConfig
-    from foundrymix.mix.staged_loader import build_staged_loader
+    from foundrymix.plan.config import LoaderConfig
+    from foundrymix.loader.run_loader import build_staged_loader
     loader = build_staged_loader(LoaderConfig.from_dict(yaml.safe_load(
         straight['config'].read_text())['train_loader']), BATCH)
     assert [b['sample_id'].tolist() for b in loader] == [b['sample_ids'] for b in log]

@@ -19,7 +19,7 @@ from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_ov
 from foundrymix.convert.discover import discover_inputs
 from foundrymix.convert.writer import DEFAULT_HASH, check_hashes, check_output_dir
 from foundrymix.errors import UserError
-from foundrymix.schema import TokenizerInfo, token_dtype_for
+from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
 ON_ERROR = ('raise', 'skip')

@@ -17,7 +17,7 @@ import os
 from typing import Optional, Sequence
 
 from foundrymix.errors import FoundrymixError, UserError
-from foundrymix.schema import MANIFEST_NAME
+from foundrymix.format.schema import MANIFEST_NAME
 
 JSONL_SUFFIXES = ('.jsonl', '.json', '.ndjson')
 #: read only when named (or globbed as ``*.json``), not when a directory is expanded:

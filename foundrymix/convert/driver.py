@@ -27,7 +27,7 @@ from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_recor
 from foundrymix.convert.report import check_rows, print_summary
 from foundrymix.convert.writer import ShardWriter
 from foundrymix.errors import UserError
-from foundrymix.schema import Manifest
+from foundrymix.format.schema import Manifest
 from foundrymix.tokenizer import load_tokenizer
 
 

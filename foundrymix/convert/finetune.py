@@ -46,7 +46,7 @@ from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.packing import Packer, build_row
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
 from foundrymix.errors import UserError
-from foundrymix.schema import Manifest
+from foundrymix.format.schema import Manifest
 
 __all__ = ['CHAT_LOSS', 'TOO_LONG', 'FinetuneOptions', 'Packer', 'convert_finetune']
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foundrymix.schema import encode_row
+from foundrymix.format.schema import encode_row
 
 
 class Packer:

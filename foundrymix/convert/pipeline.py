@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.readers import Chunk, InputError, describe, location
 from foundrymix.errors import FoundrymixError, UserError
-from foundrymix.schema import SKIP_LOCATIONS, Manifest
+from foundrymix.format.schema import SKIP_LOCATIONS, Manifest
 
 PARALLEL_MODES = ('threads', 'processes')
 _PARALLELISM = 'TOKENIZERS_PARALLELISM'

@@ -31,7 +31,7 @@ from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.readers import BadRecord, Chunk, get_string
 from foundrymix.errors import UserError
-from foundrymix.schema import Manifest, encode_row
+from foundrymix.format.schema import Manifest, encode_row
 
 
 @dataclass

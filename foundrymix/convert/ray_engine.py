@@ -63,7 +63,7 @@ from foundrymix.convert.report import check_rows
 from foundrymix.convert.upload import shard_file
 from foundrymix.convert.writer import _FINISH, ShardWriter
 from foundrymix.errors import UserError
-from foundrymix.schema import Counts, Manifest, mds_columns
+from foundrymix.format.schema import Counts, Manifest, mds_columns
 
 if TYPE_CHECKING:
     from foundrymix.convert.driver import Converter

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from foundrymix.errors import FoundrymixError
-from foundrymix.schema import Manifest
+from foundrymix.format.schema import Manifest
 
 
 def manifest_table(manifest: Manifest, title: str, seconds: Optional[float] = None) -> Table:

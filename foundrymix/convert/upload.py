@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from foundrymix.errors import FoundrymixError
-from foundrymix.schema import MANIFEST_NAME
+from foundrymix.format.schema import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def parse_s3_url(url: str) -> S3Url:
 
 def error_code(error: BaseException) -> str:
     """S3's error code, or the exception's class name for errors below HTTP."""
-    from foundrymix.remote import s3_code
+    from foundrymix.s3.remote import s3_code
     return s3_code(error) or type(error).__name__
 
 

@@ -35,13 +35,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from foundrymix.convert.mds import LeanMDSWriter
+from foundrymix.format.mds import LeanMDSWriter
 from foundrymix.convert.paths import check_out_url
 from foundrymix.convert.pipeline import importing
 from foundrymix.convert.upload import (INDEX_NAME, SHARD_NAME, RemoteOutputError, S3Target, Uploader,
                                        index_files, shard_file)
 from foundrymix.errors import FoundrymixError, UserError
-from foundrymix.schema import MANIFEST_NAME, Manifest, mds_columns
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def remove_stale_partials(parent: str, name: str) -> list[str]:
 def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
                 hashes: list[str]) -> Any:
     """The MDS writer for ``out``: uncompressed shards without importing ``streaming`` (and
-    so torch: seconds of a core, see :mod:`foundrymix.convert.mds`), compressed ones
+    so torch: seconds of a core, see :mod:`foundrymix.format.mds`), compressed ones
     through ``streaming.MDSWriter``; both write the same files."""
     if compression is None:
         return LeanMDSWriter(out, columns, hashes=hashes, size_limit=size_limit)

@@ -21,14 +21,15 @@ from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarm
                             LinearWithWarmupScheduler)
 from composer.utils import dist, format_name_with_dist, reproducibility
 
-from foundrymix import claims, s3_retries
+from foundrymix import claims
+from foundrymix.s3 import retries as s3_retries
 from foundrymix.config import ConfigError
 from foundrymix.errors import ExistsError, MissingError
-from foundrymix.mix.mixer import StreamMixer
-from foundrymix.mix.staged_loader import StagedDataLoader, build_run_loader
-from foundrymix.mix.stages import RunPlan
-from foundrymix.s3_retries import RetryCounts, S3RetryCounter
-from foundrymix.schema import TokenizerInfo
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.loader.run_loader import StagedDataLoader, build_run_loader
+from foundrymix.plan.stages import RunPlan
+from foundrymix.s3.retries import RetryCounts, S3RetryCounter
+from foundrymix.format.schema import TokenizerInfo
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
@@ -180,8 +181,8 @@ class TrainData:
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (once: catalogs read once, weights computed once per stage) and the one
     loader built from it -- for a single mixture (one stage) as for a staged run."""
-    from foundrymix.mix.plan import Topology
-    from foundrymix.mix.stages import plan_run
+    from foundrymix.plan.mixture import Topology
+    from foundrymix.plan.stages import plan_run
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology)
@@ -251,7 +252,7 @@ def claim_run(cfg: TrainConfig) -> claims.ClaimSet:
     row``. Taken before anything of the run is written (checkpoints, loggers, sample log,
     report), so a refused start changes nothing. An ``s3://`` save_folder is claimed by its
     URL, on this machine only. Remote streams' cache directories are claimed by the
-    dataset (:mod:`foundrymix.mix.cache`). See :mod:`foundrymix.claims`.
+    dataset (:mod:`foundrymix.loader.cache`). See :mod:`foundrymix.claims`.
     """
     held = claims.ClaimSet()
     try:
@@ -348,7 +349,7 @@ def train(cfg: TrainConfig) -> TrainRun:
 
 def _plot_staged(run: TrainRun) -> None:
     """The planned mixture over the run's batches with the realized one drawn over it."""
-    from foundrymix.mix.report import plot_run_plan
+    from foundrymix.plan.render import plot_run_plan
     history = run.accounting.history
     if not history or not run.accounting.plot:
         return

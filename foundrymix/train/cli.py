@@ -57,5 +57,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python train.py CONFIG [key=value ...]``: config errors exit 2 with one line, no traceback."""
     parser = argparse.ArgumentParser(prog='train.py', description=DESCRIPTION)
     add_arguments(parser)
-    from foundrymix.cli import run
+    from foundrymix.errors import run_command as run
     return run(parser.parse_args(argv))

@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from foundrymix.config import (ConfigError, check_duration, check_keys, load_yaml, read_dataclass,
                                to_plain)
-from foundrymix.mix.config import LoaderConfig
+from foundrymix.plan.config import LoaderConfig
 from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
 from foundrymix.train.gpu import FSDPSettings
 from foundrymix.train.loggers import Loggers

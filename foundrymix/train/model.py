@@ -28,7 +28,7 @@ import torch
 from composer.metrics.nlp import LanguageCrossEntropy
 from composer.models import ComposerModel
 
-from foundrymix.schema import IGNORE_INDEX, TokenizerInfo
+from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec
 
 __all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'build_hf_model',

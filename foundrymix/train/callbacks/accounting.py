@@ -16,7 +16,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from foundrymix.errors import UserError
-from foundrymix.schema import IGNORE_INDEX
+from foundrymix.format.schema import IGNORE_INDEX
 from foundrymix.train import report
 
 #: the counters, in the order of :meth:`StreamAccounting.count`'s rows

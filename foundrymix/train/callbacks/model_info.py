@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from composer.core import Callback
 
-from foundrymix.schema import TokenizerInfo
+from foundrymix.format.schema import TokenizerInfo
 
 
 class ModelInfo(Callback):

@@ -2,7 +2,7 @@
 
 Why: retries keep a cloud job alive through 503 ``SlowDown`` replies, connection resets and
 timeouts, but silently; a job that spends its time retrying must say so in its log. The
-counts come from :mod:`foundrymix.s3_retries` (installed by the builder before the first
+counts come from :mod:`foundrymix.s3.retries` (installed by the builder before the first
 metadata fetch), summed over the ranks; a run that made no S3 request prints nothing.
 """
 
@@ -14,7 +14,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundrymix.s3_retries import FIELDS, RetryCounts, S3RetryCounter
+from foundrymix.s3.retries import FIELDS, RetryCounts, S3RetryCounter
 
 
 class S3Log(Callback):

@@ -27,8 +27,8 @@ from typing import Any, Optional
 import numpy as np
 
 from foundrymix.config import ConfigError, number_abbrev_to_int
-from foundrymix.mix.catalog import StreamInfo, make_streams
-from foundrymix.mix.config import LoaderConfig
+from foundrymix.plan.catalog import StreamInfo, make_streams
+from foundrymix.plan.config import LoaderConfig
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ is log at DEBUG level through fixed loggers:
   exception) is read from botocore's ``Endpoint._needs_retry`` frame that emitted it;
 * ``streaming.base.util``: ``Attempt i/n failed with: ...``: streaming downloads a shard
   again (after botocore's own attempts were spent);
-* ``foundrymix.remote``: the bounded S3 downloader foundrymix gives every ``s3://`` stream
+* ``foundrymix.s3.remote``: the bounded S3 downloader foundrymix gives every ``s3://`` stream
   retries by itself within ``download_timeout`` (botocore's retries are off there) and tags
   each retry record with its reason (``s3_retry``).
 
@@ -45,7 +45,7 @@ REASON_LABELS = {'slowdown': '503 SlowDown', 'http_other': 'other HTTP error',
                  'other': 'other'}
 
 _LOGGERS = ('botocore.endpoint', 'botocore.retries.standard', 'botocore.retryhandler',
-            'streaming.base.util', 'foundrymix.remote')
+            'streaming.base.util', 'foundrymix.s3.remote')
 
 
 @dataclass
@@ -121,7 +121,7 @@ class _CountingFilter(logging.Filter):
         elif msg.startswith('Retry needed, retrying request') or msg.startswith('Retry needed, action of'):
             self.counter._add('retries', _reason(sys._getframe(1)))
         elif hasattr(record, 's3_retry'):
-            # foundrymix.remote's BoundedS3Downloader retries by itself (botocore's retries are
+            # foundrymix.s3.remote's BoundedS3Downloader retries by itself (botocore's retries are
             # off there): each attempt is a new API call, so the retry is not a new request.
             self.counter._add('retries', record.s3_retry, requests=-1)
         elif record.name == 'streaming.base.util' and msg.startswith('Attempt '):

@@ -289,7 +289,9 @@ def _remove_prefix(prefix: str) -> list[str]:
     dataset can register the prefix between our unlinks (and have its fresh segments
     unlinked); the filelocks go last.
     """
-    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, SHM_TO_CLEAN
+    from foundrymix.loader.streaming_compat import filelock_names, shm_names_to_clean
+    BARRIER_FILELOCK, CACHE_FILELOCK = filelock_names()
+    SHM_TO_CLEAN = shm_names_to_clean()
     removed = []
     locks = [os.path.join(tempfile.gettempdir(), f'{prefix}_{n}') for n in (BARRIER_FILELOCK, CACHE_FILELOCK)]
     open(locks[1], 'a').close()
@@ -418,7 +420,7 @@ def _file_hash(path: str, size: int, algorithm: str) -> str:
     for ``read()`` then hash, on the shared 2-core test machine)."""
     import mmap
 
-    from streaming.base.hashing import get_hash
+    from foundrymix.format.streaming_format import get_hash
     if size == 0:
         return get_hash(algorithm, b'')
     with open(path, 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -459,7 +461,7 @@ def check_space(config: Any, infos: list[Any], where: str) -> None:
     being unpacked), capped by ``cache_limit`` when set: with a limit streaming evicts
     shards so the cache never holds more.
     """
-    from streaming.base.util import bytes_to_int
+    from foundrymix.loader.streaming_compat import bytes_to_int
     limit = config.cache_limit
     if isinstance(limit, str):
         try:

@@ -9,7 +9,7 @@ remote streaming reads):
 * every hash ``index.json`` records matches the bytes ("no hashes recorded" if the
   conversion recorded none -- then bit flips that leave token ids below the vocabulary
   size cannot be seen by anything: such rows are valid rows);
-* every row decodes and passes :func:`foundrymix.schema.check_row`;
+* every row decodes and passes :func:`foundrymix.format.schema.check_row`;
 * the rows, tokens and loss tokens read equal the manifest's counts.
 
 Prints one line per shard and a verdict; exit code 0 iff intact, 1 if anything is
@@ -17,8 +17,8 @@ damaged, 2 for usage errors (no such directory, not a foundrymix directory, a re
 that cannot be read: its error names the URL, the S3 error code -- ``NoSuchBucket``,
 ``InvalidAccessKeyId``, ``SignatureDoesNotMatch``, ``AccessDenied`` -- and what to
 check). A remote directory is fetched one file at a time through
-:func:`foundrymix.remote.download` (each file within ``--timeout`` s plus well under a
-second, see :mod:`foundrymix.remote`) into a temporary directory, removed afterwards.
+:func:`foundrymix.s3.remote.download` (each file within ``--timeout`` s plus well under a
+second, see :mod:`foundrymix.s3.remote`) into a temporary directory, removed afterwards.
 
 Length (over ~300 lines): one command -- where shard files come from (local or fetched),
 the per-shard report and the table; the checks themselves live in ``shards.py``.
@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from foundrymix.errors import MissingError
-from foundrymix.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
-from foundrymix.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
+from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
                                row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
                                validate_index)
 
@@ -132,10 +132,10 @@ class _Source:
         local = self.path(basename)
         if not self.remote:
             return local if os.path.isfile(local) else None
-        from foundrymix.remote import download
+        from foundrymix.s3.remote import download
         try:
             download(f'{self.location}/{basename}', local, self.timeout)
-        except ConnectionError as e:  # foundrymix.remote.RemoteError: names URL, S3 code, what to check
+        except ConnectionError as e:  # foundrymix.s3.remote.RemoteError: names URL, S3 code, what to check
             if is_not_found(e):
                 return None
             raise

@@ -12,10 +12,10 @@ Layers, cheapest first (each catches what the previous cannot):
 3. :func:`shard_hash_status` -- the hashes ``index.json`` records (``MDSWriter(hashes=...)``)
    against the bytes. The only layer that sees bit flips that leave every token id
    below the vocabulary size: such a row is a valid row, just the wrong one.
-4. :func:`iter_shard_rows` + :func:`foundrymix.schema.check_row` -- every row decodes
+4. :func:`iter_shard_rows` + :func:`foundrymix.format.schema.check_row` -- every row decodes
    and keeps the schema (ids below the vocabulary, spans and lengths inside the row).
 
-``foundrymix verify`` (:mod:`foundrymix.verify`) runs all four; the loader runs 2 for
+``foundrymix verify`` (:mod:`foundrymix.tools.verify`) runs all four; the loader runs 2 for
 local-only streams and 4 on every row it reads (``MixedDataset``).
 
 Length (over ~300 lines): the layers above, each a few small functions, torch-free so that
@@ -240,7 +240,7 @@ def validate_hash_problem(stream: str, index: dict[str, Any], algorithm: Optiona
     """
     if not algorithm:
         return None
-    from streaming.base.hashing import is_hash
+    from foundrymix.format.streaming_format import is_hash
     if not is_hash(algorithm):
         return f'validate_hash {algorithm!r} is not a hash algorithm streaming knows'
     have = hashes_in_index(index)
@@ -268,7 +268,7 @@ class HashCheck:
 
 def shard_hash_checks(info: dict[str, Any], data: bytes) -> list[HashCheck]:
     """Every hash recorded in ``info`` (an index ``raw_data``/``zip_data``) against ``data``."""
-    from streaming.base.hashing import get_hash, is_hash
+    from foundrymix.format.streaming_format import get_hash, is_hash
     out = []
     for algo, expected in sorted((info.get('hashes') or {}).items()):
         found = get_hash(algo, data) if is_hash(algo) else '(unknown algorithm)'
@@ -313,9 +313,9 @@ def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int
     bytes) but bounds-checks the offsets and catches decode errors, so one bad row is
     reported, not raised; each row is then checked with :func:`check_row`.
     """
-    from streaming.base.format import reader_from_json
+    from foundrymix.format.streaming_format import reader_from_json
 
-    from foundrymix.schema import check_row
+    from foundrymix.format.schema import check_row
     reader = reader_from_json('', None, shard)
     samples = int(shard['samples'])
     size = len(data)
@@ -341,7 +341,7 @@ def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int
 
 def decompress_shard(shard: dict[str, Any], data: bytes) -> bytes:
     """Raw bytes of a shard from the bytes of its compressed file (streaming's codecs)."""
-    from streaming.base.compression import decompress
+    from foundrymix.format.streaming_format import decompress
     return decompress(shard['compression'], data)
 
 
@@ -350,14 +350,14 @@ def is_not_found(error: BaseException) -> bool:
 
     A missing bucket, rejected credentials, access denied or an unreachable endpoint are
     not "not found": callers report those with their S3 error code
-    (:class:`foundrymix.remote.RemoteError`), so a wrong key never reads as a missing
+    (:class:`foundrymix.s3.remote.RemoteError`), so a wrong key never reads as a missing
     dataset. S3 gives ``NoSuchKey``/404; GCS/OCI/Azure and local copies raise
     ``FileNotFoundError``.
     """
     if isinstance(error, FileNotFoundError):
         return True
     kind = getattr(error, 'kind', None)
-    if isinstance(kind, str):  # a foundrymix.remote.RemoteError
+    if isinstance(kind, str):  # a foundrymix.s3.remote.RemoteError
         return kind == 'not_found'
     response = getattr(error, 'response', None)
     if isinstance(response, dict):

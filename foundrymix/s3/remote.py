@@ -15,7 +15,7 @@ missing key all read "403"/"404" ("not found"). Here:
   of ``download_timeout`` after the first one began. **Bound per file**: a download that
   cannot succeed fails within ``download_timeout`` plus client set-up (well under a
   second); a transfer that keeps receiving bytes is not cut (the timeout bounds each
-  stall, not a slow but moving shard). Retries are logged (``foundrymix.remote``,
+  stall, not a slow but moving shard). Retries are logged (``foundrymix.s3.remote``,
   WARNING) with the URL, attempt and cause.
 * :class:`RemoteError` classifies a failure (``kind``: not_found, no_bucket, credentials,
   access_denied, unreachable, timeout, transient, other) and its message names the URL,
@@ -164,7 +164,7 @@ def _is_transient(error: BaseException) -> bool:
 
 
 def retry_reason(error: BaseException) -> str:
-    """Why a request is tried again, in :mod:`foundrymix.s3_retries`'s words."""
+    """Why a request is tried again, in :mod:`foundrymix.s3.retries`'s words."""
     code = s3_code(error)
     if code in ('SlowDown', '503'):
         return 'slowdown'
@@ -237,7 +237,7 @@ class BoundedS3Downloader(S3Downloader):
             backoff = BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random() / 2)
             if not _is_transient(error) or attempt >= MAX_ATTEMPTS or left <= backoff:
                 raise classify(error, remote, timeout, attempt) from error
-            # ``s3_retry`` lets foundrymix.s3_retries count this retry (and why) for the log.
+            # ``s3_retry`` lets foundrymix.s3.retries count this retry (and why) for the log.
             logger.warning('%s: attempt %d of %d failed (%s); retrying in %.1f s', remote, attempt,
                            MAX_ATTEMPTS, s3_code(error) or f'{type(error).__name__}: {error}', backoff,
                            extra={'s3_retry': retry_reason(error)})

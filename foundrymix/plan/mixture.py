@@ -32,10 +32,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from foundrymix.config import DURATION_UNITS, ConfigError, parse_duration
-from foundrymix.mix.catalog import StreamInfo
-from foundrymix.mix.config import LoaderConfig
-from foundrymix.mix.exact import EpochWeights, epoch_weights, stratified_portions, weighted_streams
-from foundrymix.mix.simulate import SIMULATE_LIMIT, EpochSimulator, PlanDataset, Topology
+from foundrymix.plan.catalog import StreamInfo
+from foundrymix.plan.config import LoaderConfig
+from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted_streams
+from foundrymix.plan.simulate import SIMULATE_LIMIT, EpochSimulator, PlanDataset, Topology
 
 __all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan',
            'parse_duration']
@@ -262,7 +262,7 @@ def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 topology: Topology, epoch: int = 0) -> list[np.ndarray]:
     """The global batches (sample ids) of epoch ``epoch`` as the loader on ``topology`` will
     train them, replayed with streaming's ``generate_work`` (for checks and tools)."""
-    from foundrymix.mix.simulate import epoch_batches
+    from foundrymix.plan.simulate import epoch_batches
     planned = _plan_epoch(config, infos, batch_size, topology, [])
     return epoch_batches(planned.simulator.ds, epoch, topology, config.num_workers,
                          config.drop_last)

@@ -5,7 +5,7 @@ its manifest (``foundrymix.json``), rows per shard (``index.json``), whether its
 are whole -- and remote streams need them fetched first, and checked against the remote
 on every start (:meth:`Catalog.sync_remote`: a re-uploaded dataset must never be read
 through stale cached shards). Only this module knows how: local paths, and remotes
-through :mod:`foundrymix.remote` (bounded S3 downloads whose errors carry the S3 error
+through :mod:`foundrymix.s3.remote` (bounded S3 downloads whose errors carry the S3 error
 code; streaming's own downloader for every other backend). Nothing here reads a shard.
 
 :meth:`Catalog.validate` refuses streams that cannot share a batch (``max_seq_len``,
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.config import LoaderConfig, StreamSpec
-from foundrymix.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
+from foundrymix.plan.config import LoaderConfig, StreamSpec
+from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
 
 INDEX_NAME = 'index.json'
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class StreamInfo:
     @property
     def hashes(self) -> set[str]:
         """Hash algorithms recorded for every shard of this stream (empty if none)."""
-        from foundrymix.shards import hashes_in_index
+        from foundrymix.format.shards import hashes_in_index
         return hashes_in_index(self.index)
 
 
@@ -127,13 +127,13 @@ class Catalog:
         With the remote unreachable this raises even if a cached copy exists: without the
         remote nothing tells whether the cache is current (drop ``remote:`` and point
         ``local:`` at a complete copy to train offline). Each file is fetched within the
-        bound of :mod:`foundrymix.remote` (``download_timeout`` plus well under a second).
+        bound of :mod:`foundrymix.s3.remote` (``download_timeout`` plus well under a second).
         Ranks of a node may run this at once: each downloads into files of its own and
         renames them into place, so none reads another's half-copy.
         """
         if name in self._synced:
             return
-        from foundrymix.remote import RemoteError, download
+        from foundrymix.s3.remote import RemoteError, download
         remote_dir = self.config.stream_remote_dir(name)
         assert remote_dir is not None
         directory = self.config.stream_dir(name)
@@ -192,7 +192,7 @@ class Catalog:
                 f'delete {directory} (to download the new dataset there), point local: at an '
                 f"empty directory, or leave local: out to use foundrymix's cache (refreshed "
                 f'when its remote changes)')
-        from foundrymix.shards import read_index
+        from foundrymix.format.shards import read_index
         removed = 0
         try:
             old = read_index(os.path.join(directory, INDEX_NAME))
@@ -244,7 +244,7 @@ class Catalog:
         if not os.path.isfile(index_path):
             raise ConfigError(f'{where}: manifest but no {INDEX_NAME} in '
                               f'{os.path.dirname(index_path)} (an incomplete conversion?)')
-        from foundrymix.shards import read_index
+        from foundrymix.format.shards import read_index
         try:
             index = read_index(index_path)
         except ValueError as e:
@@ -297,7 +297,7 @@ class Catalog:
             raise ConfigError(f'{where}: unknown manifest kind {m.kind!r}')
         if m.counts.rows <= 0:
             raise ConfigError(f'{where}: stream has no rows')
-        from foundrymix.shards import (check_shard_files, row_count_problem, shard_files_error,
+        from foundrymix.format.shards import (check_shard_files, row_count_problem, shard_files_error,
                                        validate_hash_problem)
         location = info.remote_dir or info.directory
         problem = row_count_problem(_file(location, INDEX_NAME), _file(location, MANIFEST_NAME),
@@ -306,7 +306,7 @@ class Catalog:
             raise ConfigError(f'{where}: {problem} (`foundrymix verify {location}` shows which '
                               f'shards are there)')
         # A remote stream's cached shards are checked (and damaged ones removed, to be
-        # downloaded again) when a run starts: foundrymix.mix.cache.check_cached.
+        # downloaded again) when a run starts: foundrymix.loader.cache.check_cached.
         problems = [] if info.remote_dir is not None else check_shard_files(info.directory, info.index)
         if problems:
             raise shard_files_error(info.name, info.directory, problems)
@@ -380,11 +380,11 @@ def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
     replaces the configured weights when an exact epoch trims them; otherwise
     ``weights_in`` says what ``proportion`` is a share of (:func:`row_proportions` turns
     it into rows here). Remote s3 streams fetch their shards with
-    :class:`foundrymix.remote.BoundedS3Downloader` (``download_timeout`` honoured).
+    :class:`foundrymix.s3.remote.BoundedS3Downloader` (``download_timeout`` honoured).
     """
     from streaming import Stream
 
-    from foundrymix.remote import bound_stream_downloads
+    from foundrymix.s3.remote import bound_stream_downloads
     if chooses is not None:
         streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
                    for i, c in zip(infos, chooses)]
@@ -393,5 +393,5 @@ def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
         streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split,
                           repeat=i.spec.repeat, proportion=p, choose=i.spec.choose)
                    for i, p in zip(infos, proportions)]
-    # s3 shards through the downloader that honours download_timeout (foundrymix.remote)
+    # s3 shards through the downloader that honours download_timeout (foundrymix.s3.remote)
     return [bound_stream_downloads(s) for s in streams]

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 from streaming import StreamingDataset
 
-from foundrymix.mix.config import LoaderConfig
+from foundrymix.plan.config import LoaderConfig
 
 #: epochs' sample orders are generated for exact per-stream counts only up to this many samples
 SIMULATE_LIMIT = 20_000_000

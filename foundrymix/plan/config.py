@@ -147,7 +147,7 @@ class LoaderConfig:
     predownload: Optional[int] = None
     cache_limit: Optional[Union[int, str]] = None
     #: seconds a remote file download may wait on the store: bounds each metadata and s3
-    #: shard fetch as a whole when the store fails or hangs (see foundrymix.remote)
+    #: shard fetch as a whole when the store fails or hangs (see foundrymix.s3.remote)
     download_timeout: float = 60
     sampling_method: SamplingMethod = 'balanced'
     prefetch_factor: Optional[int] = None
@@ -285,7 +285,7 @@ class LoaderConfig:
         remote *one after another* reuse its downloaded shards. Runs that overlap in time
         do not share it: streaming refuses two live datasets over one directory, so the
         dataset a run builds claims the directory for its life and a second live run reads
-        from a sibling (``<this>-run2``, ...; see :mod:`foundrymix.mix.cache`). This is the
+        from a sibling (``<this>-run2``, ...; see :mod:`foundrymix.loader.cache`). This is the
         configured directory; the one a dataset uses is its streams' ``local``.
         """
         spec = self.streams[name]

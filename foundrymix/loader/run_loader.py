@@ -7,7 +7,7 @@ checkpoints belong to the whole run, and Composer checkpoints the train loader's
 ``max_duration`` (and the schedule) stage by stage. So :class:`StagedDataLoader` is a
 ``torch.utils.data.DataLoader`` whose ``dataset`` is a :class:`StagedPosition` -- the
 run's position (global batch), what Composer saves and loads -- and whose iterator
-builds each stage's :class:`~foundrymix.mix.dataset.MixedDataset` in turn from the
+builds each stage's :class:`~foundrymix.loader.dataset.MixedDataset` in turn from the
 stage's plan (its streams' metadata and epoch weights, never recomputed here), yields
 exactly the planned number of batches from it (whole epochs of the stage's mixture,
 each reshuffled by streaming, then the rest of one), and drops it before the next stage
@@ -29,7 +29,7 @@ sample in epoch) computed from the batch, which streaming resumes exactly.
 
 Rules for changing the data on resume (checked by :meth:`StagedPosition.load_state_dict`):
 what has been trained is immutable -- stages already (partly) trained must have the
-same data definition (:func:`~foundrymix.mix.stages.stage_fingerprint`) and the same
+same data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`) and the same
 start batch; a finished stage keeps its length. Later stages (including one that starts
 exactly at the checkpoint) may change, and new ones -- with new streams -- may be
 appended; the run may be extended.
@@ -46,7 +46,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.stages import RunPlan, StagePlan, fingerprint_changes
+from foundrymix.plan.stages import RunPlan, StagePlan, fingerprint_changes
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class StagedPosition(IterableDataset):
         """A single-mixture checkpoint from before the run contract: streaming's own dataset
         state (``epoch``, ``sample_in_epoch``, ...). Accepted for a run without stages, at the
         batch it names; its data cannot be checked (it recorded no fingerprint), so say so."""
-        from foundrymix.mix.dataset import check_resume
+        from foundrymix.loader.dataset import check_resume
         stage = self.run.stages[0]
         if self.run.explicit or 'epoch' not in obj:
             raise ConfigError(
@@ -268,7 +268,7 @@ class StagedDataLoader(DataLoader):
 
     def _activate(self, stage: StagePlan, position: StagedPosition) -> _Active:
         """The stage's dataset, built from its plan (and set to the position) once per stage."""
-        from foundrymix.mix.mixer import build_dataloader, build_dataset
+        from foundrymix.loader.mixer import build_dataloader, build_dataset
         if self._active is not None and self._active.stage.index == stage.index:
             return self._active
         self.release()
@@ -301,7 +301,7 @@ class StagedDataLoader(DataLoader):
 
 
 def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False) -> StagedDataLoader:
-    """The loader of a planned run (``run`` from :func:`~foundrymix.mix.stages.plan_run`)."""
+    """The loader of a planned run (``run`` from :func:`~foundrymix.plan.stages.plan_run`)."""
     return StagedDataLoader(run, batch_size, composer_epochs)
 
 
@@ -309,7 +309,7 @@ def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str
                         topology: Any = None, where: str = 'train_loader',
                         composer_epochs: bool = False) -> StagedDataLoader:
     """Validate every stage, plan the run, and return its loader (``loader.run`` is the plan)."""
-    from foundrymix.mix.stages import plan_run
+    from foundrymix.plan.stages import plan_run
 
     run, _ = plan_run(config, batch_size, max_duration, topology, where)
     return build_run_loader(run, batch_size, composer_epochs)

@@ -11,7 +11,7 @@ so the worker -> main hand-off passes one file descriptor, not one per key.
 
 Stored rows are collated compactly. When the samples are stored rows (what
 ``MixedDataset`` yields under ``StreamMixer.build_dataloader``), the batch is decoded at
-once by :func:`foundrymix.schema.decode_rows` and *pickles as the rows* (tokens in their
+once by :func:`foundrymix.format.schema.decode_rows` and *pickles as the rows* (tokens in their
 stored ``uint16``/``uint32``, spans, document lengths, ids: ~4 KB per 2048-token row
 instead of ~80 KB of ``int64``), to be decoded again where it is unpickled -- the main
 process. Why: pages of a fresh shared-memory segment are slow to fault in (we measured
@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from foundrymix.schema import DECODED_KEYS, decode_rows
+from foundrymix.format.schema import DECODED_KEYS, decode_rows
 
 
 class Batch(dict):

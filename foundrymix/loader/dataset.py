@@ -2,7 +2,7 @@
 
 Why a subclass and not a wrapper: shuffling, per-epoch sampling, partitioning over
 ranks/workers and mid-epoch resumption all live in ``StreamingDataset``; we only change
-what one sample looks like (:func:`foundrymix.schema.decode_row` plus where it came
+what one sample looks like (:func:`foundrymix.format.schema.decode_row` plus where it came
 from) and how ``state_dict`` names a finished epoch.
 
 The resumption fix. Composer 0.32.1 checkpoints with
@@ -34,7 +34,8 @@ from typing import Any, Iterator, Optional, Sequence
 from streaming import StreamingDataset
 
 from foundrymix.errors import FoundrymixError
-from foundrymix.schema import CorruptRowError, check_row, decode_row
+from foundrymix.format.schema import CorruptRowError, check_row, decode_row
+from foundrymix.loader import streaming_compat
 
 
 class ShardPrepareError(FoundrymixError, ValueError):
@@ -79,7 +80,7 @@ class MixedDataset(StreamingDataset):
 
     With :attr:`yield_rows` set (``StreamMixer.build_dataloader`` sets it), *iterating*
     yields :meth:`get_row` samples instead -- the stored row, undecoded -- and
-    :func:`foundrymix.mix.collate.collate` decodes the whole batch at once, straight into
+    :func:`foundrymix.loader.collate.collate` decodes the whole batch at once, straight into
     the batch buffer (a few numpy calls per batch instead of a few dozen per sample).
     Indexing (``ds[i]``) always decodes. How: streaming's ``__iter__`` maps
     ``__getitem__`` over the ids from ``_each_sample_id``; those ids come back marked, and
@@ -90,12 +91,13 @@ class MixedDataset(StreamingDataset):
     def __init__(self, *, stream_names: Sequence[str], vocab_size: Optional[int] = None,
                  max_seq_len: Optional[int] = None, check_shard_files: bool = True,
                  global_batch_size: Optional[int] = None, **kwargs: Any) -> None:
-        from foundrymix.mix.cache import registering_prefix
-        with registering_prefix(), _prefix_scan_without_leaks():
+        from foundrymix.loader.cache import registering_prefix
+        streaming_compat.warn_if_untested()
+        with registering_prefix(), streaming_compat.prefix_scan_without_leaks():
             super().__init__(**kwargs)
         self.global_batch_size = global_batch_size
         self.stream_names = list(stream_names)
-        #: rows are checked against these (:func:`foundrymix.schema.check_row`); ``None`` skips
+        #: rows are checked against these (:func:`foundrymix.format.schema.check_row`); ``None`` skips
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         if len(self.stream_names) != self.num_streams:
@@ -106,13 +108,13 @@ class MixedDataset(StreamingDataset):
         self._stream_starts = [int(x) for x in self.sample_offset_per_stream[1:]]
         self._completed_epoch: Optional[int] = None
         self.yield_rows = False
-        #: the cache directories this dataset claimed (:mod:`foundrymix.mix.cache`), if any
+        #: the cache directories this dataset claimed (:mod:`foundrymix.loader.cache`), if any
         self.cache_claims: Any = None
 
     def check_shard_files(self) -> None:
-        """Raise :class:`~foundrymix.shards.ShardFilesError` if a stream's shard files are damaged.
+        """Raise :class:`~foundrymix.format.shards.ShardFilesError` if a stream's shard files are damaged.
 
-        One ``stat`` per shard (:func:`foundrymix.shards.check_shard_files`). A stream with
+        One ``stat`` per shard (:func:`foundrymix.format.shards.check_shard_files`). A stream with
         no remote must have every shard, each of the size its ``index.json`` records:
         streaming would otherwise notice a missing shard only in a background thread and
         end the epoch early without an error. For a remote stream only the shards already
@@ -120,7 +122,7 @@ class MixedDataset(StreamingDataset):
         """
         from dataclasses import asdict
 
-        from foundrymix.shards import check_shard_files, shard_files_error
+        from foundrymix.format.shards import check_shard_files, shard_files_error
         for stream_id, stream in enumerate(self.streams):
             begin = int(self.shard_offset_per_stream[stream_id])
             end = begin + int(self.shards_per_stream[stream_id])
@@ -140,10 +142,10 @@ class MixedDataset(StreamingDataset):
     def get_row(self, idx: int, retry: int = 7) -> dict[str, Any]:
         """The stored row (``input_ids``, ``loss_spans``, ``doc_lens``) plus ``stream_id``, ``sample_id``.
 
-        The row is checked (:func:`foundrymix.schema.check_row`: ids below ``vocab_size``,
+        The row is checked (:func:`foundrymix.format.schema.check_row`: ids below ``vocab_size``,
         ``max_seq_len`` tokens, sane spans and lengths) and a bad row, or a streaming error
         while reading it (truncated shard, corrupt offsets, a shard that is gone), raises
-        :class:`~foundrymix.schema.CorruptRowError` naming the stream, shard file, row
+        :class:`~foundrymix.format.schema.CorruptRowError` naming the stream, shard file, row
         within the shard and global sample id -- before the model sees the row.
         """
         try:
@@ -154,7 +156,7 @@ class MixedDataset(StreamingDataset):
             where = self.row_location(idx)
             if where is None:  # not a valid sample index: not a data problem
                 raise
-            from foundrymix.mix.cache import disk_full_hint
+            from foundrymix.loader.cache import disk_full_hint
             raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}'
                                        f'{disk_full_hint(str(e), where[1])}') from e
         problem = check_row(row, self.vocab_size, self.max_seq_len)
@@ -221,7 +223,7 @@ class MixedDataset(StreamingDataset):
             return
         from time import monotonic, sleep
 
-        from streaming.base.dataset import _ShardState
+        _ShardState = streaming_compat.shard_state()
         stream = self.streams[int(self.stream_per_shard[shard_id])]
         limit = 2 * float(stream.download_timeout) + 60
         while True:
@@ -263,7 +265,7 @@ class MixedDataset(StreamingDataset):
         cached, never checked it again, and trained on it. Remembered per process, so
         the error that ends the epoch (:meth:`_prepare_error`) is this one.
         """
-        from foundrymix.mix.cache import remove_shard_files
+        from foundrymix.loader.cache import remove_shard_files
         stream_id = int(self.stream_per_shard[shard_id])
         stream, shard = self.streams[stream_id], self.shards[shard_id]
         raw, zip_ = shard.file_pairs[0]
@@ -311,7 +313,7 @@ class MixedDataset(StreamingDataset):
         import time
 
         from filelock import FileLock
-        from streaming.base.dataset import _ShardState
+        _ShardState = streaming_compat.shard_state()
         if not hasattr(self, '_cache_filelock'):
             self._cache_filelock = FileLock(self._cache_filelock_path)
         lock = self._cache_filelock
@@ -376,7 +378,7 @@ class MixedDataset(StreamingDataset):
         except Exception as e:
             if self._is_remote_checksum_failure(shard_id, e):
                 return self._corrupt_shard(shard_id, str(e))
-            from foundrymix.mix.cache import disk_full_hint
+            from foundrymix.loader.cache import disk_full_hint
             return ShardPrepareError(f'{where}: streaming could not prepare the shard: '
                                      f'{type(e).__name__}: {e}{disk_full_hint(str(e), directory)}; '
                                      f'{context}')
@@ -385,7 +387,7 @@ class MixedDataset(StreamingDataset):
 
     def _prepare_error(self, it: Any) -> 'ShardPrepareError':
         """Name the shard streaming failed to prepare (retried here to get its exception)."""
-        from streaming.base.dataset import _ShardState
+        _ShardState = streaming_compat.shard_state()
         stopped = (f'the epoch stopped after {it.yield_index:,} of {it.total:,} samples of this '
                    f'worker')
         for error in getattr(self, '_corrupt', {}).values():
@@ -448,7 +450,7 @@ class MixedDataset(StreamingDataset):
         iterator = getattr(self, '_iterator', None)
         if iterator is not None:
             iterator.exit()  # stop streaming's prepare/ready threads before their memory goes
-        for shm in _shared_memories(self):
+        for shm in streaming_compat.shared_memories(self):
             atexit.unregister(shm.cleanup)
             try:
                 shm.cleanup()
@@ -478,51 +480,3 @@ def check_resume(obj: dict[str, Any], num_canonical_nodes: int,
             f'global_train_batch_size / ranks). Set global_train_batch_size: {old_g} to resume')
 
 
-@contextlib.contextmanager
-def _prefix_scan_without_leaks() -> Iterator[None]:
-    """Let streaming's shared-memory prefix scan close what it only peeks at.
-
-    Why: to pick a prefix, streaming 0.13 opens the ``<prefix>_locals`` segment of every
-    live dataset in this machine's ``/dev/shm`` (``shared/prefix.py:_check_and_find``) with
-    ``auto_cleanup=True``, which registers each with ``atexit`` and so keeps its file
-    descriptors open until the process exits. Each new dataset thus leaks a descriptor or
-    two per dataset already alive -- quadratic in a process that builds many (a staged
-    run, a notebook, the test suite hit the 20,000-descriptor limit). Segments opened
-    without creating them are only read, so they need no cleanup at exit: they are closed
-    when dropped. Segments streaming creates keep their cleanup.
-    """
-    from streaming.base.shared import prefix
-
-    original = prefix.SharedMemory
-
-    class PeekedSharedMemory(original):  # type: ignore[misc, valid-type]
-        def __init__(self, name: Optional[str] = None, create: Optional[bool] = None,
-                     size: int = 0, auto_cleanup: bool = True) -> None:
-            super().__init__(name, create, size, auto_cleanup and bool(create))
-
-    prefix.SharedMemory = PeekedSharedMemory
-    try:
-        yield
-    finally:
-        prefix.SharedMemory = original
-
-
-def _shared_memories(root: Any, depth: int = 3) -> Iterator[Any]:
-    """streaming ``SharedMemory`` objects reachable from ``root``'s attributes (its shared
-    arrays, scalars and barriers hold them one or two levels down)."""
-    from streaming.base.shared.memory import SharedMemory
-
-    seen: set[int] = set()
-    level = [root]
-    for _ in range(depth):
-        nxt = []
-        for obj in level:
-            for value in vars(obj).values():
-                if id(value) in seen:
-                    continue
-                seen.add(id(value))
-                if isinstance(value, SharedMemory):
-                    yield value
-                elif type(value).__module__.startswith('streaming.base.shared') and hasattr(value, '__dict__'):
-                    nxt.append(value)
-        level = nxt

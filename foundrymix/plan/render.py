@@ -1,6 +1,6 @@
 """The plan as people read it: rich tables and plain sentences (JSON is ``Plan.to_dict``).
 
-Kept apart from :mod:`foundrymix.mix.plan` so the numbers stay a pure function and the
+Kept apart from :mod:`foundrymix.plan.mixture` so the numbers stay a pure function and the
 words can change (or a picture be added) without touching them.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from foundrymix.mix.plan import Plan, StreamPlan
+from foundrymix.plan.mixture import Plan, StreamPlan
 
 
 def console_for_output() -> Any:

@@ -4,7 +4,7 @@ Why resolve every stage to whole batches before training: a stage switch must ha
 one exact global batch on every rank, and "2 epochs of this mixture" or "50M tokens"
 must mean the same batch count to the plan, the loader and a resumed run. So
 ``ep``/``sp``/``tok`` durations become batches here, once, from the stage's own plan
-(:func:`~foundrymix.mix.plan.build_plan`); a duration that is not a whole number of
+(:func:`~foundrymix.plan.mixture.build_plan`); a duration that is not a whole number of
 global batches is refused with the numbers rather than rounded.
 
 A stage is a loader config of its own (:meth:`LoaderConfig.stage_configs`), with its
@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from foundrymix.config import ConfigError, parse_duration
-from foundrymix.mix.catalog import Catalog, StreamInfo
-from foundrymix.mix.config import LoaderConfig
-from foundrymix.mix.exact import EpochWeights
-from foundrymix.mix.plan import Plan, build_plan
-from foundrymix.mix.simulate import Topology
+from foundrymix.plan.catalog import Catalog, StreamInfo
+from foundrymix.plan.config import LoaderConfig
+from foundrymix.plan.exact import EpochWeights
+from foundrymix.plan.mixture import Plan, build_plan
+from foundrymix.plan.simulate import Topology
 
 
 #: the name of the one stage of a run without ``stages:`` (name it so to append stages to

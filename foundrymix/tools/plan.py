@@ -21,10 +21,10 @@ from foundrymix.config import OVERRIDES_HELP, ConfigError
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
                    max_duration: Optional[str] = None, nodes: int = 1) -> Any:
-    """Build the plan of a training YAML: a single mixture's :class:`~foundrymix.mix.plan.Plan`,
-    or a staged run's ``RunPlan`` -- from :func:`~foundrymix.mix.stages.plan_run`, the same
+    """Build the plan of a training YAML: a single mixture's :class:`~foundrymix.plan.mixture.Plan`,
+    or a staged run's ``RunPlan`` -- from :func:`~foundrymix.plan.stages.plan_run`, the same
     function the trainer builds its loader from, so what is printed is what trains."""
-    from foundrymix.mix.stages import Topology, plan_run
+    from foundrymix.plan.stages import Topology, plan_run
     from foundrymix.train.config import load_config, split_batch
 
     cfg = load_config(path, overrides, max_duration)
@@ -55,14 +55,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     elif hasattr(plan, 'stages'):
-        from foundrymix.mix.report import render_run_plan
+        from foundrymix.plan.render import render_run_plan
         render_run_plan(plan)
     else:
-        from foundrymix.mix.report import render_plan
+        from foundrymix.plan.render import render_plan
         render_plan(plan)
     if args.png:
-        from foundrymix.mix.report import plot_run_plan
-        from foundrymix.mix.stages import as_run_plan
+        from foundrymix.plan.render import plot_run_plan
+        from foundrymix.plan.stages import as_run_plan
         plot_run_plan(as_run_plan(plan), args.png)
         if not args.json:
             print(f'picture: {args.png}')

@@ -10,7 +10,7 @@ and row named (``foundrymix verify`` checks every row).
 A remote directory (``s3://bucket/prefix``, or any remote streaming reads) is read
 without a dataset cache: only ``foundrymix.json`` is downloaded, into a temporary
 directory removed afterwards; ``--decode K`` adds ``index.json`` and the shards that hold
-the first K rows. Each download is bounded by ``--timeout`` (see :mod:`foundrymix.remote`),
+the first K rows. Each download is bounded by ``--timeout`` (see :mod:`foundrymix.s3.remote`),
 and a remote that cannot be read fails with its URL, S3 error code and what to check.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from foundrymix.errors import MissingError
-from foundrymix.schema import CorruptRowError, Manifest, decode_row
+from foundrymix.format.schema import CorruptRowError, Manifest, decode_row
 
 NO_LOSS_OPEN, NO_LOSS_CLOSE = '⟦', '⟧'
 
@@ -51,12 +51,12 @@ def render_row(row: dict[str, Any], tok: Any) -> list[str]:
 def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str, int, dict[str, Any]]]:
     """(shard file, row within the shard, stored row) of a local directory, in order, checked.
 
-    Each row passes :func:`foundrymix.schema.check_row` against the manifest (the checks
+    Each row passes :func:`foundrymix.format.schema.check_row` against the manifest (the checks
     the loader runs); a missing or damaged shard or bad row raises
-    :class:`~foundrymix.shards.ShardFilesError` / :class:`~foundrymix.schema.CorruptRowError`
+    :class:`~foundrymix.format.shards.ShardFilesError` / :class:`~foundrymix.format.schema.CorruptRowError`
     naming the shard file and row.
     """
-    from foundrymix.shards import (check_shard_files, decompress_shard, iter_shard_rows, read_index,
+    from foundrymix.format.shards import (check_shard_files, decompress_shard, iter_shard_rows, read_index,
                                    shard_files_error, shard_name)
     index = read_index(directory)
     sample = 0
@@ -96,9 +96,9 @@ def _decode(directory: str, manifest: Manifest, k: int) -> None:
 def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None:
     """Download what ``inspect`` shows of remote ``url`` into ``directory``: the manifest, and
     for ``--decode`` the index and the shards holding the first ``decode`` rows."""
-    from foundrymix.remote import download
-    from foundrymix.schema import MANIFEST_NAME
-    from foundrymix.shards import INDEX_NAME, is_not_found, read_index
+    from foundrymix.s3.remote import download
+    from foundrymix.format.schema import MANIFEST_NAME
+    from foundrymix.format.shards import INDEX_NAME, is_not_found, read_index
     url = url.rstrip('/')
 
     def get(basename: str, what: str) -> None:
@@ -124,14 +124,14 @@ def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None
 
 
 def _run(args: argparse.Namespace) -> int:
-    from foundrymix.verify import is_remote
+    from foundrymix.tools.verify import is_remote
     if not is_remote(args.dir):
         return _show(args.dir, args.dir, args)
     import tempfile
     with tempfile.TemporaryDirectory(prefix='foundrymix-inspect-') as tmp:
         try:
             _fetch_remote(args.dir, tmp, args.decode, args.timeout)
-        except ConnectionError as e:  # foundrymix.remote.RemoteError: URL, S3 code, what to check
+        except ConnectionError as e:  # foundrymix.s3.remote.RemoteError: URL, S3 code, what to check
             print(f'foundrymix inspect: error: {e}', file=sys.stderr)
             return 2
         return _show(tmp, args.dir.rstrip('/'), args)

@@ -1,9 +1,9 @@
 """``StreamMixer``: a ``train_loader`` config -> validated streams -> one ``MixedDataset``.
 
 The mixer only builds: what the streams are and whether they can be mixed is the
-:class:`~foundrymix.mix.catalog.Catalog`'s job (manifests and ``index.json``, validated
+:class:`~foundrymix.plan.catalog.Catalog`'s job (manifests and ``index.json``, validated
 before a single shard is touched); what an epoch and a run will train is the pure
-:func:`~foundrymix.mix.plan.build_plan`'s. Pretrain and finetune streams share one
+:func:`~foundrymix.plan.mixture.build_plan`'s. Pretrain and finetune streams share one
 schema, so they mix freely.
 
 Usable from plain PyTorch::
@@ -17,15 +17,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from foundrymix.config import ConfigError
-from foundrymix.mix.catalog import Catalog, make_streams
-from foundrymix.mix.config import LoaderConfig
-from foundrymix.schema import Manifest, TokenizerInfo
+from foundrymix.plan.catalog import Catalog, make_streams
+from foundrymix.plan.config import LoaderConfig
+from foundrymix.format.schema import Manifest, TokenizerInfo
 
 if TYPE_CHECKING:  # torch/streaming are imported lazily
-    from foundrymix.mix.catalog import StreamInfo
-    from foundrymix.mix.dataset import MixedDataset
-    from foundrymix.mix.exact import EpochWeights
-    from foundrymix.mix.plan import Plan
+    from foundrymix.plan.catalog import StreamInfo
+    from foundrymix.loader.dataset import MixedDataset
+    from foundrymix.plan.exact import EpochWeights
+    from foundrymix.plan.mixture import Plan
 
 
 class StreamMixer:
@@ -68,7 +68,7 @@ class StreamMixer:
 
     def dataset_kwargs(self, batch_size: int, epoch_size: Optional[int] = None) -> dict[str, Any]:
         """Keyword arguments of ``StreamingDataset`` (without streams) for this config;
-        ``epoch_size`` is the exact epoch's (see :func:`~foundrymix.mix.exact.epoch_weights`)."""
+        ``epoch_size`` is the exact epoch's (see :func:`~foundrymix.plan.exact.epoch_weights`)."""
         return dataset_kwargs(self.config, batch_size, epoch_size)
 
     def build_dataset(self, batch_size: int, world_size: Optional[int] = None) -> 'MixedDataset':
@@ -79,9 +79,8 @@ class StreamMixer:
         global batch gives the same streams and epoch size. (The trainer builds its
         datasets from the run's plan instead: :func:`build_dataset`.)
         """
-        from streaming.base.distributed import get_world_size
-
-        from foundrymix.mix.exact import epoch_weights
+        from foundrymix.loader.streaming_compat import world_size as get_world_size
+        from foundrymix.plan.exact import epoch_weights
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
         G = batch_size * (world_size or get_world_size())
@@ -98,7 +97,7 @@ class StreamMixer:
              nodes: int = 1) -> 'Plan':
         """The exact per-epoch mixture and where ``max_duration`` ends (reads no shards), for
         ``world_size`` ranks over ``nodes`` nodes."""
-        from foundrymix.mix.plan import Topology, build_plan
+        from foundrymix.plan.mixture import Topology, build_plan
         if world_size <= 0 or world_size % nodes:
             raise ConfigError(f'world_size ({world_size}) must be a positive multiple of the '
                               f'number of nodes ({nodes})')
@@ -127,8 +126,8 @@ def build_dataset(config: LoaderConfig, infos: list['StreamInfo'], weights: 'Epo
     Claims the cache directories (another live run's are not shared), cleans what killed
     runs left there, and refuses a cache too small -- all before streaming starts.
     """
-    from foundrymix.mix import cache
-    from foundrymix.mix.dataset import MixedDataset
+    from foundrymix.loader import cache
+    from foundrymix.loader.dataset import MixedDataset
     if batch_size <= 0:
         raise ConfigError(f'batch_size must be positive, got {batch_size}')
     infos, claims = cache.prepare(config, infos, where)
@@ -166,7 +165,7 @@ def build_dataloader(config: LoaderConfig, dataset: 'MixedDataset', batch_size: 
     """
     from streaming import StreamingDataLoader
 
-    from foundrymix.mix.collate import collate
+    from foundrymix.loader.collate import collate
     c = config
     dataset.yield_rows = True
     extra: dict[str, Any] = {}

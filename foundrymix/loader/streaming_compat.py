@@ -1,0 +1,129 @@
+"""The one module that touches streaming's private runtime internals (version-checked).
+
+Why one place: foundrymix works around streaming 0.13 behaviours that its public API does
+not reach -- shard states when naming a failed shard, shared-memory segments a dropped
+dataset would keep until exit, the filelocks a killed run leaves, the prefix scan that
+leaks descriptors. Each touch is here, named after what it does, so a new streaming (or
+the ``streaming-community`` fork, same import name) is checked in one module; everything
+else imports streaming's public names only (``tests/test_layout.py`` fails otherwise).
+Besides this module, ``plan/simulate.py`` replays streaming's sampler (``generate_work``)
+and ``format/streaming_format.py`` and ``s3/remote.py`` use its hashing, codecs and
+downloaders.
+
+Tested with mosaicml-streaming 0.13.0 (see docs/streaming-community.md for the fork).
+On import, a streaming version outside :data:`TESTED` is logged once, naming this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+#: streaming versions (prefixes) these workarounds were written and tested against
+TESTED = ('0.13.',)
+
+
+def check_version() -> Optional[str]:
+    """A warning when the installed streaming is not a tested version (None if it is)."""
+    import streaming
+    version = getattr(streaming, '__version__', 'unknown')
+    if version.startswith(TESTED):
+        return None
+    return (f'streaming {version} is installed; {__name__} ({__file__}) holds foundrymix\'s uses '
+            f'of streaming\'s private internals and was tested with {", ".join(t + "x" for t in TESTED)}: '
+            f'if the loader misbehaves, start there')
+
+
+_warned = False
+
+
+def warn_if_untested() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        text = check_version()
+        if text:
+            log.warning(text)
+
+
+def shard_state() -> Any:
+    """streaming's ``_ShardState`` enum (a shard's slot in the dataset's shared state array)."""
+    from streaming.base.dataset import _ShardState
+    return _ShardState
+
+
+def world_size() -> int:
+    """The ranks of this job as streaming reads them from the launcher's environment."""
+    from streaming.base.distributed import get_world_size
+    return get_world_size()
+
+
+def filelock_names() -> tuple[str, str]:
+    """The names of the barrier and cache filelocks streaming keeps per shared-memory prefix."""
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
+    return BARRIER_FILELOCK, CACHE_FILELOCK
+
+
+def shm_names_to_clean() -> list[str]:
+    """The shared-memory segment names streaming creates per prefix (``SHM_TO_CLEAN``)."""
+    from streaming.base.constant import SHM_TO_CLEAN
+    return list(SHM_TO_CLEAN)
+
+
+def bytes_to_int(text: Any) -> int:
+    """streaming's reading of a size such as ``cache_limit: 10gb``."""
+    from streaming.base.util import bytes_to_int as convert
+    return convert(text)
+
+
+@contextlib.contextmanager
+def prefix_scan_without_leaks() -> Iterator[None]:
+    """Let streaming's shared-memory prefix scan close what it only peeks at.
+
+    Why: to pick a prefix, streaming 0.13 opens the ``<prefix>_locals`` segment of every
+    live dataset in this machine's ``/dev/shm`` (``shared/prefix.py:_check_and_find``) with
+    ``auto_cleanup=True``, which registers each with ``atexit`` and so keeps its file
+    descriptors open until the process exits. Each new dataset thus leaks a descriptor or
+    two per dataset already alive -- quadratic in a process that builds many (a staged
+    run, a notebook, the test suite hit the 20,000-descriptor limit). Segments opened
+    without creating them are only read, so they need no cleanup at exit: they are closed
+    when dropped. Segments streaming creates keep their cleanup.
+    """
+    from streaming.base.shared import prefix
+
+    original = prefix.SharedMemory
+
+    class PeekedSharedMemory(original):  # type: ignore[misc, valid-type]
+        def __init__(self, name: Optional[str] = None, create: Optional[bool] = None,
+                     size: int = 0, auto_cleanup: bool = True) -> None:
+            super().__init__(name, create, size, auto_cleanup and bool(create))
+
+    prefix.SharedMemory = PeekedSharedMemory
+    try:
+        yield
+    finally:
+        prefix.SharedMemory = original
+
+
+def shared_memories(root: Any, depth: int = 3) -> Iterator[Any]:
+    """streaming ``SharedMemory`` objects reachable from ``root``'s attributes (its shared
+    arrays, scalars and barriers hold them one or two levels down)."""
+    from streaming.base.shared.memory import SharedMemory
+
+    seen: set[int] = set()
+    level = [root]
+    for _ in range(depth):
+        nxt = []
+        for obj in level:
+            for value in vars(obj).values():
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+                if isinstance(value, SharedMemory):
+                    yield value
+                elif type(value).__module__.startswith('streaming.base.shared') and hasattr(value, '__dict__'):
+                    nxt.append(value)
+        level = nxt

@@ -1,1 +1,0 @@
-"""Mixing: typed loader config, manifest validation, exact plan, decoded StreamingDataset."""
