@@ -232,6 +232,19 @@ def test_cache_limit_below_streamings_minimum_is_refused(tmp_path, big):
     StreamMixer.from_dict(dict(cfg, cache_limit=4 * largest)).build_dataset(BATCH).release()
 
 
+def test_cache_limit_with_a_local_only_stream_is_refused_and_its_files_kept(tmp_path, big):
+    """streaming 0.13 evicts the coldest shard of any stream to honour cache_limit: a stream
+    with no remote would lose its own shard files. Refused before anything is read."""
+    copy = tmp_path / 'mine'
+    shutil.copytree(big['local'], copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    cfg = loader({'mine': {'local': str(copy)}}, 'local', cache_limit='1gb')
+    with pytest.raises(ConfigError, match=r"train_loader.cache_limit: stream\(s\) mine have no "
+                                          r'remote, and streaming would evict -- delete -- their'):
+        StreamMixer.from_dict(cfg).build_dataloader(batch_size=BATCH)
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+
+
 @pytest.mark.slow
 def test_cache_limit_keeps_the_cache_bounded_through_an_epoch(tmp_path, big):
     streams = {'big': big}

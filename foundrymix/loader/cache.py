@@ -469,6 +469,15 @@ def check_space(config: Any, infos: list[Any], where: str) -> None:
         except (ValueError, KeyError) as e:
             raise ConfigError(f'{where}.cache_limit: {config.cache_limit!r} is not a size '
                               f'(bytes, or e.g. "200mb", "10gb")') from e
+    local_only = [i.name for i in infos if not i.remote_dir]
+    if limit and local_only:
+        # streaming (0.13) evicts the coldest shard of *any* stream to stay under the limit:
+        # a stream without a remote has only its local files, and they would be deleted.
+        raise ConfigError(
+            f'{where}.cache_limit: stream(s) {", ".join(local_only)} have no remote, and streaming '
+            f'would evict -- delete -- their shard files to keep the cache under the limit. '
+            f'cache_limit is for streams read from a remote: remove it, or read those streams '
+            f'with a remote: and a local: cache directory')
     if limit:
         minimum, stream, shard, size = min_cache_limit(infos)
         if limit < minimum:
