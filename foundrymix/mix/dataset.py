@@ -309,11 +309,8 @@ class MixedDataset(StreamingDataset):
             return
         import time
 
-        from filelock import FileLock
         from streaming.base.dataset import _ShardState
-        if not hasattr(self, '_cache_filelock'):
-            self._cache_filelock = FileLock(self._cache_filelock_path)
-        lock = self._cache_filelock
+        lock = self._cache_lock()
         stream = self.streams[int(self.stream_per_shard[shard_id])]
         shard = self.shards[shard_id]
         with lock:
@@ -351,6 +348,22 @@ class MixedDataset(StreamingDataset):
             self._shard_access_times[shard_id] = time.time_ns()
             self._shard_states[shard_id] = _ShardState.LOCAL
 
+    def _cache_lock(self) -> Any:
+        """streaming's cache filelock (download, evict and ``cache_usage`` under one lock).
+
+        Why two paths: mosaicml-streaming 0.13 never sets ``_cache_filelock`` in
+        ``__init__`` (each ``prepare_shard`` creates a new one), while streaming-community
+        0.14 sets it to ``None`` there and hands out a per-process lock from
+        ``_get_cache_filelock()``; a ``hasattr`` test then took ``None`` for the lock.
+        """
+        get = getattr(self, '_get_cache_filelock', None)
+        if get is not None:
+            return get()
+        if getattr(self, '_cache_filelock', None) is None:
+            from filelock import FileLock
+            self._cache_filelock = FileLock(self._cache_filelock_path)
+        return self._cache_filelock
+
     def _shard_error(self, shard_id: int, context: str) -> 'ShardPrepareError':
         """Name a shard streaming failed to prepare (retried here to get its exception)."""
         known = getattr(self, '_corrupt', {}).get(shard_id)
@@ -367,10 +380,7 @@ class MixedDataset(StreamingDataset):
                 # What the retry put in the cache counts against cache_limit like any download
                 # (at worst a shard someone else also fetched is counted twice: more eviction,
                 # never more disk than counted).
-                from filelock import FileLock
-                if not hasattr(self, '_cache_filelock'):
-                    self._cache_filelock = FileLock(self._cache_filelock_path)
-                with self._cache_filelock:
+                with self._cache_lock():
                     self.cache_usage += int(delta)
         except Exception as e:
             if self._is_remote_checksum_failure(shard_id, e):
