@@ -270,6 +270,9 @@ class MixedDataset(StreamingDataset):
         failed = os.path.basename(failure[len(_CHECKSUM_FAILURE):].strip()) or raw.basename
         remote = os.path.join(stream.remote, stream.split or '').rstrip('/')
         removed = remove_shard_files(directory, [raw.basename] + ([zip_.basename] if zip_ else []))
+        damaged = os.path.join(directory, failed)
+        if damaged not in removed and not os.path.lexists(damaged):
+            removed.append(damaged)  # streaming-community 0.14 deletes it itself before raising
         error = CorruptShardError(
             f"stream '{self.stream_names[stream_id]}' ({directory}), shard {raw.basename}: "
             f'{remote}/{failed} does not match the {stream.validate_hash} hash its index.json '
