@@ -245,6 +245,32 @@ def test_cache_limit_with_a_local_only_stream_is_refused_and_its_files_kept(tmp_
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
 
 
+def test_cache_limit_reads_through_evictions_in_process(tmp_path, big):
+    """Rows read by index (no DataLoader worker) from a remote under the smallest
+    ``cache_limit``: every shard comes in, older ones are evicted, the rows are the local
+    copy's and ``cache_usage`` is what is on disk. Before: streaming-community 0.14 sets
+    ``_cache_filelock = None`` in ``__init__``, which foundrymix took for the lock, so every
+    download under a limit failed (``TypeError``, reported as a corrupt row)."""
+    import numpy as np
+    index = json.loads((Path(big['local']) / 'index.json').read_text())
+    limit = 4 * max(s['raw_data']['bytes'] for s in index['shards'])
+    cfg = loader({'big': big}, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
+    ds = StreamMixer.from_dict(cfg).build_dataset(BATCH)
+    ref = StreamMixer.from_dict(loader({'big': big}, 'local')).build_dataset(BATCH)
+    try:
+        ids = list(range(0, ds.num_samples, 97))
+        for i in ids:
+            assert np.array_equal(ds[i]['input_ids'], ref[i]['input_ids']), i
+        cache = Path(ds.streams[0].local)
+        on_disk = sum(f.stat().st_size for f in cache.iterdir() if f.name != 'foundrymix.json')
+        shards = {s['raw_data']['basename'] for s in index['shards']}
+        assert ds.cache_usage == on_disk <= limit
+        assert 0 < len(shards & {f.name for f in cache.iterdir()}) < len(shards)  # some evicted
+    finally:
+        ds.release()
+        ref.release()
+
+
 @pytest.mark.slow
 def test_cache_limit_keeps_the_cache_bounded_through_an_epoch(tmp_path, big):
     streams = {'big': big}

@@ -273,6 +273,9 @@ class MixedDataset(StreamingDataset):
         failed = os.path.basename(failure[len(_CHECKSUM_FAILURE):].strip()) or raw.basename
         remote = os.path.join(stream.remote, stream.split or '').rstrip('/')
         removed = remove_shard_files(directory, [raw.basename] + ([zip_.basename] if zip_ else []))
+        damaged = os.path.join(directory, failed)
+        if damaged not in removed and not os.path.lexists(damaged):
+            removed.append(damaged)  # streaming-community 0.14 deletes it itself before raising
         error = CorruptShardError(
             f"stream '{self.stream_names[stream_id]}' ({directory}), shard {raw.basename}: "
             f'{remote}/{failed} does not match the {stream.validate_hash} hash its index.json '
@@ -312,11 +315,8 @@ class MixedDataset(StreamingDataset):
             return
         import time
 
-        from filelock import FileLock
         _ShardState = streaming_compat.shard_state()
-        if not hasattr(self, '_cache_filelock'):
-            self._cache_filelock = FileLock(self._cache_filelock_path)
-        lock = self._cache_filelock
+        lock = self._cache_lock()
         stream = self.streams[int(self.stream_per_shard[shard_id])]
         shard = self.shards[shard_id]
         with lock:
@@ -354,6 +354,10 @@ class MixedDataset(StreamingDataset):
             self._shard_access_times[shard_id] = time.time_ns()
             self._shard_states[shard_id] = _ShardState.LOCAL
 
+    def _cache_lock(self) -> Any:
+        """streaming's cache filelock (download, evict and ``cache_usage`` under one lock)."""
+        return streaming_compat.cache_lock(self)
+
     def _shard_error(self, shard_id: int, context: str) -> 'ShardPrepareError':
         """Name a shard streaming failed to prepare (retried here to get its exception)."""
         known = getattr(self, '_corrupt', {}).get(shard_id)
@@ -370,10 +374,7 @@ class MixedDataset(StreamingDataset):
                 # What the retry put in the cache counts against cache_limit like any download
                 # (at worst a shard someone else also fetched is counted twice: more eviction,
                 # never more disk than counted).
-                from filelock import FileLock
-                if not hasattr(self, '_cache_filelock'):
-                    self._cache_filelock = FileLock(self._cache_filelock_path)
-                with self._cache_filelock:
+                with self._cache_lock():
                     self.cache_usage += int(delta)
         except Exception as e:
             if self._is_remote_checksum_failure(shard_id, e):

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 log = logging.getLogger(__name__)
 
 #: streaming versions (prefixes) these workarounds were written and tested against
-TESTED = ('0.13.',)
+TESTED = ('0.13.', '0.14.')  # 0.14: streaming-community (docs/streaming-community.md)
 
 
 def check_version() -> Optional[str]:
@@ -53,6 +53,24 @@ def shard_state() -> Any:
     """streaming's ``_ShardState`` enum (a shard's slot in the dataset's shared state array)."""
     from streaming.base.dataset import _ShardState
     return _ShardState
+
+
+def cache_lock(dataset: Any) -> Any:
+    """A dataset's cache filelock (download, evict and ``cache_usage`` under one lock).
+
+    Why two paths: mosaicml-streaming 0.13 never sets ``_cache_filelock`` in ``__init__``
+    (each ``prepare_shard`` creates a new one), while streaming-community 0.14 sets it to
+    ``None`` there and hands out a per-process lock from ``_get_cache_filelock()``; a
+    ``hasattr`` test then took ``None`` for the lock (every download under a
+    ``cache_limit`` failed with a ``TypeError``).
+    """
+    get = getattr(dataset, '_get_cache_filelock', None)
+    if get is not None:
+        return get()
+    if getattr(dataset, '_cache_filelock', None) is None:
+        from filelock import FileLock
+        dataset._cache_filelock = FileLock(dataset._cache_filelock_path)
+    return dataset._cache_filelock
 
 
 def world_size() -> int:
