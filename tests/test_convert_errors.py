@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from convert_helpers import read_rows, write_jsonl
@@ -99,10 +101,18 @@ def test_output_not_empty_needs_overwrite(capsys, tmp_path):
     out = tmp_path / 'out'
     out.mkdir()
     (out / 'keep.txt').write_text('x')
+    # a folder of the user's: refused with and without --overwrite (which replaces only datasets)
+    for extra in ([], ['--overwrite']):
+        rc, err = run(capsys, 'pretrain', str(src), '-o', str(out), *extra)
+        assert rc == 2 and f'{out} holds files foundrymix did not write (keep.txt)' in err, err
+        assert (out / 'keep.txt').read_text() == 'x'
+    os.remove(out / 'keep.txt')
+    assert run(capsys, 'pretrain', str(src), '-o', str(out))[0] == 0
+    # a foundrymix dataset: refused without --overwrite, replaced with it
     rc, err = run(capsys, 'pretrain', str(src), '-o', str(out))
-    assert rc == 2 and 'not empty; pass --overwrite' in err and (out / 'keep.txt').exists()
+    assert rc == 2 and 'not empty; pass --overwrite' in err
     rc, _ = run(capsys, 'pretrain', str(src), '-o', str(out), '--overwrite')
-    assert rc == 0 and not (out / 'keep.txt').exists() and (out / 'foundrymix.json').exists()
+    assert rc == 0 and sorted(os.listdir(out)) == ['foundrymix.json', 'index.json', 'shard.00000.mds']
 
 
 def test_max_seq_len_too_small_for_special_tokens(spm_tokenizer, tmp_path):

@@ -208,3 +208,36 @@ def test_two_node_cluster(tmp_path, arxiv_jsonl):
     assert len(nodes) == 2
     assert two.counts == one.counts
     rows_equal(read_rows(tmp_path / 'two'), read_rows(tmp_path / 'one'))
+
+
+def test_overwrite_replaces_a_ray_output_and_no_rows_publishes_nothing(tmp_path, arxiv_jsonl):
+    """A Ray output (shards in ``task-NNNNN/``) is a foundrymix dataset that --overwrite may
+    replace, but not once a foreign file sits among its shards; a Ray conversion with no
+    rows publishes nothing (the old output stays byte for byte)."""
+    import hashlib
+    import os
+
+    from foundrymix.convert.report import EmptyOutputError
+    from foundrymix.convert.writer import OutputExistsError
+
+    def tree(root: Path) -> dict[str, str]:
+        return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob('*')) if p.is_file()}
+
+    opts = PretrainOptions(max_seq_len=SEQ, workers=2, chunk_bytes=CHUNK, engine='ray', ray_task_bytes=TASK)
+    out = tmp_path / 'out'
+    convert_pretrain([str(arxiv_jsonl)], str(out), opts)
+    assert sorted(os.listdir(out)) == ['foundrymix.json', 'index.json', *[f'task-0000{i}' for i in range(4)]]
+    (out / 'task-00001' / 'notes.txt').write_text('mine')
+    with pytest.raises(OutputExistsError, match=r'holds files foundrymix did not write \(task-00001/notes.txt\)'):
+        convert_pretrain([str(arxiv_jsonl)], str(out), dataclasses.replace(opts, overwrite=True))
+    os.remove(out / 'task-00001' / 'notes.txt')
+    before = tree(out)
+    with pytest.raises(EmptyOutputError, match=r'no rows to write, so nothing was published: 20 documents read'):
+        convert_pretrain([str(arxiv_jsonl)], str(out), dataclasses.replace(opts, overwrite=True,
+                                                                           max_seq_len=1_000_000_000))
+    assert tree(out) == before and sorted(os.listdir(tmp_path)) == ['out']
+    # replaced by a default-engine output: the task folders go with their shards
+    m = convert_pretrain([str(arxiv_jsonl)], str(out), dataclasses.replace(opts, engine='local', overwrite=True))
+    assert sorted(os.listdir(out)) == ['foundrymix.json', 'index.json', 'shard.00000.mds']
+    assert len(read_rows(out)) == m.counts.rows and sorted(os.listdir(tmp_path)) == ['out']

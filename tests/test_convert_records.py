@@ -149,7 +149,7 @@ def _worker_sigterm(chunk) -> bool:
 
 def test_worker_processes_die_on_sigterm(monkeypatch):
     """Importing composer installs a SIGTERM handler (sys.exit) that forked workers inherit;
-    Pool.terminate() then could wait forever for a worker. Workers reset it."""
+    stopping the pool with SIGTERM then could wait forever for a worker. Workers reset it."""
     import signal
     import sys
 

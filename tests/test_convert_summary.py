@@ -28,8 +28,10 @@ def test_finetune_warns_when_many_dropped_as_too_long(capsys, tmp_path):
         'separators: BOS inserted before each example: no (the tokenizer adds no BOS); '
         'EOS inserted after each example: yes (id 0).',
         'examples: 12 read, 10 written; 2 dropped (too_long).',
-        'warning: 16.7 % of examples (2 of 12) were dropped as longer than --max-seq-len 16; use '
-        f'--too-long truncate to keep their first 16 tokens, or --max-seq-len {long_len} to fit 95 % of them.']
+        'warning: 16.7 % of examples (2 of 12) were dropped as longer than --max-seq-len 16. To keep '
+        f'them, raise --max-seq-len to {long_len} (fits 95 % of them): every token is kept, in longer '
+        'rows; or pass --too-long truncate: only their first 16 tokens are kept and the rest are lost '
+        '(counted as dropped: truncated_tokens).']
 
 
 def test_finetune_no_warning_at_or_below_five_percent(capsys, tmp_path):

@@ -146,12 +146,16 @@ def test_plain_run_refuses_changed_data_and_its_advice_works(tmp_path, data):
         proc = train(cfg, f'load_path={ckpt}', override, check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert f'train_loader: its data changed since the checkpoint ({change})' in proc.stderr
-        assert 'stages: [{name: main, duration: 4ba' in proc.stderr  # the recipe
+        recipe = 'stages: [{name: main, duration: 4ba, streams: {arxiv: {repeat: 1.0}, dolly: {repeat: 0.5}}}'
+        assert recipe in proc.stderr
         assert sample_log(tmp_path / 'samples.jsonl') == first_four  # refused: nothing touched
-    # The recipe, followed: the trained part becomes stage main, a new stage trains the new data.
+    # The recipe, followed: the trained part becomes stage main (its weights copied from the
+    # message), a new stage trains the new data; train_loader.streams keeps the locations.
     loader = yaml.safe_load(cfg.read_text())['train_loader']
+    for stream in loader['streams'].values():
+        stream.pop('repeat')
     loader['stages'] = [
-        {'name': 'main', 'duration': '4ba', 'streams': {'arxiv': {'repeat': 1}, 'dolly': {'repeat': 0.5}}},
+        {'name': 'main', 'duration': '4ba', 'streams': yaml.safe_load(recipe[len('stages: [{name: main, duration: 4ba, streams: '):-1])},
         {'name': 'next', 'duration': '6ba', 'streams': {'elsewhere': {'local': str(other), 'repeat': 1}}}]
     staged = plain_config(tmp_path, data, loader=loader)
     doc = yaml.safe_load(staged.read_text())

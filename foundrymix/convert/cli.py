@@ -24,7 +24,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'Lines) only when named or globbed as *.json. Directories skip earlier '
                         'outputs, hidden entries and --out')
     p.add_argument('-o', '--out', required=True,
-                   help='local output directory (empty or absent, unless --overwrite; never an input, '
+                   help='local output directory (empty or absent, or a foundrymix dataset with '
+                        '--overwrite; never an input, '
                         'inside an input directory, or holding an input), or s3://bucket/prefix: '
                         'shards are uploaded as they are finished, foundrymix.json and index.json '
                         'last, so readers never see a partial dataset (a failed or killed run leaves '
@@ -51,7 +52,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'prompt/response finetuning), or forked processes (default for chats and '
                         '--preprocess, whose Python work holds the GIL)')
     p.add_argument('--overwrite', action='store_true',
-                   help='replace a non-empty output directory; for s3:// the old index.json and '
+                   help='replace the foundrymix dataset in --out: locally only its foundrymix.json, '
+                        'index.json and the shards that index lists are removed, and a folder holding '
+                        'anything else is refused before any work; for s3:// the old index.json and '
                         'foundrymix.json are deleted before the first new shard is uploaded and the '
                         'old shards after the new index; objects foundrymix did not write are kept')
     p.add_argument('--on-error', choices=ON_ERROR, default='raise',

@@ -24,7 +24,7 @@ from foundrymix.convert.paths import OutSpec, split_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
 from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_records
-from foundrymix.convert.report import print_summary
+from foundrymix.convert.report import check_rows, print_summary
 from foundrymix.convert.writer import ShardWriter
 from foundrymix.schema import Manifest
 from foundrymix.tokenizer import load_tokenizer
@@ -233,5 +233,6 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
         if manifest.counts.documents_read == 0:
             raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
         builder.close()
+        check_rows(manifest)
         writer.finish(manifest)
     return seconds, builder, writer.upload_summary

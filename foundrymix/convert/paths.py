@@ -1,7 +1,8 @@
 """Checks that keep a conversion from reading its own output or harming its inputs.
 
-Why: ``--overwrite`` deletes the output directory before publishing the new one. If
-``--out`` is an input, holds an input, or lies inside an input directory, that deletes
+Why: ``--overwrite`` deletes the dataset in the output directory before publishing the
+new one (only files foundrymix wrote: :func:`foundrymix.convert.writer.check_output_dir`).
+If ``--out`` is an input, holds an input, or lies inside an input directory, that deletes
 (or, on the next run, re-reads) the user's corpus. Paths are compared after resolving
 symbolic links (``os.path.realpath``), so a link cannot hide the overlap. The checks
 run before any work and hold with or without ``--overwrite``.
@@ -24,6 +25,13 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 _URL = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
+#: ``--out`` that is a URL missing a slash: a first path component like ``s3:`` or ``gs:``
+#: (``s3:/bucket``; two letters or more, so no drive letter), or a known scheme glued to the
+#: bucket (``s3:bucket``; other names with a colon, ``run:2024``, stay local folders)
+_MISTYPED_URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):(?:/(?!/)|$)(?P<rest>.*)$')
+_KNOWN_SCHEMES = ('s3', 'gs', 'gcs', 'az', 'abfs', 'abfss', 'wasb', 'wasbs', 'oci', 'hf', 'http', 'https',
+                  'file', 'ftp', 'sftp', 'dbfs', 'r2', 'hdfs')
+_GLUED_URL = re.compile(rf"^(?P<scheme>{'|'.join(_KNOWN_SCHEMES)}):(?P<rest>[^/].*)$", re.IGNORECASE)
 
 
 class UnsafePathsError(ValueError):
@@ -35,12 +43,24 @@ def is_url(path: str) -> bool:
     return bool(_URL.match(path))
 
 
-def check_out_url(out: str) -> None:
-    """Refuse a ``scheme://`` path as a *local* output directory (see :func:`split_out`)."""
+def check_out_url(out: str, option: str = '--out') -> None:
+    """Refuse a ``scheme://`` path as a *local* output directory (see :func:`split_out`),
+    and a mistyped URL (``s3:/bucket``, ``s3:bucket``): as a local path it would quietly
+    create a folder ``s3:`` in the current directory (exit 0, nothing uploaded)."""
     if is_url(out):
         raise UnsafePathsError(
             f'{out}: a URL cannot be the local output directory; give the remote as '
             f'--out s3://bucket/prefix and the local copy as --keep-local DIR')
+    m = _MISTYPED_URL.match(out) or _GLUED_URL.match(out)
+    if m:
+        scheme, folder = m.group('scheme'), out.split('/')[0]
+        what = f"{option} {out}: looks like a mistyped URL (as a local path it would create a folder '{folder}')"
+        if scheme.lower() == 's3':
+            raise UnsafePathsError(f"{what}; write s3://{m.group('rest') or 'bucket/prefix'}, or ./{out} "
+                                   f"for a local folder of that name")
+        raise UnsafePathsError(f'{what}; only s3://bucket/prefix is supported as a remote output: for '
+                               f'another store convert to a local directory, then copy it (write ./{out} '
+                               f'for a local folder of that name)')
 
 
 #: what ``--out`` may be: a local directory, an ``s3://`` prefix, or a (local, remote) pair
@@ -70,12 +90,13 @@ def split_out(out: OutSpec) -> Output:
             raise UnsafePathsError(f'--out {out!r}: expected a local directory, an s3:// prefix '
                                    f'or a (local directory, s3:// prefix) pair')
         local, remote = out
-        check_out_url(local)
+        check_out_url(local, '--keep-local')
         if not is_url(remote):
             raise UnsafePathsError(f'{remote}: the remote of an output pair must be s3://bucket/prefix')
     elif is_url(out):
         local, remote = None, out
     else:
+        check_out_url(out)
         local, remote = out, None
     if remote is not None and not remote.lower().startswith('s3://'):
         raise UnsafePathsError(f'--out {remote}: only s3://bucket/prefix is supported as a remote output; '

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, importing
 from foundrymix.convert.readers import Chunk, plan_chunks
+from foundrymix.convert.report import check_rows
 from foundrymix.convert.upload import shard_file
 from foundrymix.convert.writer import _FINISH, ShardWriter
 from foundrymix.schema import Counts, Manifest, mds_columns
@@ -358,6 +359,7 @@ def run(converter: 'Converter', setup: Setup, out: Optional[str], options: Conve
             _apply_results(results, kept, options, manifest)
             if manifest.counts.documents_read == 0:
                 raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
+            check_rows(manifest)
             output.publish(manifest, len(kept))
         return seconds, output.upload_summary
     finally:

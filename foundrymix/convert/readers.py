@@ -223,6 +223,21 @@ def location(path: str, line: Optional[int], fmt: str) -> str:
     return f'{path}:{line}' if fmt.startswith('jsonl') else f'{path}:row {line}'
 
 
+def describe(chunk: Chunk) -> str:
+    """Which share of the input a chunk is, for messages: file and byte, line or row range."""
+    if chunk.fmt == 'jsonl':
+        return f'{chunk.path} bytes {chunk.start}-{chunk.end}'
+    if chunk.fmt == 'jsonl_stream':
+        last = (chunk.first_line or 1) + count_lines(chunk.payload or b'') - 1
+        return f'{chunk.path} lines {chunk.first_line}-{last}'
+    if chunk.fmt == 'parquet':
+        return f'{chunk.path} row group {chunk.start} (from row {chunk.first_line})'
+    if chunk.fmt == 'hf':
+        return f'{chunk.path} rows {chunk.start}-{chunk.end - 1}'
+    more = len(chunk.paths) - 1
+    return f'{chunk.path} and {more} more .txt file(s)' if more > 0 else chunk.path
+
+
 def type_name(value: Any) -> str:
     return 'null' if value is None else type(value).__name__
 

@@ -93,15 +93,82 @@ def documents_note(manifest: Manifest) -> str:
 
 
 def too_long_warning(manifest: Manifest, fit_95: Optional[int]) -> Optional[str]:
-    """A warning when more than ``TOO_LONG_WARN`` of the examples were dropped as too long."""
+    """A warning when more than ``TOO_LONG_WARN`` of the examples were dropped as too long.
+
+    It names both ways out and what each does to the data: a longer ``--max-seq-len``
+    keeps every token (longer rows); ``--too-long truncate`` keeps each example's first
+    ``max_seq_len`` tokens and loses the rest (a response cut off there is trained on
+    only in part, or the example is dropped if no response token is left).
+    """
     n, read = manifest.dropped.get('too_long', 0), manifest.counts.documents_read
     if not read or n / read <= TOO_LONG_WARN:
         return None
     L = manifest.max_seq_len
-    bigger = f', or --max-seq-len {fit_95:,} to fit 95 % of them' if fit_95 and fit_95 > L else ''
+    to = f' to {fit_95:,} (fits 95 % of them)' if fit_95 and fit_95 > L else ''
     return (f'warning: {100 * n / read:.1f} % of examples ({n:,} of {read:,}) were dropped as longer '
-            f'than --max-seq-len {L:,}; use --too-long truncate to keep their first {L:,} tokens'
-            f'{bigger}.')
+            f'than --max-seq-len {L:,}. To keep them, raise --max-seq-len{to}: every token is kept, '
+            f'in longer rows; or pass --too-long truncate: only their first {L:,} tokens are kept and '
+            f'the rest are lost (counted as dropped: truncated_tokens).')
+
+
+class EmptyOutputError(ValueError):
+    """A conversion would write no rows; nothing is published (see :func:`check_rows`)."""
+
+
+def _no_rows_reasons(manifest: Manifest) -> list[tuple[str, str]]:
+    """(what happened, what to do) for each reason a conversion has no rows."""
+    L, c, opts = manifest.max_seq_len, manifest.counts, manifest.options
+    reasons = []
+    n_skipped = sum(manifest.skipped.values())
+    if n_skipped:
+        first = next(iter(manifest.skipped))
+        at = manifest.skipped_at.get(first, [])
+        where = f'; first at {at[0]}: {first}' if at else f'; {first}'
+        reasons.append((f'{n_skipped:,} skipped as bad records (--on-error skip{where})',
+                        'Fix them, or convert other input'))
+    n = manifest.dropped.get('preprocess_skipped', 0)
+    if n:
+        fn = opts.get('preprocess')
+        reasons.append((f'{n:,} skipped by --preprocess {fn} (it returned None)',
+                        'Check that it returns the record (a dict) for the records to keep'))
+    n = manifest.dropped.get('too_long', 0)
+    if n:
+        reasons.append((f'{n:,} dropped as longer than --max-seq-len {L:,} (--too-long drop)',
+                        f'Raise --max-seq-len (keeps every token), or pass --too-long truncate (keeps '
+                        f'only the first {L:,} tokens of each such example; the rest are lost)'))
+    n = manifest.dropped.get('no_loss_tokens', 0)
+    if n and manifest.dropped.get('truncated_tokens', 0):
+        reasons.append((f'{n:,} dropped with no loss token left (--too-long truncate keeps the first '
+                        f'{L:,} tokens: responses beyond them are cut off)',
+                        'Raise --max-seq-len so that the responses fit'))
+    elif n:
+        reasons.append((f'{n:,} dropped with no loss token (an empty response, or a chat with no '
+                        f'assistant turn to train on)',
+                        'Check --response-field/--response, or --messages-field and --chat-loss'))
+    if manifest.kind == 'pretrain' and c.tail_tokens:
+        what = (f'all {c.tail_tokens:,} tokens are' if not reasons else
+                f'the other documents hold {c.tail_tokens:,} tokens,')
+        reasons.append((f'{what} fewer than one row of --max-seq-len {L:,} (rows are never padded)',
+                        f'Use --max-seq-len {c.tail_tokens:,} or less, or convert more input'))
+    return reasons
+
+
+def check_rows(manifest: Manifest) -> None:
+    """Refuse to publish a conversion with no rows, saying why by reason and what to do.
+
+    Why: an empty dataset used to be published with exit 0 (every document shorter than
+    one row, every record dropped or skipped); a training run found out later, or mixed
+    it in as a stream of weight zero. Called once every row is built, before anything is
+    published, so ``--out`` is left as it was.
+    """
+    if manifest.counts.rows:
+        return
+    noun = 'documents' if manifest.kind == 'pretrain' else 'examples'
+    reasons = _no_rows_reasons(manifest)
+    what = '; '.join(r for r, _ in reasons) or 'none made a row'
+    todo = '; '.join(a for _, a in reasons)
+    raise EmptyOutputError(f'no rows to write, so nothing was published: {manifest.counts.documents_read:,} '
+                           f'{noun} read; {what}.{f" {todo}" if todo else ""}')
 
 
 def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]:

@@ -63,7 +63,7 @@ REPLACING_NAME = '.foundrymix-replacing.json'
 #: S3 object metadata set on every object a conversion uploads (``x-amz-meta-foundrymix-writer``)
 WRITER_META = {'foundrymix-writer': 'convert'}
 #: object names a conversion writes besides the metadata files
-_SHARD_NAME = re.compile(r'^(task-\d+/)?shard\.\d+\.mds(\.[A-Za-z0-9:_-]+)?$')
+SHARD_NAME = re.compile(r'^(task-\d+/)?shard\.\d+\.mds(\.[A-Za-z0-9:_-]+)?$')
 #: shard uploads in flight at once, and shards finished but not yet uploaded that the
 #: shard writer may get ahead by (so local disk holds at most about this many shards)
 UPLOAD_THREADS = 4
@@ -253,7 +253,7 @@ def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
     for key in keys:
         if key in listed or key in metadata or key == REPLACING_NAME:
             continue
-        if _SHARD_NAME.match(key):
+        if SHARD_NAME.match(key):
             try:
                 meta = client.head_object(Bucket=url.bucket, Key=url.key(key)).get('Metadata', {})
             except (ClientError, BotoCoreError) as e:

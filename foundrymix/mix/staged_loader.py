@@ -163,12 +163,13 @@ class StagedPosition(IterableDataset):
             raise ConfigError(f'{where}: starts at batch {new.start_batch}, the checkpoint trained '
                               f'it from batch {old["start_batch"]}; earlier stages changed length')
         finished = old['start_batch'] + old['batches'] <= batch
-        if finished and new.batches != old['batches']:
-            raise ConfigError(f'{where}: finished with {old["batches"]} batches, now '
-                              f'{new.batches}; a finished stage cannot change')
-        if not finished and new.batches < trained:
+        trained = min(trained, old['batches'])
+        # A stage may grow (extending a finished run continues its mixture's epochs; a later
+        # stage that was trained would move, which the start-batch check refuses) but never
+        # shrink below what it trained.
+        if new.batches < trained:
             raise ConfigError(f'{where}: now {new.batches} batches, but the checkpoint already '
-                              f'trained {trained} of it')
+                              f'trained {trained} of it; what is trained cannot be undone')
         changes = fingerprint_changes(old['fingerprint'], new.fingerprint)
         if changes:
             if finished:
@@ -178,10 +179,12 @@ class StagedPosition(IterableDataset):
                 advice = (f'to change the mixture from here, end this stage at the resume batch '
                           f'(duration: {trained}ba) and add a new stage after it')
             else:
-                advice = (f'to change the mixture from here, put the trained part in a stage and '
-                          f'add one: stages: [{{name: {name}, duration: {trained}ba, streams: '
-                          f'<the old ones>}}, {{name: next, duration: ..., streams: <the new '
-                          f'ones>}}] (and leave max_duration out)')
+                advice = (f'to change the mixture from here, make the trained part a stage and add '
+                          f'one after it: stages: [{{name: {name}, duration: {trained}ba, streams: '
+                          f'{_weights_yaml(old["fingerprint"])}}}, {{name: next, duration: ..., '
+                          f'streams: <the new weights>}}], leave max_duration out (the run is the '
+                          f'sum of the stages), and keep only locations (local/remote/split) in '
+                          f'train_loader.streams')
             raise ConfigError(
                 f'{where}: its data changed since the checkpoint ({"; ".join(changes)}); what '
                 f'is trained cannot change (the checkpoint trained {trained} batches of it). '
@@ -307,3 +310,13 @@ def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str
 
     run, _ = plan_run(config, batch_size, max_duration, topology, where)
     return build_run_loader(run, batch_size, composer_epochs)
+
+
+def _weights_yaml(fingerprint: dict[str, Any]) -> str:
+    """A fingerprint's stream weights as a YAML flow mapping: ``{a: {repeat: 1.0}, ...}``."""
+    parts = []
+    for name, stream in fingerprint['streams'].items():
+        weights = ', '.join(f'{k}: {stream[k]}' for k in ('repeat', 'proportion', 'choose')
+                            if stream.get(k) is not None)
+        parts.append(f'{name}: {{{weights}}}')
+    return '{' + ', '.join(parts) + '}'

@@ -295,6 +295,11 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         now = new['knobs'].get(key, _OPTIONAL_KNOBS.get(key))
         if now != value:
             out.append(f'{key} {value!r} -> {now!r}')
+    common = [n for n in old['streams'] if n in new['streams']]
+    if common != [n for n in new['streams'] if n in old['streams']]:
+        # streaming numbers samples stream by stream in config order: a new order is new data
+        out.append(f'stream order {", ".join(common)} -> '
+                   f'{", ".join(n for n in new["streams"] if n in old["streams"])}')
     for name in sorted(set(old['streams']) | set(new['streams'])):
         if name not in new['streams']:
             out.append(f'stream {name} removed')

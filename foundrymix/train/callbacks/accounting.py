@@ -162,16 +162,16 @@ class StreamAccounting(Callback):
         """Continue the checkpoint's counters, by stream name.
 
         The run's streams may have grown since the checkpoint (a stage appended with a
-        stream the run had not used): those start at zero. A stream the checkpoint counted
+        stream the run had not used): those come after the checkpoint's (run-wide stream
+        ids are in order of first use) and start at zero. A stream the checkpoint counted
         is never dropped -- the stages that trained it are immutable, so it is still in the
         run's plan; if not, the resume check has already refused the config.
         """
         old = list(state['stream_names'])
-        gone = [n for n in old if n not in self.stream_names]
-        if gone:
+        if self.stream_names[:len(old)] != old:  # streams are numbered in order of first use
             raise ValueError(f'checkpoint counts streams {old}, this run has {self.stream_names}: '
-                             f'{gone} trained before and missing now (resuming a different mixture)')
-        cols = [self.stream_names.index(n) for n in old]
+                             f'resuming a different mixture')
+        cols = list(range(len(old)))
 
         def widen(rows: Any) -> np.ndarray:
             rows = np.array(rows, dtype=np.int64).reshape(-1, len(old))
