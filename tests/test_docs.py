@@ -282,3 +282,19 @@ def test_the_extractor_sees_markers_and_unmarked_blocks(tmp_path):
     got = [(b.line, b.lang, b.kind, b.arg) for b in extract_blocks(page)]
     assert got == [(3, 'bash', None, ''), (8, 'yaml', 'from', 'yamls/demo.yaml'),
                    (12, 'bash', 'example, not run', 'needs S3')]
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_images_exist(page):
+    """Pages moved into docs/: every relative link (and the curriculum picture) resolves."""
+    text = page.read_text(encoding='utf-8')
+    targets = re.findall(r'\]\((?!https?://)([^)#\s]+)', text)
+    missing = [t for t in targets if not (page.parent / t).exists()]
+    assert not missing, f'{page.name}: links to missing files: {missing}'
+
+
+def test_readme_gives_the_two_setup_commands():
+    """CI runs "the README's test command" (.ci/run: ``bash scripts/test.sh``) on a fresh clone."""
+    quick = next(b for b in extract_blocks(ROOT / 'README.md') if 'scripts/demo.sh' in b.body)
+    assert [w[:2] for w in commands(quick.body)] == [['bash', 'scripts/demo.sh'], ['bash', 'scripts/test.sh']]
+    assert 'bash scripts/test.sh' in (ROOT / '.ci' / 'run').read_text()
