@@ -41,6 +41,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
+from foundrymix.errors import FoundrymixError
+
 EXCLUSIVE = 'exclusive'
 SHARED = 'shared'
 #: longest command line recorded for a holder
@@ -93,7 +95,7 @@ class Holder:
         return f'{self.who()}: {self.cmd}' if self.cmd else self.who()
 
 
-class Busy(ValueError):
+class Busy(FoundrymixError, ValueError):
     """``path`` is held by other live runs (``holders``; empty when none could be named)."""
 
     def __init__(self, path: str, mode: str, holders: list[Holder]) -> None:

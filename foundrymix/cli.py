@@ -11,6 +11,8 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
+from foundrymix.errors import FoundrymixError
+
 # module path -> registers one or more subcommands
 SUBCOMMAND_MODULES = (
     'foundrymix.convert.cli',
@@ -50,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print('interrupted', file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        # User-facing errors carry file/line/field in their message; no traceback.
+    except (FoundrymixError, FileNotFoundError, FileExistsError, PermissionError) as e:
+        # User-facing errors carry file/line/field in their message; no traceback. (An OS
+        # error about a file names it.) Any other exception -- a ValueError included -- is a
+        # bug, and keeps its traceback.
         print(f'foundrymix {args.command}: error: {e}', file=sys.stderr)
         return 2
 

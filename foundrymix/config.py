@@ -23,8 +23,10 @@ import types
 import typing
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
 
+from foundrymix.errors import FoundrymixError, MissingError
 
-class ConfigError(ValueError):
+
+class ConfigError(FoundrymixError, ValueError):
     """A config cannot run; the message names the offending key path (and file)."""
 
 
@@ -49,7 +51,7 @@ def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     from omegaconf.errors import OmegaConfBaseException
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f'{path}: no such config file')
+        raise MissingError(f'{path}: no such config file')
     pairs = []
     for item in overrides:
         if '=' not in item:

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from foundrymix.errors import MissingError
 from foundrymix.schema import CorruptRowError, Manifest, decode_row
 
 NO_LOSS_OPEN, NO_LOSS_CLOSE = '⟦', '⟧'
@@ -105,7 +106,7 @@ def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None
             download(f'{url}/{basename}', os.path.join(directory, basename), timeout)
         except ConnectionError as e:
             if is_not_found(e):
-                raise FileNotFoundError(f'{url}/{basename}: no {what} ({e}). Is {url!r} a directory '
+                raise MissingError(f'{url}/{basename}: no {what} ({e}). Is {url!r} a directory '
                                         f'made by `foundrymix convert`?') from e
             raise
 

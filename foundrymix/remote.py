@@ -43,6 +43,8 @@ from typing import Any, Optional
 
 from streaming.base.storage.download import CloudDownloader, S3Downloader
 
+from foundrymix.errors import FoundrymixError
+
 logger = logging.getLogger(__name__)
 
 #: attempts per file at most (each also bounded by the file's deadline)
@@ -66,7 +68,7 @@ def endpoint() -> str:
     return os.environ.get('S3_ENDPOINT_URL') or 'AWS S3 (no S3_ENDPOINT_URL set)'
 
 
-class RemoteError(ConnectionError):
+class RemoteError(FoundrymixError, ConnectionError):
     """A remote file could not be read; the message names the URL, the cause and what to check.
 
     ``kind`` is one of not_found, no_bucket, credentials, access_denied, unreachable,

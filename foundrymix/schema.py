@@ -36,6 +36,8 @@ from typing import Any, Literal, Optional
 
 import numpy as np
 
+from foundrymix.errors import FoundrymixError, MissingError, UserError
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = 'foundrymix.json'
 IGNORE_INDEX = -100
@@ -155,18 +157,18 @@ class Manifest:
         """Read the manifest of a local shard directory; a clear error if it is missing."""
         path = os.path.join(directory, MANIFEST_NAME)
         if not os.path.isfile(path):
-            raise FileNotFoundError(
+            raise MissingError(
                 f'{path}: no foundrymix manifest. Is {directory!r} a foundrymix output directory '
                 f'(made by `foundrymix convert`)?')
         with open(path, encoding='utf-8') as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f'{path}: manifest is not valid JSON: {e}') from e
+                raise UserError(f'{path}: manifest is not valid JSON: {e}') from e
         try:
             return cls.from_dict(data)
         except (KeyError, TypeError) as e:
-            raise ValueError(f'{path}: manifest is missing or has a bad field: {e}') from e
+            raise UserError(f'{path}: manifest is missing or has a bad field: {e}') from e
 
 
 def encode_row(input_ids: np.ndarray, loss_spans: list[tuple[int, int]] | np.ndarray,
@@ -180,7 +182,7 @@ def encode_row(input_ids: np.ndarray, loss_spans: list[tuple[int, int]] | np.nda
     }
 
 
-class CorruptRowError(ValueError):
+class CorruptRowError(FoundrymixError, ValueError):
     """A stored row that cannot be read or breaks the schema, named by stream, shard and row.
 
     Raised where rows are read (``MixedDataset``, ``foundrymix inspect --decode``,

@@ -31,12 +31,14 @@ from typing import Any, Iterator, Literal, Optional
 
 import numpy as np
 
+from foundrymix.errors import FoundrymixError
+
 INDEX_NAME = 'index.json'
 #: the only streaming index version (streaming 0.13 reads only this one)
 INDEX_VERSION = 2
 
 
-class IndexFileError(ValueError):
+class IndexFileError(FoundrymixError, ValueError):
     """``index.json`` is missing, not JSON, or not a streaming MDS index; names the file."""
 
 
@@ -138,7 +140,7 @@ class ShardProblem:
         return self.describe()
 
 
-class ShardFilesError(ValueError):
+class ShardFilesError(FoundrymixError, ValueError):
     """Shard files missing or of the wrong size; ``problems`` lists them (:class:`ShardProblem`)."""
 
     def __init__(self, text: str, problems: Optional[list[ShardProblem]] = None) -> None:

@@ -20,13 +20,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from foundrymix.errors import FoundrymixError
 from foundrymix.schema import TokenizerInfo
 
 BUNDLED_DIR = Path(__file__).resolve().parent / 'assets' / 'tokenizers'
 DEMO_TOKENIZER = 'foundrymix-bpe-8k'
 
 
-class TokenizerError(ValueError):
+class TokenizerError(FoundrymixError, ValueError):
     """A tokenizer could not be loaded offline."""
 
 

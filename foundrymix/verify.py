@@ -35,6 +35,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
+from foundrymix.errors import MissingError
 from foundrymix.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
 from foundrymix.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
                                row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
@@ -162,7 +163,7 @@ def verify(location: str, timeout: float = DEFAULT_TIMEOUT,
     ``on_shard`` is called with each shard's report as soon as it is done.
     """
     if not is_remote(location) and not os.path.isdir(location):
-        raise FileNotFoundError(f'{location}: no such directory')
+        raise MissingError(f'{location}: no such directory')
     source = _Source(location, timeout)
     try:
         return _verify(source, on_shard)
@@ -174,7 +175,7 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
     report = VerifyReport(location=source.location)
     manifest_path = source.fetch(MANIFEST_NAME)
     if manifest_path is None:
-        raise FileNotFoundError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; is '
+        raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; is '
                                 f'{source.location!r} a directory made by `foundrymix convert`?')
     try:
         manifest = Manifest.read(os.path.dirname(manifest_path))

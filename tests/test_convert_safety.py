@@ -229,9 +229,11 @@ def test_two_cli_conversions_into_one_out(tmp_path, arxiv_jsonl):
     assert codes == [0, 2], results
     err = next(e for rc, e in results if rc == 2)
     assert 'Traceback' not in err and err.startswith('foundrymix convert: error: '), err
-    # normally both run at once and the later one fails at its rename; if the first was
-    # done before the second started, the second is refused up front
-    assert 'output directory appeared while converting' in err or 'not empty; pass --overwrite' in err
+    # normally both run at once and the later one is refused up front by the first one's
+    # claim on --out (foundrymix.claims); if the first was done before the second started,
+    # it is refused as a non-empty --out; the rename check is the last line of defence
+    assert ('is in use by a live run' in err or 'output directory appeared while converting' in err
+            or 'not empty; pass --overwrite' in err), err
     assert sorted(os.listdir(tmp_path)) == ['big.jsonl', 'out']
     m = Manifest.read(str(out))
     assert len(read_rows(out)) == m.counts.rows > 0

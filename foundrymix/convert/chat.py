@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from foundrymix.convert.readers import BadRecord, get_string, type_name
+from foundrymix.errors import UserError
 
 #: roles every chat template handles (see :func:`allowed_roles`)
 CHAT_ROLES = ('system', 'user', 'assistant')
@@ -83,12 +84,12 @@ def _template_segments(messages: list[dict], trained: set[int], loss_on_prompt: 
             head = render(messages[:i], True)
             full = render(messages[:i + 1], False)
             if not head.startswith(done) or not full.startswith(head):
-                raise ValueError('chat template is not prefix-stable; cannot locate assistant turns')
+                raise UserError('chat template is not prefix-stable; cannot locate assistant turns')
             segs += [(head[len(done):], loss_on_prompt), (full[len(head):], loss_on_prompt or i in trained)]
         else:
             full = render(messages[:i + 1], False)
             if not full.startswith(done):
-                raise ValueError('chat template is not prefix-stable; cannot locate assistant turns')
+                raise UserError('chat template is not prefix-stable; cannot locate assistant turns')
             segs.append((full[len(done):], loss_on_prompt))
         done = full
     return segs

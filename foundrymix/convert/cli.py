@@ -14,6 +14,7 @@ from foundrymix.convert.finetune import CHAT_LOSS, TOO_LONG, FinetuneOptions, co
 from foundrymix.convert.paths import is_url
 from foundrymix.convert.pipeline import PARALLEL_MODES
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+from foundrymix.errors import UserError
 from foundrymix.tokenizer import DEMO_TOKENIZER
 
 
@@ -144,7 +145,7 @@ def _out(args: argparse.Namespace) -> Any:
     if args.keep_local is None:
         return args.out
     if not is_url(args.out):
-        raise ValueError(f'--keep-local {args.keep_local}: only with --out s3://bucket/prefix '
+        raise UserError(f'--keep-local {args.keep_local}: only with --out s3://bucket/prefix '
                          f'(--out {args.out} is already local)')
     return (args.keep_local, args.out)
 

@@ -18,6 +18,7 @@ from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importi
 from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, split_out
 from foundrymix.convert.discover import discover_inputs
 from foundrymix.convert.writer import DEFAULT_HASH, check_hashes, check_output_dir
+from foundrymix.errors import UserError
 from foundrymix.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
@@ -99,20 +100,20 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     ``min_content`` is how many non-special tokens a row must at least have room for.
     """
     if options.on_error not in ON_ERROR:
-        raise ValueError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
+        raise UserError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
     if options.workers < 0:
-        raise ValueError(f'--workers must be >= 0 (0 = all cores), got {options.workers}')
+        raise UserError(f'--workers must be >= 0 (0 = all cores), got {options.workers}')
     if options.parallel is not None and options.parallel not in PARALLEL_MODES:
-        raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, "
+        raise UserError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, "
                          f"got {options.parallel!r}")
     if options.engine not in ENGINES:
-        raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
+        raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
     if options.ray_task_bytes <= 0:
-        raise ValueError(f'ray_task_bytes must be positive, got {options.ray_task_bytes}')
+        raise UserError(f'ray_task_bytes must be positive, got {options.ray_task_bytes}')
     if options.preprocess is not None:
         load_preprocess(options.preprocess)  # fails fast, naming the function
     if options.chunk_bytes <= 0:
-        raise ValueError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
+        raise UserError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
     output = split_out(out)
     check_input_urls(inputs)
     local = output.local
@@ -132,12 +133,12 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     info = tokenizer_info(tok)
     use_bos = info.add_bos if options.bos is None else options.bos
     if use_bos and info.bos_id is None:
-        raise ValueError(f'--bos: tokenizer {info.name!r} has no BOS token')
+        raise UserError(f'--bos: tokenizer {info.name!r} has no BOS token')
     bos_id = info.bos_id if use_bos else None
     eos_id = info.eos_id if options.eos else None
     n_special = (bos_id is not None) + (eos_id is not None)
     if options.max_seq_len < n_special + min_content:
-        raise ValueError(
+        raise UserError(
             f'--max-seq-len {options.max_seq_len} is too small: each sequence needs {n_special} '
             f'special token(s) (BOS/EOS) and at least {min_content} more')
     return Setup(inputs=resolved, tokenizer=tok, info=info, token_dtype=token_dtype_for(info.vocab_size),

@@ -16,6 +16,7 @@ import json
 import os
 from typing import Optional, Sequence
 
+from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.schema import MANIFEST_NAME
 
 JSONL_SUFFIXES = ('.jsonl', '.json', '.ndjson')
@@ -27,7 +28,7 @@ OUTPUT_MARKERS = (MANIFEST_NAME, 'index.json')
 COMPRESSED_SUFFIXES = ('.gz', '.zst')
 TEXT_SUFFIXES = ('.txt',)
 PARQUET_SUFFIXES = ('.parquet',)
-class InputNotFoundError(FileNotFoundError):
+class InputNotFoundError(FoundrymixError, FileNotFoundError):
     """An input path or glob matches nothing."""
 
 
@@ -36,21 +37,21 @@ def input_format(path: str) -> str:
     if os.path.isdir(path):
         if _is_hf_dataset(path):
             return 'hf'
-        raise ValueError(f'{path}: a directory is not a single input (expected a dataset saved '
+        raise UserError(f'{path}: a directory is not a single input (expected a dataset saved '
                          f'with `datasets.save_to_disk`)')
     name = path.lower()
     if name.endswith(COMPRESSED_SUFFIXES):
         base = name.rsplit('.', 1)[0]
         if base.endswith(JSONL_SUFFIXES):
             return 'jsonl_stream'
-        raise ValueError(f'{path}: only compressed jsonl is supported (.jsonl.gz, .jsonl.zst)')
+        raise UserError(f'{path}: only compressed jsonl is supported (.jsonl.gz, .jsonl.zst)')
     if name.endswith(JSONL_SUFFIXES):
         return 'jsonl'
     if name.endswith(TEXT_SUFFIXES):
         return 'txt'
     if name.endswith(PARQUET_SUFFIXES):
         return 'parquet'
-    raise ValueError(f'{path}: unsupported input type (expected .jsonl[.gz|.zst], .txt, .parquet '
+    raise UserError(f'{path}: unsupported input type (expected .jsonl[.gz|.zst], .txt, .parquet '
                      f'or a dataset saved to disk)')
 
 
@@ -115,7 +116,7 @@ def _refuse_output_dir(spec: str, directory: str) -> None:
     if marker is not None:
         what = 'a foundrymix output directory' if marker == MANIFEST_NAME else 'an MDS output directory'
         where = spec if os.path.isdir(spec) else directory
-        raise ValueError(f'{spec}: {"" if where == spec else f"in {where}, "}{what} (it holds {marker}), '
+        raise UserError(f'{spec}: {"" if where == spec else f"in {where}, "}{what} (it holds {marker}), '
                          f'not an input; give the raw corpus instead')
 
 
@@ -134,7 +135,7 @@ def check_json_lines(path: str) -> None:
             except ValueError:
                 ok = False
             if not ok:
-                raise ValueError(f'{path}: not JSON Lines (its first line is not a whole JSON object; '
+                raise UserError(f'{path}: not JSON Lines (its first line is not a whole JSON object; '
                                  f'a pretty-printed JSON document or an array?); write one object per '
                                  f'line (.jsonl)')
             return
@@ -154,7 +155,7 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list
     ``exclude`` are never read; naming an output directory or a file in one is an error.
     """
     if not specs:
-        raise ValueError('no inputs given')
+        raise UserError('no inputs given')
     resolved: list[str] = []
     for spec in specs:
         if glob.has_magic(spec):
@@ -169,7 +170,7 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list
         else:
             raise InputNotFoundError(f'{spec}: no such file or directory')
         if not paths:
-            raise ValueError(f'{spec}: no supported input files found (.jsonl[.gz|.zst], .ndjson, .txt, '
+            raise UserError(f'{spec}: no supported input files found (.jsonl[.gz|.zst], .ndjson, .txt, '
                              f'.parquet, datasets saved to disk; .json only when named)')
         for p in paths:
             if p.lower().endswith('.json'):

@@ -26,6 +26,7 @@ from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, appl
 from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_records
 from foundrymix.convert.report import check_rows, print_summary
 from foundrymix.convert.writer import ShardWriter
+from foundrymix.errors import UserError
 from foundrymix.schema import Manifest
 from foundrymix.tokenizer import load_tokenizer
 
@@ -175,7 +176,7 @@ def claim_output(local: Optional[str]) -> Optional[claims.Claim]:
     try:
         return claims.try_claim(path, claims.EXCLUSIVE)
     except claims.Busy as e:
-        raise ValueError(f'--out {local}: {path} is in use by a live run, {claims.describe(e.holders)}; '
+        raise UserError(f'--out {local}: {path} is in use by a live run, {claims.describe(e.holders)}; '
                          f'writing there now would corrupt what it reads. Wait for that run to end, '
                          f'or choose another --out') from None
 
@@ -231,7 +232,7 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
         finally:
             seconds = progress.close()
         if manifest.counts.documents_read == 0:
-            raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
+            raise UserError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
         builder.close()
         check_rows(manifest)
         writer.finish(manifest)

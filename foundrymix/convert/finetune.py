@@ -45,6 +45,7 @@ from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.packing import Packer, build_row
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
+from foundrymix.errors import UserError
 from foundrymix.schema import Manifest
 
 __all__ = ['CHAT_LOSS', 'TOO_LONG', 'FinetuneOptions', 'Packer', 'convert_finetune']
@@ -329,10 +330,10 @@ def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions
     """Convert finetuning data in ``inputs`` to MDS shards plus manifest in ``out`` (a local
     directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair)."""
     if options.too_long not in TOO_LONG:
-        raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {options.too_long!r}")
+        raise UserError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {options.too_long!r}")
     if options.chat_loss not in CHAT_LOSS:
-        raise ValueError(f"--chat-loss must be one of {', '.join(CHAT_LOSS)}, got {options.chat_loss!r}")
+        raise UserError(f"--chat-loss must be one of {', '.join(CHAT_LOSS)}, got {options.chat_loss!r}")
     if options.pack_window < 1:
-        raise ValueError(f'pack_window must be >= 1, got {options.pack_window}')
+        raise UserError(f'pack_window must be >= 1, got {options.pack_window}')
     _templates(options)  # a bad template fails before any work
     return convert(FINETUNE, inputs, out, options)

@@ -41,6 +41,7 @@ from functools import lru_cache
 from typing import Any, Callable, Optional
 
 from foundrymix.convert.readers import BadRecord, fields_of, type_name
+from foundrymix.errors import FoundrymixError, UserError
 
 _NAME = r'[A-Za-z_][A-Za-z0-9_\-]*'
 _FIELD = re.compile(rf'({_NAME})((?:\.{_NAME}|\[-?\d+\]|\[{_NAME}\])*)$')
@@ -50,7 +51,7 @@ _STEP = re.compile(rf'\.({_NAME})|\[(-?\d+)\]|\[({_NAME})\]')
 PREPROCESS_SKIPPED = 'preprocess_skipped'
 
 
-class TemplateError(ValueError):
+class TemplateError(FoundrymixError, ValueError):
     """A template that cannot be parsed (raised before any work starts)."""
 
 
@@ -182,17 +183,17 @@ def load_preprocess(spec: str) -> Callable[[dict], Any]:
     """Import ``module:function`` (the current directory first on ``sys.path``); errors name it."""
     module_name, sep, func_name = spec.partition(':')
     if not sep or not module_name or not func_name:
-        raise ValueError(f"--preprocess {spec!r}: expected module:function, e.g. my_prep:to_prompt")
+        raise UserError(f"--preprocess {spec!r}: expected module:function, e.g. my_prep:to_prompt")
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f'--preprocess {spec!r}: cannot import module {module_name!r}: {e}') from None
+        raise UserError(f'--preprocess {spec!r}: cannot import module {module_name!r}: {e}') from None
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise ValueError(f'--preprocess {spec!r}: module {module_name!r} has no function {func_name!r}')
+        raise UserError(f'--preprocess {spec!r}: module {module_name!r} has no function {func_name!r}')
     return func
 
 

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from foundrymix.errors import UserError
+
 #: ``extra_bytes_per_sample`` of MDSWriter: a sample's offset in the shard header
 _OFFSET_BYTES = 4
 #: streaming's ``bytes_to_int`` units
@@ -44,7 +46,7 @@ def size_limit_bytes(value: int | float | str) -> int:
             return int(text[:-1])
         if text.isdigit():
             return int(text)
-    raise ValueError(f"Unsupported value/suffix {text}. Supported suffix are {['b', *_UNITS]}.")
+    raise UserError(f"Unsupported value/suffix {text}. Supported suffix are {['b', *_UNITS]}.")
 
 
 def hash_function(algo: str) -> Any:
@@ -99,9 +101,9 @@ class LeanMDSWriter:
                  size_limit: Optional[int | str] = 1 << 26) -> None:
         limit = size_limit_bytes(size_limit) if size_limit else None
         if limit is not None and limit < 0:
-            raise ValueError(f'`size_limit` must be greater than zero, instead, found as {limit}.')
+            raise UserError(f'`size_limit` must be greater than zero, instead, found as {limit}.')
         if limit is not None and limit >= 2**32:
-            raise ValueError(f'`size_limit` must be less than 2**32, instead, found as {limit}.')
+            raise UserError(f'`size_limit` must be less than 2**32, instead, found as {limit}.')
         self.out = out
         os.makedirs(out, exist_ok=False)
         self.hashes = list(hashes or [])

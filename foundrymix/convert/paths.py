@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from foundrymix.errors import FoundrymixError
+
 _URL = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
 #: ``--out`` that is a URL missing a slash: a first path component like ``s3:`` or ``gs:``
 #: (``s3:/bucket``; two letters or more, so no drive letter), or a known scheme glued to the
@@ -34,7 +36,7 @@ _KNOWN_SCHEMES = ('s3', 'gs', 'gcs', 'az', 'abfs', 'abfss', 'wasb', 'wasbs', 'oc
 _GLUED_URL = re.compile(rf"^(?P<scheme>{'|'.join(_KNOWN_SCHEMES)}):(?P<rest>[^/].*)$", re.IGNORECASE)
 
 
-class UnsafePathsError(ValueError):
+class UnsafePathsError(FoundrymixError, ValueError):
     """``--out`` and the inputs overlap, or a path is a URL (nothing was read or written)."""
 
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.readers import Chunk, InputError, describe, location
+from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.schema import SKIP_LOCATIONS, Manifest
 
 PARALLEL_MODES = ('threads', 'processes')
@@ -86,7 +87,7 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class WorkerDied(ValueError):
+class WorkerDied(FoundrymixError, ValueError):
     """A worker process died (killed by a signal, or ``sys.exit``/``os._exit``) mid-conversion.
 
     A ``ValueError`` so that the CLI prints it as its one-line error (exit 2): the
@@ -258,7 +259,7 @@ class ordered_map:
     def __init__(self, fn: Callable[[Chunk], Any], chunks: Iterable[Chunk], workers: int,
                  initializer: Callable[..., None], initargs: tuple, mode: str = 'threads') -> None:
         if mode not in PARALLEL_MODES:
-            raise ValueError(f"parallel mode must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
+            raise UserError(f"parallel mode must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
         self.fn = fn
         self.chunks = iter(chunks)
         self.pool: Optional[ProcessPool] = None

@@ -30,6 +30,7 @@ from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, conver
 from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.readers import BadRecord, Chunk, get_string
+from foundrymix.errors import UserError
 from foundrymix.schema import Manifest, encode_row
 
 
@@ -176,6 +177,6 @@ def convert_pretrain(inputs: list[str], out: 'OutSpec', options: PretrainOptions
     """Convert pretraining corpora in ``inputs`` to MDS shards plus manifest in ``out`` (a local
     directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair)."""
     if options.bos is False and not options.eos:
-        raise ValueError('--no-bos with --no-eos would join documents with no separator; '
+        raise UserError('--no-bos with --no-eos would join documents with no separator; '
                          'keep at least one of BOS and EOS')
     return convert(PRETRAIN, inputs, out, options)

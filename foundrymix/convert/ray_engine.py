@@ -62,6 +62,7 @@ from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
 from foundrymix.convert.upload import shard_file
 from foundrymix.convert.writer import _FINISH, ShardWriter
+from foundrymix.errors import UserError
 from foundrymix.schema import Counts, Manifest, mds_columns
 
 if TYPE_CHECKING:
@@ -358,7 +359,7 @@ def run(converter: 'Converter', setup: Setup, out: Optional[str], options: Conve
                 seconds = progress.close()
             _apply_results(results, kept, options, manifest)
             if manifest.counts.documents_read == 0:
-                raise ValueError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
+                raise UserError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
             check_rows(manifest)
             output.publish(manifest, len(kept))
         return seconds, output.upload_summary

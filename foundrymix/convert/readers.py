@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 from foundrymix.convert.discover import input_format
+from foundrymix.errors import FoundrymixError, UserError
 
 #: how many .txt documents one chunk holds (one document per file)
 TXT_FILES_PER_CHUNK = 64
@@ -34,7 +35,7 @@ TXT_FILES_PER_CHUNK = 64
 HF_ROWS_PER_CHUNK = 2048
 
 
-class InputError(ValueError):
+class InputError(FoundrymixError, ValueError):
     """An input record is unusable; the message names file, line (or row) and field."""
 
     def __init__(self, location: str, reason: str, detail: str) -> None:
@@ -211,7 +212,7 @@ def _load_hf(path: str) -> Any:
         from datasets import load_from_disk
         ds = load_from_disk(path)
         if not hasattr(ds, 'column_names') or isinstance(ds.column_names, dict):
-            raise ValueError(f'{path}: expected a single dataset split, got a DatasetDict')
+            raise UserError(f'{path}: expected a single dataset split, got a DatasetDict')
         _HF_CACHE[path] = ds
     return _HF_CACHE[path]
 

@@ -8,6 +8,7 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
+from foundrymix.errors import FoundrymixError
 from foundrymix.schema import Manifest
 
 
@@ -111,7 +112,7 @@ def too_long_warning(manifest: Manifest, fit_95: Optional[int]) -> Optional[str]
             f'the rest are lost (counted as dropped: truncated_tokens).')
 
 
-class EmptyOutputError(ValueError):
+class EmptyOutputError(FoundrymixError, ValueError):
     """A conversion would write no rows; nothing is published (see :func:`check_rows`)."""
 
 

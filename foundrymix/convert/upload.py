@@ -51,6 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from foundrymix.errors import FoundrymixError
 from foundrymix.schema import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ MAX_PENDING = 2 * UPLOAD_THREADS
 DEFAULT_ATTEMPTS = 8
 
 
-class RemoteOutputError(ValueError):
+class RemoteOutputError(FoundrymixError, ValueError):
     """The S3 output prefix cannot be written (named, with the S3 error code), or is not empty."""
 
 

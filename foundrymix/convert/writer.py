@@ -40,12 +40,13 @@ from foundrymix.convert.paths import check_out_url
 from foundrymix.convert.pipeline import importing
 from foundrymix.convert.upload import (INDEX_NAME, SHARD_NAME, RemoteOutputError, S3Target, Uploader,
                                        index_files, shard_file)
+from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.schema import MANIFEST_NAME, Manifest, mds_columns
 
 logger = logging.getLogger(__name__)
 
 
-class OutputExistsError(FileExistsError):
+class OutputExistsError(FoundrymixError, FileExistsError):
     """The output directory exists and is not empty, and ``overwrite`` was not given; or it
     holds files foundrymix did not write, which ``overwrite`` never replaces."""
 
@@ -163,7 +164,7 @@ def check_hashes(algos: list[str]) -> None:
     known = supported_hashes()
     unknown = [a for a in algos if a not in known]
     if unknown:
-        raise ValueError(f"--hash {unknown[0]!r} is not a hash streaming supports "
+        raise UserError(f"--hash {unknown[0]!r} is not a hash streaming supports "
                          f"(choose from {', '.join(sorted(known))})")
 
 

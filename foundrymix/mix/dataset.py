@@ -33,10 +33,11 @@ from typing import Any, Iterator, Optional, Sequence
 
 from streaming import StreamingDataset
 
+from foundrymix.errors import FoundrymixError
 from foundrymix.schema import CorruptRowError, check_row, decode_row
 
 
-class ShardPrepareError(ValueError):
+class ShardPrepareError(FoundrymixError, ValueError):
     """streaming could not download, decompress or hash-check a shard; names stream and shard.
 
     Re-raised by torch in the main process as ``ShardPrepareError(worker text)``; the

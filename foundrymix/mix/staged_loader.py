@@ -167,6 +167,9 @@ class StagedPosition(IterableDataset):
         # A stage may grow (extending a finished run continues its mixture's epochs; a later
         # stage that was trained would move, which the start-batch check refuses) but never
         # shrink below what it trained.
+        if new.batches < trained and finished:
+            raise ConfigError(f'{where}: finished with {old["batches"]} batches, now '
+                              f'{new.batches}; what is trained cannot be undone')
         if new.batches < trained:
             raise ConfigError(f'{where}: now {new.batches} batches, but the checkpoint already '
                               f'trained {trained} of it; what is trained cannot be undone')

@@ -23,6 +23,7 @@ from composer.utils import dist, format_name_with_dist, reproducibility
 
 from foundrymix import claims, s3_retries
 from foundrymix.config import ConfigError
+from foundrymix.errors import ExistsError, MissingError
 from foundrymix.mix.mixer import StreamMixer
 from foundrymix.mix.staged_loader import StagedDataLoader, build_run_loader
 from foundrymix.mix.stages import RunPlan
@@ -101,7 +102,7 @@ def _share_cpu_threads(device: str) -> None:
 def _check_load_path(cfg: TrainConfig) -> None:
     path = cfg.load_path
     if path and '://' not in path and not os.path.exists(path):
-        raise FileNotFoundError(f'load_path: {path}: no such checkpoint')
+        raise MissingError(f'load_path: {path}: no such checkpoint')
 
 
 def _resume_kwargs(cfg: TrainConfig) -> dict[str, Any]:
@@ -334,7 +335,7 @@ def train(cfg: TrainConfig) -> TrainRun:
             # says "set overwrite=True", a key this config does not have: name the ones it has.
             if 'may conflict with a future checkpoint' not in str(e):
                 raise
-            raise FileExistsError(f'{e} ({cfg.save_folder} holds an earlier run\'s checkpoints: '
+            raise ExistsError(f'{e} ({cfg.save_folder} holds an earlier run\'s checkpoints: '
                                   f'save_overwrite=true replaces them, autoresume=true continues it if it '
                                   f'did not finish, or choose another save_folder)') from None
         run.trainer.close()

@@ -21,10 +21,12 @@ import argparse
 import os
 from typing import Any
 
+from foundrymix.errors import ExistsError, FoundrymixError, MissingError
+
 PREFIX = 'model.'  # the CausalLM wrapper's attribute holding the transformers model
 
 
-class ExportError(ValueError):
+class ExportError(FoundrymixError, ValueError):
     """The checkpoint cannot be exported (what and why in the message)."""
 
 
@@ -50,7 +52,7 @@ def load_checkpoint_state(path: str) -> dict[str, Any]:
     import torch
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f'{path}: no such checkpoint file')
+        raise MissingError(f'{path}: no such checkpoint file')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=False)
     except Exception as e:  # a tar of shards, a truncated file, not a checkpoint at all
@@ -108,7 +110,7 @@ def find_tokenizer(info: dict[str, Any]) -> Any:
 def export_to_hf(checkpoint: str, out: str, overwrite: bool = False) -> str:
     """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``."""
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise FileExistsError(f'{out}: exists and is not empty (use --overwrite)')
+        raise ExistsError(f'{out}: exists and is not empty (use --overwrite)')
     state = load_checkpoint_state(checkpoint)
     info = model_info(state, checkpoint)
     model = hf_model_from_state(state, info)

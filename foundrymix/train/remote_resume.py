@@ -18,6 +18,8 @@ import os
 import tempfile
 from typing import Optional
 
+from foundrymix.errors import UserError
+
 LATEST = 'latest-rank0.pt.symlink'  # Composer's save_latest_filename for rank 0, plus '.symlink'
 
 
@@ -35,7 +37,7 @@ def latest_checkpoint(save_folder: str) -> Optional[str]:
 
     store = maybe_create_object_store_from_uri(save_folder)
     if store is None:
-        raise ValueError(f'save_folder {save_folder!r}: not an object store URI Composer can write to')
+        raise UserError(f'save_folder {save_folder!r}: not an object store URI Composer can write to')
     _, _, prefix = parse_uri(save_folder)
     key = f"{prefix.strip('/')}/{LATEST}" if prefix.strip('/') else LATEST
     with tempfile.TemporaryDirectory(prefix='fmx-autoresume-') as tmp:
@@ -45,13 +47,13 @@ def latest_checkpoint(save_folder: str) -> Optional[str]:
         except FileNotFoundError:
             return None
         except Exception as e:  # credentials, endpoint, permissions: say where and what
-            raise RuntimeError(f'autoresume: cannot read {store.get_uri(key)}: {type(e).__name__}: {e}. '
+            raise UserError(f'autoresume: cannot read {store.get_uri(key)}: {type(e).__name__}: {e}. '
                                f'Check the credentials and S3_ENDPOINT_URL, and that save_folder '
                                f'{save_folder!r} is right') from e
         with open(local, encoding='utf-8') as f:
             target = f.read().strip()
     if not target:
-        raise RuntimeError(f'autoresume: {store.get_uri(key)} is empty (it should name the latest checkpoint)')
+        raise UserError(f'autoresume: {store.get_uri(key)} is empty (it should name the latest checkpoint)')
     return store.get_uri(target)
 
 

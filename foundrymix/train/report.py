@@ -20,6 +20,8 @@ import json
 import os
 from typing import Any, Optional
 
+from foundrymix.errors import MissingError, UserError
+
 SUMMARY_NAME = 'stream_accounting.json'
 PLOT_NAME = 'stream_accounting.png'
 
@@ -122,14 +124,14 @@ def load_summary(path: str) -> tuple[dict[str, Any], str]:
     """``path`` is a report directory or its ``stream_accounting.json``: (summary, report dir)."""
     file = summary_path(path) if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise FileNotFoundError(f'{file}: no such file (expected a report directory or its {SUMMARY_NAME})')
+        raise MissingError(f'{file}: no such file (expected a report directory or its {SUMMARY_NAME})')
     with open(file, encoding='utf-8') as f:
         try:
             summary = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f'{file}: not JSON: {e}') from None
+            raise UserError(f'{file}: not JSON: {e}') from None
     if not isinstance(summary, dict) or not isinstance(summary.get('streams'), dict):
-        raise ValueError(f"{file}: not a stream accounting summary (no 'streams' mapping)")
+        raise UserError(f"{file}: not a stream accounting summary (no 'streams' mapping)")
     return summary, os.path.dirname(os.path.abspath(file))
 
 

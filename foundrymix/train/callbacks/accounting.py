@@ -15,6 +15,7 @@ from composer.core import Callback, State, Time, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 
+from foundrymix.errors import UserError
 from foundrymix.schema import IGNORE_INDEX
 from foundrymix.train import report
 
@@ -27,7 +28,7 @@ def interval_hit(timestamp: Any, interval: Time) -> bool:
         return int(timestamp.batch) % interval.value == 0
     if interval.unit == TimeUnit.EPOCH:
         return int(timestamp.batch_in_epoch) == 0
-    raise ValueError(f'log interval must be in batches or epochs, got {interval}')
+    raise UserError(f'log interval must be in batches or epochs, got {interval}')
 
 
 def count(batch: Mapping[str, torch.Tensor], n_streams: int) -> torch.Tensor:
@@ -169,7 +170,7 @@ class StreamAccounting(Callback):
         """
         old = list(state['stream_names'])
         if self.stream_names[:len(old)] != old:  # streams are numbered in order of first use
-            raise ValueError(f'checkpoint counts streams {old}, this run has {self.stream_names}: '
+            raise UserError(f'checkpoint counts streams {old}, this run has {self.stream_names}: '
                              f'resuming a different mixture')
         cols = list(range(len(old)))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from composer.core import Callback, State, Time, TimeUnit
 from composer.loggers import Logger
 
+from foundrymix.errors import UserError
+
 
 class StopAt(Callback):
     """Stop training gracefully at a given time (``'40ba'`` or ``'1ep'``), keeping ``max_duration``.
@@ -18,7 +20,7 @@ class StopAt(Callback):
     def __init__(self, time: str) -> None:
         self.time = Time.from_timestring(time)
         if self.time.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH):
-            raise ValueError(f'callbacks.stop_at.time must be in batches or epochs, got {time!r}')
+            raise UserError(f'callbacks.stop_at.time must be in batches or epochs, got {time!r}')
 
     def _reached(self, state: State) -> bool:
         return state.timestamp.get(self.time.unit) >= self.time
