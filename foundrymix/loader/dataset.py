@@ -27,7 +27,6 @@ teardown each work around one streaming 0.13 behaviour in the same subclass.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import os
 from typing import Any, Iterator, Optional, Sequence
 

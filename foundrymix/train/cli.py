@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP
 
-DESCRIPTION = ('Train a randomly initialised transformers causal LM on the mix a YAML describes. '
+DESCRIPTION = ('Train a transformers causal LM (randomly initialised, or from model.pretrained) on the mix a YAML describes. '
                'key=value arguments override the YAML.')
 
 

@@ -1,0 +1,126 @@
+"""Which cache directory a run uses: claims of the default cache and of a named ``local:``,
+and the machine-wide lock around streaming's shared-memory registration.
+
+Part of :mod:`foundrymix.loader.cache` (see its docstring for why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from foundrymix import claims
+from foundrymix.claims import Claim
+from foundrymix.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: candidate directories tried for one default-cache directory before giving up
+MAX_CANDIDATES = 64
+_SHM_DIR = '/dev/shm'
+
+
+def candidate(home: str, k: int) -> str:
+    """The ``k``-th directory a run may use for default-cache directory ``home`` (0: itself)."""
+    return home if k == 0 else f'{home}-run{k + 1}'
+
+
+@dataclass
+class Claims:
+    """Directories one dataset claimed; :meth:`release` when the dataset is done."""
+
+    held: list[Claim] = field(default_factory=list)
+
+    @property
+    def dirs(self) -> list[str]:
+        return [c.path for c in self.held]
+
+    def release(self) -> None:
+        while self.held:
+            self.held.pop().release()
+
+
+def claim(home: str, shared_default: bool, where: str) -> Claim:
+    """Claim a directory for this run: ``home`` itself or, for the default cache
+    (``shared_default``), its first sibling no other live run holds.
+
+    Returns the claim of the directory (``path``); ``fresh`` when no live run held it
+    before this one (then whatever a dead run left in it may be cleaned). A ``local:`` the
+    user named and another live run holds raises :class:`ConfigError`.
+    """
+    configured, home = home, claims.normalize(home)
+    paths = [candidate(home, k) for k in range(MAX_CANDIDATES if shared_default else 1)]
+    me = claims.run_id()
+    busy: list[claims.Busy] = []
+    with claims.guard(home, '.group'):  # two runs starting at once never pick the same directory
+        # First a directory this run already holds (another rank of the same job), then a free one.
+        for path in paths:
+            owner = claims.exclusive_owner(path)
+            if owner is not None and owner.run == me:
+                return claims.try_claim(path, claims.EXCLUSIVE)
+        for path in paths:
+            try:
+                got = claims.try_claim(path, claims.EXCLUSIVE)
+            except claims.Busy as e:
+                busy.append(e)
+                continue
+            if path != home:
+                log.warning('%s: cache directory %s is in use by another live run (%s); this run '
+                            'uses %s (its shards are downloaded again)', where, configured,
+                            busy[0].holders[0].run if busy and busy[0].holders else 'unknown', path)
+            return got
+    holders = busy[0].holders if busy else []
+    who = holders[0].who() if holders else 'a run'
+    if not shared_default:
+        raise ConfigError(
+            f'{where}.local: {configured} is in use by another live run, {who}. streaming cannot '
+            f'read one cache directory from two runs at once (it registers each live '
+            f'dataset\'s directory machine-wide and refuses a second). Give this run its own '
+            f'local: directory, or leave local: out to use the default cache, which gives '
+            f'runs that overlap in time a directory each')
+    raise ConfigError(f'{where}: all {MAX_CANDIDATES} cache directories for {configured} are in use '
+                      f'by live runs (e.g. {who}); set cache_root to another directory')
+
+
+@contextlib.contextmanager
+def registering_prefix(limit: float = 300) -> Iterator[None]:
+    """Hold the machine's shared-memory registration lock while a dataset is built.
+
+    Why: streaming picks its shared-memory prefix by looking for the first free one and
+    then creating it -- not atomic. Two runs building datasets at the same moment pick the
+    same prefix and one dies with ``FileExistsError: '/NNNNNN_locals'`` (seen in the
+    two-runs test once the ``Reused local directory`` error was gone). Only the local
+    leader (``LOCAL_RANK`` 0) registers a prefix, so only it takes the lock: the other
+    ranks of its job, which it waits for at streaming's barriers, never wait for it. The
+    lock file lives in ``/dev/shm`` itself, the namespace the prefixes are unique in (two
+    containers or test "nodes" with their own ``/dev/shm`` do not wait for each other).
+    After ``limit`` seconds the dataset is built without it (never a deadlock).
+    """
+    if int(os.environ.get('LOCAL_RANK', '0') or 0) != 0 or not os.path.isdir(_SHM_DIR):
+        yield
+        return
+    try:
+        fd = os.open(os.path.join(_SHM_DIR, 'foundrymix-prefix.lock'), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning('waited %.0f s for %s/foundrymix-prefix.lock; building the dataset '
+                                'without it', limit, _SHM_DIR)
+                    break
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
