@@ -15,7 +15,7 @@ once per tokenizer (:func:`slice_mode`): with the space (byte-level BPE, the bun
 tokenizer, Mistral's SentencePiece model as loaded here) or without it (a tokenizer
 that prepends its own word-start marker). A tokenizer for which neither reproduces
 whole-text tokens is never sliced. Verified against whole-text tokenization on the
-bundled tokenizer and on SentencePiece (``tests/test_convert_safety.py``).
+bundled tokenizer and on SentencePiece (``tests/convert/test_convert_safety.py``).
 
 Limit: a huge text without such a space (e.g. a CJK document with no spaces) has no
 safe cut and is encoded whole, with the memory that takes.

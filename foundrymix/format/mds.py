@@ -8,7 +8,7 @@ so writing their MDS shards is a few lines of numpy.
 
 The files are byte for byte those of ``streaming.MDSWriter`` (same shard layout and
 names, same ``index.json``, same size-limit rule, same hashes), checked against
-``MDSWriter`` itself in ``tests/test_convert_mds.py``. Compressed output
+``MDSWriter`` itself in ``tests/format/test_convert_mds.py``. Compressed output
 (``--compression``) still goes through ``MDSWriter``.
 """
 

@@ -3,7 +3,7 @@
 Why our own typed copy of Composer's ``FSDPConfig``: the config reader checks every key
 and value (a misspelt ``sharding_stratgy`` or ``mixed_precision: FUL`` is an error that
 names it) without importing torch; a key left out keeps Composer's default, so only
-the keys the YAML sets reach Composer. ``tests/test_gpu_settings.py`` checks that every
+the keys the YAML sets reach Composer. ``tests/train/test_gpu_settings.py`` checks that every
 key here is a field of Composer's ``FSDPConfig``.
 """
 

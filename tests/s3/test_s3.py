@@ -24,7 +24,7 @@ import yaml
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUCKET = 'fmx-test'
 from helpers import free_port, moto_s3, tiny_run_config
 BATCH = 6

@@ -30,8 +30,8 @@ from foundrymix.loader.mixer import StreamMixer
 from helpers import moto_s3
 from mix_helpers import build_stream
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = Path(__file__).resolve().parents[2]
+HERE = ROOT / 'tests'  # cache_reader.py and the helpers
 BUCKET = 'fmx-cache'
 BATCH = 4
 

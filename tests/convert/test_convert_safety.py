@@ -92,7 +92,7 @@ def test_input_linked_into_out_is_refused(capsys, tmp_path, corpus):
 
 @pytest.mark.parametrize('url', ['gs://bucket/x', 'file:///tmp/x'])
 def test_url_out_is_refused(capsys, tmp_path, monkeypatch, corpus, url):
-    """Only s3:// is uploaded to (tests/test_convert_s3.py); other schemes are refused
+    """Only s3:// is uploaded to (tests/convert/test_convert_s3.py); other schemes are refused
     before os.path can turn them into local folders."""
     monkeypatch.chdir(tmp_path)
     before = tree_hash(tmp_path)

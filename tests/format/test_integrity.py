@@ -5,7 +5,7 @@ Real shards from the real converter, real damage to their bytes (see
 (``check_shard_files``) sees, and what the loader (``StreamMixer.build_dataloader``)
 does -- raise :class:`CorruptRowError` / ``ShardFilesError`` naming stream, shard
 file and row before the model sees a bad row. Bit flips that keep token ids valid are
-the one damage only shard hashes can see (``foundrymix verify``, tests/test_verify.py).
+the one damage only shard hashes can see (``foundrymix verify``, tests/tools/test_verify.py).
 """
 
 from __future__ import annotations

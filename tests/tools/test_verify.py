@@ -2,7 +2,7 @@
 
 Real converted shards (with and without recorded hashes, plain and zstd), real damage to
 their bytes (``integrity_helpers``), local and through an S3 endpoint (moto's server on
-127.0.0.1, as tests/test_s3.py).
+127.0.0.1, as tests/s3/test_s3.py).
 """
 
 from __future__ import annotations
