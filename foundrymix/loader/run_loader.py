@@ -89,6 +89,7 @@ class StagedPosition(IterableDataset):
             'batch': self.batch,
             'total_batches': self.run.total_batches,
             'global_batch_size': self.run.global_batch_size,
+            'num_canonical_nodes': stage.config.num_canonical_nodes if stage.config else None,
             'stage': stage.index,
             'stage_name': stage.name,
             'batch_in_stage': self.batch - stage.start_batch,
@@ -110,12 +111,29 @@ class StagedPosition(IterableDataset):
                 f'the checkpoint is at batch {batch}, beyond the {self.run.total_batches} batches '
                 f'this config trains: a run cannot be shortened below what it trained (give '
                 f'max_duration / the stages at least {batch} batches)')
+        self._check_order(obj, batch)
         for old in obj['stages']:
             if old['start_batch'] < batch:  # (older checkpoints also list a stage starting here)
                 self._check_unchanged(old, batch)
         self.batch = batch
         total = obj.get('total_batches')
         self.resumed = Resumed(batch, int(total) if total is not None else None)
+
+    def _check_order(self, obj: dict[str, Any], batch: int) -> None:
+        """The two knobs that fix the global sample order everywhere -- the global batch and
+        ``num_canonical_nodes`` -- checked first, with the message that says how to resume
+        (a resize keeps both; the fingerprints would only list them among other changes)."""
+        from foundrymix.loader.dataset import check_resume
+        trained = [s for s in obj['stages'] if s['start_batch'] < batch]
+        if not trained:
+            return
+        last = trained[-1]['fingerprint']
+        old = {'global_batch_size': obj.get('global_batch_size', last.get('global_batch_size')),
+               'num_canonical_nodes': obj.get('num_canonical_nodes',
+                                              last.get('knobs', {}).get('num_canonical_nodes'))}
+        stage = self.run.stage_at(batch) if batch < self.run.total_batches else self.run.stages[-1]
+        assert stage.config is not None
+        check_resume(old, stage.config.num_canonical_nodes, self.run.global_batch_size)
 
     def _load_legacy(self, obj: dict[str, Any]) -> None:
         """A single-mixture checkpoint from before the run contract: streaming's own dataset

@@ -33,7 +33,7 @@ def resume_line(state: Any) -> Optional[str]:
     where = f'epoch {int(ts.epoch)}, batch {int(ts.batch_in_epoch)} of it'
     position = getattr(state.train_dataloader, 'dataset', None)
     run = getattr(position, 'run', None)
-    if run is not None and hasattr(run, 'stage_at'):  # a StagedDataLoader's position
+    if run is not None and getattr(run, 'explicit', False):  # a run with stages
         stage = run.stage_at(position.batch)
         where += f', stage {stage.name!r}, batch {position.batch - stage.start_batch} of it'
     return f'resumed from {state.load_path} at batch {int(ts.batch)} ({where})'

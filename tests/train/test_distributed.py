@@ -185,9 +185,11 @@ def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
     ts = state['state']['timestamp']['Timestamp']
     assert (ts['batch'], ts['epoch'], ts['sample'], ts['sample_in_epoch']) == (
         STOP, 1, STOP * BATCH, (STOP - EPOCH) * BATCH)
-    assert state['state']['dataset_state']['train'] == {
-        'epoch': 1, 'sample_in_epoch': (STOP - EPOCH) * BATCH, 'num_canonical_nodes': 1, 'shuffle_seed': 3,
-        'initial_physical_nodes': 1, 'global_batch_size': BATCH}
+    position = state['state']['dataset_state']['train']  # the run's position (one stage: main)
+    assert position['stage_dataset'] == {'epoch': 1, 'sample_in_epoch': (STOP - EPOCH) * BATCH}
+    assert (position['batch'], position['num_canonical_nodes'], position['global_batch_size']) == (
+        STOP, 1, BATCH)
+    assert position['stages'][0]['fingerprint']['knobs']['shuffle_seed'] == 3
 
 
 @pytest.mark.slow  # trainings on 1 and 2 ranks (composer -n 2)
