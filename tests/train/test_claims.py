@@ -35,13 +35,21 @@ def write_config(path: Path, streams: dict[str, str], **top) -> Path:
 
 
 def start_training(cfg: Path, ready: Path) -> subprocess.Popen:
-    """A live ``train.py`` run; returns once ``ready`` (a file the run writes) exists."""
+    """A live ``train.py`` run; returns once ``ready`` (a file the run writes) exists -- for a
+    checkpoint, once Composer's ``latest-rank0.pt`` symlink names it: the file itself appears
+    before it is whole (a run stopped then left a half-written checkpoint behind)."""
     proc = subprocess.Popen([sys.executable, str(ROOT / 'train.py'), str(cfg)], cwd=cfg.parent, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def done() -> bool:
+        if ready.suffix != '.pt':
+            return ready.exists()
+        latest = ready.parent / 'latest-rank0.pt'
+        return latest.is_symlink() and os.readlink(latest).endswith(ready.name)
     deadline = time.time() + 180
-    while not ready.exists() and proc.poll() is None and time.time() < deadline:
+    while not done() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    if not ready.exists():
+    if not done():
         proc.kill()
         raise AssertionError(f'the first run did not start: {proc.communicate()[1][-3000:]}')
     proc.send_signal(signal.SIGSTOP)  # stays alive (holding its claims) without using the CPU
