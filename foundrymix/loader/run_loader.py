@@ -209,7 +209,7 @@ class StagedPosition(IterableDataset):
             raise ConfigError(
                 f'{where}: its data changed since the checkpoint ({"; ".join(changes)}); what '
                 f'is trained cannot change (the checkpoint trained {trained} batches of it). '
-                f'{advice}')
+                f'{advice[0].upper()}{advice[1:]}')
 
 
 @dataclass
