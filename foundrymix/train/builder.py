@@ -242,6 +242,14 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
     )
 
 
+def _take(held: claims.ClaimSet, path: str, mode: str, message: Any) -> None:
+    """Claim ``path`` for this run; refused with ``message(holders)`` when another run holds it."""
+    try:
+        held.held.append(claims.try_claim(claims.normalize(path), mode))
+    except claims.Busy as e:
+        raise ConfigError(message(claims.describe(e.holders))) from None
+
+
 def claim_run(cfg: TrainConfig) -> claims.ClaimSet:
     """Claim what this run must not share: ``save_folder`` exclusively, every local stream
     directory (of every stage, and of ``eval_loader``) as a reader.
@@ -258,28 +266,20 @@ def claim_run(cfg: TrainConfig) -> claims.ClaimSet:
     try:
         if cfg.save_folder:
             folder = format_name_with_dist(cfg.save_folder, cfg.run_name)  # as Composer names it
-            try:
-                held.held.append(claims.try_claim(claims.normalize(folder), claims.EXCLUSIVE))
-            except claims.Busy as e:
-                raise ConfigError(
-                    f'save_folder: {folder} is in use by another live run, '
-                    f'{claims.describe(e.holders)}. Two runs saving into one folder overwrite each '
-                    f"other's checkpoints: give this run its own save_folder, or wait for that run "
-                    f'to end') from None
+            _take(held, folder, claims.EXCLUSIVE, lambda who: (
+                f'save_folder: {folder} is in use by another live run, {who}. Two runs saving into '
+                f"one folder overwrite each other's checkpoints: give this run its own save_folder, "
+                f'or wait for that run to end'))
         for where, loader in (('train_loader', cfg.train_loader), ('eval_loader', cfg.eval_loader)):
             for stage in loader.stage_configs(where) if loader is not None else []:
                 for name, spec in stage.streams.items():
                     if spec.remote:
                         continue
                     for path in dict.fromkeys((stage.stream_local(name), stage.stream_dir(name))):
-                        try:
-                            held.held.append(claims.try_claim(claims.normalize(path), claims.SHARED))
-                        except claims.Busy as e:
-                            raise ConfigError(
-                                f'{where}.streams.{name}: {path} is held by another live run, '
-                                f'{claims.describe(e.holders)} (a conversion replacing it, or a run '
-                                f'writing there); reading it now would mix old and new rows. Wait '
-                                f'for that run to end') from None
+                        _take(held, path, claims.SHARED, lambda who, where=where, name=name, path=path: (
+                            f'{where}.streams.{name}: {path} is held by another live run, {who} (a '
+                            f'conversion replacing it, or a run writing there); reading it now would '
+                            f'mix old and new rows. Wait for that run to end'))
     except BaseException:
         held.release()
         raise

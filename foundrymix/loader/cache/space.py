@@ -57,14 +57,19 @@ def remove_shard_files(directory: str, basenames: list[str]) -> list[str]:
     for entry in sorted(listing):
         partial = _PARTIAL.match(entry)
         if entry in basenames or (partial and partial.group('base') in basenames):
-            path = os.path.join(directory, entry)
-            try:
-                if os.path.isfile(path) and not os.path.islink(path):
-                    os.remove(path)
-                    removed.append(path)
-            except FileNotFoundError:
-                pass
+            remove_plain_file(os.path.join(directory, entry), removed)
     return removed
+
+
+def remove_plain_file(path: str, removed: list[str]) -> None:
+    """Remove ``path`` if it is a regular file (never a link or a directory: what it points
+    to may be the user's); append it to ``removed``. Gone already is fine."""
+    try:
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
+            removed.append(path)
+    except FileNotFoundError:
+        pass
 
 
 @dataclass

@@ -13,6 +13,7 @@ import tempfile
 from typing import Any
 
 from foundrymix.claims import pid_alive as _pid_alive
+from foundrymix.loader.cache.space import remove_plain_file
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +127,7 @@ def clean_stale(directory: str, stream_dirs: list[tuple[str, dict[str, Any]]]) -
                 stale = bool(partial) and partial.group('base') in names and not live_registration
             if not stale:
                 continue
-            try:
-                if os.path.isfile(path) and not os.path.islink(path):
-                    os.remove(path)
-                    removed.append(path)
-            except FileNotFoundError:
-                pass
+            remove_plain_file(path, removed)
     if removed:
         log.warning('cache %s: removed what dead runs left: %s', directory, ', '.join(removed))
     return removed
