@@ -1,0 +1,227 @@
+"""Scale: `foundrymix plan` and the trainer's loader start-up over many streams, against
+a raw ``StreamingDataset`` over the same streams, in the same run.
+
+Two kinds of case (issue 22):
+
+* **plan** (``--plan N:ROWS``): N streams of ROWS rows each, written as real manifests and
+  ``index.json`` files whose shard files are *sparse* (``truncate`` to the indexed size:
+  the plan reads manifests and indexes only, never shard bytes). Measures the whole
+  ``foundrymix plan --json`` command: wall time and peak RSS (``wait4``).
+* **start** (``--start N``): one real stream converted from the bundled arXiv sample at
+  ``--seq-len`` (1,409 rows at 256 tokens), hard-linked into N stream directories.
+  Measures, each in a fresh process after its imports: the trainer's loader path
+  (``load_config`` + the trainer's ``_train_data``: plan, checks, loader) + the first
+  batch, against ``StreamingDataset(streams=[Stream(local=d) ...])`` + its first batch
+  through a ``DataLoader`` -- the least a raw streaming user does. Alternating (raw,
+  foundrymix, raw, ...) so machine noise hits both alike; median [range] of ``--rounds``.
+  Also open file descriptors after the first batch, and peak RSS.
+
+    .venv/bin/python benchmarks/bench_scale.py [--plan 10:100000 1000:10000 ...]
+        [--start 10 100 1000] [--rounds 3]
+
+Prints a table; the ratio column is foundrymix / raw (issue 22 targets: plan over 1,000
+streams x 10k rows under 0.25x raw start-up; loader start-up at most 1.1x raw).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1',
+           TOKENIZERS_PARALLELISM='false')
+
+#: rows per synthetic shard (foundrymix's 64 MB default holds ~120k rows of 256 uint16 tokens)
+ROWS_PER_SHARD = 100_000
+
+
+def run_wait4(cmd: list[str], cwd: str) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS in GB from ``wait4``, stdout) of ``cmd`` as a child process."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise SystemExit(f'{" ".join(cmd[:4])}... failed ({proc.returncode}):\n{err.read()[-3000:]}')
+        return wall, usage.ru_maxrss / 1e6, out.read()  # ru_maxrss is KiB on Linux
+
+
+# ------------------------------------------------------------------- data for plan cases
+def write_sparse_stream(template: str, out: str, rows: int) -> None:
+    """A stream of ``rows`` rows shaped like ``template`` (manifest + index), shards sparse."""
+    manifest = json.load(open(os.path.join(template, 'foundrymix.json')))
+    index = json.load(open(os.path.join(template, 'index.json')))
+    shard = index['shards'][0]
+    per_row = shard['raw_data']['bytes'] / shard['samples']
+    os.makedirs(out)
+    shards = []
+    for i, start in enumerate(range(0, rows, ROWS_PER_SHARD)):
+        n = min(ROWS_PER_SHARD, rows - start)
+        entry = json.loads(json.dumps(shard))
+        entry['samples'] = n
+        entry['raw_data'] = {'basename': f'shard.{i:05d}.mds', 'bytes': int(per_row * n) + 8,
+                             'hashes': {}}
+        with open(os.path.join(out, entry['raw_data']['basename']), 'wb') as f:
+            f.truncate(entry['raw_data']['bytes'])
+        shards.append(entry)
+    json.dump({'shards': shards, 'version': 2}, open(os.path.join(out, 'index.json'), 'w'))
+    tokens = rows * manifest['max_seq_len']
+    manifest['counts'].update(rows=rows, tokens=tokens, loss_tokens=tokens, documents_read=rows,
+                              documents_written=rows, tail_tokens=0)
+    json.dump(manifest, open(os.path.join(out, 'foundrymix.json'), 'w'))
+
+
+def write_config(path: str, stream_dirs: dict[str, str], seq_len: int, max_duration: str) -> None:
+    """A training YAML (yamls/demo.yaml's model and optimizer) over ``stream_dirs``."""
+    import yaml
+    cfg = yaml.safe_load(open(os.path.join(ROOT, 'yamls', 'demo.yaml')))
+    cfg.pop('variables')
+    cfg.pop('callbacks')
+    cfg['max_seq_len'] = seq_len
+    cfg['model']['max_position_embeddings'] = seq_len
+    cfg['train_loader']['streams'] = {n: {'local': d, 'repeat': 1} for n, d in stream_dirs.items()}
+    cfg['max_duration'] = max_duration
+    cfg['save_folder'] = os.path.join(os.path.dirname(path), 'ckpt')
+    with open(path, 'w') as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+
+
+def convert_template(work: str, seq_len: int) -> str:
+    out = os.path.join(work, 'template')
+    subprocess.run([PY, '-m', 'foundrymix.cli', 'convert', 'pretrain',
+                    os.path.join(ROOT, 'data', 'samples', 'arxiv_sample.jsonl'), '--out', out,
+                    '--max-seq-len', str(seq_len)], env=ENV, check=True, capture_output=True)
+    return out
+
+
+# --------------------------------------------------------------------- start-up children
+RAW = r'''
+import os, sys, time, json
+from streaming import Stream, StreamingDataset
+from torch.utils.data import DataLoader, default_collate
+dirs = json.load(open(sys.argv[1]))
+t0 = time.perf_counter()
+ds = StreamingDataset(streams=[Stream(local=d) for d in dirs], batch_size=8, shuffle=True,
+                      shuffle_seed=17, batching_method='random')
+loader = DataLoader(ds, batch_size=8, num_workers=0,
+                    collate_fn=lambda s: default_collate([r['input_ids'] for r in s]))
+it = iter(loader)
+next(it)
+print(json.dumps({'seconds': time.perf_counter() - t0, 'fds': len(os.listdir('/proc/self/fd'))}))
+'''
+
+OURS = r'''
+import os, sys, time, json
+from foundrymix.train.config import load_config, split_batch
+from foundrymix.train import builder
+t0 = time.perf_counter()
+cfg = load_config(sys.argv[1])
+device_batch, _ = split_batch(cfg, 1)
+data = builder._train_data(cfg, device_batch)
+it = iter(data.loader)  # held: dropping it mid-epoch releases the stage (gc.collect)
+next(it)
+print(json.dumps({'seconds': time.perf_counter() - t0, 'fds': len(os.listdir('/proc/self/fd'))}))
+'''
+
+
+def start_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> dict:
+    case = os.path.join(work, f'start-{n}')
+    dirs = {}
+    for i in range(n):
+        d = os.path.join(case, 'streams', f's{i:05d}')
+        os.makedirs(d)
+        for name in os.listdir(template):
+            os.link(os.path.join(template, name), os.path.join(d, name))
+        dirs[f's{i:05d}'] = d
+    cfg = os.path.join(case, 'train.yaml')
+    write_config(cfg, dirs, seq_len, '1ba')
+    dir_list = os.path.join(case, 'dirs.json')
+    json.dump(list(dirs.values()), open(dir_list, 'w'))
+    raw, ours, rss_raw, rss_ours, fds = [], [], [], [], {}
+    for _ in range(rounds):
+        for side, code, arg, times, rss in (('raw', RAW, dir_list, raw, rss_raw),
+                                            ('ours', OURS, cfg, ours, rss_ours)):
+            _, peak, out = run_wait4([PY, '-c', code, arg], cwd=case)
+            got = json.loads(out.strip().splitlines()[-1])
+            times.append(got['seconds'])
+            rss.append(peak)
+            fds[side] = got['fds']
+    shutil.rmtree(case)
+    return {'streams': n, 'raw_s': raw, 'ours_s': ours, 'raw_rss_gb': max(rss_raw),
+            'ours_rss_gb': max(rss_ours), 'fds': fds}
+
+
+def plan_case(work: str, template: str, n: int, rows: int, rounds: int, seq_len: int) -> dict:
+    case = os.path.join(work, f'plan-{n}x{rows}')
+    dirs = {}
+    for i in range(n):
+        d = os.path.join(case, 'streams', f's{i:05d}')
+        write_sparse_stream(template, d, rows)
+        dirs[f's{i:05d}'] = d
+    cfg = os.path.join(case, 'train.yaml')
+    write_config(cfg, dirs, seq_len, '1ep')
+    times, rss = [], []
+    for _ in range(rounds):
+        wall, peak, _ = run_wait4([PY, '-m', 'foundrymix.cli', 'plan', '--json', cfg], cwd=case)
+        times.append(wall)
+        rss.append(peak)
+    shutil.rmtree(case)
+    return {'streams': n, 'rows': rows, 'plan_s': times, 'plan_rss_gb': max(rss)}
+
+
+def fmt(values: list[float]) -> str:
+    return f'{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]'
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--plan', nargs='*', default=['10:100000', '1000:10000'],
+                    help='plan cases, STREAMS:ROWS_PER_STREAM')
+    ap.add_argument('--start', nargs='*', type=int, default=[10, 100, 1000],
+                    help='start-up cases: number of streams (each a hard link of one real stream)')
+    ap.add_argument('--rounds', type=int, default=3)
+    ap.add_argument('--seq-len', type=int, default=256)
+    ap.add_argument('--json', default=None, help='also write the results here')
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix='bench-scale-') as work:
+        template = convert_template(work, args.seq_len)
+        with open(os.path.join(template, 'foundrymix.json')) as f:
+            template_rows = json.load(f)['counts']['rows']
+        print(f'load before: {os.getloadavg()[0]:.2f}; {os.cpu_count()} cpus; template stream: '
+              f'{template_rows:,} rows of {args.seq_len} tokens', flush=True)
+        results = {'plan': [], 'start': [], 'template_rows': template_rows}
+        for case in args.plan:
+            n, rows = (int(x) for x in case.split(':'))
+            r = plan_case(work, template, n, rows, args.rounds, args.seq_len)
+            results['plan'].append(r)
+            print(f'plan   {n:>6,} streams x {rows:>11,} rows ({n * rows:>14,}): '
+                  f'{fmt(r["plan_s"])} s, peak RSS {r["plan_rss_gb"]:.2f} GB', flush=True)
+        for n in args.start:
+            r = start_case(work, template, n, args.rounds, args.seq_len)
+            results['start'].append(r)
+            ratio = [o / w for o, w in zip(r['ours_s'], r['raw_s'])]
+            print(f'start  {n:>6,} streams x {template_rows:,} rows: foundrymix {fmt(r["ours_s"])} s '
+                  f'({r["ours_rss_gb"]:.2f} GB, {r["fds"]["ours"]} fds), raw streaming '
+                  f'{fmt(r["raw_s"])} s ({r["raw_rss_gb"]:.2f} GB, {r["fds"]["raw"]} fds); '
+                  f'ratio {fmt(ratio)}', flush=True)
+        print(f'load after: {os.getloadavg()[0]:.2f}')
+        if args.json:
+            with open(args.json, 'w') as f:
+                json.dump(results, f, indent=2)
+
+
+if __name__ == '__main__':
+    main()
