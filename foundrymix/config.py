@@ -37,6 +37,32 @@ OVERRIDES_HELP = ('key=value overrides of the YAML (omegaconf dotlist, e.g. trai
                   'it is not merged into it')
 
 
+#: what omegaconf 2.4 lets YAML aliases add beyond what a file spells out (its own default)
+ALIAS_NODE_ALLOWANCE = 10_000
+
+
+def _omegaconf_load(path: str) -> Any:
+    """``OmegaConf.load(path)`` without omegaconf's absolute node limit on plain YAML.
+
+    Why: omegaconf 2.4.0 refuses any document that expands to more than 10,000 nodes
+    (``max_yaml_expanded_nodes``, a guard against alias bombs), and a plain mix of 10,000
+    streams -- no alias in it -- has ~40,000 (measured: "YAML node expansion exceeds the
+    configured limit of 10000"). A file of N bytes spells out at most N nodes, so the limit
+    becomes N + 10,000: what the file writes is never refused, aliases may still add
+    10,000 nodes, and omegaconf's ratio guard (expanded vs unique nodes, 100x) stays on.
+    An explicit ``OMEGACONF_MAX_YAML_EXPANDED_NODES`` is respected; omegaconf < 2.4 has
+    no limit to raise.
+    """
+    import inspect
+
+    from omegaconf import OmegaConf
+    if ('max_yaml_expanded_nodes' not in inspect.signature(OmegaConf.load).parameters
+            or 'OMEGACONF_MAX_YAML_EXPANDED_NODES' in os.environ):
+        return OmegaConf.load(path)
+    limit = os.path.getsize(path) + ALIAS_NODE_ALLOWANCE
+    return OmegaConf.load(path, max_yaml_expanded_nodes=limit)
+
+
 def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Load ``path`` with omegaconf, apply ``key=value`` overrides, resolve interpolations.
 
@@ -59,7 +85,7 @@ def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
         key, value = item.split('=', 1)
         pairs.append((key[1:] if key.startswith('+') else key, value))
     try:
-        cfg = OmegaConf.load(path)
+        cfg = _omegaconf_load(path)
         for key, value in pairs:
             # omegaconf's own value grammar (lists, mappings, ${...}); update() also walks
             # into lists (``train_loader.stages.0.duration=10ba``), which merging a dotlist can't
