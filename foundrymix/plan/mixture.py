@@ -318,6 +318,10 @@ def _note_exact(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]
         nominal = sum(epoch.weights.nominal)
         listing = ', '.join(f'{n} {k:,} (of {c:,})' for n, k, c in
                             zip(names, epoch.weights.left_out, epoch.weights.nominal) if k)
+        if len(left) > 2 * WARNING_LINES_PER_CLASS:  # up to G - 1 streams: a line of 1,000 is noise
+            first = ', '.join(f'{n} {k:,}' for n, k in list(left.items())[:WARNING_LINES_PER_CLASS])
+            listing = (f'{sum(left.values()):,} rows from {len(left):,} streams, at most '
+                       f'{max(left.values()):,} from one ({first}, ...; every stream: --json)')
         notes.append(f'exact epoch: {epoch.epoch_size:,} rows = {epoch.epoch_size // G:,} whole '
                      f'global batches of {G} (the weights ask for {nominal:,}); left out per epoch: '
                      f'{listing} -- a fresh random subset of those rows each epoch. No row is '
@@ -331,6 +335,31 @@ def _note_exact(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]
                 + ', '.join(f'{n} {s:.1%}' for n, s in zip(names, epoch.shares))
                 + ' -- the shares shown), not the requested '
                 + ', '.join(f'{n} {a:.1%}' for n, a in zip(names, asked)))
+
+
+#: a class of per-stream warning gets one line per stream up to this many streams, then one line
+WARNING_LINES_PER_CLASS = 3
+
+
+#: ends the one line that stands for a class of per-stream warnings
+EVERY_STREAM_HINT = '(every stream: plan --streams all, or --json)'
+
+
+def under_one_pass_warnings(plans: list[StreamPlan],
+                            limit: Optional[int] = WARNING_LINES_PER_CLASS) -> list[str]:
+    """The streams seen under once per epoch: a line each, or (more than ``limit``) one line
+    for the class with the count and the least-seen streams -- 1,000 such lines buried what
+    mattered (issue 22)."""
+    under = [s for s in plans if s.full_passes == 0]
+    what = 'rows are not seen in an epoch (a different random subset each epoch)'
+    if limit is None or len(under) <= limit:
+        return [f'{s.name}: under one pass ({s.passes:.3g}x): {s.unseen_rows:,} of {s.rows:,} {what}'
+                for s in under]
+    unseen, rows = sum(s.unseen_rows for s in under), sum(s.rows for s in under)
+    worst = ', '.join(f'{s.name} {s.passes:.3g}x ({s.unseen_rows:,} of {s.rows:,} unseen)'
+                      for s in sorted(under, key=lambda s: s.passes)[:limit])
+    return [f'{len(under):,} streams under one pass: {unseen:,} of their {rows:,} {what}; '
+            f'least seen: {worst} {EVERY_STREAM_HINT}']
 
 
 def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list[str],
@@ -351,9 +380,7 @@ def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list
             tokens_per_epoch=m.counts.tokens * ratio,
             loss_tokens_per_epoch=m.counts.loss_tokens * ratio,
             tokens_exact=extra == 0 or uniform))
-        if full == 0:
-            warnings.append(f'{info.name}: under one pass ({ratio:.3g}x): {n - extra:,} of {n:,} '
-                            f'rows are not seen in an epoch (a different random subset each epoch)')
+    warnings += under_one_pass_warnings(plans)
     total_tok = sum(s.tokens_per_epoch for s in plans) or 1.0
     total_loss = sum(s.loss_tokens_per_epoch for s in plans) or 1.0
     for s in plans:

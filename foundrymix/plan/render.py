@@ -6,9 +6,45 @@ words can change (or a picture be added) without touching them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional
 
-from foundrymix.plan.mixture import Plan, StreamPlan
+from foundrymix.plan.mixture import EVERY_STREAM_HINT, Plan, StreamPlan, under_one_pass_warnings
+
+#: a plan lists every stream up to this many; beyond, the largest and smallest, the groups
+#: (name prefixes such as ``web/``) and the totals -- ``--streams all`` or ``--json`` for all
+MAX_STREAM_ROWS = 20
+#: ... of which this many largest and this many smallest
+EXTREME_ROWS = 5
+
+
+def group_of(name: str) -> Optional[str]:
+    """A stream's group: its name up to the first ``/`` (``web/en`` -> ``web/``), if any."""
+    return name.split('/', 1)[0] + '/' if '/' in name else None
+
+
+def groups(names: Any) -> dict[str, list[str]]:
+    """Group -> member names, in first-seen order; only when some group has 2+ members."""
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(group_of(n) or '(no group)', []).append(n)
+    return out if any(len(m) > 1 and g != '(no group)' for g, m in out.items()) else {}
+
+
+def counts_text(counts: Mapping[str, int], all_streams: bool = False) -> str:
+    """``a 1, b 2`` for up to :data:`MAX_STREAM_ROWS` streams; beyond, the total, the
+    extremes and the groups (one line of 1,000 streams read as noise)."""
+    if all_streams or len(counts) <= MAX_STREAM_ROWS:
+        return ', '.join(f'{k} {v:,}' for k, v in counts.items())
+    order = sorted(counts, key=lambda k: counts[k])
+    most = ', '.join(f'{k} {counts[k]:,}' for k in reversed(order[-EXTREME_ROWS:]))
+    least = ', '.join(f'{k} {counts[k]:,}' for k in order[:EXTREME_ROWS])
+    text = (f'{len(counts):,} streams, {sum(counts.values()):,} in all; most: {most}; '
+            f'least: {least}')
+    grouped = groups(counts)
+    if grouped:
+        text += '; by group: ' + ', '.join(
+            f'{g} {sum(counts[n] for n in m):,} ({len(m):,} streams)' for g, m in grouped.items())
+    return text
 
 
 def console_for_output() -> Any:
@@ -22,7 +58,7 @@ def console_for_output() -> Any:
 MAX_RANK_ROWS = 16
 
 
-def render_ranks(plan: Plan, console: Any) -> None:
+def render_ranks(plan: Plan, console: Any, all_streams: bool = False) -> None:
     """Topology, num_canonical_nodes, exactness and every rank's rows per stream per epoch."""
     mode = ('exact: whole global batches, no row trained twice by rank padding' if plan.exact
             else 'exact: false (streaming pads ranks with repeated rows)')
@@ -36,15 +72,24 @@ def render_ranks(plan: Plan, console: Any) -> None:
         for r in plan.per_rank:
             console.print(f'  rank {r.rank} (node {r.node}, local {r.local_rank}): '
                           f'{r.batches_per_epoch:,} batches, {r.samples_per_epoch:,} rows/epoch ('
-                          + ', '.join(f'{n} {r.rows_per_stream[n]:,}' for n in names) + ')')
+                          + counts_text(r.rows_per_stream, all_streams) + ')')
         return
+    if not all_streams and len(names) > MAX_STREAM_ROWS:
+        spread = {n: max(r.rows_per_stream[n] for r in plan.per_rank)
+                  - min(r.rows_per_stream[n] for r in plan.per_rank) for n in names}
+        names = sorted(names, key=lambda n: -spread[n])[:EXTREME_ROWS]
+        console.print(f'  rows per rank per epoch, the {len(names)} streams that differ most '
+                      f'between ranks (every stream: --streams all):')
     for n in names:
         counts = [r.rows_per_stream[n] for r in plan.per_rank]
         console.print(f'  {n}: {min(counts):,}..{max(counts):,} rows per rank per epoch')
 
 
-def render_plan(plan: Plan, console: Any = None) -> None:
-    """Print ``plan``: the per-epoch mixture table, the run length, notes and warnings."""
+def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> None:
+    """Print ``plan``: the per-epoch mixture table, the run length, notes and warnings.
+
+    Beyond :data:`MAX_STREAM_ROWS` streams (unless ``all_streams``) the table shows the
+    largest and smallest streams by share and the totals, then a table per group."""
     from rich.table import Table
 
     console = console or console_for_output()
@@ -53,19 +98,34 @@ def render_plan(plan: Plan, console: Any = None) -> None:
     for col in ('stream', 'kind', 'rows', 'rows/epoch', 'passes', 'seen', 'share',
                 'tokens/epoch', 'loss tok/epoch', 'tok share', 'loss share'):
         table.add_column(col, justify='left' if col in ('stream', 'kind', 'seen') else 'right')
-    for s in plan.streams:
+    shown, between = plan.streams, 0
+    if not all_streams and len(plan.streams) > MAX_STREAM_ROWS:
+        by_share = sorted(plan.streams, key=lambda s: -s.share)
+        shown = by_share[:EXTREME_ROWS] + by_share[-EXTREME_ROWS:]
+        between = len(plan.streams) - len(shown)
+    for i, s in enumerate(shown):
+        if between and i == EXTREME_ROWS:
+            table.add_row(f'... {between:,} more', '', '', '', '', '', '', '', '', '', '')
         approx = '' if s.tokens_exact else '~'
         table.add_row(
             s.name, s.kind, f'{s.rows:,}', f'{s.rows_per_epoch:,}', f'{s.passes:.3g}x',
             seen_text(s), f'{s.share:.1%}', f'{approx}{s.tokens_per_epoch:,.0f}',
             f'{approx}{s.loss_tokens_per_epoch:,.0f}', f'{s.token_share:.1%}',
             f'{s.loss_token_share:.1%}')
+    if between:
+        approx = '' if all(s.tokens_exact for s in plan.streams) else '~'
+        table.add_row(f'all {len(plan.streams):,}', '', f'{sum(s.rows for s in plan.streams):,}',
+                      f'{sum(s.rows_per_epoch for s in plan.streams):,}', '', '', '100.0%',
+                      f'{approx}{sum(s.tokens_per_epoch for s in plan.streams):,.0f}',
+                      f'{approx}{sum(s.loss_tokens_per_epoch for s in plan.streams):,.0f}',
+                      '100.0%', '100.0%')
     console.print(table)
+    render_groups(plan, console)
     console.print(
         f'global batch {plan.global_batch_size} ({plan.batch_size} x {plan.world_size} '
         f'ranks): {plan.batches_per_epoch:,} batches = {plan.samples_per_epoch:,} samples '
         f'per epoch')
-    render_ranks(plan, console)
+    render_ranks(plan, console, all_streams)
     if plan.duration:
         d = plan.duration
         where = (f'stops in epoch {d.last_epoch} after batch {d.last_batch_in_epoch:,} '
@@ -76,12 +136,38 @@ def render_plan(plan: Plan, console: Any = None) -> None:
                       f'{d.epochs:.4g} epochs ({d.full_epochs} full); {where}')
         if d.rows_per_stream is not None:
             scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
-            console.print(f'rows trained per stream over {scope}: ' + ', '.join(
-                f'{k} {v:,}' for k, v in d.rows_per_stream.items()))
+            console.print(f'rows trained per stream over {scope}: '
+                          + counts_text(d.rows_per_stream, all_streams))
     for note in plan.notes:
         console.print(f'note: {note}')
     for warning in plan.warnings:
-        console.print(f'[yellow]warning:[/yellow] {warning}')
+        if all_streams and warning.endswith(EVERY_STREAM_HINT):
+            prefix = warning[:warning.index(':') + 2] if warning.startswith('stage ') else ''
+            for line in under_one_pass_warnings(plan.streams, limit=None):
+                console.print(f'[yellow]warning:[/yellow] {prefix}{line}')
+        else:
+            console.print(f'[yellow]warning:[/yellow] {warning}')
+
+
+def render_groups(plan: Plan, console: Any) -> None:
+    """One row per stream group (name prefix up to ``/``), when the names form groups."""
+    from rich.table import Table
+    grouped = groups(s.name for s in plan.streams)
+    if not grouped:
+        return
+    by_name = {s.name: s for s in plan.streams}
+    table = Table(title='Per group (name up to the first /)')
+    for col in ('group', 'streams', 'rows', 'rows/epoch', 'passes', 'share', 'tok share',
+                'loss share'):
+        table.add_column(col, justify='left' if col == 'group' else 'right')
+    for g, members in grouped.items():
+        ms = [by_name[n] for n in members]
+        rows, per_epoch = sum(m.rows for m in ms), sum(m.rows_per_epoch for m in ms)
+        table.add_row(g, f'{len(ms):,}', f'{rows:,}', f'{per_epoch:,}',
+                      f'{per_epoch / rows:.3g}x' if rows else '-',
+                      f'{sum(m.share for m in ms):.1%}', f'{sum(m.token_share for m in ms):.1%}',
+                      f'{sum(m.loss_token_share for m in ms):.1%}')
+    console.print(table)
 
 
 def seen_text(s: StreamPlan) -> str:
@@ -94,7 +180,7 @@ def seen_text(s: StreamPlan) -> str:
             f'{s.rows_seen_extra:,} rows {s.full_passes + 1}x')
 
 
-def render_run_plan(run: Any, console: Any = None) -> None:
+def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) -> None:
     """Print a staged run: the stages and where they fall, each stage's mixture, the totals."""
     from rich.table import Table
 
@@ -109,15 +195,15 @@ def render_run_plan(run: Any, console: Any = None) -> None:
     console.print(table)
     for s in run.stages:
         console.rule(f'stage {s.index} {s.name}: batches {s.start_batch:,}-{s.end_batch - 1:,}')
-        render_plan(s.plan, console)
+        render_plan(s.plan, console, all_streams)
     reused = sorted({n for s in run.stages[1:] for n in (p.name for p in s.plan.streams)
                      if any(n in (p.name for p in t.plan.streams) for t in run.stages[:s.index])})
     if reused:
         console.print(f'note: {", ".join(reused)} come back in a later stage: each stage starts a '
                       f'fresh pass over its streams, shuffled with its own seed')
     console.rule('whole run')
-    console.print('rows trained per stream over the run: ' + ', '.join(
-        f'{k} {v:,}' for k, v in run.rows_per_stream.items()))
+    console.print('rows trained per stream over the run: '
+                  + counts_text(run.rows_per_stream, all_streams))
 
 
 def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:

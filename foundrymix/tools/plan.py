@@ -56,10 +56,10 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
     elif hasattr(plan, 'stages'):
         from foundrymix.plan.render import render_run_plan
-        render_run_plan(plan)
+        render_run_plan(plan, all_streams=args.streams == 'all')
     else:
         from foundrymix.plan.render import render_plan
-        render_plan(plan)
+        render_plan(plan, all_streams=args.streams == 'all')
     if args.png:
         from foundrymix.plan.render import plot_run_plan
         from foundrymix.plan.stages import as_run_plan
@@ -82,6 +82,10 @@ def register(subparsers: Any) -> None:
                    help=f'{OVERRIDES_HELP}; put options such as --json before the config or '
                         'after the last override')
     p.add_argument('--json', action='store_true', help='print the plan as JSON')
+    p.add_argument('--streams', choices=('summary', 'all'), default='summary',
+                   help='beyond 20 streams the tables and lists show the largest and smallest '
+                        'streams, the groups (name prefixes such as web/) and the totals, and a '
+                        'per-stream warning becomes one line per kind; "all" lists every stream')
     p.add_argument('--world-size', type=int, default=1,
                    help='number of ranks (global_train_batch_size is split over them)')
     p.add_argument('--nodes', type=int, default=1,
