@@ -197,3 +197,12 @@ def test_stream_mapping_overrides_replace_the_yaml_streams(root, tmp_path, capsy
     assert proc.returncode == 0, proc.stderr
     stages = json.loads(proc.stdout)['stages']
     assert [[s['name'] for s in st['plan']['streams']] for st in stages] == [['a'], ['b']]
+
+
+def test_plan_refuses_a_max_seq_len_the_streams_differ_from(root, capsys):
+    """Issue 21: plan printed a plan for ``max_seq_len: 64`` over rows of 32 tokens; train refused
+    it. Plan now refuses it in train's words."""
+    assert main(['plan', str(root / 'run.yaml'), 'max_seq_len=64']) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ('', 'foundrymix plan: error: max_seq_len=64, but the train streams hold rows '
+                              'of 32 tokens\n')
