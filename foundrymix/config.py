@@ -204,7 +204,11 @@ def blame(error: ConfigError, path: str, overrides: Sequence[Override], data: Ma
             created = o.created and p is not None and (p == o.created or p.startswith(o.created + '.'))
             if created and _is_new_stream(o, data):
                 name = o.created.rsplit('.', 1)[1]
-                names = [n for n in o.siblings]
+                names = list(o.siblings)
+                if '.stages.' in o.created:  # a stage may also name any of its loader's streams
+                    loader = data.get(o.created.split('.')[0])
+                    top = loader.get('streams') if isinstance(loader, Mapping) else None
+                    names += [str(n) for n in (top or {}) if str(n) not in names]
                 line = (f'override {o.text!r}: no stream {name!r} in the YAML (streams: '
                         f'{", ".join(names) or "none"}){did_you_mean(name, names)}')
                 break

@@ -111,6 +111,14 @@ def test_an_override_typo_is_blamed_on_the_override(tmp_path, override, message)
                                         'lrr': "did you mean 'lr'?"}[message.split("'")[-2]])
 
 
+def test_a_misspelt_stream_of_a_stage_names_the_loaders_streams():
+    from helpers import ROOT
+    with pytest.raises(ConfigError) as err:
+        load_config(str(ROOT / 'yamls' / 'curriculum.yaml'), ['train_loader.stages.0.streams.dolli.repeat=1'])
+    assert str(err.value) == ("override 'train_loader.stages.0.streams.dolli.repeat=1': no stream 'dolli' in "
+                              "the YAML (streams: arxiv, dolly); did you mean 'dolly'?")
+
+
 def test_overrides_that_add_or_fix_keys_still_load_and_a_yaml_error_names_the_file(tmp_path):
     path = write(tmp_path, GOOD)
     cfg = load_config(path, ['train_loader.streams.new.local=/data/new', 'train_loader.streams.web.repeat=2'])
