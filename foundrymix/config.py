@@ -7,7 +7,10 @@ later inside a library. So every config section of foundrymix is a dataclass, an
 meets -- ``int``, ``float``, ``bool``, ``str``, ``Optional``/unions, ``Literal``
 choices, ``list``, ``tuple``, ``dict`` and nested dataclasses -- from
 ``typing.get_type_hints`` (real types, not annotation text), and naming the full key
-path (``train_loader.streams.arxiv.repeat``) in every error.
+path (``train_loader.streams.arxiv.repeat``) in every error. It goes on past a bad key and
+reports every problem of a config at once (:class:`ConfigErrors`, one line each), with the
+nearest valid key or LLM-Foundry's rename (:data:`FOUNDRY_RENAMES`), each blamed on the
+``key=value`` override that caused it, if one did (:func:`blame`).
 
 omegaconf does what it is good at: YAML, ``${variables.x}`` interpolation and
 ``key=value`` overrides (:func:`load_yaml`). This module imports neither torch nor
@@ -16,7 +19,6 @@ composer, so reading a config (``foundrymix plan``) stays fast.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import fnmatch
@@ -24,7 +26,7 @@ import os
 import re
 import types
 import typing
-from typing import Any, Iterator, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
+from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
 
 from foundrymix.errors import FoundrymixError, MissingError, UserErrors
 

@@ -75,7 +75,7 @@ class ModelSpec:
         with gather:
             if pretrained is not None:
                 model_type = _pretrained_type(pretrained, model_type, where)
-            elif not model_type:
+            elif not model_type and not gather.errors:  # (a bad pretrained path said it already)
                 hint = (f" (LLM-Foundry's name: {foundry_name} is type: "
                         f"{_FOUNDRY_NAMES.get(str(foundry_name), 'a transformers model_type')} here)"
                         if foundry_name else '')
