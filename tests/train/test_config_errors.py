@@ -185,7 +185,7 @@ def test_the_refusal_agrees_with_the_models(model_type, kwargs):
     assert changed == reads_position_ids(model_type) == (model_type == 'llama')
 
 
-def test_gradient_clipping_bounds_the_gradient_norm(small_streams):
+def test_gradient_clipping_bounds_the_gradient_norm(small_streams, tmp_path):
     """``algorithms.gradient_clipping`` (LLM-Foundry's spelling) is Composer's algorithm in the
     trainer: the first step's gradients, of global norm over 100x the threshold after the
     backward pass, have a norm of exactly the threshold when the step ends."""
@@ -212,7 +212,8 @@ def test_gradient_clipping_bounds_the_gradient_norm(small_streams):
     loader = {'streams': {name: {'local': str(path)} for name, path in small_streams.items()}, 'num_workers': 0}
     clip = {'gradient_clipping': {'clipping_type': 'norm', 'clipping_threshold': 1.0e-3}}
     cfg = TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=2, max_duration='1ba',
-                                                device='cpu', algorithms=clip))
+                                                device='cpu', algorithms=clip, callbacks={
+                                                    'stream_accounting': {'out_dir': str(tmp_path), 'plot': False}}))
     run = build_trainer(cfg)
     try:
         algorithms = [a for a in run.trainer.state.algorithms if isinstance(a, GradientClipping)]
@@ -225,3 +226,23 @@ def test_gradient_clipping_bounds_the_gradient_norm(small_streams):
         run.claims.release()
     assert probe.norms['backward'] > 100 * 1.0e-3
     assert probe.norms['step'] == pytest.approx(1.0e-3, rel=1e-4)
+
+
+def test_eval_first_evaluates_once_before_the_first_batch(small_streams, capsys, tmp_path):
+    """LLM-Foundry's ``eval_first``: one evaluation before training, besides Composer's own at
+    the end of fit (an eval_interval longer than the run)."""
+    from foundrymix.train.builder import train
+    from foundrymix.train.config import TrainConfig
+
+    loader = {'streams': {'arxiv': {'local': str(small_streams['arxiv'])}}, 'num_workers': 0}
+    evals = {}
+    for first in (False, True):
+        cfg = TrainConfig.from_dict(tiny_run_config(
+            loader, global_train_batch_size=2, max_duration='1ba', device='cpu', eval_interval='1000ba',
+            eval_subset_num_batches=1, eval_loader={**loader, 'shuffle': False}, eval_first=first,
+            progress_bar=False, loggers={'console': {}},
+            callbacks={'stream_accounting': {'out_dir': str(tmp_path / str(first)), 'plot': False}}))
+        capsys.readouterr()
+        train(cfg)
+        evals[first] = capsys.readouterr().out.count('metrics/eval/LanguageCrossEntropy')
+    assert evals == {False: 1, True: 2}
