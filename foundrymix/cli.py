@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     'foundrymix.convert.cli',
     'foundrymix.tools.inspect',
     'foundrymix.tools.plan',
+    'foundrymix.tools.migrate',
     'foundrymix.train.cli',
     'foundrymix.train.report',
     'foundrymix.tools.verify',

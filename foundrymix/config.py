@@ -7,7 +7,10 @@ later inside a library. So every config section of foundrymix is a dataclass, an
 meets -- ``int``, ``float``, ``bool``, ``str``, ``Optional``/unions, ``Literal``
 choices, ``list``, ``tuple``, ``dict`` and nested dataclasses -- from
 ``typing.get_type_hints`` (real types, not annotation text), and naming the full key
-path (``train_loader.streams.arxiv.repeat``) in every error.
+path (``train_loader.streams.arxiv.repeat``) in every error. It goes on past a bad key and
+reports every problem of a config at once (:class:`ConfigErrors`, one line each), with the
+nearest valid key or LLM-Foundry's rename (:data:`FOUNDRY_RENAMES`), each blamed on the
+``key=value`` override that caused it, if one did (:func:`blame`).
 
 omegaconf does what it is good at: YAML, ``${variables.x}`` interpolation and
 ``key=value`` overrides (:func:`load_yaml`). This module imports neither torch nor
@@ -17,17 +20,81 @@ composer, so reading a config (``foundrymix plan``) stays fast.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import fnmatch
 import os
 import re
 import types
 import typing
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
 
-from foundrymix.errors import FoundrymixError, MissingError
+from foundrymix.errors import FoundrymixError, MissingError, UserErrors
 
 
 class ConfigError(FoundrymixError, ValueError):
-    """A config cannot run; the message names the offending key path (and file)."""
+    """A config cannot run; the message names the offending key path (and file).
+
+    ``path``: the key path the error is about (default: the message's ``path:`` prefix),
+    so an error can be blamed on the ``key=value`` override that set that key.
+    """
+
+    def __init__(self, message: str, path: Optional[str] = None) -> None:
+        super().__init__(message)
+        if path is None:
+            m = _PATH_PREFIX.match(message)
+            path = m.group(1) if m else None
+        self.path = path
+
+
+_PATH_PREFIX = re.compile(r'^([A-Za-z_][\w.\[\]-]*): ')
+
+
+class ConfigErrors(UserErrors, ConfigError):
+    """Every problem of a config found in one reading, one :class:`ConfigError` per line.
+
+    Why: a config with 15 problems took 15 runs of ~25 s each to fix, one refusal per run
+    (issue 21); the reader now goes on past a bad key and reports them all.
+    """
+
+    def __init__(self, errors: Sequence[ConfigError]) -> None:
+        self.errors = list(errors)
+        UserErrors.__init__(self, [str(e) for e in self.errors])
+        self.path = None
+
+
+def errors_of(e: ConfigError) -> list[ConfigError]:
+    """The single errors inside ``e`` (itself, unless it is a :class:`ConfigErrors`)."""
+    return list(e.errors) if isinstance(e, ConfigErrors) else [e]
+
+
+class Gather:
+    """Collect :class:`ConfigError` s over several independent checks, then raise them all.
+
+    ``with gather: ...`` records a ``ConfigError`` raised inside and goes on;
+    :meth:`raise_any` raises the one error unchanged (its class kept: ``ModelConfigError``),
+    or a :class:`ConfigErrors` of all of them.
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+
+    def __enter__(self) -> 'Gather':
+        return self
+
+    def __exit__(self, tp: Any, e: Any, tb: Any) -> bool:
+        if isinstance(e, ConfigError):
+            self.errors.extend(errors_of(e))
+            return True
+        return False
+
+    def add(self, e: ConfigError) -> None:
+        self.errors.extend(errors_of(e))
+
+    def raise_any(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ConfigErrors(self.errors)
 
 
 # ----------------------------------------------------------------------------- YAML
@@ -63,8 +130,26 @@ def _omegaconf_load(path: str) -> Any:
     return OmegaConf.load(path, max_yaml_expanded_nodes=limit)
 
 
+@dataclasses.dataclass
+class Override:
+    """One ``key=value`` of the command line, as applied to the YAML."""
+
+    text: str          # as typed
+    key: str           # its key path (Hydra's ``+`` dropped)
+    #: the first key of ``key``'s path the YAML did not have (the override created it), or None
+    created: Optional[str] = None
+    #: the YAML's keys beside ``created`` (to name the one the override probably meant)
+    siblings: tuple[str, ...] = ()
+
+
 def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Load ``path`` with omegaconf, apply ``key=value`` overrides, resolve interpolations.
+    """Load ``path`` with omegaconf, apply ``key=value`` overrides, resolve interpolations."""
+    return load_yaml_overrides(path, overrides)[0]
+
+
+def load_yaml_overrides(path: str, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], list[Override]]:
+    """Load ``path`` with omegaconf, apply ``key=value`` overrides, resolve interpolations;
+    also say what each override created (for :func:`blame`).
 
     A scalar value sets that one key. A mapping or list value (``train_loader.streams={a:
     {local: /d}}``) *replaces* the YAML's value at that key: whoever types a whole mapping
@@ -78,6 +163,7 @@ def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
 
     if not os.path.isfile(path):
         raise MissingError(f'{path}: no such config file')
+    applied: list[Override] = []
     pairs = []
     for item in overrides:
         if '=' not in item:
@@ -86,7 +172,8 @@ def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
         pairs.append((key[1:] if key.startswith('+') else key, value))
     try:
         cfg = _omegaconf_load(path)
-        for key, value in pairs:
+        for (key, value), item in zip(pairs, overrides):
+            applied.append(_created(cfg, Override(text=item, key=key)))
             # omegaconf's own value grammar (lists, mappings, ${...}); update() also walks
             # into lists (``train_loader.stages.0.duration=10ba``), which merging a dotlist can't
             parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f'_={value}']), resolve=False)['_']
@@ -104,7 +191,83 @@ def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
         raise
     if not isinstance(data, dict):
         raise ConfigError(f'{path}: expected a mapping at the top level')
-    return data
+    return data, applied
+
+
+def _created(cfg: Any, o: Override) -> Override:
+    """``o`` with the first key of its path that ``cfg`` lacks (and that key's siblings)."""
+    from omegaconf import OmegaConf
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    parts = o.key.split('.')
+    for i, part in enumerate(parts):
+        if isinstance(node, dict):
+            if part not in node:
+                return dataclasses.replace(o, created='.'.join(parts[:i + 1]),
+                                           siblings=tuple(str(k) for k in node))
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return o
+    return o
+
+
+def _normal_path(path: str) -> str:
+    return re.sub(r'\[(\d+)\]', r'.\1', path)
+
+
+def blame(error: ConfigError, path: str, overrides: Sequence[Override], data: Mapping[str, Any]) -> ConfigError:
+    """``error`` (every line of it) prefixed with what caused it: the ``key=value`` override
+    that set or created its key, else the YAML ``path``.
+
+    Why: an override's typo was reported as the YAML's (``foo.yaml: train_loader: unknown key
+    'strams'``), and a misspelt stream name in an override (``train_loader.streams.wbe.repeat=2``
+    creates stream ``wbe``, with no location) said "needs local and/or remote" (issue 26).
+    """
+    lines: list[ConfigError] = []
+    for e in errors_of(error):
+        p = _normal_path(e.path) if e.path else None
+        line = f'{path}: {e}'
+        for o in reversed(overrides):  # the last override of a key wins, as applied
+            created = o.created and p is not None and (p == o.created or p.startswith(o.created + '.'))
+            if created and _is_new_stream(o, data):
+                name = o.created.rsplit('.', 1)[1]
+                names = list(o.siblings)
+                if '.stages.' in o.created:  # a stage may also name any of its loader's streams
+                    loader = data.get(o.created.split('.')[0])
+                    top = loader.get('streams') if isinstance(loader, Mapping) else None
+                    names += [str(n) for n in (top or {}) if str(n) not in names]
+                line = (f'override {o.text!r}: no stream {name!r} in the YAML (streams: '
+                        f'{", ".join(names) or "none"}){did_you_mean(name, names)}')
+                break
+            if created or (p is not None and (p == o.key or p.startswith(o.key + '.'))):
+                line = f'override {o.text!r}: {e}'
+                break
+        if line not in [str(x) for x in lines]:
+            lines.append(type(e)(line, path=e.path) if type(e).__init__ is ConfigError.__init__
+                         else ConfigError(line, path=e.path))
+    return lines[0] if len(lines) == 1 else ConfigErrors(lines)
+
+
+def _is_new_stream(o: Override, data: Mapping[str, Any]) -> bool:
+    """Did ``o`` create a stream (``...streams.NAME``) that has no location of its own?"""
+    assert o.created is not None
+    parent, _, name = o.created.rpartition('.')
+    if not parent.endswith('streams'):
+        return False
+    node: Any = data
+    for part in o.created.split('.'):
+        if isinstance(node, Mapping):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    if not isinstance(node, Mapping) or node.get('local') or node.get('remote'):
+        return False
+    top = data.get(parent.split('.')[0])  # a stage's stream may take its location from the loader's
+    top_streams = top.get('streams') if isinstance(top, Mapping) else None
+    return '.stages.' not in o.created or not (isinstance(top_streams, Mapping) and name in top_streams)
 
 
 def to_plain(d: Any, where: str) -> dict[str, Any]:
@@ -119,12 +282,67 @@ def to_plain(d: Any, where: str) -> dict[str, Any]:
     return dict(d)
 
 
+#: LLM-Foundry keys (key path; ``*`` matches one name) and what a foundrymix YAML says
+#: instead, or why there is nothing to say. An unknown key found here gets this advice
+#: instead of the nearest allowed key (``fsdp_config`` is not a typo of anything).
+FOUNDRY_RENAMES: dict[str, str] = {
+    'fsdp_config': "LLM-Foundry's fsdp_config is 'fsdp' here (same keys)",
+    'console_log_interval': "LLM-Foundry's console_log_interval is 'log_interval' here",
+    'global_seed': "LLM-Foundry's global_seed is 'seed' here",
+    'log_to_console': "LLM-Foundry's log_to_console: the console logger is on unless loggers leaves "
+                      "it out (loggers: {console: {}}); delete the key",
+    'python_log_level': "LLM-Foundry's python_log_level has no equivalent; delete it",
+    'dist_timeout': "LLM-Foundry's dist_timeout has no equivalent; delete it",
+    'icl_tasks': "LLM-Foundry's in-context-learning evaluation (icl_tasks) is not supported; "
+                 "delete it (see docs/train.md)",
+    'icl_subset_num_batches': "LLM-Foundry's in-context-learning evaluation is not supported; delete it",
+    'icl_seq_len': "LLM-Foundry's in-context-learning evaluation is not supported; delete it",
+    'eval_gauntlet': "LLM-Foundry's eval gauntlet is not supported; delete it (see docs/train.md)",
+    'save_weights_only': "LLM-Foundry's save_weights_only has no equivalent (checkpoints hold the "
+                         "optimizer and loader state, for resuming); delete it",
+    '*_loader.name': "LLM-Foundry's loader name (text, finetuning) has no equivalent: each stream's "
+                     "converted format decides; delete it",
+    '*_loader.dataset': "LLM-Foundry's {loader}.dataset: its keys go directly under {loader} "
+                        "(dataset.streams -> {loader}.streams; dataset.local/remote/split -> "
+                        "{loader}.streams.NAME.local/remote/split; dataset.shuffle, shuffle_seed, ... -> "
+                        "{loader}.shuffle, ...; dataset.max_seq_len -> the top-level max_seq_len)",
+    '*_loader.streams.*.weight': "LLM-Foundry has no stream 'weight'; give repeat, proportion or choose",
+    'model.name': "LLM-Foundry's model.name (hf_causal_lm, mpt_causal_lm) is model.type here: a "
+                  "transformers model_type (llama, gpt2, mpt, ...)",
+    'optimizer.name=decoupled_lionw': "LLM-Foundry's decoupled_lionw is its own optimizer; Composer "
+                                      "0.32 has no Lion (composer.optim: DecoupledAdamW only): use "
+                                      "decoupled_adamw or adamw",
+    'model.init_device': "LLM-Foundry's model.init_device has no equivalent (fsdp builds the model); "
+                         "delete it",
+}
+
+
+def foundry_advice(path: str) -> Optional[str]:
+    """The :data:`FOUNDRY_RENAMES` advice for key path ``path``, or None."""
+    for pattern, advice in FOUNDRY_RENAMES.items():
+        if fnmatch.fnmatchcase(path, pattern) and path.count('.') == pattern.count('.'):
+            return advice.replace('{loader}', path.split('.')[0])
+    return None
+
+
+def did_you_mean(key: str, allowed: Sequence[str]) -> str:
+    """``"; did you mean 'x'?"`` for the allowed key nearest to ``key``, or ``''``."""
+    near = difflib.get_close_matches(key, list(allowed), n=1)
+    return f'; did you mean {near[0]!r}?' if near else ''
+
+
 def check_keys(d: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    """Refuse keys not in ``allowed``, naming the key and every allowed one."""
+    """Refuse keys not in ``allowed`` (every one of them, one error each), naming the key, every
+    allowed one and the nearest (or LLM-Foundry's spelling's equivalent)."""
+    gather = Gather()
     for key in d:
         if key not in allowed:
-            raise ConfigError(f'{where or "config"}: unknown key {key!r}; allowed: '
-                              f'{", ".join(allowed)}')
+            path = join(where, str(key))
+            advice = foundry_advice(path)
+            hint = f'; {advice}' if advice else did_you_mean(str(key), allowed)
+            gather.add(ConfigError(f'{where or "config"}: unknown key {key!r}; allowed: '
+                                   f'{", ".join(allowed)}{hint}', path=path))
+    gather.raise_any()
 
 
 def join(where: str, key: str) -> str:
@@ -177,6 +395,48 @@ def check_duration(text: Optional[str], where: str) -> None:
     parse_duration(text, where)
 
 
+_INTERVAL = re.compile(r'\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*(ep|ba|sp|tok|dur|iter)\s*', re.IGNORECASE)
+
+
+def check_interval(text: str, where: str) -> None:
+    """A Composer time string with its unit (``500ba``, ``1ep``, ``0.05dur``), checked up front.
+
+    Why: Composer reads a bare ``eval_interval: 1`` (the string ``'1'`` here) as a time delta,
+    not one epoch or batch; a unit-less interval is refused as ``max_duration`` is.
+    """
+    m = _INTERVAL.fullmatch(text)
+    if re.fullmatch(r'\s*\d+(\.\d*)?\s*', text):
+        raise ConfigError(f'{where}: {text!r} has no unit; write it as a Composer time string '
+                          f'(e.g. {text.strip()}ba or {text.strip()}ep)')
+    if not m:
+        raise ConfigError(f'{where}: {text!r} is not a Composer time string (a number and ep, ba, '
+                          f'sp, tok, iter or dur, e.g. 500ba, 1ep, 0.05dur)')
+    if m.group(2).lower() != 'dur' and not float(m.group(1)).is_integer():
+        raise ConfigError(f'{where}: {text!r}: {m.group(2)} needs a whole number')
+
+
+class Duration(str):
+    """A run length (``max_duration``, a stage's ``duration``): a whole number of ep, ba, sp or
+    tok, unit required (:func:`check_duration`)."""
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'Duration':
+        text = read_value(value, str, where)
+        check_duration(text, where)
+        return cls(text)
+
+
+class Interval(str):
+    """How often something happens (``eval_interval``, ``save_interval``, ``log_interval``,
+    ``t_warmup``, ...): a Composer time string with its unit (:func:`check_interval`)."""
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'Interval':
+        text = read_value(value, str, where)
+        check_interval(text, where)
+        return cls(text)
+
+
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return 'null'
@@ -207,7 +467,10 @@ def read_value(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f'{where}: must not be null')
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f'{where}: {value!r} is not one of {", ".join(map(str, args))}')
+            advice = foundry_advice(f'{where}={value}') if isinstance(value, str) else None
+            hint = (f'; {advice}' if advice else
+                    did_you_mean(value, [a for a in args if isinstance(a, str)]) if isinstance(value, str) else '')
+            raise ConfigError(f'{where}: {value!r} is not one of {", ".join(map(str, args))}{hint}')
         return value
     if dataclasses.is_dataclass(tp):
         return read_dataclass(tp, value, where)
@@ -249,11 +512,15 @@ def _read_container(value: Any, tp: Any, origin: Any, args: tuple, where: str) -
         if not isinstance(value, Mapping):
             raise ConfigError(f'{where}: expected a mapping, got {value!r}')
         key_tp, val_tp = args if args else (Any, Any)
-        if dataclasses.is_dataclass(val_tp):  # named sections: the key is their name
-            return {read_value(k, key_tp, where): read_dataclass(val_tp, v, join(where, str(k)), key=str(k))
-                    for k, v in value.items()}
-        return {read_value(k, key_tp, where): read_value(v, val_tp, join(where, str(k)))
-                for k, v in value.items()}
+        out, gather = {}, Gather()
+        for k, v in value.items():
+            with gather:
+                if dataclasses.is_dataclass(val_tp):  # named sections: the key is their name
+                    out[read_value(k, key_tp, where)] = read_dataclass(val_tp, v, join(where, str(k)), key=str(k))
+                else:
+                    out[read_value(k, key_tp, where)] = read_value(v, val_tp, join(where, str(k)))
+        gather.raise_any()
+        return out
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise ConfigError(f'{where}: expected a list, got {value!r}')
     if origin is tuple and args and args[-1] is not Ellipsis:
@@ -261,7 +528,11 @@ def _read_container(value: Any, tp: Any, origin: Any, args: tuple, where: str) -
             raise ConfigError(f'{where}: expected {len(args)} values, got {len(value)}')
         return tuple(read_value(v, a, f'{where}[{i}]') for i, (v, a) in enumerate(zip(value, args)))
     item_tp = args[0] if args else Any
-    items = [read_value(v, item_tp, f'{where}[{i}]') for i, v in enumerate(value)]
+    items, gather = [], Gather()
+    for i, v in enumerate(value):
+        with gather:
+            items.append(read_value(v, item_tp, f'{where}[{i}]'))
+    gather.raise_any()
     return tuple(items) if origin is tuple else items
 
 
@@ -308,7 +579,8 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
     """Build dataclass ``cls`` from a mapping, checking every key and every value's type.
 
     Unknown keys (except ``allow_extra``) and missing required fields are errors naming
-    ``where``. A field with ``metadata=FROM_KEY`` takes ``key`` (the mapping key of the
+    ``where``; every one of them, and every bad field, is reported at once
+    (:class:`ConfigErrors`). A field with ``metadata=FROM_KEY`` takes ``key`` (the mapping key of the
     section, e.g. a stream's name) instead of a value from ``data``. After building,
     ``cls.check(self, where)`` runs if defined: checks that need several fields.
     """
@@ -316,15 +588,20 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     settable = [f.name for f in fields if not f.metadata.get('from_key')]
-    check_keys(data, settable + [k for k in allow_extra if k not in settable], where)
+    gather = Gather()  # every unknown key and every bad field, not just the first
+    with gather:
+        check_keys(data, settable + [k for k in allow_extra if k not in settable], where)
     kwargs: dict[str, Any] = {}
     for f in fields:
         if f.metadata.get('from_key'):
             kwargs[f.name] = key
         elif f.name in data:
-            kwargs[f.name] = read_value(data[f.name], hints[f.name], join(where, f.name))
+            with gather:
+                kwargs[f.name] = read_value(data[f.name], hints[f.name], join(where, f.name))
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f'{where or "config"}: missing required key {f.name!r}')
+            gather.add(ConfigError(f'{where or "config"}: missing required key {f.name!r}',
+                                   path=join(where, f.name)))
+    gather.raise_any()  # checks across fields need every field read
     obj = cls(**kwargs)
     check = getattr(obj, 'check', None)
     if callable(check):

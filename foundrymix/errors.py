@@ -9,7 +9,7 @@ keeps the builtin base callers catch (``ValueError``, ``FileNotFoundError``, ...
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 
 class FoundrymixError(Exception):
@@ -18,6 +18,14 @@ class FoundrymixError(Exception):
 
 class UserError(FoundrymixError, ValueError):
     """Bad input, option or data: the message names it."""
+
+
+class UserErrors(UserError):
+    """Several problems found in one pass; the command line prints one line for each."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        self.lines = list(lines)
+        super().__init__('\n'.join(self.lines))
 
 
 class MissingError(FoundrymixError, FileNotFoundError):
@@ -29,7 +37,8 @@ class ExistsError(FoundrymixError, FileExistsError):
 
 
 def run_command(args: Any) -> int:
-    """Run a parsed subcommand (``args.func``); user-facing errors become one line, exit 2.
+    """Run a parsed subcommand (``args.func``); a user-facing error becomes one line (a
+    :class:`UserErrors` one line per problem), exit 2.
 
     Here (and not in ``foundrymix/cli.py``) because ``python train.py`` runs its command
     through it too, and nothing may import the CLI module on top of the package.
@@ -43,5 +52,6 @@ def run_command(args: Any) -> int:
         # User-facing errors carry file/line/field in their message; no traceback. (An OS
         # error about a file names it.) Any other exception -- a ValueError included -- is a
         # bug, and keeps its traceback.
-        print(f'foundrymix {args.command}: error: {e}', file=sys.stderr)
+        for line in getattr(e, 'lines', None) or [str(e)]:
+            print(f'foundrymix {args.command}: error: {line}', file=sys.stderr)
         return 2

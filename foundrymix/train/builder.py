@@ -35,7 +35,7 @@ from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
-from foundrymix.train.config import TrainConfig, split_batch
+from foundrymix.train.config import TrainConfig, check_seq_len, split_batch
 from foundrymix.train.console import console_kwargs, extension_line, resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
@@ -124,9 +124,7 @@ def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
 def _check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: TokenizerInfo) -> None:
     """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
     pretrained model's)."""
-    if max_seq_len != cfg.max_seq_len:
-        raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
-                          f'{max_seq_len} tokens')
+    check_seq_len(cfg, max_seq_len)
     if cfg.tokenizer is not None:
         from foundrymix.tokenizer import load_tokenizer, tokenizer_info
         expected = tokenizer_info(load_tokenizer(cfg.tokenizer)).fingerprint
@@ -230,6 +228,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         device_train_microbatch_size=micro,
         parallelism_config=parallelism_config(cfg.fsdp, device),
         callbacks=callbacks,
+        algorithms=cfg.algorithms.build(),
         loggers=cfg.loggers.build(cfg.run_name),
         run_name=cfg.run_name,
         **console_kwargs(cfg),
@@ -238,6 +237,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
         save_overwrite=cfg.save_overwrite,
         **_resume_kwargs(cfg),
+        load_weights_only=cfg.load_weights_only,
         seed=cfg.seed,
     )
 
@@ -330,6 +330,8 @@ def train(cfg: TrainConfig) -> TrainRun:
     run = build_trainer(cfg)
     try:
         try:
+            if cfg.eval_first and run.trainer.state.timestamp.batch.value == 0 and run.trainer.state.evaluators:
+                run.trainer.eval()  # LLM-Foundry's eval_first: a baseline before the first step
             run.trainer.fit()
         except FileExistsError as e:
             # Composer 0.32 refuses an earlier run's checkpoints in save_folder at FIT_START and

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
-from foundrymix.config import (ConfigError, check_duration, check_keys, load_yaml, read_dataclass,
-                               to_plain)
+from foundrymix.config import (ConfigError, Duration, Gather, Interval, blame, check_keys,
+                               load_yaml_overrides, read_dataclass, to_plain)
 from foundrymix.plan.config import LoaderConfig
+from foundrymix.train.algorithms import Algorithms
 from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
 from foundrymix.train.gpu import FSDPSettings
 from foundrymix.train.loggers import Loggers
@@ -37,15 +38,36 @@ class SchedulerConfig:
 
     name: Literal['cosine_with_warmup', 'linear_decay_with_warmup',
                   'constant_with_warmup'] = 'cosine_with_warmup'
-    t_warmup: str = '0ba'
+    t_warmup: Interval = Interval('0ba')
     alpha_f: float = 0.1
 
 
 def _read_callbacks(value: Any, where: str) -> dict[str, Any]:
     callbacks = to_plain(value, where)
-    check_keys(callbacks, list(CALLBACKS), where)
-    return {name: read_dataclass(CALLBACKS[name].config, v, f'{where}.{name}')
-            for name, v in callbacks.items()}
+    gather, out = Gather(), {}
+    with gather:
+        check_keys(callbacks, list(CALLBACKS), where)
+    for name, v in callbacks.items():
+        if name in CALLBACKS:
+            with gather:
+                out[name] = read_dataclass(CALLBACKS[name].config, v, f'{where}.{name}')
+    gather.raise_any()
+    return out
+
+
+class TokenizerName(str):
+    """``tokenizer``: the name the streams were converted with (checked against their
+    fingerprint before training)."""
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'TokenizerName':
+        if isinstance(value, Mapping):  # LLM-Foundry: {name: ..., kwargs: {...}}
+            name = value.get('name')
+            raise ConfigError(f"{where}: LLM-Foundry's {{name: ..., kwargs: ...}} is {where}: "
+                              f"{name or 'NAME'} here (kwargs such as model_max_length have no "
+                              f"equivalent: max_seq_len and the streams decide)")
+        from foundrymix.config import read_value
+        return cls(read_value(value, str, where))
 
 
 class Callbacks(dict):
@@ -66,20 +88,22 @@ class TrainConfig:
     train_loader: LoaderConfig
     global_train_batch_size: int
     #: may be left out with ``train_loader.stages`` (the run is then the sum of the stages)
-    max_duration: Optional[str] = None
-    tokenizer: Optional[str] = None
+    max_duration: Optional[Duration] = None
+    tokenizer: Optional[TokenizerName] = None
     eval_loader: Optional[LoaderConfig] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_train_microbatch_size: Optional[Union[int, Literal['auto']]] = None  # default: the device batch
     device_eval_batch_size: Optional[int] = None
-    eval_interval: str = '1ep'
+    eval_interval: Interval = Interval('1ep')
+    #: evaluate once before the first batch (not when resuming mid-run), as LLM-Foundry's eval_first
+    eval_first: bool = False
     eval_subset_num_batches: int = -1
     run_name: str = 'foundrymix'
     #: a local directory or ``s3://bucket/prefix`` (Composer uploads each checkpoint, then
     #: ``latest-rank0.pt.symlink`` naming it; endpoint and credentials from the environment)
     save_folder: Optional[str] = None
-    save_interval: str = '1ep'
+    save_interval: Interval = Interval('1ep')
     #: local checkpoints kept (-1: all); Composer never deletes checkpoints in a bucket
     save_num_checkpoints_to_keep: int = -1
     save_overwrite: bool = False
@@ -88,6 +112,9 @@ class TrainConfig:
     autoresume: bool = False
     #: a checkpoint to start from (local path or ``s3://...``); ignored when autoresume finds one
     load_path: Optional[str] = None
+    #: take only the model weights from ``load_path`` (a fresh optimizer, schedule and data
+    #: order: fine-tuning from a pretraining checkpoint), Composer's ``load_weights_only``
+    load_weights_only: bool = False
     seed: int = 17
     precision: str = 'auto'
     device: str = 'auto'
@@ -95,9 +122,11 @@ class TrainConfig:
     fsdp: Optional[FSDPSettings] = None
     #: ``None``: on when stdout is a terminal (Composer's bar; the console dump stays at ``log_interval``)
     progress_bar: Optional[bool] = None
-    log_interval: str = '10ba'
+    log_interval: Interval = Interval('10ba')
     loggers: Loggers = field(default_factory=Loggers.default)
     callbacks: Callbacks = field(default_factory=Callbacks)
+    #: Composer algorithms (``gradient_clipping``; the table in :mod:`foundrymix.train.algorithms`)
+    algorithms: Algorithms = field(default_factory=Algorithms)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> 'TrainConfig':
@@ -108,7 +137,8 @@ class TrainConfig:
     def check(self, where: str) -> None:
         if self.global_train_batch_size <= 0:
             raise ConfigError('global_train_batch_size must be positive')
-        check_duration(self.max_duration, 'max_duration')
+        if self.load_weights_only and not self.load_path:
+            raise ConfigError('load_weights_only: needs load_path (the checkpoint whose weights to load)')
         if self.max_duration is None and self.train_loader.stages is None:
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")
@@ -144,10 +174,17 @@ def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional
     ``train`` refuses, with the same message. ``max_duration`` (``plan --max-duration``)
     replaces the YAML's before it is read.
     """
-    data = load_yaml(path, overrides)
+    data, applied = load_yaml_overrides(path, overrides)
     if max_duration is not None:
         data['max_duration'] = max_duration
     try:
         return TrainConfig.from_dict(data)
-    except ConfigError as e:
-        raise ConfigError(f'{path}: {e}') from None
+    except ConfigError as e:  # every problem, each blamed on its override or on the file
+        raise blame(e, path, applied, data) from None
+
+
+def check_seq_len(cfg: TrainConfig, stream_seq_len: int) -> None:
+    """The train streams' rows must be ``max_seq_len`` long (``train`` and ``plan`` refuse alike)."""
+    if stream_seq_len != cfg.max_seq_len:
+        raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
+                          f'{stream_seq_len} tokens')

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
-from foundrymix.config import ConfigError, check_keys, join, read_dataclass, to_plain
+from foundrymix.config import ConfigError, Gather, check_keys, join, read_dataclass, to_plain
 
 
 @dataclass
@@ -159,11 +159,15 @@ class Loggers(dict):
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'Loggers':
         loggers = to_plain(value, where)
-        check_keys(loggers, list(LOGGERS), where)
-        out = cls()
+        gather, out = Gather(), cls()
+        with gather:
+            check_keys(loggers, list(LOGGERS), where)
         for name, options in loggers.items():
-            out[name] = read_dataclass(LOGGERS[name].config, options, join(where, name))
-            check_installed(name, join(where, name))
+            if name in LOGGERS:
+                with gather:
+                    out[name] = read_dataclass(LOGGERS[name].config, options, join(where, name))
+                    check_installed(name, join(where, name))
+        gather.raise_any()
         return out
 
     @classmethod

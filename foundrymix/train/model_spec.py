@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
-from foundrymix.config import ConfigError, to_plain
+from foundrymix.config import ConfigError, Gather, foundry_advice, to_plain
 
 AttentionMode = Literal['document', 'causal']
 AttnImplementation = Literal['sdpa', 'eager', 'flash_attention_2']
@@ -63,25 +63,98 @@ class ModelSpec:
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'ModelSpec':
         d = to_plain(value, where)
-        overrides = to_plain(d.pop('config_overrides', None), f'{where}.config_overrides')
-        pretrained, load_weights = _read_pretrained(d, where)
+        gather = Gather()  # every problem of the section at once
+        overrides: dict[str, Any] = {}
+        with gather:
+            overrides = to_plain(d.pop('config_overrides', None), f'{where}.config_overrides')
+        pretrained, load_weights = None, False
+        with gather:
+            pretrained, load_weights = _read_pretrained(d, where)
         model_type = d.pop('type', None) or d.pop('model_type', None)
-        if pretrained is not None:
-            model_type = _pretrained_type(pretrained, model_type, where)
-        elif not model_type:
-            raise ModelConfigError(f"{where}: needs 'type' (a transformers model_type such as "
-                                   f"llama or gpt2) or 'pretrained' (a local Hugging Face model directory)")
+        foundry_name = d.get('name')
+        with gather:
+            if pretrained is not None:
+                model_type = _pretrained_type(pretrained, model_type, where)
+            elif not model_type and not gather.errors:  # (a bad pretrained path said it already)
+                hint = (f" (LLM-Foundry's name: {foundry_name} is type: "
+                        f"{_FOUNDRY_NAMES.get(str(foundry_name), 'a transformers model_type')} here)"
+                        if foundry_name else '')
+                raise ModelConfigError(f"{where}: needs 'type' (a transformers model_type such as "
+                                       f"llama or gpt2) or 'pretrained' (a local Hugging Face model "
+                                       f"directory){hint}", path=f'{where}.type')
         attention = d.pop('attention', 'document')
-        if attention not in ('document', 'causal'):
-            raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
+        with gather:
+            if attention not in ('document', 'causal'):
+                raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
         attn = d.pop('attn_implementation', None)
-        if attn is not None and attn not in AttnImplementation.__args__:
-            raise ModelConfigError(f"{where}.attn_implementation: {attn!r}; allowed: "
-                                   f"{', '.join(AttnImplementation.__args__)}")
-        check_config_keys(str(model_type), d, where)
-        check_config_keys(str(model_type), overrides, f'{where}.config_overrides')
+        with gather:
+            if attn is not None and attn not in AttnImplementation.__args__:
+                raise ModelConfigError(f"{where}.attn_implementation: {attn!r}; allowed: "
+                                       f"{', '.join(AttnImplementation.__args__)}")
+        if model_type:
+            with gather:
+                check_config_keys(str(model_type), d, where)
+            with gather:
+                check_config_keys(str(model_type), overrides, f'{where}.config_overrides')
+            with gather:
+                attn = check_attention(str(model_type), attention, attn, where)
+        gather.raise_any()
         return cls(model_type=str(model_type), attention=attention, config_kwargs={**d, **overrides},
                    pretrained=pretrained, load_weights=load_weights, attn_implementation=attn)
+
+
+#: LLM-Foundry's ``model.name`` -> the transformers ``model_type`` that builds the same kind of model
+_FOUNDRY_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': 'the model_type of its pretrained_model_name_or_path'}
+
+#: model types whose attention (with ``sdpa``) is known to work with ``attention: document``;
+#: named in the refusal for one that does not (each is checked with :func:`reads_position_ids`)
+DOCUMENT_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'phi3', 'gpt2', 'gpt_neox', 'olmo')
+
+
+@functools.lru_cache(maxsize=32)
+def reads_position_ids(model_type: str) -> bool:
+    """Does ``model_type``'s causal LM turn restarting ``position_ids`` into a per-document mask?
+
+    transformers (4.57) derives the block-diagonal mask from ``position_ids`` in
+    ``masking_utils.create_causal_mask``; a model whose module does not call it (MPT, Bloom,
+    OPT, Falcon) attends across documents whatever position ids it gets -- MPT's forward has
+    no ``position_ids`` at all (tests/train/test_config_errors.py checks the answer against
+    real models' outputs). Read from the modeling module's source, not imported: importing
+    it took 16 s on a loaded 2-core machine, and ``plan`` reads the model section too.
+    """
+    import importlib.util
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return False
+    try:
+        spec = importlib.util.find_spec(f'transformers.models.{model_type}.modeling_{model_type}')
+    except ImportError:
+        return False
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return False
+    with open(spec.origin, encoding='utf-8') as f:
+        source = f.read()
+    return 'create_causal_mask' in source and 'position_ids' in source
+
+
+def check_attention(model_type: str, attention: str, attn: Optional[str], where: str) -> Optional[str]:
+    """Refuse ``attention: document`` for a model that ignores ``position_ids`` (it would train
+    with cross-document attention, silently), and pick ``eager`` for MPT, whose transformers
+    model has no sdpa path (``from_config`` with sdpa raises)."""
+    if model_type == 'mpt':
+        if attn not in (None, 'eager'):
+            raise ModelConfigError(f"{where}.attn_implementation: {attn!r}: transformers' MPT has only "
+                                   f"eager attention; leave attn_implementation out (eager is used) "
+                                   f"or write eager")
+        attn = 'eager'
+    if attention == 'document' and not reads_position_ids(model_type):
+        works = ', '.join(t for t in DOCUMENT_TYPES if reads_position_ids(t))
+        raise ModelConfigError(f"{where}.attention: document needs a model that builds its mask from "
+                               f"position_ids; transformers' {model_type!r} ignores them (tokens would "
+                               f"attend across documents): write attention: causal, or use a model "
+                               f"type that does ({works})", path=f'{where}.attention')
+    return attn
 
 
 def _read_pretrained(d: dict[str, Any], where: str) -> tuple[Optional[str], bool]:
@@ -141,9 +214,12 @@ def check_config_keys(model_type: str, kwargs: Mapping[str, Any], where: str) ->
         near = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ''
         raise ModelConfigError(f'{where}.type: {model_type!r} is not a transformers model_type{hint}') from None
+    gather = Gather()
     for key in kwargs:
         if key not in valid:
+            advice = foundry_advice(f'model.{key}')
             near = difflib.get_close_matches(key, sorted(valid) + list(OWN_KEYS), n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ''
-            raise ModelConfigError(f'{where}.{key}: unknown key for a {model_type!r} model '
-                                   f'(transformers {model_type} config){hint}')
+            hint = f'; {advice}' if advice else f"; did you mean {near[0]!r}?" if near else ''
+            gather.add(ModelConfigError(f'{where}.{key}: unknown key for a {model_type!r} model '
+                                        f'(transformers {model_type} config){hint}'))
+    gather.raise_any()

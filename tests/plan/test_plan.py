@@ -148,19 +148,21 @@ def test_cli_reads_no_shards(root, tmp_path, capsys, monkeypatch):
     assert any(f.endswith('foundrymix.json') for f in opened)
 
 
-@pytest.mark.parametrize('override, message', [
-    ('train_loader.streams.wiki.repaet=3',
+@pytest.mark.parametrize('override, by_override, message', [
+    ('train_loader.streams.wiki.repaet=3', True,
      "train_loader.streams.wiki: unknown key 'repaet'; allowed: local, remote, split, repeat, "
-     "proportion, choose"),
-    ('train_loader.streams.wiki.proportion=0.5',
+     "proportion, choose; did you mean 'repeat'?"),
+    # the YAML's repeat and the override's proportion together: the stream is the YAML's
+    ('train_loader.streams.wiki.proportion=0.5', False,
      'train_loader.streams.wiki: give at most one of repeat, proportion, choose'),
-    ('max_duration=3xx', "max_duration: '3xx' is not a Composer time string"),
+    ('max_duration=3xx', True, "max_duration: '3xx' is not a Composer time string"),
 ])
-def test_cli_errors_exit_2(root, tmp_path, capsys, override, message):
+def test_cli_errors_exit_2(root, tmp_path, capsys, override, by_override, message):
     path = write_yaml(tmp_path, root)
     assert main(['plan', path, override]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f'foundrymix plan: error: {path}: {message}')
+    blamed = f'override {override!r}' if by_override else path
+    assert err.startswith(f'foundrymix plan: error: {blamed}: {message}')
 
 
 def test_cli_missing_manifest(tmp_path, capsys):

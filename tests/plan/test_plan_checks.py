@@ -52,21 +52,20 @@ def root(tmp_path_factory):
 ])
 def test_plan_and_train_refuse_alike(root, capsys, override, message):
     """``plan`` reads the whole run config as ``train`` does: same refusal, same words, and
-    nothing printed before it."""
+    nothing printed before it; the error names the override that caused it, not the YAML."""
     assert main(['plan', str(root / 'run.yaml'), override]) == 2
     out, err = capsys.readouterr()
     assert out == ''
-    assert err.startswith(f'foundrymix plan: error: {root / "run.yaml"}: {message}')
+    assert err.startswith(f'foundrymix plan: error: override {override!r}: {message}')
     with pytest.raises(ConfigError) as e:
         load_config(str(root / 'run.yaml'), [override])
-    assert str(e.value).startswith(f'{root / "run.yaml"}: {message}')
+    assert str(e.value).startswith(f'override {override!r}: {message}')
 
 
 def test_plan_refuses_a_fractional_seed_through_the_real_cli(root):
     proc = run_cli('plan', str(root / 'run.yaml'), 'seed=17.5')
     assert (proc.returncode, proc.stdout) == (2, '')
-    assert proc.stderr == (f'foundrymix plan: error: {root / "run.yaml"}: seed: expected int, '
-                           f'got 17.5\n')
+    assert proc.stderr == "foundrymix plan: error: override 'seed=17.5': seed: expected int, got 17.5\n"
 
 
 def test_plan_refuses_a_microbatch_the_ranks_cannot_split(root, capsys):
@@ -198,3 +197,12 @@ def test_stream_mapping_overrides_replace_the_yaml_streams(root, tmp_path, capsy
     assert proc.returncode == 0, proc.stderr
     stages = json.loads(proc.stdout)['stages']
     assert [[s['name'] for s in st['plan']['streams']] for st in stages] == [['a'], ['b']]
+
+
+def test_plan_refuses_a_max_seq_len_the_streams_differ_from(root, capsys):
+    """Issue 21: plan printed a plan for ``max_seq_len: 64`` over rows of 32 tokens; train refused
+    it. Plan now refuses it in train's words."""
+    assert main(['plan', str(root / 'run.yaml'), 'max_seq_len=64']) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ('', 'foundrymix plan: error: max_seq_len=64, but the train streams hold rows '
+                              'of 32 tokens\n')

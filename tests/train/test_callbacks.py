@@ -16,7 +16,8 @@ def config_dict(callbacks: dict, loader: dict | None = None) -> dict:
 
 def test_every_entry_is_a_dataclass_with_defaults_or_required_keys():
     from foundrymix.train.callbacks import CALLBACKS
-    assert list(CALLBACKS) == ['stream_accounting', 'sample_log', 'stop_at', 'speed_monitor', 'lr_monitor']
+    assert list(CALLBACKS) == ['stream_accounting', 'sample_log', 'stop_at', 'speed_monitor', 'lr_monitor',
+                              'memory_monitor', 'runtime_estimator']
     for name, entry in CALLBACKS.items():
         assert dataclasses.is_dataclass(entry.config), name
         assert callable(entry.factory), name

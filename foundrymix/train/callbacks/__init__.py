@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
+
+from foundrymix.config import Interval
 
 
 @dataclass
@@ -28,7 +30,7 @@ class CallbackContext:
 class StreamAccountingConfig:
     """Per-stream token accounting (always on; these are its settings)."""
 
-    log_interval: str = '10ba'
+    log_interval: Interval = Interval('10ba')
     out_dir: Optional[str] = None  # default: <save_folder>/../report (a local save_folder) or ./runs/<run_name>/report
     plot: bool = True
 
@@ -52,7 +54,7 @@ class SampleLogConfig:
 class StopAtConfig:
     """Stop (not shorten) the run at ``time``, e.g. to fit a cluster time limit."""
 
-    time: str
+    time: Interval
 
 
 @dataclass
@@ -67,6 +69,19 @@ class SpeedMonitorConfig:
 @dataclass
 class LRMonitorConfig:
     """Composer's ``LRMonitor``: logs the learning rate of every parameter group (no options)."""
+
+
+@dataclass
+class MemoryMonitorConfig:
+    """Composer's ``MemoryMonitor``: GPU memory statistics every batch (no options; GPU runs)."""
+
+
+@dataclass
+class RuntimeEstimatorConfig:
+    """Composer's ``RuntimeEstimator``: the estimated time left, after ``skip_batches``."""
+
+    skip_batches: int = 1
+    time_unit: Literal['seconds', 'minutes', 'hours', 'days'] = 'hours'
 
 
 def _stream_accounting(opts: StreamAccountingConfig, ctx: CallbackContext) -> Any:
@@ -98,6 +113,16 @@ def _lr_monitor(opts: LRMonitorConfig, ctx: CallbackContext) -> Any:
     return LRMonitor()
 
 
+def _memory_monitor(opts: MemoryMonitorConfig, ctx: CallbackContext) -> Any:
+    from composer.callbacks import MemoryMonitor
+    return MemoryMonitor()
+
+
+def _runtime_estimator(opts: RuntimeEstimatorConfig, ctx: CallbackContext) -> Any:
+    from composer.callbacks import RuntimeEstimator
+    return RuntimeEstimator(skip_batches=opts.skip_batches, time_unit=opts.time_unit)
+
+
 @dataclass(frozen=True)
 class CallbackEntry:
     """One row of the table: the YAML options' dataclass and what builds the callback."""
@@ -114,6 +139,8 @@ CALLBACKS: dict[str, CallbackEntry] = {
     'stop_at': CallbackEntry(StopAtConfig, _stop_at),
     'speed_monitor': CallbackEntry(SpeedMonitorConfig, _speed_monitor),
     'lr_monitor': CallbackEntry(LRMonitorConfig, _lr_monitor),
+    'memory_monitor': CallbackEntry(MemoryMonitorConfig, _memory_monitor),
+    'runtime_estimator': CallbackEntry(RuntimeEstimatorConfig, _runtime_estimator),
 }
 ALWAYS_ON = ('stream_accounting',)
 
