@@ -158,3 +158,21 @@ def test_no_recorded_hashes_no_check(arxiv, cache):
     result = check_local_shards('arxiv', str(arxiv), index_of(arxiv), LoaderConfig.from_dict(cfg(arxiv)))
     assert (result.algorithm, result.hashed_files) == (None, [])
     assert not cache.exists()
+
+
+def test_a_cache_that_cannot_be_written_still_hashes(arxiv, tmp_path, monkeypatch, caplog):
+    """No records (the cache path is a file): every run hashes, and a damaged shard is refused."""
+    blocker = tmp_path / 'not-a-dir'
+    blocker.write_text('x')
+    monkeypatch.setenv('FOUNDRYMIX_CACHE', str(blocker))
+    config = LoaderConfig.from_dict(cfg(arxiv))
+    want = recorded_hashes(arxiv)
+    for _ in range(2):
+        result = check_local_shards('arxiv', str(arxiv), index_of(arxiv), config)
+        assert (sorted(result.hashed_files), result.recorded_files) == (sorted(want), 0)
+    assert 'every run hashes them' in caplog.text
+    flip_bits(arxiv, 1, 3, token=10)
+    with pytest.raises(CorruptLocalShardError) as err:
+        check_local_shards('arxiv', str(arxiv), index_of(arxiv), config)
+    assert str(err.value) == error_for(arxiv)
+    assert blocker.read_text() == 'x'

@@ -93,12 +93,20 @@ def _identity(st: os.stat_result) -> list[int]:
 
 
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path + '.lock', os.O_RDWR | os.O_CREAT, 0o666)
+def _locked(path: str) -> Iterator[bool]:
+    """Hold the record's lock; yields False (hash, record nothing) if the cache directory
+    cannot be written: a read-only cache costs a re-hash next run, never the run."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path + '.lock', os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        log.warning('cannot record verified shard hashes in %s (%s): every run hashes them',
+                    os.path.dirname(path), e)
+        yield False
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield True
     finally:
         os.close(fd)
 
@@ -143,8 +151,8 @@ def check_local_shards(name: str, directory: str, index: dict[str, Any], config:
     start = time.monotonic()
     record = record_path(config.cache_root, directory)
     bad: list[str] = []
-    with _locked(record):
-        files = _read_records(record, directory)
+    with _locked(record) as recording:
+        files = _read_records(record, directory) if recording else {}
         for shard in index['shards']:
             for key in ('raw_data', 'zip_data'):
                 info = shard.get(key)
@@ -168,7 +176,7 @@ def check_local_shards(name: str, directory: str, index: dict[str, Any], config:
                     files[base] = entry
                 else:
                     bad.append(base)
-        if result.hashed_files:
+        if result.hashed_files and recording:
             _write_records(record, directory, files)
     result.seconds = time.monotonic() - start
     if result.hashed_files:
