@@ -121,7 +121,12 @@ def test_second_build_only_stats_and_a_changed_file_is_hashed_again(arxiv, cache
     want = recorded_hashes(arxiv)
     sizes = {b: (arxiv / b).stat().st_size for b in want}
 
-    first = check_local_shards('arxiv', str(arxiv), index, config)
+    with caplog.at_level(logging.INFO, logger='foundrymix.loader.cache.local_hashes'):
+        first = check_local_shards('arxiv', str(arxiv), index, config)
+    assert [r.getMessage() for r in caplog.records if 'local shard file(s)' in r.getMessage()][0] == (
+        f"stream 'arxiv': hashing {len(want)} local shard file(s), {sum(sizes.values()):,} bytes "
+        f'(xxh3_64; once per file version; hash_local_shards: false skips it)')
+    caplog.clear()
     assert (first.algorithm, sorted(first.hashed_files), first.hashed_bytes, first.recorded_files) == (
         'xxh3_64', sorted(want), sum(sizes.values()), 0)
     assert {b: r[:3] for b, r in records(arxiv).items()} == {b: ['xxh3_64', h, sizes[b]]
@@ -130,7 +135,7 @@ def test_second_build_only_stats_and_a_changed_file_is_hashed_again(arxiv, cache
     # A build of the loader: every file recorded, nothing hashed (its log line says so).
     with caplog.at_level(logging.INFO, logger='foundrymix.loader.cache.local_hashes'):
         assert len(read_all(cfg(arxiv))) == sum(s['samples'] for s in index['shards'])
-    assert [r for r in caplog.records if 'hashed' in r.getMessage()] == []
+    assert [r for r in caplog.records if 'local shard file(s)' in r.getMessage()] == []
     again = check_local_shards('arxiv', str(arxiv), index, config)
     assert (again.hashed_files, again.hashed_bytes, again.recorded_files) == ([], 0, len(want))
 

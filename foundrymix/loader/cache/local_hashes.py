@@ -153,6 +153,7 @@ def check_local_shards(name: str, directory: str, index: dict[str, Any], config:
     bad: list[str] = []
     with _locked(record) as recording:
         files = _read_records(record, directory) if recording else {}
+        pending = []
         for shard in index['shards']:
             for key in ('raw_data', 'zip_data'):
                 info = shard.get(key)
@@ -160,9 +161,8 @@ def check_local_shards(name: str, directory: str, index: dict[str, Any], config:
                 if expected is None:
                     continue
                 base = info['basename']
-                path = os.path.join(directory, base)
                 try:
-                    st = os.stat(path)
+                    st = os.stat(os.path.join(directory, base))
                 except FileNotFoundError:
                     continue
                 entry = [algo, expected, *_identity(st)]
@@ -170,12 +170,18 @@ def check_local_shards(name: str, directory: str, index: dict[str, Any], config:
                     result.recorded_files += 1
                     continue
                 files.pop(base, None)
+                pending.append((base, st.st_size, entry))
                 result.hashed_files.append(base)
                 result.hashed_bytes += st.st_size
-                if file_hash(path, st.st_size, algo) == expected:
-                    files[base] = entry
-                else:
-                    bad.append(base)
+        if pending:  # said first: a first run over a large stream reads it all (minutes)
+            log.info("stream '%s': hashing %d local shard file(s), %s bytes (%s; once per "
+                     'file version; hash_local_shards: false skips it)', name, len(pending),
+                     f'{result.hashed_bytes:,}', algo)
+        for base, size, entry in pending:
+            if file_hash(os.path.join(directory, base), size, algo) == entry[1]:
+                files[base] = entry
+            else:
+                bad.append(base)
         if result.hashed_files and recording:
             _write_records(record, directory, files)
     result.seconds = time.monotonic() - start
