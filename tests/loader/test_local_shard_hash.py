@@ -181,3 +181,46 @@ def test_a_cache_that_cannot_be_written_still_hashes(arxiv, tmp_path, monkeypatc
         check_local_shards('arxiv', str(arxiv), index_of(arxiv), config)
     assert str(err.value) == error_for(arxiv)
     assert blocker.read_text() == 'x'
+
+
+def _check_in_child(directory: str, barrier, out) -> None:
+    config = LoaderConfig.from_dict(cfg(Path(directory)))
+    barrier.wait()  # both start together, as the ranks of one node do
+    try:
+        result = check_local_shards('arxiv', directory, index_of(Path(directory)), config)
+        out.put((sorted(result.hashed_files), result.recorded_files, None))
+    except CorruptLocalShardError as e:
+        out.put((None, None, str(e)))
+
+
+@pytest.mark.parametrize('damaged', [False, True], ids=['intact', 'damaged'])
+def test_ranks_started_together_hash_once_and_all_refuse(arxiv, cache, damaged):
+    """Two processes (forked, like two ranks of a node) check at once: the lock makes one hash
+    every file and the other only stat; a damaged file is hashed -- and refused -- by both.
+    The test holds the directory's lock while they start (as a rank still hashing would), so
+    both are waiting when it is released: neither finishes before."""
+    import multiprocessing
+    import queue
+
+    from foundrymix.loader.cache.local_hashes import _locked
+    if damaged:
+        flip_bits(arxiv, 1, 3, token=10)
+    want = sorted(recorded_hashes(arxiv))
+    ctx = multiprocessing.get_context('fork')
+    barrier, out = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_check_in_child, args=(str(arxiv), barrier, out), daemon=True)
+             for _ in range(2)]
+    for p in procs:
+        p.start()  # before the lock is taken: a forked child would inherit it
+    with _locked(record_path(None, str(arxiv))):
+        barrier.wait()
+        with pytest.raises(queue.Empty):
+            out.get(timeout=1.0)  # both wait on the lock
+    results = sorted((out.get(timeout=60) for _ in procs), key=repr)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    if damaged:
+        assert results == [(None, None, error_for(arxiv))] * 2
+    else:
+        assert sorted(results, key=lambda r: r[1]) == [(want, 0, None), ([], len(want), None)]
