@@ -238,6 +238,17 @@ class StagedDataLoader(DataLoader):
         self._maps = [torch.tensor([self.stream_names.index(n) for n in s.stream_names])
                       for s in run.stages]
         self._active: Optional[_Active] = None
+        self._check_local_shards()
+
+    def _check_local_shards(self) -> None:
+        """Hash every stage's local shards now, at the run's start (once per file version,
+        :mod:`foundrymix.loader.cache.local_hashes`): a damaged shard of a later stage stops
+        the run before its first batch, not hours in. Building each stage's dataset checks
+        again, but only ``stat`` s files verified here."""
+        from foundrymix.loader.cache import check_local_streams
+        for stage in self.run.stages:
+            if stage.config is not None:
+                check_local_streams(stage.config, stage.infos)
 
     @property
     def position(self) -> StagedPosition:

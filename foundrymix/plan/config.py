@@ -34,6 +34,14 @@ CACHE_ROOT_ENV = 'FOUNDRYMIX_CACHE'
 _SCHEME = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
 
 
+def cache_base(cache_root: Optional[str] = None) -> str:
+    """The directory foundrymix caches under: ``cache_root``, else ``$FOUNDRYMIX_CACHE``,
+    else ``<tmp>/foundrymix-cache`` (absolute)."""
+    root = cache_root or os.environ.get(CACHE_ROOT_ENV) or os.path.join(
+        tempfile.gettempdir(), 'foundrymix-cache')
+    return os.path.abspath(os.path.expanduser(root))
+
+
 @dataclass
 class StreamSpec:
     """One entry of ``train_loader.streams``: where a stream lives and how much of it to use.
@@ -157,8 +165,13 @@ class LoaderConfig:
     download_retry: int = 2
     sampling_granularity: int = 1
     partition_algo: PartitionAlgo = 'relaxed'
-    #: check shard hashes recorded in index.json when streaming downloads a shard
+    #: check shard hashes recorded in index.json when streaming downloads a shard (and,
+    #: with hash_local_shards, the algorithm local shards are hashed with)
     validate_hash: Optional[HashAlgo] = None
+    #: hash every shard of a stream without a remote once per file version (size, mtime,
+    #: inode) before its first row is read, against index.json (validate_hash's algorithm,
+    #: else the fastest recorded); false: never (see foundrymix.loader.cache.local_hashes)
+    hash_local_shards: bool = True
     keep_zip: bool = False
     timeout: float = 0
     #: where remote-only streams are cached (default ``$FOUNDRYMIX_CACHE`` or a tempdir)
@@ -292,10 +305,9 @@ class LoaderConfig:
         if spec.local:
             return os.path.abspath(os.path.expanduser(spec.local))
         assert spec.remote, 'checked in StreamSpec.check'
-        root = self.cache_root or os.environ.get(CACHE_ROOT_ENV) or os.path.join(
-            tempfile.gettempdir(), 'foundrymix-cache')
+        root = cache_base(self.cache_root)
         key = hashlib.blake2s(spec.remote.encode('utf-8'), digest_size=8).hexdigest()
-        return os.path.join(os.path.abspath(os.path.expanduser(root)), f'{name}-{key}')
+        return os.path.join(root, f'{name}-{key}')
 
     def stream_dir(self, name: str) -> str:
         """The local directory holding stream ``name``'s index.json and manifest."""

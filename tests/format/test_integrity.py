@@ -5,7 +5,10 @@ Real shards from the real converter, real damage to their bytes (see
 (``check_shard_files``) sees, and what the loader (``StreamMixer.build_dataloader``)
 does -- raise :class:`CorruptRowError` / ``ShardFilesError`` naming stream, shard
 file and row before the model sees a bad row. Bit flips that keep token ids valid are
-the one damage only shard hashes can see (``foundrymix verify``, tests/tools/test_verify.py).
+the one damage only shard hashes can see (``foundrymix verify``, tests/tools/test_verify.py;
+the loader hashes local shards before their first row, tests/loader/test_local_shard_hash.py).
+The loader tests here turn that hash check off (``hash_local_shards: false``): it would
+refuse every damaged shard first, and the row checks behind it are what they test.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 
 from foundrymix.cli import main
+from foundrymix.loader.cache import CorruptLocalShardError
 from foundrymix.loader.dataset import ShardPrepareError
 from foundrymix.loader.mixer import StreamMixer
 from foundrymix.format.schema import CorruptRowError, Manifest, check_row
@@ -49,8 +53,10 @@ def streams(tmp_path, small_streams) -> dict[str, Path]:
 
 
 def loader_cfg(paths: dict[str, Path], **extra) -> dict:
+    """A loader over ``paths`` whose local shards are not hashed first (the row checks'
+    tests; ``extra`` may turn the hashes back on)."""
     return {'streams': {name: {'local': str(p)} for name, p in paths.items()},
-            'shuffle': False, 'num_workers': 0, **extra}
+            'shuffle': False, 'num_workers': 0, 'hash_local_shards': False, **extra}
 
 
 def read_all(cfg: dict, batch_size: int = 4) -> list[dict]:
@@ -93,16 +99,19 @@ def test_check_row_names_each_violation(change, problem):
     assert check_row({**row, **change}, VOCAB, 8) == problem
 
 
-def test_bit_flips_keeping_ids_valid_are_invisible_to_the_loader(streams):
-    """Documented limit: a flipped bit that leaves a valid id is a valid row. Only hashes see it."""
+def test_bit_flips_keeping_ids_valid_are_invisible_to_the_row_checks(streams):
+    """Documented limit: a flipped bit that leaves a valid id is a valid row. Only hashes see
+    it -- the loader's local shard hashes (on by default), or ``foundrymix verify``."""
     arxiv = streams['arxiv']
     old, new = flip_bits(arxiv, 1, 3, token=10)
     assert new < VOCAB and new != old
     assert check_shard_files(str(arxiv), read_index(str(arxiv))) == []  # same size
-    batches = read_all(loader_cfg({'arxiv': arxiv}), batch_size=1)
+    batches = read_all(loader_cfg({'arxiv': arxiv}), batch_size=1)  # hashes off
     sample = first_row_of_shard(arxiv, 1) + 3
     got = next(b for b in batches if int(b['sample_id']) == sample)
     assert int(got['input_ids'][0, 10]) == new  # read, and trained on, without complaint
+    with pytest.raises(CorruptLocalShardError, match=r"stream 'arxiv' .*shard\.00001\.mds do not match"):
+        read_all(loader_cfg({'arxiv': arxiv}, hash_local_shards=True))  # the default
 
 
 # ---------------------------------------------------------------- the loader names bad rows
@@ -249,7 +258,8 @@ def test_streaming_validate_hash_checks_only_fetched_or_decompressed_shards(tmp_
     on a compressed stream the zip is hashed when decompressed, in a background thread
     whose failure used to end the epoch silently with 0 batches.
     """
-    # an uncompressed local shard with a flipped token bit: streaming never hashes it
+    # an uncompressed local shard with a flipped token bit: streaming never hashes it (the
+    # loader's own hash check, off here, refuses it: tests/loader/test_local_shard_hash.py)
     flip_bits(streams['arxiv'], 1, 3, token=10)
     batches = read_all(loader_cfg({'arxiv': streams['arxiv']}, validate_hash='xxh3_64'), batch_size=1)
     assert sum(len(b['sample_id']) for b in batches) == rows_of(streams['arxiv'])
@@ -296,7 +306,8 @@ def test_token_bytes_helper_finds_the_tokens(streams):
 def test_training_stops_on_the_named_row(tmp_path, streams, capsys):
     """The bug as reported: training on 0xFF tokens died in the embedding (IndexError, no
     stream or shard named). Now ``foundrymix train`` stops with the row named (DataLoader
-    worker included) and no traceback."""
+    worker included) and no traceback. By default the shard's hash refuses it first, at
+    the run's start, naming the stream and shard file."""
     import yaml
 
     from helpers import tiny_run_config
@@ -305,6 +316,18 @@ def test_training_stops_on_the_named_row(tmp_path, streams, capsys):
     cfg = tiny_run_config({'streams': {'arxiv': {'local': str(arxiv)}}, 'num_workers': 1},
                           run_name='corrupt', global_train_batch_size=2, max_duration='20ba',
                           save_folder=str(tmp_path / 'ckpt'))
+    (tmp_path / 'c.yaml').write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    assert main(['train', str(tmp_path / 'c.yaml')]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"foundrymix train: error: stream 'arxiv' ({arxiv}): shard file(s) shard.00001.mds do not "
+        f'match the xxh3_64 hash its index.json records: the bytes changed after conversion (a '
+        f'damaged copy or disk); no row of it was read. Re-copy the stream from where it came '
+        f'from, or re-run `foundrymix convert` into {arxiv} with --overwrite; `foundrymix verify '
+        f'{arxiv}` checks every shard\n')
+    assert 'Traceback' not in err
+
+    cfg['train_loader']['hash_local_shards'] = False  # the row check behind it
     (tmp_path / 'c.yaml').write_text(yaml.safe_dump(cfg), encoding='utf-8')
     assert main(['train', str(tmp_path / 'c.yaml')]) == 2
     err = capsys.readouterr().err

@@ -45,16 +45,19 @@ from typing import Any
 from foundrymix import claims
 # The package's surface (what the loader and the tests use), one module per job:
 # directories (which directory a run uses), stale (what killed runs left), space (whether
-# the shards fit and are whole).
+# the shards fit and are whole), local_hashes (local shards against their recorded hashes).
 from foundrymix.loader.cache.directories import (MAX_CANDIDATES, Claims, candidate, claim,  # noqa: F401
                                                  registering_prefix)
+from foundrymix.loader.cache.local_hashes import (CorruptLocalShardError, check_local_shards,  # noqa: F401
+                                                  check_local_streams)
 from foundrymix.loader.cache.space import (check_cached, check_space, disk_full_hint,  # noqa: F401
                                            min_cache_limit, remove_shard_files)
 from foundrymix.loader.cache.stale import _LOCALS_SHM, _read_locals, clean_stale  # noqa: F401
 
 
 def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claims]:
-    """Claim the cache directory of every remote stream, clean what dead runs left there,
+    """Hash the shards of every local stream not verified yet (:func:`check_local_shards`),
+    claim the cache directory of every remote stream, clean what dead runs left there,
     remove cached shards that do not match ``index.json`` (:func:`check_cached`; in the
     node's first process only, as streaming's local leader alone sets up the cache and
     the others wait for it), and check the space: the infos to build streams from (``local`` may now be a sibling
@@ -64,6 +67,7 @@ def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claim
     try:
         for info in infos:
             if not info.remote_dir:
+                check_local_shards(info.name, info.directory, info.index, config)
                 out.append(info)
                 continue
             shared_default = not info.spec.local

@@ -1,0 +1,152 @@
+"""What hashing local shards at a run's start costs, against one pass of reading them.
+
+The check (:func:`foundrymix.loader.cache.check_local_streams`, on by default) hashes every
+shard file of a local stream with the hash ``index.json`` records (``xxh3_64``), once per
+file version; later runs only ``stat`` the files. Measured here, per data set, ``--rounds``
+times (median and range):
+
+* ``hash cold``: no record, the files evicted from the page cache first
+  (``posix_fadvise(DONTNEED)``, per file; no root needed) -- the first run after a copy;
+* ``hash warm``: no record, the files in the page cache -- the first run right after
+  a conversion or copy wrote them;
+* ``recorded``: the records there -- every later run;
+* ``bytes cold``: one ``read()`` pass over the files, evicted first (the disk's share);
+* ``rows cold`` / ``rows warm``: one pass of streaming's own reader over every row
+  (``streaming.LocalDataset``), what an epoch costs at least.
+
+Data sets: the bundled samples (``data/samples``, converted with the real converters at
+``--seq-len``) and ``--shards`` synthetic shards of ``--shard-mb`` MB (``ShardWriter``).
+
+    .venv/bin/python benchmarks/bench_hash.py [--shards 5] [--shard-mb 64] [--rounds 3]
+
+Everything is written under a temporary directory, removed afterwards (records included:
+``FOUNDRYMIX_CACHE`` points there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'tests'))
+
+
+def evict(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def shard_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith('.mds'))
+
+
+def build_samples(root: str, seq_len: int) -> list[str]:
+    from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
+    from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+    from helpers import SAMPLES
+    arxiv, dolly = os.path.join(root, 'arxiv'), os.path.join(root, 'dolly')
+    convert_pretrain([str(SAMPLES / 'arxiv_sample.jsonl')], arxiv, PretrainOptions(max_seq_len=seq_len, workers=1))
+    convert_finetune([str(SAMPLES / 'dolly_hhrlhf_sample.jsonl')], dolly,
+                     FinetuneOptions(max_seq_len=seq_len, workers=1))
+    return [arxiv, dolly]
+
+
+def build_big(root: str, shards: int, shard_mb: int, seq_len: int) -> list[str]:
+    from mix_helpers import build_stream
+    out = os.path.join(root, 'big')
+    row_bytes = 2 * seq_len + 24  # uint16 tokens plus the span/length columns and offsets
+    build_stream(out, 'pretrain', shards * (shard_mb << 20) // row_bytes, 0, seq_len,
+                 size_limit=shard_mb << 20)
+    return [out]
+
+
+def timed(fn: Callable[[], Any], before: Callable[[], None]) -> float:
+    before()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(name: str, dirs: list[str], rounds: int, cache: str) -> None:
+    from streaming import LocalDataset
+
+    from foundrymix.loader.cache import check_local_streams
+    from foundrymix.loader.mixer import StreamMixer
+    config = StreamMixer.from_dict({'streams': {f's{i}': {'local': d} for i, d in enumerate(dirs)}})
+    infos = config.catalog.infos()
+    files = [f for d in dirs for f in shard_files(d)]
+    total = sum(os.path.getsize(f) for f in files)
+    records = os.path.join(cache, 'shard-hashes')
+
+    def hash_all() -> None:
+        checks = check_local_streams(config.config, infos)
+        assert all(c.algorithm == 'xxh3_64' for c in checks), [c.algorithm for c in checks]
+
+    def read_all() -> None:
+        for d in dirs:
+            ds = LocalDataset(local=d)
+            for i in range(len(ds)):
+                ds[i]
+
+    def read_bytes() -> None:
+        for f in files:
+            with open(f, 'rb') as fh:
+                while fh.read(1 << 24):
+                    pass
+
+    def forget() -> None:
+        shutil.rmtree(records, ignore_errors=True)
+
+    modes = {
+        'hash cold': (hash_all, lambda: (forget(), evict(files))),
+        'hash warm': (hash_all, lambda: (forget(), read_bytes())),
+        'recorded': (hash_all, lambda: None),
+        'bytes cold': (read_bytes, lambda: evict(files)),
+        'rows cold': (read_all, lambda: evict(files)),
+        'rows warm': (read_all, read_bytes),
+    }
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode, (fn, before) in modes.items():
+            times[mode].append(timed(fn, before))
+    print(f'\n{name}: {len(files)} shard files, {total / 1e6:,.1f} MB; load average '
+          f'{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores')
+    for mode, ts in times.items():
+        med = statistics.median(ts)
+        print(f'  {mode:10s} median {med * 1e3:9.1f} ms  [{min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}]  '
+              f'{total / med / 1e9 if med else float("inf"):6.2f} GB/s')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--shards', type=int, default=5)
+    parser.add_argument('--shard-mb', type=int, default=64)
+    parser.add_argument('--seq-len', type=int, default=2048)
+    parser.add_argument('--rounds', type=int, default=3)
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix='bench-hash-')
+    os.environ['FOUNDRYMIX_CACHE'] = os.path.join(root, 'cache')
+    try:
+        measure('bundled samples', build_samples(os.path.join(root, 'samples'), args.seq_len),
+                args.rounds, os.environ['FOUNDRYMIX_CACHE'])
+        if args.shards:
+            measure(f'{args.shards} x {args.shard_mb} MB', build_big(root, args.shards, args.shard_mb,
+                                                                     args.seq_len),
+                    args.rounds, os.environ['FOUNDRYMIX_CACHE'])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,207 @@
+"""Local shards hashed against ``index.json`` once per file version, before their first row.
+
+Part of :mod:`foundrymix.loader.cache` (see its docstring for why it is a package).
+
+Why: streaming (0.13) checks ``validate_hash`` only when it downloads or decompresses a
+shard; the shard files of a stream without a remote are read as they are. A flipped bit
+that keeps every token id below the vocabulary size makes a valid row -- just the wrong
+one -- so the row checks cannot see it, and a run on a damaged copy trained on it and
+exited 0, ``validate_hash: xxh3_64`` set or not. Here every shard file of a local stream
+that ``index.json`` records a hash for is hashed (:func:`~foundrymix.loader.cache.space.
+file_hash`, the one hasher of the cache checks) when the run starts, by default.
+
+Why by default, and why once per file version: the converter records ``xxh3_64`` for
+every shard, and hashing is one read of the data: 5 x 64 MB shards hashed in 0.24 s from
+disk (page cache evicted) and 0.15 s from the page cache, against 0.47 s for one ``read()``
+of the files and 21-23 s for one pass of streaming's reader over their rows (medians of 3,
+``benchmarks/bench_hash.py``, shared 2-core VM at load ~15). A file that passed is
+recorded under the foundrymix cache directory (``<cache_root or $FOUNDRYMIX_CACHE or
+<tmp>/foundrymix-cache>/shard-hashes/``, never in the user's dataset directory) with its
+size, ``mtime_ns``, ``ctime_ns``, inode and device: the next run only ``stat`` s it. Any
+write to the file, a copy over it, or a rename onto it changes ``ctime`` (no tool can set
+it back), so a changed file is hashed again. What a record cannot see: bits that change
+on the disk without a write (media decay); ``foundrymix verify DIR`` reads everything.
+
+With many processes per node, each takes the directory's lock in turn: the first hashes
+and records, the others find the records and only ``stat``. A file that fails is never
+recorded, so every process hashes it and every one refuses -- no rank goes on alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from foundrymix.errors import FoundrymixError
+from foundrymix.format.shards import INDEX_NAME, hashes_in_index
+
+log = logging.getLogger(__name__)
+
+#: the folder of the records under the cache directory
+RECORD_DIR = 'shard-hashes'
+#: cheapest first (streaming's algorithms; xxh3 is what the converter records by default)
+_FASTEST = ('xxh3_64', 'xxh3_128', 'xxh64', 'xxh128', 'xxh32', 'md5', 'sha1', 'sha256')
+
+
+class CorruptLocalShardError(FoundrymixError, ValueError):
+    """A shard file of a stream without a remote does not match its ``index.json`` hash."""
+
+
+@dataclass
+class LocalHashCheck:
+    """What :func:`check_local_shards` did for one stream directory."""
+
+    algorithm: Optional[str] = None  #: ``None``: nothing to check (off, or no hashes recorded)
+    hashed_files: list[str] = field(default_factory=list)  #: basenames hashed this time
+    hashed_bytes: int = 0
+    recorded_files: int = 0  #: files that passed earlier (only ``stat`` ed)
+    seconds: float = 0.0
+
+
+def local_hash_algorithm(config: Any, index: dict[str, Any]) -> Optional[str]:
+    """The algorithm a local stream's shards are hashed with, or ``None`` for no check.
+
+    ``validate_hash`` if set (the catalog checked every shard records it), else the
+    fastest algorithm recorded for every shard; ``hash_local_shards: false`` turns it off.
+    """
+    if not config.hash_local_shards:
+        return None
+    if config.validate_hash:
+        return config.validate_hash
+    have = hashes_in_index(index)
+    for algo in _FASTEST:
+        if algo in have:
+            return algo
+    return min(have) if have else None
+
+
+def record_path(cache_root: Optional[str], directory: str) -> str:
+    """The record file of a stream directory (named by a hash of its real path)."""
+    from foundrymix.plan.config import cache_base
+    real = os.path.realpath(directory)
+    key = hashlib.blake2s(real.encode('utf-8'), digest_size=10).hexdigest()
+    return os.path.join(cache_base(cache_root), RECORD_DIR, f'{key}.json')
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[bool]:
+    """Hold the record's lock; yields False (hash, record nothing) if the cache directory
+    cannot be written: a read-only cache costs a re-hash next run, never the run."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path + '.lock', os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        log.warning('cannot record verified shard hashes in %s (%s): every run hashes them',
+                    os.path.dirname(path), e)
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _read_records(path: str, directory: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding='utf-8') as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get('directory') != os.path.realpath(directory):
+        return {}
+    files = data.get('files')
+    return files if isinstance(files, dict) else {}
+
+
+def _write_records(path: str, directory: str, files: dict[str, Any]) -> None:
+    tmp = f'{path}.part-{os.getpid()}'
+    try:
+        with open(tmp, 'w', encoding='utf-8') as f:
+            json.dump({'directory': os.path.realpath(directory), 'files': files}, f, indent=0)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache costs a re-hash next run, never the run
+        log.warning('could not record verified shard hashes in %s: %s', path, e)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def check_local_shards(name: str, directory: str, index: dict[str, Any], config: Any) -> LocalHashCheck:
+    """Hash the shard files of stream ``name`` (no remote) not verified in this version yet.
+
+    Raises :class:`CorruptLocalShardError` naming the stream, its directory and every
+    file that does not match, before any row is read. Files absent are skipped (the
+    catalog's size check refuses a missing shard; a compressed stream has no raw file
+    until streaming unpacks it).
+    """
+    from foundrymix.loader.cache.space import file_hash
+    result = LocalHashCheck(algorithm=local_hash_algorithm(config, index))
+    algo = result.algorithm
+    if algo is None:
+        return result
+    start = time.monotonic()
+    record = record_path(config.cache_root, directory)
+    bad: list[str] = []
+    with _locked(record) as recording:
+        files = _read_records(record, directory) if recording else {}
+        pending = []
+        for shard in index['shards']:
+            for key in ('raw_data', 'zip_data'):
+                info = shard.get(key)
+                expected = ((info or {}).get('hashes') or {}).get(algo)
+                if expected is None:
+                    continue
+                base = info['basename']
+                try:
+                    st = os.stat(os.path.join(directory, base))
+                except FileNotFoundError:
+                    continue
+                entry = [algo, expected, *_identity(st)]
+                if files.get(base) == entry:
+                    result.recorded_files += 1
+                    continue
+                files.pop(base, None)
+                pending.append((base, st.st_size, entry))
+                result.hashed_files.append(base)
+                result.hashed_bytes += st.st_size
+        if pending:  # said first: a first run over a large stream reads it all (minutes)
+            log.info("stream '%s': hashing %d local shard file(s), %s bytes (%s; once per "
+                     'file version; hash_local_shards: false skips it)', name, len(pending),
+                     f'{result.hashed_bytes:,}', algo)
+        for base, size, entry in pending:
+            if file_hash(os.path.join(directory, base), size, algo) == entry[1]:
+                files[base] = entry
+            else:
+                bad.append(base)
+        if result.hashed_files and recording:
+            _write_records(record, directory, files)
+    result.seconds = time.monotonic() - start
+    if result.hashed_files:
+        log.info("stream '%s': hashed %d local shard file(s), %s bytes (%s) in %.2f s", name,
+                 len(result.hashed_files), f'{result.hashed_bytes:,}', algo, result.seconds)
+    if bad:
+        listing = ', '.join(bad[:10]) + (f' and {len(bad) - 10} more' if len(bad) > 10 else '')
+        raise CorruptLocalShardError(
+            f"stream '{name}' ({directory}): shard file(s) {listing} do not match the {algo} "
+            f'hash its {INDEX_NAME} records: the bytes changed after conversion (a damaged '
+            f'copy or disk); no row of it was read. Re-copy the stream from where it came '
+            f'from, or re-run `foundrymix convert` into {directory} with --overwrite; '
+            f'`foundrymix verify {directory}` checks every shard')
+    return result
+
+
+def check_local_streams(config: Any, infos: list[Any]) -> list[LocalHashCheck]:
+    """:func:`check_local_shards` for every stream without a remote."""
+    return [check_local_shards(i.name, i.directory, i.index, config)
+            for i in infos if not i.remote_dir]

@@ -1,0 +1,226 @@
+"""A bit-flipped local shard is refused before its first row, by default; verified once per file version.
+
+Real shards from the real converter (``small_streams``, ``xxh3_64`` recorded for every
+shard), real damage to their bytes: one bit of one token id flipped, the id still below
+the vocabulary size -- a valid row, just the wrong one, which only the recorded hash can
+tell. Before: ``StreamMixer`` and the run loader read it without a word, with
+``validate_hash: xxh3_64`` set or not (streaming 0.13 hashes only what it downloads or
+decompresses). The records of verified files (``<cache>/shard-hashes/``) are read back
+to show what was hashed; the hashed bytes are checked against the files' sizes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from foundrymix.loader.cache import CorruptLocalShardError, check_local_shards
+from foundrymix.loader.cache.local_hashes import record_path
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.loader.run_loader import build_staged_loader
+from foundrymix.plan.config import LoaderConfig
+from integrity_helpers import copy_stream, first_row_of_shard, flip_bits, index_of, shard_path, strip_hashes
+
+VOCAB = 8192  # the bundled foundrymix-bpe-8k
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """This test's own foundrymix cache directory (where the records go)."""
+    root = tmp_path / 'fm-cache'
+    monkeypatch.setenv('FOUNDRYMIX_CACHE', str(root))
+    return root
+
+
+@pytest.fixture
+def arxiv(tmp_path, small_streams) -> Path:
+    return copy_stream(small_streams['arxiv'], tmp_path / 'arxiv')
+
+
+def cfg(path: Path, **extra) -> dict:
+    return {'streams': {'arxiv': {'local': str(path)}}, 'shuffle': False, 'num_workers': 0, **extra}
+
+
+def read_all(config: dict) -> list[dict]:
+    loader = StreamMixer.from_dict(config).build_dataloader(batch_size=1)
+    try:
+        return [{k: v.clone() for k, v in b.items()} for b in loader]
+    finally:
+        dataset = loader.dataset
+        del loader
+        gc.collect()
+        dataset.release()
+
+
+def records(directory: Path) -> dict:
+    """The verified-file records of ``directory``: {basename: [algo, hash, size, ...]}."""
+    path = Path(record_path(None, str(directory)))
+    return json.loads(path.read_text())['files'] if path.exists() else {}
+
+
+def recorded_hashes(stream: Path) -> dict[str, str]:
+    """{shard file: its xxh3_64} as index.json records them (the independent source)."""
+    return {s['raw_data']['basename']: s['raw_data']['hashes']['xxh3_64'] for s in index_of(stream)['shards']}
+
+
+def error_for(stream: Path, name: str = 'arxiv', shards: str = 'shard.00001.mds') -> str:
+    return (f"stream '{name}' ({stream}): shard file(s) {shards} do not match the xxh3_64 hash its "
+            f'index.json records: the bytes changed after conversion (a damaged copy or disk); no '
+            f'row of it was read. Re-copy the stream from where it came from, or re-run '
+            f'`foundrymix convert` into {stream} with --overwrite; `foundrymix verify {stream}` '
+            f'checks every shard')
+
+
+@pytest.mark.parametrize('knobs', [{}, {'validate_hash': 'xxh3_64'}], ids=['default', 'validate_hash'])
+def test_flipped_token_bit_refused_before_any_batch(arxiv, cache, knobs):
+    old, new = flip_bits(arxiv, 1, 3, token=10)
+    assert new < VOCAB and new != old  # a valid id: the row checks cannot see it
+    with pytest.raises(CorruptLocalShardError) as err:
+        read_all(cfg(arxiv, **knobs))
+    assert str(err.value) == error_for(arxiv)
+    # the good shards are recorded as verified; the damaged one is not
+    want = recorded_hashes(arxiv)
+    assert {b: r[1] for b, r in records(arxiv).items()} == {b: h for b, h in want.items()
+                                                            if b != 'shard.00001.mds'}
+
+
+def test_opting_out_reads_the_flipped_row(arxiv, cache):
+    """``hash_local_shards: false``: the old behaviour (the row is read), and nothing recorded."""
+    old, new = flip_bits(arxiv, 1, 3, token=10)
+    batches = read_all(cfg(arxiv, hash_local_shards=False))
+    sample = first_row_of_shard(arxiv, 1) + 3
+    got = next(b for b in batches if int(b['sample_id']) == sample)
+    assert int(got['input_ids'][0, 10]) == new
+    assert records(arxiv) == {} and not cache.exists()
+
+
+def test_run_start_refuses_a_damaged_shard_of_a_later_stage(tmp_path, small_streams, cache):
+    """The run loader checks every stage's local streams when it is built, not when the
+    stage starts: nothing was iterated, no dataset was built."""
+    arxiv = copy_stream(small_streams['arxiv'], tmp_path / 'arxiv')
+    dolly = copy_stream(small_streams['dolly'], tmp_path / 'dolly')
+    flip_bits(dolly, 0, 0, token=3)
+    config = {'streams': {'arxiv': {'local': str(arxiv)}, 'dolly': {'local': str(dolly)}},
+              'num_workers': 0,
+              'stages': [{'name': 'pre', 'duration': '2ba', 'streams': {'arxiv': {'repeat': 1}}},
+                         {'name': 'ft', 'duration': '2ba', 'streams': {'dolly': {'repeat': 1}}}]}
+    with pytest.raises(CorruptLocalShardError) as err:
+        build_staged_loader(LoaderConfig.from_dict(config), 2, None)
+    assert str(err.value) == error_for(dolly, 'dolly', 'shard.00000.mds')
+    assert set(records(arxiv)) == set(recorded_hashes(arxiv))  # stage 1's stream: verified
+
+
+def test_second_build_only_stats_and_a_changed_file_is_hashed_again(arxiv, cache, caplog):
+    index = index_of(arxiv)
+    config = LoaderConfig.from_dict(cfg(arxiv))
+    want = recorded_hashes(arxiv)
+    sizes = {b: (arxiv / b).stat().st_size for b in want}
+
+    with caplog.at_level(logging.INFO, logger='foundrymix.loader.cache.local_hashes'):
+        first = check_local_shards('arxiv', str(arxiv), index, config)
+    assert [r.getMessage() for r in caplog.records if 'local shard file(s)' in r.getMessage()][0] == (
+        f"stream 'arxiv': hashing {len(want)} local shard file(s), {sum(sizes.values()):,} bytes "
+        f'(xxh3_64; once per file version; hash_local_shards: false skips it)')
+    caplog.clear()
+    assert (first.algorithm, sorted(first.hashed_files), first.hashed_bytes, first.recorded_files) == (
+        'xxh3_64', sorted(want), sum(sizes.values()), 0)
+    assert {b: r[:3] for b, r in records(arxiv).items()} == {b: ['xxh3_64', h, sizes[b]]
+                                                              for b, h in want.items()}
+
+    # A build of the loader: every file recorded, nothing hashed (its log line says so).
+    with caplog.at_level(logging.INFO, logger='foundrymix.loader.cache.local_hashes'):
+        assert len(read_all(cfg(arxiv))) == sum(s['samples'] for s in index['shards'])
+    assert [r for r in caplog.records if 'local shard file(s)' in r.getMessage()] == []
+    again = check_local_shards('arxiv', str(arxiv), index, config)
+    assert (again.hashed_files, again.hashed_bytes, again.recorded_files) == ([], 0, len(want))
+
+    # A touched mtime: that file (only) is hashed again, and passes.
+    path = shard_path(arxiv, 0)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    touched = check_local_shards('arxiv', str(arxiv), index, config)
+    assert (touched.hashed_files, touched.hashed_bytes) == ([path.name], sizes[path.name])
+
+    # Damage with the mtime put back (what `cp -p` or rsync of a bad copy leaves): the
+    # change time still moved, so it is hashed again and refused.
+    st = shard_path(arxiv, 1).stat()
+    flip_bits(arxiv, 1, 3, token=10)
+    os.utime(shard_path(arxiv, 1), ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard_path(arxiv, 1).stat().st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(CorruptLocalShardError) as err:
+        check_local_shards('arxiv', str(arxiv), index, config)
+    assert str(err.value) == error_for(arxiv)
+
+
+def test_no_recorded_hashes_no_check(arxiv, cache):
+    """A stream converted without hashes (older conversions): nothing to check against."""
+    strip_hashes(arxiv)
+    result = check_local_shards('arxiv', str(arxiv), index_of(arxiv), LoaderConfig.from_dict(cfg(arxiv)))
+    assert (result.algorithm, result.hashed_files) == (None, [])
+    assert not cache.exists()
+
+
+def test_a_cache_that_cannot_be_written_still_hashes(arxiv, tmp_path, monkeypatch, caplog):
+    """No records (the cache path is a file): every run hashes, and a damaged shard is refused."""
+    blocker = tmp_path / 'not-a-dir'
+    blocker.write_text('x')
+    monkeypatch.setenv('FOUNDRYMIX_CACHE', str(blocker))
+    config = LoaderConfig.from_dict(cfg(arxiv))
+    want = recorded_hashes(arxiv)
+    for _ in range(2):
+        result = check_local_shards('arxiv', str(arxiv), index_of(arxiv), config)
+        assert (sorted(result.hashed_files), result.recorded_files) == (sorted(want), 0)
+    assert 'every run hashes them' in caplog.text
+    flip_bits(arxiv, 1, 3, token=10)
+    with pytest.raises(CorruptLocalShardError) as err:
+        check_local_shards('arxiv', str(arxiv), index_of(arxiv), config)
+    assert str(err.value) == error_for(arxiv)
+    assert blocker.read_text() == 'x'
+
+
+def _check_in_child(directory: str, barrier, out) -> None:
+    config = LoaderConfig.from_dict(cfg(Path(directory)))
+    barrier.wait()  # both start together, as the ranks of one node do
+    try:
+        result = check_local_shards('arxiv', directory, index_of(Path(directory)), config)
+        out.put((sorted(result.hashed_files), result.recorded_files, None))
+    except CorruptLocalShardError as e:
+        out.put((None, None, str(e)))
+
+
+@pytest.mark.parametrize('damaged', [False, True], ids=['intact', 'damaged'])
+def test_ranks_started_together_hash_once_and_all_refuse(arxiv, cache, damaged):
+    """Two processes (forked, like two ranks of a node) check at once: the lock makes one hash
+    every file and the other only stat; a damaged file is hashed -- and refused -- by both.
+    The test holds the directory's lock while they start (as a rank still hashing would), so
+    both are waiting when it is released: neither finishes before."""
+    import multiprocessing
+    import queue
+
+    from foundrymix.loader.cache.local_hashes import _locked
+    if damaged:
+        flip_bits(arxiv, 1, 3, token=10)
+    want = sorted(recorded_hashes(arxiv))
+    ctx = multiprocessing.get_context('fork')
+    barrier, out = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_check_in_child, args=(str(arxiv), barrier, out), daemon=True)
+             for _ in range(2)]
+    for p in procs:
+        p.start()  # before the lock is taken: a forked child would inherit it
+    with _locked(record_path(None, str(arxiv))):
+        barrier.wait()
+        with pytest.raises(queue.Empty):
+            out.get(timeout=1.0)  # both wait on the lock
+    results = sorted((out.get(timeout=60) for _ in procs), key=repr)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    if damaged:
+        assert results == [(None, None, error_for(arxiv))] * 2
+    else:
+        assert sorted(results, key=lambda r: r[1]) == [(want, 0, None), ([], len(want), None)]
