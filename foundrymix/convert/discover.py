@@ -33,10 +33,13 @@ class InputNotFoundError(FoundrymixError, FileNotFoundError):
 
 
 def input_format(path: str) -> str:
-    """Format of one resolved input: jsonl | jsonl_stream | txt | parquet | hf."""
+    """Format of one resolved input: jsonl | jsonl_stream | txt | parquet | hf | mds (an MDS
+    dataset directory: read only by ``foundrymix adopt``, never found by :func:`discover_inputs`)."""
     if os.path.isdir(path):
         if _is_hf_dataset(path):
             return 'hf'
+        if os.path.isfile(os.path.join(path, 'index.json')):
+            return 'mds'
         raise UserError(f'{path}: a directory is not a single input (expected a dataset saved '
                          f'with `datasets.save_to_disk`)')
     name = path.lower()
