@@ -126,6 +126,7 @@ class _TokenRows(_PretrainRows):
     def __init__(self, setup: Setup, options: TokenOptions, manifest: Manifest) -> None:
         super().__init__(setup, options, manifest)
         self.manifest = manifest
+        self.since_end = 0  # tokens after the last document end so far (the open document)
 
     def _open(self) -> int:
         c = self.cutter
@@ -138,21 +139,29 @@ class _TokenRows(_PretrainRows):
             lens[0] += self._open()
         kept = lens[lens > 0]  # a BOS at the very start of the stream ends nothing
         self.manifest.counts.documents_read -= len(lens) - len(kept)
-        lens = kept
-        yield from self._rows(result.tokens, lens)
+        self.since_end = len(result.tokens) - int(ends[-1]) if len(ends) else \
+            self.since_end + len(result.tokens)
+        yield from self._rows(result.tokens, kept)
 
     def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[dict]:
-        self.counts.documents_written += len(lens)
         for ids, pieces in self.cutter.feed(tokens, lens):
             self.counts.rows += 1
             yield encode_row(ids, self.full_span, pieces, self.dtype)
 
     def flush(self) -> Iterator[dict]:
         """The last document has no end in the data (Foundry cut it): it ends the stream."""
-        rest = self._open()
-        if rest:
+        if self.since_end:
             self.manifest.counts.documents_read += 1
+        rest = self._open()
+        if rest:  # its tokens not yet in a row: one more piece for the tail
             yield from self._rows(np.zeros(0, dtype=self.dtype), np.asarray([rest], dtype=np.int64))
+
+    def close(self) -> None:
+        """Counts: documents written are those with a token in a row (the rest are the tail)."""
+        c = self.counts
+        c.tokens = c.loss_tokens = c.rows * self.cutter.max_seq_len
+        c.tail_tokens = self.cutter.tail_tokens
+        c.documents_written = c.documents_read - (self.cutter.tail_documents if c.tail_tokens else 0)
 
     def progress(self, result: _ChunkIds) -> tuple[int, int]:
         return len(result.ends), len(result.tokens)
@@ -171,25 +180,42 @@ class AdoptArgs:
 
 
 def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], Optional[int], str]:
-    """Where documents end, from the first shard: ``(boundary, id, window length, statement)``."""
-    tok = load_tokenizer(tokenizer)
-    info = tokenizer_info(tok)
-    _, rows = read_shard(split.path, 0)
-    arrays = [np.asarray(r['tokens']).reshape(-1) for r in rows]
-    lengths = {len(a) for a in arrays}
-    window = lengths.pop() if len(lengths) == 1 else None
-    stream = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-    n_eos = int((stream == info.eos_id).sum())
-    n_bos = int((stream == info.bos_id).sum()) if info.bos_id is not None else 0
-    if n_eos:
-        how = (f'documents end after each EOS (id {info.eos_id}, {n_eos:,} in shard 0'
-               + (f'; BOS id {info.bos_id} stays at the start of each' if n_bos else '') + ')')
-        return 'eos', info.eos_id, window, how
-    if n_bos:
-        return 'bos', info.bos_id, window, (f'no EOS (id {info.eos_id}) in shard 0: documents start '
-                                            f'at each BOS (id {info.bos_id}, {n_bos:,} in shard 0)')
-    return 'none', None, window, (f'neither EOS (id {info.eos_id}) nor BOS in shard 0: the stream is '
-                                  f'taken as one document (doc_lens only mark row ends)')
+    """Where documents end: ``(boundary, id, window length of shard 0, statement)``.
+
+    Shards are read in order up to the first separator past the stream's first token: an
+    EOS means documents end after each EOS; a BOS not right after an EOS means documents
+    start at each BOS (data made without ``--eos_text``). A long document can fill many
+    shards, so one shard is not enough; data without either separator is read whole.
+    """
+    from foundrymix.convert.mds_input import shard_count
+    info = tokenizer_info(load_tokenizer(tokenizer))
+    window: Optional[int] = None
+    previous: Optional[int] = None  # the last token of the shards read so far
+    for number in range(shard_count(split.path)):
+        _, rows = read_shard(split.path, number)
+        arrays = [np.asarray(r['tokens']).reshape(-1) for r in rows]
+        if number == 0:
+            lengths = {len(a) for a in arrays}
+            window = lengths.pop() if len(lengths) == 1 else None
+        stream = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        if previous is not None:
+            stream = np.concatenate(([previous], stream))
+        if not len(stream):
+            continue
+        eos = np.flatnonzero(stream[1:] == info.eos_id)
+        bos = np.flatnonzero(stream[1:] == info.bos_id) if info.bos_id is not None else eos[:0]
+        bos = bos[stream[bos] != info.eos_id]  # stream[bos] is the token before each BOS
+        where = f'shard {number}' + (f' of {split.name}' if split.name else '')
+        if len(eos) and (not len(bos) or eos[0] < bos[0]):
+            return 'eos', info.eos_id, window, (f'documents end after each EOS (id {info.eos_id}; '
+                                                f'the first after the start is in {where})')
+        if len(bos):
+            return 'bos', info.bos_id, window, (f'no EOS (id {info.eos_id}) between documents: '
+                                                f'documents start at each BOS (id {info.bos_id}; '
+                                                f'the first is in {where})')
+        previous = int(stream[-1])
+    return 'none', None, window, (f'neither EOS (id {info.eos_id}) nor BOS between tokens: the '
+                                  f'stream is taken as one document (doc_lens only mark row ends)')
 
 
 def _split_out(out: str, split: MdsSplit, several: bool) -> str:

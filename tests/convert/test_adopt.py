@@ -1,0 +1,127 @@
+"""``foundrymix adopt``: LLM-Foundry / streaming MDS -> foundrymix datasets without re-tokenizing.
+
+The reference is always ``convert`` of the raw corpus the MDS was made from: adopting
+Foundry's token shards must give the same rows, bit for bit, as ``convert pretrain`` of
+that corpus when the separators match (Foundry: ``--eos_text`` = the EOS token, no
+``--bos_text``; its tokenizer call adds BOS iff the tokenizer does, as foundrymix does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from convert_helpers import read_jsonl, read_rows, write_jsonl
+from foundry_fixtures import (concat_tokens, write_foundry_finetune, write_foundry_pretrain,
+                              write_raw_text)
+from helpers import DEMO_TOKENIZER, ROOT
+from foundrymix.convert.adopt import AdoptArgs, adopt
+from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
+from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+from foundrymix.errors import UserError
+from foundrymix.format.schema import Manifest
+from foundrymix.tokenizer import load_tokenizer
+from foundrymix.tools.verify import verify
+
+L = 128
+
+
+def _eos_text(tokenizer: str) -> str:
+    return load_tokenizer(tokenizer).eos_token
+
+
+def _same_rows(a, b) -> None:
+    assert len(a) == len(b) > 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        for col in ('input_ids', 'loss_spans', 'doc_lens'):
+            np.testing.assert_array_equal(np.asarray(x[col]), np.asarray(y[col]), err_msg=f'row {i} {col}')
+
+
+def test_foundry_tokens_equal_convert_pretrain(tmp_path, arxiv_jsonl, any_tokenizer):
+    """Row for row: adopt(Foundry's token shards) == convert pretrain(raw), across many shards."""
+    texts = [r['text'] for r in read_jsonl(arxiv_jsonl)]
+    rows = concat_tokens(texts, any_tokenizer, L, eos_text=_eos_text(any_tokenizer))
+    src = write_foundry_pretrain(tmp_path / 'foundry', rows, size_limit=1 << 13)  # ~15 rows a shard
+    assert len(os.listdir(src)) > 10
+    ref = convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'),
+                           PretrainOptions(tokenizer=any_tokenizer, max_seq_len=L, workers=2))
+    [(split, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), tokenizer=any_tokenizer,
+                                   common={'workers': 2}))
+    assert split.rows == len(rows) == ref.counts.rows == m.counts.rows
+    _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
+    assert m.max_seq_len == L and m.counts.tail_tokens == 0
+    assert m.tokenizer == ref.tokenizer
+    assert m.options['source']['inferred'].startswith('documents end after each EOS')
+    assert m.options['source']['columns'] == {'tokens': 'ndarray:int32'}
+    # every document whose EOS lies in the kept stream, plus the one Foundry cut at the end
+    stream = np.concatenate(rows)
+    assert m.counts.documents_read == m.counts.documents_written == int((stream == ref.tokenizer.eos_id).sum()) + 1
+    assert verify(str(tmp_path / 'out')).intact
+
+
+def test_foundry_tokens_recut_shorter(tmp_path, arxiv_jsonl):
+    """A shorter --max-seq-len re-cuts the same stream: the first rows of convert(raw) at that length."""
+    texts = [r['text'] for r in read_jsonl(arxiv_jsonl)]
+    rows = concat_tokens(texts, DEMO_TOKENIZER, L, eos_text='<|endoftext|>')
+    src = write_foundry_pretrain(tmp_path / 'foundry', rows, compression=None)
+    convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'), PretrainOptions(max_seq_len=48))
+    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=48))
+    n = len(rows) * L // 48
+    assert m.counts.rows == n and m.counts.tail_tokens == len(rows) * L - n * 48
+    _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref')[:n])
+
+
+def test_foundry_tokens_from_another_tokenizer_refused(tmp_path):
+    src = write_foundry_pretrain(tmp_path / 'foundry', [np.asarray([5, 0, 9000, 7], dtype=np.int32)])
+    with pytest.raises(UserError, match=r"shard\.00000\.mds\.zstd:row 0: token id 9000 is outside the "
+                                        r"vocabulary of tokenizer 'foundrymix-bpe-8k' \(8,192 ids\)"):
+        adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out')))
+    assert not (tmp_path / 'out').exists()
+
+
+def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl):
+    """The real CLI on a Foundry finetune root: splits found and listed, one dataset each,
+    equal to convert finetune of the same records; `convert` on that root points to adopt."""
+    records = read_jsonl(dolly_jsonl, limit=300)
+    root = write_foundry_finetune(tmp_path / 'foundry', {'train': records[:200], 'val': records[200:]})
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    run = subprocess.run([sys.executable, '-m', 'foundrymix.cli', 'adopt', str(root), '--out',
+                          str(tmp_path / 'out'), '--max-seq-len', '256'], env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr
+    assert 'train: 200 rows in 1 shard(s) (prompt: str, response: str) -> LLM-Foundry finetune text' in run.stdout
+    assert 'val: 100 rows in 1 shard(s)' in run.stdout
+    for split, part in (('train', records[:200]), ('val', records[200:])):
+        convert_finetune([str(write_jsonl(tmp_path / f'{split}.jsonl', part))], str(tmp_path / f'ref-{split}'),
+                         FinetuneOptions(max_seq_len=256))
+        _same_rows(read_rows(tmp_path / 'out' / split), read_rows(tmp_path / f'ref-{split}'))
+        m = Manifest.read(str(tmp_path / 'out' / split))
+        assert m.kind == 'finetune' and m.options['source']['split'] == split
+    with pytest.raises(UserError, match=r'holds MDS shards \(train/index.json, val/index.json\), not raw '
+                                        r'input files; use them as they are with: foundrymix adopt'):
+        convert_pretrain([str(root)], str(tmp_path / 'c'), PretrainOptions())
+
+
+def test_raw_text_zstd(tmp_path, arxiv_jsonl):
+    """streaming's raw-text MDS (zstd) goes through the normal pretrain path."""
+    texts = [r['text'] for r in read_jsonl(arxiv_jsonl)]
+    src = write_raw_text(tmp_path / 'text', texts, size_limit=1 << 16)
+    assert any(n.endswith('.mds.zstd') for n in os.listdir(src))
+    convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'), PretrainOptions(max_seq_len=L))
+    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=L))
+    _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
+    assert m.counts.documents_read == len(texts)
+
+
+def test_unmanifested_mds_points_to_adopt(tmp_path):
+    """inspect/verify/plan read Manifest or the index: MDS without a manifest names adopt."""
+    src = write_raw_text(tmp_path / 'text', ['hello world'])
+    with pytest.raises(FileNotFoundError, match='foundrymix adopt'):
+        Manifest.read(str(src))
+    with pytest.raises(FileNotFoundError, match='foundrymix adopt'):
+        verify(str(src))
