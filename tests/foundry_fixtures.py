@@ -37,10 +37,12 @@ def concat_tokens(texts: Iterable[str], tokenizer: str, max_length: int, bos_tex
     rows = []
     for text in texts:
         ids = tok(text, truncation=False, padding=False)['input_ids']
-        buffer = buffer + bos + ids + eos
-        while len(buffer) >= max_length:
-            rows.append(np.asarray(buffer[:max_length], dtype=np.int32))
-            buffer = buffer[max_length:]
+        buffer += bos + ids + eos
+        start = 0  # Foundry slices ``buffer = buffer[max_length:]`` per window; same windows
+        while len(buffer) - start >= max_length:
+            rows.append(np.asarray(buffer[start:start + max_length], dtype=np.int32))
+            start += max_length
+        buffer = buffer[start:]
     return rows
 
 

@@ -8,10 +8,7 @@ that corpus when the separators match (Foundry: ``--eos_text`` = the EOS token, 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,7 +16,8 @@ import pytest
 from convert_helpers import read_jsonl, read_rows, write_jsonl
 from foundry_fixtures import (concat_tokens, write_foundry_finetune, write_foundry_pretrain,
                               write_raw_text)
-from helpers import DEMO_TOKENIZER, ROOT
+from helpers import DEMO_TOKENIZER
+from foundrymix.cli import main
 from foundrymix.convert.adopt import AdoptArgs, adopt
 from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
@@ -29,6 +27,13 @@ from foundrymix.tokenizer import load_tokenizer
 from foundrymix.tools.verify import verify
 
 L = 128
+#: documents of the arxiv sample used (each is ~18k tokens: ~800 rows of L, many shards)
+N_DOCS = 6
+
+
+def _arxiv(tmp_path, arxiv_jsonl):
+    records = read_jsonl(arxiv_jsonl, limit=N_DOCS)
+    return [r['text'] for r in records], write_jsonl(tmp_path / 'arxiv.jsonl', records)
 
 
 def _eos_text(tokenizer: str) -> str:
@@ -44,7 +49,7 @@ def _same_rows(a, b) -> None:
 
 def test_foundry_tokens_equal_convert_pretrain(tmp_path, arxiv_jsonl, any_tokenizer):
     """Row for row: adopt(Foundry's token shards) == convert pretrain(raw), across many shards."""
-    texts = [r['text'] for r in read_jsonl(arxiv_jsonl)]
+    texts, arxiv_jsonl = _arxiv(tmp_path, arxiv_jsonl)
     rows = concat_tokens(texts, any_tokenizer, L, eos_text=_eos_text(any_tokenizer))
     src = write_foundry_pretrain(tmp_path / 'foundry', rows, size_limit=1 << 13)  # ~15 rows a shard
     assert len(os.listdir(src)) > 10
@@ -66,7 +71,7 @@ def test_foundry_tokens_equal_convert_pretrain(tmp_path, arxiv_jsonl, any_tokeni
 
 def test_foundry_tokens_recut_shorter(tmp_path, arxiv_jsonl):
     """A shorter --max-seq-len re-cuts the same stream: the first rows of convert(raw) at that length."""
-    texts = [r['text'] for r in read_jsonl(arxiv_jsonl)]
+    texts, arxiv_jsonl = _arxiv(tmp_path, arxiv_jsonl)
     rows = concat_tokens(texts, DEMO_TOKENIZER, L, eos_text='<|endoftext|>')
     src = write_foundry_pretrain(tmp_path / 'foundry', rows, compression=None)
     convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'), PretrainOptions(max_seq_len=48))
@@ -84,19 +89,17 @@ def test_foundry_tokens_from_another_tokenizer_refused(tmp_path):
     assert not (tmp_path / 'out').exists()
 
 
-def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl):
-    """The real CLI on a Foundry finetune root: splits found and listed, one dataset each,
-    equal to convert finetune of the same records; `convert` on that root points to adopt."""
-    records = read_jsonl(dolly_jsonl, limit=300)
-    root = write_foundry_finetune(tmp_path / 'foundry', {'train': records[:200], 'val': records[200:]})
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
-    run = subprocess.run([sys.executable, '-m', 'foundrymix.cli', 'adopt', str(root), '--out',
-                          str(tmp_path / 'out'), '--max-seq-len', '256'], env=env, capture_output=True,
-                         text=True)
-    assert run.returncode == 0, run.stderr
-    assert 'train: 200 rows in 1 shard(s) (prompt: str, response: str) -> LLM-Foundry finetune text' in run.stdout
-    assert 'val: 100 rows in 1 shard(s)' in run.stdout
-    for split, part in (('train', records[:200]), ('val', records[200:])):
+def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl, capsys):
+    """The CLI (its parser and entry point, in-process) on a Foundry finetune root: splits
+    found and listed, one dataset each, equal to convert finetune of the same records;
+    `convert` on that root points to adopt."""
+    records = read_jsonl(dolly_jsonl, limit=150)
+    root = write_foundry_finetune(tmp_path / 'foundry', {'train': records[:100], 'val': records[100:]})
+    assert main(['adopt', str(root), '--out', str(tmp_path / 'out'), '--max-seq-len', '256']) == 0
+    out = capsys.readouterr().out
+    assert 'train: 100 rows in 1 shard(s) (prompt: str, response: str) -> LLM-Foundry finetune text' in out
+    assert 'val: 50 rows in 1 shard(s)' in out
+    for split, part in (('train', records[:100]), ('val', records[100:])):
         convert_finetune([str(write_jsonl(tmp_path / f'{split}.jsonl', part))], str(tmp_path / f'ref-{split}'),
                          FinetuneOptions(max_seq_len=256))
         _same_rows(read_rows(tmp_path / 'out' / split), read_rows(tmp_path / f'ref-{split}'))
@@ -109,8 +112,8 @@ def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl):
 
 def test_raw_text_zstd(tmp_path, arxiv_jsonl):
     """streaming's raw-text MDS (zstd) goes through the normal pretrain path."""
-    texts = [r['text'] for r in read_jsonl(arxiv_jsonl)]
-    src = write_raw_text(tmp_path / 'text', texts, size_limit=1 << 16)
+    texts, arxiv_jsonl = _arxiv(tmp_path, arxiv_jsonl)
+    src = write_raw_text(tmp_path / 'text', texts, size_limit=1 << 14)
     assert any(n.endswith('.mds.zstd') for n in os.listdir(src))
     convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'), PretrainOptions(max_seq_len=L))
     [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=L))
