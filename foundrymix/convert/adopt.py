@@ -37,7 +37,7 @@ import numpy as np
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.driver import ChunkResult, Converter, convert, worker_state
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions
-from foundrymix.convert.mds_input import MdsSplit, find_splits, read_shard
+from foundrymix.convert.mds_input import MdsSplit, find_splits, read_column_arrays
 from foundrymix.convert.paths import is_url
 from foundrymix.convert.pipeline import ChunkErrors
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
@@ -97,13 +97,11 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
     """Read one token shard (no tokenizer): its rows joined, ids checked, document ends found."""
     w = worker_state()
     o: TokenOptions = w.options
-    name, rows = read_shard(chunk.path, chunk.start)
-    arrays = [np.asarray(r['tokens']).reshape(-1) for r in rows]
-    stream = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens')
     vocab = len(w.tok)
     if stream.size and (int(stream.min()) < 0 or int(stream.max()) >= vocab):
         bad = int(np.flatnonzero((stream < 0) | (stream >= vocab))[0])
-        row = int(np.searchsorted(np.cumsum([len(a) for a in arrays]), bad, side='right'))
+        row = int(np.searchsorted(np.cumsum(row_lens), bad, side='right'))
         raise UserError(f'{name}:row {row}: token id {int(stream[bad])} is outside the vocabulary of '
                         f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
                         f'tokenizer: pass it with --tokenizer')
@@ -113,7 +111,7 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
         ends = np.flatnonzero(stream == o.boundary_id)
     else:
         ends = np.zeros(0, dtype=np.int64)
-    return _ChunkIds(len(rows), len(ends), ChunkErrors(), {}, stream.astype(w.token_dtype), ends)
+    return _ChunkIds(len(row_lens), len(ends), ChunkErrors(), {}, stream.astype(w.token_dtype), ends)
 
 
 class _TokenRows(_PretrainRows):
@@ -192,12 +190,10 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
     window: Optional[int] = None
     previous: Optional[int] = None  # the last token of the shards read so far
     for number in range(shard_count(split.path)):
-        _, rows = read_shard(split.path, number)
-        arrays = [np.asarray(r['tokens']).reshape(-1) for r in rows]
+        _, stream, row_lens = read_column_arrays(split.path, number, 'tokens')
         if number == 0:
-            lengths = {len(a) for a in arrays}
+            lengths = set(row_lens.tolist())
             window = lengths.pop() if len(lengths) == 1 else None
-        stream = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
         if previous is not None:
             stream = np.concatenate(([previous], stream))
         if not len(stream):
