@@ -128,3 +128,27 @@ def test_unmanifested_mds_points_to_adopt(tmp_path):
         Manifest.read(str(src))
     with pytest.raises(FileNotFoundError, match='foundrymix adopt'):
         verify(str(src))
+
+
+@pytest.mark.parametrize('encoding,lengths', [('ndarray:int32', [16, 16, 16]), ('ndarray:int32:16', [16, 16]),
+                                              ('ndarray:uint16', [300, 300]), ('ndarray:int32', [16, 9, 16])])
+def test_ndarray_column_equals_streaming_decode(tmp_path, encoding, lengths):
+    """The one-view read of token shards gives streaming's own row decoding (or declines)."""
+    from streaming import MDSWriter
+    from foundrymix.convert.mds_input import read_column_arrays, read_shard
+    from foundrymix.format.mds import ndarray_column
+    from foundrymix.format.shards import read_index
+    dtype = encoding.split(':')[1]
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(tmp_path / 'm'), columns={'tokens': encoding}, compression='zstd') as w:
+        for n in lengths:
+            w.write({'tokens': rng.integers(0, 60000, size=n).astype(dtype)})
+    _, rows = read_shard(str(tmp_path / 'm'), 0)
+    expect = np.concatenate([r['tokens'] for r in rows])
+    _, values, row_lens = read_column_arrays(str(tmp_path / 'm'), 0, 'tokens')
+    np.testing.assert_array_equal(values, expect)
+    assert values.dtype == expect.dtype and row_lens.tolist() == lengths
+    import zstandard
+    shard = read_index(str(tmp_path / 'm'))['shards'][0]
+    data = zstandard.decompress((tmp_path / 'm' / shard['zip_data']['basename']).read_bytes())
+    assert (ndarray_column(data, shard) is None) == (len(set(lengths)) > 1)
