@@ -8,11 +8,15 @@ then measures in the same run, ``--rounds`` times, alternating:
 (a) ``cat`` of every shard file to ``/dev/null`` (the files are in the page cache after
     the first round; a subprocess, as a user would time it);
 (b) the whole ``foundrymix adopt`` as a subprocess (start-up, reading, decompressing,
-    re-cutting and writing the foundrymix shards and manifest).
+    re-cutting and writing the foundrymix shards and manifest);
+(c) ``adopt()`` in this process once the modules and the tokenizer are loaded (a warm-up
+    run first): the steady-state rate without the start-up (importing transformers
+    to load the tokenizer is most of it).
 
-Both are given as MB/s of the *source* shard bytes; the ratio (b)/(a) is the share of
-disk/decompression speed adopt reaches (target >= 0.5). Medians and ranges are printed,
-with the 1-minute load average before and after: other work on the machine skews both.
+All are given as MB/s of the *source* shard bytes; the ratios (b)/(a) and (c)/(a) are
+the share of disk/decompression speed adopt reaches (target >= 0.5). Medians and ranges
+are printed, with the 1-minute load average before and after: other work on the machine
+skews all three.
 
     .venv/bin/python benchmarks/bench_adopt.py [--mb 200] [--rounds 3] [--compression none|zstd]
 """
@@ -67,6 +71,14 @@ def time_adopt(src: Path, out: Path) -> float:
     return time.perf_counter() - t
 
 
+def time_in_process(src: Path, out: Path) -> float:
+    from foundrymix.convert.adopt import AdoptArgs, adopt
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    adopt(AdoptArgs(source=str(src), out=str(out)))
+    return time.perf_counter() - t
+
+
 def _median_range(values: list[float]) -> str:
     return f'{statistics.median(values):,.0f} MB/s (range {min(values):,.0f}-{max(values):,.0f})'
 
@@ -87,18 +99,25 @@ def main() -> None:
         size = sum(os.path.getsize(f) for f in files) / (1 << 20)
         print(f'{rows:,} rows of {args.max_seq_len} in {len(files)} shard(s), {size:,.0f} MB '
               f'({args.compression}); load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores')
-        cat, adopt, ratio = [], [], []
-        time_cat(files)  # warm the page cache for both
+        cat, adopt, warm, ratio, warm_ratio = [], [], [], [], []
+        time_cat(files)  # warm the page cache for all
+        time_in_process(src, tmp / 'out')  # imports and the tokenizer, once
         for _ in range(args.rounds):
             c = time_cat(files)
             a = time_adopt(src, tmp / 'out')
+            w = time_in_process(src, tmp / 'out')
             cat.append(size / c)
             adopt.append(size / a)
+            warm.append(size / w)
             ratio.append(c / a)
-        print(f'cat:   {_median_range(cat)}')
-        print(f'adopt: {_median_range(adopt)}')
-        print(f'adopt/cat: median {statistics.median(ratio):.2f} (range {min(ratio):.2f}-{max(ratio):.2f}); '
-              f'target >= 0.5; load after {os.getloadavg()[0]:.1f}')
+            warm_ratio.append(c / w)
+        print(f'cat:                       {_median_range(cat)}')
+        print(f'adopt (CLI, with start-up): {_median_range(adopt)}')
+        print(f'adopt (in-process, warm):  {_median_range(warm)}')
+        for name, r in (('CLI', ratio), ('warm', warm_ratio)):
+            print(f'adopt/cat ({name}): median {statistics.median(r):.3f} (range {min(r):.3f}-{max(r):.3f}); '
+                  f'target >= 0.5')
+        print(f'load after {os.getloadavg()[0]:.1f}')
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
