@@ -13,6 +13,10 @@ LLM-Foundry is not installed here, so its converters are mirrored with streaming
   of ``max_length`` is emitted as ``np.int32`` and the tail after the last window is dropped.
 * :func:`write_foundry_finetune` mirrors ``convert_finetuning_dataset.py`` without a
   tokenizer: ``{'prompt': 'str', 'response': 'str'}`` under ``<out>/<split>/``.
+* :func:`write_foundry_turns` mirrors ``convert_finetuning_dataset.py`` with a tokenizer:
+  ``{'turns': 'json'}``, each example's turns as ``llmfoundry.data.finetuning.tasks``
+  tokenizes a prompt/response pair: ``{'input_ids': tokenizer(prompt)['input_ids'],
+  'labels': tokenizer(response, add_special_tokens=False)['input_ids'] + [eos]}``.
 * :func:`write_raw_text` is streaming's own raw-text layout: ``{'text': 'str'}``, zstd.
 """
 
@@ -69,4 +73,13 @@ def write_raw_text(out: Path, texts: list[str], size_limit: int | str = '64mb') 
     with MDSWriter(out=str(out), columns={'text': 'str'}, compression='zstd', size_limit=size_limit) as w:
         for t in texts:
             w.write({'text': t})
+    return out
+
+
+def write_foundry_turns(out: Path, records: list[dict], tokenizer: str) -> Path:
+    tok = load_tokenizer(tokenizer)
+    with MDSWriter(out=str(out), columns={'turns': 'json'}) as w:
+        for rec in records:
+            labels = tok(rec['response'], add_special_tokens=False)['input_ids'] + [tok.eos_token_id]
+            w.write({'turns': [{'input_ids': tok(rec['prompt'])['input_ids'], 'labels': labels}]})
     return out

@@ -19,7 +19,8 @@ What each kind of source becomes (found from the shards' columns, :func:`source_
 * ``prompt``/``response: str`` -- LLM-Foundry finetune shards written without a
   tokenizer: the normal finetune path (loss on the response).
 * ``turns: json`` -- LLM-Foundry finetune shards written with a tokenizer: each turn's
-  ``input_ids`` (no loss) then ``labels`` (loss), already tokenized, packed as finetune rows.
+  ``input_ids`` (no loss) then ``labels`` (loss on every turn's, or the last one's with
+  ``chat_loss='last'``), already tokenized (no BOS/EOS added), packed as finetune rows.
 
 Everything else -- the output checks, atomic shards + manifest, ``--out s3://``, the
 summary -- is the shared driver (:mod:`foundrymix.convert.driver`). A root holding several
@@ -35,13 +36,13 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from foundrymix.convert.common import ConvertOptions, Setup
-from foundrymix.convert.driver import ChunkResult, Converter, convert, worker_state
-from foundrymix.convert.finetune import FINETUNE, FinetuneOptions
+from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records, worker_state
+from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _ChunkExamples, _concat, _fit, _layout
 from foundrymix.convert.mds_input import MdsSplit, find_splits, read_column_arrays
 from foundrymix.convert.paths import is_url
 from foundrymix.convert.pipeline import ChunkErrors
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
-from foundrymix.convert.readers import Chunk
+from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.convert.writer import check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest, encode_row
@@ -174,6 +175,7 @@ class AdoptArgs:
     splits: tuple[str, ...] = ()  # only these (names as listed); default: every split found
     tokenizer: str = DEMO_TOKENIZER
     max_seq_len: Optional[int] = None  # default: the source's window (tokens), else 2048
+    chat_loss: str = 'all'  # turns: loss on every turn's labels, or the last turn's (Foundry's default)
     common: dict[str, Any] = field(default_factory=dict)  # ConvertOptions fields (workers, ...)
 
 
@@ -275,8 +277,65 @@ def _adopt_one(split: MdsSplit, kind: str, out: str, args: AdoptArgs, progress: 
     if kind == 'prompt_response':
         return convert(_with_source(FINETUNE, source), [split.path], out,
                        FinetuneOptions(max_seq_len=L, **common))
-    raise UserError(f'{split.path}: turns (tokenized finetune) are not adopted yet; convert the '
-                    f'raw prompt/response data with `foundrymix convert finetune`')
+    # turns: already tokenized, with the special tokens Foundry's tokenizer call put in
+    return convert(_with_source(TURNS, source), [split.path], out,
+                   FinetuneOptions(max_seq_len=L, chat_loss=args.chat_loss, **common))
+
+
+def _turns(rec: dict, vocab: int, chat_loss: str, loss_on_prompt: bool
+           ) -> list[tuple[list[int], bool]] | BadRecord:
+    """A ``turns`` record as (ids, has loss) segments: each turn's ``input_ids`` (the prompt,
+    loss only with ``loss_on_prompt``) then its ``labels`` (the response: loss on every turn,
+    or on the last only with ``chat_loss='last'``, LLM-Foundry's ``target_responses``)."""
+    turns = rec.get('turns')
+    if not isinstance(turns, list) or not turns:
+        return BadRecord('missing_field', "field 'turns': expected a non-empty list of "
+                                          "{input_ids, labels}")
+    segs: list[tuple[list[int], bool]] = []
+    for i, turn in enumerate(turns):
+        for key in ('input_ids', 'labels'):
+            ids = turn.get(key) if isinstance(turn, dict) else None
+            if not isinstance(ids, list) or not all(isinstance(x, int) and 0 <= x < vocab for x in ids):
+                return BadRecord('bad_turns', f"field 'turns[{i}].{key}': expected a list of token ids "
+                                              f"below the vocabulary size {vocab:,}")
+        last = i == len(turns) - 1
+        segs += [(turn['input_ids'], loss_on_prompt),
+                 (turn['labels'], chat_loss == 'all' or last or loss_on_prompt)]
+    return segs
+
+
+def _encode_turns(chunk: Chunk) -> _ChunkExamples:
+    """Already tokenized finetune examples of one shard, laid out as ``convert finetune`` does
+    (no BOS/EOS added: the turns hold what Foundry's tokenizer call put in)."""
+    w = worker_state()
+    o: FinetuneOptions = w.options
+    vocab = len(w.tok)
+    n_lines, n_records, examples, errors, dropped = parse_records(
+        chunk, ('turns',), lambda rec: _turns(rec, vocab, o.chat_loss, o.loss_on_prompt), o.on_error)
+    lengths = np.zeros(len(examples), dtype=np.int64)
+    parts: list[list[int] | np.ndarray] = []
+    kept_lens: list[int] = []
+    kept_spans: list[int] = []
+    span_counts: list[int] = []
+    for i, segs in enumerate(examples):
+        n, spans = _layout([len(ids) for ids, _ in segs], [loss for _, loss in segs], 0, False)
+        lengths[i] = n
+        fit = _fit(n, spans, o, dropped)
+        if fit is None:
+            continue
+        keep, spans = fit
+        ids = [x for seg, _ in segs for x in seg][:keep]
+        parts.append(ids)
+        kept_lens.append(keep)
+        kept_spans.extend(x for span in spans for x in span)
+        span_counts.append(len(spans))
+    total = sum(kept_lens)
+    return _ChunkExamples(n_lines, n_records, errors, dropped,
+                          tokens=_concat(parts, total, w.token_dtype) if total else
+                          np.zeros(0, dtype=w.token_dtype),
+                          example_lens=np.asarray(kept_lens, dtype=np.int64),
+                          spans=np.asarray(kept_spans, dtype=np.int32),
+                          span_counts=np.asarray(span_counts, dtype=np.int64), lengths=lengths)
 
 
 def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:
@@ -288,5 +347,6 @@ def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:
     return replace(converter, manifest_options=options)
 
 
+TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads', choose_parallel=None)
 TOKENS = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_tokens, parallel='threads',
                    builder=_TokenRows, manifest_options=lambda o, s: o.to_manifest())

@@ -177,7 +177,8 @@ def _run_adopt(args: argparse.Namespace) -> int:
                                             'compression', 'size_limit')}
     common['hash'] = tuple(args.hash)
     adopt(AdoptArgs(source=args.source, out=args.out, splits=tuple(args.split or ()),
-                    tokenizer=args.tokenizer, max_seq_len=args.max_seq_len, common=common),
+                    tokenizer=args.tokenizer, max_seq_len=args.max_seq_len, chat_loss=args.chat_loss,
+                    common=common),
           progress=args.progress)
     if standalone:
         _exit_lean()
@@ -204,6 +205,10 @@ def _register_adopt(subparsers: Any) -> None:
                         'EOS/BOS and size are used; text: it tokenizes)')
     a.add_argument('--max-seq-len', type=int, default=None,
                    help='tokens per row (default: the length of the source rows for token shards, else 2048)')
+    a.add_argument('--chat-loss', choices=CHAT_LOSS, default='all',
+                   help="turns (tokenized Foundry finetune shards): loss on every turn's labels "
+                        "(all, default) or only the last turn's (last: LLM-Foundry's default "
+                        "target_responses)")
     a.add_argument('--workers', type=int, default=0, help='shards read at once (default 0 = all cores)')
     a.add_argument('--overwrite', action='store_true', help='replace a foundrymix dataset in --out')
     a.add_argument('--on-error', choices=ON_ERROR, default='raise', help='bad text records: raise or skip')

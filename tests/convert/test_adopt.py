@@ -15,7 +15,7 @@ import pytest
 
 from convert_helpers import read_jsonl, read_rows, write_jsonl
 from foundry_fixtures import (concat_tokens, write_foundry_finetune, write_foundry_pretrain,
-                              write_raw_text)
+                              write_foundry_turns, write_raw_text)
 from helpers import DEMO_TOKENIZER
 from foundrymix.cli import main
 from foundrymix.convert.adopt import AdoptArgs, adopt
@@ -108,6 +108,17 @@ def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl, capsys):
     with pytest.raises(UserError, match=r'holds MDS shards \(train/index.json, val/index.json\), not raw '
                                         r'input files; use them as they are with: foundrymix adopt'):
         convert_pretrain([str(root)], str(tmp_path / 'c'), PretrainOptions())
+
+
+def test_foundry_turns_equal_convert_finetune(tmp_path, dolly_jsonl):
+    """Tokenized Foundry finetune shards (turns) give convert finetune's rows on the raw records."""
+    records = read_jsonl(dolly_jsonl, limit=120)
+    src = write_foundry_turns(tmp_path / 'turns', records, DEMO_TOKENIZER)
+    convert_finetune([str(write_jsonl(tmp_path / 'ft.jsonl', records))], str(tmp_path / 'ref'),
+                     FinetuneOptions(max_seq_len=256))
+    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=256))
+    _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
+    assert m.kind == 'finetune' and m.counts.documents_read == 120
 
 
 def test_raw_text_zstd(tmp_path, arxiv_jsonl):
