@@ -39,7 +39,7 @@ from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records, worker_state
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _ChunkExamples, _concat, _fit, _layout
 from foundrymix.convert.mds_input import MdsSplit, find_splits, read_column_arrays
-from foundrymix.convert.paths import is_url
+from foundrymix.convert.paths import check_overlap, is_url
 from foundrymix.convert.pipeline import ChunkErrors
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
 from foundrymix.convert.readers import BadRecord, Chunk
@@ -246,6 +246,8 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
         for s, k in zip(splits, kinds):
             print(f'  {s.describe()} -> {KINDS[k]}')
     overwrite = bool(args.common.get('overwrite'))
+    if not is_url(args.out):
+        check_overlap([args.source], [], args.out)
     for s in splits:
         target = _split_out(args.out, s, several)
         if not is_url(target):

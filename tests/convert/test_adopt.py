@@ -105,6 +105,11 @@ def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl, capsys):
         _same_rows(read_rows(tmp_path / 'out' / split), read_rows(tmp_path / f'ref-{split}'))
         m = Manifest.read(str(tmp_path / 'out' / split))
         assert m.kind == 'finetune' and m.options['source']['split'] == split
+    before = sorted(p.relative_to(root) for p in root.rglob('*'))
+    for out in (root, root / 'train' / 'x'):  # the source, or inside it: refused, nothing touched
+        with pytest.raises(ValueError, match='Choose'):
+            adopt(AdoptArgs(source=str(root), out=str(out)))
+    assert sorted(p.relative_to(root) for p in root.rglob('*')) == before
     with pytest.raises(UserError, match=r'holds MDS shards \(train/index.json, val/index.json\), not raw '
                                         r'input files; use them as they are with: foundrymix adopt'):
         convert_pretrain([str(root)], str(tmp_path / 'c'), PretrainOptions())
