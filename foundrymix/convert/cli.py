@@ -115,7 +115,8 @@ def _options(cls: type, args: argparse.Namespace) -> Any:
 def _standalone() -> bool:
     """Whether this process was started as ``foundrymix convert ...`` and has not imported
     torch or transformers yet (not a test or notebook calling the CLI in-process)."""
-    return sys.argv[1:2] in (['convert'], ['adopt']) and 'torch' not in sys.modules and 'transformers' not in sys.modules
+    return (sys.argv[1:2] in (['convert'], ['adopt']) and 'torch' not in sys.modules
+            and 'transformers' not in sys.modules)
 
 
 def _start_up_lean() -> None:
