@@ -115,7 +115,8 @@ def _options(cls: type, args: argparse.Namespace) -> Any:
 def _standalone() -> bool:
     """Whether this process was started as ``foundrymix convert ...`` and has not imported
     torch or transformers yet (not a test or notebook calling the CLI in-process)."""
-    return sys.argv[1:2] == ['convert'] and 'torch' not in sys.modules and 'transformers' not in sys.modules
+    return (sys.argv[1:2] in (['convert'], ['adopt']) and 'torch' not in sys.modules
+            and 'transformers' not in sys.modules)
 
 
 def _start_up_lean() -> None:
@@ -168,7 +169,65 @@ def _run_finetune(args: argparse.Namespace) -> int:
     return _run(convert_finetune, FinetuneOptions, args)
 
 
+def _run_adopt(args: argparse.Namespace) -> int:
+    from foundrymix.convert.adopt import AdoptArgs, adopt
+    standalone = _standalone()
+    if standalone:
+        _start_up_lean()
+    common = {k: getattr(args, k) for k in ('workers', 'overwrite', 'on_error', 'bos', 'eos',
+                                            'compression', 'size_limit')}
+    common['hash'] = tuple(args.hash)
+    adopt(AdoptArgs(source=args.source, out=args.out, splits=tuple(args.split or ()),
+                    tokenizer=args.tokenizer, max_seq_len=args.max_seq_len, chat_loss=args.chat_loss,
+                    common=common),
+          progress=args.progress)
+    if standalone:
+        _exit_lean()
+    return 0
+
+
+def _register_adopt(subparsers: Any) -> None:
+    a = subparsers.add_parser(
+        'adopt', help='existing MDS (LLM-Foundry, streaming) -> foundrymix datasets, no re-tokenizing',
+        description='Read MDS shards written by other tools and write foundrymix datasets: '
+                    'LLM-Foundry token shards (tokens: ndarray:int32) are re-cut from their ids with '
+                    'no tokenizer run (documents end at the EOS ids in the data); finetune shards '
+                    '(prompt/response) and raw-text MDS (text) are tokenized as by `convert`. A folder '
+                    'of splits (<src>/train, <src>/val) gives <out>/train, <out>/val.')
+    a.add_argument('source', metavar='DIR', help='an MDS folder (index.json), or a folder of them (splits)')
+    a.add_argument('-o', '--out', required=True,
+                   help='output folder (empty or absent; a foundrymix dataset with --overwrite) or '
+                        's3://bucket/prefix, as for `convert`; one subfolder per split when the source '
+                        'has splits')
+    a.add_argument('--split', action='append', metavar='NAME',
+                   help='adopt only this split (repeatable; default: every split found)')
+    a.add_argument('--tokenizer', default=DEMO_TOKENIZER,
+                   help='the tokenizer the shards were made with (token shards: only its ids, '
+                        'EOS/BOS and size are used; text: it tokenizes)')
+    a.add_argument('--max-seq-len', type=int, default=None,
+                   help='tokens per row (default: the length of the source rows for token shards, else 2048)')
+    a.add_argument('--chat-loss', choices=CHAT_LOSS, default='all',
+                   help="turns (tokenized Foundry finetune shards): loss on every turn's labels "
+                        "(all, default) or only the last turn's (last: LLM-Foundry's default "
+                        "target_responses)")
+    a.add_argument('--workers', type=int, default=0, help='shards read at once (default 0 = all cores)')
+    a.add_argument('--overwrite', action='store_true', help='replace a foundrymix dataset in --out')
+    a.add_argument('--on-error', choices=ON_ERROR, default='raise', help='bad text records: raise or skip')
+    a.add_argument('--bos', action=argparse.BooleanOptionalAction, default=None,
+                   help='text sources: BOS before each document (default: iff the tokenizer adds BOS)')
+    a.add_argument('--eos', action=argparse.BooleanOptionalAction, default=True,
+                   help='text sources: EOS after each document (default: on)')
+    a.add_argument('--compression', default=None, help='MDS shard compression of the output, e.g. zstd')
+    a.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
+    a.add_argument('--hash', action='append', default=[], metavar='ALGO',
+                   help='also write this shard hash to index.json (repeatable)')
+    a.add_argument('--no-progress', dest='progress', action='store_false',
+                   help='no progress bar or summary')
+    a.set_defaults(func=_run_adopt)
+
+
 def register(subparsers: Any) -> None:
+    _register_adopt(subparsers)
     convert = subparsers.add_parser('convert', help='convert corpora to foundrymix MDS shards')
     sub = convert.add_subparsers(dest='convert_kind', required=True, metavar='KIND')
 

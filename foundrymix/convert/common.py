@@ -17,6 +17,7 @@ from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
 from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, split_out
 from foundrymix.convert.discover import discover_inputs
+from foundrymix.convert.mds_input import is_mds_dir
 from foundrymix.convert.writer import DEFAULT_HASH, check_hashes, check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
@@ -62,6 +63,7 @@ class ConvertOptions:
     ray_address: Optional[str] = None
     ray_task_bytes: int = 64 << 20
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
+    from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
 
     @property
     def hash_algorithms(self) -> list[str]:
@@ -73,7 +75,7 @@ class ConvertOptions:
         """The options as recorded in the manifest (run-time knobs left out)."""
         d = asdict(self)
         for knob in ('workers', 'parallel', 'overwrite', 'progress', 'chunk_bytes', 'hash', 'engine',
-                     'ray_address', 'ray_task_bytes'):
+                     'ray_address', 'ray_task_bytes', 'from_mds'):
             d.pop(knob)
         d['hashes'] = self.hash_algorithms
         return d
@@ -119,7 +121,13 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     local = output.local
     if local is not None:
         check_overlap(inputs, [], local)  # before discovery: an input equal to --out is named as such
-    resolved = discover_inputs(inputs, exclude=os.path.realpath(local) if local is not None else None)
+    if options.from_mds:  # MDS folders, which discovery never reads as inputs
+        resolved = [os.path.abspath(p) for p in inputs]
+        for p in resolved:
+            if not is_mds_dir(p):
+                raise UserError(f'{p}: not an MDS dataset folder (no index.json)')
+    else:
+        resolved = discover_inputs(inputs, exclude=os.path.realpath(local) if local is not None else None)
     if local is not None:
         check_overlap([], resolved, local)
         check_output_dir(os.path.abspath(local), options.overwrite)

@@ -33,10 +33,13 @@ class InputNotFoundError(FoundrymixError, FileNotFoundError):
 
 
 def input_format(path: str) -> str:
-    """Format of one resolved input: jsonl | jsonl_stream | txt | parquet | hf."""
+    """Format of one resolved input: jsonl | jsonl_stream | txt | parquet | hf | mds (an MDS
+    dataset directory: read only by ``foundrymix adopt``, never found by :func:`discover_inputs`)."""
     if os.path.isdir(path):
         if _is_hf_dataset(path):
             return 'hf'
+        if os.path.isfile(os.path.join(path, 'index.json')):
+            return 'mds'
         raise UserError(f'{path}: a directory is not a single input (expected a dataset saved '
                          f'with `datasets.save_to_disk`)')
     name = path.lower()
@@ -116,8 +119,10 @@ def _refuse_output_dir(spec: str, directory: str) -> None:
     if marker is not None:
         what = 'a foundrymix output directory' if marker == MANIFEST_NAME else 'an MDS output directory'
         where = spec if os.path.isdir(spec) else directory
+        advice = 'give the raw corpus instead' if marker == MANIFEST_NAME else \
+            f'give the raw corpus instead, or use these shards as they are: foundrymix adopt {where} --out DIR'
         raise UserError(f'{spec}: {"" if where == spec else f"in {where}, "}{what} (it holds {marker}), '
-                         f'not an input; give the raw corpus instead')
+                         f'not an input; {advice}')
 
 
 def check_json_lines(path: str) -> None:
@@ -169,6 +174,8 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list
             paths = [spec]
         else:
             raise InputNotFoundError(f'{spec}: no such file or directory')
+        if not paths and os.path.isdir(spec):
+            _refuse_mds_root(spec)
         if not paths:
             raise UserError(f'{spec}: no supported input files found (.jsonl[.gz|.zst], .ndjson, .txt, '
                              f'.parquet, datasets saved to disk; .json only when named)')
@@ -177,6 +184,21 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list
                 check_json_lines(p)
         resolved.extend(os.path.abspath(p) for p in paths)
     return list(dict.fromkeys(resolved))
+
+
+def _refuse_mds_root(spec: str) -> None:
+    """A folder whose only inputs are MDS datasets (an LLM-Foundry root: ``train/index.json``...):
+    say so and how to use them, instead of "no supported input files found"."""
+    found = []
+    for root, dirs, files in os.walk(spec):
+        dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+        if 'index.json' in files and MANIFEST_NAME not in files:
+            found.append(os.path.relpath(os.path.join(root, 'index.json'), spec))
+            dirs[:] = []
+    if found:
+        more = f' and {len(found) - 3} more' if len(found) > 3 else ''
+        raise UserError(f'{spec}: holds MDS shards ({", ".join(found[:3])}{more}), not raw input files; '
+                         f'use them as they are with: foundrymix adopt {spec} --out DIR')
 
 
 def _glob_inputs(spec: str, exclude: Optional[str]) -> list[str]:

@@ -62,7 +62,7 @@ class Chunk:
     number is known only after the chunks before it were read.
     """
 
-    fmt: str  # jsonl | jsonl_stream | txt | parquet | hf
+    fmt: str  # jsonl | jsonl_stream | txt | parquet | hf | mds (start = shard number)
     path: str
     start: int = 0
     end: int = 0
@@ -95,6 +95,10 @@ def plan_chunks(inputs: Sequence[str], chunk_bytes: int) -> Iterator[Chunk]:
             for g in range(meta.num_row_groups):
                 yield Chunk('parquet', path, start=g, end=g + 1, first_line=row)
                 row += meta.row_group(g).num_rows
+        elif fmt == 'mds':  # an existing MDS dataset (foundrymix adopt): one chunk per shard
+            from foundrymix.convert.mds_input import chunks_of
+            for shard, row in chunks_of(path):
+                yield Chunk('mds', path, start=shard, end=shard + 1, first_line=row)
         else:  # hf
             n = len(_load_hf(path))
             for start in range(0, n, HF_ROWS_PER_CHUNK):
@@ -172,6 +176,11 @@ def read_records(chunk: Chunk, fields: Optional[Sequence[str]]
         columns = None if fields is None else [c for c in fields if c in pf.schema_arrow.names]
         rows = pf.read_row_group(chunk.start, columns=columns).to_pylist()
         return len(rows), [(chunk.path, i, rec) for i, rec in enumerate(rows)]
+    if chunk.fmt == 'mds':
+        from foundrymix.convert.mds_input import read_shard
+        name, rows = read_shard(chunk.path, chunk.start)
+        return len(rows), [(name, i, rec if fields is None else {c: rec[c] for c in fields if c in rec})
+                           for i, rec in enumerate(rows)]
     ds = _load_hf(chunk.path)  # hf
     columns = list(ds.column_names) if fields is None else [c for c in fields if c in ds.column_names]
     part = ds.select_columns(columns)[chunk.start:chunk.end]
@@ -233,6 +242,8 @@ def describe(chunk: Chunk) -> str:
         return f'{chunk.path} lines {chunk.first_line}-{last}'
     if chunk.fmt == 'parquet':
         return f'{chunk.path} row group {chunk.start} (from row {chunk.first_line})'
+    if chunk.fmt == 'mds':
+        return f'{chunk.path} shard {chunk.start} (from row {chunk.first_line})'
     if chunk.fmt == 'hf':
         return f'{chunk.path} rows {chunk.start}-{chunk.end - 1}'
     more = len(chunk.paths) - 1

@@ -157,6 +157,8 @@ class Manifest:
         """Read the manifest of a local shard directory; a clear error if it is missing."""
         path = os.path.join(directory, MANIFEST_NAME)
         if not os.path.isfile(path):
+            if os.path.isfile(os.path.join(directory, 'index.json')):  # MDS from another tool
+                raise MissingError(f'{path}: no foundrymix manifest; {adopt_advice(directory)}')
             raise MissingError(
                 f'{path}: no foundrymix manifest. Is {directory!r} a foundrymix output directory '
                 f'(made by `foundrymix convert`)?')
@@ -169,6 +171,12 @@ class Manifest:
             return cls.from_dict(data)
         except (KeyError, TypeError) as e:
             raise UserError(f'{path}: manifest is missing or has a bad field: {e}') from e
+
+
+def adopt_advice(directory: str) -> str:
+    """What to do with MDS shards that have no manifest (LLM-Foundry's, streaming's own)."""
+    return (f'{directory!r} holds MDS shards (index.json) written by another tool: make it a '
+            f'foundrymix dataset with `foundrymix adopt {directory} --out DIR` and use DIR')
 
 
 def encode_row(input_ids: np.ndarray, loss_spans: list[tuple[int, int]] | np.ndarray,

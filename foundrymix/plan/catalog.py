@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig, StreamSpec
-from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
+from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo, adopt_advice
 
 INDEX_NAME = 'index.json'
 logger = logging.getLogger(__name__)
@@ -233,6 +233,9 @@ class Catalog:
         where = self._where(name)
         path = self.fetch(name, MANIFEST_NAME)
         if not os.path.isfile(path):
+            if os.path.isfile(os.path.join(os.path.dirname(path), INDEX_NAME)):
+                raise ConfigError(f'{where}: no foundrymix manifest {path}; '
+                                  f'{adopt_advice(self.config.stream_dir(name))}')
             raise ConfigError(
                 f'{where}: no foundrymix manifest {path} (is {self.config.stream_dir(name)!r} a '
                 f'directory made by `foundrymix convert`?)')

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from foundrymix.errors import MissingError
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, adopt_advice, format_row_error, mds_columns
 from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
                                row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
                                validate_index)
@@ -175,6 +175,9 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
     report = VerifyReport(location=source.location)
     manifest_path = source.fetch(MANIFEST_NAME)
     if manifest_path is None:
+        if source.fetch(INDEX_NAME) is not None:
+            raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; '
+                               f'{adopt_advice(source.location)}')
         raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; is '
                                 f'{source.location!r} a directory made by `foundrymix convert`?')
     try:

@@ -1,0 +1,354 @@
+"""``foundrymix adopt``: existing MDS (LLM-Foundry's, streaming's) -> foundrymix datasets.
+
+What each kind of source becomes (found from the shards' columns, :func:`source_kind`):
+
+* ``tokens: ndarray:int32`` -- LLM-Foundry pretrain shards (``convert_dataset_hf`` /
+  ``convert_dataset_json`` / ``convert_text_to_mds`` with ``--concat_tokens``): windows of
+  exactly ``max_seq_len`` ids cut from one stream of tokenized documents, each with the
+  ``--bos_text``/``--eos_text`` ids around it (Foundry's ``ConcatTokensDataset``); the tail
+  after the last window is dropped. No tokenizer runs: the windows are joined back into
+  that stream in shard order, document ends are taken from the EOS ids in the data (or,
+  with no EOS, a document starts at each BOS; with neither, the stream is one document),
+  and the stream is cut by the pretrain row cutter (:class:`~foundrymix.convert.pretrain.
+  RowCutter`) into rows of ``--max-seq-len`` (default: the source's window length). With
+  the same length and separators this gives exactly the rows ``convert pretrain`` gives on
+  the raw corpus (``tests/convert/test_adopt.py``). The inference is recorded in the
+  manifest (``options.source``) and printed.
+* ``text: str`` -- raw-text MDS (streaming's own, e.g. its examples' ``{'text': 'str'}``):
+  the normal pretrain path, tokenized with ``--tokenizer``.
+* ``prompt``/``response: str`` -- LLM-Foundry finetune shards written without a
+  tokenizer: the normal finetune path (loss on the response).
+* ``turns: json`` -- LLM-Foundry finetune shards written with a tokenizer: each turn's
+  ``input_ids`` (no loss) then ``labels`` (loss on every turn's, or the last one's with
+  ``chat_loss='last'``), already tokenized (no BOS/EOS added), packed as finetune rows.
+
+Everything else -- the output checks, atomic shards + manifest, ``--out s3://``, the
+summary -- is the shared driver (:mod:`foundrymix.convert.driver`). A root holding several
+splits (``<root>/train``, ``<root>/val``) gives one dataset per split, ``<out>/<split>``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from foundrymix.convert.common import ConvertOptions, Setup
+from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records, worker_state
+from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _ChunkExamples, _concat, _fit, _layout
+from foundrymix.convert.mds_input import MdsSplit, find_splits, read_column_arrays
+from foundrymix.convert.paths import check_overlap, is_url
+from foundrymix.convert.pipeline import ChunkErrors
+from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
+from foundrymix.convert.readers import BadRecord, Chunk
+from foundrymix.convert.writer import check_output_dir
+from foundrymix.errors import UserError
+from foundrymix.format.schema import Manifest, encode_row
+from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
+
+BOUNDARIES = ('eos', 'bos', 'none')
+#: the column sets adopt reads, and what they are
+KINDS = {
+    'tokens': 'LLM-Foundry pretrain tokens (tokens: ndarray:int32)',
+    'text': 'raw text (text: str)',
+    'prompt_response': 'LLM-Foundry finetune text (prompt, response: str)',
+    'turns': 'LLM-Foundry tokenized finetune (turns: json)',
+}
+
+
+def source_kind(split: MdsSplit) -> str:
+    """Which of :data:`KINDS` a dataset is, from its columns; refuses anything else."""
+    cols = split.columns
+    if cols.get('tokens', '').startswith('ndarray:') or cols.get('tokens') == 'ndarray':
+        return 'tokens'
+    if cols.get('turns') == 'json':
+        return 'turns'
+    if cols.get('prompt') == 'str' and cols.get('response') == 'str':
+        return 'prompt_response'
+    if cols.get('text') == 'str':
+        return 'text'
+    if 'input_ids' in cols and 'loss_spans' in cols:
+        raise UserError(f'{split.path}: already foundrymix rows (input_ids, loss_spans) without '
+                        f'foundrymix.json; reconvert the raw corpus with `foundrymix convert`')
+    have = ', '.join(f'{k}: {v}' for k, v in cols.items())
+    raise UserError(f'{split.path}: columns {have} are not a kind adopt reads; it reads '
+                    + '; '.join(KINDS.values()))
+
+
+@dataclass
+class TokenOptions(ConvertOptions):
+    """Options of adopting token shards: where documents end in the stream (inferred)."""
+
+    boundary: str = 'eos'  # eos: after each eos_id; bos: before each bos_id; none: one document
+    boundary_id: Optional[int] = None
+    source_seq_len: Optional[int] = None  # the source's window length, if all rows share one
+
+
+@dataclass
+class _ChunkIds(ChunkResult):
+    """A shard's token ids back to back, and the offsets just after each document end."""
+
+    tokens: np.ndarray
+    ends: np.ndarray
+
+
+def _encode_tokens(chunk: Chunk) -> _ChunkIds:
+    """Read one token shard (no tokenizer): its rows joined, ids checked, document ends found."""
+    w = worker_state()
+    o: TokenOptions = w.options
+    name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens')
+    vocab = len(w.tok)
+    if stream.size and (int(stream.min()) < 0 or int(stream.max()) >= vocab):
+        bad = int(np.flatnonzero((stream < 0) | (stream >= vocab))[0])
+        row = int(np.searchsorted(np.cumsum(row_lens), bad, side='right'))
+        raise UserError(f'{name}:row {row}: token id {int(stream[bad])} is outside the vocabulary of '
+                        f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
+                        f'tokenizer: pass it with --tokenizer')
+    if o.boundary == 'eos':
+        ends = np.flatnonzero(stream == o.boundary_id) + 1
+    elif o.boundary == 'bos':
+        ends = np.flatnonzero(stream == o.boundary_id)
+    else:
+        ends = np.zeros(0, dtype=np.int64)
+    return _ChunkIds(len(row_lens), len(ends), ChunkErrors(), {}, stream.astype(w.token_dtype), ends)
+
+
+class _TokenRows(_PretrainRows):
+    """Feeds the joined stream to the pretrain row cutter with document ends found in the data.
+
+    A document may run across shards: the cutter keeps the tokens after the last document
+    end it knows, so the first end in the next shard is measured from there (``open``).
+    """
+
+    def __init__(self, setup: Setup, options: TokenOptions, manifest: Manifest) -> None:
+        super().__init__(setup, options, manifest)
+        self.manifest = manifest
+        self.since_end = 0  # tokens after the last document end so far (the open document)
+
+    def _open(self) -> int:
+        c = self.cutter
+        return len(c.rest) - int(c.rest_pieces.sum())
+
+    def add(self, result: _ChunkIds) -> Iterator[dict]:
+        ends = result.ends
+        lens = np.diff(ends, prepend=0)
+        if len(lens):
+            lens[0] += self._open()
+        kept = lens[lens > 0]  # a BOS at the very start of the stream ends nothing
+        self.manifest.counts.documents_read -= len(lens) - len(kept)
+        self.since_end = len(result.tokens) - int(ends[-1]) if len(ends) else \
+            self.since_end + len(result.tokens)
+        yield from self._rows(result.tokens, kept)
+
+    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[dict]:
+        for ids, pieces in self.cutter.feed(tokens, lens):
+            self.counts.rows += 1
+            yield encode_row(ids, self.full_span, pieces, self.dtype)
+
+    def flush(self) -> Iterator[dict]:
+        """The last document has no end in the data (Foundry cut it): it ends the stream."""
+        if self.since_end:
+            self.manifest.counts.documents_read += 1
+        rest = self._open()
+        if rest:  # its tokens not yet in a row: one more piece for the tail
+            yield from self._rows(np.zeros(0, dtype=self.dtype), np.asarray([rest], dtype=np.int64))
+
+    def close(self) -> None:
+        """Counts: documents written are those with a token in a row (the rest are the tail)."""
+        c = self.counts
+        c.tokens = c.loss_tokens = c.rows * self.cutter.max_seq_len
+        c.tail_tokens = self.cutter.tail_tokens
+        c.documents_written = c.documents_read - (self.cutter.tail_documents if c.tail_tokens else 0)
+
+    def progress(self, result: _ChunkIds) -> tuple[int, int]:
+        return len(result.ends), len(result.tokens)
+
+
+@dataclass
+class AdoptArgs:
+    """``foundrymix adopt`` as given: the source root, the output and the conversion options."""
+
+    source: str
+    out: str
+    splits: tuple[str, ...] = ()  # only these (names as listed); default: every split found
+    tokenizer: str = DEMO_TOKENIZER
+    max_seq_len: Optional[int] = None  # default: the source's window (tokens), else 2048
+    chat_loss: str = 'all'  # turns: loss on every turn's labels, or the last turn's (Foundry's default)
+    common: dict[str, Any] = field(default_factory=dict)  # ConvertOptions fields (workers, ...)
+
+
+def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], Optional[int], str]:
+    """Where documents end: ``(boundary, id, window length of shard 0, statement)``.
+
+    Shards are read in order up to the first separator past the stream's first token: an
+    EOS means documents end after each EOS; a BOS not right after an EOS means documents
+    start at each BOS (data made without ``--eos_text``). A long document can fill many
+    shards, so one shard is not enough; data without either separator is read whole.
+    """
+    from foundrymix.convert.mds_input import shard_count
+    info = tokenizer_info(load_tokenizer(tokenizer))
+    window: Optional[int] = None
+    previous: Optional[int] = None  # the last token of the shards read so far
+    for number in range(shard_count(split.path)):
+        _, stream, row_lens = read_column_arrays(split.path, number, 'tokens')
+        if number == 0:
+            lengths = set(row_lens.tolist())
+            window = lengths.pop() if len(lengths) == 1 else None
+        if previous is not None:
+            stream = np.concatenate(([previous], stream))
+        if not len(stream):
+            continue
+        eos = np.flatnonzero(stream[1:] == info.eos_id)
+        bos = np.flatnonzero(stream[1:] == info.bos_id) if info.bos_id is not None else eos[:0]
+        bos = bos[stream[bos] != info.eos_id]  # stream[bos] is the token before each BOS
+        where = f'shard {number}' + (f' of {split.name}' if split.name else '')
+        if len(eos) and (not len(bos) or eos[0] < bos[0]):
+            return 'eos', info.eos_id, window, (f'documents end after each EOS (id {info.eos_id}; '
+                                                f'the first after the start is in {where})')
+        if len(bos):
+            return 'bos', info.bos_id, window, (f'no EOS (id {info.eos_id}) between documents: '
+                                                f'documents start at each BOS (id {info.bos_id}; '
+                                                f'the first is in {where})')
+        previous = int(stream[-1])
+    return 'none', None, window, (f'neither EOS (id {info.eos_id}) nor BOS between tokens: the '
+                                  f'stream is taken as one document (doc_lens only mark row ends)')
+
+
+def _split_out(out: str, split: MdsSplit, several: bool) -> str:
+    if not several:
+        return out
+    return (out.rstrip('/') + '/' + split.name.replace(os.sep, '/')) if is_url(out) \
+        else os.path.join(out, split.name)
+
+
+def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manifest]]:
+    """Adopt every split of ``args.source`` (or those named) into ``args.out``; one manifest each.
+
+    Every split's output is checked before the first is written, so a refusal touches nothing.
+    """
+    if is_url(args.source):
+        raise UserError(f'{args.source}: adopt reads a local MDS folder; copy it first '
+                        f'(e.g. `aws s3 sync {args.source} DIR`), --out may be s3://')
+    splits = find_splits(args.source)
+    if args.splits:
+        names = {s.name for s in splits}
+        unknown = [n for n in args.splits if n not in names]
+        if unknown:
+            raise UserError(f'--split {unknown[0]}: not found in {args.source} (splits: '
+                            f"{', '.join(s.name or '.' for s in splits)})")
+        splits = [s for s in splits if s.name in args.splits]
+    kinds = [source_kind(s) for s in splits]
+    several = len(splits) > 1 or splits[0].name != ''
+    if progress:
+        print(f'adopt {args.source}: {len(splits)} MDS dataset(s)')
+        for s, k in zip(splits, kinds):
+            print(f'  {s.describe()} -> {KINDS[k]}')
+    overwrite = bool(args.common.get('overwrite'))
+    if not is_url(args.out):
+        check_overlap([args.source], [], args.out)
+    for s in splits:
+        target = _split_out(args.out, s, several)
+        if not is_url(target):
+            check_output_dir(os.path.abspath(target), overwrite)
+    done = []
+    for s, kind in zip(splits, kinds):
+        done.append((s, _adopt_one(s, kind, _split_out(args.out, s, several), args, progress)))
+    return done
+
+
+def _adopt_one(split: MdsSplit, kind: str, out: str, args: AdoptArgs, progress: bool) -> Manifest:
+    source: dict[str, Any] = {'format': 'mds', 'path': split.path, 'split': split.name,
+                              'columns': split.columns, 'rows': split.rows, 'kind': KINDS[kind]}
+    common = dict(args.common, tokenizer=args.tokenizer, progress=progress, from_mds=True)
+    if kind == 'tokens':
+        boundary, boundary_id, window, how = _sniff_tokens(split, args.tokenizer)
+        source['inferred'] = how
+        L = args.max_seq_len or window or 2048
+        if progress:
+            print(f'  {split.name or "."}: no tokenizer run; {how}; rows of {L} tokens'
+                  + (f' (the source windows are {window})' if window else ''))
+        options = TokenOptions(max_seq_len=L, boundary=boundary, boundary_id=boundary_id,
+                               source_seq_len=window, **common)
+        return convert(_with_source(TOKENS, source), [split.path], out, options)
+    L = args.max_seq_len or 2048
+    if kind == 'text':
+        return convert(_with_source(PRETRAIN, source), [split.path], out,
+                       PretrainOptions(max_seq_len=L, **common))
+    if kind == 'prompt_response':
+        return convert(_with_source(FINETUNE, source), [split.path], out,
+                       FinetuneOptions(max_seq_len=L, **common))
+    # turns: already tokenized, with the special tokens Foundry's tokenizer call put in
+    return convert(_with_source(TURNS, source), [split.path], out,
+                   FinetuneOptions(max_seq_len=L, chat_loss=args.chat_loss, **common))
+
+
+def _turns(rec: dict, vocab: int, chat_loss: str, loss_on_prompt: bool
+           ) -> list[tuple[list[int], bool]] | BadRecord:
+    """A ``turns`` record as (ids, has loss) segments: each turn's ``input_ids`` (the prompt,
+    loss only with ``loss_on_prompt``) then its ``labels`` (the response: loss on every turn,
+    or on the last only with ``chat_loss='last'``, LLM-Foundry's ``target_responses``)."""
+    turns = rec.get('turns')
+    if not isinstance(turns, list) or not turns:
+        return BadRecord('missing_field', "field 'turns': expected a non-empty list of "
+                                          "{input_ids, labels}")
+    segs: list[tuple[list[int], bool]] = []
+    for i, turn in enumerate(turns):
+        for key in ('input_ids', 'labels'):
+            ids = turn.get(key) if isinstance(turn, dict) else None
+            if not isinstance(ids, list) or not all(isinstance(x, int) and 0 <= x < vocab for x in ids):
+                return BadRecord('bad_turns', f"field 'turns[{i}].{key}': expected a list of token ids "
+                                              f"below the vocabulary size {vocab:,}")
+        last = i == len(turns) - 1
+        segs += [(turn['input_ids'], loss_on_prompt),
+                 (turn['labels'], chat_loss == 'all' or last or loss_on_prompt)]
+    return segs
+
+
+def _encode_turns(chunk: Chunk) -> _ChunkExamples:
+    """Already tokenized finetune examples of one shard, laid out as ``convert finetune`` does
+    (no BOS/EOS added: the turns hold what Foundry's tokenizer call put in)."""
+    w = worker_state()
+    o: FinetuneOptions = w.options
+    vocab = len(w.tok)
+    n_lines, n_records, examples, errors, dropped = parse_records(
+        chunk, ('turns',), lambda rec: _turns(rec, vocab, o.chat_loss, o.loss_on_prompt), o.on_error)
+    lengths = np.zeros(len(examples), dtype=np.int64)
+    parts: list[list[int] | np.ndarray] = []
+    kept_lens: list[int] = []
+    kept_spans: list[int] = []
+    span_counts: list[int] = []
+    for i, segs in enumerate(examples):
+        n, spans = _layout([len(ids) for ids, _ in segs], [loss for _, loss in segs], 0, False)
+        lengths[i] = n
+        fit = _fit(n, spans, o, dropped)
+        if fit is None:
+            continue
+        keep, spans = fit
+        ids = [x for seg, _ in segs for x in seg][:keep]
+        parts.append(ids)
+        kept_lens.append(keep)
+        kept_spans.extend(x for span in spans for x in span)
+        span_counts.append(len(spans))
+    total = sum(kept_lens)
+    return _ChunkExamples(n_lines, n_records, errors, dropped,
+                          tokens=_concat(parts, total, w.token_dtype) if total else
+                          np.zeros(0, dtype=w.token_dtype),
+                          example_lens=np.asarray(kept_lens, dtype=np.int64),
+                          spans=np.asarray(kept_spans, dtype=np.int32),
+                          span_counts=np.asarray(span_counts, dtype=np.int64), lengths=lengths)
+
+
+def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:
+    """The converter, recording where its input came from in ``manifest.options['source']``."""
+    base = converter.manifest_options
+
+    def options(o: Any, setup: Setup) -> dict[str, Any]:
+        return dict(base(o, setup), source=source)
+    return replace(converter, manifest_options=options)
+
+
+TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads', choose_parallel=None)
+TOKENS = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_tokens, parallel='threads',
+                   builder=_TokenRows, manifest_options=lambda o, s: o.to_manifest())

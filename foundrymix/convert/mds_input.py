@@ -1,0 +1,186 @@
+"""Existing MDS datasets (LLM-Foundry's, streaming's own) as conversion inputs.
+
+Why: MDS written by other tools has no ``foundrymix.json``, so ``inspect``, ``plan`` and
+``train`` refuse it, and re-tokenizing the raw corpus may be impossible (it is gone) or
+slow. ``foundrymix adopt`` (:mod:`foundrymix.convert.adopt`) reads such shards as records
+through the normal conversion pipeline instead: a shard is a :class:`~foundrymix.convert.
+readers.Chunk` (``fmt='mds'``, ``start`` = its number in ``index.json``), its rows are
+records whose keys are the MDS columns.
+
+What is found (:func:`find_splits`): a directory with ``index.json`` is one dataset;
+otherwise every directory below it that holds an ``index.json`` is a split, named by its
+path relative to the root (LLM-Foundry writes ``<out>/<split>/``: ``train``, ``val``...).
+Each shard is read with streaming's own row decoder (the one training uses), from its
+uncompressed file if present, else from its compressed file through streaming's codec.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from foundrymix.errors import UserError
+from foundrymix.format.shards import INDEX_NAME, IndexFileError, read_index
+
+#: how many splits a root may hold before it is taken as a mistake (e.g. a home directory)
+MAX_SPLITS = 1000
+
+
+@dataclass(frozen=True)
+class MdsSplit:
+    """One MDS dataset: a directory with ``index.json`` and the columns its shards share."""
+
+    name: str  # path relative to the root given; '' when the root itself is the dataset
+    path: str  # absolute directory
+    columns: dict[str, str]  # column name -> MDS encoding
+    rows: int
+    shards: int
+    compression: Optional[str]
+
+    def describe(self) -> str:
+        cols = ', '.join(f'{k}: {v}' for k, v in self.columns.items())
+        zipped = f', {self.compression}' if self.compression else ''
+        return f"{self.name or '.'}: {self.rows:,} rows in {self.shards:,} shard(s){zipped} ({cols})"
+
+
+def is_mds_dir(path: str) -> bool:
+    """An MDS dataset directory: it holds ``index.json``."""
+    return os.path.isfile(os.path.join(path, INDEX_NAME))
+
+
+def load_split(path: str, name: str) -> MdsSplit:
+    """Read ``path``'s index and check every shard has the same columns."""
+    index = _index(path)
+    shards = index['shards']
+    if not shards:
+        raise UserError(f'{os.path.join(path, INDEX_NAME)}: lists no shards (an empty dataset)')
+    first = shards[0]
+    columns = dict(zip(first['column_names'], first['column_encodings']))
+    for i, shard in enumerate(shards):
+        if dict(zip(shard['column_names'], shard['column_encodings'])) != columns:
+            raise UserError(f'{os.path.join(path, INDEX_NAME)}: shard {i} has columns '
+                            f'{shard["column_names"]}, shard 0 has {first["column_names"]}; '
+                            f'adopt needs one set of columns per dataset')
+    compression = next((s.get('compression') for s in shards if s.get('compression')), None)
+    return MdsSplit(name=name, path=os.path.abspath(path), columns=columns,
+                    rows=sum(int(s['samples']) for s in shards), shards=len(shards),
+                    compression=compression)
+
+
+def find_splits(root: str) -> list[MdsSplit]:
+    """The MDS datasets at ``root``: itself, or each directory below it with ``index.json``
+    (sorted by path; hidden directories and the inside of a dataset are not searched)."""
+    if not os.path.isdir(root):
+        if os.path.exists(root):
+            raise UserError(f'{root}: not a directory; give the folder holding index.json '
+                            f'(or the folder of its splits)')
+        raise UserError(f'{root}: no such directory')
+    if is_mds_dir(root):
+        return [load_split(root, '')]
+    found: list[MdsSplit] = []
+    for here, dirs, _files in os.walk(root):
+        dirs.sort()
+        dirs[:] = [d for d in dirs if not d.startswith('.')]
+        for d in list(dirs):
+            full = os.path.join(here, d)
+            if is_mds_dir(full):
+                found.append(load_split(full, os.path.relpath(full, root)))
+                dirs.remove(d)  # a dataset's own subfolders are not splits
+        if len(found) > MAX_SPLITS:
+            raise UserError(f'{root}: more than {MAX_SPLITS} MDS datasets below it; give the '
+                            f'dataset folder itself')
+    if not found:
+        raise UserError(f'{root}: no MDS dataset here (no {INDEX_NAME} in it or in any folder '
+                        f'below it)')
+    return found
+
+
+_INDEX_CACHE: dict[str, dict[str, Any]] = {}
+
+
+def _index(path: str) -> dict[str, Any]:
+    """``path``'s validated index, read once per process (workers read shards by number)."""
+    key = os.path.abspath(path)
+    if key not in _INDEX_CACHE:
+        try:
+            _INDEX_CACHE[key] = read_index(key)
+        except IndexFileError as e:
+            raise UserError(str(e)) from None
+    return _INDEX_CACHE[key]
+
+
+def shard_count(path: str) -> int:
+    return len(_index(path)['shards'])
+
+
+def shard_file(path: str, number: int) -> tuple[str, bool]:
+    """``(file, compressed)``: a shard is read from its uncompressed file if present (streaming
+    keeps both when ``keep_zip``), else from its compressed one."""
+    shard = _index(path)['shards'][number]
+    raw = os.path.join(path, shard['raw_data']['basename'])
+    if os.path.isfile(raw) or not shard.get('zip_data'):
+        return raw, False
+    return os.path.join(path, shard['zip_data']['basename']), True
+
+
+def shard_bytes(path: str, number: int) -> tuple[str, bytes]:
+    """``(file, raw shard bytes)`` of shard ``number`` of the dataset in ``path``."""
+    shard = _index(path)['shards'][number]
+    name, compressed = shard_file(path, number)
+    try:
+        with open(name, 'rb') as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise UserError(f'{name}: missing; {os.path.join(path, INDEX_NAME)} lists it '
+                        f'(an incomplete copy?)') from None
+    if not compressed:
+        return name, data
+    if shard['compression'].split(':')[0] == 'zstd':  # streaming's codec is zstandard's, without torch
+        import zstandard
+        return name, zstandard.decompress(data)
+    from foundrymix.format.shards import decompress_shard
+    return name, decompress_shard(shard, data)
+
+
+def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
+    """``(file, rows)`` of shard ``number``: each row a dict of its columns, decoded by
+    streaming's reader for that shard (the decoder training uses)."""
+    from foundrymix.format.streaming_format import reader_from_json
+    shard = _index(path)['shards'][number]
+    name, data = shard_bytes(path, number)
+    reader = reader_from_json('', None, shard)
+    rows = []
+    n = int(shard['samples'])
+    offsets = np.frombuffer(data, np.uint32, count=n + 1, offset=4)
+    for r in range(n):
+        rows.append(reader.decode_sample(data[offsets[r]:offsets[r + 1]]))
+    return name, rows
+
+
+def chunks_of(path: str) -> Iterator[tuple[int, int]]:
+    """``(shard number, first row)`` of each shard of the dataset in ``path``, in index order."""
+    row = 0
+    for i, shard in enumerate(_index(path)['shards']):
+        yield i, row
+        row += int(shard['samples'])
+
+
+def read_column_arrays(path: str, number: int, column: str) -> tuple[str, np.ndarray, np.ndarray]:
+    """``(file, values, row_lengths)``: one ndarray column of every row of a shard, back to back.
+
+    Read at once by :func:`foundrymix.format.mds.ndarray_column` when every row has the
+    same layout (LLM-Foundry's token windows), else row by row with streaming's reader
+    (:func:`read_shard`).
+    """
+    from foundrymix.format.mds import ndarray_column
+    shard = _index(path)['shards'][number]
+    name, data = shard_bytes(path, number)
+    fast = ndarray_column(data, shard) if shard['column_names'] == [column] else None
+    if fast is not None:
+        return name, fast[0], fast[1]
+    _, rows = read_shard(path, number)
+    arrays = [np.asarray(r[column]).reshape(-1) for r in rows]
+    return name, np.concatenate(arrays), np.asarray([len(a) for a in arrays], dtype=np.int64)

@@ -1,0 +1,194 @@
+"""``foundrymix adopt``: LLM-Foundry / streaming MDS -> foundrymix datasets without re-tokenizing.
+
+The reference is always ``convert`` of the raw corpus the MDS was made from: adopting
+Foundry's token shards must give the same rows, bit for bit, as ``convert pretrain`` of
+that corpus when the separators match (Foundry: ``--eos_text`` = the EOS token, no
+``--bos_text``; its tokenizer call adds BOS iff the tokenizer does, as foundrymix does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from convert_helpers import read_jsonl, read_rows, write_jsonl
+from foundry_fixtures import (concat_tokens, write_foundry_finetune, write_foundry_pretrain,
+                              write_foundry_turns, write_raw_text)
+from helpers import DEMO_TOKENIZER
+from foundrymix.cli import main
+from foundrymix.convert.adopt import AdoptArgs, adopt
+from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
+from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+from foundrymix.errors import UserError
+from foundrymix.format.schema import Manifest
+from foundrymix.tokenizer import load_tokenizer
+from foundrymix.tools.verify import verify
+
+L = 128
+#: documents of the arxiv sample used (each is ~18k tokens: ~800 rows of L, many shards)
+N_DOCS = 6
+
+
+def _arxiv(tmp_path, arxiv_jsonl):
+    records = read_jsonl(arxiv_jsonl, limit=N_DOCS)
+    return [r['text'] for r in records], write_jsonl(tmp_path / 'arxiv.jsonl', records)
+
+
+def _eos_text(tokenizer: str) -> str:
+    return load_tokenizer(tokenizer).eos_token
+
+
+def _same_rows(a, b) -> None:
+    assert len(a) == len(b) > 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        for col in ('input_ids', 'loss_spans', 'doc_lens'):
+            np.testing.assert_array_equal(np.asarray(x[col]), np.asarray(y[col]), err_msg=f'row {i} {col}')
+
+
+def test_foundry_tokens_equal_convert_pretrain(tmp_path, arxiv_jsonl, any_tokenizer):
+    """Row for row: adopt(Foundry's token shards) == convert pretrain(raw), across many shards."""
+    texts, arxiv_jsonl = _arxiv(tmp_path, arxiv_jsonl)
+    rows = concat_tokens(texts, any_tokenizer, L, eos_text=_eos_text(any_tokenizer))
+    src = write_foundry_pretrain(tmp_path / 'foundry', rows, size_limit=1 << 13)  # ~15 rows a shard
+    assert len(os.listdir(src)) > 10
+    ref = convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'),
+                           PretrainOptions(tokenizer=any_tokenizer, max_seq_len=L, workers=2))
+    [(split, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), tokenizer=any_tokenizer,
+                                   common={'workers': 2}))
+    assert split.rows == len(rows) == ref.counts.rows == m.counts.rows
+    _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
+    assert m.max_seq_len == L and m.counts.tail_tokens == 0
+    assert m.tokenizer == ref.tokenizer
+    assert m.options['source']['inferred'].startswith('documents end after each EOS')
+    assert m.options['source']['columns'] == {'tokens': 'ndarray:int32'}
+    # every document whose EOS lies in the kept stream, plus the one Foundry cut at the end
+    stream = np.concatenate(rows)
+    assert m.counts.documents_read == m.counts.documents_written == int((stream == ref.tokenizer.eos_id).sum()) + 1
+    assert verify(str(tmp_path / 'out')).intact
+
+
+def test_foundry_tokens_recut_shorter(tmp_path, arxiv_jsonl):
+    """A shorter --max-seq-len re-cuts the same stream: the first rows of convert(raw) at that length."""
+    texts, arxiv_jsonl = _arxiv(tmp_path, arxiv_jsonl)
+    rows = concat_tokens(texts, DEMO_TOKENIZER, L, eos_text='<|endoftext|>')
+    src = write_foundry_pretrain(tmp_path / 'foundry', rows, compression=None)
+    convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'), PretrainOptions(max_seq_len=48))
+    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=48))
+    n = len(rows) * L // 48
+    assert m.counts.rows == n and m.counts.tail_tokens == len(rows) * L - n * 48
+    _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref')[:n])
+
+
+def test_foundry_tokens_from_another_tokenizer_refused(tmp_path):
+    src = write_foundry_pretrain(tmp_path / 'foundry', [np.asarray([5, 0, 9000, 7], dtype=np.int32)])
+    with pytest.raises(UserError, match=r"shard\.00000\.mds\.zstd:row 0: token id 9000 is outside the "
+                                        r"vocabulary of tokenizer 'foundrymix-bpe-8k' \(8,192 ids\)"):
+        adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out')))
+    assert not (tmp_path / 'out').exists()
+
+
+def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl, capsys):
+    """The CLI (its parser and entry point, in-process) on a Foundry finetune root: splits
+    found and listed, one dataset each, equal to convert finetune of the same records;
+    `convert` on that root points to adopt."""
+    records = read_jsonl(dolly_jsonl, limit=150)
+    root = write_foundry_finetune(tmp_path / 'foundry', {'train': records[:100], 'val': records[100:]})
+    assert main(['adopt', str(root), '--out', str(tmp_path / 'out'), '--max-seq-len', '256']) == 0
+    out = capsys.readouterr().out
+    assert 'train: 100 rows in 1 shard(s) (prompt: str, response: str) -> LLM-Foundry finetune text' in out
+    assert 'val: 50 rows in 1 shard(s)' in out
+    for split, part in (('train', records[:100]), ('val', records[100:])):
+        convert_finetune([str(write_jsonl(tmp_path / f'{split}.jsonl', part))], str(tmp_path / f'ref-{split}'),
+                         FinetuneOptions(max_seq_len=256))
+        _same_rows(read_rows(tmp_path / 'out' / split), read_rows(tmp_path / f'ref-{split}'))
+        m = Manifest.read(str(tmp_path / 'out' / split))
+        assert m.kind == 'finetune' and m.options['source']['split'] == split
+    before = sorted(p.relative_to(root) for p in root.rglob('*'))
+    for out in (root, root / 'train' / 'x'):  # the source, or inside it: refused, nothing touched
+        with pytest.raises(ValueError, match='Choose'):
+            adopt(AdoptArgs(source=str(root), out=str(out)))
+    assert sorted(p.relative_to(root) for p in root.rglob('*')) == before
+    with pytest.raises(UserError, match=r'holds MDS shards \(train/index.json, val/index.json\), not raw '
+                                        r'input files; use them as they are with: foundrymix adopt'):
+        convert_pretrain([str(root)], str(tmp_path / 'c'), PretrainOptions())
+
+
+def test_foundry_turns_equal_convert_finetune(tmp_path, dolly_jsonl):
+    """Tokenized Foundry finetune shards (turns) give convert finetune's rows on the raw records."""
+    records = read_jsonl(dolly_jsonl, limit=120)
+    src = write_foundry_turns(tmp_path / 'turns', records, DEMO_TOKENIZER)
+    convert_finetune([str(write_jsonl(tmp_path / 'ft.jsonl', records))], str(tmp_path / 'ref'),
+                     FinetuneOptions(max_seq_len=256))
+    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=256))
+    _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
+    assert m.kind == 'finetune' and m.counts.documents_read == 120
+
+
+def test_raw_text_zstd(tmp_path, arxiv_jsonl):
+    """streaming's raw-text MDS (zstd) goes through the normal pretrain path."""
+    texts, arxiv_jsonl = _arxiv(tmp_path, arxiv_jsonl)
+    src = write_raw_text(tmp_path / 'text', texts, size_limit=1 << 14)
+    assert any(n.endswith('.mds.zstd') for n in os.listdir(src))
+    convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'), PretrainOptions(max_seq_len=L))
+    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=L))
+    _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
+    assert m.counts.documents_read == len(texts)
+
+
+def test_unmanifested_mds_points_to_adopt(tmp_path):
+    """inspect/verify/plan read Manifest or the index: MDS without a manifest names adopt."""
+    src = write_raw_text(tmp_path / 'text', ['hello world'])
+    with pytest.raises(FileNotFoundError, match='foundrymix adopt'):
+        Manifest.read(str(src))
+    with pytest.raises(FileNotFoundError, match='foundrymix adopt'):
+        verify(str(src))
+
+
+@pytest.mark.parametrize('encoding,lengths', [('ndarray:int32', [16, 16, 16]), ('ndarray:int32:16', [16, 16]),
+                                              ('ndarray:uint16', [300, 300]), ('ndarray:int32', [16, 9, 16])])
+def test_ndarray_column_equals_streaming_decode(tmp_path, encoding, lengths):
+    """The one-view read of token shards gives streaming's own row decoding (or declines)."""
+    from streaming import MDSWriter
+    from foundrymix.convert.mds_input import read_column_arrays, read_shard
+    from foundrymix.format.mds import ndarray_column
+    from foundrymix.format.shards import read_index
+    dtype = encoding.split(':')[1]
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(tmp_path / 'm'), columns={'tokens': encoding}, compression='zstd') as w:
+        for n in lengths:
+            w.write({'tokens': rng.integers(0, 60000, size=n).astype(dtype)})
+    _, rows = read_shard(str(tmp_path / 'm'), 0)
+    expect = np.concatenate([r['tokens'] for r in rows])
+    _, values, row_lens = read_column_arrays(str(tmp_path / 'm'), 0, 'tokens')
+    np.testing.assert_array_equal(values, expect)
+    assert values.dtype == expect.dtype and row_lens.tolist() == lengths
+    import zstandard
+    shard = read_index(str(tmp_path / 'm'))['shards'][0]
+    data = zstandard.decompress((tmp_path / 'm' / shard['zip_data']['basename']).read_bytes())
+    assert (ndarray_column(data, shard) is None) == (len(set(lengths)) > 1)
+
+
+def test_splits_to_s3(tmp_path, dolly_jsonl, monkeypatch):
+    """--out s3://: one complete dataset per split under the prefix, byte for byte the local one."""
+    from helpers import moto_s3
+    records = read_jsonl(dolly_jsonl, limit=60)
+    root = write_foundry_finetune(tmp_path / 'foundry', {'train': records[:40], 'val': records[40:]})
+    adopt(AdoptArgs(source=str(root), out=str(tmp_path / 'local'), max_seq_len=256))
+    staging = tmp_path / 'tmp'
+    staging.mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, 'tempdir', str(staging))
+    with moto_s3('fmx-adopt') as s3:
+        adopt(AdoptArgs(source=str(root), out='s3://fmx-adopt/ft', max_seq_len=256))
+        client = s3['client']
+        keys = sorted(o['Key'] for o in client.list_objects_v2(Bucket='fmx-adopt')['Contents'])
+        local = sorted(f'ft/{p.relative_to(tmp_path / "local")}' for p in (tmp_path / 'local').rglob('*')
+                       if p.is_file())
+        assert keys == local
+        for key in keys:
+            if not key.endswith('foundrymix.json'):  # the manifest records its own --out
+                body = client.get_object(Bucket='fmx-adopt', Key=key)['Body'].read()
+                assert body == (tmp_path / 'local' / key[3:]).read_bytes(), key
+        assert verify('s3://fmx-adopt/ft/val').intact
