@@ -154,8 +154,40 @@ def test_claims_are_shared_by_readers_exclusive_otherwise_and_leave_no_files(tmp
     r1.release()
     r2.release()
     assert sorted(os.path.basename(p) for p in os.listdir(claims.claims_dir())
-                  if p.startswith(claims.key(path))) == [f'{claims.key(path)}.guard']
+                  if p.startswith(claims.key(path))) == []  # nothing left: not even the guard
     ex = claims.try_claim(path, claims.EXCLUSIVE)
     assert ex.fresh
+    assert claims.exclusive_owner(path).pid == os.getpid()
     ex.release()
+    assert claims.exclusive_owner(path) is None  # asking creates nothing either
+    assert [p for p in os.listdir(claims.claims_dir()) if p.startswith(claims.key(path))] == []
     assert not (tmp_path / 'd').exists()  # nothing is written into the claimed path
+
+
+def _count_under_guard(path: str, counter: str, times: int) -> None:
+    from foundrymix import claims
+    for _ in range(times):
+        with claims.guard(path):  # its lock file is removed on the way out, while others wait
+            with open(counter) as f:
+                n = int(f.read())
+            os.sched_yield()
+            with open(counter, 'w') as f:
+                f.write(str(n + 1))
+
+
+def test_the_guard_excludes_while_its_lock_file_comes_and_goes(tmp_path):
+    """Four processes increment a counter under the guard, read-then-write: no increment is
+    lost although every exit removes the lock file others are waiting on."""
+    import multiprocessing as mp
+    from foundrymix import claims
+    path, counter = claims.normalize(str(tmp_path / 'd')), tmp_path / 'n'
+    counter.write_text('0')
+    procs = [mp.get_context('fork').Process(target=_count_under_guard, args=(path, str(counter), 50))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert counter.read_text() == '200'
+    assert [p for p in os.listdir(claims.claims_dir()) if p.startswith(claims.key(path))] == []
