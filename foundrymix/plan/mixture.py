@@ -386,10 +386,9 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         total_batches = value * bpe
     elif unit == 'ba':
         total_batches = value
-    elif unit == 'sp':
-        total_batches = math.ceil(value / G)  # Composer stops after the batch that reaches it
-    else:
-        total_batches = math.ceil(value / (G * L))
+    else:  # Composer stops after the batch that reaches the samples (tokens: rows x L)
+        samples = value if unit == 'sp' else math.ceil(value / L)
+        total_batches = _batches_to_reach(samples, G, epoch.batch_sizes)
     full_epochs, rem = divmod(total_batches, bpe)
     if rem:
         last_epoch, last_batch = full_epochs, rem
@@ -411,6 +410,18 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         last_sample_in_epoch=last_sample,
         rows_per_stream=_rows_trained(names, epoch, full_epochs, rem),
         samples_exact=epoch.batch_sizes is not None or epoch.full_batches)
+
+
+def _batches_to_reach(samples: int, G: int, sizes: Optional[list[int]]) -> int:
+    """Batches until Composer has counted ``samples`` rows: whole batches of ``G``, or an
+    epoch's batch sizes over and over (short batches without ``drop_last``)."""
+    if sizes is None:
+        return math.ceil(samples / G)
+    per_epoch = sum(sizes)
+    full, left = divmod(samples, per_epoch)
+    if not left:
+        return full * len(sizes)
+    return full * len(sizes) + int(np.searchsorted(np.cumsum(sizes), left)) + 1
 
 
 def _rows_trained(names: list[str], epoch: _Epoch, full_epochs: int,
