@@ -224,3 +224,16 @@ def test_headline_samples_and_tokens_are_what_the_loader_yields(root, tmp_path, 
         unit = 1 if duration.endswith('sp') else 32
         counted = [sum(s[0] for s in batches[:n]) * unit for n in (len(batches) - 1, len(batches))]
         assert counted[0] < int(re.match(r'\d+', duration).group()) <= counted[1]
+
+
+def test_headline_without_a_replayed_epoch_says_at_most(root, tmp_path, capsys, monkeypatch):
+    """An epoch too large to replay (here: the limit lowered below its 350 rows) without
+    drop_last: its short batches are unknown, so the headline's count is an upper bound and
+    says so (the loader trains 1,050 rows over these 132 batches, see the test above)."""
+    from foundrymix.plan import mixture
+    monkeypatch.setattr(mixture, 'SIMULATE_LIMIT', 100)
+    path = write_yaml(tmp_path, root, '3ep')
+    assert main(['plan', path, 'train_loader.exact=false', 'train_loader.drop_last=false']) == 0
+    assert 'max_duration 3ep: 132 batches, at most 1,056 samples, 33,792 tokens' in capsys.readouterr().out
+    assert main(['plan', path, 'train_loader.exact=false']) == 0  # drop_last: whole batches
+    assert 'max_duration 3ep: 129 batches, 1,032 samples, 33,024 tokens' in capsys.readouterr().out
