@@ -121,8 +121,10 @@ def _read_log(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def compare_samples(a: str, b: str, names: Optional[list[str]] = None) -> Result:
-    """The first batch (and row in rank order) whose sample, stream or stage ids differ."""
+def compare_samples(a: str, b: str, names: Optional[list[str]] = None,
+                    ranks: Optional[int] = None) -> Result:
+    """The first batch (and row in rank order: with ``ranks``, its rank and row there) whose
+    sample, stream or stage ids differ."""
     la, lb = _read_log(a), _read_log(b)
 
     def stream(i: int) -> str:
@@ -139,8 +141,11 @@ def compare_samples(a: str, b: str, names: Optional[list[str]] = None) -> Result
             if vx != vy:
                 side = ['absent' if v[0] is None else f'sample {v[0]} ({stream(v[1])}'
                         + (f', stage {v[2]}' if v[2] is not None else '') + ')' for v in (vx, vy)]
-                return Result('samples', f'batch {x["batch"]}, row {r} of {rows} (rank order): '
-                              f'A {side[0]}, B {side[1]}', '')
+                where = f'row {r} of {rows} (rank order)'
+                if ranks and rows % ranks == 0:
+                    per = rows // ranks
+                    where = f'row {r} of {rows} (rank {r // per} of {ranks}, its row {r % per})'
+                return Result('samples', f'batch {x["batch"]}, {where}: A {side[0]}, B {side[1]}', '')
     if len(la) != len(lb):
         longer, n = ('A', len(la)) if len(la) > len(lb) else ('B', len(lb))
         first = (la if len(la) > len(lb) else lb)[min(len(la), len(lb))]['batch']
@@ -165,12 +170,11 @@ def compare_accounting(a: str, b: str) -> Result:
         f'{n} {sa[n]["samples"]:,} samples' for n in sa))
 
 
-def compare_weights(a: str, b: str) -> Result:
+def compare_weights(a: str, b: str, ckpt_a: dict[str, Any], ckpt_b: dict[str, Any]) -> Result:
     """The first tensor (state-dict order) whose shape, dtype or values differ."""
     import torch
 
-    from foundrymix.train.export import load_checkpoint_state
-    wa, wb = load_checkpoint_state(a)['model'], load_checkpoint_state(b)['model']
+    wa, wb = ckpt_a['state']['model'], ckpt_b['state']['model']
     if list(wa) != list(wb):
         only = [k for k in wa if k not in wb] + [k for k in wb if k not in wa]
         return Result('weights', f'different tensors (first only in one: '
@@ -209,17 +213,24 @@ def compare_runs(run_a: str, run_b: str, parts: tuple[str, ...] = PARTS,
     if 'weights' in parts:
         found['weights'] = (checkpoint_a or find_checkpoint(runs[0]),
                             checkpoint_b or find_checkpoint(runs[1]))
+    ckpts: list[dict[str, Any]] = []
+    if 'weights' in found:
+        from foundrymix.train.export import load_checkpoint
+        ckpts = [load_checkpoint(p) for p in found['weights']]
     out = []
     if 'samples' in parts:
         names = None  # stream names, for the message: the accounting's run-wide order
         if 'accounting' in found:
             from foundrymix.train.report import load_summary
             names = list(load_summary(found['accounting'][0])[0]['streams'])
-        out.append(compare_samples(*found['samples'], names=names))
+        # ranks, for the message: run A's checkpoint holds one RNG state per rank
+        rng = ckpts[0].get('rng') if ckpts else None
+        ranks = len(rng) if isinstance(rng, list) and rng else None
+        out.append(compare_samples(*found['samples'], names=names, ranks=ranks))
     if 'accounting' in parts:
         out.append(compare_accounting(*found['accounting']))
     if 'weights' in parts:
-        out.append(compare_weights(*found['weights']))
+        out.append(compare_weights(*found['weights'], *ckpts))
     return out
 
 

@@ -58,8 +58,8 @@ def test_a_different_run_names_its_first_difference(runs, capsys):
     names = list(json.loads((a / 'report' / 'stream_accounting.json').read_text())['streams'])
     sa, sb = (la[batch]['sample_ids'][row], la[batch]['stream_ids'][row]), \
         (lb[batch]['sample_ids'][row], lb[batch]['stream_ids'][row])
-    assert out[0] == (f'samples:    differ: batch {batch}, row {row} of {BATCH} (rank order): '
-                      f'A sample {sa[0]} ({names[sa[1]]}), B sample {sb[0]} ({names[sb[1]]})')
+    assert out[0] == (f'samples:    differ: batch {batch}, row {row} of {BATCH} (rank 0 of 1, its '
+                      f'row {row}): A sample {sa[0]} ({names[sa[1]]}), B sample {sb[0]} ({names[sb[1]]})')
     # the accounting: the first stream whose counts differ (or equal, if the seeds chose alike)
     ra = json.loads((a / 'report' / 'stream_accounting.json').read_text())['streams']
     rb = json.loads((b / 'report' / 'stream_accounting.json').read_text())['streams']
