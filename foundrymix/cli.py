@@ -1,4 +1,5 @@
-"""``foundrymix`` command line: convert | inspect | verify | plan | train | report | export.
+"""``foundrymix`` command line: convert | inspect | verify | plan | train | report | export |
+compare.
 
 Each subcommand lives beside the code it drives and registers itself through a
 ``register(subparsers)`` function, so this module only dispatches.
@@ -23,6 +24,7 @@ SUBCOMMAND_MODULES = (
     'foundrymix.train.report',
     'foundrymix.tools.verify',
     'foundrymix.train.export',
+    'foundrymix.tools.compare',
 )
 
 

@@ -72,7 +72,7 @@ class DurationPlan:
     value: int
     total_batches: int
     total_samples: int
-    total_tokens: int          # slot tokens (Composer `tok`)
+    total_tokens: int          # slot tokens (Composer `tok`): total_samples x max_seq_len
     epochs: float              # total_batches / batches_per_epoch
     full_epochs: int
     ends_mid_epoch: bool
@@ -80,6 +80,9 @@ class DurationPlan:
     last_batch_in_epoch: int   # batches of that epoch trained (== batches_per_epoch if not mid)
     last_sample_in_epoch: int  # samples of that epoch trained
     rows_per_stream: Optional[dict[str, int]] = None  # exact rows trained per stream, whole run
+    #: False: total_samples (and tokens) count every batch as full -- an upper bound, for an
+    #: epoch too large to replay without drop_last (its short batches are not known)
+    samples_exact: bool = True
 
 
 @dataclass
@@ -147,6 +150,10 @@ class _Epoch:
     batches: int
     whole_batches: bool         # epoch is whole global batches of plain random batching
     simulator: EpochSimulator
+    #: rows in each global batch of an epoch (the same every epoch); None: not replayed
+    #: (an epoch over SIMULATE_LIMIT), or every batch is whole
+    batch_sizes: Optional[list[int]] = None
+    full_batches: bool = True   # every batch holds G rows (whole batches, or drop_last)
 
 
 def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
@@ -240,10 +247,12 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     simulator = EpochSimulator(ds, topology, config)
     chooses = np.array([int(s.choose) for s in streams], np.int64)
     whole_batches = epoch_size % G == 0 and config.batching_method == 'random'
+    sizes: Optional[list[int]] = None
     if whole_batches:
         trained, batches = chooses, epoch_size // G
     elif epoch_size <= SIMULATE_LIMIT:
-        trained, batches = simulator.trained_counts(0)
+        trained, sizes = simulator.counts_and_sizes(0)
+        batches = len(sizes)
     else:
         batches = epoch_size // G if config.drop_last else math.ceil(epoch_size / G)
         trained = chooses
@@ -255,7 +264,8 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
         shares = chooses / epoch_size if epoch_size else np.zeros(len(streams))
     return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
                   shares=shares, weights=weights, batches=batches,
-                  whole_batches=whole_batches, simulator=simulator)
+                  whole_batches=whole_batches, simulator=simulator, batch_sizes=sizes,
+                  full_batches=whole_batches or config.drop_last)
 
 
 def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
@@ -403,22 +413,42 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         total_batches = value * bpe
     elif unit == 'ba':
         total_batches = value
-    elif unit == 'sp':
-        total_batches = math.ceil(value / G)  # Composer stops after the batch that reaches it
-    else:
-        total_batches = math.ceil(value / (G * L))
+    else:  # Composer stops after the batch that reaches the samples (tokens: rows x L)
+        samples = value if unit == 'sp' else math.ceil(value / L)
+        total_batches = _batches_to_reach(samples, G, epoch.batch_sizes)
     full_epochs, rem = divmod(total_batches, bpe)
     if rem:
         last_epoch, last_batch = full_epochs, rem
     else:
         last_epoch, last_batch = full_epochs - 1, bpe
+    # Without drop_last, an epoch's short batches train fewer than G rows: count the rows
+    # the batches hold (the headline must equal what trains), not batches x G.
+    sizes = epoch.batch_sizes
+    if sizes is not None:
+        total_samples = full_epochs * sum(sizes) + sum(sizes[:rem])
+        last_sample = sum(sizes[:last_batch])
+    else:
+        total_samples, last_sample = total_batches * G, last_batch * G
     return DurationPlan(
         max_duration=f'{value}{unit}', unit=DURATION_UNITS[unit], value=value,
-        total_batches=total_batches, total_samples=total_batches * G,
-        total_tokens=total_batches * G * L, epochs=total_batches / bpe, full_epochs=full_epochs,
+        total_batches=total_batches, total_samples=total_samples,
+        total_tokens=total_samples * L, epochs=total_batches / bpe, full_epochs=full_epochs,
         ends_mid_epoch=bool(rem), last_epoch=last_epoch, last_batch_in_epoch=last_batch,
-        last_sample_in_epoch=last_batch * G,
-        rows_per_stream=_rows_trained(names, epoch, full_epochs, rem))
+        last_sample_in_epoch=last_sample,
+        rows_per_stream=_rows_trained(names, epoch, full_epochs, rem),
+        samples_exact=epoch.batch_sizes is not None or epoch.full_batches)
+
+
+def _batches_to_reach(samples: int, G: int, sizes: Optional[list[int]]) -> int:
+    """Batches until Composer has counted ``samples`` rows: whole batches of ``G``, or an
+    epoch's batch sizes over and over (short batches without ``drop_last``)."""
+    if sizes is None:
+        return math.ceil(samples / G)
+    per_epoch = sum(sizes)
+    full, left = divmod(samples, per_epoch)
+    if not left:
+        return full * len(sizes)
+    return full * len(sizes) + int(np.searchsorted(np.cumsum(sizes), left)) + 1
 
 
 def _rows_trained(names: list[str], epoch: _Epoch, full_epochs: int,

@@ -131,8 +131,9 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
         where = (f'stops in epoch {d.last_epoch} after batch {d.last_batch_in_epoch:,} '
                  f'(sample {d.last_sample_in_epoch:,} of the epoch)' if d.ends_mid_epoch
                  else f'ends exactly at the end of epoch {d.last_epoch}')
+        at_most = '' if d.samples_exact else 'at most '  # short batches not replayed
         console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '
-                      f'{d.total_samples:,} samples, {d.total_tokens:,} tokens = '
+                      f'{at_most}{d.total_samples:,} samples, {d.total_tokens:,} tokens = '
                       f'{d.epochs:.4g} epochs ({d.full_epochs} full); {where}')
         if d.rows_per_stream is not None:
             scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'

@@ -127,15 +127,25 @@ class EpochSimulator:
 
     def trained_counts(self, epoch: int, n_batches: Optional[int] = None) -> tuple[np.ndarray, int]:
         """(rows trained per stream, batches) of epoch ``epoch``, or of its first ``n_batches``."""
+        counts, sizes = self.counts_and_sizes(epoch, n_batches)
+        return counts, len(sizes)
+
+    def counts_and_sizes(self, epoch: int, n_batches: Optional[int] = None
+                         ) -> tuple[np.ndarray, list[int]]:
+        """(rows trained per stream, rows in each global batch) of epoch ``epoch`` (or of its
+        first ``n_batches``). Without ``drop_last`` a worker's last batch of an epoch is short
+        (and several workers' short batches fall inside the epoch, not only at its end); the
+        sizes depend on the epoch's length and the topology only, not on its shuffle."""
         batches = epoch_batches(self.ds, epoch, self.topology, self.num_workers, self.drop_last)
         if n_batches is not None:
             batches = batches[:n_batches]
+        sizes = [len(b) for b in batches]
         n_streams = self.ds.num_streams
         if not batches:
-            return np.zeros(n_streams, np.int64), 0
+            return np.zeros(n_streams, np.int64), sizes
         ids = np.concatenate(batches)
         stream_ids = np.searchsorted(self.ds.sample_offset_per_stream, ids, side='right') - 1
-        return np.bincount(stream_ids, minlength=n_streams).astype(np.int64), len(batches)
+        return np.bincount(stream_ids, minlength=n_streams).astype(np.int64), sizes
 
     def rank_counts(self, epoch: int) -> list[tuple[np.ndarray, int]]:
         """(rows trained per stream, batches) of every rank in epoch ``epoch`` (global rank

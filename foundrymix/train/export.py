@@ -49,6 +49,11 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def load_checkpoint_state(path: str) -> dict[str, Any]:
     """The ``state`` of a (rank 0, unsharded) Composer checkpoint file."""
+    return load_checkpoint(path)['state']
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """A (rank 0, unsharded) Composer checkpoint file: ``state`` and ``rng`` (one per rank)."""
     import torch
 
     if not os.path.isfile(path):
@@ -59,7 +64,7 @@ def load_checkpoint_state(path: str) -> dict[str, Any]:
         raise ExportError(f'{path}: not a Composer checkpoint file ({type(e).__name__}: {e})') from None
     if not isinstance(ckpt, dict) or 'state' not in ckpt or 'model' not in ckpt['state']:
         raise ExportError(f'{path}: not a Composer checkpoint (no state.model)')
-    return ckpt['state']
+    return ckpt
 
 
 def model_info(state: dict[str, Any], path: str) -> dict[str, Any]:

@@ -191,3 +191,51 @@ def test_padded_rank_repeats_are_warned(tmp_path):
     assert any('1 rows per epoch are trained twice' in w for w in plan.warnings)
     one_rank = mixer.plan(batch_size=6, max_duration='1ep', world_size=1)
     assert not any('trained twice' in w for w in one_rank.warnings)
+
+
+@pytest.mark.parametrize('drop_last, workers, duration', [
+    (False, 0, '3ep'), (False, 2, '3ep'), (True, 0, '3ep'), (False, 0, '1000sp'),
+    (False, 2, '32000tok'), (True, 0, '1000sp')])
+def test_headline_samples_and_tokens_are_what_the_loader_yields(root, tmp_path, capsys, drop_last,
+                                                                workers, duration):
+    """350 rows an epoch, batches of 8 (exact: false): without drop_last every epoch ends in
+    a short batch (one per worker), which trains fewer than 8 rows; the headline counts the
+    rows and tokens a real loader yields, not batches x 8, and a duration in samples or
+    tokens ends on the batch where Composer's count (rows, rows x 32 tokens) reaches it."""
+    import re
+
+    from foundrymix.loader.run_loader import build_staged_loader
+    from foundrymix.plan.config import LoaderConfig
+    overrides = ['train_loader.exact=false', f'train_loader.drop_last={str(drop_last).lower()}',
+                 f'train_loader.num_workers={workers}']
+    assert main(['plan', write_yaml(tmp_path, root, duration), *overrides]) == 0
+    headline = re.search(rf'max_duration {duration}: ([\d,]+) batches, ([\d,]+) samples, '
+                         rf'([\d,]+) tokens', capsys.readouterr().out)
+    planned = [int(g.replace(',', '')) for g in headline.groups()]
+    streams = {n: {'local': str(root / n), 'repeat': r} for n, r in
+               (('arxiv', 1), ('wiki', 2.5), ('dolly', 0.5))}
+    loader = build_staged_loader(LoaderConfig.from_dict(
+        {'streams': streams, 'shuffle_seed': 17, 'exact': False, 'drop_last': drop_last,
+         'num_workers': workers}), 8, duration)
+    batches = [b['input_ids'].shape for b in loader]
+    loader.release()
+    yielded = [len(batches), sum(s[0] for s in batches), sum(s[0] * s[1] for s in batches)]
+    assert planned == yielded
+    assert (yielded[1] < yielded[0] * 8) == (not drop_last)  # the case is real: short batches
+    if not duration.endswith('ep'):  # Composer's count reaches the duration at the last batch
+        unit = 1 if duration.endswith('sp') else 32
+        counted = [sum(s[0] for s in batches[:n]) * unit for n in (len(batches) - 1, len(batches))]
+        assert counted[0] < int(re.match(r'\d+', duration).group()) <= counted[1]
+
+
+def test_headline_without_a_replayed_epoch_says_at_most(root, tmp_path, capsys, monkeypatch):
+    """An epoch too large to replay (here: the limit lowered below its 350 rows) without
+    drop_last: its short batches are unknown, so the headline's count is an upper bound and
+    says so (the loader trains 1,050 rows over these 132 batches, see the test above)."""
+    from foundrymix.plan import mixture
+    monkeypatch.setattr(mixture, 'SIMULATE_LIMIT', 100)
+    path = write_yaml(tmp_path, root, '3ep')
+    assert main(['plan', path, 'train_loader.exact=false', 'train_loader.drop_last=false']) == 0
+    assert 'max_duration 3ep: 132 batches, at most 1,056 samples, 33,792 tokens' in capsys.readouterr().out
+    assert main(['plan', path, 'train_loader.exact=false']) == 0  # drop_last: whole batches
+    assert 'max_duration 3ep: 129 batches, 1,032 samples, 33,024 tokens' in capsys.readouterr().out

@@ -59,6 +59,14 @@ def sample_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def compare_cli(capsys, run_a: Path, run_b: Path, *options: str) -> tuple[int, list[str]]:
+    """``foundrymix compare`` (in-process): (exit code, printed lines)."""
+    from foundrymix.cli import main
+    capsys.readouterr()
+    code = main(['compare', str(run_a), str(run_b), *options])
+    return code, capsys.readouterr().out.splitlines()
+
+
 def assert_same_weights(a: dict, b: dict) -> None:
     wa, wb = a['model'], b['model']
     assert wa.keys() == wb.keys()
@@ -107,13 +115,20 @@ def resumed_run(tmp_path: Path, data: dict, stop_at: str, save_interval: str) ->
 
 
 @pytest.mark.slow  # whole train.py runs
-def test_resume_mid_epoch_is_exact(tmp_path, data, straight):
+def test_resume_mid_epoch_is_exact(tmp_path, data, straight, capsys):
     k = straight['epoch_batches'] // 2
     stopped, log, report = resumed_run(tmp_path, data, f'{k}ba', f'{k}ba')
     assert stopped['timestamp']['Timestamp']['batch'] == k and stopped['timestamp']['Timestamp']['epoch'] == 0
     assert log == straight['log']
     assert_same_weights(final_state(tmp_path / 'ckpt'), straight['state'])
     assert report['streams'] == straight['report']['streams']
+    # ... and `foundrymix compare` says so, part by part
+    assert compare_cli(capsys, straight['dir'], tmp_path) == (0, [
+        f'samples:    equal ({N_BATCHES} batches, {N_BATCHES * BATCH} samples)',
+        'accounting: equal (2 streams: ' + ', '.join(
+            f'{n} {c["samples"]:,} samples' for n, c in report['streams'].items()) + ')',
+        f'weights:    equal (12 tensors bitwise equal: {straight["dir"] / "ckpt" / "latest-rank0.pt"} '
+        f'and {tmp_path / "ckpt" / "latest-rank0.pt"})'])
 
 
 @pytest.mark.slow  # whole train.py runs

@@ -1,0 +1,265 @@
+"""``foundrymix compare RUN_A RUN_B``: is a resumed run the straight run? Part by part.
+
+Why: resuming exactly is foundrymix's promise, and users checked it with scripts of their
+own (diffing sample logs, loading two checkpoints). This compares what a run leaves:
+
+* the sample log (the ``sample_log`` callback's JSONL: each global batch's sample, stream
+  and stage ids in rank order) -- the first batch and row that differ, with both sides'
+  sample id and stream;
+* the per-stream counts (``stream_accounting.json``: samples, tokens, loss tokens per
+  stream) -- the first stream and count that differ;
+* the final weights (the last checkpoint in the run: Composer's ``latest-rank0.pt``, else
+  the ``ep*-ba*-rank0.pt`` with the most batches; or ``--checkpoint-a/-b``) -- the first
+  tensor that differs and its largest absolute difference.
+
+A RUN is a directory holding those files (found by name below it: the one ``*.jsonl``
+whose lines are sample-log lines, the one ``stream_accounting.json``, the checkpoint).
+Prints ``equal`` or the first difference per part; exit 0 if every part is equal, 1 if
+one differs, 2 on bad input (a missing directory or file, named). Reads only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from foundrymix.errors import MissingError, UserError
+
+PARTS = ('samples', 'accounting', 'weights')
+SAMPLE_LOG_KEYS = ('batch', 'sample_ids', 'stream_ids')
+COUNTS = ('samples', 'tokens', 'loss_tokens')
+
+
+@dataclass
+class Result:
+    """One part's verdict: ``difference`` None when equal; ``detail`` says what was compared."""
+
+    part: str
+    difference: Optional[str]
+    detail: str
+
+    def line(self) -> str:
+        text = f'equal ({self.detail})' if self.difference is None else f'differ: {self.difference}'
+        return f'{self.part + ":":<11} {text}'
+
+
+# ------------------------------------------------------------------ finding the files
+def _run_dir(path: str) -> str:
+    if not os.path.isdir(path):
+        raise MissingError(f'{path}: no such run directory')
+    return path
+
+
+def _files(run: str, pattern: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(glob.escape(run), '**', pattern), recursive=True))
+
+
+def _is_sample_log(path: str) -> bool:
+    try:
+        with open(path, encoding='utf-8') as f:
+            first = next((line for line in f if line.strip()), '')
+        line = json.loads(first)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(line, dict) and all(k in line for k in SAMPLE_LOG_KEYS)
+
+
+def find_sample_log(run: str) -> str:
+    logs = [p for p in _files(run, '*.jsonl') if _is_sample_log(p)]
+    if len(logs) != 1:
+        found = f'found {len(logs)}: {", ".join(logs)}' if logs else 'found none'
+        raise MissingError(f'{run}: expected one sample log (*.jsonl written by the sample_log '
+                           f'callback) below it, {found}; add callbacks.sample_log to the run, or '
+                           f'leave samples out with --parts')
+    return logs[0]
+
+
+def find_summary(run: str) -> str:
+    from foundrymix.train.report import SUMMARY_NAME
+    found = _files(run, SUMMARY_NAME)
+    if len(found) != 1:
+        what = f'found {len(found)}: {", ".join(found)}' if found else 'found none'
+        raise MissingError(f'{run}: expected one {SUMMARY_NAME} below it, {what}; leave '
+                           f'accounting out with --parts')
+    return found[0]
+
+
+def find_checkpoint(run: str) -> str:
+    """The run's last checkpoint: Composer's ``latest-rank0.pt`` symlink, else the
+    ``ep<e>-ba<b>-rank0.pt`` with the most batches."""
+    latest = _files(run, 'latest-rank0.pt')
+    if len(latest) == 1:
+        return latest[0]
+    if len(latest) > 1:
+        raise UserError(f'{run}: several save folders below it ({", ".join(latest)}); name the '
+                        f'checkpoints with --checkpoint-a/--checkpoint-b')
+    batches = {p: int(m.group(1)) for p in _files(run, 'ep*-ba*-rank0.pt')
+               if (m := re.search(r'-ba(\d+)-rank0\.pt$', p))}
+    if not batches:
+        raise MissingError(f'{run}: no checkpoint below it (latest-rank0.pt or '
+                           f'ep*-ba*-rank0.pt); name one with --checkpoint-a/--checkpoint-b, or '
+                           f'leave weights out with --parts')
+    return max(batches, key=lambda p: batches[p])
+
+
+# ------------------------------------------------------------------ the three parts
+def _read_log(path: str) -> list[dict[str, Any]]:
+    out = []
+    with open(path, encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:
+                raise UserError(f'{path}:{n}: not a sample-log line ({e})') from None
+    return out
+
+
+def compare_samples(a: str, b: str, names: Optional[list[str]] = None,
+                    ranks: Optional[int] = None) -> Result:
+    """The first batch (and row in rank order: with ``ranks``, its rank and row there) whose
+    sample, stream or stage ids differ."""
+    la, lb = _read_log(a), _read_log(b)
+
+    def stream(i: int) -> str:
+        return names[i] if names and 0 <= i < len(names) else f'stream {i}'
+    for x, y in zip(la, lb):
+        if x['batch'] != y['batch']:
+            return Result('samples', f'the logs\' batches go {x["batch"]} (A) and {y["batch"]} '
+                          f'(B) at the same line', '')
+        rows = max(len(x['sample_ids']), len(y['sample_ids']))
+        for r in range(rows):
+            keys = ('sample_ids', 'stream_ids', 'stage_ids')
+            vx = [x.get(k, [])[r] if r < len(x.get(k, [])) else None for k in keys]
+            vy = [y.get(k, [])[r] if r < len(y.get(k, [])) else None for k in keys]
+            if vx != vy:
+                side = ['absent' if v[0] is None else f'sample {v[0]} ({stream(v[1])}'
+                        + (f', stage {v[2]}' if v[2] is not None else '') + ')' for v in (vx, vy)]
+                where = f'row {r} of {rows} (rank order)'
+                if ranks and rows % ranks == 0:
+                    per = rows // ranks
+                    where = f'row {r} of {rows} (rank {r // per} of {ranks}, its row {r % per})'
+                return Result('samples', f'batch {x["batch"]}, {where}: A {side[0]}, B {side[1]}', '')
+    if len(la) != len(lb):
+        longer, n = ('A', len(la)) if len(la) > len(lb) else ('B', len(lb))
+        first = (la if len(la) > len(lb) else lb)[min(len(la), len(lb))]['batch']
+        return Result('samples', f'A logs {len(la)} batches, B {len(lb)}: from batch {first} '
+                      f'only {longer} has them ({n} in all)', '')
+    return Result('samples', None, f'{len(la)} batches, {sum(len(x["sample_ids"]) for x in la)} '
+                  f'samples')
+
+
+def compare_accounting(a: str, b: str) -> Result:
+    """The first stream (run-wide order) whose samples, tokens or loss tokens differ."""
+    from foundrymix.train.report import load_summary
+    sa, sb = load_summary(a)[0]['streams'], load_summary(b)[0]['streams']
+    if list(sa) != list(sb):
+        return Result('accounting', f'streams A {", ".join(sa)}; B {", ".join(sb)}', '')
+    for name in sa:
+        for key in COUNTS:
+            if sa[name].get(key) != sb[name].get(key):
+                return Result('accounting', f'stream {name}: {key} A {sa[name].get(key)}, '
+                              f'B {sb[name].get(key)}', '')
+    return Result('accounting', None, f'{len(sa)} streams: ' + ', '.join(
+        f'{n} {sa[n]["samples"]:,} samples' for n in sa))
+
+
+def compare_weights(a: str, b: str, ckpt_a: dict[str, Any], ckpt_b: dict[str, Any]) -> Result:
+    """The first tensor (state-dict order) whose shape, dtype or values differ."""
+    import torch
+
+    wa, wb = ckpt_a['state']['model'], ckpt_b['state']['model']
+    if list(wa) != list(wb):
+        only = [k for k in wa if k not in wb] + [k for k in wb if k not in wa]
+        return Result('weights', f'different tensors (first only in one: '
+                      f'{only[0] if only else "the order differs"})', '')
+    for key in wa:
+        x, y = wa[key], wb[key]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return Result('weights', f'{key}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} '
+                          f'{y.dtype}', '')
+        if not torch.equal(x, y):
+            diff = (x.double() - y.double()).abs().max().item()
+            n = sum(1 for k in wa if not torch.equal(wa[k], wb[k]))
+            return Result('weights', f'{key}: max abs diff {diff:.6g} ({n} of {len(wa)} tensors '
+                          f'differ)', '')
+    return Result('weights', None, f'{len(wa)} tensors bitwise equal: {a} and {b}')
+
+
+# ------------------------------------------------------------------ the command
+def compare_runs(run_a: str, run_b: str, parts: tuple[str, ...] = PARTS,
+                 checkpoint_a: Optional[str] = None,
+                 checkpoint_b: Optional[str] = None) -> list[Result]:
+    """Every requested part of two runs (all inputs found before anything is compared)."""
+    runs = (_run_dir(run_a), _run_dir(run_b))
+    for c in (checkpoint_a, checkpoint_b):
+        if c is not None and not os.path.isfile(c):
+            raise MissingError(f'{c}: no such checkpoint file')
+    found: dict[str, tuple[str, str]] = {}
+    if 'samples' in parts:
+        found['samples'] = (find_sample_log(runs[0]), find_sample_log(runs[1]))
+    if 'accounting' in parts or 'samples' in parts:
+        try:
+            found['accounting'] = (find_summary(runs[0]), find_summary(runs[1]))
+        except MissingError:
+            if 'accounting' in parts:
+                raise
+    if 'weights' in parts:
+        found['weights'] = (checkpoint_a or find_checkpoint(runs[0]),
+                            checkpoint_b or find_checkpoint(runs[1]))
+    ckpts: list[dict[str, Any]] = []
+    if 'weights' in found:
+        from foundrymix.train.export import load_checkpoint
+        ckpts = [load_checkpoint(p) for p in found['weights']]
+    out = []
+    if 'samples' in parts:
+        names = None  # stream names, for the message: the accounting's run-wide order
+        if 'accounting' in found:
+            from foundrymix.train.report import load_summary
+            names = list(load_summary(found['accounting'][0])[0]['streams'])
+        # ranks, for the message: run A's checkpoint holds one RNG state per rank
+        rng = ckpts[0].get('rng') if ckpts else None
+        ranks = len(rng) if isinstance(rng, list) and rng else None
+        out.append(compare_samples(*found['samples'], names=names, ranks=ranks))
+    if 'accounting' in parts:
+        out.append(compare_accounting(*found['accounting']))
+    if 'weights' in parts:
+        out.append(compare_weights(*found['weights'], *ckpts))
+    return out
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in text.split(',') if p.strip())
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f'{text!r}: parts are {", ".join(PARTS)} (comma-separated)')
+    return parts
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        'compare', help='compare two runs: sample logs, per-stream counts, final weights',
+        description='Compare two training runs (e.g. a resumed run with a straight one): their '
+                    'sample logs, stream_accounting.json and final weights. Prints equal or the '
+                    'first difference per part; exit 0 if all equal, 1 if different, 2 on bad input.')
+    p.add_argument('run_a', metavar='RUN_A', help='a run directory (holding its sample log, '
+                                                  'report and save_folder)')
+    p.add_argument('run_b', metavar='RUN_B', help='the other run directory')
+    p.add_argument('--parts', type=_parts, default=','.join(PARTS),
+                   help='what to compare, comma-separated (default: %(default)s)')
+    p.add_argument('--checkpoint-a', help='the checkpoint of RUN_A to compare (default: its last)')
+    p.add_argument('--checkpoint-b', help='the checkpoint of RUN_B to compare (default: its last)')
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    results = compare_runs(args.run_a, args.run_b, args.parts, args.checkpoint_a, args.checkpoint_b)
+    for r in results:
+        print(r.line())
+    return 0 if all(r.difference is None for r in results) else 1

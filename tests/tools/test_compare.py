@@ -1,0 +1,117 @@
+"""``foundrymix compare RUN_A RUN_B``: equal parts, the first difference, bad input.
+
+The equal case on real runs is in ``tests/train/test_train.py`` (a resumed run against the
+straight one). Here two short real runs that differ -- another shuffle seed and another
+model seed -- and the first difference the command names is recomputed from the files
+themselves (the logs, the summaries, the checkpoints' tensors); bad input exits 2 naming
+what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import tiny_run_config
+
+from foundrymix.cli import main
+from test_train import sample_log, train
+
+BATCH = 4
+
+
+def short_run(run: Path, data: dict[str, str], *overrides: str) -> Path:
+    loader = {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1},
+                          'dolly': {'local': data['dolly'], 'repeat': 0.5}},
+              'shuffle_seed': 3, 'num_workers': 0}
+    cfg = tiny_run_config(loader, run_name='cmp', global_train_batch_size=BATCH, max_duration='4ba',
+                          save_folder=str(run / 'ckpt'),
+                          callbacks={'sample_log': {'path': str(run / 'samples.jsonl')},
+                                     'stream_accounting': {'out_dir': str(run / 'report')}})
+    run.mkdir(parents=True)
+    (run / 'c.yaml').write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    train(run / 'c.yaml', *overrides)
+    return run
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory, small_streams) -> tuple[Path, Path]:
+    data = {n: str(p) for n, p in small_streams.items()}
+    root = tmp_path_factory.mktemp('compare')
+    return (short_run(root / 'a', data),
+            short_run(root / 'b', data, 'train_loader.shuffle_seed=4', 'seed=6'))
+
+
+@pytest.mark.slow  # two train.py runs
+def test_a_different_run_names_its_first_difference(runs, capsys):
+    a, b = runs
+    assert main(['compare', str(a), str(b)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    # the first differing row, found here from the two logs
+    la, lb = sample_log(a / 'samples.jsonl'), sample_log(b / 'samples.jsonl')
+    batch, row = next((x['batch'], r) for x, y in zip(la, lb)
+                      for r in range(BATCH) if x['sample_ids'][r] != y['sample_ids'][r])
+    names = list(json.loads((a / 'report' / 'stream_accounting.json').read_text())['streams'])
+    sa, sb = (la[batch]['sample_ids'][row], la[batch]['stream_ids'][row]), \
+        (lb[batch]['sample_ids'][row], lb[batch]['stream_ids'][row])
+    assert out[0] == (f'samples:    differ: batch {batch}, row {row} of {BATCH} (rank 0 of 1, its '
+                      f'row {row}): A sample {sa[0]} ({names[sa[1]]}), B sample {sb[0]} ({names[sb[1]]})')
+    # the accounting: the first stream whose counts differ (or equal, if the seeds chose alike)
+    ra = json.loads((a / 'report' / 'stream_accounting.json').read_text())['streams']
+    rb = json.loads((b / 'report' / 'stream_accounting.json').read_text())['streams']
+    first = next(((n, k) for n in ra for k in ('samples', 'tokens', 'loss_tokens')
+                  if ra[n][k] != rb[n][k]), None)
+    assert first is not None  # other rows of the finetune stream: other token counts
+    n, k = first
+    assert out[1] == f'accounting: differ: stream {n}: {k} A {ra[n][k]}, B {rb[n][k]}'
+    # the weights: the first tensor that differs and its largest difference
+    wa = torch.load(a / 'ckpt' / 'latest-rank0.pt', map_location='cpu', weights_only=False)['state']['model']
+    wb = torch.load(b / 'ckpt' / 'latest-rank0.pt', map_location='cpu', weights_only=False)['state']['model']
+    key = next(k for k in wa if not torch.equal(wa[k], wb[k]))
+    diff = (wa[key].double() - wb[key].double()).abs().max().item()
+    differing = sum(1 for k in wa if not torch.equal(wa[k], wb[k]))
+    assert out[2] == (f'weights:    differ: {key}: max abs diff {diff:.6g} ({differing} of '
+                      f'{len(wa)} tensors differ)')
+
+
+@pytest.mark.slow  # two train.py runs
+def test_parts_and_a_given_checkpoint(runs, tmp_path, capsys):
+    a, b = runs
+    # a copy of a run is equal to it in every part
+    copy = tmp_path / 'copy'
+    shutil.copytree(a, copy, symlinks=True)
+    assert main(['compare', str(a), str(copy)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == 'samples:    equal (4 batches, 16 samples)'
+    assert out[1].startswith('accounting: equal (2 streams: arxiv ')
+    assert out[2].startswith('weights:    equal (')
+    # only the weights, of a named checkpoint: run a's own against itself
+    ckpt = str(a / 'ckpt' / 'latest-rank0.pt')
+    assert main(['compare', str(a), str(b), '--parts', 'weights', '--checkpoint-b', ckpt]) == 0
+    assert capsys.readouterr().out.startswith('weights:    equal (')
+    # a log one batch shorter: the batch only one run has
+    lines = (copy / 'samples.jsonl').read_text().splitlines(keepends=True)
+    (copy / 'samples.jsonl').write_text(''.join(lines[:-1]))
+    assert main(['compare', str(a), str(copy), '--parts', 'samples']) == 1
+    assert capsys.readouterr().out == \
+        'samples:    differ: A logs 4 batches, B 3: from batch 3 only A has them (4 in all)\n'
+
+
+def test_bad_input_exits_2_naming_what_is_missing(tmp_path, capsys):
+    (tmp_path / 'a').mkdir()
+    assert main(['compare', str(tmp_path / 'a'), str(tmp_path / 'nowhere')]) == 2
+    assert f'{tmp_path / "nowhere"}: no such run directory' in capsys.readouterr().err
+    (tmp_path / 'b').mkdir()
+    assert main(['compare', str(tmp_path / 'a'), str(tmp_path / 'b')]) == 2
+    err = capsys.readouterr().err
+    assert f'{tmp_path / "a"}: expected one sample log' in err and 'found none' in err
+    assert main(['compare', str(tmp_path / 'a'), str(tmp_path / 'b'), '--parts', 'weights',
+                 '--checkpoint-a', str(tmp_path / 'x.pt')]) == 2
+    assert f'{tmp_path / "x.pt"}: no such checkpoint file' in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse: usage errors exit 2 too
+        main(['compare', str(tmp_path / 'a'), str(tmp_path / 'b'), '--parts', 'loss'])
+    assert e.value.code == 2
