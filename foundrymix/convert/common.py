@@ -23,6 +23,12 @@ from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
 ON_ERROR = ('raise', 'skip')
+#: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py); a larger
+#: value stopped the conversion with a bare ``OverflowError`` from numpy
+MAX_SEQ_LEN = (1 << 31) - 1
+#: the most workers: ``--workers 10**20`` stopped the conversion with a bare ``ValueError``
+#: from ``itertools.islice``; more threads than chunks in flight only cost memory
+MAX_WORKERS = 4096
 ENGINES = ('local', 'ray')
 
 
@@ -101,8 +107,11 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     """
     if options.on_error not in ON_ERROR:
         raise UserError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
-    if options.workers < 0:
-        raise UserError(f'--workers must be >= 0 (0 = all cores), got {options.workers}')
+    if not 0 <= options.workers <= MAX_WORKERS:
+        raise UserError(f'--workers must be 0 (all cores) to {MAX_WORKERS:,}, got {options.workers}')
+    if options.max_seq_len > MAX_SEQ_LEN:
+        raise UserError(f'--max-seq-len {options.max_seq_len} is too large: rows store token positions '
+                         f'as int32, so at most {MAX_SEQ_LEN:,}')
     if options.parallel is not None and options.parallel not in PARALLEL_MODES:
         raise UserError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, "
                          f"got {options.parallel!r}")

@@ -114,6 +114,7 @@ def check_output_dir(out: str, overwrite: bool) -> None:
     replaced, as an ``s3://`` prefix keeps objects foundrymix did not write
     (:mod:`foundrymix.convert.upload`).
     """
+    check_can_create(out)
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise OutputExistsError(f'{out}: output path exists and is not a directory')
@@ -123,6 +124,24 @@ def check_output_dir(out: str, overwrite: bool) -> None:
         if os.listdir(out) and not overwrite:
             raise OutputExistsError(
                 f'{out}: output directory is not empty; pass --overwrite to replace it')
+
+
+def check_can_create(out: str) -> None:
+    """Refuse an ``out`` whose parent cannot hold it: the nearest existing ancestor is a file,
+    or this process may not create entries in it (the work directory is made beside ``out``).
+
+    Why: these failed after the tokenizer had loaded, with ``[Errno 13] Permission denied``
+    or ``[Errno 17] File exists`` naming a hidden work directory or a file the user never
+    thought of as ``--out``'s parent.
+    """
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f'{out}: cannot be created, {parent} is a file, not a directory')
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f'{out}: cannot be created, no permission to write in {parent}; choose '
+                         f'another --out, or make {parent} writable')
 
 
 def remove_output(out: str) -> list[str]:
