@@ -205,7 +205,7 @@ def _parquet_file(path: str) -> Any:
     import pyarrow.parquet as pq
     try:
         return pq.ParquetFile(path)
-    except pyarrow.ArrowException as e:
+    except (pyarrow.ArrowException, OSError) as e:
         raise UserError(f'{path}: not a readable parquet file ({e})') from None
 
 
@@ -249,8 +249,10 @@ def read_records(chunk: Chunk, fields: Optional[Sequence[str]]
         columns = None if fields is None else [c for c in fields if c in pf.schema_arrow.names]
         try:
             rows = pf.read_row_group(chunk.start, columns=columns).to_pylist()
-        except pyarrow.ArrowException as e:
-            raise UserError(f'{describe(chunk)}: cannot be read ({e})') from None
+        except (pyarrow.ArrowException, OSError) as e:  # e.g. "Corrupt snappy compressed data."
+            return 0, [(chunk.path, None, BadRecord('corrupt_file', (
+                f'row group {chunk.start} (from row {chunk.first_line}) cannot be read ({e}); replace '
+                f'the file, or pass --on-error skip to convert the other row groups')))]
         return len(rows), [(chunk.path, i, rec) for i, rec in enumerate(rows)]
     ds = _load_hf(chunk.path)  # hf
     columns = list(ds.column_names) if fields is None else [c for c in fields if c in ds.column_names]
@@ -338,8 +340,12 @@ _HF_CACHE: dict[str, Any] = {}
 def _load_hf(path: str) -> Any:
     """A dataset saved to disk, memory-mapped once per process."""
     if path not in _HF_CACHE:
+        import pyarrow
         from datasets import load_from_disk
-        ds = load_from_disk(path)
+        try:
+            ds = load_from_disk(path)
+        except (pyarrow.ArrowException, OSError) as e:  # a truncated .arrow file: OSError
+            raise UserError(f'{path}: this saved dataset cannot be read ({e})') from None
         if not hasattr(ds, 'column_names') or isinstance(ds.column_names, dict):
             raise UserError(f'{path}: expected a single dataset split, got a DatasetDict')
         _HF_CACHE[path] = ds

@@ -103,6 +103,27 @@ def not_parquet(d: Path) -> Path:
     return p
 
 
+def corrupt_parquet(d: Path) -> Path:
+    """Five row groups of 1,000 rows; 200 bytes in the second one overwritten."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    p = d / 'data.parquet'
+    pq.write_table(pa.table({'text': [f'hello world here {i}' for i in range(5000)]}), p, row_group_size=1000)
+    data = bytearray(p.read_bytes())
+    data[len(data) // 3:len(data) // 3 + 200] = b'\xff' * 200
+    p.write_bytes(bytes(data))
+    return p
+
+
+def truncated_dataset(d: Path) -> Path:
+    """A dataset saved with ``save_to_disk`` whose ``.arrow`` file was cut in half."""
+    from datasets import Dataset
+    Dataset.from_dict({'text': ['hello world here'] * 1000}).save_to_disk(str(d / 'ds'))
+    (arrow,) = (d / 'ds').glob('*.arrow')
+    arrow.write_bytes(arrow.read_bytes()[:arrow.stat().st_size // 2])
+    return d / 'ds'
+
+
 def not_gzip(d: Path) -> Path:
     p = d / 'plain.jsonl.gz'
     p.write_bytes(docs_jsonl(3))  # not compressed at all
@@ -138,6 +159,11 @@ CASES = [
          "{in}:2: field 'response': a lone UTF-16 surrogate \\udc00 at character 2",
          ('invalid_unicode', 1, '{in}:2')),
     Case('not-parquet', not_parquet, P, '{in}: not a readable parquet file (Parquet magic bytes not found'),
+    Case('parquet-corrupt-row-group', corrupt_parquet, P,
+         '{in}: row group 1 (from row 1000) cannot be read (Corrupt snappy compressed data.); replace the file, '
+         'or pass --on-error skip to convert the other row groups', ('corrupt_file', 1, '{in}')),
+    Case('dataset-truncated-arrow', truncated_dataset, P, '{in}: this saved dataset cannot be read (Expected to '
+         'be able to read'),
     Case('max-seq-len-overflow', good, (*P[:-1], '99999999999999999999'),
          '--max-seq-len 99999999999999999999 is too large: rows store token positions as int32, '
          'so at most 2,147,483,647'),
