@@ -294,8 +294,8 @@ def lone_surrogate(rec: dict, fields: Optional[Sequence[str]]) -> Optional[BadRe
             if where is not None:
                 field, at, char = where
                 return BadRecord('invalid_unicode', f"field '{field}': a lone UTF-16 surrogate "
-                                                    f"\\u{char:04x} at character {at} (not valid Unicode; "
-                                                    f"the escape of a character cut in half?)")
+                                                    f"\\u{char:04x} at character {at}, not valid Unicode (half "
+                                                    f"of an escaped pair, or bytes decoded with surrogateescape?)")
     return None
 
 

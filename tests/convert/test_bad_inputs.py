@@ -153,7 +153,8 @@ CASES = [
          "{in}: not valid gzip data (Not a gzipped file (b'{\"')) before its first line ends; " + CUT,
          ('corrupt_file', 1, '{in}')),
     Case('surrogate-pretrain', surrogate, P,
-         "{in}:2: field 'text': a lone UTF-16 surrogate \\ud800 at character 4 (not valid Unicode",
+         "{in}:2: field 'text': a lone UTF-16 surrogate \\ud800 at character 4, not valid Unicode (half of an "
+         "escaped pair, or bytes decoded with surrogateescape?)",
          ('invalid_unicode', 1, '{in}:2')),
     Case('surrogate-finetune', surrogate_ft, F,
          "{in}:2: field 'response': a lone UTF-16 surrogate \\udc00 at character 2",
@@ -293,3 +294,21 @@ def test_truncated_safetensors_of_a_pretrained_model_is_named(tmp_path):
             build_hf_model(spec, info, 32)
         assert str(err.value) == (f'model.pretrained: {weights}: not a whole safetensors file (Error while '
                                   f'deserializing header: {why}); a truncated copy? Copy or save the model again')
+
+
+def test_lone_surrogate_made_by_preprocess_is_a_located_bad_record(tmp_path, monkeypatch):
+    """A ``--preprocess`` function that decodes bytes with ``surrogateescape`` (a Latin-1
+    ``é`` read as UTF-8 becomes ``\\udce9``) makes a record the tokenizer refuses: it is
+    that record's error too, located by its input line."""
+    (tmp_path / 'redecode.py').write_text(
+        "def redecode(rec):\n    return {'text': rec['text'].encode('latin-1').decode('utf-8', 'surrogateescape')}\n")
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / 'in.jsonl'
+    src.write_text('{"text": "fine words"}\n{"text": "a caf\\u00e9"}\n{"text": "more fine words"}\n')
+    options = dict(max_seq_len=4, workers=1, preprocess='redecode:redecode')
+    with pytest.raises(InputError) as err:
+        convert_pretrain([str(src)], str(tmp_path / 'out'), PretrainOptions(**options))
+    assert str(err.value) == (f"{src}:2: field 'text': a lone UTF-16 surrogate \\udce9 at character 5, not valid "
+                              f"Unicode (half of an escaped pair, or bytes decoded with surrogateescape?)")
+    m = convert_pretrain([str(src)], str(tmp_path / 'out'), PretrainOptions(**options, on_error='skip'))
+    assert m.skipped == {'invalid_unicode': 1} and m.skipped_at == {'invalid_unicode': [f'{src}:2']}
