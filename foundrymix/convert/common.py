@@ -17,7 +17,7 @@ from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
 from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, split_out
 from foundrymix.convert.discover import discover_inputs
-from foundrymix.convert.writer import DEFAULT_HASH, check_hashes, check_output_dir
+from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
@@ -133,6 +133,7 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
         check_overlap([], resolved, local)
         check_output_dir(os.path.abspath(local), options.overwrite)
     check_hashes(options.hash_algorithms)
+    check_compression(options.compression)
     remote = None
     if output.remote is not None:  # reaches the endpoint: after the free checks, before any work
         from foundrymix.convert.upload import check_remote

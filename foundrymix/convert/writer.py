@@ -187,6 +187,27 @@ def check_hashes(algos: list[str]) -> None:
                          f"(choose from {', '.join(sorted(known))})")
 
 
+#: streaming 0.13's shard codecs and their levels (``streaming.base.compression``), kept here
+#: so that the check needs no torch import; ``tests/convert/test_bad_inputs.py`` compares
+#: the two. A wrong ``--compression`` stopped the conversion with streaming's bare
+#: ``ValueError: Invalid compression`` traceback once the shard writer had started.
+COMPRESSION_LEVELS = {'br': range(0, 12), 'bz2': range(1, 10), 'gz': range(0, 10), 'snappy': range(0),
+                      'zstd': range(1, 23)}
+
+
+def supported_compressions() -> set[str]:
+    """Every ``--compression`` value streaming accepts: a codec, or ``codec:level``."""
+    return set(COMPRESSION_LEVELS) | {f'{c}:{n}' for c, levels in COMPRESSION_LEVELS.items() for n in levels}
+
+
+def check_compression(compression: Optional[str]) -> None:
+    if compression is not None and compression not in supported_compressions():
+        levels = ', '.join(f'{c}' + (f'[:{r.start}-{r.stop - 1}]' if r else '')
+                           for c, r in sorted(COMPRESSION_LEVELS.items()))
+        raise UserError(f'--compression {compression!r} is not a shard compression streaming supports '
+                         f'(choose from {levels})')
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (``os.kill(pid, 0)``: no signal is sent)."""
     try:

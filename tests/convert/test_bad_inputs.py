@@ -170,6 +170,9 @@ CASES = [
          'so at most 2,147,483,647'),
     Case('workers-overflow', good, (*P, '--workers', '99999999999999999999'),
          '--workers must be 0 (all cores) to 4,096, got 99999999999999999999'),
+    Case('compression-unknown', good, (*P, '--compression', 'zstd:99'),
+         "--compression 'zstd:99' is not a shard compression streaming supports (choose from br[:0-11], "
+         "bz2[:1-9], gz[:0-9], snappy, zstd[:1-22])"),
     Case('out-under-a-file', good, (*P[:4], '{in}/sub/out', *P[5:]),
          '{in}/sub/out: cannot be created, {in} is a file, not a directory'),
     Case('empty-tokenizer-dir', lambda d: (d / 'tok').mkdir() or good(d), (*P, '--tokenizer', '{d}/tok'),
@@ -312,3 +315,11 @@ def test_lone_surrogate_made_by_preprocess_is_a_located_bad_record(tmp_path, mon
                               f"Unicode (half of an escaped pair, or bytes decoded with surrogateescape?)")
     m = convert_pretrain([str(src)], str(tmp_path / 'out'), PretrainOptions(**options, on_error='skip'))
     assert m.skipped == {'invalid_unicode': 1} and m.skipped_at == {'invalid_unicode': [f'{src}:2']}
+
+
+def test_compression_check_accepts_exactly_what_streaming_does():
+    """The torch-free ``--compression`` check against streaming's own codec list."""
+    from streaming.base.compression import get_compressions
+
+    from foundrymix.convert.writer import supported_compressions
+    assert supported_compressions() == set(get_compressions())
