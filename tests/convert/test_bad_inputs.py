@@ -29,7 +29,7 @@ import pytest
 from convert_helpers import read_rows
 from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
-from foundrymix.convert.readers import InputError
+from foundrymix.convert.readers import InputError, plan_chunks, read_records
 
 REPO = Path(__file__).resolve().parents[2]
 #: what ``setpriv`` drops so that root obeys file modes like any user
@@ -323,3 +323,15 @@ def test_compression_check_accepts_exactly_what_streaming_does():
 
     from foundrymix.convert.writer import supported_compressions
     assert supported_compressions() == set(get_compressions())
+
+
+@pytest.mark.parametrize('suffix', ['gz', 'zst'])
+def test_multi_member_compressed_files_are_read_whole(tmp_path, suffix):
+    """Concatenated gzip members / zstd frames (``cat a.gz b.gz``, pzstd) are one file, not a
+    truncation: every line is read, in order (the reader checks each member's end)."""
+    import zstandard
+    compress = (lambda b: gzip.compress(b, mtime=0)) if suffix == 'gz' else zstandard.ZstdCompressor().compress
+    p = tmp_path / f'multi.jsonl.{suffix}'
+    p.write_bytes(compress(docs_jsonl(1500)) + compress(docs_jsonl(3000)[len(docs_jsonl(1500)):]))
+    got = [rec for chunk in plan_chunks([str(p)], 1 << 16) for _, _, rec in read_records(chunk, ('text',))[1]]
+    assert [json.dumps(r) + '\n' for r in got] == docs_jsonl(3000).decode().splitlines(keepends=True)
