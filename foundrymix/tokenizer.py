@@ -27,6 +27,13 @@ BUNDLED_DIR = Path(__file__).resolve().parent / 'assets' / 'tokenizers'
 DEMO_TOKENIZER = 'foundrymix-bpe-8k'
 
 
+#: files of which a Hugging Face tokenizer directory holds at least one (or a ``*.model``);
+#: a directory with none of them (an empty one, a model without its tokenizer) is refused
+#: by name instead of with transformers' message, which ran to hundreds of model types
+TOKENIZER_FILES = frozenset({'tokenizer.json', 'tokenizer_config.json', 'config.json', 'vocab.json',
+                             'vocab.txt'})
+
+
 class TokenizerError(FoundrymixError, ValueError):
     """A tokenizer could not be loaded offline."""
 
@@ -37,11 +44,19 @@ def bundled_tokenizers() -> list[str]:
 
 def _resolve(name_or_path: str) -> tuple[str, str]:
     """Return (kind, location) for a tokenizer reference: kind is dir | spm | cache."""
-    bundled = BUNDLED_DIR / name_or_path
-    if bundled.is_dir():
+    bundled = BUNDLED_DIR / name_or_path  # a path (absolute or with a slash) is not a bundled name
+    if not os.path.isabs(name_or_path) and '/' not in name_or_path and bundled.is_dir():
         return 'dir', str(bundled)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
+        try:
+            names = set(os.listdir(path))
+        except OSError as e:
+            raise TokenizerError(f'{name_or_path}: cannot list this tokenizer directory '
+                                 f'({e.strerror.lower()})') from None
+        if not names & TOKENIZER_FILES and not any('.model' in n for n in names):
+            raise TokenizerError(f'{name_or_path}: not a tokenizer directory (it holds none of '
+                                 f'{", ".join(sorted(TOKENIZER_FILES))} or a SentencePiece .model file)')
         return 'dir', str(path)
     if path.is_file():
         if '.model' in path.name:
@@ -74,7 +89,7 @@ def load_tokenizer(name_or_path: str) -> Any:
         raise TokenizerError(
             f'unknown tokenizer {name_or_path!r}: not a bundled name, a local tokenizer directory, '
             f'a SentencePiece .model file, or a name in the local Hugging Face cache '
-            f'(nothing is downloaded). {hint}\n  cause: {type(e).__name__}: {e}') from None
+            f'(nothing is downloaded). {hint}; cause: {type(e).__name__}: {_first_line(e)}') from None
     if not getattr(tok, 'is_fast', False):
         raise TokenizerError(f'tokenizer {name_or_path!r} has no fast (Rust) implementation')
     if tok.eos_token_id is None:
@@ -83,6 +98,13 @@ def load_tokenizer(name_or_path: str) -> Any:
     tok.model_max_length = 1 << 30  # we cut rows ourselves; silence length warnings
     tok.foundrymix_name = name_or_path
     return tok
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's message cut to one line of at most ``limit`` characters (the CLI's
+    errors are one line; transformers' can list every model type it knows)."""
+    text = (str(e).strip().splitlines() or [''])[0]
+    return text if len(text) <= limit else text[:limit - 3] + '...'
 
 
 def adds_bos(tok: Any) -> bool:

@@ -18,12 +18,18 @@ from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importi
 from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, split_out
 from foundrymix.convert.discover import discover_inputs
 from foundrymix.convert.mds_input import is_mds_dir
-from foundrymix.convert.writer import DEFAULT_HASH, check_hashes, check_output_dir
+from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
 ON_ERROR = ('raise', 'skip')
+#: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py); a larger
+#: value stopped the conversion with a bare ``OverflowError`` from numpy
+MAX_SEQ_LEN = (1 << 31) - 1
+#: the most workers: ``--workers 10**20`` stopped the conversion with a bare ``ValueError``
+#: from ``itertools.islice``; more threads than chunks in flight only cost memory
+MAX_WORKERS = 4096
 ENGINES = ('local', 'ray')
 
 
@@ -103,8 +109,11 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     """
     if options.on_error not in ON_ERROR:
         raise UserError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
-    if options.workers < 0:
-        raise UserError(f'--workers must be >= 0 (0 = all cores), got {options.workers}')
+    if not 0 <= options.workers <= MAX_WORKERS:
+        raise UserError(f'--workers must be 0 (all cores) to {MAX_WORKERS:,}, got {options.workers}')
+    if options.max_seq_len > MAX_SEQ_LEN:
+        raise UserError(f'--max-seq-len {options.max_seq_len} is too large: rows store token positions '
+                         f'as int32, so at most {MAX_SEQ_LEN:,}')
     if options.parallel is not None and options.parallel not in PARALLEL_MODES:
         raise UserError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, "
                          f"got {options.parallel!r}")
@@ -132,6 +141,7 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
         check_overlap([], resolved, local)
         check_output_dir(os.path.abspath(local), options.overwrite)
     check_hashes(options.hash_algorithms)
+    check_compression(options.compression)
     remote = None
     if output.remote is not None:  # reaches the endpoint: after the free checks, before any work
         from foundrymix.convert.upload import check_remote

@@ -97,7 +97,7 @@ def _expand_dir(directory: str, exclude: Optional[str] = None) -> list[str]:
     if _is_hf_dataset(directory):
         return [directory]
     found: list[str] = []
-    for root, dirs, files in os.walk(directory):
+    for root, dirs, files in os.walk(directory, onerror=_unlisted):
         dirs.sort()
         dirs[:] = [d for d in dirs
                    if not d.startswith('.') and not _skipped_dir(os.path.join(root, d), exclude)]
@@ -107,6 +107,24 @@ def _expand_dir(directory: str, exclude: Optional[str] = None) -> list[str]:
         found.extend(os.path.join(root, f) for f in sorted(files)
                      if not f.startswith('.') and _supported(os.path.join(root, f), expanding=True))
     return found
+
+
+def _unlisted(e: OSError) -> None:
+    """``os.walk`` skips a directory it cannot list, silently: a directory of inputs the
+    user may not read was reported as holding no input files."""
+    raise UserError(f'{e.filename}: cannot list this directory ({e.strerror.lower()})')
+
+
+def check_readable(path: str) -> None:
+    """Refuse an input file this process cannot open, before any work (the error named
+    only the path, as ``[Errno 13] Permission denied``, mid-conversion)."""
+    if os.path.isdir(path):  # a dataset saved to disk: datasets reads it
+        return
+    try:
+        with open(path, 'rb'):
+            pass
+    except OSError as e:
+        raise UserError(f'{path}: cannot read this input ({e.strerror.lower()})') from None
 
 
 def _skipped_dir(path: str, exclude: Optional[str]) -> bool:
@@ -180,6 +198,7 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list
             raise UserError(f'{spec}: no supported input files found (.jsonl[.gz|.zst], .ndjson, .txt, '
                              f'.parquet, datasets saved to disk; .json only when named)')
         for p in paths:
+            check_readable(p)
             if p.lower().endswith('.json'):
                 check_json_lines(p)
         resolved.extend(os.path.abspath(p) for p in paths)

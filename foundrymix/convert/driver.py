@@ -23,7 +23,7 @@ from foundrymix.convert.common import ConvertOptions, Setup, prepare
 from foundrymix.convert.paths import OutSpec, split_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
-from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_records
+from foundrymix.convert.readers import BadRecord, Chunk, lone_surrogate, plan_chunks, read_records
 from foundrymix.convert.report import check_rows, print_summary
 from foundrymix.convert.writer import ShardWriter
 from foundrymix.errors import UserError
@@ -89,6 +89,8 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
             if rec is None:
                 dropped[PREPROCESS_SKIPPED] = dropped.get(PREPROCESS_SKIPPED, 0) + 1
                 continue
+            if isinstance(rec, dict):  # what the function made must be tokenizable too
+                rec = lone_surrogate(rec, None) or rec
         item = rec if isinstance(rec, BadRecord) else parse(rec)
         if isinstance(item, BadRecord):
             errors.add(path, index, item.reason, item.detail)

@@ -114,6 +114,7 @@ def check_output_dir(out: str, overwrite: bool) -> None:
     replaced, as an ``s3://`` prefix keeps objects foundrymix did not write
     (:mod:`foundrymix.convert.upload`).
     """
+    check_can_create(out)
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise OutputExistsError(f'{out}: output path exists and is not a directory')
@@ -123,6 +124,24 @@ def check_output_dir(out: str, overwrite: bool) -> None:
         if os.listdir(out) and not overwrite:
             raise OutputExistsError(
                 f'{out}: output directory is not empty; pass --overwrite to replace it')
+
+
+def check_can_create(out: str) -> None:
+    """Refuse an ``out`` whose parent cannot hold it: the nearest existing ancestor is a file,
+    or this process may not create entries in it (the work directory is made beside ``out``).
+
+    Why: these failed after the tokenizer had loaded, with ``[Errno 13] Permission denied``
+    or ``[Errno 17] File exists`` naming a hidden work directory or a file the user never
+    thought of as ``--out``'s parent.
+    """
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f'{out}: cannot be created, {parent} is a file, not a directory')
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f'{out}: cannot be created, no permission to write in {parent}; choose '
+                         f'another --out, or make {parent} writable')
 
 
 def remove_output(out: str) -> list[str]:
@@ -166,6 +185,27 @@ def check_hashes(algos: list[str]) -> None:
     if unknown:
         raise UserError(f"--hash {unknown[0]!r} is not a hash streaming supports "
                          f"(choose from {', '.join(sorted(known))})")
+
+
+#: streaming 0.13's shard codecs and their levels (``streaming.base.compression``), kept here
+#: so that the check needs no torch import; ``tests/convert/test_bad_inputs.py`` compares
+#: the two. A wrong ``--compression`` stopped the conversion with streaming's bare
+#: ``ValueError: Invalid compression`` traceback once the shard writer had started.
+COMPRESSION_LEVELS = {'br': range(0, 12), 'bz2': range(1, 10), 'gz': range(0, 10), 'snappy': range(0),
+                      'zstd': range(1, 23)}
+
+
+def supported_compressions() -> set[str]:
+    """Every ``--compression`` value streaming accepts: a codec, or ``codec:level``."""
+    return set(COMPRESSION_LEVELS) | {f'{c}:{n}' for c, levels in COMPRESSION_LEVELS.items() for n in levels}
+
+
+def check_compression(compression: Optional[str]) -> None:
+    if compression is not None and compression not in supported_compressions():
+        levels = ', '.join(f'{c}' + (f'[:{r.start}-{r.stop - 1}]' if r else '')
+                           for c, r in sorted(COMPRESSION_LEVELS.items()))
+        raise UserError(f'--compression {compression!r} is not a shard compression streaming supports '
+                         f'(choose from {levels})')
 
 
 def _pid_alive(pid: int) -> bool:

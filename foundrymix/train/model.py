@@ -22,6 +22,7 @@ Attention modes (``model.attention``):
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Optional
 
 import torch
@@ -87,8 +88,34 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, ImportError) as e:  # not a causal LM, flash-attn missing, ...
         raise ModelConfigError(f'model: {spec.model_type!r}: {e}') from None
+    except Exception as e:  # noqa: BLE001 -- only safetensors' own error is turned into a message
+        if type(e).__name__ != 'SafetensorError':
+            raise
+        raise ModelConfigError(f'model.pretrained: {_unreadable_weights(spec.pretrained, e)}') from None
     add_fsdp_hooks(model)
     return model
+
+
+def _unreadable_weights(directory: str, error: BaseException) -> str:
+    """``FILE: what is wrong`` for the first ``*.safetensors`` file in ``directory`` that
+    safetensors cannot open (a truncated or damaged copy), else the directory and ``error``.
+
+    Why: transformers (4.57) lets safetensors' ``SafetensorError: Error while deserializing
+    header: ...`` through as a traceback naming no file; a sharded model has many. Opening
+    a file reads only its header and checks that the data it lists is all there.
+    """
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(directory)):
+        if name.endswith('.safetensors'):
+            path = os.path.join(directory, name)
+            try:
+                with safe_open(path, 'pt'):
+                    pass
+            except Exception as e:  # noqa: BLE001 -- SafetensorError, not importable by name
+                return (f'{path}: not a whole safetensors file ({e}); a truncated copy? Copy or save '
+                        f'the model again')
+    return f'{directory}: its weights cannot be read ({error})'
 
 
 def add_fsdp_hooks(model: torch.nn.Module) -> None:
