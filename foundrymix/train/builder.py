@@ -310,6 +310,9 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
 
     reproducibility.seed_all(cfg.seed)
     hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
+    loaded = getattr(hf_model, 'foundrymix_loading', None)
+    if loaded and dist.get_global_rank() == 0:
+        print(loaded, flush=True)
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before)
