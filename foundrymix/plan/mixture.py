@@ -80,6 +80,9 @@ class DurationPlan:
     last_batch_in_epoch: int   # batches of that epoch trained (== batches_per_epoch if not mid)
     last_sample_in_epoch: int  # samples of that epoch trained
     rows_per_stream: Optional[dict[str, int]] = None  # exact rows trained per stream, whole run
+    #: passes over each stream's rows in the whole run: rows_per_stream / rows (or, when the
+    #: run is too long to replay, epochs x passes per epoch)
+    passes_per_stream: Optional[dict[str, float]] = None
 
 
 @dataclass
@@ -381,6 +384,11 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
     else:
         total_batches = math.ceil(value / (G * L))
     full_epochs, rem = divmod(total_batches, bpe)
+    rows_trained = _rows_trained(names, epoch, full_epochs, rem)
+    if rows_trained is not None:
+        passes = {n: rows_trained[n] / s.rows for n, s in zip(names, plan.streams)}
+    else:
+        passes = {n: s.passes * total_batches / bpe for n, s in zip(names, plan.streams)}
     if rem:
         last_epoch, last_batch = full_epochs, rem
     else:
@@ -391,7 +399,7 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         total_tokens=total_batches * G * L, epochs=total_batches / bpe, full_epochs=full_epochs,
         ends_mid_epoch=bool(rem), last_epoch=last_epoch, last_batch_in_epoch=last_batch,
         last_sample_in_epoch=last_batch * G,
-        rows_per_stream=_rows_trained(names, epoch, full_epochs, rem))
+        rows_per_stream=rows_trained, passes_per_stream=passes)
 
 
 def _rows_trained(names: list[str], epoch: _Epoch, full_epochs: int,

@@ -74,14 +74,23 @@ def render_plan(plan: Plan, console: Any = None) -> None:
         console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '
                       f'{d.total_samples:,} samples, {d.total_tokens:,} tokens = '
                       f'{d.epochs:.4g} epochs ({d.full_epochs} full); {where}')
+        scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
         if d.rows_per_stream is not None:
-            scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
             console.print(f'rows trained per stream over {scope}: ' + ', '.join(
                 f'{k} {v:,}' for k, v in d.rows_per_stream.items()))
+        if d.passes_per_stream is not None:
+            console.print(passes_line(d.passes_per_stream, scope, d.rows_per_stream is None))
     for note in plan.notes:
         console.print(f'note: {note}')
     for warning in plan.warnings:
         console.print(f'[yellow]warning:[/yellow] {warning}')
+
+
+def passes_line(passes: dict[str, float], scope: str, approximate: bool = False) -> str:
+    """``passes over the run: web 2.00, code 0.87`` -- how many times each stream's rows are
+    trained in all (rows trained / rows), the question a mixture by shares leaves open."""
+    tilde = '~' if approximate else ''
+    return f'passes over {scope}: ' + ', '.join(f'{k} {tilde}{v:.2f}' for k, v in passes.items())
 
 
 def seen_text(s: StreamPlan) -> str:
@@ -118,6 +127,9 @@ def render_run_plan(run: Any, console: Any = None) -> None:
     console.rule('whole run')
     console.print('rows trained per stream over the run: ' + ', '.join(
         f'{k} {v:,}' for k, v in run.rows_per_stream.items()))
+    rows = {p.name: p.rows for s in run.stages for p in s.plan.streams}
+    if run.rows_per_stream:
+        console.print(passes_line({k: v / rows[k] for k, v in run.rows_per_stream.items()}, 'the run'))
 
 
 def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:

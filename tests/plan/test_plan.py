@@ -189,3 +189,17 @@ def test_padded_rank_repeats_are_warned(tmp_path):
     assert any('1 rows per epoch are trained twice' in w for w in plan.warnings)
     one_rank = mixer.plan(batch_size=6, max_duration='1ep', world_size=1)
     assert not any('trained twice' in w for w in one_rank.warnings)
+
+
+def test_passes_over_the_run_in_one_line(root, tmp_path, capsys):
+    """repeat 1 / 2.5 / 0.5 over 350 rows = 50 batches of 7: 2 epochs are 2, 5 and 1 passes
+    (what the weights ask for, twice); a run that stops mid-epoch counts the rows it trains."""
+    path = write_yaml(tmp_path, root, '2ep')
+    assert main(['plan', path, 'global_train_batch_size=7', 'device_train_microbatch_size=7']) == 0
+    assert 'passes over the run: arxiv 2.00, wiki 5.00, dolly 1.00\n' in capsys.readouterr().out
+    assert main(['plan', path, 'global_train_batch_size=7', 'device_train_microbatch_size=7',
+                 'max_duration=75ba', '--json']) == 0
+    d = json.loads(capsys.readouterr().out)['duration']
+    rows = {'arxiv': 120, 'wiki': 80, 'dolly': 60}
+    assert d['passes_per_stream'] == {n: d['rows_per_stream'][n] / rows[n] for n in rows}
+    assert sum(d['rows_per_stream'].values()) == 75 * 7
