@@ -112,8 +112,9 @@ class RowBuilder:
         """Rows still held at the end of the input."""
         return iter(())
 
-    def progress(self, result: Any) -> tuple[int, int]:
-        """(documents, tokens) of a result, for the progress bar."""
+    def progress(self, result: Any) -> tuple[int, ...]:
+        """(documents read, tokens[, documents written]) of a result, for the progress bar
+        (:class:`~foundrymix.convert.pipeline.Progress`)."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -285,8 +285,9 @@ class _FinetuneRows(RowBuilder):
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
         return int(np.quantile(lengths, share, method='higher')) if len(lengths) else None
 
-    def progress(self, result: _ChunkExamples) -> tuple[int, int]:
-        return len(result.example_lens), int(result.example_lens.sum())
+    def progress(self, result: _ChunkExamples) -> tuple[int, ...]:
+        """Records read (the bar's count), kept tokens, examples kept (written)."""
+        return result.n_records, int(result.example_lens.sum()), len(result.example_lens)
 
 
 def _manifest_options(options: FinetuneOptions, setup: Setup) -> dict[str, Any]:

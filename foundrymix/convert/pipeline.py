@@ -366,25 +366,35 @@ def apply_error_policy(chunk: Chunk, errors: ChunkErrors, first_line: Optional[i
 
 
 class Progress:
-    """A tqdm bar on stderr: documents, tokens and tokens/s (silent when disabled)."""
+    """A tqdm bar on stderr: documents read, tokens and tokens/s (silent when disabled).
+
+    The bar counts records *read*, so it ends at the input's size; a converter that drops
+    records (finetune: too long, no loss token) passes ``written`` too and the bar shows
+    ``N written, D dropped`` beside it (it counted written examples: "688 docs" of 1,000).
+    """
 
     def __init__(self, enabled: bool, desc: str) -> None:
         self.start = time.perf_counter()
         self.docs = 0
         self.tokens = 0
+        self.written: Optional[int] = None
         self._bar = None
         if enabled:
             from tqdm import tqdm
             self._bar = tqdm(desc=desc, unit=' docs', file=sys.stderr, dynamic_ncols=True,
                              mininterval=0.5)
 
-    def update(self, docs: int, tokens: int) -> None:
+    def update(self, docs: int, tokens: int, written: Optional[int] = None) -> None:
         self.docs += docs
         self.tokens += tokens
+        if written is not None:
+            self.written = (self.written or 0) + written
         if self._bar is not None:
-            self._bar.update(docs)
             rate = self.tokens / max(1e-9, time.perf_counter() - self.start)
-            self._bar.set_postfix_str(f'{self.tokens:,} tokens, {rate:,.0f} tok/s', refresh=False)
+            kept = '' if self.written is None else \
+                f'{self.written:,} written, {self.docs - self.written:,} dropped, '
+            self._bar.set_postfix_str(f'{kept}{self.tokens:,} tokens, {rate:,.0f} tok/s', refresh=False)
+            self._bar.update(docs)
 
     def close(self) -> float:
         if self._bar is not None:

@@ -171,7 +171,7 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
             manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
         for row in builder.add(res):
             writer.write(row)
-        docs, tokens = builder.progress(res)
+        docs, tokens = builder.progress(res)[:2]
         result.docs += docs
         result.tokens += tokens
         _maybe_fail(fail, index, manifest.counts.rows)

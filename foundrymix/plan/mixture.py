@@ -83,6 +83,9 @@ class DurationPlan:
     #: False: total_samples (and tokens) count every batch as full -- an upper bound, for an
     #: epoch too large to replay without drop_last (its short batches are not known)
     samples_exact: bool = True
+    #: passes over each stream's rows in the whole run: rows_per_stream / rows (or, when the
+    #: run is too long to replay, epochs x passes per epoch)
+    passes_per_stream: Optional[dict[str, float]] = None
 
 
 @dataclass
@@ -417,6 +420,11 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         samples = value if unit == 'sp' else math.ceil(value / L)
         total_batches = _batches_to_reach(samples, G, epoch.batch_sizes)
     full_epochs, rem = divmod(total_batches, bpe)
+    rows_trained = _rows_trained(names, epoch, full_epochs, rem)
+    if rows_trained is not None:
+        passes = {n: rows_trained[n] / s.rows for n, s in zip(names, plan.streams)}
+    else:
+        passes = {n: s.passes * total_batches / bpe for n, s in zip(names, plan.streams)}
     if rem:
         last_epoch, last_batch = full_epochs, rem
     else:
@@ -435,7 +443,7 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         total_tokens=total_samples * L, epochs=total_batches / bpe, full_epochs=full_epochs,
         ends_mid_epoch=bool(rem), last_epoch=last_epoch, last_batch_in_epoch=last_batch,
         last_sample_in_epoch=last_sample,
-        rows_per_stream=_rows_trained(names, epoch, full_epochs, rem),
+        rows_per_stream=rows_trained, passes_per_stream=passes,
         samples_exact=epoch.batch_sizes is not None or epoch.full_batches)
 
 

@@ -135,10 +135,13 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
         console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '
                       f'{at_most}{d.total_samples:,} samples, {d.total_tokens:,} tokens = '
                       f'{d.epochs:.4g} epochs ({d.full_epochs} full); {where}')
+        scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
         if d.rows_per_stream is not None:
-            scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
             console.print(f'rows trained per stream over {scope}: '
                           + counts_text(d.rows_per_stream, all_streams))
+        if d.passes_per_stream is not None:
+            console.print(passes_line(d.passes_per_stream, scope, d.rows_per_stream is None,
+                                      all_streams))
     for note in plan.notes:
         console.print(f'note: {note}')
     for warning in plan.warnings:
@@ -169,6 +172,20 @@ def render_groups(plan: Plan, console: Any) -> None:
                       f'{sum(m.share for m in ms):.1%}', f'{sum(m.token_share for m in ms):.1%}',
                       f'{sum(m.loss_token_share for m in ms):.1%}')
     console.print(table)
+
+
+def passes_line(passes: dict[str, float], scope: str, approximate: bool = False,
+                all_streams: bool = False) -> str:
+    """``passes over the run: web 2.00, code 0.87`` -- how many times each stream's rows are
+    trained in all (rows trained / rows), the question a mixture by shares leaves open.
+    Beyond :data:`MAX_STREAM_ROWS` streams: the most and least passed over."""
+    tilde = '~' if approximate else ''
+    if all_streams or len(passes) <= MAX_STREAM_ROWS:
+        return f'passes over {scope}: ' + ', '.join(f'{k} {tilde}{v:.2f}' for k, v in passes.items())
+    order = sorted(passes, key=lambda k: passes[k])
+    most = ', '.join(f'{k} {tilde}{passes[k]:.2f}' for k in reversed(order[-EXTREME_ROWS:]))
+    least = ', '.join(f'{k} {tilde}{passes[k]:.2f}' for k in order[:EXTREME_ROWS])
+    return f'passes over {scope} ({len(passes):,} streams): most: {most}; least: {least}'
 
 
 def seen_text(s: StreamPlan) -> str:
@@ -205,6 +222,10 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
     console.rule('whole run')
     console.print('rows trained per stream over the run: '
                   + counts_text(run.rows_per_stream, all_streams))
+    rows = {p.name: p.rows for s in run.stages for p in s.plan.streams}
+    if run.rows_per_stream:
+        console.print(passes_line({k: v / rows[k] for k, v in run.rows_per_stream.items()},
+                                  'the run', all_streams=all_streams))
 
 
 def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:

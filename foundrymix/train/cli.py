@@ -13,7 +13,8 @@ from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP
 
-DESCRIPTION = ('Train a transformers causal LM (randomly initialised, or from model.pretrained) on the mix a YAML describes. '
+DESCRIPTION = ('Train a transformers causal LM on the mix a YAML describes: the weights of model.pretrained '
+               '(a local directory; the run prints how many tensors it loaded) or a new model of model.type. '
                'key=value arguments override the YAML.')
 
 

@@ -72,6 +72,7 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     """The causal LM: random init from a config, or a local pretrained directory's weights.
 
     Refuses one that cannot hold the data (vocabulary, positions) before any weight loads.
+    A loaded model carries :func:`loading_line` as ``foundrymix_loading`` (rank 0 prints it).
     """
     from transformers import AutoModelForCausalLM
 
@@ -80,9 +81,10 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     attn = spec.attn_implementation or 'sdpa'
     try:
         if spec.pretrained is not None and spec.load_weights:
-            model = AutoModelForCausalLM.from_pretrained(
+            model, info = AutoModelForCausalLM.from_pretrained(
                 spec.pretrained, config=config, local_files_only=True, attn_implementation=attn,
-                dtype=torch.float32)
+                dtype=torch.float32, output_loading_info=True)
+            model.foundrymix_loading = loading_line(model, spec.pretrained, info['missing_keys'])
         else:
             config._attn_implementation = attn
             model = AutoModelForCausalLM.from_config(config)
@@ -116,6 +118,33 @@ def _unreadable_weights(directory: str, error: BaseException) -> str:
                 return (f'{path}: not a whole safetensors file ({e}); a truncated copy? Copy or save '
                         f'the model again')
     return f'{directory}: its weights cannot be read ({error})'
+
+
+#: names of tensors left at init that the loading line lists before '... and K more'
+MAX_NAMED_AT_INIT = 5
+
+
+def loading_line(model: torch.nn.Module, directory: str, missing: list[str]) -> str:
+    """``model: loaded N tensors from DIR (M left at init: names...)``.
+
+    Why: transformers (4.57) only logs a warning for weights missing from a checkpoint,
+    which a run's log buries; this line says that the start is pretrained at all, and
+    which tensors a config override (e.g. more layers) left random. ``missing`` is
+    transformers' ``output_loading_info`` list; N counts the model's own tensors
+    (parameters once, tied ones once, persistent buffers) less those, so it equals the
+    checkpoint's tensor count when every one of them is used.
+    """
+    own = [n for n, _ in model.named_parameters()]
+    own += [n for n, _ in model.named_buffers()
+            if n in model.state_dict(keep_vars=True)]  # persistent buffers only
+    gone = set(missing)
+    loaded = sum(1 for n in own if n not in gone)
+    left = sorted(gone)
+    if not left:
+        return f'model: loaded {loaded} tensors from {directory} (none left at init)'
+    named = ', '.join(left[:MAX_NAMED_AT_INIT])
+    more = f' ... and {len(left) - MAX_NAMED_AT_INIT} more' if len(left) > MAX_NAMED_AT_INIT else ''
+    return f'model: loaded {loaded} tensors from {directory} ({len(left)} left at init: {named}{more})'
 
 
 def add_fsdp_hooks(model: torch.nn.Module) -> None:

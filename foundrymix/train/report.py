@@ -44,7 +44,12 @@ def write_report(summary: dict[str, Any], out_dir: str, plot: bool = True) -> No
 
 
 def write_plot(summary: dict[str, Any], path: str) -> None:
-    """Cumulative tokens per stream against batches, realized (solid) and planned (dashed)."""
+    """Cumulative tokens per stream against batches, realized (solid) and planned (dashed).
+
+    The plan is a share of *rows*; on this token axis its line is that row share of the
+    rows trained so far times the stream's realized tokens per row, and the legend says so
+    (a row share printed beside a token curve read as a token share).
+    """
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -65,11 +70,11 @@ def write_plot(summary: dict[str, Any], path: str) -> None:
         per_sample = tokens[-1, i] / max(samples[-1, i], 1)
         planned = np.array([planned_share[i] * s.sum() * per_sample for s in samples])
         ax.plot(steps, planned, linestyle='--', color=line.get_color(), alpha=0.6,
-                label=f'{name} (plan {planned_share[i]:.1%})')
+                label=f'{name} (plan: {planned_share[i]:.1%} of rows x its tokens/row)')
     ax.plot(steps, total_tokens, color='black', linewidth=0.8, label='all streams')
     ax.set_xlabel('batch')
-    ax.set_ylabel('cumulative tokens')
-    ax.set_title('Tokens per stream: realized vs planned share')
+    ax.set_ylabel('cumulative tokens (non-padding)')
+    ax.set_title('Tokens per stream: realized vs planned (planned row share, realized tokens/row)')
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

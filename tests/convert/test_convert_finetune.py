@@ -217,3 +217,19 @@ def test_default_parallel_mode_follows_the_records(dolly_jsonl, tmp_path):
     for src, kw, mode in cases:
         o = FinetuneOptions(**kw)
         assert FINETUNE.parallel_mode(prepare([str(src)], str(tmp_path / 'o'), o, 2), o) == mode, (src, kw)
+
+
+def test_progress_bar_counts_records_read_and_shows_written_and_dropped(dolly_jsonl, tmp_path, capsys):
+    """The bar ends at the records read (it counted kept examples: '688 docs' of 1,000)."""
+    import re
+
+    records = read_jsonl(dolly_jsonl)[:200]
+    src = write_jsonl(tmp_path / 'in.jsonl', records)
+    L2 = 128
+    too_long = sum(len(ex) > L2 for ex, _ in expected_examples('foundrymix-bpe-8k', records))
+    assert 0 < too_long < len(records)
+    convert_finetune([str(src)], str(tmp_path / 'out'), FinetuneOptions(max_seq_len=L2, workers=1, progress=True))
+    final = capsys.readouterr().err.split('\r')[-1]
+    shown = re.search(r'(\d[\d,]*) docs.*?(\d[\d,]*) written, (\d[\d,]*) dropped', final)
+    assert shown, final
+    assert [int(x.replace(',', '')) for x in shown.groups()] == [200, 200 - too_long, too_long]

@@ -129,3 +129,22 @@ def test_resume_state_is_checked(root):
         check_resume({'num_canonical_nodes': 2, 'global_batch_size': 8}, 1, 8)
     with pytest.raises(ConfigError, match=r'global batch of 8 rows, this run has 4'):
         check_resume({'num_canonical_nodes': 1, 'global_batch_size': 8}, 1, 4)
+
+
+def test_proportions_lower_epoch_size_and_every_stream_gives_up_its_share(root):
+    """proportion 0.5 / 0.3 / 0.2 of epoch_size 240 = 120 (one whole pass of arxiv), 72, 48;
+    a global batch of 7 -> 238 rows, split by streaming by proportion: arxiv loses a row
+    too (the leftover rule for proportions, as docs/mixing-and-plan.md states it)."""
+    m = StreamMixer.from_dict(loader_dict(dirs(root), {'arxiv': {'proportion': 0.5}, 'wiki': {'proportion': 0.3},
+                                                       'dolly': {'proportion': 0.2}},
+                                          epoch_size=240, shuffle_seed=17))
+    plan = m.plan(7, '1ep')
+    assert plan.nominal_rows_per_epoch == {'arxiv': 120, 'wiki': 72, 'dolly': 48}
+    assert plan.epoch_size == 238
+    ds = m.build_dataset(7)
+    got = Counter(identity(s['input_ids'])[0] for s in ds)
+    del ds
+    assert sum(got.values()) == 238 and got[0] == 119      # streaming's own iteration
+    assert {s.name: s.rows_per_epoch for s in plan.streams} == dict(zip(('arxiv', 'wiki', 'dolly'),
+                                                                         (got[0], got[1], got[2])))
+    assert plan.left_out_per_epoch == {'arxiv': 1, 'wiki': 72 - got[1], 'dolly': 48 - got[2]}

@@ -239,3 +239,17 @@ def test_headline_without_a_replayed_epoch_says_at_most(root, tmp_path, capsys, 
     assert 'max_duration 3ep: 132 batches, at most 1,056 samples, 33,792 tokens' in capsys.readouterr().out
     assert main(['plan', path, 'train_loader.exact=false']) == 0  # drop_last: whole batches
     assert 'max_duration 3ep: 129 batches, 1,032 samples, 33,024 tokens' in capsys.readouterr().out
+
+
+def test_passes_over_the_run_in_one_line(root, tmp_path, capsys):
+    """repeat 1 / 2.5 / 0.5 over 350 rows = 50 batches of 7: 2 epochs are 2, 5 and 1 passes
+    (what the weights ask for, twice); a run that stops mid-epoch counts the rows it trains."""
+    path = write_yaml(tmp_path, root, '2ep')
+    assert main(['plan', path, 'global_train_batch_size=7', 'device_train_microbatch_size=7']) == 0
+    assert 'passes over the run: arxiv 2.00, wiki 5.00, dolly 1.00\n' in capsys.readouterr().out
+    assert main(['plan', path, 'global_train_batch_size=7', 'device_train_microbatch_size=7',
+                 'max_duration=75ba', '--json']) == 0
+    d = json.loads(capsys.readouterr().out)['duration']
+    rows = {'arxiv': 120, 'wiki': 80, 'dolly': 60}
+    assert d['passes_per_stream'] == {n: d['rows_per_stream'][n] / rows[n] for n in rows}
+    assert sum(d['rows_per_stream'].values()) == 75 * 7

@@ -67,10 +67,40 @@ def test_trainer_gets_the_callbacks_the_yaml_names(small_streams, tmp_path):
         assert [type(c) for c in ours] == [EpochBoundary, StreamAccounting, SpeedMonitor, SampleLog, StopAt,
                                            LRMonitor]
         assert ours[1] is run.accounting and run.accounting.stream_names == ['arxiv', 'dolly']
-        assert run.accounting.planned_share == [s.share for s in run.plan.streams]
+        rows = run.run_plan.rows_per_stream  # the plan's rows over the run (1ep: one epoch's)
+        assert run.accounting.planned_share == [rows[n] / sum(rows.values()) for n in ('arxiv', 'dolly')]
         assert run.accounting.out_dir == 'runs/foundrymix/report'  # no save_folder, no out_dir
         assert ours[2].history_samples.maxlen == 3 + 1  # SpeedMonitor keeps window_size + 1 points
         assert ours[3].path == str(tmp_path / 's.jsonl')
         assert str(ours[4].time) == '1ep'
     finally:
         run.trainer.close()
+
+
+@pytest.mark.slow  # a real 1.5-epoch fit: ~40 s on 2 loaded cores
+def test_a_run_that_trains_the_plan_shows_equal_planned_and_realized_shares(small_streams, tmp_path):
+    """1.5 epochs over a stream with half a pass per epoch: the run's mix is not one epoch's,
+    and the table's planned share is the run's (what was trained, exactly)."""
+    from foundrymix.plan.config import LoaderConfig
+    from foundrymix.plan.mixture import Topology
+    from foundrymix.plan.stages import plan_run
+    from foundrymix.train.builder import train
+    from foundrymix.train.config import TrainConfig
+    from foundrymix.train.report import table
+
+    loader = {'streams': {'arxiv': {'local': str(small_streams['arxiv']), 'repeat': 1},
+                          'dolly': {'local': str(small_streams['dolly']), 'repeat': 0.5}},
+              'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0}
+    epoch = plan_run(LoaderConfig.from_dict(loader), 8, '1ep', Topology())[0].stages[0].plan
+    batches = epoch.batches_per_epoch * 3 // 2
+    cfg = TrainConfig.from_dict({**config_dict(
+        {'stream_accounting': {'out_dir': str(tmp_path / 'report'), 'plot': False}}, loader),
+        'global_train_batch_size': 8, 'max_duration': f'{batches}ba'})
+    run = train(cfg)
+    summary = run.accounting.summary(run.trainer.state)
+    realized = [summary['streams'][n]['share'] for n in ('arxiv', 'dolly')]
+    per_epoch = [s.share for s in epoch.streams]
+    assert realized != per_epoch  # the case this is about: the run's mix is not an epoch's
+    assert [summary['streams'][n]['planned_share'] for n in ('arxiv', 'dolly')] == realized
+    rendered = table(summary)
+    assert list(rendered.columns[4].cells) == list(rendered.columns[5].cells)  # share | planned share

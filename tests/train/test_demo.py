@@ -153,3 +153,25 @@ def assert_pretrain_rows_by_hand(rows: list[dict], counts: dict) -> None:
     assert counts['documents_read'] == len(papers)
     stored = np.concatenate([np.asarray(r['input_ids']) for r in rows])
     assert stored.tolist() == stream[:n_rows * SEQ]
+
+
+def test_readme_quotes_the_demos_first_loss(demo):
+    """The README's loss line (printed by ``scripts/readme_figures.py``) against the demo's log.
+
+    The loss at batch 1 is the initial model's on the first batch, the same in this
+    6-batch run as in the demo's 300: it must equal the README's figure to the 4 decimals
+    Composer prints. (The figure at batch 300 needs the whole run: readme_figures.py.)
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location('readme_figures', ROOT / 'scripts' / 'readme_figures.py')
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    _, proc = demo
+    quoted = figures.README_LOSS.search((ROOT / 'README.md').read_text(encoding='utf-8'))
+    assert quoted, 'README.md has no "the loss falls from A at batch 1 to B at batch N" line'
+    printed = figures.losses(proc.stdout)
+    assert sorted(printed)[:1] == [1] and quoted.group(1) == printed[1]
+    import yaml
+    demo_yaml = yaml.safe_load((ROOT / 'yamls' / 'demo.yaml').read_text(encoding='utf-8'))
+    assert f'{quoted.group(3)}ba' == demo_yaml['max_duration']  # the last batch of the demo's run

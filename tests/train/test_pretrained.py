@@ -94,7 +94,7 @@ def run_config(streams, model: dict, tmp_path) -> TrainConfig:
 
 
 @pytest.mark.parametrize('spelling', ['pretrained', 'llm-foundry'])
-def test_first_step_loss_is_the_pretrained_models_loss(small_streams, pretrained_dir, tmp_path, spelling):
+def test_first_step_loss_is_the_pretrained_models_loss(small_streams, pretrained_dir, tmp_path, spelling, capsys):
     from transformers import AutoModelForCausalLM
 
     from foundrymix.train.builder import build_trainer
@@ -102,6 +102,8 @@ def test_first_step_loss_is_the_pretrained_models_loss(small_streams, pretrained
     model = ({'pretrained': str(pretrained_dir)} if spelling == 'pretrained' else
              {'pretrained_model_name_or_path': str(pretrained_dir), 'pretrained': True})
     run = build_trainer(run_config(small_streams, {**model, 'attention': 'document'}, tmp_path))
+    assert f'model: loaded {len(checkpoint_tensors(pretrained_dir))} tensors from {pretrained_dir} (none left at ' \
+           f'init)\n' in capsys.readouterr().out
     first = FirstBatch()
     run.trainer.state.callbacks.append(first)
     run.trainer.fit()
@@ -128,12 +130,26 @@ def test_config_only_from_a_directory_is_random_init(small_streams, pretrained_d
     assert not torch.equal(hf.model.embed_tokens.weight, ref.model.embed_tokens.weight)
 
 
-def test_config_overrides_apply_to_the_pretrained_config(small_streams, pretrained_dir, tmp_path):
+def checkpoint_tensors(directory) -> list[str]:
+    """The tensor names a saved model directory holds, read with safetensors itself."""
+    from safetensors import safe_open
+    with safe_open(str(directory / 'model.safetensors'), framework='pt') as f:
+        return list(f.keys())
+
+
+def test_config_overrides_apply_to_the_pretrained_config(small_streams, pretrained_dir, tmp_path, capsys):
     from foundrymix.train.builder import build_trainer
 
-    run = build_trainer(run_config(small_streams, {'pretrained': str(pretrained_dir), 'attention_dropout': 0.25},
-                                   tmp_path))
+    run = build_trainer(run_config(small_streams, {'pretrained': str(pretrained_dir), 'attention_dropout': 0.25,
+                                                   'num_hidden_layers': 2}, tmp_path))
     assert run.trainer.state.model.model.config.attention_dropout == 0.25
+    # The second layer is not in the checkpoint: the start line names what stayed at init.
+    saved = checkpoint_tensors(pretrained_dir)
+    layer0 = sorted(n for n in saved if n.startswith('model.layers.0.'))
+    layer1 = sorted(n.replace('layers.0.', 'layers.1.') for n in layer0)
+    assert len(layer0) == 9  # 4 attention projections, 3 MLP, 2 norms
+    assert f'model: loaded {len(saved)} tensors from {pretrained_dir} (9 left at init: ' \
+           f'{", ".join(layer1[:5])} ... and 4 more)\n' in capsys.readouterr().out
 
 
 def test_streams_of_another_tokenizer_are_refused(small_streams, pretrained_dir, tmp_path):
