@@ -572,6 +572,8 @@ _SCALARS = {bool: _read_bool, int: _read_int, float: _read_float, str: _read_str
 
 #: field metadata: the field is filled from the mapping key the section sits under
 FROM_KEY = {'from_key': True}
+#: field metadata: the field is no key of the YAML; the dataclass derives it from its other fields
+DERIVED = {'derived': True}
 
 
 def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = None,
@@ -586,7 +588,7 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
     """
     data = to_plain(data, where)
     hints = typing.get_type_hints(cls)
-    fields = [f for f in dataclasses.fields(cls) if f.init]
+    fields = [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get('derived')]
     settable = [f.name for f in fields if not f.metadata.get('from_key')]
     gather = Gather()  # every unknown key and every bad field, not just the first
     with gather:

@@ -87,6 +87,7 @@ class Catalog:
         self._shared: dict[Any, StreamInfo] = shared if shared is not None else {}
         self._synced: set[str] = set()
         self._validated = False
+        self._resolved: Optional[list[StreamInfo]] = None
 
     @property
     def names(self) -> list[str]:
@@ -259,9 +260,15 @@ class Catalog:
                           index=index, where=where)
 
     def infos(self) -> list[StreamInfo]:
-        """Every stream's info, in config order, validated (see :meth:`validate`)."""
+        """Every stream's info, in config order, validated (see :meth:`validate`), each with
+        its own weight: a group's weight is resolved over its members here, once
+        (:func:`resolve_groups`), so the plan, the fingerprint and the loader all see
+        per-stream weights."""
         self.validate()
-        return [self.info(n) for n in self.names]
+        if self._resolved is None:
+            self._resolved = resolve_groups(self.config, [self.info(n) for n in self.names],
+                                            self.where)
+        return list(self._resolved)
 
     @property
     def manifests(self) -> dict[str, Manifest]:
@@ -356,6 +363,50 @@ def units_per_row(info: StreamInfo, weights_in: str) -> float:
         raise ConfigError(f'{info.where}: weights_in {weights_in}: the stream has no '
                           f'{weights_in.replace("_", " ")}, so no share of them can be drawn from it')
     return total / c.rows
+
+
+def resolve_groups(config: LoaderConfig, infos: list[StreamInfo],
+                   where: str = 'train_loader') -> list[StreamInfo]:
+    """``infos`` with every group member's weight set from its group (``config.groups``).
+
+    ``repeat: R``: each member repeats R times. ``proportion: P``: the group's share is P,
+    spread over the members by size -- rows, or tokens / loss tokens with ``weights_in`` --
+    ``P x size / group size`` each (then :func:`row_proportions` turns token shares into
+    rows as for any stream). ``choose: C``: C rows split by rows, whole numbers, exact sum
+    (largest remainder, ties to the earlier member). Streams outside groups pass unchanged.
+    """
+    import dataclasses
+    if not config.groups:
+        return infos
+    by_name = {i.name: i for i in infos}
+    weights: dict[str, dict[str, Any]] = {}
+    for pattern, members in config.group_members(where).items():
+        group = config.groups[pattern]
+        ms = [by_name[n] for n in members]
+        if group.repeat is not None:
+            weights.update({m.name: {'repeat': group.repeat} for m in ms})
+        elif group.proportion is not None:
+            sizes = [m.rows * units_per_row(m, config.weights_in) for m in ms]
+            total = sum(sizes)
+            weights.update({m.name: {'proportion': group.proportion * s / total}
+                            for m, s in zip(ms, sizes)})
+        else:
+            assert group.choose is not None, 'a pattern gives a weight (StreamSpec.check)'
+            split = split_whole(group.choose, [m.rows for m in ms])
+            weights.update({m.name: {'choose': c} for m, c in zip(ms, split)})
+    return [dataclasses.replace(i, spec=dataclasses.replace(i.spec, **weights[i.name]))
+            if i.name in weights else i for i in infos]
+
+
+def split_whole(total: int, sizes: list[int]) -> list[int]:
+    """``total`` split in proportion to ``sizes`` as whole numbers summing to ``total``
+    exactly (largest remainder; ties to the earlier one)."""
+    whole = sum(sizes)
+    floors = [total * s // whole for s in sizes]
+    rests = [total * s % whole for s in sizes]
+    for i in sorted(range(len(sizes)), key=lambda i: (-rests[i], i))[:total - sum(floors)]:
+        floors[i] += 1
+    return floors
 
 
 def row_proportions(infos: list[StreamInfo], weights_in: str) -> list[Optional[float]]:

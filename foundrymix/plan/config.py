@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from foundrymix.config import FROM_KEY, ConfigError, read_dataclass, to_plain
+from foundrymix.config import DERIVED, FROM_KEY, ConfigError, read_dataclass, to_plain
 
 __all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'CACHE_ROOT_ENV']
 
@@ -32,6 +32,13 @@ HashAlgo = Literal['sha1', 'sha224', 'sha256', 'sha384', 'sha512', 'sha3_224', '
 #: environment variable naming where remote-only streams are cached (default: a tempdir)
 CACHE_ROOT_ENV = 'FOUNDRYMIX_CACHE'
 _SCHEME = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
+_GLOB = re.compile(r'[*?\[]')
+
+
+def is_pattern(name: str) -> bool:
+    """A ``streams`` key with ``*``, ``?`` or ``[`` is a group: weights for every stream it
+    matches (``fnmatch``), no stream of its own."""
+    return bool(_GLOB.search(name))
 
 
 def cache_base(cache_root: Optional[str] = None) -> str:
@@ -50,6 +57,9 @@ class StreamSpec:
     share of the epoch) and ``choose`` (exact rows per epoch) may be given. ``local`` is a
     directory on this machine: a URL there is refused (streaming would read it as a
     relative path named ``s3:``); URLs go in ``remote``.
+
+    A name with a glob (``web/*``) is a group (:func:`is_pattern`): exactly one weight and
+    no location; :meth:`LoaderConfig.group_members` says which streams it weights.
     """
 
     name: str = field(default='', metadata=FROM_KEY)
@@ -68,7 +78,9 @@ class StreamSpec:
         return None
 
     def check(self, where: str) -> None:
-        if not self.local and not self.remote:
+        if is_pattern(self.name):
+            self._check_group(where)
+        elif not self.local and not self.remote:
             raise ConfigError(f'{where}: needs local and/or remote')
         if self.local and _SCHEME.match(self.local):
             raise ConfigError(f'{where}.local: {self.local!r} is a URL, not a local directory; put '
@@ -80,6 +92,17 @@ class StreamSpec:
         for key in given:
             if getattr(self, key) < 0:
                 raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')
+
+    def _check_group(self, where: str) -> None:
+        placed = [k for k in ('local', 'remote', 'split') if getattr(self, k) is not None]
+        if placed:
+            raise ConfigError(
+                f'{where}: {self.name!r} is a pattern (a group of the streams it matches), so it '
+                f'carries only a weight (repeat, proportion or choose), not {", ".join(placed)}; '
+                f'give each stream its location under its own name (without * ? [)')
+        if self.weight_kind is None:
+            raise ConfigError(f'{where}: the pattern {self.name!r} gives no weight; give it one of '
+                              f'repeat, proportion, choose (or delete it)')
 
 
 #: keys of a stage besides the loader knobs it may override
@@ -108,7 +131,7 @@ class StageSpec:
     def from_config(cls, value: Any, where: str) -> 'StageSpec':
         from foundrymix.config import check_duration, check_keys, read_value
         d = to_plain(value, where)
-        knobs = [k for k in LoaderConfig.__dataclass_fields__ if k not in ('streams', 'stages')]
+        knobs = [k for k in LoaderConfig.__dataclass_fields__ if k not in ('streams', 'stages', 'groups')]
         check_keys(d, list(STAGE_KEYS) + knobs, where)
         for key in STAGE_KEYS:
             if d.get(key) is None:
@@ -122,6 +145,11 @@ class StageSpec:
         hints = _loader_hints()
         overrides = {k: read_value(v, hints[k], f'{where}.{k}') for k, v in d.items()}
         return cls(name=name, duration=duration, streams=streams, overrides=overrides, where=where)
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    """The first ``n`` names and how many more: a message about 1,000 streams stays one line."""
+    return ', '.join(names[:n]) + (f', ... ({len(names):,} in all)' if len(names) > n else '')
 
 
 def _loader_hints() -> dict[str, Any]:
@@ -182,6 +210,15 @@ class LoaderConfig:
     #: tokens; the catalog turns token shares into row proportions from the manifests
     #: (``catalog.row_proportions``) before streams are built, so plan and loader agree
     weights_in: WeightsIn = 'rows'
+    #: the pattern entries of ``streams`` (``web/*: {proportion: 0.6}``), split from the
+    #: streams on construction: weights of a group of streams, resolved per stream from
+    #: their sizes when the catalog reads them (:func:`~foundrymix.plan.catalog.resolve_groups`)
+    groups: dict[str, StreamSpec] = field(default_factory=dict, metadata=DERIVED)
+
+    def __post_init__(self) -> None:
+        if any(is_pattern(n) for n in self.streams):
+            self.groups = {**self.groups, **{n: s for n, s in self.streams.items() if is_pattern(n)}}
+            self.streams = {n: s for n, s in self.streams.items() if not is_pattern(n)}
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -215,7 +252,11 @@ class LoaderConfig:
             raise ConfigError(f'{where}.sampling_granularity: must be positive')
         if self.epoch_size is not None and self.epoch_size <= 0:
             raise ConfigError(f'{where}.epoch_size: must be positive, got {self.epoch_size}')
-        kinds = {name: s.weight_kind for name, s in self.streams.items()}
+        of = {n: g for g, members in self.group_members(where).items() for n in members}
+        kinds = {name: s.weight_kind or (self.groups[of[name]].weight_kind if name in of else None)
+                 for name, s in self.streams.items()}
+        # a group is named once (its pattern), not by its 1,000 members
+        kinds = {of.get(n, n): k for n, k in kinds.items()}
         relative = sorted(n for n, k in kinds.items() if k == 'proportion')
         absolute = sorted(n for n, k in kinds.items() if k != 'proportion')
         if relative and absolute:
@@ -237,10 +278,39 @@ class LoaderConfig:
                 f'{", ".join(weighted_absolute)}): with absolute weights the epoch size is their '
                 f'sum. Use proportion on every stream to fix the epoch size.')
 
+    def group_members(self, where: str = 'train_loader') -> dict[str, list[str]]:
+        """Pattern -> the streams it matches (``fnmatchcase``, in ``streams`` order).
+
+        Refused: a pattern matching no stream, a stream matched by two patterns, a member
+        with a weight of its own (which one would count is not obvious; one rule each).
+        """
+        import fnmatch
+        out: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}
+        for pattern, group in self.groups.items():
+            members = [n for n in self.streams if fnmatch.fnmatchcase(n, pattern)]
+            if not members:
+                raise ConfigError(
+                    f'{where}.streams.{pattern}: the pattern matches no stream (streams: '
+                    f'{_few(list(self.streams))}); fix the pattern or delete it')
+            for n in members:
+                if n in owner:
+                    raise ConfigError(
+                        f'{where}.streams.{pattern}: stream {n} is also matched by pattern '
+                        f'{owner[n]!r}; a stream takes its weight from one pattern: narrow one')
+                owner[n] = pattern
+                if self.streams[n].weight_kind:
+                    raise ConfigError(
+                        f'{where}.streams.{n}: sets {self.streams[n].weight_kind} but is a member '
+                        f'of pattern {pattern!r}, which weights it; drop the weight here, or narrow '
+                        f'the pattern so that it does not match {n}')
+            out[pattern] = members
+        return out
+
     def _check_stages(self, where: str) -> None:
         if not self.stages:
             raise ConfigError(f'{where}.stages: must list at least one stage')
-        weighted = sorted(n for n, s in self.streams.items() if s.weight_kind)
+        weighted = sorted(n for n, s in self.streams.items() if s.weight_kind) + list(self.groups)
         if weighted:
             raise ConfigError(
                 f'{where}.streams: with stages, train_loader.streams only says where streams are; '
@@ -264,6 +334,7 @@ class LoaderConfig:
         from foundrymix.config import read_dataclass
         if self.stages is None:
             return [self]
+        import fnmatch
         out = []
         for i, stage in enumerate(self.stages):
             streams = {}
@@ -274,17 +345,31 @@ class LoaderConfig:
                 merged.update(to_plain(raw, f'{stage.where}.streams.{name}'))
                 streams[str(name)] = read_dataclass(StreamSpec, merged,
                                                     f'{stage.where}.streams.{name}', key=str(name))
+            # a stage's pattern also takes in train_loader's streams it matches (after the
+            # stage's own, in train_loader order): a stage of 1,000 streams names none of them
+            patterns = [n for n in streams if is_pattern(n)]
+            for name, base in self.streams.items():
+                if name not in streams and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                    streams[name] = dataclasses.replace(base, repeat=None, proportion=None,
+                                                        choose=None)
             knobs = dict(stage.overrides)
             knobs.setdefault('shuffle_seed', self.shuffle_seed + i * STAGE_SEED_STEP)
-            config = dataclasses.replace(self, streams=streams, stages=None, **knobs)
+            config = dataclasses.replace(self, streams=streams, groups={}, stages=None, **knobs)
             config.check(stage.where)
             out.append(config)
         return out
 
     @property
+    def given_proportions(self) -> dict[str, Optional[float]]:
+        """The proportions as written: each group's (by pattern) and each other stream's."""
+        members = {n for ms in self.group_members().values() for n in ms}
+        out = {n: s.proportion for n, s in self.streams.items() if n not in members}
+        return {**out, **{p: g.proportion for p, g in self.groups.items()}}
+
+    @property
     def proportion_sum(self) -> Optional[float]:
         """Sum of the streams' proportions (None unless weights are proportions)."""
-        values = [s.proportion for s in self.streams.values()]
+        values = list(self.given_proportions.values())
         if any(v is None for v in values):
             return None
         return float(sum(values))  # type: ignore[arg-type]

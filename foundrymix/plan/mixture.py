@@ -101,6 +101,28 @@ class RankPlan:
 
 
 @dataclass
+class GroupPlan:
+    """A group of ``train_loader.streams`` (a pattern entry) and the streams it weights."""
+
+    pattern: str
+    members: list[str]
+    weight: str                # repeat, proportion or choose
+    value: float               # as given in the YAML (the group's, not a member's)
+
+
+def stream_groups(config: LoaderConfig) -> list[GroupPlan]:
+    """The config's groups with their members, for the plan (empty without patterns)."""
+    out = []
+    for pattern, members in config.group_members().items():
+        g = config.groups[pattern]
+        kind = g.weight_kind
+        assert kind is not None, 'a pattern gives a weight (StreamSpec.check)'
+        out.append(GroupPlan(pattern=pattern, members=members, weight=kind,
+                             value=getattr(g, kind)))
+    return out
+
+
+@dataclass
 class Plan:
     """The mixture per epoch and, given ``max_duration``, how long the run is."""
 
@@ -132,6 +154,8 @@ class Plan:
     #: what the loader hands ``StreamingDataset`` (``epoch_size``, trimmed ``choose`` per
     #: stream, the exact unit): computed here once, never recomputed by the loader
     weights: Optional[EpochWeights] = None
+    #: the YAML's stream groups (pattern entries), each with its members and given weight
+    groups: list[GroupPlan] = field(default_factory=list)
 
     def stream(self, name: str) -> StreamPlan:
         return next(s for s in self.streams if s.name == name)
@@ -197,7 +221,8 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
                 repeated_rows_per_epoch=max(0, int(epoch.trained.sum()) - epoch.epoch_size),
-                per_rank=_rank_plans(epoch, topology, names), weights=epoch.weights)
+                per_rank=_rank_plans(epoch, topology, names), weights=epoch.weights,
+                groups=stream_groups(config))
     if duration_batches is not None:
         max_duration = f'{duration_batches(plan)}ba'
     if max_duration is not None:
@@ -300,7 +325,7 @@ def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int,
     """Warnings about rows an epoch samples but does not train, or trains twice."""
     total = config.proportion_sum
     if total is not None and abs(total - 1.0) > 1e-9:
-        given = ' + '.join(f'{s.proportion:g}' for s in config.streams.values())
+        given = ' + '.join(f'{p:g}' for p in config.given_proportions.values())
         shares = ', '.join(f'{n} {c / epoch.epoch_size:.1%}'
                            for n, c in zip(config.streams, epoch.chooses))
         warnings.append(f'proportions sum to {total:g} ({given}), not 1: they are normalised to '

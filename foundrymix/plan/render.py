@@ -154,21 +154,26 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
 
 
 def render_groups(plan: Plan, console: Any) -> None:
-    """One row per stream group (name prefix up to ``/``), when the names form groups."""
+    """One row per stream group: the YAML's pattern entries (with their given weight) when
+    there are any, else name prefixes up to ``/``, when the names form groups."""
     from rich.table import Table
-    grouped = groups(s.name for s in plan.streams)
+    given = {g.pattern: f'{g.weight} {g.value:g}' for g in plan.groups}
+    grouped = ({g.pattern: g.members for g in plan.groups} if plan.groups
+               else groups(s.name for s in plan.streams))
     if not grouped:
         return
     by_name = {s.name: s for s in plan.streams}
-    table = Table(title='Per group (name up to the first /)')
-    for col in ('group', 'streams', 'rows', 'rows/epoch', 'passes', 'share', 'tok share',
-                'loss share'):
-        table.add_column(col, justify='left' if col == 'group' else 'right')
+    table = Table(title='Per group (train_loader.streams patterns)' if given
+                  else 'Per group (name up to the first /)')
+    for col in ('group', 'streams', 'given', 'rows', 'rows/epoch', 'passes', 'share',
+                'tok share', 'loss share'):
+        if col != 'given' or given:
+            table.add_column(col, justify='left' if col in ('group', 'given') else 'right')
     for g, members in grouped.items():
         ms = [by_name[n] for n in members]
         rows, per_epoch = sum(m.rows for m in ms), sum(m.rows_per_epoch for m in ms)
-        table.add_row(g, f'{len(ms):,}', f'{rows:,}', f'{per_epoch:,}',
-                      f'{per_epoch / rows:.3g}x' if rows else '-',
+        table.add_row(g, f'{len(ms):,}', *([given[g]] if given else []), f'{rows:,}',
+                      f'{per_epoch:,}', f'{per_epoch / rows:.3g}x' if rows else '-',
                       f'{sum(m.share for m in ms):.1%}', f'{sum(m.token_share for m in ms):.1%}',
                       f'{sum(m.loss_token_share for m in ms):.1%}')
     console.print(table)
