@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
@@ -106,7 +106,9 @@ class Result:
     mfu: Optional[float] = None
     loader_share: float = 0.0             # sum(wait) / sum(step), measured steps
     loader_wait_ms: float = 0.0           # median
-    notes: list[str] = field(default_factory=list)
+    batches: int = 0                      # all, warmup included
+    real_tokens: int = 0                  # all batches, from their attention masks
+    accounting_tokens: int = 0            # StreamAccounting's count of the same batches
 
 
 def build_streams(root: str, seq: int, rows: int) -> dict[str, str]:
@@ -191,7 +193,8 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], attn: str, fsdp: Opt
     peak = peak_flops(args.peak_flops)
     if peak:
         result.mfu = flops_per_position(model, args.seq) * result.positions_per_s / peak
-    result.notes.append(f'accounting: {run.accounting.tokens.sum()} real tokens in {len(timer.real_tokens)} batches')
+    result.batches, result.real_tokens = len(timer.real_tokens), sum(timer.real_tokens)
+    result.accounting_tokens = int(run.accounting.tokens.sum())
     return result
 
 
