@@ -45,9 +45,24 @@ class CollectiveLog:
     def __init__(self, monkeypatch, state_of) -> None:
         from composer.utils import dist
         self.calls: list[tuple[str, str, str, int, list[torch.device]]] = []
+        self.tensors: list[torch.Tensor] = []  # every tensor a collective got
+        self.moved: list[torch.Tensor] = []    # every tensor the trainer's device returned
         self.state_of = state_of
         for name in COLLECTIVES:
             monkeypatch.setattr(dist, name, self._wrap(name, getattr(dist, name)))
+        # On CPU every tensor is on the trainer's device: what shows that a collective's tensor
+        # would be on the GPU there is that it went through the trainer's ``Device``.
+        device_type = type(state_of().device)
+        to_device = device_type.tensor_to_device
+
+        def observed_to_device(device, tensor):
+            out = to_device(device, tensor)
+            self.moved.append(out)
+            return out
+        monkeypatch.setattr(device_type, 'tensor_to_device', observed_to_device)
+
+    def went_through_the_device(self, tensor: torch.Tensor) -> bool:
+        return any(tensor is t for t in self.moved)
 
     def _wrap(self, name, original):
         def observed(*args, **kwargs):
@@ -59,6 +74,7 @@ class CollectiveLog:
                 tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
                 self.calls.append((name, chain[-1][0], chain[-1][1], int(self.state_of().timestamp.batch),
                                    [t.device for t in tensors]))
+                self.tensors.extend(tensors)
             return original(*args, **kwargs)
         return observed
 
@@ -107,6 +123,7 @@ def test_collectives_are_on_the_trainer_device_at_interval_save_and_end_only(
     # every tensor a collective got is on the trainer's device (NCCL: CUDA only)
     devices = [d for c in log.calls for d in c[4]]
     assert len(devices) == len(hooks) and set(devices) == {trainer_device}
+    assert all(log.went_through_the_device(t) for t in log.tensors)  # Device.tensor_to_device: CUDA on GPUs
     assert trainer_device.type == ('cuda' if device == 'gpu' else 'cpu')
 
     # and what they carried is every batch, exactly once
