@@ -37,8 +37,9 @@ echo "gpu_check: $FLASH"
 
 status=0
 echo "gpu_check: CUDA tests ..."
-"$PY" -m pytest -q -rs tests/train/test_gpu_settings.py tests/train/test_gpu_runs.py tests/train/test_collectives.py \
-  2>&1 | tee "$OUT/tests.log" || status=1
+for t in tests/train/test_collectives.py tests/train/test_gpu_settings.py tests/train/test_gpu_runs.py; do
+  "$PY" -m pytest -q -rs "$t" 2>&1 | tee -a "$OUT/tests.log" || status=1
+done
 echo "gpu_check: benchmarks/bench_gpu.py ..."
 "$PY" benchmarks/bench_gpu.py --device gpu --json "$OUT/bench_gpu.json" "$@" 2>"$OUT/bench_gpu.err" \
   | tee "$OUT/bench_gpu.txt" || status=1

@@ -50,30 +50,6 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpt, map_location='cpu', weights_only=False)['state']['model']
 
 
-def test_fsdp_stop_resume_is_bitwise_and_exports(small_streams, tmp_path):
-    from safetensors.torch import load_file
-
-    from foundrymix.cli import main as cli
-
-    straight = fit(small_streams, tmp_path / 'straight', fsdp=FSDP, precision='amp_bf16')
-    stopped = tmp_path / 'stopped'
-    fit(small_streams, stopped, fsdp=FSDP, precision='amp_bf16', stop='4ba')
-    resumed = fit(small_streams, stopped, fsdp=FSDP, precision='amp_bf16',
-                  load_path=str(stopped / 'ckpt' / 'ep0-ba4-rank0.pt'))
-    a, b = weights(tmp_path / 'straight' / 'ckpt' / 'latest-rank0.pt'), weights(stopped / 'ckpt' / 'latest-rank0.pt')
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert (resumed['streams'], resumed['history']) == (straight['streams'], straight['history'])
-    assert (stopped / 's.jsonl').read_text() == (tmp_path / 'straight' / 's.jsonl').read_text()
-
-    assert cli(['export', str(stopped / 'ckpt' / 'latest-rank0.pt'), '--to-hf', str(tmp_path / 'hf')]) == 0
-    exported = {}
-    for f in sorted((tmp_path / 'hf').glob('*.safetensors')):
-        exported.update(load_file(f))
-    assert exported, 'no safetensors written'
-    for name, tensor in exported.items():  # CausalLM holds the HF model as `model`
-        assert torch.equal(tensor, a[f'model.{name}'].to(tensor.dtype)), name
-
-
 def test_bf16_gpu_counts_equal_the_cpu_run(small_streams, tmp_path):
     on_gpu = fit(small_streams, tmp_path / 'gpu', precision='amp_bf16')
     on_cpu = fit(small_streams, tmp_path / 'cpu', device='cpu', precision='fp32')
@@ -97,3 +73,27 @@ def test_two_gpu_ranks_count_what_one_rank_counts(small_streams, tmp_path):
     assert report(two)['streams'] == report(one)['streams']
     assert [sorted(b['sample_ids']) for b in sample_log(two / 'samples.jsonl')] == [
         sorted(b['sample_ids']) for b in sample_log(one / 'samples.jsonl')]
+
+
+def test_fsdp_stop_resume_is_bitwise_and_exports(small_streams, tmp_path, process_group_ends):
+    from safetensors.torch import load_file
+
+    from foundrymix.cli import main as cli
+
+    straight = fit(small_streams, tmp_path / 'straight', fsdp=FSDP, precision='amp_bf16')
+    stopped = tmp_path / 'stopped'
+    fit(small_streams, stopped, fsdp=FSDP, precision='amp_bf16', stop='4ba')
+    resumed = fit(small_streams, stopped, fsdp=FSDP, precision='amp_bf16',
+                  load_path=str(stopped / 'ckpt' / 'ep0-ba4-rank0.pt'))
+    a, b = weights(tmp_path / 'straight' / 'ckpt' / 'latest-rank0.pt'), weights(stopped / 'ckpt' / 'latest-rank0.pt')
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (resumed['streams'], resumed['history']) == (straight['streams'], straight['history'])
+    assert (stopped / 's.jsonl').read_text() == (tmp_path / 'straight' / 's.jsonl').read_text()
+
+    assert cli(['export', str(stopped / 'ckpt' / 'latest-rank0.pt'), '--to-hf', str(tmp_path / 'hf')]) == 0
+    exported = {}
+    for f in sorted((tmp_path / 'hf').glob('*.safetensors')):
+        exported.update(load_file(f))
+    assert exported, 'no safetensors written'
+    for name, tensor in exported.items():  # CausalLM holds the HF model as `model`
+        assert torch.equal(tensor, a[f'model.{name}'].to(tensor.dtype)), name
