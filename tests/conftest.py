@@ -68,3 +68,14 @@ def small_streams(tmp_path_factory) -> dict[str, Path]:
     convert_finetune([str(root / 'dolly.jsonl')], str(root / 'dolly'),
                      FinetuneOptions(max_seq_len=SMALL_SEQ, workers=1, size_limit='4kb'))
     return {'arxiv': root / 'arxiv', 'dolly': root / 'dolly'}
+
+
+@pytest.fixture
+def process_group_ends():
+    """For an in-process FSDP run: Composer starts a 1-rank process group (NCCL on a GPU) for
+    FSDP and leaves it for the process; end it after the test, so that a later in-process CPU
+    trainer's collectives do not go to NCCL (which takes CUDA tensors only)."""
+    yield
+    import torch.distributed as torch_dist
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()

@@ -127,7 +127,7 @@ def test_flash_attention_varlen_equals_sdpa_on_packed_documents():
 
 @gpu
 @pytest.mark.slow
-def test_fsdp_run_on_one_gpu_trains_and_exports(small_streams, tmp_path):
+def test_fsdp_run_on_one_gpu_trains_and_exports(small_streams, tmp_path, process_group_ends):
     from foundrymix.cli import main as cli
     from foundrymix.train.builder import build_trainer
 

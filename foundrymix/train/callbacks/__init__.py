@@ -48,6 +48,7 @@ class SampleLogConfig:
     """Write every batch's global sample ids (and streams) to a JSONL file."""
 
     path: str = 'sample_log.jsonl'
+    interval: str = '10ba'  # how often rank 0 gathers the ranks' ids and writes (also at the end and each checkpoint)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def _stream_accounting(opts: StreamAccountingConfig, ctx: CallbackContext) -> An
 
 def _sample_log(opts: SampleLogConfig, ctx: CallbackContext) -> Any:
     from foundrymix.train.callbacks.sample_log import SampleLog
-    return SampleLog(opts.path)
+    return SampleLog(opts.path, interval=opts.interval)
 
 
 def _stop_at(opts: StopAtConfig, ctx: CallbackContext) -> Any:

@@ -3,6 +3,14 @@
 Counting only: the counters live in Composer checkpoints (``state_dict`` /
 ``load_state_dict``), so a resumed run continues them instead of starting over; the
 files are written by :mod:`foundrymix.train.report` from :meth:`StreamAccounting.summary`.
+
+Collectives (why they are few and on the trainer's device): each rank counts its own
+batches on the CPU (the batch is still on the CPU at ``after_dataloader``; Composer moves
+it per microbatch) and the ranks' counts are summed with one ``all_reduce`` only where a
+sum is read: at ``log_interval``, at the end and when a checkpoint is saved
+(``state_dict``, which Composer 0.32 calls on every rank while saving). The reduced
+tensor is moved to ``state.device`` first: Composer starts a plain ``nccl`` process group
+on GPUs, which takes CUDA tensors only (a CPU tensor fails at the first reduce).
 """
 
 from __future__ import annotations
@@ -71,6 +79,10 @@ class StreamAccounting(Callback):
         self.plot = plot
         self.counts = np.zeros((len(COUNTERS), len(self.stream_names)), dtype=np.int64)
         self.history: list[dict[str, Any]] = []
+        #: this rank's counts since the last reduce (``counts`` and ``stage_counts`` hold sums over ranks)
+        self._pending = np.zeros_like(self.counts)
+        self._pending_stages = np.zeros_like(self.stage_counts)
+        self._device: Any = None  # the trainer's Composer ``Device`` (from fit_start); None: the CPU
 
     @property
     def samples(self) -> np.ndarray:
@@ -85,19 +97,37 @@ class StreamAccounting(Callback):
         return self.counts[2]
 
     # -- events -------------------------------------------------------------------
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._device = state.device
+
     def after_dataloader(self, state: State, logger: Logger) -> None:
-        counts = count(state.batch, len(self.stream_names))
-        dist.all_reduce(counts, reduce_operation='SUM')
-        counts = counts.cpu().numpy()
-        self.counts += counts
+        counts = count(state.batch, len(self.stream_names)).cpu().numpy()
+        self._pending += counts
         if self.stage_names is not None:  # a batch never straddles two stages
-            self.stage_counts[int(state.batch['stage_id'].reshape(-1)[0])] += counts
+            self._pending_stages[int(state.batch['stage_id'].reshape(-1)[0])] += counts
+
+    def reduce(self) -> None:
+        """Add every rank's pending counts to the counters: one ``all_reduce`` on the trainer's device.
+
+        A collective: every rank calls it at the same points (interval, end, checkpoint save).
+        """
+        pending = torch.from_numpy(np.concatenate([self._pending.reshape(-1), self._pending_stages.reshape(-1)]))
+        if self._device is not None:
+            pending = self._device.tensor_to_device(pending)
+        dist.all_reduce(pending, reduce_operation='SUM')
+        summed = pending.cpu().numpy()
+        self.counts += summed[:self.counts.size].reshape(self.counts.shape)
+        self.stage_counts += summed[self.counts.size:].reshape(self.stage_counts.shape)
+        self._pending[:] = 0
+        self._pending_stages[:] = 0
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if interval_hit(state.timestamp, self.log_interval):
+            self.reduce()
             self.record(state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:
+        self.reduce()
         if not self.history or self.history[-1]['batch'] != int(state.timestamp.batch):
             self.record(state, logger)
         if dist.get_global_rank() == 0:
@@ -154,6 +184,8 @@ class StreamAccounting(Callback):
 
     # -- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The counters summed over ranks, up to the last batch (a collective: reduces first)."""
+        self.reduce()
         return {'stream_names': self.stream_names, 'samples': self.samples.tolist(),
                 'tokens': self.tokens.tolist(), 'loss_tokens': self.loss_tokens.tolist(),
                 'history': self.history, 'stage_names': self.stage_names,
@@ -181,6 +213,8 @@ class StreamAccounting(Callback):
             return out
 
         self.counts = widen([state[name] for name in COUNTERS])
+        self._pending[:] = 0
+        self._pending_stages[:] = 0
         self.history = []
         for point in state['history']:
             point = dict(point)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
-from composer.core import Callback, State
+from composer.core import Callback, State, Time
 from composer.loggers import Logger
 from composer.utils import dist
+
+from foundrymix.train.callbacks.accounting import interval_hit
 
 
 class SampleLog(Callback):
@@ -21,11 +24,20 @@ class SampleLog(Callback):
     after ``fit_start`` (Composer refusing to overwrite a finished run's checkpoints, a
     failing first batch) must leave an earlier run's log as it was; a rerun of a finished
     run's command truncated its 10-line log to 0 before.
+
+    Each rank keeps its batches' ids and rank 0 gathers and writes them every
+    ``interval``, at the end and when a checkpoint is saved (``state_dict``, called on every
+    rank while Composer 0.32 saves), not at every batch: ``all_gather_object`` pickles
+    through a tensor on the GPU with NCCL, and once per batch it is a needless sync. A
+    checkpoint therefore never covers a batch the file lacks; a crash loses only lines
+    after the last checkpoint, which a resume drops anyway.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, interval: str = '10ba') -> None:
         self.path = path
+        self.interval = Time.from_timestring(interval)
         self._trimmed = False
+        self._batches: list[tuple[int, int, list[int], list[int], Any]] = []  # this rank's, not yet written
 
     def _trim(self, state: State) -> None:
         """Drop lines for batches at or after this run's first batch (rank 0, once)."""
@@ -41,18 +53,40 @@ class SampleLog(Callback):
     def after_dataloader(self, state: State, logger: Logger) -> None:
         if not self._trimmed and dist.get_global_rank() == 0:
             self._trim(state)
-        ids = state.batch['sample_id'].reshape(-1).tolist()
-        streams = state.batch['stream_id'].reshape(-1).tolist()
         stage = state.batch.get('stage_id')
-        stages = stage.reshape(-1).tolist() if stage is not None else None
-        gathered = dist.all_gather_object((ids, streams, stages))
+        self._batches.append((int(state.timestamp.batch), int(state.timestamp.epoch),
+                              state.batch['sample_id'].reshape(-1).tolist(),
+                              state.batch['stream_id'].reshape(-1).tolist(),
+                              stage.reshape(-1).tolist() if stage is not None else None))
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if interval_hit(state.timestamp, self.interval):
+            self.flush()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.flush()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing to store; writes the buffered lines first, so the checkpoint's batches are all in the file."""
+        self.flush()
+        return {}
+
+    def flush(self) -> None:
+        """Gather every rank's buffered batches and append them (rank 0). A collective."""
+        gathered = dist.all_gather_object(self._batches)
+        self._batches = []
         if dist.get_global_rank() != 0:
             return
-        line = {'batch': int(state.timestamp.batch), 'epoch': int(state.timestamp.epoch),
-                'sample_ids': [i for rank_ids, _, _ in gathered for i in rank_ids],
-                'stream_ids': [s for _, rank_streams, _ in gathered for s in rank_streams]}
-        if stages is not None:  # a staged run: the stage of every sample
-            line['stage_ids'] = [s for _, _, rank_stages in gathered for s in rank_stages]
+        lines = []
+        for k, (batch, epoch, _, _, stages) in enumerate(gathered[0]):
+            line = {'batch': batch, 'epoch': epoch,
+                    'sample_ids': [i for rank in gathered for i in rank[k][2]],
+                    'stream_ids': [s for rank in gathered for s in rank[k][3]]}
+            if stages is not None:  # a staged run: the stage of every sample
+                line['stage_ids'] = [s for rank in gathered for s in rank[k][4]]
+            lines.append(json.dumps(line) + '\n')
+        if not lines:
+            return
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, 'a', encoding='utf-8') as f:
-            f.write(json.dumps(line) + '\n')
+            f.writelines(lines)

@@ -1,0 +1,250 @@
+"""Training throughput on a GPU: tokens/s per GPU, MFU and the loader's share of the step.
+
+A ~125M-parameter Llama (hidden 768, 12 layers, 12 heads, intermediate 2048, vocab 32000;
+``attention: document``, ``amp_bf16``, ``max_seq_len 2048``) trained through
+``foundrymix.train.builder.build_trainer`` on the mixed loader: two pretrain streams and
+one finetune stream of synthetic MDS rows (``tests/mix_helpers.build_stream``: pretrain
+rows hold two documents each, finetune rows two short examples and padding). One trainer
+per configuration, in this order: ``sdpa`` / ``flash_attention_2`` x FSDP none /
+``FULL_SHARD``; a configuration that cannot run here (FSDP without CUDA, flash-attn not
+installed) is reported as skipped with the reason, one that fails with its error.
+One process, one GPU (``FULL_SHARD`` on one GPU shards nothing but runs FSDP's wrapping,
+mixed precision and collectives): the numbers are per GPU.
+
+    .venv/bin/python benchmarks/bench_gpu.py [--steps 30] [--warmup 5] [--batch 8] [--json out.json]
+    .venv/bin/python benchmarks/bench_gpu.py --device cpu --tiny     # CI: a tiny model, seconds
+
+Measured per step after ``--warmup`` steps, by a callback appended to the trainer:
+
+* step time: from one ``before_dataloader`` to the next (on CUDA the callback synchronizes
+  at ``batch_end``, so the GPU's work is inside its step and the loader wait is an upper
+  bound: no overlap of the next batch's loading with GPU work is credited);
+* loader wait: ``before_dataloader`` -> ``after_dataloader`` (Composer's ``next()`` on the
+  DataLoader plus its batch bookkeeping); loader share = sum(wait) / sum(step), goal < 1 %;
+* tokens/s per GPU: positions computed (device batch x ``max_seq_len``) / step time, and
+  the real (non-pad) tokens / step time;
+* MFU: ``(6 N + 12 L d S) * positions/s / peak`` (the PaLM appendix B estimate, N = the
+  non-embedding parameters plus the output layer, L layers, d hidden, S sequence); peak
+  bf16 dense FLOP/s from the device name (H100/H200 989e12, A100 312e12) or ``--peak-flops``.
+  Document attention computes less than the dense ``12 L d S`` term, so this MFU is an
+  upper bound on what the attention part achieves.
+
+Composer's ``speed_monitor`` logs similar throughput numbers; this script computes its own so
+that the loader share and the configurations come out in one table (and as JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'tests'))
+
+from mix_helpers import build_stream  # noqa: E402
+
+MODEL_125M = {'type': 'llama', 'attention': 'document', 'hidden_size': 768, 'intermediate_size': 2048,
+              'num_hidden_layers': 12, 'num_attention_heads': 12, 'num_key_value_heads': 12,
+              'vocab_size': 32000, 'max_position_embeddings': 2048}
+MODEL_TINY = {'type': 'llama', 'attention': 'document', 'hidden_size': 32, 'intermediate_size': 64,
+              'num_hidden_layers': 2, 'num_attention_heads': 2, 'num_key_value_heads': 2,
+              'vocab_size': 8192, 'max_position_embeddings': 64}
+PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}
+CONFIGS = [('sdpa', None), ('sdpa', 'FULL_SHARD'), ('flash_attention_2', None), ('flash_attention_2', 'FULL_SHARD')]
+
+
+class StepTimer(Callback):
+    """Wall time of each step and of its wait on the loader (see the module docstring)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.steps: list[float] = []
+        self.waits: list[float] = []
+        self.real_tokens: list[int] = []
+        self._before: Optional[float] = None
+
+    def before_dataloader(self, state: State, logger: Logger) -> None:
+        now = time.perf_counter()
+        if self._before is not None:
+            self.steps.append(now - self._before)
+        self._before = now
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        self.waits.append(time.perf_counter() - self._before)
+        self.real_tokens.append(int(state.batch['attention_mask'].sum()))
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if self._before is not None:  # the last step ends here (no next before_dataloader)
+            self.steps.append(time.perf_counter() - self._before)
+            self._before = None
+
+
+@dataclass
+class Result:
+    attn: str
+    fsdp: str
+    status: str = 'ok'                    # ok | skipped: <why> | error: <what>
+    steps: int = 0
+    step_s: float = 0.0                   # median step time
+    positions_per_s: float = 0.0          # per GPU
+    real_tokens_per_s: float = 0.0        # per GPU
+    mfu: Optional[float] = None
+    loader_share: float = 0.0             # sum(wait) / sum(step), measured steps
+    loader_wait_ms: float = 0.0           # median
+    batches: int = 0                      # all, warmup included
+    real_tokens: int = 0                  # all batches, from their attention masks
+    accounting_tokens: int = 0            # StreamAccounting's count of the same batches
+
+
+def build_streams(root: str, seq: int, rows: int) -> dict[str, str]:
+    """Two pretrain streams and a finetune stream (4 : 2 : 1 rows) of synthetic MDS rows."""
+    dirs = {}
+    for tag, (name, kind, share) in enumerate((('web', 'pretrain', 4), ('code', 'pretrain', 2),
+                                               ('chat', 'finetune', 1))):
+        dirs[name] = os.path.join(root, name)
+        build_stream(dirs[name], kind, rows * share, tag, max_seq_len=seq, size_limit=1 << 24)
+    return dirs
+
+
+def flops_per_position(cfg: dict, seq: int) -> float:
+    """Training FLOPs per position: ``6 N + 12 L d S`` from the config (FSDP shards the module)."""
+    d, layers, inter = cfg['hidden_size'], cfg['num_hidden_layers'], cfg['intermediate_size']
+    n = layers * (4 * d * d + 3 * d * inter) + cfg['vocab_size'] * d  # attention, MLP; the output layer
+    return 6 * n + 12 * layers * d * seq
+
+
+def peak_flops(override: Optional[float]) -> Optional[float]:
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def skip_reason(attn: str, fsdp: Optional[str], device: str) -> Optional[str]:
+    if fsdp and device != 'gpu':
+        return 'skipped: FSDP needs CUDA'
+    if attn == 'flash_attention_2':
+        if device != 'gpu':
+            return 'skipped: flash_attention_2 needs CUDA'
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            return 'skipped: flash-attn is not installed'
+    return None
+
+
+def run_one(args: argparse.Namespace, dirs: dict[str, str], attn: str, fsdp: Optional[str], work: str) -> Result:
+    from composer.utils import dist
+
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.config import TrainConfig
+
+    result = Result(attn=attn, fsdp=fsdp or 'none')
+    reason = skip_reason(attn, fsdp, args.device)
+    if reason:
+        result.status = reason
+        return result
+    model = dict(MODEL_TINY if args.tiny else MODEL_125M, attn_implementation=attn)
+    top: dict[str, Any] = {
+        'run_name': f'bench-{attn}-{result.fsdp}', 'seed': 1, 'max_seq_len': args.seq, 'model': model,
+        'train_loader': {'streams': {n: {'local': d} for n, d in dirs.items()}, 'shuffle': True,
+                         'num_workers': args.workers},
+        'global_train_batch_size': args.batch * dist.get_world_size(),
+        'max_duration': f'{args.warmup + args.steps}ba', 'optimizer': {'lr': 1e-4},
+        'device': args.device, 'precision': 'amp_bf16' if args.device == 'gpu' else 'fp32',
+        'progress_bar': False, 'loggers': {}, 'save_interval': '100000ba',
+        'callbacks': {'stream_accounting': {'out_dir': os.path.join(work, f'{attn}-{result.fsdp}'),
+                                            'plot': False, 'log_interval': '100000ba'}}}
+    if fsdp:
+        top['fsdp'] = {'sharding_strategy': fsdp, 'mixed_precision': 'DEFAULT'}
+    run = build_trainer(TrainConfig.from_dict(top))
+    timer = StepTimer(cuda=args.device == 'gpu')
+    run.trainer.state.callbacks.append(timer)
+    try:
+        run.trainer.fit()
+    finally:
+        run.trainer.close()
+        run.claims.release()
+    steps, waits = timer.steps[args.warmup:], timer.waits[args.warmup:]
+    real = timer.real_tokens[args.warmup:]
+    result.steps = len(steps)
+    result.step_s = statistics.median(steps)
+    result.positions_per_s = args.batch * args.seq * len(steps) / sum(steps)
+    result.real_tokens_per_s = sum(real) / sum(steps)
+    result.loader_share = sum(waits) / sum(steps)
+    result.loader_wait_ms = statistics.median(waits) * 1e3
+    peak = peak_flops(args.peak_flops)
+    if peak:
+        result.mfu = flops_per_position(model, args.seq) * result.positions_per_s / peak
+    result.batches, result.real_tokens = len(timer.real_tokens), sum(timer.real_tokens)
+    result.accounting_tokens = int(run.accounting.tokens.sum())
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--device', choices=('gpu', 'cpu'), default='gpu' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--tiny', action='store_true', help='a tiny model and 64-token rows (CI, CPU)')
+    p.add_argument('--steps', type=int, default=None, help='measured steps (default 30; --tiny 4)')
+    p.add_argument('--warmup', type=int, default=None, help='steps not measured (default 5; --tiny 1)')
+    p.add_argument('--batch', type=int, default=None, help='device batch (default 8; --tiny 4)')
+    p.add_argument('--workers', type=int, default=None, help='DataLoader workers (default 4; --tiny 0)')
+    p.add_argument('--peak-flops', type=float, default=None, help='peak bf16 FLOP/s of one GPU, for MFU')
+    p.add_argument('--json', default=None, help='also write the results here')
+    args = p.parse_args(argv)
+    args.seq = 64 if args.tiny else 2048
+    for name, full, tiny in (('steps', 30, 4), ('warmup', 5, 1), ('batch', 8, 4), ('workers', 4, 0)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    rows = max(64, (args.warmup + args.steps) * args.batch * 8)  # the streams outlast the run
+
+    from composer.utils import dist
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix='bench-gpu-') as work:
+        dirs = build_streams(os.path.join(work, 'data'), args.seq, rows // 7 + 1)
+        for attn, fsdp in CONFIGS:
+            try:
+                results.append(run_one(args, dirs, attn, fsdp, work))
+            except Exception as e:  # one configuration's failure must not hide the others' numbers
+                traceback.print_exc()
+                results.append(Result(attn=attn, fsdp=fsdp or 'none',
+                                      status=f'error: {type(e).__name__}: {str(e).splitlines()[0][:200]}'))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if dist.get_global_rank() != 0:
+        return 0
+    device = torch.cuda.get_device_name() if args.device == 'gpu' else 'cpu'
+    print(f'bench_gpu: {device}, {dist.get_world_size()} rank(s), seq {args.seq}, device batch {args.batch}, '
+          f'{args.steps} steps after {args.warmup}')
+    print(f'{"attn":<18} {"fsdp":<10} {"tok/s/GPU":>10} {"real tok/s":>10} {"MFU":>6} '
+          f'{"step ms":>8} {"loader":>7}  status')
+    for r in results:
+        mfu = f'{r.mfu:6.1%}' if r.mfu is not None else '     -'
+        print(f'{r.attn:<18} {r.fsdp:<10} {r.positions_per_s:>10,.0f} {r.real_tokens_per_s:>10,.0f} {mfu} '
+              f'{r.step_s * 1e3:>8.1f} {r.loader_share:>7.2%}  {r.status}')
+    if args.json:
+        with open(args.json, 'w', encoding='utf-8') as f:
+            json.dump({'device': device, 'world_size': dist.get_world_size(), 'seq': args.seq,
+                       'batch': args.batch, 'results': [asdict(r) for r in results]}, f, indent=2)
+    return 1 if any(r.status.startswith('error') for r in results) else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

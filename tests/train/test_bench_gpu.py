@@ -1,0 +1,31 @@
+"""``benchmarks/bench_gpu.py --device cpu --tiny``: the GPU benchmark's CI run (on CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+
+@pytest.mark.slow  # a tiny training in a subprocess
+def test_bench_gpu_runs_on_cpu_tiny(tmp_path):
+    out = tmp_path / 'bench.json'
+    proc = subprocess.run([sys.executable, str(ROOT / 'benchmarks' / 'bench_gpu.py'), '--device', 'cpu', '--tiny',
+                           '--json', str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert (got['device'], got['world_size'], got['seq'], got['batch']) == ('cpu', 1, 64, 4)
+    rows = {(r['attn'], r['fsdp']): r for r in got['results']}
+    assert list(rows) == [('sdpa', 'none'), ('sdpa', 'FULL_SHARD'), ('flash_attention_2', 'none'),
+                          ('flash_attention_2', 'FULL_SHARD')]
+    assert [r['status'] for r in got['results'][1:]] == [
+        'skipped: FSDP needs CUDA', 'skipped: flash_attention_2 needs CUDA', 'skipped: FSDP needs CUDA']
+    ran = rows[('sdpa', 'none')]
+    assert ran['status'] == 'ok' and (ran['steps'], ran['batches']) == (4, 5)  # 1 warmup step
+    assert ran['real_tokens'] == ran['accounting_tokens'] > 0  # every batch timed, counted once
+    assert 0 < ran['loader_share'] < 1 and ran['positions_per_s'] > ran['real_tokens_per_s'] > 0
+    assert ran['mfu'] is None  # no peak FLOP/s known for a CPU
+    assert 'sdpa               none' in proc.stdout

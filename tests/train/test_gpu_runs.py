@@ -1,0 +1,99 @@
+"""Training runs on a CUDA GPU (skipped without one; ``scripts/gpu_check.sh`` runs them).
+
+* FSDP (``FULL_SHARD`` on one GPU, ``state_dict_type: full``): a run stopped at a checkpoint
+  and resumed ends with the weights, counters and sample log of the straight run, bitwise;
+  ``foundrymix export --to-hf`` of its checkpoint holds those weights.
+* ``amp_bf16`` on the GPU counts exactly what the CPU run of the same config counts.
+* Two ranks on GPUs (NCCL): needs two GPUs -- NCCL refuses two ranks on one device
+  ("Duplicate GPU detected"), so with one GPU the 2-rank runs are the gloo CPU runs of
+  ``tests/train/test_distributed.py``. This is the run a CPU-tensor collective fails at batch 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_run_config
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason='needs 2 GPUs (NCCL refuses two ranks on one GPU)')
+pytestmark = [gpu, pytest.mark.slow]
+FSDP = {'sharding_strategy': 'FULL_SHARD', 'state_dict_type': 'full'}
+
+
+def fit(streams: dict, d: Path, device: str = 'gpu', stop: str | None = None, **top) -> dict:
+    """8 batches (log interval 3, checkpoints every 2); returns the report."""
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.config import TrainConfig
+
+    loader = {'streams': {n: {'local': str(p)} for n, p in streams.items()}, 'num_workers': 0}
+    callbacks = {'stream_accounting': {'out_dir': str(d / 'report'), 'log_interval': '3ba', 'plot': False},
+                 'sample_log': {'path': str(d / 's.jsonl'), 'interval': '3ba'}}
+    if stop:
+        callbacks['stop_at'] = {'time': stop}
+    run = build_trainer(TrainConfig.from_dict(tiny_run_config(
+        loader, global_train_batch_size=4, max_duration='8ba', device=device, save_folder=str(d / 'ckpt'),
+        save_interval='2ba', callbacks=callbacks, **top)))
+    try:
+        run.trainer.fit()
+    finally:
+        run.trainer.close()
+        run.claims.release()
+    return json.loads((d / 'report' / 'stream_accounting.json').read_text())
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt, map_location='cpu', weights_only=False)['state']['model']
+
+
+def test_bf16_gpu_counts_equal_the_cpu_run(small_streams, tmp_path):
+    on_gpu = fit(small_streams, tmp_path / 'gpu', precision='amp_bf16')
+    on_cpu = fit(small_streams, tmp_path / 'cpu', device='cpu', precision='fp32')
+    assert (on_gpu['streams'], on_gpu['total'], on_gpu['history']) == (
+        on_cpu['streams'], on_cpu['total'], on_cpu['history'])
+    assert (tmp_path / 'gpu' / 's.jsonl').read_text() == (tmp_path / 'cpu' / 's.jsonl').read_text()
+
+
+@two_gpus
+def test_two_gpu_ranks_count_what_one_rank_counts(small_streams, tmp_path):
+    from test_distributed import report, sample_log, train_1rank, train_nranks, write_config
+
+    data = {name: str(path) for name, path in small_streams.items()}
+    one = tmp_path / 'one'
+    one.mkdir()
+    train_1rank(write_config(one, data, log_interval='4ba', device='gpu', max_duration='10ba'))
+    two = tmp_path / 'two'
+    two.mkdir()  # composer -n 2: one GPU per rank
+    train_nranks(write_config(two, data, log_interval='4ba', device='gpu', max_duration='10ba'))
+    assert report(two)['history'] == report(one)['history']
+    assert report(two)['streams'] == report(one)['streams']
+    assert [sorted(b['sample_ids']) for b in sample_log(two / 'samples.jsonl')] == [
+        sorted(b['sample_ids']) for b in sample_log(one / 'samples.jsonl')]
+
+
+def test_fsdp_stop_resume_is_bitwise_and_exports(small_streams, tmp_path, process_group_ends):
+    from safetensors.torch import load_file
+
+    from foundrymix.cli import main as cli
+
+    straight = fit(small_streams, tmp_path / 'straight', fsdp=FSDP, precision='amp_bf16')
+    stopped = tmp_path / 'stopped'
+    fit(small_streams, stopped, fsdp=FSDP, precision='amp_bf16', stop='4ba')
+    resumed = fit(small_streams, stopped, fsdp=FSDP, precision='amp_bf16',
+                  load_path=str(stopped / 'ckpt' / 'ep0-ba4-rank0.pt'))
+    a, b = weights(tmp_path / 'straight' / 'ckpt' / 'latest-rank0.pt'), weights(stopped / 'ckpt' / 'latest-rank0.pt')
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (resumed['streams'], resumed['history']) == (straight['streams'], straight['history'])
+    assert (stopped / 's.jsonl').read_text() == (tmp_path / 'straight' / 's.jsonl').read_text()
+
+    assert cli(['export', str(stopped / 'ckpt' / 'latest-rank0.pt'), '--to-hf', str(tmp_path / 'hf')]) == 0
+    exported = {}
+    for f in sorted((tmp_path / 'hf').glob('*.safetensors')):
+        exported.update(load_file(f))
+    assert exported, 'no safetensors written'
+    for name, tensor in exported.items():  # CausalLM holds the HF model as `model`
+        assert torch.equal(tensor, a[f'model.{name}'].to(tensor.dtype)), name
