@@ -39,7 +39,7 @@ from foundrymix.train.config import TrainConfig, check_seq_len, split_batch
 from foundrymix.train.console import console_kwargs, extension_line, resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
-from foundrymix.train.remote_resume import is_remote, latest_checkpoint, poll_uploads_sooner
+from foundrymix.train.remote_resume import is_remote, latest_checkpoint, local_checkpoint, poll_uploads_sooner
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,16 @@ def _resume_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.autoresume and is_remote(cfg.save_folder):
         latest = latest_checkpoint(cfg.save_folder)
         return {'autoresume': False, 'load_path': latest or cfg.load_path}
+    if cfg.autoresume and cfg.save_folder:
+        found = local_checkpoint(format_name_with_dist(cfg.save_folder, cfg.run_name))
+        if found is not None and (found.skipped or not found.is_latest):
+            # Not what latest-rank0.pt names: load it ourselves. The newer files are all
+            # incomplete; overwriting lets Composer's start-of-fit check pass them and the
+            # run rewrite them (a local folder: nothing else is overwritten).
+            if found.skipped and dist.get_global_rank() == 0:
+                print(found.line(), flush=True)
+            return {'autoresume': False, 'load_path': found.path,
+                    'save_overwrite': cfg.save_overwrite or bool(found.skipped)}
     return {'autoresume': cfg.autoresume,
             'load_path': None if cfg.autoresume and not cfg.load_path else cfg.load_path}
 
@@ -242,8 +252,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         save_folder=cfg.save_folder,
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        save_overwrite=cfg.save_overwrite,
-        **_resume_kwargs(cfg),
+        **{'save_overwrite': cfg.save_overwrite, **_resume_kwargs(cfg)},
         load_weights_only=cfg.load_weights_only,
         seed=cfg.seed,
     )

@@ -1,4 +1,18 @@
-"""Autoresume from a remote ``save_folder`` (``s3://...``): the latest checkpoint named in the bucket.
+"""Autoresume: the newest *complete* checkpoint of a local ``save_folder``; for a remote one
+(``s3://...``) the latest checkpoint named in the bucket.
+
+Local: Composer (0.32.1) writes ``ep{e}-ba{b}-rank0.pt`` in place with ``torch.save`` (no
+temporary name, no fsync) and then points ``latest-rank0.pt`` at it, and its autoresume loads
+whatever ``latest-rank0.pt`` points at. A job killed (pre-empted) while writing leaves a
+truncated file: as the symlink's target autoresume died with ``PytorchStreamReader failed
+reading zip archive: failed finding central directory``; as a newer file beside it, Composer's
+start-of-fit check refused the folder ("may conflict with a future checkpoint").
+:func:`local_checkpoint` checks each checkpoint's zip central directory (truncation removes it;
+reading it costs a few KB whatever the checkpoint's size), newest batch first, and the run
+loads the newest complete one; the incomplete newer ones are left where they are and named
+in one line, and the run rewrites them as it passes their batches.
+
+Remote:
 
 Why not Composer's own autoresume for remote folders: for a monolithic checkpoint Composer
 (0.32.1) first looks for a *local* file ``<cwd>/<save_folder>/latest-rank0.pt`` -- for
@@ -10,17 +24,86 @@ batches and then fails to upload a checkpoint name that already exists. The buck
 truth: Composer uploads ``latest-rank0.pt.symlink`` (a small object holding the key of the
 newest checkpoint) after each checkpoint's upload is confirmed; this module reads it, as
 Composer itself does for sharded checkpoints, and the run loads that URI (``load_path``).
+A checkpoint in the bucket is whole or absent (an object appears only when its PUT or
+multipart upload completes) and the symlink is uploaded after it: no completeness check there.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import zipfile
+from dataclasses import dataclass, field
 from typing import Optional
 
 from foundrymix.errors import UserError
 
 LATEST = 'latest-rank0.pt.symlink'  # Composer's save_latest_filename for rank 0, plus '.symlink'
+
+
+#: Composer's default ``save_filename`` for rank 0 (the one a monolithic checkpoint is)
+CHECKPOINT = re.compile(r'^ep(\d+)-ba(\d+)-rank0\.pt$')
+LOCAL_LATEST = 'latest-rank0.pt'  # Composer's save_latest_filename for rank 0
+
+
+def incomplete(path: str) -> Optional[str]:
+    """Why the checkpoint at ``path`` cannot be loaded (truncated, unreadable), or None when it
+    is a whole ``torch.save`` zip archive."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        return f'{type(e).__name__}: {e}'
+    if not any(n.endswith('/data.pkl') for n in names):
+        return 'no data.pkl in its zip archive'
+    return None
+
+
+@dataclass
+class LocalResume:
+    """What autoresume found in a local ``save_folder``."""
+
+    path: str                  # the newest complete checkpoint
+    #: newer checkpoints that are incomplete, with why (left in place; the run rewrites them)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    is_latest: bool = True     # ``path`` is what ``latest-rank0.pt`` points at
+
+    def line(self) -> str:
+        """The one line a run that skipped files prints."""
+        why = '; '.join(f'{os.path.basename(p)} is incomplete ({reason})' for p, reason in self.skipped)
+        return (f'autoresume: {why} -- a job killed while writing it; left in place, resuming from '
+                f'the newest complete checkpoint {self.path}')
+
+
+def local_checkpoint(folder: str) -> Optional[LocalResume]:
+    """The newest complete checkpoint in the local ``folder`` (newest batch first), or None
+    when the folder holds no checkpoint (a fresh start).
+
+    Refused (naming the files) when every checkpoint there is incomplete: starting over
+    silently would overwrite them.
+    """
+    found: list[tuple[int, str]] = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        m = CHECKPOINT.match(name)
+        if m:
+            found.append((int(m[2]), os.path.join(folder, name)))
+    latest = os.path.join(folder, LOCAL_LATEST)
+    target = os.path.realpath(latest) if os.path.exists(latest) else None
+    if target is not None and all(os.path.realpath(p) != target for _, p in found):
+        found.append((-1, target))  # a latest-rank0.pt that is not Composer's name: after the named ones
+    if not found:
+        return None
+    skipped: list[tuple[str, str]] = []
+    for _, path in sorted(found, reverse=True):
+        reason = incomplete(path)
+        if reason is None:
+            return LocalResume(path=path, skipped=skipped, is_latest=os.path.realpath(path) == target)
+        skipped.append((path, reason))
+    names = ', '.join(os.path.basename(p) for p, _ in skipped)
+    raise UserError(f'autoresume: no complete checkpoint in {folder}: {names} incomplete ({skipped[0][1]}; '
+                    f'a job killed while writing). Set autoresume=false save_overwrite=true to start the '
+                    f'run over in this folder (it rewrites them), or give the run another save_folder')
 
 
 def is_remote(path: Optional[str]) -> bool:

@@ -233,3 +233,66 @@ def test_batch_not_divisible_by_ranks(tmp_path, data, monkeypatch):
     monkeypatch.setattr(dist, 'get_world_size', lambda: 4)
     with pytest.raises(ConfigError, match=r'global_train_batch_size=6 is not divisible by the 4 ranks'):
         build_trainer(cfg)
+
+
+def half(path: Path) -> None:
+    """What a job killed while ``torch.save`` wrote ``path`` leaves: its first half."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.slow  # whole train.py runs
+def test_truncated_latest_checkpoint_autoresumes_from_the_previous_one(tmp_path, data, straight):
+    """The checkpoint ``latest-rank0.pt`` points at is truncated (a pre-emption during its write):
+    Composer 0.32's autoresume died with ``failed finding central directory``; the run resumes
+    from the newest complete one, says so in one line, and ends as the straight run did."""
+    save = tmp_path / 'ckpt'
+    cfg = write_config(tmp_path / 'c.yaml', data, save_folder=str(save), save_interval='10ba',
+                       autoresume=True, run_name='truncated',
+                       callbacks={'sample_log': {'path': str(tmp_path / 'samples.jsonl')}})
+    train(cfg)
+    last = Path(os.path.realpath(save / 'latest-rank0.pt'))
+    previous = sorted(save.glob('ep*-ba30-rank0.pt'))
+    assert last.name.endswith('-ba40-rank0.pt') and len(previous) == 1
+    half(last)
+    out = train(cfg)
+    assert (f'autoresume: {last.name} is incomplete (BadZipFile: File is not a zip file) -- a job killed '
+            f'while writing it; left in place, resuming from the newest complete checkpoint {previous[0]}'
+            in out.stdout.splitlines())
+    assert 'at batch 30' in out.stdout
+    assert sample_log(tmp_path / 'samples.jsonl') == straight['log']
+    assert_same_weights(final_state(save), straight['state'])  # ba40 written again, whole
+
+
+def test_autoresume_skips_incomplete_checkpoints_or_names_them(tmp_path, data, straight, capsys):
+    """A newer checkpoint left half-written beside ``latest-rank0.pt`` (killed before Composer
+    moved the symlink) is skipped and named; with no complete checkpoint the run is refused,
+    naming the file, and the advice given (start over in the folder) works."""
+    from foundrymix.errors import UserError
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.config import load_config
+
+    whole = Path(os.path.realpath(straight['dir'] / 'ckpt' / 'latest-rank0.pt')).read_bytes()  # batch 40
+    save = tmp_path / 'ckpt'
+    save.mkdir()
+    (save / 'ep1-ba30-rank0.pt').write_bytes(whole)
+    (save / 'ep1-ba35-rank0.pt').write_bytes(whole)
+    half(save / 'ep1-ba35-rank0.pt')
+    (save / 'latest-rank0.pt').symlink_to('ep1-ba30-rank0.pt')
+    cfg = write_config(tmp_path / 'c.yaml', data, save_folder=str(save), autoresume=True)
+    run = build_trainer(load_config(str(cfg), []))
+    run.claims.release()
+    assert run.trainer.state.timestamp.batch == 40  # what the file named ba30 holds
+    assert ('autoresume: ep1-ba35-rank0.pt is incomplete (BadZipFile: File is not a zip file) -- a job '
+            'killed while writing it; left in place, resuming from the newest complete checkpoint '
+            f'{save}/ep1-ba30-rank0.pt') in capsys.readouterr().out.splitlines()
+    assert len((save / 'ep1-ba35-rank0.pt').read_bytes()) == len(whole) // 2  # left as it was
+
+    half(save / 'ep1-ba30-rank0.pt')
+    with pytest.raises(UserError) as err:
+        build_trainer(load_config(str(cfg), []))
+    assert str(err.value).startswith(f'autoresume: no complete checkpoint in {save}: ep1-ba35-rank0.pt, '
+                                     f'ep1-ba30-rank0.pt incomplete (BadZipFile: File is not a zip file; ')
+    assert 'Set autoresume=false save_overwrite=true to start the run over' in str(err.value)
+    train(cfg, 'autoresume=false', 'save_overwrite=true', 'max_duration=2ba', 'save_interval=1ba')
+    assert final_state(save)['timestamp']['Timestamp']['batch'] == 2
