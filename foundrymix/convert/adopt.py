@@ -45,7 +45,7 @@ from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
 from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.convert.writer import check_output_dir
 from foundrymix.errors import UserError
-from foundrymix.format.schema import Manifest, encode_row
+from foundrymix.format.schema import Manifest, RowBatch
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
 BOUNDARIES = ('eos', 'bos', 'none')
@@ -142,10 +142,14 @@ class _TokenRows(_PretrainRows):
             self.since_end + len(result.tokens)
         yield from self._rows(result.tokens, kept)
 
-    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[dict]:
-        for ids, pieces in self.cutter.feed(tokens, lens):
-            self.counts.rows += 1
-            yield encode_row(ids, self.full_span, pieces, self.dtype)
+    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[RowBatch]:
+        """The rows completed, as one batch (a shard's worth: thousands of rows at once)."""
+        ids, pieces, counts = self.cutter.feed_batch(tokens, lens)
+        n = len(ids)
+        if n:
+            self.counts.rows += n
+            yield RowBatch(ids.astype(self.dtype, copy=False), np.tile(self.full_span, n),
+                           np.full(n, len(self.full_span), dtype=np.int64), pieces, counts)
 
     def flush(self) -> Iterator[dict]:
         """The last document has no end in the data (Foundry cut it): it ends the stream."""
