@@ -45,8 +45,8 @@ from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
 from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.convert.writer import check_output_dir
 from foundrymix.errors import UserError
-from foundrymix.format.schema import Manifest, encode_row
-from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
+from foundrymix.format.schema import Manifest, RowBatch
+from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer
 
 BOUNDARIES = ('eos', 'bos', 'none')
 #: the column sets adopt reads, and what they are
@@ -99,7 +99,7 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
     w = worker_state()
     o: TokenOptions = w.options
     name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens')
-    vocab = len(w.tok)
+    vocab = w.vocab_size
     if stream.size and (int(stream.min()) < 0 or int(stream.max()) >= vocab):
         bad = int(np.flatnonzero((stream < 0) | (stream >= vocab))[0])
         row = int(np.searchsorted(np.cumsum(row_lens), bad, side='right'))
@@ -142,10 +142,14 @@ class _TokenRows(_PretrainRows):
             self.since_end + len(result.tokens)
         yield from self._rows(result.tokens, kept)
 
-    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[dict]:
-        for ids, pieces in self.cutter.feed(tokens, lens):
-            self.counts.rows += 1
-            yield encode_row(ids, self.full_span, pieces, self.dtype)
+    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[RowBatch]:
+        """The rows completed, as one batch (a shard's worth: thousands of rows at once)."""
+        ids, pieces, counts = self.cutter.feed_batch(tokens, lens)
+        n = len(ids)
+        if n:
+            self.counts.rows += n
+            yield RowBatch(ids.astype(self.dtype, copy=False), np.tile(self.full_span, n),
+                           np.full(n, len(self.full_span), dtype=np.int64), pieces, counts)
 
     def flush(self) -> Iterator[dict]:
         """The last document has no end in the data (Foundry cut it): it ends the stream."""
@@ -188,7 +192,7 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
     shards, so one shard is not enough; data without either separator is read whole.
     """
     from foundrymix.convert.mds_input import shard_count
-    info = tokenizer_info(load_tokenizer(tokenizer))
+    info = describe_tokenizer(tokenizer)
     window: Optional[int] = None
     previous: Optional[int] = None  # the last token of the shards read so far
     for number in range(shard_count(split.path)):
@@ -311,7 +315,7 @@ def _encode_turns(chunk: Chunk) -> _ChunkExamples:
     (no BOS/EOS added: the turns hold what Foundry's tokenizer call put in)."""
     w = worker_state()
     o: FinetuneOptions = w.options
-    vocab = len(w.tok)
+    vocab = w.vocab_size
     n_lines, n_records, examples, errors, dropped = parse_records(
         chunk, ('turns',), lambda rec: _turns(rec, vocab, o.chat_loss, o.loss_on_prompt), o.on_error)
     lengths = np.zeros(len(examples), dtype=np.int64)
@@ -351,4 +355,4 @@ def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:
 
 TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads', choose_parallel=None)
 TOKENS = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_tokens, parallel='threads',
-                   builder=_TokenRows, manifest_options=lambda o, s: o.to_manifest())
+                   builder=_TokenRows, manifest_options=lambda o, s: o.to_manifest(), tokenizes=False)

@@ -21,7 +21,7 @@ from foundrymix.convert.mds_input import is_mds_dir
 from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
-from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
+from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info
 
 ON_ERROR = ('raise', 'skip')
 #: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py); a larger
@@ -102,10 +102,13 @@ class Setup:
     remote: Any = None  # the checked S3 prefix (foundrymix.convert.upload.S3Target), if any
 
 
-def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_content: int = 1) -> Setup:
+def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_content: int = 1,
+            load: bool = True) -> Setup:
     """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
 
     ``min_content`` is how many non-special tokens a row must at least have room for.
+    ``load=False``: only the tokenizer's description is needed (``Setup.tokenizer`` is None),
+    read without transformers where possible (:func:`~foundrymix.tokenizer.describe_tokenizer`).
     """
     if options.on_error not in ON_ERROR:
         raise UserError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
@@ -147,8 +150,8 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
         from foundrymix.convert.upload import check_remote
         remote = check_remote(output.remote, options.overwrite)
     with importing('transformers'):
-        tok = load_tokenizer(options.tokenizer)
-    info = tokenizer_info(tok)
+        tok = load_tokenizer(options.tokenizer) if load else None
+        info = tokenizer_info(tok) if load else describe_tokenizer(options.tokenizer)
     use_bos = info.add_bos if options.bos is None else options.bos
     if use_bos and info.bos_id is None:
         raise UserError(f'--bos: tokenizer {info.name!r} has no BOS token')

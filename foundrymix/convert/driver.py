@@ -28,18 +28,27 @@ from foundrymix.convert.report import check_rows, print_summary
 from foundrymix.convert.writer import ShardWriter
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest
-from foundrymix.tokenizer import load_tokenizer
+from foundrymix.tokenizer import describe_tokenizer, load_tokenizer
 
 
 @dataclass
 class WorkerState:
-    """What an encode step needs, loaded once per worker (thread pool or process)."""
+    """What an encode step needs, set up once per worker (thread pool or process)."""
 
-    tok: Any
     options: Any  # the converter's ConvertOptions subclass
     bos_id: Optional[int]
     eos_id: Optional[int]
     token_dtype: str
+
+    @property
+    def tok(self) -> Any:
+        """The tokenizer, loaded on first use (cached per process by ``load_tokenizer``):
+        encode steps that only check ids (adopt's) never import transformers."""
+        return load_tokenizer(self.options.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return describe_tokenizer(self.options.tokenizer).vocab_size
 
 
 _state: Optional[WorkerState] = None
@@ -47,10 +56,9 @@ _state: Optional[WorkerState] = None
 
 def init_worker(options: ConvertOptions, bos_id: Optional[int], eos_id: Optional[int],
                 token_dtype: str) -> None:
-    """Load the tokenizer for this worker (in the calling process for thread workers)."""
+    """Set up this worker (in the calling process for thread workers)."""
     global _state
-    _state = WorkerState(tok=load_tokenizer(options.tokenizer), options=options, bos_id=bos_id,
-                         eos_id=eos_id, token_dtype=token_dtype)
+    _state = WorkerState(options=options, bos_id=bos_id, eos_id=eos_id, token_dtype=token_dtype)
 
 
 def worker_state() -> WorkerState:
@@ -138,6 +146,8 @@ class Converter:
     min_content: int = 1
     #: picks the default parallel mode from the inputs and options instead of ``parallel``
     choose_parallel: Optional[Callable[[Setup, Any], str]] = None
+    #: False: the encode step never tokenizes (only the tokenizer's ids are needed)
+    tokenizes: bool = True
 
     def parallel_mode(self, setup: Setup, options: ConvertOptions) -> str:
         """``options.parallel`` if given, else this converter's default for these inputs."""
@@ -185,7 +195,7 @@ def claim_output(local: Optional[str]) -> Optional[claims.Claim]:
 
 
 def _convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
-    setup = prepare(inputs, out, options, min_content=converter.min_content)
+    setup = prepare(inputs, out, options, min_content=converter.min_content, load=converter.tokenizes)
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
                         tokenizer=setup.info, inputs=setup.inputs,
                         options=converter.manifest_options(options, setup))

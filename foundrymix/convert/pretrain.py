@@ -101,6 +101,12 @@ class RowCutter:
 
     def feed(self, tokens: np.ndarray, doc_lens: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Append a chunk; return the rows now complete as ``(input_ids, doc_lens)``."""
+        ids, pieces, counts = self.feed_batch(tokens, doc_lens)
+        return list(zip(ids, np.split(pieces, np.cumsum(counts)[:-1]) if len(counts) else []))
+
+    def feed_batch(self, tokens: np.ndarray, doc_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Append a chunk; return the rows now complete at once: ``(input_ids [rows,
+        max_seq_len], every row's doc_lens back to back (int32), how many each row has)``."""
         L = self.max_seq_len
         stream = np.concatenate((self.rest, tokens))
         pieces = np.concatenate((self.rest_pieces, doc_lens))
@@ -108,23 +114,16 @@ class RowCutter:
         doc_ends = np.cumsum(pieces)
         cut = n_rows * L
         # Boundaries are document ends and row ends; consecutive differences are pieces.
-        bounds = np.union1d(doc_ends[doc_ends < cut], np.arange(L, cut + 1, L)) if n_rows else []
-        rows = []
-        prev = 0
-        row_pieces: list[int] = []
-        for b in bounds:
-            row_pieces.append(int(b - prev))
-            prev = int(b)
-            if b % L == 0:
-                rows.append((stream[b - L:b], np.asarray(row_pieces, dtype=np.int32)))
-                row_pieces = []
+        bounds = np.union1d(doc_ends[doc_ends < cut], np.arange(L, cut + 1, L))
+        row_pieces = np.diff(bounds, prepend=0).astype(np.int32)
+        counts = np.bincount((bounds - 1) // L, minlength=n_rows) if n_rows else np.zeros(0, np.int64)
         if n_rows:
             self.rest_starts_doc = bool(np.isin(cut, doc_ends))
         ends_after = doc_ends[doc_ends > cut]
         self.rest = stream[cut:]
         self.rest_pieces = np.diff(np.concatenate(([cut], ends_after))) if len(ends_after) else \
             np.zeros(0, dtype=np.int64)
-        return rows
+        return stream[:cut].reshape(n_rows, L), row_pieces, counts
 
     @property
     def tail_tokens(self) -> int:

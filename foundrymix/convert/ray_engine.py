@@ -63,7 +63,7 @@ from foundrymix.convert.report import check_rows
 from foundrymix.convert.upload import shard_file
 from foundrymix.convert.writer import _FINISH, ShardWriter
 from foundrymix.errors import UserError
-from foundrymix.format.schema import Counts, Manifest, mds_columns
+from foundrymix.format.schema import Counts, Manifest, mds_columns, rows_of
 
 if TYPE_CHECKING:
     from foundrymix.convert.driver import Converter
@@ -169,14 +169,16 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
             break  # the driver raises for this record; nothing after it matters
         for reason, n in res.dropped.items():  # as the default engine's driver counts them
             manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
-        for row in builder.add(res):
-            writer.write(row)
+        for item in builder.add(res):
+            for row in rows_of(item):
+                writer.write(row)
         docs, tokens = builder.progress(res)[:2]
         result.docs += docs
         result.tokens += tokens
         _maybe_fail(fail, index, manifest.counts.rows)
-    for row in builder.flush():
-        writer.write(row)
+    for item in builder.flush():
+        for row in rows_of(item):
+            writer.write(row)
     writer.finish()
     builder.close()
     return result

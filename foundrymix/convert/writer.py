@@ -41,7 +41,7 @@ from foundrymix.convert.pipeline import importing
 from foundrymix.convert.upload import (INDEX_NAME, SHARD_NAME, RemoteOutputError, S3Target, Uploader,
                                        index_files, shard_file)
 from foundrymix.errors import FoundrymixError, UserError
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,10 @@ class ShardWriter:
         self._closed = False
         self._lock = threading.Lock()  # orders creating the MDSWriter against abort()
         row_bytes = max_seq_len * np.dtype(token_dtype).itemsize
-        self._queue: queue.Queue = queue.Queue(maxsize=max(64, QUEUE_BYTES // row_bytes))
+        self._capacity = max(64, QUEUE_BYTES // row_bytes)  # rows
+        self._queue: queue.Queue = queue.Queue(maxsize=self._capacity)
+        self._batch_rows = 0  # rows of RowBatch items queued (each takes one slot of the queue)
+        self._batch_room = threading.Condition()
         self._thread = threading.Thread(
             target=self._run, name='foundrymix-shard-writer', daemon=True,
             args=(mds_columns(max_seq_len, token_dtype), compression, size_limit, hashes))
@@ -329,10 +332,23 @@ class ShardWriter:
                     return
                 if row is None:  # abort
                     return
-                self._writer.write(row)
+                if isinstance(row, RowBatch):
+                    self._write_batch(row)
+                else:
+                    self._writer.write(row)
                 self._upload_new_shards()
         except BaseException as e:  # handed to the caller's thread
             self._error = e
+
+    def _write_batch(self, batch: RowBatch) -> None:
+        if hasattr(self._writer, 'write_batch'):
+            self._writer.write_batch(batch.columns())
+        else:  # streaming's MDSWriter (compressed output)
+            for row in batch.rows():
+                self._writer.write(row)
+        with self._batch_room:
+            self._batch_rows -= len(batch)
+            self._batch_room.notify_all()
 
     def _upload_new_shards(self) -> None:
         """Hand the shards the MDS writer has closed since the last call to the uploader
@@ -360,10 +376,26 @@ class ShardWriter:
         if self._error is not None:
             raise self._error
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any] | RowBatch) -> None:
+        """Queue one row, or a :class:`~foundrymix.format.schema.RowBatch` (written in one go;
+        batches wait while the rows of those queued would pass the queue's capacity)."""
         assert not self._closed, 'writer already closed'
+        if not isinstance(row, RowBatch):
+            self._put(row)
+            self.rows += 1
+            return
+        n = len(row)
+        if not n:
+            return
+        with self._batch_room:
+            while self._batch_rows and self._batch_rows + n > self._capacity:
+                self._raise_error()
+                if not self._thread.is_alive():
+                    raise RuntimeError('shard writer thread stopped')
+                self._batch_room.wait(0.1)
+            self._batch_rows += n
         self._put(row)
-        self.rows += 1
+        self.rows += n
 
     def finish(self, manifest: Manifest) -> str:
         """Flush shards, write index and manifest, then move the directory into place."""

@@ -59,6 +59,12 @@ def test_foundry_tokens_equal_convert_pretrain(tmp_path, arxiv_jsonl, any_tokeni
                                    common={'workers': 2}))
     assert split.rows == len(rows) == ref.counts.rows == m.counts.rows
     _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
+    # adopt writes whole batches of rows (LeanMDSWriter.write_batch), convert one row at a time:
+    # the same shard files and index, byte for byte
+    files = sorted(n for n in os.listdir(tmp_path / 'ref') if n != 'foundrymix.json')
+    assert sorted(n for n in os.listdir(tmp_path / 'out') if n != 'foundrymix.json') == files
+    for name in files:
+        assert (tmp_path / 'out' / name).read_bytes() == (tmp_path / 'ref' / name).read_bytes(), name
     assert m.max_seq_len == L and m.counts.tail_tokens == 0
     assert m.tokenizer == ref.tokenizer
     assert m.options['source']['inferred'].startswith('documents end after each EOS')
@@ -79,6 +85,33 @@ def test_foundry_tokens_recut_shorter(tmp_path, arxiv_jsonl):
     n = len(rows) * L // 48
     assert m.counts.rows == n and m.counts.tail_tokens == len(rows) * L - n * 48
     _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref')[:n])
+
+
+def test_foundry_tokens_never_import_transformers(tmp_path, spm_tokenizer):
+    """Adopting token shards needs only the tokenizer's ids: read with `tokenizers` alone
+    (importing transformers took 6-15 s of the CLI's start), giving the very TokenizerInfo
+    that the transformers path gives; tokenizers it might load differently (SentencePiece,
+    a special token not among tokenizer.json's added tokens) go through transformers."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from foundrymix.tokenizer import BUNDLED_DIR, describe_tokenizer, tokenizer_info
+    src = write_foundry_pretrain(tmp_path / 'foundry', [np.asarray([5, 0, 9, 7, 0, 3], dtype=np.int32)] * 4)
+    code = ('import sys; from foundrymix.convert.adopt import AdoptArgs, adopt; '
+            f'[(_, m)] = adopt(AdoptArgs(source={str(src)!r}, out={str(tmp_path / "out")!r})); '
+            "print(repr(m.tokenizer), 'transformers' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f'{tokenizer_info(load_tokenizer(DEMO_TOKENIZER))!r} False'
+    other = tmp_path / 'tok'
+    shutil.copytree(BUNDLED_DIR / DEMO_TOKENIZER, other)
+    for name in ('tokenizer_config.json', 'special_tokens_map.json'):
+        config = json.loads((other / name).read_text())
+        (other / name).write_text(json.dumps(dict(config, pad_token='[PAD]')))
+    for name in (str(other), spm_tokenizer):
+        assert describe_tokenizer(name) == tokenizer_info(load_tokenizer(name))
+    assert describe_tokenizer(str(other)).vocab_size == 8193  # transformers added [PAD]
 
 
 def test_foundry_tokens_from_another_tokenizer_refused(tmp_path):

@@ -75,3 +75,40 @@ def test_uncompressed_conversion_never_imports_torch(tmp_path):
                          env={**os.environ, 'PYTHONPATH': str(ROOT)})
     assert out.stdout.strip().splitlines()[-1] == '[]'
     assert (tmp_path / 'out' / 'index.json').exists()
+
+
+@pytest.mark.parametrize('dtype,size_limit', [('uint16', '20kb'), ('uint32', None), ('uint16', 900)])
+def test_write_batch_equals_streaming_mdswriter(tmp_path, dtype, size_limit):
+    """Rows written in batches of any size (some one by one between them) give streaming's
+    MDSWriter's files, byte for byte: shard cuts (a size limit smaller than one row
+    included), offsets, doc_lens shape headers of 1 and 2 bytes, index hashes."""
+    from foundrymix.format.schema import RowBatch
+    seq = 512
+    columns = mds_columns(seq, dtype)
+    rows = _rows(150, seq, dtype, seed=3)
+    ref = MDSWriter(out=str(tmp_path / 'ref'), columns=columns, size_limit=size_limit, hashes=['xxh3_64'],
+                    progress_bar=False, exist_ok=False)
+    for row in rows:
+        ref.write(row)
+    ref.finish()
+    lean = LeanMDSWriter(str(tmp_path / 'lean'), columns, hashes=['xxh3_64'], size_limit=size_limit)
+    at = 0
+    for size in [1, 37, 2, 60, 0, 50]:
+        part = rows[at:at + size]
+        at += size
+        if size == 2:
+            for row in part:
+                lean.write(row)
+            continue
+        batch = RowBatch(np.stack([r['input_ids'] for r in part]).reshape(-1, seq) if part else
+                         np.zeros((0, seq), dtype),
+                         *(x for col in ('loss_spans', 'doc_lens')
+                           for x in (np.concatenate([r[col] for r in part] or [np.zeros(0, np.int32)]),
+                                     np.asarray([len(r[col]) for r in part], dtype=np.int64))))
+        lean.write_batch(batch.columns())
+    assert at == len(rows)
+    lean.finish()
+    names = sorted(os.listdir(tmp_path / 'ref'))
+    assert sorted(os.listdir(tmp_path / 'lean')) == names and len(names) > (1 if size_limit is None else 4)
+    for name in names:
+        assert (tmp_path / 'lean' / name).read_bytes() == (tmp_path / 'ref' / name).read_bytes(), name
