@@ -25,7 +25,7 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
     or a staged run's ``RunPlan`` -- from :func:`~foundrymix.plan.stages.plan_run`, the same
     function the trainer builds its loader from, so what is printed is what trains."""
     from foundrymix.plan.stages import Topology, plan_run
-    from foundrymix.train.config import check_seq_len, load_config, split_batch
+    from foundrymix.train.config import check_streams, load_config, split_batch
 
     cfg = load_config(path, overrides, max_duration)
     device_batch, _ = split_batch(cfg, world_size)
@@ -33,8 +33,8 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
         raise ConfigError(f'world size {world_size} is not divisible by the {nodes} nodes')
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
                              Topology(nodes=nodes, ranks_per_node=world_size // nodes))
-    for catalog in catalogs:  # as train refuses it (issue 21)
-        check_seq_len(cfg, catalog.max_seq_len)
+    for catalog in catalogs:  # as train refuses them (issues 21, 26)
+        check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     return run if run.explicit else run.stages[0].plan
 
 

@@ -35,10 +35,10 @@ from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
-from foundrymix.train.config import TrainConfig, check_seq_len, split_batch
+from foundrymix.train.config import TrainConfig, check_streams, split_batch
 from foundrymix.train.console import console_kwargs, extension_line, resume_line
 from foundrymix.train.gpu import parallelism_config
-from foundrymix.train.model import CausalLM, build_hf_model, check_pretrained_tokenizer
+from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.remote_resume import is_remote, latest_checkpoint, local_checkpoint, poll_uploads_sooner
 
 log = logging.getLogger(__name__)
@@ -131,19 +131,6 @@ def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
     return split_batch(cfg, dist.get_world_size())
 
 
-def _check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: TokenizerInfo) -> None:
-    """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
-    pretrained model's)."""
-    check_seq_len(cfg, max_seq_len)
-    if cfg.tokenizer is not None:
-        from foundrymix.tokenizer import load_tokenizer, tokenizer_info
-        expected = tokenizer_info(load_tokenizer(cfg.tokenizer)).fingerprint
-        if expected != tokenizer.fingerprint:
-            raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
-                              f'converted with ({tokenizer.name})')
-    check_pretrained_tokenizer(cfg.model, tokenizer)
-
-
 def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo, device_batch: int) -> Optional[Evaluator]:
     """The ``eval_loader`` as an evaluator, or None; its streams must match the train streams."""
     if cfg.eval_loader is None:
@@ -206,7 +193,7 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
                           f'(epochs of which stage?); give it in batches (ba) or as a fraction '
                           f'of the run (e.g. 0.05dur)')
     for catalog in catalogs:
-        _check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
+        check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     loader = build_run_loader(run, device_batch, composer_epochs=True)
     # A single mixture keeps Composer's own reading of max_duration (3ep: three of its
     # epochs, which are the mixture's); stages are batches.

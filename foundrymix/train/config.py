@@ -183,6 +183,22 @@ def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional
         raise blame(e, path, applied, data) from None
 
 
+def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
+    """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
+    pretrained model's): ``train`` and ``plan`` refuse alike, with one message (issue 26:
+    ``plan`` accepted a ``tokenizer:`` the streams were not made with). ``tokenizer`` is the
+    streams' :class:`~foundrymix.format.schema.TokenizerInfo`."""
+    check_seq_len(cfg, max_seq_len)
+    if cfg.tokenizer is not None:
+        from foundrymix.tokenizer import describe_tokenizer
+        if describe_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
+            raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
+                              f'converted with ({tokenizer.name})')
+    if cfg.model.pretrained is not None:
+        from foundrymix.train.model import check_pretrained_tokenizer
+        check_pretrained_tokenizer(cfg.model, tokenizer)
+
+
 def check_seq_len(cfg: TrainConfig, stream_seq_len: int) -> None:
     """The train streams' rows must be ``max_seq_len`` long (``train`` and ``plan`` refuse alike)."""
     if stream_seq_len != cfg.max_seq_len:

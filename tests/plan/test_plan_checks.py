@@ -206,3 +206,24 @@ def test_plan_refuses_a_max_seq_len_the_streams_differ_from(root, capsys):
     out, err = capsys.readouterr()
     assert (out, err) == ('', 'foundrymix plan: error: max_seq_len=64, but the train streams hold rows '
                               'of 32 tokens\n')
+
+
+def test_plan_refuses_a_tokenizer_the_streams_were_not_made_with(root, capsys):
+    """Issue 26: ``tokenizer:`` naming another tokenizer than the streams' was planned without
+    a word and refused only by train. Plan refuses it with train's message (one function,
+    ``train.config.check_streams``, for both); the streams' own tokenizer passes."""
+    from helpers import spm_tokenizer_path
+    from foundrymix.train.config import check_streams
+    from foundrymix.plan.catalog import Catalog
+
+    spm = spm_tokenizer_path()
+    assert main(['plan', str(root / 'run.yaml'), f'tokenizer={spm}']) == 2
+    out, err = capsys.readouterr()
+    assert out == '' and err.startswith(f"foundrymix plan: error: tokenizer '{spm}' differs from the one "
+                                        f"the streams were converted with (")
+    cfg = load_config(str(root / 'run.yaml'), [f'tokenizer={spm}'])
+    catalog = Catalog(cfg.train_loader)
+    with pytest.raises(ConfigError) as train_refusal:  # what the trainer runs, word for word
+        check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
+    assert err == f'foundrymix plan: error: {train_refusal.value}\n'
+    assert main(['plan', str(root / 'run.yaml'), 'tokenizer=foundrymix-bpe-8k']) == 0
