@@ -128,6 +128,15 @@ def rank_batches(ds: PlanDataset, epoch: int, topology: Topology, num_workers: i
     return [_split(o) for o in rank_orders(ds, epoch, topology, num_workers, drop_last)]
 
 
+def epoch_batches(ds: PlanDataset, epoch: int, topology: Topology, num_workers: int,
+                  drop_last: bool) -> list[np.ndarray]:
+    """The global batches of one epoch, in training order: global batch ``k`` is batch ``k``
+    of every rank (ranks step together, so the shortest rank ends the epoch)."""
+    per_rank = rank_batches(ds, epoch, topology, num_workers, drop_last)
+    n = min(len(r) for r in per_rank)
+    return [np.concatenate([r[k] for r in per_rank]) for k in range(n)]
+
+
 class EpochSimulator:
     """Rows trained per stream in (a prefix of) an epoch, by replaying streaming's order."""
 
