@@ -443,9 +443,7 @@ class MixedDataset(StreamingDataset):
         a dataset that is dropped keeps its segments -- and about 36 file descriptors per
         stream -- until the process exits. A staged run drops one dataset per stage, and
         a long session (a notebook, the test suite) would run out of descriptors. Call
-        it only when the dataset and its DataLoader iterators are done. Its ``/tmp``
-        filelocks go too when no process uses the prefix any more
-        (:func:`~foundrymix.loader.cache.stale.remove_dead_filelocks`).
+        it only when the dataset and its DataLoader iterators are done.
         """
         import atexit
 
@@ -458,10 +456,6 @@ class MixedDataset(StreamingDataset):
                 shm.cleanup()
             except (BufferError, OSError):  # a numpy view still exports the buffer
                 pass
-        prefix = streaming_compat.shm_prefix(self)
-        if prefix is not None:
-            from foundrymix.loader.cache.stale import remove_dead_filelocks
-            remove_dead_filelocks(prefix)
         if self.cache_claims is not None:  # after the shared memory: the next run may take the dirs
             self.cache_claims.release()
 

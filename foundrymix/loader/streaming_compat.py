@@ -85,12 +85,6 @@ def filelock_names() -> tuple[str, str]:
     return BARRIER_FILELOCK, CACHE_FILELOCK
 
 
-def shm_prefix(dataset: Any) -> Optional[str]:
-    """The six-digit shared-memory prefix ``dataset`` registered (``None`` before it did)."""
-    prefix = getattr(dataset, '_shm_prefix_int', None)
-    return None if prefix is None else f'{prefix:06}'
-
-
 def shm_names_to_clean() -> list[str]:
     """The shared-memory segment names streaming creates per prefix (``SHM_TO_CLEAN``)."""
     from streaming.base.constant import SHM_TO_CLEAN

@@ -10,7 +10,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 from foundrymix.claims import pid_alive as _pid_alive
 from foundrymix.loader.cache.space import remove_plain_file
@@ -35,9 +35,8 @@ def _read_locals(name: str) -> list[str]:
         return []
 
 
-def _prefix_in_use(prefix: str, lock_dir: Optional[str] = None) -> bool:
-    """Whether any process maps or holds open one of streaming's segments ``<prefix>_*``
-    (or, given ``lock_dir``, a file ``<lock_dir>/<prefix>_*``: a held filelock).
+def _prefix_in_use(prefix: str) -> bool:
+    """Whether any process maps or holds open one of streaming's segments ``<prefix>_*``.
 
     Python's ``SharedMemory`` creates segments with mode 0600, so only processes of the
     owner's uid (or root) use them, and a Python process of our own uid is dumpable, so
@@ -47,7 +46,6 @@ def _prefix_in_use(prefix: str, lock_dir: Optional[str] = None) -> bool:
     cleaning anything).
     """
     needle = f'{_SHM_DIR}/{prefix}_'
-    needles = (needle,) if lock_dir is None else (needle, os.path.join(lock_dir, f'{prefix}_'))
     me = str(os.getpid())
     for pid in os.listdir('/proc'):
         if not pid.isdigit() or pid == me:
@@ -58,7 +56,7 @@ def _prefix_in_use(prefix: str, lock_dir: Optional[str] = None) -> bool:
                     return True
             for fd in os.listdir(f'/proc/{pid}/fd'):
                 try:
-                    if os.readlink(f'/proc/{pid}/fd/{fd}').startswith(needles):
+                    if os.readlink(f'/proc/{pid}/fd/{fd}').startswith(needle):
                         return True
                 except OSError:
                     continue
@@ -156,37 +154,6 @@ def _remove_prefix(prefix: str) -> list[str]:
         except FileNotFoundError:
             pass
     for path in locks:
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def remove_dead_filelocks(prefix: str) -> list[str]:
-    """Remove ``<tmp>/<prefix>_barrier_filelock`` and ``_cache_filelock`` once ``prefix`` is
-    provably dead: no segment ``/dev/shm/<prefix>_*`` is left and no other process maps a
-    segment of it or holds one of its filelocks open. Called as a dataset is released.
-
-    Why: streaming 0.13 creates both files per dataset (``dataset.py``: its barrier and
-    cache ``FileLock`` s) and never removes them; ``get_shm_prefix`` skips every prefix
-    whose filelock exists (``shared/prefix.py:_check_and_find``: an ``os.path.exists``
-    for each of the two, for each of its 9 segment names, from prefix 0 up), so each
-    dataset ever built makes every later one scan further -- 4,887 files in this
-    machine's /tmp, 0.57 s of a 100-stream start (issue 22). Without a segment and a
-    user, nothing can read the prefix; while its filelocks exist no new dataset can take
-    it, so between our check and the unlinks nobody registers it.
-    """
-    from foundrymix.loader.streaming_compat import filelock_names
-    if os.path.isdir(_SHM_DIR) and any(n.startswith(f'{prefix}_') for n in os.listdir(_SHM_DIR)):
-        return []
-    lock_dir = tempfile.gettempdir()
-    if _prefix_in_use(prefix, lock_dir):
-        return []
-    removed = []
-    for name in filelock_names():
-        path = os.path.join(lock_dir, f'{prefix}_{name}')
         try:
             os.unlink(path)
             removed.append(path)
