@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import functools
+import inspect
 import os
 import re
 import types
@@ -130,6 +132,42 @@ def _omegaconf_load(path: str) -> Any:
     return OmegaConf.load(path, max_yaml_expanded_nodes=limit)
 
 
+def _plain_yaml(path: str) -> Optional[dict[str, Any]]:
+    """The YAML as omegaconf would return it, when omegaconf has nothing to do: a mapping
+    with string keys of only strings without ``$`` (no interpolation, no escape), numbers,
+    booleans, nulls, lists and mappings, and no node shared by aliases. Else ``None`` (then
+    omegaconf reads it).
+
+    Why: ``OmegaConf.create`` wraps every node of the document in its own node objects and
+    ``to_container`` unwraps them again: 3.9 s of reading a 1,000-stream YAML, more than a
+    raw ``StreamingDataset`` over the streams takes to start (issue 22). The YAML is read
+    with omegaconf's own loader and node limit, so what it parses (and refuses) is the same.
+    """
+    import yaml
+    from omegaconf.omegaconf import get_yaml_loader  # its own loader (2.3: _utils, 2.4: _yaml)
+
+    kwargs: dict[str, Any] = {}
+    if not ('OMEGACONF_MAX_YAML_EXPANDED_NODES' in os.environ or
+            'max_yaml_expanded_nodes' not in inspect.signature(get_yaml_loader).parameters):
+        kwargs['max_yaml_expanded_nodes'] = os.path.getsize(path) + ALIAS_NODE_ALLOWANCE
+    with open(path, encoding='utf-8') as f:
+        obj = yaml.load(f, Loader=get_yaml_loader(**kwargs))
+    seen: set[int] = set()
+
+    def plain(v: Any) -> bool:
+        if isinstance(v, (dict, list)):
+            if id(v) in seen:
+                return False
+            seen.add(id(v))
+            if isinstance(v, dict):
+                return all(type(k) is str and plain(x) for k, x in v.items())
+            return all(plain(x) for x in v)
+        if type(v) is str:
+            return '$' not in v
+        return v is None or type(v) in (bool, int, float)
+    return obj if isinstance(obj, dict) and plain(obj) else None
+
+
 @dataclasses.dataclass
 class Override:
     """One ``key=value`` of the command line, as applied to the YAML."""
@@ -171,6 +209,10 @@ def load_yaml_overrides(path: str, overrides: Sequence[str] = ()) -> tuple[dict[
         key, value = item.split('=', 1)
         pairs.append((key[1:] if key.startswith('+') else key, value))
     try:
+        if not pairs:
+            plain = _plain_yaml(path)
+            if plain is not None:
+                return plain, applied
         cfg = _omegaconf_load(path)
         for (key, value), item in zip(pairs, overrides):
             applied.append(_created(cfg, Override(text=item, key=key)))
@@ -576,6 +618,13 @@ FROM_KEY = {'from_key': True}
 DERIVED = {'derived': True}
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, once per class: it re-evaluates every annotation on
+    each call, 1.5 ms per stream section -- 1.5 s of reading a 1,000-stream YAML (issue 22)."""
+    return typing.get_type_hints(cls)
+
+
 def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = None,
                    allow_extra: Sequence[str] = ()) -> Any:
     """Build dataclass ``cls`` from a mapping, checking every key and every value's type.
@@ -587,7 +636,7 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
     ``cls.check(self, where)`` runs if defined: checks that need several fields.
     """
     data = to_plain(data, where)
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get('derived')]
     settable = [f.name for f in fields if not f.metadata.get('from_key')]
     gather = Gather()  # every unknown key and every bad field, not just the first

@@ -224,3 +224,25 @@ def test_ranks_started_together_hash_once_and_all_refuse(arxiv, cache, damaged):
         assert results == [(None, None, error_for(arxiv))] * 2
     else:
         assert sorted(results, key=lambda r: r[1]) == [(want, 0, None), ([], len(want), None)]
+
+
+def test_second_check_in_one_process_only_stats(arxiv, cache):
+    """A run checks every stream at its start and again as it builds the dataset: the
+    second check in the same process takes no lock and reads no record (it is gone here:
+    the original code hashed every file again) -- until a file changes."""
+    index = index_of(arxiv)
+    config = LoaderConfig.from_dict(cfg(arxiv))
+    want = recorded_hashes(arxiv)
+    first = check_local_shards('arxiv', str(arxiv), index, config)
+    assert (sorted(first.hashed_files), first.recorded_files) == (sorted(want), 0)
+    record = Path(record_path(None, str(arxiv)))
+    record.unlink()
+    again = check_local_shards('arxiv', str(arxiv), index, config)
+    assert (again.hashed_files, again.recorded_files) == ([], len(want))
+    assert not record.exists()
+    st = shard_path(arxiv, 1).stat()
+    flip_bits(arxiv, 1, 3, token=10)
+    os.utime(shard_path(arxiv, 1), ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(CorruptLocalShardError) as err:
+        check_local_shards('arxiv', str(arxiv), index, config)
+    assert str(err.value) == error_for(arxiv)
