@@ -217,8 +217,20 @@ def test_cli_process_matches_in_process(arxiv_jsonl, tmp_path, tokenizer, spm_to
     assert len(lib) > 3 and lib == cli
 
 
-def test_writer_thread_errors_reach_the_caller(arxiv_jsonl, tmp_path):
-    with pytest.raises(ValueError, match='Invalid compression'):
-        convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'o'), PretrainOptions(max_seq_len=L,
-                                                                                  compression='nope'))
+def test_writer_thread_errors_reach_the_caller(arxiv_jsonl, tmp_path, monkeypatch):
+    """A failure inside the shard-writer thread (the MDS encoder, made to fail at its 3rd row:
+    a bad ``--compression``, which provoked one before, is now refused before any work)
+    stops the conversion with that error, and nothing is published."""
+    from foundrymix.format import mds
+    real, calls = mds.LeanMDSWriter.write, []
+
+    def failing(self, sample):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError('encoder failed at row 3')
+        return real(self, sample)
+    monkeypatch.setattr(mds.LeanMDSWriter, 'write', failing)
+    with pytest.raises(ValueError, match='encoder failed at row 3'):
+        convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'o'), PretrainOptions(max_seq_len=L))
+    assert len(calls) == 3
     assert os.listdir(tmp_path) == []  # neither the output nor a partial directory
