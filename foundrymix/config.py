@@ -356,6 +356,8 @@ FOUNDRY_RENAMES: dict[str, str] = {
                                       "decoupled_adamw or adamw",
     'model.init_device': "LLM-Foundry's model.init_device has no equivalent (fsdp builds the model); "
                          "delete it",
+    'model.loss_fn': "LLM-Foundry's model.loss_fn has no equivalent (the loss is transformers' "
+                     "cross-entropy on the labels); delete it",
 }
 
 

@@ -146,6 +146,9 @@ def _model(m: Migration) -> None:
         m.dropped.append(f'model.name: {name} (pretrained_model_name_or_path says the model)')
     if 'init_device' in model:
         m.dropped.append(f"model.init_device: {model.pop('init_device')}: no equivalent (fsdp builds the model)")
+    if 'loss_fn' in model:  # mpt-small-cpu.yaml: torch_crossentropy
+        m.dropped.append(f"model.loss_fn: {model.pop('loss_fn')}: no equivalent (the loss is transformers' "
+                         f"cross-entropy on the labels)")
     if model.get('type') == 'mpt' and 'attention' not in model:
         model['attention'] = 'causal'
         m.changes.append("model.attention: causal (transformers' MPT ignores position_ids, so document "

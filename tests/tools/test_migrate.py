@@ -160,3 +160,16 @@ def test_migrate_lists_what_it_cannot_rewrite(tmp_path, capsys):
         "# to do: optimizer.name: LLM-Foundry's decoupled_lionw is its own optimizer; Composer 0.32 has no "
         "Lion (composer.optim: DecoupledAdamW only): use decoupled_adamw or adamw",
         '# to do: eval_interval: 1 has no unit: give one (1ba or 1ep)']
+
+
+def test_migrated_mpt_small_cpu_reads(tmp_path, capsys):
+    """LLM-Foundry's pretrain/mpt-small-cpu.yaml sets ``model.loss_fn: torch_crossentropy`` (which
+    mpt-125m.yaml above does not): the migrated YAML must read, not stop at that key."""
+    foundry = FOUNDRY.replace('  name: mpt_causal_lm\n', '  name: mpt_causal_lm\n  loss_fn: torch_crossentropy\n')
+    assert foundry != FOUNDRY
+    src, out = tmp_path / 'mpt-small-cpu.yaml', tmp_path / 'new.yaml'
+    src.write_text(foundry)
+    assert main(['migrate', str(src), '--out', str(out)]) == 0
+    assert ("removed: model.loss_fn: torch_crossentropy: no equivalent (the loss is transformers' "
+            "cross-entropy on the labels)") in capsys.readouterr().out.splitlines()
+    assert load_config(str(out)).model.model_type == 'mpt'
