@@ -144,25 +144,32 @@ def _write_records(path: str, directory: str, files: dict[str, Any]) -> None:
 _SEEN: dict[tuple[str, str], list[Any]] = {}
 
 
-def _all_seen(directory: str, index: dict[str, Any], algo: str) -> Optional[int]:
-    """How many files, if every hashed shard file of ``directory`` is one this process found
-    verified and recorded, unchanged (its stat identity as then); None if any is new,
-    changed or not seen (then the record is read, under its lock)."""
-    seen = 0
+def _hashed_files(directory: str, index: dict[str, Any], algo: str) -> Iterator[tuple[str, str, os.stat_result]]:
+    """(basename, expected hash, stat) of every shard file of ``directory`` whose ``index.json``
+    records an ``algo`` hash and that exists (a compressed stream has no raw file until
+    streaming unpacks it; the catalog's size check refuses a missing shard)."""
     for shard in index['shards']:
         for key in ('raw_data', 'zip_data'):
             info = shard.get(key)
             expected = ((info or {}).get('hashes') or {}).get(algo)
             if expected is None:
                 continue
-            base = info['basename']
             try:
-                st = os.stat(os.path.join(directory, base))
+                st = os.stat(os.path.join(directory, info['basename']))
             except FileNotFoundError:
                 continue
-            if _SEEN.get((directory, base)) != [algo, expected, *_identity(st)]:
-                return None
-            seen += 1
+            yield info['basename'], expected, st
+
+
+def _all_seen(directory: str, index: dict[str, Any], algo: str) -> Optional[int]:
+    """How many files, if every hashed shard file of ``directory`` is one this process found
+    verified and recorded, unchanged (its stat identity as then); None if any is new,
+    changed or not seen (then the record is read, under its lock)."""
+    seen = 0
+    for base, expected, st in _hashed_files(directory, index, algo):
+        if _SEEN.get((directory, base)) != [algo, expected, *_identity(st)]:
+            return None
+        seen += 1
     return seen
 
 
@@ -190,25 +197,15 @@ def check_local_shards(name: str, directory: str, index: dict[str, Any], config:
     with _locked(record) as recording:
         files = _read_records(record, directory) if recording else {}
         pending = []
-        for shard in index['shards']:
-            for key in ('raw_data', 'zip_data'):
-                info = shard.get(key)
-                expected = ((info or {}).get('hashes') or {}).get(algo)
-                if expected is None:
-                    continue
-                base = info['basename']
-                try:
-                    st = os.stat(os.path.join(directory, base))
-                except FileNotFoundError:
-                    continue
-                entry = [algo, expected, *_identity(st)]
-                if files.get(base) == entry:
-                    result.recorded_files += 1
-                    continue
-                files.pop(base, None)
-                pending.append((base, st.st_size, entry))
-                result.hashed_files.append(base)
-                result.hashed_bytes += st.st_size
+        for base, expected, st in _hashed_files(directory, index, algo):
+            entry = [algo, expected, *_identity(st)]
+            if files.get(base) == entry:
+                result.recorded_files += 1
+                continue
+            files.pop(base, None)
+            pending.append((base, st.st_size, entry))
+            result.hashed_files.append(base)
+            result.hashed_bytes += st.st_size
         if pending:  # said first: a first run over a large stream reads it all (minutes)
             log.info("stream '%s': hashing %d local shard file(s), %s bytes (%s; once per "
                      'file version; hash_local_shards: false skips it)', name, len(pending),
