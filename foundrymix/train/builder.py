@@ -36,9 +36,10 @@ from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig, check_streams, split_batch
-from foundrymix.train.console import console_kwargs, extension_line, resume_line
+from foundrymix.train.console import console_kwargs, extension_line, resume_line, wsd_resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
+from foundrymix.train.schedule import WSDScheduler, apply_resume_lr
 from foundrymix.train.remote_resume import is_remote, latest_checkpoint, local_checkpoint, poll_uploads_sooner
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,10 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimize
     return DecoupledAdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
-def _scheduler(cfg: TrainConfig) -> Any:
+def _scheduler(cfg: TrainConfig, run: RunPlan) -> Any:
     s = cfg.scheduler
+    if s.name == 'wsd':
+        return WSDScheduler.of(cfg, run)
     if s.name == 'cosine_with_warmup':
         return CosineAnnealingWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
     if s.name == 'linear_decay_with_warmup':
@@ -214,7 +217,8 @@ def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any,
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
-             micro: Union[int, str], callbacks: list[Callback], max_duration: str) -> Trainer:
+             micro: Union[int, str], callbacks: list[Callback], max_duration: str,
+             scheduler: Any) -> Trainer:
     device = _device(cfg)
     _share_cpu_threads(device)
     return Trainer(
@@ -225,7 +229,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         eval_subset_num_batches=cfg.eval_subset_num_batches,
         max_duration=max_duration,
         optimizers=_optimizer(cfg, model),
-        schedulers=_scheduler(cfg),
+        schedulers=scheduler,
         step_schedulers_every_batch=True,
         device=device,
         precision=_precision(cfg, device),
@@ -319,12 +323,18 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before)
-    trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
+    scheduler = _scheduler(cfg, data.run)
+    trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)
     poll_uploads_sooner(trainer)
-    line = resume_line(trainer.state)
+    line = resume_line(trainer.state, cfg.load_weights_only)
+    extended = None
+    if line and isinstance(scheduler, WSDScheduler):
+        extended = wsd_resume_line(trainer.state, scheduler)
+        apply_resume_lr(trainer.state, scheduler)  # the resume batch's LR under this run's schedule
+    elif line:
+        extended = extension_line(trainer.state, scheduler, cfg.optimizer.lr)
     if line and dist.get_global_rank() == 0:
         print(line, flush=True)
-        extended = extension_line(trainer.state, _scheduler(cfg), cfg.optimizer.lr)
         if extended:
             print(extended, flush=True)
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,

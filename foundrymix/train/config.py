@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 from foundrymix.config import (ConfigError, Duration, Gather, Interval, blame, check_keys,
                                load_yaml_overrides, read_dataclass, to_plain)
 from foundrymix.plan.config import LoaderConfig
+from foundrymix.plan.schedule import Decay, Span, check_stage_names
 from foundrymix.train.algorithms import Algorithms
 from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
 from foundrymix.train.gpu import FSDPSettings
@@ -34,12 +35,37 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    """LR schedule: ``cosine_with_warmup``, ``linear_decay_with_warmup`` or ``constant_with_warmup``."""
+    """LR schedule: Composer's ``cosine_with_warmup``, ``linear_decay_with_warmup`` or
+    ``constant_with_warmup`` (``t_warmup``, ``alpha_f``), or ``wsd``: warmup-stable-decay over
+    the run's batches (``warmup``, ``decay``; :mod:`foundrymix.plan.schedule`)."""
 
     name: Literal['cosine_with_warmup', 'linear_decay_with_warmup',
-                  'constant_with_warmup'] = 'cosine_with_warmup'
+                  'constant_with_warmup', 'wsd'] = 'cosine_with_warmup'
     t_warmup: Interval = Interval('0ba')
     alpha_f: float = 0.1
+    #: wsd: a duration (``20ba``, ``5%``, ``0.05dur``) or ``{stage: NAME}`` (to that stage's end)
+    warmup: Optional[Span] = None
+    #: wsd: ``{stage: NAME | duration: ..., to: 0.0, shape: linear|cosine|sqrt}``
+    decay: Optional[Decay] = None
+
+    def check(self, where: str) -> None:
+        gather = Gather()
+        if self.name == 'wsd':
+            if self.decay is None:
+                gather.add(ConfigError(f'{where}.decay: wsd needs decay: {{stage: NAME}} or '
+                                       f'{{duration: 20ba}} (with to: and shape:)'))
+            if self.t_warmup != '0ba':
+                gather.add(ConfigError(f'{where}.t_warmup: is for the Composer schedulers; wsd takes '
+                                       f'warmup: {self.t_warmup}'))
+            if self.alpha_f != 0.1:
+                gather.add(ConfigError(f'{where}.alpha_f: is for the Composer schedulers; wsd takes '
+                                       f'decay.to: {self.alpha_f}'))
+        else:
+            for key in ('warmup', 'decay'):
+                if getattr(self, key) is not None:
+                    gather.add(ConfigError(f'{where}.{key}: only name: wsd takes {key} '
+                                           f'({self.name} takes t_warmup and alpha_f)'))
+        gather.raise_any()
 
 
 def _read_callbacks(value: Any, where: str) -> dict[str, Any]:
@@ -142,6 +168,12 @@ class TrainConfig:
         if self.max_duration is None and self.train_loader.stages is None:
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")
+        if self.scheduler.name == 'wsd':
+            stages = self.train_loader.stages
+            names = [s.name for s in stages] if stages is not None else ['main']
+            check_stage_names([('scheduler.warmup', self.scheduler.warmup),
+                               ('scheduler.decay', self.scheduler.decay and self.scheduler.decay.span)],
+                              names, stages is not None)
 
     @property
     def stream_accounting(self) -> StreamAccountingConfig:

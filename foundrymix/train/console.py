@@ -25,10 +25,17 @@ def console_kwargs(cfg: Any) -> dict[str, Any]:
             'console_stream': console.stream if console is not None else 'stdout'}
 
 
-def resume_line(state: Any) -> Optional[str]:
-    """``resumed from PATH at batch B (epoch E, batch b of it[, stage S, batch s of it])``, or None."""
+def resume_line(state: Any, weights_only: bool = False) -> Optional[str]:
+    """``resumed from PATH at batch B (epoch E, batch b of it[, stage S, batch s of it])``, or None.
+
+    With ``load_weights_only`` nothing but the weights is taken, and the line says so: the
+    data position, optimizer and schedule start at batch 0 (a branch that resets them).
+    """
     if not getattr(state, 'load_path', None):
         return None
+    if weights_only:
+        return (f'weights from {state.load_path}; the data position, optimizer and LR schedule '
+                f'start fresh at batch 0 (load_weights_only)')
     ts = state.timestamp
     where = f'epoch {int(ts.epoch)}, batch {int(ts.batch_in_epoch)} of it'
     position = getattr(state.train_dataloader, 'dataset', None)
@@ -71,3 +78,31 @@ def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
     return (f'the run is {what} from {old} to {new} batches{done}: the LR schedule now spans '
             f'{new} batches; LR at batch {resumed.batch}: {before:.6g} under the checkpoint\'s '
             f'length, {after:.6g} now{same}')
+
+
+def wsd_resume_line(state: Any, scheduler: Any) -> Optional[str]:
+    """For a ``wsd`` run resumed at batch B: the LR of batch B as the checkpoint's run left it
+    (the optimizer's, set by its own schedule) and under this run's schedule, when they
+    differ or the run's length changed; else None.
+
+    Why: extending the stable phase or branching into an anneal from a checkpoint changes the
+    schedule from the resume batch on; the line shows the change where it takes effect.
+    """
+    position = getattr(state.train_dataloader, 'dataset', None)
+    resumed = getattr(position, 'resumed', None)
+    run = getattr(position, 'run', None)
+    if resumed is None or run is None:
+        return None
+    base = state.schedulers[0].base_lrs[0]
+    before = state.optimizers[0].param_groups[0]['lr']
+    after = base * scheduler.schedule.multiplier(resumed.batch)
+    old, new = resumed.old_total_batches, run.total_batches
+    if old == new and abs(before - after) <= 1e-12 * max(abs(before), 1e-30):
+        return None
+    length = ('' if old is None or old == new else
+              f'the run is {"extended" if new > old else "shortened"} from {old} to {new} batches'
+              f'{" (it had finished)" if resumed.batch >= old else ""}; ')
+    phase = next((n for n, a, b in scheduler.schedule.phases() if a <= resumed.batch < b), 'end')
+    return (f'{length}LR at batch {resumed.batch}: {before:.6g} as the checkpoint left it, '
+            f'{after:.6g} now (wsd {phase}; decay batches {scheduler.schedule.decay_start}-'
+            f'{scheduler.schedule.decay_end - 1})')

@@ -1,0 +1,227 @@
+"""The warmup-stable-decay LR schedule (``scheduler: {name: wsd, ...}``) as arithmetic over
+global batches, resolved against the run's stages.
+
+Why here, in ``plan/``: ``foundrymix plan`` prints and draws the LR the run will train with,
+and the trainer's Composer scheduler (:mod:`foundrymix.train.schedule`) must give exactly
+those numbers -- so both evaluate one function, :meth:`WSDSchedule.multiplier`, over spans
+resolved once from the :class:`~foundrymix.plan.stages.RunPlan` (a stage's name becomes its
+exact batches; ``sp``/``tok``/``dur``/``%`` become whole batches or are refused with the
+numbers, as stage durations are).
+
+The LR of global batch ``b`` (0-based) is ``lr * multiplier(b)``, the schedule at the *end*
+of the batch: warmup ``(b + 1) / W`` (the warmup's last batch trains at ``lr``, its first at
+``lr / W`` rather than 0); stable ``1``; decay over batches ``[s, e)`` with ``p = (b + 1 - s)
+/ (e - s)``: linear ``1 - (1 - to) p``, cosine ``to + (1 - to)(1 + cos(pi p)) / 2``, sqrt
+``1 - (1 - to) sqrt(p)`` (the "1-sqrt" cooldown of Hägele et al. 2024, MiniCPM's WSD) -- so
+the decay stage's first batch is already below ``lr`` and its last trains at ``to * lr``;
+after a decay that ends before the run does, ``to``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Sequence
+
+from foundrymix.config import ConfigError, Gather, did_you_mean, read_dataclass
+
+#: a span's duration: a whole ``ba``/``sp``/``tok``/``ep``, or a fraction of the run (``dur``, ``%``)
+_SPAN = re.compile(r'\s*(\d+(?:\.\d*)?)\s*(ba|sp|tok|ep|dur|%)\s*')
+
+
+def check_span_duration(text: str, where: str) -> None:
+    """``20ba``, ``5000sp``, ``1000000tok``, ``1ep``, ``0.1dur`` or ``10%``; checked when read."""
+    m = _SPAN.fullmatch(text)
+    if not m:
+        raise ConfigError(f'{where}: {text!r} is not a duration (a number and ba, sp, tok, ep, dur '
+                          f'or %, e.g. 20ba, 0.1dur, 10%)')
+    value, unit = float(m.group(1)), m.group(2)
+    if unit in ('ba', 'sp', 'tok', 'ep') and not value.is_integer():
+        raise ConfigError(f'{where}: {text!r}: {unit} needs a whole number')
+    limit = 1.0 if unit == 'dur' else 100.0 if unit == '%' else math.inf
+    if value <= 0 or value > limit:
+        raise ConfigError(f'{where}: {text!r} must be above 0' + (f' and at most {limit:g}{unit} '
+                          f'(the whole run)' if limit != math.inf else ''))
+
+
+@dataclass
+class Span:
+    """A part of the run: a duration (``20ba``, ``10%``, ...) or a stage (``{stage: anneal}``)."""
+
+    duration: Optional[str] = None
+    stage: Optional[str] = None
+
+    def check(self, where: str) -> None:
+        if (self.duration is None) == (self.stage is None):
+            raise ConfigError(f'{where}: give exactly one of duration (e.g. 20ba, 10%) or stage '
+                              f'(a stage name)')
+        if self.duration is not None:
+            check_span_duration(self.duration, f'{where}.duration')
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'Span':
+        if isinstance(value, str):  # ``warmup: 10ba``
+            span = cls(duration=value)
+            span.check(where)
+            return span
+        return read_dataclass(cls, value, where)
+
+    def text(self) -> str:
+        return f'stage {self.stage}' if self.stage is not None else str(self.duration)
+
+
+@dataclass
+class Decay:
+    """``decay: {stage: anneal | duration: 20ba, to: 0.0, shape: linear|cosine|sqrt}``: the
+    decay's span, the LR it ends at (a fraction of ``lr``) and its shape."""
+
+    duration: Optional[str] = None
+    stage: Optional[str] = None
+    to: float = 0.0
+    shape: Literal['linear', 'cosine', 'sqrt'] = 'linear'
+
+    def check(self, where: str) -> None:
+        self.span.check(where)
+        if not 0.0 <= self.to <= 1.0:
+            raise ConfigError(f'{where}.to: {self.to} is not a fraction of lr in [0, 1]')
+
+    @property
+    def span(self) -> Span:
+        return Span(duration=self.duration, stage=self.stage)
+
+
+def check_stage_names(spans: Sequence[tuple[str, Optional[Span]]], stages: Sequence[str],
+                      explicit: bool) -> None:
+    """Every ``{stage: X}`` must name a stage of the run (all unknown ones at once)."""
+    gather = Gather()
+    for where, span in spans:
+        if span is None or span.stage is None or span.stage in stages:
+            continue
+        listing = ', '.join(stages) if explicit else f'{stages[0]} (the run has no stages:)'
+        gather.add(ConfigError(f'{where}.stage: no stage {span.stage!r}; the stages are: '
+                               f'{listing}{did_you_mean(span.stage, list(stages))}'))
+    gather.raise_any()
+
+
+@dataclass
+class Timeline:
+    """What a schedule needs of a run: its stages' spans in batches and the units' sizes."""
+
+    stages: list[tuple[str, int, int]]   # (name, first batch, batches)
+    total_batches: int
+    global_batch_size: int
+    max_seq_len: int
+    batches_per_epoch: Optional[int]     # a run without stages: its mixture's; else None
+    explicit: bool = True
+
+    @classmethod
+    def of(cls, run: Any) -> 'Timeline':
+        """The timeline of a :class:`~foundrymix.plan.stages.RunPlan`."""
+        return cls(stages=[(s.name, s.start_batch, s.batches) for s in run.stages],
+                   total_batches=run.total_batches, global_batch_size=run.global_batch_size,
+                   max_seq_len=run.max_seq_len, explicit=run.explicit,
+                   batches_per_epoch=None if run.explicit else run.stages[0].plan.batches_per_epoch)
+
+    def batches(self, text: str, where: str) -> int:
+        """A span duration as whole global batches of this run; refused with the numbers."""
+        m = _SPAN.fullmatch(text)
+        assert m is not None, text  # checked when read
+        value, unit = float(m.group(1)), m.group(2)
+        T, G = self.total_batches, self.global_batch_size
+        if unit == 'ep' and self.batches_per_epoch is None:
+            raise ConfigError(f'{where}: {text} is ambiguous with stages (epochs of which stage?); '
+                              f'give it in batches (ba), as a fraction of the run (0.1dur, 10%) or '
+                              f'as a stage ({{stage: NAME}})')
+        per = {'ba': 1, 'sp': G, 'tok': G * self.max_seq_len, 'ep': 1 / (self.batches_per_epoch or 1),
+               'dur': 1 / T, '%': 100 / T}[unit]
+        exact = value / per
+        if abs(exact - round(exact)) > 1e-9:
+            low, high = math.floor(exact), math.ceil(exact)
+            raise ConfigError(f'{where}: {text} is {exact:.4g} global batches of this run ({T} '
+                              f'batches of {G} rows x {self.max_seq_len} tokens), not a whole '
+                              f'number; give {low}ba or {high}ba')
+        return int(round(exact))
+
+    def stage_span(self, name: str, where: str) -> tuple[int, int]:
+        for stage, start, batches in self.stages:
+            if stage == name:
+                return start, start + batches
+        names = [s[0] for s in self.stages]
+        raise ConfigError(f'{where}.stage: no stage {name!r}; the stages are: {", ".join(names)}'
+                          f'{did_you_mean(name, names)}')
+
+
+@dataclass
+class WSDSchedule:
+    """A warmup-stable-decay schedule resolved to batches: the LR multiplier of every batch."""
+
+    warmup: int             # batches 0 .. warmup-1 warm up
+    decay_start: int        # first batch of the decay
+    decay_end: int          # one past its last batch
+    to: float
+    shape: str
+    total_batches: int
+    stage_starts: list[tuple[str, int]] = field(default_factory=list)  # for the printout
+
+    def multiplier(self, batch: int) -> float:
+        """The LR of global batch ``batch`` (0-based) over ``lr``: the schedule at its end."""
+        t = batch + 1
+        if t <= self.warmup:
+            return t / self.warmup
+        if t <= self.decay_start:
+            return 1.0
+        if t >= self.decay_end:
+            return self.to
+        p = (t - self.decay_start) / (self.decay_end - self.decay_start)
+        if self.shape == 'cosine':
+            return self.to + (1 - self.to) * (1 + math.cos(math.pi * p)) / 2
+        if self.shape == 'sqrt':
+            return 1 - (1 - self.to) * math.sqrt(p)
+        return 1 - (1 - self.to) * p
+
+    def phases(self) -> list[tuple[str, int, int]]:
+        """(phase, first batch, one past the last) of warmup, stable, decay and after, if any."""
+        spans = [('warmup', 0, self.warmup), ('stable', self.warmup, self.decay_start),
+                 ('decay', self.decay_start, self.decay_end),
+                 ('after decay', self.decay_end, self.total_batches)]
+        return [p for p in spans if p[2] > p[1]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {'name': 'wsd', 'warmup_batches': self.warmup, 'decay_start': self.decay_start,
+                'decay_end': self.decay_end, 'to': self.to, 'shape': self.shape,
+                'phases': [{'phase': n, 'first_batch': a, 'last_batch': b - 1}
+                           for n, a, b in self.phases()],
+                'lr_at_stage_starts': {n: self.multiplier(b) for n, b in self.stage_starts},
+                'lr_at_last_batch': self.multiplier(self.total_batches - 1)}
+
+
+def resolve_wsd(warmup: Optional[Span], decay: Decay, timeline: Timeline,
+                where: str = 'scheduler') -> WSDSchedule:
+    """The schedule's spans in batches of ``timeline``; every problem at once.
+
+    The warmup runs from batch 0 (a stage: to that stage's end); the decay ends at the run's
+    end (a duration) or spans the named stage.
+    """
+    gather = Gather()
+    W, start, end = 0, timeline.total_batches, timeline.total_batches
+    if warmup is not None:
+        with gather:
+            W = (timeline.stage_span(warmup.stage, f'{where}.warmup')[1] if warmup.stage is not None
+                 else timeline.batches(str(warmup.duration), f'{where}.warmup'))
+    with gather:
+        if decay.stage is not None:
+            start, end = timeline.stage_span(decay.stage, f'{where}.decay')
+        else:
+            start = end - timeline.batches(str(decay.duration), f'{where}.decay.duration')
+    gather.raise_any()
+    if start < 0:
+        raise ConfigError(f'{where}.decay.duration: {decay.duration} is {end - start} batches, longer '
+                          f'than the run ({timeline.total_batches} batches)')
+    if W > start:
+        raise ConfigError(f'{where}.warmup: {warmup.text() if warmup else W} ends at batch {W}, '
+                          f'after the decay starts (batch {start}); shorten the warmup or start '
+                          f'the decay later')
+    return WSDSchedule(warmup=W, decay_start=start, decay_end=end, to=decay.to, shape=decay.shape,
+                       total_batches=timeline.total_batches,
+                       stage_starts=[(n, b) for n, b, _ in timeline.stages])

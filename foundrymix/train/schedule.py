@@ -1,0 +1,54 @@
+"""The ``wsd`` schedule as a Composer scheduler: :class:`WSDScheduler`.
+
+Why its own call convention: Composer 0.32 steps a scheduler at the end of batch ``b``
+*before* it advances the timestamp (``Trainer._train_loop``: ``scheduler.step()``, then
+``timestamp.to_next_batch``), so a call during training sets the LR of batch ``b + 1``
+while ``state.timestamp.batch`` still reads ``b``; the one call before training
+(``LambdaLR``'s constructor, ``state.batch`` still None) sets batch 0's. Composer's own
+schedulers evaluated at the timestamp therefore train batch ``b`` with their value at
+``b - 1`` (batches 0 and 1 alike); this one returns, for each call, the multiplier
+of the batch it sets -- so the LR of every batch is exactly
+:meth:`~foundrymix.plan.schedule.WSDSchedule.multiplier`, what ``foundrymix plan`` prints.
+
+A resumed run loads the optimizer's LR as the checkpoint's run left it (for the next batch
+under *that* run's schedule); :func:`apply_resume_lr` sets the resume batch's LR under this
+run's schedule, so an extended or branched run trains the batch it resumes at as its plan says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from foundrymix.plan.schedule import Timeline, WSDSchedule, resolve_wsd
+
+
+class WSDScheduler:
+    """A Composer scheduler (``callable(state) -> LR multiplier``) over a resolved schedule."""
+
+    def __init__(self, schedule: WSDSchedule) -> None:
+        self.schedule = schedule
+
+    @classmethod
+    def of(cls, cfg: Any, run: Any) -> 'WSDScheduler':
+        """From the ``scheduler`` config and the run's plan (the spans resolved once)."""
+        s = cfg.scheduler
+        return cls(resolve_wsd(s.warmup, s.decay, Timeline.of(run)))
+
+    def __call__(self, state: Any, ssr: float = 1.0) -> float:
+        if ssr != 1.0:
+            raise ValueError('scheduler wsd does not support scale_schedule_ratio')
+        batch = int(state.timestamp.batch)
+        training = state.batch is not None  # a step after batch b sets batch b + 1's LR
+        return self.schedule.multiplier(batch + 1 if training else batch)
+
+    def __repr__(self) -> str:
+        return f'WSDScheduler({self.schedule})'
+
+
+def apply_resume_lr(state: Any, scheduler: WSDScheduler) -> None:
+    """Set the resume batch's LR under this run's schedule (see the module docstring)."""
+    batch = int(state.timestamp.batch)
+    for compiled in state.schedulers:
+        for group, base in zip(compiled.optimizer.param_groups, compiled.base_lrs):
+            group['lr'] = base * scheduler.schedule.multiplier(batch)
+        compiled._last_lr = [g['lr'] for g in compiled.optimizer.param_groups]
