@@ -115,3 +115,84 @@ def test_lr_of_every_batch_is_the_wsd_formula(straight):
     lrs = [lr for _, lr, *_ in rec.rows]
     assert lrs[5] == LR and lrs[6] < LR
     assert lrs[9] == pytest.approx(0.1 * LR)
+
+
+def loader_batches(cfg: TrainConfig) -> list[tuple[list[int], list[int]]]:
+    """The run's batches (sample ids, stream ids) straight from its loader: the reference."""
+    from foundrymix.loader.run_loader import build_staged_loader
+    loader = build_staged_loader(cfg.train_loader, BATCH)
+    out = [(b['sample_id'].tolist(), b['stream_id'].tolist()) for b in loader]
+    loader.release()
+    del loader
+    gc.collect()
+    return out
+
+
+def trained(recorder: Recorder) -> dict[int, tuple[list[int], list[int]]]:
+    return {b: (ids, streams) for b, _, _, ids, streams in recorder.rows}
+
+
+def files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+WSD_ANNEAL = {'name': 'wsd', 'warmup': '2ba', 'decay': {'stage': 'anneal', 'to': 0.1, 'shape': 'cosine'}}
+
+
+def test_extending_the_stable_phase_moves_the_decay(straight, data, tmp_path, capsys):
+    """Recipe 1: from the stable phase's last checkpoint (ba6), stable 6 -> 9 batches; the anneal
+    moves to batches 9-12 with its data, and the LR follows the new spans from the resume batch."""
+    before = files(straight['ckpt'])
+    ckpt = straight['ckpt'] / 'ep0-ba6-rank0.pt'
+    cfg = config(data, tmp_path, [{**STABLE, 'duration': '9ba'}, ANNEAL], WSD_ANNEAL,
+                 load_path=str(ckpt), save_folder=str(tmp_path / 'ckpt'))
+    rec, lines = fit(cfg, capsys)
+    old = wsd(6, 2, 6, 10, 0.1, 'cosine')
+    assert lines == [f"resumed from {ckpt} at batch 6 (epoch 0, batch 6 of it, stage 'stable', batch 6 of it)",
+                     f'the run is extended from 10 to 13 batches; LR at batch 6: {old:.6g} as the checkpoint '
+                     f'left it, {LR:.6g} now (wsd stable; decay batches 9-12)']
+    assert_lrs(rec, {b: wsd(b, 2, 9, 13, 0.1, 'cosine') for b in range(6, 13)})
+    got, reference = trained(rec), loader_batches(cfg)
+    assert [got[b] for b in range(6, 13)] == reference[6:13]
+    # the anneal is the same fresh pass over its streams as in the straight run, 3 batches later
+    assert [got[b] for b in range(9, 13)] == [trained(straight['recorder'])[b] for b in range(6, 10)]
+    assert files(straight['ckpt']) == before  # the run branched from is untouched
+
+
+def test_branching_an_anneal_keeps_the_data_position(straight, data, tmp_path, capsys):
+    """Recipe 2, position kept: from the ba3 checkpoint (mid-stable), end the stable stage there and
+    anneal on another mixture (sqrt to 0) in a new save_folder."""
+    before = files(straight['ckpt'])
+    ckpt = straight['ckpt'] / 'ep0-ba3-rank0.pt'
+    code = {'name': 'code', 'duration': '4ba', 'streams': {'arxiv': {'repeat': 1}}}
+    cfg = config(data, tmp_path, [{**STABLE, 'duration': '3ba'}, code],
+                 {'name': 'wsd', 'warmup': '2ba', 'decay': {'stage': 'code', 'shape': 'sqrt'}},
+                 load_path=str(ckpt), save_folder=str(tmp_path / 'ckpt'))
+    rec, lines = fit(cfg, capsys)
+    assert lines == [f"resumed from {ckpt} at batch 3 (epoch 0, batch 3 of it, stage 'code', batch 0 of it)",
+                     f'the run is shortened from 10 to 7 batches; LR at batch 3: {LR:.6g} as the checkpoint '
+                     f'left it, {wsd(3, 2, 3, 7, 0.0, "sqrt"):.6g} now (wsd decay; decay batches 3-6)']
+    assert_lrs(rec, {b: wsd(b, 2, 3, 7, 0.0, 'sqrt') for b in range(3, 7)})
+    assert rec.rows[-1][1] == 0.0
+    got = trained(rec)
+    assert [got[b] for b in range(3, 7)] == loader_batches(cfg)[3:7]
+    assert {s for b in range(3, 7) for s in got[b][1]} == {0}  # arxiv only: the branch's mixture
+    assert files(straight['ckpt']) == before
+
+
+def test_branching_with_load_weights_only_resets_the_position(straight, data, tmp_path, capsys):
+    """Recipe 2, position reset: the stable-phase weights (ba6), the anneal from its first row at
+    batch 0, a fresh optimizer and schedule -- and the resume line says so."""
+    from foundrymix.plan.config import STAGE_SEED_STEP
+    ckpt = straight['ckpt'] / 'ep0-ba6-rank0.pt'
+    # the seed the anneal had as the run's second stage: the same rows in the same order
+    anneal = {**ANNEAL, 'shuffle_seed': 3 + STAGE_SEED_STEP}
+    cfg = config(data, tmp_path, [anneal], {'name': 'wsd', 'decay': {'stage': 'anneal', 'to': 0.1, 'shape': 'cosine'}},
+                 load_path=str(ckpt), load_weights_only=True, save_folder=str(tmp_path / 'ckpt'))
+    rec, lines = fit(cfg, capsys)
+    assert lines == [f'weights from {ckpt}; the data position, optimizer and LR schedule start fresh at '
+                     f'batch 0 (load_weights_only)']
+    assert_lrs(rec, {b: wsd(b, 0, 0, 4, 0.1, 'cosine') for b in range(4)})
+    got, full = trained(rec), trained(straight['recorder'])
+    assert [got[b][0] for b in range(4)] == [full[b][0] for b in range(6, 10)]
+    assert {s for b in range(4) for s in got[b][1]} == {0}  # dolly: the only stream of this run
