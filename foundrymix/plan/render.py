@@ -233,10 +233,33 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
                                   'the run', all_streams=all_streams))
 
 
-def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:
+def render_lr_schedule(schedule: Any, lr: float, console: Any) -> None:
+    """The ``wsd`` schedule: each phase's batches and LR at its ends, the LR at each stage's
+    first batch -- the values the trainer's scheduler gives those batches."""
+    from rich.table import Table
+
+    m = schedule.multiplier
+    shape = {'linear': 'linear', 'cosine': 'cosine', 'sqrt': '1-sqrt'}[schedule.shape]
+    table = Table(title=f'LR schedule: wsd, lr {lr:g}, {shape} decay to {schedule.to:g} x lr')
+    for col in ('phase', 'batches', 'first batch', 'last batch', 'LR first', 'LR last'):
+        table.add_column(col, justify='left' if col == 'phase' else 'right')
+    for name, a, b in schedule.phases():
+        table.add_row(name, f'{b - a:,}', f'{a:,}', f'{b - 1:,}', f'{lr * m(a):.6g}',
+                      f'{lr * m(b - 1):.6g}')
+    console.print(table)
+    console.print('note: a batch trains with the schedule\'s LR at its end: the warmup\'s last batch '
+                  'at lr, the decay\'s last at its end LR')
+    if len(schedule.stage_starts) > 1:
+        console.print('LR at the first batch of each stage: ' + ', '.join(
+            f'{n} (batch {b:,}) {lr * m(b):.6g}' for n, b in schedule.stage_starts))
+
+
+def plot_run_plan(run: Any, path: str, realized: Any = None, lr: Any = None) -> None:
     """A picture of the planned mixture over training steps: one band per stream (its
     share of each global batch), stage boundaries marked; ``realized`` (batch ->
-    cumulative rows per stream, from the accounting report) is drawn over it."""
+    cumulative rows per stream, from the accounting report) is drawn over it; ``lr``
+    (a :class:`~foundrymix.plan.schedule.WSDSchedule` and the base LR) adds the LR of
+    every batch in a panel below, on the same batch axis."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -253,7 +276,11 @@ def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:
         share = [rows.get(n, 0) / total for n in names]
         xs += [s.start_batch, s.end_batch]
         shares += [share, share]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    if lr is None:
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+    else:
+        fig, (ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
+                                        gridspec_kw={'height_ratios': [3, 1.4]})
     bands = ax.stackplot(xs, np.array(shares).T, labels=[f'{n} (plan)' for n in names], alpha=0.45)
     for s in run.stages[1:]:
         ax.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
@@ -263,7 +290,10 @@ def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:
         _draw_realized(ax, run, names, realized, [tuple(b.get_facecolor()[0][:3]) for b in bands])
     ax.set_xlim(0, run.total_batches)
     ax.set_ylim(0, 1.08)
-    ax.set_xlabel('global batch')
+    if lr is not None:
+        _draw_lr(lr_ax, run, *lr)
+    else:
+        ax.set_xlabel('global batch')
     ax.set_ylabel('share of rows (stacked)')
     ax.set_title('Planned mixture over training' + (' and realized (lines: share so far in the '
                                                      'stage)' if realized is not None else ''))
@@ -292,3 +322,20 @@ def _draw_realized(ax: Any, run: Any, names: list[str], realized: Any, colors: l
             ys = np.concatenate(([stacked[0, i]], stacked[:, i]))
             ax.step(xs, ys, where='pre', color=colors[i], linewidth=1.4,
                     label=f'{name} (realized)' if stage.index == 0 else None)
+
+
+def _draw_lr(ax: Any, run: Any, schedule: Any, lr: float) -> None:
+    """The LR of every batch (a step per batch, batch ``b`` over ``[b, b + 1)``), stage
+    boundaries marked as above."""
+    import numpy as np
+
+    lrs = schedule.lrs(lr)
+    xs = np.arange(len(lrs) + 1)
+    ax.step(xs, lrs + lrs[-1:], where='post', color='black', linewidth=1.2)
+    for s in run.stages[1:]:
+        ax.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
+    ax.set_ylim(0, lr * 1.08)
+    ax.set_ylabel('LR')
+    ax.set_xlabel('global batch')
+    ax.set_title(f'LR: wsd, warmup {schedule.warmup} ba, decay batches {schedule.decay_start}-'
+                 f'{schedule.decay_end - 1} ({schedule.shape} to {schedule.to:g} x lr)', fontsize=9)

@@ -187,13 +187,20 @@ class WSDSchedule:
                  ('after decay', self.decay_end, self.total_batches)]
         return [p for p in spans if p[2] > p[1]]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {'name': 'wsd', 'warmup_batches': self.warmup, 'decay_start': self.decay_start,
-                'decay_end': self.decay_end, 'to': self.to, 'shape': self.shape,
-                'phases': [{'phase': n, 'first_batch': a, 'last_batch': b - 1}
+    def lrs(self, lr: float) -> list[float]:
+        """The LR of every batch of the run."""
+        return [lr * self.multiplier(b) for b in range(self.total_batches)]
+
+    def to_dict(self, lr: float) -> dict[str, Any]:
+        """The spans and the LR (``lr`` times the multiplier) where it changes course."""
+        return {'name': 'wsd', 'lr': lr, 'warmup_batches': self.warmup,
+                'decay_start': self.decay_start, 'decay_end': self.decay_end, 'to': self.to,
+                'shape': self.shape,
+                'phases': [{'phase': n, 'first_batch': a, 'last_batch': b - 1,
+                            'lr_first': lr * self.multiplier(a), 'lr_last': lr * self.multiplier(b - 1)}
                            for n, a, b in self.phases()],
-                'lr_at_stage_starts': {n: self.multiplier(b) for n, b in self.stage_starts},
-                'lr_at_last_batch': self.multiplier(self.total_batches - 1)}
+                'stages': [{'stage': n, 'first_batch': b, 'lr': lr * self.multiplier(b)}
+                           for n, b in self.stage_starts]}
 
 
 def resolve_wsd(warmup: Optional[Span], decay: Decay, timeline: Timeline,

@@ -24,6 +24,22 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
     """Build the plan of a training YAML: a single mixture's :class:`~foundrymix.plan.mixture.Plan`,
     or a staged run's ``RunPlan`` -- from :func:`~foundrymix.plan.stages.plan_run`, the same
     function the trainer builds its loader from, so what is printed is what trains."""
+    run, _ = _plan(path, overrides, world_size, max_duration, nodes)
+    return run if run.explicit else run.stages[0].plan
+
+
+def lr_schedule(cfg: Any, run: Any) -> Any:
+    """The run's ``wsd`` schedule resolved against its plan (what the trainer's scheduler
+    evaluates), or None for Composer's schedulers; refused as ``train`` refuses it."""
+    if cfg.scheduler.name != 'wsd':
+        return None
+    from foundrymix.plan.schedule import Timeline, resolve_wsd
+    return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
+
+
+def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Optional[str],
+          nodes: int) -> tuple[Any, Any]:
+    """(the RunPlan, the config) of a training YAML."""
     from foundrymix.plan.stages import Topology, plan_run
     from foundrymix.train.config import check_streams, load_config, split_batch
 
@@ -35,7 +51,7 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
                              Topology(nodes=nodes, ranks_per_node=world_size // nodes))
     for catalog in catalogs:  # as train refuses them (issues 21, 26)
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
-    return run if run.explicit else run.stages[0].plan
+    return run, cfg
 
 
 def _topology(args: argparse.Namespace) -> tuple[int, int]:
@@ -53,19 +69,26 @@ def _topology(args: argparse.Namespace) -> tuple[int, int]:
 
 def _run(args: argparse.Namespace) -> int:
     world, nodes = _topology(args)
-    plan = plan_from_yaml(args.config, args.overrides, world, args.max_duration, nodes)
+    run, cfg = _plan(args.config, args.overrides, world, args.max_duration, nodes)
+    plan = run if run.explicit else run.stages[0].plan
+    schedule, lr = lr_schedule(cfg, run), cfg.optimizer.lr
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
-    elif hasattr(plan, 'stages'):
-        from foundrymix.plan.render import render_run_plan
-        render_run_plan(plan, all_streams=args.streams == 'all')
+        out = plan.to_dict()
+        if schedule is not None:
+            out['lr_schedule'] = schedule.to_dict(lr)
+        print(json.dumps(out, indent=2))
     else:
-        from foundrymix.plan.render import render_plan
-        render_plan(plan, all_streams=args.streams == 'all')
+        from foundrymix.plan.render import console_for_output, render_lr_schedule, render_plan, render_run_plan
+        console = console_for_output()
+        if run.explicit:
+            render_run_plan(plan, console, all_streams=args.streams == 'all')
+        else:
+            render_plan(plan, console, all_streams=args.streams == 'all')
+        if schedule is not None:
+            render_lr_schedule(schedule, lr, console)
     if args.png:
         from foundrymix.plan.render import plot_run_plan
-        from foundrymix.plan.stages import as_run_plan
-        plot_run_plan(as_run_plan(plan), args.png)
+        plot_run_plan(run, args.png, lr=(schedule, lr) if schedule is not None else None)
         if not args.json:
             print(f'picture: {args.png}')
     return 0

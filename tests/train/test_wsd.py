@@ -9,6 +9,7 @@ formula written out here, independently of :mod:`foundrymix.plan.schedule`.
 from __future__ import annotations
 
 import gc
+import json
 import math
 from pathlib import Path
 
@@ -196,3 +197,82 @@ def test_branching_with_load_weights_only_resets_the_position(straight, data, tm
     got, full = trained(rec), trained(straight['recorder'])
     assert [got[b][0] for b in range(4)] == [full[b][0] for b in range(6, 10)]
     assert {s for b in range(4) for s in got[b][1]} == {0}  # dolly: the only stream of this run
+
+
+def write_yaml(data: dict, path: Path, stages: list[dict], scheduler: dict) -> Path:
+    import yaml
+    cfg = tiny_run_config(loader(data, stages), global_train_batch_size=BATCH, optimizer={'lr': LR},
+                          scheduler=scheduler)
+    path.write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    return path
+
+
+def plan_cli(capsys, *args: str) -> tuple[int, str]:
+    from foundrymix.cli import main
+    capsys.readouterr()
+    code = main(['plan', *args])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_plan_prints_and_draws_the_lr_the_run_trains_with(straight, data, tmp_path, capsys):
+    """``foundrymix plan`` (text, --json, --png) against the LRs the straight run's optimizer had."""
+    trained_lr = {b: lr for b, lr, *_ in straight['recorder'].rows}
+    yaml_path = write_yaml(data, tmp_path / 'run.yaml', [STABLE, ANNEAL], WSD_ANNEAL)
+    code, out = plan_cli(capsys, '--json', str(yaml_path))
+    assert code == 0
+    lr = json.loads(out)['lr_schedule']
+    assert [(p['phase'], p['first_batch'], p['last_batch']) for p in lr['phases']] == [
+        ('warmup', 0, 1), ('stable', 2, 5), ('decay', 6, 9)]
+    for p in lr['phases']:
+        assert (p['lr_first'], p['lr_last']) == (trained_lr[p['first_batch']], trained_lr[p['last_batch']])
+    assert [(s['stage'], s['first_batch'], s['lr']) for s in lr['stages']] == [
+        ('stable', 0, trained_lr[0]), ('anneal', 6, trained_lr[6])]
+
+    png = tmp_path / 'plan.png'
+    code, out = plan_cli(capsys, str(yaml_path), '--png', str(png))
+    assert code == 0
+    rows = [line.split('│')[1:-1] for line in out.splitlines() if line.count('│') == 7]
+    cells = [[c.strip() for c in r] for r in rows]
+    assert [c for c in cells if c[0] in ('warmup', 'stable', 'decay')] == [
+        [n, str(b - a + 1), str(a), str(b), f'{trained_lr[a]:.6g}', f'{trained_lr[b]:.6g}']
+        for n, a, b in (('warmup', 0, 1), ('stable', 2, 5), ('decay', 6, 9))]
+    assert (f'LR at the first batch of each stage: stable (batch 0) {trained_lr[0]:.6g}, anneal (batch 6) '
+            f'{trained_lr[6]:.6g}') in out
+    from PIL import Image
+    with Image.open(png) as image:  # the LR panel below the mixture: 6.5 in at 100 dpi, not 4.5
+        assert image.size == (900, 650)
+
+
+@pytest.mark.parametrize('scheduler, messages', [
+    ({'name': 'wsd', 'warmup': {'stage': 'warm'}, 'decay': {'stage': 'aneal'}},
+     ["scheduler.warmup.stage: no stage 'warm'; the stages are: stable, anneal",
+      "scheduler.decay.stage: no stage 'aneal'; the stages are: stable, anneal; did you mean 'anneal'?"]),
+    ({'name': 'wsd', 't_warmup': '2ba'},
+     ['scheduler.decay: wsd needs decay:', 'scheduler.t_warmup: is for the Composer schedulers; wsd takes warmup: 2ba']),
+    ({'name': 'cosine_with_warmup', 'decay': {'duration': '2ba'}},
+     ['scheduler.decay: only name: wsd takes decay']),
+    ({'name': 'wsd', 'decay': {'duration': '2ba', 'stage': 'anneal', 'shape': 'square'}},
+     ["scheduler.decay.shape: 'square' is not one of linear, cosine, sqrt"]),
+])
+def test_wsd_config_errors_name_every_problem(data, tmp_path, capsys, scheduler, messages):
+    yaml_path = write_yaml(data, tmp_path / 'run.yaml', [STABLE, ANNEAL], scheduler)
+    code, out = plan_cli(capsys, str(yaml_path))
+    assert code == 2
+    for message in messages:
+        assert message in out
+
+
+@pytest.mark.parametrize('scheduler, message', [
+    ({'name': 'wsd', 'decay': {'duration': '15%'}},
+     'scheduler.decay.duration: 15% is 1.5 global batches of this run (10 batches of 4 rows x 128 '
+     'tokens), not a whole number; give 1ba or 2ba'),
+    ({'name': 'wsd', 'warmup': '1ep', 'decay': {'stage': 'anneal'}},
+     'scheduler.warmup: 1ep is ambiguous with stages (epochs of which stage?)'),
+    ({'name': 'wsd', 'warmup': '8ba', 'decay': {'stage': 'anneal'}},
+     'scheduler.warmup: 8ba ends at batch 8, after the decay starts (batch 6)'),
+])
+def test_wsd_spans_that_do_not_fit_the_run_are_refused(data, tmp_path, capsys, scheduler, message):
+    yaml_path = write_yaml(data, tmp_path / 'run.yaml', [STABLE, ANNEAL], scheduler)
+    code, out = plan_cli(capsys, str(yaml_path))
+    assert code == 2 and message in out and len(out.strip().splitlines()) == 1
