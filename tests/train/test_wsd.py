@@ -276,3 +276,22 @@ def test_wsd_spans_that_do_not_fit_the_run_are_refused(data, tmp_path, capsys, s
     yaml_path = write_yaml(data, tmp_path / 'run.yaml', [STABLE, ANNEAL], scheduler)
     code, out = plan_cli(capsys, str(yaml_path))
     assert code == 2 and message in out and len(out.strip().splitlines()) == 1
+
+
+def test_plan_of_a_run_without_stages_reads_epochs_of_its_mixture(data, tmp_path, capsys):
+    """Without stages the run is the stage ``main`` and ``ep`` is an epoch of its mixture."""
+    import yaml
+    cfg = tiny_run_config({'streams': {n: {'local': str(p), 'repeat': 1} for n, p in data.items()},
+                           'num_workers': 0}, global_train_batch_size=BATCH, max_duration='40ba',
+                          optimizer={'lr': LR},
+                          scheduler={'name': 'wsd', 'warmup': '1ep', 'decay': {'duration': '25%', 'to': 0.5}})
+    (tmp_path / 'run.yaml').write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    code, out = plan_cli(capsys, '--json', str(tmp_path / 'run.yaml'))
+    assert code == 0, out
+    plan = json.loads(out)
+    epoch = plan['batches_per_epoch']
+    assert 0 < epoch < 30
+    assert [(p['phase'], p['first_batch'], p['last_batch'], p['lr_first'], p['lr_last'])
+            for p in plan['lr_schedule']['phases']] == [
+        ('warmup', 0, epoch - 1, LR / epoch, LR), ('stable', epoch, 29, LR, LR),
+        ('decay', 30, 39, wsd(30, epoch, 30, 40, 0.5, 'linear'), LR * 0.5)]
