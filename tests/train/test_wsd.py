@@ -215,6 +215,11 @@ def plan_cli(capsys, *args: str) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
+def table_rows(out: str) -> list[list[str]]:
+    """The cells of every 6-column table row printed."""
+    return [[c.strip() for c in line.split('│')[1:-1]] for line in out.splitlines() if line.count('│') == 7]
+
+
 def test_plan_prints_and_draws_the_lr_the_run_trains_with(straight, data, tmp_path, capsys):
     """``foundrymix plan`` (text, --json, --png) against the LRs the straight run's optimizer had."""
     trained_lr = {b: lr for b, lr, *_ in straight['recorder'].rows}
@@ -232,9 +237,7 @@ def test_plan_prints_and_draws_the_lr_the_run_trains_with(straight, data, tmp_pa
     png = tmp_path / 'plan.png'
     code, out = plan_cli(capsys, str(yaml_path), '--png', str(png))
     assert code == 0
-    rows = [line.split('│')[1:-1] for line in out.splitlines() if line.count('│') == 7]
-    cells = [[c.strip() for c in r] for r in rows]
-    assert [c for c in cells if c[0] in ('warmup', 'stable', 'decay')] == [
+    assert [c for c in table_rows(out) if c[0] in ('warmup', 'stable', 'decay')] == [
         [n, str(b - a + 1), str(a), str(b), f'{trained_lr[a]:.6g}', f'{trained_lr[b]:.6g}']
         for n, a, b in (('warmup', 0, 1), ('stable', 2, 5), ('decay', 6, 9))]
     assert (f'LR at the first batch of each stage: stable (batch 0) {trained_lr[0]:.6g}, anneal (batch 6) '
@@ -295,3 +298,6 @@ def test_plan_of_a_run_without_stages_reads_epochs_of_its_mixture(data, tmp_path
             for p in plan['lr_schedule']['phases']] == [
         ('warmup', 0, epoch - 1, LR / epoch, LR), ('stable', epoch, 29, LR, LR),
         ('decay', 30, 39, wsd(30, epoch, 30, 40, 0.5, 'linear'), LR * 0.5)]
+    code, out = plan_cli(capsys, str(tmp_path / 'run.yaml'), '--png', str(tmp_path / 'plan.png'))
+    assert code == 0 and (tmp_path / 'plan.png').stat().st_size > 0
+    assert ['stable', str(30 - epoch), str(epoch), '29', f'{LR:g}', f'{LR:g}'] in table_rows(out)
