@@ -314,6 +314,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     retry_counter = s3_retries.install()  # before the first metadata fetch
     retries_before = retry_counter.snapshot()
     data = _train_data(cfg, device_batch)
+    scheduler = _scheduler(cfg, data.run)  # wsd spans refused before the model is built
 
     reproducibility.seed_all(cfg.seed)
     hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
@@ -323,7 +324,6 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before)
-    scheduler = _scheduler(cfg, data.run)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)
     poll_uploads_sooner(trainer)
     line = resume_line(trainer.state, cfg.load_weights_only)
