@@ -38,7 +38,7 @@ import numpy as np
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records, worker_state
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _ChunkExamples, _concat, _fit, _layout
-from foundrymix.convert.mds_input import MdsSplit, find_splits, read_column_arrays
+from foundrymix.convert.mds_input import MdsSplit, OutOfRange, find_splits, read_column_arrays
 from foundrymix.convert.paths import check_overlap, is_url
 from foundrymix.convert.pipeline import ChunkErrors
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
@@ -98,21 +98,20 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
     """Read one token shard (no tokenizer): its rows joined, ids checked, document ends found."""
     w = worker_state()
     o: TokenOptions = w.options
-    name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens')
     vocab = w.vocab_size
-    if stream.size and (int(stream.min()) < 0 or int(stream.max()) >= vocab):
-        bad = int(np.flatnonzero((stream < 0) | (stream >= vocab))[0])
-        row = int(np.searchsorted(np.cumsum(row_lens), bad, side='right'))
-        raise UserError(f'{name}:row {row}: token id {int(stream[bad])} is outside the vocabulary of '
+    try:
+        name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype, vocab)
+    except OutOfRange as e:
+        raise UserError(f'{e.file}:row {e.row}: token id {e.value} is outside the vocabulary of '
                         f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
-                        f'tokenizer: pass it with --tokenizer')
+                        f'tokenizer: pass it with --tokenizer') from None
     if o.boundary == 'eos':
         ends = np.flatnonzero(stream == o.boundary_id) + 1
     elif o.boundary == 'bos':
         ends = np.flatnonzero(stream == o.boundary_id)
     else:
         ends = np.zeros(0, dtype=np.int64)
-    return _ChunkIds(len(row_lens), len(ends), ChunkErrors(), {}, stream.astype(w.token_dtype), ends)
+    return _ChunkIds(len(row_lens), len(ends), ChunkErrors(), {}, stream, ends)
 
 
 class _TokenRows(_PretrainRows):
