@@ -4,7 +4,12 @@ is only read and --out never replaces a file."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
+from helpers import DEMO_TOKENIZER, SMALL_SEQ
 
 from foundrymix.cli import main
 from foundrymix.config import ConfigErrors
@@ -173,3 +178,69 @@ def test_migrated_mpt_small_cpu_reads(tmp_path, capsys):
     assert ("removed: model.loss_fn: torch_crossentropy: no equivalent (the loss is transformers' "
             "cross-entropy on the labels)") in capsys.readouterr().out.splitlines()
     assert load_config(str(out)).model.model_type == 'mpt'
+
+
+#: LLM-Foundry's own YAMLs (tests/data/foundry/README.md: source commit and license)
+FOUNDRY_DIR = Path(__file__).resolve().parent.parent / 'data' / 'foundry'
+
+#: Overrides that only make each migrated YAML fit this machine and the bundled data, never
+#: fix a migration: the data paths (their files do not exist here), the tokenizer (gpt-neox-20b
+#: and gpt2 are not bundled; the streams were made with the demo one), the row length of the
+#: small streams, a model small enough for a CPU (same model type, fewer/narrower layers),
+#: a few batches of a few rows, no loader worker processes, fp32 and no fsdp (this is a CPU:
+#: FSDP needs GPUs, migrate says so) and a local pretrained model directory for gpt2 (migrate
+#: lists that one as a to do).
+SCALE = ['fsdp=null', 'train_loader.num_workers=0', 'global_train_batch_size=4', 'device_train_microbatch_size=2', 'device_eval_batch_size=2',
+         'max_duration=2ba', 'precision=fp32', f'tokenizer={DEMO_TOKENIZER}', f'variables.max_seq_len={SMALL_SEQ}']
+MPT = ['model.d_model=16', 'model.n_heads=2', 'model.n_layers=1', 'model.expansion_ratio=2']
+
+
+def _tiny_gpt2(path: Path) -> Path:
+    """A 1-layer GPT-2 saved by transformers itself, the bundled tokenizer beside it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from foundrymix.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=8192, n_positions=SMALL_SEQ)
+                    ).save_pretrained(path)
+    load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['mpt-125m', 'mpt-small-cpu', 'gpt2-arc-easy-cpu-streaming-dataset',
+                                  '1b_local_data_sft'])
+def test_each_migrated_foundry_yaml_trains(name, small_streams, tmp_path, capsys):
+    """Migrated, each of the four shipped Foundry YAMLs trains a few batches on CPU (real run,
+    in process) with only the data/scale overrides above; to-do lines are exactly what the
+    overrides had to supply."""
+    from foundrymix.train.builder import train
+
+    out = tmp_path / 'new.yaml'
+    assert main(['migrate', str(FOUNDRY_DIR / f'{name}.yaml'), '--out', str(out)]) == 0
+    todo = [line for line in capsys.readouterr().out.splitlines() if line.startswith('to do:')]
+    data = tmp_path / 'data'
+    finetune = 'finetun' in out.read_text() or name.startswith(('gpt2', '1b'))
+    stream = small_streams['dolly' if finetune else 'arxiv']
+    for split in ('train', 'val', 'validation'):
+        shutil.copytree(stream, data / split)
+    overrides = SCALE + [f'save_folder={tmp_path / "ckpt"}'] + (
+        [] if name.startswith('gpt2') else ['eval_loader.num_workers=0'])
+    if name.startswith('mpt'):
+        overrides += MPT + [f'variables.data_local={data}']
+    elif name.startswith('gpt2'):
+        overrides += [f'variables.data_local={data}',
+                      f'model.pretrained_model_name_or_path={_tiny_gpt2(tmp_path / "gpt2")}']
+        assert todo == ['to do: model.pretrained_model_name_or_path: gpt2: give a local Hugging Face model '
+                        'directory (models are never downloaded; e.g. save_pretrained() it once)']
+    else:  # an HF json dataset with a preprocessing function: converted first, here already
+        overrides += MPT + [f'train_loader.streams.train.local={data}', f'eval_loader.streams.eval.local={data}',
+                            'load_path=null', 'load_weights_only=false']  # its oci:// checkpoint is a placeholder
+        assert [t.split(':')[0] for t in todo] == ['to do', 'to do']
+        assert 'foundrymix convert finetune /path/to/data/dir/ --preprocess my.import.path:my_preprocessing_fn' \
+            in todo[0] and todo[0].endswith('then set train_loader.streams.train.local: DIR')
+    if name.startswith('mpt'):
+        assert todo == []
+    run = train(load_config(str(out), overrides))
+    assert int(run.trainer.state.timestamp.batch) == 2
+    assert run.accounting is not None
