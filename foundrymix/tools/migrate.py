@@ -88,8 +88,11 @@ def migrate(data: dict[str, Any]) -> Migration:
         if ref and ref.group(1) in variables and variables[ref.group(1)] is None:
             m.changes.append(f'{key}: {d.pop(key)} is empty -> left out (the default applies)')
     for key in [k for k in d if k not in known]:
-        d.pop(key)
-        m.dropped.append(f'{key}: {(foundry_advice(key) or "no equivalent").split("; delete")[0]}')
+        value = d.pop(key)
+        merged = [n for n in ('train_loader', 'eval_loader') if _merged_into(value, d.get(n))]
+        why = (f'a block the YAML merges into {" and ".join(n + ".dataset" for n in merged)} (<<: *anchor), '
+               f'migrated there' if merged else (foundry_advice(key) or 'no equivalent').split('; delete')[0])
+        m.dropped.append(f'{key}: {why}')
     if isinstance(d.get('tokenizer'), dict):
         tok = d['tokenizer']
         d['tokenizer'] = tok.get('name')
@@ -100,8 +103,6 @@ def migrate(data: dict[str, Any]) -> Migration:
     for name in ('train_loader', 'eval_loader'):
         _loader(m, name)
     _model(m)
-    if isinstance(d.get('optimizer'), dict) and d['optimizer'].get('name') == 'decoupled_lionw':
-        m.todo.append(f"optimizer.name: {foundry_advice('optimizer.name=decoupled_lionw')}")
     for section, table in (('algorithms', ALGORITHMS), ('callbacks', CALLBACKS)):
         for key in [k for k in (d.get(section) or {}) if k not in table]:
             d[section].pop(key)
@@ -116,6 +117,14 @@ def migrate(data: dict[str, Any]) -> Migration:
             m.todo.append(f'{key}: {value} has no unit: give one (e.g. {value}ep; Composer reads an int as epochs)')
     _pretrained(m)
     return m
+
+
+def _merged_into(value: Any, loader: Any) -> bool:
+    """Is ``value`` (a top-level block) all in ``loader.dataset``, as ``<<: *anchor`` leaves it?
+    (1b_local_data_sft.yaml: ``dataset: &hf_dataset`` only feeds its loaders)."""
+    dataset = loader.get('dataset') if isinstance(loader, dict) else None
+    return (isinstance(value, dict) and bool(value) and isinstance(dataset, dict)
+            and all(k in dataset and dataset[k] == v for k, v in value.items()))
 
 
 def _loader(m: Migration, name: str) -> None:
