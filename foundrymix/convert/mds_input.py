@@ -212,3 +212,53 @@ def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str]
         raise OutOfRange(name, row, int(rows.reshape(-1)[bad]))
     values = rows.astype(dtype or rows.dtype).reshape(-1)  # the one copy out of the shard
     return name, values, lens
+
+
+def download_datasets(url: str, into: str, progress: bool = False) -> int:
+    """Copy every MDS dataset under ``s3://bucket/prefix`` (each folder with ``index.json``,
+    and the shard files it lists) into the local folder ``into``, keeping the layout; returns
+    the bytes copied.
+
+    Why a copy first: the readers here map or read whole shard files; a local copy is what
+    the user would otherwise make with ``aws s3 sync`` (``adopt`` deletes it when done).
+    Only what the indexes list is fetched, not the rest of the prefix.
+    """
+    from foundrymix.convert.upload import RetryCounter, _list_keys, describe, index_files, make_client, parse_s3_url
+    s3 = parse_s3_url(url)
+    client = make_client(RetryCounter())
+    try:
+        keys = set(_list_keys(client, s3))
+    except Exception as e:
+        raise UserError(describe('listing', url, e)) from None
+    indexes = sorted(k for k in keys if k.split('/')[-1] == INDEX_NAME
+                     and not any(part.startswith('.') for part in k.split('/')))
+    if not indexes:
+        raise UserError(f'{url}: no MDS dataset there (no {INDEX_NAME} under the prefix)')
+    total = 0
+
+    def get(key: str) -> None:
+        nonlocal total
+        local = os.path.join(into, *key.split('/'))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        try:
+            client.download_file(s3.bucket, s3.key(key), local)
+        except Exception as e:
+            raise UserError(describe('download', s3.url(key), e)) from None
+        total += os.path.getsize(local)
+
+    for index_key in indexes:
+        get(index_key)
+        folder = index_key[:-len(INDEX_NAME)]
+        index = _index(os.path.join(into, *folder.split('/')))
+        wanted = sorted(folder + name for name in index_files(index))
+        for shard in index['shards']:
+            names = [folder + shard[k]['basename'] for k in ('raw_data', 'zip_data') if shard.get(k)]
+            if not any(n in keys for n in names):
+                raise UserError(f"{s3.url(names[0])}: missing; {s3.url(index_key)} lists it (an incomplete "
+                                f"upload?)")
+        for key in wanted:
+            if key in keys:
+                get(key)
+        if progress:
+            print(f'  copied {s3.url(folder.rstrip("/"))} ({len(wanted)} shard file(s))')
+    return total
