@@ -223,7 +223,8 @@ def _register_adopt(subparsers: Any) -> None:
                     'no tokenizer run (documents end at the EOS ids in the data); finetune shards '
                     '(prompt/response) and raw-text MDS (text) are tokenized as by `convert`. A folder '
                     'of splits (<src>/train, <src>/val) gives <out>/train, <out>/val.')
-    a.add_argument('source', metavar='DIR', help='an MDS folder (index.json), or a folder of them (splits)')
+    a.add_argument('source', metavar='DIR', help='an MDS folder (index.json), or a folder of them (splits); '
+                                                 'or s3://bucket/prefix (copied to $TMPDIR first)')
     a.add_argument('-o', '--out', required=True,
                    help='output folder (empty or absent; a foundrymix dataset with --overwrite) or '
                         's3://bucket/prefix, as for `convert`; one subfolder per split when the source '

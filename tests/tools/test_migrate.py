@@ -252,12 +252,12 @@ def test_migrated_mpt_small_cpu_reads(tmp_path, capsys):
 #: fix a migration: the data paths (their files do not exist here), the tokenizer (gpt-neox-20b
 #: and gpt2 are not bundled; the streams were made with the demo one), the row length of the
 #: small streams, a model small enough for a CPU (same model type, fewer/narrower layers),
-#: a few batches of a few rows, no loader worker processes, fp32 and no fsdp (this is a CPU:
+#: a few batches of a few rows (one of eval), no loader worker processes, fp32 and no fsdp (this is a CPU:
 #: FSDP needs GPUs, migrate says so) and a local pretrained model directory for gpt2 (migrate
 #: lists that one as a to do).
 SCALE = ['fsdp=null', 'train_loader.num_workers=0', 'global_train_batch_size=4', 'device_train_microbatch_size=2', 'device_eval_batch_size=2',
-         'max_duration=2ba', 'precision=fp32', f'tokenizer={DEMO_TOKENIZER}', f'variables.max_seq_len={SMALL_SEQ}']
-MPT = ['model.d_model=16', 'model.n_heads=2', 'model.n_layers=1', 'model.expansion_ratio=2']
+         'max_duration=2ba', 'eval_subset_num_batches=1', 'precision=fp32', f'tokenizer={DEMO_TOKENIZER}', f'variables.max_seq_len={SMALL_SEQ}']
+MPT = ['model.d_model=16', 'model.n_heads=2', 'model.n_layers=1', 'model.expansion_ratio=2', 'model.vocab_size=8192']
 
 
 def _tiny_gpt2(path: Path) -> Path:
