@@ -351,9 +351,6 @@ FOUNDRY_RENAMES: dict[str, str] = {
     '*_loader.streams.*.weight': "LLM-Foundry has no stream 'weight'; give repeat, proportion or choose",
     'model.name': "LLM-Foundry's model.name (hf_causal_lm, mpt_causal_lm) is model.type here: a "
                   "transformers model_type (llama, gpt2, mpt, ...)",
-    'optimizer.name=decoupled_lionw': "LLM-Foundry's decoupled_lionw is its own optimizer; Composer "
-                                      "0.32 has no Lion (composer.optim: DecoupledAdamW only): use "
-                                      "decoupled_adamw or adamw",
     'model.init_device': "LLM-Foundry's model.init_device has no equivalent (fsdp builds the model); "
                          "delete it",
     'model.loss_fn': "LLM-Foundry's model.loss_fn has no equivalent (the loss is transformers' "

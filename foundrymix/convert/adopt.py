@@ -38,7 +38,8 @@ import numpy as np
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records, worker_state
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _ChunkExamples, _concat, _fit, _layout
-from foundrymix.convert.mds_input import MdsSplit, find_splits, read_column_arrays
+from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
+                                         read_column_arrays)
 from foundrymix.convert.paths import check_overlap, is_url
 from foundrymix.convert.pipeline import ChunkErrors
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
@@ -98,21 +99,20 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
     """Read one token shard (no tokenizer): its rows joined, ids checked, document ends found."""
     w = worker_state()
     o: TokenOptions = w.options
-    name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens')
     vocab = w.vocab_size
-    if stream.size and (int(stream.min()) < 0 or int(stream.max()) >= vocab):
-        bad = int(np.flatnonzero((stream < 0) | (stream >= vocab))[0])
-        row = int(np.searchsorted(np.cumsum(row_lens), bad, side='right'))
-        raise UserError(f'{name}:row {row}: token id {int(stream[bad])} is outside the vocabulary of '
+    try:
+        name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype, vocab)
+    except OutOfRange as e:
+        raise UserError(f'{e.file}:row {e.row}: token id {e.value} is outside the vocabulary of '
                         f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
-                        f'tokenizer: pass it with --tokenizer')
+                        f'tokenizer: pass it with --tokenizer') from None
     if o.boundary == 'eos':
         ends = np.flatnonzero(stream == o.boundary_id) + 1
     elif o.boundary == 'bos':
         ends = np.flatnonzero(stream == o.boundary_id)
     else:
         ends = np.zeros(0, dtype=np.int64)
-    return _ChunkIds(len(row_lens), len(ends), ChunkErrors(), {}, stream.astype(w.token_dtype), ends)
+    return _ChunkIds(len(row_lens), len(ends), ChunkErrors(), {}, stream, ends)
 
 
 class _TokenRows(_PretrainRows):
@@ -181,6 +181,8 @@ class AdoptArgs:
     max_seq_len: Optional[int] = None  # default: the source's window (tokens), else 2048
     chat_loss: str = 'all'  # turns: loss on every turn's labels, or the last turn's (Foundry's default)
     common: dict[str, Any] = field(default_factory=dict)  # ConvertOptions fields (workers, ...)
+    kinds: tuple[str, ...] = ()  # only these KINDS (`convert pretrain|finetune --from-mds`); default: any
+    origin: Optional[str] = None  # the s3:// URL ``source`` (a local copy) was copied from
 
 
 def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], Optional[int], str]:
@@ -233,8 +235,15 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
     Every split's output is checked before the first is written, so a refusal touches nothing.
     """
     if is_url(args.source):
-        raise UserError(f'{args.source}: adopt reads a local MDS folder; copy it first '
-                        f'(e.g. `aws s3 sync {args.source} DIR`), --out may be s3://')
+        if not args.source.startswith('s3://'):
+            raise UserError(f'{args.source}: adopt reads a local MDS folder or s3://bucket/prefix; copy '
+                            f'it to a local folder first')
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix='foundrymix-adopt-') as staging:
+            if progress:
+                print(f'adopt {args.source}: copying its MDS datasets to {staging} first')
+            download_datasets(args.source, staging, progress)
+            return adopt(replace(args, source=staging, origin=args.source.rstrip('/')), progress)
     splits = find_splits(args.source)
     if args.splits:
         names = {s.name for s in splits}
@@ -244,9 +253,15 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
                             f"{', '.join(s.name or '.' for s in splits)})")
         splits = [s for s in splits if s.name in args.splits]
     kinds = [source_kind(s) for s in splits]
+    for s, k in zip(splits, kinds):
+        if args.kinds and k not in args.kinds:
+            other = next(c for c, ks in (('pretrain', ('tokens', 'text')),
+                                         ('finetune', ('prompt_response', 'turns'))) if k in ks)
+            raise UserError(f'{s.path}: holds {KINDS[k]}; that is `foundrymix convert {other} --from-mds` '
+                            f'(or `foundrymix adopt`)')
     several = len(splits) > 1 or splits[0].name != ''
     if progress:
-        print(f'adopt {args.source}: {len(splits)} MDS dataset(s)')
+        print(f'adopt {args.origin or args.source}: {len(splits)} MDS dataset(s)')
         for s, k in zip(splits, kinds):
             print(f'  {s.describe()} -> {KINDS[k]}')
     overwrite = bool(args.common.get('overwrite'))
@@ -263,7 +278,8 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
 
 
 def _adopt_one(split: MdsSplit, kind: str, out: str, args: AdoptArgs, progress: bool) -> Manifest:
-    source: dict[str, Any] = {'format': 'mds', 'path': split.path, 'split': split.name,
+    path = split.path if args.origin is None else '/'.join(p for p in (args.origin, split.name) if p)
+    source: dict[str, Any] = {'format': 'mds', 'path': path, 'split': split.name,
                               'columns': split.columns, 'rows': split.rows, 'kind': KINDS[kind]}
     common = dict(args.common, tokenizer=args.tokenizer, progress=progress, from_mds=True)
     if kind == 'tokens':

@@ -42,7 +42,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument('--tokenizer', default=DEMO_TOKENIZER,
                    help=f'bundled name, local tokenizer dir, SentencePiece .model, or cached name '
                         f'(offline; default {DEMO_TOKENIZER})')
-    p.add_argument('--max-seq-len', type=int, default=2048, help='tokens per row (default 2048)')
+    p.add_argument('--max-seq-len', type=int, default=None,
+                   help='tokens per row (default 2048; with --from-mds, token shards: their rows\' length)')
+    p.add_argument('--from-mds', action='store_true',
+                   help='INPUT is an existing MDS dataset (LLM-Foundry, streaming) or a folder of its '
+                        'splits: the same as `foundrymix adopt INPUT` (see `foundrymix adopt -h`)')
     p.add_argument('--workers', type=int, default=0,
                    help='chunks tokenized at once, each on one core (default 0 = all cores); '
                         'threads of this process or worker processes, see --parallel; the output '
@@ -103,6 +107,8 @@ def unescape(template: Optional[str]) -> Optional[str]:
 
 def _options(cls: type, args: argparse.Namespace) -> Any:
     values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
+    if values.get('max_seq_len') is None:
+        values.pop('max_seq_len', None)  # the options' default (2048)
     for k in ('text_template', 'prompt_template', 'response_template'):
         if k in values:
             values[k] = unescape(values[k])
@@ -151,7 +157,30 @@ def _out(args: argparse.Namespace) -> Any:
     return (args.keep_local, args.out)
 
 
+#: ``convert`` options ``--from-mds`` passes on to adopt; any other given is refused
+_ADOPT_OPTIONS = ('inputs', 'out', 'tokenizer', 'max_seq_len', 'from_mds', 'workers', 'overwrite', 'on_error',
+                  'bos', 'eos', 'compression', 'size_limit', 'hash', 'progress', 'chat_loss', 'func',
+                  'command', 'convert_kind', 'parser')
+#: what each ``convert KIND --from-mds`` accepts (:data:`foundrymix.convert.adopt.KINDS`)
+_FROM_MDS_KINDS = {'pretrain': ('tokens', 'text'), 'finetune': ('prompt_response', 'turns')}
+
+
+def _from_mds(args: argparse.Namespace) -> int:
+    """``convert KIND INPUT --from-mds ...``: ``adopt INPUT ...`` with the same options."""
+    if len(args.inputs) != 1:
+        raise UserError(f'--from-mds: give one MDS folder (or folder of splits), got {len(args.inputs)} inputs')
+    for key, value in vars(args).items():
+        if key not in _ADOPT_OPTIONS and value != args.parser.get_default(key):
+            raise UserError(f"--{key.replace('_', '-')}: not used with --from-mds (the MDS columns are read "
+                            f"as they are; see `foundrymix adopt -h`); leave it out")
+    args.source, args.split = args.inputs[0], None
+    args.chat_loss = getattr(args, 'chat_loss', 'all')
+    return _run_adopt(args, kinds=_FROM_MDS_KINDS[args.convert_kind])
+
+
 def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
+    if args.from_mds:
+        return _from_mds(args)
     standalone = _standalone()
     if standalone:
         _start_up_lean()
@@ -169,7 +198,7 @@ def _run_finetune(args: argparse.Namespace) -> int:
     return _run(convert_finetune, FinetuneOptions, args)
 
 
-def _run_adopt(args: argparse.Namespace) -> int:
+def _run_adopt(args: argparse.Namespace, kinds: tuple[str, ...] = ()) -> int:
     from foundrymix.convert.adopt import AdoptArgs, adopt
     standalone = _standalone()
     if standalone:
@@ -179,7 +208,7 @@ def _run_adopt(args: argparse.Namespace) -> int:
     common['hash'] = tuple(args.hash)
     adopt(AdoptArgs(source=args.source, out=args.out, splits=tuple(args.split or ()),
                     tokenizer=args.tokenizer, max_seq_len=args.max_seq_len, chat_loss=args.chat_loss,
-                    common=common),
+                    common=common, kinds=kinds),
           progress=args.progress)
     if standalone:
         _exit_lean()
@@ -194,7 +223,8 @@ def _register_adopt(subparsers: Any) -> None:
                     'no tokenizer run (documents end at the EOS ids in the data); finetune shards '
                     '(prompt/response) and raw-text MDS (text) are tokenized as by `convert`. A folder '
                     'of splits (<src>/train, <src>/val) gives <out>/train, <out>/val.')
-    a.add_argument('source', metavar='DIR', help='an MDS folder (index.json), or a folder of them (splits)')
+    a.add_argument('source', metavar='DIR', help='an MDS folder (index.json), or a folder of them (splits); '
+                                                 'or s3://bucket/prefix (copied to $TMPDIR first)')
     a.add_argument('-o', '--out', required=True,
                    help='output folder (empty or absent; a foundrymix dataset with --overwrite) or '
                         's3://bucket/prefix, as for `convert`; one subfolder per split when the source '
@@ -239,7 +269,7 @@ def register(subparsers: Any) -> None:
     p.add_argument('--text', dest='text_template', metavar='TEMPLATE', default=None,
                    help=r"build the text from fields instead, e.g. '{title}\n\n{body}' "
                         r"(\n, \t, \\ are escapes; see --prompt in 'convert finetune -h' for the field syntax)")
-    p.set_defaults(func=_run_pretrain)
+    p.set_defaults(func=_run_pretrain, parser=p)
 
     f = sub.add_parser('finetune', help='prompt/response or chat examples -> packed rows with loss masks',
                        description='Decoder-only examples [BOS] prompt response [EOS], loss on the '
@@ -262,4 +292,4 @@ def register(subparsers: Any) -> None:
     f.add_argument('--no-pack', dest='pack', action='store_false',
                    help='one example per row, padded (default: first-fit packing)')
     f.add_argument('--pack-window', type=int, default=64, help='open rows kept while packing (default 64)')
-    f.set_defaults(func=_run_finetune)
+    f.set_defaults(func=_run_finetune, parser=f)

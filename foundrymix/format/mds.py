@@ -23,6 +23,8 @@ import numpy as np
 
 from foundrymix.errors import UserError
 
+#: the shard file's write buffer: rows' parts are copied into it, one write per buffer
+_WRITE_BUFFER = 1 << 20
 #: ``extra_bytes_per_sample`` of MDSWriter: a sample's offset in the shard header
 _OFFSET_BYTES = 4
 #: streaming's ``bytes_to_int`` units
@@ -150,10 +152,9 @@ class LeanMDSWriter:
         adopt`` of token shards ~50x slower than reading them; here the small columns are
         encoded with numpy for the whole batch and the rows are joined in one call.
         """
-        blob, sizes = self._encode_batch(columns)
-        ends = np.cumsum(sizes)
+        parts, sizes = self._encode_batch(columns)
+        per_row = len(parts) // len(sizes) if len(sizes) else 0
         with_offset = sizes + _OFFSET_BYTES
-        view = memoryview(blob)
         i, n = 0, len(sizes)
         while i < n:
             if self.size_limit:  # the rows that still fit, by write()'s rule (a row never fits: alone)
@@ -164,14 +165,19 @@ class LeanMDSWriter:
                     k = 1
             else:
                 fit, k = np.cumsum(with_offset[i:]), n - i
-            start = int(ends[i - 1]) if i else 0
-            self._samples.append(view[start:int(ends[i + k - 1])])
+            self._samples.extend(parts[i * per_row:(i + k) * per_row])
             self._sizes.extend(sizes[i:i + k].tolist())
             self._shard_size += int(fit[k - 1])
             i += k
 
-    def _encode_batch(self, columns: dict[str, Any]) -> tuple[bytes, np.ndarray]:
-        """``(rows' bytes back to back, each row's size)``, as :meth:`encode_sample` gives."""
+    def _encode_batch(self, columns: dict[str, Any]) -> tuple[list[memoryview], np.ndarray]:
+        """``(every row's parts in order, each row's size)``: the parts of a row joined are
+        what :meth:`encode_sample` gives; every row has the same number of parts.
+
+        Why parts, not one joined blob: joining a 64 MB batch into new memory, then the
+        shard again on flush, was ~60 % of adopting token shards (page faults on fresh
+        memory); the parts go to the file through one reused buffer (:meth:`_flush_shard`).
+        """
         n = None
         segments: list[Any] = []  # per row in order: small parts (flat, lens) or big ones (rows 2-D)
         var_sizes = []
@@ -224,18 +230,22 @@ class LeanMDSWriter:
                 sizes += width
             view = memoryview(flat)
             per_row.append([view[a:b] for a, b in zip(bounds, bounds[1:])])
-        return b''.join([part for row in zip(*per_row) for part in row]), sizes
+        return [part for row in zip(*per_row) for part in row], sizes
 
     def _flush_shard(self) -> None:
         basename = f'shard.{len(self.shards):05}.mds'
         n = len(self._sizes)
         offsets = np.concatenate(([0], np.cumsum(self._sizes, dtype=np.int64)))
         offsets = (offsets + 4 + 4 * (n + 1) + len(self.config_data)).astype(np.uint32)
-        data = b''.join((np.uint32(n).tobytes(), offsets.tobytes(), self.config_data, *self._samples))
-        with open(os.path.join(self.out, basename), 'wb') as f:
-            f.write(data)
-        raw = {'basename': basename, 'bytes': len(data),
-               'hashes': {a: fn(data).hexdigest() for a, fn in zip(self.hashes, self._hash_fns)}}
+        parts = [np.uint32(n).tobytes() + offsets.tobytes() + self.config_data, *self._samples]
+        hashers = [fn() for fn in self._hash_fns]
+        with open(os.path.join(self.out, basename), 'wb', buffering=_WRITE_BUFFER) as f:
+            for part in parts:
+                f.write(part)
+                for h in hashers:
+                    h.update(part)
+        raw = {'basename': basename, 'bytes': sum(len(p) for p in parts),
+               'hashes': {a: h.hexdigest() for a, h in zip(self.hashes, hashers)}}
         self.shards.append({'samples': n, 'raw_data': raw, 'zip_data': None, **self.config})
         self._samples = []
         self._sizes = []
@@ -265,17 +275,19 @@ _NDARRAY_DTYPES = ('uint8', 'uint16', 'uint32', 'uint64', 'int8', 'int16', 'int3
                    'float16', 'float32', 'float64')
 
 
-def ndarray_column(data: bytes, shard: dict[str, Any]) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """``(values, row_lengths)`` of a shard whose one column is a 1-D ``ndarray:<dtype>[:<n>]``
-    and whose rows all have the same layout, read at once without ``streaming``; else None.
+def ndarray_rows(data: bytes | memoryview | Any, shard: dict[str, Any]) -> Optional[np.ndarray]:
+    """A ``[rows, values]`` read-only view of the values of a shard whose one column is a 1-D
+    ``ndarray:<dtype>[:<n>]`` and whose rows all have the same layout, without ``streaming``
+    and without copying; else None. ``data``: the uncompressed shard (bytes, or a mmap).
 
     Why: decoding row by row with streaming's reader ran at ~100 MB/s, and importing
     streaming (torch) took seconds before any work. LLM-Foundry's token shards
     (``tokens: ndarray:int32``) are windows of one length, so every row is the same
     bytes before its values: with no shape in the encoding, a ``uint32`` size, one byte
     ``ndim << 2 | log2(shape itemsize)``, the shape; with a shape, nothing. Those bytes are
-    checked equal in every row, then the values are one strided view. Checked against
-    streaming's own decoding in ``tests/convert/test_adopt.py``.
+    checked equal in every row, then the values are one strided view (the caller's one
+    copy out of it also converts the dtype). Checked against streaming's own decoding in
+    ``tests/convert/test_adopt.py``.
     """
     names, encodings = shard['column_names'], shard['column_encodings']
     parts = encodings[0].split(':') if len(names) == 1 else []
@@ -284,12 +296,12 @@ def ndarray_column(data: bytes, shard: dict[str, Any]) -> Optional[tuple[np.ndar
     dtype = np.dtype(parts[1]).newbyteorder('<')
     n = int(shard['samples'])
     if n == 0:
-        return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64)
+        return np.zeros((0, 0), dtype=dtype)
     offsets = np.frombuffer(data, np.uint32, count=n + 1, offset=4).astype(np.int64)
     k = int(offsets[1] - offsets[0])
     if not (np.diff(offsets) == k).all():
         return None
-    row0 = data[int(offsets[0]):int(offsets[1])]
+    row0 = bytes(data[int(offsets[0]):int(offsets[1])])
     if len(parts) == 3:  # fixed shape: the values alone
         head = 0
     else:
@@ -304,8 +316,15 @@ def ndarray_column(data: bytes, shard: dict[str, Any]) -> Optional[tuple[np.ndar
         if int.from_bytes(row0[:4], 'little') != k - 4 or head + length * dtype.itemsize != k:
             return None
     block = np.frombuffer(data, np.uint8, count=n * k, offset=int(offsets[0])).reshape(n, k)
-    if head and not (block[:, :head] == block[0, :head]).all():
+    if head and not (block[:, :head] == np.frombuffer(row0[:head], np.uint8)).all():
         return None
-    values = block[:, head:].copy().view(dtype).reshape(-1)
-    per_row = (k - head) // dtype.itemsize
-    return values, np.full(n, per_row, dtype=np.int64)
+    return block[:, head:].view(dtype)
+
+
+def ndarray_column(data: bytes | memoryview | Any, shard: dict[str, Any]
+                   ) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """``(values, row_lengths)`` of :func:`ndarray_rows`, the values copied back to back."""
+    rows = ndarray_rows(data, shard)
+    if rows is None:
+        return None
+    return rows.reshape(-1), np.full(rows.shape[0], rows.shape[1], dtype=np.int64)

@@ -23,9 +23,13 @@ from foundrymix.errors import ExistsError, MissingError
 #: top-level keys renamed one to one
 TOP_RENAMES = {'fsdp_config': 'fsdp', 'console_log_interval': 'log_interval', 'global_seed': 'seed'}
 #: LLM-Foundry ``model.name`` -> ``model.type`` (None: the name goes, pretrained_model_name_or_path stays)
+#: what a rename's line adds: where the meaning differs
+_RENAME_NOTES = {'fsdp_config': " (FSDP runs on GPUs here: a CPU run is refused until fsdp is left out; "
+                                "LLM-Foundry dropped it with a warning on one rank)"}
 MODEL_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': None}
 INTERVALS = ('eval_interval', 'save_interval', 'log_interval')
 _REF = re.compile(r'\$\{([A-Za-z_]\w*)\}')
+_VAR_REF = re.compile(r'\$\{variables\.([A-Za-z_]\w*)\}')
 
 
 @dataclass
@@ -74,13 +78,21 @@ def migrate(data: dict[str, Any]) -> Migration:
                 d.pop(old)
             else:
                 d[new] = d.pop(old)
-                m.changes.append(f'{old} -> {new}')
+                m.changes.append(f'{old} -> {new}' + _RENAME_NOTES.get(old, ''))
     for key in [k for k in d if k != 'variables' and d[k] is None]:  # Foundry: empty = its default
         d.pop(key)
         m.changes.append(f'{key}: empty -> left out (the default applies)')
+    variables = d.get('variables') if isinstance(d.get('variables'), dict) else {}
+    for key in [k for k in d if k != 'variables' and isinstance(d[k], str)]:
+        ref = _VAR_REF.fullmatch(d[key])  # run_name: ${variables.run_name}, that variable empty
+        if ref and ref.group(1) in variables and variables[ref.group(1)] is None:
+            m.changes.append(f'{key}: {d.pop(key)} is empty -> left out (the default applies)')
     for key in [k for k in d if k not in known]:
-        d.pop(key)
-        m.dropped.append(f'{key}: {(foundry_advice(key) or "no equivalent").split("; delete")[0]}')
+        value = d.pop(key)
+        merged = [n for n in ('train_loader', 'eval_loader') if _merged_into(value, d.get(n))]
+        why = (f'a block the YAML merges into {" and ".join(n + ".dataset" for n in merged)} (<<: *anchor), '
+               f'migrated there' if merged else (foundry_advice(key) or 'no equivalent').split('; delete')[0])
+        m.dropped.append(f'{key}: {why}')
     if isinstance(d.get('tokenizer'), dict):
         tok = d['tokenizer']
         d['tokenizer'] = tok.get('name')
@@ -91,16 +103,28 @@ def migrate(data: dict[str, Any]) -> Migration:
     for name in ('train_loader', 'eval_loader'):
         _loader(m, name)
     _model(m)
-    if isinstance(d.get('optimizer'), dict) and d['optimizer'].get('name') == 'decoupled_lionw':
-        m.todo.append(f"optimizer.name: {foundry_advice('optimizer.name=decoupled_lionw')}")
     for section, table in (('algorithms', ALGORITHMS), ('callbacks', CALLBACKS)):
         for key in [k for k in (d.get(section) or {}) if k not in table]:
             d[section].pop(key)
             m.dropped.append(f'{section}.{key}: no equivalent (here: {", ".join(table)})')
-    for key in INTERVALS:
-        if isinstance(d.get(key), (int, float)) and not isinstance(d.get(key), bool):
-            m.todo.append(f'{key}: {d[key]} has no unit: give one ({d[key]}ba or {d[key]}ep)')
+    for key in INTERVALS:  # Composer 0.32's Trainer takes an int interval as epochs; Foundry passes it on
+        value = d.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            d[key] = f'{value}ep'
+            m.changes.append(f'{key}: {value} -> {value}ep (an int is epochs in Composer, which LLM-Foundry '
+                             f'hands it to)')
+        elif isinstance(value, float):
+            m.todo.append(f'{key}: {value} has no unit: give one (e.g. {value}ep; Composer reads an int as epochs)')
+    _pretrained(m)
     return m
+
+
+def _merged_into(value: Any, loader: Any) -> bool:
+    """Is ``value`` (a top-level block) all in ``loader.dataset``, as ``<<: *anchor`` leaves it?
+    (1b_local_data_sft.yaml: ``dataset: &hf_dataset`` only feeds its loaders)."""
+    dataset = loader.get('dataset') if isinstance(loader, dict) else None
+    return (isinstance(value, dict) and bool(value) and isinstance(dataset, dict)
+            and all(k in dataset and dataset[k] == v for k, v in value.items()))
 
 
 def _loader(m: Migration, name: str) -> None:
@@ -117,6 +141,17 @@ def _loader(m: Migration, name: str) -> None:
     if not isinstance(dataset, dict):
         return
     fields = {f.name for f in dataclasses.fields(LoaderConfig)}
+    hf = {k: dataset.pop(k) for k in ('hf_name', 'hf_kwargs', 'preprocessing_fn') if k in dataset}
+    if hf:
+        stream = name.split('_')[0]
+        data_dir = (hf.get('hf_kwargs') or {}).get('data_dir') if isinstance(hf.get('hf_kwargs'), dict) else None
+        source = data_dir or f"the {hf.get('hf_name', 'dataset')} files"
+        pre = f" --preprocess {hf['preprocessing_fn']}" if hf.get('preprocessing_fn') else ''
+        what = ', '.join(f'{k}: {v}' for k, v in hf.items())
+        m.todo.append(f'{name}.dataset ({what}): a Hugging Face dataset read at training time; here data '
+                      f'is converted once: foundrymix convert finetune {source}{pre} --out DIR (the '
+                      f'{dataset.get("split", "train")} split\'s files), then set '
+                      f'{name}.streams.{stream}.local: DIR')
     stream = {k: dataset.pop(k) for k in ('local', 'remote', 'split') if k in dataset}
     if stream:
         loader.setdefault('streams', {})[name.split('_')[0]] = stream
@@ -129,6 +164,15 @@ def _loader(m: Migration, name: str) -> None:
             m.dropped.append(f'{name}.dataset.max_seq_len: the top-level max_seq_len says it')
         else:
             m.dropped.append(f'{name}.dataset.{key}: no equivalent')
+
+
+def _pretrained(m: Migration) -> None:
+    """A hub name is never downloaded here: the model must be a local directory."""
+    model = m.data.get('model')
+    name = model.get('pretrained_model_name_or_path') if isinstance(model, dict) else None
+    if isinstance(name, str) and not os.path.isdir(name):
+        m.todo.append(f'model.pretrained_model_name_or_path: {name}: give a local Hugging Face model '
+                      f'directory (models are never downloaded; e.g. save_pretrained() it once)')
 
 
 def _model(m: Migration) -> None:

@@ -39,6 +39,7 @@ from foundrymix.train.config import TrainConfig, check_streams, split_batch
 from foundrymix.train.console import console_kwargs, extension_line, resume_line, wsd_resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
+from foundrymix.train.optim import LION_BETAS, DecoupledLionW
 from foundrymix.train.schedule import WSDScheduler, apply_resume_lr
 from foundrymix.train.remote_resume import is_remote, latest_checkpoint, local_checkpoint, poll_uploads_sooner
 
@@ -72,9 +73,12 @@ def _precision(cfg: TrainConfig, device: str) -> str:
 
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     o = cfg.optimizer
+    if o.name == 'decoupled_lionw':
+        return DecoupledLionW(model.parameters(), lr=o.lr, betas=o.betas or LION_BETAS, weight_decay=o.weight_decay)
+    betas = o.betas or (0.9, 0.95)
     if o.name == 'adamw':
-        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    return DecoupledAdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+    return DecoupledAdamW(model.parameters(), lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
 def _scheduler(cfg: TrainConfig, run: RunPlan) -> Any:

@@ -24,12 +24,13 @@ from foundrymix.train.model_spec import ModelSpec
 
 @dataclass
 class OptimizerConfig:
-    """Composer's ``DecoupledAdamW`` (``decoupled_adamw``) or torch's ``AdamW`` (``adamw``)."""
+    """Composer's ``DecoupledAdamW`` (``decoupled_adamw``), torch's ``AdamW`` (``adamw``) or
+    LLM-Foundry's Lion (``decoupled_lionw``, :mod:`foundrymix.train.optim`)."""
 
-    name: Literal['decoupled_adamw', 'adamw'] = 'decoupled_adamw'
+    name: Literal['decoupled_adamw', 'adamw', 'decoupled_lionw'] = 'decoupled_adamw'
     lr: float = 1.0e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1.0e-8
+    betas: Optional[tuple[float, float]] = None  # default: (0.9, 0.95); decoupled_lionw: Foundry's (0.9, 0.99)
+    eps: float = 1.0e-8  # not used by decoupled_lionw
     weight_decay: float = 0.0
 
 

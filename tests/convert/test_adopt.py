@@ -225,3 +225,81 @@ def test_splits_to_s3(tmp_path, dolly_jsonl, monkeypatch):
                 body = client.get_object(Bucket='fmx-adopt', Key=key)['Body'].read()
                 assert body == (tmp_path / 'local' / key[3:]).read_bytes(), key
         assert verify('s3://fmx-adopt/ft/val').intact
+
+
+def test_source_on_s3_equals_the_local_copy(tmp_path, arxiv_jsonl, monkeypatch):
+    """adopt s3://bucket/prefix (splits under it, zstd token shards): the same output, byte for byte,
+    as adopting the local folder it was uploaded from; the manifest names the URL; the copy made
+    on the way is gone afterwards; an empty prefix is refused with what is missing."""
+    import tempfile
+
+    from helpers import moto_s3
+    texts, _ = _arxiv(tmp_path, arxiv_jsonl)
+    rows = concat_tokens(texts[:2], DEMO_TOKENIZER, L, eos_text=_eos_text(DEMO_TOKENIZER))
+    root = tmp_path / 'foundry'
+    write_foundry_pretrain(root / 'train', rows[:-20], size_limit=1 << 14)
+    write_foundry_pretrain(root / 'val', rows[-20:])
+    adopt(AdoptArgs(source=str(root), out=str(tmp_path / 'local')))
+    staging = tmp_path / 'tmp'
+    staging.mkdir()
+    monkeypatch.setattr(tempfile, 'tempdir', str(staging))
+    with moto_s3('fmx-src') as s3:
+        for p in sorted(root.rglob('*')):
+            if p.is_file():
+                s3['client'].upload_file(str(p), 'fmx-src', f'corpus/{p.relative_to(root)}')
+        s3['client'].put_object(Bucket='fmx-src', Key='corpus/notes.txt', Body=b'not fetched')
+        done = adopt(AdoptArgs(source='s3://fmx-src/corpus/', out=str(tmp_path / 'out')))
+        with pytest.raises(UserError, match=r'^s3://fmx-src/nothing: no MDS dataset there \(no index.json under'):
+            adopt(AdoptArgs(source='s3://fmx-src/nothing', out=str(tmp_path / 'out2')))
+    assert [(s.name, m.options['source']['path']) for s, m in done] == [
+        ('train', 's3://fmx-src/corpus/train'), ('val', 's3://fmx-src/corpus/val')]
+    files = sorted(str(p.relative_to(tmp_path / 'local')) for p in (tmp_path / 'local').rglob('*') if p.is_file())
+    assert files == sorted(str(p.relative_to(tmp_path / 'out')) for p in (tmp_path / 'out').rglob('*') if p.is_file())
+    for name in files:
+        if not name.endswith('foundrymix.json'):  # the manifest records its source path
+            assert (tmp_path / 'out' / name).read_bytes() == (tmp_path / 'local' / name).read_bytes(), name
+    assert sum(m.counts.rows for _, m in done) == len(rows)
+    assert [p.name for p in staging.iterdir()] == ['foundrymix-claims']  # the copy is gone
+    assert not (tmp_path / 'out2').exists()
+
+
+def test_convert_from_mds_is_adopt(tmp_path, arxiv_jsonl, capsys):
+    """`convert pretrain DIR --from-mds` writes what `adopt DIR` writes; the wrong kind, several
+    inputs and a text-only option are refused, one line each, nothing written."""
+    texts, _ = _arxiv(tmp_path, arxiv_jsonl)
+    rows = concat_tokens(texts[:2], DEMO_TOKENIZER, L, eos_text=_eos_text(DEMO_TOKENIZER))
+    src = write_foundry_pretrain(tmp_path / 'foundry', rows, size_limit=1 << 14)
+    assert main(['adopt', str(src), '--out', str(tmp_path / 'a'), '--no-progress']) == 0
+    assert main(['convert', 'pretrain', str(src), '--from-mds', '--out', str(tmp_path / 'c'), '--no-progress']) == 0
+    names = sorted(os.listdir(tmp_path / 'a'))
+    assert names == sorted(os.listdir(tmp_path / 'c')) and len(names) > 2
+    for name in names:
+        if name != 'foundrymix.json':
+            assert (tmp_path / 'a' / name).read_bytes() == (tmp_path / 'c' / name).read_bytes()
+    assert Manifest.read(str(tmp_path / 'c')).max_seq_len == L  # the source's rows, not convert's 2048
+    capsys.readouterr()
+    for argv, message in [
+        (['convert', 'finetune', str(src), '--from-mds'],
+         f'{src}: holds LLM-Foundry pretrain tokens (tokens: ndarray:int32); that is `foundrymix convert '
+         f'pretrain --from-mds` (or `foundrymix adopt`)'),
+        (['convert', 'pretrain', str(src), str(src), '--from-mds'],
+         '--from-mds: give one MDS folder (or folder of splits), got 2 inputs'),
+        (['convert', 'pretrain', str(src), '--from-mds', '--text-field', 'body'],
+         '--text-field: not used with --from-mds (the MDS columns are read as they are; see `foundrymix '
+         'adopt -h`); leave it out')]:
+        assert main([*argv, '--out', str(tmp_path / 'x')]) == 2
+        assert capsys.readouterr().err == f'foundrymix convert: error: {message}\n'
+    assert not (tmp_path / 'x').exists()
+
+
+def test_token_outside_the_vocabulary_names_shard_row_and_value(tmp_path):
+    """Shards made with a bigger vocabulary: refused with the shard file, the row and the id."""
+    rows = [np.arange(L, dtype=np.int32) + 5 for _ in range(6)]
+    rows[4][7] = 9000  # the demo tokenizer has 8,192 ids
+    src = write_foundry_pretrain(tmp_path / 'foundry', rows, compression=None)
+    with pytest.raises(UserError) as err:
+        adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out')))
+    assert str(err.value) == (f"{src / 'shard.00000.mds'}:row 4: token id 9000 is outside the vocabulary of "
+                              f"tokenizer '{DEMO_TOKENIZER}' (8,192 ids); the shards were made with another "
+                              f"tokenizer: pass it with --tokenizer")
+    assert not (tmp_path / 'out').exists()

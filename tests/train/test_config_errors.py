@@ -46,7 +46,7 @@ global_train_batch_size: 4
 max_duration: 10
 eval_interval: 1
 save_interval: 500
-optimizer: {name: decoupled_lionw, lr: 1.0e-4}
+optimizer: {name: lionw, lr: 1.0e-4}
 algorithms: {gradient_clipping: {clipping_type: norm, clipping_threshold: 1.0}, gradient_cliping: {}}
 callbacks: {speed_monitr: {}}
 '''
@@ -61,8 +61,7 @@ FOUNDRY_LINES = [
     ("train_loader.streams.web: unknown key 'repaet'; allowed: ", "; did you mean 'repeat'?"),
     ("max_duration: '10' has no unit", "(e.g. 10ep, 10ba, 5000sp, 1000000tok)"),
     ("tokenizer: LLM-Foundry's {name: ..., kwargs: ...} is tokenizer: EleutherAI/gpt-neox-20b here", ""),
-    ("optimizer.name: 'decoupled_lionw' is not one of decoupled_adamw, adamw; ",
-     "Composer 0.32 has no Lion (composer.optim: DecoupledAdamW only): use decoupled_adamw or adamw"),
+    ("optimizer.name: 'lionw' is not one of decoupled_adamw, adamw, decoupled_lionw", ""),
     ("eval_interval: '1' has no unit", "(e.g. 1ba or 1ep)"),
     ("save_interval: '500' has no unit", "(e.g. 500ba or 500ep)"),
     ("callbacks: unknown key 'speed_monitr'; allowed: ", "; did you mean 'speed_monitor'?"),
