@@ -174,7 +174,9 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
                               f'the {world_size} ranks')
     device_batch = gbs // world_size
     largest = max(g for _, g in used) // world_size
-    micro = cfg.device_train_microbatch_size if cfg.device_train_microbatch_size is not None else largest
+    micro = cfg.device_train_microbatch_size
+    if micro is None:  # every batch in one microbatch (a smaller stage's: one shorter one)
+        return device_batch, largest
     for key, g in used:
         if isinstance(micro, int) and (micro <= 0 or (g // world_size) % micro):
             raise ConfigError(f'device_train_microbatch_size={micro} does not divide the per-rank '
