@@ -209,12 +209,14 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
 
     console = console or console_for_output()
     rows = (f'{run.global_batch_size} rows' if not run.batch_varies else
-            'rows: ' + ' -> '.join(str(g) for g in run.batch_sizes))
+            f'{min(run.batch_sizes)}-{max(run.batch_sizes)} rows')
+    # batch: the stage's global batch (rows); first/last: its global batches; epochs: of
+    # its own mixture
     table = Table(title=f'Stages ({run.total_batches:,} global batches of {rows} x '
-                        f'{run.max_seq_len} tokens = {run.total_samples:,} samples, '
+                        f'{run.max_seq_len} tokens: {run.total_samples:,} samples, '
                         f'{run.total_tokens:,} tokens)')
-    for col in ('stage', 'duration', 'global batch', 'batches', 'first batch', 'last batch',
-                'samples', 'tokens', 'epochs of its mixture'):
+    for col in ('stage', 'duration', 'batch', 'batches', 'first', 'last', 'samples', 'tokens',
+                'epochs'):
         table.add_column(col, justify='left' if col in ('stage', 'duration') else 'right')
     for s in run.stages:
         table.add_row(f'{s.index} {s.name}', s.duration, f'{s.global_batch_size:,}', f'{s.batches:,}',

@@ -181,8 +181,9 @@ def test_plan_shows_the_batch_samples_and_tokens_of_every_stage(dirs, straight, 
         (len(batches), yielded, yielded * 32)
     assert main(['plan', str(path)]) == 0
     out = capsys.readouterr().out
-    assert 'Stages (38 global batches of rows: 4 -> 8 -> 16 x 32 tokens = 328 samples, ' \
-           '10,496 tokens)' in ' '.join(out.split())
+    assert 'Stages (38 global batches of 4-16 rows x 32 tokens: 328 samples, 10,496 tokens)' \
+        in ' '.join(out.split())
+    assert '│ 1 grow │ 160sp │ 8 │ 20 │ 10 │ 29 │ 160 │ 5,120 │ 0.9524 │' in ' '.join(out.split())
     assert 'Composer counts the run in samples (max_duration 328sp)' in ' '.join(out.split())
 
 
