@@ -29,10 +29,17 @@ sample in epoch) computed from the batch, which streaming resumes exactly.
 
 Rules for changing the data on resume (checked by :meth:`StagedPosition.load_state_dict`):
 what has been trained is immutable -- stages already (partly) trained must have the
-same data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`) and the same
-start batch; a finished stage keeps its length. Later stages (including one that starts
-exactly at the checkpoint) may change, and new ones -- with new streams -- may be
-appended; the run may be extended.
+same data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`, their global
+batch included) and the same start batch; a finished stage keeps its length. Later
+stages (including one that starts exactly at the checkpoint) may change -- their
+``global_train_batch_size`` too -- and new ones, with new streams, may be appended; the
+run may be extended.
+
+Each stage's dataset and DataLoader are built with the stage's own batch
+(``stages[i].global_train_batch_size`` / ranks, planned by
+:func:`~foundrymix.plan.stages.build_run_plan`); the position is a global batch, and a
+stage's epoch and sample in epoch follow from its own batch, so a batch change at a
+stage switch needs nothing else to resume exactly.
 """
 
 from __future__ import annotations
