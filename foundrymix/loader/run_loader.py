@@ -29,10 +29,17 @@ sample in epoch) computed from the batch, which streaming resumes exactly.
 
 Rules for changing the data on resume (checked by :meth:`StagedPosition.load_state_dict`):
 what has been trained is immutable -- stages already (partly) trained must have the
-same data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`) and the same
-start batch; a finished stage keeps its length. Later stages (including one that starts
-exactly at the checkpoint) may change, and new ones -- with new streams -- may be
-appended; the run may be extended.
+same data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`, their global
+batch included) and the same start batch; a finished stage keeps its length. Later
+stages (including one that starts exactly at the checkpoint) may change -- their
+``global_train_batch_size`` too -- and new ones, with new streams, may be appended; the
+run may be extended.
+
+Each stage's dataset and DataLoader are built with the stage's own batch
+(``stages[i].global_train_batch_size`` / ranks, planned by
+:func:`~foundrymix.plan.stages.build_run_plan`); the position is a global batch, and a
+stage's epoch and sample in epoch follow from its own batch, so a batch change at a
+stage switch needs nothing else to resume exactly.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class Resumed:
     batch: int
     old_total_batches: Optional[int]   # None: the checkpoint did not record it
     legacy: bool = False               # a single-mixture checkpoint from before fingerprints
+    old_total_samples: Optional[int] = None  # None: the checkpoint did not record it
 
 
 class StagedPosition(IterableDataset):
@@ -88,7 +96,9 @@ class StagedPosition(IterableDataset):
             'version': POSITION_VERSION,
             'batch': self.batch,
             'total_batches': self.run.total_batches,
-            'global_batch_size': self.run.global_batch_size,
+            'total_samples': self.run.total_samples,
+            # the global batch of the stage at the position (each stage has its own)
+            'global_batch_size': stage.global_batch_size,
             'num_canonical_nodes': stage.config.num_canonical_nodes if stage.config else None,
             'stage': stage.index,
             'stage_name': stage.name,
@@ -116,24 +126,46 @@ class StagedPosition(IterableDataset):
             if old['start_batch'] < batch:  # (older checkpoints also list a stage starting here)
                 self._check_unchanged(old, batch)
         self.batch = batch
-        total = obj.get('total_batches')
-        self.resumed = Resumed(batch, int(total) if total is not None else None)
+        total, samples = obj.get('total_batches'), obj.get('total_samples')
+        self.resumed = Resumed(batch, int(total) if total is not None else None,
+                               old_total_samples=int(samples) if samples is not None else None)
 
     def _check_order(self, obj: dict[str, Any], batch: int) -> None:
         """The two knobs that fix the global sample order everywhere -- the global batch and
         ``num_canonical_nodes`` -- checked first, with the message that says how to resume
-        (a resize keeps both; the fingerprints would only list them among other changes)."""
+        (a resize keeps both; the fingerprints would only list them among other changes).
+
+        The global batch is the last trained stage's (each stage has its own): the stage the
+        checkpoint is inside keeps it; a stage that starts at the checkpoint may set another.
+        """
         from foundrymix.loader.dataset import check_resume
         trained = [s for s in obj['stages'] if s['start_batch'] < batch]
         if not trained:
             return
         last = trained[-1]['fingerprint']
-        old = {'global_batch_size': obj.get('global_batch_size', last.get('global_batch_size')),
+        # the stage's own batch (its fingerprint); older checkpoints: the run's, the same
+        old_g = last.get('global_batch_size', obj.get('global_batch_size'))
+        old = {'global_batch_size': old_g,
                'num_canonical_nodes': obj.get('num_canonical_nodes',
                                               last.get('knobs', {}).get('num_canonical_nodes'))}
-        stage = self.run.stage_at(batch) if batch < self.run.total_batches else self.run.stages[-1]
+        stage = next((s for s in self.run.stages if s.name == trained[-1]['name']), None)
+        if stage is None:
+            return  # a trained stage removed: _check_unchanged names it
         assert stage.config is not None
-        check_resume(old, stage.config.num_canonical_nodes, self.run.global_batch_size)
+        if self.run.explicit and old_g is not None and old_g != stage.global_batch_size:
+            done = batch - trained[-1]['start_batch']
+            rest = ('' if done >= trained[-1]['batches'] else
+                    f'; to change the batch from here, end the stage at the resume batch '
+                    f'(duration: {done}ba) and add a stage after it with its own '
+                    f'global_train_batch_size')
+            raise ConfigError(
+                f'{stage.where}.global_train_batch_size: the checkpoint trained '
+                f'{min(done, trained[-1]["batches"])} batches of stage {stage.name!r} with a global '
+                f'batch of {old_g} rows, this config gives it {stage.global_batch_size}; its epochs '
+                f'and every batch are made of that batch, so a trained stage keeps it (stages that '
+                f'start at or after the checkpoint may change theirs). Set '
+                f'{stage.where}.global_train_batch_size: {old_g} to resume{rest}')
+        check_resume(old, stage.config.num_canonical_nodes, stage.global_batch_size)
 
     def _load_legacy(self, obj: dict[str, Any]) -> None:
         """A single-mixture checkpoint from before the run contract: streaming's own dataset
@@ -302,8 +334,8 @@ class StagedDataLoader(DataLoader):
             return self._active
         self.release()
         assert stage.config is not None
-        G = self.run.global_batch_size
-        dataset = build_dataset(stage.config, stage.infos, stage.weights, self.batch_size, G,
+        G, batch_size = stage.global_batch_size, stage.batch_size  # the stage's own batch
+        dataset = build_dataset(stage.config, stage.infos, stage.weights, batch_size, G,
                                 stage.where)
         done = position.batch - stage.start_batch
         epoch, in_epoch = divmod(done, stage.plan.batches_per_epoch)
@@ -312,7 +344,7 @@ class StagedDataLoader(DataLoader):
                 'epoch': epoch, 'sample_in_epoch': in_epoch * G,
                 'num_canonical_nodes': dataset.num_canonical_nodes,
                 'shuffle_seed': stage.config.shuffle_seed, 'initial_physical_nodes': None})
-        loader = build_dataloader(stage.config, dataset, self.batch_size)
+        loader = build_dataloader(stage.config, dataset, batch_size)
         self._active = _Active(stage, dataset, loader)
         return self._active
 

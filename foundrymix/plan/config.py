@@ -106,7 +106,7 @@ class StreamSpec:
 
 
 #: keys of a stage besides the loader knobs it may override
-STAGE_KEYS = ('name', 'duration', 'streams')
+STAGE_KEYS = ('name', 'duration', 'streams', 'global_train_batch_size')
 #: a later stage's default shuffle seed is ``shuffle_seed + index * STAGE_SEED_STEP``
 STAGE_SEED_STEP = 1_000_003
 
@@ -119,6 +119,10 @@ class StageSpec:
     given by its weight alone (its location is inherited); a new stream gives its
     location too. ``overrides`` are loader knobs (``shuffle_seed``, ``batching_method``,
     ...) that differ from ``train_loader``'s in this stage.
+
+    ``global_train_batch_size`` (default: the run's) is the stage's own global batch, for
+    batch-size warm-up (DeepSeek-V3 grows its batch mid-run): the stage's epochs, batches
+    and rows are planned with it (:func:`~foundrymix.plan.stages.build_run_plan`).
     """
 
     name: str
@@ -126,6 +130,7 @@ class StageSpec:
     streams: dict[str, Any]
     overrides: dict[str, Any]
     where: str
+    global_train_batch_size: Optional[int] = None
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'StageSpec':
@@ -133,7 +138,7 @@ class StageSpec:
         d = to_plain(value, where)
         knobs = [k for k in LoaderConfig.__dataclass_fields__ if k not in ('streams', 'stages', 'groups')]
         check_keys(d, list(STAGE_KEYS) + knobs, where)
-        for key in STAGE_KEYS:
+        for key in STAGE_KEYS[:3]:  # required
             if d.get(key) is None:
                 raise ConfigError(f'{where}: missing required key {key!r}')
         name = read_value(d.pop('name'), str, f'{where}.name')
@@ -142,9 +147,15 @@ class StageSpec:
         streams = to_plain(d.pop('streams'), f'{where}.streams')
         if not streams:
             raise ConfigError(f'{where}.streams: a stage needs at least one stream')
+        batch = d.pop('global_train_batch_size', None)
+        if batch is not None:
+            batch = read_value(batch, int, f'{where}.global_train_batch_size')
+            if batch <= 0:
+                raise ConfigError(f'{where}.global_train_batch_size: must be positive, got {batch}')
         hints = _loader_hints()
         overrides = {k: read_value(v, hints[k], f'{where}.{k}') for k, v in d.items()}
-        return cls(name=name, duration=duration, streams=streams, overrides=overrides, where=where)
+        return cls(name=name, duration=duration, streams=streams, overrides=overrides, where=where,
+                   global_train_batch_size=batch)
 
 
 def _few(names: list[str], n: int = 5) -> str:

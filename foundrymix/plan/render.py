@@ -208,14 +208,25 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
     from rich.table import Table
 
     console = console or console_for_output()
-    table = Table(title=f'Stages ({run.total_batches:,} global batches of '
-                        f'{run.global_batch_size} rows x {run.max_seq_len} tokens)')
-    for col in ('stage', 'duration', 'batches', 'first batch', 'last batch', 'epochs of its mixture'):
+    rows = (f'{run.global_batch_size} rows' if not run.batch_varies else
+            f'{min(run.batch_sizes)}-{max(run.batch_sizes)} rows')
+    # batch: the stage's global batch (rows); first/last: its global batches; epochs: of
+    # its own mixture
+    table = Table(title=f'Stages ({run.total_batches:,} global batches of {rows} x '
+                        f'{run.max_seq_len} tokens: {run.total_samples:,} samples, '
+                        f'{run.total_tokens:,} tokens)')
+    for col in ('stage', 'duration', 'batch', 'batches', 'first', 'last', 'samples', 'tokens',
+                'epochs'):
         table.add_column(col, justify='left' if col in ('stage', 'duration') else 'right')
     for s in run.stages:
-        table.add_row(f'{s.index} {s.name}', s.duration, f'{s.batches:,}', f'{s.start_batch:,}',
-                      f'{s.end_batch - 1:,}', f'{s.plan.duration.epochs:.4g}')
+        table.add_row(f'{s.index} {s.name}', s.duration, f'{s.global_batch_size:,}', f'{s.batches:,}',
+                      f'{s.start_batch:,}', f'{s.end_batch - 1:,}', f'{s.samples:,}',
+                      f'{s.tokens:,}', f'{s.plan.duration.epochs:.4g}')
     console.print(table)
+    if run.batch_varies:
+        console.print('note: the stages\' global batches differ: Composer counts the run in samples '
+                      f'(max_duration {run.total_samples}sp), so a schedule in dur is a fraction of '
+                      'the rows trained, not of the optimizer steps')
     for s in run.stages:
         console.rule(f'stage {s.index} {s.name}: batches {s.start_batch:,}-{s.end_batch - 1:,}')
         render_plan(s.plan, console, all_streams)

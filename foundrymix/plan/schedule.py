@@ -114,6 +114,7 @@ class Timeline:
     max_seq_len: int
     batches_per_epoch: Optional[int]     # a run without stages: its mixture's; else None
     explicit: bool = True
+    batch_sizes: tuple[int, ...] = ()   # each stage's global batch (they may differ)
 
     @classmethod
     def of(cls, run: Any) -> 'Timeline':
@@ -121,6 +122,7 @@ class Timeline:
         return cls(stages=[(s.name, s.start_batch, s.batches) for s in run.stages],
                    total_batches=run.total_batches, global_batch_size=run.global_batch_size,
                    max_seq_len=run.max_seq_len, explicit=run.explicit,
+                   batch_sizes=tuple(s.global_batch_size for s in run.stages),
                    batches_per_epoch=None if run.explicit else run.stages[0].plan.batches_per_epoch)
 
     def batches(self, text: str, where: str) -> int:
@@ -133,6 +135,12 @@ class Timeline:
             raise ConfigError(f'{where}: {text} is ambiguous with stages (epochs of which stage?); '
                               f'give it in batches (ba), as a fraction of the run (0.1dur, 10%) or '
                               f'as a stage ({{stage: NAME}})')
+        if unit in ('sp', 'tok') and len(set(self.batch_sizes)) > 1:
+            # a wsd schedule counts optimizer steps (global batches); with per-stage batches a
+            # number of samples is not a fixed number of steps, so it is refused, not rounded
+            raise ConfigError(f'{where}: {text} is not a fixed number of global batches: the stages\' '
+                              f'global batches differ ({", ".join(map(str, self.batch_sizes))} rows); '
+                              f'give it as a stage ({{stage: NAME}}) or in batches (ba)')
         per = {'ba': 1, 'sp': G, 'tok': G * self.max_seq_len, 'ep': 1 / (self.batches_per_epoch or 1),
                'dur': 1 / T, '%': 100 / T}[unit]
         exact = value / per

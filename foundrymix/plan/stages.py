@@ -53,11 +53,34 @@ class StagePlan:
     infos: list[StreamInfo] = field(default_factory=list, repr=False, compare=False)
     fingerprint: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     where: str = 'train_loader'
+    start_sample: int = 0       # rows trained before the stage (earlier stages' samples)
 
     @property
     def end_batch(self) -> int:
         """One past the stage's last global batch."""
         return self.start_batch + self.batches
+
+    @property
+    def global_batch_size(self) -> int:
+        """The stage's own global batch (``stages[i].global_train_batch_size``, else the run's)."""
+        return self.plan.global_batch_size
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per rank in each of the stage's batches (what its DataLoader yields)."""
+        return self.plan.batch_size
+
+    @property
+    def samples(self) -> int:
+        """Rows the stage trains (its batches' rows: short batches counted as they are)."""
+        if self.plan.duration is None:  # (as_run_plan of an epoch's plan)
+            return self.batches * self.global_batch_size
+        return self.plan.duration.total_samples
+
+    @property
+    def tokens(self) -> int:
+        """Slot tokens the stage trains (what Composer's ``tok`` counts): samples x max_seq_len."""
+        return self.samples * self.plan.max_seq_len
 
     @property
     def weights(self) -> EpochWeights:
@@ -72,7 +95,9 @@ class StagePlan:
     def to_dict(self) -> dict[str, Any]:
         return {'index': self.index, 'name': self.name, 'duration': self.duration,
                 'start_batch': self.start_batch, 'batches': self.batches,
-                'end_batch': self.end_batch, 'plan': self.plan.to_dict()}
+                'end_batch': self.end_batch, 'global_batch_size': self.global_batch_size,
+                'start_sample': self.start_sample, 'samples': self.samples,
+                'tokens': self.tokens, 'plan': self.plan.to_dict()}
 
 
 @dataclass
@@ -85,7 +110,7 @@ class RunPlan:
     """
 
     stages: list[StagePlan]
-    global_batch_size: int
+    global_batch_size: int      # the first stage's (each stage has its own: StagePlan)
     max_seq_len: int
     total_batches: int
     rows_per_stream: dict[str, int] = field(default_factory=dict)
@@ -100,6 +125,27 @@ class RunPlan:
             names += [n for n in stage.stream_names if n not in names]
         return names
 
+    @property
+    def total_samples(self) -> int:
+        """Rows the run trains: the sum of its stages' (each with its own batch)."""
+        return sum(s.samples for s in self.stages)
+
+    @property
+    def total_tokens(self) -> int:
+        """Slot tokens the run trains (Composer's ``tok``): total samples x max_seq_len."""
+        return self.total_samples * self.max_seq_len
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Each stage's global batch, in order."""
+        return [s.global_batch_size for s in self.stages]
+
+    @property
+    def batch_varies(self) -> bool:
+        """True when stages have different global batches (batch-size warm-up): Composer
+        then runs in samples, not batches (see ``composer_duration``)."""
+        return len(set(self.batch_sizes)) > 1
+
     def stage_at(self, batch: int) -> StagePlan:
         """The stage that trains global batch ``batch`` (0-based)."""
         for stage in self.stages:
@@ -110,7 +156,9 @@ class RunPlan:
     def to_dict(self) -> dict[str, Any]:
         return {'stages': [s.to_dict() for s in self.stages],
                 'global_batch_size': self.global_batch_size, 'max_seq_len': self.max_seq_len,
-                'total_batches': self.total_batches, 'rows_per_stream': dict(self.rows_per_stream),
+                'total_batches': self.total_batches, 'total_samples': self.total_samples,
+                'total_tokens': self.total_tokens, 'batch_sizes': self.batch_sizes,
+                'rows_per_stream': dict(self.rows_per_stream),
                 'warnings': list(self.warnings), 'explicit': self.explicit}
 
 
@@ -167,7 +215,9 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     must equal that sum. Without, the run is one stage, :data:`MAIN_STAGE`, as long as
     ``max_duration`` (``sp``/``tok`` round up to whole batches, as Composer stops after
     the batch that reaches them). Each stage is planned -- and its epoch weights
-    computed -- exactly once.
+    computed -- exactly once, with its own global batch (``stages[i].global_train_batch_size``,
+    else ``batch_size`` x ranks): its epoch is whole batches of *that* batch, its ``sp``/``tok``
+    duration is counted in them, and each stage starts at the sample where the last ended.
     """
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
@@ -184,22 +234,25 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                                 infos=infos[0], where=where,
                                 fingerprint=stage_fingerprint(configs[0], infos[0], G)))
     else:
-        start = 0
+        start = sample = 0
         for i, (spec, cfg, stage_infos) in enumerate(zip(config.stages, configs, infos)):
             def resolve(probe: Plan, spec: Any = spec) -> int:
                 batches = stage_batches(spec.duration, probe, f'{spec.where}.duration')
                 if batches <= 0:
                     raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
                 return batches
-            plan = build_plan(cfg, stage_infos, batch_size, None, topology, 'stage duration',
+            stage_G = spec.global_train_batch_size or G
+            stage_batch = stage_device_batch(stage_G, topology.world_size, spec.where)
+            plan = build_plan(cfg, stage_infos, stage_batch, None, topology, 'stage duration',
                               duration_batches=resolve)
             assert plan.duration is not None
             batches = plan.duration.total_batches
             stages.append(StagePlan(index=i, name=spec.name, duration=spec.duration,
                                     start_batch=start, batches=batches, plan=plan, config=cfg,
-                                    infos=stage_infos, where=spec.where,
-                                    fingerprint=stage_fingerprint(cfg, stage_infos, G)))
+                                    infos=stage_infos, where=spec.where, start_sample=sample,
+                                    fingerprint=stage_fingerprint(cfg, stage_infos, stage_G)))
             start += batches
+            sample += plan.duration.total_samples
     L = stages[0].plan.max_seq_len
     run = RunPlan(stages=stages, global_batch_size=stages[0].plan.global_batch_size,
                   max_seq_len=L, total_batches=sum(s.batches for s in stages),
@@ -217,10 +270,44 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     return run
 
 
+def stage_device_batch(global_batch: int, world_size: int, where: str) -> int:
+    """A stage's per-rank batch; refused unless its global batch splits over the ranks (the
+    words of :func:`~foundrymix.train.config.split_batch`, which ``plan`` and ``train`` run first)."""
+    if global_batch % world_size:
+        raise ConfigError(f'{where}.global_train_batch_size={global_batch} is not divisible by the '
+                          f'{world_size} ranks')
+    return global_batch // world_size
+
+
+def composer_duration(run: RunPlan) -> str:
+    """The ``max_duration`` Composer is given for a run with stages: its batches, or -- when
+    the stages' global batches differ -- its samples.
+
+    Why samples then: Composer 0.32 counts ``timestamp.sample``/``token`` from each batch's
+    real rows (``get_num_samples_in_batch``, summed over ranks), so they stay exact across a
+    batch change, but ``timestamp.batch`` counts optimizer steps. A schedule given in ``dur``
+    is a fraction of ``max_duration`` in *its* unit (``composer.optim.scheduler._convert_time``):
+    in batches, ``t_warmup: 0.05dur`` would be 5% of the steps -- far more than 5% of the
+    data when early stages have small batches. In samples it is 5% of the rows (= of the
+    tokens: every row is ``max_seq_len`` slots). The total is exact (every stage's rows, as
+    the plan counts them), so Composer stops after the run's last batch.
+    """
+    if not run.batch_varies:
+        return f'{run.total_batches}ba'
+    inexact = [s.name for s in run.stages if s.plan.duration and not s.plan.duration.samples_exact]
+    if inexact:
+        raise ConfigError(
+            f'train_loader.stages: stages with different global_train_batch_size make Composer count '
+            f'the run in samples, but the samples of stage {inexact[0]} are not known exactly (an '
+            f'epoch too large to replay without drop_last); set train_loader.drop_last: true')
+    return f'{run.total_samples}sp'
+
+
 def _check_max_duration(max_duration: str, run: RunPlan) -> None:
     value, unit = parse_duration(max_duration)
-    G, L, total = run.global_batch_size, run.max_seq_len, run.total_batches
-    sums = {'ba': total, 'sp': total * G, 'tok': total * G * L}
+    L, total = run.max_seq_len, run.total_batches
+    samples = sum(s.batches * s.global_batch_size for s in run.stages)
+    sums = {'ba': total, 'sp': samples, 'tok': samples * L}
     if unit == 'ep':
         raise ConfigError(f'max_duration: {max_duration} is ambiguous with stages (epochs of '
                           f'which stage?); leave it out (the run is the sum of the stages, '
@@ -288,7 +375,8 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     out = []
     if old.get('global_batch_size') != new['global_batch_size']:
         out.append(f'global batch size {old.get("global_batch_size")} -> '
-                   f'{new["global_batch_size"]} (global_train_batch_size must stay fixed)')
+                   f'{new["global_batch_size"]} (a trained stage\'s global_train_batch_size '
+                   f'must stay fixed)')
     knob_keys = list(old['knobs']) + [k for k in new['knobs'] if k not in old['knobs']]
     for key in knob_keys:
         value = old['knobs'].get(key, _OPTIONAL_KNOBS.get(key))

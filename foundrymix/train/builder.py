@@ -81,15 +81,17 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimize
     return DecoupledAdamW(model.parameters(), lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
-def _scheduler(cfg: TrainConfig, run: RunPlan) -> Any:
+def _scheduler(cfg: TrainConfig, run: RunPlan, t_warmup: Optional[str] = None) -> Any:
+    """``t_warmup``: the config's, in the unit Composer runs in (:func:`warmup_in_samples`)."""
     s = cfg.scheduler
     if s.name == 'wsd':
         return WSDScheduler.of(cfg, run)
+    t_warmup = t_warmup or s.t_warmup
     if s.name == 'cosine_with_warmup':
-        return CosineAnnealingWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+        return CosineAnnealingWithWarmupScheduler(t_warmup=t_warmup, alpha_f=s.alpha_f)
     if s.name == 'linear_decay_with_warmup':
-        return LinearWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
-    return ConstantWithWarmupScheduler(t_warmup=s.t_warmup)
+        return LinearWithWarmupScheduler(t_warmup=t_warmup, alpha_f=s.alpha_f)
+    return ConstantWithWarmupScheduler(t_warmup=t_warmup)
 
 
 def _share_cpu_threads(device: str) -> None:
@@ -159,6 +161,7 @@ class TrainData:
     run: RunPlan                  # the run's one plan: the loader is built from it
     tokenizer: TokenizerInfo
     max_duration: str             # what Composer is given
+    t_warmup: str = '0ba'         # scheduler.t_warmup as Composer is given it (in max_duration's unit)
 
     @property
     def plan(self) -> Any:
@@ -191,7 +194,7 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (once: catalogs read once, weights computed once per stage) and the one
     loader built from it -- for a single mixture (one stage) as for a staged run."""
     from foundrymix.plan.mixture import Topology
-    from foundrymix.plan.stages import plan_run
+    from foundrymix.plan.stages import composer_duration, plan_run
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology)
@@ -203,10 +206,57 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     loader = build_run_loader(run, device_batch, composer_epochs=True)
     # A single mixture keeps Composer's own reading of max_duration (3ep: three of its
-    # epochs, which are the mixture's); stages are batches.
-    max_duration = f'{run.total_batches}ba' if run.explicit else str(cfg.max_duration)
+    # epochs, which are the mixture's); stages are batches -- or samples, when the stages'
+    # batches differ (composer_duration says why).
+    max_duration = composer_duration(run) if run.explicit else str(cfg.max_duration)
+    t_warmup = warmup_in_samples(cfg.scheduler.t_warmup, run) if max_duration.endswith('sp') \
+        else cfg.scheduler.t_warmup
     return TrainData(loader=loader, run=run, tokenizer=catalogs[0].tokenizer,
-                     max_duration=max_duration)
+                     max_duration=max_duration, t_warmup=t_warmup)
+
+
+def warmup_in_samples(t_warmup: str, run: RunPlan) -> str:
+    """``t_warmup`` for a run that Composer counts in samples (per-stage batches).
+
+    Composer 0.32's warmup schedulers refuse a ``t_warmup`` in another unit than
+    ``max_duration``'s (``_raise_if_warmup_and_max_incompatible``) -- at the first batch, as
+    a traceback. A warmup that ends inside the first stage is the same point in samples
+    (one batch size there, so samples grow with batches and the LR at every batch is
+    unchanged): it is converted. A later ``ba`` warmup is refused here, with the
+    value in samples that this plan gives the same point of the run. A ``tok`` warmup is
+    converted when it is whole rows (Composer counts a batch's tokens as rows x
+    ``max_seq_len``, ``DataSpec._default_get_num_tokens_in_batch``).
+    """
+    from composer.core import Time, TimeUnit
+    t = Time.from_timestring(t_warmup.strip())
+    if t.unit in (TimeUnit.SAMPLE, TimeUnit.DURATION):
+        return t_warmup
+    first, L = run.stages[0], run.max_seq_len
+    if t.unit == TimeUnit.BATCH and t.value <= first.batches:
+        return f'{t.value * first.global_batch_size}sp'
+    if t.unit == TimeUnit.TOKEN and t.value % L == 0:  # Composer's tok: rows x max_seq_len
+        return f'{t.value // L}sp'
+    if t.unit == TimeUnit.TOKEN:
+        raise ConfigError(
+            f'scheduler.t_warmup: {t_warmup} is not whole rows of {L} tokens, and with stages of '
+            f'different global_train_batch_size Composer counts the run in samples: give t_warmup: '
+            f'{-(-t.value // L)}sp')
+    batch = min(int(t.value), run.total_batches)
+    samples = _samples_before(run, batch)
+    raise ConfigError(
+        f'scheduler.t_warmup: {t_warmup} ends after the first stage, and with stages of different '
+        f'global_train_batch_size Composer counts the run in samples ({run.total_samples}sp): its '
+        f'schedulers take t_warmup in samples only. Batch {batch} of this run is sample {samples}: '
+        f'give t_warmup: {samples}sp (the LR then warms up linearly in samples), or a fraction '
+        f'of the run ({samples / run.total_samples:.4g}dur)')
+
+
+def _samples_before(run: RunPlan, batch: int) -> int:
+    """Rows trained before global batch ``batch`` (each stage with its own batch)."""
+    stage = run.stage_at(batch) if batch < run.total_batches else run.stages[-1]
+    if batch >= stage.end_batch:
+        return run.total_samples
+    return stage.start_sample + (batch - stage.start_batch) * stage.global_batch_size
 
 
 def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any,
@@ -318,7 +368,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     retry_counter = s3_retries.install()  # before the first metadata fetch
     retries_before = retry_counter.snapshot()
     data = _train_data(cfg, device_batch)
-    scheduler = _scheduler(cfg, data.run)  # wsd spans refused before the model is built
+    scheduler = _scheduler(cfg, data.run, data.t_warmup)  # wsd spans refused before the model is built
 
     reproducibility.seed_all(cfg.seed)
     hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)

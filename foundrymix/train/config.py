@@ -188,15 +188,32 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
     Pure, so ``foundrymix plan --world-size N`` refuses what ``composer -n N`` would, in the
     same words: there the check ran only inside the launched ranks, and the launcher buried
     the one-line error under a crash dump of every rank (issue 26).
+
+    The microbatch is a device setting, one for the whole run: with per-stage batches
+    (``train_loader.stages[i].global_train_batch_size``) it must divide every stage's
+    per-rank batch, and unset it is the largest of them (one microbatch per batch: Composer
+    0.32 splits each batch it is handed by ``device_train_microbatch_size`` and scales the
+    loss by the rows of that batch, so a smaller stage batch is simply one shorter microbatch).
     """
     gbs = cfg.global_train_batch_size
-    if gbs % world_size:
-        raise ConfigError(f'global_train_batch_size={gbs} is not divisible by the {world_size} ranks')
+    stages = cfg.train_loader.stages or []
+    # every global batch the run trains: the run's (unless every stage sets its own), the stages'
+    used = [('', gbs)] if not stages or any(s.global_train_batch_size is None for s in stages) else []
+    used += [(f'{s.where}.global_train_batch_size ', s.global_train_batch_size) for s in stages
+             if s.global_train_batch_size is not None]
+    for key, g in [('', gbs)] + used:
+        if g % world_size:
+            raise ConfigError(f'{key.strip() or "global_train_batch_size"}={g} is not divisible by '
+                              f'the {world_size} ranks')
     device_batch = gbs // world_size
-    micro = cfg.device_train_microbatch_size if cfg.device_train_microbatch_size is not None else device_batch
-    if isinstance(micro, int) and (micro <= 0 or device_batch % micro):
-        raise ConfigError(f'device_train_microbatch_size={micro} does not divide the per-rank batch '
-                          f'({device_batch} = {gbs} / {world_size} ranks)')
+    largest = max(g for _, g in used) // world_size
+    micro = cfg.device_train_microbatch_size
+    if micro is None:  # every batch in one microbatch (a smaller stage's: one shorter one)
+        return device_batch, largest
+    for key, g in used:
+        if isinstance(micro, int) and (micro <= 0 or (g // world_size) % micro):
+            raise ConfigError(f'device_train_microbatch_size={micro} does not divide the per-rank '
+                              f'batch ({g // world_size} = {key}{g} / {world_size} ranks)')
     return device_batch, micro
 
 

@@ -59,24 +59,29 @@ def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
     position = getattr(state.train_dataloader, 'dataset', None)
     resumed = getattr(position, 'resumed', None)
     run = getattr(position, 'run', None)
-    if resumed is None or run is None or resumed.old_total_batches is None:
-        return None
-    old, new = resumed.old_total_batches, run.total_batches
-    if old == new:
+    if resumed is None or run is None:
         return None
     saved = state.max_duration
+    # per-stage batches: Composer runs in samples (foundrymix.plan.stages.composer_duration)
+    in_samples = str(saved).endswith('sp')
+    unit, what_unit = ('sp', 'samples') if in_samples else ('ba', 'batches')
+    old = resumed.old_total_samples if in_samples else resumed.old_total_batches
+    new = run.total_samples if in_samples else run.total_batches
+    if old is None or old == new:
+        return None
     try:
-        state.max_duration = f'{old}ba'
+        state.max_duration = f'{old}{unit}'
         before = base_lr * scheduler(state)
-        state.max_duration = f'{new}ba'
+        state.max_duration = f'{new}{unit}'
         after = base_lr * scheduler(state)
     finally:
         state.max_duration = saved
     what = 'extended' if new > old else 'shortened'
-    done = ' (it had finished)' if resumed.batch >= old else ''
+    at = int(state.timestamp.sample) if in_samples else resumed.batch
+    done = ' (it had finished)' if at >= old else ''
     same = ' (unchanged)' if abs(before - after) <= 1e-12 * max(abs(before), 1e-30) else ''
-    return (f'the run is {what} from {old} to {new} batches{done}: the LR schedule now spans '
-            f'{new} batches; LR at batch {resumed.batch}: {before:.6g} under the checkpoint\'s '
+    return (f'the run is {what} from {old} to {new} {what_unit}{done}: the LR schedule now spans '
+            f'{new} {what_unit}; LR at batch {resumed.batch}: {before:.6g} under the checkpoint\'s '
             f'length, {after:.6g} now{same}')
 
 

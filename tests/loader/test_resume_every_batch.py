@@ -4,7 +4,8 @@
 The strongest loaders (Grain) check every position, not a few chosen ones; a resume bug
 that only shows at one batch (the last of an epoch, the first of a stage, inside a
 stage's second epoch) is exactly the kind a few spot checks miss. The run: three stages
--- a fractional repeat of a finetune stream, a stage switch, an epoch boundary inside the
+-- a fractional repeat of a finetune stream, stage switches that change the global batch
+(``stages[i].global_train_batch_size``: 4 -> 8 -> 4 rows), an epoch boundary inside the
 last stage -- on the bundled sample streams (``small_streams``).
 
 The restore goes through the path Composer uses: the straight run's
@@ -86,13 +87,14 @@ CHILD = textwrap.dedent('''
 
 
 def three_stages(data: dict[str, str]) -> dict:
-    """pretrain with dolly at 0.25x (ends mid-epoch) -> a mix -> finetune for 2 epochs."""
+    """pretrain with dolly at 0.25x (ends mid-epoch) -> a mix with twice the global batch
+    (``global_train_batch_size: 8``) -> finetune, back to the run's batch, for 2 epochs."""
     return {'streams': {'arxiv': {'local': data['arxiv']}, 'dolly': {'local': data['dolly']}},
             'shuffle_seed': 3,
             'stages': [
                 {'name': 'pretrain', 'duration': '5ba',
                  'streams': {'arxiv': {'repeat': 1}, 'dolly': {'repeat': 0.25}}},
-                {'name': 'mix', 'duration': '3ba',
+                {'name': 'mix', 'duration': '3ba', 'global_train_batch_size': 2 * GLOBAL_BATCH,
                  'streams': {'arxiv': {'repeat': 0.5}, 'dolly': {'repeat': 0.5}}},
                 {'name': 'finetune', 'duration': '2ep',
                  'streams': {'dolly': {'repeat': 0.5}, 'arxiv': {'repeat': 0.25}}}]}
@@ -143,12 +145,14 @@ def one_rank(tmp_path_factory, data) -> dict[int, list[dict]]:
 
 
 def test_the_positions_cover_stage_switches_and_an_epoch_inside_a_stage(one_rank):
-    """A stage ending mid-epoch (pretrain: 5 of 8 batches), two switches (5, 8) and an
-    epoch boundary inside a stage (finetune: 2 epochs of 6 batches, boundary at 14)."""
+    """A stage ending mid-epoch (pretrain: 5 of 8 batches), two switches that change the
+    batch (5: 4 -> 8 rows, mix is one epoch of 3 batches of 8; 8: 8 -> 4) and an epoch
+    boundary inside a stage (finetune: 2 epochs of 6 batches, boundary at 14)."""
     for workers in (0, 2):
         out = one_rank[workers][0]
-        assert out['stages'] == [['pretrain', 0, 5, 8], ['mix', 5, 3, 7], ['finetune', 8, 12, 6]]
-        assert [len(b) for b in out['straight']] == [GLOBAL_BATCH] * 20
+        assert out['stages'] == [['pretrain', 0, 5, 8], ['mix', 5, 3, 3], ['finetune', 8, 12, 6]]
+        assert [len(b) for b in out['straight']] == [GLOBAL_BATCH] * 5 + [2 * GLOBAL_BATCH] * 3 + \
+            [GLOBAL_BATCH] * 12
 
 
 def test_every_position_resumes_exactly_on_one_rank(one_rank):

@@ -175,3 +175,46 @@ def test_two_ranks_three_stages_and_resume(tmp_path, data, straight):
     assert run.stages[1].start_batch < 8 < run.stages[1].end_batch
     assert [Counter(b['sample_ids']) for b in log] == reference
     assert [Counter(b['sample_ids']) for b in sample_log(one / 'samples.jsonl')] == reference
+
+
+def write_warmup_config(run: Path, data: dict[str, str], **top) -> Path:
+    """The three stages with batch-size warm-up: pretrain at the run's 4 rows, mix and
+    finetune at ``global_train_batch_size: 8`` (mix: 2048 tokens = 2 batches of 8;
+    finetune: 2 epochs of 6 batches of 8); t_warmup 2ba (inside pretrain) runs in samples."""
+    path = write_config(run, data, **top)
+    cfg = yaml.safe_load(path.read_text())
+    for stage in cfg['train_loader']['stages'][1:]:
+        stage['global_train_batch_size'] = 2 * BATCH
+    path.write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    return path
+
+
+def test_batch_size_warmup_resumes_exactly_before_at_and_after_the_change(tmp_path, data):
+    """One straight run; one run stopped at batch 7 that saved every batch; resumed from
+    batch 5 (before the change), 6 (the first batch of 8 rows) and 7 (after it), each into
+    its own folder: the same sample ids per batch and bitwise-equal final weights."""
+    import shutil
+    straight_dir, stopped = tmp_path / 'straight', tmp_path / 'stopped'
+    for d in (straight_dir, stopped):
+        d.mkdir()
+    cfg = write_warmup_config(straight_dir, data)
+    train(cfg)
+    run = planned(cfg)
+    log = sample_log(straight_dir / 'samples.jsonl')
+    assert [(s.start_batch, s.batches, s.global_batch_size) for s in run.stages] == \
+        [(0, 6, 4), (6, 2, 8), (8, 12, 8)]
+    assert [len(b['sample_ids']) for b in log] == [4] * 6 + [8] * 14
+    assert per_stage(log, run) == [s.plan.duration.rows_per_stream for s in run.stages]
+    end = final_state(straight_dir / 'ckpt')['timestamp']['Timestamp']
+    assert (end['batch'], end['sample'], end['token']) == (20, run.total_samples,
+                                                           run.total_tokens) == (20, 136, 136 * 128)
+    train(write_warmup_config(stopped, data, save_interval='1ba'), 'callbacks.stop_at.time=7ba')
+    for at in (5, 6, 7):
+        resumed = tmp_path / f'resumed-{at}'
+        resumed.mkdir()
+        shutil.copy(stopped / 'samples.jsonl', resumed / 'samples.jsonl')
+        proc = train(write_warmup_config(resumed, data),
+                     f'load_path={next((stopped / "ckpt").glob(f"*-ba{at}-rank0.pt"))}')
+        assert f'at batch {at} ' in proc.stdout
+        assert sample_log(resumed / 'samples.jsonl') == log, at
+        assert_same_weights(final_state(resumed / 'ckpt'), final_state(straight_dir / 'ckpt'))

@@ -301,3 +301,23 @@ def test_plan_of_a_run_without_stages_reads_epochs_of_its_mixture(data, tmp_path
     code, out = plan_cli(capsys, str(tmp_path / 'run.yaml'), '--png', str(tmp_path / 'plan.png'))
     assert code == 0 and (tmp_path / 'plan.png').stat().st_size > 0
     assert ['stable', str(30 - epoch), str(epoch), '29', f'{LR:g}', f'{LR:g}'] in table_rows(out)
+
+
+def test_wsd_with_per_stage_batches_counts_batches_and_refuses_sample_spans(data, tmp_path, capsys):
+    """With per-stage global batches (batch-size warm-up) the schedule still counts global
+    batches: a stage-tied decay starts at the anneal's first batch, and a span in samples,
+    which is no fixed number of batches any more, is refused rather than rounded."""
+    warm = dict(STABLE, global_train_batch_size=2 * BATCH)
+    yaml_path = write_yaml(data, tmp_path / 'run.yaml', [warm, ANNEAL],
+                           {'name': 'wsd', 'warmup': '2ba', 'decay': {'stage': 'anneal', 'to': 0.0}})
+    code, out = plan_cli(capsys, '--json', str(yaml_path))
+    assert code == 0, out
+    phases = json.loads(out)['lr_schedule']['phases']
+    assert [(p['phase'], p['first_batch'], p['last_batch']) for p in phases] == [
+        ('warmup', 0, 1), ('stable', 2, 5), ('decay', 6, 9)]
+    yaml_path = write_yaml(data, tmp_path / 'run2.yaml', [warm, ANNEAL],
+                           {'name': 'wsd', 'decay': {'duration': f'{4 * BATCH}sp'}})
+    code, out = plan_cli(capsys, str(yaml_path))
+    assert code == 2 and len(out.strip().splitlines()) == 1
+    assert (f"scheduler.decay.duration: {4 * BATCH}sp is not a fixed number of global batches: the stages' "
+            f"global batches differ ({2 * BATCH}, {BATCH} rows)") in out
