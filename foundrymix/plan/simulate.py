@@ -423,13 +423,15 @@ def _py1e_prefix(sizes: np.ndarray, stream: np.ndarray, m: int, rng: np.random.G
             values.append(np.arange(offsets[i], offsets[i] + sizes[i]).astype(np.float64) + shifts)
             owners.append(np.full(int(sizes[i]), stream[i], np.int64))
         v = np.concatenate(values) if values else np.zeros(0)
-        order = np.argsort(v, kind='stable')
-        if 0 <= k <= len(v) and (k == 0 or v[order[k - 1]] <= t_high) and \
-                (k == len(v) or v[order[k]] >= t_low):
-            counts = np.bincount(stream[sure_in], weights=sizes[sure_in], minlength=n_streams)
-            if k:
-                counts += np.bincount(np.concatenate(owners)[order[:k]], minlength=n_streams)
-            return counts.astype(np.int64)
+        if 0 <= k <= len(v):
+            # the k smallest (O(n) selection: a full argsort of the ~2.5 blocks was 8 s of 37)
+            order = np.argpartition(v, [i for i in (k - 1, k) if 0 <= i < len(v)]) \
+                if len(v) else np.zeros(0, np.int64)
+            if (k == 0 or v[order[k - 1]] <= t_high) and (k == len(v) or v[order[k]] >= t_low):
+                counts = np.bincount(stream[sure_in], weights=sizes[sure_in], minlength=n_streams)
+                if k:
+                    counts += np.bincount(np.concatenate(owners)[order[:k]], minlength=n_streams)
+                return counts.astype(np.int64)
         width *= 2
 
 
