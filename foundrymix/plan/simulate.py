@@ -400,8 +400,7 @@ def _py1e_prefix(sizes: np.ndarray, stream: np.ndarray, m: int, rng: np.random.G
             cutoff = 0
         lows.append(max(-cutoff, -offset))
         highs.append(min(cutoff, num - offset - span_size))
-        states.append(bg.state)
-        _skip_doubles(bg, int(span_size))
+        states.append(_skip_doubles(bg, int(span_size)))
         offset += span_size
     if m <= 0:
         return np.zeros(n_streams, np.int64)
@@ -435,11 +434,14 @@ def _py1e_prefix(sizes: np.ndarray, stream: np.ndarray, m: int, rng: np.random.G
         width *= 2
 
 
-def _skip_doubles(bg: Any, n: int) -> None:
+def _skip_doubles(bg: Any, n: int) -> dict[str, Any]:
     """Advance ``bg`` past ``n`` doubles (``uniform`` takes one 64-bit draw each) keeping its
-    buffered 32-bit half, which ``advance`` clears but ``integers`` may still use."""
+    buffered 32-bit half, which ``advance`` clears but ``integers`` may still use; returns
+    the state before (to draw those doubles later)."""
     kept = bg.state
     bg.advance(n)
-    state = bg.state
-    state['has_uint32'], state['uinteger'] = kept['has_uint32'], kept['uinteger']
-    bg.state = state
+    if kept['has_uint32']:
+        state = bg.state
+        state['has_uint32'], state['uinteger'] = 1, kept['uinteger']
+        bg.state = state
+    return kept
