@@ -329,9 +329,9 @@ def _how_run(epoch: _Epoch, d: 'DurationPlan') -> str:
     sim = epoch.simulator
     if d.rows_per_stream is None:
         return 'not computed: epochs over the replay limit (passes are epochs x passes per epoch)'
-    if d.ends_mid_epoch and not sim.arithmetic:
+    if not (epoch.whole_batches or sim.portions is not None):
         return 'replay'
-    if not (epoch.whole_batches or sim.portions is not None) and d.full_epochs > 1:
+    if d.ends_mid_epoch and not sim.arithmetic:
         return 'replay'
     if d.ends_mid_epoch and sim.portions is None and sim.ds.shuffle:
         return f'arithmetic (on streaming\'s {sim.ds.shuffle_algo} shuffle)'
@@ -545,8 +545,8 @@ def _rows_trained(names: list[str], epoch: _Epoch, full_epochs: int,
     same = epoch.whole_batches or sim.portions is not None
     simulated = (0 if same else (full_epochs - 1) * epoch.epoch_size) + \
         (epoch.epoch_size if rem and not sim.arithmetic else 0)
-    if simulated > SIMULATE_LIMIT:
-        return None
+    if simulated > SIMULATE_LIMIT or not same and epoch.batch_sizes is None:
+        return None  # (the latter: epoch 0 was estimated, not replayed)
     totals = epoch.trained * full_epochs if same else np.zeros(len(names), np.int64)
     for e in range(0 if same else full_epochs):
         totals += epoch.trained if e == 0 else sim.trained_counts(e)[0]
