@@ -33,25 +33,27 @@ def stand_in(shard_rows, chooses, G, topology, proportions=None, **knobs) -> Epo
 SHARDS = [[7, 13, 5], [11, 11, 4, 9], [3, 17], [8]]   # rows 25, 35, 20, 8 = 88
 
 
-@pytest.mark.parametrize('algo,chooses,cn,topo,block,seed', [
-    ('py1e', (25, 35, 20, 8), 1, (1, 1), 40, 17),
-    ('py1e', (50, 35, 20, 15), 2, (1, 2), 30, 3),      # 2x, 1x, 1x, 1.875x (fractional repeat)
-    ('py1e', (12, 70, 30, 8), 4, (2, 2), 25, 9176),   # fractional under one pass
-    ('py1e', (25, 35, 20, 16), 8, (2, 1), 10, 5),     # shards larger than the block: no shift
-    ('py1e', (40, 35, 33, 12), 3, (1, 1), 64, 1),     # short spans, canonical nodes cut spans
-    ('py1s', (25, 35, 20, 8), 1, (1, 2), 40, 17),
-    ('py1s', (50, 35, 20, 15), 4, (2, 2), 40, 23),
-    ('py1s', (12, 70, 30, 8), 8, (1, 4), 40, 7),
-    (None, (25, 35, 20, 8), 2, (1, 2), 40, 17),       # shuffle: false
+@pytest.mark.parametrize('algo,chooses,cn,topo,block,seed,extra', [
+    ('py1e', (25, 35, 20, 8), 1, (1, 1), 40, 17, {}),
+    ('py1e', (50, 35, 20, 15), 2, (1, 2), 30, 3, {}),  # 2x, 1x, 1x, 1.875x (fractional repeat)
+    ('py1e', (12, 70, 30, 8), 4, (2, 2), 25, 9176, {'num_workers': 3}),  # under one pass
+    ('py1e', (25, 35, 20, 16), 8, (2, 1), 10, 5, {}),  # shards larger than the block: no shift
+    ('py1e', (40, 35, 33, 12), 3, (1, 1), 64, 1,       # short spans, canonical nodes cut spans
+     {'sampling_granularity': 3, 'sampling_method': 'fixed'}),
+    ('py1s', (25, 35, 20, 8), 1, (1, 2), 40, 17, {'num_workers': 2}),
+    ('py1s', (50, 35, 20, 15), 4, (2, 2), 40, 23, {}),
+    ('py1s', (12, 70, 30, 8), 8, (1, 4), 40, 7, {'sampling_granularity': 4}),
+    (None, (25, 35, 20, 8), 2, (1, 2), 40, 17, {}),    # shuffle: false
 ])
-def test_random_prefix_and_rank_counts_equal_the_replay(algo, chooses, cn, topo, block, seed):
+def test_random_prefix_and_rank_counts_equal_the_replay(algo, chooses, cn, topo, block, seed,
+                                                        extra):
     topology = Topology(*topo)
     G = 16
     total = sum(chooses)
     trim = total % np.lcm(G, cn)
     chooses = (chooses[0] - trim,) + tuple(chooses[1:])  # an exact epoch, as foundrymix makes it
     knobs = dict(shuffle=algo is not None, shuffle_algo=algo or 'py1e', shuffle_block_size=block,
-                 shuffle_seed=seed, num_canonical_nodes=cn)
+                 shuffle_seed=seed, num_canonical_nodes=cn, **extra)
     sim = stand_in(SHARDS, chooses, G, topology, **knobs)
     assert sim.arithmetic, sim.replay_reason
     batches = sum(chooses) // G
