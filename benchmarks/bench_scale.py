@@ -84,7 +84,8 @@ def write_sparse_stream(template: str, out: str, rows: int) -> None:
     json.dump(manifest, open(os.path.join(out, 'foundrymix.json'), 'w'))
 
 
-def write_config(path: str, stream_dirs: dict[str, str], seq_len: int, max_duration: str) -> None:
+def write_config(path: str, stream_dirs: dict[str, str], seq_len: int, max_duration: str,
+                 repeat: float = 1, stages: int = 0) -> None:
     """A training YAML (yamls/demo.yaml's model and optimizer) over ``stream_dirs``."""
     import yaml
     cfg = yaml.safe_load(open(os.path.join(ROOT, 'yamls', 'demo.yaml')))
@@ -92,8 +93,13 @@ def write_config(path: str, stream_dirs: dict[str, str], seq_len: int, max_durat
     cfg.pop('callbacks')
     cfg['max_seq_len'] = seq_len
     cfg['model']['max_position_embeddings'] = seq_len
-    cfg['train_loader']['streams'] = {n: {'local': d, 'repeat': 1} for n, d in stream_dirs.items()}
+    streams = {n: {'local': d, 'repeat': repeat} for n, d in stream_dirs.items()}
+    cfg['train_loader']['streams'] = streams
     cfg['max_duration'] = max_duration
+    if stages:  # the same streams, one stage after another: a switch rebuilds the dataset
+        cfg['train_loader']['stages'] = [{'name': f'st{i}', 'duration': max_duration,
+                                          'streams': streams} for i in range(stages)]
+        del cfg['train_loader']['streams'], cfg['max_duration']
     cfg['save_folder'] = os.path.join(os.path.dirname(path), 'ckpt')
     with open(path, 'w') as f:
         yaml.safe_dump(cfg, f, sort_keys=False)
@@ -131,14 +137,40 @@ t0 = time.perf_counter()
 cfg = load_config(sys.argv[1])
 device_batch, _ = split_batch(cfg, 1)
 data = builder._train_data(cfg, device_batch)
+at = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+if at:  # resume: what load_state_dict sets once the checkpoint's fingerprints match
+    data.loader.position.batch = at
 it = iter(data.loader)  # held: dropping it mid-epoch releases the stage (gc.collect)
 next(it)
-print(json.dumps({'seconds': time.perf_counter() - t0, 'fds': len(os.listdir('/proc/self/fd'))}))
+out = {'seconds': time.perf_counter() - t0, 'fds': len(os.listdir('/proc/self/fd'))}
+if len(sys.argv) > 3:  # a stage switch: the next stage's first batch
+    t1 = time.perf_counter()
+    while data.loader.position.batch < data.run.stages[1].start_batch + 1:
+        next(it)
+    out['switch_seconds'] = time.perf_counter() - t1
+print(json.dumps(out))
+'''
+
+RAW_AT = r'''
+import os, sys, time, json
+from streaming import Stream, StreamingDataset
+from torch.utils.data import DataLoader, default_collate
+dirs, repeat, at = json.load(open(sys.argv[1])), float(sys.argv[2]), int(sys.argv[3])
+t0 = time.perf_counter()
+ds = StreamingDataset(streams=[Stream(local=d, repeat=repeat) for d in dirs], batch_size=8,
+                      shuffle=True, shuffle_seed=17, batching_method='random')
+if at:
+    ds.load_state_dict({'epoch': 0, 'sample_in_epoch': at * 8, 'num_canonical_nodes': 1,
+                        'shuffle_seed': 17, 'initial_physical_nodes': None})
+loader = DataLoader(ds, batch_size=8, num_workers=0,
+                    collate_fn=lambda s: default_collate([r['input_ids'] for r in s]))
+next(iter(loader))
+print(json.dumps({'seconds': time.perf_counter() - t0}))
 '''
 
 
-def start_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> dict:
-    case = os.path.join(work, f'start-{n}')
+def linked_streams(case: str, template: str, n: int) -> dict[str, str]:
+    """``n`` stream directories, each hard links of ``template``'s files."""
     dirs = {}
     for i in range(n):
         d = os.path.join(case, 'streams', f's{i:05d}')
@@ -146,6 +178,54 @@ def start_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> d
         for name in os.listdir(template):
             os.link(os.path.join(template, name), os.path.join(d, name))
         dirs[f's{i:05d}'] = d
+    return dirs
+
+
+def resume_case(work: str, template: str, rows: int, at: int, rounds: int, seq_len: int,
+                template_rows: int, streams: int = 10) -> dict:
+    """Start (batch 0) and resume at batch ``at`` of one ``rows``-row epoch (``streams``
+    linked streams with ``repeat``), foundrymix's trainer path and raw streaming alike."""
+    case = os.path.join(work, f'resume-{rows}')
+    dirs = linked_streams(case, template, streams)
+    repeat = rows / (streams * template_rows)
+    cfg = os.path.join(case, 'train.yaml')
+    write_config(cfg, dirs, seq_len, f'{rows // 8}ba', repeat=repeat)
+    dir_list = os.path.join(case, 'dirs.json')
+    json.dump(list(dirs.values()), open(dir_list, 'w'))
+    got: dict = {k: [] for k in ('raw_start', 'raw_resume', 'ours_start', 'ours_resume')}
+    rss: dict = {k: [] for k in got}
+    for _ in range(rounds):
+        for key, cmd in (('raw_start', [PY, '-c', RAW_AT, dir_list, str(repeat), '0']),
+                         ('ours_start', [PY, '-c', OURS, cfg, '0']),
+                         ('raw_resume', [PY, '-c', RAW_AT, dir_list, str(repeat), str(at)]),
+                         ('ours_resume', [PY, '-c', OURS, cfg, str(at)])):
+            _, peak, out = run_wait4(cmd, cwd=case)
+            got[key].append(json.loads(out.strip().splitlines()[-1])['seconds'])
+            rss[key].append(peak)
+    shutil.rmtree(case)
+    return {'rows': rows, 'at': at, **got, 'rss_gb': {k: max(v) for k, v in rss.items()}}
+
+
+def switch_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> dict:
+    """Two stages over the same ``n`` linked streams, one batch each: the start (build + first
+    batch) against the switch (release + build of the next stage + its first batch)."""
+    case = os.path.join(work, f'switch-{n}')
+    dirs = linked_streams(case, template, n)
+    cfg = os.path.join(case, 'train.yaml')
+    write_config(cfg, dirs, seq_len, '1ba', stages=2)
+    start, switch = [], []
+    for _ in range(rounds):
+        _, _, out = run_wait4([PY, '-c', OURS, cfg, '0', 'switch'], cwd=case)
+        got = json.loads(out.strip().splitlines()[-1])
+        start.append(got['seconds'])
+        switch.append(got['switch_seconds'])
+    shutil.rmtree(case)
+    return {'streams': n, 'start_s': start, 'switch_s': switch}
+
+
+def start_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> dict:
+    case = os.path.join(work, f'start-{n}')
+    dirs = linked_streams(case, template, n)
     cfg = os.path.join(case, 'train.yaml')
     write_config(cfg, dirs, seq_len, '1ba')
     dir_list = os.path.join(case, 'dirs.json')
@@ -164,7 +244,8 @@ def start_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> d
             'ours_rss_gb': max(rss_ours), 'fds': fds}
 
 
-def plan_case(work: str, template: str, n: int, rows: int, rounds: int, seq_len: int) -> dict:
+def plan_case(work: str, template: str, n: int, rows: int, rounds: int, seq_len: int,
+              duration: str = '1ep') -> dict:
     case = os.path.join(work, f'plan-{n}x{rows}')
     dirs = {}
     for i in range(n):
@@ -172,14 +253,17 @@ def plan_case(work: str, template: str, n: int, rows: int, rounds: int, seq_len:
         write_sparse_stream(template, d, rows)
         dirs[f's{i:05d}'] = d
     cfg = os.path.join(case, 'train.yaml')
-    write_config(cfg, dirs, seq_len, '1ep')
+    write_config(cfg, dirs, seq_len, duration)
     times, rss = [], []
     for _ in range(rounds):
-        wall, peak, _ = run_wait4([PY, '-m', 'foundrymix.cli', 'plan', '--json', cfg], cwd=case)
+        wall, peak, out = run_wait4([PY, '-m', 'foundrymix.cli', 'plan', '--json', cfg], cwd=case)
         times.append(wall)
         rss.append(peak)
     shutil.rmtree(case)
-    return {'streams': n, 'rows': rows, 'plan_s': times, 'plan_rss_gb': max(rss)}
+    doc = json.loads(out)
+    counted = (doc['stages'][0]['plan'] if 'stages' in doc else doc).get('counted', {})
+    return {'streams': n, 'rows': rows, 'duration': duration, 'plan_s': times,
+            'plan_rss_gb': max(rss), 'counted': counted}
 
 
 def fmt(values: list[float]) -> str:
@@ -189,9 +273,14 @@ def fmt(values: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--plan', nargs='*', default=['10:100000', '1000:10000'],
-                    help='plan cases, STREAMS:ROWS_PER_STREAM')
+                    help='plan cases, STREAMS:ROWS_PER_STREAM[:MAX_DURATION] (default 1ep; e.g. '
+                         '10:100000000:1000000ba ends a 10^9-row epoch at batch 10^6)')
     ap.add_argument('--start', nargs='*', type=int, default=[10, 100, 1000],
                     help='start-up cases: number of streams (each a hard link of one real stream)')
+    ap.add_argument('--resume', nargs='*', default=[],
+                    help='resume cases, ROWS:BATCH: start vs resume at BATCH of a ROWS-row epoch')
+    ap.add_argument('--switch', nargs='*', type=int, default=[],
+                    help='stage-switch cases: number of streams (two one-batch stages)')
     ap.add_argument('--rounds', type=int, default=3)
     ap.add_argument('--seq-len', type=int, default=256)
     ap.add_argument('--json', default=None, help='also write the results here')
@@ -204,11 +293,13 @@ def main() -> None:
               f'{template_rows:,} rows of {args.seq_len} tokens', flush=True)
         results = {'plan': [], 'start': [], 'template_rows': template_rows}
         for case in args.plan:
-            n, rows = (int(x) for x in case.split(':'))
-            r = plan_case(work, template, n, rows, args.rounds, args.seq_len)
+            n, rows, duration = (case.split(':') + ['1ep'])[:3]
+            n, rows = int(n), int(rows)
+            r = plan_case(work, template, n, rows, args.rounds, args.seq_len, duration)
             results['plan'].append(r)
-            print(f'plan   {n:>6,} streams x {rows:>11,} rows ({n * rows:>14,}): '
-                  f'{fmt(r["plan_s"])} s, peak RSS {r["plan_rss_gb"]:.2f} GB', flush=True)
+            print(f'plan   {n:>6,} streams x {rows:>11,} rows ({n * rows:>14,}), {duration}: '
+                  f'{fmt(r["plan_s"])} s, peak RSS {r["plan_rss_gb"]:.2f} GB; counted '
+                  f'{r["counted"]}', flush=True)
         for n in args.start:
             r = start_case(work, template, n, args.rounds, args.seq_len)
             results['start'].append(r)
@@ -217,6 +308,19 @@ def main() -> None:
                   f'({r["ours_rss_gb"]:.2f} GB, {r["fds"]["ours"]} fds), raw streaming '
                   f'{fmt(r["raw_s"])} s ({r["raw_rss_gb"]:.2f} GB, {r["fds"]["raw"]} fds); '
                   f'ratio {fmt(ratio)}', flush=True)
+        for case in args.resume:
+            rows, at = (int(x) for x in case.split(':'))
+            r = resume_case(work, template, rows, at, args.rounds, args.seq_len, template_rows)
+            results.setdefault('resume', []).append(r)
+            print(f'resume {rows:>14,} rows at batch {at:,}: foundrymix start {fmt(r["ours_start"])} s, '
+                  f'resume {fmt(r["ours_resume"])} s; raw streaming start {fmt(r["raw_start"])} s, '
+                  f'resume {fmt(r["raw_resume"])} s; peak RSS {r["rss_gb"]}', flush=True)
+        for n in args.switch:
+            r = switch_case(work, template, n, args.rounds, args.seq_len)
+            results.setdefault('switch', []).append(r)
+            ratio = [w / s for s, w in zip(r['start_s'], r['switch_s'])]
+            print(f'switch {n:>6,} streams: start {fmt(r["start_s"])} s, stage switch '
+                  f'{fmt(r["switch_s"])} s; ratio {fmt(ratio)}', flush=True)
         print(f'load after: {os.getloadavg()[0]:.2f}')
         if args.json:
             with open(args.json, 'w') as f:

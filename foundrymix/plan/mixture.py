@@ -156,6 +156,11 @@ class Plan:
     weights: Optional[EpochWeights] = None
     #: the YAML's stream groups (pattern entries), each with its members and given weight
     groups: list[GroupPlan] = field(default_factory=list)
+    #: how each count was made -- 'epoch' (rows per stream per epoch), 'per_rank', 'run'
+    #: (rows per stream over the duration): 'arithmetic' (on streaming's partition and
+    #: shuffle structure, exact), 'replay' (streaming's own generate_work, exact) or
+    #: 'estimate: ...' / 'not computed: ...' (an epoch over the replay limit)
+    counted: dict[str, str] = field(default_factory=dict)
 
     def stream(self, name: str) -> StreamPlan:
         return next(s for s in self.streams if s.name == name)
@@ -209,6 +214,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     stream_plans = _stream_plans(infos, epoch, L, warnings, notes)
     if config.weights_in != 'rows':
         notes.append(weights_in_note(config.weights_in, stream_plans, L))
+    per_rank, how_ranks = _rank_plans(epoch, topology, names)
     plan = Plan(streams=stream_plans,
                 epoch_size=epoch.epoch_size, batch_size=batch_size,
                 world_size=topology.world_size, global_batch_size=G,
@@ -221,13 +227,15 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
                 repeated_rows_per_epoch=max(0, int(epoch.trained.sum()) - epoch.epoch_size),
-                per_rank=_rank_plans(epoch, topology, names), weights=epoch.weights,
+                per_rank=per_rank, weights=epoch.weights,
                 groups=stream_groups(config))
+    plan.counted = {'epoch': _how_epoch(epoch), 'per_rank': how_ranks}
     if duration_batches is not None:
         max_duration = f'{duration_batches(plan)}ba'
     if max_duration is not None:
         plan.duration = plan_duration(plan, max_duration, [i.name for i in infos], epoch)
         d = plan.duration
+        plan.counted['run'] = _how_run(epoch, d)
         if d.ends_mid_epoch:
             warnings.append(
                 f'{duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
@@ -278,6 +286,9 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     sizes: Optional[list[int]] = None
     if whole_batches:
         trained, batches = chooses, epoch_size // G
+    elif simulator.portions is not None:  # stratified: every batch the same rows per stream
+        batches = simulator.stratified_batches()
+        trained = simulator.portions * batches
     elif epoch_size <= SIMULATE_LIMIT:
         trained, sizes = simulator.counts_and_sizes(0)
         batches = len(sizes)
@@ -293,7 +304,7 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
                   shares=shares, weights=weights, batches=batches,
                   whole_batches=whole_batches, simulator=simulator, batch_sizes=sizes,
-                  full_batches=whole_batches or config.drop_last)
+                  full_batches=whole_batches or config.drop_last or simulator.portions is not None)
 
 
 def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
@@ -306,24 +317,54 @@ def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                          config.drop_last)
 
 
-def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str]) -> Optional[list[RankPlan]]:
-    """Every rank's rows per stream in epoch 0, from streaming's own partition (None when the
-    epoch is too large to replay); for one rank over whole batches, the epoch's counts
-    (each replay is a ``generate_work``: 1.1 s over 1,000 streams, issue 22)."""
+def _how_epoch(epoch: _Epoch) -> str:
+    if epoch.whole_batches or epoch.simulator.portions is not None:
+        return 'arithmetic'
+    if epoch.batch_sizes is not None:
+        return 'replay'
+    return 'estimate: sampled rows, the drop_last tail not subtracted per stream'
+
+
+def _how_run(epoch: _Epoch, d: 'DurationPlan') -> str:
+    sim = epoch.simulator
+    if d.rows_per_stream is None:
+        return 'not computed: epochs over the replay limit (passes are epochs x passes per epoch)'
+    if not (epoch.whole_batches or sim.portions is not None):
+        return 'replay'
+    if d.ends_mid_epoch and not sim.arithmetic:
+        return 'replay'
+    if d.ends_mid_epoch and sim.portions is None and sim.ds.shuffle:
+        return f'arithmetic (on streaming\'s {sim.ds.shuffle_algo} shuffle)'
+    return 'arithmetic'
+
+
+def _rank_plans(epoch: _Epoch, topology: Topology,
+                names: list[str]) -> tuple[Optional[list[RankPlan]], str]:
+    """Every rank's rows per stream in epoch 0 and how they were counted: by arithmetic where
+    :meth:`EpochSimulator.arith_rank_counts` proves it (one rank over whole batches: the
+    epoch's counts), else from streaming's own partition (None when the epoch is too large to
+    replay; each replay is a ``generate_work``: 1.1 s over 1,000 streams, issue 22)."""
+    arith = None if topology.world_size == 1 and epoch.whole_batches else \
+        epoch.simulator.arith_rank_counts()
     if topology.world_size == 1 and epoch.whole_batches:
         # One rank trains the whole epoch (as `_plan_epoch` counts it): no replay needed.
-        counts_per_rank = [(epoch.trained, epoch.batches)]
+        counts_per_rank, how = [(epoch.trained, epoch.batches)], 'arithmetic'
+    elif arith is not None:
+        counts_per_rank, how = [(c, epoch.batches) for c in arith], 'arithmetic'
     elif epoch.epoch_size > SIMULATE_LIMIT:
-        return None
+        why = epoch.simulator.replay_reason or \
+            'ranks take strides of a canonical node (num_canonical_nodes not a multiple of ranks)'
+        return None, f'not computed: the epoch is over the replay limit and {why}'
     else:
-        counts_per_rank = epoch.simulator.rank_counts(0)
+        counts_per_rank, how = epoch.simulator.rank_counts(0), 'replay'
+
     out = []
     for r, (counts, batches) in enumerate(counts_per_rank):
         out.append(RankPlan(rank=r, node=r // topology.ranks_per_node,
                             local_rank=r % topology.ranks_per_node, batches_per_epoch=batches,
                             samples_per_epoch=int(counts.sum()),
                             rows_per_stream={n: int(c) for n, c in zip(names, counts)}))
-    return out
+    return out, how
 
 
 def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int,
@@ -494,18 +535,22 @@ def _rows_trained(names: list[str], epoch: _Epoch, full_epochs: int,
                   rem: int) -> Optional[dict[str, int]]:
     """Rows of each stream trained over ``full_epochs`` epochs and ``rem`` more batches.
 
-    Every epoch draws a fresh order (and, for fractional passes, a fresh subset), so
-    each epoch that does not end on whole batches is replayed; skipped (None) when that
-    would mean generating more than ``SIMULATE_LIMIT`` samples.
+    Whole epochs of whole batches (and stratified epochs) train the same rows per stream
+    every epoch; a run ending mid-epoch needs the prefix of that epoch's fresh order, by
+    arithmetic on streaming's structure where proven (:func:`~foundrymix.plan.simulate.
+    prefix_counts`), else by the replay -- skipped (None) when that would mean generating
+    more than ``SIMULATE_LIMIT`` samples.
     """
-    simulated = (0 if epoch.whole_batches else (full_epochs - 1) * epoch.epoch_size) + \
-        (epoch.epoch_size if rem else 0)
-    if simulated > SIMULATE_LIMIT:
-        return None
-    totals = np.zeros(len(names), np.int64)
-    for e in range(full_epochs):
-        totals += epoch.trained if (epoch.whole_batches or e == 0) else \
-            epoch.simulator.trained_counts(e)[0]
+    sim = epoch.simulator
+    same = epoch.whole_batches or sim.portions is not None
+    simulated = (0 if same else (full_epochs - 1) * epoch.epoch_size) + \
+        (epoch.epoch_size if rem and not sim.arithmetic else 0)
+    if simulated > SIMULATE_LIMIT or not same and epoch.batch_sizes is None:
+        return None  # (the latter: epoch 0 was estimated, not replayed)
+    totals = epoch.trained * full_epochs if same else np.zeros(len(names), np.int64)
+    for e in range(0 if same else full_epochs):
+        totals += epoch.trained if e == 0 else sim.trained_counts(e)[0]
     if rem:
-        totals += epoch.simulator.trained_counts(full_epochs, rem)[0]
+        totals += sim.prefix_counts(full_epochs, rem) if sim.arithmetic else \
+            sim.trained_counts(full_epochs, rem)[0]
     return {n: int(v) for n, v in zip(names, totals)}

@@ -142,6 +142,9 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
         if d.passes_per_stream is not None:
             console.print(passes_line(d.passes_per_stream, scope, d.rows_per_stream is None,
                                       all_streams))
+    if plan.counted:
+        console.print('counted: ' + '; '.join(f'{k.replace("_", " ")} {v}'
+                                               for k, v in plan.counted.items()))
     for note in plan.notes:
         console.print(f'note: {note}')
     for warning in plan.warnings:

@@ -241,6 +241,25 @@ def test_headline_without_a_replayed_epoch_says_at_most(root, tmp_path, capsys, 
     assert 'max_duration 3ep: 129 batches, 1,032 samples, 33,024 tokens' in capsys.readouterr().out
 
 
+def test_an_estimated_epoch_gives_no_rows_per_stream(root, tmp_path, capsys, monkeypatch):
+    """An epoch too large to replay that is not whole batches (exact: false): its drop_last
+    tail per stream is unknown, so the run's rows per stream are not given (the original
+    gave the sampled rows, 350 -- more than the 344 trained, as the replay shows) and the
+    plan says how it counted."""
+    from foundrymix.plan import mixture
+    path = write_yaml(tmp_path, root, '1ep')
+    assert main(['plan', path, 'train_loader.exact=false', '--json']) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sum(doc['duration']['rows_per_stream'].values()) == doc['duration']['total_samples'] == 344
+    assert doc['counted'] == {'epoch': 'replay', 'per_rank': 'replay', 'run': 'replay'}
+    monkeypatch.setattr(mixture, 'SIMULATE_LIMIT', 100)
+    assert main(['plan', path, 'train_loader.exact=false', '--json']) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc['duration']['rows_per_stream'] is None
+    assert doc['counted']['run'].startswith('not computed')
+    assert doc['counted']['epoch'].startswith('estimate')
+
+
 def test_passes_over_the_run_in_one_line(root, tmp_path, capsys):
     """repeat 1 / 2.5 / 0.5 over 350 rows = 50 batches of 7: 2 epochs are 2, 5 and 1 passes
     (what the weights ask for, twice); a run that stops mid-epoch counts the rows it trains."""

@@ -61,3 +61,20 @@ def test_mid_epoch_end_replays_once(mixer, replays):
     assert replays == [0]
     batches = epoch_order(mixer.config, mixer.catalog.infos(), 4, Topology(1, 2))
     assert plan.duration.rows_per_stream == stream_counts(mixer, batches[:3])
+
+
+def test_mid_epoch_end_after_whole_epochs_needs_no_replay(mixer, replays):
+    """A run that ends inside its third epoch: the partial epoch's rows per stream come from
+    arithmetic on streaming's py1e shuffle (issue 22), equal to streaming's own order; the
+    original replayed epoch 2."""
+    plan = mixer.plan(8, '100ba')
+    assert replays == []
+    assert plan.counted == {'epoch': 'arithmetic', 'per_rank': 'arithmetic',
+                            'run': "arithmetic (on streaming's py1e shuffle)"}
+    bpe = plan.batches_per_epoch
+    full, rem = divmod(100, bpe)
+    assert full == 2 and rem > 0
+    infos = mixer.catalog.infos()
+    batches = [b for e in range(full) for b in epoch_order(mixer.config, infos, 8, Topology(), e)]
+    batches += epoch_order(mixer.config, infos, 8, Topology(), full)[:rem]
+    assert plan.duration.rows_per_stream == stream_counts(mixer, batches)
