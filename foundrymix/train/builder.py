@@ -359,10 +359,13 @@ def train(cfg: TrainConfig) -> TrainRun:
 
 
 def _plot_staged(run: TrainRun) -> None:
-    """The planned mixture over the run's batches with the realized one drawn over it."""
+    """The planned mixture over the run's batches with the realized one drawn over it, and the
+    training loss per stream under it."""
     from foundrymix.plan.render import plot_run_plan
     history = run.accounting.history
     if not history or not run.accounting.plot:
         return
-    realized = ([p['batch'] for p in history], [p['samples'] for p in history])
-    plot_run_plan(run.plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized)
+    batches = [p['batch'] for p in history]
+    realized = (batches, [p['samples'] for p in history])
+    losses = (batches, [p['loss_sum'] for p in history], [p['loss_targets'] for p in history])
+    plot_run_plan(run.plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized, losses)

@@ -275,8 +275,5 @@ class CausalLM(ComposerModel):
         return self.train_metrics if is_train else self.val_metrics
 
     def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
-        if hasattr(metric, 'update_rows'):  # per-stream eval loss: the row sums eval_forward made
-            metric.update_rows(batch, outputs.row_loss)
-            return
         # HF labels are unshifted: the logit at t predicts the label at t+1.
         metric.update(outputs.logits[:, :-1].contiguous(), batch['labels'][:, 1:].contiguous())

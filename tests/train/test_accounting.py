@@ -246,7 +246,7 @@ def hand_made_summary() -> dict:
     return {
         'streams': {
             'web': {'samples': 30, 'tokens': 30 * 64, 'loss_tokens': 30 * 64, 'share': 0.75,
-                    'token_share': 1920 / 2400, 'planned_share': 0.7},
+                    'token_share': 1920 / 2400, 'planned_share': 0.7, 'loss': 2.71828, 'loss_targets': 30 * 63},
             'chat': {'samples': 10, 'tokens': 480, 'loss_tokens': 200, 'share': 0.25,
                      'token_share': 480 / 2400, 'planned_share': 0.3},
         },
@@ -286,7 +286,9 @@ def test_report_cli_rerenders_table_and_plot(tmp_path, capsys):
     assert main(['report', str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert 'per-stream accounting after 10 batches (1 full epochs)' in out
-    for cells in (('web', '30', '1,920', '1,920', '75.00%', '70.00%'), ('chat', '10', '480', '200', '25.00%', '30.00%')):
+    # the loss column: 4 decimals; '-' for a stream without one (a summary from before per-stream loss)
+    for cells in (('web', '30', '1,920', '1,920', '75.00%', '70.00%', '2.7183'),
+                  ('chat', '10', '480', '200', '25.00%', '30.00%', '-')):
         line = next(line for line in out.splitlines() if f' {cells[0]} ' in line)
         assert [seg.strip() for seg in line.split('│')[1:-1]] == list(cells)
     assert png.read_bytes() == first  # the same plot, from the JSON alone
