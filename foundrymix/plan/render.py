@@ -247,33 +247,17 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
                                   'the run', all_streams=all_streams))
 
 
-def render_lr_schedule(schedule: Any, lr: float, console: Any) -> None:
-    """The ``wsd`` schedule: each phase's batches and LR at its ends, the LR at each stage's
-    first batch -- the values the trainer's scheduler gives those batches."""
-    from rich.table import Table
-
-    m = schedule.multiplier
-    shape = {'linear': 'linear', 'cosine': 'cosine', 'sqrt': '1-sqrt'}[schedule.shape]
-    table = Table(title=f'LR schedule: wsd, lr {lr:g}, {shape} decay to {schedule.to:g} x lr')
-    for col in ('phase', 'batches', 'first batch', 'last batch', 'LR first', 'LR last'):
-        table.add_column(col, justify='left' if col == 'phase' else 'right')
-    for name, a, b in schedule.phases():
-        table.add_row(name, f'{b - a:,}', f'{a:,}', f'{b - 1:,}', f'{lr * m(a):.6g}',
-                      f'{lr * m(b - 1):.6g}')
-    console.print(table)
-    console.print('note: a batch trains with the schedule\'s LR at its end: the warmup\'s last batch '
-                  'at lr, the decay\'s last at its end LR')
-    if len(schedule.stage_starts) > 1:
-        console.print('LR at the first batch of each stage: ' + ', '.join(
-            f'{n} (batch {b:,}) {lr * m(b):.6g}' for n, b in schedule.stage_starts))
-
-
-def plot_run_plan(run: Any, path: str, realized: Any = None, lr: Any = None) -> None:
+def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
+                  lr: Any = None) -> None:
     """A picture of the planned mixture over training steps: one band per stream (its
     share of each global batch), stage boundaries marked; ``realized`` (batch ->
-    cumulative rows per stream, from the accounting report) is drawn over it; ``lr``
-    (a :class:`~foundrymix.plan.schedule.WSDSchedule` and the base LR) adds the LR of
-    every batch in a panel below, on the same batch axis."""
+    cumulative rows per stream, from the accounting report) is drawn over it.
+
+    Panels below it, on the same batch axis and stage boundaries: ``losses`` (batches,
+    cumulative loss sums, cumulative loss targets per stream, from the report's history):
+    each stream's mean training loss between consecutive history points; ``lr`` (a
+    :class:`~foundrymix.plan.schedule.WSDSchedule` and the base LR): the LR of every batch.
+    """
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -290,24 +274,28 @@ def plot_run_plan(run: Any, path: str, realized: Any = None, lr: Any = None) -> 
         share = [rows.get(n, 0) / total for n in names]
         xs += [s.start_batch, s.end_batch]
         shares += [share, share]
-    if lr is None:
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-    else:
-        fig, (ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
-                                        gridspec_kw={'height_ratios': [3, 1.4]})
+    heights = [3] + [2.5] * (losses is not None) + [1.4] * (lr is not None)
+    fig, axes = plt.subplots(len(heights), 1, figsize=(9, 4.5 + 1.5 * (len(heights) - 1) + 0.5 * (losses is not None)),
+                             sharex=True, gridspec_kw={'height_ratios': heights}, squeeze=False)
+    ax = axes[0][0]
+    loss_ax = axes[1][0] if losses is not None else None
+    lr_ax = axes[-1][0] if lr is not None else None
     bands = ax.stackplot(xs, np.array(shares).T, labels=[f'{n} (plan)' for n in names], alpha=0.45)
     for s in run.stages[1:]:
-        ax.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
+        for a in (ax, loss_ax) if loss_ax is not None else (ax,):
+            a.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
     for s in run.stages:
         ax.text((s.start_batch + s.end_batch) / 2, 1.01, s.name, ha='center', va='bottom', fontsize=8)
     if realized is not None:
         _draw_realized(ax, run, names, realized, [tuple(b.get_facecolor()[0][:3]) for b in bands])
     ax.set_xlim(0, run.total_batches)
     ax.set_ylim(0, 1.08)
-    if lr is not None:
-        _draw_lr(lr_ax, run, *lr)
+    if loss_ax is not None:
+        _draw_losses(loss_ax, names, losses, [tuple(b.get_facecolor()[0][:3]) for b in bands])
+    if lr_ax is not None:
+        _draw_lr(lr_ax, run, *lr)  # labels the batch axis
     else:
-        ax.set_xlabel('global batch')
+        axes[-1][0].set_xlabel('global batch')
     ax.set_ylabel('share of rows (stacked)')
     ax.set_title('Planned mixture over training' + (' and realized (lines: share so far in the '
                                                      'stage)' if realized is not None else ''))
@@ -315,6 +303,24 @@ def plot_run_plan(run: Any, path: str, realized: Any = None, lr: Any = None) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _draw_losses(ax: Any, names: list[str], losses: Any, colors: list[Any]) -> None:
+    """Per stream, the mean loss per loss target between consecutive history points, as steps
+    (a stream with no targets in an interval leaves a gap)."""
+    import numpy as np
+
+    batches = np.concatenate(([0], np.asarray(losses[0])))
+    sums = np.diff(np.vstack([np.zeros(len(names)), np.asarray(losses[1], dtype=np.float64)]), axis=0)
+    targets = np.diff(np.vstack([np.zeros(len(names)), np.asarray(losses[2], dtype=np.float64)]), axis=0)
+    mean = np.divide(sums, targets, out=np.full_like(sums, np.nan), where=targets > 0)
+    for i, name in enumerate(names):
+        ax.step(batches, np.concatenate((mean[:1, i], mean[:, i])), where='pre', color=colors[i],
+                linewidth=1.4, label=name)
+    ax.set_ylabel('training loss per loss token')
+    ax.set_title('Training loss per stream (mean over each logging interval)')
+    ax.legend(fontsize=7, loc='upper right')
+    ax.grid(alpha=0.3)
 
 
 def _draw_realized(ax: Any, run: Any, names: list[str], realized: Any, colors: list[Any]) -> None:
