@@ -275,7 +275,7 @@ def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
         xs += [s.start_batch, s.end_batch]
         shares += [share, share]
     heights = [3] + [2.5] * (losses is not None) + [1.4] * (lr is not None)
-    fig, axes = plt.subplots(len(heights), 1, figsize=(9, 4.5 + 1.5 * (len(heights) - 1) + 0.5 * (losses is not None)),
+    fig, axes = plt.subplots(len(heights), 1, figsize=(9, 4.5 + 3.5 * (losses is not None) + 2 * (lr is not None)),
                              sharex=True, gridspec_kw={'height_ratios': heights}, squeeze=False)
     ax = axes[0][0]
     loss_ax = axes[1][0] if losses is not None else None
