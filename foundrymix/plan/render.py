@@ -247,6 +247,27 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
                                   'the run', all_streams=all_streams))
 
 
+def render_lr_schedule(schedule: Any, lr: float, console: Any) -> None:
+    """The ``wsd`` schedule: each phase's batches and LR at its ends, the LR at each stage's
+    first batch -- the values the trainer's scheduler gives those batches."""
+    from rich.table import Table
+
+    m = schedule.multiplier
+    shape = {'linear': 'linear', 'cosine': 'cosine', 'sqrt': '1-sqrt'}[schedule.shape]
+    table = Table(title=f'LR schedule: wsd, lr {lr:g}, {shape} decay to {schedule.to:g} x lr')
+    for col in ('phase', 'batches', 'first batch', 'last batch', 'LR first', 'LR last'):
+        table.add_column(col, justify='left' if col == 'phase' else 'right')
+    for name, a, b in schedule.phases():
+        table.add_row(name, f'{b - a:,}', f'{a:,}', f'{b - 1:,}', f'{lr * m(a):.6g}',
+                      f'{lr * m(b - 1):.6g}')
+    console.print(table)
+    console.print('note: a batch trains with the schedule\'s LR at its end: the warmup\'s last batch '
+                  'at lr, the decay\'s last at its end LR')
+    if len(schedule.stage_starts) > 1:
+        console.print('LR at the first batch of each stage: ' + ', '.join(
+            f'{n} (batch {b:,}) {lr * m(b):.6g}' for n, b in schedule.stage_starts))
+
+
 def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
                   lr: Any = None) -> None:
     """A picture of the planned mixture over training steps: one band per stream (its
