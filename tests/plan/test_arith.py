@@ -11,7 +11,6 @@ spans and the prefix ends fall inside spans.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from types import SimpleNamespace
 
 import numpy as np
