@@ -206,7 +206,9 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                   explicit=config.stages is not None)
     if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
+    from foundrymix.plan.adaptive import build_controller
     for stage in stages:
+        build_controller(stage)  # refused now, not at the stage's first batch
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
         for name, n in (rows or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
@@ -266,6 +268,8 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
                                              'drop_last', 'exact')}
     if config.weights_in != 'rows':  # only then: fingerprints of older checkpoints stay valid
         knobs['weights_in'] = config.weights_in
+    if config.adaptive is not None:
+        knobs['adaptive'] = config.adaptive.fingerprint()
     streams = {}
     for info in infos:
         index = json.dumps(info.index.get('shards', []), sort_keys=True).encode('utf-8')
@@ -280,7 +284,7 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
 
 
 #: knobs a fingerprint records only when not at their default (so older checkpoints match)
-_OPTIONAL_KNOBS = {'weights_in': 'rows'}
+_OPTIONAL_KNOBS = {'weights_in': 'rows', 'adaptive': None}
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

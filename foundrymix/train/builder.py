@@ -197,7 +197,8 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     loader = build_run_loader(run, device_batch, composer_epochs=True)
     # A single mixture keeps Composer's own reading of max_duration (3ep: three of its
     # epochs, which are the mixture's); stages are batches.
-    max_duration = f'{run.total_batches}ba' if run.explicit else str(cfg.max_duration)
+    max_duration = (f'{run.total_batches}ba' if run.explicit or loader.position.adaptive
+                    else str(cfg.max_duration))
     return TrainData(loader=loader, run=run, tokenizer=catalogs[0].tokenizer,
                      max_duration=max_duration)
 
@@ -210,7 +211,12 @@ def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any,
                           planned_share=data.planned_share, stage_names=data.stage_names)
     built = build_callbacks(cfg.callbacks, ctx)
     info = ModelInfo(hf_model.config, cfg.model.attention, data.tokenizer, cfg.model.pretrained)
-    return [EpochBoundary(), info, S3Log(retry_counter, since), *built.values()], built['stream_accounting']
+    accounting = built['stream_accounting']
+    adaptive: list[Callback] = []
+    if data.loader.position.adaptive:  # the per-stream loss -> the adaptive stages' weights
+        from foundrymix.train.callbacks.adaptive import AdaptiveMixing
+        adaptive.append(AdaptiveMixing(data.loader, accounting.out_dir))
+    return [EpochBoundary(), info, S3Log(retry_counter, since), *adaptive, *built.values()], accounting
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
