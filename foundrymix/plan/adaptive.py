@@ -335,13 +335,18 @@ class AdaptiveController:
 
     def segment_ids(self, k: int) -> np.ndarray:
         """Segment ``k``'s global sample ids, in training order (global batch after global
-        batch): each stream's next ``rows`` from its cursor, shuffled together."""
+        batch): which stream fills each slot is shuffled, and each stream fills its slots
+        with its next rows in cursor order -- so even a segment that crosses a stream's pass
+        boundary trains the rest of the old pass before any row of the new one."""
         decision = self.decision(k)
         cursor = self.consumed_before(k)
-        ids = np.concatenate([self._take(i, int(cursor[i]), r)
-                              for i, r in enumerate(decision.rows) if r])
         rng = np.random.default_rng([self.seed, len(self.rows), 1_000_003, k])
-        return ids[rng.permutation(len(ids))]
+        slots = rng.permutation(np.repeat(np.arange(len(self.rows)), decision.rows))
+        ids = np.empty(len(slots), np.int64)
+        for i, r in enumerate(decision.rows):
+            if r:
+                ids[slots == i] = self._take(i, int(cursor[i]), r)
+        return ids
 
     def stream_of(self, ids: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.offsets, ids, side='right') - 1
