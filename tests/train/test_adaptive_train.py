@@ -1,0 +1,80 @@
+"""Adaptive mixing in a real (tiny, CPU, in-process) training run: the loss the policy sees
+is the model's, per stream; the run writes every decision to report/mixture.json; a run
+stopped right at an update and resumed decides, trains and ends bitwise as the straight one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_run_config
+
+from test_train import assert_same_weights, final_state, sample_log
+
+BATCHES = 12
+EVERY = 2
+
+
+def run_config(root: Path, small_streams, stop_at: str | None = None, **top) -> dict:
+    loader = {'streams': {'arxiv': {'local': str(small_streams['arxiv']), 'proportion': 0.5},
+                          'dolly': {'local': str(small_streams['dolly']), 'proportion': 0.5}},
+              'epoch_size': 32, 'shuffle_seed': 3, 'num_workers': 0,
+              'adaptive': {'method': 'odm', 'every': f'{EVERY}ba', 'min_share': 0.1}}
+    callbacks = {'sample_log': {'path': str(root / 'samples.jsonl'), 'interval': '1ba'},
+                 'stream_accounting': {'out_dir': str(root / 'report'), 'log_interval': f'{EVERY}ba',
+                                       'plot': False}}
+    if stop_at:
+        callbacks['stop_at'] = {'time': stop_at}
+    return tiny_run_config(loader, run_name='adaptive', global_train_batch_size=4,
+                           max_duration=f'{BATCHES}ba', save_folder=str(root / 'ckpt'),
+                           callbacks=callbacks, **top)
+
+
+def fit(cfg: dict):
+    from foundrymix.train.builder import train
+    from foundrymix.train.config import TrainConfig
+    return train(TrainConfig.from_dict(cfg))
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory, small_streams):
+    root = tmp_path_factory.mktemp('adaptive-straight')
+    run = fit(run_config(root, small_streams))
+    return root, run
+
+
+@pytest.mark.slow  # two tiny in-process fits: ~25 s on 2 loaded cores
+def test_a_training_run_decides_from_the_model_loss_and_resumes_bitwise(straight, small_streams, tmp_path):
+    root, run = straight
+    mixture = json.loads((root / 'report' / 'mixture.json').read_text())['stages']['main']
+    decisions = mixture['decisions']
+    assert [d['batch'] for d in decisions] == list(range(0, BATCHES, EVERY))
+    assert len({tuple(d['weights']) for d in decisions}) >= 3  # the policy moved the weights
+    # each segment trained exactly its decided rows (counted by the accounting from the batches)
+    history = {p['batch']: p['samples'] for p in json.loads(
+        (root / 'report' / 'stream_accounting.json').read_text())['history']}
+    before = [0, 0]
+    for d in decisions:
+        end = history[d['batch'] + EVERY]
+        assert [e - b for e, b in zip(end, before)] == d['rows']
+        before = end
+    # the loss a decision was made from is the model's own per-stream mean over the segment:
+    # recompute the first segment's from the straight run's final model is not possible (it
+    # moved on); instead check it is a cross-entropy of a 8k-vocabulary model at init
+    first = decisions[1]['loss']
+    assert all(8.0 < x < 9.5 for x in first), first   # ~ln(8000) = 8.99 at random init
+    samples = sample_log(root / 'samples.jsonl')
+
+    # stopped right at an update (batch 6), then resumed
+    resumed_root = tmp_path
+    fit(run_config(resumed_root, small_streams, stop_at='6ba', save_interval='6ba'))
+    fit(run_config(resumed_root, small_streams, autoresume=True))
+    again = json.loads((resumed_root / 'report' / 'mixture.json').read_text())['stages']['main']
+    assert again['decisions'] == decisions and again['policy'] == mixture['policy']
+    assert sample_log(resumed_root / 'samples.jsonl') == samples
+    assert_same_weights(final_state(root / 'ckpt'), final_state(resumed_root / 'ckpt'))
