@@ -314,11 +314,16 @@ class AdaptiveController:
         return perm
 
     def consumed_before(self, k: int) -> np.ndarray:
-        """Rows each stream trained in segments ``0..k-1`` (its cursor at segment ``k``)."""
-        out = np.zeros(len(self.rows), np.int64)
-        for d in self.decisions[:k]:
-            out += np.asarray(d.rows, np.int64)
-        return out
+        """Rows each stream trained in segments ``0..k-1`` (its cursor at segment ``k``);
+        the last answer is kept, so a run's next segment adds one decision's rows."""
+        done, cursor = getattr(self, '_cursor', (0, np.zeros(len(self.rows), np.int64)))
+        if done > k:
+            done, cursor = 0, np.zeros(len(self.rows), np.int64)
+        cursor = cursor.copy()
+        for d in self.decisions[done:k]:
+            cursor += np.asarray(d.rows, np.int64)
+        self._cursor = (k, cursor)
+        return cursor
 
     def _take(self, stream: int, start: int, count: int) -> np.ndarray:
         """Rows ``start .. start+count`` of stream ``stream``'s sequence of passes (each pass a
@@ -343,9 +348,9 @@ class AdaptiveController:
         rng = np.random.default_rng([self.seed, len(self.rows), 1_000_003, k])
         slots = rng.permutation(np.repeat(np.arange(len(self.rows)), decision.rows))
         ids = np.empty(len(slots), np.int64)
-        for i, r in enumerate(decision.rows):
-            if r:
-                ids[slots == i] = self._take(i, int(cursor[i]), r)
+        # a stable sort of the slots lists each stream's positions in order, stream by stream
+        ids[np.argsort(slots, kind='stable')] = np.concatenate(
+            [self._take(i, int(cursor[i]), r) for i, r in enumerate(decision.rows) if r])
         return ids
 
     def stream_of(self, ids: np.ndarray) -> np.ndarray:
@@ -368,6 +373,7 @@ class AdaptiveController:
                 f'{self.every} x {self.global_batch} over {self.names}')
         self.policy.load_state_dict(state['policy'])
         self.decisions = [Decision.from_dict(d) for d in state['decisions']]
+        self._cursor = (0, np.zeros(len(self.rows), np.int64))
 
     def report(self) -> dict[str, Any]:
         """``report/mixture.json``'s section of this stage (also what ``replay`` reads)."""
