@@ -233,10 +233,15 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
                                   'the run', all_streams=all_streams))
 
 
-def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:
+def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None) -> None:
     """A picture of the planned mixture over training steps: one band per stream (its
     share of each global batch), stage boundaries marked; ``realized`` (batch ->
-    cumulative rows per stream, from the accounting report) is drawn over it."""
+    cumulative rows per stream, from the accounting report) is drawn over it.
+
+    ``losses`` (batches, cumulative loss sums, cumulative loss targets per stream, from the
+    report's history) adds a second panel under it: each stream's mean training loss
+    between consecutive history points, on the same batch axis and stage boundaries.
+    """
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -253,17 +258,23 @@ def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:
         share = [rows.get(n, 0) / total for n in names]
         xs += [s.start_batch, s.end_batch]
         shares += [share, share]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    if losses is None:
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+    else:
+        fig, (ax, loss_ax) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
     bands = ax.stackplot(xs, np.array(shares).T, labels=[f'{n} (plan)' for n in names], alpha=0.45)
     for s in run.stages[1:]:
-        ax.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
+        for a in (ax, loss_ax) if losses is not None else (ax,):
+            a.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
     for s in run.stages:
         ax.text((s.start_batch + s.end_batch) / 2, 1.01, s.name, ha='center', va='bottom', fontsize=8)
     if realized is not None:
         _draw_realized(ax, run, names, realized, [tuple(b.get_facecolor()[0][:3]) for b in bands])
     ax.set_xlim(0, run.total_batches)
     ax.set_ylim(0, 1.08)
-    ax.set_xlabel('global batch')
+    if losses is not None:
+        _draw_losses(loss_ax, names, losses, [tuple(b.get_facecolor()[0][:3]) for b in bands])
+    (loss_ax if losses is not None else ax).set_xlabel('global batch')
     ax.set_ylabel('share of rows (stacked)')
     ax.set_title('Planned mixture over training' + (' and realized (lines: share so far in the '
                                                      'stage)' if realized is not None else ''))
@@ -271,6 +282,24 @@ def plot_run_plan(run: Any, path: str, realized: Any = None) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _draw_losses(ax: Any, names: list[str], losses: Any, colors: list[Any]) -> None:
+    """Per stream, the mean loss per loss target between consecutive history points, as steps
+    (a stream with no targets in an interval leaves a gap)."""
+    import numpy as np
+
+    batches = np.concatenate(([0], np.asarray(losses[0])))
+    sums = np.diff(np.vstack([np.zeros(len(names)), np.asarray(losses[1], dtype=np.float64)]), axis=0)
+    targets = np.diff(np.vstack([np.zeros(len(names)), np.asarray(losses[2], dtype=np.float64)]), axis=0)
+    mean = np.divide(sums, targets, out=np.full_like(sums, np.nan), where=targets > 0)
+    for i, name in enumerate(names):
+        ax.step(batches, np.concatenate((mean[:1, i], mean[:, i])), where='pre', color=colors[i],
+                linewidth=1.4, label=name)
+    ax.set_ylabel('training loss per loss token')
+    ax.set_title('Training loss per stream (mean over each logging interval)')
+    ax.legend(fontsize=7, loc='upper right')
+    ax.grid(alpha=0.3)
 
 
 def _draw_realized(ax: Any, run: Any, names: list[str], realized: Any, colors: list[Any]) -> None:

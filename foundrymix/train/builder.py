@@ -131,17 +131,19 @@ def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
     return split_batch(cfg, dist.get_world_size())
 
 
-def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo, device_batch: int) -> Optional[Evaluator]:
-    """The ``eval_loader`` as an evaluator, or None; its streams must match the train streams."""
+def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
+               device_batch: int) -> tuple[Optional[Evaluator], list[str]]:
+    """The ``eval_loader`` as an evaluator (or None) and its stream names; its streams must match
+    the train streams."""
     if cfg.eval_loader is None:
-        return None
+        return None, []
     eval_mixer = StreamMixer(cfg.eval_loader)
     eval_mixer.validate()
     if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != tokenizer.fingerprint:
         raise ConfigError('eval_loader streams differ from train_loader streams in max_seq_len or tokenizer')
     eval_batch = cfg.device_eval_batch_size or device_batch
     return Evaluator(label='eval', dataloader=eval_mixer.build_dataloader(batch_size=eval_batch),
-                     metric_names=['LanguageCrossEntropy'])
+                     metric_names=['LanguageCrossEntropy']), eval_mixer.stream_names
 
 
 @dataclass
@@ -203,12 +205,13 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
                      max_duration=max_duration)
 
 
-def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any,
-               retry_counter: S3RetryCounter, since: RetryCounts) -> tuple[list[Callback], StreamAccounting]:
+def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: S3RetryCounter,
+               since: RetryCounts, eval_streams: list[str]) -> tuple[list[Callback], StreamAccounting]:
     """``EpochBoundary``, ``ModelInfo`` and ``S3Log`` first, then every callback of the table the run uses
     (accounting always)."""
     ctx = CallbackContext(config=cfg, stream_names=data.loader.stream_names,
-                          planned_share=data.planned_share, stage_names=data.stage_names)
+                          planned_share=data.planned_share, stage_names=data.stage_names,
+                          eval_stream_names=eval_streams)
     built = build_callbacks(cfg.callbacks, ctx)
     info = ModelInfo(hf_model.config, cfg.model.attention, data.tokenizer, cfg.model.pretrained)
     accounting = built['stream_accounting']
@@ -323,8 +326,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     if loaded and dist.get_global_rank() == 0:
         print(loaded, flush=True)
     model = CausalLM(hf_model, attention=cfg.model.attention)
-    evaluator = _evaluator(cfg, data.tokenizer, device_batch)
-    callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before)
+    evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
+    callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration)
     poll_uploads_sooner(trainer)
     line = resume_line(trainer.state)
@@ -362,10 +365,13 @@ def train(cfg: TrainConfig) -> TrainRun:
 
 
 def _plot_staged(run: TrainRun) -> None:
-    """The planned mixture over the run's batches with the realized one drawn over it."""
+    """The planned mixture over the run's batches with the realized one drawn over it, and the
+    training loss per stream under it."""
     from foundrymix.plan.render import plot_run_plan
     history = run.accounting.history
     if not history or not run.accounting.plot:
         return
-    realized = ([p['batch'] for p in history], [p['samples'] for p in history])
-    plot_run_plan(run.plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized)
+    batches = [p['batch'] for p in history]
+    realized = (batches, [p['samples'] for p in history])
+    losses = (batches, [p['loss_sum'] for p in history], [p['loss_targets'] for p in history])
+    plot_run_plan(run.plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized, losses)

@@ -3,9 +3,10 @@
 Why our own small wrapper instead of ``composer.models.HuggingFaceModel``: foundrymix
 batches carry bookkeeping keys (``stream_id``, ``sample_id``, ``sequence_id``) that a
 Hugging Face model would reject, and the attention mode decides which of
-``attention_mask``/``position_ids`` the model gets. Loss is the model's own
-cross-entropy on ``labels`` (``-100`` ignored), so prompts, padding and packing seams
-never contribute.
+``attention_mask``/``position_ids`` the model gets. Loss is the cross-entropy on ``labels`` (``-100``
+ignored) that the model itself would compute, so prompts, padding and packing seams
+never contribute; :meth:`CausalLM.loss` computes it from the logits once per token, so
+the per-row loss sums that per-stream loss reports need come with it (:class:`RowLoss`).
 
 Attention modes (``model.attention``):
 
@@ -23,17 +24,19 @@ Attention modes (``model.attention``):
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.nn.functional as F
 from composer.metrics.nlp import LanguageCrossEntropy
 from composer.models import ComposerModel
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec
 
-__all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'build_hf_model',
-           'check_pretrained_tokenizer']
+__all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLoss', 'build_hf_model',
+           'check_pretrained_tokenizer', 'token_loss']
 
 
 def _hf_config(spec: ModelSpec, tokenizer: TokenizerInfo) -> Any:
@@ -196,8 +199,48 @@ def check_pretrained_tokenizer(spec: ModelSpec, streams: TokenizerInfo) -> None:
             f'tokenizer {streams.name} has {streams.vocab_size} tokens: another vocabulary')
 
 
+@dataclass(frozen=True)
+class RowLoss:
+    """Per row of a (micro)batch: the summed cross-entropy of its loss targets, and their count.
+
+    Detached, float32 sums and int64 counts, on the model's device. ``targets`` counts the
+    positions the loss scores: ``labels[1:] != -100`` (the label at position 0 has no
+    token before it), one fewer than a row's labelled tokens when its first is labelled.
+    """
+
+    loss_sum: torch.Tensor
+    targets: torch.Tensor
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, RowLoss]:
+    """The mean cross-entropy over loss targets, as transformers computes it, and the :class:`RowLoss`.
+
+    transformers 4.57's ``ForCausalLMLoss`` upcasts the logits to float32, shifts the labels
+    (pads ``-100`` on the right, drops the first) and takes ``cross_entropy(..., reduction=
+    'mean')``, which torch computes as ``nll_loss(log_softmax(x))``. We take the same
+    ``log_softmax`` once and both reduce it with the same ``nll_loss`` (the training loss,
+    bitwise equal to the model's own) and gather the targets' log-probabilities from it
+    without grad (the per-row sums): no second softmax over the vocabulary.
+    """
+    logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
+    target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(logp.device)
+    loss = F.nll_loss(logp, target, ignore_index=IGNORE_INDEX, reduction='mean')
+    with torch.no_grad():
+        scored = target != IGNORE_INDEX
+        picked = logp.detach().gather(1, target.clamp(min=0)[:, None])[:, 0]
+        per_token = torch.where(scored, -picked, torch.zeros_like(picked)).reshape(labels.shape)
+        rows = RowLoss(loss_sum=per_token.sum(dim=-1), targets=scored.reshape(labels.shape).sum(dim=-1))
+    return loss, rows
+
+
 class CausalLM(ComposerModel):
-    """Composer wrapper: forward on foundrymix batches, loss = HF loss on ``labels``."""
+    """Composer wrapper: forward on foundrymix batches, loss = the model's cross-entropy on ``labels``.
+
+    The model is called without ``labels`` (it would compute the loss a second time);
+    :meth:`loss` and :meth:`eval_forward` compute it with :func:`token_loss` and leave the
+    per-row sums on the outputs as ``outputs.row_loss`` (a plain attribute of transformers'
+    ``ModelOutput``), where the stream accounting callback reads them at ``after_loss``.
+    """
 
     def __init__(self, model: torch.nn.Module, attention: AttentionMode = 'document') -> None:
         super().__init__()
@@ -207,7 +250,7 @@ class CausalLM(ComposerModel):
         self.val_metrics = {'LanguageCrossEntropy': LanguageCrossEntropy(ignore_index=IGNORE_INDEX)}
 
     def _model_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        inputs: dict[str, Any] = {'input_ids': batch['input_ids'], 'labels': batch['labels'], 'use_cache': False}
+        inputs: dict[str, Any] = {'input_ids': batch['input_ids'], 'use_cache': False}
         if self.attention == 'document':
             inputs['position_ids'] = batch['position_ids']
         else:
@@ -218,10 +261,15 @@ class CausalLM(ComposerModel):
         return self.model(**self._model_inputs(batch))
 
     def loss(self, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return outputs.loss
+        loss, outputs.row_loss = token_loss(outputs.logits, batch['labels'])
+        return loss
 
     def eval_forward(self, batch: Mapping[str, torch.Tensor], outputs: Optional[Any] = None) -> Any:
-        return outputs if outputs is not None else self.forward(batch)
+        if outputs is None:
+            outputs = self.forward(batch)
+            with torch.no_grad():
+                _, outputs.row_loss = token_loss(outputs.logits, batch['labels'])
+        return outputs
 
     def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
         return self.train_metrics if is_train else self.val_metrics

@@ -6,11 +6,20 @@ the JSON a finished run wrote), so ``foundrymix report RUN/report`` re-renders t
 and the PNG of any run without torch. The summary::
 
     {"streams": {name: {"samples", "tokens", "loss_tokens", "share", "token_share",
-                        "planned_share"}, ...},
-     "total": {"samples", "tokens", "loss_tokens"},
+                        "planned_share", "loss", "loss_targets"}, ...},
+     "total": {"samples", "tokens", "loss_tokens", "loss", "loss_targets"},
+     "stages": {stage: {name: {"samples", "tokens", "loss_tokens", "loss",
+                               "loss_targets"}}},  # a staged run only
      "batch": b, "epoch": e,                     # where the run ended
-     "history": [{"batch", "epoch", "samples": [...], "tokens": [...],
-                  "loss_tokens": [...]}, ...]}   # cumulative, one list entry per stream
+     "history": [{"batch", "epoch", "samples": [...], "tokens": [...], "loss_tokens": [...],
+                  "loss_sum": [...], "loss_targets": [...]}, ...]}
+                                                 # cumulative, one list entry per stream
+
+``loss`` is the mean training loss per loss target (``null`` with none): the summed
+cross-entropy over ``loss_targets``, the tokens the loss scores. A row's first position
+is never scored (the label at position 0 has no token before it), so ``loss_targets`` is
+``loss_tokens`` less the rows whose first token is labelled (every pretrain row). Older
+summaries have no loss keys; the table shows ``-`` there.
 """
 
 from __future__ import annotations
@@ -92,23 +101,29 @@ def table(summary: dict[str, Any]) -> Any:
     elif 'batch' in summary:
         title += f' after {summary["batch"]} batches ({summary["epoch"]} full epochs)'
     out = Table(title=title)
-    for col in ('stream', 'samples', 'tokens', 'loss tokens', 'share', 'planned share'):
+    for col in ('stream', 'samples', 'tokens', 'loss tokens', 'share', 'planned share', 'loss'):
         out.add_column(col, justify='left' if col == 'stream' else 'right')
     for name, s in summary['streams'].items():
         out.add_row(name, f'{s["samples"]:,}', f'{s["tokens"]:,}', f'{s["loss_tokens"]:,}',
-                    f'{s["share"]:.2%}', f'{s["planned_share"]:.2%}')
+                    f'{s["share"]:.2%}', f'{s["planned_share"]:.2%}', loss_cell(s))
     return out
 
 
+def loss_cell(counts: dict[str, Any]) -> str:
+    """A mean loss for a table: 4 decimals, ``-`` where none was measured."""
+    loss = counts.get('loss')
+    return '-' if loss is None else f'{loss:.4f}'
+
+
 def stage_table(stages: dict[str, Any]) -> Any:
-    """Rows, tokens and loss tokens each stream gave to each stage of a staged run."""
+    """Rows, tokens, loss tokens and the mean loss each stream gave to each stage of a staged run."""
     from rich.table import Table
     t = Table(title='per stage')
-    for col in ('stage', 'stream', 'samples', 'tokens', 'loss tokens'):
+    for col in ('stage', 'stream', 'samples', 'tokens', 'loss tokens', 'loss'):
         t.add_column(col, justify='left' if col in ('stage', 'stream') else 'right')
     for stage, streams in stages.items():
         for name, c in streams.items():
-            t.add_row(stage, name, f'{c["samples"]:,}', f'{c["tokens"]:,}', f'{c["loss_tokens"]:,}')
+            t.add_row(stage, name, f'{c["samples"]:,}', f'{c["tokens"]:,}', f'{c["loss_tokens"]:,}', loss_cell(c))
     return t
 
 

@@ -1,9 +1,11 @@
 """Per-stream accounting without a training process: the counting callback fed real
-collated batches, its checkpoint state, the report writer and ``foundrymix report``.
+collated batches (and a real tiny model's loss on them, in microbatches as Composer runs
+them), its checkpoint state, the report writer and ``foundrymix report``.
 
 Counts are checked against numpy counts taken from the same batches (``stream_id``,
 ``attention_mask``, ``labels``) and against what the streams must hold (pretrain rows
-are full and all loss; one epoch holds every row of a ``repeat: 1`` stream once).
+are full and all loss; one epoch holds every row of a ``repeat: 1`` stream once). Loss
+sums are checked against transformers' own loss of every row on its own.
 """
 
 from __future__ import annotations
@@ -32,21 +34,53 @@ class RecordingLogger:
         self.calls.append(dict(metrics))
 
 
-def state_at(batch, n_batch: int, epoch: int = 0, batch_in_epoch: int | None = None) -> SimpleNamespace:
+def state_at(batch, n_batch: int, epoch: int = 0, batch_in_epoch: int | None = None,
+             outputs=None) -> SimpleNamespace:
     from composer.core import Timestamp
     in_epoch = n_batch if batch_in_epoch is None else batch_in_epoch
-    return SimpleNamespace(batch=batch, timestamp=Timestamp(epoch=epoch, batch=n_batch, batch_in_epoch=in_epoch))
+    return SimpleNamespace(batch=batch, outputs=outputs,
+                           timestamp=Timestamp(epoch=epoch, batch=n_batch, batch_in_epoch=in_epoch))
+
+
+MICRO = 4  # microbatch rows: a batch of 6 is run as 4 + 2, as Composer splits it
 
 
 @pytest.fixture(scope='module')
-def epoch_batches(small_streams) -> list:
-    """One epoch of real collated batches over the small streams (every row once)."""
+def one_thread():
+    """torch on one thread while the tiny model runs: on 2 busy cores its 2 threads made a
+    row's forward ~16x slower (450 ms against 28 ms, measured)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope='module')
+def epoch_batches(small_streams, one_thread) -> list:
+    """One epoch of real collated batches over the small streams (every row once), and a tiny
+    model's outputs (with ``row_loss``) on each batch's microbatches."""
+    import torch
+    from helpers import tiny_run_config
     from foundrymix.loader.mixer import StreamMixer
+    from foundrymix.train.model import CausalLM, ModelSpec, build_hf_model
     mixer = StreamMixer.from_dict({'streams': {name: {'local': str(small_streams[name])} for name in NAMES},
                                    'shuffle': True, 'shuffle_seed': 11, 'num_workers': 0})
     batches = list(mixer.build_dataloader(batch_size=BATCH))
     rows = {name: m.counts.rows for name, m in mixer.manifests.items()}
-    return batches, rows
+    torch.manual_seed(0)
+    spec = ModelSpec.from_dict(tiny_run_config({})['model'])
+    model = CausalLM(build_hf_model(spec, mixer.tokenizer, SMALL_SEQ)).eval()
+    outputs = []
+    with torch.no_grad():
+        for b in batches:
+            outputs.append([])
+            for i in range(0, BATCH, MICRO):
+                micro = {k: v[i:i + MICRO] for k, v in b.items()}
+                out = model(micro)
+                model.loss(out, micro)  # leaves out.row_loss, as in training
+                outputs[-1].append((micro, out))
+    return batches, rows, outputs, model
 
 
 def numpy_counts(batches) -> np.ndarray:
@@ -66,16 +100,47 @@ def new_accounting(tmp_path, **kw):
     return StreamAccounting(NAMES, [0.25, 0.75], out_dir=str(tmp_path / 'report'), **kw)
 
 
-def feed(acc, batches, logger, start: int = 0) -> None:
+def feed(acc, batches, logger, start: int = 0, outputs=None) -> None:
+    """The callback's events for each batch; with ``outputs``, ``after_loss`` per microbatch."""
     for k, b in enumerate(batches, start=start):
         acc.after_dataloader(state_at(b, k), logger)
+        for micro, out in (outputs[k - start] if outputs else ()):
+            acc.after_loss(state_at(micro, k, outputs=out), logger)
         acc.batch_end(state_at(b, k + 1), logger)
 
 
+@pytest.fixture(scope='module')
+def hf_rows(epoch_batches, one_thread) -> list:
+    """Per batch, per row: (stream, transformers' own loss of the row run alone x its targets, targets)."""
+    import torch
+    batches, _, _, model = epoch_batches
+    out = []
+    with torch.no_grad():
+        for b in batches:
+            out.append([])
+            for r in range(len(b['stream_id'])):
+                labels = b['labels'][r:r + 1]
+                n = int((labels[:, 1:] != -100).sum())
+                loss = model.model(input_ids=b['input_ids'][r:r + 1], position_ids=b['position_ids'][r:r + 1],
+                                   labels=labels).loss
+                out[-1].append((int(b['stream_id'][r]), float(loss) * n, n))
+    return out
+
+
+def per_stream(rows) -> tuple[np.ndarray, np.ndarray]:
+    """(loss sum, loss targets) per stream over some batches of :func:`hf_rows`."""
+    sums, targets = np.zeros(len(NAMES)), np.zeros(len(NAMES), dtype=np.int64)
+    for batch in rows:
+        for stream, loss_sum, n in batch:
+            sums[stream] += loss_sum
+            targets[stream] += n
+    return sums, targets
+
+
 def test_counts_equal_numpy_counts_of_the_batches(tmp_path, epoch_batches):
-    batches, rows = epoch_batches
+    batches, rows, outputs, _ = epoch_batches
     acc, logger = new_accounting(tmp_path, log_interval='2ba'), RecordingLogger()
-    feed(acc, batches, logger)
+    feed(acc, batches, logger, outputs=outputs)
     expected = numpy_counts(batches)
     assert acc.samples.tolist() == expected[0].tolist()
     assert acc.tokens.tolist() == expected[1].tolist()
@@ -88,8 +153,9 @@ def test_counts_equal_numpy_counts_of_the_batches(tmp_path, epoch_batches):
     assert acc.loss_tokens[1] < acc.tokens[1] < acc.samples[1] * SMALL_SEQ
 
     summary = acc.summary()
-    assert summary['total'] == {'samples': int(expected[0].sum()), 'tokens': int(expected[1].sum()),
-                                'loss_tokens': int(expected[2].sum())}
+    total = summary['total']
+    assert {k: total[k] for k in ('samples', 'tokens', 'loss_tokens')} == {
+        'samples': int(expected[0].sum()), 'tokens': int(expected[1].sum()), 'loss_tokens': int(expected[2].sum())}
     for i, name in enumerate(NAMES):
         s = summary['streams'][name]
         assert (s['samples'], s['tokens'], s['loss_tokens']) == tuple(int(x) for x in expected[:, i])
@@ -100,27 +166,63 @@ def test_counts_equal_numpy_counts_of_the_batches(tmp_path, epoch_batches):
     assert [p['batch'] for p in acc.history] == list(range(2, len(batches) + 1, 2))
     assert len(logger.calls) == len(acc.history)
     half = numpy_counts(batches[:2])
-    assert acc.history[0] == {'batch': 2, 'epoch': 0, 'samples': half[0].tolist(), 'tokens': half[1].tolist(),
-                              'loss_tokens': half[2].tolist()}
+    point = dict(acc.history[0])
+    assert point.pop('loss_sum') and point.pop('loss_targets')
+    assert point == {'batch': 2, 'epoch': 0, 'samples': half[0].tolist(), 'tokens': half[1].tolist(),
+                     'loss_tokens': half[2].tolist()}
     assert logger.calls[0]['streams/dolly/loss_tokens'] == half[2, 1]
     assert logger.calls[0]['streams/arxiv/planned_share'] == 0.25
     assert logger.calls[0]['streams/epoch'] == 0
 
 
+def test_stream_loss_equals_transformers_loss_of_each_row(tmp_path, epoch_batches, hf_rows):
+    """Loss summed per stream over microbatches equals transformers' loss of each row alone x its
+    targets; the logged loss is each interval's, the summary's the run's; hooks see each reduction."""
+    batches, _, outputs, _ = epoch_batches
+    acc, logger = new_accounting(tmp_path, log_interval='2ba'), RecordingLogger()
+    seen = []
+    acc.add_reduce_hook(seen.append)
+    feed(acc, batches, logger, outputs=outputs)
+    sums, targets = per_stream(hf_rows)
+    assert acc.loss_targets.tolist() == targets.tolist()
+    # the targets: every labelled token but a row's first position (transformers' shift)
+    first = np.array([sum(int(b['labels'][r, 0] != -100) for b in batches for r in range(BATCH)
+                          if int(b['stream_id'][r]) == i) for i in range(len(NAMES))])
+    assert (targets == numpy_counts(batches)[2] - first).all() and first[0] == acc.samples[0]
+    np.testing.assert_allclose(acc.loss_sum, sums, rtol=2e-6)
+    summary = acc.summary()
+    for i, name in enumerate(NAMES):
+        assert summary['streams'][name]['loss_targets'] == targets[i]
+        assert summary['streams'][name]['loss'] == pytest.approx(sums[i] / targets[i], rel=2e-6)
+    assert summary['total']['loss'] == pytest.approx(sums.sum() / targets.sum(), rel=2e-6)
+    # logged every 2 batches: the loss of those 2 batches, per stream
+    two_sums, two_targets = per_stream(hf_rows[2:4])
+    for i, name in enumerate(NAMES):
+        assert logger.calls[1][f'streams/{name}/loss'] == pytest.approx(two_sums[i] / two_targets[i], rel=2e-6)
+    # one hook call per reduction (every 2 batches), each with that reduction's sums
+    assert [r.batch for r in seen] == list(range(2, len(batches) + 1, 2))
+    assert seen[1].loss_targets.tolist() == two_targets.tolist()
+    np.testing.assert_allclose(seen[1].loss_sum, two_sums, rtol=2e-6)
+    got_sums, got_targets = acc.reduced_loss()
+    assert (got_sums.tolist(), got_targets.tolist()) == (seen[-1].loss_sum.tolist(), seen[-1].loss_targets.tolist())
+    np.testing.assert_array_equal(np.sum([r.loss_sum for r in seen], axis=0), acc.loss_sum)
+
+
 def test_state_dict_round_trip(tmp_path, epoch_batches):
-    batches, _ = epoch_batches
+    batches, _, outputs, _ = epoch_batches
     first, rest = batches[:3], batches[3:]
     straight = new_accounting(tmp_path, log_interval='1ba')
-    feed(straight, batches, RecordingLogger())
+    feed(straight, batches, RecordingLogger(), outputs=outputs)
 
     stopped = new_accounting(tmp_path, log_interval='1ba')
-    feed(stopped, first, RecordingLogger())
+    feed(stopped, first, RecordingLogger(), outputs=outputs)
     saved = json.loads(json.dumps(stopped.state_dict()))  # what a checkpoint can hold
     resumed = new_accounting(tmp_path, log_interval='1ba')
     resumed.load_state_dict(saved)
     assert resumed.summary() == stopped.summary() and resumed.history == stopped.history
-    feed(resumed, rest, RecordingLogger(), start=len(first))
-    assert resumed.state_dict() == straight.state_dict()
+    feed(resumed, rest, RecordingLogger(), start=len(first), outputs=outputs[len(first):])
+    assert resumed.state_dict() == straight.state_dict()  # loss sums too: bitwise
+    assert resumed.loss_targets.sum() > 0
 
     from foundrymix.train.callbacks.accounting import StreamAccounting
     other = StreamAccounting(['dolly', 'arxiv'], [0.5, 0.5], out_dir=str(tmp_path))
@@ -129,7 +231,7 @@ def test_state_dict_round_trip(tmp_path, epoch_batches):
 
 
 def test_fit_end_writes_the_report(tmp_path, epoch_batches):
-    batches, _ = epoch_batches
+    batches, _, _, _ = epoch_batches
     acc = new_accounting(tmp_path, log_interval='4ba')
     feed(acc, batches[:5], RecordingLogger())
     acc.fit_end(state_at(None, 5, epoch=0), RecordingLogger())  # records the last point, then writes
@@ -144,7 +246,7 @@ def hand_made_summary() -> dict:
     return {
         'streams': {
             'web': {'samples': 30, 'tokens': 30 * 64, 'loss_tokens': 30 * 64, 'share': 0.75,
-                    'token_share': 1920 / 2400, 'planned_share': 0.7},
+                    'token_share': 1920 / 2400, 'planned_share': 0.7, 'loss': 2.71828, 'loss_targets': 30 * 63},
             'chat': {'samples': 10, 'tokens': 480, 'loss_tokens': 200, 'share': 0.25,
                      'token_share': 480 / 2400, 'planned_share': 0.3},
         },
@@ -184,7 +286,9 @@ def test_report_cli_rerenders_table_and_plot(tmp_path, capsys):
     assert main(['report', str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert 'per-stream accounting after 10 batches (1 full epochs)' in out
-    for cells in (('web', '30', '1,920', '1,920', '75.00%', '70.00%'), ('chat', '10', '480', '200', '25.00%', '30.00%')):
+    # the loss column: 4 decimals; '-' for a stream without one (a summary from before per-stream loss)
+    for cells in (('web', '30', '1,920', '1,920', '75.00%', '70.00%', '2.7183'),
+                  ('chat', '10', '480', '200', '25.00%', '30.00%', '-')):
         line = next(line for line in out.splitlines() if f' {cells[0]} ' in line)
         assert [seg.strip() for seg in line.split('│')[1:-1]] == list(cells)
     assert png.read_bytes() == first  # the same plot, from the JSON alone

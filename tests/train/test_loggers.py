@@ -17,7 +17,7 @@ from helpers import tiny_run_config
 from foundrymix.config import ConfigError
 from foundrymix.train.config import TrainConfig
 
-KEYS = ('tokens', 'loss_tokens', 'share', 'planned_share')
+KEYS = ('tokens', 'loss_tokens', 'share', 'planned_share', 'loss')
 
 
 def config(loggers: dict, streams: dict | None = None, tmp: Path | None = None) -> TrainConfig:
@@ -62,13 +62,18 @@ def run_logged(loggers: dict, small_streams, tmp_path: Path) -> dict:
     assert [p['batch'] for p in history] == [2, 4]
     names = run.accounting.stream_names
     expected = {}
+    before = {'loss_sum': [0.0] * len(names), 'loss_targets': [0] * len(names)}
     for point in history:
         samples, total = point['samples'], sum(point['samples'])
         for i, name in enumerate(names):
+            # the loss since the previous point: that interval's summed loss over its targets
+            loss = ((point['loss_sum'][i] - before['loss_sum'][i])
+                    / (point['loss_targets'][i] - before['loss_targets'][i]))
             values = {'tokens': point['tokens'][i], 'loss_tokens': point['loss_tokens'][i],
-                      'share': samples[i] / total, 'planned_share': run.accounting.planned_share[i]}
+                      'share': samples[i] / total, 'planned_share': run.accounting.planned_share[i], 'loss': loss}
             for key in KEYS:
                 expected.setdefault(f'streams/{name}/{key}', []).append((point['batch'], values[key]))
+        before = point
     return expected
 
 

@@ -60,3 +60,23 @@ def test_loss_is_mean_cross_entropy_over_labelled_positions():
     expected = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
     torch.testing.assert_close(model.loss(out, batch), expected)
     assert int(keep.sum()) == 12  # 13 labelled tokens, the first has no predecessor
+
+
+@pytest.mark.parametrize('kind', ['llama', 'gpt2'])
+def test_loss_is_bitwise_the_models_own_and_rows_sum_to_it(kind):
+    """The training loss equals the loss transformers computes when given ``labels`` (bitwise),
+    and the per-row sums it leaves on the outputs add up to it (two rows: different targets)."""
+    model = model_for(kind, 'document')  # eval(): gpt2's dropout would draw two different masks
+    rows = [batch_of([2, 3, 4, 5, 6, 0]), batch_of([7, 8, 9, 20, 21, 0])]
+    batch = {k: torch.cat([rows[0][k], rows[1][k]]) for k in rows[0]}
+    batch['labels'][1, :8] = -100  # the second row: a prompt, no loss on its first 8 tokens
+    out = model(batch)
+    loss = model.loss(out, batch)
+    own = model.model(input_ids=batch['input_ids'], position_ids=batch['position_ids'], labels=batch['labels'])
+    assert torch.equal(loss, own.loss) and loss.requires_grad
+    assert out.row_loss.targets.tolist() == [12, 5]
+    torch.testing.assert_close(out.row_loss.loss_sum.sum() / 17, loss, rtol=1e-6, atol=0)
+    for r in range(2):  # each row alone: transformers' mean over its targets
+        alone = model.model(input_ids=batch['input_ids'][r:r + 1], position_ids=batch['position_ids'][r:r + 1],
+                            labels=batch['labels'][r:r + 1]).loss
+        torch.testing.assert_close(out.row_loss.loss_sum[r] / out.row_loss.targets[r], alone, rtol=1e-6, atol=0)

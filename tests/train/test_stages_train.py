@@ -98,7 +98,19 @@ def test_three_stages_follow_the_plan_exactly(straight):
     report = straight['report']
     assert {k: {n: c['samples'] for n, c in v.items()} for k, v in report['stages'].items()} == \
         {s.name: s.plan.duration.rows_per_stream for s in run.stages}
-    assert (straight['dir'] / 'report' / 'mixture.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    png = (straight['dir'] / 'report' / 'mixture.png').read_bytes()
+    assert png[:8] == b'\x89PNG\r\n\x1a\n'
+    assert (int.from_bytes(png[16:20], 'big'), int.from_bytes(png[20:24], 'big')) == (900, 800)  # 2 panels
+    # per-stage loss: the history's per-batch sums (log_interval 1ba) between the stage's bounds
+    points = {p['batch']: p for p in report['history']}
+    for stage in run.stages:
+        first, last = points.get(stage.start_batch), points[stage.end_batch]
+        for i, name in enumerate(('arxiv', 'dolly')):
+            got = report['stages'][stage.name][name]
+            targets = last['loss_targets'][i] - (first['loss_targets'][i] if first else 0)
+            loss_sum = last['loss_sum'][i] - (first['loss_sum'][i] if first else 0.0)
+            assert got['loss_targets'] == targets > 0
+            assert got['loss'] == pytest.approx(loss_sum / targets, rel=1e-9)
     st = final_state(straight['dir'] / 'ckpt')
     position = st['dataset_state']['train']
     assert (position['batch'], position['stage_name'], position['batch_in_stage']) == (36, 'finetune', 26)

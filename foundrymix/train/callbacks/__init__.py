@@ -24,6 +24,7 @@ class CallbackContext:
     stream_names: Sequence[str]
     planned_share: Sequence[float]
     stage_names: Optional[Sequence[str]] = None  # a staged run's stages, in order
+    eval_stream_names: Sequence[str] = ()  # the eval_loader's streams (none: no eval_loader)
 
 
 @dataclass
@@ -88,7 +89,7 @@ class RuntimeEstimatorConfig:
 def _stream_accounting(opts: StreamAccountingConfig, ctx: CallbackContext) -> Any:
     from foundrymix.train.callbacks.accounting import StreamAccounting
     return StreamAccounting(stream_names=ctx.stream_names, planned_share=ctx.planned_share,
-                            stage_names=ctx.stage_names,
+                            stage_names=ctx.stage_names, eval_stream_names=ctx.eval_stream_names,
                             out_dir=opts.report_dir(ctx.config.save_folder, ctx.config.run_name),
                             log_interval=opts.log_interval, plot=opts.plot)
 

@@ -1,4 +1,4 @@
-"""``StreamAccounting``: samples, tokens and loss tokens consumed per stream, against the plan.
+"""``StreamAccounting``: samples, tokens, loss tokens and training loss per stream, against the plan.
 
 Counting only: the counters live in Composer checkpoints (``state_dict`` /
 ``load_state_dict``), so a resumed run continues them instead of starting over; the
@@ -11,11 +11,23 @@ sum is read: at ``log_interval``, at the end and when a checkpoint is saved
 (``state_dict``, which Composer 0.32 calls on every rank while saving). The reduced
 tensor is moved to ``state.device`` first: Composer starts a plain ``nccl`` process group
 on GPUs, which takes CUDA tensors only (a CPU tensor fails at the first reduce).
+
+Per-stream loss (exact, not a mean of batch means): :meth:`CausalLM.loss
+<foundrymix.train.model.CausalLM.loss>` leaves each row's summed cross-entropy and its
+number of loss targets on the outputs (``row_loss``); at ``after_loss`` -- once per
+*microbatch* in Composer 0.32, with ``state.batch`` the microbatch on the device -- they
+are added per stream on the device (no host sync per microbatch), unaffected by the
+scaling Composer applies to a microbatch's loss before ``backward``. They ride in the same
+``all_reduce`` as the counts: one float64 tensor (counts are exact in it below 2**53 per
+reduction). The mean loss of a stream is its summed loss over its summed targets.
+:meth:`StreamAccounting.add_reduce_hook` / :meth:`StreamAccounting.reduced_loss` give
+another callback (adaptive mixing) the sums of each reduction, identical on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +41,21 @@ from foundrymix.train import report
 
 #: the counters, in the order of :meth:`StreamAccounting.count`'s rows
 COUNTERS = ('samples', 'tokens', 'loss_tokens')
+
+
+@dataclass(frozen=True)
+class LossReduction:
+    """One reduction's per-stream training loss, summed over every rank (the same on each).
+
+    ``loss_sum`` (float64) and ``loss_targets`` (int64) are indexed like
+    ``StreamAccounting.stream_names`` and hold only the batches since the previous
+    reduction (all zero when none ran); ``batch`` is the number of batches trained when it
+    ran. A stream's mean loss over them is ``loss_sum[i] / loss_targets[i]``.
+    """
+
+    batch: int
+    loss_sum: np.ndarray
+    loss_targets: np.ndarray
 
 
 def interval_hit(timestamp: Any, interval: Time) -> bool:
@@ -67,8 +94,11 @@ class StreamAccounting(Callback):
 
     def __init__(self, stream_names: Sequence[str], planned_share: Sequence[float],
                  out_dir: str, log_interval: str = '10ba', plot: bool = True,
-                 stage_names: Optional[Sequence[str]] = None) -> None:
+                 stage_names: Optional[Sequence[str]] = None,
+                 eval_stream_names: Optional[Sequence[str]] = None) -> None:
         self.stream_names = list(stream_names)
+        #: the eval_loader's streams (its batches' stream ids); per-stream eval loss with 2 or more
+        self.eval_stream_names = list(eval_stream_names or ())
         #: a staged run's stages; batches then carry ``stage_id`` and are counted per stage too
         self.stage_names = list(stage_names) if stage_names else None
         self.stage_counts = np.zeros((len(self.stage_names or ()), len(COUNTERS), len(self.stream_names)),
@@ -83,6 +113,18 @@ class StreamAccounting(Callback):
         self._pending = np.zeros_like(self.counts)
         self._pending_stages = np.zeros_like(self.stage_counts)
         self._device: Any = None  # the trainer's Composer ``Device`` (from fit_start); None: the CPU
+        n_stages, n = len(self.stage_names or ()), len(self.stream_names)
+        #: summed training loss and loss targets per stream (over ranks), and per stage
+        self.loss_sum = np.zeros(n, dtype=np.float64)
+        self.loss_targets = np.zeros(n, dtype=np.int64)
+        self.stage_loss_sum = np.zeros((n_stages, n), dtype=np.float64)
+        self.stage_loss_targets = np.zeros((n_stages, n), dtype=np.int64)
+        #: this rank's loss since the last reduce, on the device: (sum, targets) x (run, stages...) x streams
+        self._loss_pending: Optional[torch.Tensor] = None
+        self._eval_pending: Optional[torch.Tensor] = None
+        self._last_batch = 0
+        self._last_reduction = LossReduction(0, np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.int64))
+        self._reduce_hooks: list[Callable[[LossReduction], None]] = []
 
     @property
     def samples(self) -> np.ndarray:
@@ -106,27 +148,104 @@ class StreamAccounting(Callback):
         if self.stage_names is not None:  # a batch never straddles two stages
             self._pending_stages[int(state.batch['stage_id'].reshape(-1)[0])] += counts
 
+    def after_loss(self, state: State, logger: Logger) -> None:
+        """Add this microbatch's per-row loss sums and targets to its streams (and stage), on the device."""
+        rows = getattr(state.outputs, 'row_loss', None)
+        if rows is None:  # a model that does not report per-row loss
+            return
+        n = len(self.stream_names)
+        where = state.batch['stream_id'].reshape(-1).to(rows.loss_sum.device)
+        index, sums, targets = where, rows.loss_sum, rows.targets
+        if self.stage_names is not None:  # the run's column and the row's stage's column
+            stage = state.batch['stage_id'].reshape(-1).to(where.device)
+            index = torch.cat([where, (1 + stage) * n + where])
+            sums, targets = torch.cat([sums, sums]), torch.cat([targets, targets])
+        if self._loss_pending is None:
+            self._loss_pending = torch.zeros(2, (1 + len(self.stage_names or ())) * n,
+                                             dtype=torch.float64, device=where.device)
+        self._loss_pending[0].index_add_(0, index, sums.to(torch.float64))
+        self._loss_pending[1].index_add_(0, index, targets.to(torch.float64))
+
     def reduce(self) -> None:
-        """Add every rank's pending counts to the counters: one ``all_reduce`` on the trainer's device.
+        """Add every rank's pending counts and loss to the totals: one ``all_reduce`` on the trainer's device.
 
         A collective: every rank calls it at the same points (interval, end, checkpoint save).
+        Then runs the hooks of :meth:`add_reduce_hook`.
         """
-        pending = torch.from_numpy(np.concatenate([self._pending.reshape(-1), self._pending_stages.reshape(-1)]))
+        n = len(self.stream_names)
+        width = (1 + len(self.stage_names or ())) * n
+        counts = torch.from_numpy(np.concatenate([self._pending.reshape(-1), self._pending_stages.reshape(-1)]))
+        loss = self._loss_pending if self._loss_pending is not None else torch.zeros(2, width, dtype=torch.float64)
+        pending = torch.cat([counts.to(torch.float64), loss.reshape(-1).to(counts.device)])
         if self._device is not None:
             pending = self._device.tensor_to_device(pending)
         dist.all_reduce(pending, reduce_operation='SUM')
         summed = pending.cpu().numpy()
-        self.counts += summed[:self.counts.size].reshape(self.counts.shape)
-        self.stage_counts += summed[self.counts.size:].reshape(self.stage_counts.shape)
+        whole = np.rint(summed[:counts.numel()]).astype(np.int64)
+        self.counts += whole[:self.counts.size].reshape(self.counts.shape)
+        self.stage_counts += whole[self.counts.size:].reshape(self.stage_counts.shape)
+        loss_sum, targets = summed[counts.numel():].reshape(2, -1, n)
+        targets = np.rint(targets).astype(np.int64)
+        self.loss_sum += loss_sum[0]
+        self.loss_targets += targets[0]
+        self.stage_loss_sum += loss_sum[1:]
+        self.stage_loss_targets += targets[1:]
         self._pending[:] = 0
         self._pending_stages[:] = 0
+        if self._loss_pending is not None:
+            self._loss_pending.zero_()
+        self._last_reduction = LossReduction(self._last_batch, loss_sum[0].copy(), targets[0].copy())
+        for hook in self._reduce_hooks:
+            hook(self._last_reduction)
+
+    # -- per-stream loss for other callbacks ---------------------------------------
+    def add_reduce_hook(self, hook: Callable[[LossReduction], None]) -> None:
+        """Call ``hook(reduction)`` after every reduction, on every rank, with the same values.
+
+        Reductions run at ``log_interval``, at every checkpoint save and at the end (so two
+        may follow each other with nothing between: the second is all zeros). A hook may
+        run collectives of its own: every rank is at the same point.
+        """
+        self._reduce_hooks.append(hook)
+
+    def reduced_loss(self) -> tuple[np.ndarray, np.ndarray]:
+        """The last reduction's per-stream loss sums (float64) and loss targets (int64), see :class:`LossReduction`."""
+        return self._last_reduction.loss_sum.copy(), self._last_reduction.loss_targets.copy()
+
+    # -- eval --------------------------------------------------------------------
+    def eval_batch_end(self, state: State, logger: Logger) -> None:
+        rows = getattr(state.outputs, 'row_loss', None)
+        if len(self.eval_stream_names) < 2 or rows is None:
+            return
+        where = state.batch['stream_id'].reshape(-1).to(rows.loss_sum.device)
+        if self._eval_pending is None:
+            self._eval_pending = torch.zeros(2, len(self.eval_stream_names), dtype=torch.float64,
+                                             device=where.device)
+        self._eval_pending[0].index_add_(0, where, rows.loss_sum.to(torch.float64))
+        self._eval_pending[1].index_add_(0, where, rows.targets.to(torch.float64))
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        """Log ``eval/streams/<name>/loss``: the eval loss per stream, summed over every rank."""
+        if len(self.eval_stream_names) < 2:
+            return
+        pending = self._eval_pending
+        if pending is None:
+            pending = torch.zeros(2, len(self.eval_stream_names), dtype=torch.float64)
+        pending = state.device.tensor_to_device(pending)
+        dist.all_reduce(pending, reduce_operation='SUM')
+        loss_sum, targets = pending.cpu().numpy()
+        self._eval_pending = None
+        logger.log_metrics({f'eval/streams/{name}/loss': float(loss_sum[i] / targets[i])
+                            for i, name in enumerate(self.eval_stream_names) if targets[i]})
 
     def batch_end(self, state: State, logger: Logger) -> None:
+        self._last_batch = int(state.timestamp.batch)
         if interval_hit(state.timestamp, self.log_interval):
             self.reduce()
             self.record(state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:
+        self._last_batch = int(state.timestamp.batch)
         self.reduce()
         if not self.history or self.history[-1]['batch'] != int(state.timestamp.batch):
             self.record(state, logger)
@@ -137,11 +256,17 @@ class StreamAccounting(Callback):
         """Append a history point and log the per-stream metrics."""
         point = {'batch': int(state.timestamp.batch), 'epoch': int(state.timestamp.epoch)}
         point.update({name: self.counts[i].tolist() for i, name in enumerate(COUNTERS)})
+        before = self.history[-1] if self.history else None
+        point.update({'loss_sum': self.loss_sum.tolist(), 'loss_targets': self.loss_targets.tolist()})
         self.history.append(point)
         metrics: dict[str, Any] = {'streams/epoch': int(state.timestamp.epoch)}
         for name, s in self.streams().items():
             for key in ('tokens', 'loss_tokens', 'share', 'token_share', 'planned_share'):
                 metrics[f'streams/{name}/{key}'] = s[key]
+        # the loss since the previous point (a logger's curve), not the run's mean so far
+        since = interval_loss(before, point)
+        metrics.update({f'streams/{name}/loss': since[i] for i, name in enumerate(self.stream_names)
+                        if since[i] is not None})
         logger.log_metrics(metrics)
 
     # -- output -------------------------------------------------------------------
@@ -154,16 +279,22 @@ class StreamAccounting(Callback):
                        'loss_tokens': int(self.loss_tokens[i]),
                        'share': float(self.samples[i]) / total_samples,
                        'token_share': float(self.tokens[i]) / total_tokens,
-                       'planned_share': self.planned_share[i]}
+                       'planned_share': self.planned_share[i],
+                       'loss': mean_loss(self.loss_sum[i], self.loss_targets[i]),
+                       'loss_targets': int(self.loss_targets[i])}
                 for i, name in enumerate(self.stream_names)}
 
     def summary(self, state: Optional[State] = None) -> dict[str, Any]:
         """The report's data (without ``history``); ``batch``/``epoch`` from ``state`` if given."""
-        out: dict[str, Any] = {'streams': self.streams(),
-                               'total': {name: int(self.counts[i].sum()) for i, name in enumerate(COUNTERS)}}
+        total = {name: int(self.counts[i].sum()) for i, name in enumerate(COUNTERS)}
+        total.update(loss=mean_loss(self.loss_sum.sum(), self.loss_targets.sum()),
+                     loss_targets=int(self.loss_targets.sum()))
+        out: dict[str, Any] = {'streams': self.streams(), 'total': total}
         if self.stage_names is not None:
             out['stages'] = {
-                stage: {name: {c: int(self.stage_counts[k, i, j]) for i, c in enumerate(COUNTERS)}
+                stage: {name: {**{c: int(self.stage_counts[k, i, j]) for i, c in enumerate(COUNTERS)},
+                               'loss': mean_loss(self.stage_loss_sum[k, j], self.stage_loss_targets[k, j]),
+                               'loss_targets': int(self.stage_loss_targets[k, j])}
                         for j, name in enumerate(self.stream_names) if self.stage_counts[k, 0, j]}
                 for k, stage in enumerate(self.stage_names)}
         if state is not None:
@@ -189,16 +320,20 @@ class StreamAccounting(Callback):
         return {'stream_names': self.stream_names, 'samples': self.samples.tolist(),
                 'tokens': self.tokens.tolist(), 'loss_tokens': self.loss_tokens.tolist(),
                 'history': self.history, 'stage_names': self.stage_names,
-                'stage_counts': self.stage_counts.tolist()}
+                'stage_counts': self.stage_counts.tolist(),
+                'loss_sum': self.loss_sum.tolist(), 'loss_targets': self.loss_targets.tolist(),
+                'stage_loss_sum': self.stage_loss_sum.tolist(),
+                'stage_loss_targets': self.stage_loss_targets.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the checkpoint's counters, by stream name.
+        """Continue the checkpoint's counters and loss sums, by stream name.
 
         The run's streams may have grown since the checkpoint (a stage appended with a
         stream the run had not used): those come after the checkpoint's (run-wide stream
         ids are in order of first use) and start at zero. A stream the checkpoint counted
         is never dropped -- the stages that trained it are immutable, so it is still in the
-        run's plan; if not, the resume check has already refused the config.
+        run's plan; if not, the resume check has already refused the config. A checkpoint
+        from before per-stream loss has no loss sums: they start at zero there.
         """
         old = list(state['stream_names'])
         if self.stream_names[:len(old)] != old:  # streams are numbered in order of first use
@@ -206,31 +341,60 @@ class StreamAccounting(Callback):
                              f'resuming a different mixture')
         cols = list(range(len(old)))
 
-        def widen(rows: Any) -> np.ndarray:
-            rows = np.array(rows, dtype=np.int64).reshape(-1, len(old))
-            out = np.zeros((rows.shape[0], len(self.stream_names)), dtype=np.int64)
+        def widen(rows: Any, dtype: Any = np.int64) -> np.ndarray:
+            rows = np.array(rows, dtype=dtype).reshape(-1, len(old))
+            out = np.zeros((rows.shape[0], len(self.stream_names)), dtype=dtype)
             out[:, cols] = rows
             return out
 
+        zeros = [0] * len(old)
         self.counts = widen([state[name] for name in COUNTERS])
+        self.loss_sum = widen(state.get('loss_sum', zeros), np.float64)[0]
+        self.loss_targets = widen(state.get('loss_targets', zeros))[0]
         self._pending[:] = 0
         self._pending_stages[:] = 0
+        self._loss_pending = None
         self.history = []
         for point in state['history']:
             point = dict(point)
             for name in COUNTERS:
                 point[name] = widen([point[name]])[0].tolist()
+            point['loss_sum'] = widen([point.get('loss_sum', zeros)], np.float64)[0].tolist()
+            point['loss_targets'] = widen([point.get('loss_targets', zeros)])[0].tolist()
             self.history.append(point)
+        self.stage_counts[:] = 0
+        self.stage_loss_sum[:] = 0
+        self.stage_loss_targets[:] = 0
         if self.stage_names is not None and state.get('stage_names') is None:
             # a run without stages (the stage 'main') that now has stages: it was all 'main'
-            self.stage_counts[:] = 0
             if 'main' in self.stage_names:
-                self.stage_counts[self.stage_names.index('main')] = self.counts
+                k = self.stage_names.index('main')
+                self.stage_counts[k] = self.counts
+                self.stage_loss_sum[k] = self.loss_sum
+                self.stage_loss_targets[k] = self.loss_targets
         elif self.stage_names is not None:
             stages = list(state.get('stage_names') or [])
             counts = np.array(state.get('stage_counts') or [], dtype=np.int64).reshape(
                 len(stages), len(COUNTERS), len(old))
-            self.stage_counts[:] = 0
+            no_loss = [zeros] * len(stages)
+            loss_sum = widen(state.get('stage_loss_sum', no_loss), np.float64)
+            loss_targets = widen(state.get('stage_loss_targets', no_loss))
             for k, stage in enumerate(stages):  # stages appended since the checkpoint start at 0
                 if stage in self.stage_names:
-                    self.stage_counts[self.stage_names.index(stage)] = widen(counts[k])
+                    at = self.stage_names.index(stage)
+                    self.stage_counts[at] = widen(counts[k])
+                    self.stage_loss_sum[at] = loss_sum[k]
+                    self.stage_loss_targets[at] = loss_targets[k]
+
+
+def mean_loss(loss_sum: float, targets: int) -> Optional[float]:
+    """The mean loss per loss target, or None when there were none (JSON null, not NaN)."""
+    return float(loss_sum) / int(targets) if targets else None
+
+
+def interval_loss(before: Optional[Mapping[str, Any]], after: Mapping[str, Any]) -> list[Optional[float]]:
+    """Per stream: the mean loss between two history points (``before`` None: from the start)."""
+    zero = [0] * len(after['loss_sum'])
+    sums = np.subtract(after['loss_sum'], before['loss_sum'] if before else zero)
+    targets = np.subtract(after['loss_targets'], before['loss_targets'] if before else zero)
+    return [mean_loss(s, t) for s, t in zip(sums, targets)]
