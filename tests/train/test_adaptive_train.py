@@ -57,12 +57,13 @@ def first_segment_loss(small_streams, root: Path) -> list[float]:
     sums, tokens = np.zeros(2), np.zeros(2)
 
     def add(batch) -> None:
-        model = run.trainer.state.model  # its forward: HF's, with per-document positions
-        model.eval()
+        hf = run.trainer.state.model.model  # transformers' model and its own loss
+        hf.eval()
         with torch.no_grad():
             for r in range(len(batch['input_ids'])):
                 labels = batch['labels'][r:r + 1]
-                out = model({k: v[r:r + 1] for k, v in batch.items()})
+                out = hf(input_ids=batch['input_ids'][r:r + 1], labels=labels, use_cache=False,
+                         position_ids=batch['position_ids'][r:r + 1])  # attention: document
                 n = int((labels[:, 1:] != -100).sum())
                 sums[int(batch['stream_id'][r])] += float(out.loss) * n
                 tokens[int(batch['stream_id'][r])] += n

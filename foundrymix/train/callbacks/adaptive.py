@@ -1,19 +1,20 @@
 """``AdaptiveMixing``: feeds each adaptive stage's controller the per-stream training loss.
 
-Per microbatch (``after_loss``) this rank's loss is summed per stream from the model's
-logits (cross-entropy per loss token, the HF loss before its mean; under ``no_grad``).
-At each segment boundary (``batch_end``, before Composer's checkpoint event) the ranks'
-per-batch sums are all-reduced and the controller decides the next segment, which the
-loader reads when its first batch is due. So every rank decides from the same numbers.
+The loss is the model's own: :meth:`CausalLM.loss <foundrymix.train.model.CausalLM.loss>`
+leaves each row's summed cross-entropy and loss targets on the outputs (``row_loss``, the
+per-stream loss core of issue 23). Per microbatch (``after_loss``) this rank keeps those
+rows with their stream ids, on the device (no host sync). At each segment boundary
+(``batch_end``, before Composer's checkpoint event) they are summed per batch and stream
+on the CPU, all-reduced, and the controller decides the next segment, which the loader
+reads when its first batch is due. So every rank decides from the same numbers.
 
-Why per-batch rows, not one running sum: a resumed run must decide bitwise as the straight
-run did. A running sum split at a checkpoint adds the same numbers in another order
-(``(a + b) + (c + d)`` vs ``((a + b) + c) + d``), which differs in the last bit; the
-batches' rows since the last update are kept (reduced, in the checkpoint) and summed in
-one ``np.sum`` over the same array either way. ``every x n_streams x 2`` floats.
-
-Until the per-stream loss of the schedules issue (issue 23) lands, the loss is computed
-here from the logits (one more cross-entropy per microbatch, no extra forward).
+Why per-batch sums, summed in order on the CPU, and not the accounting's running sums:
+a resumed run must decide bitwise as the straight run did. A running sum split at a
+checkpoint adds the same numbers in another order (``(a + b) + (c + d)`` vs
+``((a + b) + c) + d``), and ``index_add_`` on a GPU adds with atomics in any order; so each
+batch's rows are summed sequentially (``np.add.at``), the batches' sums since the last
+update are kept (reduced, in the checkpoint) and added in one ``np.sum`` over the same
+array either way. ``every x n_streams x 2`` floats.
 """
 
 from __future__ import annotations
@@ -28,27 +29,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundrymix.format.schema import IGNORE_INDEX
-
-
-def stream_loss(logits: torch.Tensor, labels: torch.Tensor, stream_id: torch.Tensor,
-                n_streams: int) -> np.ndarray:
-    """``(2, n_streams)`` float64: summed cross-entropy and loss tokens per stream.
-
-    HF causal-LM labels are unshifted: the logit at ``t`` predicts the label at ``t + 1``.
-    """
-    with torch.no_grad():
-        target = labels[:, 1:]
-        ce = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]), target.reshape(-1),
-            ignore_index=IGNORE_INDEX, reduction='none').reshape(target.shape)
-        per_row = ce.double().sum(dim=1).cpu()
-        tokens = (target != IGNORE_INDEX).sum(dim=1).double().cpu()
-        out = torch.zeros(2, n_streams, dtype=torch.float64)
-        sid = stream_id.reshape(-1).cpu()
-        out[0].index_add_(0, sid, per_row)
-        out[1].index_add_(0, sid, tokens)
-    return out.numpy()
+from foundrymix.errors import UserError
 
 
 class AdaptiveMixing(Callback):
@@ -60,8 +41,8 @@ class AdaptiveMixing(Callback):
         self.position = loader.position
         self.out_dir = out_dir
         self.n_streams = len(loader.stream_names)
-        self._batch = np.zeros((2, self.n_streams))
-        self._pending: list[np.ndarray] = []    # this rank's rows since the last reduce
+        self._batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # this batch's rows
+        self._pending: list[list[Any]] = []     # this rank's batches' rows since the last reduce
         self._reduced: list[np.ndarray] = []    # all ranks' rows since the last update
         self._device: Any = None
 
@@ -76,14 +57,25 @@ class AdaptiveMixing(Callback):
         stage = self.position.run.stage_at(int(state.timestamp.batch))
         if stage.index not in self.position.adaptive:
             return
-        logits = getattr(state.outputs, 'logits', state.outputs)
-        self._batch += stream_loss(logits, state.batch['labels'], state.batch['stream_id'],
-                                   self.n_streams)
+        rows = getattr(state.outputs, 'row_loss', None)
+        if rows is None:
+            raise UserError('adaptive mixing needs the per-row loss foundrymix\'s model leaves on '
+                            'its outputs (outputs.row_loss); this model does not report it')
+        self._batch.append((state.batch['stream_id'].reshape(-1), rows.loss_sum, rows.targets))
+
+    def _sum_batch(self, rows: list[Any]) -> np.ndarray:
+        """One batch of this rank as ``(2, n_streams)`` float64, its rows added in order."""
+        out = np.zeros((2, self.n_streams))
+        for sid, loss_sum, targets in rows:
+            sid = sid.cpu().numpy()
+            np.add.at(out[0], sid, loss_sum.detach().double().cpu().numpy())
+            np.add.at(out[1], sid, targets.double().cpu().numpy())
+        return out
 
     def _reduce(self) -> None:
         if not self._pending:
             return
-        rows = torch.from_numpy(np.stack(self._pending))
+        rows = torch.from_numpy(np.stack([self._sum_batch(b) for b in self._pending]))
         if self._device is not None:
             rows = self._device.tensor_to_device(rows)
         dist.all_reduce(rows, reduce_operation='SUM')
@@ -96,8 +88,8 @@ class AdaptiveMixing(Callback):
         controller = self.position.adaptive.get(stage.index)
         if controller is None:
             return
-        self._pending.append(self._batch)
-        self._batch = np.zeros((2, self.n_streams))
+        self._pending.append(self._batch)  # stays on the device until the boundary
+        self._batch = []
         if done >= stage.end_batch or (done - stage.start_batch) % controller.every:
             if done >= stage.end_batch:
                 self._pending, self._reduced = [], []
