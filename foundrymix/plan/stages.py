@@ -208,7 +208,14 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
         _check_max_duration(max_duration, run)
     from foundrymix.plan.adaptive import build_controller
     for stage in stages:
-        build_controller(stage)  # refused now, not at the stage's first batch
+        controller = build_controller(stage)  # refused now, not at the stage's first batch
+        if controller is not None:
+            stage.plan.notes.append(
+                f'adaptive ({controller.method}, every {controller.every}ba from batch '
+                f'{stage.start_batch + controller.warmup}, min_share {controller.min_share}): the '
+                f'weights shown are the start; each segment\'s are decided during the run from the '
+                f'per-stream loss, as whole rows per stream read by per-stream cursors '
+                f'(report/mixture.json, docs/adaptive.md)')
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
         for name, n in (rows or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n

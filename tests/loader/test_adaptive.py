@@ -193,3 +193,33 @@ def test_adaptive_config_errors_come_all_at_once(dirs):
         assert part in text, text
     with pytest.raises(ConfigError, match=r'min_share: 0.4 x 3 streams exceeds 1'):
         build(config(dirs, min_share=0.4))
+
+
+def test_an_adaptive_stage_after_a_plain_one_starts_its_segments_at_the_stage(dirs):
+    """Stage a (plain, 4 batches) then stage b (adaptive, 7 batches in segments of 3): b's
+    decisions start at batches 4, 7, 10 and each segment trains exactly its rows."""
+    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.plan.config import LoaderConfig
+    from foundrymix.plan.stages import plan_run
+    streams = {n: {'local': d} for n, d in dirs.items()}
+    cfg = {'streams': streams, 'stages': [
+        {'name': 'a', 'duration': '4ba', 'streams': {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 1}}},
+        {'name': 'b', 'duration': '7ba', 'epoch_size': 200,
+         'streams': {'wiki': {'proportion': 0.5}, 'dolly': {'proportion': 0.5}},
+         'adaptive': {'method': 'odm', 'every': f'{EVERY}ba', 'min_share': 0.05}}]}
+    run, _ = plan_run(LoaderConfig.from_dict(cfg), BATCH)
+    loader = build_run_loader(run, BATCH)
+    c = loader.position.adaptive[1]
+    names = loader.stream_names  # run-wide: arxiv, wiki, dolly
+    rows = []
+    for b in loader:
+        rows.append([names[i] for i in b['stream_id'].tolist()])
+        done = loader.position.batch
+        if 4 < done < 11 and (done - 4) % EVERY == 0:
+            c.update(np.array([2.0, 6.0]) * 100, np.array([100.0, 100.0]))  # dolly's loss is higher
+    assert [d.batch for d in c.decisions] == [4, 7, 10]
+    assert {n for r in rows[:4] for n in r} == {'arxiv', 'wiki'}
+    for d in c.decisions:
+        n = min(EVERY, 11 - d.batch)
+        got = Counter(x for r in rows[d.batch:d.batch + n] for x in r)
+        assert [got.get('wiki', 0), got.get('dolly', 0)] == d.rows
