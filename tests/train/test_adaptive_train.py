@@ -1,6 +1,7 @@
 """Adaptive mixing in a real (tiny, CPU, in-process) training run: the loss the policy sees
 is the model's, per stream; the run writes every decision to report/mixture.json; a run
-stopped right at an update and resumed decides, trains and ends bitwise as the straight one.
+stopped inside a segment and right at an update, and resumed, decides, trains and ends
+bitwise as the straight one.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def straight(tmp_path_factory, small_streams):
     return root, run
 
 
-@pytest.mark.slow  # two tiny in-process fits: ~25 s on 2 loaded cores
+@pytest.mark.slow  # five tiny in-process fits: ~75 s on 2 loaded cores
 def test_a_training_run_decides_from_the_model_loss_and_resumes_bitwise(straight, small_streams, tmp_path):
     root, run = straight
     mixture = json.loads((root / 'report' / 'mixture.json').read_text())['stages']['main']
@@ -103,10 +104,13 @@ def test_a_training_run_decides_from_the_model_loss_and_resumes_bitwise(straight
                                                  rel=1e-5)
     samples = sample_log(root / 'samples.jsonl')
 
-    # stopped right at an update (batch 6), then resumed
+    # stopped inside a segment (batch 5: the loss of batch 4 is in the checkpoint), resumed
+    # and stopped right at an update (batch 8), then resumed to the end
     resumed_root = tmp_path
-    fit(run_config(resumed_root, small_streams, stop_at='6ba', save_interval='6ba'))
-    assert len(sample_log(resumed_root / 'samples.jsonl')) == 6
+    fit(run_config(resumed_root, small_streams, stop_at='5ba', save_interval='5ba'))
+    assert len(sample_log(resumed_root / 'samples.jsonl')) == 5
+    fit(run_config(resumed_root, small_streams, stop_at='8ba', save_interval='4ba', autoresume=True))
+    assert len(sample_log(resumed_root / 'samples.jsonl')) == 8
     fit(run_config(resumed_root, small_streams, autoresume=True))
     again = json.loads((resumed_root / 'report' / 'mixture.json').read_text())['stages']['main']
     assert again['decisions'] == decisions and again['policy'] == mixture['policy']
