@@ -14,6 +14,9 @@ rows repeat before a stream's pass is complete (on 20 segments of 5 % of a strea
 of the draws would be repeats). Here stream ``i``'s rows are a seeded permutation per
 pass and a cursor moves over it: no row repeats before every row of its stream was
 trained once, across any number of weight changes.
+
+Length (over ~300 lines): the policies, the decision record, the controller (segments,
+cursors, state) and the replay reader share one state format, kept in one module.
 """
 
 from __future__ import annotations
