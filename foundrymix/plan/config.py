@@ -121,7 +121,9 @@ class AdaptiveConfig:
     See docs/adaptive.md.
     """
 
-    method: AdaptiveMethod = 'odm'
+    #: ado by default: ODM rewards high loss and chased a stream of random tokens in the
+    #: proof run of docs/adaptive.md (benchmarks/bench_adaptive.py --proof), ado did not
+    method: AdaptiveMethod = 'ado'
     every: str = '50ba'
     warmup: str = '0ba'
     min_share: float = 0.02
