@@ -53,6 +53,12 @@ class AdaptiveMixing(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         self._device = state.device
 
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        """Start the batch's rows over: Composer 0.32 (``device_train_microbatch_size: auto``)
+        reruns a batch whose microbatch ran out of memory from this event, so a failed try's
+        microbatches must not count (as in the stream accounting)."""
+        self._batch = []
+
     def after_loss(self, state: State, logger: Logger) -> None:
         stage = self.position.run.stage_at(int(state.timestamp.batch))
         if stage.index not in self.position.adaptive:
