@@ -100,12 +100,18 @@ def new_accounting(tmp_path, **kw):
     return StreamAccounting(NAMES, [0.25, 0.75], out_dir=str(tmp_path / 'report'), **kw)
 
 
-def feed(acc, batches, logger, start: int = 0, outputs=None) -> None:
-    """The callback's events for each batch; with ``outputs``, ``after_loss`` per microbatch."""
+def feed(acc, batches, logger, start: int = 0, outputs=None, retry: bool = False) -> None:
+    """The callback's events for each batch, in Composer 0.32's order; with ``outputs``,
+    ``after_loss`` per microbatch. ``retry``: each batch's first microbatch runs once more
+    first, then the batch restarts, as Composer's auto microbatching does after an OOM."""
     for k, b in enumerate(batches, start=start):
         acc.after_dataloader(state_at(b, k), logger)
-        for micro, out in (outputs[k - start] if outputs else ()):
-            acc.after_loss(state_at(micro, k, outputs=out), logger)
+        micro = outputs[k - start] if outputs else []
+        for attempt in ([micro[:1], micro] if retry else [micro]):
+            acc.before_train_batch(state_at(b, k), logger)
+            for m, out in attempt:
+                acc.after_loss(state_at(m, k, outputs=out), logger)
+        acc.after_train_batch(state_at(b, k), logger)
         acc.batch_end(state_at(b, k + 1), logger)
 
 
@@ -206,6 +212,10 @@ def test_stream_loss_equals_transformers_loss_of_each_row(tmp_path, epoch_batche
     got_sums, got_targets = acc.reduced_loss()
     assert (got_sums.tolist(), got_targets.tolist()) == (seen[-1].loss_sum.tolist(), seen[-1].loss_targets.tolist())
     np.testing.assert_array_equal(np.sum([r.loss_sum for r in seen], axis=0), acc.loss_sum)
+    # a batch rerun after an out-of-memory microbatch counts its loss once
+    retried = new_accounting(tmp_path, log_interval='2ba')
+    feed(retried, batches, RecordingLogger(), outputs=outputs, retry=True)
+    assert retried.state_dict() == acc.state_dict()
 
 
 def test_state_dict_round_trip(tmp_path, epoch_batches):

@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from composer.core import Callback
 from composer.loggers import LoggerDestination
 from helpers import tiny_run_config
 
@@ -29,6 +30,16 @@ class Recorder(LoggerDestination):
 
     def log_metrics(self, metrics: dict, step=None) -> None:
         self.calls.append(dict(metrics))
+
+
+class EvalBatches(Callback):
+    """Keeps every batch the evaluation ran (a second pass over the eval loader is another epoch)."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict] = []
+
+    def eval_batch_end(self, state, logger) -> None:
+        self.batches.append({k: v.clone() for k, v in state.batch.items()})
 
 
 def row_loss(model, row) -> tuple[float, int]:
@@ -58,12 +69,13 @@ def run(small_streams, tmp_path_factory):
     torch.set_num_threads(1)  # the tiny model: 2 threads on 2 busy cores are ~16x slower (measured)
     try:
         built = build_trainer(cfg)
-        recorder = Recorder()
+        recorder, evals = Recorder(), EvalBatches()
         built.trainer.logger.destinations = (*built.trainer.logger.destinations, recorder)
+        built.trainer.state.callbacks.append(evals)
         built.trainer.fit()
         built.trainer.close()
         built.claims.release()
-        yield {'run': built, 'calls': recorder.calls, 'tmp': tmp, 'cfg': cfg}
+        yield {'run': built, 'calls': recorder.calls, 'tmp': tmp, 'cfg': cfg, 'eval_batches': evals.batches}
     finally:
         torch.set_num_threads(threads)
 
@@ -110,12 +122,13 @@ def test_eval_loss_per_stream(run):
     model = trainer.state.model.model
     sums, targets = np.zeros(2), np.zeros(2, dtype=np.int64)
     with torch.no_grad():
-        for batch in trainer.state.evaluators[0].dataloader.dataloader:
+        for batch in run['eval_batches']:
             for r in range(len(batch['stream_id'])):
                 loss_sum, n = row_loss(model, {k: batch[k][r] for k in ('input_ids', 'labels', 'position_ids')})
                 sums[int(batch['stream_id'][r])] += loss_sum
                 targets[int(batch['stream_id'][r])] += n
-    assert targets.min() > 0
+    ids = [int(i) for b in run['eval_batches'] for i in b['sample_id']]
+    assert targets.min() > 0 and len(set(ids)) == len(ids) == 60  # exact epochs: 10 batches of 6 of 63 rows
     assert sorted(logged) == [f'eval/streams/{n}/loss' for n in names]
     for i, name in enumerate(names):
         assert logged[f'eval/streams/{name}/loss'] == pytest.approx(sums[i] / targets[i], rel=RTOL)

@@ -121,6 +121,7 @@ class StreamAccounting(Callback):
         self.stage_loss_targets = np.zeros((n_stages, n), dtype=np.int64)
         #: this rank's loss since the last reduce, on the device: (sum, targets) x (run, stages...) x streams
         self._loss_pending: Optional[torch.Tensor] = None
+        self._loss_batch: Optional[torch.Tensor] = None  # the batch in progress (its microbatches so far)
         self._eval_pending: Optional[torch.Tensor] = None
         self._last_batch = 0
         self._last_reduction = LossReduction(0, np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.int64))
@@ -148,6 +149,20 @@ class StreamAccounting(Callback):
         if self.stage_names is not None:  # a batch never straddles two stages
             self._pending_stages[int(state.batch['stage_id'].reshape(-1)[0])] += counts
 
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        """Start the batch's loss over: Composer 0.32 (``device_train_microbatch_size: auto``)
+        reruns a batch whose microbatch ran out of memory, from this event, so the microbatches
+        of a failed try must not count. They join the pending sums at ``after_train_batch``,
+        which only a batch that went through reaches."""
+        if self._loss_batch is not None:
+            self._loss_batch.zero_()
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        if self._loss_batch is not None:
+            if self._loss_pending is None:
+                self._loss_pending = torch.zeros_like(self._loss_batch)
+            self._loss_pending += self._loss_batch
+
     def after_loss(self, state: State, logger: Logger) -> None:
         """Add this microbatch's per-row loss sums and targets to its streams (and stage), on the device."""
         rows = getattr(state.outputs, 'row_loss', None)
@@ -160,11 +175,11 @@ class StreamAccounting(Callback):
             stage = state.batch['stage_id'].reshape(-1).to(where.device)
             index = torch.cat([where, (1 + stage) * n + where])
             sums, targets = torch.cat([sums, sums]), torch.cat([targets, targets])
-        if self._loss_pending is None:
-            self._loss_pending = torch.zeros(2, (1 + len(self.stage_names or ())) * n,
-                                             dtype=torch.float64, device=where.device)
-        self._loss_pending[0].index_add_(0, index, sums.to(torch.float64))
-        self._loss_pending[1].index_add_(0, index, targets.to(torch.float64))
+        if self._loss_batch is None:
+            self._loss_batch = torch.zeros(2, (1 + len(self.stage_names or ())) * n,
+                                           dtype=torch.float64, device=where.device)
+        self._loss_batch[0].index_add_(0, index, sums.to(torch.float64))
+        self._loss_batch[1].index_add_(0, index, targets.to(torch.float64))
 
     def reduce(self) -> None:
         """Add every rank's pending counts and loss to the totals: one ``all_reduce`` on the trainer's device.
@@ -354,6 +369,7 @@ class StreamAccounting(Callback):
         self._pending[:] = 0
         self._pending_stages[:] = 0
         self._loss_pending = None
+        self._loss_batch = None
         self.history = []
         for point in state['history']:
             point = dict(point)
