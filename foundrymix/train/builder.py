@@ -357,8 +357,9 @@ def train(cfg: TrainConfig) -> TrainRun:
                                   f'save_overwrite=true replaces them, autoresume=true continues it if it '
                                   f'did not finish, or choose another save_folder)') from None
         run.trainer.close()
-        if dist.get_global_rank() == 0 and run.run_plan.explicit:
-            _plot_staged(run)
+        adaptive = any(s.config is not None and s.config.adaptive for s in run.run_plan.stages)
+        if dist.get_global_rank() == 0 and (run.run_plan.explicit or adaptive):
+            _plot_staged(run)  # (adaptive: the configured start, the realized shares over it)
     finally:
         run.claims.release()
     return run
@@ -374,4 +375,4 @@ def _plot_staged(run: TrainRun) -> None:
     batches = [p['batch'] for p in history]
     realized = (batches, [p['samples'] for p in history])
     losses = (batches, [p['loss_sum'] for p in history], [p['loss_targets'] for p in history])
-    plot_run_plan(run.plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized, losses)
+    plot_run_plan(run.run_plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized, losses)

@@ -21,14 +21,15 @@ BATCHES = 12
 EVERY = 2
 
 
-def run_config(root: Path, small_streams, stop_at: str | None = None, **top) -> dict:
+def run_config(root: Path, small_streams, stop_at: str | None = None, plot: bool = False,
+               **top) -> dict:
     loader = {'streams': {'arxiv': {'local': str(small_streams['arxiv']), 'proportion': 0.5},
                           'dolly': {'local': str(small_streams['dolly']), 'proportion': 0.5}},
               'epoch_size': 32, 'shuffle_seed': 3, 'num_workers': 0,
               'adaptive': {'method': 'odm', 'every': f'{EVERY}ba', 'min_share': 0.1}}
     callbacks = {'sample_log': {'path': str(root / 'samples.jsonl'), 'interval': '1ba'},
                  'stream_accounting': {'out_dir': str(root / 'report'), 'log_interval': f'{EVERY}ba',
-                                       'plot': False}}
+                                       'plot': plot}}
     if stop_at:
         callbacks['stop_at'] = {'time': stop_at}
     return tiny_run_config(loader, run_name='adaptive', global_train_batch_size=4,
@@ -81,13 +82,14 @@ def first_segment_loss(small_streams, root: Path) -> list[float]:
 @pytest.fixture(scope='module')
 def straight(tmp_path_factory, small_streams):
     root = tmp_path_factory.mktemp('adaptive-straight')
-    run = fit(run_config(root, small_streams))
+    run = fit(run_config(root, small_streams, plot=True))
     return root, run
 
 
 @pytest.mark.slow  # five tiny in-process fits: ~75 s on 2 loaded cores
 def test_a_training_run_decides_from_the_model_loss_and_resumes_bitwise(straight, small_streams, tmp_path):
     root, run = straight
+    assert (root / 'report' / 'mixture.png').stat().st_size > 0  # the start and the realized shares
     mixture = json.loads((root / 'report' / 'mixture.json').read_text())['stages']['main']
     decisions = mixture['decisions']
     assert [d['batch'] for d in decisions] == list(range(0, BATCHES, EVERY))
