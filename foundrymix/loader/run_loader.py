@@ -53,6 +53,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from foundrymix.config import ConfigError
+from foundrymix.plan.adaptive import AdaptiveController, build_controller
 from foundrymix.plan.stages import RunPlan, StagePlan, fingerprint_changes
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,12 @@ class StagedPosition(IterableDataset):
         self.run = run
         self.batch = 0  # next global batch to yield
         self.resumed: Optional[Resumed] = None
+        #: stage index -> its adaptive controller (stages with ``adaptive:``)
+        self.adaptive: dict[int, AdaptiveController] = {}
+        for stage in run.stages:
+            controller = build_controller(stage)
+            if controller is not None:
+                self.adaptive[stage.index] = controller
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - the loader iterates, not this
         raise TypeError('iterate the StagedDataLoader, not its position')
@@ -108,6 +115,9 @@ class StagedPosition(IterableDataset):
                               'sample_in_epoch': in_epoch * stage.plan.global_batch_size},
             'stages': [{'name': s.name, 'start_batch': s.start_batch, 'batches': s.batches,
                         'fingerprint': s.fingerprint} for s in done],
+            # adaptive stages: the policy's state and every decision made so far
+            'adaptive': {self.run.stages[i].name: c.state_dict()
+                         for i, c in self.adaptive.items() if self.run.stages[i].start_batch <= self.batch},
         }
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
@@ -125,6 +135,10 @@ class StagedPosition(IterableDataset):
         for old in obj['stages']:
             if old['start_batch'] < batch:  # (older checkpoints also list a stage starting here)
                 self._check_unchanged(old, batch)
+        for index, controller in self.adaptive.items():
+            state = obj.get('adaptive', {}).get(self.run.stages[index].name)
+            if state is not None:
+                controller.load_state_dict(state, batch)
         self.batch = batch
         total, samples = obj.get('total_batches'), obj.get('total_samples')
         self.resumed = Resumed(batch, int(total) if total is not None else None,
@@ -260,10 +274,12 @@ class StagedDataLoader(DataLoader):
     def __init__(self, run: RunPlan, batch_size: int, composer_epochs: bool = False) -> None:
         super().__init__(StagedPosition(run), batch_size=batch_size)
         self.run = run
-        if composer_epochs and run.explicit:
+        if composer_epochs and (run.explicit or any(s.config is not None and s.config.adaptive
+                                                    for s in run.stages)):
             # A staged run is one Composer epoch, as before the run contract: ending Composer
             # epochs at stage switches would renumber epochs after a resume exactly at a
-            # switch (Composer saved batch_in_epoch > 0 there and would count on).
+            # switch (Composer saved batch_in_epoch > 0 there and would count on). An
+            # adaptive run has no epochs of one mixture: one Composer epoch too.
             composer_epochs = False
         self.composer_epochs = composer_epochs
         self.stream_names = run.stream_names
@@ -337,6 +353,11 @@ class StagedDataLoader(DataLoader):
         G, batch_size = stage.global_batch_size, stage.batch_size  # the stage's own batch
         dataset = build_dataset(stage.config, stage.infos, stage.weights, batch_size, G,
                                 stage.where)
+        controller = position.adaptive.get(stage.index)
+        if controller is not None:
+            batches = _adaptive_batches(controller, dataset, position, self.batch_size, stage)
+            self._active = _Active(stage, dataset, batches)
+            return self._active
         done = position.batch - stage.start_batch
         epoch, in_epoch = divmod(done, stage.plan.batches_per_epoch)
         if done:
@@ -359,6 +380,29 @@ class StagedDataLoader(DataLoader):
         del active
         gc.collect()  # the loader's iterator (and any workers) first
         dataset.release()
+
+
+def _adaptive_batches(controller: AdaptiveController, dataset: Any, position: StagedPosition,
+                      batch_size: int, stage: StagePlan) -> Iterator[Any]:
+    """An adaptive stage's batches from the position to the stage's end: each segment's
+    sample ids are asked of the controller when its first batch is due -- after the trainer
+    fed it the loss of the segment before -- and this rank's rows of each global batch are
+    read by index (the main process; ``num_workers`` does not apply) and collated."""
+    from foundrymix.loader.collate import collate
+    from foundrymix.loader.streaming_compat import global_rank
+    offsets = [int(x) for x in dataset.sample_offset_per_stream]
+    if offsets != controller.offsets.tolist():
+        raise RuntimeError(f'stage {stage.name}: the dataset numbers samples from {offsets}, the '
+                           f'plan from {controller.offsets.tolist()}')
+    G, rank = controller.global_batch, global_rank()
+    while position.batch < stage.end_batch:
+        k = controller.segment_of(position.batch)
+        ids = controller.segment_ids(k).reshape(-1, G)
+        for b in range(position.batch - controller.segment_start(k), len(ids)):
+            if controller.segment_of(position.batch) != k:  # (the caller moved the position)
+                break
+            mine = ids[b, rank * batch_size:(rank + 1) * batch_size]
+            yield collate([dataset.get_row(int(i)) for i in mine])
 
 
 def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False) -> StagedDataLoader:

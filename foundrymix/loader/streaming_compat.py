@@ -79,6 +79,12 @@ def world_size() -> int:
     return get_world_size()
 
 
+def global_rank() -> int:
+    """This process's rank as streaming reads it from the launcher's environment."""
+    from streaming.base.distributed import get_rank
+    return get_rank()
+
+
 def filelock_names() -> tuple[str, str]:
     """The names of the barrier and cache filelocks streaming keeps per shared-memory prefix."""
     from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK

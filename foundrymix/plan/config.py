@@ -105,6 +105,80 @@ class StreamSpec:
                               f'repeat, proportion, choose (or delete it)')
 
 
+AdaptiveMethod = Literal['odm', 'ado', 'fixed', 'replay']
+
+
+@dataclass
+class AdaptiveConfig:
+    """``train_loader.adaptive`` (or a stage's): the weights are decided during the run.
+
+    Every ``every`` batches the policy (``method``) reads each stream's mean training loss
+    since the last update (summed over all ranks) and sets the weights of the next
+    ``every`` batches, from ``warmup`` on (before it: the configured weights). Each stream
+    keeps at least ``min_share`` of every segment. ``from`` (with ``method: replay``): a
+    ``report/mixture.json`` whose recorded decisions are trained again, without a policy.
+    ``alpha``/``beta``/``lr``: the policy's constants (see :mod:`foundrymix.plan.adaptive`).
+    See docs/adaptive.md.
+    """
+
+    #: ado by default: ODM rewards high loss and chased a stream of random tokens in the
+    #: proof run of docs/adaptive.md (benchmarks/bench_adaptive.py --proof), ado did not
+    method: AdaptiveMethod = 'ado'
+    every: str = '50ba'
+    warmup: str = '0ba'
+    min_share: float = 0.02
+    seed: Optional[int] = None       # default: the loader's shuffle_seed
+    alpha: float = 0.9               # ODM: reward moving average; ADO: loss EMA
+    beta: float = 0.5                # ADO: how much of the previous weights a decision keeps
+    lr: float = 1.0                  # ODM: reward scale in the softmax
+    replay_from: Optional[str] = None
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'AdaptiveConfig':
+        d = dict(to_plain(value, where) or {})
+        if 'replay_from' in d:
+            raise ConfigError(f'{where}.replay_from: the key is from: (from: report/mixture.json)')
+        if 'from' in d:
+            d['replay_from'] = d.pop('from')
+        return read_dataclass(cls, d, where)
+
+    def batches(self, key: str, where: str) -> int:
+        m = re.fullmatch(r'\s*(\d+)\s*ba\s*', str(getattr(self, key)))
+        if not m:
+            raise ConfigError(f'{where}.{key}: {getattr(self, key)!r} must be whole batches (e.g. '
+                              f'50ba): a segment is whole global batches')
+        return int(m.group(1))
+
+    def check(self, where: str) -> None:
+        from foundrymix.config import Gather
+        gather = Gather()
+        with gather:
+            if self.batches('every', where) <= 0:
+                raise ConfigError(f'{where}.every: must be at least 1ba, got {self.every}')
+        with gather:
+            if self.batches('warmup', where) < 0:
+                raise ConfigError(f'{where}.warmup: must be >= 0ba, got {self.warmup}')
+        with gather:
+            if not 0 <= self.min_share < 1:
+                raise ConfigError(f'{where}.min_share: must be in [0, 1), got {self.min_share}')
+        for key in ('alpha', 'beta'):
+            with gather:
+                if not 0 <= getattr(self, key) < 1:
+                    raise ConfigError(f'{where}.{key}: must be in [0, 1), got {getattr(self, key)}')
+        with gather:
+            if (self.method == 'replay') != (self.replay_from is not None):
+                raise ConfigError(f'{where}: method: replay goes with from: <a report/mixture.json> '
+                                  f'(and from: only with method: replay); got method '
+                                  f'{self.method}, from {self.replay_from!r}')
+        gather.raise_any()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a resumed run must keep: everything but ``from`` (replayed decisions are
+        checked against the checkpoint's own)."""
+        return {k: getattr(self, k) for k in ('method', 'every', 'warmup', 'min_share', 'seed',
+                                              'alpha', 'beta', 'lr')}
+
+
 #: keys of a stage besides the loader knobs it may override
 STAGE_KEYS = ('name', 'duration', 'streams', 'global_train_batch_size')
 #: a later stage's default shuffle seed is ``shuffle_seed + index * STAGE_SEED_STEP``
@@ -221,6 +295,8 @@ class LoaderConfig:
     #: tokens; the catalog turns token shares into row proportions from the manifests
     #: (``catalog.row_proportions``) before streams are built, so plan and loader agree
     weights_in: WeightsIn = 'rows'
+    #: adaptive mixing: the weights set during the run from the per-stream loss (AdaptiveConfig)
+    adaptive: Optional[AdaptiveConfig] = None
     #: the pattern entries of ``streams`` (``web/*: {proportion: 0.6}``), split from the
     #: streams on construction: weights of a group of streams, resolved per stream from
     #: their sizes when the catalog reads them (:func:`~foundrymix.plan.catalog.resolve_groups`)
@@ -263,6 +339,10 @@ class LoaderConfig:
             raise ConfigError(f'{where}.sampling_granularity: must be positive')
         if self.epoch_size is not None and self.epoch_size <= 0:
             raise ConfigError(f'{where}.epoch_size: must be positive, got {self.epoch_size}')
+        if self.adaptive is not None and self.batching_method != 'random':
+            raise ConfigError(f'{where}.batching_method: {self.batching_method} with adaptive: an '
+                              f'adaptive segment draws its own rows per stream (batching_method: '
+                              f'random, the default)')
         of = {n: g for g, members in self.group_members(where).items() for n in members}
         kinds = {name: s.weight_kind or (self.groups[of[name]].weight_kind if name in of else None)
                  for name, s in self.streams.items()}

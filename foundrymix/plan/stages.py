@@ -259,7 +259,16 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                   explicit=config.stages is not None)
     if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
+    from foundrymix.plan.adaptive import build_controller
     for stage in stages:
+        controller = build_controller(stage)  # refused now, not at the stage's first batch
+        if controller is not None:
+            stage.plan.notes.append(
+                f'adaptive ({controller.method}, every {controller.every}ba from batch '
+                f'{stage.start_batch + controller.warmup}, min_share {controller.min_share}): the '
+                f'weights shown are the start; each segment\'s are decided during the run from the '
+                f'per-stream loss, as whole rows per stream read by per-stream cursors '
+                f'(report/mixture.json, docs/adaptive.md)')
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
         for name, n in (rows or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
@@ -353,6 +362,8 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
                                              'drop_last', 'exact')}
     if config.weights_in != 'rows':  # only then: fingerprints of older checkpoints stay valid
         knobs['weights_in'] = config.weights_in
+    if config.adaptive is not None:
+        knobs['adaptive'] = config.adaptive.fingerprint()
     streams = {}
     for info in infos:
         index = json.dumps(info.index.get('shards', []), sort_keys=True).encode('utf-8')
@@ -367,7 +378,7 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
 
 
 #: knobs a fingerprint records only when not at their default (so older checkpoints match)
-_OPTIONAL_KNOBS = {'weights_in': 'rows'}
+_OPTIONAL_KNOBS = {'weights_in': 'rows', 'adaptive': None}
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -208,9 +208,10 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     loader = build_run_loader(run, device_batch, composer_epochs=True)
     # A single mixture keeps Composer's own reading of max_duration (3ep: three of its
-    # epochs, which are the mixture's); stages are batches -- or samples, when the stages'
-    # batches differ (composer_duration says why).
-    max_duration = composer_duration(run) if run.explicit else str(cfg.max_duration)
+    # epochs, which are the mixture's); stages and adaptive segments are batches -- or
+    # samples, when the stages' batches differ (composer_duration says why).
+    max_duration = (composer_duration(run) if run.explicit or loader.position.adaptive
+                    else str(cfg.max_duration))
     t_warmup = warmup_in_samples(cfg.scheduler.t_warmup, run) if max_duration.endswith('sp') \
         else cfg.scheduler.t_warmup
     return TrainData(loader=loader, run=run, tokenizer=catalogs[0].tokenizer,
@@ -270,7 +271,12 @@ def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: 
                           eval_stream_names=eval_streams)
     built = build_callbacks(cfg.callbacks, ctx)
     info = ModelInfo(hf_model.config, cfg.model.attention, data.tokenizer, cfg.model.pretrained)
-    return [EpochBoundary(), info, S3Log(retry_counter, since), *built.values()], built['stream_accounting']
+    accounting = built['stream_accounting']
+    adaptive: list[Callback] = []
+    if data.loader.position.adaptive:  # the per-stream loss -> the adaptive stages' weights
+        from foundrymix.train.callbacks.adaptive import AdaptiveMixing
+        adaptive.append(AdaptiveMixing(data.loader, accounting.out_dir))
+    return [EpochBoundary(), info, S3Log(retry_counter, since), *adaptive, *built.values()], accounting
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
@@ -415,8 +421,9 @@ def train(cfg: TrainConfig) -> TrainRun:
                                   f'save_overwrite=true replaces them, autoresume=true continues it if it '
                                   f'did not finish, or choose another save_folder)') from None
         run.trainer.close()
-        if dist.get_global_rank() == 0 and run.run_plan.explicit:
-            _plot_staged(run)
+        adaptive = any(s.config is not None and s.config.adaptive for s in run.run_plan.stages)
+        if dist.get_global_rank() == 0 and (run.run_plan.explicit or adaptive):
+            _plot_staged(run)  # (adaptive: the configured start, the realized shares over it)
     finally:
         run.claims.release()
     return run
@@ -435,4 +442,4 @@ def _plot_staged(run: TrainRun) -> None:
     cfg = run.config
     lr = ((WSDScheduler.of(cfg, run.run_plan).schedule, cfg.optimizer.lr)
           if cfg.scheduler.name == 'wsd' else None)
-    plot_run_plan(run.plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized, losses, lr)
+    plot_run_plan(run.run_plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized, losses, lr)

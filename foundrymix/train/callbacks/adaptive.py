@@ -1,0 +1,133 @@
+"""``AdaptiveMixing``: feeds each adaptive stage's controller the per-stream training loss.
+
+The loss is the model's own: :meth:`CausalLM.loss <foundrymix.train.model.CausalLM.loss>`
+leaves each row's summed cross-entropy and loss targets on the outputs (``row_loss``, the
+per-stream loss core of issue 23). Per microbatch (``after_loss``) this rank keeps those
+rows with their stream ids, on the device (no host sync). At each segment boundary
+(``batch_end``, before Composer's checkpoint event) they are summed per batch and stream
+on the CPU, all-reduced, and the controller decides the next segment, which the loader
+reads when its first batch is due. So every rank decides from the same numbers.
+
+Why per-batch sums, summed in order on the CPU, and not the accounting's running sums:
+a resumed run must decide bitwise as the straight run did. A running sum split at a
+checkpoint adds the same numbers in another order (``(a + b) + (c + d)`` vs
+``((a + b) + c) + d``), and ``index_add_`` on a GPU adds with atomics in any order; so each
+batch's rows are summed sequentially (``np.add.at``), the batches' sums since the last
+update are kept (reduced, in the checkpoint) and added in one ``np.sum`` over the same
+array either way. ``every x n_streams x 2`` floats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from foundrymix.errors import UserError
+
+
+class AdaptiveMixing(Callback):
+    """Per-stream loss -> the loader's adaptive controllers, at every segment boundary; at
+    the end rank 0 writes ``mixture.json`` (every decision, the policy's state) to ``out_dir``."""
+
+    def __init__(self, loader: Any, out_dir: str) -> None:
+        self.loader = loader
+        self.position = loader.position
+        self.out_dir = out_dir
+        self.n_streams = len(loader.stream_names)
+        self._batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # this batch's rows
+        self._pending: list[list[Any]] = []     # this rank's batches' rows since the last reduce
+        self._reduced: list[np.ndarray] = []    # all ranks' rows since the last update
+        self._device: Any = None
+
+    @property
+    def mixture_path(self) -> str:
+        return os.path.join(self.out_dir, 'mixture.json')
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._device = state.device
+
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        """Start the batch's rows over: Composer 0.32 (``device_train_microbatch_size: auto``)
+        reruns a batch whose microbatch ran out of memory from this event, so a failed try's
+        microbatches must not count (as in the stream accounting)."""
+        self._batch = []
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        stage = self.position.run.stage_at(int(state.timestamp.batch))
+        if stage.index not in self.position.adaptive:
+            return
+        rows = getattr(state.outputs, 'row_loss', None)
+        if rows is None:
+            raise UserError('adaptive mixing needs the per-row loss foundrymix\'s model leaves on '
+                            'its outputs (outputs.row_loss); this model does not report it')
+        self._batch.append((state.batch['stream_id'].reshape(-1), rows.loss_sum, rows.targets))
+
+    def _sum_batch(self, rows: list[Any]) -> np.ndarray:
+        """One batch of this rank as ``(2, n_streams)`` float64, its rows added in order."""
+        out = np.zeros((2, self.n_streams))
+        for sid, loss_sum, targets in rows:
+            sid = sid.cpu().numpy()
+            np.add.at(out[0], sid, loss_sum.detach().double().cpu().numpy())
+            np.add.at(out[1], sid, targets.double().cpu().numpy())
+        return out
+
+    def _reduce(self) -> None:
+        if not self._pending:
+            return
+        rows = torch.from_numpy(np.stack([self._sum_batch(b) for b in self._pending]))
+        if self._device is not None:
+            rows = self._device.tensor_to_device(rows)
+        dist.all_reduce(rows, reduce_operation='SUM')
+        self._reduced += list(rows.cpu().numpy())
+        self._pending = []
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        done = int(state.timestamp.batch)  # batches trained, the next one's index
+        stage = self.position.run.stage_at(done - 1)
+        controller = self.position.adaptive.get(stage.index)
+        if controller is None:
+            return
+        self._pending.append(self._batch)  # stays on the device until the boundary
+        self._batch = []
+        if done >= stage.end_batch or (done - stage.start_batch) % controller.every:
+            if done >= stage.end_batch:
+                self._pending, self._reduced = [], []
+            return
+        self._reduce()
+        total = np.sum(np.stack(self._reduced), axis=0)
+        self._reduced = []
+        cols = [self.loader.stream_names.index(n) for n in controller.names]
+        decision = controller.update(total[0, cols], total[1, cols])
+        logger.log_metrics({f'adaptive/{n}/weight': w for n, w in zip(controller.names, decision.weights)})
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() == 0:
+            self.write_report()
+
+    def report(self) -> dict[str, Any]:
+        return {'stages': {self.position.run.stages[i].name: c.report()
+                           for i, c in self.position.adaptive.items()}}
+
+    def write_report(self, path: Optional[str] = None) -> None:
+        path = path or self.mixture_path
+        os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+        tmp = path + '.tmp'
+        with open(tmp, 'w', encoding='utf-8') as f:
+            json.dump(self.report(), f, indent=1)
+        os.replace(tmp, path)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The all-reduced loss rows since the last update (a collective: reduces first)."""
+        self._reduce()
+        return {'reduced': [r.tolist() for r in self._reduced]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._reduced = [np.array(r, np.float64) for r in state.get('reduced', [])]
+        self._pending = []
