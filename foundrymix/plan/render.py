@@ -239,6 +239,11 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
         console.print(f'note: {", ".join(reused)} come back in a later stage: each stage starts a '
                       f'fresh pass over its streams, shuffled with its own seed')
     console.rule('whole run')
+    if run.decided_during_run:
+        console.print(f'rows trained per stream over the run: decided during the run (adaptive '
+                      f'stage {", ".join(run.decided_during_run)}); the other stages: '
+                      + (counts_text(run.rows_per_stream, all_streams) or 'none'))
+        return
     console.print('rows trained per stream over the run: '
                   + counts_text(run.rows_per_stream, all_streams))
     rows = {p.name: p.rows for s in run.stages for p in s.plan.streams}

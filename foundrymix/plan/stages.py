@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from foundrymix.config import ConfigError, parse_duration
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
@@ -116,6 +118,8 @@ class RunPlan:
     rows_per_stream: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     explicit: bool = True       # False: a single mixture (no ``stages:``), one stage
+    #: adaptive stages whose rows per stream are decided during the run (not in rows_per_stream)
+    decided_during_run: list[str] = field(default_factory=list)
 
     @property
     def stream_names(self) -> list[str]:
@@ -262,13 +266,8 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     from foundrymix.plan.adaptive import build_controller
     for stage in stages:
         controller = build_controller(stage)  # refused now, not at the stage's first batch
-        if controller is not None:
-            stage.plan.notes.append(
-                f'adaptive ({controller.method}, every {controller.every}ba from batch '
-                f'{stage.start_batch + controller.warmup}, min_share {controller.min_share}): the '
-                f'weights shown are the start; each segment\'s are decided during the run from the '
-                f'per-stream loss, as whole rows per stream read by per-stream cursors '
-                f'(report/mixture.json, docs/adaptive.md)')
+        if controller is not None and not _plan_adaptive(stage.plan, controller):
+            run.decided_during_run.append(stage.name)
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
         for name, n in (rows or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
@@ -410,6 +409,74 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if new['streams'][name].get(key) != value:
                 out.append(f'stream {name}: {key} {value!r} -> {new["streams"][name].get(key)!r}')
     return out
+
+
+def _plan_adaptive(plan: Plan, controller: Any) -> bool:
+    """Restate an adaptive stage's plan as what its run does; True if its rows are exact.
+
+    Why: the stage's mixture is planned as streaming would sample it, but an adaptive stage
+    trains segments of whole rows per stream read through per-stream cursors
+    (:class:`~foundrymix.plan.adaptive.AdaptiveController`). So the sampler's rows per
+    stream, passes, ``counted`` and its under-one-pass/mid-epoch warnings are not what it
+    trains. What is exact at plan time: the segments whose weights are known (the warmup's
+    configured weights; every segment of ``fixed`` or ``replay``); the rest are decided
+    from the loss during the run, each stream at least ``min_share`` of a segment's rows.
+    """
+    from foundrymix.plan.adaptive import whole_rows
+    c, d = controller, plan.duration
+    known = np.zeros(len(c.names), np.int64)
+    at_least = np.zeros(len(c.names), np.int64)
+    undecided = [0, 0]   # batches, rows
+    for k in range(c.segments):
+        rows = c.segment_batches(k) * c.global_batch
+        if c.replay is not None:
+            known += c.replay[k].rows
+        elif c.method == 'fixed' or c.segment_start(k) < c.start_batch + c.warmup:
+            known += whole_rows(c.initial, rows)
+        else:
+            undecided[0] += c.segment_batches(k)
+            undecided[1] += rows
+            at_least += int(c.min_share * rows)
+    exact = undecided[0] == 0
+    n_rows = dict(zip(c.names, c.rows))
+    text = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, known))
+    if exact:
+        how = 'the recorded decisions' if c.replay is not None else 'the configured weights'
+        plan.counted = {'run': f'adaptive ({c.method}): every segment\'s whole rows from {how}'}
+    else:
+        first = c.start_batch + undecided_start(c)
+        plan.counted = {'run': (
+            f'adaptive ({c.method}): batches {c.start_batch:,}-{first - 1:,} exact at the configured '
+            f'weights ({text}); batches {first:,}-{c.start_batch + c.batches - 1:,} '
+            f'({undecided[1]:,} rows) decided during the run from the per-stream loss, each '
+            f'stream at least ' + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))
+            if first > c.start_batch else (
+            f'adaptive ({c.method}): all {undecided[1]:,} rows decided during the run from the '
+            f'per-stream loss, each stream at least '
+            + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))}
+    if d is not None:
+        d.rows_per_stream = {n: int(r) for n, r in zip(c.names, known)} if exact else None
+        d.passes_per_stream = ({n: int(r) / n_rows[n] for n, r in zip(c.names, known)}
+                               if exact else None)
+    plan.warnings = [w for w in plan.warnings if w.startswith('proportions sum to')]
+    if exact:
+        plan.warnings += [f'{n}: under one pass: {n_rows[n] - int(r):,} of {n_rows[n]:,} rows are '
+                          f'not trained' for n, r in zip(c.names, known) if r < n_rows[n]]
+    plan.notes.append(
+        f'adaptive ({c.method}, every {c.every}ba from batch {c.start_batch + c.warmup:,}, '
+        f'min_share {c.min_share}): the table shows the configured start (its per-epoch columns '
+        f'are how streaming would sample it); the stage trains segments of whole rows per stream '
+        f'read by per-stream cursors, no row repeated before its stream\'s pass is complete '
+        f'(report/mixture.json, docs/adaptive.md)')
+    return exact
+
+
+def undecided_start(c: Any) -> int:
+    """Batches of an adaptive stage before its first segment decided during the run."""
+    k = 0
+    while k < c.segments and c.segment_start(k) < c.start_batch + c.warmup:
+        k += 1
+    return k * c.every
 
 
 def as_run_plan(plan: Any) -> RunPlan:

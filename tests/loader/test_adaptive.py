@@ -223,3 +223,30 @@ def test_an_adaptive_stage_after_a_plain_one_starts_its_segments_at_the_stage(di
         n = min(EVERY, 11 - d.batch)
         got = Counter(x for r in rows[d.batch:d.batch + n] for x in r)
         assert [got.get('wiki', 0), got.get('dolly', 0)] == d.rows
+
+
+def test_the_plan_states_what_an_adaptive_run_trains(dirs):
+    """The plan restates an adaptive stage as its loader trains it: with ``fixed`` every
+    segment's whole rows are known, and its rows per stream equal the rows the loader yields
+    (counted by the rows' own stream tags, not from the plan's sampler, whose per-epoch counts
+    differ); with ``ado`` only the warmup's rows are stated exactly, the rest as decided
+    during the run, and no sampler warning is left."""
+    from foundrymix.plan.config import LoaderConfig
+    from foundrymix.plan.stages import plan_run
+    cfg = config(dirs, method='fixed')
+    run, _ = plan_run(LoaderConfig.from_dict(cfg), BATCH, f'{BATCHES}ba')
+    planned = run.stages[0].plan.duration.rows_per_stream
+    batches, _, _ = straight_run(dirs, cfg)
+    tags = Counter(tag for b in batches for tag, _ in b['rows'])
+    assert planned == {name: tags.get(i, 0) for i, name in enumerate(('arxiv', 'wiki', 'dolly'))}
+    assert sum(planned.values()) == BATCHES * BATCH
+
+    run, _ = plan_run(LoaderConfig.from_dict(config(dirs, warmup=f'{2 * EVERY}ba')), BATCH,
+                      f'{BATCHES}ba')
+    plan = run.stages[0].plan
+    assert plan.duration.rows_per_stream is None and run.decided_during_run == ['main']
+    assert plan.warnings == []
+    assert plan.counted['run'].startswith(
+        f'adaptive (ado): batches 0-{2 * EVERY - 1} exact at the configured weights (')
+    assert f'batches {2 * EVERY}-{BATCHES - 1} ({(BATCHES - 2 * EVERY) * BATCH:,} rows) decided during the run' \
+        in plan.counted['run']
