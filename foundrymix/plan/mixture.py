@@ -161,6 +161,8 @@ class Plan:
     #: shuffle structure, exact), 'replay' (streaming's own generate_work, exact) or
     #: 'estimate: ...' / 'not computed: ...' (an epoch over the replay limit)
     counted: dict[str, str] = field(default_factory=dict)
+    #: an adaptive stage (``train_loader.adaptive``): segments, not the sampler's epochs
+    adaptive: bool = False
 
     def stream(self, name: str) -> StreamPlan:
         return next(s for s in self.streams if s.name == name)

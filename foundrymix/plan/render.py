@@ -132,9 +132,14 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
                  f'(sample {d.last_sample_in_epoch:,} of the epoch)' if d.ends_mid_epoch
                  else f'ends exactly at the end of epoch {d.last_epoch}')
         at_most = '' if d.samples_exact else 'at most '  # short batches not replayed
+        if plan.adaptive:  # segments read by cursors: the sampler's epochs do not apply
+            where = ('in adaptive segments (the per-epoch figures above are the configured '
+                     'start\'s, as streaming would sample it)')
+        else:
+            where = f'= {d.epochs:.4g} epochs ({d.full_epochs} full); {where}'
         console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '
-                      f'{at_most}{d.total_samples:,} samples, {d.total_tokens:,} tokens = '
-                      f'{d.epochs:.4g} epochs ({d.full_epochs} full); {where}')
+                      f'{at_most}{d.total_samples:,} samples, {d.total_tokens:,} tokens '
+                      f'{where}')
         scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
         if d.rows_per_stream is not None:
             console.print(f'rows trained per stream over {scope}: '

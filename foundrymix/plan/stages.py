@@ -458,7 +458,9 @@ def _plan_adaptive(plan: Plan, controller: Any) -> bool:
         d.rows_per_stream = {n: int(r) for n, r in zip(c.names, known)} if exact else None
         d.passes_per_stream = ({n: int(r) / n_rows[n] for n, r in zip(c.names, known)}
                                if exact else None)
+    plan.adaptive = True
     plan.warnings = [w for w in plan.warnings if w.startswith('proportions sum to')]
+    plan.notes = [n for n in plan.notes if not n.startswith(('exact epoch:', '~ marks'))]
     if exact:
         plan.warnings += [f'{n}: under one pass: {n_rows[n] - int(r):,} of {n_rows[n]:,} rows are '
                           f'not trained' for n, r in zip(c.names, known) if r < n_rows[n]]
