@@ -275,7 +275,7 @@ def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: 
     adaptive: list[Callback] = []
     if data.loader.position.adaptive:  # the per-stream loss -> the adaptive stages' weights
         from foundrymix.train.callbacks.adaptive import AdaptiveMixing
-        adaptive.append(AdaptiveMixing(data.loader, accounting.out_dir))
+        adaptive.append(AdaptiveMixing(data.loader, accounting.out_dir, accounting))
     return [EpochBoundary(), info, S3Log(retry_counter, since), *adaptive, *built.values()], accounting
 
 

@@ -102,6 +102,11 @@ def test_a_training_run_decides_from_the_model_loss_and_resumes_bitwise(straight
         end = history[d['batch'] + EVERY]
         assert [e - b for e, b in zip(end, before)] == d['rows']
         before = end
+    # the end-of-run table's planned share is the decided rows' share: what was trained
+    streams = json.loads((root / 'report' / 'stream_accounting.json').read_text())['streams']
+    decided = [sum(d['rows'][i] for d in decisions) for i in range(2)]
+    assert [streams[n]['planned_share'] for n in streams] == [r / sum(decided) for r in decided]
+    assert [streams[n]['samples'] for n in streams] == decided
     assert decisions[1]['loss'] == pytest.approx(first_segment_loss(small_streams, tmp_path / 'fresh'),
                                                  rel=1e-5)
     samples = sample_log(root / 'samples.jsonl')
