@@ -7,7 +7,6 @@ bitwise as the straight one.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
