@@ -19,8 +19,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
-
 from foundrymix.config import ConfigError, parse_duration
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
@@ -422,6 +420,8 @@ def _plan_adaptive(plan: Plan, controller: Any) -> bool:
     configured weights; every segment of ``fixed`` or ``replay``); the rest are decided
     from the loss during the run, each stream at least ``min_share`` of a segment's rows.
     """
+    import numpy as np
+
     from foundrymix.plan.adaptive import whole_rows
     c, d = controller, plan.duration
     known = np.zeros(len(c.names), np.int64)

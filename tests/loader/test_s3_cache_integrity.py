@@ -84,6 +84,17 @@ def listing(directory: Path) -> list[str]:
     return sorted(os.listdir(directory))
 
 
+def assert_only_good_shards(stream_dir: Path, good: Path) -> None:
+    """The cache holds the metadata, no copy of the damaged shard 1, and any other shard
+    byte-equal to the good one."""
+    names = listing(stream_dir)
+    assert [n for n in names if not n.startswith('shard.')] == METADATA, names
+    assert 'shard.00001.mds' not in names, names
+    for n in names:
+        if n.startswith('shard.'):
+            assert (stream_dir / n).read_bytes() == (good / n).read_bytes(), n
+
+
 def run_reader(tmp_path: Path, name: str, config: dict, env: dict) -> subprocess.CompletedProcess:
     """``python tests/cache_reader.py SPEC`` -- one real run of the loader."""
     spec = tmp_path / f'{name}.json'
@@ -119,13 +130,15 @@ def test_shard_damaged_in_the_remote_is_removed_named_and_read_right_after_reupl
         f'of the remote')
     assert first.stderr.splitlines()[-1] == message, first.stderr[-3000:]
     assert 'transient' not in first.stderr
-    # shuffled, the first sample read is of shard 1: its failure stops the epoch before shard 0
-    assert listing(stream_dir) == METADATA
+    # shuffled, the first sample read is of shard 1: the damaged copy is gone; shard 0 (good)
+    # may be there too -- streaming's prefetch thread can fetch it while the main thread fails
+    # (seen in 1 of 2 runs on 2 cores), and a good cached shard is kept
+    assert_only_good_shards(stream_dir, good)
 
     # The same command again, remote not fixed yet: the same error, never the damaged rows.
     again = run_reader(tmp_path, 'run1b', config, env)
     assert again.stderr.splitlines()[-1] == message, again.stderr[-3000:]
-    assert listing(stream_dir) == METADATA
+    assert_only_good_shards(stream_dir, good)
 
     # The advice, followed: verify names the shard, convert --overwrite re-uploads, verify passes.
     capsys.readouterr()
