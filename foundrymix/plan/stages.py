@@ -427,6 +427,7 @@ def _plan_adaptive(plan: Plan, controller: Any) -> bool:
     known = np.zeros(len(c.names), np.int64)
     at_least = np.zeros(len(c.names), np.int64)
     undecided = [0, 0]   # batches, rows
+    first = c.start_batch + c.batches  # the first batch decided during the run
     for k in range(c.segments):
         rows = c.segment_batches(k) * c.global_batch
         if c.replay is not None:
@@ -434,6 +435,7 @@ def _plan_adaptive(plan: Plan, controller: Any) -> bool:
         elif c.method == 'fixed' or c.segment_start(k) < c.start_batch + c.warmup:
             known += whole_rows(c.initial, rows)
         else:
+            first = min(first, c.segment_start(k))
             undecided[0] += c.segment_batches(k)
             undecided[1] += rows
             at_least += int(c.min_share * rows)
@@ -444,7 +446,6 @@ def _plan_adaptive(plan: Plan, controller: Any) -> bool:
         how = 'the recorded decisions' if c.replay is not None else 'the configured weights'
         plan.counted = {'run': f'adaptive ({c.method}): every segment\'s whole rows from {how}'}
     else:
-        first = c.start_batch + undecided_start(c)
         plan.counted = {'run': (
             f'adaptive ({c.method}): batches {c.start_batch:,}-{first - 1:,} exact at the configured '
             f'weights ({text}); batches {first:,}-{c.start_batch + c.batches - 1:,} '
@@ -471,14 +472,6 @@ def _plan_adaptive(plan: Plan, controller: Any) -> bool:
         f'read by per-stream cursors, no row repeated before its stream\'s pass is complete '
         f'(report/mixture.json, docs/adaptive.md)')
     return exact
-
-
-def undecided_start(c: Any) -> int:
-    """Batches of an adaptive stage before its first segment decided during the run."""
-    k = 0
-    while k < c.segments and c.segment_start(k) < c.start_batch + c.warmup:
-        k += 1
-    return k * c.every
 
 
 def as_run_plan(plan: Any) -> RunPlan:
