@@ -19,8 +19,12 @@ Measured per step after ``--warmup`` steps, by a callback appended to the traine
 * step time: from one ``before_dataloader`` to the next (on CUDA the callback synchronizes
   at ``batch_end``, so the GPU's work is inside its step and the loader wait is an upper
   bound: no overlap of the next batch's loading with GPU work is credited);
-* loader wait: ``before_dataloader`` -> ``after_dataloader`` (Composer's ``next()`` on the
-  DataLoader plus its batch bookkeeping); loader share = sum(wait) / sum(step), goal < 1 %;
+* loader wait: ``before_dataloader`` -> ``after_dataloader``: Composer's ``next()`` on the
+  DataLoader, its copy of the batch to the device and the ``after_dataloader`` callbacks before
+  this one; loader share = sum(wait) / sum(step), goal < 1 %. Split into its parts: the time
+  inside the DataLoader iterator's ``__next__`` (``next ms``: the loader proper, workers'
+  batches handed over), foundrymix's ``StreamAccounting.after_dataloader`` (``count ms``) and
+  the rest (Composer's transfer to the device and bookkeeping);
 * tokens/s per GPU: positions computed (device batch x ``max_seq_len``) / step time, and
   the real (non-pad) tokens / step time;
 * MFU: ``(6 N + 12 L d S) * positions/s / peak`` (the PaLM appendix B estimate, N = the
@@ -36,6 +40,8 @@ that the loader share and the configurations come out in one table (and as JSON)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -43,7 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -64,6 +70,28 @@ PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}
 CONFIGS = [('sdpa', None), ('sdpa', 'FULL_SHARD'), ('flash_attention_2', None), ('flash_attention_2', 'FULL_SHARD')]
 
 
+@contextlib.contextmanager
+def timing(owner: Any, name: str, into: list[float]):
+    """Append the wall time of every call of ``owner.name`` to ``into`` while inside."""
+    original = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        if isinstance(owner, type):
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+
 class StepTimer(Callback):
     """Wall time of each step and of its wait on the loader (see the module docstring)."""
 
@@ -73,16 +101,25 @@ class StepTimer(Callback):
         self.waits: list[float] = []
         self.real_tokens: list[int] = []
         self._before: Optional[float] = None
+        self.batch_bytes = 0
+        self.in_wait = False
 
     def before_dataloader(self, state: State, logger: Logger) -> None:
         now = time.perf_counter()
         if self._before is not None:
             self.steps.append(now - self._before)
         self._before = now
+        self.in_wait = True
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
         self.waits.append(time.perf_counter() - self._before)
+        self.in_wait = False
         self.real_tokens.append(int(state.batch['attention_mask'].sum()))
+        if not self.batch_bytes:
+            self.batch_bytes = sum(t.numel() * t.element_size() for t in state.batch.values()
+                                   if isinstance(t, torch.Tensor))
+            print('bench_gpu: batch', {k: (tuple(t.shape), str(t.dtype), t.device.type) for k, t in
+                                       state.batch.items() if isinstance(t, torch.Tensor)}, file=sys.stderr)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.cuda:
@@ -106,6 +143,17 @@ class Result:
     mfu: Optional[float] = None
     loader_share: float = 0.0             # sum(wait) / sum(step), measured steps
     loader_wait_ms: float = 0.0           # median
+    next_ms: float = 0.0                  # median time inside the DataLoader iterator's __next__
+    count_ms: float = 0.0                 # median StreamAccounting.after_dataloader
+    attention: str = 'document'
+    wait_max_ms: float = 0.0
+    #: per measured step (JSON only): loader wait, time in __next__, in StreamAccounting.after_dataloader
+    waits_ms: list = field(default_factory=list)
+    nexts_ms: list = field(default_factory=list)
+    counts_ms: list = field(default_factory=list)
+    batch_bytes: int = 0                  # one device batch's tensors
+    #: Python's garbage collections in the measured steps: (generation, ms, inside the loader wait)
+    gc_pauses: list = field(default_factory=list)
     batches: int = 0                      # all, warmup included
     real_tokens: int = 0                  # all batches, from their attention masks
     accounting_tokens: int = 0            # StreamAccounting's count of the same batches
@@ -161,7 +209,8 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], attn: str, fsdp: Opt
     if reason:
         result.status = reason
         return result
-    model = dict(MODEL_TINY if args.tiny else MODEL_125M, attn_implementation=attn)
+    model = dict(MODEL_TINY if args.tiny else MODEL_125M, attn_implementation=attn, attention=args.attention)
+    result.attention = args.attention
     top: dict[str, Any] = {
         'run_name': f'bench-{attn}-{result.fsdp}', 'seed': 1, 'max_seq_len': args.seq, 'model': model,
         'train_loader': {'streams': {n: {'local': d} for n, d in dirs.items()}, 'shuffle': True,
@@ -177,12 +226,36 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], attn: str, fsdp: Opt
     run = build_trainer(TrainConfig.from_dict(top))
     timer = StepTimer(cuda=args.device == 'gpu')
     run.trainer.state.callbacks.append(timer)
+    nexts: list[float] = []
+    counts: list[float] = []
+    pauses: list[tuple[int, float, bool]] = []
+    gc_clock: dict[str, float] = {}
+
+    def on_gc(phase: str, info: dict) -> None:  # the main process's collections, timed
+        if phase == 'start':
+            gc_clock['start'] = time.perf_counter()
+        elif len(timer.steps) >= args.warmup and 'start' in gc_clock:
+            pauses.append((info['generation'], (time.perf_counter() - gc_clock.pop('start')) * 1e3, timer.in_wait))
+
+    gc.callbacks.append(on_gc)
     try:
-        run.trainer.fit()
+        with timing(torch.utils.data.dataloader._BaseDataLoaderIter, '__next__', nexts), \
+                timing(run.accounting, 'after_dataloader', counts):
+            run.trainer.fit()
     finally:
+        gc.callbacks.remove(on_gc)
         run.trainer.close()
         run.claims.release()
+    result.gc_pauses = [(g, round(ms, 3), w) for g, ms, w in pauses]
     steps, waits = timer.steps[args.warmup:], timer.waits[args.warmup:]
+    if len(nexts) >= len(timer.waits):  # one __next__ per batch (0 if the loader is no torch DataLoader)
+        result.next_ms = statistics.median(nexts[args.warmup:len(timer.waits)]) * 1e3
+    result.count_ms = statistics.median(counts[args.warmup:]) * 1e3
+    result.wait_max_ms = max(waits) * 1e3
+    result.waits_ms = [round(w * 1e3, 3) for w in waits]
+    result.nexts_ms = [round(w * 1e3, 3) for w in nexts[args.warmup:len(timer.waits)]]
+    result.counts_ms = [round(w * 1e3, 3) for w in counts[args.warmup:]]
+    result.batch_bytes = timer.batch_bytes
     real = timer.real_tokens[args.warmup:]
     result.steps = len(steps)
     result.step_s = statistics.median(steps)
@@ -206,6 +279,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument('--warmup', type=int, default=None, help='steps not measured (default 5; --tiny 1)')
     p.add_argument('--batch', type=int, default=None, help='device batch (default 8; --tiny 4)')
     p.add_argument('--workers', type=int, default=None, help='DataLoader workers (default 4; --tiny 0)')
+    p.add_argument('--attention', choices=('document', 'causal'), default='document',
+                   help="the model's attention: document (block-diagonal per document, default) or causal")
     p.add_argument('--peak-flops', type=float, default=None, help='peak bf16 FLOP/s of one GPU, for MFU')
     p.add_argument('--json', default=None, help='also write the results here')
     args = p.parse_args(argv)
@@ -232,13 +307,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     device = torch.cuda.get_device_name() if args.device == 'gpu' else 'cpu'
     print(f'bench_gpu: {device}, {dist.get_world_size()} rank(s), seq {args.seq}, device batch {args.batch}, '
-          f'{args.steps} steps after {args.warmup}')
+          f'{args.attention} attention, {args.workers} workers, {args.steps} steps after {args.warmup}')
     print(f'{"attn":<18} {"fsdp":<10} {"tok/s/GPU":>10} {"real tok/s":>10} {"MFU":>6} '
-          f'{"step ms":>8} {"loader":>7}  status')
+          f'{"step ms":>8} {"loader":>7} {"wait ms":>7} {"next ms":>7} {"count ms":>8}  status')
     for r in results:
         mfu = f'{r.mfu:6.1%}' if r.mfu is not None else '     -'
         print(f'{r.attn:<18} {r.fsdp:<10} {r.positions_per_s:>10,.0f} {r.real_tokens_per_s:>10,.0f} {mfu} '
-              f'{r.step_s * 1e3:>8.1f} {r.loader_share:>7.2%}  {r.status}')
+              f'{r.step_s * 1e3:>8.1f} {r.loader_share:>7.2%} {r.loader_wait_ms:>7.2f} {r.next_ms:>7.2f} '
+              f'{r.count_ms:>8.2f}  {r.status}')
     if args.json:
         with open(args.json, 'w', encoding='utf-8') as f:
             json.dump({'device': device, 'world_size': dist.get_world_size(), 'seq': args.seq,

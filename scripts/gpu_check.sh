@@ -8,18 +8,25 @@
 #   4. run benchmarks/bench_gpu.py (results also in OUT/bench_gpu.json).
 # Extra arguments go to bench_gpu.py, e.g. `bash scripts/gpu_check.sh --steps 50`.
 # OUT (default runs/gpu_check) receives the logs; nothing else is written outside .venv.
+# GPU_CHECK_PYTHON=python3 skips step 1 and uses that interpreter as it is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
-bash scripts/setup.sh || { echo "gpu_check: scripts/setup.sh failed"; exit 2; }
-PY=.venv/bin/python
+if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+  # an interpreter whose packages are installed already (a machine without network: the
+  # packages travel as wheels, see docs/gpu.md); scripts/setup.sh would need PyPI
+  PY=$GPU_CHECK_PYTHON
+else
+  bash scripts/setup.sh || { echo "gpu_check: scripts/setup.sh failed"; exit 2; }
+  PY=.venv/bin/python
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: torch sees no CUDA device (torch $("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)')); nothing to check"
   exit 2
 fi
-"$PY" -c "import torch; print('gpu_check:', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(), '| torch', torch.__version__, 'CUDA', torch.version.cuda)"
+"$PY" -c "import torch, composer, streaming, transformers; print('gpu_check:', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(), '| torch', torch.__version__, 'CUDA', torch.version.cuda, '| composer', composer.__version__, '| streaming', streaming.__version__, '| transformers', transformers.__version__)"
 
 FLASH="flash-attn: installed"
 if ! "$PY" -c "import flash_attn_2_cuda" 2>/dev/null; then

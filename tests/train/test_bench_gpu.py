@@ -28,4 +28,9 @@ def test_bench_gpu_runs_on_cpu_tiny(tmp_path):
     assert ran['real_tokens'] == ran['accounting_tokens'] > 0  # every batch timed, counted once
     assert 0 < ran['loader_share'] < 1 and ran['positions_per_s'] > ran['real_tokens_per_s'] > 0
     assert ran['mfu'] is None  # no peak FLOP/s known for a CPU
+    # the wait's parts, per measured step: the DataLoader's __next__ and the accounting's count lie inside it
+    assert len(ran['waits_ms']) == len(ran['nexts_ms']) == len(ran['counts_ms']) == 4
+    assert all(n + c <= w for w, n, c in zip(ran['waits_ms'], ran['nexts_ms'], ran['counts_ms']))
+    assert ran['next_ms'] > 0 and ran['count_ms'] > 0
+    assert ran['batch_bytes'] == 5 * 4 * 64 * 8 + 2 * 4 * 8  # five (4, 64) int64 tensors, two (4,)
     assert 'sdpa               none' in proc.stdout

@@ -50,11 +50,33 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpt, map_location='cpu', weights_only=False)['state']['model']
 
 
+def split_loss(report: object, path: str = '') -> tuple[object, dict[str, float]]:
+    """The report without its float losses (``loss``, history's ``loss_sum``), and those by their place."""
+    if isinstance(report, dict):
+        kept, losses = {}, {}
+        for k, v in report.items():
+            if k in ('loss', 'loss_sum'):
+                losses[f'{path}/{k}'] = v
+                continue
+            kept[k], inner = split_loss(v, f'{path}/{k}')
+            losses.update(inner)
+        return kept, losses
+    if isinstance(report, list):
+        pairs = [split_loss(v, f'{path}/{i}') for i, v in enumerate(report)]
+        return [p[0] for p in pairs], {k: v for p in pairs for k, v in p[1].items()}
+    return report, {}
+
+
 def test_bf16_gpu_counts_equal_the_cpu_run(small_streams, tmp_path):
+    """Counts equal exactly; the per-stream loss (bf16 autocast vs fp32) only within bf16's precision."""
     on_gpu = fit(small_streams, tmp_path / 'gpu', precision='amp_bf16')
     on_cpu = fit(small_streams, tmp_path / 'cpu', device='cpu', precision='fp32')
-    assert (on_gpu['streams'], on_gpu['total'], on_gpu['history']) == (
-        on_cpu['streams'], on_cpu['total'], on_cpu['history'])
+    (gpu_counts, gpu_loss), (cpu_counts, cpu_loss) = (
+        split_loss([r['streams'], r['total'], r['history']]) for r in (on_gpu, on_cpu))
+    assert gpu_counts == cpu_counts
+    assert gpu_loss.keys() == cpu_loss.keys() and gpu_loss
+    for where, value in cpu_loss.items():
+        assert gpu_loss[where] == pytest.approx(value, rel=2e-2), where
     assert (tmp_path / 'gpu' / 's.jsonl').read_text() == (tmp_path / 'cpu' / 's.jsonl').read_text()
 
 

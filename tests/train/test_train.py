@@ -296,3 +296,37 @@ def test_autoresume_skips_incomplete_checkpoints_or_names_them(tmp_path, data, s
     assert 'Set autoresume=false save_overwrite=true to start the run over' in str(err.value)
     train(cfg, 'autoresume=false', 'save_overwrite=true', 'max_duration=2ba', 'save_interval=1ba')
     assert final_state(save)['timestamp']['Timestamp']['batch'] == 2
+
+
+def test_the_built_heap_is_frozen_and_later_garbage_is_still_collected(small_streams, tmp_path):
+    """``build_trainer`` ends with ``gc.freeze()``: the trainer is out of the collector's generations
+    (a full collection no longer walks it, forked loader workers do not touch its pages), and a
+    cycle made afterwards is still collected."""
+    import gc
+    import weakref
+
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.config import TrainConfig
+
+    gc.unfreeze()
+    loader = {'streams': {n: {'local': str(p)} for n, p in small_streams.items()}, 'num_workers': 0}
+    run = build_trainer(TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=4, max_duration='2ba',
+                                                              save_folder=str(tmp_path / 'ckpt'))))
+    try:
+        assert gc.get_freeze_count() > 10_000
+        tracked = {id(o) for o in gc.get_objects()}
+        assert id(run.trainer) not in tracked and id(run.trainer.state.model) not in tracked
+
+        class Node:
+            pass
+
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        del a, b
+        gc.collect()
+        assert gone() is None
+    finally:
+        run.trainer.close()
+        run.claims.release()
+        gc.unfreeze()
