@@ -122,10 +122,10 @@ class RunPlan:
     @property
     def stream_names(self) -> list[str]:
         """Run-wide stream index -> name: every stage's streams, in order of first use."""
-        names: list[str] = []
+        names: dict[str, None] = {}  # insertion-ordered; a list's `in` was O(N^2) in streams
         for stage in self.stages:
-            names += [n for n in stage.stream_names if n not in names]
-        return names
+            names.update(dict.fromkeys(stage.stream_names))
+        return list(names)
 
     @property
     def total_samples(self) -> int:

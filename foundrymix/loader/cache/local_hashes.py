@@ -25,6 +25,11 @@ on the disk without a write (media decay); ``foundrymix verify DIR`` reads every
 With many processes per node, each takes the directory's lock in turn: the first hashes
 and records, the others find the records and only ``stat``. A file that fails is never
 recorded, so every process hashes it and every one refuses -- no rank goes on alone.
+
+A run's start reads one more record first: that of its whole set of stream directories
+(:func:`check_local_streams`), so a run over 1,000 streams that were all verified before
+reads one file and ``stat`` s the shards, instead of taking 1,000 locks and reading 1,000
+records (issue 22).
 """
 
 from __future__ import annotations
@@ -125,16 +130,25 @@ def _read_records(path: str, directory: str) -> dict[str, Any]:
     return files if isinstance(files, dict) else {}
 
 
-def _write_records(path: str, directory: str, files: dict[str, Any]) -> None:
+def _replace_json(path: str, data: Any) -> None:
+    """Write ``data`` to ``path`` whole or not at all (``os.replace``: a reader without the
+    lock sees the old file or the new one). Raises OSError (a read-only cache)."""
     tmp = f'{path}.part-{os.getpid()}'
     try:
         with open(tmp, 'w', encoding='utf-8') as f:
-            json.dump({'directory': os.path.realpath(directory), 'files': files}, f, indent=0)
+            json.dump(data, f, separators=(',', ':'))
         os.replace(tmp, path)
-    except OSError as e:  # a read-only cache costs a re-hash next run, never the run
-        log.warning('could not record verified shard hashes in %s: %s', path, e)
+    except OSError:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        raise
+
+
+def _write_records(path: str, directory: str, files: dict[str, Any]) -> None:
+    try:
+        _replace_json(path, {'directory': os.path.realpath(directory), 'files': files})
+    except OSError as e:  # a read-only cache costs a re-hash next run, never the run
+        log.warning('could not record verified shard hashes in %s: %s', path, e)
 
 
 #: (directory, basename) -> record entry of the files this process verified or found
@@ -234,7 +248,75 @@ def check_local_shards(name: str, directory: str, index: dict[str, Any], config:
     return result
 
 
+def set_record_path(cache_root: Optional[str], directories: list[str]) -> str:
+    """The one record file of a set of stream directories (named by a hash of the sorted set)."""
+    from foundrymix.plan.config import cache_base
+    key = hashlib.blake2s(json.dumps(sorted(directories)).encode('utf-8'), digest_size=10).hexdigest()
+    return os.path.join(cache_base(cache_root), RECORD_DIR, f'set-{key}.json')
+
+
+def _read_set(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding='utf-8') as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _from_set(info: Any, files: Any, config: Any) -> Optional[LocalHashCheck]:
+    """The check of one stream directory when the set's record has every hashed file of it,
+    unchanged (each file's stat identity as recorded); None if any is new or changed."""
+    result = LocalHashCheck(algorithm=local_hash_algorithm(config, info.index))
+    algo = result.algorithm
+    if algo is None:
+        return result
+    if not isinstance(files, dict):
+        return None
+    found = []
+    for base, expected, st in _hashed_files(info.directory, info.index, algo):
+        entry = [algo, expected, *_identity(st)]
+        if files.get(base) != entry:
+            return None
+        found.append(((info.directory, base), entry))
+    _SEEN.update(found)
+    result.recorded_files = len(found)
+    return result
+
+
 def check_local_streams(config: Any, infos: list[Any]) -> list[LocalHashCheck]:
-    """:func:`check_local_shards` for every stream without a remote."""
-    return [check_local_shards(i.name, i.directory, i.index, config)
-            for i in infos if not i.remote_dir]
+    """:func:`check_local_shards` for every stream without a remote -- first against one
+    record of the whole set of directories.
+
+    Why one record: the per-directory records cost a lock, two ``realpath`` s and a file
+    read per directory -- 0.17 s of a 1,000-stream start, 0.3 of foundrymix's 0.55 s over
+    raw streaming (issue 22). The set's record (``shard-hashes/set-<hash>.json``, written
+    with ``os.replace`` after every directory passed, read without a lock: a reader sees a
+    whole old or a whole new file) holds the same entries -- algorithm, expected hash, size,
+    ``mtime_ns``, ``ctime_ns``, inode, device -- so a directory whose files all match it is
+    as verified as by its own record, after one ``stat`` per file. Any other directory
+    (a new file, a changed one, a first run) goes through :func:`check_local_shards`: its
+    lock, its record, the hash; two ranks still hash once.
+    """
+    local = [i for i in infos if not i.remote_dir]
+    if not local:
+        return []
+    path = set_record_path(config.cache_root, [i.directory for i in local])
+    known = _read_set(path)
+    out, missed = [], False
+    for info in local:
+        result = _from_set(info, known.get(info.directory), config)
+        if result is None:
+            result = check_local_shards(info.name, info.directory, info.index, config)
+            missed = True
+        out.append(result)
+    if missed:  # every directory passed (a failure raised): record the set for the next run
+        dirs = {i.directory for i in local}
+        files: dict[str, dict[str, Any]] = {d: {} for d in dirs}
+        for (d, base), entry in _SEEN.items():
+            if d in dirs:
+                files[d][base] = entry
+        with contextlib.suppress(OSError):  # a read-only cache: per directory next run, as now
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _replace_json(path, files)
+    return out
