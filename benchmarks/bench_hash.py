@@ -81,7 +81,7 @@ def timed(fn: Callable[[], Any], before: Callable[[], None]) -> float:
 def measure(name: str, dirs: list[str], rounds: int, cache: str) -> None:
     from streaming import LocalDataset
 
-    from foundrymix.loader.cache import check_local_streams
+    from foundrymix.loader.cache import check_local_streams, local_hashes
     from foundrymix.loader.mixer import StreamMixer
     config = StreamMixer.from_dict({'streams': {f's{i}': {'local': d} for i, d in enumerate(dirs)}})
     infos = config.catalog.infos()
@@ -105,8 +105,9 @@ def measure(name: str, dirs: list[str], rounds: int, cache: str) -> None:
                 while fh.read(1 << 24):
                     pass
 
-    def forget() -> None:
+    def forget() -> None:  # the records on disk and this process's memory of checked files
         shutil.rmtree(records, ignore_errors=True)
+        local_hashes._SEEN.clear()
 
     modes = {
         'hash cold': (hash_all, lambda: (forget(), evict(files))),
