@@ -104,6 +104,101 @@ def bytes_to_int(text: Any) -> int:
 
 
 @contextlib.contextmanager
+def choosing_prefix() -> Iterator[None]:
+    """Build a ``StreamingDataset`` inside this: streaming's shared-memory prefix choice
+    with both workarounds below (:func:`prefix_scan_without_leaks`,
+    :func:`ranks_take_leaders_prefix`). The one wiring point (``MixedDataset.__init__``)."""
+    with prefix_scan_without_leaks(), ranks_take_leaders_prefix():
+        yield
+
+
+@contextlib.contextmanager
+def ranks_take_leaders_prefix() -> Iterator[None]:
+    """Every rank of a node uses the prefix its local leader registers.
+
+    Why: in streaming 0.13 (and streaming-community 0.14.2) ``get_shm_prefix`` has every
+    rank pick "the first free prefix" by scanning ``/dev/shm`` on its own, before the
+    first barrier; only the local leader then creates ``<prefix>_locals``, and the others
+    check that it is theirs. Another job on the machine that registers or releases a
+    prefix between two ranks' scans makes them disagree, and the job dies at start with
+    ``shared memory prefix=N was not registered by local leader`` (a 2-rank CI test beside
+    other jobs; ``tests/loader/test_shm_prefix.py`` makes it happen on every try). The
+    machine-wide lock (``cache.registering_prefix``) cannot close that window: it is held
+    by the leader only, as the non-leaders scan while their leader may still wait for it.
+
+    How: only the local leader scans (streaming's own scan, ``_check_and_find_retrying``
+    per segment name, the maximum as ``get_shm_prefix`` takes it); one ``all_gather_object``
+    hands every rank its leader's result (a scan error too, so all ranks raise it instead
+    of the others hanging at streaming's barrier); then streaming's ``get_shm_prefix``
+    runs as before -- the leader registers, the others check -- with that prefix in place
+    of its scan. "Local leader" is streaming's: the ``World`` it passes (``RANK``,
+    ``LOCAL_WORLD_SIZE``). The gather runs over the default group when it is gloo and
+    otherwise over a temporary gloo group: an object collective over NCCL would use the
+    current CUDA device, which the ranks have not set when streaming initialised the
+    group itself (foundrymix builds the train loader before Composer's ``Trainer``).
+    Without ``torch.distributed`` (or one rank per node) streaming's own choice is kept:
+    it has no barrier there either, so there is nothing to wait on.
+    """
+    from streaming.base import dataset
+    from streaming.base.constant import SHM_TO_CLEAN
+    from streaming.base.shared import prefix
+    from torch import distributed as dist
+
+    original = dataset.get_shm_prefix
+
+    def get_shm_prefix(streams_local: list[str], streams_remote: list[Optional[str]], world: Any,
+                       retry: int = 100) -> Any:
+        if world.ranks_per_node <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return original(streams_local, streams_remote, world, retry)
+        scan = prefix._check_and_find_retrying
+        chosen = _leaders_choice(world, lambda: max(
+            scan(streams_local, streams_remote, shm_name=name, retry=retry) for name in SHM_TO_CLEAN))
+        prefix._check_and_find_retrying = lambda *args, **kwargs: chosen
+        try:
+            return original(streams_local, streams_remote, world, retry)
+        finally:
+            prefix._check_and_find_retrying = scan
+
+    dataset.get_shm_prefix = get_shm_prefix
+    try:
+        yield
+    finally:
+        dataset.get_shm_prefix = original
+
+
+def _leaders_choice(world: Any, scan: Any) -> int:
+    """``scan()`` on the local leader; every rank gets its own leader's result (collective)."""
+    import pickle
+
+    from torch import distributed as dist
+    mine: Any = None
+    if world.is_local_leader:
+        try:
+            mine = scan()
+        except Exception as e:  # sent on, so that the whole node raises it
+            try:
+                pickle.dumps(e)
+                mine = e
+            except Exception:
+                mine = RuntimeError(f'{type(e).__name__}: {e}')
+    group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
+    try:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (world.node, world.is_local_leader, mine), group=group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+    for _, _, got in everyone:
+        if isinstance(got, BaseException):
+            raise mine if isinstance(mine, BaseException) else got
+    leaders = [got for node, leader, got in everyone if leader and node == world.node]
+    if len(leaders) != 1:
+        raise RuntimeError(f'{len(leaders)} local leaders reported for node {world.node} '
+                           f'(RANK and LOCAL_WORLD_SIZE must be set the same way on every rank)')
+    return int(leaders[0])
+
+
+@contextlib.contextmanager
 def prefix_scan_without_leaks() -> Iterator[None]:
     """Let streaming's shared-memory prefix scan close what it only peeks at.
 

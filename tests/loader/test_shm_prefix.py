@@ -1,0 +1,153 @@
+"""Two ranks of a job agree on streaming's shared-memory prefix while other jobs on the
+machine register and release theirs (``streaming_compat.ranks_take_leaders_prefix``).
+
+The failure (CI, streaming 0.13): ``shared memory prefix=N was not registered by local
+leader`` at a 2-rank start, with other jobs building datasets beside it. Every rank
+scanned ``/dev/shm`` for the first free prefix on its own; only the local leader holds
+foundrymix's registration lock, so a non-leader could scan while another job held a
+prefix and its leader after that job had released it.
+
+Made to happen on every try, without timing: this process holds the registration lock
+(as another job's leader does while it registers) and a live dataset's prefix; the
+leader of the 2-rank job waits for the lock, and the non-leader signals when it first
+waits for another rank (a collective) -- whatever it picked by then, it picked while the
+prefix was taken. Then the dataset is released and the lock let go, and the leader
+scans. On the original code the non-leader then died with the CI's error on every try;
+the fix makes it take its leader's prefix. Real processes (gloo), the real staged loader
+over two stages (a dataset each), read to the end and compared with one rank's batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, free_port
+
+GLOBAL_BATCH = 4
+
+CHILD = textwrap.dedent('''
+    import json, os, sys
+    import torch.distributed as dist
+    from foundrymix.plan.config import LoaderConfig
+    from foundrymix.plan.simulate import Topology
+    from foundrymix.plan.stages import plan_run
+    from foundrymix.loader.run_loader import build_run_loader
+    job = json.loads(open(sys.argv[1]).read())
+    rank = int(os.environ['RANK'])
+    dist.init_process_group(job['backend'])  # as Composer's Trainer does before later stages
+    run, _ = plan_run(LoaderConfig.from_dict(job['config']), job['global_batch'] // 2, None,
+                      Topology(nodes=1, ranks_per_node=2))
+    if rank == 1:  # tell the test when this rank first waits for another one
+        def signalling(collective):
+            def call(*args, **kwargs):
+                open(job['waiting'], 'a').close()
+                return collective(*args, **kwargs)
+            return call
+        for name in ('barrier', 'all_gather_object', 'broadcast_object_list', 'all_gather',
+                     'broadcast', 'new_group'):
+            setattr(dist, name, signalling(getattr(dist, name)))
+    loader = build_run_loader(run, job['global_batch'] // 2)
+    batches, prefixes = [], []
+    for b in loader:
+        batches.append(b['sample_id'].tolist())
+        prefixes.append(loader._active.dataset._shm_prefix_int)
+    loader.release()
+    with open(job['out'].format(rank=rank), 'w') as f:
+        json.dump({'batches': batches, 'prefixes': prefixes}, f)
+''')
+
+
+def two_stages(data: dict[str, str]) -> dict:
+    return {'streams': {'arxiv': {'local': data['arxiv']}, 'dolly': {'local': data['dolly']}},
+            'shuffle_seed': 5,
+            'stages': [{'name': 'pretrain', 'duration': '3ba',
+                        'streams': {'arxiv': {'repeat': 1}, 'dolly': {'repeat': 0.25}}},
+                       {'name': 'finetune', 'duration': '2ba',
+                        'streams': {'dolly': {'repeat': 1}}}]}
+
+
+@pytest.fixture(scope='module')
+def data(small_streams) -> dict[str, str]:
+    return {k: str(v) for k, v in small_streams.items()}
+
+
+@pytest.fixture(scope='module')
+def one_rank(data) -> list[list[int]]:
+    """The global batches of the run on one rank (in this process)."""
+    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.plan.config import LoaderConfig
+    from foundrymix.plan.simulate import Topology
+    from foundrymix.plan.stages import plan_run
+    run, _ = plan_run(LoaderConfig.from_dict(two_stages(data)), GLOBAL_BATCH, None,
+                      Topology(nodes=1, ranks_per_node=1))
+    loader = build_run_loader(run, GLOBAL_BATCH)
+    batches = [b['sample_id'].tolist() for b in loader]
+    loader.release()
+    return batches
+
+
+def another_jobs_dataset(directory: str, tmp: Path, monkeypatch):
+    """A live dataset of another job, with the job's ``TMPDIR`` (jobs on one machine share
+    ``/tmp``, whose streaming filelocks the prefix scan skips): its prefix is the one the
+    job would pick, and is taken while it lives."""
+    import tempfile
+
+    from streaming import Stream
+
+    from foundrymix.loader.dataset import MixedDataset
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, 'tempdir', str(tmp))
+        return MixedDataset(stream_names=['other'], streams=[Stream(local=directory)], batch_size=1)
+
+
+@pytest.mark.parametrize('backend', ['gloo', 'cpu:gloo'])  # cpu:gloo: the gather's own gloo group
+def test_two_ranks_agree_while_another_job_releases_its_prefix(tmp_path, data, one_rank, backend,
+                                                                monkeypatch):
+    from foundrymix.loader.cache import registering_prefix
+
+    (tmp_path / 'tmpdir').mkdir()
+    waiting = tmp_path / 'rank1-waits'
+    job = tmp_path / 'job.json'
+    job.write_text(json.dumps({'config': two_stages(data), 'global_batch': GLOBAL_BATCH,
+                               'backend': backend, 'waiting': str(waiting),
+                               'out': str(tmp_path / 'rank{rank}.json')}))
+    port = str(free_port())
+    other = another_jobs_dataset(data['arxiv'], tmp_path / 'tmpdir', monkeypatch)
+    procs = []
+    try:
+        with registering_prefix():
+            for rank in range(2):
+                env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
+                       'TMPDIR': str(tmp_path / 'tmpdir'), 'RANK': str(rank), 'LOCAL_RANK': str(rank),
+                       'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2',
+                       'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
+                procs.append(subprocess.Popen([sys.executable, '-c', CHILD, str(job)], env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            deadline = time.monotonic() + 60
+            while not waiting.exists() and procs[1].poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert waiting.exists(), f'rank 1 never waited for rank 0 (exit code {procs[1].poll()})'
+            other.release()  # the other job ends: its prefix is free again ...
+        # ... and the registration lock is let go: rank 0 takes it and scans now
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        other.release()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [f'rank {r} (exit code {p.returncode}):\n{err[-2000:]}'
+              for r, (p, (_, err)) in enumerate(zip(procs, outs)) if p.returncode]
+    assert not failed, '\n'.join(failed)
+    ranks = [json.loads((tmp_path / f'rank{r}.json').read_text()) for r in range(2)]
+    assert ranks[0]['prefixes'] == ranks[1]['prefixes']
+    assert len(set(ranks[0]['prefixes'][:3])) == 1 and len(ranks[0]['prefixes']) == 5
+    assert len(one_rank) == 5
+    for k, batch in enumerate(one_rank):
+        assert sorted(ranks[0]['batches'][k] + ranks[1]['batches'][k]) == sorted(batch), k
