@@ -127,17 +127,20 @@ def ranks_take_leaders_prefix() -> Iterator[None]:
     by the leader only, as the non-leaders scan while their leader may still wait for it.
 
     How: only the local leader scans (streaming's own scan, ``_check_and_find_retrying``
-    per segment name, the maximum as ``get_shm_prefix`` takes it); one ``all_gather_object``
-    hands every rank its leader's result (a scan error too, so all ranks raise it instead
-    of the others hanging at streaming's barrier); then streaming's ``get_shm_prefix``
-    runs as before -- the leader registers, the others check -- with that prefix in place
-    of its scan. "Local leader" is streaming's: the ``World`` it passes (``RANK``,
+    per segment name, the maximum as ``get_shm_prefix`` takes it; the others skip it, 0.2-0.6 s
+    where ``/tmp`` holds thousands of streaming filelocks, ``docs/scale.md``); one
+    ``all_gather_object`` hands every rank its leader's result (a scan error too, e.g.
+    ``Reused local directory``: every rank raises it rather than wait for a leader that
+    failed); then streaming's ``get_shm_prefix`` runs as before -- the leader registers,
+    the others check -- with that prefix in place of its scan. "Local leader" is streaming's: the ``World`` it passes (``RANK``,
     ``LOCAL_WORLD_SIZE``). The gather runs over the default group when it is gloo and
     otherwise over a temporary gloo group: an object collective over NCCL would use the
     current CUDA device, which the ranks have not set when streaming initialised the
     group itself (foundrymix builds the train loader before Composer's ``Trainer``).
-    Without ``torch.distributed`` (or one rank per node) streaming's own choice is kept:
-    it has no barrier there either, so there is nothing to wait on.
+    With one rank per node, or without an initialised ``torch.distributed``, streaming's
+    own choice is kept: streaming initialises it itself whenever ``WORLD_SIZE`` > 1
+    (``maybe_init_dist``), so that is a torch built without it, where streaming's check
+    has no barrier to wait on either.
     """
     from streaming.base import dataset
     from streaming.base.constant import SHM_TO_CLEAN

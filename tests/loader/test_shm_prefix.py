@@ -151,3 +151,55 @@ def test_two_ranks_agree_while_another_job_releases_its_prefix(tmp_path, data, o
     assert len(one_rank) == 5
     for k, batch in enumerate(one_rank):
         assert sorted(ranks[0]['batches'][k] + ranks[1]['batches'][k]) == sorted(batch), k
+
+
+REFUSED = textwrap.dedent('''
+    import os, sys
+    import torch.distributed as dist
+    dist.init_process_group('gloo')
+    from streaming import Stream
+    from foundrymix.loader.dataset import MixedDataset
+    try:
+        MixedDataset(stream_names=['a'], streams=[Stream(remote=sys.argv[1], local=sys.argv[2])],
+                     batch_size=1)
+    except ValueError as e:
+        print(str(e).split('. Provide')[0])
+        sys.exit(3)
+''')
+
+
+def test_a_refused_directory_stops_every_rank(tmp_path, data, monkeypatch):
+    """Only the leader scans now, so only it finds that another live dataset registers the
+    cache directory of a remote stream: the other rank must raise it too, not wait for a
+    leader that failed (streaming's ``Reused local directory``; the loader turns it into
+    a ``ConfigError``)."""
+    (tmp_path / 'tmpdir').mkdir()
+    cache = str(tmp_path / 'cache')
+    with monkeypatch.context() as m:
+        import tempfile
+
+        from streaming import Stream
+
+        from foundrymix.loader.dataset import MixedDataset
+        m.setattr(tempfile, 'tempdir', str(tmp_path / 'tmpdir'))
+        other = MixedDataset(stream_names=['other'], streams=[Stream(remote=data['arxiv'], local=cache)],
+                             batch_size=1)
+    port = str(free_port())
+    procs = []
+    try:
+        for rank in range(2):
+            env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
+                   'TMPDIR': str(tmp_path / 'tmpdir'), 'RANK': str(rank), 'LOCAL_RANK': str(rank),
+                   'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2',
+                   'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
+            procs.append(subprocess.Popen([sys.executable, '-c', REFUSED, data['arxiv'], cache], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        other.release()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert (p.returncode, out.strip()) == (3, f'Reused local directory: {[cache]} vs {[cache]}'), \
+            f'rank {rank}: {err[-2000:]}'
