@@ -17,6 +17,7 @@ On import, a streaming version outside :data:`TESTED` is logged once, naming thi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from typing import Any, Iterator, Optional
 
@@ -122,21 +123,20 @@ def ranks_take_leaders_prefix() -> Iterator[None]:
     check that it is theirs. Another job on the machine that registers or releases a
     prefix between two ranks' scans makes them disagree, and the job dies at start with
     ``shared memory prefix=N was not registered by local leader`` (a 2-rank CI test beside
-    other jobs; ``tests/loader/test_shm_prefix.py`` makes it happen on every try). The
+    other jobs; ``tests/loader/test_shm_prefix.py`` makes it happen on every try) -- as
+    does the job's own leader releasing the previous dataset while another rank already
+    scans for the next (a stage switch; 8 failures in 8 tries of that test). The
     machine-wide lock (``cache.registering_prefix``) cannot close that window: it is held
     by the leader only, as the non-leaders scan while their leader may still wait for it.
 
     How: only the local leader scans (streaming's own scan, ``_check_and_find_retrying``
     per segment name, the maximum as ``get_shm_prefix`` takes it; the others skip it, 0.2-0.6 s
-    where ``/tmp`` holds thousands of streaming filelocks, ``docs/scale.md``); one
-    ``all_gather_object`` hands every rank its leader's result (a scan error too, e.g.
-    ``Reused local directory``: every rank raises it rather than wait for a leader that
-    failed); then streaming's ``get_shm_prefix`` runs as before -- the leader registers,
-    the others check -- with that prefix in place of its scan. "Local leader" is streaming's: the ``World`` it passes (``RANK``,
-    ``LOCAL_WORLD_SIZE``). The gather runs over the default group when it is gloo and
-    otherwise over a temporary gloo group: an object collective over NCCL would use the
-    current CUDA device, which the ranks have not set when streaming initialised the
-    group itself (foundrymix builds the train loader before Composer's ``Trainer``).
+    where ``/tmp`` holds thousands of streaming filelocks, ``docs/scale.md``); the process
+    group's store hands the other ranks of its node its result (a scan error too, e.g.
+    ``Reused local directory``: they raise it rather than wait for a leader that failed;
+    :func:`_leaders_choice`); then streaming's ``get_shm_prefix`` runs as before -- the
+    leader registers, the others check -- with that prefix in place of its scan. "Local
+    leader" is streaming's: the ``World`` it passes (``RANK``, ``LOCAL_WORLD_SIZE``).
     With one rank per node, or without an initialised ``torch.distributed``, streaming's
     own choice is kept: streaming initialises it itself whenever ``WORLD_SIZE`` > 1
     (``maybe_init_dist``), so that is a torch built without it, where streaming's check
@@ -169,36 +169,42 @@ def ranks_take_leaders_prefix() -> Iterator[None]:
         dataset.get_shm_prefix = original
 
 
+#: how many prefixes this process chose: the same count on every rank of a job, as every
+#: rank builds the same datasets in the same order (streaming's barriers require it)
+_choices = itertools.count()
+
+
 def _leaders_choice(world: Any, scan: Any) -> int:
-    """``scan()`` on the local leader; every rank gets its own leader's result (collective)."""
+    """``scan()`` on the local leader; every rank of its node gets the result (or its error).
+
+    Through the process group's key-value store (torch 2.7: ``_get_default_store``), not a
+    collective: one path for gloo and NCCL, with no CUDA device involved (an object
+    collective over NCCL uses the current device, which the ranks have not set when
+    streaming initialised the group itself, as for foundrymix's train loader, built before
+    Composer's ``Trainer``), and nothing to create or destroy per dataset (a gloo group
+    made and destroyed per dataset hung a rank in its destructor: 2 runs in 6 of 30
+    datasets built back to back). The key names the node and the count of choices.
+    """
     import pickle
 
-    from torch import distributed as dist
-    mine: Any = None
+    from torch.distributed import distributed_c10d
+    store = distributed_c10d._get_default_store()
+    key = f'foundrymix/shm_prefix/{next(_choices)}/node{world.node}'
     if world.is_local_leader:
         try:
             mine = scan()
-        except Exception as e:  # sent on, so that the whole node raises it
+        except Exception as e:  # handed on, so that the other ranks raise it rather than wait
             try:
-                pickle.dumps(e)
-                mine = e
+                store.set(key, pickle.dumps(e))
             except Exception:
-                mine = RuntimeError(f'{type(e).__name__}: {e}')
-    group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
-    try:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (world.node, world.is_local_leader, mine), group=group)
-    finally:
-        if group is not None:
-            dist.destroy_process_group(group)
-    for _, _, got in everyone:
-        if isinstance(got, BaseException):
-            raise mine if isinstance(mine, BaseException) else got
-    leaders = [got for node, leader, got in everyone if leader and node == world.node]
-    if len(leaders) != 1:
-        raise RuntimeError(f'{len(leaders)} local leaders reported for node {world.node} '
-                           f'(RANK and LOCAL_WORLD_SIZE must be set the same way on every rank)')
-    return int(leaders[0])
+                store.set(key, pickle.dumps(RuntimeError(f'{type(e).__name__}: {e}')))
+            raise
+        store.set(key, pickle.dumps(int(mine)))
+        return int(mine)
+    got = pickle.loads(store.get(key))
+    if isinstance(got, BaseException):
+        raise got
+    return int(got)
 
 
 @contextlib.contextmanager
