@@ -125,7 +125,7 @@ def ranks_take_leaders_prefix() -> Iterator[None]:
     ``shared memory prefix=N was not registered by local leader`` (a 2-rank CI test beside
     other jobs; ``tests/loader/test_shm_prefix.py`` makes it happen on every try) -- as
     does the job's own leader releasing the previous dataset while another rank already
-    scans for the next (a stage switch; 8 failures in 8 tries of that test). The
+    scans for the next (a stage switch; 13 failures in 13 tries of that test). The
     machine-wide lock (``cache.registering_prefix``) cannot close that window: it is held
     by the leader only, as the non-leaders scan while their leader may still wait for it.
 
