@@ -7,14 +7,15 @@ scanned ``/dev/shm`` for the first free prefix on its own; only the local leader
 foundrymix's registration lock, so a non-leader could scan while another job held a
 prefix and its leader after that job had released it.
 
-Made to happen on every try: this process holds the registration lock (as another
-job's leader does while it registers) and a live dataset's prefix; the leader of the
-2-rank job waits for the lock, and the non-leader builds its loader until it sleeps
-without using CPU for 1 s (blocked on its leader, :func:`waits_for_another_rank`) --
-whatever it picked by then, it picked while the prefix was taken. Then the dataset is released and the lock let go, and the leader
-scans. On the original code the non-leader then died with the CI's error on every try;
-the fix makes it take its leader's prefix. Real processes (gloo), the real staged loader
-over two stages (a dataset each), read to the end and compared with one rank's batches.
+Made to happen on every try: this process holds the registration lock (as another job's
+leader does while it registers) and a live dataset's prefix; the leader of the 2-rank job
+waits for the lock, and the non-leader builds its loader until it sleeps without using CPU
+for 1 s (blocked on its leader, :func:`waits_for_another_rank`) -- whatever it picked by
+then, it picked while the prefix was taken. Then the dataset is released and the lock let
+go, and the leader scans. On the original code the non-leader then died with the CI's
+error on every try; the fix makes it take its leader's prefix. Real processes (gloo), the
+real staged loader over two stages (a dataset each), read to the end and compared with one
+rank's batches.
 
 No other job is needed either: a job's own leader unlinking a released dataset's prefix
 while another rank scans for the next dataset (a stage switch) did the same
