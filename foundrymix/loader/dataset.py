@@ -92,7 +92,7 @@ class MixedDataset(StreamingDataset):
                  global_batch_size: Optional[int] = None, **kwargs: Any) -> None:
         from foundrymix.loader.cache import registering_prefix
         streaming_compat.warn_if_untested()
-        with registering_prefix(), streaming_compat.prefix_scan_without_leaks():
+        with registering_prefix(), streaming_compat.choosing_prefix():
             super().__init__(**kwargs)
         self.global_batch_size = global_batch_size
         self.stream_names = list(stream_names)

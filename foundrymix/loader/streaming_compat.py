@@ -17,6 +17,7 @@ On import, a streaming version outside :data:`TESTED` is logged once, naming thi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from typing import Any, Iterator, Optional
 
@@ -101,6 +102,110 @@ def bytes_to_int(text: Any) -> int:
     """streaming's reading of a size such as ``cache_limit: 10gb``."""
     from streaming.base.util import bytes_to_int as convert
     return convert(text)
+
+
+@contextlib.contextmanager
+def choosing_prefix() -> Iterator[None]:
+    """Build a ``StreamingDataset`` inside this: streaming's shared-memory prefix choice
+    with both workarounds below (:func:`prefix_scan_without_leaks`,
+    :func:`ranks_take_leaders_prefix`). The one wiring point (``MixedDataset.__init__``)."""
+    with prefix_scan_without_leaks(), ranks_take_leaders_prefix():
+        yield
+
+
+@contextlib.contextmanager
+def ranks_take_leaders_prefix() -> Iterator[None]:
+    """Every rank of a node uses the prefix its local leader registers.
+
+    Why: in streaming 0.13 (and streaming-community 0.14.2) ``get_shm_prefix`` has every
+    rank pick "the first free prefix" by scanning ``/dev/shm`` on its own, before the
+    first barrier; only the local leader then creates ``<prefix>_locals``, and the others
+    check that it is theirs. Another job on the machine that registers or releases a
+    prefix between two ranks' scans makes them disagree, and the job dies at start with
+    ``shared memory prefix=N was not registered by local leader`` (a 2-rank CI test beside
+    other jobs; ``tests/loader/test_shm_prefix.py`` makes it happen on every try) -- as
+    does the job's own leader releasing the previous dataset while another rank already
+    scans for the next (a stage switch; 13 failures in 13 tries of that test). The
+    machine-wide lock (``cache.registering_prefix``) cannot close that window: it is held
+    by the leader only, as the non-leaders scan while their leader may still wait for it.
+
+    How: only the local leader scans (streaming's own scan, ``_check_and_find_retrying``
+    per segment name, the maximum as ``get_shm_prefix`` takes it; the others skip it: no
+    wall time saved, as they wait for the leader's, measured 340-363 ms per dataset on 2
+    ranks before and after with ~12,000 filelocks in ``/tmp``, but no CPU spent); the process
+    group's store hands the other ranks of its node its result (a scan error too, e.g.
+    ``Reused local directory``: they raise it rather than wait for a leader that failed;
+    :func:`_leaders_choice`); then streaming's ``get_shm_prefix`` runs as before -- the
+    leader registers, the others check -- with that prefix in place of its scan. "Local
+    leader" is streaming's: the ``World`` it passes (``RANK``, ``LOCAL_WORLD_SIZE``).
+    With one rank per node, or without an initialised ``torch.distributed``, streaming's
+    own choice is kept: streaming initialises it itself whenever ``WORLD_SIZE`` > 1
+    (``maybe_init_dist``), so that is a torch built without it, where streaming's check
+    has no barrier to wait on either.
+    """
+    from streaming.base import dataset
+    from streaming.base.constant import SHM_TO_CLEAN
+    from streaming.base.shared import prefix
+    from torch import distributed as dist
+
+    original = dataset.get_shm_prefix
+
+    def get_shm_prefix(streams_local: list[str], streams_remote: list[Optional[str]], world: Any,
+                       retry: int = 100) -> Any:
+        if world.ranks_per_node <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return original(streams_local, streams_remote, world, retry)
+        scan = prefix._check_and_find_retrying
+        chosen = _leaders_choice(world, lambda: max(
+            scan(streams_local, streams_remote, shm_name=name, retry=retry) for name in SHM_TO_CLEAN))
+        prefix._check_and_find_retrying = lambda *args, **kwargs: chosen
+        try:
+            return original(streams_local, streams_remote, world, retry)
+        finally:
+            prefix._check_and_find_retrying = scan
+
+    dataset.get_shm_prefix = get_shm_prefix
+    try:
+        yield
+    finally:
+        dataset.get_shm_prefix = original
+
+
+#: how many prefixes this process chose: the same count on every rank of a job, as every
+#: rank builds the same datasets in the same order (streaming's barriers require it)
+_choices = itertools.count()
+
+
+def _leaders_choice(world: Any, scan: Any) -> int:
+    """``scan()`` on the local leader; every rank of its node gets the result (or its error).
+
+    Through the process group's key-value store (torch 2.7: ``_get_default_store``), not a
+    collective: one path for gloo and NCCL, with no CUDA device involved (an object
+    collective over NCCL uses the current device, which the ranks have not set when
+    streaming initialised the group itself, as for foundrymix's train loader, built before
+    Composer's ``Trainer``), and nothing to create or destroy per dataset (a gloo group
+    made and destroyed per dataset hung a rank in its destructor: 2 runs in 6 of 30
+    datasets built back to back). The key names the node and the count of choices.
+    """
+    import pickle
+
+    from torch.distributed import distributed_c10d
+    store = distributed_c10d._get_default_store()
+    key = f'foundrymix/shm_prefix/{next(_choices)}/node{world.node}'
+    if world.is_local_leader:
+        try:
+            mine = scan()
+        except Exception as e:  # handed on, so that the other ranks raise it rather than wait
+            try:
+                store.set(key, pickle.dumps(e))
+            except Exception:
+                store.set(key, pickle.dumps(RuntimeError(f'{type(e).__name__}: {e}')))
+            raise
+        store.set(key, pickle.dumps(int(mine)))
+        return int(mine)
+    got = pickle.loads(store.get(key))
+    if isinstance(got, BaseException):
+        raise got
+    return int(got)
 
 
 @contextlib.contextmanager
