@@ -417,7 +417,10 @@ def freeze_built_heap() -> None:
     loader took 150-450 ms in the first run of a process. Python's docs (``gc.freeze``)
     recommend freezing before fork so that children do not copy those pages when their
     collections touch them. Objects made later are collected as usual; garbage is collected
-    first, so nothing unreachable is kept.
+    first, so nothing unreachable is kept. :func:`train` unfreezes when the run ends, so a
+    later run in the same process can collect this one's cycles; a caller of
+    :func:`build_trainer` alone that builds many trainers in one process should call
+    ``gc.unfreeze()`` after each.
     """
     gc.collect()
     gc.freeze()
@@ -445,6 +448,7 @@ def train(cfg: TrainConfig) -> TrainRun:
             _plot_staged(run)  # (adaptive: the configured start, the realized shares over it)
     finally:
         run.claims.release()
+        gc.unfreeze()  # the run is over: what it built may be garbage now (a second run in this process)
     return run
 
 

@@ -330,3 +330,16 @@ def test_the_built_heap_is_frozen_and_later_garbage_is_still_collected(small_str
         run.trainer.close()
         run.claims.release()
         gc.unfreeze()
+
+
+def test_train_unfreezes_the_heap_when_the_run_ends(small_streams, tmp_path):
+    """What a finished run built can be collected by a later run in the same process."""
+    import gc
+
+    from foundrymix.train.builder import train as fit
+    from foundrymix.train.config import TrainConfig
+
+    loader = {'streams': {n: {'local': str(p)} for n, p in small_streams.items()}, 'num_workers': 0}
+    fit(TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=4, max_duration='2ba',
+                                              save_folder=str(tmp_path / 'ckpt'))))
+    assert gc.get_freeze_count() == 0
