@@ -91,6 +91,15 @@ def one_rank(data) -> list[list[int]]:
     return batches
 
 
+def start_rank(rank: int, tmp_path: Path, port: str, *argv: str) -> subprocess.Popen:
+    """Rank ``rank`` of a 2-rank job on this node: ``python -c argv[0] argv[1:]``."""
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
+           'TMPDIR': str(tmp_path / 'tmpdir'), 'RANK': str(rank), 'LOCAL_RANK': str(rank),
+           'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
+    return subprocess.Popen([sys.executable, '-c', *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def waits_for_another_rank(proc: subprocess.Popen, building: Path, limit: float = 60) -> bool:
     """Whether ``proc``, once it started building its loader (``building`` exists), went to
     sleep without using CPU for 1 s: blocked on its leader, whatever it decided before."""
@@ -136,12 +145,7 @@ def test_two_ranks_agree_while_another_job_releases_its_prefix(tmp_path, data, o
     try:
         with registering_prefix():
             for rank in range(2):
-                env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
-                       'TMPDIR': str(tmp_path / 'tmpdir'), 'RANK': str(rank), 'LOCAL_RANK': str(rank),
-                       'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2',
-                       'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
-                procs.append(subprocess.Popen([sys.executable, '-c', CHILD, str(job)], env=env,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                procs.append(start_rank(rank, tmp_path, port, CHILD, str(job)))
             assert waits_for_another_rank(procs[1], building), \
                 f'rank 1 never waited for rank 0 (exit code {procs[1].poll()})'
             other.release()  # the other job ends: its prefix is free again ...
@@ -198,12 +202,7 @@ def test_a_refused_directory_stops_every_rank(tmp_path, data, monkeypatch):
     procs = []
     try:
         for rank in range(2):
-            env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
-                   'TMPDIR': str(tmp_path / 'tmpdir'), 'RANK': str(rank), 'LOCAL_RANK': str(rank),
-                   'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2',
-                   'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
-            procs.append(subprocess.Popen([sys.executable, '-c', REFUSED, data['arxiv'], cache], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(start_rank(rank, tmp_path, port, REFUSED, data['arxiv'], cache))
         outs = [p.communicate(timeout=90) for p in procs]
     finally:
         other.release()
@@ -239,11 +238,7 @@ def test_two_ranks_build_datasets_back_to_back(tmp_path, data):
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
-               'TMPDIR': str(tmp_path / 'tmpdir'), 'RANK': str(rank), 'LOCAL_RANK': str(rank),
-               'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
-        procs.append(subprocess.Popen([sys.executable, '-c', BACK_TO_BACK, data['arxiv'], '10'], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start_rank(rank, tmp_path, port, BACK_TO_BACK, data['arxiv'], '10'))
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
