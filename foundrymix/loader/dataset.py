@@ -119,15 +119,18 @@ class MixedDataset(StreamingDataset):
         end the epoch early without an error. For a remote stream only the shards already
         in the local cache are checked (the others are downloaded when needed).
         """
-        from dataclasses import asdict
-
         from foundrymix.format.shards import check_shard_files, shard_files_error
+
+        def entry(info: Any) -> Optional[dict[str, Any]]:
+            # what check_shard_files reads; dataclasses.asdict deep-copied every FileInfo
+            # (0.03 s of a 1,000-stream start)
+            return {'basename': info.basename, 'bytes': info.bytes} if info else None
+
         for stream_id, stream in enumerate(self.streams):
             begin = int(self.shard_offset_per_stream[stream_id])
             end = begin + int(self.shards_per_stream[stream_id])
-            index = {'shards': [{'raw_data': asdict(shard.file_pairs[0][0]),
-                                 'zip_data': (asdict(shard.file_pairs[0][1])
-                                              if shard.file_pairs[0][1] else None)}
+            index = {'shards': [{'raw_data': entry(shard.file_pairs[0][0]),
+                                 'zip_data': entry(shard.file_pairs[0][1])}
                                 for shard in self.shards[begin:end]]}
             directory = os.path.join(stream.local, stream.split or '').rstrip(os.sep)
             problems = check_shard_files(directory, index, allow_missing=bool(stream.remote))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -374,7 +375,10 @@ class StagedDataLoader(DataLoader):
         """Drop the current stage's dataset: its loader (and workers) first, then its shared
         memory, so a later stage (or run) may reuse its directories."""
         active, self._active = self._active, None
-        if active is None:
+        if active is None or sys.is_finalizing():
+            # An iterator still held when the interpreter exits is closed during its
+            # teardown, after streaming's atexit handlers freed the shared memory and with
+            # module globals gone: releasing then printed an ImportError traceback.
             return
         dataset = active.dataset
         active.loader = None

@@ -224,17 +224,39 @@ def prefix_scan_without_leaks() -> Iterator[None]:
     from streaming.base.shared import prefix
 
     original = prefix.SharedMemory
-
-    class PeekedSharedMemory(original):  # type: ignore[misc, valid-type]
-        def __init__(self, name: Optional[str] = None, create: Optional[bool] = None,
-                     size: int = 0, auto_cleanup: bool = True) -> None:
-            super().__init__(name, create, size, auto_cleanup and bool(create))
-
-    prefix.SharedMemory = PeekedSharedMemory
+    prefix.SharedMemory = _peeked_class()
     try:
         yield
     finally:
         prefix.SharedMemory = original
+
+
+def _peeked_class() -> type:
+    """streaming's ``SharedMemory`` with cleanup at exit only for segments it creates.
+
+    A module attribute (made on first use, :func:`__getattr__`), not a class local to
+    :func:`prefix_scan_without_leaks`: the dataset keeps the ``_locals`` segment it
+    created, and a local class made the dataset unpicklable -- a DataLoader worker started
+    with ``spawn`` failed with ``Can't pickle local object``.
+    """
+    cls = globals().get('PeekedSharedMemory')
+    if cls is None:
+        from streaming.base.shared.memory import SharedMemory
+
+        def __init__(self: Any, name: Optional[str] = None, create: Optional[bool] = None,
+                     size: int = 0, auto_cleanup: bool = True) -> None:
+            SharedMemory.__init__(self, name, create, size, auto_cleanup and bool(create))
+
+        cls = type('PeekedSharedMemory', (SharedMemory,), {'__init__': __init__,
+                                                            '__module__': __name__})
+        globals()['PeekedSharedMemory'] = cls
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == 'PeekedSharedMemory':  # unpickling a dataset in a spawned worker
+        return _peeked_class()
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def shared_memories(root: Any, depth: int = 3) -> Iterator[Any]:

@@ -438,6 +438,7 @@ def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
     """
     from streaming import Stream
 
+    from foundrymix.format.streaming_format import with_parsed_index
     from foundrymix.s3.remote import bound_stream_downloads
     if chooses is not None:
         streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
@@ -447,5 +448,6 @@ def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
         streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split,
                           repeat=i.spec.repeat, proportion=p, choose=i.spec.choose)
                    for i, p in zip(infos, proportions)]
-    # s3 shards through the downloader that honours download_timeout (foundrymix.s3.remote)
-    return [bound_stream_downloads(s) for s in streams]
+    # s3 shards through the downloader that honours download_timeout (foundrymix.s3.remote);
+    # a local stream's readers from the index read here, not from a second read of the file
+    return [bound_stream_downloads(with_parsed_index(s, i.index)) for s, i in zip(streams, infos)]

@@ -9,12 +9,13 @@ dataclasses, refusing anything it does not know. Imports neither torch nor compo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from foundrymix.config import (ConfigError, Duration, Gather, Interval, blame, check_keys,
                                load_yaml_overrides, read_dataclass, to_plain)
-from foundrymix.plan.config import LoaderConfig
+from foundrymix.plan.config import LoaderConfig, cache_base
 from foundrymix.plan.schedule import Decay, Span, check_stage_names
 from foundrymix.train.algorithms import Algorithms
 from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
@@ -241,7 +242,8 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     check_seq_len(cfg, max_seq_len)
     if cfg.tokenizer is not None:
         from foundrymix.tokenizer import describe_tokenizer
-        if describe_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
+        memo = os.path.join(cache_base(cfg.train_loader.cache_root), 'tokenizers')
+        if describe_tokenizer(cfg.tokenizer, memo).fingerprint != tokenizer.fingerprint:
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
                               f'converted with ({tokenizer.name})')
     if cfg.model.pretrained is not None:

@@ -1,0 +1,114 @@
+"""What a trainer's start reads from its records instead of computing again (issue 22):
+the configured tokenizer's fingerprint (:func:`foundrymix.tokenizer.describe_tokenizer`
+with a memo directory) and the run's plan (:mod:`foundrymix.plan.plan_cache`, through
+``builder._train_data``). Each record gives what a fresh computation gives, and a changed
+input is computed afresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from foundrymix.config import ConfigError
+from foundrymix.format.schema import TokenizerInfo
+from foundrymix.plan import plan_cache
+from foundrymix.tokenizer import BUNDLED_DIR, describe_tokenizer, load_tokenizer, tokenizer_info
+from foundrymix.train.config import TrainConfig, check_streams
+from helpers import DEMO_TOKENIZER, tiny_run_config
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv('FOUNDRYMIX_CACHE', str(tmp_path / 'cache'))
+    monkeypatch.setenv(plan_cache.MODE_ENV, 'on')
+    return tmp_path / 'cache'
+
+
+@pytest.fixture
+def tok(tmp_path):
+    out = tmp_path / 'tok'
+    shutil.copytree(BUNDLED_DIR / DEMO_TOKENIZER, out)
+    return out
+
+
+def memo_files(cache) -> list[str]:
+    folder = cache / 'tokenizers'
+    return sorted(os.listdir(folder)) if folder.is_dir() else []
+
+
+def test_the_tokenizer_memo_equals_the_tokenizer_and_follows_its_files(cache, tok):
+    truth = tokenizer_info(load_tokenizer(str(tok)))
+    assert describe_tokenizer(str(tok), str(cache / 'tokenizers')) == truth
+    (name,) = memo_files(cache)
+    # a second call reads the memo: mark it and see the mark come back
+    path = cache / 'tokenizers' / name
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), vocab_size=1)))
+    assert describe_tokenizer(str(tok), str(cache / 'tokenizers')).vocab_size == 1
+    # tokenizer.json rewritten with another vocabulary: the memo's key no longer matches
+    spec = json.loads((tok / 'tokenizer.json').read_text())
+    spec['model']['vocab'] = {k: v for k, v in list(spec['model']['vocab'].items())[:-1]}
+    spec['model']['merges'] = spec['model']['merges'][:-1]
+    (tok / 'tokenizer.json').write_text(json.dumps(spec))
+    changed = describe_tokenizer(str(tok), str(cache / 'tokenizers'))
+    assert changed == tokenizer_info(load_tokenizer.__wrapped__(str(tok)))  # (its own cache: by name)
+    assert changed.fingerprint != truth.fingerprint
+    assert len(memo_files(cache)) == 2
+
+
+def test_a_memo_others_may_write_is_not_read(cache, tok):
+    describe_tokenizer(str(tok), str(cache / 'tokenizers'))
+    (name,) = memo_files(cache)
+    path = cache / 'tokenizers' / name
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), fingerprint='0' * 64)))
+    os.chmod(path, 0o666)
+    assert describe_tokenizer(str(tok), str(cache / 'tokenizers')).fingerprint != '0' * 64
+    os.chmod(path, 0o600)
+    os.chmod(cache / 'tokenizers', 0o777)
+    assert describe_tokenizer(str(tok), str(cache / 'tokenizers')).fingerprint != '0' * 64
+
+
+def test_check_streams_refuses_another_tokenizer_after_a_memo(cache, tok, small_streams):
+    streams = {n: {'local': str(p)} for n, p in small_streams.items()}
+    cfg = TrainConfig.from_dict(tiny_run_config({'streams': streams}, max_duration='2ba', global_train_batch_size=4,
+                                                tokenizer=str(tok)))
+    mine = describe_tokenizer(DEMO_TOKENIZER)
+    check_streams(cfg, cfg.max_seq_len, mine)  # the same tokenizer: passes, memo written
+    assert len(memo_files(cache)) == 1
+    check_streams(cfg, cfg.max_seq_len, mine)  # again, from the memo
+    other = TokenizerInfo(**{**mine.__dict__, 'fingerprint': 'f' * 64})
+    with pytest.raises(ConfigError, match='differs from the one the streams were converted with'):
+        check_streams(cfg, cfg.max_seq_len, other)
+
+
+def test_a_restarted_trainer_plans_from_the_record(cache, small_streams, monkeypatch):
+    """``_train_data`` twice over the same config: the second plan is the record's (marked),
+    equal to the first; in ``verify`` mode the mark is caught as a difference."""
+    import pickle
+
+    from foundrymix.plan.plan_cache import PlanRecordMismatch, first_difference
+    from foundrymix.train import builder
+    streams = {n: {'local': str(p)} for n, p in small_streams.items()}
+    cfg = TrainConfig.from_dict(tiny_run_config(
+        {'streams': streams, 'stages': [
+            {'name': 'a', 'duration': '3ba', 'streams': {'arxiv': {}}},
+            {'name': 'b', 'duration': '4ba', 'streams': {'arxiv': {'repeat': 0.5}, 'dolly': {}}}]},
+        global_train_batch_size=4))
+    first = builder._train_data(cfg, 4)
+    first.loader.release()
+    (name,) = os.listdir(cache / plan_cache.RECORD_DIR)
+    path = cache / plan_cache.RECORD_DIR / name
+    record = pickle.loads(path.read_bytes())
+    record['run'].warnings.append('from the record')
+    path.write_bytes(pickle.dumps(record))
+    second = builder._train_data(cfg, 4)
+    second.loader.release()
+    assert second.run.warnings[-1] == 'from the record'
+    second.run.warnings.pop()
+    assert first_difference(second.run, first.run) is None
+    assert (second.max_duration, second.t_warmup) == (first.max_duration, first.t_warmup)
+    monkeypatch.setenv(plan_cache.MODE_ENV, 'verify')
+    with pytest.raises(PlanRecordMismatch, match=r'plan\[0\]\.warnings'):
+        builder._train_data(cfg, 4)
