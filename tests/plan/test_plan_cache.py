@@ -234,3 +234,28 @@ def test_first_difference_names_the_place():
     assert first_difference(a, a) is None
     assert first_difference({'z': float('nan')}, {'z': float('nan')}) is None
     assert first_difference([1], [1.0]) == 'plan[0] (type int vs float)'
+
+
+@pytest.mark.parametrize('bytes_', ['other', 'same'])
+def test_a_file_changed_while_planning_is_not_recorded_with_the_old_plan(dirs, cache, monkeypatch,
+                                                                        bytes_):
+    """A manifest rewritten after the catalog read it but before the record's ``stat`` s:
+    recording its new identity with the plan of its old content would make the next start
+    read a stale plan. Other content: nothing is recorded; the same bytes: recorded."""
+    real = plan_cache.plan_run
+    path = os.path.join(dirs['wiki'], 'foundrymix.json')
+
+    def plan_then_edit(*args, **kwargs):
+        out = real(*args, **kwargs)
+        manifest = json.load(open(path))
+        if bytes_ == 'other':
+            manifest['options']['text_field'] = 'body'
+        json.dump(manifest, open(path, 'w'))
+        return out
+    monkeypatch.setattr(plan_cache, 'plan_run', plan_then_edit)
+    run, catalogs = planned_run(staged(dirs), 4, None, TOPOLOGY)
+    assert len(records(cache)) == (0 if bytes_ == 'other' else 1)
+    monkeypatch.setattr(plan_cache, 'plan_run', real)
+    again, again_catalogs = planned_run(staged(dirs), 4, None, TOPOLOGY)
+    wiki = [i for i in again_catalogs[1].infos() if i.name == 'wiki'][0]
+    assert wiki.manifest.options.get('text_field') == ('body' if bytes_ == 'other' else None)
