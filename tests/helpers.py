@@ -20,6 +20,25 @@ DEMO_TOKENIZER = 'foundrymix-bpe-8k'
 SMALL_SEQ = 128
 
 
+def reference_decode(row) -> dict[str, list[int]]:
+    """A stored row's model inputs by the schema's meaning, one token at a time (an oracle
+    independent of ``decode_row``; ``-100`` is the ignored label)."""
+    ids = [int(x) for x in row['input_ids']]
+    spans = row['loss_spans'].reshape(-1, 2).tolist()
+    out = {'input_ids': ids, 'labels': [], 'attention_mask': [], 'sequence_id': [], 'position_ids': []}
+    owner = []
+    for seg, length in enumerate(row['doc_lens'].tolist()):
+        owner += [(seg, pos) for pos in range(length)]
+    for i, tok in enumerate(ids):
+        in_loss = any(s <= i < e for s, e in spans)
+        out['labels'].append(tok if in_loss else -100)
+        real = i < len(owner)
+        out['attention_mask'].append(1 if real else 0)
+        out['sequence_id'].append(owner[i][0] if real else -1)
+        out['position_ids'].append(owner[i][1] if real else 0)
+    return out
+
+
 def spm_tokenizer_path() -> str:
     """Mistral's Llama-style SentencePiece model shipped inside ``mistral-common`` (adds BOS)."""
     return str(resources.files('mistral_common') / 'data' / 'tokenizer.model.v1')

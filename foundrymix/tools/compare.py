@@ -4,8 +4,9 @@ Why: resuming exactly is foundrymix's promise, and users checked it with scripts
 own (diffing sample logs, loading two checkpoints). This compares what a run leaves:
 
 * the sample log (the ``sample_log`` callback's JSONL: each global batch's sample, stream
-  and stage ids in rank order) -- the first batch and row that differ, with both sides'
-  sample id and stream;
+  and stage ids in rank order, and a digest of its tokens) -- the first batch and row that
+  differ, with both sides' sample id and stream; else the first batch whose tokens differ
+  under the same ids (the data itself differed: a shard changed or damaged);
 * the per-stream counts (``stream_accounting.json``: samples, tokens, loss tokens per
   stream) -- the first stream and count that differ;
 * the final weights (the last checkpoint in the run: Composer's ``latest-rank0.pt``, else
@@ -124,7 +125,8 @@ def _read_log(path: str) -> list[dict[str, Any]]:
 def compare_samples(a: str, b: str, names: Optional[list[str]] = None,
                     ranks: Optional[int] = None) -> Result:
     """The first batch (and row in rank order: with ``ranks``, its rank and row there) whose
-    sample, stream or stage ids differ."""
+    sample, stream or stage ids differ; else the first whose ``tokens`` digest differs (logs
+    written before the digest existed have none: then ids only, and the detail says so)."""
     la, lb = _read_log(a), _read_log(b)
 
     def stream(i: int) -> str:
@@ -146,13 +148,18 @@ def compare_samples(a: str, b: str, names: Optional[list[str]] = None,
                     per = rows // ranks
                     where = f'row {r} of {rows} (rank {r // per} of {ranks}, its row {r % per})'
                 return Result('samples', f'batch {x["batch"]}, {where}: A {side[0]}, B {side[1]}', '')
+        if 'tokens' in x and 'tokens' in y and x['tokens'] != y['tokens']:
+            return Result('samples', f'batch {x["batch"]}: the same sample ids, different tokens '
+                          f'(digest {x["tokens"]} (A), {y["tokens"]} (B)): the rows\' data differed '
+                          f'between the runs (a shard rewritten, damaged or from another copy)', '')
     if len(la) != len(lb):
         longer, n = ('A', len(la)) if len(la) > len(lb) else ('B', len(lb))
         first = (la if len(la) > len(lb) else lb)[min(len(la), len(lb))]['batch']
         return Result('samples', f'A logs {len(la)} batches, B {len(lb)}: from batch {first} '
                       f'only {longer} has them ({n} in all)', '')
+    tokens = all('tokens' in x for x in la + lb)
     return Result('samples', None, f'{len(la)} batches, {sum(len(x["sample_ids"]) for x in la)} '
-                  f'samples')
+                  f'samples' + ('' if tokens or not la else '; ids only: a log has no token digests'))
 
 
 def compare_accounting(a: str, b: str) -> Result:

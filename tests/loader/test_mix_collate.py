@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from foundrymix.loader.collate import Batch, collate
-from foundrymix.format.schema import DECODED_KEYS, IGNORE_INDEX, decode_row, encode_row
+from foundrymix.format.schema import DECODED_KEYS, decode_row, encode_row
+from helpers import reference_decode
 from mix_helpers import finetune_row, pretrain_row
 
 
@@ -20,24 +21,6 @@ def rows():
     full_pack = encode_row(np.arange(32) + 5, [(2, 9), (20, 32)], [9, 11, 12], 'uint16')
     empty_spans = encode_row(np.arange(32) + 5, [], [10], 'uint16')
     return out + [full_pack, empty_spans]
-
-
-def reference_decode(row) -> dict[str, list[int]]:
-    """The schema's meaning, one token at a time (an oracle independent of decode_row)."""
-    ids = [int(x) for x in row['input_ids']]
-    spans = row['loss_spans'].reshape(-1, 2).tolist()
-    out = {'input_ids': ids, 'labels': [], 'attention_mask': [], 'sequence_id': [], 'position_ids': []}
-    owner = []
-    for seg, length in enumerate(row['doc_lens'].tolist()):
-        owner += [(seg, pos) for pos in range(length)]
-    for i, tok in enumerate(ids):
-        in_loss = any(s <= i < e for s, e in spans)
-        out['labels'].append(tok if in_loss else IGNORE_INDEX)
-        real = i < len(owner)
-        out['attention_mask'].append(1 if real else 0)
-        out['sequence_id'].append(owner[i][0] if real else -1)
-        out['position_ids'].append(owner[i][1] if real else 0)
-    return out
 
 
 def test_decode_row_matches_reference():

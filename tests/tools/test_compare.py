@@ -93,8 +93,23 @@ def test_parts_and_a_given_checkpoint(runs, tmp_path, capsys):
     ckpt = str(a / 'ckpt' / 'latest-rank0.pt')
     assert main(['compare', str(a), str(b), '--parts', 'weights', '--checkpoint-b', ckpt]) == 0
     assert capsys.readouterr().out.startswith('weights:    equal (')
-    # a log one batch shorter: the batch only one run has
+    # the same ids but other tokens in batch 2 (a shard rewritten between the runs): named
     lines = (copy / 'samples.jsonl').read_text().splitlines(keepends=True)
+    edited = json.loads(lines[2])
+    theirs, edited['tokens'] = edited['tokens'], '0123456789abcdef'
+    (copy / 'samples.jsonl').write_text(''.join(lines[:2] + [json.dumps(edited) + '\n'] + lines[3:]))
+    assert main(['compare', str(a), str(copy), '--parts', 'samples']) == 1
+    assert capsys.readouterr().out == (
+        f'samples:    differ: batch 2: the same sample ids, different tokens (digest {theirs} (A), '
+        f'0123456789abcdef (B)): the rows\' data differed between the runs (a shard rewritten, '
+        f'damaged or from another copy)\n')
+    # a log written before the digest existed: compared by ids, and the line says so
+    (copy / 'samples.jsonl').write_text(''.join(
+        json.dumps({k: v for k, v in json.loads(line).items() if k != 'tokens'}) + '\n' for line in lines))
+    assert main(['compare', str(a), str(copy), '--parts', 'samples']) == 0
+    assert capsys.readouterr().out == \
+        'samples:    equal (4 batches, 16 samples; ids only: a log has no token digests)\n'
+    # a log one batch shorter: the batch only one run has
     (copy / 'samples.jsonl').write_text(''.join(lines[:-1]))
     assert main(['compare', str(a), str(copy), '--parts', 'samples']) == 1
     assert capsys.readouterr().out == \

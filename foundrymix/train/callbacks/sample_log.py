@@ -1,4 +1,5 @@
-"""``SampleLog``: which global sample ids (and streams) each batch held, as JSONL."""
+"""``SampleLog``: which global sample ids (and streams) each batch held, and a digest of the
+tokens they were, as JSONL."""
 
 from __future__ import annotations
 
@@ -6,19 +7,43 @@ import json
 import os
 from typing import Any
 
+import torch
 from composer.core import Callback, State, Time
 from composer.loggers import Logger
 from composer.utils import dist
 
+from foundrymix.format.schema import DECODED_KEYS
 from foundrymix.train.callbacks.accounting import interval_hit
+
+
+def row_digests(batch: Any) -> list[str]:
+    """Each row's ``xxh3_64`` hex digest over what the model is given of it: the
+    :data:`~foundrymix.format.schema.DECODED_KEYS` tensors' values (``int64``, that order,
+    concatenated). Two runs whose rows have equal digests trained on equal tokens, labels,
+    masks and positions.
+
+    ``xxh3_64`` from ``xxhash`` (streaming's own hash dependency). Measured 70 us for a batch
+    of 8 x 2048 tokens on a CPU: 40 us to stack the five tensors (on a GPU, also the copy to
+    the host), 30 us to hash them."""
+    import xxhash
+    rows = torch.stack([batch[k].to(torch.int64) for k in DECODED_KEYS], dim=1).cpu().numpy()
+    return [xxhash.xxh3_64_hexdigest(row) for row in rows]  # (n, keys, seq): each row contiguous
+
+
+def batch_digest(rows: list[str]) -> str:
+    """A global batch's ``tokens`` digest: ``xxh3_64`` over its rows' digests in rank order,
+    so it does not depend on how the batch was split over ranks."""
+    import xxhash
+    return xxhash.xxh3_64_hexdigest(''.join(rows).encode())
 
 
 class SampleLog(Callback):
     """Append each global batch's sample ids and streams to a JSONL file (rank 0).
 
     One line per batch: ``{"batch": b, "epoch": e, "sample_ids": [...], "stream_ids":
-    [...]}`` in rank order. On resume, lines for batches at or after the checkpoint are
-    dropped first, so the file always describes exactly what the weights saw.
+    [...], "tokens": "<16 hex digits>"}`` in rank order. On resume, lines for batches at or
+    after the checkpoint are dropped first, so the file always describes exactly what the
+    weights saw.
 
     Why that happens at the first batch and not at ``fit_start``: a start that is refused
     after ``fit_start`` (Composer refusing to overwrite a finished run's checkpoints, a
@@ -31,13 +56,20 @@ class SampleLog(Callback):
     through a tensor on the GPU with NCCL, and once per batch it is a needless sync. A
     checkpoint therefore never covers a batch the file lacks; a crash loses only lines
     after the last checkpoint, which a resume drops anyway.
+
+    Why ``tokens`` (:func:`batch_digest`): equal sample ids say the same rows were *chosen*;
+    only the rows' contents say the same data was *trained*. A shard that differs between two
+    runs (damaged on the way, rewritten in place, another cache's copy) keeps every id and
+    changes the weights; with the digest, ``foundrymix compare`` names the first batch whose
+    tokens differ, not only that the weights do.
     """
 
     def __init__(self, path: str, interval: str = '10ba') -> None:
         self.path = path
         self.interval = Time.from_timestring(interval)
         self._trimmed = False
-        self._batches: list[tuple[int, int, list[int], list[int], Any]] = []  # this rank's, not yet written
+        #: this rank's batches not yet written: batch, epoch, sample ids, stream ids, stage ids, row digests
+        self._batches: list[tuple[int, int, list[int], list[int], Any, list[str]]] = []
 
     def _trim(self, state: State) -> None:
         """Drop lines for batches at or after this run's first batch (rank 0, once)."""
@@ -57,7 +89,8 @@ class SampleLog(Callback):
         self._batches.append((int(state.timestamp.batch), int(state.timestamp.epoch),
                               state.batch['sample_id'].reshape(-1).tolist(),
                               state.batch['stream_id'].reshape(-1).tolist(),
-                              stage.reshape(-1).tolist() if stage is not None else None))
+                              stage.reshape(-1).tolist() if stage is not None else None,
+                              row_digests(state.batch)))
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if interval_hit(state.timestamp, self.interval):
@@ -78,12 +111,13 @@ class SampleLog(Callback):
         if dist.get_global_rank() != 0:
             return
         lines = []
-        for k, (batch, epoch, _, _, stages) in enumerate(gathered[0]):
+        for k, (batch, epoch, _, _, stages, _) in enumerate(gathered[0]):
             line = {'batch': batch, 'epoch': epoch,
                     'sample_ids': [i for rank in gathered for i in rank[k][2]],
                     'stream_ids': [s for rank in gathered for s in rank[k][3]]}
             if stages is not None:  # a staged run: the stage of every sample
                 line['stage_ids'] = [s for rank in gathered for s in rank[k][4]]
+            line['tokens'] = batch_digest([d for rank in gathered for d in rank[k][5]])
             lines.append(json.dumps(line) + '\n')
         if not lines:
             return
