@@ -282,3 +282,57 @@ def test_a_run_reads_one_record_for_all_its_streams(tmp_path, small_streams, cac
     with pytest.raises(CorruptLocalShardError) as err:
         check_local_streams(config, infos)
     assert str(err.value) == error_for(streams['b'], name='b')
+
+
+def test_records_unused_for_30_days_are_swept_once_a_day(tmp_path, small_streams, cache, monkeypatch):
+    """Records do not pile up: a start that writes a record removes those neither written nor
+    used for 30 days (with their locks; not one a process holds), at most once a day. A
+    record a start uses is marked used, so it stays. The original code removed nothing (this
+    machine's shared cache: 63,606 files after a few days of tests)."""
+    import fcntl
+    import time
+    from foundrymix.loader.cache import check_local_streams
+    from foundrymix.loader.cache import local_hashes
+    from foundrymix.loader.cache.local_hashes import SWEPT, set_record_path, sweep_records
+    from foundrymix.plan.catalog import Catalog
+
+    def run(*names: str) -> list:
+        config = LoaderConfig.from_dict({'streams': {n: {'local': str(streams[n])} for n in names}})
+        monkeypatch.setattr(local_hashes, '_SEEN', {})  # a new process
+        return check_local_streams(config, Catalog(config).infos())
+
+    streams = {n: copy_stream(small_streams[s], tmp_path / n) for n, s in (('a', 'arxiv'), ('b', 'dolly'))}
+    run('a')
+    folder = cache / 'shard-hashes'
+    kept = {p.name for p in folder.iterdir()}
+    assert kept == {Path(record_path(None, str(streams['a']))).name,
+                    Path(record_path(None, str(streams['a']))).name + '.lock',
+                    Path(set_record_path(None, [str(streams['a'])])).name, SWEPT}
+    # what dead directories leave behind: a record with its lock, a set record, a killed
+    # writer's temporary file, each 31 days old; and one old record whose lock is held
+    old = time.time() - 31 * 86400
+    dead = {'0dead.json': '{}', '0dead.json.lock': '', 'set-0dead.json': '{}',
+            '1held.json': '{}', '1held.json.lock': '', 'set-2.json.part-99': '{'}
+    for name, text in dead.items():
+        (folder / name).write_text(text)
+        os.utime(folder / name, (old, old))
+    a_set = Path(set_record_path(None, [str(streams['a'])]))
+    os.utime(a_set, (old, old))  # a record as old, but used below: stays
+    held = os.open(folder / '1held.json.lock', os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        again = run('a')  # uses a's set record: nothing hashed, the record marked used
+        assert (again[0].hashed_files, again[0].recorded_files) == ([], len(recorded_hashes(streams['a'])))
+        assert a_set.stat().st_mtime > time.time() - 60
+        run('a', 'b')  # a new set record: a start that writes sweeps -- but it swept today
+        assert set(dead) <= {p.name for p in folder.iterdir()}
+        os.utime(folder / SWEPT, (old, old))  # the last sweep a day ago
+        run('b')  # writes b's set record, and sweeps
+        left = {p.name for p in folder.iterdir()}
+        assert left & set(dead) == {'1held.json', '1held.json.lock'}
+        assert kept <= left and a_set.exists()
+        assert sweep_records(str(folder)) == 0  # once a day
+    finally:
+        os.close(held)
+    assert sweep_records(str(folder), now=time.time() + 86400) == 1  # no longer held: 1held
+    assert not (folder / '1held.json').exists() and not (folder / '1held.json.lock').exists()

@@ -30,6 +30,13 @@ A run's start reads one more record first: that of its whole set of stream direc
 (:func:`check_local_streams`), so a run over 1,000 streams that were all verified before
 reads one file and ``stat`` s the shards, instead of taking 1,000 locks and reading 1,000
 records (issue 22).
+
+Records do not pile up (:func:`sweep_records`): one not written or used for
+:data:`RECORD_TTL_DAYS` days is removed, at most once a day, by a start that wrote a record.
+Before, nothing was ever removed: this machine's shared cache held 63,606 files (130 MB)
+after a few days of tests and benchmarks, one record and one lock per stream directory
+ever checked, most of them long deleted. A directory used again after its record expired
+is hashed once more -- a read of its data, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ log = logging.getLogger(__name__)
 
 #: the folder of the records under the cache directory
 RECORD_DIR = 'shard-hashes'
+#: a record neither written nor used (its mtime) for this many days is removed
+RECORD_TTL_DAYS = 30
+#: the file whose mtime says when the records were last swept (at most once a day)
+SWEPT = '.swept'
 #: cheapest first (streaming's algorithms; xxh3 is what the converter records by default)
 _FASTEST = ('xxh3_64', 'xxh3_128', 'xxh64', 'xxh128', 'xxh32', 'md5', 'sha1', 'sha256')
 
@@ -112,10 +123,80 @@ def _locked(path: str) -> Iterator[bool]:
         yield False
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        while True:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:  # a sweep may have removed the file between our open and our lock
+                if os.stat(path + '.lock').st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+            fd = os.open(path + '.lock', os.O_RDWR | os.O_CREAT, 0o666)
         yield True
     finally:
         os.close(fd)
+
+
+def _touch(path: str) -> None:
+    """Mark a record used now (its mtime), so :func:`sweep_records` keeps it."""
+    with contextlib.suppress(OSError):  # a read-only cache: the record may expire, costing a re-hash
+        os.utime(path)
+
+
+def sweep_records(folder: str, now: Optional[float] = None) -> int:
+    """Remove the records under ``folder`` not written or used for :data:`RECORD_TTL_DAYS`
+    days, with their locks; at most once a day (the :data:`SWEPT` file's mtime). Returns
+    how many records it removed.
+
+    Only ``stat`` s: it does not read the records. Measured 0.5-0.6 s for 63,633 files (a
+    cache nobody had swept, 2-core VM at load 3); a swept cache holds a few files per
+    stream directory in use, and a start that sweeps has just hashed something. A lock file goes only while no process holds it
+    (``LOCK_NB``), and a locker that finds its lock file replaced locks the new one
+    (:func:`_locked`), so two processes never both think they hold a directory's lock.
+    """
+    now = time.time() if now is None else now
+    marker = os.path.join(folder, SWEPT)
+    try:
+        if now - os.stat(marker).st_mtime < 86400:
+            return 0
+    except FileNotFoundError:
+        pass
+    try:
+        with open(marker, 'a', encoding='utf-8'):
+            pass
+        os.utime(marker, (now, now))
+        entries = list(os.scandir(folder))
+    except OSError:  # a read-only cache is left as it is
+        return 0
+    cutoff = now - RECORD_TTL_DAYS * 86400
+    removed = 0
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            if '.json.part-' in entry.name and entry.stat().st_mtime < cutoff:
+                os.remove(entry.path)  # a writer killed between its write and its rename
+                continue
+            if not entry.name.endswith('.json') or entry.stat().st_mtime >= cutoff:
+                continue
+            lock = entry.path + '.lock'
+            if not os.path.exists(lock):
+                os.remove(entry.path)
+                removed += 1
+                continue
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: in use, keep it
+                if entry.stat().st_mtime < cutoff:  # not rewritten while we waited
+                    os.remove(entry.path)
+                    os.remove(lock)
+                    removed += 1
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+    if removed:
+        log.info('removed %d shard-hash record(s) unused for %d days from %s', removed,
+                 RECORD_TTL_DAYS, folder)
+    return removed
 
 
 def _read_records(path: str, directory: str) -> dict[str, Any]:
@@ -231,6 +312,8 @@ def check_local_shards(name: str, directory: str, index: dict[str, Any], config:
                 bad.append(base)
         if result.hashed_files and recording:
             _write_records(record, directory, files)
+        elif recording and result.recorded_files:
+            _touch(record)
         if recording:  # a file not recorded (a read-only cache) is hashed again next time
             _SEEN.update(((directory, b), e) for b, e in files.items())
     result.seconds = time.monotonic() - start
@@ -310,7 +393,9 @@ def check_local_streams(config: Any, infos: list[Any]) -> list[LocalHashCheck]:
             result = check_local_shards(info.name, info.directory, info.index, config)
             missed = True
         out.append(result)
-    if missed:  # every directory passed (a failure raised): record the set for the next run
+    if not missed:
+        _touch(path)
+    else:  # every directory passed (a failure raised): record the set for the next run
         dirs = {i.directory for i in local}
         files: dict[str, dict[str, Any]] = {d: {} for d in dirs}
         for (d, base), entry in _SEEN.items():
@@ -319,4 +404,5 @@ def check_local_streams(config: Any, infos: list[Any]) -> list[LocalHashCheck]:
         with contextlib.suppress(OSError):  # a read-only cache: per directory next run, as now
             os.makedirs(os.path.dirname(path), exist_ok=True)
             _replace_json(path, files)
+        sweep_records(os.path.dirname(path))
     return out
