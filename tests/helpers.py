@@ -39,6 +39,32 @@ def reference_decode(row) -> dict[str, list[int]]:
     return out
 
 
+class LoggedTokens:
+    """Sample-log ``tokens`` digests recomputed independently: each logged sample's stored row
+    as streaming itself reads it (``StreamingDataset`` over the stream's directory; a global
+    sample id counts the streams' rows end to end, in the YAML's order), decoded by
+    :func:`reference_decode`, hashed as the ``sample_log`` callback documents (``xxh3_64`` of
+    each row's five model inputs as ``int64``, then of the row digests in rank order)."""
+
+    KEYS = ('input_ids', 'labels', 'attention_mask', 'sequence_id', 'position_ids')
+
+    def __init__(self, directories: list[str]) -> None:
+        from streaming import StreamingDataset
+        self.datasets = [StreamingDataset(local=d, shuffle=False, batch_size=1) for d in directories]
+        self.starts = [sum(len(d) for d in self.datasets[:i]) for i in range(len(self.datasets))]
+
+    def digest(self, sample_ids: list[int], stream_ids: list[int]) -> str:
+        import numpy as np
+        import xxhash
+        rows = []
+        for sample, stream in zip(sample_ids, stream_ids):
+            start = self.starts[stream]
+            assert start <= sample < start + len(self.datasets[stream]), (sample, stream)
+            decoded = reference_decode(self.datasets[stream][sample - start])
+            rows.append(xxhash.xxh3_64_hexdigest(np.array([decoded[k] for k in self.KEYS], np.int64).tobytes()))
+        return xxhash.xxh3_64_hexdigest(''.join(rows).encode())
+
+
 def spm_tokenizer_path() -> str:
     """Mistral's Llama-style SentencePiece model shipped inside ``mistral-common`` (adds BOS)."""
     return str(resources.files('mistral_common') / 'data' / 'tokenizer.model.v1')

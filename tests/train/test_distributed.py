@@ -47,7 +47,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import ROOT, free_port, tiny_run_config
+from helpers import ROOT, LoggedTokens, free_port, tiny_run_config
 
 BATCH = 6          # global batch
 RANKS = 2
@@ -216,6 +216,10 @@ def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
         assert b2['stream_ids'] == as_ranks(b1['stream_ids'], RANKS), b1['batch']
         assert sorted(b2['sample_ids']) == sorted(b1['sample_ids'])
     assert any(b2['sample_ids'] != b1['sample_ids'] for b1, b2 in zip(log1, log2))  # ranks did split
+    # each batch's token digest covers both ranks' rows, in rank order (recomputed from the rows)
+    data = _data_of(two_ranks['config'])
+    tokens = LoggedTokens([data['arxiv'], data['dolly']])
+    assert all(b2['tokens'] == tokens.digest(b2['sample_ids'], b2['stream_ids']) for b2 in log2)
     state = checkpoint(two_ranks['ckpt'])
     assert len(state['rng']) == RANKS  # one RNG state per rank: the run really had 2 ranks
     ts = state['state']['timestamp']['Timestamp']
