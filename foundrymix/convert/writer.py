@@ -29,6 +29,7 @@ import queue
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
 from typing import Any, Optional
@@ -217,6 +218,20 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def _keep_owned_attributes(path: str, was: os.stat_result) -> None:
+    """Give the published directory ``path`` the group and permission bits (setgid and sticky
+    included) the directory it replaced had (``was``). The group first: changing it clears
+    setgid. A group the writer may not give (not one of its groups) is left as it is, and
+    said in the log."""
+    st = os.stat(path)
+    if st.st_gid != was.st_gid:
+        try:
+            os.chown(path, -1, was.st_gid)
+        except OSError as e:
+            logger.warning('%s: could not give it back its group %d (%s)', path, was.st_gid, e)
+    os.chmod(path, stat.S_IMODE(was.st_mode))
 
 
 def remove_stale_partials(parent: str, name: str) -> list[str]:
@@ -451,6 +466,11 @@ class ShardWriter:
         ``overwrite`` that output is left alone and this one fails (its partial directory is
         removed by :meth:`abort`). With ``overwrite`` the old output is renamed aside before
         the new one moves in and only then deleted, so ``out`` is never missing for long.
+
+        An ``out`` directory that existed (empty, or replaced with ``overwrite``) keeps its
+        permission bits and group: the rename puts the partial directory (mode from the
+        umask) in its place, and a team's ``2775`` folder became ``755`` with the writer's
+        group, or a ``555`` one writable (:func:`_keep_owned_attributes`).
         """
         if os.path.lexists(self.out):
             if not os.path.isdir(self.out) or os.path.islink(self.out):
@@ -465,7 +485,8 @@ class ShardWriter:
             if foreign:
                 raise OutputExistsError(_foreign_message(self.out, foreign) + '; discarded this output')
         old = None
-        if os.path.isdir(self.out) and os.listdir(self.out):
+        kept = os.stat(self.out) if os.path.isdir(self.out) else None
+        if kept is not None and os.listdir(self.out):
             old = f'{self.partial}.old'
             os.rename(self.out, old)
         try:
@@ -476,6 +497,8 @@ class ShardWriter:
             raise OutputExistsError(f'{self.out}: output directory appeared while converting (another '
                                     f'conversion into the same --out?); could not move this output '
                                     f'into place ({e}); left the other alone') from e
+        if kept is not None:
+            _keep_owned_attributes(self.out, kept)
         if old is not None:
             left = remove_output(old)
             if left:  # written into --out in the instant between the check above and the rename

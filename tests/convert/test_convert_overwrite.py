@@ -128,6 +128,30 @@ def test_overwrite_accepts_an_empty_folder(tmp_path):
     assert Manifest.read(str(out)).counts.rows == len(read_rows(out)) > 0
 
 
+@pytest.mark.parametrize('mode', [0o2775, 0o555, 0o700])
+def test_an_existing_out_folder_keeps_its_mode_and_group(tmp_path, mode):
+    """The folder the user made for the output (a team's setgid 2775, a read-only 555, a
+    private 700) keeps its permission bits and group; before, the rename put the partial
+    directory's 755 and the writer's group in its place. So does an output replaced with
+    --overwrite."""
+    out = tmp_path / 'out'
+    out.mkdir()
+    # a group other than the writer's (root may give any; others, one of their groups)
+    group = 4242 if os.geteuid() == 0 else next((g for g in os.getgroups() if g != os.getgid()), os.getgid())
+    os.chown(out, -1, group)
+    os.chmod(out, mode)
+    r = cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '256')
+    assert r.returncode == 0, r.stderr
+    st = out.stat()
+    assert (oct(st.st_mode & 0o7777), st.st_gid) == (oct(mode), group)
+    assert Manifest.read(str(out)).counts.rows == len(read_rows(out)) > 0
+    os.chmod(out, 0o750)
+    r = cli('pretrain', ARXIV, '--out', out, '--max-seq-len', '128', '--overwrite')
+    assert r.returncode == 0, r.stderr
+    assert (oct(out.stat().st_mode & 0o7777), out.stat().st_gid) == (oct(0o750), group)
+    assert Manifest.read(str(out)).max_seq_len == 128
+
+
 @pytest.mark.slow  # about 25 s on a loaded 2-core machine (two CLI runs, one killed)
 def test_overwrite_after_a_killed_conversion(tmp_path):
     """What a SIGKILLed conversion leaves (its partial directory beside --out, the old output
