@@ -33,7 +33,7 @@ records (issue 22).
 
 Records do not pile up (:func:`sweep_records`): one not written or used for
 :data:`RECORD_TTL_DAYS` days is removed, at most once a day, by a start that wrote a record.
-Before, nothing was ever removed: this machine's shared cache held 63,606 files (130 MB)
+Before, nothing was ever removed: this machine's shared cache held 63,633 files (130 MB)
 after a few days of tests and benchmarks, one record and one lock per stream directory
 ever checked, most of them long deleted. A directory used again after its record expired
 is hashed once more -- a read of its data, never a wrong answer.
@@ -150,9 +150,10 @@ def sweep_records(folder: str, now: Optional[float] = None) -> int:
 
     Only ``stat`` s: it does not read the records. Measured 0.5-0.6 s for 63,633 files (a
     cache nobody had swept, 2-core VM at load 3); a swept cache holds a few files per
-    stream directory in use, and a start that sweeps has just hashed something. A lock file goes only while no process holds it
-    (``LOCK_NB``), and a locker that finds its lock file replaced locks the new one
-    (:func:`_locked`), so two processes never both think they hold a directory's lock.
+    stream directory in use, and a start that sweeps has just hashed something. A lock
+    file goes only while no process holds it (``LOCK_NB``), and a locker that finds its
+    lock file replaced locks the new one (:func:`_locked`), so two processes never both
+    think they hold a directory's lock.
     """
     now = time.time() if now is None else now
     marker = os.path.join(folder, SWEPT)
