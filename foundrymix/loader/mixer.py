@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from foundrymix.config import ConfigError
+from foundrymix.heap import collector_paused
 from foundrymix.plan.catalog import Catalog, make_streams
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.format.schema import Manifest, TokenizerInfo
@@ -118,6 +119,7 @@ def dataset_kwargs(c: LoaderConfig, batch_size: int, epoch_size: Optional[int] =
         batching_method=c.batching_method)
 
 
+@collector_paused()  # at each start and stage switch: streaming's per-stream objects (heap.py)
 def build_dataset(config: LoaderConfig, infos: list['StreamInfo'], weights: 'EpochWeights',
                   batch_size: int, global_batch: int, where: str = 'train_loader') -> 'MixedDataset':
     """The ``MixedDataset`` of one mixture, from what its plan holds: the streams' metadata

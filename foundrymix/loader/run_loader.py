@@ -375,10 +375,11 @@ class StagedDataLoader(DataLoader):
         """Drop the current stage's dataset: its loader (and workers) first, then its shared
         memory, so a later stage (or run) may reuse its directories."""
         active, self._active = self._active, None
-        if active is None or sys.is_finalizing():
+        if active is None or sys is None or sys.is_finalizing():
             # An iterator still held when the interpreter exits is closed during its
             # teardown, after streaming's atexit handlers freed the shared memory and with
-            # module globals gone: releasing then printed an ImportError traceback.
+            # module globals gone: releasing then printed an ImportError traceback. (Late
+            # enough in the teardown, this module's globals are None: ``sys`` too.)
             return
         dataset = active.dataset
         active.loader = None

@@ -17,6 +17,7 @@ import json
 from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP, ConfigError
+from foundrymix.heap import collector_paused
 
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
@@ -37,6 +38,7 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
     return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
 
 
+@collector_paused()  # as the trainer reads and plans a run (foundrymix/heap.py)
 def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Optional[str],
           nodes: int) -> tuple[Any, Any]:
     """(the RunPlan, the config) of a training YAML."""

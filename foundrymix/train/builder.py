@@ -26,6 +26,7 @@ from foundrymix import claims
 from foundrymix.s3 import retries as s3_retries
 from foundrymix.config import ConfigError
 from foundrymix.errors import ExistsError, MissingError
+from foundrymix.heap import collector_paused
 from foundrymix.loader.mixer import StreamMixer
 from foundrymix.loader.run_loader import StagedDataLoader, build_run_loader
 from foundrymix.plan.stages import RunPlan
@@ -205,6 +206,7 @@ class TrainData:
         return [s.name for s in self.run.stages] if self.run.explicit else None
 
 
+@collector_paused()  # the plan record and loader objects of 10,000 streams: 2.6-3.2 -> 1.1 s (heap.py)
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (once: catalogs read once, weights computed once per stage) and the one
     loader built from it -- for a single mixture (one stage) as for a staged run."""

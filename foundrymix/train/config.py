@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from foundrymix.config import (ConfigError, Duration, Gather, Interval, blame, check_keys,
                                load_yaml_overrides, read_dataclass, to_plain)
+from foundrymix.heap import collector_paused
 from foundrymix.plan.config import LoaderConfig, cache_base
 from foundrymix.plan.schedule import Decay, Span, check_stage_names
 from foundrymix.train.algorithms import Algorithms
@@ -218,6 +219,7 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
     return device_batch, micro
 
 
+@collector_paused()  # 10,000 streams: 2.3-2.7 s -> 0.9 s (foundrymix/heap.py)
 def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional[str] = None) -> TrainConfig:
     """Load a YAML, apply ``key=value`` overrides, resolve interpolations, type it.
 

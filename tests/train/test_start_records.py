@@ -112,3 +112,88 @@ def test_a_restarted_trainer_plans_from_the_record(cache, small_streams, monkeyp
     monkeypatch.setenv(plan_cache.MODE_ENV, 'verify')
     with pytest.raises(PlanRecordMismatch, match=r'plan\[0\]\.warnings'):
         builder._train_data(cfg, 4)
+
+
+
+class CollectorPasses:
+    """Counts the cyclic collector's passes (``gc.callbacks``) made while one of ``functions``
+    runs (one of their frames is on the stack): the pass a paused block defers to its end
+    runs after the function has returned."""
+
+    def __init__(self, *functions) -> None:
+        self.codes = {getattr(f, '__wrapped__', f).__code__ for f in functions}
+        self.passes = 0
+
+    def __enter__(self) -> 'CollectorPasses':
+        import gc
+        gc.callbacks.append(self._seen)
+        return self
+
+    def _seen(self, phase: str, info: dict) -> None:
+        import sys
+        frame = sys._getframe(1)
+        while phase == 'start' and frame is not None:
+            if frame.f_code in self.codes:
+                self.passes += 1
+                return
+            frame = frame.f_back
+
+    def __exit__(self, *exc) -> None:
+        import gc
+        gc.callbacks.remove(self._seen)
+
+
+def test_a_start_runs_no_collector_pass_and_leaves_the_collector_as_it_was(cache, small_streams, tmp_path):
+    """Reading the config, planning and building the loader and its first stage's dataset
+    allocate much and free little: the collector is paused over them (foundrymix/heap.py;
+    10,000 streams: ~3 s of a restart). The same work unpaused (``__wrapped__``) does make
+    passes, so the count can see one."""
+    import gc
+
+    import yaml
+
+    from foundrymix.loader import mixer
+    from foundrymix.train import builder
+    from foundrymix.train.config import load_config
+    streams = {}
+    for i in range(200):  # one real stream linked into 200 directories
+        d = tmp_path / 'streams' / f's{i:03d}'
+        d.mkdir(parents=True)
+        for f in os.listdir(small_streams['arxiv']):
+            os.link(small_streams['arxiv'] / f, d / f)
+        streams[f's{i:03d}'] = {'local': str(d)}
+    path = tmp_path / 'train.yaml'
+    path.write_text(yaml.safe_dump(tiny_run_config({'streams': streams}, max_duration='1ba',
+                                                   global_train_batch_size=4)))
+    start = (load_config, builder._train_data, mixer.build_dataset)
+    assert gc.isenabled()
+    with CollectorPasses(*start) as paused:
+        cfg = load_config(str(path))
+        data = builder._train_data(cfg, 4)
+        stage = data.run.stages[0]
+        dataset = mixer.build_dataset(stage.config, stage.infos, stage.weights, 4, 4)
+    dataset.cache_claims.release()
+    data.loader.release()
+    assert paused.passes == 0 and gc.isenabled()
+    with CollectorPasses(*start) as unpaused:
+        cfg = load_config.__wrapped__(str(path))
+        data = builder._train_data.__wrapped__(cfg, 4)
+        stage = data.run.stages[0]
+        dataset = mixer.build_dataset.__wrapped__(stage.config, stage.infos, stage.weights, 4, 4)
+    dataset.cache_claims.release()
+    data.loader.release()
+    assert unpaused.passes > 0
+
+    # a refused config leaves it on; a caller that had disabled it keeps it disabled
+    path.write_text(yaml.safe_dump(tiny_run_config({'streams': streams}, max_duration='1ba',
+                                                   global_train_batch_size=-4)))
+    with pytest.raises(ConfigError):
+        load_config(str(path))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(ConfigError):
+            load_config(str(path))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
