@@ -250,3 +250,59 @@ def test_two_ranks_build_datasets_back_to_back(tmp_path, data):
     assert not failed, '\n'.join(failed)
     prefixes = [json.loads(out) for out, _ in outs]
     assert prefixes[0] == prefixes[1] and len(prefixes[0]) == 10
+
+
+def test_the_prefix_scan_lists_the_filelocks_once_and_picks_streamings_prefix(tmp_path, monkeypatch):
+    """streaming leaves ``<tmp>/NNNNNN_barrier_filelock`` and ``_cache_filelock`` for every
+    dataset that ever ran and tests them at every prefix, once per segment name (9): at
+    least 6,300 ``stat`` s to walk past 700 dead prefixes here. ``prefix_scan_skips_locked`` lists the directory
+    once and hands the scan only the prefixes without a filelock: the chosen prefix is the
+    one streaming's own scan chooses (run here unchanged as the oracle), no filelock of a
+    dead prefix is tested, and a filelock made after the listing still counts."""
+    import tempfile
+
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, SHM_TO_CLEAN
+    from streaming.base.shared import prefix
+
+    from foundrymix.loader import streaming_compat
+    tmp = tmp_path / 'tmp'
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp))
+    dead = set(range(2000)) - {700, 701}  # two freed prefixes: their segments may be live
+    for p in dead:
+        for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+            (tmp / prefix._get_path(p, name)).touch()
+    (tmp / '0000042_barrier_filelock').touch()  # not streaming's spelling of prefix 42
+    (tmp / f'{prefix._get_path(3, "barrier_filelock")}.bak').touch()
+
+    tested: list[str] = []
+    exists = os.path.exists
+
+    def counted(path):
+        if str(path).endswith('_filelock'):
+            tested.append(os.path.basename(path))
+        return exists(path)
+
+    def scan() -> int:
+        tested.clear()
+        with monkeypatch.context() as m:
+            m.setattr(os.path, 'exists', counted)
+            return max(prefix._check_and_find_retrying([str(tmp_path / 'mine')], [None], name, 0)
+                       for name in SHM_TO_CLEAN)
+
+    oracle = scan()
+    # streaming's own scan: every segment name walks past at least the 700 dead prefixes
+    # below the first freed one (``any`` stops at the first filelock found)
+    assert oracle >= 700 and len(tested) >= 9 * 700
+    with streaming_compat.prefix_scan_skips_locked():
+        chosen = scan()
+    assert chosen == oracle >= 700
+    dead_tested = [n for n in tested if int(n.split('_')[0]) in dead]
+    assert dead_tested == []
+    assert len(tested) <= 9 * 2 * (oracle - len(dead & set(range(oracle))) + 1)
+
+    # A filelock made after the listing (another dataset registering meanwhile) is seen.
+    with streaming_compat.prefix_scan_skips_locked():
+        (tmp / prefix._get_path(chosen, CACHE_FILELOCK)).touch()
+        after = scan()
+    assert after == scan() > chosen  # == streaming's own choice now
