@@ -17,7 +17,9 @@ Two kinds of case (issue 22):
   Also open file descriptors after the first batch, and peak RSS. Each case has a cache
   directory of its own (``FOUNDRYMIX_CACHE``): round 1 is a *first start* (foundrymix hashes
   the shards and records the plan and the tokenizer fingerprint), rounds 2.. are
-  *restarts* over unchanged inputs (a resume, a re-launch); both are printed.
+  *restarts* over unchanged inputs (a resume, a re-launch); both are printed. And a fresh
+  temporary directory (``TMPDIR``) of its own, as on a clean machine (:func:`case_env`;
+  ``--shared-tmp`` for the machine's own).
 
     .venv/bin/python benchmarks/bench_scale.py [--plan 10:100000 1000:10000 ...]
         [--start 10 100 1000] [--rounds 3]
@@ -43,6 +45,33 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 PY = sys.executable
 ENV = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1',
            TOKENIZERS_PARALLELISM='false')
+
+#: whether each case's processes get a fresh temporary directory (``--shared-tmp`` unsets it)
+CASE_TMP = True
+
+
+def case_env(case: str, **extra: str) -> dict:
+    """The environment of a case's processes, foundrymix's and raw streaming's alike.
+
+    By default ``TMPDIR`` is a fresh directory of the case's own, as on a clean machine:
+    streaming 0.13 leaves two filelocks there per dataset that ever ran and its prefix scan
+    tests them all, so on a long-used machine (this one held ~11,000 dead prefixes) that
+    scan is most of a raw start and hides the rest (foundrymix lists them once:
+    ``streaming_compat.prefix_scan_skips_locked``). ``--shared-tmp`` measures on the
+    machine's own temporary directory instead."""
+    env = dict(ENV, **extra)
+    if CASE_TMP:
+        tmp = os.path.join(case, 'tmp')
+        os.makedirs(tmp, exist_ok=True)
+        env['TMPDIR'] = tmp
+    return env
+
+
+def dead_prefixes() -> int:
+    """streaming filelocks (barrier and cache) in the machine's temporary directory."""
+    return sum(n.endswith(('_barrier_filelock', '_cache_filelock'))
+               for n in os.listdir(tempfile.gettempdir()))
+
 
 #: rows per synthetic shard (foundrymix's 64 MB default holds ~120k rows of 256 uint16 tokens)
 ROWS_PER_SHARD = 100_000
@@ -203,7 +232,7 @@ def resume_case(work: str, template: str, rows: int, at: int, rounds: int, seq_l
                          ('ours_start', [PY, '-c', OURS, cfg, '0']),
                          ('raw_resume', [PY, '-c', RAW_AT, dir_list, str(repeat), str(at)]),
                          ('ours_resume', [PY, '-c', OURS, cfg, str(at)])):
-            _, peak, out = run_wait4(cmd, cwd=case)
+            _, peak, out = run_wait4(cmd, cwd=case, env=case_env(case))
             got[key].append(json.loads(out.strip().splitlines()[-1])['seconds'])
             rss[key].append(peak)
     shutil.rmtree(case)
@@ -219,7 +248,7 @@ def switch_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> 
     write_config(cfg, dirs, seq_len, '1ba', stages=2)
     start, switch = [], []
     for _ in range(rounds):
-        _, _, out = run_wait4([PY, '-c', OURS, cfg, '0', 'switch'], cwd=case)
+        _, _, out = run_wait4([PY, '-c', OURS, cfg, '0', 'switch'], cwd=case, env=case_env(case))
         got = json.loads(out.strip().splitlines()[-1])
         start.append(got['seconds'])
         switch.append(got['switch_seconds'])
@@ -238,7 +267,7 @@ def start_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> d
     # A cache directory of the case's own: round 1 is a first start (foundrymix hashes every
     # shard, plans and records the plan and the tokenizer's fingerprint), later rounds are
     # restarts over unchanged inputs (they read those records).
-    env = dict(ENV, FOUNDRYMIX_CACHE=os.path.join(case, 'cache'))
+    env = case_env(case, FOUNDRYMIX_CACHE=os.path.join(case, 'cache'))
     for _ in range(rounds):
         for side, code, arg, times, rss in (('raw', RAW, dir_list, raw, rss_raw),
                                             ('ours', OURS, cfg, ours, rss_ours)):
@@ -292,13 +321,20 @@ def main() -> None:
     ap.add_argument('--rounds', type=int, default=3)
     ap.add_argument('--seq-len', type=int, default=256)
     ap.add_argument('--json', default=None, help='also write the results here')
+    ap.add_argument('--shared-tmp', action='store_true',
+                    help="run the cases with the machine's temporary directory (its dead streaming "
+                         'filelocks) instead of a fresh one each')
     args = ap.parse_args()
+    global CASE_TMP
+    CASE_TMP = not args.shared_tmp
     with tempfile.TemporaryDirectory(prefix='bench-scale-') as work:
         template = convert_template(work, args.seq_len)
         with open(os.path.join(template, 'foundrymix.json')) as f:
             template_rows = json.load(f)['counts']['rows']
         print(f'load before: {os.getloadavg()[0]:.2f}; {os.cpu_count()} cpus; template stream: '
-              f'{template_rows:,} rows of {args.seq_len} tokens', flush=True)
+              f'{template_rows:,} rows of {args.seq_len} tokens; temporary directory: '
+              f'{"a fresh one per case" if CASE_TMP else tempfile.gettempdir()} '
+              f'({dead_prefixes():,} streaming filelocks in {tempfile.gettempdir()})', flush=True)
         results = {'plan': [], 'start': [], 'template_rows': template_rows}
         for case in args.plan:
             n, rows, duration = (case.split(':') + ['1ep'])[:3]

@@ -109,6 +109,9 @@ class MixedDataset(StreamingDataset):
         self.yield_rows = False
         #: the cache directories this dataset claimed (:mod:`foundrymix.loader.cache`), if any
         self.cache_claims: Any = None
+        #: where streaming's epoch shuffles are recorded and re-read
+        #: (:class:`foundrymix.loader.shuffle_cache.ShuffleRecords`); ``None`` shuffles afresh
+        self.shuffle_records: Any = None
 
     def check_shard_files(self) -> None:
         """Raise :class:`~foundrymix.format.shards.ShardFilesError` if a stream's shard files are damaged.
@@ -199,6 +202,14 @@ class MixedDataset(StreamingDataset):
         sample['stream_id'] = row['stream_id']
         sample['sample_id'] = row['sample_id']
         return sample
+
+    def _get_work(self, epoch: int, sample_in_epoch: int) -> Any:
+        """streaming's ``_get_work``, its shuffle read from :attr:`shuffle_records` when
+        recorded (the step that costs most at a start over many streams)."""
+        if self.shuffle_records is None:
+            return super()._get_work(epoch, sample_in_epoch)
+        with streaming_compat.recorded_shuffles(self.shuffle_records.shuffle):
+            return super()._get_work(epoch, sample_in_epoch)
 
     def _each_sample_id(self, it: Any) -> Iterator[int]:
         ids = super()._each_sample_id(it)

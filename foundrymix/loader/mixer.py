@@ -130,6 +130,7 @@ def build_dataset(config: LoaderConfig, infos: list['StreamInfo'], weights: 'Epo
     """
     from foundrymix.loader import cache
     from foundrymix.loader.dataset import MixedDataset
+    from foundrymix.loader.shuffle_cache import ShuffleRecords
     if batch_size <= 0:
         raise ConfigError(f'batch_size must be positive, got {batch_size}')
     infos, claims = cache.prepare(config, infos, where)
@@ -152,6 +153,7 @@ def build_dataset(config: LoaderConfig, infos: list['StreamInfo'], weights: 'Epo
         claims.release()
         raise
     dataset.cache_claims = claims
+    dataset.shuffle_records = ShuffleRecords(config.cache_root)
     return dataset
 
 

@@ -84,9 +84,7 @@ def planned_run(config: LoaderConfig, batch_size: int, max_duration: Optional[st
                 ) -> tuple[RunPlan, list[Catalog]]:
     """:func:`~foundrymix.plan.stages.plan_run`, read from its record when every input is
     unchanged (see the module docstring), else planned and recorded."""
-    mode = os.environ.get(MODE_ENV, 'on').strip().lower() or 'on'
-    if mode not in _MODES:
-        raise FoundrymixError(f'{MODE_ENV}={mode!r}: expected one of {", ".join(_MODES)}')
+    mode = record_mode()
     try:
         skip = mode == 'off' or _has_remote(config, where)
         key = None if skip else _key(config, batch_size, max_duration, topology, where)
@@ -112,6 +110,15 @@ def planned_run(config: LoaderConfig, batch_size: int, max_duration: Optional[st
     if not run.decided_during_run and not _adaptive(run):
         _write_record(path, folder, run, catalogs)
     return run, catalogs
+
+
+def record_mode() -> str:
+    """``$FOUNDRYMIX_PLAN_CACHE``: ``on``, ``verify`` or ``off`` (the plan records and the
+    loader's shuffle records, :mod:`foundrymix.loader.shuffle_cache`)."""
+    mode = os.environ.get(MODE_ENV, 'on').strip().lower() or 'on'
+    if mode not in _MODES:
+        raise FoundrymixError(f'{MODE_ENV}={mode!r}: expected one of {", ".join(_MODES)}')
+    return mode
 
 
 # ------------------------------------------------------------------------ inputs
@@ -177,14 +184,15 @@ def _identity(path: str) -> Optional[tuple[int, int, int, int, int]]:
 
 
 # ------------------------------------------------------------------------ records
-def _private(st: os.stat_result) -> bool:
+def is_private(st: os.stat_result) -> bool:
+    """Owned by this user and writable by no one else: safe to read a record from."""
     return st.st_uid == os.getuid() and not st.st_mode & (stat_mod.S_IWGRP | stat_mod.S_IWOTH)
 
 
 def _read_record(path: str, folder: str) -> Optional[tuple[RunPlan, list[Catalog]]]:
     try:
         with open(path, 'rb') as f:
-            if not (_private(os.fstat(f.fileno())) and _private(os.stat(folder))):
+            if not (is_private(os.fstat(f.fileno())) and is_private(os.stat(folder))):
                 return None
             record = _load(f)
     except FileNotFoundError:
@@ -246,7 +254,7 @@ def _write_record(path: str, folder: str, run: RunPlan, catalogs: list[Catalog])
         return
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        if not _private(os.stat(folder)):
+        if not is_private(os.stat(folder)):
             return
         fd, tmp = tempfile.mkstemp(dir=folder, prefix='.plan-', suffix='.tmp')
         try:
