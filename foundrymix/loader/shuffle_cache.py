@@ -34,14 +34,13 @@ import inspect
 import logging
 import os
 import sys
-import tempfile
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from foundrymix.errors import FoundrymixError
 from foundrymix.plan.config import cache_base
-from foundrymix.plan.plan_cache import is_private, record_mode
+from foundrymix.plan.plan_cache import is_private, record_mode, write_private
 
 logger = logging.getLogger(__name__)
 
@@ -150,21 +149,8 @@ def _read(path: str, folder: str) -> Optional[np.ndarray]:
 
 def _write(path: str, folder: str, array: np.ndarray) -> None:
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        if not is_private(os.stat(folder)):
-            return
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix='.shuffle-', suffix='.tmp')
-        try:
-            with os.fdopen(fd, 'wb') as f:
-                np.save(f, array, allow_pickle=False)
-            os.replace(tmp, path)  # ranks and jobs write at once: each its own file, renamed
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _prune(folder)
+        if write_private(path, folder, lambda f: np.save(f, array, allow_pickle=False)):
+            _prune(folder)
     except OSError as e:
         logger.info('shuffle: not recorded in %s (%s)', folder, e)
 
@@ -177,7 +163,7 @@ def _prune(folder: str) -> None:
             st = entry.stat()
             if entry.name.endswith('.npy'):
                 entries.append((st.st_mtime_ns, st.st_size, entry.path))
-            elif entry.name.startswith('.shuffle-') and st.st_mtime < time.time() - 3600:
+            elif entry.name.endswith('.tmp') and st.st_mtime < time.time() - 3600:
                 os.unlink(entry.path)  # a writer killed mid-write an hour ago
         except OSError:
             continue

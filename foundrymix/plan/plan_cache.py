@@ -51,7 +51,7 @@ import pickle
 import stat as stat_mod
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import IO, Any, Callable, Optional
 
 from foundrymix.errors import FoundrymixError
 from foundrymix.format.schema import MANIFEST_NAME
@@ -252,23 +252,31 @@ def _write_record(path: str, folder: str, run: RunPlan, catalogs: list[Catalog])
     if not _still_as_read(catalogs, files):
         logger.info('plan: not recorded (a stream file changed while the run was planned)')
         return
+    record = {'format': _FORMAT, 'files': files, 'run': run, 'catalogs': catalogs}
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        if not is_private(os.stat(folder)):
-            return
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix='.plan-', suffix='.tmp')
-        try:
-            with os.fdopen(fd, 'wb') as f:
-                pickle.dump({'format': _FORMAT, 'files': files, 'run': run,
-                             'catalogs': catalogs}, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)  # ranks of a node write at once: each its own file, renamed
-        except BaseException:
-            with _quiet():
-                os.unlink(tmp)
-            raise
-        _prune(folder)
+        if write_private(path, folder, lambda f: pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)):
+            _prune(folder)
     except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
         logger.info('plan: not recorded in %s (%s)', folder, e)
+
+
+def write_private(path: str, folder: str, write: Callable[[IO[bytes]], None]) -> bool:
+    """Write a record to ``path`` in ``folder`` (made ``0700``) through ``write(file)``,
+    renamed into place whole; False, writing nothing, if the folder is not private
+    (:func:`is_private`). Ranks and jobs write at once: each its own file, renamed."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if not is_private(os.stat(folder)):
+        return False
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f'.{os.path.basename(folder)}-', suffix='.tmp')
+    try:
+        with os.fdopen(fd, 'wb') as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        with _quiet():
+            os.unlink(tmp)
+        raise
+    return True
 
 
 def _prune(folder: str) -> None:

@@ -52,7 +52,7 @@ def shuffles(tmp_path, monkeypatch):
 
 def records(tmp_path) -> list[str]:
     folder = tmp_path / 'cache' / 'shuffles'
-    return sorted(os.listdir(folder)) if folder.exists() else []
+    return sorted(n for n in os.listdir(folder) if n.endswith('.npy')) if folder.exists() else []
 
 
 def batches(data: dict[str, str], monkeypatch, mode: str, at: int = 0, seed: int = 5) -> list[list[int]]:
@@ -128,10 +128,18 @@ def test_records_stay_within_their_budget(data, tmp_path, monkeypatch, shuffles)
     sizes = sorted(os.path.getsize(tmp_path / 'cache' / 'shuffles' / n) for n in records(tmp_path))
     assert len(sizes) == 2
 
+    # what a writer killed mid-write left: removed once an hour old, when a record is written
+    folder = tmp_path / 'cache' / 'shuffles'
+    old, new = folder / '.shuffles-killed.tmp', folder / '.shuffles-writing.tmp'
+    old.write_bytes(b'x')
+    new.write_bytes(b'x')
+    os.utime(old, (old.stat().st_atime - 7200,) * 2)
+
     # a budget for the larger record only: the least recently used goes when one is written
     monkeypatch.setattr(shuffle_cache, 'KEEP_BYTES', sizes[1])
     assert batches(data, monkeypatch, 'on', seed=7) != fresh
     assert len(records(tmp_path)) == 1
+    assert not old.exists() and new.exists()
 
     # a shuffle over the size limit is not recorded (and computed at every start)
     monkeypatch.setattr(shuffle_cache, 'MAX_RECORD_BYTES', 8)
