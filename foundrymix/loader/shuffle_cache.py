@@ -20,7 +20,8 @@ Same switch as the plan records (:data:`foundrymix.plan.plan_cache.MODE_ENV`): `
 shuffles afresh and records nothing; ``verify`` also shuffles afresh on a hit and stops
 the start if the two differ in any element (the test suite runs with it). Same safety: a
 record is read only from a folder and file owned by this user and writable by no one else
-(``np.load`` without pickles). Records live in ``<cache>/shuffles/``; one over
+(``np.load`` without pickles), and one whose length is not the number of samples
+(a truncated file) is shuffled afresh. Records live in ``<cache>/shuffles/``; one over
 :data:`MAX_RECORD_BYTES` is not written (the shuffle is recomputed each start), and the
 least recently used are removed once the folder holds more than :data:`KEEP_BYTES`.
 streaming's own warning from the shuffle (``Shuffle block size was smaller than shard
@@ -73,11 +74,18 @@ class ShuffleRecords:
         if mode == 'off':
             return compute(*args, **kwargs)
         try:
-            key = _key(compute, args, kwargs)
+            bound = inspect.signature(compute).bind(*args, **kwargs)
+            bound.apply_defaults()
+            key = _key(bound.arguments)
+            samples = int(np.sum(bound.arguments['shard_sizes']))
         except Exception:  # arguments of a shape this version does not know: no record
             return compute(*args, **kwargs)
         path = os.path.join(self.folder, key + '.npy')
         recorded = _read(path, self.folder)
+        if recorded is not None and recorded.shape != (samples,):  # a shuffle orders every sample
+            logger.warning('shuffle: ignoring the record %s (%d entries for %d samples)', path,
+                           recorded.size, samples)
+            recorded = None
         if recorded is not None:
             if mode == 'verify':
                 fresh = compute(*args, **kwargs)
@@ -95,11 +103,9 @@ class ShuffleRecords:
         return fresh
 
 
-def _key(compute: Callable[..., Any], args: tuple, kwargs: dict) -> str:
-    bound = inspect.signature(compute).bind(*args, **kwargs)
-    bound.apply_defaults()
+def _key(arguments: dict[str, Any]) -> str:
     h = hashlib.sha256(f'{_FORMAT}|{_code()}'.encode())
-    for name, value in bound.arguments.items():
+    for name, value in arguments.items():
         h.update(name.encode() + b'=')
         if isinstance(value, np.ndarray):
             value = np.ascontiguousarray(value)
