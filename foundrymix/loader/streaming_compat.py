@@ -3,9 +3,9 @@
 Why one place: foundrymix works around streaming 0.13 behaviours that its public API does
 not reach -- shard states when naming a failed shard, shared-memory segments a dropped
 dataset would keep until exit, the filelocks a killed run leaves, the prefix scan that
-leaks descriptors and tests every dead prefix's filelocks 18 times. Each touch is here, named after what it does, so a new streaming (or
-the ``streaming-community`` fork, same import name) is checked in one module; everything
-else imports streaming's public names only (``tests/test_layout.py`` fails otherwise).
+leaks descriptors and tests every dead prefix's filelocks 18 times. Each touch is here,
+named after what it does, so a new streaming (or the ``streaming-community`` fork, same
+import name) is checked in one module; everything else imports streaming's public names only (``tests/test_layout.py`` fails otherwise).
 Besides this module, ``plan/simulate.py`` replays streaming's sampler (``generate_work``)
 and ``format/streaming_format.py`` and ``s3/remote.py`` use its hashing, codecs and
 downloaders.
@@ -248,7 +248,9 @@ def prefix_scan_skips_locked() -> Iterator[None]:
     and again at every stage switch; it grows with every run the machine has made.
 
     How: one ``os.listdir`` of ``tempfile.gettempdir()`` (streaming's own directory for
-    them) per prefix choice; ``_each_prefix_int`` (the scan's source of candidates) then
+    them) per prefix choice, made when the scan first asks for candidates (a rank that
+    takes its leader's prefix, :func:`ranks_take_leaders_prefix`, lists nothing);
+    ``_each_prefix_int`` (the scan's source of candidates) then
     yields only the prefixes with no filelock in that listing. Everything else is
     streaming's scan unchanged: it still tests both filelocks of every prefix it is given
     (a filelock made after the listing is seen) and attaches to the segments. A filelock
@@ -258,12 +260,15 @@ def prefix_scan_skips_locked() -> Iterator[None]:
     from streaming.base.shared import prefix
 
     original = prefix._each_prefix_int
-    locked = _locked_prefixes()
-    if locked is None:
-        yield
-        return
+    listed: list[Optional[frozenset[int]]] = []  # the listing, once made
 
     def each_prefix_int() -> Iterator[int]:
+        if not listed:
+            listed.append(_locked_prefixes())
+        locked = listed[0]
+        if locked is None:
+            yield from original()
+            return
         for prefix_int in original():
             if prefix_int not in locked:
                 yield prefix_int

@@ -303,6 +303,7 @@ def test_the_prefix_scan_lists_the_filelocks_once_and_picks_streamings_prefix(tm
 
     # A filelock made after the listing (another dataset registering meanwhile) is seen.
     with streaming_compat.prefix_scan_skips_locked():
+        assert scan() == chosen  # the listing is made by the first scan
         (tmp / prefix._get_path(chosen, CACHE_FILELOCK)).touch()
         after = scan()
     assert after == scan() > chosen  # == streaming's own choice now
