@@ -6,7 +6,9 @@ Two kinds of case (issue 22):
 * **plan** (``--plan N:ROWS``): N streams of ROWS rows each, written as real manifests and
   ``index.json`` files whose shard files are *sparse* (``truncate`` to the indexed size:
   the plan reads manifests and indexes only, never shard bytes). Measures the whole
-  ``foundrymix plan --json`` command: wall time and peak RSS (``wait4``).
+  ``foundrymix plan --json`` command: wall time and peak RSS (``wait4``), and its time
+  after its imports; against raw streaming's start over the same streams (its dataset and
+  its first batch's work, up to the first row read: the shards are holes), alternating.
 * **start** (``--start N``): one real stream converted from the bundled arXiv sample at
   ``--seq-len`` (1,409 rows at 256 tokens), hard-linked into N stream directories.
   Measures, each in a fresh process after its imports: the trainer's loader path
@@ -48,6 +50,12 @@ ENV = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE
 
 #: whether each case's processes get a fresh temporary directory (``--shared-tmp`` unsets it)
 CASE_TMP = True
+#: whether foundrymix's side hashes local shards at a first start (``--no-hash`` unsets it:
+#: what a first start costs besides that one read of the data)
+HASH_LOCAL = True
+#: whether every round of a start case is a first start (``--first-starts``: a fresh cache
+#: directory each round) rather than round 1 only
+FIRST_STARTS = False
 
 
 def case_env(case: str, **extra: str) -> dict:
@@ -119,7 +127,8 @@ def write_sparse_stream(template: str, out: str, rows: int) -> None:
 
 def write_config(path: str, stream_dirs: dict[str, str], seq_len: int, max_duration: str,
                  repeat: float = 1, stages: int = 0) -> None:
-    """A training YAML (yamls/demo.yaml's model and optimizer) over ``stream_dirs``."""
+    """A training YAML (yamls/demo.yaml's model and optimizer) over ``stream_dirs``
+    (``hash_local_shards: false`` with ``--no-hash``)."""
     import yaml
     cfg = yaml.safe_load(open(os.path.join(ROOT, 'yamls', 'demo.yaml')))
     cfg.pop('variables')
@@ -128,6 +137,8 @@ def write_config(path: str, stream_dirs: dict[str, str], seq_len: int, max_durat
     cfg['model']['max_position_embeddings'] = seq_len
     streams = {n: {'local': d, 'repeat': repeat} for n, d in stream_dirs.items()}
     cfg['train_loader']['streams'] = streams
+    if not HASH_LOCAL:
+        cfg['train_loader']['hash_local_shards'] = False
     cfg['max_duration'] = max_duration
     if stages:  # the same streams, one stage after another: a switch rebuilds the dataset
         cfg['train_loader']['stages'] = [{'name': f'st{i}', 'duration': max_duration,
@@ -182,6 +193,45 @@ if len(sys.argv) > 3:  # a stage switch: the next stage's first batch
         next(it)
     out['switch_seconds'] = time.perf_counter() - t1
 print(json.dumps(out))
+'''
+
+#: ``foundrymix plan --json CONFIG`` as the command runs it (``foundrymix.cli.main``), with
+#: the time after its imports printed on a last line of its own
+PLAN_TIMED = r'''
+import json, sys, time
+import foundrymix.cli
+# what the command imports before it plans: its parser's modules, the YAML reader, the plan
+# (streaming and torch: what raw streaming's side imports before its clock starts)
+import omegaconf
+import foundrymix.plan.stages, foundrymix.tools.plan, foundrymix.train.config
+foundrymix.cli.build_parser()
+t0 = time.perf_counter()
+code = foundrymix.cli.main(['plan', '--json', sys.argv[1]])
+sys.stdout.flush()
+print(json.dumps({'seconds': time.perf_counter() - t0}))
+sys.exit(code)
+'''
+
+#: raw streaming's start over the plan cases' sparse streams: the dataset and the work of its
+#: first batch (partition and shuffle of the epoch), up to the first row read -- which fails,
+#: the shard files being holes; reading 8 real rows is ~1 ms of a start (the start cases)
+RAW_SPARSE = r'''
+import json, sys, time
+from streaming import Stream, StreamingDataset
+from torch.utils.data import DataLoader, default_collate
+dirs = json.load(open(sys.argv[1]))
+t0 = time.perf_counter()
+ds = StreamingDataset(streams=[Stream(local=d) for d in dirs], batch_size=8, shuffle=True,
+                      shuffle_seed=17, batching_method='random')
+loader = DataLoader(ds, batch_size=8, num_workers=0,
+                    collate_fn=lambda s: default_collate([r['input_ids'] for r in s]))
+try:
+    next(iter(loader))
+except IndexError:  # 'Relative sample index ... is not present': the hole where the row would be
+    pass
+else:
+    raise SystemExit('the sparse shards gave a row')
+print(json.dumps({'seconds': time.perf_counter() - t0}))
 '''
 
 RAW_AT = r'''
@@ -267,8 +317,11 @@ def start_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> d
     # A cache directory of the case's own: round 1 is a first start (foundrymix hashes every
     # shard, plans and records the plan and the tokenizer's fingerprint), later rounds are
     # restarts over unchanged inputs (they read those records).
+    # With --first-starts, every round has a cache directory of its own: all are first starts.
     env = case_env(case, FOUNDRYMIX_CACHE=os.path.join(case, 'cache'))
-    for _ in range(rounds):
+    for i in range(rounds):
+        if FIRST_STARTS:
+            env = dict(env, FOUNDRYMIX_CACHE=os.path.join(case, f'cache-{i}'))
         for side, code, arg, times, rss in (('raw', RAW, dir_list, raw, rss_raw),
                                             ('ours', OURS, cfg, ours, rss_ours)):
             _, peak, out = run_wait4([PY, '-c', code, arg], cwd=case, env=env)
@@ -283,6 +336,11 @@ def start_case(work: str, template: str, n: int, rounds: int, seq_len: int) -> d
 
 def plan_case(work: str, template: str, n: int, rows: int, rounds: int, seq_len: int,
               duration: str = '1ep') -> dict:
+    """``foundrymix plan --json`` over ``n`` sparse streams of ``rows`` rows, against raw
+    streaming's start on the same streams (:data:`RAW_SPARSE`), alternating. Each side is
+    timed twice: the whole process (interpreter and imports included) and, inside it, the
+    work after its imports -- the issue's 0.25x target is read on the second (imports are
+    paid once per process whatever it does; ~2-5 s here, torch's most of it)."""
     case = os.path.join(work, f'plan-{n}x{rows}')
     dirs = {}
     for i in range(n):
@@ -291,16 +349,25 @@ def plan_case(work: str, template: str, n: int, rows: int, rounds: int, seq_len:
         dirs[f's{i:05d}'] = d
     cfg = os.path.join(case, 'train.yaml')
     write_config(cfg, dirs, seq_len, duration)
-    times, rss = [], []
+    dir_list = os.path.join(case, 'dirs.json')
+    json.dump(list(dirs.values()), open(dir_list, 'w'))
+    times, rss, work_s, raw_wall, raw_work = [], [], [], [], []
+    env = case_env(case)
     for _ in range(rounds):
-        wall, peak, out = run_wait4([PY, '-m', 'foundrymix.cli', 'plan', '--json', cfg], cwd=case)
+        wall, _, out = run_wait4([PY, '-c', RAW_SPARSE, dir_list], cwd=case, env=env)
+        raw_wall.append(wall)
+        raw_work.append(json.loads(out.strip().splitlines()[-1])['seconds'])
+        wall, peak, out = run_wait4([PY, '-c', PLAN_TIMED, cfg], cwd=case, env=env)
         times.append(wall)
         rss.append(peak)
+        text, _, timing = out.rstrip().rpartition('\n')
+        work_s.append(json.loads(timing)['seconds'])
     shutil.rmtree(case)
-    doc = json.loads(out)
+    doc = json.loads(text)
     counted = (doc['stages'][0]['plan'] if 'stages' in doc else doc).get('counted', {})
     return {'streams': n, 'rows': rows, 'duration': duration, 'plan_s': times,
-            'plan_rss_gb': max(rss), 'counted': counted}
+            'plan_rss_gb': max(rss), 'counted': counted, 'plan_work_s': work_s,
+            'raw_wall_s': raw_wall, 'raw_work_s': raw_work}
 
 
 def fmt(values: list[float]) -> str:
@@ -324,9 +391,17 @@ def main() -> None:
     ap.add_argument('--shared-tmp', action='store_true',
                     help="run the cases with the machine's temporary directory (its dead streaming "
                          'filelocks) instead of a fresh one each')
+    ap.add_argument('--no-hash', action='store_true',
+                    help="foundrymix's configs set train_loader.hash_local_shards: false (a first "
+                         'start without its one read of every local shard)')
+    ap.add_argument('--first-starts', action='store_true',
+                    help='every round of a start case is a first start (a fresh cache directory '
+                         'each): a median of first starts rather than one sample')
     args = ap.parse_args()
-    global CASE_TMP
+    global CASE_TMP, HASH_LOCAL, FIRST_STARTS
     CASE_TMP = not args.shared_tmp
+    HASH_LOCAL = not args.no_hash
+    FIRST_STARTS = args.first_starts
     with tempfile.TemporaryDirectory(prefix='bench-scale-') as work:
         template = convert_template(work, args.seq_len)
         with open(os.path.join(template, 'foundrymix.json')) as f:
@@ -334,20 +409,32 @@ def main() -> None:
         print(f'load before: {os.getloadavg()[0]:.2f}; {os.cpu_count()} cpus; template stream: '
               f'{template_rows:,} rows of {args.seq_len} tokens; temporary directory: '
               f'{"a fresh one per case" if CASE_TMP else tempfile.gettempdir()} '
-              f'({dead_prefixes():,} streaming filelocks in {tempfile.gettempdir()})', flush=True)
+              f'({dead_prefixes():,} streaming filelocks in {tempfile.gettempdir()}); local shards '
+              f'{"hashed at a first start" if HASH_LOCAL else "not hashed (--no-hash)"}', flush=True)
         results = {'plan': [], 'start': [], 'template_rows': template_rows}
         for case in args.plan:
             n, rows, duration = (case.split(':') + ['1ep'])[:3]
             n, rows = int(n), int(rows)
             r = plan_case(work, template, n, rows, args.rounds, args.seq_len, duration)
             results['plan'].append(r)
+            ratio = [p / w for p, w in zip(r['plan_work_s'], r['raw_work_s'])]
+            whole = [p / w for p, w in zip(r['plan_s'], r['raw_wall_s'])]
             print(f'plan   {n:>6,} streams x {rows:>11,} rows ({n * rows:>14,}), {duration}: '
                   f'{fmt(r["plan_s"])} s, peak RSS {r["plan_rss_gb"]:.2f} GB; counted '
                   f'{r["counted"]}', flush=True)
+            print(f'plan   {n:>6,} streams, after imports: plan {fmt(r["plan_work_s"])} s, raw '
+                  f'streaming start {fmt(r["raw_work_s"])} s, ratio {fmt(ratio)}; whole processes: '
+                  f'plan {fmt(r["plan_s"])} s, raw {fmt(r["raw_wall_s"])} s, ratio {fmt(whole)}',
+                  flush=True)
         for n in args.start:
             r = start_case(work, template, n, args.rounds, args.seq_len)
             results['start'].append(r)
             ratio = [o / w for o, w in zip(r['ours_s'], r['raw_s'])]
+            if FIRST_STARTS:
+                print(f'start  {n:>6,} streams x {template_rows:,} rows, first starts (a fresh cache '
+                      f'each round): foundrymix {fmt(r["ours_s"])} s, raw streaming {fmt(r["raw_s"])} '
+                      f's; ratio {fmt(ratio)}', flush=True)
+                continue
             print(f'start  {n:>6,} streams x {template_rows:,} rows, first start: foundrymix '
                   f'{r["ours_s"][0]:.2f} s, raw streaming {r["raw_s"][0]:.2f} s, ratio {ratio[0]:.2f}',
                   flush=True)
