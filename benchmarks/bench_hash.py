@@ -17,7 +17,15 @@ times (median and range):
 Data sets: the bundled samples (``data/samples``, converted with the real converters at
 ``--seq-len``) and ``--shards`` synthetic shards of ``--shard-mb`` MB (``ShardWriter``).
 
+And the ranks of one node (``--ranks P``, default 2): ``--rank-streams`` stream directories
+of ``--shards`` shards each, first checked (no record) by one process, then by P processes
+started together as local ranks 0..P-1 (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), as a
+multi-GPU node's ranks do at a run's start -- cold and warm, wall time until the last one is
+done. Each rank starts at its own share of the directories and passes over those another
+holds, so they hash in parallel (before, they queued on the first directory's lock).
+
     .venv/bin/python benchmarks/bench_hash.py [--shards 5] [--shard-mb 64] [--rounds 3]
+        [--ranks 2] [--rank-streams 8]
 
 Everything is written under a temporary directory, removed afterwards (records included:
 ``FOUNDRYMIX_CACHE`` points there).
@@ -129,16 +137,85 @@ def measure(name: str, dirs: list[str], rounds: int, cache: str) -> None:
               f'{total / med / 1e9 if med else float("inf"):6.2f} GB/s')
 
 
+def _rank(config: Any, infos: Any, rank: int, ranks: int, barrier: Any) -> None:
+    from foundrymix.loader.cache import check_local_streams
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks))
+    barrier.wait()
+    check_local_streams(config, infos)
+
+
+def measure_ranks(dirs: list[str], ranks: int, rounds: int, cache: str) -> None:
+    """One process, then ``ranks`` processes at once, checking ``dirs`` with no record."""
+    import multiprocessing
+
+    import streaming.base.hashing  # noqa: F401  (imported in a trainer long before; 0.2 s here)
+
+    from foundrymix.loader.cache import local_hashes
+    from foundrymix.loader.mixer import StreamMixer
+    config = StreamMixer.from_dict({'streams': {f's{i}': {'local': d} for i, d in enumerate(dirs)}})
+    infos = config.catalog.infos()
+    files = [f for d in dirs for f in shard_files(d)]
+    total = sum(os.path.getsize(f) for f in files)
+    ctx = multiprocessing.get_context('fork')
+
+    def run(n: int, warm: bool) -> float:
+        shutil.rmtree(os.path.join(cache, 'shard-hashes'), ignore_errors=True)
+        local_hashes._SEEN.clear()
+        evict(files)
+        if warm:
+            for f in files:
+                with open(f, 'rb') as fh:
+                    while fh.read(1 << 24):
+                        pass
+        barrier = ctx.Barrier(n + 1)
+        procs = [ctx.Process(target=_rank, args=(config.config, infos, r, n, barrier)) for r in range(n)]
+        for p in procs:
+            p.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for p in procs:
+            p.join()
+            assert p.exitcode == 0, p.exitcode
+        return time.perf_counter() - start
+
+    cases = [(n, warm) for warm in (False, True) for n in (1, ranks)]
+    times: dict[tuple[int, bool], list[float]] = {c: [] for c in cases}
+    for _ in range(rounds):
+        for c in cases:
+            times[c].append(run(*c))
+    print(f'\nranks of one node: {len(dirs)} stream directories, {len(files)} shard files, '
+          f'{total / 1e6:,.1f} MB; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores')
+    for warm in (False, True):
+        one = statistics.median(times[(1, warm)])
+        for n in (1, ranks):
+            ts = times[(n, warm)]
+            med = statistics.median(ts)
+            print(f'  {"warm" if warm else "cold"}, {n} process(es): median {med * 1e3:8.1f} ms  '
+                  f'[{min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}]  {total / med / 1e9:6.2f} GB/s  '
+                  f'{one / med:.2f}x one process')
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--shards', type=int, default=5)
     parser.add_argument('--shard-mb', type=int, default=64)
     parser.add_argument('--seq-len', type=int, default=2048)
     parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--ranks', type=int, default=2, help='processes of the ranks case (0: skip it)')
+    parser.add_argument('--rank-streams', type=int, default=8)
+    parser.add_argument('--skip-single', action='store_true', help='only the ranks case')
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix='bench-hash-')
     os.environ['FOUNDRYMIX_CACHE'] = os.path.join(root, 'cache')
     try:
+        if args.ranks:
+            dirs = [build_big(os.path.join(root, f'r{i}'), args.shards, args.shard_mb, args.seq_len)[0]
+                    for i in range(args.rank_streams)]
+            measure_ranks(dirs, args.ranks, args.rounds, os.environ['FOUNDRYMIX_CACHE'])
+            for d in dirs:
+                shutil.rmtree(d)
+        if args.skip_single:
+            return
         measure('bundled samples', build_samples(os.path.join(root, 'samples'), args.seq_len),
                 args.rounds, os.environ['FOUNDRYMIX_CACHE'])
         if args.shards:

@@ -15,6 +15,7 @@ import gc
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,92 @@ def test_records_unused_for_30_days_are_swept_once_a_day(tmp_path, small_streams
         os.close(held)
     assert sweep_records(str(folder), now=time.time() + 86400) == 1  # no longer held: 1held
     assert not (folder / '1held.json').exists() and not (folder / '1held.json.lock').exists()
+
+
+def _streams_config(tmp_path: Path, small_streams, n: int) -> tuple[LoaderConfig, dict[str, Path]]:
+    streams = {f's{i}': copy_stream(small_streams['arxiv'], tmp_path / f's{i}') for i in range(n)}
+    return LoaderConfig.from_dict({'streams': {k: {'local': str(p)} for k, p in streams.items()}}), streams
+
+
+def _check_streams_in_child(config, barrier, out, env) -> None:
+    from foundrymix.loader.cache import check_local_streams
+    from foundrymix.plan.catalog import Catalog
+    os.environ.update(env)
+    infos = Catalog(config).infos()
+    barrier.wait()
+    results = check_local_streams(config, infos)
+    out.put((env.get('LOCAL_RANK'), [(i.name, sorted(r.hashed_files), r.recorded_files)
+                                     for i, r in zip(infos, results)]))
+
+
+def test_a_rank_passes_over_a_directory_another_rank_is_hashing(tmp_path, small_streams, cache):
+    """The ranks of a node hash in parallel (issue 22): a directory whose lock another
+    process holds (it is hashing it) is passed over, the others hashed, and it is waited
+    for last -- then only its record is read. Here the test holds the first directory's
+    lock: the other two are hashed and recorded while it does (the original code waited on
+    the first directory and hashed nothing until it was released); once released, the
+    first is hashed too (the test recorded nothing), and the results are in config order."""
+    import multiprocessing
+
+    from foundrymix.loader.cache.local_hashes import _locked
+    config, streams = _streams_config(tmp_path, small_streams, 3)
+    want = sorted(recorded_hashes(streams['s0']))
+    ctx = multiprocessing.get_context('fork')
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    child = ctx.Process(target=_check_streams_in_child, args=(config, barrier, out, {}), daemon=True)
+    child.start()  # before the lock is taken: a forked child would inherit it
+    with _locked(record_path(None, str(streams['s0']))):
+        barrier.wait()
+        deadline = time.monotonic() + 60
+        while not (records(streams['s1']) and records(streams['s2'])) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(records(streams['s1'])) == want and sorted(records(streams['s2'])) == want
+        assert records(streams['s0']) == {} and child.is_alive()  # s0: still waited for
+    _, results = out.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert results == [(name, want, 0) for name in ('s0', 's1', 's2')]
+    assert sorted(records(streams['s0'])) == want
+
+
+def test_each_rank_of_a_node_starts_at_its_own_share(tmp_path, small_streams, cache, monkeypatch, caplog):
+    """Local rank r of w (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) starts hashing at directory
+    r * n / w and wraps around, so the ranks of a node begin on different directories."""
+    from foundrymix.loader.cache import check_local_streams
+    from foundrymix.plan.catalog import Catalog
+    config, _ = _streams_config(tmp_path, small_streams, 4)
+    infos = Catalog(config).infos()
+    monkeypatch.setenv('LOCAL_RANK', '1')
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '2')
+    with caplog.at_level(logging.INFO, logger='foundrymix.loader.cache.local_hashes'):
+        check_local_streams(config, infos)
+    order = [r.getMessage().split("'")[1] for r in caplog.records if ': hashing ' in r.getMessage()]
+    assert order == ['s2', 's3', 's0', 's1']
+
+
+def test_two_ranks_started_together_hash_every_directory_once(tmp_path, small_streams, cache):
+    """Two processes (local ranks 0 and 1 of 2) check four directories at once: between them
+    every shard file is hashed exactly once, and each ends with every directory verified,
+    in config order."""
+    import multiprocessing
+    config, streams = _streams_config(tmp_path, small_streams, 4)
+    want = sorted(recorded_hashes(streams['s0']))
+    ctx = multiprocessing.get_context('fork')
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_check_streams_in_child, daemon=True,
+                         args=(config, barrier, out, {'LOCAL_RANK': str(r), 'LOCAL_WORLD_SIZE': '2'}))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    names = sorted(streams)
+    for rank in ('0', '1'):
+        got = results[rank]
+        assert [name for name, _, _ in got] == names
+        # each directory: hashed here (every file) or verified by the other rank (every file recorded)
+        assert all((files, n) in ((want, 0), ([], len(want))) for _, files, n in got)
+    hashed_by = [[rank for rank in ('0', '1') if results[rank][k][1]] for k in range(len(names))]
+    assert all(len(who) == 1 for who in hashed_by), hashed_by
