@@ -30,8 +30,8 @@ each starts at its own share and passes over a directory whose lock another hold
 coming back to it last. Before, they all queued on the first directory's lock and one
 hashed everything: two ranks over 8 directories (538 MB) took 78-80 ms from the page
 cache and 356-383 ms from disk, now 52 ms and 282 ms (``benchmarks/bench_hash.py
---ranks 2``, 2-core VM; on a node with more cores and a disk that serves parallel reads,
-more).
+--ranks 2``, 2-core VM whose disk serves one reader as fast as two; a node's 8 ranks on
+a disk that serves parallel reads may gain more, not measured).
 
 A run's start reads one more record first: that of its whole set of stream directories
 (:func:`check_local_streams`), so a run over 1,000 streams that were all verified before
