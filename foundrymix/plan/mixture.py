@@ -25,6 +25,7 @@ arithmetic is split into per-epoch, per-rank and per-duration functions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -168,7 +169,51 @@ class Plan:
         return next(s for s in self.streams if s.name == name)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """``dataclasses.asdict(self)``, without its cost: ``asdict`` looks up every
+        object's fields and deep-copies every leaf, 0.63 s of ``plan --json`` over 10,000
+        streams (2.9 s after imports; Python 3.11). Equal to ``asdict`` (tested)."""
+        return _plain(self)
+
+
+def _plain(obj: Any) -> Any:
+    """:func:`dataclasses.asdict`'s result for what a plan holds: dataclasses, lists,
+    tuples and dicts rebuilt, immutable scalars kept, anything else deep-copied (as
+    ``asdict`` does)."""
+    kind = type(obj)
+    if kind in _SCALARS:
+        return obj
+    names = _FIELDS.get(kind)
+    if names is None and dataclasses.is_dataclass(kind):
+        names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    scalars = _SCALARS  # a scalar is kept without a call: most of a plan's 10^5-10^6 leaves
+    if names is not None:
+        out = {}
+        for name in names:
+            value = getattr(obj, name)
+            out[name] = value if type(value) in scalars else _plain(value)
+        return out
+    if kind is list:
+        return [x if type(x) in scalars else _plain(x) for x in obj]
+    if kind is tuple:
+        return tuple(x if type(x) in scalars else _plain(x) for x in obj)
+    if kind is dict:
+        return {_plain(k): v if type(v) in scalars else _plain(v) for k, v in obj.items()}
+    return _asdict_fallback(obj)
+
+
+def _asdict_fallback(obj: Any) -> Any:
+    """What ``asdict`` makes of anything else (a namedtuple, a dict subclass, an array)."""
+    holder = _Holder(obj)
+    return asdict(holder)['value']
+
+
+@dataclass
+class _Holder:
+    value: Any
+
+
+_SCALARS = frozenset((int, float, str, bool, type(None)))
+_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass

@@ -272,3 +272,63 @@ def test_passes_over_the_run_in_one_line(root, tmp_path, capsys):
     rows = {'arxiv': 120, 'wiki': 80, 'dolly': 60}
     assert d['passes_per_stream'] == {n: d['rows_per_stream'][n] / rows[n] for n in rows}
     assert sum(d['rows_per_stream'].values()) == 75 * 7
+
+
+STAGED = '''
+global_train_batch_size: 8
+max_seq_len: 32
+model: {{type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1,
+         num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 32}}
+train_loader:
+  shuffle_seed: 17
+  stages:
+    - name: warm
+      duration: 7ba
+      streams: {{arxiv: {{local: {root}/arxiv}}, wiki: {{local: {root}/wiki, repeat: 0.3}}}}
+    - name: mix
+      duration: 1ep
+      streams: {{'*': {{proportion: 1.0}}, arxiv: {{local: {root}/arxiv}}, dolly: {{local: {root}/dolly}}}}
+'''
+
+
+@pytest.mark.parametrize('world', [1, 4])
+def test_plan_json_is_dataclasses_asdict(root, tmp_path, world):
+    """``Plan.to_dict`` (what ``plan --json`` prints) is exactly ``dataclasses.asdict`` of
+    the plan -- the library's own conversion is the oracle -- for a single mixture ending
+    mid-epoch, over 1 and 4 ranks (per-rank plans), and for each stage of a staged run."""
+    import dataclasses
+
+    from foundrymix.tools.plan import plan_from_yaml
+    single = plan_from_yaml(write_yaml(tmp_path, root, duration='40ba'), world_size=world)
+    staged_yaml = tmp_path / 'staged.yaml'
+    staged_yaml.write_text(STAGED.format(root=root))
+    staged = plan_from_yaml(str(staged_yaml), world_size=world)
+    plans = [single] + [stage.plan for stage in staged.stages]
+    assert len(plans) == 3 and any(p.per_rank for p in plans)
+    for plan in plans:
+        got = plan.to_dict()
+        assert got == dataclasses.asdict(plan)
+        assert json.dumps(got, sort_keys=True) == json.dumps(dataclasses.asdict(plan), sort_keys=True)
+        # and, as asdict's, a copy: no list or dict of the result is one the plan holds
+        assert not _containers(got) & _containers(plan)
+
+
+def _containers(obj, seen=None) -> set:
+    """The ids of every list and dict reachable from ``obj`` through dataclass fields,
+    lists, tuples and dict values."""
+    import dataclasses
+    seen = set() if seen is None else seen
+    if isinstance(obj, (list, dict)):
+        if id(obj) in seen:
+            return seen
+        seen.add(id(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _containers(getattr(obj, f.name), seen)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _containers(x, seen)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _containers(x, seen)
+    return seen
