@@ -169,9 +169,10 @@ class Plan:
         return next(s for s in self.streams if s.name == name)
 
     def to_dict(self) -> dict[str, Any]:
-        """``dataclasses.asdict(self)``, without its cost: ``asdict`` looks up every
-        object's fields and deep-copies every leaf, 0.63 s of ``plan --json`` over 10,000
-        streams (2.9 s after imports; Python 3.11). Equal to ``asdict`` (tested)."""
+        """``dataclasses.asdict(self)``, rebuilt directly: ``asdict`` looks up every
+        object's fields and deep-copies every leaf, 0.24 s over 10,000 streams against
+        0.03 s here (CPython 3.11.7, the collector paused as ``plan`` runs; with it on,
+        ``asdict`` took 0.49 s). Equal to ``asdict``, and as unshared (tested)."""
         return _plain(self)
 
 
