@@ -89,11 +89,12 @@ class StreamMixer:
         weights = epoch_weights(self.config, infos, G, self.where)
         return build_dataset(self.config, infos, weights, batch_size, G, self.where)
 
-    def build_dataloader(self, batch_size: int, epochs: int = 1,
-                         world_size: Optional[int] = None) -> Any:
-        """A loader of ``epochs`` epochs of the mixture in the plan's order: this rank's
-        ``batch_size`` rows of each global batch, collated (int64 tensors); iterating it
-        trains the epochs once (``loader.position`` is the resumable position)."""
+    def build_dataloader(self, batch_size: int, epochs: int = 1, world_size: Optional[int] = None,
+                         rank: Optional[int] = None) -> Any:
+        """A loader of ``epochs`` epochs of the mixture in the plan's order: rank ``rank``'s
+        ``batch_size`` rows of each global batch of ``world_size`` ranks (default: the
+        launcher's), collated (int64 tensors); iterating it trains the epochs once, and
+        ``state_dict()`` / ``load_state_dict()`` resume it at any batch."""
         from foundrymix.loader.run_loader import build_run_loader
         from foundrymix.loader.streaming_compat import world_size as get_world_size
         from foundrymix.plan.stages import plan_run
@@ -102,7 +103,7 @@ class StreamMixer:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
         run, _ = plan_run(self.config, batch_size, f'{epochs}ep',
                           Topology(1, world_size or get_world_size()), self.where)
-        return build_run_loader(run, batch_size)
+        return build_run_loader(run, batch_size, rank=rank)
 
     def plan(self, batch_size: int, max_duration: Optional[Any] = None, world_size: int = 1,
              nodes: int = 1) -> 'Plan':

@@ -237,9 +237,13 @@ class StagedDataLoader(DataLoader):
     """Batches of every stage in order; ``stream_id`` is the run-wide stream index and, in a
     run with ``stages:``, ``stage_id`` the stage of each sample."""
 
-    def __init__(self, run: RunPlan, batch_size: int, composer_epochs: bool = False) -> None:
+    def __init__(self, run: RunPlan, batch_size: int, composer_epochs: bool = False,
+                 rank: Optional[int] = None) -> None:
         super().__init__(StagedPosition(run), batch_size=batch_size)
         self.run = run
+        #: the global rank whose slice of every global batch this loader yields (default:
+        #: the launcher's ``RANK``)
+        self.rank = rank
         if composer_epochs and (run.explicit or any(s.config is not None and s.config.adaptive
                                                     for s in run.stages)):
             # A staged run is one Composer epoch: ending Composer epochs at stage switches
@@ -267,6 +271,16 @@ class StagedDataLoader(DataLoader):
     @property
     def position(self) -> StagedPosition:
         return self.dataset  # type: ignore[return-value]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (next global batch, trained stages' fingerprints, adaptive state):
+        what a checkpoint keeps. Under Composer the position itself is checkpointed."""
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a :meth:`state_dict`'s batch (the trained past checked unchanged)."""
+        self.release()
+        self.position.load_state_dict(state)
 
     def __len__(self) -> int:
         """Batches of one iteration: the whole run, or (``composer_epochs``, one stage) one
@@ -315,7 +329,8 @@ class StagedDataLoader(DataLoader):
         else:
             batch_rows = stage.plan.order.batch
         first = position.batch - stage.start_batch
-        span = Span(active.dataset, batch_rows, first, end - stage.start_batch, global_rank(),
+        rank = global_rank() if self.rank is None else self.rank
+        span = Span(active.dataset, batch_rows, first, end - stage.start_batch, rank,
                     stage.batch_size, offsets)
         stream_map = self._maps[stage.index]
         loader = span_loader(span, config.num_workers, config.pin_memory, config.timeout,
@@ -374,9 +389,11 @@ def _segment_rows(controller: AdaptiveController, batch: int, offsets: np.ndarra
     return rows
 
 
-def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False) -> StagedDataLoader:
-    """The loader of a planned run (``run`` from :func:`~foundrymix.plan.stages.plan_run`)."""
-    return StagedDataLoader(run, batch_size, composer_epochs)
+def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False,
+                     rank: Optional[int] = None) -> StagedDataLoader:
+    """The loader of a planned run (``run`` from :func:`~foundrymix.plan.stages.plan_run`)
+    for global rank ``rank`` (default: the launcher's)."""
+    return StagedDataLoader(run, batch_size, composer_epochs, rank)
 
 
 def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str] = None,

@@ -249,17 +249,16 @@ REPLACED_KNOBS = {
 
 
 def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
-    """Refuse streaming's sampler knobs (the order is foundrymix's own) and the two settings
-    whose other value no longer exists: every epoch is whole global batches, every batch full."""
+    """Refuse streaming's sampler knobs (the order is foundrymix's own) and ``drop_last:
+    false``: every epoch is whole global batches, so every batch is full."""
     for key, why in REPLACED_KNOBS.items():
         if key in data:
             raise ConfigError(f'{where}.{key}: streaming\'s sampler knob, which foundrymix\'s own '
                               f'sample order replaced ({why}; docs/mixing-and-plan.md); remove it')
-    for key in ('exact', 'drop_last'):
-        if key in data and data[key] is False:
-            raise ConfigError(f'{where}.{key}: false is gone: every epoch is whole global batches '
-                              f'and every batch is full (the rows an epoch leaves out go to the '
-                              f'next epoch and are listed by foundrymix plan); remove it')
+    if data.get('drop_last') is False:
+        raise ConfigError(f'{where}.drop_last: false is gone: every epoch is whole global batches, '
+                          f'so every batch is full (the rows an epoch leaves out go to the next '
+                          f'epoch and are listed by foundrymix plan); remove it')
 
 
 def _loader_hints() -> dict[str, Any]:

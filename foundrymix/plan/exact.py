@@ -52,18 +52,17 @@ def weighted_streams(infos: list[StreamInfo], weights: EpochWeights, seed: int,
 def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: int,
                   where: str = 'train_loader') -> EpochWeights:
     """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches
-    when ``config.exact`` and batching is ``random``; stratified shares checked."""
+    (batching ``random``: an epoch is one block of the order); stratified shares checked
+    unless ``exact: false`` (which trains the rounded shares)."""
     requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
     base = EpochWeights(requested, None, (), (), 1)
     streams, size = weighted_streams(infos, base, config.shuffle_seed, config.weights_in)
     nominal = tuple(int(s.choose) for s in streams)
     base = EpochWeights(requested, None, nominal, nominal, 1)
-    if not config.exact:
-        return base
-    if config.batching_method == 'stratified':
-        check_stratified([i.name for i in infos], [float(s.proportion) for s in streams],
-                         global_batch, where)
-    if config.batching_method != 'random':
+    if config.batching_method == 'stratified':  # every batch is a block of whole rows
+        if config.exact:
+            check_stratified([i.name for i in infos], [float(s.proportion) for s in streams],
+                             global_batch, where)
         return base
     unit = global_batch
     cut = size % unit
