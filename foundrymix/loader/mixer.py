@@ -103,7 +103,9 @@ class StreamMixer:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
         run, _ = plan_run(self.config, batch_size, f'{epochs}ep',
                           Topology(1, world_size or get_world_size()), self.where)
-        return build_run_loader(run, batch_size, rank=rank)
+        loader = build_run_loader(run, batch_size, rank=rank)
+        loader.prepare()
+        return loader
 
     def plan(self, batch_size: int, max_duration: Optional[Any] = None, world_size: int = 1,
              nodes: int = 1) -> 'Plan':

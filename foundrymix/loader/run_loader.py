@@ -272,6 +272,19 @@ class StagedDataLoader(DataLoader):
     def position(self) -> StagedPosition:
         return self.dataset  # type: ignore[return-value]
 
+    @property
+    def storage(self) -> Any:
+        """The storage (:class:`~foundrymix.loader.dataset.MixedDataset`) of the stage being
+        read, or None before the first batch (:meth:`prepare` builds it) and after
+        :meth:`release`. A stage's storage is kept until the next stage's is built."""
+        return self._active.dataset if self._active is not None else None
+
+    def prepare(self) -> None:
+        """Build the storage of the stage at the position now (cache claims and checks,
+        shard files): what refuses a run refuses it here, before the first batch is due."""
+        if self.position.batch < self.run.total_batches:
+            self._activate(self.run.stage_at(self.position.batch))
+
     def state_dict(self) -> dict[str, Any]:
         """The position (next global batch, trained stages' fingerprints, adaptive state):
         what a checkpoint keeps. Under Composer the position itself is checkpointed."""
@@ -341,8 +354,6 @@ class StagedDataLoader(DataLoader):
                 batch['stage_id'] = torch.full_like(batch['stream_id'], stage.index)
             position.batch += 1
             yield batch
-        if position.batch >= stage.end_batch:
-            self.release()
 
     def _activate(self, stage: StagePlan) -> _Active:
         """The stage's storage, built from its plan once per stage."""
