@@ -164,15 +164,7 @@ class Block:
     def pattern(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Leaf ``k``'s (stream of each position, index of that position among its stream's
         positions in the leaf, rows of each stream before the leaf)."""
-        before, counts = self.leaf(k)
-        streams = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-        if len(streams) > 1:
-            streams = _rng(*self.key, k).permutation(streams)
-        order = np.argsort(streams, kind='stable')
-        occurrence = np.empty(len(streams), np.int64)
-        firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        occurrence[order] = np.arange(len(streams)) - np.repeat(firsts, counts)
-        return streams, occurrence, before
+        return _pattern(self.counts.tobytes(), self.counts.dtype.str, self.size, self.key, k)
 
     def prefix_counts(self, m: int) -> np.ndarray:
         """Rows of each stream among the block's first ``m`` positions."""
@@ -201,6 +193,22 @@ class Block:
         if not streams:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(streams), np.concatenate(draws)
+
+
+@lru_cache(maxsize=4)  # a batch touches one or two leaves; consecutive batches the same
+def _pattern(counts_bytes: bytes, dtype: str, size: int, key: tuple[int, ...], k: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    before, counts = _leaf(counts_bytes, dtype, size, k)
+    streams = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    if len(streams) > 1 and key:
+        streams = _rng(*key, k).permutation(streams)
+    order = np.argsort(streams, kind='stable')
+    occurrence = np.empty(len(streams), np.int64)
+    firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    occurrence[order] = np.arange(len(streams)) - np.repeat(firsts, counts)
+    for a in (streams, occurrence):
+        a.flags.writeable = False
+    return streams, occurrence, before
 
 
 @lru_cache(maxsize=64)

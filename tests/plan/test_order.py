@@ -14,8 +14,10 @@ def small_leaf(monkeypatch):
     """Leaves of 64 positions, so small blocks span many leaves and halvings."""
     monkeypatch.setattr(O, 'LEAF', 64)
     O._leaf.cache_clear()
+    O._pattern.cache_clear()
     yield
     O._leaf.cache_clear()
+    O._pattern.cache_clear()
 
 
 def enumerate_stage(order: O.StageOrder, batches: int) -> tuple[np.ndarray, np.ndarray]:
