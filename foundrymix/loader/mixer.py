@@ -90,11 +90,12 @@ class StreamMixer:
         return build_dataset(self.config, infos, weights, batch_size, G, self.where)
 
     def build_dataloader(self, batch_size: int, epochs: int = 1, world_size: Optional[int] = None,
-                         rank: Optional[int] = None) -> Any:
+                         rank: Optional[int] = None, rewind: bool = False) -> Any:
         """A loader of ``epochs`` epochs of the mixture in the plan's order: rank ``rank``'s
         ``batch_size`` rows of each global batch of ``world_size`` ranks (default: the
         launcher's), collated (int64 tensors); iterating it trains the epochs once, and
-        ``state_dict()`` / ``load_state_dict()`` resume it at any batch."""
+        ``state_dict()`` / ``load_state_dict()`` resume it at any batch. ``rewind``: every
+        iteration starts again at the first batch (an evaluation set, read whole each time)."""
         from foundrymix.loader.run_loader import build_run_loader
         from foundrymix.loader.streaming_compat import world_size as get_world_size
         from foundrymix.plan.stages import plan_run
@@ -104,6 +105,7 @@ class StreamMixer:
         run, _ = plan_run(self.config, batch_size, f'{epochs}ep',
                           Topology(1, world_size or get_world_size()), self.where)
         loader = build_run_loader(run, batch_size, rank=rank)
+        loader.rewind = rewind
         loader.prepare()
         return loader
 

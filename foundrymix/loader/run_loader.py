@@ -1,45 +1,28 @@
-"""The run's one DataLoader: each stage's mixture, built from the run's plan, switched at its
-exact batch -- for every run (a run without ``stages:`` is one stage).
+"""The run's one DataLoader: every stage's batches in the plan's order, switched at exact
+batches -- for every run (a run without ``stages:`` is one stage).
 
 Why one loader and one Composer ``fit``: the LR schedule, the optimizer and the
 checkpoints belong to the whole run, and Composer checkpoints the train loader's
-``dataset.state_dict``. Successive ``fit(duration=...)`` calls would stretch
-``max_duration`` (and the schedule) stage by stage. So :class:`StagedDataLoader` is a
-``torch.utils.data.DataLoader`` whose ``dataset`` is a :class:`StagedPosition` -- the
-run's position (global batch), what Composer saves and loads -- and whose iterator
-builds each stage's :class:`~foundrymix.loader.dataset.MixedDataset` in turn from the
-stage's plan (its streams' metadata and epoch weights, never recomputed here), yields
-exactly the planned number of batches from it (whole epochs of the stage's mixture,
-each reshuffled by streaming, then the rest of one), and drops it before the next stage
-starts: streaming refuses two live datasets over one local directory, and a stream
-reused by a later stage must still work.
+``dataset.state_dict``. So :class:`StagedDataLoader` is a ``DataLoader`` whose ``dataset``
+is a :class:`StagedPosition` -- the run's position, one global batch index, what Composer
+saves and loads -- and whose iterator reads spans of batches of the stage at the position
+(:mod:`foundrymix.loader.span`): batch ``b`` of a stage is ``stage.plan.order.batch(b)``
+(an adaptive stage: its controller's segment), this rank's columns of it read by index from
+the stage's storage. Nothing is replayed: resuming at any batch, on any number of ranks
+with the same global batch, starts reading there.
 
-Why one path for every run: a single mixture and a staged run used to be two loaders
-with two resume mechanisms, and only the staged one checked that the data trained so
-far was unchanged (a plain run resumed on another directory under the same stream name,
-silently). Now every run has one position, one plan and one resume check.
-
-The position counts batches *yielded to the trainer*, so a checkpoint names the next
-batch exactly. For a run without stages, ``composer_epochs`` (the trainer's setting)
-makes one iteration of the loader one epoch of its mixture, so Composer's epochs --
-``max_duration: 3ep``, ``save_interval: 1ep``, ``eval_interval: 1ep`` -- are data epochs,
-as they were with streaming's own loader; a staged run is one Composer epoch (as
-before), and a plain ``for`` loop over the loader (the default) runs the whole run. Resuming sets the stage's dataset to (epoch,
-sample in epoch) computed from the batch, which streaming resumes exactly.
+For a run without stages, ``composer_epochs`` (the trainer's setting) makes one iteration
+of the loader one epoch of its mixture, so Composer's epochs -- ``max_duration: 3ep``,
+``save_interval: 1ep`` -- are data epochs; a staged or adaptive run is one Composer epoch,
+and a plain ``for`` loop over the loader (the default) runs the whole run.
 
 Rules for changing the data on resume (checked by :meth:`StagedPosition.load_state_dict`):
-what has been trained is immutable -- stages already (partly) trained must have the
-same data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`, their global
-batch included) and the same start batch; a finished stage keeps its length. Later
-stages (including one that starts exactly at the checkpoint) may change -- their
+what has been trained is immutable -- stages already (partly) trained must have the same
+data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`, their global batch
+included) and the same start batch; a finished stage keeps its length. Later stages
+(including one that starts exactly at the checkpoint) may change -- their
 ``global_train_batch_size`` too -- and new ones, with new streams, may be appended; the
-run may be extended.
-
-Each stage's dataset and DataLoader are built with the stage's own batch
-(``stages[i].global_train_batch_size`` / ranks, planned by
-:func:`~foundrymix.plan.stages.build_run_plan`); the position is a global batch, and a
-stage's epoch and sample in epoch follow from its own batch, so a batch change at a
-stage switch needs nothing else to resume exactly.
+run may be extended. Positions written in streaming's order (versions 1-2) are refused.
 """
 
 from __future__ import annotations
@@ -244,6 +227,8 @@ class StagedDataLoader(DataLoader):
         #: the global rank whose slice of every global batch this loader yields (default:
         #: the launcher's ``RANK``)
         self.rank = rank
+        #: every iteration starts at the first batch (an evaluation set)
+        self.rewind = False
         if composer_epochs and (run.explicit or any(s.config is not None and s.config.adaptive
                                                     for s in run.stages)):
             # A staged run is one Composer epoch: ending Composer epochs at stage switches
@@ -305,6 +290,8 @@ class StagedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         position = self.position
+        if self.rewind:
+            position.batch = 0
         while position.batch < self.run.total_batches:
             stage = self.run.stage_at(position.batch)
             end = self._span_end(stage, position)

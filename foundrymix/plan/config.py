@@ -249,13 +249,14 @@ REPLACED_KNOBS = {
 
 
 def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
-    """Refuse streaming's sampler knobs (the order is foundrymix's own) and ``drop_last:
-    false``: every epoch is whole global batches, so every batch is full."""
+    """Refuse streaming's sampler knobs (the order is foundrymix's own) and, for training,
+    ``drop_last: false``: every epoch is whole global batches, so every batch is full (an
+    ``eval_loader`` keeps Foundry's ``drop_last: false``; the trainer says what it leaves out)."""
     for key, why in REPLACED_KNOBS.items():
         if key in data:
             raise ConfigError(f'{where}.{key}: streaming\'s sampler knob, which foundrymix\'s own '
                               f'sample order replaced ({why}; docs/mixing-and-plan.md); remove it')
-    if data.get('drop_last') is False:
+    if data.get('drop_last') is False and not where.startswith('eval_loader'):
         raise ConfigError(f'{where}.drop_last: false is gone: every epoch is whole global batches, '
                           f'so every batch is full (the rows an epoch leaves out go to the next '
                           f'epoch and are listed by foundrymix plan); remove it')

@@ -163,7 +163,14 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
     if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != tokenizer.fingerprint:
         raise ConfigError('eval_loader streams differ from train_loader streams in max_seq_len or tokenizer')
     eval_batch = cfg.device_eval_batch_size or device_batch
-    return Evaluator(label='eval', dataloader=eval_mixer.build_dataloader(batch_size=eval_batch),
+    loader = eval_mixer.build_dataloader(batch_size=eval_batch, rewind=True)
+    left = {n: k for n, k in loader.run.stages[0].plan.left_out_per_epoch.items() if k}
+    if left:  # an evaluation is whole global batches: say which rows it leaves out
+        log.warning('eval_loader: every evaluation reads whole global batches of %d rows, so %s '
+                    'rows are not evaluated (%s); a global eval batch that divides the eval '
+                    'rows evaluates every row', loader.run.stages[0].global_batch_size,
+                    sum(left.values()), ', '.join(f'{n} {k}' for n, k in left.items()))
+    return Evaluator(label='eval', dataloader=loader,
                      metric_names=['LanguageCrossEntropy']), eval_mixer.stream_names
 
 

@@ -80,6 +80,34 @@ def test_check_streams_refuses_another_tokenizer_after_a_memo(cache, tok, small_
         check_streams(cfg, cfg.max_seq_len, other)
 
 
+class CollectorPasses:
+    """Counts the cyclic collector's passes (``gc.callbacks``) made while one of ``functions``
+    runs (one of their frames is on the stack): the pass a paused block defers to its end
+    runs after the function has returned."""
+
+    def __init__(self, *functions) -> None:
+        self.codes = {getattr(f, '__wrapped__', f).__code__ for f in functions}
+        self.passes = 0
+
+    def __enter__(self) -> 'CollectorPasses':
+        import gc
+        gc.callbacks.append(self._seen)
+        return self
+
+    def _seen(self, phase: str, info: dict) -> None:
+        import sys
+        frame = sys._getframe(1)
+        while phase == 'start' and frame is not None:
+            if frame.f_code in self.codes:
+                self.passes += 1
+                return
+            frame = frame.f_back
+
+    def __exit__(self, *exc) -> None:
+        import gc
+        gc.callbacks.remove(self._seen)
+
+
 def test_a_start_runs_no_collector_pass_and_leaves_the_collector_as_it_was(cache, small_streams, tmp_path):
     """Reading the config, planning and building the loader and its first stage's dataset
     allocate much and free little: the collector is paused over them (foundrymix/heap.py;
