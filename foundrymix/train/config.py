@@ -130,7 +130,9 @@ class TrainConfig:
     eval_subset_num_batches: int = -1
     run_name: str = 'foundrymix'
     #: a local directory or ``s3://bucket/prefix`` (Composer uploads each checkpoint, then
-    #: ``latest-rank0.pt.symlink`` naming it; endpoint and credentials from the environment)
+    #: ``latest-rank0.pt.symlink`` naming it; endpoint and credentials from the environment);
+    #: ``{run_name}`` in it is replaced by ``run_name`` when the YAML is read, as Composer
+    #: formats it, so the report beside it and every printed path name the real directory
     save_folder: Optional[str] = None
     save_interval: Interval = Interval('1ep')
     #: local checkpoints kept (-1: all); Composer never deletes checkpoints in a bucket
@@ -164,6 +166,8 @@ class TrainConfig:
         return read_dataclass(cls, d)
 
     def check(self, where: str) -> None:
+        if self.save_folder and '{run_name}' in self.save_folder:
+            self.save_folder = self.save_folder.replace('{run_name}', self.run_name)
         if self.global_train_batch_size <= 0:
             raise ConfigError('global_train_batch_size must be positive')
         if self.load_weights_only and not self.load_path:
