@@ -44,7 +44,8 @@ class Migration:
     def report(self) -> list[str]:
         """Every key of the input, once: kept, changed, removed or to do; then whether the
         migration is complete and, for a GPU YAML, the overrides of a CPU trial."""
-        renamed = {new for old, new in TOP_RENAMES.items() if any(c.startswith(f'{old} -> {new}') for c in self.changes)}
+        renamed = {new for old, new in TOP_RENAMES.items()
+                   if any(c.startswith(f'{old} -> {new}') for c in self.changes)}
         lines = (kept(self, self.original, renamed) + [f'changed: {c}' for c in self.changes]
                  + [f'removed: {c}' for c in self.dropped] + [f'to do: {c}' for c in self.todo])
         lines.append(f'to do: {len(self.todo)} line(s) above before it runs' if self.todo else

@@ -376,4 +376,5 @@ def test_train_still_needs_the_model_section(root, tmp_path):
     train_py = Path(__file__).resolve().parents[2] / 'train.py'
     done = subprocess.run([sys.executable, str(train_py), path], capture_output=True, text=True)
     assert done.returncode == 2 and done.stdout == ''
-    assert done.stderr.strip().splitlines() == [f"foundrymix train: error: {path}: config: missing required key 'model'"]
+    assert done.stderr.strip().splitlines() == [
+        f"foundrymix train: error: {path}: config: missing required key 'model'"]

@@ -105,12 +105,12 @@ callbacks:
 
 FSDP_LINE = ('changed: fsdp_config -> fsdp (FSDP runs on GPUs here: a CPU run is refused until fsdp is left out; '
              'LLM-Foundry dropped it with a warning on one rank)')
-RUN_NAME_LINE = ("changed: run_name: {was} -> ${{oc.env:RUN_NAME,{name}}} (LLM-Foundry: $RUN_NAME, else a generated "
-                 "name; here $RUN_NAME, else {name}: the run's report and {{run_name}} in save_folder follow it, so give "
-                 "each run its own)")
-ATTN_LINE = ("changed: model.attn_config.attn_impl: {impl} -> eager: transformers' MPT computes eager attention (the same "
-             "values, slower and more memory than {impl}); for sdpa or flash_attention_2 use a model type that has them "
-             "(llama, gpt2, ...)")
+RUN_NAME_LINE = ("changed: run_name: {was} -> ${{oc.env:RUN_NAME,{name}}} (LLM-Foundry: $RUN_NAME, else a "
+                 "generated name; here $RUN_NAME, else {name}: the run's report and {{run_name}} in save_folder follow "
+                 "it, so give each run its own)")
+ATTN_LINE = ("changed: model.attn_config.attn_impl: {impl} -> eager: transformers' MPT computes eager attention "
+             "(the same values, slower and more memory than {impl}); for sdpa or flash_attention_2 use a model type "
+             "that has them (llama, gpt2, ...)")
 REPORT = [
     'kept: max_seq_len, scheduler, optimizer, algorithms, max_duration, eval_interval, eval_first, '
     'eval_subset_num_batches, global_train_batch_size, seed, device_eval_batch_size, device_train_microbatch_size, '
@@ -521,7 +521,8 @@ def test_foundry_model_keys_are_named_not_guessed(tmp_path, capsys):
     src.write_text('max_seq_len: 128\nglobal_train_batch_size: 4\nmax_duration: 2ba\n'
                    'train_loader: {streams: {a: {local: /nowhere}}}\n'
                    'model: {name: mpt_causal_lm, d_model: 16, n_heads: 2, n_layers: 1, vocab_size: 8192,\n'
-                   '        ffn_config: {ffn_type: mptglu}, use_auth_token: true, init_config: {name: kaiming_normal_},\n'
+                   '        ffn_config: {ffn_type: mptglu}, use_auth_token: true,\n'
+                   '        init_config: {name: kaiming_normal_},\n'
                    '        attn_config: {attn_impl: triton}}\n')
     assert main(['migrate', str(src)]) == 0
     report = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith('# ')]
