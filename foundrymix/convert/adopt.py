@@ -222,6 +222,17 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
                                   f'stream is taken as one document (doc_lens only mark row ends)')
 
 
+def no_separator_warning(inferred: str, tokenizer: str) -> str:
+    """What a stream with no separator of ``tokenizer`` may mean, said as a warning: token
+    shards hold no text, so a wrong tokenizer whose vocabulary covers the ids, or documents
+    joined by a separator of several ids (LLM-Foundry's ``--eos_text`` of several tokens),
+    look the same as one long document."""
+    return (f'warning: {inferred.split(":")[0]} of tokenizer {tokenizer!r} in the shards, so every row is '
+            f'one document. If the documents had separators, they were not its single EOS/BOS ids: '
+            f'the shards were made with another tokenizer (pass it with --tokenizer) or with an '
+            f'--eos_text/--bos_text of several ids (adopt finds single ids only).')
+
+
 def _split_out(out: str, split: MdsSplit, several: bool) -> str:
     if not several:
         return out

@@ -184,6 +184,10 @@ def check_rows(manifest: Manifest) -> None:
 def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]:
     """The plain sentences printed under the summary table; warnings start with ``warning:``."""
     notes = [separators_note(manifest), documents_note(manifest)]
+    inferred = manifest.options.get('source', {}).get('inferred', '')
+    if inferred.startswith('neither EOS'):  # adopt found no separator (convert/adopt.py)
+        from foundrymix.convert.adopt import no_separator_warning
+        notes.append(no_separator_warning(inferred, manifest.tokenizer.name))
     warning = too_long_warning(manifest, fit_95)
     return notes + ([warning] if warning else [])
 

@@ -363,3 +363,18 @@ def test_adopted_token_ids_are_said_to_be_kept_as_they_are(kind, tmp_path, dolly
     written = read_rows(tmp_path / 'out')
     assert Manifest.read(str(tmp_path / 'out')).dropped == {}
     assert sum(int((np.asarray(r['input_ids'])[:sum(r['doc_lens'])] == eos).sum()) for r in written) == source_eos
+
+
+def test_token_shards_without_a_separator_of_the_tokenizer_are_warned(tmp_path, capsys):
+    """No EOS/BOS id of --tokenizer in the shards: one document per stream, and a warning that
+    says what that may mean (another tokenizer, a several-id --eos_text) instead of silence."""
+    rows = [(np.arange(L, dtype=np.int32) * 7 + i) % 8000 + 5 for i in range(6)]  # ids 5..8004: no EOS (0)
+    src = write_foundry_pretrain(tmp_path / 'foundry', rows)
+    assert main(['adopt', str(src), '--out', str(tmp_path / 'out'), '--tokenizer', DEMO_TOKENIZER]) == 0
+    err = ' '.join(capsys.readouterr().err.split())
+    assert (f"warning: neither EOS (id 0) nor BOS between tokens of tokenizer '{DEMO_TOKENIZER}' in the shards, "
+            f"so every row is one document. If the documents had separators, they were not its single EOS/BOS "
+            f"ids: the shards were made with another tokenizer (pass it with --tokenizer) or with an "
+            f"--eos_text/--bos_text of several ids (adopt finds single ids only).") in err
+    m = Manifest.read(str(tmp_path / 'out'))
+    assert m.options['source']['inferred'].startswith('neither EOS') and m.counts.rows == 6
