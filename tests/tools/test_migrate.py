@@ -519,6 +519,7 @@ def test_foundry_model_keys_are_named_not_guessed(tmp_path, capsys):
     reader's refusal (should one reach it) says the same instead of the nearest transformers key."""
     src = tmp_path / 'mpt-glu.yaml'
     src.write_text('max_seq_len: 128\nglobal_train_batch_size: 4\nmax_duration: 2ba\n'
+                   'precision: amp_bf16\ndevice_train_microbatch_size: auto\n'
                    'train_loader: {streams: {a: {local: /nowhere}}}\n'
                    'model: {name: mpt_causal_lm, d_model: 16, n_heads: 2, n_layers: 1, vocab_size: 8192,\n'
                    '        ffn_config: {ffn_type: mptglu}, use_auth_token: true,\n'
@@ -526,7 +527,8 @@ def test_foundry_model_keys_are_named_not_guessed(tmp_path, capsys):
                    '        attn_config: {attn_impl: triton}}\n')
     assert main(['migrate', str(src)]) == 0
     report = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith('# ')]
-    assert report[-1] == 'to do: 1 line(s) above before it runs'  # no GPU setting: no CPU line
+    assert report[-2:] == ['to do: 1 line(s) above before it runs',  # then a GPU YAML's CPU trial
+                           'for a CPU trial add: precision=fp32 device_train_microbatch_size=null']
     assert [line for line in report if line.startswith(('to do: model', 'removed: model', 'changed: model.attn'))] == [
         ATTN_LINE.format(impl='triton'),
         AUTH,
