@@ -37,6 +37,7 @@ from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig, check_streams, split_batch
+from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, resume_line, wsd_resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
@@ -404,6 +405,9 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     loaded = getattr(hf_model, 'foundrymix_loading', None)
     if loaded and dist.get_global_rank() == 0:
         print(loaded, flush=True)
+    attention = mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs)
+    if attention and dist.get_global_rank() == 0:
+        print(attention, flush=True)
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
