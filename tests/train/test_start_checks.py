@@ -1,0 +1,84 @@
+"""What Composer refuses at the start of a run is refused first, by ``plan`` and ``train`` alike.
+
+Each config below passed ``foundrymix plan`` and then died in ``train`` with a Composer
+traceback that named no key. Both commands now stop with the same one line (exit 2,
+no traceback), through the real command line; where the line gives a value, that value
+is checked to pass. These tests assume a machine without a GPU (the CPU suite).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from helpers import ROOT, SMALL_SEQ, tiny_run_config
+
+pytestmark = pytest.mark.skipif(
+    __import__('torch').cuda.is_available(), reason='the refusals are of a CPU run')
+
+WHERE = 'the CPU (device: auto, and this machine has no GPU)'
+
+CASES = [
+    (['device_train_microbatch_size=auto'],
+     f"device_train_microbatch_size: auto needs a GPU (Composer fits the microbatch to the GPU's "
+     f"memory), and this run is on {WHERE}: give a whole number that divides the per-rank batch "
+     f"(e.g. 4: one microbatch per batch)"),
+    (['max_duration=2048tok', 'scheduler.t_warmup=2ba'],
+     "scheduler.t_warmup: 2ba is in batches, but this run is counted in tokens (max_duration 2048tok) "
+     "and Composer's cosine_with_warmup takes t_warmup in that unit: give t_warmup: 1024tok (the same "
+     "point) or a fraction of the run (e.g. 0.05dur)"),
+    (['precision=amp_bf16'],
+     f'precision: amp_bf16 needs a GPU, and this run is on {WHERE}: give precision: fp32 (or auto: '
+     f'fp32 on CPU, amp_bf16 on GPU)'),
+    (['load_path=oci://my-bucket/checkpoints/ep0-ba100-rank0.pt'],
+     'load_path: oci://my-bucket/checkpoints/ep0-ba100-rank0.pt: foundrymix loads checkpoints from a '
+     'local path or s3://bucket/key, not oci://; give one of those, or leave load_path out to start '
+     'from scratch'),
+    (['fsdp={sharding_strategy: FULL_SHARD}'],
+     f'fsdp: FSDP runs on GPUs, and this run is on {WHERE}: leave fsdp out (a CPU run trains without it)'),
+]
+
+
+@pytest.fixture
+def run_yaml(small_streams, tmp_path):
+    cfg = tiny_run_config({'streams': {'arxiv': {'local': str(small_streams['arxiv'])},
+                                       'dolly': {'local': str(small_streams['dolly'])}},
+                           'num_workers': 0},
+                          global_train_batch_size=4, max_duration='6ba', run_name='start-checks',
+                          save_folder=str(tmp_path / 'ckpt'),
+                          callbacks={'stream_accounting': {'out_dir': str(tmp_path / 'report')}})
+    path = tmp_path / 'run.yaml'
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def cli(*argv: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+@pytest.mark.parametrize('overrides, line', CASES, ids=['microbatch-auto', 'warmup-unit', 'amp-bf16',
+                                                          'oci-load-path', 'fsdp'])
+def test_plan_and_train_refuse_what_composer_would_in_one_line(run_yaml, tmp_path, overrides, line):
+    """The same line from ``foundrymix plan`` and ``python train.py``; nothing written."""
+    for command, argv in (('plan', ['-m', 'foundrymix.cli', 'plan']), ('train', [str(ROOT / 'train.py')])):
+        proc = cli(*argv, str(run_yaml), *overrides, cwd=tmp_path)
+        assert (proc.returncode, proc.stderr.splitlines()[-1:]) == (2, [f'foundrymix {command}: error: {line}']), \
+            proc.stderr
+        assert 'Traceback' not in proc.stderr and proc.stdout == ''
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run.yaml']  # no checkpoint, report or run dir
+
+
+@pytest.mark.slow
+def test_the_warmup_the_refusal_names_plans_and_a_zero_warmup_trains_in_tokens(run_yaml, tmp_path):
+    """``t_warmup: 1024tok`` (the line's value) plans; the default ``0ba`` warmup, which Composer
+    refused next to a ``tok`` max_duration, is the same point in tokens: the run trains to the end."""
+    from foundrymix.cli import main
+    assert main(['plan', str(run_yaml), 'max_duration=2048tok', 'scheduler.t_warmup=1024tok']) == 0
+    proc = cli(str(ROOT / 'train.py'), str(run_yaml), 'max_duration=2048tok', cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / 'report' / 'stream_accounting.json').read_text())
+    # 2048 tokens in Composer's count (rows x SMALL_SEQ), 4 rows a batch: 4 batches, 16 rows
+    assert (summary['batch'], summary['total']['samples']) == (2048 // SMALL_SEQ // 4, 16), summary
