@@ -38,7 +38,7 @@ from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig, check_streams, split_batch
-from foundrymix.train.console import console_kwargs, extension_line, resume_line, wsd_resume_line
+from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import LION_BETAS, DecoupledLionW
@@ -72,6 +72,8 @@ class TrainRun:
     plan: Any                     # a single mixture's Plan, or the RunPlan of a staged run
     #: the run's claims (save_folder, stream directories); :func:`train` releases them at the end
     claims: claims.ClaimSet = dataclasses.field(default_factory=claims.ClaimSet)
+    #: ``already finished: ...`` when it resumed at or past max_duration (nothing was trained)
+    finished: Optional[str] = None
 
 
 def _device(cfg: TrainConfig) -> str:
@@ -346,7 +348,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)
     poll_uploads_sooner(trainer)
-    line = resume_line(trainer.state, cfg.load_weights_only)
+    finished = None if cfg.load_weights_only else finished_line(trainer.state)
+    line = None if finished else resume_line(trainer.state, cfg.load_weights_only)
     extended = None
     if line and isinstance(scheduler, WSDScheduler):
         extended = wsd_resume_line(trainer.state, scheduler)
@@ -359,7 +362,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
             print(extended, flush=True)
     freeze_built_heap()
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
-                    plan=data.plan, claims=held)
+                    plan=data.plan, claims=held, finished=finished)
 
 
 def freeze_built_heap() -> None:
@@ -386,6 +389,11 @@ def train(cfg: TrainConfig) -> TrainRun:
     """Build and fit; returns the run (its accounting holds the per-stream summary)."""
     run = build_trainer(cfg)
     try:
+        if run.finished:  # a relaunch of a finished run: done, nothing to fit
+            if dist.get_global_rank() == 0:
+                print(run.finished, flush=True)
+            run.trainer.close()
+            return run
         try:
             if cfg.eval_first and run.trainer.state.timestamp.batch.value == 0 and run.trainer.state.evaluators:
                 run.trainer.eval()  # LLM-Foundry's eval_first: a baseline before the first step

@@ -82,3 +82,26 @@ def test_the_warmup_the_refusal_names_plans_and_a_zero_warmup_trains_in_tokens(r
     summary = json.loads((tmp_path / 'report' / 'stream_accounting.json').read_text())
     # 2048 tokens in Composer's count (rows x SMALL_SEQ), 4 rows a batch: 4 batches, 16 rows
     assert (summary['batch'], summary['total']['samples']) == (2048 // SMALL_SEQ // 4, 16), summary
+
+
+@pytest.mark.slow
+def test_relaunching_a_finished_run_with_autoresume_says_it_is_finished(run_yaml, tmp_path):
+    """A scheduler relaunching a finished run: exit 0 and one line (the checkpoint and its batch),
+    no Composer ``max_duration ... less than or equal to the elapsed training duration`` traceback,
+    and the checkpoints untouched. The line's advice works: a longer max_duration trains on."""
+    ckpt = tmp_path / 'ckpt'
+    argv = [str(ROOT / 'train.py'), str(run_yaml), 'autoresume=true', 'save_interval=3ba']
+    first = cli(*argv, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert sorted(before) == ['ep0-ba3-rank0.pt', 'ep0-ba6-rank0.pt', 'latest-rank0.pt']
+    again = cli(*argv, cwd=tmp_path)
+    assert again.returncode == 0 and 'Traceback' not in again.stderr, again.stderr
+    assert again.stdout.splitlines() == [
+        f'already finished: {ckpt / "latest-rank0.pt"} is at batch 6, the end of max_duration 6ba; '
+        f'nothing to train (to train on, raise max_duration)']
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    longer = cli(*argv, 'max_duration=9ba', cwd=tmp_path)
+    assert longer.returncode == 0, longer.stderr
+    assert f'resumed from {ckpt / "latest-rank0.pt"} at batch 6' in longer.stdout
+    assert 'ep0-ba9-rank0.pt' in {p.name for p in ckpt.iterdir()}
