@@ -52,7 +52,7 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
         raise ConfigError(f'world size {world_size} is not divisible by the {nodes} nodes')
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
                              Topology(nodes=nodes, ranks_per_node=world_size // nodes))
-    check_start(cfg, run, device_batch)  # what Composer would refuse at start, as train refuses it
+    check_start(cfg, run)  # what Composer would refuse at start, as train refuses it
     for catalog in catalogs:  # as train refuses them (issues 21, 26)
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     return run, cfg

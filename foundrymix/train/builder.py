@@ -214,7 +214,7 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     run, catalogs = planned_run(cfg.train_loader, device_batch, cfg.max_duration, topology)
     # what Composer would refuse at start, as plan refuses it (max_duration and t_warmup as
     # Composer is given them: preflight.composer_max_duration says why)
-    max_duration, t_warmup = check_start(cfg, run, device_batch)
+    max_duration, t_warmup = check_start(cfg, run)
     for catalog in catalogs:
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     loader = build_run_loader(run, device_batch, composer_epochs=True)

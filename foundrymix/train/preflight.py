@@ -138,40 +138,36 @@ def _samples_before(run: Any, batch: int) -> int:
     return stage.start_sample + (batch - stage.start_batch) * stage.global_batch_size
 
 
-def _where(cfg: Any, device: str) -> str:
-    if cfg.device == 'auto':
-        return f'the {device.upper()} (device: auto, and this machine has no GPU)'
-    return f'device: {cfg.device}'
-
-
-def check_start(cfg: Any, run: Any, device_batch: int,
-                device: Callable[[], str] = local_device) -> tuple[str, str]:
+def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) -> tuple[str, str]:
     """Refuse, one :class:`ConfigError` per key (all at once), what Composer refuses at start:
-    a GPU-only setting on the CPU (``device_train_microbatch_size: auto``, ``precision`` other
-    than fp32, ``fsdp``), a ``precision`` Composer does not know, a ``load_path`` that is not
-    a local file or ``s3://``, a ``t_warmup`` in another unit than ``max_duration`` (the one
+    ``device_train_microbatch_size: auto`` or ``fsdp`` off a GPU, a ``precision`` other than
+    fp32 on the CPU, a ``precision`` Composer does not know, a ``load_path`` that is not a
+    local file or ``s3://``, a ``t_warmup`` in another unit than ``max_duration`` (the one
     Composer is given, :func:`composer_max_duration`). Returns ``max_duration`` and ``t_warmup``
-    as Composer is to be given them. ``device()`` is called only when a GPU-only setting is used.
+    as Composer is to be given them. ``device()`` (this machine's, for ``device: auto``) is
+    called only when a device-bound setting is used.
     """
     gather = Gather()
-    gpu_only = []
+    gpu_only, not_cpu = [], []
     if cfg.device_train_microbatch_size == 'auto':
-        gpu_only.append(('device_train_microbatch_size',
-                         f'device_train_microbatch_size: auto needs a GPU (Composer fits the microbatch to '
-                         f'the GPU\'s memory), and this run is on {{where}}: give a whole number that divides '
-                         f'the per-rank batch (e.g. {device_batch}: one microbatch per batch)'))
+        gpu_only.append('device_train_microbatch_size: auto needs a GPU (Composer fits the microbatch to the '
+                        'GPU\'s memory), and this run is on {where}: leave it out (one microbatch per batch) '
+                        'or give a whole number that divides the per-rank batch')
+    if cfg.fsdp is not None:
+        gpu_only.append('fsdp: FSDP runs on GPUs, and this run is on {where}: leave fsdp out')
     if cfg.precision not in PRECISIONS:
         gather.add(ConfigError(f"precision: {cfg.precision!r} is not one of {', '.join(PRECISIONS)} "
                                f"(auto: fp32 on CPU, amp_bf16 on GPU)"))
     elif cfg.precision not in ('auto', 'fp32'):
-        gpu_only.append(('precision', f'precision: {cfg.precision} needs a GPU, and this run is on {{where}}: '
-                                      f'give precision: fp32 (or auto: fp32 on CPU, amp_bf16 on GPU)'))
-    if cfg.fsdp is not None:
-        gpu_only.append(('fsdp', 'fsdp: FSDP runs on GPUs, and this run is on {where}: leave fsdp out '
-                                 '(a CPU run trains without it)'))
-    if gpu_only and (cfg.device if cfg.device != 'auto' else device()) != 'gpu':
-        where = _where(cfg, cfg.device if cfg.device != 'auto' else 'cpu')
-        for _, message in gpu_only:
+        not_cpu.append(f'precision: {cfg.precision} needs a GPU, and this run is on {{where}}: give '
+                       f'precision: fp32 (or auto: fp32 on CPU, amp_bf16 on GPU)')
+    if gpu_only or not_cpu:
+        resolved = cfg.device if cfg.device != 'auto' else device()
+        where = ('the CPU (device: auto, and this machine has no GPU)' if cfg.device == 'auto'
+                 else f'device: {cfg.device}')
+        for message in gpu_only if resolved != 'gpu' else []:
+            gather.add(ConfigError(message.format(where=where)))
+        for message in not_cpu if resolved == 'cpu' else []:
             gather.add(ConfigError(message.format(where=where)))
     with gather:
         check_load_scheme(cfg)

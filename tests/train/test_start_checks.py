@@ -24,8 +24,8 @@ WHERE = 'the CPU (device: auto, and this machine has no GPU)'
 CASES = [
     (['device_train_microbatch_size=auto'],
      f"device_train_microbatch_size: auto needs a GPU (Composer fits the microbatch to the GPU's "
-     f"memory), and this run is on {WHERE}: give a whole number that divides the per-rank batch "
-     f"(e.g. 4: one microbatch per batch)"),
+     f"memory), and this run is on {WHERE}: leave it out (one microbatch per batch) or give a whole "
+     f"number that divides the per-rank batch"),
     (['max_duration=2048tok', 'scheduler.t_warmup=2ba'],
      "scheduler.t_warmup: 2ba is in batches, but this run is counted in tokens (max_duration 2048tok) "
      "and Composer's cosine_with_warmup takes t_warmup in that unit: give t_warmup: 1024tok (the same "
@@ -38,7 +38,7 @@ CASES = [
      'local path or s3://bucket/key, not oci://; give one of those, or leave load_path out to start '
      'from scratch'),
     (['fsdp={sharding_strategy: FULL_SHARD}'],
-     f'fsdp: FSDP runs on GPUs, and this run is on {WHERE}: leave fsdp out (a CPU run trains without it)'),
+     f'fsdp: FSDP runs on GPUs, and this run is on {WHERE}: leave fsdp out'),
 ]
 
 
