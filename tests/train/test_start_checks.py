@@ -16,6 +16,8 @@ import pytest
 import yaml
 from helpers import ROOT, SMALL_SEQ, tiny_run_config
 
+from foundrymix.config import ConfigError
+
 pytestmark = pytest.mark.skipif(
     __import__('torch').cuda.is_available(), reason='the refusals are of a CPU run')
 
@@ -105,3 +107,25 @@ def test_relaunching_a_finished_run_with_autoresume_says_it_is_finished(run_yaml
     assert longer.returncode == 0, longer.stderr
     assert f'resumed from {ckpt / "latest-rank0.pt"} at batch 6' in longer.stdout
     assert 'ep0-ba9-rank0.pt' in {p.name for p in ckpt.iterdir()}
+
+
+def test_on_a_gpu_the_gpu_settings_pass_and_device_cpu_is_named(run_yaml):
+    """The same check with the device it is given: on a GPU (as ``device: auto`` finds one) the
+    three GPU settings pass; ``device: cpu`` set in the YAML is named as such, on any machine; an
+    unknown precision is refused everywhere."""
+    from foundrymix.config import ConfigErrors
+    from foundrymix.plan.stages import Topology, plan_run
+    from foundrymix.train.config import load_config
+    from foundrymix.train.preflight import check_start
+
+    gpu = ['device_train_microbatch_size=auto', 'precision=amp_bf16', 'fsdp={sharding_strategy: FULL_SHARD}']
+    cfg = load_config(str(run_yaml), gpu)
+    run, _ = plan_run(cfg.train_loader, 4, cfg.max_duration, Topology(nodes=1, ranks_per_node=1))
+    assert check_start(cfg, run, device=lambda: 'gpu') == ('6ba', '0ba')
+    with pytest.raises(ConfigErrors) as err:
+        check_start(load_config(str(run_yaml), [*gpu, 'device=cpu']), run, device=lambda: 'gpu')
+    assert [str(e).split(', and this run is on ')[1].split(':')[0] for e in err.value.errors] == ['device'] * 3
+    assert [e.path for e in err.value.errors] == ['device_train_microbatch_size', 'fsdp', 'precision']
+    with pytest.raises(ConfigError, match=r"^precision: 'bf16' is not one of auto, fp32, amp_fp16, amp_bf16, "
+                                          r"amp_fp8 \(auto: fp32 on CPU, amp_bf16 on GPU\)$"):
+        check_start(load_config(str(run_yaml), ['precision=bf16']), run, device=lambda: 'gpu')
