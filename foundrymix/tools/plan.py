@@ -44,6 +44,7 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
     """(the RunPlan, the config) of a training YAML."""
     from foundrymix.plan.stages import Topology, plan_run
     from foundrymix.train.config import check_streams, load_config, split_batch
+    from foundrymix.train.preflight import check_start
 
     cfg = load_config(path, overrides, max_duration, data_only=True)
     device_batch, _ = split_batch(cfg, world_size)
@@ -51,6 +52,7 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
         raise ConfigError(f'world size {world_size} is not divisible by the {nodes} nodes')
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
                              Topology(nodes=nodes, ranks_per_node=world_size // nodes))
+    check_start(cfg, run)  # what Composer would refuse at start, as train refuses it
     for catalog in catalogs:  # as train refuses them (issues 21, 26)
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     return run, cfg

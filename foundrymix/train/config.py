@@ -270,6 +270,8 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
                               f'converted with ({tokenizer.name})')
     if cfg.model is not None and cfg.model.pretrained is not None:
         from foundrymix.train.model import check_pretrained_tokenizer
+        from foundrymix.train.weights import check_has_weights
+        check_has_weights(cfg.model)
         check_pretrained_tokenizer(cfg.model, tokenizer)
 
 

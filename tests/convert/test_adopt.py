@@ -378,3 +378,48 @@ def test_token_shards_without_a_separator_of_the_tokenizer_are_warned(tmp_path, 
             f"--eos_text/--bos_text of several ids (adopt finds single ids only).") in err
     m = Manifest.read(str(tmp_path / 'out'))
     assert m.options['source']['inferred'].startswith('neither EOS') and m.counts.rows == 6
+
+
+def _damaged(tmp_path, damage: str):
+    """Foundry token shards (40 windows, ~7 a shard), damaged as a bad copy or a hand-edited index
+    leaves them: (source, the one line adopt must give)."""
+    import json
+    src = write_foundry_pretrain(tmp_path / 'foundry', [np.arange(L, dtype=np.int32) + 5 for _ in range(40)],
+                                 compression=None, size_limit=4096)
+    index = json.loads((src / 'index.json').read_text())
+    shard = index['shards'][1]
+    path = src / shard['raw_data']['basename']
+    size = path.stat().st_size
+    assert len(index['shards']) > 2 and size == shard['raw_data']['bytes']
+    if damage == 'truncated':
+        path.write_bytes(path.read_bytes()[:size // 2])
+        return src, (f'{src}: 1 shard file(s) do not match index.json: {path}: {size // 2:,} bytes, index.json '
+                     f'records {size:,} (truncated). adopt reads what index.json records: copy the dataset '
+                     f'again from where it was written (an incomplete copy?)')
+    if damage == 'samples':
+        header = int(np.frombuffer(path.read_bytes()[:4], np.uint32)[0])  # the rows the shard holds
+        shard['samples'] = header + 3
+        (src / 'index.json').write_text(json.dumps(index))
+        return src, (f'{path}: shard header says {header:,} rows, index.json records {header + 3:,}: index.json '
+                     f'does not describe this shard; copy the dataset again from where it was written, or '
+                     f'rewrite it')
+    for s in index['shards']:
+        s['column_encodings'] = ['ndarray:int64']  # the shards hold int32
+    (src / 'index.json').write_text(json.dumps(index))
+    return src, (f'{src / "shard.00000.mds"}: row 0 cannot be read as the columns index.json declares (tokens: '
+                 f'ndarray:int64): ValueError: cannot reshape array of size {L // 2} into shape ({L},); the '
+                 f'column_encodings do not match how the shards were written (e.g. ndarray:int64 for int32 '
+                 f'tokens): correct them in index.json, or write the dataset again')
+
+
+@pytest.mark.parametrize('damage', ['truncated', 'samples', 'encoding'])
+def test_damaged_mds_is_one_line_naming_the_shard(tmp_path, capsys, damage):
+    """A truncated shard (checked against index.json's sizes before anything is converted, as
+    plan/train/verify check a stream), an index overstating a shard's rows, a misdeclared column
+    encoding: one line naming the shard and what to do, exit 2, nothing written (were numpy or
+    streaming ValueError tracebacks)."""
+    src, line = _damaged(tmp_path, damage)
+    assert main(['adopt', str(src), '-o', str(tmp_path / 'out'), '--tokenizer', DEMO_TOKENIZER,
+                 '--no-progress']) == 2
+    assert capsys.readouterr().err.splitlines() == [f'foundrymix adopt: error: {line}']
+    assert not (tmp_path / 'out').exists()
