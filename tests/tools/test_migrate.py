@@ -470,7 +470,7 @@ def _tiny_llama(path: Path) -> Path:
 #: what fits each migrated YAML to this machine's data, never a fix of the migration: where the
 #: data is (every split the YAMLs name), the tokenizer and row length the streams were made with
 FIT = [f'tokenizer={DEMO_TOKENIZER}', f'max_seq_len={SMALL_SEQ}', 'global_train_batch_size=4',
-       'device_train_microbatch_size=2']
+       'device_train_microbatch_size=2', 'device=gpu']  # plan the GPU run they are, from a CPU
 FINETUNE = ('gpt2-arc-easy-cpu-streaming-dataset', '1b_local_data_sft', '7b_dolly_sft', 'dbrx-lora-ft')
 
 
@@ -491,8 +491,10 @@ def _todo_done(name: str, data: Path, tmp_path: Path) -> list[str]:
         'mpt-125m': [], 'mpt-small-cpu': [],
         'gpt2-arc-easy-cpu-streaming-dataset': gpt2(),
         'gpt2-small': gpt2(),  # its config_overrides.n_positions is a gpt2 key: nothing to delete
-        '1b_local_data_sft': streams + [f'eval_loader.streams.eval.local={data / "validation"}'],
-        '7b_dolly_sft': streams,
+        # (and their load_path placeholder, oci://my-bucket/...: plan and train refuse it)
+        '1b_local_data_sft': streams + [f'eval_loader.streams.eval.local={data / "validation"}',
+                                        'load_path=null', 'load_weights_only=false'],
+        '7b_dolly_sft': streams + ['load_path=null', 'load_weights_only=false'],
         'llama-3-8b_domain_adapt': llama() + ['model.config_overrides={}'],  # MPT keys on a llama: deleted
         'dbrx-lora-ft': streams + [f'eval_loader.streams.eval.local={data / "test"}'] + llama(),
     }[name]
