@@ -9,8 +9,9 @@ uploads from threads of the trainer's own process instead, so a killed run leave
 running; network I/O releases the GIL. The ``CheckpointSaver`` here is the one Composer's
 trainer would build (same names, interval, overwrite and local rotation), given a local
 scratch folder: it hands each checkpoint, then ``latest-rank0.pt.symlink``, to that uploader,
-which uploads them one at a time in that order. Autoresume does not rely on the symlink
-(:mod:`foundrymix.train.remote_resume` lists the checkpoints).
+which uploads them one at a time (a symlink waiting behind an earlier one keeps its place in
+the queue, so when uploads lag it can land before the checkpoint it names). Autoresume does
+not rely on the symlink (:mod:`foundrymix.train.remote_resume` lists the checkpoints).
 
 A sharded (``fsdp.state_dict_type: sharded``) run keeps Composer's own uploader: its symlink
 is uploaded only after every rank's shard is in the bucket, which is what autoresume reads.

@@ -3,13 +3,14 @@ same command runs again.
 
 The killed run saves every 5 batches of 20. Its batch-15 checkpoint upload is held in flight by
 a proxy (read whole, never answered) -- the moment a pre-emption usually hits -- and the trainer
-then gets a real SIGKILL, or SIGTERM and SIGKILL 30 s later (a scheduler's grace period): the bucket holds the batch-5 and batch-10 checkpoints, not the batch-15 one,
-and (Composer uploads it late) usually no ``latest-rank0.pt.symlink``. Checked: nothing the
-killed trainer started still runs (no process left in its working directory); the same command
-resumes from batch 10, ends with exit 0, and ``foundrymix compare`` finds its sample log,
-accounting and final weights equal to a straight run's; a newer checkpoint object that is not a
-whole checkpoint is passed over, named, and rewritten; a third start of the finished run exits
-0 saying so and changes nothing.
+then gets a real SIGKILL, or SIGTERM and SIGKILL 30 s later (a scheduler's grace period): the
+bucket holds the batch-5 and batch-10 checkpoints, not the batch-15 one (whether
+``latest-rank0.pt.symlink`` is there does not matter: autoresume lists the checkpoints).
+Checked: nothing the killed trainer started still runs (no process left in its working
+directory); the same command resumes from batch 10, ends with exit 0, and ``foundrymix
+compare`` finds its sample log, accounting and final weights equal to a straight run's; a newer
+checkpoint object that is not a whole checkpoint is passed over, named, and rewritten; a third
+start of the finished run exits 0 saying so and changes nothing.
 """
 
 from __future__ import annotations
