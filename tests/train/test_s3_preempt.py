@@ -199,3 +199,33 @@ def test_preempted_s3_run_resumes_to_the_straight_run(tmp_path, s3, small_stream
             f'{N_BATCHES}ba; nothing to train') in out.stdout, out.stdout[-3000:]
     assert keys(s3, prefix) == before
     assert (job / 'samples.jsonl').read_text() == log_before
+
+
+def test_remote_checkpoint_is_the_newest_whole_object(s3, tmp_path):
+    """Without training: which object autoresume takes, and the refusal when none is whole."""
+    from foundrymix.errors import UserError
+    from foundrymix.train.remote_resume import remote_checkpoint
+
+    torch.save({'state': {'model': {'w': torch.arange(1000.0)}}}, tmp_path / 'c.pt')
+    whole = (tmp_path / 'c.pt').read_bytes()
+    put = lambda key, body: s3['client'].put_object(Bucket=BUCKET, Key=key, Body=body)  # noqa: E731
+    for key, body in (('ep0-ba5-rank0.pt', whole), ('ep0-ba10-rank0.pt', whole),
+                      ('ep1-ba15-rank0.pt', whole[:-30]),           # cut short: no end of the zip
+                      ('ep1-ba12-rank0.pt', b''),                    # empty
+                      ('ep2-ba30-rank0.pt.tmp', whole),              # not a checkpoint's name
+                      ('sub/ep3-ba40-rank0.pt', whole),              # below the folder
+                      ('latest-rank0.pt.symlink', b'unit/ckpts/ep0-ba5-rank0.pt')):  # stale
+        put(f'unit/ckpts/{key}', body)
+    put('unit/ckpts-other/ep9-ba90-rank0.pt', whole)                 # a sibling prefix
+    found = remote_checkpoint(f's3://{BUCKET}/unit/ckpts')
+    assert found.uri == f's3://{BUCKET}/unit/ckpts/ep0-ba10-rank0.pt'
+    assert [(uri.rsplit('/', 1)[1], reason.split(':')[0]) for uri, reason in found.skipped] == [
+        ('ep1-ba15-rank0.pt', 'BadZipFile'), ('ep1-ba12-rank0.pt', 'BadZipFile')]
+
+    assert remote_checkpoint(f's3://{BUCKET}/unit/none') is None
+    put('unit/cut/ep0-ba5-rank0.pt', whole[:len(whole) // 2])
+    with pytest.raises(UserError) as e:
+        remote_checkpoint(f's3://{BUCKET}/unit/cut/')
+    assert str(e.value).startswith(f'autoresume: no complete checkpoint in s3://{BUCKET}/unit/cut/: '
+                                   f's3://{BUCKET}/unit/cut/ep0-ba5-rank0.pt incomplete (BadZipFile')
+    assert 'autoresume=false save_overwrite=true' in str(e.value)
