@@ -97,18 +97,25 @@ class FaultProxy:
             the next attempt is forwarded, so clients with that many retries always succeed.
         should_fault: optional ``(method, path) -> bool``; requests it rejects are never
             faulted (e.g. fault only shard GETs).
+        hold: optional ``(method, path) -> bool``; a request it accepts is read whole and never
+            answered (held open until the proxy stops: an upload in flight), and :attr:`held`
+            is set.
     """
 
     def __init__(self, upstream: str, *, error_rate: float = 0.0, reset_rate: float = 0.0,
                  delay_rate: float = 0.0, delay_s: float = 0.2, seed: int = 0,
                  max_faults_per_request: int = 1,
-                 should_fault: Optional[Callable[[str, str], bool]] = None) -> None:
+                 should_fault: Optional[Callable[[str, str], bool]] = None,
+                 hold: Optional[Callable[[str, str], bool]] = None) -> None:
         parsed = urlparse(upstream)
         self.upstream = (parsed.hostname or '127.0.0.1', parsed.port or 80)
         self.error_rate, self.reset_rate, self.delay_rate = error_rate, reset_rate, delay_rate
         self.delay_s = delay_s
         self.max_faults = max_faults_per_request
         self.should_fault = should_fault
+        self.hold = hold
+        self.held = threading.Event()
+        self._stopped = threading.Event()
         self.counts: Counter = Counter()
         self.log: list[tuple[str, str, str]] = []  # (method, path, what happened)
         self._rng = random.Random(seed)
@@ -139,6 +146,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self._stopped.set()  # releases held requests (their connections close)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -156,6 +164,11 @@ class FaultProxy:
         with self._lock:
             self.counts['requests'] += 1
             draw = self._rng.random()
+            if self.hold is not None and self.hold(method, path):
+                self.counts['hold'] += 1
+                self.log.append((method, path, 'hold'))
+                self.held.set()
+                return 'hold'
             if self.should_fault is not None and not self.should_fault(method, path):
                 what = 'forward'
             elif self._streak[key] >= self.max_faults:
@@ -197,6 +210,9 @@ class FaultProxy:
                 method, path = head.split(b' ', 2)[:2]
                 method_s, path_s = method.decode(), path.decode('latin-1')
                 what = self._decide(method_s, path_s)
+                if what == 'hold':
+                    self._stopped.wait()
+                    return
                 if what == 'reset':
                     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))
                     client.close()

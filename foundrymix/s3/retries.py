@@ -23,8 +23,9 @@ is log at DEBUG level through fixed loggers:
 :func:`install` puts a counting *filter* on those loggers (and lowers them to DEBUG): the
 filter counts, then drops the DEBUG records the user's logging setup would not have shown,
 so nothing new is printed. The counts live in shared memory (a ``RawArray``), so DataLoader
-worker processes forked after :func:`install` add to the same counters; processes that are
-*spawned* (Composer's checkpoint uploader) are not counted.
+worker processes forked after :func:`install` add to the same counters, and so do the
+trainer's checkpoint upload threads; processes that are *spawned* (Composer's own uploader,
+which sharded checkpoints keep) are not counted.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import LION_BETAS, DecoupledLionW
 from foundrymix.train.preflight import check_start, warmup_in_samples  # noqa: F401 (re-exported)
 from foundrymix.train.schedule import WSDScheduler, apply_resume_lr
-from foundrymix.train.remote_resume import is_remote, latest_checkpoint, local_checkpoint, poll_uploads_sooner
+from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
+from foundrymix.train.remote_save import RemoteSave, remote_save
 
 # Modules every trainer start uses, imported with the trainer rather than at first use:
 # imported lazily they were ~0.07 s inside the start itself (omegaconf 0.040 s, the plan
@@ -73,6 +74,8 @@ class TrainRun:
     claims: claims.ClaimSet = dataclasses.field(default_factory=claims.ClaimSet)
     #: ``already finished: ...`` when it resumed at or past max_duration (nothing was trained)
     finished: Optional[str] = None
+    #: a remote save_folder's saver and uploader (:mod:`foundrymix.train.remote_save`)
+    remote_save: Optional[RemoteSave] = None
 
 
 def _device(cfg: TrainConfig) -> str:
@@ -123,26 +126,6 @@ def _share_cpu_threads(device: str) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, cores // local_ranks))
-
-
-def _resume_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """Composer's ``autoresume``/``load_path``; for a remote ``save_folder`` we find the latest
-    checkpoint in the bucket ourselves (see :mod:`foundrymix.train.remote_resume`)."""
-    if cfg.autoresume and is_remote(cfg.save_folder):
-        latest = latest_checkpoint(cfg.save_folder)
-        return {'autoresume': False, 'load_path': latest or cfg.load_path}
-    if cfg.autoresume and cfg.save_folder:
-        found = local_checkpoint(format_name_with_dist(cfg.save_folder, cfg.run_name))
-        if found is not None and (found.skipped or not found.is_latest):
-            # Not what latest-rank0.pt names: load it ourselves. The newer files are all
-            # incomplete; overwriting lets Composer's start-of-fit check pass them and the
-            # run rewrite them (a local folder: nothing else is overwritten).
-            if found.skipped and dist.get_global_rank() == 0:
-                print(found.line(), flush=True)
-            return {'autoresume': False, 'load_path': found.path,
-                    'save_overwrite': cfg.save_overwrite or bool(found.skipped)}
-    return {'autoresume': cfg.autoresume,
-            'load_path': None if cfg.autoresume and not cfg.load_path else cfg.load_path}
 
 
 def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
@@ -247,9 +230,29 @@ def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
              micro: Union[int, str], callbacks: list[Callback], max_duration: str,
-             scheduler: Any) -> Trainer:
+             scheduler: Any) -> tuple[Trainer, Optional[RemoteSave]]:
+    """The Composer trainer, and for a remote ``save_folder`` (not sharded) the saver and
+    uploader it is given in place of Composer's own (:mod:`foundrymix.train.remote_save`)."""
     device = _device(cfg)
     _share_cpu_threads(device)
+    resume = {'save_overwrite': cfg.save_overwrite, **resume_kwargs(cfg, device)}
+    loggers, saving = cfg.loggers.build(cfg.run_name), None
+    if is_remote(cfg.save_folder) and not sharded(cfg):
+        saving = remote_save(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
+                             cfg.save_num_checkpoints_to_keep)
+        callbacks, loggers = [*callbacks, saving.saver], [*loggers, saving.uploader]
+    try:
+        return _composer_trainer(cfg, model, train_loader, evaluator, micro, callbacks, max_duration,
+                                 scheduler, device, loggers, resume, saving is None), saving
+    except BaseException:
+        if saving is not None:
+            saving.close()
+        raise
+
+
+def _composer_trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
+                      micro: Union[int, str], callbacks: list[Callback], max_duration: str, scheduler: Any,
+                      device: str, loggers: list[Any], resume: dict[str, Any], composer_saves: bool) -> Trainer:
     return Trainer(
         model=model,
         train_dataloader=train_loader,
@@ -266,13 +269,13 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         parallelism_config=parallelism_config(cfg.fsdp, device),
         callbacks=callbacks,
         algorithms=cfg.algorithms.build(),
-        loggers=cfg.loggers.build(cfg.run_name),
+        loggers=loggers,
         run_name=cfg.run_name,
         **console_kwargs(cfg),
-        save_folder=cfg.save_folder,
+        save_folder=cfg.save_folder if composer_saves else None,
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        **{'save_overwrite': cfg.save_overwrite, **_resume_kwargs(cfg)},
+        **resume,
         load_weights_only=cfg.load_weights_only,
         seed=cfg.seed,
     )
@@ -355,8 +358,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
-    trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)
-    poll_uploads_sooner(trainer)
+    trainer, saving = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)
     finished = None if cfg.load_weights_only else finished_line(trainer.state)
     line = None if finished else resume_line(trainer.state, cfg.load_weights_only)
     extended = None
@@ -371,7 +373,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
             print(extended, flush=True)
     freeze_built_heap()
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
-                    plan=data.plan, claims=held, finished=finished)
+                    plan=data.plan, claims=held, finished=finished, remote_save=saving)
 
 
 def freeze_built_heap() -> None:
@@ -421,6 +423,8 @@ def train(cfg: TrainConfig) -> TrainRun:
             _plot_staged(run)  # (adaptive: the configured start, the realized shares over it)
     finally:
         run.claims.release()
+        if run.remote_save is not None:
+            run.remote_save.close()
         gc.unfreeze()  # the run is over: what it built may be garbage now (a second run in this process)
     return run
 

@@ -129,7 +129,7 @@ class TrainConfig:
     eval_first: bool = False
     eval_subset_num_batches: int = -1
     run_name: str = 'foundrymix'
-    #: a local directory or ``s3://bucket/prefix`` (Composer uploads each checkpoint, then
+    #: a local directory or ``s3://bucket/prefix`` (each checkpoint is uploaded, then
     #: ``latest-rank0.pt.symlink`` naming it; endpoint and credentials from the environment);
     #: ``{run_name}`` in it is replaced by ``run_name`` when the YAML is read, as Composer
     #: formats it, so the report beside it and every printed path name the real directory
@@ -138,8 +138,8 @@ class TrainConfig:
     #: local checkpoints kept (-1: all); Composer never deletes checkpoints in a bucket
     save_num_checkpoints_to_keep: int = -1
     save_overwrite: bool = False
-    #: resume from the latest checkpoint in ``save_folder`` (for ``s3://``: the one the
-    #: bucket's ``latest-rank0.pt.symlink`` names, see :mod:`foundrymix.train.remote_resume`)
+    #: resume from the newest complete checkpoint in ``save_folder``, local or ``s3://``
+    #: (see :mod:`foundrymix.train.remote_resume`)
     autoresume: bool = False
     #: a checkpoint to start from (local path or ``s3://...``); ignored when autoresume finds one
     load_path: Optional[str] = None

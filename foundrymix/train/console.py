@@ -4,7 +4,7 @@ Why: on an interactive terminal a progress bar says how far the run is; the full
 dump (Composer's ``ConsoleLogger``) is printed only every ``log_interval`` so it does
 not bury the bar. A resumed run says in one line which checkpoint it continued from
 and where (batch, epoch and, for a staged run, stage), so a log shows at a glance
-that nothing restarted from zero.
+that nothing restarted from zero; a finished run started again says it is finished.
 """
 
 from __future__ import annotations

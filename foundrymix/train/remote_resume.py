@@ -1,5 +1,4 @@
-"""Autoresume: the newest *complete* checkpoint of a local ``save_folder``; for a remote one
-(``s3://...``) the latest checkpoint named in the bucket.
+"""Autoresume: the newest *complete* checkpoint of a local or a remote (``s3://...``) ``save_folder``.
 
 Local: Composer (0.32.1) writes ``ep{e}-ba{b}-rank0.pt`` in place with ``torch.save`` (no
 temporary name, no fsync) and then points ``latest-rank0.pt`` at it, and its autoresume loads
@@ -12,30 +11,32 @@ reading it costs a few KB whatever the checkpoint's size), newest batch first, a
 loads the newest complete one; the incomplete newer ones are left where they are and named
 in one line, and the run rewrites them as it passes their batches.
 
-Remote:
+Remote (``s3://...``): the bucket is the truth, and the newest *complete* checkpoint in it is
+resumed, whatever ``latest-rank0.pt.symlink`` says. Composer (0.32.1) uploads that symlink only
+after polling that the checkpoint object exists (30 s apart, from its upload workers), so a job
+pre-empted mid-run usually leaves ``ep*-ba*-rank0.pt`` objects and no symlink -- or one naming an
+older checkpoint: resuming from it repeats batches and then fails to upload a name that exists.
+:func:`remote_checkpoint` lists the ``ep{e}-ba{b}-rank0.pt`` objects under the folder and takes
+the newest batch whose object is whole: an S3 object appears only when its PUT or multipart
+upload completes, and on S3 each candidate's zip central directory (the end of a ``torch.save``
+archive, which a cut-short copy lacks) is read with two or three ranged GETs, as
+:func:`incomplete` reads a local file's. Newer objects that are not whole are named and left in
+place; the run rewrites them. Rank 0 decides and broadcasts (:func:`agreed`), so every rank
+loads the same checkpoint even while a dead job's last upload is landing.
 
-Why not Composer's own autoresume for remote folders: for a monolithic checkpoint Composer
-(0.32.1) first looks for a *local* file ``<cwd>/<save_folder>/latest-rank0.pt`` -- for
-``s3://b/run/ckpts`` literally ``./s3:/b/run/ckpts/latest-rank0.pt``, the place where its
-previous autoresume downloaded the checkpoint -- and downloads from the bucket only when that
-file is missing. A job restarted in the same working directory would therefore resume from
-the checkpoint an *earlier* job resumed from, not the latest one in the bucket: it repeats
-batches and then fails to upload a checkpoint name that already exists. The bucket is the
-truth: Composer uploads ``latest-rank0.pt.symlink`` (a small object holding the key of the
-newest checkpoint) after each checkpoint's upload is confirmed; this module reads it, as
-Composer itself does for sharded checkpoints, and the run loads that URI (``load_path``).
-A checkpoint in the bucket is whole or absent (an object appears only when its PUT or
-multipart upload completes) and the symlink is uploaded after it: no completeness check there.
+Why not Composer's own autoresume: it first looks for a *local* ``./s3:/b/run/ckpts/latest-rank0.pt``
+(where its previous autoresume downloaded a checkpoint) and would resume from that stale copy.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from foundrymix.errors import UserError
 
@@ -50,14 +51,7 @@ LOCAL_LATEST = 'latest-rank0.pt'  # Composer's save_latest_filename for rank 0
 def incomplete(path: str) -> Optional[str]:
     """Why the checkpoint at ``path`` cannot be loaded (truncated, unreadable), or None when it
     is a whole ``torch.save`` zip archive."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
-    except (OSError, zipfile.BadZipFile, EOFError) as e:
-        return f'{type(e).__name__}: {e}'
-    if not any(n.endswith('/data.pkl') for n in names):
-        return 'no data.pkl in its zip archive'
-    return None
+    return _zip_incomplete(path)
 
 
 @dataclass
@@ -106,15 +100,183 @@ def local_checkpoint(folder: str) -> Optional[LocalResume]:
                     f'run over in this folder (it rewrites them), or give the run another save_folder')
 
 
+def sharded(cfg: Any) -> bool:
+    """A run whose FSDP checkpoints are sharded (one file per rank)."""
+    return cfg.fsdp is not None and cfg.fsdp.state_dict_type == 'sharded'
+
+
+def resume_kwargs(cfg: Any, device: str) -> dict[str, Any]:
+    """Composer's ``autoresume``/``load_path``/``save_overwrite``; for a remote ``save_folder``
+    we find the newest complete checkpoint in the bucket ourselves, decided on rank 0 for
+    every rank (above)."""
+    from composer.utils import dist, format_name_with_dist
+    if cfg.autoresume and is_remote(cfg.save_folder):
+        folder = format_name_with_dist(cfg.save_folder, cfg.run_name)
+        if sharded(cfg):
+            latest = agreed(lambda: latest_checkpoint(folder), device)
+            return {'autoresume': False, 'load_path': latest or cfg.load_path}
+        remote = agreed(lambda: remote_checkpoint(folder), device)
+        if remote is None:
+            return {'autoresume': False, 'load_path': cfg.load_path}
+        if remote.skipped and dist.get_global_rank() == 0:
+            print(remote.line(), flush=True)
+        # The newer objects are all incomplete: overwriting lets the run rewrite them.
+        return {'autoresume': False, 'load_path': remote.uri,
+                'save_overwrite': cfg.save_overwrite or bool(remote.skipped)}
+    if cfg.autoresume and cfg.save_folder:
+        found = local_checkpoint(format_name_with_dist(cfg.save_folder, cfg.run_name))
+        if found is not None and (found.skipped or not found.is_latest):
+            # Not what latest-rank0.pt names: load it ourselves. The newer files are all
+            # incomplete; overwriting lets Composer's start-of-fit check pass them and the
+            # run rewrite them (a local folder: nothing else is overwritten).
+            if found.skipped and dist.get_global_rank() == 0:
+                print(found.line(), flush=True)
+            return {'autoresume': False, 'load_path': found.path,
+                    'save_overwrite': cfg.save_overwrite or bool(found.skipped)}
+    return {'autoresume': cfg.autoresume,
+            'load_path': None if cfg.autoresume and not cfg.load_path else cfg.load_path}
+
+
 def is_remote(path: Optional[str]) -> bool:
     return bool(path) and '://' in str(path)
 
 
-def latest_checkpoint(save_folder: str) -> Optional[str]:
-    """URI of the newest checkpoint in the remote ``save_folder``, or None when it holds none.
+@dataclass
+class RemoteResume:
+    """What autoresume found in a remote ``save_folder``."""
 
-    Every rank reads the (tiny) object itself: the trainer has not initialised the process
-    group yet, and a monolithic checkpoint is the whole state on every rank anyway.
+    uri: str                   # the newest complete checkpoint
+    #: newer checkpoint objects that are not whole, with why (left in place; the run rewrites them)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def line(self) -> str:
+        why = '; '.join(f'{uri} is incomplete ({reason})' for uri, reason in self.skipped)
+        return (f'autoresume: {why} -- not a whole checkpoint; left in place, resuming from the newest '
+                f'complete checkpoint {self.uri} (the run rewrites it)')
+
+
+class _RangedObject(io.RawIOBase):
+    """A read-only, seekable view of one S3 object: each read is one ranged GET."""
+
+    def __init__(self, client: Any, bucket: str, key: str, size: int) -> None:
+        self.client, self.bucket, self.key, self.size, self.pos = client, bucket, key, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, {0: 0, 1: self.pos, 2: self.size}[whence] + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        if self.pos >= self.size or not len(buffer):
+            return 0
+        end = min(self.size, self.pos + len(buffer)) - 1
+        data = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f'bytes={self.pos}-{end}')['Body'].read()
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _zip_incomplete(source: Any, size: Optional[int] = None) -> Optional[str]:
+    """Why ``source`` (a path or a seekable file) is not a whole ``torch.save`` zip archive, or None."""
+    try:
+        with zipfile.ZipFile(source) as z:
+            infos = z.infolist()
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        return f'{type(e).__name__}: {e}'
+    if not any(i.filename.endswith('/data.pkl') for i in infos):
+        return 'no data.pkl in its zip archive'
+    if size is not None and any(i.header_offset + i.compress_size > size for i in infos):
+        return 'its zip archive names data past the end of the object'
+    return None
+
+
+def _listed(store: Any, prefix: str) -> dict[str, int]:
+    """``{key: size}`` of the objects directly under ``prefix`` (size -1 where the store does not say)."""
+    from composer.utils.object_store import S3ObjectStore
+    if isinstance(store, S3ObjectStore):
+        pages = store.client.get_paginator('list_objects_v2').paginate(Bucket=store.bucket, Prefix=prefix)
+        return {o['Key']: int(o['Size']) for page in pages for o in page.get('Contents', [])}
+    return {key: -1 for key in store.list_objects(prefix)}
+
+
+def remote_checkpoint(save_folder: str) -> Optional[RemoteResume]:
+    """The newest complete checkpoint under the remote ``save_folder`` (newest batch first), or
+    None when it holds none (a fresh start).
+
+    Refused (naming them) when every checkpoint object there is incomplete: starting over
+    would overwrite them. Read errors name the URL and S3's error code.
+    """
+    from composer.utils import maybe_create_object_store_from_uri, parse_uri
+    from composer.utils.object_store import S3ObjectStore
+
+    from foundrymix.s3.remote import classify
+
+    store = maybe_create_object_store_from_uri(save_folder)
+    if store is None:
+        raise UserError(f'save_folder {save_folder!r}: not an object store URI Composer can write to')
+    _, _, path = parse_uri(save_folder)
+    prefix = f"{path.strip('/')}/" if path.strip('/') else ''
+    try:
+        found = sorted(((int(m[2]), key, size) for key, size in _listed(store, prefix).items()
+                        if (m := CHECKPOINT.match(key[len(prefix):]))), reverse=True)
+        skipped: list[tuple[str, str]] = []
+        for _, key, size in found:
+            reason = None
+            if isinstance(store, S3ObjectStore):
+                raw = _RangedObject(store.client, store.bucket, key, size)
+                reason = _zip_incomplete(io.BufferedReader(raw, buffer_size=1 << 16), size)
+            if reason is None:
+                return RemoteResume(uri=store.get_uri(key), skipped=skipped)
+            skipped.append((store.get_uri(key), reason))
+    except Exception as e:  # credentials, endpoint, permissions: say where and what
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f'autoresume: cannot read the checkpoints in {save_folder}: {classify(e, save_folder).text} '
+                        f'(check the credentials and S3_ENDPOINT_URL, and that save_folder is right)') from None
+    if not skipped:
+        return None
+    names = ', '.join(uri for uri, _ in skipped)
+    raise UserError(f'autoresume: no complete checkpoint in {save_folder}: {names} incomplete ({skipped[0][1]}). '
+                    f'Set autoresume=false save_overwrite=true to start the run over in this folder (it '
+                    f'rewrites them), or give the run another save_folder')
+
+
+def agreed(find: Callable[[], Any], device: str) -> Any:
+    """``find()`` as rank 0 computed it, on every rank (its error raised on every rank).
+
+    Why: ranks that each read the bucket at slightly different moments could see different
+    newest checkpoints (a dead job's last upload landing) and load different states. The
+    process group is started here (Composer's ``initialize_dist``; the trainer then reuses it).
+    """
+    from composer.utils import dist
+    if dist.get_world_size() == 1:
+        return find()
+    dist.initialize_dist(device)
+    box: list[Any] = [None]
+    if dist.get_global_rank() == 0:
+        try:
+            box = [('value', find())]
+        except UserError as e:
+            box = [('error', str(e))]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == 'error':
+        raise UserError(value)
+    return value
+
+
+def latest_checkpoint(save_folder: str) -> Optional[str]:
+    """URI of the checkpoint the remote ``save_folder``'s ``latest-rank0.pt.symlink`` names, or
+    None when there is none (sharded checkpoints: Composer uploads that symlink only after every
+    rank's shard is in the bucket).
     """
     from composer.utils import maybe_create_object_store_from_uri, parse_uri
 
@@ -138,21 +300,3 @@ def latest_checkpoint(save_folder: str) -> Optional[str]:
     if not target:
         raise UserError(f'autoresume: {store.get_uri(key)} is empty (it should name the latest checkpoint)')
     return store.get_uri(target)
-
-
-#: seconds between checks that a checkpoint's upload is complete (Composer's default: 30)
-UPLOAD_POLL_S = 2.0
-
-
-def poll_uploads_sooner(trainer) -> None:
-    """Make Composer check every :data:`UPLOAD_POLL_S` s (not 30 s) that a checkpoint's upload
-    is complete before it uploads ``latest-rank0.pt.symlink`` pointing at it.
-
-    Why: the symlink is what autoresume reads; with a 30 s poll, a job killed up to 30 s after
-    a checkpoint was uploaded resumes from the checkpoint before it, and every job's end waits
-    up to 30 s for the last poll. A HEAD request every 2 s costs nothing. The setting is a
-    private attribute of Composer 0.32's ``CheckpointSaver``; if it is gone, nothing changes.
-    """
-    saver = getattr(trainer, '_checkpoint_saver', None)
-    if saver is not None and hasattr(saver, '_symlink_upload_wait_before_next_try_in_seconds'):
-        saver._symlink_upload_wait_before_next_try_in_seconds = UPLOAD_POLL_S

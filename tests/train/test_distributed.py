@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import ROOT, LoggedTokens, free_port, tiny_run_config
+from helpers import ROOT, LoggedTokens, free_port, moto_s3, tiny_run_config
 
 BATCH = 6          # global batch
 RANKS = 2
@@ -67,24 +67,26 @@ def write_config(run: Path, data: dict[str, str], log_interval: str = '1ba', **t
 
 
 
-def run(cmd: list[str], cwd: Path) -> None:
+def run(cmd: list[str], cwd: Path) -> str:
+    """Runs ``cmd``; its stdout (the launcher's: rank 0's)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300)
     if proc.returncode != 0:
         ranks = ''.join(f'\n--- {p.name}\n{p.read_text()[-3000:]}' for p in sorted(cwd.glob('rank*.err')))
         raise AssertionError(f'{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n'
                              f'{proc.stderr[-5000:]}{ranks}')
+    return proc.stdout
 
 
 def train_1rank(config: Path, *overrides: str) -> None:
     run([sys.executable, str(ROOT / 'train.py'), str(config), *overrides], config.parent)
 
 
-def train_nranks(config: Path, *overrides: str, n: int = RANKS) -> None:
+def train_nranks(config: Path, *overrides: str, n: int = RANKS) -> str:
     """Composer's launcher (the venv's ``composer`` script), n CPU ranks on a free port."""
     launcher = Path(sys.executable).parent / 'composer'
     cmd = [str(launcher)] if launcher.exists() else [sys.executable, '-m', 'composer.cli.launcher']
     d = config.parent
-    run(cmd + ['-n', str(n), '--master_addr', '127.0.0.1', '--master_port', str(free_port()),
+    return run(cmd + ['-n', str(n), '--master_addr', '127.0.0.1', '--master_port', str(free_port()),
                '--stdout', str(d / 'rank{rank}.out'), '--stderr', str(d / 'rank{rank}.err'),
                str(ROOT / 'train.py'), str(config), *overrides], d)
 
@@ -207,6 +209,34 @@ def test_two_rank_checkpoint_resumes_on_one_rank(straight, two_ranks, tmp_path):
     assert_same_streams(rep['streams'], straight['report']['streams'])
     hist1 = straight['report']['history']
     assert_same_history(rep['history'], [p for p in hist1 if p['batch'] <= 12 and p['batch'] % 4 == 0] + hist1[STOP:])
+
+
+@pytest.mark.filterwarnings('ignore:Attempting to partition')  # resuming near an epoch's end
+@pytest.mark.slow  # two trainings on 2 ranks (composer -n 2) against moto's S3
+def test_two_ranks_resume_from_the_newest_complete_checkpoint_in_s3(straight, two_ranks, data, tmp_path):
+    """2 ranks save to ``s3://`` and stop at STOP; the bucket is then as a pre-empted job leaves
+    it (no ``latest-rank0.pt.symlink``, a newer checkpoint object cut short). The same command on
+    2 ranks resumes every rank from the checkpoint at STOP: the first STOP global batches are
+    the local 2-rank run's, each later one holds the 1-rank run's samples."""
+    bucket, prefix = 'fmx-dist', 'runs/dist/ckpts/'
+    save = f's3://{bucket}/{prefix.rstrip("/")}'
+    name, cut = f'ep1-ba{STOP}-rank0.pt', f'ep1-ba{STOP + 2}-rank0.pt'
+    with moto_s3(bucket) as s3:
+        cfg = write_config(tmp_path, data, log_interval='4ba', save_interval=f'{STOP}ba', save_folder=save,
+                           autoresume=True)
+        train_nranks(cfg, f'callbacks.stop_at.time={STOP}ba')
+        client = s3['client']
+        client.delete_object(Bucket=bucket, Key=prefix + 'latest-rank0.pt.symlink')
+        body = client.get_object(Bucket=bucket, Key=prefix + name)['Body'].read()
+        client.put_object(Bucket=bucket, Key=prefix + cut, Body=body[:-100])
+        out = train_nranks(cfg)
+        assert f'resumed from {save}/{name} at batch {STOP} (epoch 1, batch {STOP - EPOCH} of it)' in out, out
+        assert f'autoresume: {save}/{cut} is incomplete (BadZipFile' in out
+    log = sample_log(tmp_path / 'samples.jsonl')
+    assert [b['batch'] for b in log] == list(range(N_BATCHES))
+    assert log[:STOP] == two_ranks['log']
+    for b, b1 in zip(log[STOP:], straight['log'][STOP:]):
+        assert sorted(b['sample_ids']) == sorted(b1['sample_ids'])
 
 
 @pytest.mark.slow  # trainings on 1 and 2 ranks (composer -n 2)
