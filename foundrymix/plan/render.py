@@ -61,8 +61,8 @@ MAX_RANK_ROWS = 16
 def render_ranks(plan: Plan, console: Any, all_streams: bool = False) -> None:
     """Topology and every rank's rows per stream per epoch."""
     console.print(f'topology {plan.nodes} node(s) x {plan.ranks_per_node} rank(s): each rank '
-                  f'trains its {plan.batch_size} rows of every global batch of one global order '
-                  f'(the same on any topology); no row padded or repeated to even out ranks')
+                  f'trains its {plan.batch_size} rows of every global batch of one order (the same '
+                  f'on any topology; nothing padded)')
     if not plan.per_rank:
         return
     names = [s.name for s in plan.streams]

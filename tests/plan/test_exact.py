@@ -117,7 +117,7 @@ def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
     assert dict(totals) == {s['name']: s['trained_rows_per_epoch'] for s in plan['streams']}
     assert main(['plan', write_yaml(tmp_path, root, '1ep'), '--world-size', '4']) == 0
     out = capsys.readouterr().out
-    assert 'topology 1 node(s) x 4 rank(s): each rank trains its 2 rows of every global batch' in out
+    assert 'topology 1 node(s) x 4 rank(s): each rank trains its 2 rows of every global batch of one order' in out
     assert 'rank 3 (node 0, local 3): 43 batches, 86 rows/epoch' in out
     assert main(['plan', write_yaml(tmp_path, root, '1ep'), '--nodes', '2', '--world-size', '3',
                  '--ranks-per-node', '2']) == 2
