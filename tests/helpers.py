@@ -126,9 +126,10 @@ def moto_s3(bucket: str):
 
 
 @contextlib.contextmanager
-def silent_server():
+def silent_server(accepted: list | None = None):
     """An endpoint that accepts TCP connections and never answers (a hung store or proxy):
-    yields its URL. Connections are held open until the context exits."""
+    yields its URL. Connections are held open until the context exits; each one accepted is
+    appended to ``accepted`` (when given), so a test can count the client's attempts."""
     import socket
     import threading
 
@@ -136,7 +137,7 @@ def silent_server():
     server.bind(('127.0.0.1', 0))
     server.listen(64)
     server.settimeout(0.1)
-    held: list = []
+    held: list = [] if accepted is None else accepted
     stop = threading.Event()
 
     def accept() -> None:
@@ -163,14 +164,15 @@ def silent_server():
 @contextlib.contextmanager
 def s3_requests():
     """The requests every moto server of this process answers while inside, as
-    ``'GET /bucket/key'`` strings (from werkzeug's request log)."""
+    ``'GET /bucket/key'`` strings (from werkzeug's request log; error answers too)."""
     import logging
+    import re
 
     lines: list[str] = []
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            text = record.getMessage()
+            text = re.sub(r'\x1b\[[0-9;]*m', '', record.getMessage())  # werkzeug colours errors
             if '"' in text:
                 method, path = text.split('"')[1].split()[:2]
                 lines.append(f'{method} {path.split("?")[0]}')

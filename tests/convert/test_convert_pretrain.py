@@ -172,7 +172,7 @@ def test_sigkill_mid_conversion_leaves_nothing_complete(arxiv_jsonl, tmp_path):
            '--max-seq-len', '256', '--workers', '1', '--size-limit', '64kb', '--no-progress']
     proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 240  # a hang guard: start-up and imports on a loaded machine
         partial = None
         while time.time() < deadline and partial is None:
             for name in os.listdir(tmp_path):
