@@ -127,6 +127,29 @@ def check_readable(path: str) -> None:
         raise UserError(f'{path}: cannot read this input ({e.strerror.lower()})') from None
 
 
+#: the first bytes of compressed data: (name, magic, suffix, command that decompresses in place)
+_MAGIC = (('gzip', b'\x1f\x8b', '.gz', 'gunzip'), ('zstd', b'\x28\xb5\x2f\xfd', '.zst', 'unzstd --rm'))
+
+
+def check_not_compressed(path: str) -> None:
+    """Refuse a plain-text input (``.jsonl``, ``.json``, ``.ndjson``, ``.txt``) that holds
+    gzip or zstd data, naming the compression and the rename that makes it readable (its
+    bytes were reported as invalid UTF-8, line after line)."""
+    fmt = input_format(path)
+    if fmt not in ('jsonl', 'txt'):
+        return
+    with open(path, 'rb') as f:
+        head = f.read(4)
+    for name, magic, suffix, command in _MAGIC:
+        if head.startswith(magic):
+            if fmt == 'jsonl':
+                fix = f'rename it to {path}{suffix} (read as compressed JSON Lines)'
+            else:
+                fix = f'rename it to {path}{suffix} and decompress it ({command} {path}{suffix})'
+            raise UserError(f'{path}: holds {name}-compressed data, not text (its name ends in '
+                             f'{os.path.splitext(path)[1]}); {fix}')
+
+
 def _skipped_dir(path: str, exclude: Optional[str]) -> bool:
     return output_marker(path) is not None or (
         exclude is not None and os.path.realpath(path) == exclude)
@@ -199,6 +222,7 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list
                              f'.parquet, datasets saved to disk; .json only when named)')
         for p in paths:
             check_readable(p)
+            check_not_compressed(p)
             if p.lower().endswith('.json'):
                 check_json_lines(p)
         resolved.extend(os.path.abspath(p) for p in paths)
