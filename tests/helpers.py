@@ -44,7 +44,8 @@ class LoggedTokens:
     as streaming itself reads it (``StreamingDataset`` over the stream's directory; a global
     sample id counts the streams' rows end to end, in the YAML's order), decoded by
     :func:`reference_decode`, hashed as the ``sample_log`` callback documents (``xxh3_64`` of
-    each row's five model inputs as ``int64``, then of the row digests in rank order)."""
+    each row's five model inputs as ``int64``, then of the row digests sorted: the digest of a
+    global batch does not depend on its rows' order, which depends on the number of ranks)."""
 
     KEYS = ('input_ids', 'labels', 'attention_mask', 'sequence_id', 'position_ids')
 
@@ -62,7 +63,7 @@ class LoggedTokens:
             assert start <= sample < start + len(self.datasets[stream]), (sample, stream)
             decoded = reference_decode(self.datasets[stream][sample - start])
             rows.append(xxhash.xxh3_64_hexdigest(np.array([decoded[k] for k in self.KEYS], np.int64).tobytes()))
-        return xxhash.xxh3_64_hexdigest(''.join(rows).encode())
+        return xxhash.xxh3_64_hexdigest(''.join(sorted(rows)).encode())
 
 
 def spm_tokenizer_path() -> str:
