@@ -60,6 +60,13 @@ def finish(proc: subprocess.Popen, workers: list[psutil.Process]) -> tuple[int, 
     return proc.returncode, err
 
 
+def busy(worker: psutil.Process) -> bool:
+    """Whether ``worker`` uses CPU over a short look (an idle worker waits on its task queue)."""
+    before = sum(worker.cpu_times()[:2])
+    time.sleep(0.2)
+    return sum(worker.cpu_times()[:2]) > before
+
+
 @pytest.mark.timeout(600)
 def test_sigkilled_worker_stops_the_conversion(tmp_path):
     src = tmp_path / 'chats.jsonl'
@@ -72,9 +79,10 @@ def test_sigkilled_worker_stops_the_conversion(tmp_path):
     while not any(name.startswith('.out.partial-') for name in os.listdir(tmp_path)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    time.sleep(0.5)  # the calling thread is now taking results, so every worker is encoding
     workers = cli.children()
     assert len(workers) == 2, workers
+    while not all(busy(w) for w in workers):  # both mid-chunk: using CPU (an idle one sleeps)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
     victim = workers[0]
     victim.send_signal(signal.SIGKILL)
     rc, err = finish(proc, workers)
