@@ -30,6 +30,8 @@ TEXT_SUFFIXES = ('.txt',)
 PARQUET_SUFFIXES = ('.parquet',)
 #: what ``DatasetDict.save_to_disk`` writes beside its split directories
 DATASET_DICT = 'dataset_dict.json'
+
+
 class InputNotFoundError(FoundrymixError, FileNotFoundError):
     """An input path or glob matches nothing."""
 
