@@ -6,12 +6,13 @@ same shuffle, batch size and a DataLoader with 2 workers, in the same run, alter
 minimum a trainer needs (stack ``input_ids``); the mixer side decodes every row
 (labels, attention mask, positions, sequence ids, stream id) into 7 int64 tensors.
 
-What the mixer side does (see ``foundrymix/loader/collate.py``): the workers yield stored
-rows, ``collate`` decodes a batch at a time into one buffer, and the batch crosses to
-the main process as its compact rows (~4 KB per row, through the worker's result pipe)
-and is decoded again there -- cheaper than shipping ~80 KB per row of int64 through a
-fresh shared-memory segment, whose pages are slow to fault in (VMs especially). The
-raw side ships its ``input_ids`` batch the way torch does (a shared-memory segment).
+What the mixer side does: its workers read each batch's rows in foundrymix's own order
+(``foundrymix/loader/span.py``: rows by index from streaming's dataset), ``collate``
+decodes a batch at a time into one buffer, and the batch crosses to the main process as
+its compact rows (~4 KB per row, through the worker's result pipe) and is decoded again
+there. The raw side is streaming's own sampler and iteration, shipping its ``input_ids``
+batch the way torch does (a shared-memory segment). Each mixer epoch is a fresh loader of
+one epoch (its workers start with it; the first batch, which waits for them, is not timed).
 
     .venv/bin/python benchmarks/bench_loader.py [--rows 3000] [--seq-len 2048] [--rounds 3]
 
@@ -50,12 +51,41 @@ def raw_collate(samples):
 
 
 def worker_peaks_mb(loader) -> list[float]:
-    """Peak RSS (VmHWM) of each live worker of ``loader`` (persistent workers stay alive)."""
-    peaks = []
+    """Peak RSS (VmHWM) of each live DataLoader worker: the raw loader's persistent workers,
+    or (the mixer) this process's other children but the multiprocessing resource tracker."""
     iterator = getattr(loader, '_iterator', None)
-    for worker in getattr(iterator, '_workers', []):
+    if iterator is not None:
+        pids = [w.pid for w in getattr(iterator, '_workers', [])]
+        return _peaks(pids)
+    raw = set(RAW_WORKERS)
+    pids = []
+    for tid in os.listdir('/proc/self/task'):
         try:
-            with open(f'/proc/{worker.pid}/status') as f:
+            with open(f'/proc/self/task/{tid}/children') as f:
+                pids += [int(p) for p in f.read().split()]
+        except FileNotFoundError:
+            pass
+    mine = []
+    for pid in pids:
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                if b'resource_tracker' in f.read() or pid in raw:
+                    continue
+        except FileNotFoundError:
+            continue
+        mine.append(pid)
+    return _peaks(mine)
+
+
+#: the raw loader's worker pids (persistent), not counted as the mixer's
+RAW_WORKERS: list[int] = []
+
+
+def _peaks(pids: list[int]) -> list[float]:
+    peaks = []
+    for pid in pids:
+        try:
+            with open(f'/proc/{pid}/status') as f:
                 for line in f:
                     if line.startswith('VmHWM:'):
                         peaks.append(int(line.split()[1]) / 1024)
@@ -65,15 +95,17 @@ def worker_peaks_mb(loader) -> list[float]:
 
 
 def one_epoch(loader, seq_len: int) -> tuple[float, int, list[float]]:
-    """Seconds and tokens for a full epoch; worker peaks read while workers are alive."""
+    """Seconds and tokens for a full epoch after its first batch (worker start-up is not part
+    of the rate); worker peaks read while the workers are alive (before the last batch)."""
     it = iter(loader)
-    first = next(it)  # worker start-up is not part of the rate
+    first = next(it)
     start = time.perf_counter()
     samples, peaks = 0, []
     for batch in it:
         samples += batch['input_ids'].shape[0]
+        if not peaks:
+            peaks = worker_peaks_mb(loader)
     elapsed = time.perf_counter() - start
-    peaks = worker_peaks_mb(loader)  # persistent workers: still alive after the epoch
     del first
     return elapsed, samples * seq_len, peaks
 
@@ -105,8 +137,7 @@ def main() -> int:
                'shuffle': True, 'shuffle_seed': 1, 'num_workers': args.workers,
                'persistent_workers': True}
         mixer = StreamMixer.from_dict(cfg)
-        mixed_ds = mixer.build_dataset(args.batch_size)
-        mixed = mixer.build_dataloader(args.batch_size, mixed_ds)
+        epoch_rows = mixer.plan(args.batch_size, '1ep', world_size=1).epoch_size
 
         from streaming import StreamingDataset
         raw_ds = StreamingDataset(streams=mixer.streams(), batch_size=args.batch_size,
@@ -114,14 +145,20 @@ def main() -> int:
         raw = torch.utils.data.DataLoader(raw_ds, batch_size=args.batch_size, collate_fn=raw_collate,
                                           num_workers=args.workers, drop_last=True,
                                           persistent_workers=True)
-        print(f'epoch: {mixed_ds.epoch_size} rows x {args.seq_len} tokens, batch {args.batch_size}, '
+        print(f'epoch: {epoch_rows} rows x {args.seq_len} tokens, batch {args.batch_size}, '
               f'{args.workers} workers')
 
         rates = {'raw': [], 'mixer': []}
         peaks = {'raw': [], 'mixer': []}
         for r in range(args.rounds):
-            for name, loader in (('raw', raw), ('mixer', mixed)):
+            for name in ('raw', 'mixer'):
+                loader = raw if name == 'raw' else \
+                    mixer.build_dataloader(args.batch_size, epochs=1, world_size=1, rank=0)
                 secs, tokens, pk = one_epoch(loader, args.seq_len)
+                if name == 'raw':
+                    RAW_WORKERS[:] = [w.pid for w in raw._iterator._workers]
+                else:
+                    loader.release()
                 rates[name].append(tokens / secs)
                 peaks[name] = pk or peaks[name]
                 print(f'round {r} {name:5s}: {tokens / secs / 1e6:7.2f} M tokens/s  ({secs:.2f}s)')
@@ -138,7 +175,7 @@ def main() -> int:
         for name in ('raw', 'mixer'):
             print(f'peak RSS per worker ({name}): ' +
                   ', '.join(f'{p:.0f} MiB' for p in peaks[name]))
-        del mixed, raw, mixed_ds, raw_ds
+        del raw, raw_ds
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -47,7 +47,7 @@ def main(spec_path: str) -> None:
         for it in range(spec.get('iterations', 1)):
             mixer = StreamMixer.from_dict(spec['loader'])
             loader = mixer.build_dataloader(batch_size=spec['batch'])
-            dataset = loader.dataset
+            dataset = loader.storage
             locals_ = [s.local for s in dataset.streams]
             if sync:
                 open(os.path.join(sync['dir'], f"built-{sync['me']}-{it}"), 'w').close()

@@ -12,9 +12,6 @@ import pytest
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
-# Every start the suite makes twice over the same inputs (resumes, restarts, plan then
-# train) also plans afresh and compares with the plan record (foundrymix.plan.plan_cache).
-os.environ.setdefault('FOUNDRYMIX_PLAN_CACHE', 'verify')
 
 # Still importable from here for the test modules not yet switched to ``from helpers import``.
 from helpers import DEMO_TOKENIZER, ROOT, SAMPLES, SMALL_SEQ, spm_tokenizer_path, tiny_run_config  # noqa: F401

@@ -9,7 +9,7 @@ schema, so they mix freely.
 Usable from plain PyTorch::
 
     mixer = StreamMixer.from_dict(yaml_cfg['train_loader'])
-    loader = mixer.build_dataloader(batch_size=8)   # a DataLoader of int64 tensors
+    loader = mixer.build_dataloader(batch_size=8)   # one epoch of int64 batches, in plan order
 """
 
 from __future__ import annotations
@@ -89,16 +89,32 @@ class StreamMixer:
         weights = epoch_weights(self.config, infos, G, self.where)
         return build_dataset(self.config, infos, weights, batch_size, G, self.where)
 
-    def build_dataloader(self, batch_size: int, dataset: Optional['MixedDataset'] = None) -> Any:
-        """A ``StreamingDataLoader`` of collated int64 batches (see :func:`build_dataloader`)."""
-        dataset = dataset if dataset is not None else self.build_dataset(batch_size)
-        return build_dataloader(self.config, dataset, batch_size)
+    def build_dataloader(self, batch_size: int, epochs: int = 1, world_size: Optional[int] = None,
+                         rank: Optional[int] = None, rewind: bool = False) -> Any:
+        """A loader of ``epochs`` epochs of the mixture in the plan's order: rank ``rank``'s
+        ``batch_size`` rows of each global batch of ``world_size`` ranks (default: the
+        launcher's), collated (int64 tensors); iterating it trains the epochs once, and
+        ``state_dict()`` / ``load_state_dict()`` resume it at any batch. ``rewind``: every
+        iteration starts again at the first batch (an evaluation set, read whole each time)."""
+        from foundrymix.loader.run_loader import build_run_loader
+        from foundrymix.loader.streaming_compat import world_size as get_world_size
+        from foundrymix.plan.stages import plan_run
+        from foundrymix.plan.topology import Topology
+        if batch_size <= 0:
+            raise ConfigError(f'batch_size must be positive, got {batch_size}')
+        run, _ = plan_run(self.config, batch_size, f'{epochs}ep',
+                          Topology(1, world_size or get_world_size()), self.where)
+        loader = build_run_loader(run, batch_size, rank=rank)
+        loader.rewind = rewind
+        loader.prepare()
+        return loader
 
     def plan(self, batch_size: int, max_duration: Optional[Any] = None, world_size: int = 1,
              nodes: int = 1) -> 'Plan':
         """The exact per-epoch mixture and where ``max_duration`` ends (reads no shards), for
         ``world_size`` ranks over ``nodes`` nodes."""
-        from foundrymix.plan.mixture import Topology, build_plan
+        from foundrymix.plan.mixture import build_plan
+        from foundrymix.plan.topology import Topology
         if world_size <= 0 or world_size % nodes:
             raise ConfigError(f'world_size ({world_size}) must be a positive multiple of the '
                               f'number of nodes ({nodes})')
@@ -130,7 +146,6 @@ def build_dataset(config: LoaderConfig, infos: list['StreamInfo'], weights: 'Epo
     """
     from foundrymix.loader import cache
     from foundrymix.loader.dataset import MixedDataset
-    from foundrymix.loader.shuffle_cache import ShuffleRecords
     if batch_size <= 0:
         raise ConfigError(f'batch_size must be positive, got {batch_size}')
     infos, claims = cache.prepare(config, infos, where)
@@ -153,30 +168,4 @@ def build_dataset(config: LoaderConfig, infos: list['StreamInfo'], weights: 'Epo
         claims.release()
         raise
     dataset.cache_claims = claims
-    dataset.shuffle_records = ShuffleRecords(config.cache_root)
     return dataset
-
-
-def build_dataloader(config: LoaderConfig, dataset: 'MixedDataset', batch_size: int) -> Any:
-    """A ``StreamingDataLoader`` (a torch ``DataLoader``) of collated int64 batches.
-
-    ``StreamingDataLoader`` counts samples it yielded, so plain-PyTorch users get
-    ``loader.state_dict()``/``load_state_dict()`` for resumption; Composer uses the
-    dataset's ``state_dict`` directly.
-
-    Sets ``dataset.yield_rows``: iterating the dataset yields stored rows, which
-    ``collate`` decodes a batch at a time (indexing the dataset still decodes).
-    """
-    from streaming import StreamingDataLoader
-
-    from foundrymix.loader.collate import collate
-    c = config
-    dataset.yield_rows = True
-    extra: dict[str, Any] = {}
-    if c.num_workers > 0:
-        extra['persistent_workers'] = c.persistent_workers
-        if c.prefetch_factor is not None:
-            extra['prefetch_factor'] = c.prefetch_factor
-    return StreamingDataLoader(dataset, batch_size=batch_size, collate_fn=collate,
-                               num_workers=c.num_workers, pin_memory=c.pin_memory,
-                               drop_last=c.drop_last, timeout=c.timeout, **extra)

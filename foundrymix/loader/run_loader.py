@@ -1,45 +1,28 @@
-"""The run's one DataLoader: each stage's mixture, built from the run's plan, switched at its
-exact batch -- for every run (a run without ``stages:`` is one stage).
+"""The run's one DataLoader: every stage's batches in the plan's order, switched at exact
+batches -- for every run (a run without ``stages:`` is one stage).
 
 Why one loader and one Composer ``fit``: the LR schedule, the optimizer and the
 checkpoints belong to the whole run, and Composer checkpoints the train loader's
-``dataset.state_dict``. Successive ``fit(duration=...)`` calls would stretch
-``max_duration`` (and the schedule) stage by stage. So :class:`StagedDataLoader` is a
-``torch.utils.data.DataLoader`` whose ``dataset`` is a :class:`StagedPosition` -- the
-run's position (global batch), what Composer saves and loads -- and whose iterator
-builds each stage's :class:`~foundrymix.loader.dataset.MixedDataset` in turn from the
-stage's plan (its streams' metadata and epoch weights, never recomputed here), yields
-exactly the planned number of batches from it (whole epochs of the stage's mixture,
-each reshuffled by streaming, then the rest of one), and drops it before the next stage
-starts: streaming refuses two live datasets over one local directory, and a stream
-reused by a later stage must still work.
+``dataset.state_dict``. So :class:`StagedDataLoader` is a ``DataLoader`` whose ``dataset``
+is a :class:`StagedPosition` -- the run's position, one global batch index, what Composer
+saves and loads -- and whose iterator reads spans of batches of the stage at the position
+(:mod:`foundrymix.loader.span`): batch ``b`` of a stage is ``stage.plan.order.batch(b)``
+(an adaptive stage: its controller's segment), this rank's columns of it read by index from
+the stage's storage. Nothing is replayed: resuming at any batch, on any number of ranks
+with the same global batch, starts reading there.
 
-Why one path for every run: a single mixture and a staged run used to be two loaders
-with two resume mechanisms, and only the staged one checked that the data trained so
-far was unchanged (a plain run resumed on another directory under the same stream name,
-silently). Now every run has one position, one plan and one resume check.
-
-The position counts batches *yielded to the trainer*, so a checkpoint names the next
-batch exactly. For a run without stages, ``composer_epochs`` (the trainer's setting)
-makes one iteration of the loader one epoch of its mixture, so Composer's epochs --
-``max_duration: 3ep``, ``save_interval: 1ep``, ``eval_interval: 1ep`` -- are data epochs,
-as they were with streaming's own loader; a staged run is one Composer epoch (as
-before), and a plain ``for`` loop over the loader (the default) runs the whole run. Resuming sets the stage's dataset to (epoch,
-sample in epoch) computed from the batch, which streaming resumes exactly.
+For a run without stages, ``composer_epochs`` (the trainer's setting) makes one iteration
+of the loader one epoch of its mixture, so Composer's epochs -- ``max_duration: 3ep``,
+``save_interval: 1ep`` -- are data epochs; a staged or adaptive run is one Composer epoch,
+and a plain ``for`` loop over the loader (the default) runs the whole run.
 
 Rules for changing the data on resume (checked by :meth:`StagedPosition.load_state_dict`):
-what has been trained is immutable -- stages already (partly) trained must have the
-same data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`, their global
-batch included) and the same start batch; a finished stage keeps its length. Later
-stages (including one that starts exactly at the checkpoint) may change -- their
+what has been trained is immutable -- stages already (partly) trained must have the same
+data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`, their global batch
+included) and the same start batch; a finished stage keeps its length. Later stages
+(including one that starts exactly at the checkpoint) may change -- their
 ``global_train_batch_size`` too -- and new ones, with new streams, may be appended; the
-run may be extended.
-
-Each stage's dataset and DataLoader are built with the stage's own batch
-(``stages[i].global_train_batch_size`` / ranks, planned by
-:func:`~foundrymix.plan.stages.build_run_plan`); the position is a global batch, and a
-stage's epoch and sample in epoch follow from its own batch, so a batch change at a
-stage switch needs nothing else to resume exactly.
+run may be extended. Positions written in streaming's order (versions 1-2) are refused.
 """
 
 from __future__ import annotations
@@ -50,6 +33,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -59,9 +43,9 @@ from foundrymix.plan.stages import RunPlan, StagePlan, fingerprint_changes
 
 log = logging.getLogger(__name__)
 
-#: version of :meth:`StagedPosition.state_dict` (1: no ``version`` key, staged runs only;
-#: checkpoints of single-mixture runs before it hold streaming's own dataset state)
-POSITION_VERSION = 2
+#: version of :meth:`StagedPosition.state_dict`; 3: the order of :mod:`foundrymix.plan.order`
+#: (checkpoints of versions 1-2 and streaming's own dataset state followed streaming's sampler)
+POSITION_VERSION = 3
 
 
 @dataclass
@@ -99,7 +83,6 @@ class StagedPosition(IterableDataset):
         stage = self.run.stage_at(self.batch)
         # stages with at least one batch trained: their data is now immutable
         done = [s for s in self.run.stages if s.start_batch < self.batch]
-        epoch, in_epoch = divmod(self.batch - stage.start_batch, stage.plan.batches_per_epoch)
         return {
             'version': POSITION_VERSION,
             'batch': self.batch,
@@ -107,13 +90,9 @@ class StagedPosition(IterableDataset):
             'total_samples': self.run.total_samples,
             # the global batch of the stage at the position (each stage has its own)
             'global_batch_size': stage.global_batch_size,
-            'num_canonical_nodes': stage.config.num_canonical_nodes if stage.config else None,
             'stage': stage.index,
             'stage_name': stage.name,
             'batch_in_stage': self.batch - stage.start_batch,
-            # the stage dataset's position, as streaming resumes it
-            'stage_dataset': {'epoch': epoch,
-                              'sample_in_epoch': in_epoch * stage.plan.global_batch_size},
             'stages': [{'name': s.name, 'start_batch': s.start_batch, 'batches': s.batches,
                         'fingerprint': s.fingerprint} for s in done],
             # adaptive stages: the policy's state and every decision made so far
@@ -123,9 +102,11 @@ class StagedPosition(IterableDataset):
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
         """Resume at ``obj['batch']`` after checking that the trained past is unchanged."""
-        if 'batch' not in obj:
-            self._load_legacy(obj)
-            return
+        if int(obj.get('version', 0) if isinstance(obj, dict) else 0) < POSITION_VERSION:
+            raise ConfigError(
+                'the checkpoint was written by an older foundrymix, whose sample order was '
+                "streaming's sampler: it cannot be resumed by this version (the order is now "
+                "foundrymix's own); start the run again, or finish it with the version that wrote it")
         batch = int(obj['batch'])
         if batch > self.run.total_batches:
             raise ConfigError(
@@ -146,9 +127,9 @@ class StagedPosition(IterableDataset):
                                old_total_samples=int(samples) if samples is not None else None)
 
     def _check_order(self, obj: dict[str, Any], batch: int) -> None:
-        """The two knobs that fix the global sample order everywhere -- the global batch and
-        ``num_canonical_nodes`` -- checked first, with the message that says how to resume
-        (a resize keeps both; the fingerprints would only list them among other changes).
+        """The global batch, which fixes every batch's rows, checked first with the message
+        that says how to resume (a resize keeps it; the fingerprints would only list it among
+        other changes).
 
         The global batch is the last trained stage's (each stage has its own): the stage the
         checkpoint is inside keeps it; a stage that starts at the checkpoint may set another.
@@ -160,9 +141,6 @@ class StagedPosition(IterableDataset):
         last = trained[-1]['fingerprint']
         # the stage's own batch (its fingerprint); older checkpoints: the run's, the same
         old_g = last.get('global_batch_size', obj.get('global_batch_size'))
-        old = {'global_batch_size': old_g,
-               'num_canonical_nodes': obj.get('num_canonical_nodes',
-                                              last.get('knobs', {}).get('num_canonical_nodes'))}
         stage = next((s for s in self.run.stages if s.name == trained[-1]['name']), None)
         if stage is None:
             return  # a trained stage removed: _check_unchanged names it
@@ -180,36 +158,7 @@ class StagedPosition(IterableDataset):
                 f'and every batch are made of that batch, so a trained stage keeps it (stages that '
                 f'start at or after the checkpoint may change theirs). Set '
                 f'{stage.where}.global_train_batch_size: {old_g} to resume{rest}')
-        check_resume(old, stage.config.num_canonical_nodes, stage.global_batch_size)
-
-    def _load_legacy(self, obj: dict[str, Any]) -> None:
-        """A single-mixture checkpoint from before the run contract: streaming's own dataset
-        state (``epoch``, ``sample_in_epoch``, ...). Accepted for a run without stages, at the
-        batch it names; its data cannot be checked (it recorded no fingerprint), so say so."""
-        from foundrymix.loader.dataset import check_resume
-        stage = self.run.stages[0]
-        if self.run.explicit or 'epoch' not in obj:
-            raise ConfigError(
-                'the checkpoint holds a single-mixture data position from an older foundrymix; '
-                'resume it with the same train_loader without stages: (then add stages in a later '
-                'resume: the run without stages is the stage named main)')
-        assert stage.config is not None
-        check_resume(obj, stage.config.num_canonical_nodes, self.run.global_batch_size)
-        seed = obj.get('shuffle_seed')
-        if seed is not None and seed != stage.config.shuffle_seed:
-            raise ConfigError(f'train_loader.shuffle_seed: the checkpoint was trained with {seed}, '
-                              f'this run has {stage.config.shuffle_seed}; set it back to resume')
-        G = self.run.global_batch_size
-        batch = int(obj['epoch']) * stage.plan.batches_per_epoch + int(obj['sample_in_epoch']) // G
-        if batch > self.run.total_batches:
-            raise ConfigError(f'the checkpoint is at batch {batch}, beyond the '
-                              f'{self.run.total_batches} batches of max_duration')
-        log.warning('the checkpoint was written by an older foundrymix and records no fingerprint '
-                    'of its data: resuming at batch %d (epoch %s, sample %s) without checking that '
-                    'its streams, weights and files are unchanged; later checkpoints record them',
-                    batch, obj['epoch'], obj['sample_in_epoch'])
-        self.batch = batch
-        self.resumed = Resumed(batch, None, legacy=True)
+        check_resume({'global_batch_size': old_g}, stage.global_batch_size)
 
     def _check_unchanged(self, old: dict[str, Any], batch: int) -> None:
         name = old['name']
@@ -261,26 +210,31 @@ class StagedPosition(IterableDataset):
 
 @dataclass
 class _Active:
-    """The stage being iterated: its dataset and streaming's loader over it."""
+    """The stage being read: its storage (the stage's dataset, rows read by index)."""
 
     stage: StagePlan
     dataset: Any
-    loader: Any
 
 
 class StagedDataLoader(DataLoader):
     """Batches of every stage in order; ``stream_id`` is the run-wide stream index and, in a
     run with ``stages:``, ``stage_id`` the stage of each sample."""
 
-    def __init__(self, run: RunPlan, batch_size: int, composer_epochs: bool = False) -> None:
+    def __init__(self, run: RunPlan, batch_size: int, composer_epochs: bool = False,
+                 rank: Optional[int] = None) -> None:
         super().__init__(StagedPosition(run), batch_size=batch_size)
         self.run = run
+        #: the global rank whose slice of every global batch this loader yields (default:
+        #: the launcher's ``RANK``)
+        self.rank = rank
+        #: every iteration starts at the first batch (an evaluation set)
+        self.rewind = False
         if composer_epochs and (run.explicit or any(s.config is not None and s.config.adaptive
                                                     for s in run.stages)):
-            # A staged run is one Composer epoch, as before the run contract: ending Composer
-            # epochs at stage switches would renumber epochs after a resume exactly at a
-            # switch (Composer saved batch_in_epoch > 0 there and would count on). An
-            # adaptive run has no epochs of one mixture: one Composer epoch too.
+            # A staged run is one Composer epoch: ending Composer epochs at stage switches
+            # would renumber epochs after a resume exactly at a switch (Composer saved
+            # batch_in_epoch > 0 there and would count on). An adaptive run has no epochs of
+            # one mixture: one Composer epoch too.
             composer_epochs = False
         self.composer_epochs = composer_epochs
         self.stream_names = run.stream_names
@@ -293,8 +247,7 @@ class StagedDataLoader(DataLoader):
     def _check_local_shards(self) -> None:
         """Hash every stage's local shards now, at the run's start (once per file version,
         :mod:`foundrymix.loader.cache.local_hashes`): a damaged shard of a later stage stops
-        the run before its first batch, not hours in. Building each stage's dataset checks
-        again, but only ``stat`` s files verified here."""
+        the run before its first batch, not hours in."""
         from foundrymix.loader.cache import check_local_streams
         for stage in self.run.stages:
             if stage.config is not None:
@@ -303,6 +256,29 @@ class StagedDataLoader(DataLoader):
     @property
     def position(self) -> StagedPosition:
         return self.dataset  # type: ignore[return-value]
+
+    @property
+    def storage(self) -> Any:
+        """The storage (:class:`~foundrymix.loader.dataset.MixedDataset`) of the stage being
+        read, or None before the first batch (:meth:`prepare` builds it) and after
+        :meth:`release`. A stage's storage is kept until the next stage's is built."""
+        return self._active.dataset if self._active is not None else None
+
+    def prepare(self) -> None:
+        """Build the storage of the stage at the position now (cache claims and checks,
+        shard files): what refuses a run refuses it here, before the first batch is due."""
+        if self.position.batch < self.run.total_batches:
+            self._activate(self.run.stage_at(self.position.batch))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (next global batch, trained stages' fingerprints, adaptive state):
+        what a checkpoint keeps. Under Composer the position itself is checkpointed."""
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a :meth:`state_dict`'s batch (the trained past checked unchanged)."""
+        self.release()
+        self.position.load_state_dict(state)
 
     def __len__(self) -> int:
         """Batches of one iteration: the whole run, or (``composer_epochs``, one stage) one
@@ -314,106 +290,108 @@ class StagedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         position = self.position
+        if self.rewind:
+            position.batch = 0
         while position.batch < self.run.total_batches:
-            yield from self._epoch(position)
-            if self.composer_epochs:
+            stage = self.run.stage_at(position.batch)
+            end = self._span_end(stage, position)
+            yield from self._span(stage, position, end)
+            if self.composer_epochs and (position.batch - stage.start_batch) % \
+                    stage.plan.batches_per_epoch == 0:
                 return
 
-    def _epoch(self, position: StagedPosition) -> Iterator[Any]:
-        """The rest of the current stage's current epoch (up to the stage's end)."""
-        stage = self.run.stage_at(position.batch)
-        active = self._activate(stage, position)
-        stream_map = self._maps[stage.index]
-        yielded, whole = 0, False
-        try:
-            for batch in active.loader:
-                batch['stream_id'] = stream_map[batch['stream_id']]
-                if self.run.explicit:
-                    batch['stage_id'] = torch.full_like(batch['stream_id'], stage.index)
-                position.batch += 1
-                yielded += 1
-                yield batch
-                if position.batch >= stage.end_batch:
-                    break
-            whole = True
-        finally:
-            # Abandoned mid-epoch (the run stopped, or the caller broke off): streaming's
-            # loader would start a new epoch next time, so the next iteration rebuilds the
-            # stage's dataset at the position instead.
-            if not whole or position.batch >= stage.end_batch:
-                self.release()
-        if not yielded:
-            raise RuntimeError(f'stage {stage.name}: an epoch yielded no batch')
+    def _span_end(self, stage: StagePlan, position: StagedPosition) -> int:
+        """Where the batches from the position on stop being one span: the stage's end, the
+        end of the current adaptive segment (the next one is decided from the loss), or --
+        one Composer epoch per iteration -- the end of the current epoch."""
+        end = stage.end_batch
+        controller = position.adaptive.get(stage.index)
+        if controller is not None:
+            k = controller.segment_of(position.batch)
+            end = min(end, controller.segment_start(k) + controller.segment_batches(k))
+        elif self.composer_epochs:
+            bpe = stage.plan.batches_per_epoch
+            done = position.batch - stage.start_batch
+            end = min(end, stage.start_batch + (done // bpe + 1) * bpe)
+        return end
 
-    def _activate(self, stage: StagePlan, position: StagedPosition) -> _Active:
-        """The stage's dataset, built from its plan (and set to the position) once per stage."""
-        from foundrymix.loader.mixer import build_dataloader, build_dataset
+    def _span(self, stage: StagePlan, position: StagedPosition, end: int) -> Iterator[Any]:
+        """Batches ``[position, end)`` of ``stage``, read in workers (:mod:`~foundrymix.loader.span`)."""
+        from foundrymix.loader.span import Span, span_loader
+        from foundrymix.loader.streaming_compat import global_rank
+        active = self._activate(stage)
+        config = stage.config
+        assert config is not None
+        controller = position.adaptive.get(stage.index)
+        offsets = np.asarray(active.dataset.sample_offset_per_stream, np.int64)
+        if controller is not None:
+            batch_rows = _segment_rows(controller, position.batch, offsets)
+        else:
+            batch_rows = stage.plan.order.batch
+        first = position.batch - stage.start_batch
+        rank = global_rank() if self.rank is None else self.rank
+        span = Span(active.dataset, batch_rows, first, end - stage.start_batch, rank,
+                    stage.batch_size, offsets)
+        stream_map = self._maps[stage.index]
+        loader = span_loader(span, config.num_workers, config.pin_memory, config.timeout,
+                             config.prefetch_factor)
+        for batch in loader:
+            batch['stream_id'] = stream_map[batch['stream_id']]
+            if self.run.explicit:
+                batch['stage_id'] = torch.full_like(batch['stream_id'], stage.index)
+            position.batch += 1
+            yield batch
+
+    def _activate(self, stage: StagePlan) -> _Active:
+        """The stage's storage, built from its plan once per stage."""
+        from foundrymix.loader.mixer import build_dataset
         if self._active is not None and self._active.stage.index == stage.index:
             return self._active
         self.release()
         assert stage.config is not None
-        G, batch_size = stage.global_batch_size, stage.batch_size  # the stage's own batch
-        dataset = build_dataset(stage.config, stage.infos, stage.weights, batch_size, G,
-                                stage.where)
-        controller = position.adaptive.get(stage.index)
-        if controller is not None:
-            batches = _adaptive_batches(controller, dataset, position, self.batch_size, stage)
-            self._active = _Active(stage, dataset, batches)
-            return self._active
-        done = position.batch - stage.start_batch
-        epoch, in_epoch = divmod(done, stage.plan.batches_per_epoch)
-        if done:
-            dataset.load_state_dict({
-                'epoch': epoch, 'sample_in_epoch': in_epoch * G,
-                'num_canonical_nodes': dataset.num_canonical_nodes,
-                'shuffle_seed': stage.config.shuffle_seed, 'initial_physical_nodes': None})
-        loader = build_dataloader(stage.config, dataset, batch_size)
-        self._active = _Active(stage, dataset, loader)
+        dataset = build_dataset(stage.config, stage.infos, stage.weights, stage.batch_size,
+                                stage.global_batch_size, stage.where)
+        self._active = _Active(stage, dataset)
         return self._active
 
     def release(self) -> None:
-        """Drop the current stage's dataset: its loader (and workers) first, then its shared
-        memory, so a later stage (or run) may reuse its directories."""
+        """Drop the current stage's storage (its shared memory), so a later stage (or run)
+        may reuse its directories."""
         active, self._active = self._active, None
         if active is None or sys is None or sys.is_finalizing():
             # An iterator still held when the interpreter exits is closed during its
             # teardown, after streaming's atexit handlers freed the shared memory and with
-            # module globals gone: releasing then printed an ImportError traceback. (Late
-            # enough in the teardown, this module's globals are None: ``sys`` too.)
+            # module globals gone. (Late enough in the teardown, this module's globals are
+            # None: ``sys`` too.)
             return
         dataset = active.dataset
-        active.loader = None
         del active
-        gc.collect()  # the loader's iterator (and any workers) first
+        gc.collect()  # a span's iterator (and any workers) first
         dataset.release()
 
 
-def _adaptive_batches(controller: AdaptiveController, dataset: Any, position: StagedPosition,
-                      batch_size: int, stage: StagePlan) -> Iterator[Any]:
-    """An adaptive stage's batches from the position to the stage's end: each segment's
-    sample ids are asked of the controller when its first batch is due -- after the trainer
-    fed it the loss of the segment before -- and this rank's rows of each global batch are
-    read by index (the main process; ``num_workers`` does not apply) and collated."""
-    from foundrymix.loader.collate import collate
-    from foundrymix.loader.streaming_compat import global_rank
-    offsets = [int(x) for x in dataset.sample_offset_per_stream]
-    if offsets != controller.offsets.tolist():
-        raise RuntimeError(f'stage {stage.name}: the dataset numbers samples from {offsets}, the '
+def _segment_rows(controller: AdaptiveController, batch: int, offsets: np.ndarray) -> Any:
+    """An adaptive segment's batches as (stream, row), decided before its first batch is read
+    (the trainer fed the controller the loss of the segment before)."""
+    k = controller.segment_of(batch)
+    ids = controller.segment_ids(k).reshape(-1, controller.global_batch)
+    start = controller.segment_start(k) - controller.start_batch
+    if [int(x) for x in offsets] != controller.offsets.tolist():
+        raise RuntimeError(f'adaptive: the dataset numbers samples from {offsets.tolist()}, the '
                            f'plan from {controller.offsets.tolist()}')
-    G, rank = controller.global_batch, global_rank()
-    while position.batch < stage.end_batch:
-        k = controller.segment_of(position.batch)
-        ids = controller.segment_ids(k).reshape(-1, G)
-        for b in range(position.batch - controller.segment_start(k), len(ids)):
-            if controller.segment_of(position.batch) != k:  # (the caller moved the position)
-                break
-            mine = ids[b, rank * batch_size:(rank + 1) * batch_size]
-            yield collate([dataset.get_row(int(i)) for i in mine])
+
+    def rows(b: int) -> tuple[np.ndarray, np.ndarray]:
+        got = ids[b - start]
+        streams = controller.stream_of(got)
+        return streams, got - offsets[streams]
+    return rows
 
 
-def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False) -> StagedDataLoader:
-    """The loader of a planned run (``run`` from :func:`~foundrymix.plan.stages.plan_run`)."""
-    return StagedDataLoader(run, batch_size, composer_epochs)
+def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False,
+                     rank: Optional[int] = None) -> StagedDataLoader:
+    """The loader of a planned run (``run`` from :func:`~foundrymix.plan.stages.plan_run`)
+    for global rank ``rank`` (default: the launcher's)."""
+    return StagedDataLoader(run, batch_size, composer_epochs, rank)
 
 
 def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str] = None,

@@ -6,9 +6,8 @@ dataset would keep until exit, the filelocks a killed run leaves, the prefix sca
 leaks descriptors and tests every dead prefix's filelocks 18 times. Each touch is here,
 named after what it does, so a new streaming (or the ``streaming-community`` fork, same
 import name) is checked in one module; everything else imports streaming's public names only (``tests/test_layout.py`` fails otherwise).
-Besides this module, ``plan/simulate.py`` replays streaming's sampler (``generate_work``)
-and ``format/streaming_format.py`` and ``s3/remote.py`` use its hashing, codecs and
-downloaders.
+Besides this module, ``format/streaming_format.py`` and ``s3/remote.py`` use its hashing,
+codecs and downloaders. The sample order is foundrymix's own (``plan/order.py``).
 
 Tested with mosaicml-streaming 0.13.0 (see docs/streaming-community.md for the fork).
 On import, a streaming version outside :data:`TESTED` is logged once, naming this module.
@@ -300,49 +299,6 @@ def _locked_prefixes() -> Optional[frozenset[int]]:
         if tail in names and head.isdigit() and entry == _get_path(int(head), tail):
             found.add(int(head))
     return frozenset(found)
-
-
-def shuffle_sources() -> list[str]:
-    """The source files of streaming's shuffle package (``get_shuffle`` and its algorithms),
-    in name order: part of a shuffle record's key."""
-    import os
-
-    import streaming.base.shuffle as package
-    folder = os.path.dirname(os.path.abspath(package.__file__))
-    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith('.py')]
-
-
-#: streaming's modules that call ``get_shuffle`` from ``generate_work`` (one per batching method)
-_BATCHING_MODULES = ('random', 'per_stream', 'stratified', 'device_per_stream')
-
-
-@contextlib.contextmanager
-def recorded_shuffles(shuffle: Any) -> Iterator[None]:
-    """Inside this, streaming's ``generate_work`` shuffles through ``shuffle(get_shuffle,
-    *args, **kwargs)`` (:meth:`foundrymix.loader.shuffle_cache.ShuffleRecords.shuffle`).
-
-    Why here: each batching module of streaming 0.13 (and streaming-community 0.14) imports
-    ``get_shuffle`` by name, so the name is replaced in each for the call of the dataset's
-    ``_get_work`` (``MixedDataset._get_work``) and put back after; a streaming without
-    one of these modules or names keeps its own shuffle there.
-    """
-    import importlib
-    replaced = []
-    for name in _BATCHING_MODULES:
-        try:
-            module = importlib.import_module(f'streaming.base.batching.{name}')
-        except ImportError:
-            continue
-        original = getattr(module, 'get_shuffle', None)
-        if original is None:
-            continue
-        setattr(module, 'get_shuffle', functools.partial(shuffle, original))
-        replaced.append((module, original))
-    try:
-        yield
-    finally:
-        for module, original in replaced:
-            module.get_shuffle = original
 
 
 def _peeked_class() -> type:

@@ -8,12 +8,10 @@ each segment boundary. Why this split: a decision must be identical on every ran
 a resumed run, so it is a function of (state, summed loss) only, and the state is a few
 plain lists (checkpoint and ``report/mixture.json``). See docs/adaptive.md.
 
-Why per-stream cursors and not streaming's sampler: a weight change in streaming means a
-new ``StreamingDataset`` whose ``choose`` draws a fresh random subset of each stream, so
-rows repeat before a stream's pass is complete (on 20 segments of 5 % of a stream, ~40 %
-of the draws would be repeats). Here stream ``i``'s rows are a seeded permutation per
-pass and a cursor moves over it: no row repeats before every row of its stream was
-trained once, across any number of weight changes.
+A segment is a block of the order (:mod:`foundrymix.plan.order`) whose per-stream counts
+the policy decided: each stream's draws go on from its cursor (a fresh permutation per
+pass), so no row repeats before every row of its stream was trained once, across any
+number of weight changes.
 
 Length (over ~300 lines): the policies, the decision record, the controller (segments,
 cursors, state) and the replay reader share one state format, kept in one module.
@@ -28,6 +26,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from foundrymix.plan.exact import stratified_portions
+from foundrymix.plan.order import WINDOW_ROWS, Block, StreamDraws, rows_of, stream_draws
 
 #: ``adaptive.lr`` default of ODM: the bandit's reward scale (the paper's EXP3 has none; its
 #: rewards are losses of ~2-10 nats, ours too, so 1.0 keeps its update)
@@ -220,6 +219,8 @@ class AdaptiveController:
     options: dict[str, float] = field(default_factory=dict)
     replay: Optional[list[Decision]] = None
     decisions: list[Decision] = field(default_factory=list)
+    #: each stream's draws (:func:`~foundrymix.plan.order.stream_draws`); None: one shard a stream
+    draws: Optional[list[StreamDraws]] = None
 
     def __post_init__(self) -> None:
         initial = floor_shares(np.array(self.initial), self.min_share)
@@ -231,7 +232,8 @@ class AdaptiveController:
         else:
             self.policy = FixedPolicy(initial)
         self.offsets = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
-        self._perm: dict[tuple[int, int], np.ndarray] = {}
+        if self.draws is None:
+            self.draws = [StreamDraws([n], (self.seed, i)) for i, n in enumerate(self.rows)]
         if self.replay is not None:
             self._check_replay()
         if not self.decisions:
@@ -305,17 +307,6 @@ class AdaptiveController:
         return self.decisions[k]
 
     # -- cursors
-    def _permutation(self, stream: int, epoch: int) -> np.ndarray:
-        key = (stream, epoch)
-        perm = self._perm.get(key)
-        if perm is None:
-            rng = np.random.default_rng([self.seed, stream, epoch])
-            dtype = np.int32 if self.rows[stream] < 2**31 else np.int64
-            perm = rng.permutation(self.rows[stream]).astype(dtype)
-            self._perm = {k: v for k, v in self._perm.items() if k[0] != stream}
-            self._perm[key] = perm
-        return perm
-
     def consumed_before(self, k: int) -> np.ndarray:
         """Rows each stream trained in segments ``0..k-1`` (its cursor at segment ``k``);
         the last answer is kept, so a run's next segment adds one decision's rows."""
@@ -328,33 +319,17 @@ class AdaptiveController:
         self._cursor = (k, cursor)
         return cursor
 
-    def _take(self, stream: int, start: int, count: int) -> np.ndarray:
-        """Rows ``start .. start+count`` of stream ``stream``'s sequence of passes (each pass a
-        fresh permutation): no row repeats before its pass is complete."""
-        n = self.rows[stream]
-        out = []
-        while count > 0:
-            epoch, pos = divmod(start, n)
-            take = min(count, n - pos)
-            out.append(self._permutation(stream, epoch)[pos:pos + take].astype(np.int64))
-            start += take
-            count -= take
-        return np.concatenate(out) + self.offsets[stream] if out else np.zeros(0, np.int64)
-
     def segment_ids(self, k: int) -> np.ndarray:
         """Segment ``k``'s global sample ids, in training order (global batch after global
-        batch): which stream fills each slot is shuffled, and each stream fills its slots
-        with its next rows in cursor order -- so even a segment that crosses a stream's pass
-        boundary trains the rest of the old pass before any row of the new one."""
+        batch): a block of the decided rows per stream from the streams' cursors, so even a
+        segment that crosses a stream's pass boundary trains the rest of the old pass before
+        any row of the new one."""
         decision = self.decision(k)
-        cursor = self.consumed_before(k)
-        rng = np.random.default_rng([self.seed, len(self.rows), 1_000_003, k])
-        slots = rng.permutation(np.repeat(np.arange(len(self.rows)), decision.rows))
-        ids = np.empty(len(slots), np.int64)
-        # a stable sort of the slots lists each stream's positions in order, stream by stream
-        ids[np.argsort(slots, kind='stable')] = np.concatenate(
-            [self._take(i, int(cursor[i]), r) for i, r in enumerate(decision.rows) if r])
-        return ids
+        block = Block(np.asarray(decision.rows, np.int64), self.consumed_before(k),
+                      (self.seed, len(self.rows), 1_000_003, k))
+        assert self.draws is not None
+        streams, rows = rows_of(self.draws, *block.draws(0, block.size))
+        return self.offsets[streams] + rows
 
     def stream_of(self, ids: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.offsets, ids, side='right') - 1
@@ -422,9 +397,13 @@ def build_controller(stage: Any) -> Optional[AdaptiveController]:
     replay = read_replay(a.replay_from, stage.name, where) if a.replay_from else None
     options: dict[str, float] = ({'alpha': a.alpha, 'lr': a.lr} if a.method == 'odm' else
                                  {'alpha': a.alpha, 'beta': a.beta} if a.method == 'ado' else {})
+    seed = config.shuffle_seed if a.seed is None else a.seed
     return AdaptiveController(
         method=a.method, names=[s.name for s in streams], rows=[s.rows for s in streams],
         initial=[s.share for s in streams], global_batch=stage.plan.global_batch_size,
         every=a.batches('every', where), warmup=a.batches('warmup', where),
-        min_share=a.min_share, seed=config.shuffle_seed if a.seed is None else a.seed,
-        start_batch=stage.start_batch, batches=stage.batches, options=options, replay=replay)
+        min_share=a.min_share, seed=seed,
+        start_batch=stage.start_batch, batches=stage.batches, options=options, replay=replay,
+        draws=stream_draws([i.shard_rows for i in stage.infos], [s.name for s in streams],
+                           seed, stage.name, config.shuffle_block_size or WINDOW_ROWS,
+                           config.shuffle) if stage.infos else None)

@@ -19,7 +19,7 @@ from foundrymix.config import DERIVED, FROM_KEY, ConfigError, read_dataclass, to
 
 __all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'CACHE_ROOT_ENV']
 
-BatchingMethod = Literal['random', 'stratified', 'per_stream', 'device_per_stream']
+BatchingMethod = Literal['random', 'stratified']
 SamplingMethod = Literal['balanced', 'fixed']
 ShuffleAlgo = Literal['py1e', 'py1br', 'py1b', 'py1s', 'py2s', 'naive']
 PartitionAlgo = Literal['orig', 'relaxed']
@@ -226,6 +226,7 @@ class StageSpec:
             batch = read_value(batch, int, f'{where}.global_train_batch_size')
             if batch <= 0:
                 raise ConfigError(f'{where}.global_train_batch_size: must be positive, got {batch}')
+        refuse_replaced_knobs(d, where)
         hints = _loader_hints()
         overrides = {k: read_value(v, hints[k], f'{where}.{k}') for k, v in d.items()}
         return cls(name=name, duration=duration, streams=streams, overrides=overrides, where=where,
@@ -235,6 +236,30 @@ class StageSpec:
 def _few(names: list[str], n: int = 5) -> str:
     """The first ``n`` names and how many more: a message about 1,000 streams stays one line."""
     return ', '.join(names[:n]) + (f', ... ({len(names):,} in all)' if len(names) > n else '')
+
+
+#: streaming sampler knobs that foundrymix's own order replaced, and what replaced them
+REPLACED_KNOBS = {
+    'shuffle_algo': 'each stream is shuffled a window of shards at a time (shuffle_block_size rows)',
+    'num_canonical_nodes': 'ranks slice one global order, the same on any topology',
+    'partition_algo': 'ranks slice one global order, the same on any topology',
+    'sampling_method': 'each pass over a stream is a fresh permutation, complete before the next',
+    'sampling_granularity': 'each pass over a stream is a fresh permutation, complete before the next',
+}
+
+
+def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
+    """Refuse streaming's sampler knobs (the order is foundrymix's own) and, for training,
+    ``drop_last: false``: every epoch is whole global batches, so every batch is full (an
+    ``eval_loader`` keeps Foundry's ``drop_last: false``; the trainer says what it leaves out)."""
+    for key, why in REPLACED_KNOBS.items():
+        if key in data:
+            raise ConfigError(f'{where}.{key}: streaming\'s sampler knob, which foundrymix\'s own '
+                              f'sample order replaced ({why}; docs/mixing-and-plan.md); remove it')
+    if data.get('drop_last') is False and not where.startswith('eval_loader'):
+        raise ConfigError(f'{where}.drop_last: false is gone: every epoch is whole global batches, '
+                          f'so every batch is full (the rows an epoch leaves out go to the next '
+                          f'epoch and are listed by foundrymix plan); remove it')
 
 
 def _loader_hints() -> dict[str, Any]:
@@ -316,6 +341,7 @@ class LoaderConfig:
         impossible weightings.
         """
         data = to_plain(d, where)
+        refuse_replaced_knobs(data, where)
         if data.get('streams') is None and data.get('stages') is None:
             raise ConfigError(f'{where}: missing required key \'streams\' (a mapping of stream '
                               f'name to {{local, remote, split, repeat | proportion | choose}})')
@@ -333,11 +359,6 @@ class LoaderConfig:
         for key in ('shuffle_seed', 'num_workers', 'download_retry'):
             if getattr(self, key) < 0:
                 raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')
-        if self.num_canonical_nodes <= 0:
-            raise ConfigError(f'{where}.num_canonical_nodes: must be positive, got '
-                              f'{self.num_canonical_nodes}')
-        if self.sampling_granularity <= 0:
-            raise ConfigError(f'{where}.sampling_granularity: must be positive')
         if self.epoch_size is not None and self.epoch_size <= 0:
             raise ConfigError(f'{where}.epoch_size: must be positive, got {self.epoch_size}')
         if self.adaptive is not None and self.batching_method != 'random':

@@ -1,26 +1,18 @@
-"""Exact epochs on any topology: whole global batches, no rank padding, true stratified shares.
+"""Exact epochs: whole global batches per epoch, and stratified shares that are whole rows.
 
-Why: streaming pads every rank's share of an epoch with repeated rows when the epoch
-does not divide evenly over canonical nodes, nodes and ranks, so some rows are trained
-twice (and which ones depends on the topology). Stratified batching rounds every
-stream's share of a global batch (0.7/0.3 of 8 rows trains 6 + 2 = 75 %/25 %). With
-``exact: true`` (the default) foundrymix instead
-
-* makes the epoch a multiple of ``lcm(global batch, num_canonical_nodes)`` rows -- then
-  streaming's partition (``get_partitions_orig``) pads nothing on any nodes x ranks with
-  that global batch -- by lowering ``epoch_size`` (relative weights: streaming splits it
-  by proportion as usual) or by trimming ``choose`` per stream, from fractional passes
-  first, in proportion (absolute weights); the rows an epoch leaves out are counted;
-* refuses stratified batching whose per-batch shares cannot be whole rows, naming the
-  shares it would train and the nearest global batch size that fits.
-
-The same :func:`epoch_weights` feeds the plan and the dataset, so what is planned is
-what is trained. ``exact: false`` keeps streaming's behaviour (and the plan reports it).
+An epoch is one block of the order (:mod:`foundrymix.plan.order`), so it must be whole
+global batches: ranks then slice every batch evenly and no row is padded or repeated to
+even them out. The epoch is lowered to a multiple of the global batch by lowering
+``epoch_size`` (relative weights, split by proportion) or by trimming ``choose`` per
+stream, from fractional passes first, in proportion (absolute weights). A trimmed row is
+not lost: its stream's draws continue in the next epoch. Stratified batching whose
+per-batch shares cannot be whole rows is refused, naming the shares it would train and
+the nearest global batch that fits. The same :func:`epoch_weights` feeds the plan and the
+loader, so what is planned is what is trained.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,20 +52,19 @@ def weighted_streams(infos: list[StreamInfo], weights: EpochWeights, seed: int,
 def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: int,
                   where: str = 'train_loader') -> EpochWeights:
     """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches
-    when ``config.exact`` and batching is ``random``; stratified shares checked."""
+    (batching ``random``: an epoch is one block of the order); stratified shares checked
+    unless ``exact: false`` (which trains the rounded shares)."""
     requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
     base = EpochWeights(requested, None, (), (), 1)
     streams, size = weighted_streams(infos, base, config.shuffle_seed, config.weights_in)
     nominal = tuple(int(s.choose) for s in streams)
     base = EpochWeights(requested, None, nominal, nominal, 1)
-    if not config.exact:
+    if config.batching_method == 'stratified':  # every batch is a block of whole rows
+        if config.exact:
+            check_stratified([i.name for i in infos], [float(s.proportion) for s in streams],
+                             global_batch, where)
         return base
-    if config.batching_method == 'stratified':
-        check_stratified([i.name for i in infos], [float(s.proportion) for s in streams],
-                         global_batch, where)
-    if config.batching_method != 'random':
-        return base
-    unit = math.lcm(global_batch, config.num_canonical_nodes)
+    unit = global_batch
     cut = size % unit
     if cut == 0 or size - cut <= 0:  # (no whole batch at all: the plan refuses it, naming why)
         return EpochWeights(requested, None, nominal, nominal, unit)

@@ -1,22 +1,17 @@
 """The exact plan of a mixture: rows, passes, shares and tokens per epoch; where a run ends.
 
 Why exact: Megatron-style blending oversamples by 0.5% and users cannot tell which rows
-repeat. Here every number comes from the code streaming itself runs:
+repeat. Here every number is the order's arithmetic (:mod:`foundrymix.plan.order`), the
+same object the loader reads: rows per stream per epoch from the weights (``Stream.
+apply_weights``, trimmed to whole global batches), rows per stream over any prefix of the
+run by the order's block counts, every rank's rows by its slice of each global batch.
+Nothing is replayed and no shard is read.
 
-* rows per epoch per stream from ``Stream.apply_weights`` (called exactly as
-  ``StreamingDataset.__init__`` calls it: underlying rows from ``index.json``, the
-  ``epoch_size`` and the shuffle seed, which breaks ``proportion`` rounding ties);
-* when an epoch is not made of whole global batches, or the batching method drops rows
-  (``stratified``), the epoch's sample order from streaming's own ``generate_work``
-  (shuffle and partition included) on a stand-in dataset built from the index files, cut
-  into DataLoader batches the way the DataLoader cuts them, so even ``drop_last`` losses
-  are counted per stream.
-
-Nothing here reads a shard. Token figures: every row is ``max_seq_len`` slots, so the
-tokens Composer counts (``tok``) are rows x ``max_seq_len`` exactly. Real (non-padding)
-and loss tokens per epoch are the manifest totals x passes: exact when every row is seen
-equally often (whole passes) or rows are uniform (pretrain), otherwise an *expected*
-value, because a fractional pass picks a random subset of rows (``exact`` says which).
+Token figures: every row is ``max_seq_len`` slots, so the tokens Composer counts (``tok``)
+are rows x ``max_seq_len`` exactly. Real (non-padding) and loss tokens per epoch are the
+manifest totals x passes: exact when every row is seen equally often (whole passes) or
+rows are uniform (pretrain), otherwise an *expected* value, because a fractional pass
+trains the next rows of the stream's current pass, not a fixed subset (``exact`` says which).
 
 Length (over ~300 lines): the Plan, StreamPlan, RankPlan and DurationPlan dataclasses, whose
 fields are the plan's documentation, sit beside the functions that fill them; the
@@ -36,7 +31,8 @@ from foundrymix.config import DURATION_UNITS, ConfigError, parse_duration
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted_streams
-from foundrymix.plan.simulate import SIMULATE_LIMIT, EpochSimulator, PlanDataset, Topology
+from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, stream_draws
+from foundrymix.plan.topology import Topology
 
 __all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan',
            'parse_duration']
@@ -49,10 +45,10 @@ class StreamPlan:
     name: str
     kind: str
     rows: int                  # underlying rows (index.json)
-    rows_per_epoch: int        # rows streaming samples per epoch (Stream.apply_weights)
+    rows_per_epoch: int        # rows drawn per epoch (the weights, whole global batches)
     passes: float              # rows_per_epoch / rows
     full_passes: int           # every row is seen at least this many times per epoch ...
-    rows_seen_extra: int       # ... and this many rows once more (a fresh random subset each epoch)
+    rows_seen_extra: int       # ... and this many rows once more (the pass continues next epoch)
     unseen_rows: int           # rows not seen at all in an epoch (passes < 1)
     share: float               # of the rows trained (stratified: of every batch, as rounded)
     trained_rows_per_epoch: int  # rows in full batches of epoch 0 (drop_last / stratified cuts)
@@ -91,7 +87,7 @@ class DurationPlan:
 
 @dataclass
 class RankPlan:
-    """One rank's share of every epoch, exactly as streaming partitions it (epoch 0)."""
+    """One rank's share of an epoch (epoch 0): its slice of every global batch."""
 
     rank: int                  # global rank
     node: int
@@ -146,9 +142,9 @@ class Plan:
     #: rows per stream per epoch the weights ask for, and how many an exact epoch leaves out
     nominal_rows_per_epoch: dict[str, int] = field(default_factory=dict)
     left_out_per_epoch: dict[str, int] = field(default_factory=dict)
-    #: rows trained a second time in an epoch because streaming pads ranks (exact: 0)
+    #: rows trained a second time in an epoch to even out ranks: always 0 (kept for --json)
     repeated_rows_per_epoch: int = 0
-    #: per rank (global rank order); None when the epoch is too large to replay
+    #: per rank (global rank order); None over RANK_COUNT_LIMIT rows an epoch
     per_rank: Optional[list[RankPlan]] = None
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -158,9 +154,8 @@ class Plan:
     #: the YAML's stream groups (pattern entries), each with its members and given weight
     groups: list[GroupPlan] = field(default_factory=list)
     #: how each count was made -- 'epoch' (rows per stream per epoch), 'per_rank', 'run'
-    #: (rows per stream over the duration): 'arithmetic' (on streaming's partition and
-    #: shuffle structure, exact), 'replay' (streaming's own generate_work, exact) or
-    #: 'estimate: ...' / 'not computed: ...' (an epoch over the replay limit)
+    #: (rows per stream over the duration): 'arithmetic' (the order's counts, exact), or
+    #: for per_rank 'not computed: ...' (an epoch over RANK_COUNT_LIMIT rows)
     counted: dict[str, str] = field(default_factory=dict)
     #: an adaptive stage (``train_loader.adaptive``): segments, not the sampler's epochs
     adaptive: bool = False
@@ -224,29 +219,25 @@ class _Epoch:
     rows: np.ndarray            # underlying rows per stream
     chooses: np.ndarray         # rows sampled per stream per epoch
     epoch_size: int
-    trained: np.ndarray         # rows in full batches of epoch 0, per stream
+    trained: np.ndarray         # rows trained per stream per epoch (whole batches)
     shares: np.ndarray          # share of the rows trained, per stream (stratified: per batch)
     weights: EpochWeights
     batches: int
-    whole_batches: bool         # epoch is whole global batches of plain random batching
-    simulator: EpochSimulator
-    #: rows in each global batch of an epoch (the same every epoch); None: not replayed
-    #: (an epoch over SIMULATE_LIMIT), or every batch is whole
-    batch_sizes: Optional[list[int]] = None
-    full_batches: bool = True   # every batch holds G rows (whole batches, or drop_last)
+    order: StageOrder           # the stage's order: counts of any prefix by arithmetic
 
 
 def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                max_duration: Optional[Any] = None, topology: Topology = Topology(),
                duration_name: str = 'max_duration',
-               duration_batches: Optional[Callable[['Plan'], int]] = None) -> Plan:
+               duration_batches: Optional[Callable[['Plan'], int]] = None,
+               stage: str = 'main') -> Plan:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size.
 
     Pure: reads nothing but ``infos`` (manifests and index files the catalog read).
     ``duration_name`` is what messages call the duration (a stage's, or the run's).
     ``duration_batches`` (instead of ``max_duration``) turns the per-epoch plan into the
     duration's batches -- a stage's ``duration`` needs the epoch to be known -- so a stage
-    is planned (and its weights computed) once.
+    is planned (and its weights computed) once. ``stage`` names the stage (its order's seed).
     """
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
@@ -255,7 +246,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     notes: list[str] = []
     L = infos[0].manifest.max_seq_len
     G = batch_size * topology.world_size
-    epoch = _plan_epoch(config, infos, batch_size, topology, notes)
+    epoch = _plan_epoch(config, infos, batch_size, topology, stage)
     _warn_epoch(config, epoch, G, topology.world_size, warnings)
     _note_exact(config, epoch, G, warnings, notes)
     names = [i.name for i in infos]
@@ -271,19 +262,20 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 shuffle_seed=config.shuffle_seed, warnings=warnings, notes=notes,
                 duration_name=duration_name, nodes=topology.nodes,
                 ranks_per_node=topology.ranks_per_node,
-                num_canonical_nodes=config.num_canonical_nodes, exact=config.exact,
+                num_canonical_nodes=1, exact=config.exact,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
-                repeated_rows_per_epoch=max(0, int(epoch.trained.sum()) - epoch.epoch_size),
+                repeated_rows_per_epoch=0,
                 per_rank=per_rank, weights=epoch.weights,
                 groups=stream_groups(config))
-    plan.counted = {'epoch': _how_epoch(epoch), 'per_rank': how_ranks}
+    plan.order = epoch.order
+    plan.counted = {'epoch': 'arithmetic', 'per_rank': how_ranks}
     if duration_batches is not None:
         max_duration = f'{duration_batches(plan)}ba'
     if max_duration is not None:
         plan.duration = plan_duration(plan, max_duration, [i.name for i in infos], epoch)
         d = plan.duration
-        plan.counted['run'] = _how_run(epoch, d)
+        plan.counted['run'] = 'arithmetic'
         if d.ends_mid_epoch:
             warnings.append(
                 f'{duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
@@ -296,11 +288,10 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
 def share_rounding(plans: list[StreamPlan], weights_in: str, L: int) -> float:
     """How far a realized share (of ``weights_in``) can be from the requested one, at most.
 
-    streaming rounds each stream's rows per epoch to a whole number, within one row of
-    the exact value; a row holds at most ``L`` tokens. So each stream's tokens are off by
-    at most ``L`` and the total by ``n L``: a share differs by at most
-    ``2 n L / (T - n L)`` for ``T`` tokens per epoch (for fractional passes over finetune
-    rows, the tokens are expected values on top of this).
+    Rows per stream per epoch are whole numbers, within one row of the exact value; a row
+    holds at most ``L`` tokens. So each stream's tokens are off by at most ``L`` and the
+    total by ``n L``: a share differs by at most ``2 n L / (T - n L)`` for ``T`` tokens per
+    epoch (for fractional passes over finetune rows, the tokens are expected values on top).
     """
     total = sum(s.tokens_per_epoch if weights_in == 'tokens' else s.loss_tokens_per_epoch for s in plans)
     slack = len(plans) * L
@@ -314,105 +305,98 @@ def weights_in_note(weights_in: str, plans: list[StreamPlan], L: int) -> str:
     return (f'weights_in: {weights_in}: proportions are shares of {weights_in.replace("_", " ")} '
             f'(column {col!r}), turned into row proportions from the manifests (rows: '
             + ', '.join(f'{s.name} {s.share:.1%}' for s in plans) +
-            f'); streaming rounds rows per stream to whole rows, so a realized share differs '
+            f'); rows per stream are rounded to whole rows, so a realized share differs '
             f'from the requested one by at most {100 * bound:.2g} percentage points')
 
 
 def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
-                topology: Topology, notes: list[str]) -> _Epoch:
-    """Rows per stream per epoch exactly as ``StreamingDataset.__init__`` samples them
-    (``Stream.apply_weights``), and rows trained in full batches of one epoch."""
+                topology: Topology, stage: str) -> _Epoch:
+    """Rows per stream per epoch (the weights, trimmed to whole global batches) and the
+    stage's order built from them: an epoch is one block of the order; under stratified
+    batching every global batch is a block of the same rows per stream."""
     G = batch_size * topology.world_size
     weights = epoch_weights(config, infos, G)
     streams, epoch_size = weighted_streams(infos, weights, config.shuffle_seed, config.weights_in)
-    shard_rows = [i.shard_rows for i in infos]
-    rows = np.array([sum(r) for r in shard_rows], np.int64)
-    ds = PlanDataset(config, streams, shard_rows, epoch_size, batch_size, topology.nodes)
-    simulator = EpochSimulator(ds, topology, config)
+    rows = np.array([i.rows for i in infos], np.int64)
     chooses = np.array([int(s.choose) for s in streams], np.int64)
-    whole_batches = epoch_size % G == 0 and config.batching_method == 'random'
-    sizes: Optional[list[int]] = None
-    if whole_batches:
-        trained, batches = chooses, epoch_size // G
-    elif simulator.portions is not None:  # stratified: every batch the same rows per stream
-        batches = simulator.stratified_batches()
-        trained = simulator.portions * batches
-    elif epoch_size <= SIMULATE_LIMIT:
-        trained, sizes = simulator.counts_and_sizes(0)
-        batches = len(sizes)
-    else:
-        batches = epoch_size // G if config.drop_last else math.ceil(epoch_size / G)
-        trained = chooses
-        notes.append('epoch too large to generate its order: trained rows per stream are the '
-                     'sampled rows (the drop_last tail is not subtracted per stream)')
     if config.batching_method == 'stratified':
-        shares = np.array(stratified_portions([float(s.proportion) for s in streams], G)) / G
+        portions = np.array(stratified_portions([float(s.proportion) for s in streams], G), np.int64)
+        fits = [int(c) // int(p) for c, p in zip(chooses, portions) if p > 0]
+        batches = min(fits) if fits else 0
+        trained, block = portions * batches, portions
+        shares = portions / G
     else:
+        batches = epoch_size // G
+        trained, block = chooses, chooses
         shares = chooses / epoch_size if epoch_size else np.zeros(len(streams))
+    order = stage_order(config, infos, block if block.sum() else np.ones(1, np.int64), G, stage)
     return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
-                  shares=shares, weights=weights, batches=batches,
-                  whole_batches=whole_batches, simulator=simulator, batch_sizes=sizes,
-                  full_batches=whole_batches or config.drop_last or simulator.portions is not None)
+                  shares=shares, weights=weights, batches=batches, order=order)
+
+
+def stage_order(config: LoaderConfig, infos: list[StreamInfo], block: np.ndarray, G: int,
+                stage: str) -> StageOrder:
+    """The order of a stage over ``infos`` with ``block`` rows per stream per block."""
+    draws = stream_draws([i.shard_rows for i in infos], [i.name for i in infos],
+                         config.shuffle_seed, stage, config.shuffle_block_size or WINDOW_ROWS,
+                         config.shuffle)
+    return StageOrder(draws, block, G, (config.shuffle_seed, name_key(stage)), config.shuffle)
 
 
 def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
-                topology: Topology, epoch: int = 0) -> list[np.ndarray]:
-    """The global batches (sample ids) of epoch ``epoch`` as the loader on ``topology`` will
-    train them, replayed with streaming's ``generate_work`` (for checks and tools)."""
-    from foundrymix.plan.simulate import epoch_batches
-    planned = _plan_epoch(config, infos, batch_size, topology, [])
-    return epoch_batches(planned.simulator.ds, epoch, topology, config.num_workers,
-                         config.drop_last)
+                topology: Topology, epoch: int = 0, stage: str = 'main') -> list[np.ndarray]:
+    """The global batches (sample ids, numbered stream by stream in config order) of epoch
+    ``epoch`` as the loader will train them on any topology (for checks and tools)."""
+    planned = _plan_epoch(config, infos, batch_size, topology, stage)
+    offsets = np.concatenate(([0], np.cumsum(planned.rows)[:-1])).astype(np.int64)
+    out = []
+    for b in range(epoch * planned.batches, (epoch + 1) * planned.batches):
+        streams, rows = planned.order.batch(b)
+        out.append(offsets[streams] + rows)
+    return out
 
 
-def _how_epoch(epoch: _Epoch) -> str:
-    if epoch.whole_batches or epoch.simulator.portions is not None:
-        return 'arithmetic'
-    if epoch.batch_sizes is not None:
-        return 'replay'
-    return 'estimate: sampled rows, the drop_last tail not subtracted per stream'
-
-
-def _how_run(epoch: _Epoch, d: 'DurationPlan') -> str:
-    sim = epoch.simulator
-    if d.rows_per_stream is None:
-        return 'not computed: epochs over the replay limit (passes are epochs x passes per epoch)'
-    if not (epoch.whole_batches or sim.portions is not None):
-        return 'replay'
-    if d.ends_mid_epoch and not sim.arithmetic:
-        return 'replay'
-    if d.ends_mid_epoch and sim.portions is None and sim.ds.shuffle:
-        return f'arithmetic (on streaming\'s {sim.ds.shuffle_algo} shuffle)'
-    return 'arithmetic'
+#: per-rank rows per stream are counted position by position up to this many rows an epoch
+RANK_COUNT_LIMIT = 20_000_000
 
 
 def _rank_plans(epoch: _Epoch, topology: Topology,
                 names: list[str]) -> tuple[Optional[list[RankPlan]], str]:
-    """Every rank's rows per stream in epoch 0 and how they were counted: by arithmetic where
-    :meth:`EpochSimulator.arith_rank_counts` proves it (one rank over whole batches: the
-    epoch's counts), else from streaming's own partition (None when the epoch is too large to
-    replay; each replay is a ``generate_work``: 1.1 s over 1,000 streams, issue 22)."""
-    arith = None if topology.world_size == 1 and epoch.whole_batches else \
-        epoch.simulator.arith_rank_counts()
-    if topology.world_size == 1 and epoch.whole_batches:
-        # One rank trains the whole epoch (as `_plan_epoch` counts it): no replay needed.
-        counts_per_rank, how = [(epoch.trained, epoch.batches)], 'arithmetic'
-    elif arith is not None:
-        counts_per_rank, how = [(c, epoch.batches) for c in arith], 'arithmetic'
-    elif epoch.epoch_size > SIMULATE_LIMIT:
-        why = epoch.simulator.replay_reason or \
-            'ranks take strides of a canonical node (num_canonical_nodes not a multiple of ranks)'
-        return None, f'not computed: the epoch is over the replay limit and {why}'
+    """Every rank's rows per stream in epoch 0: rank ``q`` trains columns ``[qB, (q+1)B)`` of
+    every global batch. One rank: the epoch's counts; else counted over the epoch's layout
+    (the streams of its positions; no row is read)."""
+    W, n = topology.world_size, len(names)
+    G = epoch.order.global_batch
+    B = G // W
+    if W == 1:
+        counts_per_rank = [epoch.trained]
+    elif epoch.batches * G <= RANK_COUNT_LIMIT:
+        counts_per_rank = _counted(epoch, W, B, n)
     else:
-        counts_per_rank, how = epoch.simulator.rank_counts(0), 'replay'
-
+        return None, (f'not computed: over {RANK_COUNT_LIMIT:,} rows an epoch (every rank trains '
+                      f'{B} rows of each global batch; rows per stream per rank are not counted)')
     out = []
-    for r, (counts, batches) in enumerate(counts_per_rank):
+    for r, counts in enumerate(counts_per_rank):
         out.append(RankPlan(rank=r, node=r // topology.ranks_per_node,
-                            local_rank=r % topology.ranks_per_node, batches_per_epoch=batches,
+                            local_rank=r % topology.ranks_per_node, batches_per_epoch=epoch.batches,
                             samples_per_epoch=int(counts.sum()),
-                            rows_per_stream={n: int(c) for n, c in zip(names, counts)}))
-    return out, how
+                            rows_per_stream={n_: int(c) for n_, c in zip(names, counts)}))
+    return out, 'arithmetic'
+
+
+def _counted(epoch: _Epoch, W: int, B: int, n: int) -> list[np.ndarray]:
+    """Each rank's rows per stream over epoch 0, from the streams of the epoch's positions."""
+    G = W * B
+    total = epoch.batches * G
+    out = np.zeros((W, n), np.int64)
+    step = 1 << 20
+    step -= step % G
+    for begin in range(0, total, step):
+        end = min(total, begin + step)
+        streams, _ = epoch.order.positions(begin, end)
+        col = (np.arange(begin, end) % G) // B
+        np.add.at(out, (col, streams), 1)
+    return list(out)
 
 
 def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int,
@@ -429,17 +413,9 @@ def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int,
     if samples < size:
         why = ('stratified batching keeps only whole batches of the exact composition'
                if config.batching_method == 'stratified' else
-               f'epoch size {size:,} is not a multiple of the global batch {G}'
-               + (' (drop_last)' if config.drop_last else ''))
+               f'epoch size {size:,} is not a multiple of the global batch {G}')
         warnings.append(f'{size - samples:,} of {size:,} sampled rows per epoch are never '
                         f'trained: {why}')
-    elif samples > size:
-        # streaming pads every rank's share to the same length with repeated rows, and on
-        # some sizes those padded rows fill one more full batch on every rank.
-        warnings.append(f'{samples - size:,} rows per epoch are trained twice: streaming pads '
-                        f'the {world_size} ranks\' shares of {size:,} rows to equal length with '
-                        f'repeats, which fill one more global batch of {G}; choose an epoch size '
-                        f'or batch that divides evenly to avoid it')
 
 
 def _note_exact(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str],
@@ -457,8 +433,8 @@ def _note_exact(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]
                        f'{max(left.values()):,} from one ({first}, ...; every stream: --json)')
         notes.append(f'exact epoch: {epoch.epoch_size:,} rows = {epoch.epoch_size // G:,} whole '
                      f'global batches of {G} (the weights ask for {nominal:,}); left out per epoch: '
-                     f'{listing} -- a fresh random subset of those rows each epoch. No row is '
-                     f'trained twice by rank padding (exact: false pads instead)')
+                     f'{listing} -- each stream\'s draws go on in the next epoch, so no row is lost '
+                     f'to the cut, and none is trained twice to even out ranks')
     if config.batching_method == 'stratified':
         asked = epoch.chooses / epoch.epoch_size
         if np.abs(asked - epoch.shares).max() > 1e-6:
@@ -484,7 +460,8 @@ def under_one_pass_warnings(plans: list[StreamPlan],
     for the class with the count and the least-seen streams -- 1,000 such lines buried what
     mattered (issue 22)."""
     under = [s for s in plans if s.full_passes == 0]
-    what = 'rows are not seen in an epoch (a different random subset each epoch)'
+    what = ('rows are not seen in an epoch (the next epoch goes on with the pass: every row is '
+            'seen once before any is seen twice)')
     if limit is None or len(under) <= limit:
         return [f'{s.name}: under one pass ({s.passes:.3g}x): {s.unseen_rows:,} of {s.rows:,} {what}'
                 for s in under]
@@ -520,8 +497,8 @@ def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list
         s.token_share = s.tokens_per_epoch / total_tok
         s.loss_token_share = s.loss_tokens_per_epoch / total_loss
     if not all(s.tokens_exact for s in plans):
-        notes.append('~ marks expected token counts: a fractional pass picks a random subset of '
-                     'rows each epoch, so real/loss tokens vary slightly around this value')
+        notes.append('~ marks expected token counts: a fractional pass trains the next rows of the '
+                     'stream\'s current pass, so real/loss tokens vary slightly around this value')
     return plans
 
 
@@ -538,67 +515,19 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         total_batches = value
     else:  # Composer stops after the batch that reaches the samples (tokens: rows x L)
         samples = value if unit == 'sp' else math.ceil(value / L)
-        total_batches = _batches_to_reach(samples, G, epoch.batch_sizes)
+        total_batches = math.ceil(samples / G)
     full_epochs, rem = divmod(total_batches, bpe)
-    rows_trained = _rows_trained(names, epoch, full_epochs, rem)
-    if rows_trained is not None:
-        passes = {n: rows_trained[n] / s.rows for n, s in zip(names, plan.streams)}
-    else:
-        passes = {n: s.passes * total_batches / bpe for n, s in zip(names, plan.streams)}
+    totals = epoch.order.trained(total_batches)
+    rows_trained = {n: int(v) for n, v in zip(names, totals)}
+    passes = {n: rows_trained[n] / s.rows for n, s in zip(names, plan.streams)}
     if rem:
         last_epoch, last_batch = full_epochs, rem
     else:
         last_epoch, last_batch = full_epochs - 1, bpe
-    # Without drop_last, an epoch's short batches train fewer than G rows: count the rows
-    # the batches hold (the headline must equal what trains), not batches x G.
-    sizes = epoch.batch_sizes
-    if sizes is not None:
-        total_samples = full_epochs * sum(sizes) + sum(sizes[:rem])
-        last_sample = sum(sizes[:last_batch])
-    else:
-        total_samples, last_sample = total_batches * G, last_batch * G
     return DurationPlan(
         max_duration=f'{value}{unit}', unit=DURATION_UNITS[unit], value=value,
-        total_batches=total_batches, total_samples=total_samples,
-        total_tokens=total_samples * L, epochs=total_batches / bpe, full_epochs=full_epochs,
+        total_batches=total_batches, total_samples=total_batches * G,
+        total_tokens=total_batches * G * L, epochs=total_batches / bpe, full_epochs=full_epochs,
         ends_mid_epoch=bool(rem), last_epoch=last_epoch, last_batch_in_epoch=last_batch,
-        last_sample_in_epoch=last_sample,
-        rows_per_stream=rows_trained, passes_per_stream=passes,
-        samples_exact=epoch.batch_sizes is not None or epoch.full_batches)
-
-
-def _batches_to_reach(samples: int, G: int, sizes: Optional[list[int]]) -> int:
-    """Batches until Composer has counted ``samples`` rows: whole batches of ``G``, or an
-    epoch's batch sizes over and over (short batches without ``drop_last``)."""
-    if sizes is None:
-        return math.ceil(samples / G)
-    per_epoch = sum(sizes)
-    full, left = divmod(samples, per_epoch)
-    if not left:
-        return full * len(sizes)
-    return full * len(sizes) + int(np.searchsorted(np.cumsum(sizes), left)) + 1
-
-
-def _rows_trained(names: list[str], epoch: _Epoch, full_epochs: int,
-                  rem: int) -> Optional[dict[str, int]]:
-    """Rows of each stream trained over ``full_epochs`` epochs and ``rem`` more batches.
-
-    Whole epochs of whole batches (and stratified epochs) train the same rows per stream
-    every epoch; a run ending mid-epoch needs the prefix of that epoch's fresh order, by
-    arithmetic on streaming's structure where proven (:func:`~foundrymix.plan.simulate.
-    prefix_counts`), else by the replay -- skipped (None) when that would mean generating
-    more than ``SIMULATE_LIMIT`` samples.
-    """
-    sim = epoch.simulator
-    same = epoch.whole_batches or sim.portions is not None
-    simulated = (0 if same else (full_epochs - 1) * epoch.epoch_size) + \
-        (epoch.epoch_size if rem and not sim.arithmetic else 0)
-    if simulated > SIMULATE_LIMIT or not same and epoch.batch_sizes is None:
-        return None  # (the latter: epoch 0 was estimated, not replayed)
-    totals = epoch.trained * full_epochs if same else np.zeros(len(names), np.int64)
-    for e in range(0 if same else full_epochs):
-        totals += epoch.trained if e == 0 else sim.trained_counts(e)[0]
-    if rem:
-        totals += sim.prefix_counts(full_epochs, rem) if sim.arithmetic else \
-            sim.trained_counts(full_epochs, rem)[0]
-    return {n: int(v) for n, v in zip(names, totals)}
+        last_sample_in_epoch=last_batch * G,
+        rows_per_stream=rows_trained, passes_per_stream=passes, samples_exact=True)

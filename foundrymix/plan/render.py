@@ -59,12 +59,10 @@ MAX_RANK_ROWS = 16
 
 
 def render_ranks(plan: Plan, console: Any, all_streams: bool = False) -> None:
-    """Topology, num_canonical_nodes, exactness and every rank's rows per stream per epoch."""
-    mode = ('exact: whole global batches, no row trained twice by rank padding' if plan.exact
-            else 'exact: false (streaming pads ranks with repeated rows)')
-    console.print(f'topology {plan.nodes} node(s) x {plan.ranks_per_node} rank(s), '
-                  f'num_canonical_nodes {plan.num_canonical_nodes}; {mode}; repeated by padding '
-                  f'per epoch: {plan.repeated_rows_per_epoch:,}')
+    """Topology and every rank's rows per stream per epoch."""
+    console.print(f'topology {plan.nodes} node(s) x {plan.ranks_per_node} rank(s): each rank '
+                  f'trains its {plan.batch_size} rows of every global batch of one global order '
+                  f'(the same on any topology); no row padded or repeated to even out ranks')
     if not plan.per_rank:
         return
     names = [s.name for s in plan.streams]
@@ -131,10 +129,10 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
         where = (f'stops in epoch {d.last_epoch} after batch {d.last_batch_in_epoch:,} '
                  f'(sample {d.last_sample_in_epoch:,} of the epoch)' if d.ends_mid_epoch
                  else f'ends exactly at the end of epoch {d.last_epoch}')
-        at_most = '' if d.samples_exact else 'at most '  # short batches not replayed
+        at_most = ''
         if plan.adaptive:  # segments read by cursors: the sampler's epochs do not apply
             where = ('in adaptive segments (the per-epoch figures above are the configured '
-                     'start\'s, as streaming would sample it)')
+                     'start\'s epochs)')
         else:
             where = f'= {d.epochs:.4g} epochs ({d.full_epochs} full); {where}'
         console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '

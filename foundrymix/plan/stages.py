@@ -24,7 +24,7 @@ from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.exact import EpochWeights
 from foundrymix.plan.mixture import Plan, build_plan
-from foundrymix.plan.simulate import Topology
+from foundrymix.plan.topology import Topology
 
 
 #: the name of the one stage of a run without ``stages:`` (name it so to append stages to
@@ -228,7 +228,8 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
         if max_duration is None:
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")
-        plan = build_plan(configs[0], infos[0], batch_size, max_duration, topology)
+        plan = build_plan(configs[0], infos[0], batch_size, max_duration, topology,
+                          stage=MAIN_STAGE)
         assert plan.duration is not None
         batches = plan.duration.total_batches
         stages.append(StagePlan(index=0, name=MAIN_STAGE, duration=str(max_duration),
@@ -246,7 +247,7 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
             stage_G = spec.global_train_batch_size or G
             stage_batch = stage_device_batch(stage_G, topology.world_size, spec.where)
             plan = build_plan(cfg, stage_infos, stage_batch, None, topology, 'stage duration',
-                              duration_batches=resolve)
+                              duration_batches=resolve, stage=spec.name)
             assert plan.duration is not None
             batches = plan.duration.total_batches
             stages.append(StagePlan(index=i, name=spec.name, duration=spec.duration,
@@ -300,12 +301,6 @@ def composer_duration(run: RunPlan) -> str:
     """
     if not run.batch_varies:
         return f'{run.total_batches}ba'
-    inexact = [s.name for s in run.stages if s.plan.duration and not s.plan.duration.samples_exact]
-    if inexact:
-        raise ConfigError(
-            f'train_loader.stages: stages with different global_train_batch_size make Composer count '
-            f'the run in samples, but the samples of stage {inexact[0]} are not known exactly (an '
-            f'epoch too large to replay without drop_last); set train_loader.drop_last: true')
     return f'{run.total_samples}sp'
 
 
@@ -327,19 +322,8 @@ def _check_max_duration(max_duration: str, run: RunPlan) -> None:
 def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] = None,
              topology: Optional[Topology] = None,
              where: str = 'train_loader') -> tuple[RunPlan, list[Catalog]]:
-    """Validate every stage and plan the run; returns the plan and each stage's catalog.
-
-    ``num_canonical_nodes`` is fixed up front (streaming's fresh-start default for this
-    topology, unless configured) so that the plan, every stage's dataset and a resumed
-    run all use the same sample order.
-    """
-    import dataclasses
-
+    """Validate every stage and plan the run; returns the plan and each stage's catalog."""
     topology = topology or Topology()
-    if config.num_canonical_nodes is None:
-        nodes = topology.nodes
-        ncn = 64 * nodes if config.shuffle_algo in ('py1s', 'py2s') else nodes
-        config = dataclasses.replace(config, num_canonical_nodes=ncn)
     catalogs = stage_catalogs(config, where)
     infos = [c.infos() for c in catalogs]
     return build_run_plan(config, infos, batch_size, max_duration, topology, where), catalogs
@@ -352,11 +336,8 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
     Stored in checkpoints; a resumed run compares it field by field, so a refusal can
     name the stage, the stream and the field.
     """
-    knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_algo',
-                                             'shuffle_block_size', 'batching_method', 'epoch_size',
-                                             'sampling_method', 'sampling_granularity',
-                                             'partition_algo', 'num_canonical_nodes',
-                                             'drop_last', 'exact')}
+    knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_block_size',
+                                             'batching_method', 'epoch_size')}
     if config.weights_in != 'rows':  # only then: fingerprints of older checkpoints stay valid
         knobs['weights_in'] = config.weights_in
     if config.adaptive is not None:
@@ -412,7 +393,7 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _plan_adaptive(plan: Plan, controller: Any) -> bool:
     """Restate an adaptive stage's plan as what its run does; True if its rows are exact.
 
-    Why: the stage's mixture is planned as streaming would sample it, but an adaptive stage
+    Why: the stage's mixture is planned as epochs of its configured weights, but an adaptive stage
     trains segments of whole rows per stream read through per-stream cursors
     (:class:`~foundrymix.plan.adaptive.AdaptiveController`). So the sampler's rows per
     stream, passes, ``counted`` and its under-one-pass/mid-epoch warnings are not what it
@@ -468,7 +449,7 @@ def _plan_adaptive(plan: Plan, controller: Any) -> bool:
     plan.notes.append(
         f'adaptive ({c.method}, every {c.every}ba from batch {c.start_batch + c.warmup:,}, '
         f'min_share {c.min_share}): the table shows the configured start (its per-epoch columns '
-        f'are how streaming would sample it); the stage trains segments of whole rows per stream '
+        f'are the configured mixture\'s epochs); the stage trains segments of whole rows per stream '
         f'read by per-stream cursors, no row repeated before its stream\'s pass is complete '
         f'(report/mixture.json, docs/adaptive.md)')
     return exact

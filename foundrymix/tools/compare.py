@@ -5,8 +5,9 @@ own (diffing sample logs, loading two checkpoints). This compares what a run lea
 
 * the sample log (the ``sample_log`` callback's JSONL: each global batch's sample, stream
   and stage ids in rank order, and a digest of its tokens) -- the first batch whose rows
-  differ *as a set* (a run resumed on another number of ranks trains each global batch's
-  rows in another order: the same training), with a row only A has and one only B has;
+  differ *as a set* (a global batch is one step on a set of rows: two logs listing its rows
+  in other orders, as streaming's sampler did on another number of ranks, describe the same
+  training), with a row only A has and one only B has;
   else the first batch whose tokens differ under the same ids (the data itself differed:
   a shard changed or damaged);
 * the per-stream counts (``stream_accounting.json``: samples, tokens, loss tokens per
@@ -154,8 +155,8 @@ def _tokens_comparable(x: dict[str, Any], y: dict[str, Any]) -> bool:
 
 def compare_samples(a: str, b: str, names: Optional[list[str]] = None,
                     ranks: Optional[int] = None) -> Result:
-    """The first batch whose rows (sample, stream and stage ids) differ as a multiset -- the
-    order of a global batch's rows depends on the number of ranks, what trains does not --
+    """The first batch whose rows (sample, stream and stage ids) differ as a multiset (the
+    order a log lists a global batch's rows in is not what trains) --
     naming a row only A has and one only B has (their rows in rank order; with ``ranks``,
     A's rank and row there); else the first whose ``tokens`` digest differs (logs written
     before the digest existed have none: then ids only, and the detail says so)."""

@@ -34,7 +34,6 @@ from foundrymix.s3.retries import RetryCounts, S3RetryCounter
 from foundrymix.format.schema import TokenizerInfo
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
-from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig, check_streams, split_batch
@@ -52,10 +51,9 @@ from foundrymix.train.remote_resume import is_remote, latest_checkpoint, local_c
 import omegaconf  # noqa: E402 (load_config's YAML reader)
 from foundrymix import tokenizer as _tokenizer  # noqa: E402
 from foundrymix.loader import cache as _cache, collate as _collate, dataset as _dataset  # noqa: E402
-from foundrymix.plan import plan_cache as _plan_cache  # noqa: E402
 from foundrymix.s3 import remote as _remote  # noqa: E402
 
-PRELOADED = (omegaconf, _tokenizer, _cache, _collate, _dataset, _plan_cache, _remote)
+PRELOADED = (omegaconf, _tokenizer, _cache, _collate, _dataset, _remote)
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +163,14 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
     if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != tokenizer.fingerprint:
         raise ConfigError('eval_loader streams differ from train_loader streams in max_seq_len or tokenizer')
     eval_batch = cfg.device_eval_batch_size or device_batch
-    return Evaluator(label='eval', dataloader=eval_mixer.build_dataloader(batch_size=eval_batch),
+    loader = eval_mixer.build_dataloader(batch_size=eval_batch, rewind=True)
+    left = {n: k for n, k in loader.run.stages[0].plan.left_out_per_epoch.items() if k}
+    if left:  # an evaluation is whole global batches: say which rows it leaves out
+        log.warning('eval_loader: every evaluation reads whole global batches of %d rows, so %s '
+                    'rows are not evaluated (%s); a global eval batch that divides the eval '
+                    'rows evaluates every row', loader.run.stages[0].global_batch_size,
+                    sum(left.values()), ', '.join(f'{n} {k}' for n, k in left.items()))
+    return Evaluator(label='eval', dataloader=loader,
                      metric_names=['LanguageCrossEntropy']), eval_mixer.stream_names
 
 
@@ -210,12 +215,11 @@ class TrainData:
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (once: catalogs read once, weights computed once per stage) and the one
     loader built from it -- for a single mixture (one stage) as for a staged run."""
-    from foundrymix.plan.mixture import Topology
-    from foundrymix.plan.plan_cache import planned_run
-    from foundrymix.plan.stages import composer_duration
+    from foundrymix.plan.stages import composer_duration, plan_run
+    from foundrymix.plan.topology import Topology
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
-    run, catalogs = planned_run(cfg.train_loader, device_batch, cfg.max_duration, topology)
+    run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology)
     if run.explicit and cfg.scheduler.t_warmup.strip().endswith('ep'):
         raise ConfigError(f'scheduler.t_warmup: {cfg.scheduler.t_warmup} is ambiguous with stages '
                           f'(epochs of which stage?); give it in batches (ba) or as a fraction '
@@ -280,7 +284,7 @@ def _samples_before(run: RunPlan, batch: int) -> int:
 
 def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: S3RetryCounter,
                since: RetryCounts, eval_streams: list[str]) -> tuple[list[Callback], StreamAccounting]:
-    """``EpochBoundary``, ``ModelInfo`` and ``S3Log`` first, then every callback of the table the run uses
+    """``ModelInfo`` and ``S3Log`` first, then every callback of the table the run uses
     (accounting always)."""
     ctx = CallbackContext(config=cfg, stream_names=data.loader.stream_names,
                           planned_share=data.planned_share, stage_names=data.stage_names,
@@ -292,7 +296,7 @@ def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: 
     if data.loader.position.adaptive:  # the per-stream loss -> the adaptive stages' weights
         from foundrymix.train.callbacks.adaptive import AdaptiveMixing
         adaptive.append(AdaptiveMixing(data.loader, accounting.out_dir, accounting))
-    return [EpochBoundary(), info, S3Log(retry_counter, since), *adaptive, *built.values()], accounting
+    return [info, S3Log(retry_counter, since), *adaptive, *built.values()], accounting
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],

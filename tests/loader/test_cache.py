@@ -68,7 +68,7 @@ def loader(streams: dict[str, dict[str, str]], kind: str, **extra) -> dict:
 
 def local_summary(streams, batch: int = BATCH) -> dict:
     ld = StreamMixer.from_dict(loader(streams, 'local')).build_dataloader(batch_size=batch)
-    ds = ld.dataset
+    ds = ld.storage
     out = summary(ld)
     del ld
     gc.collect()
@@ -156,7 +156,7 @@ def test_a_named_local_held_by_a_live_run_is_refused_by_name(tmp_path, s3, small
     assert got['sample_ids'] == want['sample_ids'] and got['sha256'] == want['sha256']
     # Once it has ended, the directory is this run's, with the shards it downloaded.
     ld = StreamMixer.from_dict(both).build_dataloader(batch_size=BATCH)
-    ds = ld.dataset
+    ds = ld.storage
     assert summary(ld) == want
     del ld
     gc.collect()
@@ -200,7 +200,7 @@ def test_a_sigkilled_reader_does_not_stop_the_next_run(tmp_path, s3, small, monk
             p.write_bytes(b'x' * 100)
         monkeypatch.setenv('FOUNDRYMIX_CACHE', str(tmp_path / 'cache'))
         ld = StreamMixer.from_dict(loader(small, 'remote')).build_dataloader(batch_size=BATCH)
-        ds = ld.dataset
+        ds = ld.storage
         assert [s.local for s in ds.streams] == homes  # the same directories: nothing else holds them
         assert summary(ld) == want
         del ld
@@ -279,7 +279,7 @@ def test_cache_limit_keeps_the_cache_bounded_through_an_epoch(tmp_path, big):
     want = local_summary(streams, batch=16)
     cfg = loader(streams, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
     ld = StreamMixer.from_dict(cfg).build_dataloader(batch_size=16)
-    ds = ld.dataset
+    ds = ld.storage
     cache = Path(ds.streams[0].local)
     peak, seen, stop = [0], set(), threading.Event()
 

@@ -52,7 +52,7 @@ def read_all(config: dict) -> list[dict]:
     try:
         return [{k: v.clone() for k, v in b.items()} for b in loader]
     finally:
-        dataset = loader.dataset
+        dataset = loader.storage
         del loader
         gc.collect()
         dataset.release()

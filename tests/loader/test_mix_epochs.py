@@ -27,11 +27,12 @@ def make(dirs, weights=REPEATS, **extra):
 
 def run_epochs(mixer, batch_size, epochs):
     """Batches of each epoch through the mixer's DataLoader, as lists of batch dicts."""
-    ds = mixer.build_dataset(batch_size)
-    loader = mixer.build_dataloader(batch_size, ds)
-    out = [[{k: v.numpy() for k, v in b.items()} for b in loader] for _ in range(epochs)]
-    del loader, ds
-    return out
+    loader = mixer.build_dataloader(batch_size, epochs=epochs)
+    batches = [{k: v.numpy() for k, v in b.items()} for b in loader]
+    loader.release()
+    per = len(batches) // epochs
+    assert per * epochs == len(batches)
+    return [batches[e * per:(e + 1) * per] for e in range(epochs)]
 
 
 def ids_of(epoch):

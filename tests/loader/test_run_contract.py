@@ -226,22 +226,27 @@ def test_extending_a_finished_run_says_what_the_schedule_does(tmp_path, data):
 
 
 @pytest.mark.slow
-def test_single_mixture_checkpoint_from_before_the_contract_resumes_exactly(tmp_path, data):
-    straight = tmp_path / 'straight'
-    straight.mkdir()
-    train(plain_config(straight, data))
+def test_a_checkpoint_in_streamings_order_is_refused_in_one_line(tmp_path, data):
+    """A data position written when the order was streaming's sampler (streaming's own dataset
+    state, or a position of version 1-2) cannot be resumed: refused with one line, exit 2."""
     old = tmp_path / 'old'
     old.mkdir()
     cfg = plain_config(old, data, save_interval='5ba')
     train(cfg, 'callbacks.stop_at.time=5ba')
-    # What foundrymix wrote there before the run contract: streaming's own dataset state.
     ckpt = torch.load(latest(old), map_location='cpu', weights_only=False)
-    ckpt['state']['dataset_state']['train'] = {
-        'epoch': 0, 'sample_in_epoch': 5 * BATCH, 'num_canonical_nodes': 1, 'shuffle_seed': 3,
-        'initial_physical_nodes': None, 'global_batch_size': BATCH}
-    legacy = old / 'legacy.pt'
-    torch.save(ckpt, legacy)
-    proc = train(cfg, f'load_path={legacy}')
-    assert 'records no fingerprint' in proc.stderr
-    assert sample_log(old / 'samples.jsonl') == sample_log(straight / 'samples.jsonl')
-    assert_same_weights(final_state(old / 'ckpt'), final_state(straight / 'ckpt'))
+    for name, position in [('streaming', {
+            'epoch': 0, 'sample_in_epoch': 5 * BATCH, 'num_canonical_nodes': 1, 'shuffle_seed': 3,
+            'initial_physical_nodes': None, 'global_batch_size': BATCH}),
+            ('v2', {**ckpt['state']['dataset_state']['train'], 'version': 2})]:
+        ckpt['state']['dataset_state']['train'] = position
+        legacy = old / f'{name}.pt'
+        torch.save(ckpt, legacy)
+        proc = train(cfg, f'load_path={legacy}', check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            "foundrymix train: error: the checkpoint was written by an older foundrymix, whose "
+            "sample order was streaming's sampler: it cannot be resumed by this version (the order "
+            "is now foundrymix's own); start the run again, or finish it with the version that "
+            "wrote it")
+        assert 'Traceback' not in proc.stderr
+

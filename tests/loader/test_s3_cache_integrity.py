@@ -74,7 +74,7 @@ def read(config: dict) -> dict:
     try:
         return cache_reader.summary(loader)
     finally:
-        dataset = loader.dataset
+        dataset = loader.storage
         del loader
         gc.collect()
         dataset.release()

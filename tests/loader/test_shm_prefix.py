@@ -41,7 +41,7 @@ CHILD = textwrap.dedent('''
     import json, os, sys
     import torch.distributed as dist
     from foundrymix.plan.config import LoaderConfig
-    from foundrymix.plan.simulate import Topology
+    from foundrymix.plan.topology import Topology
     from foundrymix.plan.stages import plan_run
     from foundrymix.loader.run_loader import build_run_loader
     job = json.loads(open(sys.argv[1]).read())
@@ -81,7 +81,7 @@ def one_rank(data) -> list[list[int]]:
     """The global batches of the run on one rank (in this process)."""
     from foundrymix.loader.run_loader import build_run_loader
     from foundrymix.plan.config import LoaderConfig
-    from foundrymix.plan.simulate import Topology
+    from foundrymix.plan.topology import Topology
     from foundrymix.plan.stages import plan_run
     run, _ = plan_run(LoaderConfig.from_dict(two_stages(data)), GLOBAL_BATCH, None,
                       Topology(nodes=1, ranks_per_node=1))

@@ -1,5 +1,5 @@
-"""Exact epochs on any topology (``exact: true``, the default), against streaming's own
-partition and iteration; stratified shares realized or refused; plan --nodes/--ranks-per-node."""
+"""Exact epochs on any topology, against the real loader's rows on every rank; stratified
+shares realized or refused; plan --nodes/--ranks-per-node."""
 
 from __future__ import annotations
 
@@ -36,22 +36,29 @@ def test_trim_chooses_splits_the_cut_by_share():
     assert sum(trim_chooses((7, 1, 1), 5)) == 4 and all(c >= 0 for c in trim_chooses((7, 1, 1), 5))
 
 
+def loader_rows(mixer, batch, epochs=1, world_size=1):
+    """(stream tag, row) of every row each rank's loader trains, rank by rank."""
+    out = []
+    for rank in range(world_size):
+        loader = mixer.build_dataloader(batch, epochs=epochs, world_size=world_size, rank=rank)
+        out.append([identity(r) for b in loader for r in b['input_ids'].numpy()])
+        loader.release()
+    return out
+
+
 @pytest.mark.parametrize('nodes, ranks, batch', [(1, 2, 3), (2, 3, 1), (2, 2, 2), (4, 2, 1)])
 def test_exact_epoch_is_padding_free_on_the_topology(root, nodes, ranks, batch):
-    """65 rows: streaming's own partition of the exact epoch holds every position once."""
-    from streaming.base.partition import get_partitions
+    """65 rows: every rank's loader together train each row of the exact epoch once."""
     mixer = StreamMixer.from_dict({'streams': {'a': {'local': str(root / 'a65')}}})
     plan = mixer.plan(batch, '1ep', world_size=nodes * ranks, nodes=nodes)
     G = batch * nodes * ranks
     assert plan.epoch_size == 65 - 65 % G and plan.left_out_per_epoch == {'a': 65 % G}
-    parts = get_partitions('orig', plan.epoch_size, 1, nodes, ranks, 1, batch)
-    ids = parts[parts >= 0]
-    assert sorted(ids.tolist()) == list(range(plan.epoch_size))   # no padding repeat
+    per_rank = loader_rows(mixer, batch, world_size=nodes * ranks)
+    rows = sorted(r for rank in per_rank for _, r in rank)
+    assert len(rows) == len(set(rows)) == plan.epoch_size       # no padding repeat
+    assert [len(r) for r in per_rank] == [plan.epoch_size // (nodes * ranks)] * (nodes * ranks)
     assert (plan.samples_per_epoch, plan.repeated_rows_per_epoch) == (plan.epoch_size, 0)
-    assert [r.samples_per_epoch for r in plan.per_rank] == [plan.epoch_size // (nodes * ranks)] * (nodes * ranks)
-    loose = StreamMixer.from_dict({'streams': {'a': {'local': str(root / 'a65')}}, 'exact': False})
-    old = loose.plan(batch, '1ep', world_size=nodes * ranks, nodes=nodes)
-    assert old.epoch_size == 65 and old.left_out_per_epoch == {'a': 0}
+    assert [r.samples_per_epoch for r in plan.per_rank] == [len(r) for r in per_rank]
 
 
 def test_absolute_weights_are_trimmed_and_iteration_equals_plan(root):
@@ -61,10 +68,8 @@ def test_absolute_weights_are_trimmed_and_iteration_equals_plan(root):
     plan = m.plan(8, '1ep')
     assert plan.epoch_size == 344 and plan.left_out_per_epoch == {'arxiv': 0, 'wiki': 3, 'dolly': 3}
     assert {s.name: s.rows_per_epoch for s in plan.streams} == {'arxiv': 120, 'wiki': 197, 'dolly': 27}
-    ds = m.build_dataset(8)
-    got = Counter(identity(s['input_ids'])[0] for s in ds)
-    del ds
-    assert got == {0: 120, 1: 197, 2: 27}        # streaming's own iteration of the dataset
+    got = Counter(tag for tag, _ in loader_rows(m, 8)[0])
+    assert got == {0: 120, 1: 197, 2: 27}        # the loader's own rows
     assert any('exact epoch: 344 rows = 43 whole global batches of 8 (the weights ask for 350); '
                'left out per epoch: wiki 3 (of 200), dolly 3 (of 30)' in n for n in plan.notes)
 
@@ -92,11 +97,10 @@ def test_stratified_exact_false_shows_the_share_really_trained(root):
     assert any('stratified batching trains arxiv 6 + wiki 2 rows of every global batch of 8 '
                '(arxiv 75.0%, wiki 25.0% -- the shares shown), not the requested arxiv 70.0%, '
                'wiki 30.0%' in w for w in plan.warnings)
-    ds = m.build_dataset(8)
-    loader = m.build_dataloader(8, ds)
-    first = next(iter(loader))
-    assert Counter(first['stream_id'].tolist()) == {0: 6, 1: 2}   # what streaming trains
-    del loader, ds
+    loader = m.build_dataloader(8)
+    for b in loader:   # every batch: what the loader trains
+        assert Counter(b['stream_id'].tolist()) == {0: 6, 1: 2}
+    loader.release()
 
 
 def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
@@ -113,7 +117,7 @@ def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
     assert dict(totals) == {s['name']: s['trained_rows_per_epoch'] for s in plan['streams']}
     assert main(['plan', write_yaml(tmp_path, root, '1ep'), '--world-size', '4']) == 0
     out = capsys.readouterr().out
-    assert 'topology 1 node(s) x 4 rank(s), num_canonical_nodes 1; exact' in out
+    assert 'topology 1 node(s) x 4 rank(s): each rank trains its 2 rows of every global batch' in out
     assert 'rank 3 (node 0, local 3): 43 batches, 86 rows/epoch' in out
     assert main(['plan', write_yaml(tmp_path, root, '1ep'), '--nodes', '2', '--world-size', '3',
                  '--ranks-per-node', '2']) == 2
@@ -122,13 +126,11 @@ def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
 
 def test_resume_state_is_checked(root):
     from foundrymix.loader.dataset import check_resume
-    check_resume({'num_canonical_nodes': 1, 'global_batch_size': 8}, 1, 8)
-    check_resume({'num_canonical_nodes': 1}, 1, 8)   # checkpoints from before the key
-    with pytest.raises(ConfigError, match=r'num_canonical_nodes: the checkpoint was trained with 2, '
-                                          r'this run has 1.*Set train_loader.num_canonical_nodes: 2'):
-        check_resume({'num_canonical_nodes': 2, 'global_batch_size': 8}, 1, 8)
-    with pytest.raises(ConfigError, match=r'global batch of 8 rows, this run has 4'):
-        check_resume({'num_canonical_nodes': 1, 'global_batch_size': 8}, 1, 4)
+    check_resume({'global_batch_size': 8}, 8)
+    check_resume({}, 8)   # a position that does not record it
+    with pytest.raises(ConfigError, match=r'global batch of 8 rows, this run has 4.*Set '
+                                          r'global_train_batch_size: 8 to resume'):
+        check_resume({'global_batch_size': 8}, 4)
 
 
 def test_proportions_lower_epoch_size_and_every_stream_gives_up_its_share(root):
@@ -141,10 +143,8 @@ def test_proportions_lower_epoch_size_and_every_stream_gives_up_its_share(root):
     plan = m.plan(7, '1ep')
     assert plan.nominal_rows_per_epoch == {'arxiv': 120, 'wiki': 72, 'dolly': 48}
     assert plan.epoch_size == 238
-    ds = m.build_dataset(7)
-    got = Counter(identity(s['input_ids'])[0] for s in ds)
-    del ds
-    assert sum(got.values()) == 238 and got[0] == 119      # streaming's own iteration
+    got = Counter(tag for tag, _ in loader_rows(m, 7)[0])
+    assert sum(got.values()) == 238 and got[0] == 119      # the loader's own rows
     assert {s.name: s.rows_per_epoch for s in plan.streams} == dict(zip(('arxiv', 'wiki', 'dolly'),
                                                                          (got[0], got[1], got[2])))
     assert plan.left_out_per_epoch == {'arxiv': 1, 'wiki': 72 - got[1], 'dolly': 48 - got[2]}

@@ -76,7 +76,7 @@ def test_bad_stream_entries(stream, message):
 
 def test_bad_enum_and_types():
     with pytest.raises(ConfigError, match=r"train_loader.batching_method: 'balanced' is not one of "
-                                          r"random, stratified, per_stream, device_per_stream"):
+                                          r"random, stratified"):
         LoaderConfig.from_dict({'streams': {'a': {'local': '/a'}}, 'batching_method': 'balanced'})
     with pytest.raises(ConfigError, match=r"train_loader.num_workers: expected int, got 2.5"):
         LoaderConfig.from_dict({'streams': {'a': {'local': '/a'}}, 'num_workers': 2.5})

@@ -27,13 +27,12 @@ def loader_cfg(small_streams, p_arxiv, p_dolly, epoch_size, weights_in):
 
 def realized_tokens(mixer):
     """Real (attention-masked) tokens per stream over one epoch of the mixer's DataLoader."""
-    ds = mixer.build_dataset(1)
-    loader = mixer.build_dataloader(1, ds)
+    loader = mixer.build_dataloader(1)
     counts = collections.Counter()
     for batch in loader:
         for sid, mask in zip(batch['stream_id'].tolist(), batch['attention_mask'].sum(dim=1).tolist()):
             counts[mixer.stream_names[sid]] += mask
-    del loader, ds
+    loader.release()
     return dict(counts)
 
 

@@ -49,21 +49,20 @@ def write_yaml(tmp_path, root, duration='3ep'):
     return str(path)
 
 
-def streaming_epochs(dirs, weights, batch_size, epochs):
-    """Per epoch, the (stream tag, row) of every sample streaming's own ``StreamingDataset``
-    yields, in order: the independent truth the plan must match."""
-    from streaming import Stream, StreamingDataset
-
+def loader_epochs(dirs, weights, batch_size, epochs):
+    """Per epoch, the (stream tag, row) of every row the real loader yields, in order, rows
+    identified by their tokens: what the plan must match."""
     from mix_helpers import identity
-    streams = [Stream(local=dirs[n], **weights.get(n, {})) for n in ('arxiv', 'wiki', 'dolly')]
-    ds = StreamingDataset(streams=streams, batch_size=batch_size, shuffle=True, shuffle_seed=17)
-    out = [[identity(sample['input_ids']) for sample in ds] for _ in range(epochs)]
-    del ds
-    return out
+    m = StreamMixer.from_dict(loader_dict(dirs, weights, shuffle_seed=17))
+    loader = m.build_dataloader(batch_size, epochs=epochs)
+    rows = [identity(r) for b in loader for r in b['input_ids'].numpy()]
+    loader.release()
+    per = len(rows) // epochs
+    return [rows[e * per:(e + 1) * per] for e in range(epochs)]
 
 
 def test_plan_numbers(root):
-    """Plan figures against hand-computed values and against streaming's own iteration."""
+    """Plan figures against hand-computed values and against the loader's own rows."""
     from collections import Counter
 
     from mix_helpers import MAX_SEQ_LEN, finetune_layout
@@ -71,7 +70,7 @@ def test_plan_numbers(root):
     weights = {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 2.5}, 'dolly': {'repeat': 0.5}}
     m = StreamMixer.from_dict(loader_dict(dirs, weights, shuffle_seed=17))
     p = m.plan(2, '200ba')
-    epochs = streaming_epochs(dirs, weights, 2, 2)
+    epochs = loader_epochs(dirs, weights, 2, 2)
     seen = Counter(tag for tag, _ in epochs[0])
     # hand-computed: 120 x 1 + 80 x 2.5 + 60 x 0.5 rows, in batches of 2
     assert p.epoch_size == 120 + 200 + 30 == len(epochs[0]) and p.batches_per_epoch == 175
@@ -82,7 +81,7 @@ def test_plan_numbers(root):
     dolly_rows = {r for t, r in epochs[0] if t == 2}
     assert (dolly.kind, dolly.unseen_rows, dolly.tokens_exact) == ('finetune', 30, False)
     assert len(dolly_rows) == 30
-    # real tokens of what streaming yields: full rows for pretrain, the packed layout for dolly
+    # real tokens of what the loader yields: full rows for pretrain, the packed layout for dolly
     real = {0: lambda r: MAX_SEQ_LEN, 1: lambda r: MAX_SEQ_LEN,
             2: lambda r: sum(finetune_layout(r, MAX_SEQ_LEN)[1])}
     realized = [sum(real[t](r) for t, r in epochs[0] if t == i) for i in range(3)]
@@ -113,15 +112,15 @@ def test_parse_duration_refuses_other_units():
 
 
 def test_cli_table(root, tmp_path, capsys):
-    # exact: false keeps streaming's epoch of 350 rows, cut by drop_last (the old default)
-    assert main(['plan', write_yaml(tmp_path, root, '100ba'), 'train_loader.exact=false']) == 0
+    assert main(['plan', write_yaml(tmp_path, root, '100ba')]) == 0
     out = capsys.readouterr().out
-    assert '40 rows 2x, 40 rows 3x' in out
+    assert '43 rows 2x, 37 rows 3x' in out  # wiki: 197 of 2.5 x 80 rows (3 cut for whole batches)
     assert 'global batch 8 (8 x 1 ranks): 43 batches = 344 samples per epoch' in out
     assert ('max_duration 100ba: 100 batches, 800 samples, 25,600 tokens = 2.326 epochs (2 full); '
             'stops in epoch 2 after batch 14 (sample 112 of the epoch)') in out
     assert 'warning: max_duration 100ba ends mid-epoch' in out
-    assert 'warning: 6 of 350 sampled rows per epoch are never trained' in out
+    assert ('exact epoch: 344 rows = 43 whole global batches of 8 (the weights ask for 350); '
+            'left out per epoch: wiki 3 (of 200), dolly 3 (of 30)') in out
 
 
 def test_cli_json_and_overrides(root, tmp_path, capsys):
@@ -173,91 +172,38 @@ def test_cli_missing_manifest(tmp_path, capsys):
     assert 'train_loader.streams.arxiv: no foundrymix manifest' in capsys.readouterr().err
 
 
-def test_padded_rank_repeats_are_warned(tmp_path):
-    """65 rows on 2 ranks x 3: streaming pads a rank's share with a repeat that gets trained."""
-    from streaming.base.partition import get_partitions
-
-    from mix_helpers import build_stream
-
-    build_stream(str(tmp_path / 'a'), 'pretrain', 65, 0)
-    mixer = StreamMixer.from_dict({'streams': {'a': {'local': str(tmp_path / 'a')}}, 'num_canonical_nodes': 1,
-                                  'exact': False})  # streaming's padding
-    plan = mixer.plan(batch_size=3, max_duration='1ep', world_size=2)
-    # What streaming itself hands the 2 ranks (1 node, 1 worker each), in full batches of 3.
-    parts = get_partitions('orig', 65, 1, 1, 2, 1, 3)  # (nodes, ranks, workers, batches, batch)
-    ids = parts[parts >= 0]
-    assert len(ids) == 66 and len(set(ids.tolist())) == 65
-    assert (plan.epoch_size, plan.samples_per_epoch, plan.batches_per_epoch) == (65, 66, 11)
-    assert any('1 rows per epoch are trained twice' in w for w in plan.warnings)
-    one_rank = mixer.plan(batch_size=6, max_duration='1ep', world_size=1)
-    assert not any('trained twice' in w for w in one_rank.warnings)
-
-
-@pytest.mark.parametrize('drop_last, workers, duration', [
-    (False, 0, '3ep'), (False, 2, '3ep'), (True, 0, '3ep'), (False, 0, '1000sp'),
-    (False, 2, '32000tok'), (True, 0, '1000sp')])
-def test_headline_samples_and_tokens_are_what_the_loader_yields(root, tmp_path, capsys, drop_last,
-                                                                workers, duration):
-    """350 rows an epoch, batches of 8 (exact: false): without drop_last every epoch ends in
-    a short batch (one per worker), which trains fewer than 8 rows; the headline counts the
-    rows and tokens a real loader yields, not batches x 8, and a duration in samples or
-    tokens ends on the batch where Composer's count (rows, rows x 32 tokens) reaches it."""
+@pytest.mark.parametrize('workers, duration', [(0, '3ep'), (2, '1000sp'), (2, '32000tok')])
+def test_headline_samples_and_tokens_are_what_the_loader_yields(root, tmp_path, capsys, workers,
+                                                                duration):
+    """The headline counts the rows and tokens a real loader yields, and a duration in
+    samples or tokens ends on the batch where Composer's count (rows, rows x 32 tokens)
+    reaches it; the rows per stream over the run are the loader's."""
     import re
+    from collections import Counter
 
     from foundrymix.loader.run_loader import build_staged_loader
     from foundrymix.plan.config import LoaderConfig
-    overrides = ['train_loader.exact=false', f'train_loader.drop_last={str(drop_last).lower()}',
-                 f'train_loader.num_workers={workers}']
-    assert main(['plan', write_yaml(tmp_path, root, duration), *overrides]) == 0
-    headline = re.search(rf'max_duration {duration}: ([\d,]+) batches, ([\d,]+) samples, '
-                         rf'([\d,]+) tokens', capsys.readouterr().out)
-    planned = [int(g.replace(',', '')) for g in headline.groups()]
+    from mix_helpers import identity
+    assert main(['plan', write_yaml(tmp_path, root, duration),
+                 f'train_loader.num_workers={workers}', '--json']) == 0
+    doc = json.loads(capsys.readouterr().out)
+    d = doc['duration']
+    planned = [d['total_batches'], d['total_samples'], d['total_tokens']]
     streams = {n: {'local': str(root / n), 'repeat': r} for n, r in
                (('arxiv', 1), ('wiki', 2.5), ('dolly', 0.5))}
     loader = build_staged_loader(LoaderConfig.from_dict(
-        {'streams': streams, 'shuffle_seed': 17, 'exact': False, 'drop_last': drop_last,
-         'num_workers': workers}), 8, duration)
-    batches = [b['input_ids'].shape for b in loader]
+        {'streams': streams, 'shuffle_seed': 17, 'num_workers': workers}), 8, duration)
+    batches = [b['input_ids'].numpy() for b in loader]
     loader.release()
-    yielded = [len(batches), sum(s[0] for s in batches), sum(s[0] * s[1] for s in batches)]
+    yielded = [len(batches), sum(len(b) for b in batches), sum(b.size for b in batches)]
     assert planned == yielded
-    assert (yielded[1] < yielded[0] * 8) == (not drop_last)  # the case is real: short batches
+    tags = Counter(identity(r)[0] for b in batches for r in b)
+    assert d['rows_per_stream'] == {'arxiv': tags[0], 'wiki': tags[1], 'dolly': tags[2]}
+    assert doc['counted'] == {'epoch': 'arithmetic', 'per_rank': 'arithmetic', 'run': 'arithmetic'}
     if not duration.endswith('ep'):  # Composer's count reaches the duration at the last batch
         unit = 1 if duration.endswith('sp') else 32
-        counted = [sum(s[0] for s in batches[:n]) * unit for n in (len(batches) - 1, len(batches))]
+        counted = [sum(len(b) for b in batches[:n]) * unit for n in (len(batches) - 1, len(batches))]
         assert counted[0] < int(re.match(r'\d+', duration).group()) <= counted[1]
-
-
-def test_headline_without_a_replayed_epoch_says_at_most(root, tmp_path, capsys, monkeypatch):
-    """An epoch too large to replay (here: the limit lowered below its 350 rows) without
-    drop_last: its short batches are unknown, so the headline's count is an upper bound and
-    says so (the loader trains 1,050 rows over these 132 batches, see the test above)."""
-    from foundrymix.plan import mixture
-    monkeypatch.setattr(mixture, 'SIMULATE_LIMIT', 100)
-    path = write_yaml(tmp_path, root, '3ep')
-    assert main(['plan', path, 'train_loader.exact=false', 'train_loader.drop_last=false']) == 0
-    assert 'max_duration 3ep: 132 batches, at most 1,056 samples, 33,792 tokens' in capsys.readouterr().out
-    assert main(['plan', path, 'train_loader.exact=false']) == 0  # drop_last: whole batches
-    assert 'max_duration 3ep: 129 batches, 1,032 samples, 33,024 tokens' in capsys.readouterr().out
-
-
-def test_an_estimated_epoch_gives_no_rows_per_stream(root, tmp_path, capsys, monkeypatch):
-    """An epoch too large to replay that is not whole batches (exact: false): its drop_last
-    tail per stream is unknown, so the run's rows per stream are not given (the original
-    gave the sampled rows, 350 -- more than the 344 trained, as the replay shows) and the
-    plan says how it counted."""
-    from foundrymix.plan import mixture
-    path = write_yaml(tmp_path, root, '1ep')
-    assert main(['plan', path, 'train_loader.exact=false', '--json']) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert sum(doc['duration']['rows_per_stream'].values()) == doc['duration']['total_samples'] == 344
-    assert doc['counted'] == {'epoch': 'replay', 'per_rank': 'replay', 'run': 'replay'}
-    monkeypatch.setattr(mixture, 'SIMULATE_LIMIT', 100)
-    assert main(['plan', path, 'train_loader.exact=false', '--json']) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc['duration']['rows_per_stream'] is None
-    assert doc['counted']['run'].startswith('not computed')
-    assert doc['counted']['epoch'].startswith('estimate')
 
 
 def test_passes_over_the_run_in_one_line(root, tmp_path, capsys):

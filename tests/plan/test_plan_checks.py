@@ -86,12 +86,15 @@ def test_plan_refuses_a_microbatch_the_ranks_cannot_split(root, capsys):
 
 
 def test_proportions_not_summing_to_one_are_stated(root, capsys):
-    assert main(['plan', '--json', str(root / 'run.yaml'), 'train_loader.exact=false']) == 0
+    assert main(['plan', '--json', str(root / 'run.yaml')]) == 0
     plan = json.loads(capsys.readouterr().out)
     rows = {s['name']: s['rows_per_epoch'] for s in plan['streams']}
-    # streaming's epoch is the streams' total rows (70), split 0.9 : 0.8 and rounded
-    assert plan['epoch_size'] == 70 and abs(rows['a'] - 70 * 0.9 / 1.7) <= 1
-    shares = ', '.join(f'{n} {rows[n] / 70:.1%}' for n in ('a', 'b'))
+    # the epoch is the streams' total rows (70), split 0.9 : 0.8 and rounded, then cut to
+    # whole global batches
+    N = plan['epoch_size']
+    assert sum(plan['nominal_rows_per_epoch'].values()) == 70
+    assert N == 70 - 70 % plan['global_batch_size'] and abs(rows['a'] - N * 0.9 / 1.7) <= 1
+    shares = ', '.join(f'{n} {rows[n] / N:.1%}' for n in ('a', 'b'))
     assert (f'proportions sum to 1.7 (0.9 + 0.8), not 1: they are normalised to {shares} of the '
             f'epoch') in plan['warnings']
 

@@ -51,7 +51,6 @@ def test_trainer_gets_the_callbacks_the_yaml_names(small_streams, tmp_path):
 
     from foundrymix.train.builder import build_trainer
     from foundrymix.train.callbacks.accounting import StreamAccounting
-    from foundrymix.train.callbacks.epoch_boundary import EpochBoundary
     from foundrymix.train.callbacks.sample_log import SampleLog
     from foundrymix.train.callbacks.stop_at import StopAt
     from foundrymix.train.config import TrainConfig
@@ -63,16 +62,15 @@ def test_trainer_gets_the_callbacks_the_yaml_names(small_streams, tmp_path):
     run = build_trainer(cfg)
     try:
         ours = [c for c in run.trainer.state.callbacks
-                if isinstance(c, (EpochBoundary, StreamAccounting, SpeedMonitor, SampleLog, StopAt, LRMonitor))]
-        assert [type(c) for c in ours] == [EpochBoundary, StreamAccounting, SpeedMonitor, SampleLog, StopAt,
-                                           LRMonitor]
-        assert ours[1] is run.accounting and run.accounting.stream_names == ['arxiv', 'dolly']
+                if isinstance(c, (StreamAccounting, SpeedMonitor, SampleLog, StopAt, LRMonitor))]
+        assert [type(c) for c in ours] == [StreamAccounting, SpeedMonitor, SampleLog, StopAt, LRMonitor]
+        assert ours[0] is run.accounting and run.accounting.stream_names == ['arxiv', 'dolly']
         rows = run.run_plan.rows_per_stream  # the plan's rows over the run (1ep: one epoch's)
         assert run.accounting.planned_share == [rows[n] / sum(rows.values()) for n in ('arxiv', 'dolly')]
         assert run.accounting.out_dir == 'runs/foundrymix/report'  # no save_folder, no out_dir
-        assert ours[2].history_samples.maxlen == 3 + 1  # SpeedMonitor keeps window_size + 1 points
-        assert ours[3].path == str(tmp_path / 's.jsonl')
-        assert str(ours[4].time) == '1ep'
+        assert ours[1].history_samples.maxlen == 3 + 1  # SpeedMonitor keeps window_size + 1 points
+        assert ours[2].path == str(tmp_path / 's.jsonl')
+        assert str(ours[3].time) == '1ep'
     finally:
         run.trainer.close()
 

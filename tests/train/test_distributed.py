@@ -1,31 +1,11 @@
 """Many ranks through Composer's launcher (``composer -n 2 train.py``, CPU, gloo).
 
-What streaming 0.13.0 guarantees across world sizes, and what is asserted here. For a
-fixed dataset, ``shuffle_seed``, ``num_canonical_nodes`` (NCN) and ``shuffle_block_size``
-(which defaults from NCN), epoch ``e`` has one global sample order ``G``: sampling
-(``resample_streams``: seed + epoch) and shuffling (``get_shuffle``: seed, epoch, NCN)
-never look at the world, and the partition (``get_partitions_orig``) lays the NCN
-canonical-node rows out column by column into ``G`` before it splits ``G`` over
-physical nodes and ranks. ``G`` holds each of the ``epoch_size`` ids once, plus, when NCN
-does not divide ``epoch_size``, a repeat of the last id of each short canonical row
-(``len(G) = NCN * ceil(epoch_size / NCN)``). On one node with ``R`` ranks, per-rank
-batch ``B`` (global batch ``R*B`` fixed), rank ``r``'s ``k``-th batch is
-
-    G[k*R*B + i*R + r]  for i in 0..B-1
-
-so global batch ``k`` (ranks concatenated in rank order, as ``sample_log`` writes it)
-is ``G[k*R*B : (k+1)*R*B]`` in the order ``i*R + r``: exactly the samples of the 1-rank
-run's batch ``k`` (that slice in order), permuted. This holds for every full global batch
-``k < len(G) // (R*B)``. At the epoch's tail each rank is padded to ``ceil(len(G) / R)``
-rows with *repeated* ids, so when ``len(G) % (R*B) > R*(B-1)`` an R-rank run trains one
-extra global batch per epoch (the rest of ``G`` plus repeats) that a 1-rank run drops
-(``test_partition_guarantee``). foundrymix's exact epochs (the default) are a multiple of
-the global batch, so there is no tail at all: the same batches per epoch on 1 and 2 ranks.
-Resumption: the checkpoint stores the *global* ``sample_in_epoch`` (plus NCN and seed)
-and the resumed partition drops exactly ``G[:sample_in_epoch]`` whatever the new world
-size, so a run resumed on 1 rank continues with ``G[sample_in_epoch:]`` in order.
-NCN must be fixed (foundrymix defaults it to 1; streaming's own default is the number of
-physical nodes), and a different NCN is a different ``G``. (Runs here use ``num_workers: 0``.)
+The guarantee asserted here: foundrymix's order is one global order of global batches,
+the same for any world size, and rank ``r`` of ``R`` trains columns ``[rB, (r+1)B)`` of
+every global batch of ``R*B`` rows. So global batch ``k`` of a 2-rank run (ranks
+concatenated in rank order, as ``sample_log`` writes it) is exactly batch ``k`` of the
+1-rank run, and a run stopped on 2 ranks and resumed on 1 continues with the 1-rank run's
+batches. (Runs here use ``num_workers: 0``.)
 
 The runs here train with ``lr: 0``: the weights stay at their seeded init, so a batch's
 loss depends on its rows only, and the per-stream loss the accounting reports must be the
@@ -61,19 +41,19 @@ def data(small_streams, tmp_path_factory) -> dict[str, str]:
     """Part of one arXiv paper (pretrain, 22 rows) and 150 Dolly examples (finetune, 41 rows)."""
     root = tmp_path_factory.mktemp('dist-config')
     paths = {name: str(path) for name, path in small_streams.items()}
-    # Preconditions of the exact assertions below, on 1 and 2 ranks: EPOCH full global
-    # batches per epoch and no extra padded tail batch (epoch_size % 6 <= RANKS * (3 - 1)).
+    # Preconditions of the exact assertions below, on 1 and 2 ranks: EPOCH global batches an
+    # epoch, every one full.
     from foundrymix.loader.mixer import StreamMixer
     mixer = StreamMixer.from_dict(yaml.safe_load(write_config(root, paths).read_text())['train_loader'])
     for ranks in (1, RANKS):
         plan = mixer.plan(BATCH // ranks, world_size=ranks)
-        assert plan.batches_per_epoch == EPOCH and plan.epoch_size % BATCH <= RANKS * (BATCH // RANKS - 1)
+        assert plan.batches_per_epoch == EPOCH and plan.epoch_size == EPOCH * BATCH
     return paths
 
 
 def write_config(run: Path, data: dict[str, str], log_interval: str = '1ba', **top) -> Path:
     loader = {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1.5}, 'dolly': {'local': data['dolly']}},
-              'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0, 'num_canonical_nodes': 1}
+              'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0}
     callbacks = {'sample_log': {'path': str(run / 'samples.jsonl'), 'interval': '5ba'},
                  'stream_accounting': {'out_dir': str(run / 'report'), 'log_interval': log_interval, 'plot': False}}
     cfg = tiny_run_config(loader, run_name='dist-test', global_train_batch_size=BATCH,
@@ -145,11 +125,6 @@ def assert_same_streams(a: dict, b: dict) -> None:
         assert a[name]['loss'] == pytest.approx(b[name]['loss'], rel=LOSS_RTOL)
 
 
-def as_ranks(global_batch: list, ranks: int) -> list:
-    """A 1-rank global batch ``G[kRB:(k+1)RB]`` as R ranks hold it, concatenated in rank order."""
-    return [global_batch[i * ranks + r] for r in range(ranks) for i in range(len(global_batch) // ranks)]
-
-
 @pytest.fixture(scope='module')
 def straight(tmp_path_factory, data) -> dict:
     """Reference: N_BATCHES on one rank."""
@@ -172,52 +147,17 @@ def two_ranks(tmp_path_factory, data) -> dict:
             'ckpt': d / 'ckpt' / f'ep1-ba{STOP}-rank0.pt'}
 
 
-@pytest.mark.filterwarnings('ignore:Attempting to partition')  # resuming near an epoch's end
-def test_partition_guarantee():
-    """The relation stated in the module docstring, on streaming's own partition function."""
-    from streaming.base.partition.orig import get_partitions_orig as parts
-
-    def rank_batches(n, ncn, ranks, b, drop=0):  # -> (ranks, batches, b), workers_per_rank=1
-        return parts(n, ncn, 1, ranks, 1, b, drop)[0, :, 0]
-
-    for n in range(40, 90):
-        for ncn in (1, 2, 4):
-            g = rank_batches(n, ncn, 1, 1).reshape(-1)  # G: the 1-rank order
-            # G holds every id once, plus (when NCN does not divide n) a repeat of the last id
-            # of each short canonical-node row: len(G) = NCN * ceil(n / NCN).
-            assert len(g) == ncn * -(-n // ncn) and set(g.tolist()) == set(range(n))
-            for ranks, b in ((2, 3), (4, 1), (4, 2)):
-                full, extra = len(g) // (ranks * b), len(g) % (ranks * b) > ranks * (b - 1)
-                got = rank_batches(n, ncn, ranks, b)
-                real = got[:, (got != -1).all(axis=(0, 2))]  # batches no rank pads with -1
-                assert real.shape[1] == full + extra
-                for k in range(full):
-                    assert real[:, k].reshape(-1).tolist() == as_ranks(
-                        g[k * ranks * b:(k + 1) * ranks * b].tolist(), ranks)
-                if extra:  # the tail: the rest of G plus repeats of ids already in the epoch
-                    tail = Counter(real[:, full].reshape(-1).tolist())
-                    rest = Counter(g[full * ranks * b:].tolist())
-                    assert rest < tail and set(tail) <= set(g.tolist())
-                # elastic resume: dropping d global samples continues with G[d:]
-                for d in range(0, len(g) - ranks * b, ranks * b):
-                    resumed = rank_batches(n, ncn, ranks, b, d)
-                    assert resumed[:, 0].reshape(-1).tolist() == as_ranks(g[d:d + ranks * b].tolist(), ranks)
-        assert not np.array_equal(rank_batches(n, 1, 1, 1), rank_batches(n, 2, 1, 1))  # NCN matters
-
-
 @pytest.mark.slow  # trainings on 1 and 2 ranks (composer -n 2)
 def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
     log1, log2 = straight['log'], two_ranks['log']
     assert [b['batch'] for b in log2] == list(range(STOP))
     assert [b['epoch'] for b in log2] == [b['epoch'] for b in log1[:STOP]]
     assert [b['epoch'] for b in log1].index(1) == EPOCH  # the 2-rank run crossed an epoch boundary
-    for b1, b2 in zip(log1, log2):
-        assert b2['sample_ids'] == as_ranks(b1['sample_ids'], RANKS), b1['batch']
-        assert b2['stream_ids'] == as_ranks(b1['stream_ids'], RANKS), b1['batch']
-        assert sorted(b2['sample_ids']) == sorted(b1['sample_ids'])
-    assert any(b2['sample_ids'] != b1['sample_ids'] for b1, b2 in zip(log1, log2))  # ranks did split
-    # each batch's token digest covers both ranks' rows, order-free (recomputed from the rows),
-    # so it equals the 1-rank run's digest of the same rows in another order
+    for b1, b2 in zip(log1, log2):  # the ranks' slices, in rank order, are the 1-rank batch
+        assert b2['sample_ids'] == b1['sample_ids'], b1['batch']
+        assert b2['stream_ids'] == b1['stream_ids'], b1['batch']
+    # each batch's token digest covers both ranks' rows (recomputed from the rows below), and
+    # equals the 1-rank run's
     assert [b2['tokens'] for b2 in log2] == [b1['tokens'] for b1 in log1[:STOP]]
     data = _data_of(two_ranks['config'])
     tokens = LoggedTokens([data['arxiv'], data['dolly']])
@@ -228,9 +168,7 @@ def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
     assert (ts['batch'], ts['epoch'], ts['sample'], ts['sample_in_epoch']) == (
         STOP, 1, STOP * BATCH, (STOP - EPOCH) * BATCH)
     position = state['state']['dataset_state']['train']  # the run's position (one stage: main)
-    assert position['stage_dataset'] == {'epoch': 1, 'sample_in_epoch': (STOP - EPOCH) * BATCH}
-    assert (position['batch'], position['num_canonical_nodes'], position['global_batch_size']) == (
-        STOP, 1, BATCH)
+    assert (position['batch'], position['global_batch_size']) == (STOP, BATCH)
     assert position['stages'][0]['fingerprint']['knobs']['shuffle_seed'] == 3
 
 
@@ -263,12 +201,12 @@ def test_two_rank_checkpoint_resumes_on_one_rank(straight, two_ranks, tmp_path):
     log1, log = straight['log'], sample_log(d / 'samples.jsonl')
     assert [b['batch'] for b in log] == list(range(N_BATCHES))
     assert log[:STOP] == two_ranks['log']                 # kept as the 2-rank run wrote it
-    assert log[STOP:] == log1[STOP:]                      # then G[sample_in_epoch:] in order
-    for b, b1 in zip(log, log1):                          # per global batch: the same samples
-        assert sorted(b['sample_ids']) == sorted(b1['sample_ids'])
+    assert log[STOP:] == log1[STOP:]                      # then the 1-rank run's batches
+    for b, b1 in zip(log, log1):                          # every global batch: the same rows
+        assert b['sample_ids'] == b1['sample_ids']
         assert b['epoch'] == b1['epoch']
-    # the same rows per global batch, in another order for the 2-rank part: the same training,
-    # so foundrymix compare finds the logs equal, token digests included
+    # the same rows per global batch on 2 and 1 ranks: foundrymix compare finds the logs equal,
+    # token digests included
     assert [b['tokens'] for b in log] == [b1['tokens'] for b1 in log1]
     from foundrymix.cli import main
     assert main(['compare', str(straight['dir']), str(d), '--parts', 'samples,accounting']) == 0

@@ -67,11 +67,14 @@ def run_logged(loggers: dict, small_streams, tmp_path: Path) -> dict:
         samples, total = point['samples'], sum(point['samples'])
         for i, name in enumerate(names):
             # the loss since the previous point: that interval's summed loss over its targets
-            loss = ((point['loss_sum'][i] - before['loss_sum'][i])
-                    / (point['loss_targets'][i] - before['loss_targets'][i]))
+            # (none when the stream had no loss target in the interval: nothing is logged)
+            targets = point['loss_targets'][i] - before['loss_targets'][i]
+            loss = (point['loss_sum'][i] - before['loss_sum'][i]) / targets if targets else None
             values = {'tokens': point['tokens'][i], 'loss_tokens': point['loss_tokens'][i],
                       'share': samples[i] / total, 'planned_share': run.accounting.planned_share[i], 'loss': loss}
             for key in KEYS:
+                if values[key] is None:
+                    continue
                 expected.setdefault(f'streams/{name}/{key}', []).append((point['batch'], values[key]))
         before = point
     return expected

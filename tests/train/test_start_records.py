@@ -1,8 +1,7 @@
-"""What a trainer's start reads from its records instead of computing again (issue 22):
-the configured tokenizer's fingerprint (:func:`foundrymix.tokenizer.describe_tokenizer`
-with a memo directory) and the run's plan (:mod:`foundrymix.plan.plan_cache`, through
-``builder._train_data``). Each record gives what a fresh computation gives, and a changed
-input is computed afresh."""
+"""What a trainer's start reads from its records instead of computing again: the configured
+tokenizer's fingerprint (:func:`foundrymix.tokenizer.describe_tokenizer` with a memo
+directory). The record gives what a fresh computation gives, and a changed input is
+computed afresh. (The plan is the order's arithmetic and has no record.)"""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import pytest
 
 from foundrymix.config import ConfigError
 from foundrymix.format.schema import TokenizerInfo
-from foundrymix.plan import plan_cache
 from foundrymix.tokenizer import BUNDLED_DIR, describe_tokenizer, load_tokenizer, tokenizer_info
 from foundrymix.train.config import TrainConfig, check_streams
 from helpers import DEMO_TOKENIZER, tiny_run_config
@@ -23,7 +21,6 @@ from helpers import DEMO_TOKENIZER, tiny_run_config
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv('FOUNDRYMIX_CACHE', str(tmp_path / 'cache'))
-    monkeypatch.setenv(plan_cache.MODE_ENV, 'on')
     return tmp_path / 'cache'
 
 
@@ -81,38 +78,6 @@ def test_check_streams_refuses_another_tokenizer_after_a_memo(cache, tok, small_
     other = TokenizerInfo(**{**mine.__dict__, 'fingerprint': 'f' * 64})
     with pytest.raises(ConfigError, match='differs from the one the streams were converted with'):
         check_streams(cfg, cfg.max_seq_len, other)
-
-
-def test_a_restarted_trainer_plans_from_the_record(cache, small_streams, monkeypatch):
-    """``_train_data`` twice over the same config: the second plan is the record's (marked),
-    equal to the first; in ``verify`` mode the mark is caught as a difference."""
-    import pickle
-
-    from foundrymix.plan.plan_cache import PlanRecordMismatch, first_difference
-    from foundrymix.train import builder
-    streams = {n: {'local': str(p)} for n, p in small_streams.items()}
-    cfg = TrainConfig.from_dict(tiny_run_config(
-        {'streams': streams, 'stages': [
-            {'name': 'a', 'duration': '3ba', 'streams': {'arxiv': {}}},
-            {'name': 'b', 'duration': '4ba', 'streams': {'arxiv': {'repeat': 0.5}, 'dolly': {}}}]},
-        global_train_batch_size=4))
-    first = builder._train_data(cfg, 4)
-    first.loader.release()
-    (name,) = os.listdir(cache / plan_cache.RECORD_DIR)
-    path = cache / plan_cache.RECORD_DIR / name
-    record = pickle.loads(path.read_bytes())
-    record['run'].warnings.append('from the record')
-    path.write_bytes(pickle.dumps(record))
-    second = builder._train_data(cfg, 4)
-    second.loader.release()
-    assert second.run.warnings[-1] == 'from the record'
-    second.run.warnings.pop()
-    assert first_difference(second.run, first.run) is None
-    assert (second.max_duration, second.t_warmup) == (first.max_duration, first.t_warmup)
-    monkeypatch.setenv(plan_cache.MODE_ENV, 'verify')
-    with pytest.raises(PlanRecordMismatch, match=r'plan\[0\]\.warnings'):
-        builder._train_data(cfg, 4)
-
 
 
 class CollectorPasses:

@@ -38,9 +38,9 @@ TOKENS_ORDER = 'sorted'
 def batch_digest(rows: list[str]) -> str:
     """A global batch's ``tokens`` digest: ``xxh3_64`` over its rows' digests, sorted.
 
-    Order-free within the batch: a run resumed on another number of ranks trains the same
-    rows per global batch in another order (how streaming deals a global batch to ranks),
-    and its digests must equal the straight run's."""
+    Order-free within the batch: a global batch is one step on a set of rows, so the digest
+    does not depend on how its rows are listed (by rank, in an order that streaming's
+    sampler made depend on the number of ranks), as ``foundrymix compare`` matches ids."""
     import xxhash
     return xxhash.xxh3_64_hexdigest(''.join(sorted(rows)).encode())
 

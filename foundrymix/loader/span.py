@@ -1,0 +1,69 @@
+"""A span of global batches read in the order the plan fixed: this rank's rows of each batch,
+read by index from the stage's storage, in DataLoader workers.
+
+Why a span and not an epoch: the order (:mod:`foundrymix.plan.order`) maps any global batch
+to its rows, so the loader needs no sampler state -- it reads batches ``[first, end)``. A
+span ends where the order is not yet known (an adaptive segment's decision) or where the
+caller wants an iteration to end (a Composer epoch); the next span starts at the position,
+so resuming anywhere is starting a span there.
+
+Worker ``w`` of ``W`` reads batches ``first + w, first + w + W, ...``; torch's DataLoader
+takes batches from its workers in turn, so they arrive in batch order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from foundrymix.loader.collate import collate
+
+#: (global batch index within the stage) -> (stream index, row) of each of its rows
+BatchRows = Callable[[int], tuple[np.ndarray, np.ndarray]]
+
+
+class Span(IterableDataset):
+    """Batches ``[first, end)`` of one stage: rank ``rank``'s ``batch_size`` rows of each,
+    read from ``storage`` (``get_row(sample id)``, sample ids numbered stream by stream from
+    ``offsets``) and collated."""
+
+    def __init__(self, storage: Any, batch_rows: BatchRows, first: int, end: int, rank: int,
+                 batch_size: int, offsets: np.ndarray) -> None:
+        self.storage = storage
+        self.batch_rows = batch_rows
+        self.first, self.end = first, end
+        self.rank, self.batch_size = rank, batch_size
+        self.offsets = np.asarray(offsets, np.int64)
+
+    def sample_ids(self, b: int) -> np.ndarray:
+        """This rank's sample ids of stage batch ``b``."""
+        streams, rows = self.batch_rows(b)
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return self.offsets[streams[mine]] + rows[mine]
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        w, W = (info.id, info.num_workers) if info is not None else (0, 1)
+        for b in range(self.first + w, self.end, W):
+            yield collate([self.storage.get_row(int(i)) for i in self.sample_ids(b)])
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.first)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+def span_loader(span: Span, num_workers: int, pin_memory: bool = False, timeout: float = 0,
+                prefetch_factor: Optional[int] = None) -> DataLoader:
+    """A DataLoader over a span: its batches come collated, in order; never more workers than
+    batches (an idle worker would only cost a fork)."""
+    workers = min(num_workers, len(span))
+    extra: dict[str, Any] = {}
+    if workers > 0 and prefetch_factor is not None:
+        extra['prefetch_factor'] = prefetch_factor
+    return DataLoader(span, batch_size=None, collate_fn=_as_is, num_workers=workers,
+                      pin_memory=pin_memory, timeout=timeout if workers > 0 else 0, **extra)
