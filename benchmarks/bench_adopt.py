@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the bundled tokenizer, whose ids (and EOS 0) the shards are made of
+TOKENIZER = 'foundrymix-bpe-8k'
 
 
 def build_shards(out: Path, megabytes: int, seq: int, compression: str | None, seed: int = 0) -> int:
@@ -69,7 +71,7 @@ def time_adopt(src: Path, out: Path) -> float:
                HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1')
     t = time.perf_counter()
     subprocess.run([sys.executable, '-m', 'foundrymix.cli', 'adopt', str(src), '--out', str(out),
-                    '--no-progress'], check=True, env=env)
+                    '--tokenizer', TOKENIZER, '--no-progress'], check=True, env=env)
     return time.perf_counter() - t
 
 
@@ -86,7 +88,7 @@ def time_in_process(src: Path, out: Path) -> float:
     from foundrymix.convert.adopt import AdoptArgs, adopt
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
-    adopt(AdoptArgs(source=str(src), out=str(out)))
+    adopt(AdoptArgs(source=str(src), out=str(out), tokenizer=TOKENIZER))
     return time.perf_counter() - t
 
 

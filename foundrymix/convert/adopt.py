@@ -47,7 +47,7 @@ from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.convert.writer import check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest, RowBatch
-from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer
+from foundrymix.tokenizer import describe_tokenizer
 
 BOUNDARIES = ('eos', 'bos', 'none')
 #: the column sets adopt reads, and what they are
@@ -177,7 +177,7 @@ class AdoptArgs:
     source: str
     out: str
     splits: tuple[str, ...] = ()  # only these (names as listed); default: every split found
-    tokenizer: str = DEMO_TOKENIZER
+    tokenizer: Optional[str] = None  # required: LLM-Foundry's shards do not record theirs
     max_seq_len: Optional[int] = None  # default: the source's window (tokens), else 2048
     chat_loss: str = 'all'  # turns: loss on every turn's labels, or the last turn's (Foundry's default)
     common: dict[str, Any] = field(default_factory=dict)  # ConvertOptions fields (workers, ...)
@@ -222,6 +222,17 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
                                   f'stream is taken as one document (doc_lens only mark row ends)')
 
 
+def no_separator_warning(inferred: str, tokenizer: str) -> str:
+    """What a stream with no separator of ``tokenizer`` may mean, said as a warning: token
+    shards hold no text, so a wrong tokenizer whose vocabulary covers the ids, or documents
+    joined by a separator of several ids (LLM-Foundry's ``--eos_text`` of several tokens),
+    look the same as one long document."""
+    return (f'warning: {inferred.split(":")[0]} of tokenizer {tokenizer!r} in the shards, so every row is '
+            f'one document. If the documents had separators, they were not its single EOS/BOS ids: '
+            f'the shards were made with another tokenizer (pass it with --tokenizer) or with an '
+            f'--eos_text/--bos_text of several ids (adopt finds single ids only).')
+
+
 def _split_out(out: str, split: MdsSplit, several: bool) -> str:
     if not several:
         return out
@@ -259,6 +270,13 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
                                          ('finetune', ('prompt_response', 'turns'))) if k in ks)
             raise UserError(f'{s.path}: holds {KINDS[k]}; that is `foundrymix convert {other} --from-mds` '
                             f'(or `foundrymix adopt`)')
+    if args.tokenizer is None:  # the demo tokenizer would be taken in silence (and 2048 with it)
+        s, k = splits[0], kinds[0]
+        what = ('which adopt tokenizes' if k in ('text', 'prompt_response') else
+                'whose documents adopt finds by the EOS/BOS ids of the tokenizer')
+        raise UserError(f'{s.path}: holds {KINDS[k]}, {what}; the shards do not record '
+                        f'their tokenizer: pass --tokenizer NAME_OR_DIR, the one they were made with (a '
+                        f'bundled name, a local tokenizer directory or a cached Hub name)')
     several = len(splits) > 1 or splits[0].name != ''
     if progress:
         print(f'adopt {args.origin or args.source}: {len(splits)} MDS dataset(s)')
@@ -369,6 +387,15 @@ def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:
     return replace(converter, manifest_options=options)
 
 
-TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads', choose_parallel=None)
+def _as_source(base: Any) -> Any:
+    """Manifest options saying that no separator was inserted: the source's ids are kept as
+    they are (its own EOS/BOS, if any), whatever ``--bos``/``--eos`` say."""
+    def options(o: Any, setup: Setup) -> dict[str, Any]:
+        return dict(base(o, setup), separators={'bos': False, 'eos': False, 'as_source': True})
+    return options
+
+
+TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads', choose_parallel=None,
+                manifest_options=_as_source(FINETUNE.manifest_options))
 TOKENS = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_tokens, parallel='threads',
-                   builder=_TokenRows, manifest_options=lambda o, s: o.to_manifest(), tokenizes=False)
+                   builder=_TokenRows, manifest_options=_as_source(lambda o, s: o.to_manifest()), tokenizes=False)

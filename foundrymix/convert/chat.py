@@ -8,7 +8,11 @@ chat template a plain one is used: each message is ``"{role}: "`` (no loss) then
 ``"{content}\\n"`` (loss for trained assistant turns).
 
 Roles are checked first (:func:`allowed_roles`): an unknown one is a bad record
-(``unknown_role``), not text rendered as-is.
+(``unknown_role``), not text rendered as-is. A chat must start with a system or user
+message (``assistant_first`` otherwise): its first reply is trained on what precedes it,
+and a chat template renders no generation prompt for an empty conversation. A chat the
+template itself refuses (``raise_exception`` in the template) is a bad record too
+(``template_error``), with the template's message.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ def chat_segments(messages: Any, field: str, chat_loss: str, loss_on_prompt: boo
         if m['role'] not in allowed:
             return BadRecord('unknown_role', f"field '{f}': unknown role {m['role']!r} "
                                              f"(allowed: {', '.join(allowed)})")
+    if messages[0]['role'] == 'assistant':
+        return BadRecord('assistant_first', f"field '{f}[0]': the chat starts with an assistant message; "
+                                            f"a chat starts with a system or user message (the prompt "
+                                            f"its first reply answers)")
     assistant = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     if not assistant:
         return BadRecord('no_assistant', f"field '{f}': no assistant message")
@@ -55,7 +63,11 @@ def chat_segments(messages: Any, field: str, chat_loss: str, loss_on_prompt: boo
             segs += [(f"{m['role']}: ", loss_on_prompt),
                      (m['content'] + '\n', loss_on_prompt or i in trained)]
         return segs
-    return _template_segments(messages, trained, loss_on_prompt, tok)
+    from jinja2 import TemplateError
+    try:
+        return _template_segments(messages, trained, loss_on_prompt, tok)
+    except TemplateError as e:
+        return BadRecord('template_error', f"field '{f}': the tokenizer's chat template refused this chat: {e}")
 
 
 def allowed_roles(tok: Any) -> tuple[str, ...]:

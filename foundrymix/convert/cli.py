@@ -39,9 +39,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help='with --out s3://...: also keep a complete local copy in DIR (same rules as a '
                         'local --out); without it shards are staged in the temp dir ($TMPDIR) and '
                         'deleted once uploaded')
-    p.add_argument('--tokenizer', default=DEMO_TOKENIZER,
+    p.add_argument('--tokenizer', default=None,
                    help=f'bundled name, local tokenizer dir, SentencePiece .model, or cached name '
-                        f'(offline; default {DEMO_TOKENIZER})')
+                        f'(offline; default {DEMO_TOKENIZER}; with --from-mds required)')
     p.add_argument('--max-seq-len', type=int, default=None,
                    help='tokens per row (default 2048; with --from-mds, token shards: their rows\' length)')
     p.add_argument('--split', metavar='NAME', default=None,
@@ -114,6 +114,8 @@ def _options(cls: type, args: argparse.Namespace) -> Any:
     values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
     if values.get('max_seq_len') is None:
         values.pop('max_seq_len', None)  # the options' default (2048)
+    if values.get('tokenizer') is None:
+        values.pop('tokenizer', None)  # the options' default (the bundled demo tokenizer)
     for k in ('text_template', 'prompt_template', 'response_template'):
         if k in values:
             values[k] = unescape(values[k])
@@ -237,9 +239,10 @@ def _register_adopt(subparsers: Any) -> None:
                         'has splits')
     a.add_argument('--split', action='append', metavar='NAME',
                    help='adopt only this split (repeatable; default: every split found)')
-    a.add_argument('--tokenizer', default=DEMO_TOKENIZER,
-                   help='the tokenizer the shards were made with (token shards: only its ids, '
-                        'EOS/BOS and size are used; text: it tokenizes)')
+    a.add_argument('--tokenizer', default=None,
+                   help='the tokenizer the shards were made with, required: LLM-Foundry\'s shards do '
+                        'not record it (token shards: only its ids, EOS/BOS and size are used; text: '
+                        'it tokenizes)')
     a.add_argument('--max-seq-len', type=int, default=None,
                    help='tokens per row (default: the length of the source rows for token shards, else 2048)')
     a.add_argument('--chat-loss', choices=CHAT_LOSS, default='all',

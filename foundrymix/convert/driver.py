@@ -15,6 +15,10 @@ typed :class:`WorkerState`, set up once per worker by :func:`init_worker`.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -165,12 +169,42 @@ def convert(converter: Converter, inputs: list[str], out: OutSpec, options: Conv
     The local output directory is claimed exclusively first (:func:`claim_output`) and
     held until the conversion ends.
     """
-    claim = claim_output(split_out(out).local)
+    local = split_out(out).local
+    claim = claim_output(local)
     try:
         return _convert(converter, inputs, out, options)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise UserError(no_space(local, e)) from None
     finally:
         if claim is not None:
             claim.release()
+
+
+def no_space(local: Optional[str], error: OSError) -> str:
+    """The one line for a disk (or quota) that filled up while the output was written.
+
+    Why: the shard writer's thread raised ``OSError: [Errno 28] No space left on device``
+    as a traceback naming no path (a write or close has none). Nothing was published: the
+    output is written into a hidden sibling and renamed only when complete, and a failed
+    conversion removes it.
+    """
+    what = 'no space left' if error.errno == errno.ENOSPC else 'the disk quota is used up'
+    if local is None:  # --out s3:// only: shards are staged in the temporary directory
+        where = tempfile.gettempdir()
+        fix = 'set TMPDIR to a folder on a disk with more room, or give --keep-local DIR there'
+        folder = f'the staging folder in {where}'
+    else:
+        where = os.path.dirname(os.path.abspath(local)) or '.'
+        fix = 'free space there, or give --out a folder on a disk with more room'
+        folder = f'--out {local}'
+    try:
+        free = f' ({shutil.disk_usage(where).free:,} bytes free now)'
+    except OSError:
+        free = ''
+    return (f'{folder}: {what} on the device that holds it{free}; nothing was published (the partial '
+            f'output was removed): {fix}')
 
 
 def claim_output(local: Optional[str]) -> Optional[claims.Claim]:

@@ -24,7 +24,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from foundrymix.errors import UserError
-from foundrymix.format.shards import INDEX_NAME, IndexFileError, read_index
+from foundrymix.format.shards import (INDEX_NAME, IndexFileError, check_shard_files, read_index,
+                                     shard_header_problems)
 
 #: how many splits a root may hold before it is taken as a mistake (e.g. a home directory)
 MAX_SPLITS = 1000
@@ -53,7 +54,9 @@ def is_mds_dir(path: str) -> bool:
 
 
 def load_split(path: str, name: str) -> MdsSplit:
-    """Read ``path``'s index and check every shard has the same columns."""
+    """Read ``path``'s index and check every shard has the same columns, and every shard file
+    the size ``index.json`` records (as ``plan``, ``train`` and ``verify`` check a stream's:
+    :func:`~foundrymix.format.shards.check_shard_files`), before anything is converted."""
     index = _index(path)
     shards = index['shards']
     if not shards:
@@ -65,6 +68,13 @@ def load_split(path: str, name: str) -> MdsSplit:
             raise UserError(f'{os.path.join(path, INDEX_NAME)}: shard {i} has columns '
                             f'{shard["column_names"]}, shard 0 has {first["column_names"]}; '
                             f'adopt needs one set of columns per dataset')
+    problems = check_shard_files(os.path.abspath(path), index)
+    if problems:
+        listing = '; '.join(p.describe() for p in problems[:10])
+        more = f'; and {len(problems) - 10} more' if len(problems) > 10 else ''
+        raise UserError(f'{os.path.abspath(path)}: {len(problems)} shard file(s) do not match {INDEX_NAME}: '
+                        f'{listing}{more}. adopt reads what {INDEX_NAME} records: copy the dataset again '
+                        f'from where it was written (an incomplete copy?)')
     compression = next((s.get('compression') for s in shards if s.get('compression')), None)
     return MdsSplit(name=name, path=os.path.abspath(path), columns=columns,
                     rows=sum(int(s['samples']) for s in shards), shards=len(shards),
@@ -140,17 +150,28 @@ def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
         with open(name, 'rb') as f:
             if not compressed:
                 if os.fstat(f.fileno()).st_size == 0:
-                    return name, b''
-                return name, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    return name, _checked(name, shard, b'')
+                return name, _checked(name, shard, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
             data = f.read()
     except FileNotFoundError:
         raise UserError(f'{name}: missing; {os.path.join(path, INDEX_NAME)} lists it '
                         f'(an incomplete copy?)') from None
     if shard['compression'].split(':')[0] == 'zstd':  # streaming's codec is zstandard's, without torch
         import zstandard
-        return name, zstandard.decompress(data)
+        return name, _checked(name, shard, zstandard.decompress(data))
     from foundrymix.format.shards import decompress_shard
-    return name, decompress_shard(shard, data)
+    return name, _checked(name, shard, decompress_shard(shard, data))
+
+
+def _checked(name: str, shard: dict[str, Any], data: Any) -> Any:
+    """``data``, once its header and offset table agree with what ``index.json`` records for the
+    shard (its rows, where they end): an index overstating a shard's rows made streaming's
+    readers fail with a bare numpy ``ValueError``."""
+    problems = shard_header_problems(data, shard)
+    if problems:
+        raise UserError(f'{name}: {problems[0]}: {INDEX_NAME} does not describe this shard; '
+                        f'copy the dataset again from where it was written, or rewrite it')
+    return data
 
 
 def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
@@ -164,7 +185,14 @@ def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
     n = int(shard['samples'])
     offsets = np.frombuffer(data, np.uint32, count=n + 1, offset=4)
     for r in range(n):
-        rows.append(reader.decode_sample(data[offsets[r]:offsets[r + 1]]))
+        try:
+            rows.append(reader.decode_sample(data[offsets[r]:offsets[r + 1]]))
+        except Exception as e:  # noqa: BLE001 -- numpy/struct/json errors on bytes of another layout
+            columns = ', '.join(f'{c}: {enc}' for c, enc in zip(shard['column_names'], shard['column_encodings']))
+            raise UserError(f'{name}: row {r} cannot be read as the columns {INDEX_NAME} declares ({columns}): '
+                            f'{type(e).__name__}: {e}; the column_encodings do not match how the shards were '
+                            f'written (e.g. ndarray:int64 for int32 tokens): correct them in {INDEX_NAME}, or '
+                            f'write the dataset again') from None
     return name, rows
 
 

@@ -64,12 +64,21 @@ def separators_note(manifest: Manifest) -> str:
     sep = manifest.options.get('separators', {})
     t = manifest.tokenizer
     noun = 'document' if manifest.kind == 'pretrain' else 'example'
+    if sep.get('as_source'):  # adopted token ids: nothing was inserted, whatever the options say
+        source = manifest.options.get('source', {})
+        how = source.get('inferred') or "each example's turns as LLM-Foundry's tokenizer call made them"
+        return f'separators: none inserted: the source\'s token ids are kept as they are ({how}).'
     bos, eos = bool(sep.get('bos')), bool(sep.get('eos'))
-    default = 'the tokenizer adds BOS' if t.add_bos else 'the tokenizer adds no BOS'
-    bos_why = default if manifest.options.get('bos') is None else 'set by --bos/--no-bos'
+    if manifest.options.get('bos') is not None:
+        bos_why = 'set by --bos/--no-bos'
+    elif bos or not t.add_bos:
+        bos_why = 'the tokenizer adds BOS' if t.add_bos else 'the tokenizer adds no BOS'
+    else:
+        bos_why = 'not inserted'
+    eos_why = '' if eos else ' (--no-eos)' if manifest.options.get('eos') is False else ' (not inserted)'
     return (f'separators: BOS inserted before each {noun}: {_yes_no(bos)}'
             f'{f" (id {t.bos_id})" if bos else ""} ({bos_why}); EOS inserted after each {noun}: '
-            f'{_yes_no(eos)}{f" (id {t.eos_id})" if eos else " (--no-eos)"}.')
+            f'{_yes_no(eos)}{f" (id {t.eos_id})" if eos else eos_why}.')
 
 
 def _left_out(manifest: Manifest) -> str:
@@ -175,6 +184,10 @@ def check_rows(manifest: Manifest) -> None:
 def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]:
     """The plain sentences printed under the summary table; warnings start with ``warning:``."""
     notes = [separators_note(manifest), documents_note(manifest)]
+    inferred = manifest.options.get('source', {}).get('inferred', '')
+    if inferred.startswith('neither EOS'):  # adopt found no separator (convert/adopt.py)
+        from foundrymix.convert.adopt import no_separator_warning
+        notes.append(no_separator_warning(inferred, manifest.tokenizer.name))
     warning = too_long_warning(manifest, fit_95)
     return notes + ([warning] if warning else [])
 

@@ -125,6 +125,10 @@ class MixedDataset(StreamingDataset):
             where = self.row_location(idx)
             if where is None:  # not a valid sample index: not a data problem
                 raise
+            shard_id = int(self.spanner[int(idx)][0])
+            if self._shard_states[shard_id] != streaming_compat.shard_state().LOCAL:
+                # the shard never became readable: its download or unpacking failed
+                raise self._shard_error(shard_id, f'reading sample {int(idx)}') from e
             from foundrymix.loader.cache import disk_full_hint
             raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}'
                                        f'{disk_full_hint(str(e), where[1])}') from e

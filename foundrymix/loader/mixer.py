@@ -98,12 +98,17 @@ class StreamMixer:
         iteration starts again at the first batch (an evaluation set, read whole each time)."""
         from foundrymix.loader.run_loader import build_run_loader
         from foundrymix.loader.streaming_compat import world_size as get_world_size
-        from foundrymix.plan.stages import plan_run
+        from foundrymix.plan.stages import build_run_plan, plan_run
         from foundrymix.plan.topology import Topology
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
-        run, _ = plan_run(self.config, batch_size, f'{epochs}ep',
-                          Topology(1, world_size or get_world_size()), self.where)
+        topology = Topology(1, world_size or get_world_size())
+        if self.config.stages is None:  # this mixer's catalog: its metadata is read once
+            self.catalog.validate()
+            run = build_run_plan(self.config, [self.catalog.infos()], batch_size, f'{epochs}ep',
+                                 topology, self.where)
+        else:
+            run, _ = plan_run(self.config, batch_size, f'{epochs}ep', topology, self.where)
         loader = build_run_loader(run, batch_size, rank=rank)
         loader.rewind = rewind
         loader.prepare()

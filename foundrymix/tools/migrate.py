@@ -19,6 +19,7 @@ from typing import Any
 
 from foundrymix.config import ConfigError, foundry_advice
 from foundrymix.errors import ExistsError, MissingError
+from foundrymix.tools.migrate_keys import DATASET_KEYS, cpu_overrides, kept, model_keys, read_back, show
 
 #: top-level keys renamed one to one
 TOP_RENAMES = {'fsdp_config': 'fsdp', 'console_log_interval': 'log_interval', 'global_seed': 'seed'}
@@ -38,6 +39,21 @@ class Migration:
     changes: list[str] = field(default_factory=list)  # rewritten, same meaning
     dropped: list[str] = field(default_factory=list)  # removed: no equivalent
     todo: list[str] = field(default_factory=list)     # kept: the user must decide
+    original: dict[str, Any] = field(default_factory=dict)  # the input, as read
+
+    def report(self) -> list[str]:
+        """Every key of the input, once: kept, changed, removed or to do; then whether the
+        migration is complete and, for a GPU YAML, the overrides of a CPU trial."""
+        renamed = {new for old, new in TOP_RENAMES.items()
+                   if any(c.startswith(f'{old} -> {new}') for c in self.changes)}
+        lines = (kept(self, self.original, renamed) + [f'changed: {c}' for c in self.changes]
+                 + [f'removed: {c}' for c in self.dropped] + [f'to do: {c}' for c in self.todo])
+        lines.append(f'to do: {len(self.todo)} line(s) above before it runs' if self.todo else
+                     'complete: every key is kept, changed or removed as listed')
+        cpu = cpu_overrides(self.data)
+        if cpu:
+            lines.append(f'for a CPU trial add: {" ".join(cpu)}')
+        return lines
 
 
 def _strings(node: Any) -> list[str]:
@@ -56,13 +72,14 @@ def _replace_refs(node: Any, old: str, new: str) -> Any:
     return node.replace('${' + old + '}', '${' + new + '}') if isinstance(node, str) else node
 
 
-def migrate(data: dict[str, Any]) -> Migration:
-    """``data`` (a Foundry YAML, interpolations unresolved) in foundrymix's keys."""
+def migrate(data: dict[str, Any], name: str = 'foundrymix') -> Migration:
+    """``data`` (a Foundry YAML, interpolations unresolved) in foundrymix's keys; ``name`` (the
+    file's) names the run when the YAML leaves ``run_name`` empty."""
     from foundrymix.train.algorithms import ALGORITHMS
     from foundrymix.train.callbacks import CALLBACKS
     from foundrymix.train.config import TrainConfig
 
-    m = Migration(dict(data))
+    m = Migration(dict(data), original=dict(data))
     d = m.data
     known = {f.name for f in dataclasses.fields(TrainConfig)} | {'variables'}
     # old Foundry: top-level values referenced as ${name} are variables here
@@ -79,6 +96,7 @@ def migrate(data: dict[str, Any]) -> Migration:
             else:
                 d[new] = d.pop(old)
                 m.changes.append(f'{old} -> {new}' + _RENAME_NOTES.get(old, ''))
+    _run_name(m, name)
     for key in [k for k in d if k != 'variables' and d[k] is None]:  # Foundry: empty = its default
         d.pop(key)
         m.changes.append(f'{key}: empty -> left out (the default applies)')
@@ -116,7 +134,31 @@ def migrate(data: dict[str, Any]) -> Migration:
         elif isinstance(value, float):
             m.todo.append(f'{key}: {value} has no unit: give one (e.g. {value}ep; Composer reads an int as epochs)')
     _pretrained(m)
+    if d.get('load_weights_only') is True and not d.get('load_path'):
+        d.pop('load_weights_only')
+        m.dropped.append('load_weights_only: true: no load_path, so no weights to load (LLM-Foundry ignored it)')
+    model_keys(m)
+    read_back(m)
     return m
+
+
+def _run_name(m: Migration, name: str) -> None:
+    """An empty or absent ``run_name``: LLM-Foundry read ``$RUN_NAME`` or generated a name, so no
+    two runs shared one; here the default would name every migrated run ``foundrymix`` and
+    each would replace the last one's report. ``$RUN_NAME``, else the YAML file's name."""
+    d = m.data
+    value = d.get('run_name')
+    ref = _VAR_REF.fullmatch(value) if isinstance(value, str) else None
+    variables = d.get('variables') if isinstance(d.get('variables'), dict) else {}
+    empty = value is None or (ref is not None and ref.group(1) in variables and variables[ref.group(1)] is None)
+    if not empty:
+        return
+    safe = re.sub(r'[^\w.-]', '_', name) or 'foundrymix'
+    d['run_name'] = f'${{oc.env:RUN_NAME,{safe}}}'
+    was = 'absent' if 'run_name' not in m.original else 'empty' if value is None else f'{value} (empty)'
+    m.changes.append(f'run_name: {was} -> {d["run_name"]} (LLM-Foundry: $RUN_NAME, else a generated name; '
+                     f'here $RUN_NAME, else {safe}: the run\'s report and {{run_name}} in save_folder follow it, '
+                     f'so give each run its own)')
 
 
 def _merged_into(value: Any, loader: Any) -> bool:
@@ -153,6 +195,9 @@ def _loader(m: Migration, name: str) -> None:
                       f'{dataset.get("split", "train")} split\'s files), then set '
                       f'{name}.streams.{stream}.local: DIR')
     stream = {k: dataset.pop(k) for k in ('local', 'remote', 'split') if k in dataset}
+    if hf:  # the Hugging Face split is the one converted (said in the to-do): DIR holds only it
+        stream.pop('split', None)
+        loader.setdefault('streams', {})[name.split('_')[0]] = {}
     if stream:
         loader.setdefault('streams', {})[name.split('_')[0]] = stream
         m.changes.append(f'{name}.dataset.{{{", ".join(stream)}}} -> {name}.streams.{name.split("_")[0]}')
@@ -162,8 +207,11 @@ def _loader(m: Migration, name: str) -> None:
             m.changes.append(f'{name}.dataset.{key} -> {name}.{key}')
         elif key == 'max_seq_len':
             m.dropped.append(f'{name}.dataset.max_seq_len: the top-level max_seq_len says it')
+        elif key in DATASET_KEYS:
+            m.dropped.append(f'{name}.dataset.{key}: {show(value)}: no equivalent ({DATASET_KEYS[key]})')
         else:
-            m.dropped.append(f'{name}.dataset.{key}: no equivalent')
+            m.todo.append(f'{name}.dataset.{key}: {show(value)}: no equivalent; removed: check the streams hold '
+                          f'what it meant')
 
 
 def _pretrained(m: Migration) -> None:
@@ -210,9 +258,8 @@ def _run(args: argparse.Namespace) -> int:
     data = OmegaConf.to_container(OmegaConf.load(args.config), resolve=False)
     if not isinstance(data, dict):
         raise ConfigError(f'{args.config}: expected a mapping at the top level')
-    m = migrate(data)
-    report = ([f'changed: {c}' for c in m.changes] + [f'removed: {c}' for c in m.dropped]
-              + [f'to do: {c}' for c in m.todo])
+    m = migrate(data, os.path.splitext(os.path.basename(args.config))[0])
+    report = m.report()
     text = yaml.safe_dump(m.data, sort_keys=False)
     if args.out:
         with open(args.out, 'x', encoding='utf-8') as f:

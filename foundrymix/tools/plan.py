@@ -44,13 +44,15 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
     """(the RunPlan, the config) of a training YAML."""
     from foundrymix.plan.stages import Topology, plan_run
     from foundrymix.train.config import check_streams, load_config, split_batch
+    from foundrymix.train.preflight import check_start
 
-    cfg = load_config(path, overrides, max_duration)
+    cfg = load_config(path, overrides, max_duration, data_only=True)
     device_batch, _ = split_batch(cfg, world_size)
     if world_size % nodes:
         raise ConfigError(f'world size {world_size} is not divisible by the {nodes} nodes')
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
                              Topology(nodes=nodes, ranks_per_node=world_size // nodes))
+    check_start(cfg, run)  # what Composer would refuse at start, as train refuses it
     for catalog in catalogs:  # as train refuses them (issues 21, 26)
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     return run, cfg
@@ -85,6 +87,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         from foundrymix.plan.render import console_for_output, render_lr_schedule, render_plan, render_run_plan
         console = console_for_output()
+        if cfg.model is None:
+            print('no model section: the data is planned; `foundrymix train` needs a model (and max_seq_len)')
         if run.explicit:
             render_run_plan(plan, console, all_streams=args.streams == 'all')
         else:

@@ -25,7 +25,7 @@ from composer.utils import dist, format_name_with_dist, reproducibility
 from foundrymix import claims
 from foundrymix.s3 import retries as s3_retries
 from foundrymix.config import ConfigError
-from foundrymix.errors import ExistsError, MissingError
+from foundrymix.errors import ExistsError
 from foundrymix.heap import collector_paused
 from foundrymix.loader.mixer import StreamMixer
 from foundrymix.loader.run_loader import StagedDataLoader, build_run_loader
@@ -37,10 +37,12 @@ from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig, check_streams, split_batch
-from foundrymix.train.console import console_kwargs, extension_line, resume_line, wsd_resume_line
+from foundrymix.train.model_spec import mpt_attention_line
+from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import LION_BETAS, DecoupledLionW
+from foundrymix.train.preflight import check_start, warmup_in_samples  # noqa: F401 (re-exported)
 from foundrymix.train.schedule import WSDScheduler, apply_resume_lr
 from foundrymix.train.remote_resume import is_remote, latest_checkpoint, local_checkpoint, poll_uploads_sooner
 
@@ -69,6 +71,8 @@ class TrainRun:
     plan: Any                     # a single mixture's Plan, or the RunPlan of a staged run
     #: the run's claims (save_folder, stream directories); :func:`train` releases them at the end
     claims: claims.ClaimSet = dataclasses.field(default_factory=claims.ClaimSet)
+    #: ``already finished: ...`` when it resumed at or past max_duration (nothing was trained)
+    finished: Optional[str] = None
 
 
 def _device(cfg: TrainConfig) -> str:
@@ -119,12 +123,6 @@ def _share_cpu_threads(device: str) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, cores // local_ranks))
-
-
-def _check_load_path(cfg: TrainConfig) -> None:
-    path = cfg.load_path
-    if path and '://' not in path and not os.path.exists(path):
-        raise MissingError(f'load_path: {path}: no such checkpoint')
 
 
 def _resume_kwargs(cfg: TrainConfig) -> dict[str, Any]:
@@ -215,71 +213,19 @@ class TrainData:
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (once: catalogs read once, weights computed once per stage) and the one
     loader built from it -- for a single mixture (one stage) as for a staged run."""
-    from foundrymix.plan.stages import composer_duration, plan_run
+    from foundrymix.plan.stages import plan_run
     from foundrymix.plan.topology import Topology
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology)
-    if run.explicit and cfg.scheduler.t_warmup.strip().endswith('ep'):
-        raise ConfigError(f'scheduler.t_warmup: {cfg.scheduler.t_warmup} is ambiguous with stages '
-                          f'(epochs of which stage?); give it in batches (ba) or as a fraction '
-                          f'of the run (e.g. 0.05dur)')
+    # what Composer would refuse at start, as plan refuses it (max_duration and t_warmup as
+    # Composer is given them: preflight.composer_max_duration says why)
+    max_duration, t_warmup = check_start(cfg, run)
     for catalog in catalogs:
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     loader = build_run_loader(run, device_batch, composer_epochs=True)
-    # A single mixture keeps Composer's own reading of max_duration (3ep: three of its
-    # epochs, which are the mixture's); stages and adaptive segments are batches -- or
-    # samples, when the stages' batches differ (composer_duration says why).
-    max_duration = (composer_duration(run) if run.explicit or loader.position.adaptive
-                    else str(cfg.max_duration))
-    t_warmup = warmup_in_samples(cfg.scheduler.t_warmup, run) if max_duration.endswith('sp') \
-        else cfg.scheduler.t_warmup
     return TrainData(loader=loader, run=run, tokenizer=catalogs[0].tokenizer,
                      max_duration=max_duration, t_warmup=t_warmup)
-
-
-def warmup_in_samples(t_warmup: str, run: RunPlan) -> str:
-    """``t_warmup`` for a run that Composer counts in samples (per-stage batches).
-
-    Composer 0.32's warmup schedulers refuse a ``t_warmup`` in another unit than
-    ``max_duration``'s (``_raise_if_warmup_and_max_incompatible``) -- at the first batch, as
-    a traceback. A warmup that ends inside the first stage is the same point in samples
-    (one batch size there, so samples grow with batches and the LR at every batch is
-    unchanged): it is converted. A later ``ba`` warmup is refused here, with the
-    value in samples that this plan gives the same point of the run. A ``tok`` warmup is
-    converted when it is whole rows (Composer counts a batch's tokens as rows x
-    ``max_seq_len``, ``DataSpec._default_get_num_tokens_in_batch``).
-    """
-    from composer.core import Time, TimeUnit
-    t = Time.from_timestring(t_warmup.strip())
-    if t.unit in (TimeUnit.SAMPLE, TimeUnit.DURATION):
-        return t_warmup
-    first, L = run.stages[0], run.max_seq_len
-    if t.unit == TimeUnit.BATCH and t.value <= first.batches:
-        return f'{t.value * first.global_batch_size}sp'
-    if t.unit == TimeUnit.TOKEN and t.value % L == 0:  # Composer's tok: rows x max_seq_len
-        return f'{t.value // L}sp'
-    if t.unit == TimeUnit.TOKEN:
-        raise ConfigError(
-            f'scheduler.t_warmup: {t_warmup} is not whole rows of {L} tokens, and with stages of '
-            f'different global_train_batch_size Composer counts the run in samples: give t_warmup: '
-            f'{-(-t.value // L)}sp')
-    batch = min(int(t.value), run.total_batches)
-    samples = _samples_before(run, batch)
-    raise ConfigError(
-        f'scheduler.t_warmup: {t_warmup} ends after the first stage, and with stages of different '
-        f'global_train_batch_size Composer counts the run in samples ({run.total_samples}sp): its '
-        f'schedulers take t_warmup in samples only. Batch {batch} of this run is sample {samples}: '
-        f'give t_warmup: {samples}sp (the LR then warms up linearly in samples), or a fraction '
-        f'of the run ({samples / run.total_samples:.4g}dur)')
-
-
-def _samples_before(run: RunPlan, batch: int) -> int:
-    """Rows trained before global batch ``batch`` (each stage with its own batch)."""
-    stage = run.stage_at(batch) if batch < run.total_batches else run.stages[-1]
-    if batch >= stage.end_batch:
-        return run.total_samples
-    return stage.start_sample + (batch - stage.start_batch) * stage.global_batch_size
 
 
 def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: S3RetryCounter,
@@ -384,7 +330,6 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     go with the process).
     """
     device_batch, micro = _batch_sizes(cfg)
-    _check_load_path(cfg)
     held = claim_run(cfg)
     try:
         return _build(cfg, device_batch, micro, held)
@@ -404,12 +349,16 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     loaded = getattr(hf_model, 'foundrymix_loading', None)
     if loaded and dist.get_global_rank() == 0:
         print(loaded, flush=True)
+    attention = mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs)
+    if attention and dist.get_global_rank() == 0:
+        print(attention, flush=True)
     model = CausalLM(hf_model, attention=cfg.model.attention)
     evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
     trainer = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)
     poll_uploads_sooner(trainer)
-    line = resume_line(trainer.state, cfg.load_weights_only)
+    finished = None if cfg.load_weights_only else finished_line(trainer.state)
+    line = None if finished else resume_line(trainer.state, cfg.load_weights_only)
     extended = None
     if line and isinstance(scheduler, WSDScheduler):
         extended = wsd_resume_line(trainer.state, scheduler)
@@ -422,7 +371,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
             print(extended, flush=True)
     freeze_built_heap()
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
-                    plan=data.plan, claims=held)
+                    plan=data.plan, claims=held, finished=finished)
 
 
 def freeze_built_heap() -> None:
@@ -449,6 +398,11 @@ def train(cfg: TrainConfig) -> TrainRun:
     """Build and fit; returns the run (its accounting holds the per-stream summary)."""
     run = build_trainer(cfg)
     try:
+        if run.finished:  # a relaunch of a finished run: done, nothing to fit
+            if dist.get_global_rank() == 0:
+                print(run.finished, flush=True)
+            run.trainer.close()
+            return run
         try:
             if cfg.eval_first and run.trainer.state.timestamp.batch.value == 0 and run.trainer.state.evaluators:
                 run.trainer.eval()  # LLM-Foundry's eval_first: a baseline before the first step

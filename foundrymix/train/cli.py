@@ -49,7 +49,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from foundrymix.train.config import load_config
 
     run = train(load_config(args.config, args.overrides))
-    if dist.get_global_rank() == 0:
+    if dist.get_global_rank() == 0 and not run.finished:
         print_summary(run)
     return 0
 

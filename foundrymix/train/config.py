@@ -130,7 +130,9 @@ class TrainConfig:
     eval_subset_num_batches: int = -1
     run_name: str = 'foundrymix'
     #: a local directory or ``s3://bucket/prefix`` (Composer uploads each checkpoint, then
-    #: ``latest-rank0.pt.symlink`` naming it; endpoint and credentials from the environment)
+    #: ``latest-rank0.pt.symlink`` naming it; endpoint and credentials from the environment);
+    #: ``{run_name}`` in it is replaced by ``run_name`` when the YAML is read, as Composer
+    #: formats it, so the report beside it and every printed path name the real directory
     save_folder: Optional[str] = None
     save_interval: Interval = Interval('1ep')
     #: local checkpoints kept (-1: all); Composer never deletes checkpoints in a bucket
@@ -164,6 +166,8 @@ class TrainConfig:
         return read_dataclass(cls, d)
 
     def check(self, where: str) -> None:
+        if self.save_folder and '{run_name}' in self.save_folder:
+            self.save_folder = self.save_folder.replace('{run_name}', self.run_name)
         if self.global_train_batch_size <= 0:
             raise ConfigError('global_train_batch_size must be positive')
         if self.load_weights_only and not self.load_path:
@@ -181,6 +185,17 @@ class TrainConfig:
     @property
     def stream_accounting(self) -> StreamAccountingConfig:
         return self.callbacks.get('stream_accounting') or StreamAccountingConfig()
+
+
+@dataclass(kw_only=True)
+class DataConfig(TrainConfig):
+    """A data-only YAML as ``foundrymix plan`` reads it: the mix, the batch and the duration,
+    no ``model`` (a data engineer planning a mix has none); ``max_seq_len`` may be left out
+    (the streams' rows say it; given, it is checked against them). Every other key is read
+    and refused exactly as in a training YAML. ``train`` never reads this: it needs a model."""
+
+    model: Optional[ModelSpec] = None
+    max_seq_len: Optional[int] = None
 
 
 def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]]:
@@ -220,18 +235,22 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
 
 
 @collector_paused()  # 10,000 streams: 2.3-2.7 s -> 0.9 s (foundrymix/heap.py)
-def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional[str] = None) -> TrainConfig:
+def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional[str] = None,
+                data_only: bool = False) -> TrainConfig:
     """Load a YAML, apply ``key=value`` overrides, resolve interpolations, type it.
 
     ``train`` and ``plan`` both read a run this way, so ``plan`` refuses every config
     ``train`` refuses, with the same message. ``max_duration`` (``plan --max-duration``)
-    replaces the YAML's before it is read.
+    replaces the YAML's before it is read. With ``data_only`` (``plan``) a YAML without a
+    ``model`` section is read as a :class:`DataConfig`; one with a model is read as ``train``
+    reads it.
     """
     data, applied = load_yaml_overrides(path, overrides)
     if max_duration is not None:
         data['max_duration'] = max_duration
+    cls = DataConfig if data_only and 'model' not in data else TrainConfig
     try:
-        return TrainConfig.from_dict(data)
+        return cls.from_dict(data)
     except ConfigError as e:  # every problem, each blamed on its override or on the file
         raise blame(e, path, applied, data) from None
 
@@ -241,7 +260,8 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     pretrained model's): ``train`` and ``plan`` refuse alike, with one message (issue 26:
     ``plan`` accepted a ``tokenizer:`` the streams were not made with). ``tokenizer`` is the
     streams' :class:`~foundrymix.format.schema.TokenizerInfo`."""
-    check_seq_len(cfg, max_seq_len)
+    if cfg.max_seq_len is not None:  # a data-only YAML may leave it to the streams
+        check_seq_len(cfg, max_seq_len)
     if cfg.tokenizer is not None:
         from foundrymix.tokenizer import describe_tokenizer
         memo = os.path.join(cache_base(cfg.train_loader.cache_root), 'tokenizers')
@@ -251,8 +271,10 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
                               f'converted with ({tokenizer.name}): {tokenizer_differences(have, tokenizer)} '
                               f"(this one vs the streams'){changed_tokenizer_note(cfg.tokenizer, tokenizer)}")
-    if cfg.model.pretrained is not None:
+    if cfg.model is not None and cfg.model.pretrained is not None:
         from foundrymix.train.model import check_pretrained_tokenizer
+        from foundrymix.train.weights import check_has_weights
+        check_has_weights(cfg.model)
         check_pretrained_tokenizer(cfg.model, tokenizer)
 
 

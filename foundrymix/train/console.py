@@ -46,6 +46,24 @@ def resume_line(state: Any, weights_only: bool = False) -> Optional[str]:
     return f'resumed from {state.load_path} at batch {int(ts.batch)} ({where})'
 
 
+def finished_line(state: Any) -> Optional[str]:
+    """``already finished: ...`` when the checkpoint a run resumed from is at or past its
+    ``max_duration``, else None.
+
+    Why: Composer's ``fit()`` refuses such a run with a traceback (``max_duration ... is less
+    than or equal to the elapsed training duration``); a finished run relaunched by a
+    scheduler with ``autoresume: true`` is done, not failed, so the run says so and exits 0.
+    """
+    max_duration = getattr(state, 'max_duration', None)
+    if not getattr(state, 'load_path', None) or max_duration is None:
+        return None
+    if state.timestamp.get(max_duration.unit) < max_duration:
+        return None
+    return (f'already finished: {state.load_path} is at batch {int(state.timestamp.batch)}, the end of '
+            f'max_duration {max_duration.to_timestring()}; nothing to train (to train on, raise '
+            f'max_duration)')
+
+
 def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
     """What a resume that changed the run's length does to the LR schedule, or None.
 

@@ -34,6 +34,7 @@ from composer.models import ComposerModel
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec
+from foundrymix.train.weights import check_has_weights, check_weight_shapes
 
 __all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLoss', 'build_hf_model',
            'check_pretrained_tokenizer', 'token_loss']
@@ -74,7 +75,9 @@ def _check_fits(config: Any, tokenizer: TokenizerInfo, max_seq_len: int) -> None
 def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) -> torch.nn.Module:
     """The causal LM: random init from a config, or a local pretrained directory's weights.
 
-    Refuses one that cannot hold the data (vocabulary, positions) before any weight loads.
+    Refuses one that cannot hold the data (vocabulary, positions), and a directory without
+    weights or with weights of other sizes (:mod:`foundrymix.train.weights`), before any
+    weight loads.
     A loaded model carries :func:`loading_line` as ``foundrymix_loading`` (rank 0 prints it).
     """
     from transformers import AutoModelForCausalLM
@@ -82,6 +85,9 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     config = _hf_config(spec, tokenizer)
     _check_fits(config, tokenizer, max_seq_len)
     attn = spec.attn_implementation or 'sdpa'
+    if spec.pretrained is not None and spec.load_weights:
+        check_has_weights(spec)
+        check_weight_shapes(spec, config)  # named, before transformers' size-mismatch traceback
     try:
         if spec.pretrained is not None and spec.load_weights:
             model, info = AutoModelForCausalLM.from_pretrained(

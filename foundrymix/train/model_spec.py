@@ -30,6 +30,48 @@ OWN_KEYS = ('type', 'model_type', 'attention', 'attn_implementation', 'pretraine
             'pretrained_model_name_or_path', 'config_overrides')
 
 
+#: LLM-Foundry ``model`` keys that are no transformers config field (for the type that has no
+#: such field): what each is here, said when the config reader meets one and by ``migrate``
+FOUNDRY_MODEL_KEYS = {
+    'use_auth_token': "LLM-Foundry's Hugging Face Hub token has no equivalent: models are never "
+                      "downloaded here, a local model directory needs no token; delete it",
+    'trust_remote_code': "LLM-Foundry's trust_remote_code has no equivalent: transformers' own model "
+                         "classes are used, no code from a model directory runs; delete it",
+    'use_flash_attention_2': "LLM-Foundry's use_flash_attention_2: true is attn_implementation: "
+                             "flash_attention_2 here (GPU, flash-attn installed); delete it",
+    'peft_config': "LLM-Foundry's LoRA/PEFT (peft_config) is not supported: delete it to train every "
+                   "weight (full finetuning, far more memory), or keep this run on LLM-Foundry",
+    'ffn_config': "LLM-Foundry MPT's ffn_config has no equivalent: transformers' MPT has one MLP "
+                  "(d_model x expansion_ratio, GELU: LLM-Foundry's default ffn_type mptmlp); delete it",
+    'init_config': "LLM-Foundry MPT's init_config has no equivalent: transformers initialises the weights "
+                   "(initializer_range); delete it",
+    'fc_type': "LLM-Foundry MPT's fc_type has no equivalent: torch's linear layers; delete it",
+    'attn_config': "LLM-Foundry MPT's attn_config is no {type} setting: attention is attn_implementation "
+                   "here (sdpa, eager, flash_attention_2); delete it",
+    'max_seq_len': "LLM-Foundry MPT's max_seq_len is no {type} setting: the top-level max_seq_len sets the "
+                   "rows, the model's positions are its max_position_embeddings (or n_positions); delete it",
+}
+
+
+def foundry_model_advice(key: str, model_type: str) -> Optional[str]:
+    """What an LLM-Foundry model key the ``model_type`` config lacks is here, or None."""
+    advice = FOUNDRY_MODEL_KEYS.get(key)
+    return advice.replace('{type}', repr(model_type)) if advice else None
+
+
+def mpt_attention_line(model_type: str, config_kwargs: Mapping[str, Any]) -> Optional[str]:
+    """One line when an MPT model asks LLM-Foundry's fast attention (``attn_config.attn_impl``
+    flash or triton), which transformers' MPT does not have: it computes eager attention (the
+    same values, slower and with more memory), and that must not happen in silence."""
+    attn = config_kwargs.get('attn_config')
+    impl = attn.get('attn_impl') if isinstance(attn, Mapping) else None
+    if model_type != 'mpt' or impl in (None, 'torch'):
+        return None
+    return (f"model.attn_config.attn_impl: {impl}: transformers' MPT computes eager attention (the same "
+            f"values, slower and more memory than {impl}); for sdpa or flash_attention_2 use a model type "
+            f"that has them (llama, gpt2, ...)")
+
+
 class ModelConfigError(ConfigError):
     """The ``model`` section does not describe a causal LM that fits the data."""
 
@@ -217,7 +259,7 @@ def check_config_keys(model_type: str, kwargs: Mapping[str, Any], where: str) ->
     gather = Gather()
     for key in kwargs:
         if key not in valid:
-            advice = foundry_advice(f'model.{key}')
+            advice = foundry_model_advice(key, model_type) or foundry_advice(f'model.{key}')
             near = difflib.get_close_matches(key, sorted(valid) + list(OWN_KEYS), n=1)
             hint = f'; {advice}' if advice else f"; did you mean {near[0]!r}?" if near else ''
             gather.add(ModelConfigError(f'{where}.{key}: unknown key for a {model_type!r} model '

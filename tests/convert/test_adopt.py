@@ -81,7 +81,7 @@ def test_foundry_tokens_recut_shorter(tmp_path, arxiv_jsonl):
     rows = concat_tokens(texts, DEMO_TOKENIZER, L, eos_text='<|endoftext|>')
     src = write_foundry_pretrain(tmp_path / 'foundry', rows, compression=None)
     convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'), PretrainOptions(max_seq_len=48))
-    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=48))
+    [(_, m)] = adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(src), out=str(tmp_path / 'out'), max_seq_len=48))
     n = len(rows) * L // 48
     assert m.counts.rows == n and m.counts.tail_tokens == len(rows) * L - n * 48
     _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref')[:n])
@@ -99,7 +99,8 @@ def test_foundry_tokens_never_import_transformers(tmp_path, spm_tokenizer):
     from foundrymix.tokenizer import BUNDLED_DIR, describe_tokenizer, tokenizer_info
     src = write_foundry_pretrain(tmp_path / 'foundry', [np.asarray([5, 0, 9, 7, 0, 3], dtype=np.int32)] * 4)
     code = ('import sys; from foundrymix.convert.adopt import AdoptArgs, adopt; '
-            f'[(_, m)] = adopt(AdoptArgs(source={str(src)!r}, out={str(tmp_path / "out")!r})); '
+            f'[(_, m)] = adopt(AdoptArgs(tokenizer={DEMO_TOKENIZER!r}, source={str(src)!r}, '
+            f'out={str(tmp_path / "out")!r})); '
             "print(repr(m.tokenizer), 'transformers' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
@@ -118,7 +119,7 @@ def test_foundry_tokens_from_another_tokenizer_refused(tmp_path):
     src = write_foundry_pretrain(tmp_path / 'foundry', [np.asarray([5, 0, 9000, 7], dtype=np.int32)])
     with pytest.raises(UserError, match=r"shard\.00000\.mds\.zstd:row 0: token id 9000 is outside the "
                                         r"vocabulary of tokenizer 'foundrymix-bpe-8k' \(8,192 ids\)"):
-        adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out')))
+        adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(src), out=str(tmp_path / 'out')))
     assert not (tmp_path / 'out').exists()
 
 
@@ -128,7 +129,8 @@ def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl, capsys):
     `convert` on that root points to adopt."""
     records = read_jsonl(dolly_jsonl, limit=150)
     root = write_foundry_finetune(tmp_path / 'foundry', {'train': records[:100], 'val': records[100:]})
-    assert main(['adopt', str(root), '--out', str(tmp_path / 'out'), '--max-seq-len', '256']) == 0
+    assert main(['adopt', str(root), '--out', str(tmp_path / 'out'), '--max-seq-len', '256',
+                 '--tokenizer', DEMO_TOKENIZER]) == 0
     out = capsys.readouterr().out
     assert 'train: 100 rows in 1 shard(s) (prompt: str, response: str) -> LLM-Foundry finetune text' in out
     assert 'val: 50 rows in 1 shard(s)' in out
@@ -141,7 +143,7 @@ def test_foundry_finetune_splits_cli(tmp_path, dolly_jsonl, capsys):
     before = sorted(p.relative_to(root) for p in root.rglob('*'))
     for out in (root, root / 'train' / 'x'):  # the source, or inside it: refused, nothing touched
         with pytest.raises(ValueError, match='Choose'):
-            adopt(AdoptArgs(source=str(root), out=str(out)))
+            adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(root), out=str(out)))
     assert sorted(p.relative_to(root) for p in root.rglob('*')) == before
     with pytest.raises(UserError, match=r'holds MDS shards \(train/index.json, val/index.json\), not raw '
                                         r'input files; use them as they are with: foundrymix adopt'):
@@ -154,7 +156,7 @@ def test_foundry_turns_equal_convert_finetune(tmp_path, dolly_jsonl):
     src = write_foundry_turns(tmp_path / 'turns', records, DEMO_TOKENIZER)
     convert_finetune([str(write_jsonl(tmp_path / 'ft.jsonl', records))], str(tmp_path / 'ref'),
                      FinetuneOptions(max_seq_len=256))
-    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=256))
+    [(_, m)] = adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(src), out=str(tmp_path / 'out'), max_seq_len=256))
     _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
     assert m.kind == 'finetune' and m.counts.documents_read == 120
 
@@ -165,7 +167,7 @@ def test_raw_text_zstd(tmp_path, arxiv_jsonl):
     src = write_raw_text(tmp_path / 'text', texts, size_limit=1 << 14)
     assert any(n.endswith('.mds.zstd') for n in os.listdir(src))
     convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'ref'), PretrainOptions(max_seq_len=L))
-    [(_, m)] = adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out'), max_seq_len=L))
+    [(_, m)] = adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(src), out=str(tmp_path / 'out'), max_seq_len=L))
     _same_rows(read_rows(tmp_path / 'out'), read_rows(tmp_path / 'ref'))
     assert m.counts.documents_read == len(texts)
 
@@ -208,13 +210,13 @@ def test_splits_to_s3(tmp_path, dolly_jsonl, monkeypatch):
     from helpers import moto_s3
     records = read_jsonl(dolly_jsonl, limit=60)
     root = write_foundry_finetune(tmp_path / 'foundry', {'train': records[:40], 'val': records[40:]})
-    adopt(AdoptArgs(source=str(root), out=str(tmp_path / 'local'), max_seq_len=256))
+    adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(root), out=str(tmp_path / 'local'), max_seq_len=256))
     staging = tmp_path / 'tmp'
     staging.mkdir()
     import tempfile
     monkeypatch.setattr(tempfile, 'tempdir', str(staging))
     with moto_s3('fmx-adopt') as s3:
-        adopt(AdoptArgs(source=str(root), out='s3://fmx-adopt/ft', max_seq_len=256))
+        adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(root), out='s3://fmx-adopt/ft', max_seq_len=256))
         client = s3['client']
         keys = sorted(o['Key'] for o in client.list_objects_v2(Bucket='fmx-adopt')['Contents'])
         local = sorted(f'ft/{p.relative_to(tmp_path / "local")}' for p in (tmp_path / 'local').rglob('*')
@@ -239,7 +241,7 @@ def test_source_on_s3_equals_the_local_copy(tmp_path, arxiv_jsonl, monkeypatch):
     root = tmp_path / 'foundry'
     write_foundry_pretrain(root / 'train', rows[:-20], size_limit=1 << 14)
     write_foundry_pretrain(root / 'val', rows[-20:])
-    adopt(AdoptArgs(source=str(root), out=str(tmp_path / 'local')))
+    adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(root), out=str(tmp_path / 'local')))
     staging = tmp_path / 'tmp'
     staging.mkdir()
     monkeypatch.setattr(tempfile, 'tempdir', str(staging))
@@ -248,9 +250,9 @@ def test_source_on_s3_equals_the_local_copy(tmp_path, arxiv_jsonl, monkeypatch):
             if p.is_file():
                 s3['client'].upload_file(str(p), 'fmx-src', f'corpus/{p.relative_to(root)}')
         s3['client'].put_object(Bucket='fmx-src', Key='corpus/notes.txt', Body=b'not fetched')
-        done = adopt(AdoptArgs(source='s3://fmx-src/corpus/', out=str(tmp_path / 'out')))
+        done = adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source='s3://fmx-src/corpus/', out=str(tmp_path / 'out')))
         with pytest.raises(UserError, match=r'^s3://fmx-src/nothing: no MDS dataset there \(no index.json under'):
-            adopt(AdoptArgs(source='s3://fmx-src/nothing', out=str(tmp_path / 'out2')))
+            adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source='s3://fmx-src/nothing', out=str(tmp_path / 'out2')))
     assert [(s.name, m.options['source']['path']) for s, m in done] == [
         ('train', 's3://fmx-src/corpus/train'), ('val', 's3://fmx-src/corpus/val')]
     files = sorted(str(p.relative_to(tmp_path / 'local')) for p in (tmp_path / 'local').rglob('*') if p.is_file())
@@ -269,8 +271,10 @@ def test_convert_from_mds_is_adopt(tmp_path, arxiv_jsonl, capsys):
     texts, _ = _arxiv(tmp_path, arxiv_jsonl)
     rows = concat_tokens(texts[:2], DEMO_TOKENIZER, L, eos_text=_eos_text(DEMO_TOKENIZER))
     src = write_foundry_pretrain(tmp_path / 'foundry', rows, size_limit=1 << 14)
-    assert main(['adopt', str(src), '--out', str(tmp_path / 'a'), '--no-progress']) == 0
-    assert main(['convert', 'pretrain', str(src), '--from-mds', '--out', str(tmp_path / 'c'), '--no-progress']) == 0
+    tok = ['--tokenizer', DEMO_TOKENIZER]
+    assert main(['adopt', str(src), '--out', str(tmp_path / 'a'), '--no-progress', *tok]) == 0
+    assert main(['convert', 'pretrain', str(src), '--from-mds', '--out', str(tmp_path / 'c'), '--no-progress',
+                 *tok]) == 0
     names = sorted(os.listdir(tmp_path / 'a'))
     assert names == sorted(os.listdir(tmp_path / 'c')) and len(names) > 2
     for name in names:
@@ -287,7 +291,7 @@ def test_convert_from_mds_is_adopt(tmp_path, arxiv_jsonl, capsys):
         (['convert', 'pretrain', str(src), '--from-mds', '--text-field', 'body'],
          '--text-field: not used with --from-mds (the MDS columns are read as they are; see `foundrymix '
          'adopt -h`); leave it out')]:
-        assert main([*argv, '--out', str(tmp_path / 'x')]) == 2
+        assert main([*argv, '--out', str(tmp_path / 'x'), *tok]) == 2
         assert capsys.readouterr().err == f'foundrymix convert: error: {message}\n'
     assert not (tmp_path / 'x').exists()
 
@@ -298,8 +302,124 @@ def test_token_outside_the_vocabulary_names_shard_row_and_value(tmp_path):
     rows[4][7] = 9000  # the demo tokenizer has 8,192 ids
     src = write_foundry_pretrain(tmp_path / 'foundry', rows, compression=None)
     with pytest.raises(UserError) as err:
-        adopt(AdoptArgs(source=str(src), out=str(tmp_path / 'out')))
+        adopt(AdoptArgs(tokenizer=DEMO_TOKENIZER, source=str(src), out=str(tmp_path / 'out')))
     assert str(err.value) == (f"{src / 'shard.00000.mds'}:row 4: token id 9000 is outside the vocabulary of "
                               f"tokenizer '{DEMO_TOKENIZER}' (8,192 ids); the shards were made with another "
                               f"tokenizer: pass it with --tokenizer")
+    assert not (tmp_path / 'out').exists()
+
+
+def test_adopt_without_tokenizer_is_refused(tmp_path, dolly_jsonl, capsys):
+    """Foundry's shards do not record their tokenizer: without --tokenizer adopt (and `convert
+    --from-mds`) refuses in one line naming --tokenizer, instead of tokenizing with the bundled
+    demo tokenizer in silence; nothing is written."""
+    records = read_jsonl(dolly_jsonl, limit=20)
+    root = write_foundry_finetune(tmp_path / 'foundry', {'train': records})
+    tokens = write_foundry_pretrain(tmp_path / 'tokens', [np.arange(L, dtype=np.int32)] * 3)
+    for argv, what in [
+        (['adopt', str(root)], f'{root / "train"}: holds LLM-Foundry finetune text (prompt, response: str), '
+                               f'which adopt tokenizes'),
+        (['convert', 'finetune', str(root), '--from-mds'],
+         f'{root / "train"}: holds LLM-Foundry finetune text (prompt, response: str), which adopt tokenizes'),
+        (['adopt', str(tokens)], f'{tokens}: holds LLM-Foundry pretrain tokens (tokens: ndarray:int32), whose '
+                                 f'documents adopt finds by the EOS/BOS ids of the tokenizer')]:
+        assert main([*argv, '--out', str(tmp_path / 'out')]) == 2
+        command = 'convert' if argv[0] == 'convert' else 'adopt'
+        assert capsys.readouterr().err == (
+            f'foundrymix {command}: error: {what}; the shards do not record their tokenizer: pass --tokenizer '
+            f'NAME_OR_DIR, the one they were made with (a bundled name, a local tokenizer directory or a cached '
+            f'Hub name)\n')
+    assert not (tmp_path / 'out').exists()
+    # plain `convert` keeps its default tokenizer (the bundled one), as documented
+    assert main(['convert', 'finetune', str(write_jsonl(tmp_path / 'ft.jsonl', records)), '--out',
+                 str(tmp_path / 'plain'), '--no-progress']) == 0
+    assert Manifest.read(str(tmp_path / 'plain')).tokenizer.name == DEMO_TOKENIZER
+
+
+@pytest.mark.parametrize('kind', ['tokens', 'turns'])
+def test_adopted_token_ids_are_said_to_be_kept_as_they_are(kind, tmp_path, dolly_jsonl, arxiv_jsonl, capsys):
+    """Adopted token ids get no BOS/EOS inserted: the summary says so (not 'EOS inserted: yes' for
+    turns, nor '(--no-eos)' when it was not given), and the EOS ids in the rows are exactly the
+    source's (counted here in the source shards and the written rows)."""
+    eos = load_tokenizer(DEMO_TOKENIZER).eos_token_id
+    if kind == 'tokens':
+        texts, _ = _arxiv(tmp_path, arxiv_jsonl)
+        rows = concat_tokens(texts[:2], DEMO_TOKENIZER, L, eos_text=_eos_text(DEMO_TOKENIZER))
+        src = write_foundry_pretrain(tmp_path / 'src', rows)
+        source_eos = int((np.concatenate(rows) == eos).sum())
+        how = 'documents end after each EOS (id 0; the first after the start is in shard 0)'
+    else:
+        records = read_jsonl(dolly_jsonl, limit=40)
+        src = write_foundry_turns(tmp_path / 'src', records, DEMO_TOKENIZER)
+        tok = load_tokenizer(DEMO_TOKENIZER)
+        source_eos = sum((tok(r['prompt'])['input_ids'] + tok(r['response'], add_special_tokens=False)['input_ids']
+                          + [eos]).count(eos) for r in records)
+        how = "each example's turns as LLM-Foundry's tokenizer call made them"
+    assert main(['adopt', str(src), '--out', str(tmp_path / 'out'), '--tokenizer', DEMO_TOKENIZER,
+                 '--max-seq-len', '2048' if kind == 'turns' else str(L)]) == 0  # no example dropped
+    err = ' '.join(capsys.readouterr().err.split())  # the summary, as rich wrapped it
+    assert f"separators: none inserted: the source's token ids are kept as they are ({how})." in err
+    assert 'inserted before' not in err and 'inserted after' not in err and '--no-eos' not in err
+    written = read_rows(tmp_path / 'out')
+    assert Manifest.read(str(tmp_path / 'out')).dropped == {}
+    assert sum(int((np.asarray(r['input_ids'])[:sum(r['doc_lens'])] == eos).sum()) for r in written) == source_eos
+
+
+def test_token_shards_without_a_separator_of_the_tokenizer_are_warned(tmp_path, capsys):
+    """No EOS/BOS id of --tokenizer in the shards: one document per stream, and a warning that
+    says what that may mean (another tokenizer, a several-id --eos_text) instead of silence."""
+    rows = [(np.arange(L, dtype=np.int32) * 7 + i) % 8000 + 5 for i in range(6)]  # ids 5..8004: no EOS (0)
+    src = write_foundry_pretrain(tmp_path / 'foundry', rows)
+    assert main(['adopt', str(src), '--out', str(tmp_path / 'out'), '--tokenizer', DEMO_TOKENIZER]) == 0
+    err = ' '.join(capsys.readouterr().err.split())
+    assert (f"warning: neither EOS (id 0) nor BOS between tokens of tokenizer '{DEMO_TOKENIZER}' in the shards, "
+            f"so every row is one document. If the documents had separators, they were not its single EOS/BOS "
+            f"ids: the shards were made with another tokenizer (pass it with --tokenizer) or with an "
+            f"--eos_text/--bos_text of several ids (adopt finds single ids only).") in err
+    m = Manifest.read(str(tmp_path / 'out'))
+    assert m.options['source']['inferred'].startswith('neither EOS') and m.counts.rows == 6
+
+
+def _damaged(tmp_path, damage: str):
+    """Foundry token shards (40 windows, ~7 a shard), damaged as a bad copy or a hand-edited index
+    leaves them: (source, the one line adopt must give)."""
+    import json
+    src = write_foundry_pretrain(tmp_path / 'foundry', [np.arange(L, dtype=np.int32) + 5 for _ in range(40)],
+                                 compression=None, size_limit=4096)
+    index = json.loads((src / 'index.json').read_text())
+    shard = index['shards'][1]
+    path = src / shard['raw_data']['basename']
+    size = path.stat().st_size
+    assert len(index['shards']) > 2 and size == shard['raw_data']['bytes']
+    if damage == 'truncated':
+        path.write_bytes(path.read_bytes()[:size // 2])
+        return src, (f'{src}: 1 shard file(s) do not match index.json: {path}: {size // 2:,} bytes, index.json '
+                     f'records {size:,} (truncated). adopt reads what index.json records: copy the dataset '
+                     f'again from where it was written (an incomplete copy?)')
+    if damage == 'samples':
+        header = int(np.frombuffer(path.read_bytes()[:4], np.uint32)[0])  # the rows the shard holds
+        shard['samples'] = header + 3
+        (src / 'index.json').write_text(json.dumps(index))
+        return src, (f'{path}: shard header says {header:,} rows, index.json records {header + 3:,}: index.json '
+                     f'does not describe this shard; copy the dataset again from where it was written, or '
+                     f'rewrite it')
+    for s in index['shards']:
+        s['column_encodings'] = ['ndarray:int64']  # the shards hold int32
+    (src / 'index.json').write_text(json.dumps(index))
+    return src, (f'{src / "shard.00000.mds"}: row 0 cannot be read as the columns index.json declares (tokens: '
+                 f'ndarray:int64): ValueError: cannot reshape array of size {L // 2} into shape ({L},); the '
+                 f'column_encodings do not match how the shards were written (e.g. ndarray:int64 for int32 '
+                 f'tokens): correct them in index.json, or write the dataset again')
+
+
+@pytest.mark.parametrize('damage', ['truncated', 'samples', 'encoding'])
+def test_damaged_mds_is_one_line_naming_the_shard(tmp_path, capsys, damage):
+    """A truncated shard (checked against index.json's sizes before anything is converted, as
+    plan/train/verify check a stream), an index overstating a shard's rows, a misdeclared column
+    encoding: one line naming the shard and what to do, exit 2, nothing written (were numpy or
+    streaming ValueError tracebacks)."""
+    src, line = _damaged(tmp_path, damage)
+    assert main(['adopt', str(src), '-o', str(tmp_path / 'out'), '--tokenizer', DEMO_TOKENIZER,
+                 '--no-progress']) == 2
+    assert capsys.readouterr().err.splitlines() == [f'foundrymix adopt: error: {line}']
     assert not (tmp_path / 'out').exists()

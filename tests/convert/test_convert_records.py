@@ -104,6 +104,56 @@ def test_unknown_chat_roles(capsys, tmp_path):
     assert m.skipped_at == {'unknown_role': [f'{src}:2', f'{src}:4', f'{src}:5']}
 
 
+ASSISTANT_FIRST = {'messages': [{'role': 'assistant', 'content': 'How can I help?'},
+                                 {'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!'}]}
+
+
+@pytest.mark.parametrize('tokenizer', ['bundled', 'spm'])
+def test_a_chat_that_starts_with_the_assistant_is_a_bad_record(capsys, tmp_path, spm_tokenizer, tokenizer):
+    """Through forked workers (chats' default): one line naming file and line, exit 2, no
+    output; with ``--on-error skip`` counted and located like any bad record, the other chats
+    written (the chat template's tokenizer and the plain template alike)."""
+    src = write_jsonl(tmp_path / 'chat.jsonl', [CHAT_OK, CHAT_OK, ASSISTANT_FIRST, CHAT_OK])
+    tok = [] if tokenizer == 'bundled' else ['--tokenizer', spm_tokenizer]
+    argv = ['convert', 'finetune', str(src), '--no-progress', '--workers', '2', '--max-seq-len', '64', *tok]
+    rc = main([*argv, '-o', str(tmp_path / 'out')])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.splitlines() == [
+        f"foundrymix convert: error: {src}:3: field 'messages[0]': the chat starts with an assistant "
+        f"message; a chat starts with a system or user message (the prompt its first reply answers)"]
+    assert not (tmp_path / 'out').exists()
+    assert main([*argv, '-o', str(tmp_path / 'skip'), '--on-error', 'skip']) == 0
+    m = Manifest.read(str(tmp_path / "skip"))
+    assert m.skipped == {'assistant_first': 1} and m.skipped_at == {'assistant_first': [f'{src}:3']}
+    assert (m.counts.documents_read, m.counts.documents_written) == (4, 3)
+
+
+def test_a_chat_the_template_refuses_is_a_bad_record(capsys, tmp_path):
+    """A template's own ``raise_exception`` (Llama-2 style: roles must alternate) is the record's
+    one line with the template's words, or ``template_error`` skipped with ``--on-error skip``
+    (was: jinja2's TemplateError traceback)."""
+    from foundrymix.tokenizer import load_tokenizer
+    tok_dir = tmp_path / 'alternating'
+    load_tokenizer('foundrymix-bpe-8k').save_pretrained(tok_dir)
+    guard = ("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+             "{{ raise_exception('Conversation roles must alternate') }}{% endif %}{% endfor %}")
+    template = tok_dir / 'chat_template.jinja'
+    template.write_text(guard + template.read_text())
+    twice = {'messages': [{'role': 'user', 'content': 'Hi'}, {'role': 'user', 'content': 'Hi?'},
+                          {'role': 'assistant', 'content': 'Hello!'}]}
+    src = write_jsonl(tmp_path / 'chat.jsonl', [CHAT_OK, twice, CHAT_OK])
+    argv = ['convert', 'finetune', str(src), '--no-progress', '--workers', '1', '--max-seq-len', '64',
+            '--tokenizer', str(tok_dir)]
+    assert main([*argv, '-o', str(tmp_path / 'out')]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"foundrymix convert: error: {src}:2: field 'messages': the tokenizer's chat template refused this "
+        f"chat: Conversation roles must alternate"]
+    assert main([*argv, '-o', str(tmp_path / 'skip'), '--on-error', 'skip']) == 0
+    m = Manifest.read(str(tmp_path / 'skip'))
+    assert m.skipped == {'template_error': 1} and m.skipped_at == {'template_error': [f'{src}:2']}
+    assert m.counts.documents_written == 2
+
+
 def test_plain_template_allows_tool_role(spm_tokenizer, tmp_path):
     """SentencePiece has no chat template: the plain one renders any role, tool included."""
     src = write_jsonl(tmp_path / 'chat.jsonl', [CHAT_OK, _chat('tool'), _chat('Assistant')])

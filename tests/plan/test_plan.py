@@ -278,3 +278,49 @@ def _containers(obj, seen=None) -> set:
         for x in obj.values():
             _containers(x, seen)
     return seen
+
+
+def _data_only(tmp_path, root, seq_len: bool = False) -> str:
+    """The run YAML without its model section (and without max_seq_len unless ``seq_len``)."""
+    lines = YAML.format(root=root, duration='3ep').splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('model:'))
+    del lines[start:start + 2]  # model: {...} spans two lines
+    if not seq_len:
+        lines.remove('max_seq_len: 32')
+    path = tmp_path / 'data-only.yaml'
+    path.write_text('\n'.join(lines) + '\n')
+    assert 'model' not in path.read_text()
+    return str(path)
+
+
+def test_plan_reads_a_data_only_yaml(root, tmp_path, capsys):
+    """A data engineer's YAML (streams, batch, duration; no model, no max_seq_len) plans exactly
+    what the training YAML with a model plans, text and JSON, with one line saying a model is
+    left out; a wrong max_seq_len is still refused; train refuses it as before."""
+    assert main(['plan', write_yaml(tmp_path, root)]) == 0
+    full = capsys.readouterr().out
+    path = _data_only(tmp_path, root)
+    assert main(['plan', path]) == 0
+    assert capsys.readouterr().out == ('no model section: the data is planned; `foundrymix train` needs a '
+                                       'model (and max_seq_len)\n' + full)
+    assert main(['plan', '--json', write_yaml(tmp_path, root)]) == 0
+    full_json = json.loads(capsys.readouterr().out)
+    assert main(['plan', '--json', path]) == 0
+    assert json.loads(capsys.readouterr().out) == full_json
+    assert main(['plan', path, 'max_seq_len=16']) == 2
+    assert 'max_seq_len=16, but the train streams hold rows of 32 tokens' in capsys.readouterr().err
+    assert main(['plan', path, 'train_loader.streams.wiki.repaet=3']) == 2  # still read strictly
+    assert "unknown key 'repaet'" in capsys.readouterr().err
+
+
+def test_train_still_needs_the_model_section(root, tmp_path):
+    """``python train.py`` on the data-only YAML: refused in one line, as before plan read it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = _data_only(tmp_path, root, seq_len=True)
+    train_py = Path(__file__).resolve().parents[2] / 'train.py'
+    done = subprocess.run([sys.executable, str(train_py), path], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ''
+    assert done.stderr.strip().splitlines() == [
+        f"foundrymix train: error: {path}: config: missing required key 'model'"]

@@ -105,13 +105,25 @@ callbacks:
 
 FSDP_LINE = ('changed: fsdp_config -> fsdp (FSDP runs on GPUs here: a CPU run is refused until fsdp is left out; '
              'LLM-Foundry dropped it with a warning on one rank)')
+RUN_NAME_LINE = ("changed: run_name: {was} -> ${{oc.env:RUN_NAME,{name}}} (LLM-Foundry: $RUN_NAME, else a "
+                 "generated name; here $RUN_NAME, else {name}: the run's report and {{run_name}} in save_folder follow "
+                 "it, so give each run its own)")
+ATTN_LINE = ("changed: model.attn_config.attn_impl: {impl} -> eager: transformers' MPT computes eager attention "
+             "(the same values, slower and more memory than {impl}); for sdpa or flash_attention_2 use a model type "
+             "that has them (llama, gpt2, ...)")
 REPORT = [
+    'kept: max_seq_len, scheduler, optimizer, algorithms, max_duration, eval_interval, eval_first, '
+    'eval_subset_num_batches, global_train_batch_size, seed, device_eval_batch_size, device_train_microbatch_size, '
+    'precision, progress_bar, callbacks (the same keys and meaning here)',
+    'kept: model.d_model, model.n_heads, model.n_layers, model.expansion_ratio, model.max_seq_len, model.vocab_size, '
+    'train_loader.drop_last, train_loader.num_workers, eval_loader.drop_last, eval_loader.num_workers (the same keys '
+    'and meaning here)',
     'changed: data_local: moved under variables (${data_local} -> ${variables.data_local})',
     'changed: data_remote: moved under variables (${data_remote} -> ${variables.data_remote})',
     'changed: global_seed: moved under variables (${global_seed} -> ${variables.global_seed})',
     FSDP_LINE,
     'changed: console_log_interval -> log_interval',
-    'changed: run_name: empty -> left out (the default applies)',
+    RUN_NAME_LINE.format(was='empty', name='mpt-125m'),
     'changed: tokenizer: {name: EleutherAI/gpt-neox-20b, ...} -> tokenizer: EleutherAI/gpt-neox-20b',
     'changed: train_loader.dataset.{local, remote, split} -> train_loader.streams.train',
     'changed: train_loader.dataset.shuffle -> train_loader.shuffle',
@@ -121,6 +133,7 @@ REPORT = [
     'changed: eval_loader.dataset.shuffle_seed -> eval_loader.shuffle_seed',
     'changed: model.name: mpt_causal_lm -> model.type: mpt',
     "changed: model.attention: causal (transformers' MPT ignores position_ids, so document attention is refused)",
+    ATTN_LINE.format(impl='flash'),
     "removed: log_to_console: LLM-Foundry's log_to_console: the console logger is on unless loggers leaves it "
     "out (loggers: {console: {}})",
     'removed: tokenizer.kwargs (model_max_length): no equivalent (max_seq_len and the streams decide)',
@@ -129,6 +142,8 @@ REPORT = [
     "removed: eval_loader.name: text (each stream's converted format decides)",
     'removed: eval_loader.dataset.max_seq_len: the top-level max_seq_len says it',
     'removed: model.init_device: meta: no equivalent (fsdp builds the model)',
+    'complete: every key is kept, changed or removed as listed',
+    'for a CPU trial add: fsdp=null precision=fp32',
 ]
 
 
@@ -164,12 +179,20 @@ def test_migrate_lists_what_it_cannot_rewrite(tmp_path, capsys):
                    'icl_tasks: []\ncallbacks: {hf_checkpointer: {}}\n')
     assert main(['migrate', str(src)]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[:4] == [
+    lines = out.splitlines()
+    assert lines[:10] == [
+        '# kept: max_seq_len, optimizer (the same keys and meaning here)',
+        '# ' + RUN_NAME_LINE.format(was='absent', name='f'),
         '# changed: eval_interval: 1 -> 1ep (an int is epochs in Composer, which LLM-Foundry hands it to)',
         "# removed: icl_tasks: LLM-Foundry's in-context-learning evaluation (icl_tasks) is not supported",
         '# removed: callbacks.hf_checkpointer: no equivalent (here: stream_accounting, sample_log, stop_at, '
         'speed_monitor, lr_monitor, memory_monitor, runtime_estimator)',
-        '# to do: save_interval: 0.5 has no unit: give one (e.g. 0.5ep; Composer reads an int as epochs)']
+        '# to do: save_interval: 0.5 has no unit: give one (e.g. 0.5ep; Composer reads an int as epochs)',
+        # what the config reader would refuse in the migrated YAML is to do now, not a surprise later
+        "# to do: config: missing required key 'model' (the migrated YAML is refused so)",
+        "# to do: config: missing required key 'train_loader' (the migrated YAML is refused so)",
+        "# to do: config: missing required key 'global_train_batch_size' (the migrated YAML is refused so)",
+        '# to do: 4 line(s) above before it runs']
     assert 'name: decoupled_lionw' in out  # kept: foundrymix has it (tests/train/test_optim.py)
 
 
@@ -182,9 +205,8 @@ def _report(name: str, tmp_path, capsys) -> tuple[list[str], Path]:
 #: the lines every one of the shipped YAMLs gets (they share these sections)
 COMMON = ['changed: console_log_interval -> log_interval',
           "removed: log_to_console: LLM-Foundry's log_to_console: the console logger is on unless loggers leaves it "
-          "out (loggers: {console: {}})",
-          'removed: tokenizer.kwargs (model_max_length): no equivalent (max_seq_len and the streams decide)']
-RUN_NAME = 'changed: run_name: ${variables.run_name} is empty -> left out (the default applies)'
+          "out (loggers: {console: {}})"]
+KWARGS = 'removed: tokenizer.kwargs (model_max_length): no equivalent (max_seq_len and the streams decide)'
 MPT_LINES = ['changed: model.name: mpt_causal_lm -> model.type: mpt',
              "changed: model.attention: causal (transformers' MPT ignores position_ids, so document attention is "
              "refused)"]
@@ -192,47 +214,133 @@ HF_TODO = ("to do: {loader}.dataset (hf_name: json, hf_kwargs: {{'data_dir': '/p
            "my.import.path:my_preprocessing_fn): a Hugging Face dataset read at training time; here data is converted "
            "once: foundrymix convert finetune /path/to/data/dir/ --preprocess my.import.path:my_preprocessing_fn "
            "--out DIR (the {split} split's files), then set {loader}.streams.{stream}.local: DIR")
+HUB_TODO = ('to do: model.pretrained_model_name_or_path: {name}: give a local Hugging Face model directory (models '
+            'are never downloaded; e.g. save_pretrained() it once)')
+AUTH = ("removed: model.use_auth_token: true: LLM-Foundry's Hugging Face Hub token has no equivalent: models are never "
+        "downloaded here, a local model directory needs no token")
+CPU = 'for a CPU trial add: fsdp=null precision=fp32'
+COMPLETE = 'complete: every key is kept, changed or removed as listed'
 #: per shipped YAML: (lines it must print, besides COMMON; how many lines in all)
 SHIPPED = {
-    'mpt-125m': ([FSDP_LINE, RUN_NAME, *MPT_LINES,
+    'mpt-125m': ([FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='${variables.run_name} (empty)', name='mpt-125m'),
+                  *MPT_LINES, ATTN_LINE.format(impl='flash'),
                   'changed: train_loader.dataset.{local, remote, split} -> train_loader.streams.train',
                   'changed: eval_loader.dataset.{local, remote, split} -> eval_loader.streams.eval',
-                  'removed: model.init_device: meta: no equivalent (fsdp builds the model)'], 19),
-    'mpt-small-cpu': ([FSDP_LINE, *MPT_LINES,
+                  'removed: model.init_device: meta: no equivalent (fsdp builds the model)', COMPLETE, CPU], 24),
+    'mpt-small-cpu': ([FSDP_LINE, KWARGS, *MPT_LINES,
                        "removed: model.loss_fn: torch_crossentropy: no equivalent (the loss is transformers' "
-                       "cross-entropy on the labels)"], 19),
+                       "cross-entropy on the labels)", COMPLETE, 'for a CPU trial add: fsdp=null'], 23),
     'gpt2-arc-easy-cpu-streaming-dataset': ([
-        RUN_NAME, 'changed: train_loader.dataset.streams -> train_loader.streams',
+        KWARGS, RUN_NAME_LINE.format(was='${variables.run_name} (empty)', name='gpt2-arc-easy-cpu-streaming-dataset'),
+        'changed: train_loader.dataset.streams -> train_loader.streams',
         'changed: eval_interval: 1 -> 1ep (an int is epochs in Composer, which LLM-Foundry hands it to)',
         'removed: model.name: hf_causal_lm (pretrained_model_name_or_path says the model)',
-        'removed: train_loader.dataset.decoder_only_format: no equivalent',
-        'to do: model.pretrained_model_name_or_path: gpt2: give a local Hugging Face model directory (models are '
-        'never downloaded; e.g. save_pretrained() it once)'], 13),
+        'removed: train_loader.dataset.decoder_only_format: true: no equivalent (finetune streams are decoder-only: '
+        'prompt then response, loss on the response)',
+        HUB_TODO.format(name='gpt2'), 'to do: 1 line(s) above before it runs'], 16),
     '1b_local_data_sft': ([
-        FSDP_LINE, 'changed: run_name: empty -> left out (the default applies)', *MPT_LINES,
+        FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='1b_local_data_sft'), *MPT_LINES,
+        ATTN_LINE.format(impl='flash'),
         'removed: dataset: a block the YAML merges into train_loader.dataset and eval_loader.dataset '
         '(<<: *anchor), migrated there',
-        'removed: train_loader.dataset.allow_pad_trimming: no equivalent',
+        'removed: train_loader.dataset.allow_pad_trimming: false: no equivalent (finetune rows are packed full by '
+        '`foundrymix convert finetune`; no padding to trim)',
         HF_TODO.format(loader='train_loader', split='train', stream='train'),
-        HF_TODO.format(loader='eval_loader', split='validation', stream='eval')], 20),
+        HF_TODO.format(loader='eval_loader', split='validation', stream='eval'),
+        'to do: 2 line(s) above before it runs', CPU], 23),
+    'gpt2-small': ([
+        FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='gpt2-small'),
+        'changed: tokenizer_name: moved under variables (${tokenizer_name} -> ${variables.tokenizer_name})',
+        HUB_TODO.format(name='gpt2'),
+        "to do: model.config_overrides.n_positions: checked against the model's transformers config once "
+        "model.pretrained_model_name_or_path is a local directory", 'to do: 2 line(s) above before it runs', CPU], 27),
+    '7b_dolly_sft': ([
+        FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='7b_dolly_sft'), *MPT_LINES,
+        ATTN_LINE.format(impl='flash'),
+        "to do: train_loader.dataset (hf_name: HuggingFaceH4/databricks_dolly_15k): a Hugging Face dataset read at "
+        "training time; here data is converted once: foundrymix convert finetune the "
+        "HuggingFaceH4/databricks_dolly_15k files --out DIR (the train split's files), then set "
+        "train_loader.streams.train.local: DIR", 'to do: 1 line(s) above before it runs', CPU], 22),
+    'llama-3-8b_domain_adapt': ([
+        FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='llama-3-8b_domain_adapt'), AUTH,
+        'removed: load_weights_only: true: no load_path, so no weights to load (LLM-Foundry ignored it)',
+        HUB_TODO.format(name='meta-llama/Meta-Llama-3-8B'),
+        "to do: model.config_overrides.max_seq_len, model.config_overrides.attn_config: checked against the model's "
+        "transformers config once model.pretrained_model_name_or_path is a local directory",
+        'to do: 2 line(s) above before it runs', CPU], 25),
+    'dbrx-lora-ft': ([
+        FSDP_LINE, AUTH, RUN_NAME_LINE.format(was='empty', name='dbrx-lora-ft'),
+        'removed: tokenizer.kwargs (model_max_length, trust_remote_code): no equivalent (max_seq_len and the streams '
+        'decide)',
+        'changed: model.use_flash_attention_2: true -> model.attn_implementation: flash_attention_2 (GPU only, with '
+        'flash-attn installed)',
+        'removed: model.init_device: mixed: no equivalent (fsdp builds the model)',
+        'removed: train_loader.dataset.eos_token_id: 0: no equivalent (the tokenizer\'s EOS, recorded in each '
+        'stream\'s manifest, ends the documents)',
+        "to do: model.peft_config (r: 64, peft_type: LORA, task_type: CAUSAL_LM, lora_alpha: 128, lora_dropout: 0.05, "
+        "target_modules: ['Wqkv']): removed; LoRA/PEFT is not supported here, so the migrated YAML trains every "
+        "weight (full finetuning, far more memory): accept that, or keep this run on LLM-Foundry",
+        HUB_TODO.format(name='databricks/dbrx-instruct'), 'to do: 4 line(s) above before it runs',
+        'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa'], 34),
 }
 
 
 @pytest.mark.parametrize('name', list(SHIPPED))
 def test_migrate_reports_the_shipped_foundry_yamls(name, tmp_path, capsys):
-    """Each of LLM-Foundry's shipped YAMLs: the important lines exactly, every line a change, a
-    removal with its reason or a to do, and the migrated YAML reads (data paths aside)."""
+    """Each of LLM-Foundry's shipped YAMLs: the important lines exactly, every line a kept, changed,
+    removed (with its reason) or to do, the to-do count and the CPU trial's overrides last; the
+    migrated YAML reads when migrate calls it complete."""
     before = (FOUNDRY_DIR / f'{name}.yaml').read_bytes()
     lines, out = _report(name, tmp_path, capsys)
     expected, count = SHIPPED[name]
     for line in COMMON + expected:
         assert line in lines, line
     assert len(lines) == count + 1 and lines[-1] == f'wrote {out}; check it with: foundrymix plan {out}'
-    assert all(line.split(': ')[0] in ('changed', 'removed', 'to do') for line in lines[:-1])
-    assert all(': ' in line.split(': ', 1)[1] or ' -> ' in line for line in lines[:-1])  # says what/why
-    if name.startswith('mpt'):
+    cpu = [line for line in lines if line.startswith('for a CPU trial add: ')]
+    body = lines[:len(lines) - 2 - len(cpu)]  # then the status line, the CPU overrides, 'wrote'
+    assert all(line.split(': ')[0] in ('kept', 'changed', 'removed', 'to do') for line in body)
+    assert all(': ' in line.split(': ', 1)[1] or ' -> ' in line or line.startswith('kept: ') for line in body)
+    todo = [line for line in body if line.startswith('to do: ')]
+    status = lines[len(body)]
+    if status == COMPLETE:
+        assert not todo
         load_config(str(out))  # reads as it is
+    else:
+        assert todo and status == f'to do: {len(todo)} line(s) above before it runs'
     assert (FOUNDRY_DIR / f'{name}.yaml').read_bytes() == before  # only read
+
+
+def _paths(node, prefix=''):
+    """The key path of every value of a YAML mapping (nested mappings walked, an empty one is a
+    value; lists are values)."""
+    for key, value in node.items():
+        path = f'{prefix}{key}'
+        if isinstance(value, dict) and value:
+            yield from _paths(value, path + '.')
+        else:
+            yield path
+
+
+@pytest.mark.parametrize('name', list(SHIPPED))
+def test_migrate_accounts_for_every_key(name, tmp_path, capsys):
+    """Every key path of the input YAML (read here with yaml, not by migrate) is named in the
+    report -- itself or a section that holds it -- as kept, changed, removed or to do."""
+    import re
+
+    import yaml
+    data = yaml.safe_load((FOUNDRY_DIR / f'{name}.yaml').read_text())
+    lines, _ = _report(name, tmp_path, capsys)
+    named = set()
+    for line in lines[:-1]:
+        kind, _, text = line.partition(': ')
+        if kind == 'kept':
+            named.update(text.split(' (')[0].split(', '))
+        for path, group in re.findall(r'([\w.]+?)\.?\{([\w, ]+)\}', text):  # dataset.{local, split}
+            named.update(f'{path}.{k}' for k in group.split(', '))
+        named.update(re.findall(r'[\w.]+', text))
+    missing = [p for p in _paths(data) if not any('.'.join(p.split('.')[:i]) in named
+                                                   for i in range(1, p.count('.') + 2))]
+    assert missing == []
 
 
 def test_migrated_mpt_small_cpu_reads(tmp_path, capsys):
@@ -284,7 +392,8 @@ def test_each_migrated_foundry_yaml_trains(name, small_streams, tmp_path, capsys
 
     out = tmp_path / 'new.yaml'
     assert main(['migrate', str(FOUNDRY_DIR / f'{name}.yaml'), '--out', str(out)]) == 0
-    todo = [line for line in capsys.readouterr().out.splitlines() if line.startswith('to do:')]
+    todo = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith('to do:') and not line.endswith(' line(s) above before it runs')]
     data = tmp_path / 'data'
     finetune = name.startswith(('gpt2', '1b'))  # Foundry's finetune/ YAMLs
     stream = small_streams['dolly' if finetune else 'arxiv']
@@ -300,7 +409,8 @@ def test_each_migrated_foundry_yaml_trains(name, small_streams, tmp_path, capsys
         assert todo == ['to do: model.pretrained_model_name_or_path: gpt2: give a local Hugging Face model '
                         'directory (models are never downloaded; e.g. save_pretrained() it once)']
     else:  # an HF json dataset with a preprocessing function: converted first, here already
-        overrides += MPT + [f'train_loader.streams.train.local={data}', f'eval_loader.streams.eval.local={data}',
+        overrides += MPT + [f'train_loader.streams.train.local={data / "train"}',
+                            f'eval_loader.streams.eval.local={data / "validation"}',
                             'load_path=null', 'load_weights_only=false']  # its oci:// checkpoint is a placeholder
         assert [t.split(':')[0] for t in todo] == ['to do', 'to do']
         assert 'foundrymix convert finetune /path/to/data/dir/ --preprocess my.import.path:my_preprocessing_fn' \
@@ -311,3 +421,130 @@ def test_each_migrated_foundry_yaml_trains(name, small_streams, tmp_path, capsys
     state = run.trainer.state
     assert (int(state.timestamp.batch), int(state.timestamp.sample)) == (2, 8)
     assert torch.isfinite(state.loss).all()
+    # LLM-Foundry's flash attention on MPT is eager here: said once at start, not in silence
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith('model.attn_config')]
+    assert said == ([ATTN_LINE.format(impl='flash').replace('changed: ', '').replace(' -> eager', '')]
+                    if name in ('mpt-125m', '1b_local_data_sft') else [])
+
+
+@pytest.mark.slow
+def test_migrated_gpu_yaml_trains_on_cpu_with_the_offered_overrides(small_streams, tmp_path, capsys, monkeypatch):
+    """LLM-Foundry's llama-3-8b_domain_adapt.yaml (FSDP, amp_bf16, save_folder ./{run_name}/checkpoints,
+    run_name empty): migrated, its to-dos done and the CPU overrides migrate offers added (the one
+    line, as printed), it trains 2 batches on CPU; the run is named after the YAML, and its
+    checkpoints and report land in ./<run_name>/, the printed checkpoint path exists, and no
+    literal {run_name} directory is made."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv('RUN_NAME', raising=False)
+    name = 'llama-3-8b_domain_adapt'
+    lines, out = _report(name, tmp_path, capsys)
+    cpu = [line for line in lines if line.startswith('for a CPU trial add: ')]
+    assert cpu == ['for a CPU trial add: fsdp=null precision=fp32']
+    data = _data(small_streams, tmp_path, name)
+    scale = ['train_loader.num_workers=0', 'eval_loader.num_workers=0', 'max_duration=2ba',
+             'eval_subset_num_batches=1', 'device_eval_batch_size=2']
+    overrides = (FIT + [f'variables.data_local={data}'] + _todo_done(name, data, tmp_path)
+                 + cpu[0].split(': ', 1)[1].split() + scale)
+    assert main(['train', str(out), *overrides]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert 'checkpoints: ./llama-3-8b_domain_adapt/checkpoints' in printed
+    run_dir = tmp_path / name
+    assert [p.name for p in (run_dir / 'checkpoints').iterdir() if p.suffix == '.pt']
+    assert (run_dir / 'report' / 'stream_accounting.json').is_file()
+    assert not [p for p in tmp_path.rglob('*') if '{run_name}' in str(p)]
+
+
+def _tiny_llama(path: Path) -> Path:
+    """A 1-layer Llama saved by transformers itself, the bundled tokenizer beside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from foundrymix.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=8192, max_position_embeddings=SMALL_SEQ)
+                     ).save_pretrained(path)
+    load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
+    return path
+
+
+#: what fits each migrated YAML to this machine's data, never a fix of the migration: where the
+#: data is (every split the YAMLs name), the tokenizer and row length the streams were made with
+FIT = [f'tokenizer={DEMO_TOKENIZER}', f'max_seq_len={SMALL_SEQ}', 'global_train_batch_size=4',
+       'device_train_microbatch_size=2']
+FINETUNE = ('gpt2-arc-easy-cpu-streaming-dataset', '1b_local_data_sft', '7b_dolly_sft', 'dbrx-lora-ft')
+
+
+def _data(small_streams, tmp_path: Path, name: str) -> Path:
+    data = tmp_path / 'data'
+    stream = small_streams['dolly' if name in FINETUNE else 'arxiv']
+    for split in ('train', 'val', 'validation', 'test', 'train_small', 'val_small'):
+        shutil.copytree(stream, data / split)
+    return data
+
+
+def _todo_done(name: str, data: Path, tmp_path: Path) -> list[str]:
+    """The overrides that do what each YAML's to-do lines ask (none for a complete one)."""
+    gpt2 = lambda: [f'model.pretrained_model_name_or_path={_tiny_gpt2(tmp_path / "gpt2")}']  # noqa: E731
+    llama = lambda: [f'model.pretrained_model_name_or_path={_tiny_llama(tmp_path / "llama")}']  # noqa: E731
+    streams = [f'train_loader.streams.train.local={data / "train"}']
+    return {
+        'mpt-125m': [], 'mpt-small-cpu': [],
+        'gpt2-arc-easy-cpu-streaming-dataset': gpt2(),
+        'gpt2-small': gpt2(),  # its config_overrides.n_positions is a gpt2 key: nothing to delete
+        '1b_local_data_sft': streams + [f'eval_loader.streams.eval.local={data / "validation"}'],
+        '7b_dolly_sft': streams,
+        'llama-3-8b_domain_adapt': llama() + ['model.config_overrides={}'],  # MPT keys on a llama: deleted
+        'dbrx-lora-ft': streams + [f'eval_loader.streams.eval.local={data / "test"}'] + llama(),
+    }[name]
+
+
+@pytest.mark.parametrize('name', list(SHIPPED))
+def test_migrated_yaml_plans_once_its_to_dos_are_done(name, small_streams, tmp_path, capsys):
+    """A YAML migrate calls complete plans with only the data-fit overrides; one with to-do lines
+    plans once exactly what they ask is given, and not before (each to-do is real)."""
+    lines, out = _report(name, tmp_path, capsys)
+    data = _data(small_streams, tmp_path, name)
+    fit = FIT + [f'variables.data_local={data}'] * ('data_local' in (FOUNDRY_DIR / f'{name}.yaml').read_text())
+    done = _todo_done(name, data, tmp_path)
+    assert (COMPLETE in lines) == (done == [])
+    if done:
+        assert main(['plan', str(out), *fit]) == 2
+        capsys.readouterr()
+    assert main(['plan', str(out), *fit, *done]) == 0, capsys.readouterr().err
+    assert 'max_duration' in capsys.readouterr().out
+
+
+def test_foundry_model_keys_are_named_not_guessed(tmp_path, capsys):
+    """LLM-Foundry MPT's ffn_config and the Hub keys: migrate says what each is, and the config
+    reader's refusal (should one reach it) says the same instead of the nearest transformers key."""
+    src = tmp_path / 'mpt-glu.yaml'
+    src.write_text('max_seq_len: 128\nglobal_train_batch_size: 4\nmax_duration: 2ba\n'
+                   'precision: amp_bf16\ndevice_train_microbatch_size: auto\n'
+                   'train_loader: {streams: {a: {local: /nowhere}}}\n'
+                   'model: {name: mpt_causal_lm, d_model: 16, n_heads: 2, n_layers: 1, vocab_size: 8192,\n'
+                   '        ffn_config: {ffn_type: mptglu}, use_auth_token: true,\n'
+                   '        init_config: {name: kaiming_normal_},\n'
+                   '        attn_config: {attn_impl: triton}}\n')
+    assert main(['migrate', str(src)]) == 0
+    report = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith('# ')]
+    assert report[-2:] == ['to do: 1 line(s) above before it runs',  # then a GPU YAML's CPU trial
+                           'for a CPU trial add: precision=fp32 device_train_microbatch_size=null']
+    assert [line for line in report if line.startswith(('to do: model', 'removed: model', 'changed: model.attn'))] == [
+        ATTN_LINE.format(impl='triton'),
+        AUTH,
+        "removed: model.init_config: {'name': 'kaiming_normal_'}: LLM-Foundry MPT's init_config has no equivalent: "
+        "transformers initialises the weights (initializer_range)",
+        "to do: model.ffn_config: {'ffn_type': 'mptglu'}: LLM-Foundry MPT's ffn_config has no equivalent: "
+        "transformers' MPT has one MLP (d_model x expansion_ratio, GELU: LLM-Foundry's default ffn_type mptmlp); "
+        "removed: the model is built with that MLP instead (a different model): accept it, or keep this run on "
+        "LLM-Foundry"]
+    # as it is (MPT written as transformers' type), the reader names LLM-Foundry's keys for what they are
+    src.write_text(src.read_text().replace('name: mpt_causal_lm', 'type: mpt, attention: causal'))
+    with pytest.raises(ConfigErrors) as err:
+        load_config(str(src))
+    text = str(err.value)
+    assert 'did you mean' not in text
+    assert ("model.ffn_config: unknown key for a 'mpt' model (transformers mpt config); LLM-Foundry MPT's "
+            "ffn_config has no equivalent") in text
+    assert "model.use_auth_token: unknown key for a 'mpt' model (transformers mpt config); LLM-Foundry's " \
+           "Hugging Face Hub token has no equivalent" in text

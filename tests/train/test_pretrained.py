@@ -192,3 +192,75 @@ def test_without_a_tokenizer_the_vocab_size_must_match(small_streams, pretrained
         check_pretrained_tokenizer(spec, streams)
     assert str(err.value) == (f"model.pretrained: {bare} (no tokenizer) has vocab_size=32000, the streams' "
                               f"tokenizer {DEMO_TOKENIZER} has 8192 tokens: another vocabulary")
+
+
+def _yaml(tmp_path, small_streams, model: dict) -> str:
+    import yaml
+    cfg = tiny_run_config({'streams': {'arxiv': {'local': str(small_streams['arxiv'])}}, 'num_workers': 0},
+                          model=model, global_train_batch_size=4, max_duration='1ba',
+                          save_folder=str(tmp_path / 'ckpt'),
+                          callbacks={'stream_accounting': {'out_dir': str(tmp_path / 'report'), 'plot': False}})
+    path = tmp_path / 'run.yaml'
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_a_pretrained_directory_without_weights_is_refused_naming_the_key(small_streams, pretrained_dir,
+                                                                         tmp_path, capsys):
+    """``plan`` and ``train`` say ``model.pretrained`` holds no weights (was: transformers' OSError
+    traceback from train only); the line's way to start from the config alone builds."""
+    from foundrymix.cli import main
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.config import load_config
+
+    bare = tmp_path / 'config-only'
+    shutil.copytree(pretrained_dir, bare)
+    (bare / 'model.safetensors').unlink()
+    line = (f'model.pretrained: {bare} holds no weights (none of model.safetensors, model.safetensors.index.json, '
+            f'pytorch_model.bin, pytorch_model.bin.index.json): save the model there with save_pretrained, or, '
+            f'to start from its config with random weights, write model: {{pretrained_model_name_or_path: '
+            f'{bare}, pretrained: false}}')
+    path = _yaml(tmp_path, small_streams, {'pretrained': str(bare)})
+    for command in ('plan', 'train'):
+        assert main([command, path]) == 2
+        out, err = capsys.readouterr()
+        assert err.splitlines() == [f'foundrymix {command}: error: {line}'], err
+    assert not (tmp_path / 'ckpt').exists()
+    run = build_trainer(load_config(_yaml(tmp_path, small_streams, {'pretrained_model_name_or_path': str(bare),
+                                                                   'pretrained': False})))
+    run.claims.release()
+    assert run.trainer.state.model.model.config.hidden_size == LLAMA['hidden_size']
+
+
+@pytest.mark.parametrize('where', ['config.json', 'yaml'])
+def test_weights_of_another_size_are_refused_naming_tensor_and_key(small_streams, pretrained_dir, tmp_path,
+                                                                   capsys, where):
+    """Weights saved with hidden_size 32 under a config.json of 48, or a YAML's model.hidden_size=48:
+    one line naming the file, a tensor, both shapes and what to change (was: a RuntimeError about a
+    Linear's state_dict). Every tensor of a Llama has a hidden_size dimension: all 12 differ."""
+    import json
+
+    from foundrymix.cli import main
+
+    model_dir = tmp_path / 'model'
+    shutil.copytree(pretrained_dir, model_dir)
+    model: dict = {'pretrained': str(model_dir)}
+    if where == 'config.json':
+        config = json.loads((model_dir / 'config.json').read_text())
+        (model_dir / 'config.json').write_text(json.dumps({**config, 'hidden_size': 48, 'head_dim': 24}))
+        source, fix = (f'{model_dir / "config.json"}', 'the config.json beside the weights is not theirs: save '
+                       'model and config together (save_pretrained)')
+    else:
+        model.update(hidden_size=48, head_dim=24)
+        source = f'{model_dir / "config.json"} with model.head_dim=24, model.hidden_size=48'
+        fix = ('leave out the model keys that change sizes (model.head_dim, model.hidden_size): pretrained '
+               'weights keep the sizes they were saved with')
+    saved = sorted(checkpoint_tensors(model_dir))
+    assert len(saved) == 12
+    assert main(['train', _yaml(tmp_path, small_streams, model)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f'foundrymix train: error: model.pretrained: {model_dir / "model.safetensors"} holds {saved[0]} of shape '
+        f'[8192, 32], but the model of {source} needs [8192, 48] (also differ: {", ".join(saved[1:4])} ... and 8 '
+        f'more); {fix}'], err
+    assert not (tmp_path / 'ckpt').exists()

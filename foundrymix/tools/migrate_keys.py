@@ -1,0 +1,183 @@
+"""What ``foundrymix migrate`` does with the keys its renames do not cover: the model's
+LLM-Foundry-only keys, the loader dataset keys with no equivalent, the keys carried as they
+are, the read-back of the migrated YAML and the overrides of a CPU trial.
+
+Why: a migrated YAML that migrate called done still failed later, at a key nobody had
+looked at (``use_auth_token``; MPT's ``ffn_config`` refused with "did you mean
+'sep_token_id'?"). Every key of the input is now named once -- kept, changed, removed with
+its reason, or to do -- and the migrated YAML is read back by the same typed reader as
+``train``: whatever that reader would refuse is a to-do line, never a surprise later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Optional
+
+#: LLM-Foundry loader ``dataset`` keys with no equivalent: why, and what decides it here
+DATASET_KEYS = {
+    'decoder_only_format': 'finetune streams are decoder-only: prompt then response, loss on the response',
+    'allow_pad_trimming': 'finetune rows are packed full by `foundrymix convert finetune`; no padding to trim',
+    'packing_ratio': '`foundrymix convert finetune` packs examples first-fit into full rows once',
+    'eos_token_id': "the tokenizer's EOS, recorded in each stream's manifest, ends the documents",
+    'tokenizer_name': 'the top-level tokenizer says it',
+    'target_responses': '`foundrymix convert finetune --chat-loss last|all` decides it when converting',
+    'target_prompts': '`foundrymix convert finetune --loss-on-prompt` decides it when converting',
+}
+
+def show(value: Any) -> str:
+    """A value as the YAML writes it (true, null), not as Python prints it."""
+    return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
+
+
+_HEAD = re.compile(r'[\w.\[\]{}*-]+')
+
+
+def head(line: str) -> str:
+    """The key path a report line is about (``model.peft_config`` of ``model.peft_config (...): ...``)."""
+    m = _HEAD.match(line)
+    return m.group(0) if m else ''
+
+
+def model_type(model: dict[str, Any]) -> Optional[str]:
+    """The transformers model_type of a migrated model section, when it can be known here."""
+    known = model.get('type') or model.get('model_type')
+    if known:
+        return str(known)
+    path = model.get('pretrained_model_name_or_path') or model.get('pretrained')
+    config = os.path.join(str(path), 'config.json') if isinstance(path, str) else ''
+    if config and os.path.isfile(config):
+        with open(config, encoding='utf-8') as f:
+            return json.load(f).get('model_type')
+    return None
+
+
+def _advice(key: str, mtype: Optional[str]) -> str:
+    from foundrymix.train.model_spec import foundry_model_advice
+    text = foundry_model_advice(key, mtype or 'this') or ''
+    return text.split('; delete it')[0]
+
+
+def model_keys(m: Any) -> None:
+    """The model section's keys beyond ``name``/``init_device``/``loss_fn``: LLM-Foundry's own
+    ones rewritten or removed with their reason, every other key checked against the
+    transformers config of the model's type (or left to do when the type is not known yet)."""
+    from foundrymix.train.model_spec import OWN_KEYS, config_keys, mpt_attention_line
+
+    model = m.data.get('model')
+    if not isinstance(model, dict):
+        return
+    mtype = model_type(model)
+    if 'use_flash_attention_2' in model:
+        value = model.pop('use_flash_attention_2')
+        if value is True and 'attn_implementation' not in model:
+            model['attn_implementation'] = 'flash_attention_2'
+            m.changes.append('model.use_flash_attention_2: true -> model.attn_implementation: flash_attention_2 '
+                             '(GPU only, with flash-attn installed)')
+        else:
+            m.dropped.append(f'model.use_flash_attention_2: {show(value)}: attn_implementation decides (default sdpa)')
+    for key in ('use_auth_token', 'trust_remote_code', 'init_config', 'fc_type'):
+        if key in model:
+            m.dropped.append(f'model.{key}: {show(model.pop(key))}: {_advice(key, mtype)}')
+    if 'peft_config' in model:
+        peft = model.pop('peft_config')
+        what = ', '.join(f'{k}: {v}' for k, v in peft.items()) if isinstance(peft, dict) else str(peft)
+        m.todo.append(f'model.peft_config ({what}): removed; LoRA/PEFT is not supported here, so the migrated '
+                      f'YAML trains every weight (full finetuning, far more memory): accept that, or keep this '
+                      f'run on LLM-Foundry')
+    if 'ffn_config' in model and mtype == 'mpt':
+        ffn = model.pop('ffn_config')
+        plain = isinstance(ffn, dict) and set(ffn) <= {'ffn_type'} and ffn.get('ffn_type', 'mptmlp') == 'mptmlp'
+        line = f'model.ffn_config: {ffn}: {_advice("ffn_config", mtype)}'
+        (m.dropped if plain else m.todo).append(
+            line if plain else line + '; removed: the model is built with that MLP instead (a different '
+                                      'model): accept it, or keep this run on LLM-Foundry')
+    if mtype == 'mpt':
+        attn = model.get('attn_config')
+        given = isinstance(attn, dict) and attn.get('attn_impl') is not None
+        line = mpt_attention_line('mpt', model if given else {'attn_config': {'attn_impl': 'flash'}})
+        if line:
+            m.changes.append(line.replace(': transformers', ' -> eager: transformers', 1) if given else
+                             "model.attn_config.attn_impl: (LLM-Foundry MPT's default flash) -> eager: "
+                             + line.split(': ', 2)[2])
+    overrides = model.get('config_overrides')
+    keys = [(f'model.{k}', k) for k in model if k not in OWN_KEYS]
+    keys += [(f'model.config_overrides.{k}', k) for k in (overrides if isinstance(overrides, dict) else {})]
+    if not keys:
+        return
+    if mtype is None:
+        m.todo.append(f'{", ".join(p for p, _ in keys)}: checked against the model\'s transformers config '
+                      f'once model.pretrained_model_name_or_path is a local directory')
+        return
+    try:
+        valid = config_keys(mtype)
+    except KeyError:
+        return  # the read-back names the unknown type
+    for path, key in keys:
+        if key in valid:
+            continue
+        advice = _advice(key, mtype)
+        m.todo.append(f'{path}: not a key of transformers\' {mtype} config'
+                      + (f' ({advice}): delete it' if advice else ': delete it, or give the key of that config '
+                                                                  'that means it'))
+
+
+def read_back(m: Any) -> None:
+    """Read the migrated YAML as ``train`` reads it; each refusal not already to do is one."""
+    from omegaconf import OmegaConf
+
+    from foundrymix.config import ConfigError, errors_of
+    from foundrymix.train.config import TrainConfig
+
+    todo = {head(line) for line in m.todo}
+
+    def covered(path: str) -> bool:  # a to-do about that key already says what to give
+        return (any(path == t or path.startswith(t + '.') or t.startswith(path + '.') for t in todo)
+                or any(path + '.' in line or path + ':' in line for line in m.todo))
+    try:
+        data = OmegaConf.to_container(OmegaConf.create(m.data), resolve=True)
+        TrainConfig.from_dict(data)
+    except ConfigError as e:
+        for err in errors_of(e):
+            path = err.path or head(str(err))
+            if not covered(path):
+                m.todo.append(f'{err} (the migrated YAML is refused so)')
+    except Exception as e:  # noqa: BLE001 -- an interpolation omegaconf cannot resolve
+        if type(e).__module__.startswith('omegaconf'):
+            m.todo.append(f'{type(e).__name__}: {e}'.replace('\n', ' '))
+        else:
+            raise
+
+
+def kept(m: Any, original: dict[str, Any], renamed: set[str]) -> list[str]:
+    """The input's keys migrate carried unchanged (``renamed``: the new names of renamed
+    sections, whose keys are carried as the rename line says), in a line or two."""
+    said = m.changes + m.dropped + m.todo
+    tops = {head(line).split('.')[0] for line in said} | renamed
+    top_kept, inner_kept = [], []
+    for key, value in m.data.items():
+        if key not in original and key not in renamed:
+            continue
+        if key not in tops:
+            top_kept.append(key)
+        elif isinstance(value, dict) and key not in renamed:
+            inner_kept += [f'{key}.{k}' for k in value if not any(f'{key}.{k}' in line for line in said)]
+    return [f'kept: {", ".join(keys)} (the same keys and meaning here)' for keys in (top_kept, inner_kept) if keys]
+
+
+def cpu_overrides(data: dict[str, Any]) -> list[str]:
+    """The ``key=value`` overrides that make a GPU YAML run on a CPU (FSDP, mixed precision,
+    Composer's adaptive microbatching and flash attention need a GPU)."""
+    out = []
+    if data.get('fsdp') is not None:
+        out.append('fsdp=null')
+    if str(data.get('precision', 'auto')).startswith('amp'):
+        out.append('precision=fp32')
+    if data.get('device_train_microbatch_size') == 'auto':
+        out.append('device_train_microbatch_size=null')
+    model = data.get('model')
+    if isinstance(model, dict) and model.get('attn_implementation') == 'flash_attention_2':
+        out.append('model.attn_implementation=sdpa')
+    return out

@@ -1,0 +1,191 @@
+"""What Composer would refuse when a run starts, refused first -- by ``train`` and ``plan`` alike.
+
+Why: Composer checks these only inside ``Trainer(...)`` or at the first batch, as a
+traceback that names no key of the YAML (``Can only use adaptive device_train_microbatch_size
+on GPU``, ``Precision.AMP_BF16 is not supported for CPU training``, ``t_warmup and t_max must
+use the same units``, an OCI config error for a placeholder ``load_path``), after the plan,
+the model and the loader were built; ``plan`` passed such a config. :func:`check_start` is
+the one check both commands call, so they refuse with the same one line per key.
+Imports neither torch nor composer: the device is asked for only when a GPU-only setting
+is used (``plan`` stays fast).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable
+
+from foundrymix.config import ConfigError, Gather
+from foundrymix.errors import MissingError
+
+#: Composer 0.32's precisions (``composer.core.Precision``) and ours (``auto``)
+PRECISIONS = ('auto', 'fp32', 'amp_fp16', 'amp_bf16', 'amp_fp8')
+#: ``load_path`` schemes foundrymix reads checkpoints from (a path without one is local)
+LOAD_SCHEMES = ('s3',)
+#: Composer's schedulers that check ``t_warmup`` against ``max_duration`` (``wsd`` is ours)
+WARMUP_SCHEDULERS = ('cosine_with_warmup', 'linear_decay_with_warmup', 'constant_with_warmup')
+
+_TIME = re.compile(r'\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*', re.IGNORECASE)
+_UNIT_WORDS = {'ba': 'batches', 'sp': 'samples', 'tok': 'tokens', 'ep': 'epochs', 'iter': 'iterations'}
+
+
+def local_device() -> str:
+    """``gpu`` when this machine has a CUDA device (as ``device: auto`` picks), else ``cpu``."""
+    import torch
+    return 'gpu' if torch.cuda.is_available() else 'cpu'
+
+
+def composer_max_duration(cfg: Any, run: Any) -> str:
+    """The ``max_duration`` Composer is given for ``cfg`` planned as ``run``.
+
+    A single mixture keeps the YAML's (``3ep``: three of its epochs, which are the
+    mixture's); stages and adaptive segments are batches -- or samples, when the stages'
+    batches differ (:func:`~foundrymix.plan.stages.composer_duration`).
+    """
+    from foundrymix.plan.stages import composer_duration
+    adaptive = any(s.config is not None and s.config.adaptive for s in run.stages)
+    return composer_duration(run) if run.explicit or adaptive else str(cfg.max_duration)
+
+
+def _time(text: str) -> tuple[float, str]:
+    m = _TIME.fullmatch(str(text))
+    return (float(m.group(1)), m.group(2).lower()) if m else (0.0, '')
+
+
+def _composer_unit(unit: str, max_unit: str) -> str:
+    """The unit Composer's schedulers compare a time in (``_convert_time``): epochs become
+    batches, a fraction of the run takes the run's unit."""
+    if unit == 'dur':
+        unit = max_unit
+    return 'ba' if unit == 'ep' else unit
+
+
+def composer_warmup(cfg: Any, max_duration: str, run: Any) -> str:
+    """``scheduler.t_warmup`` as Composer is to be given it next to ``max_duration``.
+
+    Composer 0.32's warmup schedulers refuse a ``t_warmup`` in another unit than the
+    run's (``_raise_if_warmup_and_max_incompatible``, at the first batch). A run counted in
+    samples converts it where exact (:func:`warmup_in_samples`). Otherwise a zero warmup
+    (the default ``0ba``) is the same point in any unit and is given in the run's; any
+    other is refused, naming the same point in the run's unit where one batch size makes
+    it exact (Composer counts a batch's tokens as rows x ``max_seq_len``), and ``dur``.
+    """
+    t_warmup = str(cfg.scheduler.t_warmup)
+    if run.explicit and t_warmup.strip().endswith('ep'):
+        raise ConfigError(f'scheduler.t_warmup: {t_warmup} is ambiguous with stages (epochs of which '
+                          f'stage?); give it in batches (ba) or as a fraction of the run (e.g. 0.05dur)')
+    if cfg.scheduler.name not in WARMUP_SCHEDULERS:
+        return t_warmup
+    _, max_unit = _time(max_duration)
+    value, unit = _time(t_warmup)
+    if max_unit == 'sp' and unit in ('ba', 'sp', 'tok', 'dur'):
+        return warmup_in_samples(t_warmup, run)
+    want = _composer_unit(max_unit, max_unit)
+    if not unit or _composer_unit(unit, max_unit) == want:
+        return t_warmup
+    if value == 0:
+        return f'0{want}'
+    same = ''
+    if unit in ('ba', 'sp') and want in ('sp', 'tok') and not run.batch_varies:
+        rows = int(value) * (run.stages[0].global_batch_size if unit == 'ba' else 1)
+        same = f'{rows * run.max_seq_len if want == "tok" else rows}{want} (the same point) or '
+    raise ConfigError(
+        f'scheduler.t_warmup: {t_warmup} is in {_UNIT_WORDS.get(unit, unit)}, but this run is counted '
+        f'in {_UNIT_WORDS.get(want, want)} (max_duration {max_duration}) and Composer\'s '
+        f'{cfg.scheduler.name} takes t_warmup in that unit: give t_warmup: {same}a fraction of '
+        f'the run (e.g. 0.05dur)')
+
+
+def warmup_in_samples(t_warmup: str, run: Any) -> str:
+    """``t_warmup`` for a run that Composer counts in samples.
+
+    A warmup that ends inside the first stage is the same point in samples (one batch
+    size there, so samples grow with batches and the LR at every batch is unchanged): it
+    is converted. A later ``ba`` warmup is refused, with the value in samples that this
+    plan gives the same point of the run. A ``tok`` warmup is converted when it is whole
+    rows (Composer counts a batch's tokens as rows x ``max_seq_len``,
+    ``DataSpec._default_get_num_tokens_in_batch``).
+    """
+    value, unit = _time(t_warmup)
+    if unit in ('sp', 'dur'):
+        return t_warmup
+    first, L = run.stages[0], run.max_seq_len
+    value = int(value)
+    if unit == 'ba' and value <= first.batches:
+        return f'{value * first.global_batch_size}sp'
+    if unit == 'tok' and value % L == 0:  # Composer's tok: rows x max_seq_len
+        return f'{value // L}sp'
+    if unit == 'tok':
+        raise ConfigError(
+            f'scheduler.t_warmup: {t_warmup} is not whole rows of {L} tokens, and Composer counts '
+            f'this run in samples: give t_warmup: {-(-value // L)}sp')
+    batch = min(value, run.total_batches)
+    samples = _samples_before(run, batch)
+    raise ConfigError(
+        f'scheduler.t_warmup: {t_warmup} ends after the first stage, and with stages of different '
+        f'global_train_batch_size Composer counts the run in samples ({run.total_samples}sp): its '
+        f'schedulers take t_warmup in samples only. Batch {batch} of this run is sample {samples}: '
+        f'give t_warmup: {samples}sp (the LR then warms up linearly in samples), or a fraction '
+        f'of the run ({samples / run.total_samples:.4g}dur)')
+
+
+def _samples_before(run: Any, batch: int) -> int:
+    """Rows trained before global batch ``batch`` (each stage with its own batch)."""
+    stage = run.stage_at(batch) if batch < run.total_batches else run.stages[-1]
+    if batch >= stage.end_batch:
+        return run.total_samples
+    return stage.start_sample + (batch - stage.start_batch) * stage.global_batch_size
+
+
+def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) -> tuple[str, str]:
+    """Refuse, one :class:`ConfigError` per key (all at once), what Composer refuses at start:
+    ``device_train_microbatch_size: auto`` or ``fsdp`` off a GPU, a ``precision`` other than
+    fp32 on the CPU, a ``precision`` Composer does not know, a ``load_path`` that is not a
+    local file or ``s3://``, a ``t_warmup`` in another unit than ``max_duration`` (the one
+    Composer is given, :func:`composer_max_duration`). Returns ``max_duration`` and ``t_warmup``
+    as Composer is to be given them. ``device()`` (this machine's, for ``device: auto``) is
+    called only when a device-bound setting is used.
+    """
+    gather = Gather()
+    gpu_only, not_cpu = [], []
+    if cfg.device_train_microbatch_size == 'auto':
+        gpu_only.append('device_train_microbatch_size: auto needs a GPU (Composer fits the microbatch to the '
+                        'GPU\'s memory), and this run is on {where}: leave it out (one microbatch per batch) '
+                        'or give a whole number that divides the per-rank batch')
+    if cfg.fsdp is not None:
+        gpu_only.append('fsdp: FSDP runs on GPUs, and this run is on {where}: leave fsdp out')
+    if cfg.precision not in PRECISIONS:
+        gather.add(ConfigError(f"precision: {cfg.precision!r} is not one of {', '.join(PRECISIONS)} "
+                               f"(auto: fp32 on CPU, amp_bf16 on GPU)"))
+    elif cfg.precision not in ('auto', 'fp32'):
+        not_cpu.append(f'precision: {cfg.precision} needs a GPU, and this run is on {{where}}: give '
+                       f'precision: fp32 (or auto: fp32 on CPU, amp_bf16 on GPU)')
+    if gpu_only or not_cpu:
+        resolved = cfg.device if cfg.device != 'auto' else device()
+        where = ('the CPU (device: auto, and this machine has no GPU)' if cfg.device == 'auto'
+                 else f'device: {cfg.device}')
+        for message in gpu_only if resolved != 'gpu' else []:
+            gather.add(ConfigError(message.format(where=where)))
+        for message in not_cpu if resolved == 'cpu' else []:
+            gather.add(ConfigError(message.format(where=where)))
+    with gather:
+        check_load_scheme(cfg)
+    max_duration, t_warmup = str(cfg.max_duration), str(cfg.scheduler.t_warmup)
+    with gather:
+        max_duration = composer_max_duration(cfg, run)
+        t_warmup = composer_warmup(cfg, max_duration, run)
+    gather.raise_any()
+    if cfg.load_path and '://' not in cfg.load_path and not os.path.exists(cfg.load_path):
+        raise MissingError(f'load_path: {cfg.load_path}: no such checkpoint')
+    return max_duration, t_warmup
+
+
+def check_load_scheme(cfg: Any) -> None:
+    """``load_path`` is a local path or an ``s3://`` URL (the object stores foundrymix reads)."""
+    path = cfg.load_path or ''
+    scheme = path.split('://', 1)[0] if '://' in path else None
+    if scheme is not None and scheme.lower() not in LOAD_SCHEMES:
+        raise ConfigError(f'load_path: {path}: foundrymix loads checkpoints from a local path or '
+                          f's3://bucket/key, not {scheme}://; give one of those, or leave load_path out '
+                          f'to start from scratch')

@@ -1,0 +1,102 @@
+"""A pretrained directory's weights checked against the model before they load.
+
+Why: transformers (4.57) stops a directory without weights with an ``OSError`` listing
+five file names, and weights of another size than the config (with the YAML's model keys)
+describes with a ``RuntimeError`` about a ``Linear``'s ``state_dict`` -- tracebacks naming
+neither the key ``model.pretrained`` nor what to change. :func:`check_has_weights` only
+lists the directory (``plan`` and ``train`` both call it); :func:`check_weight_shapes`
+reads the safetensors headers (shapes only, no tensor data) and builds the model on the
+``meta`` device (no memory), so a large model is checked in moments.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+from foundrymix.train.model_spec import ModelConfigError, ModelSpec
+
+#: the files transformers loads PyTorch weights from (``transformers.utils`` names them alike)
+WEIGHT_FILES = ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin',
+                'pytorch_model.bin.index.json')
+#: differing tensors a refusal names before '... and K more'
+NAMED = 3
+
+
+def check_has_weights(spec: ModelSpec) -> None:
+    """A ``pretrained`` directory whose weights are to be loaded holds a weights file."""
+    if spec.pretrained is None or not spec.load_weights or not os.path.isdir(spec.pretrained):
+        return
+    if not any(os.path.exists(os.path.join(spec.pretrained, name)) for name in WEIGHT_FILES):
+        raise ModelConfigError(
+            f'model.pretrained: {spec.pretrained} holds no weights (none of {", ".join(WEIGHT_FILES)}): '
+            f'save the model there with save_pretrained, or, to start from its config with random '
+            f'weights, write model: {{pretrained_model_name_or_path: {spec.pretrained}, pretrained: false}}')
+
+
+def _checkpoint_shapes(directory: str) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (file, shape) of a directory's safetensors weights ({} if it has none)."""
+    from safetensors import safe_open
+
+    index = os.path.join(directory, 'model.safetensors.index.json')
+    if os.path.exists(index):
+        with open(index, encoding='utf-8') as f:
+            files = sorted(set(json.load(f).get('weight_map', {}).values()))
+    elif os.path.exists(os.path.join(directory, 'model.safetensors')):
+        files = ['model.safetensors']
+    else:
+        return {}
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        with safe_open(path, 'pt') as h:
+            for key in h.keys():
+                shapes[key] = (path, list(h.get_slice(key).get_shape()))
+    return shapes
+
+
+def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
+    """Every tensor of the pretrained directory's safetensors weights has the shape the model
+    built from ``config`` (the directory's config plus the YAML's model keys) gives it.
+
+    A file safetensors cannot open is left to the load, which names it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        shapes = _checkpoint_shapes(spec.pretrained)
+    except Exception:  # noqa: BLE001 -- a damaged file: the load's own refusal names it
+        return
+    if not shapes:
+        return
+    try:
+        with torch.device('meta'):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    except (ValueError, ImportError):  # not a causal LM, ...: the load's own refusal says so
+        return
+    prefix = getattr(model, 'base_model_prefix', '')
+    wanted = {k: list(v.shape) for k, v in model.state_dict().items()}
+    differ = []
+    for key, (path, shape) in shapes.items():
+        want = wanted.get(key, wanted.get(f'{prefix}.{key}'))
+        if want is not None and want != shape:
+            differ.append((key, path, shape, want))
+    if not differ:
+        return
+    key, path, shape, want = differ[0]
+    more = ', '.join(d[0] for d in differ[1:NAMED + 1]) + (f' ... and {len(differ) - NAMED - 1} more'
+                                                          if len(differ) > NAMED + 1 else '')
+    yaml_keys = sorted(k for k in spec.config_kwargs if k != 'use_cache')
+    source = os.path.join(spec.pretrained, 'config.json')
+    if yaml_keys:
+        source += ' with ' + ', '.join(f'model.{k}={spec.config_kwargs[k]}' for k in yaml_keys)
+        fix = (f'leave out the model keys that change sizes ({", ".join(f"model.{k}" for k in yaml_keys)}): '
+               f'pretrained weights keep the sizes they were saved with')
+    else:
+        fix = 'the config.json beside the weights is not theirs: save model and config together (save_pretrained)'
+    raise ModelConfigError(
+        f'model.pretrained: {path} holds {key} of shape {shape}, but the model of {source} needs '
+        f'{want}' + (f' (also differ: {more})' if more else '') + f'; {fix}')
