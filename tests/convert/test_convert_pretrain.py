@@ -293,6 +293,7 @@ def test_from_mds_split_adopts_that_split_only(arxiv_jsonl, tmp_path, capsys):
     write_foundry_pretrain(tmp_path / 'foundry' / 'train', rows[:-5])
     write_foundry_pretrain(tmp_path / 'foundry' / 'val', rows[-5:])
     assert main(['convert', 'pretrain', str(tmp_path / 'foundry'), '--from-mds', '--split', 'val',
-                 '--out', str(tmp_path / 'out'), '--no-progress']) == 0, capsys.readouterr().err
+                 '--tokenizer', DEMO_TOKENIZER, '--out', str(tmp_path / 'out'), '--no-progress']) == 0, \
+        capsys.readouterr().err
     assert os.listdir(tmp_path / 'out') == ['val']
     assert Manifest.read(str(tmp_path / 'out' / 'val')).counts.rows == 5
