@@ -44,7 +44,8 @@ class LoggedTokens:
     as streaming itself reads it (``StreamingDataset`` over the stream's directory; a global
     sample id counts the streams' rows end to end, in the YAML's order), decoded by
     :func:`reference_decode`, hashed as the ``sample_log`` callback documents (``xxh3_64`` of
-    each row's five model inputs as ``int64``, then of the row digests in rank order)."""
+    each row's five model inputs as ``int64``, then of the row digests sorted: the digest of a
+    global batch does not depend on its rows' order, which depends on the number of ranks)."""
 
     KEYS = ('input_ids', 'labels', 'attention_mask', 'sequence_id', 'position_ids')
 
@@ -62,7 +63,7 @@ class LoggedTokens:
             assert start <= sample < start + len(self.datasets[stream]), (sample, stream)
             decoded = reference_decode(self.datasets[stream][sample - start])
             rows.append(xxhash.xxh3_64_hexdigest(np.array([decoded[k] for k in self.KEYS], np.int64).tobytes()))
-        return xxhash.xxh3_64_hexdigest(''.join(rows).encode())
+        return xxhash.xxh3_64_hexdigest(''.join(sorted(rows)).encode())
 
 
 def spm_tokenizer_path() -> str:
@@ -126,9 +127,10 @@ def moto_s3(bucket: str):
 
 
 @contextlib.contextmanager
-def silent_server():
+def silent_server(accepted: list | None = None):
     """An endpoint that accepts TCP connections and never answers (a hung store or proxy):
-    yields its URL. Connections are held open until the context exits."""
+    yields its URL. Connections are held open until the context exits; each one accepted is
+    appended to ``accepted`` (when given), so a test can count the client's attempts."""
     import socket
     import threading
 
@@ -136,7 +138,7 @@ def silent_server():
     server.bind(('127.0.0.1', 0))
     server.listen(64)
     server.settimeout(0.1)
-    held: list = []
+    held: list = [] if accepted is None else accepted
     stop = threading.Event()
 
     def accept() -> None:
@@ -163,14 +165,15 @@ def silent_server():
 @contextlib.contextmanager
 def s3_requests():
     """The requests every moto server of this process answers while inside, as
-    ``'GET /bucket/key'`` strings (from werkzeug's request log)."""
+    ``'GET /bucket/key'`` strings (from werkzeug's request log; error answers too)."""
     import logging
+    import re
 
     lines: list[str] = []
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            text = record.getMessage()
+            text = re.sub(r'\x1b\[[0-9;]*m', '', record.getMessage())  # werkzeug colours errors
             if '"' in text:
                 method, path = text.split('"')[1].split()[:2]
                 lines.append(f'{method} {path.split("?")[0]}')

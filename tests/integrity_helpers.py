@@ -44,8 +44,19 @@ def convert_paper(out: Path, hashes: tuple[str, ...] = (), compression: str | No
 
 
 def strip_hashes(stream: Path) -> Path:
-    """Remove the recorded shard hashes from ``index.json``: a stream as older conversions
-    (or other MDS writers) leave it."""
+    """A stream as a conversion without shard hashes leaves it (older conversions, other MDS
+    writers): none in ``index.json``, none in ``foundrymix.json``'s ``options.hashes``."""
+    strip_index_hashes(stream)
+    path = stream / 'foundrymix.json'
+    manifest = json.loads(path.read_text())
+    manifest.setdefault('options', {})['hashes'] = []
+    path.write_text(json.dumps(manifest))
+    return stream
+
+
+def strip_index_hashes(stream: Path) -> Path:
+    """Remove the recorded shard hashes from ``index.json`` only (an index rewritten after
+    the conversion: ``foundrymix.json`` still says they were written)."""
     path = stream / 'index.json'
     index = json.loads(path.read_text())
     for shard in index['shards']:

@@ -44,6 +44,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                         f'(offline; default {DEMO_TOKENIZER}; with --from-mds required)')
     p.add_argument('--max-seq-len', type=int, default=None,
                    help='tokens per row (default 2048; with --from-mds, token shards: their rows\' length)')
+    p.add_argument('--split', metavar='NAME', default=None,
+                   help='the split of a DatasetDict saved to disk (save_to_disk) to convert; one with '
+                        'several splits is refused without it (a test split would become training '
+                        'data): convert each split into an --out of its own. With --from-mds: the MDS '
+                        'split to adopt, as `adopt --split`')
     p.add_argument('--from-mds', action='store_true',
                    help='INPUT is an existing MDS dataset (LLM-Foundry, streaming) or a folder of its '
                         'splits: the same as `foundrymix adopt INPUT` (see `foundrymix adopt -h`)')
@@ -160,7 +165,8 @@ def _out(args: argparse.Namespace) -> Any:
 
 
 #: ``convert`` options ``--from-mds`` passes on to adopt; any other given is refused
-_ADOPT_OPTIONS = ('inputs', 'out', 'tokenizer', 'max_seq_len', 'from_mds', 'workers', 'overwrite', 'on_error',
+_ADOPT_OPTIONS = ('inputs', 'out', 'tokenizer', 'max_seq_len', 'from_mds', 'split', 'workers', 'overwrite',
+                  'on_error',
                   'bos', 'eos', 'compression', 'size_limit', 'hash', 'progress', 'chat_loss', 'func',
                   'command', 'convert_kind', 'parser')
 #: what each ``convert KIND --from-mds`` accepts (:data:`foundrymix.convert.adopt.KINDS`)
@@ -175,7 +181,7 @@ def _from_mds(args: argparse.Namespace) -> int:
         if key not in _ADOPT_OPTIONS and value != args.parser.get_default(key):
             raise UserError(f"--{key.replace('_', '-')}: not used with --from-mds (the MDS columns are read "
                             f"as they are; see `foundrymix adopt -h`); leave it out")
-    args.source, args.split = args.inputs[0], None
+    args.source, args.split = args.inputs[0], [args.split] if args.split else None
     args.chat_loss = getattr(args, 'chat_loss', 'all')
     return _run_adopt(args, kinds=_FROM_MDS_KINDS[args.convert_kind])
 

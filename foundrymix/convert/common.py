@@ -70,6 +70,7 @@ class ConvertOptions:
     ray_task_bytes: int = 64 << 20
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
+    split: Optional[str] = None  # the split of a saved DatasetDict input (discover.py)
 
     @property
     def hash_algorithms(self) -> list[str]:
@@ -139,7 +140,8 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
             if not is_mds_dir(p):
                 raise UserError(f'{p}: not an MDS dataset folder (no index.json)')
     else:
-        resolved = discover_inputs(inputs, exclude=os.path.realpath(local) if local is not None else None)
+        resolved = discover_inputs(inputs, exclude=os.path.realpath(local) if local is not None else None,
+                                   split=options.split)
     if local is not None:
         check_overlap([], resolved, local)
         check_output_dir(os.path.abspath(local), options.overwrite)

@@ -28,6 +28,10 @@ OUTPUT_MARKERS = (MANIFEST_NAME, 'index.json')
 COMPRESSED_SUFFIXES = ('.gz', '.zst')
 TEXT_SUFFIXES = ('.txt',)
 PARQUET_SUFFIXES = ('.parquet',)
+#: what ``DatasetDict.save_to_disk`` writes beside its split directories
+DATASET_DICT = 'dataset_dict.json'
+
+
 class InputNotFoundError(FoundrymixError, FileNotFoundError):
     """An input path or glob matches nothing."""
 
@@ -82,18 +86,17 @@ def output_marker(directory: str) -> Optional[str]:
     return None
 
 
-def _expand_dir(directory: str, exclude: Optional[str] = None) -> list[str]:
-    """Inputs inside a directory: itself if it is a saved dataset, else supported files, sorted.
+def _expand_dir(directory: str, exclude: Optional[str] = None, split: Optional[str] = None) -> list[str]:
+    """Inputs inside a directory: itself if it is a saved dataset (one split of a saved
+    ``DatasetDict``, see :func:`_dict_split`), else supported files, sorted.
 
     Skipped while walking: hidden entries (``.<out>.partial-<pid>`` work directories
     among them), output directories (:func:`output_marker`), the real path ``exclude``
     (the conversion's own ``--out``), and ``.json`` files (often JSON documents, not
     JSON Lines: name them explicitly to read them).
     """
-    if os.path.isfile(os.path.join(directory, 'dataset_dict.json')):
-        with open(os.path.join(directory, 'dataset_dict.json'), encoding='utf-8') as f:
-            splits = json.load(f).get('splits', [])
-        return [os.path.join(directory, s) for s in splits]
+    if os.path.isfile(os.path.join(directory, DATASET_DICT)):
+        return [_dict_split(directory, split)]
     if _is_hf_dataset(directory):
         return [directory]
     found: list[str] = []
@@ -102,11 +105,29 @@ def _expand_dir(directory: str, exclude: Optional[str] = None) -> list[str]:
         dirs[:] = [d for d in dirs
                    if not d.startswith('.') and not _skipped_dir(os.path.join(root, d), exclude)]
         hf = [d for d in dirs if _is_hf_dataset(os.path.join(root, d))]
-        found.extend(p for d in hf for p in _expand_dir(os.path.join(root, d)))
+        found.extend(p for d in hf for p in _expand_dir(os.path.join(root, d), split=split))
         dirs[:] = [d for d in dirs if d not in hf]
         found.extend(os.path.join(root, f) for f in sorted(files)
                      if not f.startswith('.') and _supported(os.path.join(root, f), expanding=True))
     return found
+
+
+def _dict_split(directory: str, split: Optional[str]) -> str:
+    """The split of the ``DatasetDict`` saved in ``directory`` that is converted: ``split``,
+    or its only one. Several splits without ``split`` are refused: converted together, a
+    test split would become training data."""
+    with open(os.path.join(directory, DATASET_DICT), encoding='utf-8') as f:
+        splits = list(json.load(f).get('splits', []))
+    if split is None and len(splits) == 1:
+        split = splits[0]
+    if split is None:
+        raise UserError(f'{directory}: a DatasetDict with splits {", ".join(splits)}; converting them into '
+                         f'one dataset would mix them (a test split becomes training data): pass --split '
+                         f'NAME to convert one (e.g. --split {splits[0]}), and each other split into an '
+                         f'--out of its own')
+    if split not in splits:
+        raise UserError(f'--split {split}: {directory} has no such split (its splits: {", ".join(splits)})')
+    return os.path.join(directory, split)
 
 
 def _unlisted(e: OSError) -> None:
@@ -125,6 +146,29 @@ def check_readable(path: str) -> None:
             pass
     except OSError as e:
         raise UserError(f'{path}: cannot read this input ({e.strerror.lower()})') from None
+
+
+#: the first bytes of compressed data: (name, magic, suffix, command that decompresses in place)
+_MAGIC = (('gzip', b'\x1f\x8b', '.gz', 'gunzip'), ('zstd', b'\x28\xb5\x2f\xfd', '.zst', 'unzstd --rm'))
+
+
+def check_not_compressed(path: str) -> None:
+    """Refuse a plain-text input (``.jsonl``, ``.json``, ``.ndjson``, ``.txt``) that holds
+    gzip or zstd data, naming the compression and the rename that makes it readable (its
+    bytes were reported as invalid UTF-8, line after line)."""
+    fmt = input_format(path)
+    if fmt not in ('jsonl', 'txt'):
+        return
+    with open(path, 'rb') as f:
+        head = f.read(4)
+    for name, magic, suffix, command in _MAGIC:
+        if head.startswith(magic):
+            if fmt == 'jsonl':
+                fix = f'rename it to {path}{suffix} (read as compressed JSON Lines)'
+            else:
+                fix = f'rename it to {path}{suffix} and decompress it ({command} {path}{suffix})'
+            raise UserError(f'{path}: holds {name}-compressed data, not text (its name ends in '
+                             f'{os.path.splitext(path)[1]}); {fix}')
 
 
 def _skipped_dir(path: str, exclude: Optional[str]) -> bool:
@@ -164,7 +208,8 @@ def check_json_lines(path: str) -> None:
             return
 
 
-def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list[str]:
+def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None,
+                    split: Optional[str] = None) -> list[str]:
     """Resolve files, globs and directories to an ordered, duplicate-free list of inputs.
 
     Order is the order of ``specs``; a glob or directory contributes its matches sorted
@@ -176,16 +221,17 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list
     saved datasets, and ``.json`` only from a glob whose pattern ends in ``.json``. Output
     directories (``foundrymix.json`` or ``index.json``), hidden entries and the real path
     ``exclude`` are never read; naming an output directory or a file in one is an error.
+    A saved ``DatasetDict`` contributes one split: ``split``, or its only one.
     """
     if not specs:
         raise UserError('no inputs given')
     resolved: list[str] = []
     for spec in specs:
         if glob.has_magic(spec):
-            paths = _glob_inputs(spec, exclude)
+            paths = _glob_inputs(spec, exclude, split)
         elif os.path.isdir(spec):
             _refuse_output_dir(spec, spec)
-            paths = _expand_dir(spec, exclude)
+            paths = _expand_dir(spec, exclude, split)
         elif os.path.exists(spec):
             _refuse_output_dir(spec, os.path.dirname(os.path.abspath(spec)))
             input_format(spec)  # raises for an unsupported file named explicitly
@@ -199,9 +245,14 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None) -> list
                              f'.parquet, datasets saved to disk; .json only when named)')
         for p in paths:
             check_readable(p)
+            check_not_compressed(p)
             if p.lower().endswith('.json'):
                 check_json_lines(p)
         resolved.extend(os.path.abspath(p) for p in paths)
+    if split is not None and not any(os.path.isfile(os.path.join(os.path.dirname(p), DATASET_DICT))
+                                     for p in resolved):
+        raise UserError(f'--split {split}: no input is a DatasetDict saved to disk ({DATASET_DICT}); '
+                         f'leave --split out')
     return list(dict.fromkeys(resolved))
 
 
@@ -220,7 +271,7 @@ def _refuse_mds_root(spec: str) -> None:
                          f'use them as they are with: foundrymix adopt {spec} --out DIR')
 
 
-def _glob_inputs(spec: str, exclude: Optional[str]) -> list[str]:
+def _glob_inputs(spec: str, exclude: Optional[str], split: Optional[str] = None) -> list[str]:
     matches = sorted(glob.glob(spec, recursive=True))
     if not matches:
         raise InputNotFoundError(f'{spec}: no file matches this pattern')
@@ -229,7 +280,7 @@ def _glob_inputs(spec: str, exclude: Optional[str]) -> list[str]:
     for m in matches:
         if os.path.isdir(m):
             if not _skipped_dir(m, exclude):
-                paths.extend(_expand_dir(m, exclude))
+                paths.extend(_expand_dir(m, exclude, split))
         elif output_marker(os.path.dirname(os.path.abspath(m))) is None and (
                 _supported(m, expanding=True) or (asked_json and _supported(m))):
             paths.append(m)

@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from foundrymix.convert.lifeline import die_with_parent
 from foundrymix.convert.readers import Chunk, InputError, describe, location
 from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.format.schema import SKIP_LOCATIONS, Manifest
@@ -122,8 +123,10 @@ def _work(index: int, fn: Callable[[Chunk], Any], initializer: Callable[..., Non
     own thread pool would oversubscribe the cores. Results are sent by a thread, so the
     worker goes on with its next chunk while the parent is busy writing shards.
     ``current[index]`` holds the chunk being encoded (-1: none), for the parent's message
-    should this process die. A worker whose parent is gone (killed) exits by itself.
+    should this process die. A worker whose parent is gone (killed) ends at once
+    (:func:`~foundrymix.convert.lifeline.die_with_parent`), releasing the ``--out`` claim.
     """
+    die_with_parent(parent)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ[_PARALLELISM] = 'false'
@@ -175,7 +178,8 @@ class ProcessPool:
     mid-send leaves an end of file (``EOFError``), not a half message to wait on forever.
     Tasks go through one shared queue (a feeder thread sends them, so handing out a large
     compressed block never blocks the calling thread), so a free worker takes the next
-    chunk whatever the others are doing.
+    chunk whatever the others are doing. Workers end with the process (on Linux, with the
+    thread) that created the pool: create it in the thread that uses it.
     """
 
     def __init__(self, fn: Callable[[Chunk], Any], workers: int, initializer: Callable[..., None],

@@ -88,6 +88,32 @@ class TokenizerInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
 
+def tokenizer_differences(one: TokenizerInfo, other: TokenizerInfo) -> str:
+    """What differs between two tokenizers, ``one`` first, for a refusal that would otherwise
+    name only their names (the same directory, when it changed after a conversion): the
+    vocabulary size, special ids and BOS setting that differ, and the fingerprints."""
+    parts = [f'{label} {getattr(one, key)} vs {getattr(other, key)}'
+             for label, key in (('vocabulary', 'vocab_size'), ('BOS id', 'bos_id'), ('EOS id', 'eos_id'),
+                                ('pad id', 'pad_id'), ('adds BOS', 'add_bos'))
+             if getattr(one, key) != getattr(other, key)]
+    if not parts:
+        parts.append('same vocabulary size and special ids, other tokens, merges or normalization')
+    return '; '.join(parts + [f'fingerprint {one.fingerprint[:12]} vs {other.fingerprint[:12]}'])
+
+
+def changed_tokenizer_note(name: str, streams: TokenizerInfo) -> str:
+    """For a tokenizer refused for streams converted with ``streams``: when ``name`` is the
+    streams' own tokenizer name (bundled name, or the same path), it changed after the
+    conversion -- say so and what to do; else nothing."""
+    same = name == streams.name or (os.path.abspath(os.path.expanduser(name))
+                                    == os.path.abspath(os.path.expanduser(streams.name)))
+    if not same:
+        return ''
+    return (f'; {streams.name} changed since the streams were converted with it: re-convert them '
+            f'(foundrymix convert ... --tokenizer {streams.name} --overwrite), or restore the tokenizer '
+            f'they were converted with')
+
+
 @dataclass
 class Counts:
     """Exact counts of what a conversion read and wrote.

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 
@@ -231,6 +231,23 @@ def hashes_in_index(index: dict[str, Any]) -> set[str]:
         algos = set(_validated_file(shard).get('hashes') or {})
         common = algos if common is None else common & algos
     return common or set()
+
+
+def hashes_dropped_problem(index: dict[str, Any], recorded: Sequence[str], index_name: str,
+                           manifest_name: str) -> Optional[str]:
+    """Why ``index`` does not match its manifest on hashes, or ``None``: shards that record
+    none of the algorithms ``recorded`` (the manifest's ``options.hashes``, what the
+    conversion wrote). Such an index was rewritten after the conversion; nothing can check
+    those shards' bytes, so a damaged one would be trained."""
+    if not recorded:
+        return None
+    bare = [shard_name(s) for s in index['shards']
+            if not set(_validated_file(s).get('hashes') or {}) & set(recorded)]
+    if not bare:
+        return None
+    return (f'{index_name} records no hash for {len(bare)} of {len(index["shards"])} shard(s) (e.g. '
+            f'{bare[0]}), though {manifest_name} says the conversion wrote {", ".join(recorded)}: the index '
+            f'was rewritten after the conversion, and nothing can check those shards\' bytes')
 
 
 def validate_hash_problem(stream: str, index: dict[str, Any], algorithm: Optional[str]) -> Optional[str]:

@@ -307,8 +307,8 @@ class Catalog:
             raise ConfigError(f'{where}: unknown manifest kind {m.kind!r}')
         if m.counts.rows <= 0:
             raise ConfigError(f'{where}: stream has no rows')
-        from foundrymix.format.shards import (check_shard_files, row_count_problem, shard_files_error,
-                                       validate_hash_problem)
+        from foundrymix.format.shards import (check_shard_files, hashes_dropped_problem, row_count_problem,
+                                              shard_files_error, validate_hash_problem)
         location = info.remote_dir or info.directory
         problem = row_count_problem(_file(location, INDEX_NAME), _file(location, MANIFEST_NAME),
                                     info.rows, m.counts.rows, location)
@@ -320,6 +320,12 @@ class Catalog:
         problems = [] if info.remote_dir is not None else check_shard_files(info.directory, info.index)
         if problems:
             raise shard_files_error(info.name, info.directory, problems)
+        problem = hashes_dropped_problem(info.index, m.options.get('hashes') or (),
+                                         _file(location, INDEX_NAME), _file(location, MANIFEST_NAME))
+        if problem and info.remote_dir is None and self.config.hash_local_shards:
+            raise ConfigError(f'{where}: {problem}. Re-run `foundrymix convert` into {location} with '
+                              f'--overwrite (or restore its {INDEX_NAME}), or set '
+                              f'{self.where}.hash_local_shards: false to train it unchecked')
         problem = validate_hash_problem(info.name, info.index, self.config.validate_hash)
         if problem:
             raise ConfigError(f'{self.where}.validate_hash: {problem}')

@@ -348,7 +348,8 @@ class LoaderConfig:
         return read_dataclass(cls, data, where)
 
     def check(self, where: str = 'train_loader') -> None:
-        """Checks that need the whole config: ranges, one kind of weight."""
+        """Checks that need the whole config: ranges, one kind of weight, a cache of its own."""
+        self._check_cache_root(where)
         if self.stages is not None:
             self._check_stages(where)
             return
@@ -389,6 +390,28 @@ class LoaderConfig:
                 f'{where}.epoch_size: cannot be combined with repeat/choose (set on '
                 f'{", ".join(weighted_absolute)}): with absolute weights the epoch size is their '
                 f'sum. Use proportion on every stream to fix the epoch size.')
+
+    def _check_cache_root(self, where: str) -> None:
+        """Refuse a ``cache_root`` that is (or is inside) a local stream's directory, or that
+        holds a dataset: foundrymix writes its records (plans, shuffles, shard hashes,
+        tokenizers, downloaded streams) there, which must never land among a dataset's files."""
+        if not self.cache_root:
+            return
+        root = os.path.realpath(cache_base(self.cache_root))
+        for name, spec in self.streams.items():
+            local = os.path.realpath(self.stream_local(name)) if spec.local else None
+            if local is not None and (root == local or root.startswith(local + os.sep)):
+                raise ConfigError(
+                    f"{where}.cache_root: {self.cache_root} is {'' if root == local else 'inside '}"
+                    f"stream {name}'s directory {spec.local}; foundrymix writes its records there "
+                    f'(plans/, shuffles/, shard-hashes/, ...). Give cache_root a directory of its own, '
+                    f'or leave it out (${CACHE_ROOT_ENV}, else <tmp>/foundrymix-cache)')
+        held = [f for f in ('foundrymix.json', 'index.json') if os.path.isfile(os.path.join(root, f))]
+        if held:
+            raise ConfigError(
+                f'{where}.cache_root: {self.cache_root} holds a dataset ({", ".join(held)}); foundrymix '
+                f'writes its records there. Give cache_root a directory of its own, or leave it out '
+                f'(${CACHE_ROOT_ENV}, else <tmp>/foundrymix-cache)')
 
     def group_members(self, where: str = 'train_loader') -> dict[str, list[str]]:
         """Pattern -> the streams it matches (``fnmatchcase``, in ``streams`` order).

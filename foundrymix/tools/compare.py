@@ -4,9 +4,12 @@ Why: resuming exactly is foundrymix's promise, and users checked it with scripts
 own (diffing sample logs, loading two checkpoints). This compares what a run leaves:
 
 * the sample log (the ``sample_log`` callback's JSONL: each global batch's sample, stream
-  and stage ids in rank order, and a digest of its tokens) -- the first batch and row that
-  differ, with both sides' sample id and stream; else the first batch whose tokens differ
-  under the same ids (the data itself differed: a shard changed or damaged);
+  and stage ids in rank order, and a digest of its tokens) -- the first batch whose rows
+  differ *as a set* (a global batch is one step on a set of rows: two logs listing its rows
+  in other orders, as streaming's sampler did on another number of ranks, describe the same
+  training), with a row only A has and one only B has;
+  else the first batch whose tokens differ under the same ids (the data itself differed:
+  a shard changed or damaged);
 * the per-stream counts (``stream_accounting.json``: samples, tokens, loss tokens per
   stream) -- the first stream and count that differ;
 * the final weights (the last checkpoint in the run: Composer's ``latest-rank0.pt``, else
@@ -26,6 +29,7 @@ import glob
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -122,44 +126,87 @@ def _read_log(path: str) -> list[dict[str, Any]]:
     return out
 
 
+def _rows(line: dict[str, Any]) -> list[tuple[Any, Any, Any]]:
+    """A log line's rows in rank order: (sample id, stream id, stage id or None)."""
+    ids, streams = line['sample_ids'], line.get('stream_ids', [])
+    stages = line.get('stage_ids') or [None] * len(ids)
+    return [(i, streams[r] if r < len(streams) else None, stages[r]) for r, i in enumerate(ids)]
+
+
+def _only_in(mine: list[tuple[Any, Any, Any]], theirs: list[tuple[Any, Any, Any]]) -> Optional[int]:
+    """The first row (rank order) of ``mine`` that ``theirs`` does not hold (as a multiset)."""
+    left = Counter(theirs)
+    for r, row in enumerate(mine):
+        if left[row]:
+            left[row] -= 1
+        else:
+            return r
+    return None
+
+
+def _tokens_comparable(x: dict[str, Any], y: dict[str, Any]) -> bool:
+    """Whether two lines' ``tokens`` may be compared: both present and made alike (order-free
+    digests; or, from an older foundrymix, rank-order digests of rows in the same order)."""
+    if 'tokens' not in x or 'tokens' not in y:
+        return False
+    order = x.get('tokens_order', 'rank'), y.get('tokens_order', 'rank')
+    return order[0] == order[1] and (order[0] != 'rank' or x['sample_ids'] == y['sample_ids'])
+
+
 def compare_samples(a: str, b: str, names: Optional[list[str]] = None,
                     ranks: Optional[int] = None) -> Result:
-    """The first batch (and row in rank order: with ``ranks``, its rank and row there) whose
-    sample, stream or stage ids differ; else the first whose ``tokens`` digest differs (logs
-    written before the digest existed have none: then ids only, and the detail says so)."""
+    """The first batch whose rows (sample, stream and stage ids) differ as a multiset (the
+    order a log lists a global batch's rows in is not what trains) --
+    naming a row only A has and one only B has (their rows in rank order; with ``ranks``,
+    A's rank and row there); else the first whose ``tokens`` digest differs (logs written
+    before the digest existed have none: then ids only, and the detail says so)."""
     la, lb = _read_log(a), _read_log(b)
 
-    def stream(i: int) -> str:
-        return names[i] if names and 0 <= i < len(names) else f'stream {i}'
+    def stream(i: Any) -> str:
+        return names[i] if names and isinstance(i, int) and 0 <= i < len(names) else f'stream {i}'
+
+    def row(rows: list[tuple[Any, Any, Any]], r: Optional[int]) -> str:
+        if r is None:
+            return 'absent'
+        sample, of, stage = rows[r]
+        return f'sample {sample} ({stream(of)}' + (f', stage {stage}' if stage is not None else '') + ')'
+
+    def where(r: int, n: int) -> str:
+        if ranks and n % ranks == 0:
+            return f'row {r} of {n} (rank {r // (n // ranks)} of {ranks}, its row {r % (n // ranks)})'
+        return f'row {r} of {n} (rank order)'
+    compared = 0
     for x, y in zip(la, lb):
         if x['batch'] != y['batch']:
             return Result('samples', f'the logs\' batches go {x["batch"]} (A) and {y["batch"]} '
                           f'(B) at the same line', '')
-        rows = max(len(x['sample_ids']), len(y['sample_ids']))
-        for r in range(rows):
-            keys = ('sample_ids', 'stream_ids', 'stage_ids')
-            vx = [x.get(k, [])[r] if r < len(x.get(k, [])) else None for k in keys]
-            vy = [y.get(k, [])[r] if r < len(y.get(k, [])) else None for k in keys]
-            if vx != vy:
-                side = ['absent' if v[0] is None else f'sample {v[0]} ({stream(v[1])}'
-                        + (f', stage {v[2]}' if v[2] is not None else '') + ')' for v in (vx, vy)]
-                where = f'row {r} of {rows} (rank order)'
-                if ranks and rows % ranks == 0:
-                    per = rows // ranks
-                    where = f'row {r} of {rows} (rank {r // per} of {ranks}, its row {r % per})'
-                return Result('samples', f'batch {x["batch"]}, {where}: A {side[0]}, B {side[1]}', '')
-        if 'tokens' in x and 'tokens' in y and x['tokens'] != y['tokens']:
-            return Result('samples', f'batch {x["batch"]}: the same sample ids, different tokens '
-                          f'(digest {x["tokens"]} (A), {y["tokens"]} (B)): the rows\' data differed '
-                          f'between the runs (a shard rewritten, damaged or from another copy)', '')
+        rx, ry = _rows(x), _rows(y)
+        ax, by = _only_in(rx, ry), _only_in(ry, rx)
+        if ax is not None or by is not None:
+            n = max(len(rx), len(ry))
+            if ax is not None and by is not None and ax != by:
+                return Result('samples', f'batch {x["batch"]}: A {row(rx, ax)} at {where(ax, len(rx))} is '
+                              f'not in B\'s batch, B {row(ry, by)} at row {by} is not in A\'s', '')
+            r = ax if ax is not None else by
+            return Result('samples', f'batch {x["batch"]}, {where(r, n)}: A {row(rx, ax)}, B {row(ry, by)}', '')
+        if _tokens_comparable(x, y):
+            compared += 1
+            if x['tokens'] != y['tokens']:
+                return Result('samples', f'batch {x["batch"]}: the same sample ids, different tokens '
+                              f'(digest {x["tokens"]} (A), {y["tokens"]} (B)): the rows\' data differed '
+                              f'between the runs (a shard rewritten, damaged or from another copy)', '')
     if len(la) != len(lb):
         longer, n = ('A', len(la)) if len(la) > len(lb) else ('B', len(lb))
         first = (la if len(la) > len(lb) else lb)[min(len(la), len(lb))]['batch']
         return Result('samples', f'A logs {len(la)} batches, B {len(lb)}: from batch {first} '
                       f'only {longer} has them ({n} in all)', '')
-    tokens = all('tokens' in x for x in la + lb)
-    return Result('samples', None, f'{len(la)} batches, {sum(len(x["sample_ids"]) for x in la)} '
-                  f'samples' + ('' if tokens or not la else '; ids only: a log has no token digests'))
+    detail = f'{len(la)} batches, {sum(len(x["sample_ids"]) for x in la)} samples'
+    if la and not all('tokens' in x for x in la + lb):
+        detail += '; ids only: a log has no token digests'
+    elif compared < len(la):
+        detail += (f'; tokens compared in {compared} of {len(la)} batches (the others\' digests were '
+                   f'made in rank order by an older foundrymix, over rows in another order)')
+    return Result('samples', None, detail)
 
 
 def compare_accounting(a: str, b: str) -> Result:

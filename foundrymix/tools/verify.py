@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 from foundrymix.errors import MissingError
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, adopt_advice, format_row_error, mds_columns
 from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
-                               row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
+                               hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
                                validate_index)
 
 #: row problems listed per shard (all are counted)
@@ -222,6 +222,11 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
                                     c.rows, source.location)
         if problem:
             report.count_problems.append(problem)
+        problem = hashes_dropped_problem(index, manifest.options.get('hashes') or (), source.name(INDEX_NAME),
+                                         source.name(MANIFEST_NAME))
+        if problem:
+            report.problems.append(f'{problem}; re-run `foundrymix convert` into {source.location} with '
+                                   f'--overwrite, or restore its {INDEX_NAME}')
         for key, what in (('rows', 'intact rows'), ('tokens', 'tokens in intact rows'),
                           ('loss_tokens', 'loss tokens in intact rows')):
             if report.found[key] != report.expected[key]:

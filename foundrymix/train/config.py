@@ -265,9 +265,12 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     if cfg.tokenizer is not None:
         from foundrymix.tokenizer import describe_tokenizer
         memo = os.path.join(cache_base(cfg.train_loader.cache_root), 'tokenizers')
-        if describe_tokenizer(cfg.tokenizer, memo).fingerprint != tokenizer.fingerprint:
+        have = describe_tokenizer(cfg.tokenizer, memo)
+        if have.fingerprint != tokenizer.fingerprint:
+            from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
-                              f'converted with ({tokenizer.name})')
+                              f'converted with ({tokenizer.name}): {tokenizer_differences(have, tokenizer)} '
+                              f"(this one vs the streams'){changed_tokenizer_note(cfg.tokenizer, tokenizer)}")
     if cfg.model is not None and cfg.model.pretrained is not None:
         from foundrymix.train.model import check_pretrained_tokenizer
         from foundrymix.train.weights import check_has_weights

@@ -22,6 +22,8 @@ import os
 from typing import Any
 
 from foundrymix.errors import ExistsError, FoundrymixError, MissingError
+from foundrymix.format.schema import MANIFEST_NAME
+from foundrymix.format.shards import INDEX_NAME
 
 PREFIX = 'model.'  # the CausalLM wrapper's attribute holding the transformers model
 
@@ -35,16 +37,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description='Write a Composer checkpoint of a foundrymix run as a Hugging Face '
                                           'model directory (config.json, model.safetensors, tokenizer), '
                                           'loadable offline with AutoModelForCausalLM/AutoTokenizer.from_pretrained.')
-    p.add_argument('checkpoint', help='a Composer checkpoint file of a foundrymix run (e.g. latest-rank0.pt)')
+    p.add_argument('checkpoint', help='a Composer checkpoint file of a foundrymix run (e.g. latest-rank0.pt), '
+                                      'or the folder holding them (its newest complete checkpoint is used)')
     p.add_argument('--to-hf', required=True, metavar='DIR', dest='out', help='output model directory')
-    p.add_argument('--overwrite', action='store_true', help='write into a non-empty DIR')
+    p.add_argument('--overwrite', action='store_true',
+                   help='write into a non-empty DIR (never into a dataset directory)')
     p.set_defaults(func=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    out = export_to_hf(args.checkpoint, args.out, overwrite=args.overwrite)
-    print(f'exported {args.checkpoint} -> {out}')
+    checkpoint = checkpoint_file(args.checkpoint, say=print)
+    out = export_to_hf(checkpoint, args.out, overwrite=args.overwrite)
+    print(f'exported {checkpoint} -> {out}')
     return 0
+
+
+def checkpoint_file(path: str, say: Any = None) -> str:
+    """``path`` itself, or for a folder of checkpoints (a run's ``save_folder``) its newest
+    complete one (by batch; incomplete ones, left by a job killed while writing, are
+    skipped), announced through ``say``; a folder with no checkpoint is refused, naming it."""
+    if not os.path.isdir(path):
+        return path
+    from foundrymix.train.remote_resume import local_checkpoint
+
+    try:
+        found = local_checkpoint(path)
+    except FoundrymixError:  # every checkpoint there is incomplete
+        raise ExportError(f'{path}: every checkpoint in it is incomplete (written by a job killed while '
+                          f'writing): nothing to export; give a complete checkpoint file') from None
+    if found is None:
+        raise MissingError(f'{path}: a directory without checkpoints (no ep<N>-ba<N>-rank0.pt or '
+                           f'latest-rank0.pt in it); give a checkpoint file or the save_folder of a run')
+    if say is not None:
+        skipped = ''.join(f'; skipped {os.path.basename(p)} (incomplete: {why})' for p, why in found.skipped)
+        say(f'{path} is a directory: exporting its newest complete checkpoint '
+            f'{os.path.basename(found.path)}{skipped}')
+    return found.path
+
+
+def dataset_files(directory: str) -> list[str]:
+    """The dataset files (``foundrymix.json``, MDS ``index.json``) in ``directory``."""
+    return [n for n in (MANIFEST_NAME, INDEX_NAME) if os.path.isfile(os.path.join(directory, n))]
 
 
 def load_checkpoint_state(path: str) -> dict[str, Any]:
@@ -113,7 +146,16 @@ def find_tokenizer(info: dict[str, Any]) -> Any:
 
 
 def export_to_hf(checkpoint: str, out: str, overwrite: bool = False) -> str:
-    """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``."""
+    """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``.
+
+    A dataset directory is refused even with ``overwrite``: model files written among its
+    shards would make it neither a dataset nor a model directory.
+    """
+    held = dataset_files(out) if os.path.isdir(out) else []
+    if held:
+        raise ExistsError(f'{out}: holds a dataset ({", ".join(held)}, {len(os.listdir(out))} entries); '
+                          f'export writes model files, never into a dataset (not even with --overwrite): '
+                          f'choose another --to-hf directory')
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise ExistsError(f'{out}: exists and is not empty (use --overwrite)')
     state = load_checkpoint_state(checkpoint)

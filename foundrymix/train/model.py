@@ -192,10 +192,11 @@ def check_pretrained_tokenizer(spec: ModelSpec, streams: TokenizerInfo) -> None:
         model_tok = None
     if model_tok is not None:
         if model_tok.fingerprint != streams.fingerprint:
+            from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
             raise ModelConfigError(
-                f'model.pretrained: {spec.pretrained} has another tokenizer (vocabulary {model_tok.vocab_size}, '
-                f'fingerprint {model_tok.fingerprint[:12]}) than the streams ({streams.name}, vocabulary '
-                f'{streams.vocab_size}, fingerprint {streams.fingerprint[:12]})')
+                f'model.pretrained: {spec.pretrained} has another tokenizer than the streams ({streams.name}): '
+                f"{tokenizer_differences(model_tok, streams)} (the directory's vs the streams')"
+                f'{changed_tokenizer_note(spec.pretrained, streams)}')
         return
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(spec.pretrained, local_files_only=True).vocab_size

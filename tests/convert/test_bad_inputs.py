@@ -130,6 +130,16 @@ def not_gzip(d: Path) -> Path:
     return p
 
 
+def compressed(suffix: str, name: str, data: bytes) -> Callable[[Path], Path]:
+    """A maker of a file ``name`` holding ``data`` compressed as ``suffix`` (gz, zst)."""
+    def make(d: Path) -> Path:
+        import zstandard
+        p = d / name
+        p.write_bytes(gzip.compress(data, mtime=0) if suffix == 'gz' else zstandard.ZstdCompressor().compress(data))
+        return p
+    return make
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -152,6 +162,15 @@ CASES = [
     Case('gz-not-gzip', not_gzip, P,
          "{in}: not valid gzip data (Not a gzipped file (b'{\"')) before its first line ends; " + CUT,
          ('corrupt_file', 1, '{in}')),
+    Case('gz-named-jsonl', compressed('gz', 'data.jsonl', docs_jsonl(50)), P,
+         '{in}: holds gzip-compressed data, not text (its name ends in .jsonl); rename it to {in}.gz '
+         '(read as compressed JSON Lines)'),
+    Case('zst-named-jsonl', compressed('zst', 'data.jsonl', docs_jsonl(50)), P,
+         '{in}: holds zstd-compressed data, not text (its name ends in .jsonl); rename it to {in}.zst '
+         '(read as compressed JSON Lines)'),
+    Case('gz-named-txt', compressed('gz', 'doc.txt', b'a fine document with several words in it'), P,
+         '{in}: holds gzip-compressed data, not text (its name ends in .txt); rename it to {in}.gz and '
+         'decompress it (gunzip {in}.gz)'),
     Case('surrogate-pretrain', surrogate, P,
          "{in}:2: field 'text': a lone UTF-16 surrogate \\ud800 at character 4, not valid Unicode (half of an "
          "escaped pair, or bytes decoded with surrogateescape?)",
@@ -335,3 +354,22 @@ def test_multi_member_compressed_files_are_read_whole(tmp_path, suffix):
     p.write_bytes(compress(docs_jsonl(1500)) + compress(docs_jsonl(3000)[len(docs_jsonl(1500)):]))
     got = [rec for chunk in plan_chunks([str(p)], 1 << 16) for _, _, rec in read_records(chunk, ('text',))[1]]
     assert [json.dumps(r) + '\n' for r in got] == docs_jsonl(3000).decode().splitlines(keepends=True)
+
+
+@pytest.mark.parametrize('suffix', ['gz', 'zst'])
+def test_compressed_jsonl_renamed_as_advised_converts_as_the_plain_file(tmp_path, suffix):
+    """The advice of the refusal above works: the renamed file gives the plain file's rows."""
+    plain = tmp_path / 'plain.jsonl'
+    plain.write_bytes(docs_jsonl(200))
+    (tmp_path / 'in').mkdir()
+    misnamed = compressed(suffix, 'data.jsonl', plain.read_bytes())(tmp_path / 'in')
+    options = PretrainOptions(max_seq_len=32, workers=1)
+    with pytest.raises(Exception) as e:  # a directory input is checked the same way
+        convert_pretrain([str(tmp_path / 'in')], str(tmp_path / 'out'), options)
+    assert str(e.value).endswith(f'rename it to {misnamed}.{suffix} (read as compressed JSON Lines)')
+    misnamed.rename(f'{misnamed}.{suffix}')
+    convert_pretrain([str(tmp_path / 'in')], str(tmp_path / 'out'), options)
+    convert_pretrain([str(plain)], str(tmp_path / 'want'), options)
+    got, want = read_rows(tmp_path / 'out'), read_rows(tmp_path / 'want')
+    assert len(got) == len(want) > 0
+    assert all(g.keys() == w.keys() and all(np.array_equal(g[k], w[k]) for k in w) for g, w in zip(got, want))

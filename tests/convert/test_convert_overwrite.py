@@ -165,7 +165,7 @@ def test_overwrite_after_a_killed_conversion(tmp_path):
                              '--out', str(out), '--max-seq-len', '64', '--size-limit', '256kb',
                              '--workers', '1', '--no-progress', '--overwrite'], env=env)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 240  # a hang guard: start-up and imports on a loaded machine
         partial = None
         while time.time() < deadline and proc.poll() is None:  # wait for its first shard
             partials = [p for p in tmp_path.iterdir() if p.name.startswith('.out.partial-')]

@@ -172,7 +172,7 @@ def test_sigkill_mid_conversion_leaves_nothing_complete(arxiv_jsonl, tmp_path):
            '--max-seq-len', '256', '--workers', '1', '--size-limit', '64kb', '--no-progress']
     proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 240  # a hang guard: start-up and imports on a loaded machine
         partial = None
         while time.time() < deadline and partial is None:
             for name in os.listdir(tmp_path):
@@ -234,3 +234,66 @@ def test_writer_thread_errors_reach_the_caller(arxiv_jsonl, tmp_path, monkeypatc
         convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'o'), PretrainOptions(max_seq_len=L))
     assert len(calls) == 3
     assert os.listdir(tmp_path) == []  # neither the output nor a partial directory
+
+
+def test_dataset_dict_converts_one_split_named_by_split(arxiv_jsonl, tmp_path, capsys):
+    """A saved DatasetDict (train + test) is refused without --split (both were converted into
+    one dataset: test rows became training data); --split train converts exactly what
+    converting the train folder alone does; a wrong or unused --split is refused."""
+    from datasets import Dataset, DatasetDict
+
+    from foundrymix.cli import main
+
+    texts = [r['text'] for r in read_jsonl(arxiv_jsonl, limit=6)]
+    DatasetDict({'train': Dataset.from_dict({'text': texts[:4]}),
+                 'test': Dataset.from_dict({'text': texts[4:]})}).save_to_disk(str(tmp_path / 'corpus' / 'dd'))
+    dd = tmp_path / 'corpus' / 'dd'
+
+    def convert(*argv) -> tuple[int, str]:
+        capsys.readouterr()
+        rc = main(['convert', 'pretrain', *map(str, argv), '--max-seq-len', '64', '--workers', '1',
+                   '--no-progress'])
+        return rc, capsys.readouterr().err
+
+    refusal = (f'foundrymix convert: error: {dd}: a DatasetDict with splits train, test; converting them '
+               f'into one dataset would mix them (a test split becomes training data): pass --split NAME '
+               f'to convert one (e.g. --split train), and each other split into an --out of its own\n')
+    for given in (dd, tmp_path / 'corpus'):  # named, or found inside a directory
+        assert convert(given, '-o', tmp_path / 'out') == (2, refusal)
+    assert not (tmp_path / 'out').exists()
+    assert convert(dd, '-o', tmp_path / 'out', '--split', 'validation') == (
+        2, f'foundrymix convert: error: --split validation: {dd} has no such split (its splits: train, test)\n')
+    assert convert(arxiv_jsonl, '-o', tmp_path / 'out', '--split', 'train') == (
+        2, 'foundrymix convert: error: --split train: no input is a DatasetDict saved to disk '
+           '(dataset_dict.json); leave --split out\n')
+    assert not (tmp_path / 'out').exists()
+
+    assert convert(dd, '-o', tmp_path / 'out', '--split', 'train') == (0, '')
+    convert_pretrain([str(dd / 'train')], str(tmp_path / 'want'), PretrainOptions(max_seq_len=64, workers=1))
+    got, want = read_rows(tmp_path / 'out'), read_rows(tmp_path / 'want')
+    assert len(got) == len(want) > 0
+    assert all(np.array_equal(g[k], w[k]) for g, w in zip(got, want) for k in w)
+    assert Manifest.read(str(tmp_path / 'out')).counts.documents_read == 4
+    assert Manifest.read(str(tmp_path / 'out')).inputs == Manifest.read(str(tmp_path / 'want')).inputs
+
+    DatasetDict({'train': Dataset.from_dict({'text': texts[:4]})}).save_to_disk(str(tmp_path / 'one'))
+    assert convert(tmp_path / 'one', '-o', tmp_path / 'one-out') == (0, '')  # one split: as is
+    assert Manifest.read(str(tmp_path / 'one-out')).counts.documents_read == 4
+
+
+def test_from_mds_split_adopts_that_split_only(arxiv_jsonl, tmp_path, capsys):
+    """--split with --from-mds is adopt's --split: only that split is written, to OUT/<split>."""
+    from foundry_fixtures import concat_tokens, write_foundry_pretrain
+    from helpers import DEMO_TOKENIZER
+
+    from foundrymix.cli import main
+
+    texts = [r['text'] for r in read_jsonl(arxiv_jsonl, limit=2)]
+    rows = concat_tokens(texts, DEMO_TOKENIZER, 64, eos_text=load_tokenizer(DEMO_TOKENIZER).eos_token)
+    write_foundry_pretrain(tmp_path / 'foundry' / 'train', rows[:-5])
+    write_foundry_pretrain(tmp_path / 'foundry' / 'val', rows[-5:])
+    assert main(['convert', 'pretrain', str(tmp_path / 'foundry'), '--from-mds', '--split', 'val',
+                 '--tokenizer', DEMO_TOKENIZER, '--out', str(tmp_path / 'out'), '--no-progress']) == 0, \
+        capsys.readouterr().err
+    assert os.listdir(tmp_path / 'out') == ['val']
+    assert Manifest.read(str(tmp_path / 'out' / 'val')).counts.rows == 5

@@ -101,3 +101,41 @@ def test_remote_only_stream_gets_a_cache_dir_keyed_by_remote(tmp_path):
     again = LoaderConfig.from_dict({'streams': {'a': {'remote': 's3://bucket/a'}},
                                     'cache_root': str(tmp_path)})
     assert again.stream_local('a') == la
+
+
+def test_cache_root_in_a_stream_directory_or_a_dataset_is_refused(tmp_path, small_streams):
+    """cache_root equal to (or inside) a local stream's directory, or a directory holding a
+    dataset: refused before anything is written there (before, plan wrote its ``plans/``
+    record among the stream's shards)."""
+    import shutil
+
+    from foundrymix.loader.mixer import StreamMixer
+
+    arxiv, dolly = tmp_path / 'arxiv', tmp_path / 'dolly'
+    shutil.copytree(small_streams['arxiv'], arxiv)
+    shutil.copytree(small_streams['dolly'], dolly)
+    listing = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob('*'))
+    before = {d: listing(d) for d in (arxiv, dolly)}
+    streams = {'arxiv': {'local': str(arxiv)}, 'dolly': {'local': str(dolly), 'repeat': 0.5}}
+    advice = ("; foundrymix writes its records there (plans/, shuffles/, shard-hashes/, ...). Give "
+              "cache_root a directory of its own, or leave it out ($FOUNDRYMIX_CACHE, else "
+              "<tmp>/foundrymix-cache)")
+    cases = [(str(dolly), f"train_loader.cache_root: {dolly} is stream dolly's directory {dolly}{advice}"),
+             (str(arxiv / 'cache'),
+              f"train_loader.cache_root: {arxiv / 'cache'} is inside stream arxiv's directory {arxiv}{advice}")]
+    for root, message in cases:
+        with pytest.raises(ConfigError) as e:
+            StreamMixer.from_dict({'streams': streams, 'cache_root': root}).plan(4)
+        assert str(e.value) == message
+    other = tmp_path / 'other'  # a dataset that is not one of the run's streams
+    shutil.copytree(small_streams['arxiv'], other)
+    with pytest.raises(ConfigError) as e:
+        LoaderConfig.from_dict({'streams': {'dolly': {'local': str(dolly)}}, 'cache_root': str(other)})
+    assert str(e.value) == (f'train_loader.cache_root: {other} holds a dataset (foundrymix.json, '
+                            f'index.json); foundrymix writes its records there. Give cache_root a '
+                            f'directory of its own, or leave it out ($FOUNDRYMIX_CACHE, else '
+                            f'<tmp>/foundrymix-cache)')
+    assert {d: listing(d) for d in (arxiv, dolly)} == before
+    # beside the streams (their parent) is fine: the records go in subdirectories of their own
+    StreamMixer.from_dict({'streams': streams, 'cache_root': str(tmp_path)}).plan(4)
+    assert {d: listing(d) for d in (arxiv, dolly)} == before

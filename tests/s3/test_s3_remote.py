@@ -4,8 +4,10 @@ Checked: a dataset re-uploaded to the same prefix after the cache was filled is 
 on the next start -- foundrymix's own cache is refreshed (rows read are the new
 dataset's, bitwise) and a ``local:`` directory the user named is refused, untouched;
 permanent errors (wrong credentials, missing bucket, a hung or absent endpoint) name the
-URL, the S3 error code and what to check, within a stated time; ``plan`` and
-``inspect s3://`` fetch only metadata.
+URL, the S3 error code and what to check, after a bounded number of attempts (counted: the
+requests moto answered, the connections a hung endpoint accepted, the retries logged -- never
+the wall clock, so the checks hold on a loaded machine); ``plan`` and ``inspect s3://`` fetch
+only metadata.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ import yaml
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
+from foundrymix.s3.remote import BoundedS3Downloader
 import mix_helpers
 from helpers import ROOT, free_port, moto_auth, moto_s3, s3_requests, silent_server, tiny_run_config
 
@@ -94,18 +96,24 @@ def test_changed_remote_refreshes_foundrymix_cache(tmp_path, s3, small_streams, 
     # Endpoint gone, cache present: an error (the cache cannot be proven current), bounded.
     dead = f'http://127.0.0.1:{free_port()}'
     os.environ['S3_ENDPOINT_URL'] = dead
+    caplog.clear()
     try:
-        start = time.monotonic()
-        with pytest.raises(ConfigError) as err:
+        with caplog.at_level(logging.WARNING, logger='foundrymix.s3.remote'), \
+                pytest.raises(ConfigError) as err:
             StreamMixer.from_dict({**remote_cfg, 'download_timeout': 1}).validate()
-        took = time.monotonic() - start
     finally:
         os.environ['S3_ENDPOINT_URL'] = s3['endpoint']
+    retried = [r for r in caplog.records if hasattr(r, 's3_retry')]
+    assert [r.s3_retry for r in retried] == ['connect'] * len(retried)
+    attempts = len(retried) + 1
+    # The backoffs before a 4th attempt (0.2 + 0.4 + 0.8 s at least) pass download_timeout 1 s,
+    # so no 4th attempt starts however loaded the machine (a load only leaves fewer).
+    assert 1 <= attempts <= 3
+    tried = f' ({attempts} attempts)' if attempts > 1 else ''
     assert str(err.value).startswith(f'train_loader.streams.ds: cannot read {url}/foundrymix.json: '
-                                     f'cannot connect to {dead} (')
+                                     f'cannot connect to {dead}{tried} (')
     assert str(err.value).endswith(f'(a copy is cached in {cache}, but without the remote nothing '
                                    f'tells whether it is current, so it is not used)')
-    assert took < 2.5
 
 
 def test_changed_remote_with_user_local_is_refused(tmp_path, s3, small_streams):
@@ -131,13 +139,10 @@ def test_changed_remote_with_user_local_is_refused(tmp_path, s3, small_streams):
     assert {f: (local / f).read_bytes() for f in os.listdir(local)} == before
 
 
-def fails_within(limit: float, fn):
-    """The exception ``fn`` raises, and that it raised within ``limit`` seconds."""
-    start = time.monotonic()
+def fails(fn):
+    """The exception ``fn`` raises."""
     with pytest.raises(Exception) as err:
         fn()
-    took = time.monotonic() - start
-    assert took < limit, f'took {took:.1f} s: {err.value}'
     return err.value
 
 
@@ -152,8 +157,11 @@ def test_credentials_errors_name_the_s3_code(tmp_path, s3, small_streams, monkey
         for key_id, secret, code in cases:
             monkeypatch.setenv('AWS_ACCESS_KEY_ID', key_id)
             monkeypatch.setenv('AWS_SECRET_ACCESS_KEY', secret)
-            e = fails_within(2, lambda: StreamMixer.from_dict(config).validate())
+            with s3_requests() as requests:
+                e = fails(lambda: StreamMixer.from_dict(config).validate())
             assert isinstance(e, ConfigError)
+            # one request: no HEAD before the GET, and a rejection is not retried
+            assert requests == [f'GET /{BUCKET}/auth/foundrymix.json'], code
             if code == 'AccessDenied':
                 assert str(e).startswith(
                     f'train_loader.streams.ds: cannot read {manifest}: S3 AccessDenied: access '
@@ -170,7 +178,7 @@ def test_credentials_errors_name_the_s3_code(tmp_path, s3, small_streams, monkey
         env.update(s3['env'], AWS_ACCESS_KEY_ID=key['key_id'], AWS_SECRET_ACCESS_KEY='wrong-secret',
                    PYTHONPATH=str(ROOT))
         proc = subprocess.run([sys.executable, '-m', 'foundrymix.cli', 'inspect', url], env=env,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2
         assert proc.stderr.startswith(f'foundrymix inspect: error: {manifest}: S3 '
                                       f'SignatureDoesNotMatch: the endpoint {s3["endpoint"]} rejects')
@@ -184,12 +192,20 @@ def test_credentials_errors_name_the_s3_code(tmp_path, s3, small_streams, monkey
 
 def test_hung_endpoint_fails_within_download_timeout(tmp_path, s3, small_streams, monkeypatch):
     """An endpoint that accepts and never answers, download_timeout 2: plan (CLI) and the
-    catalog fail in about 2 s (botocore alone: 3 x 60 s connect/read timeouts + retries)."""
+    catalog fail after one attempt, whose connect and read timeouts are download_timeout
+    (botocore alone: 3 x 60 s connect/read timeouts + retries)."""
+    client = BoundedS3Downloader()
+    client._create_s3_client(timeout=2)
+    botocore = client._s3_client.meta.config  # what botocore will apply to every request
+    assert (botocore.connect_timeout, botocore.read_timeout) == (2, 2)
+    assert botocore.retries['total_max_attempts'] == 1
     url = upload(s3, small_streams['dolly'], 'hung')
-    with silent_server() as hung:
+    accepted: list = []
+    with silent_server(accepted) as hung:
         monkeypatch.setenv('S3_ENDPOINT_URL', hung)
         config = cfg({'remote': url}, cache_root=str(tmp_path / 'cache'), download_timeout=2)
-        e = fails_within(3.5, lambda: StreamMixer.from_dict(config).validate())
+        e = fails(lambda: StreamMixer.from_dict(config).validate())
+        assert len(accepted) == 1  # one attempt: its timeout took the whole download_timeout
         assert str(e) == (
             f'train_loader.streams.ds: cannot read {url}/foundrymix.json: no answer from {hung} within '
             f'2 s (download_timeout); check S3_ENDPOINT_URL, the network and any proxy, or raise '
@@ -197,14 +213,12 @@ def test_hung_endpoint_fails_within_download_timeout(tmp_path, s3, small_streams
         run = tiny_run_config(config, global_train_batch_size=BATCH, max_duration='1ep')
         (tmp_path / 'run.yaml').write_text(yaml.safe_dump(run))
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        start = time.monotonic()
         proc = subprocess.run([sys.executable, '-m', 'foundrymix.cli', 'plan', str(tmp_path / 'run.yaml')],
-                              env=env, capture_output=True, text=True, timeout=120)
-        took = time.monotonic() - start
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert len(accepted) == 2  # the CLI's one attempt
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f'foundrymix plan: error: train_loader.streams.ds: cannot read '
                                   f'{url}/foundrymix.json: no answer from {hung} within 2 s')
-    assert took < 30  # python start-up and imports included; the fetch itself ~2 s
 
 
 def test_plan_and_inspect_fetch_only_metadata(tmp_path, s3, small_streams):
@@ -222,23 +236,26 @@ def test_plan_and_inspect_fetch_only_metadata(tmp_path, s3, small_streams):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with s3_requests() as requests:
         proc = subprocess.run([sys.executable, '-m', 'foundrymix.cli', 'inspect', url, '--json'],
-                              env=env, capture_output=True, text=True, timeout=120)
+                              env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == json.loads((small_streams['arxiv'] / 'foundrymix.json').read_text())
     assert requests == [f'GET /{BUCKET}/meta-only/foundrymix.json']
 
 
 def test_hung_endpoint_during_training_names_the_shard(tmp_path, s3, small_streams, monkeypatch):
-    """Metadata fetched, then the endpoint hangs: reading a batch fails naming the shard within
-    2 x download_retry x download_timeout (streaming's attempt, then the one that names it)."""
+    """Metadata fetched, then the endpoint hangs: reading a batch fails naming the shard after
+    2 x download_retry attempts (streaming's attempt, then the one that names it), each bounded
+    by download_timeout."""
     url = upload(s3, small_streams['dolly'], 'hung-shards')
     mixer = StreamMixer.from_dict(cfg({'remote': url}, cache_root=str(tmp_path / 'cache'),
                                       download_timeout=2, download_retry=1))
     mixer.validate()
-    with silent_server() as hung:
+    accepted: list = []
+    with silent_server(accepted) as hung:
         monkeypatch.setenv('S3_ENDPOINT_URL', hung)
         loader = mixer.build_dataloader(batch_size=BATCH)
-        e = fails_within(8, lambda: next(iter(loader)))  # measured 4.6 s
+        e = fails(lambda: next(iter(loader)))
+        assert len(accepted) == 2  # one connection per attempt, no more
     cache = mixer.config.stream_dir('ds')
     assert type(e).__name__ == 'ShardPrepareError'
     assert str(e).startswith(

@@ -51,15 +51,22 @@ def test_a_different_run_names_its_first_difference(runs, capsys):
     a, b = runs
     assert main(['compare', str(a), str(b)]) == 1
     out = capsys.readouterr().out.splitlines()
-    # the first differing row, found here from the two logs
+    # the first batch whose samples differ as a set, and in it the first row each side has
+    # alone, found here from the two logs (no sample twice in a batch of these runs)
     la, lb = sample_log(a / 'samples.jsonl'), sample_log(b / 'samples.jsonl')
-    batch, row = next((x['batch'], r) for x, y in zip(la, lb)
-                      for r in range(BATCH) if x['sample_ids'][r] != y['sample_ids'][r])
+    batch = next(x['batch'] for x, y in zip(la, lb) if set(x['sample_ids']) != set(y['sample_ids']))
+    x, y = la[batch], lb[batch]
+    ra = next(r for r in range(BATCH) if x['sample_ids'][r] not in y['sample_ids'])
+    rb = next(r for r in range(BATCH) if y['sample_ids'][r] not in x['sample_ids'])
     names = list(json.loads((a / 'report' / 'stream_accounting.json').read_text())['streams'])
-    sa, sb = (la[batch]['sample_ids'][row], la[batch]['stream_ids'][row]), \
-        (lb[batch]['sample_ids'][row], lb[batch]['stream_ids'][row])
-    assert out[0] == (f'samples:    differ: batch {batch}, row {row} of {BATCH} (rank 0 of 1, its '
-                      f'row {row}): A sample {sa[0]} ({names[sa[1]]}), B sample {sb[0]} ({names[sb[1]]})')
+    sa = f"sample {x['sample_ids'][ra]} ({names[x['stream_ids'][ra]]})"
+    sb = f"sample {y['sample_ids'][rb]} ({names[y['stream_ids'][rb]]})"
+    if ra == rb:
+        assert out[0] == (f'samples:    differ: batch {batch}, row {ra} of {BATCH} (rank 0 of 1, its '
+                          f'row {ra}): A {sa}, B {sb}')
+    else:
+        assert out[0] == (f'samples:    differ: batch {batch}: A {sa} at row {ra} of {BATCH} (rank 0 of 1, '
+                          f"its row {ra}) is not in B's batch, B {sb} at row {rb} is not in A's")
     # the accounting: the first stream whose counts differ (or equal, if the seeds chose alike)
     ra = json.loads((a / 'report' / 'stream_accounting.json').read_text())['streams']
     rb = json.loads((b / 'report' / 'stream_accounting.json').read_text())['streams']
@@ -109,6 +116,27 @@ def test_parts_and_a_given_checkpoint(runs, tmp_path, capsys):
     assert main(['compare', str(a), str(copy), '--parts', 'samples']) == 0
     assert capsys.readouterr().out == \
         'samples:    equal (4 batches, 16 samples; ids only: a log has no token digests)\n'
+    # each batch's rows in another order (as on another number of ranks), digests as written:
+    # the same training, equal; then one row replaced by a sample of another batch: named
+    permuted = [json.loads(line) for line in lines]
+    for line in permuted:
+        order = list(range(len(line['sample_ids'])))[::-1]
+        line['sample_ids'] = [line['sample_ids'][r] for r in order]
+        line['stream_ids'] = [line['stream_ids'][r] for r in order]
+    (copy / 'samples.jsonl').write_text(''.join(json.dumps(x) + '\n' for x in permuted))
+    assert main(['compare', str(a), str(copy), '--parts', 'samples']) == 0
+    assert capsys.readouterr().out == 'samples:    equal (4 batches, 16 samples)\n'
+    first = json.loads(lines[0])
+    outsider = next(i for i in json.loads(lines[1])['sample_ids'] if i not in first['sample_ids'])
+    gone = permuted[0]['sample_ids'][1]  # B's row 1 (A's row 2, in A's order)
+    permuted[0]['sample_ids'][1] = outsider
+    (copy / 'samples.jsonl').write_text(''.join(json.dumps(x) + '\n' for x in permuted))
+    assert main(['compare', str(a), str(copy), '--parts', 'samples']) == 1
+    names = list(json.loads((a / 'report' / 'stream_accounting.json').read_text())['streams'])
+    assert capsys.readouterr().out == (
+        f"samples:    differ: batch 0: A sample {gone} ({names[first['stream_ids'][2]]}) at row 2 of 4 (rank "
+        f"order) is not in B's batch, B sample {outsider} ({names[permuted[0]['stream_ids'][1]]}) "
+        f"at row 1 is not in A's\n")
     # a log one batch shorter: the batch only one run has
     (copy / 'samples.jsonl').write_text(''.join(lines[:-1]))
     assert main(['compare', str(a), str(copy), '--parts', 'samples']) == 1

@@ -264,3 +264,37 @@ def test_loader_names_a_shard_missing_from_the_remote(tmp_path, s3, hashed):
     assert "stream 'arxiv' (" in text and 'shard shard.00001.mds' in text
     assert (f'RemoteError: {url}/shard.00001.mds: S3 NoSuchKey: no such object at '
             f'{os.environ["S3_ENDPOINT_URL"]}; check the path after the bucket (the prefix)') in text
+
+
+def test_index_without_the_hashes_its_manifest_records_is_named(capsys, tmp_path, small_streams, hashed):
+    """index.json rewritten without hashes while foundrymix.json says the conversion wrote
+    them: before, verify said INTACT (and plan/train went on with nothing to check the bytes
+    against); now verify names both files, and plan refuses unless hash_local_shards is off."""
+    from foundrymix.loader.mixer import StreamMixer
+    from foundrymix.config import ConfigError
+    from integrity_helpers import strip_index_hashes
+
+    stripped = strip_index_hashes(copy_stream(hashed, tmp_path / 'h'))
+    index, manifest = stripped / 'index.json', stripped / 'foundrymix.json'
+    problem = (f'{index} records no hash for 2 of 2 shard(s) (e.g. shard.00000.mds), though {manifest} '
+               f'says the conversion wrote sha1, xxh3_64: the index was rewritten after the conversion, '
+               f"and nothing can check those shards' bytes")
+    code, report = run_json(capsys, stripped)
+    assert code == 1 and report['verdict'] == 'corrupt'
+    assert report['problems'] == [f'{problem}; re-run `foundrymix convert` into {stripped} with '
+                                  f'--overwrite, or restore its index.json']
+    assert main(['verify', str(stripped)]) == 1
+    assert 'verdict: CORRUPT -- 0 of 2 shards damaged; 1 problem(s) with manifest or index' in \
+        capsys.readouterr().out
+
+    config = {'streams': {'arxiv': {'local': str(stripped)}}}
+    with pytest.raises(ConfigError) as err:
+        StreamMixer.from_dict(config).plan(4)
+    assert str(err.value) == (
+        f'train_loader.streams.arxiv: {problem}. Re-run `foundrymix convert` into {stripped} with '
+        f'--overwrite (or restore its index.json), or set train_loader.hash_local_shards: false to '
+        f'train it unchecked')
+    StreamMixer.from_dict({**config, 'hash_local_shards': False}).plan(4)  # the advice, followed
+    # a stream converted without hashes (both files agree) is not refused
+    StreamMixer.from_dict({'streams': {'dolly': {'local': str(
+        strip_hashes(copy_stream(small_streams['dolly'], tmp_path / 'd')))}}}).plan(4)

@@ -132,7 +132,7 @@ def straight(tmp_path_factory, data) -> dict:
     """Reference: N_BATCHES on one rank."""
     d = tmp_path_factory.mktemp('one-rank')
     train_1rank(write_config(d, data))
-    return {'log': sample_log(d / 'samples.jsonl'), 'report': report(d)}
+    return {'dir': d, 'log': sample_log(d / 'samples.jsonl'), 'report': report(d)}
 
 
 @pytest.fixture(scope='module')
@@ -158,7 +158,9 @@ def test_two_ranks_see_the_one_rank_global_batches(straight, two_ranks):
     for b1, b2 in zip(log1, log2):  # the ranks' slices, in rank order, are the 1-rank batch
         assert b2['sample_ids'] == b1['sample_ids'], b1['batch']
         assert b2['stream_ids'] == b1['stream_ids'], b1['batch']
-    # each batch's token digest covers both ranks' rows, in rank order (recomputed from the rows)
+    # each batch's token digest covers both ranks' rows (recomputed from the rows below), and
+    # equals the 1-rank run's
+    assert [b2['tokens'] for b2 in log2] == [b1['tokens'] for b1 in log1[:STOP]]
     data = _data_of(two_ranks['config'])
     tokens = LoggedTokens([data['arxiv'], data['dolly']])
     assert all(b2['tokens'] == tokens.digest(b2['sample_ids'], b2['stream_ids']) for b2 in log2)
@@ -205,6 +207,11 @@ def test_two_rank_checkpoint_resumes_on_one_rank(straight, two_ranks, tmp_path):
     for b, b1 in zip(log, log1):                          # every global batch: the same rows
         assert b['sample_ids'] == b1['sample_ids']
         assert b['epoch'] == b1['epoch']
+    # the same rows per global batch on 2 and 1 ranks: foundrymix compare finds the logs equal,
+    # token digests included
+    assert [b['tokens'] for b in log] == [b1['tokens'] for b1 in log1]
+    from foundrymix.cli import main
+    assert main(['compare', str(straight['dir']), str(d), '--parts', 'samples,accounting']) == 0
     rep = report(d)
     assert_same_streams(rep['streams'], straight['report']['streams'])
     hist1 = straight['report']['history']

@@ -7,6 +7,8 @@ load the directory offline and the logits on a mixed batch equal the Composer mo
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from helpers import DEMO_TOKENIZER, tiny_run_config
@@ -83,3 +85,63 @@ def test_export_refuses_a_non_empty_directory_and_a_checkpoint_without_model_inf
     assert cli(['export', str(tmp_path / 'old.pt'), '--to-hf', str(tmp_path / 'out')]) == 2
     assert 'the checkpoint has no ModelInfo record' in capsys.readouterr().err
     assert not (tmp_path / 'out').exists()
+
+
+def test_export_refuses_a_dataset_directory_even_with_overwrite(exported, small_streams, tmp_path, capsys):
+    """--overwrite writes into a directory of model files, never among a dataset's shards."""
+    if exported['attention'] == 'document':
+        return  # once is enough
+    ckpt = exported['root'] / 'ckpt' / 'latest-rank0.pt'
+    dataset = tmp_path / 'dolly'
+    shutil.copytree(small_streams['dolly'], dataset)
+    before = tree(dataset)
+    assert cli(['export', str(ckpt), '--to-hf', str(dataset), '--overwrite']) == 2
+    assert capsys.readouterr().err == (
+        f'foundrymix export: error: {dataset}: holds a dataset (foundrymix.json, index.json, '
+        f'{len(before)} entries); export writes model files, never into a dataset (not even with '
+        f'--overwrite): choose another --to-hf directory\n')
+    assert tree(dataset) == before
+
+
+def test_export_of_a_checkpoint_folder_takes_its_newest_complete_checkpoint(exported, tmp_path, capsys):
+    """The folder holds ba1 (other weights), ba2 (the run's) and a truncated ba3: ba2 is
+    exported, and the CLI says so; a folder without checkpoints is refused naming it."""
+    if exported['attention'] == 'document':
+        return  # once is enough
+    from safetensors.torch import load_file
+
+    ckpt = exported['root'] / 'ckpt' / 'latest-rank0.pt'
+    folder = tmp_path / 'ckpts'
+    folder.mkdir()
+    state = torch.load(ckpt, map_location='cpu', weights_only=False)
+    torch.save(state, folder / 'ep0-ba2-rank0.pt')
+    for name in state['state']['model']:
+        state['state']['model'][name] = state['state']['model'][name] + 1
+    torch.save(state, folder / 'ep0-ba1-rank0.pt')
+    (folder / 'ep0-ba3-rank0.pt').write_bytes((folder / 'ep0-ba2-rank0.pt').read_bytes()[:1000])
+    capsys.readouterr()
+    assert cli(['export', str(folder), '--to-hf', str(tmp_path / 'hf')]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f'{folder} is a directory: exporting its newest complete checkpoint '
+                               f'ep0-ba2-rank0.pt; skipped ep0-ba3-rank0.pt (incomplete: ')
+    assert lines[1:] == [f'exported {folder / "ep0-ba2-rank0.pt"} -> {tmp_path / "hf"}']
+    assert_same_tensors(load_file(tmp_path / 'hf' / 'model.safetensors'),
+                        load_file(exported['hf'] / 'model.safetensors'))
+
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    assert cli(['export', str(empty), '--to-hf', str(tmp_path / 'hf2')]) == 2
+    assert capsys.readouterr().err == (
+        f'foundrymix export: error: {empty}: a directory without checkpoints (no ep<N>-ba<N>-rank0.pt '
+        f'or latest-rank0.pt in it); give a checkpoint file or the save_folder of a run\n')
+    assert not (tmp_path / 'hf2').exists()
+
+
+def tree(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def assert_same_tensors(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

@@ -153,7 +153,7 @@ def test_config_overrides_apply_to_the_pretrained_config(small_streams, pretrain
 
 
 def test_streams_of_another_tokenizer_are_refused(small_streams, pretrained_dir, tmp_path):
-    from foundrymix.tokenizer import load_tokenizer
+    from foundrymix.tokenizer import describe_tokenizer, load_tokenizer, tokenizer_info
     from foundrymix.train.builder import build_trainer
 
     other = tmp_path / 'spm-llama'
@@ -165,8 +165,11 @@ def test_streams_of_another_tokenizer_are_refused(small_streams, pretrained_dir,
     with pytest.raises(ConfigError) as err:
         build_trainer(run_config(small_streams, {'pretrained': str(other)}, tmp_path))
     message = str(err.value)
-    assert message.startswith(f'model.pretrained: {other} has another tokenizer (vocabulary 32000, fingerprint ')
-    assert f'than the streams ({DEMO_TOKENIZER}, vocabulary 8192, fingerprint ' in message
+    spm, demo = tokenizer_info(load_tokenizer(str(other))), describe_tokenizer(DEMO_TOKENIZER)
+    assert message.startswith(f'model.pretrained: {other} has another tokenizer than the streams '
+                              f'({DEMO_TOKENIZER}): vocabulary 32000 vs 8192; ')
+    assert message.endswith(f"fingerprint {spm.fingerprint[:12]} vs {demo.fingerprint[:12]} (the directory's "
+                            f"vs the streams')")
 
 
 @pytest.mark.parametrize('vocab, refused', [(8192, False), (8192 + 64, False), (32000, True)])

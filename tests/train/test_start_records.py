@@ -162,3 +162,44 @@ def test_a_start_runs_no_collector_pass_and_leaves_the_collector_as_it_was(cache
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_tokenizer_changed_since_the_conversion_is_refused_saying_what_differs(cache, tok, tmp_path,
+                                                                                 arxiv_jsonl):
+    """Streams converted with directory T, then T gains a special token: the refusal named T on
+    both sides (``tokenizer 'T' differs from the one the streams were converted with (T)``);
+    now it says what differs and that T changed, for ``tokenizer:`` and ``model.pretrained``."""
+    import subprocess
+    import sys
+
+    from foundrymix.loader.mixer import StreamMixer
+    from foundrymix.train.model import ModelSpec, check_pretrained_tokenizer
+    from helpers import ROOT
+
+    out = tmp_path / 'stream'
+    subprocess.run([sys.executable, '-m', 'foundrymix.cli', 'convert', 'pretrain', str(arxiv_jsonl), '-o',
+                    str(out), '--tokenizer', str(tok), '--max-seq-len', '64', '--workers', '1', '--no-progress'],
+                   check=True, env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
+    before = describe_tokenizer(str(tok))
+    changed = load_tokenizer.__wrapped__(str(tok))  # not this process's cached copy
+    changed.add_special_tokens({'additional_special_tokens': ['<|tool|>']})
+    changed.save_pretrained(str(tok))
+    after = tokenizer_info(load_tokenizer.__wrapped__(str(tok)))
+    assert (after.vocab_size, before.vocab_size) == (8193, 8192)
+
+    streams = StreamMixer.from_dict({'streams': {'a': {'local': str(out)}}}).tokenizer
+    assert streams == TokenizerInfo(**{**before.__dict__, 'name': str(tok)})
+    note = (f'; {tok} changed since the streams were converted with it: re-convert them (foundrymix convert '
+            f'... --tokenizer {tok} --overwrite), or restore the tokenizer they were converted with')
+    differs = f'vocabulary 8193 vs 8192; fingerprint {after.fingerprint[:12]} vs {before.fingerprint[:12]}'
+    cfg = TrainConfig.from_dict(tiny_run_config({'streams': {'a': {'local': str(out)}}}, max_seq_len=64,
+                                                global_train_batch_size=4, max_duration='2ba', tokenizer=str(tok)))
+    with pytest.raises(ConfigError) as err:
+        check_streams(cfg, 64, streams)
+    assert str(err.value) == (f"tokenizer '{tok}' differs from the one the streams were converted with "
+                              f"({tok}): {differs} (this one vs the streams'){note}")
+    (tok / 'config.json').write_text(json.dumps({'model_type': 'llama', 'vocab_size': 8193}))  # a model dir
+    with pytest.raises(ConfigError) as err:
+        check_pretrained_tokenizer(ModelSpec.from_dict({'pretrained': str(tok)}), streams)
+    assert str(err.value) == (f'model.pretrained: {tok} has another tokenizer than the streams ({tok}): '
+                              f"{differs} (the directory's vs the streams'){note}")

@@ -30,18 +30,26 @@ def row_digests(batch: Any) -> list[str]:
     return [xxhash.xxh3_64_hexdigest(row) for row in rows]  # (n, keys, seq): each row contiguous
 
 
+#: how :func:`batch_digest` orders the row digests, written beside it in every log line
+#: (``tokens_order``); lines without it were written in rank order, by an older foundrymix
+TOKENS_ORDER = 'sorted'
+
+
 def batch_digest(rows: list[str]) -> str:
-    """A global batch's ``tokens`` digest: ``xxh3_64`` over its rows' digests in rank order,
-    so it does not depend on how the batch was split over ranks."""
+    """A global batch's ``tokens`` digest: ``xxh3_64`` over its rows' digests, sorted.
+
+    Order-free within the batch: a global batch is one step on a set of rows, so the digest
+    does not depend on how its rows are listed (by rank, in an order that streaming's
+    sampler made depend on the number of ranks), as ``foundrymix compare`` matches ids."""
     import xxhash
-    return xxhash.xxh3_64_hexdigest(''.join(rows).encode())
+    return xxhash.xxh3_64_hexdigest(''.join(sorted(rows)).encode())
 
 
 class SampleLog(Callback):
     """Append each global batch's sample ids and streams to a JSONL file (rank 0).
 
     One line per batch: ``{"batch": b, "epoch": e, "sample_ids": [...], "stream_ids":
-    [...], "tokens": "<16 hex digits>"}`` in rank order. On resume, lines for batches at or
+    [...], "tokens": "<16 hex digits>", "tokens_order": "sorted"}``, ids in rank order. On resume, lines for batches at or
     after the checkpoint are dropped first, so the file always describes exactly what the
     weights saw.
 
@@ -118,6 +126,7 @@ class SampleLog(Callback):
             if stages is not None:  # a staged run: the stage of every sample
                 line['stage_ids'] = [s for rank in gathered for s in rank[k][4]]
             line['tokens'] = batch_digest([d for rank in gathered for d in rank[k][5]])
+            line['tokens_order'] = TOKENS_ORDER
             lines.append(json.dumps(line) + '\n')
         if not lines:
             return

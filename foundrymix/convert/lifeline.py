@@ -1,0 +1,43 @@
+"""Forked worker processes end when the process that forked them dies, even by SIGKILL.
+
+Why: a worker inherits its parent's open files, among them the ``flock`` of the
+conversion's claim on ``--out`` (:mod:`foundrymix.claims`). A worker that runs on after
+its parent was SIGKILLed keeps that claim, so the run started again to replace the
+killed one is refused, naming the dead parent, until the worker finishes what it had.
+
+On Linux the kernel delivers SIGKILL to the worker the moment its parent exits
+(``prctl(PR_SET_PDEATHSIG)``); the setting is made in the worker, so a parent that died
+before it was made is checked for right after. Elsewhere a daemon thread in the worker
+polls for its parent and ends the process (``os._exit``) once it is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: how often the fallback thread looks for its parent, in seconds
+POLL_S = 0.2
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process (forked by ``parent``, in the thread that lives as long as the
+    pool: ``PR_SET_PDEATHSIG`` follows the forking thread) end when ``parent`` does."""
+    if sys.platform.startswith('linux'):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
+            if os.getppid() != parent:  # died before the setting was made
+                os._exit(1)
+            return
+    threading.Thread(target=_watch, args=(parent,), daemon=True, name='foundrymix-lifeline').start()
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    os._exit(1)
