@@ -470,7 +470,7 @@ def _tiny_llama(path: Path) -> Path:
 #: what fits each migrated YAML to this machine's data, never a fix of the migration: where the
 #: data is (every split the YAMLs name), the tokenizer and row length the streams were made with
 FIT = [f'tokenizer={DEMO_TOKENIZER}', f'max_seq_len={SMALL_SEQ}', 'global_train_batch_size=4',
-       'device_train_microbatch_size=2', 'device=gpu']  # plan the GPU run they are, from a CPU
+       'device_train_microbatch_size=2']
 FINETUNE = ('gpt2-arc-easy-cpu-streaming-dataset', '1b_local_data_sft', '7b_dolly_sft', 'dbrx-lora-ft')
 
 
@@ -506,7 +506,8 @@ def test_migrated_yaml_plans_once_its_to_dos_are_done(name, small_streams, tmp_p
     plans once exactly what they ask is given, and not before (each to-do is real)."""
     lines, out = _report(name, tmp_path, capsys)
     data = _data(small_streams, tmp_path, name)
-    fit = FIT + [f'variables.data_local={data}'] * ('data_local' in (FOUNDRY_DIR / f'{name}.yaml').read_text())
+    fit = FIT + ['device=gpu'] + \
+        [f'variables.data_local={data}'] * ('data_local' in (FOUNDRY_DIR / f'{name}.yaml').read_text())  # the GPU run it is
     done = _todo_done(name, data, tmp_path)
     assert (COMPLETE in lines) == (done == [])
     if done:

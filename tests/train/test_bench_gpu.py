@@ -26,7 +26,8 @@ def test_bench_gpu_runs_on_cpu_tiny(tmp_path):
     ran = rows[('sdpa', 'none')]
     assert ran['status'] == 'ok' and (ran['steps'], ran['batches']) == (4, 5)  # 1 warmup step
     assert ran['real_tokens'] == ran['accounting_tokens'] > 0  # every batch timed, counted once
-    assert 0 < ran['loader_share'] < 1 and ran['positions_per_s'] > ran['real_tokens_per_s'] > 0
+    # (real tokens <= positions: equal when the timed batches hold only full pretrain rows)
+    assert 0 < ran['loader_share'] < 1 and ran['positions_per_s'] >= ran['real_tokens_per_s'] > 0
     assert ran['mfu'] is None  # no peak FLOP/s known for a CPU
     # the wait's parts, per measured step: the DataLoader's __next__ and the accounting's count lie inside it
     assert len(ran['waits_ms']) == len(ran['nexts_ms']) == len(ran['counts_ms']) == 4
