@@ -333,6 +333,11 @@ class LoaderConfig:
             self.streams = {n: s for n, s in self.streams.items() if not is_pattern(n)}
 
     # ------------------------------------------------------------------ parsing
+    @staticmethod
+    def refuse_given(data: dict[str, Any], where: str) -> None:
+        """Keys refused as given, whatever their value (:func:`refuse_replaced_knobs`)."""
+        refuse_replaced_knobs(data, where)
+
     @classmethod
     def from_dict(cls, d: Any, where: str = 'train_loader') -> 'LoaderConfig':
         """Build and check a config from a mapping or an omegaconf ``DictConfig``.

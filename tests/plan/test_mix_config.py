@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from omegaconf import OmegaConf
@@ -139,3 +140,34 @@ def test_cache_root_in_a_stream_directory_or_a_dataset_is_refused(tmp_path, smal
     # beside the streams (their parent) is fine: the records go in subdirectories of their own
     StreamMixer.from_dict({'streams': streams, 'cache_root': str(tmp_path)}).plan(4)
     assert {d: listing(d) for d in (arxiv, dolly)} == before
+
+
+@pytest.mark.parametrize('key, value', [('shuffle_algo', 'py1e'), ('num_canonical_nodes', 1),
+                                        ('partition_algo', 'orig'), ('sampling_method', 'fixed'),
+                                        ('sampling_granularity', 2)])
+def test_streamings_sampler_knobs_are_refused_as_given_on_every_path(key, value):
+    """Refused whatever the value (even the old default), through the training YAML's reader
+    (TrainConfig reads train_loader as a nested dataclass), from_dict and a stage's overrides."""
+    from foundrymix.config import read_dataclass
+    streams = {'a': {'local': '/a'}}
+    message = f"train_loader.{key}: streaming's sampler knob, which foundrymix's own sample order replaced"
+    for read in (lambda d: read_dataclass(LoaderConfig, d, 'train_loader'),
+                 lambda d: LoaderConfig.from_dict(d)):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            read({'streams': streams, key: value})
+    with pytest.raises(ConfigError, match=re.escape(f"stages[0].{key}: streaming's sampler knob")):
+        LoaderConfig.from_dict({'streams': streams, 'stages': [
+            {'name': 's', 'duration': '1ba', 'streams': {'a': {}}, key: value}]})
+
+
+def test_drop_last_false_is_refused_for_training_only():
+    from foundrymix.config import read_dataclass
+    with pytest.raises(ConfigError, match=r'train_loader.drop_last: false is gone: every epoch is '
+                                          r'whole global batches'):
+        read_dataclass(LoaderConfig, {'streams': {'a': {'local': '/a'}}, 'drop_last': False},
+                       'train_loader')
+    ok = read_dataclass(LoaderConfig, {'streams': {'a': {'local': '/a'}}, 'drop_last': False},
+                        'eval_loader')
+    assert ok.drop_last is False
+    assert read_dataclass(LoaderConfig, {'streams': {'a': {'local': '/a'}}, 'drop_last': True},
+                          'train_loader').drop_last is True
