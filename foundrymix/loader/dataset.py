@@ -224,7 +224,7 @@ class MixedDataset(StreamingDataset):
         Why: streaming 0.13 checks ``validate_hash`` right after a download and leaves the
         file in place when it fails; the next run (a restart after a pre-emption) found it
         cached, never checked it again, and trained on it. Remembered per process, so
-        the error that ends the epoch (:meth:`_prepare_error`) is this one.
+        a later read of the shard names this error (:meth:`_shard_error`).
         """
         from foundrymix.loader.cache import remove_shard_files
         stream_id = int(self.stream_per_shard[shard_id])
@@ -346,21 +346,6 @@ class MixedDataset(StreamingDataset):
                                      f'{context}')
         return ShardPrepareError(f'{where}: streaming failed to prepare the shard and it '
                                  f'succeeded on a retry (a transient error?); {context}')
-
-    def _prepare_error(self, it: Any) -> 'ShardPrepareError':
-        """Name the shard streaming failed to prepare (retried here to get its exception)."""
-        _ShardState = streaming_compat.shard_state()
-        stopped = (f'the epoch stopped after {it.yield_index:,} of {it.total:,} samples of this '
-                   f'worker')
-        for error in getattr(self, '_corrupt', {}).values():
-            return error
-        states = self._shard_states
-        for shard_id in range(len(self.shards)):
-            if states[shard_id] != _ShardState.PREPARING:
-                continue
-            return self._shard_error(shard_id, stopped)
-        return ShardPrepareError(f"streaming's shard-preparing thread failed (see the traceback "
-                                 f'logged above); {stopped}')
 
     # ------------------------------------------------------------ teardown
     def release(self) -> None:
