@@ -16,6 +16,20 @@ class FoundrymixError(Exception):
     """An error whose message says what is wrong and what to do (printed as one line)."""
 
 
+class WorkerError(FoundrymixError, ValueError):
+    """An error raised in a DataLoader worker that keeps its one line in the main process.
+
+    torch re-raises a worker's exception as ``type(text of the worker's traceback)``; the
+    traceback is dropped here, keeping the message after the last ``<Class>: ``.
+    """
+
+    def __init__(self, text: str = '') -> None:
+        marker = f'{type(self).__name__}: '
+        if 'Original Traceback' in text and marker in text:
+            text = text.rsplit(marker, 1)[1].strip()
+        super().__init__(text)
+
+
 class UserError(FoundrymixError, ValueError):
     """Bad input, option or data: the message names it."""
 

@@ -48,7 +48,7 @@ def main(spec_path: str) -> None:
             mixer = StreamMixer.from_dict(spec['loader'])
             loader = mixer.build_dataloader(batch_size=spec['batch'])
             dataset = loader.storage
-            locals_ = [s.local for s in dataset.streams]
+            locals_ = [s.directory for s in dataset.sources]
             if sync:
                 open(os.path.join(sync['dir'], f"built-{sync['me']}-{it}"), 'w').close()
                 _wait(os.path.join(sync['dir'], f"built-{sync['peer']}-{it}"))

@@ -191,12 +191,16 @@ def check_shard_files(directory: str, index: dict[str, Any],
     streaming cache may hold either or both); every file present must have the recorded
     size. ``allow_missing=True`` is for a *cache* of a remote stream, where shards not
     yet downloaded are expected: only the sizes of present files are checked. For a
-    stream with no remote (its local directory is the data), leave it ``False``.
+    stream with no remote (its local directory is the data), leave it ``False``: then a
+    compressed shard is its compressed file only (the loader unpacks it into its cache;
+    a raw file beside it, left by an older reader, is never read).
     """
     problems = []
     for shard in index['shards']:
         name = shard_name(shard)
         pairs = [shard['raw_data']] + ([shard['zip_data']] if shard.get('zip_data') else [])
+        if shard.get('zip_data') and not allow_missing:
+            pairs = [shard['zip_data']]
         present = 0
         for info in pairs:
             path = os.path.join(directory, info['basename'])

@@ -1,4 +1,4 @@
-"""``StreamMixer``: a ``train_loader`` config -> validated streams -> one ``MixedDataset``.
+"""``StreamMixer``: a ``train_loader`` config -> validated streams -> a loader in the plan's order.
 
 The mixer only builds: what the streams are and whether they can be mixed is the
 :class:`~foundrymix.plan.catalog.Catalog`'s job (manifests and ``index.json``, validated
@@ -18,19 +18,18 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from foundrymix.config import ConfigError
 from foundrymix.heap import collector_paused
-from foundrymix.plan.catalog import Catalog, make_streams
+from foundrymix.plan.catalog import Catalog
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.format.schema import Manifest, TokenizerInfo
 
 if TYPE_CHECKING:  # torch/streaming are imported lazily
     from foundrymix.plan.catalog import StreamInfo
-    from foundrymix.loader.dataset import MixedDataset
-    from foundrymix.plan.exact import EpochWeights
+    from foundrymix.loader.storage import RowStore
     from foundrymix.plan.mixture import Plan
 
 
 class StreamMixer:
-    """Builds a :class:`MixedDataset` and a DataLoader from a loader config and its catalog."""
+    """Builds the rows' store and a DataLoader from a loader config and its catalog."""
 
     def __init__(self, config: LoaderConfig, where: str = 'train_loader') -> None:
         self.config = config
@@ -62,32 +61,11 @@ class StreamMixer:
     def tokenizer(self) -> TokenizerInfo:
         return self.catalog.tokenizer
 
-    # ------------------------------------------------------------ building
-    def streams(self) -> list[Any]:
-        """Fresh ``streaming.Stream`` objects, one per configured stream, in config order."""
-        return make_streams(self.catalog.infos(), weights_in=self.config.weights_in)
-
-    def dataset_kwargs(self, batch_size: int, epoch_size: Optional[int] = None) -> dict[str, Any]:
-        """Keyword arguments of ``StreamingDataset`` (without streams) for this config;
-        ``epoch_size`` is the exact epoch's (see :func:`~foundrymix.plan.exact.epoch_weights`)."""
-        return dataset_kwargs(self.config, batch_size, epoch_size)
-
-    def build_dataset(self, batch_size: int, world_size: Optional[int] = None) -> 'MixedDataset':
-        """One ``MixedDataset`` over all streams; ``batch_size`` is the per-rank batch size.
-
-        ``world_size`` (default: the ranks of this job, from the launcher's environment)
-        fixes the global batch, which an exact epoch is made of: the plan for the same
-        global batch gives the same streams and epoch size. (The trainer builds its
-        datasets from the run's plan instead: :func:`build_dataset`.)
-        """
-        from foundrymix.loader.streaming_compat import world_size as get_world_size
-        from foundrymix.plan.exact import epoch_weights
-        if batch_size <= 0:
-            raise ConfigError(f'batch_size must be positive, got {batch_size}')
-        G = batch_size * (world_size or get_world_size())
-        infos = self.catalog.infos()
-        weights = epoch_weights(self.config, infos, G, self.where)
-        return build_dataset(self.config, infos, weights, batch_size, G, self.where)
+    def build_store(self) -> 'RowStore':
+        """The rows of every stream by sample id (streams numbered in config order): the
+        storage a loader reads (cache directories claimed; ``release()`` gives them back)."""
+        self.catalog.validate()
+        return build_store(self.config, self.catalog.infos(), self.where)
 
     def build_dataloader(self, batch_size: int, epochs: int = 1, world_size: Optional[int] = None,
                          rank: Optional[int] = None, rewind: bool = False) -> Any:
@@ -97,12 +75,12 @@ class StreamMixer:
         ``state_dict()`` / ``load_state_dict()`` resume it at any batch. ``rewind``: every
         iteration starts again at the first batch (an evaluation set, read whole each time)."""
         from foundrymix.loader.run_loader import build_run_loader
-        from foundrymix.loader.streaming_compat import world_size as get_world_size
+        from foundrymix.plan.topology import env_world_size
         from foundrymix.plan.stages import build_run_plan, plan_run
         from foundrymix.plan.topology import Topology
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
-        topology = Topology(1, world_size or get_world_size())
+        topology = Topology(1, world_size or env_world_size())
         if self.config.stages is None:  # this mixer's catalog: its metadata is read once
             self.catalog.validate()
             run = build_run_plan(self.config, [self.catalog.infos()], batch_size, f'{epochs}ep',
@@ -127,50 +105,22 @@ class StreamMixer:
                           Topology(nodes=nodes, ranks_per_node=world_size // nodes))
 
 
-def dataset_kwargs(c: LoaderConfig, batch_size: int, epoch_size: Optional[int] = None) -> dict[str, Any]:
-    """Keyword arguments of ``StreamingDataset`` (without streams) for loader config ``c``."""
-    return dict(
-        download_retry=c.download_retry, download_timeout=c.download_timeout,
-        validate_hash=c.validate_hash, keep_zip=c.keep_zip, epoch_size=epoch_size,
-        predownload=c.predownload, cache_limit=c.cache_limit,
-        sampling_method=c.sampling_method, sampling_granularity=c.sampling_granularity,
-        partition_algo=c.partition_algo, num_canonical_nodes=c.num_canonical_nodes,
-        batch_size=batch_size, shuffle=c.shuffle, shuffle_algo=c.shuffle_algo,
-        shuffle_seed=c.shuffle_seed, shuffle_block_size=c.shuffle_block_size,
-        batching_method=c.batching_method)
-
-
-@collector_paused()  # at each start and stage switch: streaming's per-stream objects (heap.py)
-def build_dataset(config: LoaderConfig, infos: list['StreamInfo'], weights: 'EpochWeights',
-                  batch_size: int, global_batch: int, where: str = 'train_loader') -> 'MixedDataset':
-    """The ``MixedDataset`` of one mixture, from what its plan holds: the streams' metadata
-    (read once by the catalog) and the epoch weights (computed once by the plan).
+@collector_paused()  # at each start and stage switch: per-stream objects (heap.py)
+def build_store(config: LoaderConfig, infos: list['StreamInfo'], where: str = 'train_loader') -> 'RowStore':
+    """The store of one stage's streams, from the metadata the catalog read once.
 
     Claims the cache directories (another live run's are not shared), cleans what killed
-    runs left there, and refuses a cache too small -- all before streaming starts.
+    runs left there, and refuses a cache too small -- all before the first row is read.
     """
     from foundrymix.loader import cache
-    from foundrymix.loader.dataset import MixedDataset
-    if batch_size <= 0:
-        raise ConfigError(f'batch_size must be positive, got {batch_size}')
+    from foundrymix.loader.storage import RowStore, sources_of
     infos, claims = cache.prepare(config, infos, where)
     manifest = infos[0].manifest
     try:
-        dataset = MixedDataset(stream_names=[i.name for i in infos], global_batch_size=global_batch,
-                               streams=make_streams(infos, weights.chooses, config.weights_in),
-                               vocab_size=manifest.tokenizer.vocab_size,
-                               max_seq_len=manifest.max_seq_len,
-                               **dataset_kwargs(config, batch_size, weights.epoch_size))
-    except ValueError as e:
-        claims.release()
-        if 'Reused local directory' in str(e):
-            raise ConfigError(
-                f'{where}.streams: a cache directory of this run is registered by another '
-                f'live streaming dataset on this machine (not a foundrymix run, or one in this '
-                f'process): {e}. Give the stream its own local: directory') from e
-        raise
+        store = RowStore(sources_of(infos, config), config, vocab_size=manifest.tokenizer.vocab_size,
+                         max_seq_len=manifest.max_seq_len, budget=cache.budget_for(config, infos, where))
     except BaseException:
         claims.release()
         raise
-    dataset.cache_claims = claims
-    return dataset
+    store.cache_claims = claims
+    return store

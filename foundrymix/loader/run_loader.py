@@ -134,7 +134,7 @@ class StagedPosition(IterableDataset):
         The global batch is the last trained stage's (each stage has its own): the stage the
         checkpoint is inside keeps it; a stage that starts at the checkpoint may set another.
         """
-        from foundrymix.loader.dataset import check_resume
+        from foundrymix.loader.storage import check_resume
         trained = [s for s in obj['stages'] if s['start_batch'] < batch]
         if not trained:
             return
@@ -210,10 +210,10 @@ class StagedPosition(IterableDataset):
 
 @dataclass
 class _Active:
-    """The stage being read: its storage (the stage's dataset, rows read by index)."""
+    """The stage being read: its storage (rows read by index)."""
 
     stage: StagePlan
-    dataset: Any
+    store: Any
 
 
 class StagedDataLoader(DataLoader):
@@ -242,16 +242,6 @@ class StagedDataLoader(DataLoader):
         self._maps = [torch.tensor([column[n] for n in s.stream_names])
                       for s in run.stages]
         self._active: Optional[_Active] = None
-        self._check_local_shards()
-
-    def _check_local_shards(self) -> None:
-        """Hash every stage's local shards now, at the run's start (once per file version,
-        :mod:`foundrymix.loader.cache.local_hashes`): a damaged shard of a later stage stops
-        the run before its first batch, not hours in."""
-        from foundrymix.loader.cache import check_local_streams
-        for stage in self.run.stages:
-            if stage.config is not None:
-                check_local_streams(stage.config, stage.infos)
 
     @property
     def position(self) -> StagedPosition:
@@ -259,10 +249,10 @@ class StagedDataLoader(DataLoader):
 
     @property
     def storage(self) -> Any:
-        """The storage (:class:`~foundrymix.loader.dataset.MixedDataset`) of the stage being
+        """The storage (:class:`~foundrymix.loader.storage.RowStore`) of the stage being
         read, or None before the first batch (:meth:`prepare` builds it) and after
         :meth:`release`. A stage's storage is kept until the next stage's is built."""
-        return self._active.dataset if self._active is not None else None
+        return self._active.store if self._active is not None else None
 
     def prepare(self) -> None:
         """Build the storage of the stage at the position now (cache claims and checks,
@@ -318,19 +308,19 @@ class StagedDataLoader(DataLoader):
     def _span(self, stage: StagePlan, position: StagedPosition, end: int) -> Iterator[Any]:
         """Batches ``[position, end)`` of ``stage``, read in workers (:mod:`~foundrymix.loader.span`)."""
         from foundrymix.loader.span import Span, span_loader
-        from foundrymix.loader.streaming_compat import global_rank
+        from foundrymix.plan.topology import env_rank
         active = self._activate(stage)
         config = stage.config
         assert config is not None
         controller = position.adaptive.get(stage.index)
-        offsets = np.asarray(active.dataset.sample_offset_per_stream, np.int64)
+        offsets = np.asarray(active.store.sample_offset_per_stream, np.int64)
         if controller is not None:
             batch_rows = _segment_rows(controller, position.batch, offsets)
         else:
             batch_rows = stage.plan.order.batch
         first = position.batch - stage.start_batch
-        rank = global_rank() if self.rank is None else self.rank
-        span = Span(active.dataset, batch_rows, first, end - stage.start_batch, rank,
+        rank = env_rank() if self.rank is None else self.rank
+        span = Span(active.store, batch_rows, first, end - stage.start_batch, rank,
                     stage.batch_size, offsets)
         stream_map = self._maps[stage.index]
         loader = span_loader(span, config.num_workers, config.pin_memory, config.timeout,
@@ -344,30 +334,26 @@ class StagedDataLoader(DataLoader):
 
     def _activate(self, stage: StagePlan) -> _Active:
         """The stage's storage, built from its plan once per stage."""
-        from foundrymix.loader.mixer import build_dataset
+        from foundrymix.loader.mixer import build_store
         if self._active is not None and self._active.stage.index == stage.index:
             return self._active
         self.release()
         assert stage.config is not None
-        dataset = build_dataset(stage.config, stage.infos, stage.weights, stage.batch_size,
-                                stage.global_batch_size, stage.where)
-        self._active = _Active(stage, dataset)
+        self._active = _Active(stage, build_store(stage.config, stage.infos, stage.where))
         return self._active
 
     def release(self) -> None:
-        """Drop the current stage's storage (its shared memory), so a later stage (or run)
-        may reuse its directories."""
+        """Drop the current stage's storage (its locks and cache claims), so a later stage
+        (or run) may reuse its directories."""
         active, self._active = self._active, None
         if active is None or sys is None or sys.is_finalizing():
             # An iterator still held when the interpreter exits is closed during its
-            # teardown, after streaming's atexit handlers freed the shared memory and with
-            # module globals gone. (Late enough in the teardown, this module's globals are
-            # None: ``sys`` too.)
+            # teardown, with module globals gone (late enough, this module's ``sys`` is None).
             return
-        dataset = active.dataset
+        store = active.store
         del active
         gc.collect()  # a span's iterator (and any workers) first
-        dataset.release()
+        store.release()
 
 
 def _segment_rows(controller: AdaptiveController, batch: int, offsets: np.ndarray) -> Any:

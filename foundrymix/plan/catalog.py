@@ -315,8 +315,8 @@ class Catalog:
         if problem:
             raise ConfigError(f'{where}: {problem} (`foundrymix verify {location}` shows which '
                               f'shards are there)')
-        # A remote stream's cached shards are checked (and damaged ones removed, to be
-        # downloaded again) when a run starts: foundrymix.loader.cache.check_cached.
+        # A remote stream's cached shards are checked (and damaged ones fetched again) when
+        # first opened: foundrymix.loader.storage.
         problems = [] if info.remote_dir is not None else check_shard_files(info.directory, info.index)
         if problems:
             raise shard_files_error(info.name, info.directory, problems)
@@ -433,19 +433,13 @@ def row_proportions(infos: list[StreamInfo], weights_in: str) -> list[Optional[f
 
 def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
                  weights_in: str = 'rows') -> list[Any]:
-    """Fresh ``streaming.Stream`` objects, one per stream, in order: the one place they are built.
-
-    ``StreamingDataset`` and the plan (which replays streaming's sampling) both take
-    these, so what is planned is what is trained. ``chooses`` (rows per stream per epoch)
+    """Fresh ``streaming.Stream`` objects carrying each stream's weight, in order, for
+    ``Stream.apply_weights`` (streaming's weight arithmetic, which the plan keeps so that
+    a weight means what it means in streaming). ``chooses`` (rows per stream per epoch)
     replaces the configured weights when an exact epoch trims them; otherwise
-    ``weights_in`` says what ``proportion`` is a share of (:func:`row_proportions` turns
-    it into rows here). Remote s3 streams fetch their shards with
-    :class:`foundrymix.s3.remote.BoundedS3Downloader` (``download_timeout`` honoured).
-    """
+    ``weights_in`` says what ``proportion`` is a share of (:func:`row_proportions`)."""
     from streaming import Stream
 
-    from foundrymix.format.streaming_format import with_parsed_index
-    from foundrymix.s3.remote import bound_stream_downloads
     if chooses is not None:
         streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
                    for i, c in zip(infos, chooses)]
@@ -456,4 +450,4 @@ def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
                    for i, p in zip(infos, proportions)]
     # s3 shards through the downloader that honours download_timeout (foundrymix.s3.remote);
     # a local stream's readers from the index read here, not from a second read of the file
-    return [bound_stream_downloads(with_parsed_index(s, i.index)) for s, i in zip(streams, infos)]
+    return streams

@@ -82,6 +82,10 @@ class StreamSpec:
             self._check_group(where)
         elif not self.local and not self.remote:
             raise ConfigError(f'{where}: needs local and/or remote')
+        if self.remote and _SCHEME.match(self.remote) and not self.remote.startswith('s3://'):
+            raise ConfigError(f'{where}.remote: {self.remote!r}: foundrymix reads remotes from S3 '
+                              f'(s3://bucket/path; S3_ENDPOINT_URL for another S3-compatible '
+                              f'store) or a mounted path; copy the data to one of those')
         if self.local and _SCHEME.match(self.local):
             raise ConfigError(f'{where}.local: {self.local!r} is a URL, not a local directory; put '
                               f'it in remote: (and local: where to cache it, or leave local out)')
@@ -303,12 +307,13 @@ class LoaderConfig:
     download_retry: int = 2
     sampling_granularity: int = 1
     partition_algo: PartitionAlgo = 'relaxed'
-    #: check shard hashes recorded in index.json when streaming downloads a shard (and,
-    #: with hash_local_shards, the algorithm local shards are hashed with)
+    #: the algorithm every shard file (and a compressed shard's zip) is hashed with at first
+    #: open, against index.json (default: the fastest recorded, see hash_local_shards)
     validate_hash: Optional[HashAlgo] = None
-    #: hash every shard of a stream without a remote once per file version (size, mtime,
-    #: inode) before its first row is read, against index.json (validate_hash's algorithm,
-    #: else the fastest recorded); false: never (see foundrymix.loader.cache.local_hashes)
+    #: hash every shard file (local, or a cached copy of a remote's) once per file version
+    #: (size, mtime, ctime, inode) when first opened, against index.json (validate_hash's
+    #: algorithm, else the fastest recorded); false: only with validate_hash set
+    #: (foundrymix.loader.cache.hashes)
     hash_local_shards: bool = True
     keep_zip: bool = False
     timeout: float = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -15,3 +16,13 @@ class Topology:
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+
+def env_world_size() -> int:
+    """The ranks of this job, from the launcher's environment (``WORLD_SIZE``; 1 without)."""
+    return int(os.environ.get('WORLD_SIZE', '1') or 1)
+
+
+def env_rank() -> int:
+    """This process's global rank, from the launcher's environment (``RANK``; 0 without)."""
+    return int(os.environ.get('RANK', '0') or 0)

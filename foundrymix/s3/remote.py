@@ -7,8 +7,8 @@ responses have no body: an endpoint that accepts connections and never answers t
 to fail with ``download_timeout: 20``, and wrong credentials, a missing bucket and a
 missing key all read "403"/"404" ("not found"). Here:
 
-* :class:`BoundedS3Downloader` (a ``streaming`` ``S3Downloader``, so ``Stream`` uses it
-  for shards exactly as its own) sends one ``GetObject`` per attempt, with botocore's
+* :class:`BoundedS3Downloader` (foundrymix's own: streaming's ``Stream`` offers no public
+  way to change its downloader) sends one ``GetObject`` per attempt, with botocore's
   retries off and ``connect_timeout = read_timeout = download_timeout``. It retries
   transient failures itself (5xx/SlowDown/throttling, reset or refused connections, a
   stalled read) with backoff, but never starts or waits on an attempt past a deadline
@@ -22,13 +22,10 @@ missing key all read "403"/"404" ("not found"). Here:
   the S3 error code (``NoSuchKey``, ``NoSuchBucket``, ``InvalidAccessKeyId``,
   ``SignatureDoesNotMatch``, ``AccessDenied``, HTTP status), the endpoint, and what to check.
 
-In training, streaming's ``Stream`` makes ``download_retry`` attempts per shard (1 s, 2 s,
-... backoff between them), and ``MixedDataset`` prepares a failed shard once more to name
-it and its error, so a shard that cannot be fetched stops training within about
-``2 * download_retry * download_timeout`` plus those backoffs (measured: 4.6 s with
-``download_timeout: 2, download_retry: 1``; 11.9 s with ``download_retry: 2``). Other backends (gs://, oci://, azure, local
-paths) keep streaming's own downloaders; their errors are classified as far as they can
-be (``FileNotFoundError`` -> not_found).
+In training the loader (:mod:`foundrymix.loader.storage`) fetches each shard with
+:func:`download`, once more after a failure to name the shard and its error, so a shard
+that cannot be fetched stops training within about ``2 * download_timeout`` plus backoffs.
+Remotes are ``s3://`` URLs or local paths (a mounted file system): a remote path is copied.
 """
 
 from __future__ import annotations
@@ -36,12 +33,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import socket
 import time
 import urllib.parse
 from typing import Any, Optional
-
-from streaming.base.storage.download import CloudDownloader, S3Downloader
 
 from foundrymix.errors import FoundrymixError
 
@@ -181,14 +177,27 @@ def retry_reason(error: BaseException) -> str:
     return 'other'
 
 
-class BoundedS3Downloader(S3Downloader):
-    """streaming's S3 downloader with a deadline per file; see the module docstring for the bound.
+class BoundedS3Downloader:
+    """An S3 downloader with a deadline per file; see the module docstring for the bound.
 
-    Keeps streaming's behaviours: ``S3_ENDPOINT_URL``, requester-pays buckets
+    Keeps streaming's S3 behaviours: ``S3_ENDPOINT_URL``, requester-pays buckets
     (``MOSAICML_STREAMING_AWS_REQUESTER_PAYS``), unsigned access to public buckets when no
     credentials are configured. Writes to a temporary name and renames, so a reader (or a
     concurrent rank) never sees a partial file under the final name.
     """
+
+    def __init__(self) -> None:
+        self._s3_client: Any = None
+        self._requester_pays_buckets = [
+            b.strip() for b in os.environ.get('MOSAICML_STREAMING_AWS_REQUESTER_PAYS', '').split(',')]
+
+    def download(self, remote: str, local: str, timeout: float) -> None:
+        """Fetch ``remote`` to ``local`` (its directory made if need be) within the bound."""
+        os.makedirs(os.path.dirname(local) or '.', exist_ok=True)
+        self._download_file_impl(remote, local, timeout)
+
+    def clean_up(self) -> None:
+        self._s3_client = None
 
     def _create_s3_client(self, unsigned: bool = False, timeout: float = 60.0) -> Any:
         from boto3.session import Session
@@ -258,31 +267,32 @@ class BoundedS3Downloader(S3Downloader):
                 os.remove(tmp)
 
 
-def downloader_for(url: Optional[str]) -> CloudDownloader:
-    """The downloader for ``url``: :class:`BoundedS3Downloader` for ``s3://``, else streaming's."""
-    if url is not None and url.startswith('s3://'):
-        return BoundedS3Downloader()
-    return CloudDownloader.get(url)
-
-
 def download(url: str, local: str, timeout: float) -> None:
-    """Download ``url`` to ``local`` (replaced if present) within the bound above.
+    """Fetch ``url`` (``s3://`` or a local path) to ``local``, replacing it, within the bound
+    above; written under a temporary name and renamed, so no reader sees a partial file.
 
     Raises :class:`RemoteError` for every failure.
     """
-    downloader = downloader_for(url)
     try:
-        if os.path.exists(local):
-            os.remove(local)  # streaming's download() keeps an existing file
-        downloader.download(url, local, timeout)
-    except Exception as e:  # downloader errors vary by backend
+        if url.startswith('s3://'):
+            downloader = BoundedS3Downloader()
+            try:
+                downloader.download(url, local, timeout)
+            finally:
+                downloader.clean_up()
+            return
+        path = url[len('file://'):] if url.startswith('file://') else url
+        if '://' in path:
+            raise ValueError(f'{url}: only s3:// URLs and local paths are remotes')
+        os.makedirs(os.path.dirname(local) or '.', exist_ok=True)
+        tmp = f'{local}.part-{os.getpid()}-{random.randrange(1 << 30):x}'
+        try:
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, local)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    except RemoteError:
+        raise
+    except Exception as e:  # boto3, botocore and OS errors
         raise classify(e, url, timeout) from e
-    finally:
-        downloader.clean_up()
-
-
-def bound_stream_downloads(stream: Any) -> Any:
-    """Make a ``streaming.Stream`` fetch its shards with :class:`BoundedS3Downloader` (s3 only)."""
-    if stream.remote and str(stream.remote).startswith('s3://'):
-        stream._downloader = BoundedS3Downloader()
-    return stream

@@ -49,14 +49,14 @@ from foundrymix.train.remote_save import RemoteSave, remote_save
 
 # Modules every trainer start uses, imported with the trainer rather than at first use:
 # imported lazily they were ~0.07 s inside the start itself (omegaconf 0.040 s, the plan
-# record, loader cache, dataset and collate modules 0.03 s; `python -X importtime`), which
+# record, loader cache, storage and collate modules 0.03 s; `python -X importtime`), which
 # issue 22's start-up ratio counts -- and a rank pays them once either way.
 import omegaconf  # noqa: E402 (load_config's YAML reader)
 from foundrymix import tokenizer as _tokenizer  # noqa: E402
-from foundrymix.loader import cache as _cache, collate as _collate, dataset as _dataset  # noqa: E402
+from foundrymix.loader import cache as _cache, collate as _collate, storage as _storage  # noqa: E402
 from foundrymix.s3 import remote as _remote  # noqa: E402
 
-PRELOADED = (omegaconf, _tokenizer, _cache, _collate, _dataset, _remote)
+PRELOADED = (omegaconf, _tokenizer, _cache, _collate, _storage, _remote)
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ refuse every damaged shard first, and the row checks behind it are what they tes
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 
 from foundrymix.cli import main
 from foundrymix.loader.cache import CorruptLocalShardError
-from foundrymix.loader.dataset import ShardPrepareError
+from foundrymix.loader.storage import ShardPrepareError
 from foundrymix.loader.mixer import StreamMixer
 from foundrymix.format.schema import CorruptRowError, Manifest, check_row
 from foundrymix.format.shards import (IndexFileError, ShardFilesError, ShardProblem, check_shard_files,
@@ -110,7 +111,7 @@ def test_bit_flips_keeping_ids_valid_are_invisible_to_the_row_checks(streams):
     sample = first_row_of_shard(arxiv, 1) + 3
     got = next(b for b in batches if int(b['sample_id']) == sample)
     assert int(got['input_ids'][0, 10]) == new  # read, and trained on, without complaint
-    with pytest.raises(CorruptLocalShardError, match=r"stream 'arxiv' .*shard\.00001\.mds do not match"):
+    with pytest.raises(CorruptLocalShardError, match=r"stream 'arxiv' .*shard file shard\.00001\.mds does not match"):
         read_all(loader_cfg({'arxiv': arxiv}, hash_local_shards=True))  # the default
 
 
@@ -156,12 +157,9 @@ def test_truncated_shard_named_by_size_check_and_by_the_loader(streams):
         f'{new:,} bytes, index.json records {old:,} (truncated)')
     # Without the up-front check (e.g. a file cut after start-up) the row read names it.
     mixer = StreamMixer.from_dict(loader_cfg(streams))
-    from foundrymix.plan.catalog import make_streams
-    from foundrymix.loader.dataset import MixedDataset
+    from foundrymix.loader.mixer import build_store
     infos = [mixer.catalog.info(n) for n in mixer.stream_names]  # read, not validated
-    ds = MixedDataset(stream_names=mixer.stream_names, streams=make_streams(infos), vocab_size=VOCAB,
-                      max_seq_len=infos[0].manifest.max_seq_len, check_shard_files=False,
-                      **mixer.dataset_kwargs(4))
+    ds = build_store(mixer.config, infos)
     try:
         with pytest.raises(CorruptRowError) as err:
             for i in range(ds.num_samples):  # what the loader's workers do: rows by index
@@ -255,18 +253,15 @@ def test_validate_hash_problem_names_stream_and_recorded_algorithms(streams, has
 
 
 def test_streaming_validate_hash_checks_only_fetched_or_decompressed_shards(tmp_path, streams, hashed_zstd):
-    """What streaming 0.13 does with validate_hash, and that its failures are now named.
-
-    Uncompressed local shards are never hashed (the check runs only when a shard is
-    downloaded or decompressed), so an algorithm the index lacks passes unnoticed there;
-    on a compressed stream the zip is hashed when decompressed, in a background thread
-    whose failure used to end the epoch silently with 0 batches.
+    """validate_hash on local streams: an uncompressed shard is hashed at first open, a
+    compressed one's zip before it is unpacked (into the cache); failures name the shard.
+    (streaming 0.13 hashed only what it downloaded or decompressed, in a background thread
+    whose failure used to end the epoch silently with 0 batches.)
     """
-    # an uncompressed local shard with a flipped token bit: streaming never hashes it (the
-    # loader's own hash check, off here, refuses it: tests/loader/test_local_shard_hash.py)
+    from foundrymix.loader.cache import CorruptLocalShardError
     flip_bits(streams['arxiv'], 1, 3, token=10)
-    batches = read_all(loader_cfg({'arxiv': streams['arxiv']}, validate_hash='xxh3_64'), batch_size=1)
-    assert sum(len(b['sample_id']) for b in batches) == rows_of(streams['arxiv'])
+    with pytest.raises(CorruptLocalShardError, match=r"shard file shard\.00001\.mds does not match"):
+        read_all(loader_cfg({'arxiv': streams['arxiv']}, validate_hash='xxh3_64'), batch_size=1)
 
     # An algorithm the index does not record is refused before any shard is read (streaming
     # itself would fail in its background thread, which ended the epoch silently).
@@ -278,19 +273,20 @@ def test_streaming_validate_hash_checks_only_fetched_or_decompressed_shards(tmp_
         "index.json (hashes recorded for every shard: sha1, xxh3_64); streaming would fail when "
         "it fetches a shard. Use one of those, or drop validate_hash")
 
-    # The failure surfaces in streaming's background thread (ShardPrepareError) or, if the
-    # row is asked for first, in the read itself (CorruptRowError): both name stream and shard.
+    # A damaged zip: named before it is unpacked, and the user's directory left as it was.
 
     zstd = copy_stream(hashed_zstd, tmp_path / 'z2')
     zip_path = zstd / 'shard.00001.mds.zstd'
     data = bytearray(zip_path.read_bytes())
     data[100] ^= 0x10
     zip_path.write_bytes(bytes(data))
-    with pytest.raises((ShardPrepareError, CorruptRowError)) as err:
+    before = sorted(os.listdir(zstd))
+    with pytest.raises(ShardPrepareError) as err:
         read_all(loader_cfg({'arxiv': zstd}, validate_hash='xxh3_64'))
     assert re.search(
-        rf"stream 'arxiv' \({re.escape(str(zstd))}\), shard shard\.00001\.mds(, row 0 \(sample 13\))?: "
-        rf".*ValueError: Checksum failure: {re.escape(str(zip_path))}", str(err.value))
+        rf"stream 'arxiv' \(.*\), shard shard\.00001\.mds: {re.escape(str(zip_path))} does not "
+        rf"match the xxh3_64 hash its index.json records", str(err.value))
+    assert sorted(os.listdir(zstd)) == before
     # intact compressed stream with a recorded algorithm: every row, no error
     batches = read_all(loader_cfg({'arxiv': copy_stream(hashed_zstd, tmp_path / 'z3')},
                                   validate_hash='xxh3_64'), batch_size=1)
@@ -310,8 +306,8 @@ def test_token_bytes_helper_finds_the_tokens(streams):
 def test_training_stops_on_the_named_row(tmp_path, streams, capsys):
     """The bug as reported: training on 0xFF tokens died in the embedding (IndexError, no
     stream or shard named). Now ``foundrymix train`` stops with the row named (DataLoader
-    worker included) and no traceback. By default the shard's hash refuses it first, at
-    the run's start, naming the stream and shard file."""
+    worker included) and no traceback. By default the shard's hash refuses it first, when
+    the shard is first opened (in the worker), naming the stream and shard file."""
     import yaml
 
     from helpers import tiny_run_config
@@ -324,7 +320,7 @@ def test_training_stops_on_the_named_row(tmp_path, streams, capsys):
     assert main(['train', str(tmp_path / 'c.yaml')]) == 2
     err = capsys.readouterr().err
     assert err.endswith(
-        f"foundrymix train: error: stream 'arxiv' ({arxiv}): shard file(s) shard.00001.mds do not "
+        f"foundrymix train: error: stream 'arxiv' ({arxiv}): shard file shard.00001.mds does not "
         f'match the xxh3_64 hash its index.json records: the bytes changed after conversion (a '
         f'damaged copy or disk); no row of it was read. Re-copy the stream from where it came '
         f'from, or re-run `foundrymix convert` into {arxiv} with --overwrite; `foundrymix verify '

@@ -1,9 +1,8 @@
 """The node-local cache of remote streams, against a real S3 endpoint (moto on 127.0.0.1).
 
 Checked with real processes: two runs over one remote with the default cache at the same
-time (streaming refused the second one time in two); a run over a user-named ``local:``
-another live run holds gets an error naming the directory; a reader SIGKILLed mid-epoch
-leaves shared memory that no longer stops the next run; a ``cache_limit`` below one
+time; a run over a user-named ``local:`` another live run holds gets an error naming the
+directory; what a reader SIGKILLed mid-epoch leaves is cleaned by the next run; a ``cache_limit`` below one
 shard's share and a cache disk too small (a real 256 KiB tmpfs) are refused before the
 first batch, and a disk that fills mid-run names the directory and shard; ``cache_limit``
 of a third of the data keeps the cache bounded through an epoch of the same rows.
@@ -96,12 +95,6 @@ def finish(proc: subprocess.Popen, out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def shm_registering(directory: str) -> list[str]:
-    from foundrymix.loader.cache import _LOCALS_SHM, _read_locals
-    return sorted(n for n in os.listdir('/dev/shm') if _LOCALS_SHM.match(n)
-                  and any(d.startswith(directory) for d in _read_locals(n)))
-
-
 def home_dirs(tmp_path: Path, streams) -> list[str]:
     """The default-cache directory of each remote stream (what a lone run uses)."""
     from foundrymix.plan.config import LoaderConfig
@@ -112,9 +105,8 @@ def home_dirs(tmp_path: Path, streams) -> list[str]:
 # ------------------------------------------------------------------ two runs at once
 @pytest.mark.slow
 def test_two_runs_share_the_default_cache_at_once(tmp_path, s3, small):
-    """4 rounds: both processes build a dataset over the same remotes (default cache), wait
-    until the other's is built too, then read a whole epoch (before: one of them died with
-    streaming's ``Reused local directory`` in every round)."""
+    """4 rounds: both processes build a store over the same remotes (default cache), wait
+    until the other's is built too, then read a whole epoch: each in its own directory."""
     want = local_summary(small)
     rounds = 4
     sync = tmp_path / 'sync'
@@ -149,7 +141,7 @@ def test_a_named_local_held_by_a_live_run_is_refused_by_name(tmp_path, s3, small
         first = list(named)[0]
         assert str(err.value).startswith(
             f"train_loader.streams.{first}.local: {named[first]['local']} is in use by another live "
-            f'run, pid {proc.pid}. streaming cannot read one cache directory')
+            f'run, pid {proc.pid}. Two runs do not share one cache directory at once')
     finally:
         go.touch()
     got = finish(proc, out)[0]  # the holder was left alone: its epoch is whole
@@ -166,10 +158,9 @@ def test_a_named_local_held_by_a_live_run_is_refused_by_name(tmp_path, s3, small
 # ------------------------------------------------------------------ killed runs
 @pytest.mark.parametrize('when', ['built', 'paused'])
 def test_a_sigkilled_reader_does_not_stop_the_next_run(tmp_path, s3, small, monkeypatch, when):
-    """Killed once its dataset is built (its shared memory registered, no filelock yet:
-    before, the next run died with ``Reused local directory``) or mid-epoch (two batches
-    read, shards downloading: streaming's filelocks then make it skip the dead prefix, but
-    the segments and filelocks leaked)."""
+    """Killed once its store is built (its directories claimed) or mid-epoch (two batches
+    read, shards downloading): the next run takes the same directories, cleans the partial
+    files dead runs left, and reads the same epoch."""
     want = local_summary(small)
     stop = {'built': {'go': str(tmp_path / 'never')}, 'paused': {'pause_after': 2}}[when]
     proc, out = reader(tmp_path, 'killed', s3, loader=loader(small, 'remote'), **stop)
@@ -177,14 +168,9 @@ def test_a_sigkilled_reader_does_not_stop_the_next_run(tmp_path, s3, small, monk
     while not Path(f'{out}.{when}').exists():
         assert proc.poll() is None and time.monotonic() < deadline, Path(f'{out}.log').read_text()
         time.sleep(0.05)
-    # The whole process group, as a scheduler or the OOM killer ends a job: with the main
-    # process alone, multiprocessing's resource tracker (a child) would unlink its shared
-    # memory after it, sometimes.
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group, as a scheduler ends a job
     proc.wait()
     homes = home_dirs(tmp_path, small)
-    stale = shm_registering(homes[0])
-    assert stale, 'the killed run left its shared memory (what stopped the next run)'
     # What a kill mid-download leaves: boto3's temporary shard and our metadata part file of a
     # dead pid; and what must stay: a live process's part file and a file no download makes.
     index = json.loads((Path(homes[0]) / 'index.json').read_text())
@@ -201,14 +187,13 @@ def test_a_sigkilled_reader_does_not_stop_the_next_run(tmp_path, s3, small, monk
         monkeypatch.setenv('FOUNDRYMIX_CACHE', str(tmp_path / 'cache'))
         ld = StreamMixer.from_dict(loader(small, 'remote')).build_dataloader(batch_size=BATCH)
         ds = ld.storage
-        assert [s.local for s in ds.streams] == homes  # the same directories: nothing else holds them
+        assert [s.directory for s in ds.sources] == homes  # the same directories: nothing else holds them
         assert summary(ld) == want
         del ld
         gc.collect()
         ds.release()
         assert not planted['partial'].exists() and not planted['dead_part'].exists()
         assert planted['live_part'].exists() and planted['other'].read_bytes() == b'x' * 100
-        assert not set(stale) & set(os.listdir('/dev/shm'))
     finally:
         live.kill()
         live.wait()
@@ -225,22 +210,22 @@ def test_cache_limit_below_streamings_minimum_is_refused(tmp_path, big):
     with pytest.raises(ConfigError) as err:
         StreamMixer.from_dict(cfg).build_dataloader(batch_size=BATCH)
     assert str(err.value) == (
-        f'train_loader.cache_limit: {limit:,} bytes is below what streaming needs to read these '
+        f'train_loader.cache_limit: {limit:,} bytes is below what the loader needs to read these '
         f'streams, {4 * largest:,} bytes: 4 x the largest shard ({largest:,} bytes, stream \'big\', '
-        f'{name}; streaming keeps room to download and unpack shards while others are read). '
+        f'{name}; the loader keeps room to download and unpack shards while others are read). '
         f'Raise cache_limit to at least {4 * largest:,}, or convert with a smaller --size-limit')
-    StreamMixer.from_dict(dict(cfg, cache_limit=4 * largest)).build_dataset(BATCH).release()
+    StreamMixer.from_dict(dict(cfg, cache_limit=4 * largest)).build_store().release()
 
 
 def test_cache_limit_with_a_local_only_stream_is_refused_and_its_files_kept(tmp_path, big):
-    """streaming 0.13 evicts the coldest shard of any stream to honour cache_limit: a stream
+    """The budget evicts the coldest shard of any stream to honour cache_limit: a stream
     with no remote would lose its own shard files. Refused before anything is read."""
     copy = tmp_path / 'mine'
     shutil.copytree(big['local'], copy)
     before = {p.name: p.read_bytes() for p in copy.iterdir()}
     cfg = loader({'mine': {'local': str(copy)}}, 'local', cache_limit='1gb')
     with pytest.raises(ConfigError, match=r"train_loader.cache_limit: stream\(s\) mine have no "
-                                          r'remote, and streaming would evict -- delete -- their'):
+                                          r'remote, and the loader would evict -- delete -- their'):
         StreamMixer.from_dict(cfg).build_dataloader(batch_size=BATCH)
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
 
@@ -248,23 +233,21 @@ def test_cache_limit_with_a_local_only_stream_is_refused_and_its_files_kept(tmp_
 def test_cache_limit_reads_through_evictions_in_process(tmp_path, big):
     """Rows read by index (no DataLoader worker) from a remote under the smallest
     ``cache_limit``: every shard comes in, older ones are evicted, the rows are the local
-    copy's and ``cache_usage`` is what is on disk. Before: streaming-community 0.14 sets
-    ``_cache_filelock = None`` in ``__init__``, which foundrymix took for the lock, so every
-    download under a limit failed (``TypeError``, reported as a corrupt row)."""
+    copy's and the budget's usage is what is on disk."""
     import numpy as np
     index = json.loads((Path(big['local']) / 'index.json').read_text())
     limit = 4 * max(s['raw_data']['bytes'] for s in index['shards'])
     cfg = loader({'big': big}, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
-    ds = StreamMixer.from_dict(cfg).build_dataset(BATCH)
-    ref = StreamMixer.from_dict(loader({'big': big}, 'local')).build_dataset(BATCH)
+    ds = StreamMixer.from_dict(cfg).build_store()
+    ref = StreamMixer.from_dict(loader({'big': big}, 'local')).build_store()
     try:
         ids = list(range(0, ds.num_samples, 97))
         for i in ids:
             assert np.array_equal(ds[i]['input_ids'], ref[i]['input_ids']), i
-        cache = Path(ds.streams[0].local)
+        cache = Path(ds.sources[0].directory)
         on_disk = sum(f.stat().st_size for f in cache.iterdir() if f.name != 'foundrymix.json')
         shards = {s['raw_data']['basename'] for s in index['shards']}
-        assert ds.cache_usage == on_disk <= limit
+        assert ds.budget.usage() == on_disk <= limit
         assert 0 < len(shards & {f.name for f in cache.iterdir()}) < len(shards)  # some evicted
     finally:
         ds.release()
@@ -280,10 +263,10 @@ def test_cache_limit_keeps_the_cache_bounded_through_an_epoch(tmp_path, big):
     cfg = loader(streams, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
     ld = StreamMixer.from_dict(cfg).build_dataloader(batch_size=16)
     ds = ld.storage
-    cache = Path(ds.streams[0].local)
+    cache = Path(ds.sources[0].directory)
     peak, seen, stop = [0], set(), threading.Event()
 
-    def poll():  # every file streaming counts (all but our manifest), partial downloads too
+    def poll():  # every file of the cache but our manifest, partial downloads too
         while not stop.is_set():
             before = sorted(os.listdir(cache))
             size = 0
@@ -307,7 +290,7 @@ def test_cache_limit_keeps_the_cache_bounded_through_an_epoch(tmp_path, big):
     finally:
         stop.set()
         t.join()
-    usage = ds.cache_usage
+    usage = ds.budget.usage()
     del ld
     gc.collect()
     ds.release()

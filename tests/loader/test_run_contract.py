@@ -82,19 +82,19 @@ def test_plan_and_loader_share_one_plan(data, monkeypatch, staged):
     n_stages = 3 if staged else 1
     assert calls == {'weights': n_stages, 'reads': 2}  # once per stage; each stream's files once
     built = []
-    real_build = mixer.build_dataset
+    real_build = mixer.build_store
 
-    def spy(config, infos, weights, *a, **k):
-        built.append((config, infos, weights))
-        return real_build(config, infos, weights, *a, **k)
-    monkeypatch.setattr(mixer, 'build_dataset', spy)
+    def spy(config, infos, *a, **k):
+        built.append((config, infos))
+        return real_build(config, infos, *a, **k)
+    monkeypatch.setattr(mixer, 'build_store', spy)
     loader = build_run_loader(run, BATCH)
     batches = list(loader)
     assert calls == {'weights': n_stages, 'reads': 2}  # the loader recomputed and re-read nothing
     assert len(batches) == run.total_batches and loader.run is run
     assert len(built) == n_stages
-    for stage, (config, infos, weights) in zip(run.stages, built):
-        assert config is stage.config and infos is stage.infos and weights is stage.weights
+    for stage, (config, infos) in zip(run.stages, built):
+        assert config is stage.config and infos is stage.infos
     # ... and what it trained is what the plan says, per stage and stream
     names = loader.stream_names
     for stage in run.stages:

@@ -4,15 +4,16 @@ Against a real S3 endpoint (moto's server on 127.0.0.1), real converted shards a
 damage to their bytes (``integrity_helpers``). The harm was in the *rerun*: streaming
 0.13 checks ``validate_hash`` only right after a download and leaves a file that fails it
 in the cache, and counts any cached file as present -- so the same command run again
-(after a pre-emption) exited 0 having trained the damaged rows. Checked here:
+(after a pre-emption) exited 0 having trained the damaged rows. The loader now hashes
+every shard file when first opened. Checked here:
 
 * a shard that is damaged in the remote: the run stops naming stream, shard, remote URL
   and what to do, and the cache no longer holds it; the advice followed (``foundrymix
   verify s3://...``, ``foundrymix convert ... --out s3://... --overwrite``), the same
   command run again reads exactly the good rows (two real processes);
-* a cached shard changed in place (same size) with ``validate_hash``, and one truncated
-  without it: the next run removes it, says so, downloads it again and reads exactly the
-  good rows.
+* a cached shard changed in place (same size) with ``validate_hash`` and without it (the
+  hash the converter records), and one truncated: the next run removes it, says so,
+  downloads it again and reads exactly the good rows.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pytest
 
 import cache_reader
 from foundrymix.cli import main
-from foundrymix.loader.dataset import CorruptShardError
+from foundrymix.loader.storage import CorruptShardError
 from foundrymix.loader.mixer import StreamMixer
 from helpers import ROOT, SMALL_SEQ, moto_s3
 from integrity_helpers import convert_paper, flip_bits, index_of, shard_path, truncate
@@ -122,7 +123,7 @@ def test_shard_damaged_in_the_remote_is_removed_named_and_read_right_after_reupl
     first = run_reader(tmp_path, 'run1', config, env)
     assert first.returncode != 0
     message = (
-        f"foundrymix.loader.dataset.CorruptShardError: stream 'ds' ({stream_dir}), shard shard.00001.mds: {url}/shard.00001.mds "
+        f"foundrymix.loader.storage.CorruptShardError: stream 'ds' ({stream_dir}), shard shard.00001.mds: {url}/shard.00001.mds "
         f'does not match the xxh3_64 hash its index.json records: the shard in the remote is damaged '
         f'(or was replaced without its index.json). Removed it from the cache '
         f'({stream_dir}/shard.00001.mds). Re-upload the shard: re-run `foundrymix convert` on the '
@@ -130,9 +131,7 @@ def test_shard_damaged_in_the_remote_is_removed_named_and_read_right_after_reupl
         f'of the remote')
     assert first.stderr.splitlines()[-1] == message, first.stderr[-3000:]
     assert 'transient' not in first.stderr
-    # shuffled, the first sample read is of shard 1: the damaged copy is gone; shard 0 (good)
-    # may be there too -- streaming's prefetch thread can fetch it while the main thread fails
-    # (seen in 1 of 2 runs on 2 cores), and a good cached shard is kept
+    # the damaged copy is gone; shard 0 (good) may be there too, read before shard 1
     assert_only_good_shards(stream_dir, good)
 
     # The same command again, remote not fixed yet: the same error, never the damaged rows.
@@ -158,7 +157,7 @@ def test_shard_damaged_in_the_remote_is_removed_named_and_read_right_after_reupl
 
 
 def test_compressed_shard_damaged_in_the_remote_is_named_from_a_worker(tmp_path, s3, good_zstd):
-    """The compressed file is what streaming hashes; the error crosses a DataLoader worker."""
+    """The compressed file is hashed before it is unpacked; the error crosses a DataLoader worker."""
     bad = shutil.copytree(good_zstd, tmp_path / 'bad')
     zip_name = index_of(bad)['shards'][1]['zip_data']['basename']
     data = bytearray((bad / zip_name).read_bytes())
@@ -174,13 +173,16 @@ def test_compressed_shard_damaged_in_the_remote_is_named_from_a_worker(tmp_path,
         f"stream 'ds' ({stream_dir}), shard shard.00001.mds: {url}/{zip_name} does not match the "
         f'xxh3_64 hash its index.json records: the shard in the remote is damaged (or was replaced '
         f'without its index.json). Removed it from the cache ({stream_dir}/{zip_name}). ')
-    assert listing(stream_dir) == METADATA  # shard 1 is read first, shuffled
+    assert 'shard.00001.mds' not in listing(stream_dir) and zip_name not in listing(stream_dir)
 
 
+@pytest.mark.parametrize('knobs', [{'validate_hash': 'xxh3_64'}, {}])
 def test_cached_shard_changed_in_place_is_hashed_removed_and_downloaded_again(
-        tmp_path, s3, good, caplog):
+        tmp_path, s3, good, caplog, knobs):
+    """With validate_hash and without it (issue 39: the cache served a flipped bit when
+    validate_hash was not set): the hash index.json records is checked at first open."""
     url = upload(s3, good, 'flip-cached')
-    config = cfg({'remote': url}, cache_root=str(tmp_path / 'cache'), validate_hash='xxh3_64')
+    config = cfg({'remote': url}, cache_root=str(tmp_path / 'cache'), **knobs)
     want = read(cfg({'local': str(good)}))
     assert read(config) == want
     stream_dir = Path(StreamMixer.from_dict(config).config.stream_dir('ds'))
@@ -188,7 +190,7 @@ def test_cached_shard_changed_in_place_is_hashed_removed_and_downloaded_again(
 
     flip_bits(stream_dir, 1, 2, token=10)  # same size: only the hash can tell
     cached = shard_path(stream_dir, 1)
-    with caplog.at_level(logging.WARNING, logger='foundrymix.loader.cache'):
+    with caplog.at_level(logging.WARNING, logger='foundrymix.loader'):
         got = read(config)
     assert [r.getMessage() for r in caplog.records] == [
         f"stream 'ds': cached shard file {cached}: its xxh3_64 hash does not match the one "
@@ -206,7 +208,7 @@ def test_cached_shard_truncated_is_removed_and_downloaded_again(tmp_path, s3, go
     stream_dir = Path(StreamMixer.from_dict(config).config.stream_dir('ds'))
     old, new = truncate(stream_dir, 0, 100)
     cached = shard_path(stream_dir, 0)
-    with caplog.at_level(logging.WARNING, logger='foundrymix.loader.cache'):
+    with caplog.at_level(logging.WARNING, logger='foundrymix.loader'):
         got = read(config)
     assert [r.getMessage() for r in caplog.records] == [
         f"stream 'ds': cached shard file {cached}: {new:,} bytes, index.json records {old:,}; "

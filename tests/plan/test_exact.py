@@ -83,7 +83,7 @@ def test_stratified_shares_that_round_are_refused_with_the_fix(root):
                        r'\(arxiv 75\.0%, wiki 25\.0%\)\. Use a global batch of 10 '):
         m.plan(8, '1ep')
     with pytest.raises(ConfigError, match='cannot be realized in a global batch of 8'):
-        m.build_dataset(8)
+        m.build_dataloader(8, world_size=1)
     plan = m.plan(5, '1ep', world_size=2)     # 10 rows: 7 + 3, the shares asked for
     assert [s.share for s in plan.streams] == [0.7, 0.3]
 
@@ -125,7 +125,7 @@ def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
 
 
 def test_resume_state_is_checked(root):
-    from foundrymix.loader.dataset import check_resume
+    from foundrymix.loader.storage import check_resume
     check_resume({'global_batch_size': 8}, 8)
     check_resume({}, 8)   # a position that does not record it
     with pytest.raises(ConfigError, match=r'global batch of 8 rows, this run has 4.*Set '

@@ -72,11 +72,11 @@ def test_schema_version(root):
         mixer(root, 'pre32', 'v0').validate()
 
 
-def test_refusal_happens_before_any_dataset_is_built(root, monkeypatch):
-    import streaming
-    monkeypatch.setattr(streaming, 'Stream', None)  # building would crash, validation must not
+def test_refusal_happens_before_any_store_is_built(root, monkeypatch):
+    from foundrymix.loader import storage
+    monkeypatch.setattr(storage, 'RowStore', None)  # building would crash, validation must not
     with pytest.raises(ConfigError, match='max_seq_len'):
-        mixer(root, 'pre32', 'pre64').build_dataset(4)
+        mixer(root, 'pre32', 'pre64').build_store()
 
 
 def test_remote_only_stream_fetches_only_metadata_then_streams(root, tmp_path):
@@ -87,11 +87,11 @@ def test_remote_only_stream_fetches_only_metadata_then_streams(root, tmp_path):
     assert m.manifests['pre'].counts.rows == 20
     local = m.config.stream_local('pre')
     assert sorted(os.listdir(local)) == ['foundrymix.json', 'index.json']
-    ds = m.build_dataset(4)
+    ds = m.build_store()
     rows = [(int(s['stream_id']), int(s['input_ids'][1])) for s in ds]
     assert sorted(rows) == [(0, r) for r in range(20)] + [(1, r) for r in range(20)]
-    assert any(name.endswith('.mds') for name in os.listdir(local))  # streaming downloaded shards
-    del ds
+    assert any(name.endswith('.mds') for name in os.listdir(local))  # the store fetched shards
+    ds.release()
 
 
 def test_same_directory_twice_is_refused(root):

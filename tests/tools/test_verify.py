@@ -250,7 +250,7 @@ def test_loader_names_a_shard_missing_from_the_remote(tmp_path, s3, hashed):
     """A remote stream whose bucket lost a shard: streaming's download thread fails, which used
     to end the epoch quietly after 13 of 22 rows (a logged traceback, no error); now the
     loader names the stream and shard."""
-    from foundrymix.loader.dataset import ShardPrepareError
+    from foundrymix.loader.storage import ShardPrepareError
     from foundrymix.loader.mixer import StreamMixer
     from foundrymix.format.schema import CorruptRowError
     deleted = copy_stream(hashed, tmp_path / 'del')

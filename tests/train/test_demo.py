@@ -66,23 +66,26 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(str(ROOT / 'yamls' / yaml_name),
                       [f'variables.out={tmp_path}', f'variables.data={tmp_path / "data"}'])
-    from foundrymix.loader.mixer import build_dataset
+    from foundrymix.loader.mixer import build_store
+    from foundrymix.plan.exact import weighted_streams
     run = build_trainer(cfg)
     try:
         if cfg.train_loader.stages is not None:
             check_staged_example(run, yaml_name)
             return
         assert run.plan.streams and all(s.rows_per_epoch > 0 for s in run.plan.streams)
-        # The plan (our arithmetic on manifests and index files) against the dataset the
-        # trainer iterates (streaming's own index reading and Stream.apply_weights).
-        loader = run.trainer.state.train_dataloader  # the run's loader: its one stage's dataset
+        # The plan (our arithmetic on manifests) against the store the trainer reads (rows
+        # counted from the index files) and streaming's own Stream.apply_weights.
         stage = run.run_plan.stages[0]
-        dataset = build_dataset(stage.config, stage.infos, stage.weights, loader.batch_size,
-                                run.run_plan.global_batch_size)
+        store = build_store(stage.config, stage.infos)
+        store.release()
+        streams, size = weighted_streams(stage.infos, stage.weights, stage.config.shuffle_seed,
+                                         stage.config.weights_in)
         assert [s.name for s in run.plan.streams] == list(raw_yaml(yaml_name)['train_loader']['streams'])
-        assert [s.rows for s in run.plan.streams] == dataset.samples_per_stream.tolist()
-        assert [s.rows_per_epoch for s in run.plan.streams] == [int(s.choose) for s in dataset.streams]
-        assert run.plan.epoch_size == dataset.epoch_size
+        assert [s.rows for s in run.plan.streams] == np.diff([*store.sample_offset_per_stream,
+                                                              store.num_samples]).tolist()
+        assert [s.rows_per_epoch for s in run.plan.streams] == [int(s.choose) for s in streams]
+        assert run.plan.epoch_size == size
         # The model the trainer holds is the one the YAML describes (read with plain yaml).
         model = raw_yaml(yaml_name)['model']
         hf = run.trainer.state.model.model.config
@@ -100,16 +103,14 @@ def check_staged_example(run, yaml_name: str) -> None:
 
     from composer.core import Time
     stages = raw_yaml(yaml_name)['train_loader']['stages']
-    loader = run.trainer.state.train_dataloader
     assert [s.name for s in run.plan.stages] == [s['name'] for s in stages]
-    from foundrymix.loader.mixer import build_dataset
+    from foundrymix.plan.exact import weighted_streams
     for stage in run.plan.stages:
-        dataset = build_dataset(stage.config, stage.infos, stage.weights, loader.batch_size,
-                                run.plan.global_batch_size)
+        streams, size = weighted_streams(stage.infos, stage.weights, stage.config.shuffle_seed,
+                                         stage.config.weights_in)
         assert [s.name for s in stage.plan.streams] == list(stages[stage.index]['streams'])
-        assert [s.rows_per_epoch for s in stage.plan.streams] == [int(s.choose) for s in dataset.streams]
-        assert stage.plan.epoch_size == dataset.epoch_size
-        del dataset
+        assert [s.rows_per_epoch for s in stage.plan.streams] == [int(s.choose) for s in streams]
+        assert stage.plan.epoch_size == size
         gc.collect()
     assert run.trainer.state.max_duration == Time.from_timestring(f'{sum(s.batches for s in run.plan.stages)}ba')
 

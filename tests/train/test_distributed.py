@@ -261,7 +261,7 @@ def test_stream_loss_on_two_ranks_equals_one_rank_and_the_rows_recomputed(straig
     from foundrymix.train.model import CausalLM, ModelSpec, build_hf_model
     cfg = yaml.safe_load(two_ranks['config'].read_text())
     mixer = StreamMixer.from_dict(cfg['train_loader'])
-    dataset = mixer.build_dataset(BATCH, world_size=1)
+    dataset = mixer.build_store()
     model = CausalLM(build_hf_model(ModelSpec.from_dict(cfg['model']), mixer.tokenizer, cfg['max_seq_len']))
     model.load_state_dict(checkpoint(two_ranks['ckpt'])['state']['model'])
     threads = torch.get_num_threads()

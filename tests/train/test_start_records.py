@@ -130,13 +130,13 @@ def test_a_start_runs_no_collector_pass_and_leaves_the_collector_as_it_was(cache
     path = tmp_path / 'train.yaml'
     path.write_text(yaml.safe_dump(tiny_run_config({'streams': streams}, max_duration='1ba',
                                                    global_train_batch_size=4)))
-    start = (load_config, builder._train_data, mixer.build_dataset)
+    start = (load_config, builder._train_data, mixer.build_store)
     assert gc.isenabled()
     with CollectorPasses(*start) as paused:
         cfg = load_config(str(path))
         data = builder._train_data(cfg, 4)
         stage = data.run.stages[0]
-        dataset = mixer.build_dataset(stage.config, stage.infos, stage.weights, 4, 4)
+        dataset = mixer.build_store(stage.config, stage.infos)
     dataset.cache_claims.release()
     data.loader.release()
     assert paused.passes == 0 and gc.isenabled()
@@ -144,7 +144,7 @@ def test_a_start_runs_no_collector_pass_and_leaves_the_collector_as_it_was(cache
         cfg = load_config.__wrapped__(str(path))
         data = builder._train_data.__wrapped__(cfg, 4)
         stage = data.run.stages[0]
-        dataset = mixer.build_dataset.__wrapped__(stage.config, stage.infos, stage.weights, 4, 4)
+        dataset = mixer.build_store.__wrapped__(stage.config, stage.infos)
     dataset.cache_claims.release()
     data.loader.release()
     assert unpaused.passes > 0

@@ -83,7 +83,7 @@ def run(small_streams, tmp_path_factory):
 def test_microbatched_stream_loss_equals_the_rows_recomputed(run, small_streams):
     from foundrymix.loader.mixer import StreamMixer
     acc, model = run['run'].accounting, run['run'].trainer.state.model.model
-    dataset = StreamMixer(run['cfg'].train_loader).build_dataset(6, world_size=1)
+    dataset = StreamMixer(run['cfg'].train_loader).build_store()
     lines = [json.loads(line) for line in (run['tmp'] / 's.jsonl').read_text().splitlines()]
     assert [line['batch'] for line in lines] == [0, 1, 2]
     before = np.zeros(2), np.zeros(2, dtype=np.int64)

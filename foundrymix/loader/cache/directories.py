@@ -1,18 +1,13 @@
 """Which cache directory a run uses: claims of the default cache and of a named ``local:``,
-and the machine-wide lock around streaming's shared-memory registration.
+so that two live runs never evict or replace each other's shards.
 
 Part of :mod:`foundrymix.loader.cache` (see its docstring for why).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
-import os
-import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from foundrymix import claims
 from foundrymix.claims import Claim
@@ -22,7 +17,6 @@ log = logging.getLogger(__name__)
 
 #: candidate directories tried for one default-cache directory before giving up
 MAX_CANDIDATES = 64
-_SHM_DIR = '/dev/shm'
 
 
 def candidate(home: str, k: int) -> str:
@@ -78,49 +72,10 @@ def claim(home: str, shared_default: bool, where: str) -> Claim:
     who = holders[0].who() if holders else 'a run'
     if not shared_default:
         raise ConfigError(
-            f'{where}.local: {configured} is in use by another live run, {who}. streaming cannot '
-            f'read one cache directory from two runs at once (it registers each live '
-            f'dataset\'s directory machine-wide and refuses a second). Give this run its own '
+            f'{where}.local: {configured} is in use by another live run, {who}. Two runs do not '
+            f'share one cache directory at once (each may evict the other\'s shards under its '
+            f'cache_limit, and each cleans what dead runs left there). Give this run its own '
             f'local: directory, or leave local: out to use the default cache, which gives '
             f'runs that overlap in time a directory each')
     raise ConfigError(f'{where}: all {MAX_CANDIDATES} cache directories for {configured} are in use '
                       f'by live runs (e.g. {who}); set cache_root to another directory')
-
-
-@contextlib.contextmanager
-def registering_prefix(limit: float = 300) -> Iterator[None]:
-    """Hold the machine's shared-memory registration lock while a dataset is built.
-
-    Why: streaming picks its shared-memory prefix by looking for the first free one and
-    then creating it -- not atomic. Two runs building datasets at the same moment pick the
-    same prefix and one dies with ``FileExistsError: '/NNNNNN_locals'`` (seen in the
-    two-runs test once the ``Reused local directory`` error was gone). Only the local
-    leader (``LOCAL_RANK`` 0) registers a prefix, so only it takes the lock: the other
-    ranks of its job, which it waits for at streaming's barriers, never wait for it. The
-    lock file lives in ``/dev/shm`` itself, the namespace the prefixes are unique in (two
-    containers or test "nodes" with their own ``/dev/shm`` do not wait for each other).
-    After ``limit`` seconds the dataset is built without it (never a deadlock).
-    """
-    if int(os.environ.get('LOCAL_RANK', '0') or 0) != 0 or not os.path.isdir(_SHM_DIR):
-        yield
-        return
-    try:
-        fd = os.open(os.path.join(_SHM_DIR, 'foundrymix-prefix.lock'), os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
-        yield
-        return
-    try:
-        deadline = time.monotonic() + limit
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    log.warning('waited %.0f s for %s/foundrymix-prefix.lock; building the dataset '
-                                'without it', limit, _SHM_DIR)
-                    break
-                time.sleep(0.01)
-        yield
-    finally:
-        os.close(fd)  # releases the lock

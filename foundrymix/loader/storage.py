@@ -1,0 +1,382 @@
+"""``RowStore``: the rows of one stage read by index -- the loader's storage.
+
+The order is foundrymix's own (:mod:`foundrymix.plan.order`); a store only turns a sample id
+(streams numbered one after another in config order) into the stored row, checked. It
+guarantees:
+
+* **Only verified bytes are trained.** A shard file is hashed against its ``index.json``
+  when a process first opens it, once per file version per machine
+  (:mod:`foundrymix.loader.cache.hashes`) -- a local stream's and a cached copy of a remote
+  one alike. A damaged local shard stops the run naming stream, shard and fix; a damaged
+  cached copy is fetched again; a remote that serves damaged bytes is named.
+* **Remote shards are fetched when first needed** (``s3://`` or a mounted path,
+  :func:`foundrymix.s3.remote.download`) into the stream's cache directory; compressed
+  shards, a local stream's too, are unpacked there -- never in the user's directory. With
+  ``cache_limit`` the node's cache never holds more than the limit
+  (:mod:`foundrymix.loader.cache.budget`).
+* **streaming is used for the MDS format only** -- its row reader, hashes and codecs,
+  through :mod:`foundrymix.format.streaming_format`: no shared memory, no sampler, no patch.
+* Every failure names the stream, the shard (and row) and what to do.
+
+A store pickles (DataLoader workers start with a copy): readers and locks are per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from foundrymix.errors import WorkerError
+from foundrymix.format.schema import CorruptRowError, check_row, decode_row
+from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes, hash_algorithm
+
+log = logging.getLogger(__name__)
+
+
+class ShardPrepareError(WorkerError):
+    """A shard could not be fetched or unpacked; names stream and shard."""
+
+
+class CorruptShardError(ShardPrepareError):
+    """A remote stream's shard, fetched afresh, does not match the hash ``index.json`` records."""
+
+
+@dataclass
+class Source:
+    """Where one stream's shard files are read (``directory``) and, if they may be missing
+    there, fetched from (``remote``: a remote directory, or the user's directory of a
+    compressed local stream, whose shards are unpacked into the cache)."""
+
+    name: str
+    directory: str
+    remote: Optional[str]
+    shards: list[dict[str, Any]]
+    algorithm: Optional[str]  #: hash checked on first open (None: no check)
+
+
+def unpack_directory(cache_root: Optional[str], directory: str) -> str:
+    """Where a compressed local stream's shards are unpacked: the foundrymix cache."""
+    from foundrymix.plan.config import cache_base
+    key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
+    return os.path.join(cache_base(cache_root), 'unpacked', key)
+
+
+def sources_of(infos: list[Any], config: Any) -> list[Source]:
+    """The stores' sources for catalog infos (after the cache claimed their directories)."""
+    out = []
+    for info in infos:
+        shards = info.index['shards']
+        algo = hash_algorithm(config, info.index)
+        if info.remote_dir:
+            out.append(Source(info.name, info.directory, info.remote_dir, shards, algo))
+        elif any(s.get('zip_data') for s in shards):
+            out.append(Source(info.name, unpack_directory(config.cache_root, info.directory),
+                              info.directory, shards, algo))
+        else:
+            out.append(Source(info.name, info.directory, None, shards, algo))
+    return out
+
+
+class RowStore:
+    """The rows of ``sources`` by sample id; a row is ``decode_row`` of the stored row plus
+    ``stream_id`` (index into :attr:`stream_names`) and ``sample_id``."""
+
+    def __init__(self, sources: list[Source], config: Any, vocab_size: Optional[int] = None,
+                 max_seq_len: Optional[int] = None, budget: Any = None) -> None:
+        self.sources = sources
+        self.stream_names = [s.name for s in sources]
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.download_timeout = float(config.download_timeout)
+        self.download_retry = max(1, int(config.download_retry))
+        self.keep_zip = bool(config.keep_zip)
+        self.cache_root = config.cache_root
+        self.budget = budget
+        rows = [sum(int(s['samples']) for s in src.shards) for src in sources]
+        #: first sample id of each stream
+        self.sample_offset_per_stream = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+        self.num_samples = int(sum(rows))
+        #: (stream, shard within it) and first sample id of every shard
+        self._where = [(k, j) for k, src in enumerate(sources) for j in range(len(src.shards))]
+        counts = [int(s['samples']) for src in sources for s in src.shards]
+        self._shard_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.cache_claims: Any = None
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self._readers: dict[int, Any] = {}
+        self._hashes = ShardHashes(self.cache_root)
+        self._lock_fds: dict[str, int] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for key in ('_readers', '_hashes', '_lock_fds', 'cache_claims'):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.cache_claims = None
+        self._fresh()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        row = self.get_row(idx)
+        sample = decode_row(row)
+        sample['stream_id'], sample['sample_id'] = row['stream_id'], row['sample_id']
+        return sample
+
+    # ------------------------------------------------------------ rows
+    def stream_of(self, sample_id: int) -> int:
+        """Index of the stream a sample id belongs to."""
+        return int(np.searchsorted(self.sample_offset_per_stream, int(sample_id), 'right')) - 1
+
+    def _shard_of(self, sample_id: int) -> int:
+        if not 0 <= sample_id < self.num_samples:
+            raise IndexError(f'sample {sample_id} is not in 0..{self.num_samples - 1}')
+        return int(np.searchsorted(self._shard_start, sample_id, 'right')) - 1
+
+    def get_row(self, idx: int) -> dict[str, Any]:
+        """The stored row (``input_ids``, ``loss_spans``, ``doc_lens``) plus ``stream_id``,
+        ``sample_id``; a row that cannot be read or fails :func:`check_row` raises
+        :class:`CorruptRowError` naming stream, shard file, row and sample id."""
+        idx = int(idx)
+        shard = self._shard_of(idx)
+        for attempt in (0, 1):
+            reader = self._open(shard)
+            try:
+                row = reader.get_item(idx - int(self._shard_start[shard]))
+                break
+            except FileNotFoundError:
+                self._readers.pop(shard, None)  # evicted by another process since we opened it
+                if attempt:
+                    raise self._shard_error(shard, 'its file vanished twice while being read')
+            except Exception as e:
+                from foundrymix.loader.cache import disk_full_hint
+                where = self.row_location(idx)
+                raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}'
+                                           f'{disk_full_hint(str(e), where[1])}') from e
+        problem = check_row(row, self.vocab_size, self.max_seq_len)
+        if problem is not None:
+            raise self._row_error(idx, problem)
+        row['stream_id'] = self._where[shard][0]
+        row['sample_id'] = idx
+        return row
+
+    def row_location(self, sample_id: int) -> tuple[str, str, str, int]:
+        """(stream name, directory, shard file, row within the shard) of a sample."""
+        shard = self._shard_of(int(sample_id))
+        k, j = self._where[shard]
+        src = self.sources[k]
+        return (src.name, src.directory, src.shards[j]['raw_data']['basename'],
+                int(sample_id) - int(self._shard_start[shard]))
+
+    def _row_error(self, sample_id: int, problem: str) -> CorruptRowError:
+        stream, directory, shard, row = self.row_location(sample_id)
+        return CorruptRowError(stream=stream, shard=shard, row=row, sample_id=int(sample_id),
+                               problem=problem, directory=directory)
+
+    # ------------------------------------------------------------ shards
+    def _open(self, shard: int) -> Any:
+        """The shard's reader, its file in place and verified (once per process)."""
+        reader = self._readers.get(shard)
+        if reader is not None:
+            return reader
+        from foundrymix.format.streaming_format import reader_from_json
+        k, j = self._where[shard]
+        src = self.sources[k]
+        info = src.shards[j]
+        raw = info['raw_data']['basename']
+        path = os.path.join(src.directory, raw)
+        fetched = self._fetch(src, j) if src.remote is not None else False
+        if src.remote is None and not os.path.isfile(path):
+            raise self._shard_error(shard, 'the shard file is missing')
+        if not self._verified(src, info):
+            if src.remote is None:
+                raise CorruptLocalShardError(
+                    f"stream '{src.name}' ({src.directory}): shard file {raw} does not match the "
+                    f'{src.algorithm} hash its index.json records: the bytes changed after '
+                    f'conversion (a damaged copy or disk); no row of it was read. Re-copy the '
+                    f'stream from where it came from, or re-run `foundrymix convert` into '
+                    f'{src.directory} with --overwrite; `foundrymix verify {src.directory}` '
+                    f'checks every shard')
+            if not fetched:  # a cached copy: damaged in the cache, or an older version
+                removed = self._remove(src, info)
+                log.warning(f"stream '{src.name}': cached shard file {path}: its {src.algorithm} "
+                            f'hash does not match the one index.json records; removed it '
+                            f'({", ".join(removed)}), it is downloaded again when needed')
+                self._fetch(src, j)
+            if not self._verified(src, info):
+                raise _remote_damaged(src, info, self._remote_name(info), self._remove(src, info))
+        if self.budget is not None:
+            with contextlib.suppress(OSError):
+                os.utime(path)  # opened now: the last shard the budget evicts
+        reader = reader_from_json(src.directory, None, info)
+        self._readers[shard] = reader
+        return reader
+
+    def _verified(self, src: Source, info: dict[str, Any]) -> bool:
+        raw = info['raw_data']
+        expected = (raw.get('hashes') or {}).get(src.algorithm) if src.algorithm else None
+        if expected is None:
+            return True
+        return self._hashes.check(src.directory, raw['basename'], expected, src.algorithm)
+
+    @staticmethod
+    def _remote_name(info: dict[str, Any]) -> str:
+        return (info.get('zip_data') or info['raw_data'])['basename']
+
+    def _remove(self, src: Source, info: dict[str, Any]) -> list[str]:
+        removed = []
+        for part in (info['raw_data'], info.get('zip_data')):
+            if part:
+                path = os.path.join(src.directory, part['basename'])
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                    removed.append(path)
+        return removed
+
+    @contextlib.contextmanager
+    def _shard_lock(self, directory: str, slot: int) -> Iterator[None]:
+        """This node's lock on one shard of a cache directory (a byte-range lock on one file
+        per directory, under the foundrymix cache): one process fetches, the others wait."""
+        fd = self._lock_fds.get(directory)
+        if fd is None:
+            from foundrymix.plan.config import cache_base
+            key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
+            path = os.path.join(cache_base(self.cache_root), 'locks', f'{key}.lock')
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = self._lock_fds[directory] = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
+        try:
+            yield
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, slot)
+
+    def _fetch(self, src: Source, j: int) -> bool:
+        """Put shard ``j``'s raw file in ``src.directory``, fetching and unpacking it if absent
+        (a cached file of another size is removed first); whether it fetched."""
+        info = src.shards[j]
+        raw = info['raw_data']
+        path = os.path.join(src.directory, raw['basename'])
+        if _has(path, raw['bytes']):
+            return False
+        with self._shard_lock(src.directory, j):
+            if _has(path, raw['bytes']):
+                return False  # another process of the node fetched it meanwhile
+            with contextlib.suppress(FileNotFoundError):
+                size = os.stat(path).st_size
+                removed = self._remove(src, info)
+                log.warning(f"stream '{src.name}': cached shard file {path}: {size:,} bytes, "
+                            f"index.json records {int(raw['bytes']):,}; removed it "
+                            f'({", ".join(removed)}), it is downloaded again when needed')
+            zip_ = info.get('zip_data')
+            need = int(raw['bytes']) + (int(zip_['bytes']) if zip_ else 0)
+            budget = self.budget.reserved(path, need, keep=path) if self.budget else contextlib.nullcontext()
+            try:
+                with budget:
+                    self._get(src, info)
+                return True
+            except ShardPrepareError:
+                raise
+            except Exception as e:
+                from foundrymix.loader.cache import disk_full_hint
+                raise ShardPrepareError(
+                    f"stream '{src.name}' ({src.directory}), shard {raw['basename']}: could not "
+                    f'fetch the shard: {type(e).__name__}: {e}{disk_full_hint(str(e), src.directory)}') from e
+
+    def _get(self, src: Source, info: dict[str, Any]) -> None:
+        from foundrymix.format.streaming_format import decompress, get_hash
+        from foundrymix.s3.remote import RemoteError, download
+        os.makedirs(src.directory, exist_ok=True)
+        raw, zip_ = info['raw_data'], info.get('zip_data')
+        name = (zip_ or raw)['basename']
+        local = os.path.join(src.directory, name)
+        remote = f"{src.remote.rstrip('/')}/{name}"
+        if zip_ and not src.remote.startswith('s3://') and '://' not in src.remote:
+            local = os.path.join(src.remote, name)  # a mounted remote: unpack from it in place
+        elif not _has(local, (zip_ or raw)['bytes']):
+            for attempt in range(self.download_retry):
+                try:
+                    download(remote, local, self.download_timeout)
+                    break
+                except RemoteError:
+                    if attempt + 1 == self.download_retry:
+                        raise
+        if zip_:
+            with open(local, 'rb') as f:
+                data = f.read()
+            want = (zip_.get('hashes') or {}).get(src.algorithm) if src.algorithm else None
+            if want is not None and get_hash(src.algorithm, data) != want:
+                removed = []
+                if local.startswith(src.directory + os.sep):
+                    os.remove(local)
+                    removed.append(local)
+                raise _remote_damaged(src, info, name, removed)
+            out = os.path.join(src.directory, raw['basename'])
+            tmp = f'{out}.part-{os.getpid()}'
+            try:
+                with open(tmp, 'wb') as f:
+                    f.write(decompress(info['compression'], data))
+                os.replace(tmp, out)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(tmp)
+            if not self.keep_zip and local.startswith(src.directory + os.sep):
+                os.remove(local)
+
+    def _shard_error(self, shard: int, problem: str) -> ShardPrepareError:
+        k, j = self._where[shard]
+        src = self.sources[k]
+        return ShardPrepareError(f"stream '{src.name}' ({src.directory}), shard "
+                                 f"{src.shards[j]['raw_data']['basename']}: {problem}")
+
+    def release(self) -> None:
+        """Close this process's lock files and give the cache directories back."""
+        for fd in self._lock_fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._lock_fds.clear()
+        self._readers.clear()
+        if self.cache_claims is not None:
+            self.cache_claims.release()
+            self.cache_claims = None
+
+
+def _remote_damaged(src: Source, info: dict[str, Any], name: str, removed: list[str]) -> CorruptShardError:
+    remote = src.remote.rstrip('/') if src.remote else src.directory
+    return CorruptShardError(
+        f"stream '{src.name}' ({src.directory}), shard {info['raw_data']['basename']}: {remote}/{name} "
+        f'does not match the {src.algorithm} hash its index.json records: the shard in the remote '
+        f'is damaged (or was replaced without its index.json). Removed it from the cache '
+        f'({", ".join(removed) or "nothing left"}). Re-upload the shard: re-run `foundrymix '
+        f'convert` on the same inputs with `--out {remote} --overwrite`; `foundrymix verify '
+        f'{remote}` checks every shard of the remote')
+
+
+def _has(path: str, size: Any) -> bool:
+    try:
+        return os.stat(path).st_size == int(size)
+    except FileNotFoundError:
+        return False
+
+
+def check_resume(obj: dict[str, Any], global_batch_size: Optional[int]) -> None:
+    """Refuse a checkpointed data position made with another global batch size (a
+    :class:`~foundrymix.config.ConfigError` naming both values)."""
+    from foundrymix.config import ConfigError
+    old_g = obj.get('global_batch_size')
+    if old_g is not None and global_batch_size is not None and old_g != global_batch_size:
+        raise ConfigError(
+            f'global_train_batch_size: the checkpoint was trained with a global batch of '
+            f'{old_g} rows, this run has {global_batch_size}; the epoch and every batch are made '
+            f'of global batches, so it must stay fixed across a resize (the per-rank batch is '
+            f'global_train_batch_size / ranks). Set global_train_batch_size: {old_g} to resume')
