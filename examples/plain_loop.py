@@ -7,6 +7,11 @@ resumes from the checkpoint when started again. A resumed run trains exactly wha
 straight run trains: the loader's position is one global batch index.
 
     python examples/plain_loop.py --out out/plain_loop        # runs, or resumes a killed run
+    python examples/plain_loop.py --out out/plain_loop --world-size 2   # 2 ranks (DDP, gloo)
+
+A run may resume on another number of ranks: each rank reads its slice of the same global
+batches (the weights then differ in the last bits: the ranks' gradients are summed in
+another order).
 
 On CPU it takes seconds (the first run also converts the samples into ``--data``). Every
 step appends the stream and sample ids of its rows to ``<out>/samples.jsonl``.
@@ -21,8 +26,10 @@ import signal
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import foundrymix
 
@@ -120,17 +127,32 @@ def main() -> None:
     p.add_argument('--data', type=Path, default=None, help='the converted samples (default: OUT/data)')
     p.add_argument('--save-every', type=int, default=10)
     p.add_argument('--lr', type=float, default=3e-3)
+    p.add_argument('--world-size', type=int, default=1,
+                   help='ranks (processes on this machine, gloo); a run may resume on another number')
+    p.add_argument('--port', type=int, default=29517, help='the ranks\' rendezvous port (--world-size > 1)')
     p.add_argument('--hold-at', type=int, default=None,
                    help='after this step, wait to be killed (how the test kills a run mid-way)')
     args = p.parse_args()
+    convert_samples(args.data or args.out / 'data')
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.world_size == 1:
+        train(0, args)
+    else:
+        torch.multiprocessing.spawn(train, args=(args,), nprocs=args.world_size)
+
+
+def train(rank: int, args: argparse.Namespace) -> None:
+    world = args.world_size
+    if world > 1:  # what torchrun would set; build_loader reads RANK / WORLD_SIZE too
+        os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(args.port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        dist.init_process_group('gloo', rank=rank, world_size=world)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one thread: the same float sums in every run
     data = args.data or args.out / 'data'
-    convert_samples(data)
-    args.out.mkdir(parents=True, exist_ok=True)
     ckpt, log_path = args.out / 'checkpoint.pt', args.out / 'samples.jsonl'
 
-    loader = foundrymix.build_loader(data_config(data), rank=0, world_size=1)
+    loader = foundrymix.build_loader(data_config(data), rank=rank, world_size=world)
     model = GPT(vocab=8192, max_seq_len=loader.plan.max_seq_len)  # the bundled tokenizer's vocabulary
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     step = 0
@@ -140,21 +162,24 @@ def main() -> None:
         optimizer.load_state_dict(state['optimizer'])
         loader.load_state_dict(state['loader'])
         step = state['step']
-        print(f'resumed at step {step} (global batch {loader.position.batch})')
-    lines = log_path.read_text().splitlines()[:step] if log_path.exists() else []
-    log_path.write_text(''.join(line + '\n' for line in lines))  # a killed run's later steps go
+        if rank == 0:
+            print(f'resumed at step {step} (global batch {loader.position.batch}) on {world} rank(s)')
+    if rank == 0:
+        lines = log_path.read_text().splitlines()[:step] if log_path.exists() else []
+        log_path.write_text(''.join(line + '\n' for line in lines))  # a killed run's later steps go
+    ddp = DDP(model) if world > 1 else model  # the same initial weights on every rank (the seed)
 
-    with open(log_path, 'a') as log:
-        for batch in loader:
-            loss = model(batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            log.write(json.dumps({'step': step, 'stage': int(batch['stage_id'][0]), 'loss': loss.item(),
-                                  'stream': batch['stream_id'].tolist(),
-                                  'sample': batch['sample_id'].tolist()}) + '\n')
-            log.flush()
+    for batch in loader:
+        loss = ddp(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        rows = {k: gather(batch[k], world) for k in ('stream_id', 'sample_id')}  # the global batch
+        if rank == 0:
+            with open(log_path, 'a') as log:
+                log.write(json.dumps({'step': step, 'stage': int(batch['stage_id'][0]), 'loss': loss.item(),
+                                      'stream': rows['stream_id'], 'sample': rows['sample_id']}) + '\n')
             if step % args.save_every == 0:
                 save(ckpt, {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
                             'loader': loader.state_dict(), 'step': step})
@@ -162,8 +187,20 @@ def main() -> None:
                 print(f'step {step}: loss {loss.item():.4f}; rows so far {loader.samples_per_stream()}')
             if step == args.hold_at:
                 signal.pause()
-    torch.save(model.state_dict(), args.out / 'final.pt')
-    print(f'done: {step} steps; rows per stream {loader.samples_per_stream()}')
+    if rank == 0:
+        torch.save(model.state_dict(), args.out / 'final.pt')
+        print(f'done: {step} steps; rows per stream {loader.samples_per_stream()}')
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def gather(values: torch.Tensor, world: int) -> list[int]:
+    """Every rank's values, rank after rank (the global batch's order)."""
+    if world == 1:
+        return values.tolist()
+    parts = [torch.empty_like(values) for _ in range(world)]
+    dist.all_gather(parts, values)
+    return torch.cat(parts).tolist()
 
 
 if __name__ == '__main__':

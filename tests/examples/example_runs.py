@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -31,19 +32,20 @@ def run(cmd: list[str]) -> str:
 
 
 def run_until_killed(cmd: list[str], log: Path, lines: int) -> None:
-    """Start ``cmd``, SIGKILL it once its sample log has ``lines`` steps (it holds there)."""
+    """Start ``cmd``, SIGKILL it and every process it started (its ranks) once its sample log
+    has ``lines`` steps (it holds there)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         while not (log.exists() and len(log.read_text().splitlines()) >= lines):
             assert proc.poll() is None, f'the run ended before step {lines}: {proc.stdout.read()}'
             time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
         assert proc.wait() == -signal.SIGKILL
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
