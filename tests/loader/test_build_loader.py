@@ -179,3 +179,17 @@ def test_a_loop_with_the_loader_never_imports_composer(small_streams):
     out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out[-1] == '[]', out
+
+
+def test_samples_per_stream_of_an_adaptive_run(tmp_path_factory):
+    """Adaptive segments: the counts follow each decision as the batches did."""
+    from mix_helpers import build_three
+    from test_adaptive import ROWS, Feeder, build, config
+    loader = build(config(build_three(str(tmp_path_factory.mktemp('adaptive')), ROWS)))
+    feeder, names = Feeder(loader), loader.plan.stream_names
+    seen = collections.Counter()
+    for i, batch in enumerate(loader, start=1):
+        feeder.batch(batch)  # the loss of a finished segment decides the next one
+        seen.update(names[int(x)] for x in batch['stream_id'])
+        assert loader.samples_per_stream() == {n: seen[n] for n in names}, i
+    assert len(set(tuple(d.rows) for d in loader.position.adaptive[0].decisions)) > 1  # it adapted
