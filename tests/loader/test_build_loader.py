@@ -72,6 +72,9 @@ def test_a_data_only_yaml_and_its_mapping_give_one_loader(small_streams, straigh
     assert [s.name for s in loader.plan.stages] == ['text', 'mix'] and len(loader) == 14
     assert_same(batches(loader), straight)
     assert_same(batches(foundrymix.build_loader(cfg, rank=0, world_size=1)), straight)
+    shorter = foundrymix.build_loader(path, rank=0, world_size=1,
+                                      overrides=['train_loader.stages.1.duration=4ba'])
+    assert_same(batches(shorter), straight[:9])  # an override, as on the command line
     # stage 'text' is arXiv only, then both streams
     assert {int(x) for b in straight[:5] for x in b['stream_id']} == {0}
     assert {int(x) for b in straight[5:] for x in b['stream_id']} == {0, 1}
