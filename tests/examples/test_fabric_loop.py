@@ -8,8 +8,6 @@ import torch
 
 from example_runs import assert_same_weights, command, run, run_until_killed
 
-pytest.importorskip('lightning_fabric')  # the test extra installs it
-
 
 @pytest.mark.slow
 def test_killed_and_resumed_equals_the_straight_run(tmp_path):
