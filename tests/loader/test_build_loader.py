@@ -20,6 +20,7 @@ import yaml
 
 import foundrymix
 from foundrymix.config import ConfigError
+from foundrymix.errors import MissingError
 from foundrymix.loader.run_loader import StagedDataLoader
 from helpers import ROOT, tiny_run_config
 
@@ -163,7 +164,7 @@ def test_bad_calls_are_one_line_errors(small_streams, tmp_path):
     for kwargs, words in cases:
         kwargs.setdefault('world_size', 1)
         kwargs.setdefault('rank', 0)
-        with pytest.raises(ConfigError if 'missing' not in words else Exception) as e:
+        with pytest.raises(MissingError if 'missing' in words else ConfigError) as e:
             foundrymix.build_loader(**kwargs)
         assert words in str(e.value) and '\n' not in str(e.value), (kwargs, str(e.value))
 
