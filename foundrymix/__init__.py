@@ -4,7 +4,7 @@ __version__ = '0.1.0'
 
 from typing import Any
 
-__all__ = ['__version__', 'StreamMixer']
+__all__ = ['__version__', 'StreamMixer', 'build_loader']
 
 
 def __getattr__(name: str) -> Any:
@@ -12,4 +12,7 @@ def __getattr__(name: str) -> Any:
     if name == 'StreamMixer':
         from foundrymix.loader.mixer import StreamMixer
         return StreamMixer
+    if name == 'build_loader':
+        from foundrymix.api import build_loader
+        return build_loader
     raise AttributeError(name)

@@ -2,7 +2,7 @@
 
 One package per stage of the flow -- ``format`` (the on-disk contract) and ``s3`` below
 both sides; ``convert`` on one side; ``plan`` (pure) then ``loader`` (runtime) then
-``train`` on the other; ``tools`` and the ``cli`` on top. Every import in the package,
+``train`` on the other; ``tools``, ``api`` (the loader for any training loop) and the ``cli`` on top. Every import in the package,
 function-level ones included (they are how heavy imports are deferred), must go to a
 lower layer or stay in its own package. And streaming's private modules
 (``streaming.base.*``) are imported only by the one format module
@@ -20,7 +20,7 @@ PACKAGE = ROOT / 'foundrymix'
 #: package (or foundation module) -> layer; siblings of one layer may not import each other
 #: (``foundrymix/__init__.py`` is the public facade on top: its one import is lazy)
 LAYERS = {'errors': 0, 'heap': 0, 'config': 1, 'claims': 1, 'format': 2, 'tokenizer': 3, 's3': 3,
-          'convert': 4, 'plan': 4, 'loader': 5, 'train': 6, 'tools': 7, 'cli': 8, '__init__': 9}
+          'convert': 4, 'plan': 4, 'loader': 5, 'train': 6, 'tools': 7, 'api': 7, 'cli': 8, '__init__': 9}
 STREAMING_PRIVATE_ALLOWED = {'format/streaming_format.py'}
 
 

@@ -248,6 +248,24 @@ class StagedDataLoader(DataLoader):
         return self.dataset  # type: ignore[return-value]
 
     @property
+    def plan(self) -> RunPlan:
+        """The run's plan, what ``foundrymix plan`` prints: every stage, its mixture and length."""
+        return self.run
+
+    @property
+    def world_size(self) -> int:
+        """The ranks that share each global batch (every stage splits its own over the same ranks)."""
+        stage = self.run.stages[0]
+        return stage.global_batch_size // stage.batch_size
+
+    def samples_per_stream(self) -> dict[str, int]:
+        """Stream name -> rows of it in the global batches before the position, all ranks'
+        (the plan's arithmetic, :func:`~foundrymix.plan.counts.rows_before`): after a resume,
+        the whole run's so far."""
+        from foundrymix.plan.counts import rows_before
+        return rows_before(self.run, self.position.batch, self.position.adaptive)
+
+    @property
     def storage(self) -> Any:
         """The storage (:class:`~foundrymix.loader.storage.RowStore`) of the stage being
         read, or None before the first batch (:meth:`prepare` builds it) and after

@@ -260,6 +260,17 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     pretrained model's): ``train`` and ``plan`` refuse alike, with one message (issue 26:
     ``plan`` accepted a ``tokenizer:`` the streams were not made with). ``tokenizer`` is the
     streams' :class:`~foundrymix.format.schema.TokenizerInfo`."""
+    check_data_streams(cfg, max_seq_len, tokenizer)
+    if cfg.model is not None and cfg.model.pretrained is not None:
+        from foundrymix.train.model import check_pretrained_tokenizer
+        from foundrymix.train.weights import check_has_weights
+        check_has_weights(cfg.model)
+        check_pretrained_tokenizer(cfg.model, tokenizer)
+
+
+def check_data_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
+    """What :func:`check_streams` checks without the model: ``max_seq_len`` and ``tokenizer``
+    against the streams (imports neither torch nor composer, for a loader used alone)."""
     if cfg.max_seq_len is not None:  # a data-only YAML may leave it to the streams
         check_seq_len(cfg, max_seq_len)
     if cfg.tokenizer is not None:
@@ -271,11 +282,6 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
                               f'converted with ({tokenizer.name}): {tokenizer_differences(have, tokenizer)} '
                               f"(this one vs the streams'){changed_tokenizer_note(cfg.tokenizer, tokenizer)}")
-    if cfg.model is not None and cfg.model.pretrained is not None:
-        from foundrymix.train.model import check_pretrained_tokenizer
-        from foundrymix.train.weights import check_has_weights
-        check_has_weights(cfg.model)
-        check_pretrained_tokenizer(cfg.model, tokenizer)
 
 
 def check_seq_len(cfg: TrainConfig, stream_seq_len: int) -> None:

@@ -1,0 +1,102 @@
+"""The run's loader for any training loop: :func:`build_loader`.
+
+A training loop that is not Composer's -- a plain PyTorch loop, Lightning Fabric, a
+trainer of its own -- gets the same loader the Composer trainer is given (a
+:class:`~foundrymix.loader.run_loader.StagedDataLoader`, built from the same plan), so
+stages, exact mixtures, pass-complete repetition and resume behave identically. The config
+is read as ``foundrymix plan`` reads it: a data-only YAML (``train_loader``,
+``global_train_batch_size``, ``max_duration`` or ``train_loader.stages``) or a whole
+training YAML, whose other keys are checked and not used. Imports no composer.
+
+The loader speaks the protocol of torchdata's ``StatefulDataLoader`` and torchtitan's
+``BaseDataLoader``: ``state_dict()`` is the position (one global batch index plus the
+fingerprints of the trained stages), ``load_state_dict()`` resumes there -- on any number of
+ranks that splits the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+
+from foundrymix.config import ConfigError
+
+if TYPE_CHECKING:
+    from foundrymix.loader.run_loader import StagedDataLoader
+
+#: a YAML file, or the same keys as a mapping (``${variables.x}`` interpolations resolved)
+ConfigSource = Union[str, 'os.PathLike[str]', Mapping[str, Any]]
+
+
+def build_loader(config: ConfigSource, *, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, overrides: Sequence[str] = (),
+                 max_duration: Optional[str] = None) -> 'StagedDataLoader':
+    """The run's loader for global rank ``rank`` of ``world_size`` ranks (default: the
+    launcher's ``RANK`` / ``WORLD_SIZE``, else 0 of 1).
+
+    Iterating it yields this rank's ``global_train_batch_size / world_size`` rows of every
+    global batch from its position to the end of the run (dicts of ``int64`` tensors:
+    ``input_ids``, ``labels``, ``attention_mask``, ``sequence_id``, ``position_ids``,
+    ``stream_id``, ``sample_id``; ``stage_id`` with stages). ``loader.plan`` is the run's
+    plan, ``loader.samples_per_stream()`` the rows each stream trained before the position.
+    ``overrides`` (``key=value``) and ``max_duration`` apply to a YAML as on the command line.
+    A config the trainer or ``foundrymix plan`` would refuse is refused here with the same
+    one-line :class:`~foundrymix.config.ConfigError`.
+    """
+    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.plan.stages import plan_run
+    from foundrymix.plan.topology import Topology
+    from foundrymix.train.config import check_data_streams, split_batch
+
+    rank, world_size = _ranks(rank, world_size)
+    cfg = _read(config, overrides, max_duration)
+    device_batch, _ = split_batch(cfg, world_size)
+    run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
+                             Topology(nodes=1, ranks_per_node=world_size))
+    for catalog in catalogs:
+        check_data_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
+    return build_run_loader(run, device_batch, rank=rank)
+
+
+def _ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    """(rank, world size), given or from the launcher's environment, checked."""
+    def number(value: Any, env: str, default: int) -> int:
+        if value is None:
+            value = os.environ.get(env, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f'build_loader: {env.lower()} must be an integer, got {value!r}') from None
+
+    r, w = number(rank, 'RANK', 0), number(world_size, 'WORLD_SIZE', 1)
+    if w < 1 or not 0 <= r < w:
+        raise ConfigError(f'build_loader: rank {r} of world_size {w}: world_size must be at least 1 '
+                          f'and rank in 0..world_size-1')
+    return r, w
+
+
+def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional[str]) -> Any:
+    """The config as ``foundrymix plan`` reads it (a YAML without ``model`` is data-only)."""
+    from foundrymix.train.config import DataConfig, TrainConfig, load_config
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(os.fspath(config), overrides, max_duration, data_only=True)
+    if not isinstance(config, Mapping):
+        raise ConfigError(f'build_loader: config must be a YAML path or a mapping, got '
+                          f'{type(config).__name__}')
+    if overrides:
+        raise ConfigError('build_loader: overrides apply to a YAML file; set the keys in the '
+                          'mapping instead')
+    data = _resolved(config)
+    if max_duration is not None:
+        data['max_duration'] = max_duration
+    return (TrainConfig if 'model' in data else DataConfig).from_dict(data)
+
+
+def _resolved(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain copy of ``config`` with ``${...}`` interpolations resolved, as a YAML's are."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        return OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f'config: {type(e).__name__}: {e}') from None
