@@ -44,10 +44,20 @@ class Span(IterableDataset):
         return self.offsets[streams[mine]] + rows[mine]
 
     def __iter__(self) -> Iterator[Any]:
+        """This worker's batches; the shards of its next batch are opened (fetched, checked)
+        in a thread while the current batch is read."""
+        from concurrent.futures import ThreadPoolExecutor
         info = get_worker_info()
         w, W = (info.id, info.num_workers) if info is not None else (0, 1)
-        for b in range(self.first + w, self.end, W):
-            yield collate([self.storage.get_row(int(i)) for i in self.sample_ids(b)])
+        mine = range(self.first + w, self.end, W)
+        ahead = ThreadPoolExecutor(1, thread_name_prefix='foundrymix-prefetch')
+        try:
+            for k, b in enumerate(mine):
+                if k + 1 < len(mine):
+                    ahead.submit(self.storage.prefetch, self.sample_ids(mine[k + 1]))
+                yield collate([self.storage.get_row(int(i)) for i in self.sample_ids(b)])
+        finally:
+            ahead.shutdown(wait=False, cancel_futures=True)
 
     def __len__(self) -> int:
         return max(0, self.end - self.first)

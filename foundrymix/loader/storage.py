@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -111,12 +112,13 @@ class RowStore:
 
     def _fresh(self) -> None:
         self._readers: dict[int, Any] = {}
+        self._opening: dict[int, threading.Lock] = {}  # one per shard: readers and prefetch
         self._hashes = ShardHashes(self.cache_root)
         self._lock_fds: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ('_readers', '_hashes', '_lock_fds', 'cache_claims'):
+        for key in ('_readers', '_opening', '_hashes', '_lock_fds', 'cache_claims'):
             state.pop(key, None)
         return state
 
@@ -185,11 +187,26 @@ class RowStore:
                                problem=problem, directory=directory)
 
     # ------------------------------------------------------------ shards
+    def prefetch(self, sample_ids: Any) -> None:
+        """Open -- fetch, unpack, verify -- the shards of these rows now (the loader calls it
+        for the next batch while the current one is read). A failure is left for the read
+        of the row to raise, naming it."""
+        for shard in sorted({self._shard_of(int(i)) for i in sample_ids}):
+            try:
+                self._open(shard)
+            except Exception:
+                return
+
     def _open(self, shard: int) -> Any:
         """The shard's reader, its file in place and verified (once per process)."""
         reader = self._readers.get(shard)
         if reader is not None:
             return reader
+        with self._opening.setdefault(shard, threading.Lock()):
+            reader = self._readers.get(shard)
+            return reader if reader is not None else self._open_now(shard)
+
+    def _open_now(self, shard: int) -> Any:
         from foundrymix.format.streaming_format import reader_from_json
         k, j = self._where[shard]
         src = self.sources[k]
