@@ -16,196 +16,23 @@ of the loader one epoch of its mixture, so Composer's epochs -- ``max_duration: 
 ``save_interval: 1ep`` -- are data epochs; a staged or adaptive run is one Composer epoch,
 and a plain ``for`` loop over the loader (the default) runs the whole run.
 
-Rules for changing the data on resume (checked by :meth:`StagedPosition.load_state_dict`):
-what has been trained is immutable -- stages already (partly) trained must have the same
-data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`, their global batch
-included) and the same start batch; a finished stage keeps its length. Later stages
-(including one that starts exactly at the checkpoint) may change -- their
-``global_train_batch_size`` too -- and new ones, with new streams, may be appended; the
-run may be extended. Positions written in streaming's order (versions 1-2) are refused.
+The position and the rules for changing the data on resume: :mod:`foundrymix.loader.position`.
 """
 
 from __future__ import annotations
 
 import gc
-import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from foundrymix.config import ConfigError
-from foundrymix.plan.adaptive import AdaptiveController, build_controller
-from foundrymix.plan.stages import RunPlan, StagePlan, fingerprint_changes
-
-log = logging.getLogger(__name__)
-
-#: version of :meth:`StagedPosition.state_dict`; 3: the order of :mod:`foundrymix.plan.order`
-#: (checkpoints of versions 1-2 and streaming's own dataset state followed streaming's sampler)
-POSITION_VERSION = 3
-
-
-@dataclass
-class Resumed:
-    """What a resume found, for the resume line: where, and what the checkpoint's run was."""
-
-    batch: int
-    old_total_batches: Optional[int]   # None: the checkpoint did not record it
-    legacy: bool = False               # a single-mixture checkpoint from before fingerprints
-    old_total_samples: Optional[int] = None  # None: the checkpoint did not record it
-
-
-class StagedPosition(IterableDataset):
-    """The run's position: the next global batch, and what each trained stage was.
-
-    Composer finds it as ``train_dataloader.dataset`` and checkpoints it through
-    :meth:`state_dict` / :meth:`load_state_dict`.
-    """
-
-    def __init__(self, run: RunPlan) -> None:
-        self.run = run
-        self.batch = 0  # next global batch to yield
-        self.resumed: Optional[Resumed] = None
-        #: stage index -> its adaptive controller (stages with ``adaptive:``)
-        self.adaptive: dict[int, AdaptiveController] = {}
-        for stage in run.stages:
-            controller = build_controller(stage)
-            if controller is not None:
-                self.adaptive[stage.index] = controller
-
-    def __iter__(self) -> Iterator[Any]:  # pragma: no cover - the loader iterates, not this
-        raise TypeError('iterate the StagedDataLoader, not its position')
-
-    def state_dict(self, num_samples: int = 0, from_beginning: bool = True) -> dict[str, Any]:
-        stage = self.run.stage_at(self.batch)
-        # stages with at least one batch trained: their data is now immutable
-        done = [s for s in self.run.stages if s.start_batch < self.batch]
-        return {
-            'version': POSITION_VERSION,
-            'batch': self.batch,
-            'total_batches': self.run.total_batches,
-            'total_samples': self.run.total_samples,
-            # the global batch of the stage at the position (each stage has its own)
-            'global_batch_size': stage.global_batch_size,
-            'stage': stage.index,
-            'stage_name': stage.name,
-            'batch_in_stage': self.batch - stage.start_batch,
-            'stages': [{'name': s.name, 'start_batch': s.start_batch, 'batches': s.batches,
-                        'fingerprint': s.fingerprint} for s in done],
-            # adaptive stages: the policy's state and every decision made so far
-            'adaptive': {self.run.stages[i].name: c.state_dict()
-                         for i, c in self.adaptive.items() if self.run.stages[i].start_batch <= self.batch},
-        }
-
-    def load_state_dict(self, obj: dict[str, Any]) -> None:
-        """Resume at ``obj['batch']`` after checking that the trained past is unchanged."""
-        if int(obj.get('version', 0) if isinstance(obj, dict) else 0) < POSITION_VERSION:
-            raise ConfigError(
-                'the checkpoint was written by an older foundrymix, whose sample order was '
-                "streaming's sampler: it cannot be resumed by this version (the order is now "
-                "foundrymix's own); start the run again, or finish it with the version that wrote it")
-        batch = int(obj['batch'])
-        if batch > self.run.total_batches:
-            raise ConfigError(
-                f'the checkpoint is at batch {batch}, beyond the {self.run.total_batches} batches '
-                f'this config trains: a run cannot be shortened below what it trained (give '
-                f'max_duration / the stages at least {batch} batches)')
-        self._check_order(obj, batch)
-        for old in obj['stages']:
-            if old['start_batch'] < batch:  # (older checkpoints also list a stage starting here)
-                self._check_unchanged(old, batch)
-        for index, controller in self.adaptive.items():
-            state = obj.get('adaptive', {}).get(self.run.stages[index].name)
-            if state is not None:
-                controller.load_state_dict(state, batch)
-        self.batch = batch
-        total, samples = obj.get('total_batches'), obj.get('total_samples')
-        self.resumed = Resumed(batch, int(total) if total is not None else None,
-                               old_total_samples=int(samples) if samples is not None else None)
-
-    def _check_order(self, obj: dict[str, Any], batch: int) -> None:
-        """The global batch, which fixes every batch's rows, checked first with the message
-        that says how to resume (a resize keeps it; the fingerprints would only list it among
-        other changes).
-
-        The global batch is the last trained stage's (each stage has its own): the stage the
-        checkpoint is inside keeps it; a stage that starts at the checkpoint may set another.
-        """
-        from foundrymix.loader.storage import check_resume
-        trained = [s for s in obj['stages'] if s['start_batch'] < batch]
-        if not trained:
-            return
-        last = trained[-1]['fingerprint']
-        # the stage's own batch (its fingerprint); older checkpoints: the run's, the same
-        old_g = last.get('global_batch_size', obj.get('global_batch_size'))
-        stage = next((s for s in self.run.stages if s.name == trained[-1]['name']), None)
-        if stage is None:
-            return  # a trained stage removed: _check_unchanged names it
-        assert stage.config is not None
-        if self.run.explicit and old_g is not None and old_g != stage.global_batch_size:
-            done = batch - trained[-1]['start_batch']
-            rest = ('' if done >= trained[-1]['batches'] else
-                    f'; to change the batch from here, end the stage at the resume batch '
-                    f'(duration: {done}ba) and add a stage after it with its own '
-                    f'global_train_batch_size')
-            raise ConfigError(
-                f'{stage.where}.global_train_batch_size: the checkpoint trained '
-                f'{min(done, trained[-1]["batches"])} batches of stage {stage.name!r} with a global '
-                f'batch of {old_g} rows, this config gives it {stage.global_batch_size}; its epochs '
-                f'and every batch are made of that batch, so a trained stage keeps it (stages that '
-                f'start at or after the checkpoint may change theirs). Set '
-                f'{stage.where}.global_train_batch_size: {old_g} to resume{rest}')
-        check_resume({'global_batch_size': old_g}, stage.global_batch_size)
-
-    def _check_unchanged(self, old: dict[str, Any], batch: int) -> None:
-        name = old['name']
-        new = next((s for s in self.run.stages if s.name == name), None)
-        where = f'train_loader.stages ({name})' if self.run.explicit else 'train_loader'
-        trained = batch - old['start_batch']
-        if new is None:
-            raise ConfigError(
-                f'train_loader.stages: stage {name!r} was trained (batches {old["start_batch"]} to '
-                f'{min(batch, old["start_batch"] + old["batches"]) - 1}) and is gone from the '
-                f'config; trained stages cannot be removed or renamed'
-                + (f' (a run without stages: is the one stage {name!r}: to add stages to it, make '
-                   f'the first stage {{name: {name}, duration: {old["batches"]}ba}} with the same '
-                   f'streams)' if not self.run.explicit or name == 'main' else ''))
-        if new.start_batch != old['start_batch']:
-            raise ConfigError(f'{where}: starts at batch {new.start_batch}, the checkpoint trained '
-                              f'it from batch {old["start_batch"]}; earlier stages changed length')
-        finished = old['start_batch'] + old['batches'] <= batch
-        trained = min(trained, old['batches'])
-        # A stage may grow (extending a finished run continues its mixture's epochs; a later
-        # stage that was trained would move, which the start-batch check refuses) but never
-        # shrink below what it trained.
-        if new.batches < trained and finished:
-            raise ConfigError(f'{where}: finished with {old["batches"]} batches, now '
-                              f'{new.batches}; what is trained cannot be undone')
-        if new.batches < trained:
-            raise ConfigError(f'{where}: now {new.batches} batches, but the checkpoint already '
-                              f'trained {trained} of it; what is trained cannot be undone')
-        changes = fingerprint_changes(old['fingerprint'], new.fingerprint)
-        if changes:
-            if finished:
-                advice = ('a finished stage is what the model was trained on; to train other data '
-                          'from here, append a stage')
-            elif self.run.explicit:
-                advice = (f'to change the mixture from here, end this stage at the resume batch '
-                          f'(duration: {trained}ba) and add a new stage after it')
-            else:
-                advice = (f'to change the mixture from here, make the trained part a stage and add '
-                          f'one after it: stages: [{{name: {name}, duration: {trained}ba, streams: '
-                          f'{_weights_yaml(old["fingerprint"])}}}, {{name: next, duration: ..., '
-                          f'streams: <the new weights>}}], leave max_duration out (the run is the '
-                          f'sum of the stages), and keep only locations (local/remote/split) in '
-                          f'train_loader.streams')
-            raise ConfigError(
-                f'{where}: its data changed since the checkpoint ({"; ".join(changes)}); what '
-                f'is trained cannot change (the checkpoint trained {trained} batches of it). '
-                f'{advice[0].upper()}{advice[1:]}')
+from foundrymix.loader.position import POSITION_VERSION, Resumed, StagedPosition  # noqa: F401 (re-exported)
+from foundrymix.plan.adaptive import AdaptiveController
+from foundrymix.plan.stages import RunPlan, StagePlan
 
 
 @dataclass
@@ -407,12 +234,3 @@ def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str
     run, _ = plan_run(config, batch_size, max_duration, topology, where)
     return build_run_loader(run, batch_size, composer_epochs)
 
-
-def _weights_yaml(fingerprint: dict[str, Any]) -> str:
-    """A fingerprint's stream weights as a YAML flow mapping: ``{a: {repeat: 1.0}, ...}``."""
-    parts = []
-    for name, stream in fingerprint['streams'].items():
-        weights = ', '.join(f'{k}: {stream[k]}' for k in ('repeat', 'proportion', 'choose')
-                            if stream.get(k) is not None)
-        parts.append(f'{name}: {{{weights}}}')
-    return '{' + ', '.join(parts) + '}'

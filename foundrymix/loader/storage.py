@@ -24,11 +24,13 @@ A store pickles (DataLoader workers start with a copy): readers and locks are pe
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -272,7 +274,16 @@ class RowStore:
             path = os.path.join(cache_base(self.cache_root), 'locks', f'{key}.lock')
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = self._lock_fds[directory] = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
+                break
+            except OSError as e:
+                # POSIX locks belong to processes, so the kernel sees a cycle where threads of
+                # two processes wait on each other's other shard; none is real: wait a little
+                if e.errno != errno.EDEADLK:
+                    raise
+                time.sleep(0.01)
         try:
             yield
         finally:
@@ -384,16 +395,3 @@ def _has(path: str, size: Any) -> bool:
         return os.stat(path).st_size == int(size)
     except FileNotFoundError:
         return False
-
-
-def check_resume(obj: dict[str, Any], global_batch_size: Optional[int]) -> None:
-    """Refuse a checkpointed data position made with another global batch size (a
-    :class:`~foundrymix.config.ConfigError` naming both values)."""
-    from foundrymix.config import ConfigError
-    old_g = obj.get('global_batch_size')
-    if old_g is not None and global_batch_size is not None and old_g != global_batch_size:
-        raise ConfigError(
-            f'global_train_batch_size: the checkpoint was trained with a global batch of '
-            f'{old_g} rows, this run has {global_batch_size}; the epoch and every batch are made '
-            f'of global batches, so it must stay fixed across a resize (the per-rank batch is '
-            f'global_train_batch_size / ranks). Set global_train_batch_size: {old_g} to resume')

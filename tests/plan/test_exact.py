@@ -125,7 +125,7 @@ def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
 
 
 def test_resume_state_is_checked(root):
-    from foundrymix.loader.storage import check_resume
+    from foundrymix.loader.position import check_resume
     check_resume({'global_batch_size': 8}, 8)
     check_resume({}, 8)   # a position that does not record it
     with pytest.raises(ConfigError, match=r'global batch of 8 rows, this run has 4.*Set '
