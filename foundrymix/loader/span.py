@@ -20,6 +20,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from foundrymix.loader.collate import collate
 
+#: batches of a worker whose shards are opened ahead of their reading
+PREFETCH_BATCHES = 2
+
 #: (global batch index within the stage) -> (stream index, row) of each of its rows
 BatchRows = Callable[[int], tuple[np.ndarray, np.ndarray]]
 
@@ -44,17 +47,19 @@ class Span(IterableDataset):
         return self.offsets[streams[mine]] + rows[mine]
 
     def __iter__(self) -> Iterator[Any]:
-        """This worker's batches; the shards of its next batch are opened (fetched, checked)
-        in a thread while the current batch is read."""
+        """This worker's batches; the shards of its next :data:`PREFETCH_BATCHES` batches are
+        opened (fetched, checked) in a thread while the current one is read."""
         from concurrent.futures import ThreadPoolExecutor
         info = get_worker_info()
         w, W = (info.id, info.num_workers) if info is not None else (0, 1)
         mine = range(self.first + w, self.end, W)
         ahead = ThreadPoolExecutor(1, thread_name_prefix='foundrymix-prefetch')
         try:
+            for k in range(min(PREFETCH_BATCHES, len(mine))):
+                ahead.submit(self.storage.prefetch, self.sample_ids(mine[k]))
             for k, b in enumerate(mine):
-                if k + 1 < len(mine):
-                    ahead.submit(self.storage.prefetch, self.sample_ids(mine[k + 1]))
+                if k + PREFETCH_BATCHES < len(mine):
+                    ahead.submit(self.storage.prefetch, self.sample_ids(mine[k + PREFETCH_BATCHES]))
                 yield collate([self.storage.get_row(int(i)) for i in self.sample_ids(b)])
         finally:
             ahead.shutdown(wait=False, cancel_futures=True)
