@@ -203,13 +203,27 @@ def _private(st: os.stat_result) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
+def _digest(info: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
+
+
 def _read_memo(path: str) -> Optional[TokenizerInfo]:
+    """The memo's result, or None (then the tokenizer is read again and the memo rewritten)
+    if it is missing, not private, or does not match the digest stored with it -- a damaged
+    memo is never trusted, as it decides whether a changed tokenizer is refused."""
     try:
         with open(path, encoding='utf-8') as f:
             if not (_private(os.fstat(f.fileno())) and _private(os.stat(os.path.dirname(path)))):
                 return None
-            return TokenizerInfo(**json.load(f))
-    except (OSError, ValueError, TypeError):
+            got = json.load(f)
+        info = got['info']
+        if got.get('sha256') != _digest(info):
+            import logging
+            logging.getLogger(__name__).warning('tokenizer memo %s is damaged (its digest does not '
+                                                'match); reading the tokenizer again', path)
+            return None
+        return TokenizerInfo(**info)
+    except (OSError, ValueError, TypeError, KeyError):
         return None
 
 
@@ -222,8 +236,9 @@ def _write_memo(path: str, info: TokenizerInfo) -> None:
         if not _private(os.stat(folder)):
             return
         fd, tmp = tempfile.mkstemp(dir=folder, prefix='.tok-', suffix='.tmp')
+        data = dataclasses.asdict(info)
         with os.fdopen(fd, 'w', encoding='utf-8') as f:
-            json.dump(dataclasses.asdict(info), f)
+            json.dump({'info': data, 'sha256': _digest(data)}, f)
         os.replace(tmp, path)
     except OSError:
         pass

@@ -5,6 +5,7 @@ computed afresh. (The plan is the order's arithmetic and has no record.)"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -36,14 +37,33 @@ def memo_files(cache) -> list[str]:
     return sorted(os.listdir(folder)) if folder.is_dir() else []
 
 
-def test_the_tokenizer_memo_equals_the_tokenizer_and_follows_its_files(cache, tok):
+def sealed(info: dict) -> str:
+    """A memo's text: the result and the sha256 of its canonical JSON (the memo's format)."""
+    return json.dumps({'info': info, 'sha256': hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()})
+
+
+def test_the_tokenizer_memo_equals_the_tokenizer_and_follows_its_files(cache, tok, caplog):
     truth = tokenizer_info(load_tokenizer(str(tok)))
     assert describe_tokenizer(str(tok), str(cache / 'tokenizers')) == truth
     (name,) = memo_files(cache)
-    # a second call reads the memo: mark it and see the mark come back
+    # a second call reads the memo: mark it (digest kept right) and see the mark come back
     path = cache / 'tokenizers' / name
-    path.write_text(json.dumps(dict(json.loads(path.read_text()), vocab_size=1)))
+    memo = json.loads(path.read_text())
+    path.write_text(sealed(dict(memo['info'], vocab_size=1)))
     assert describe_tokenizer(str(tok), str(cache / 'tokenizers')).vocab_size == 1
+    # every single-bit flip of the memo's bytes: never read as another result -- either the
+    # true one (a flip JSON reads the same) or ignored, warned about and rebuilt
+    good = sealed(memo['info']).encode()
+    changed_results = 0
+    for i in range(0, len(good) * 8, 7):
+        data = bytearray(good)
+        data[i // 8] ^= 1 << (i % 8)
+        path.write_bytes(bytes(data))
+        got = describe_tokenizer(str(tok), str(cache / 'tokenizers'))
+        changed_results += got != truth
+    assert changed_results == 0
+    assert 'is damaged (its digest does not match); reading the tokenizer again' in caplog.text
+    assert json.loads(path.read_text()) == json.loads(good)  # rebuilt
     # tokenizer.json rewritten with another vocabulary: the memo's key no longer matches
     spec = json.loads((tok / 'tokenizer.json').read_text())
     spec['model']['vocab'] = {k: v for k, v in list(spec['model']['vocab'].items())[:-1]}
@@ -59,7 +79,7 @@ def test_a_memo_others_may_write_is_not_read(cache, tok):
     describe_tokenizer(str(tok), str(cache / 'tokenizers'))
     (name,) = memo_files(cache)
     path = cache / 'tokenizers' / name
-    path.write_text(json.dumps(dict(json.loads(path.read_text()), fingerprint='0' * 64)))
+    path.write_text(sealed(dict(json.loads(path.read_text())['info'], fingerprint='0' * 64)))
     os.chmod(path, 0o666)
     assert describe_tokenizer(str(tok), str(cache / 'tokenizers')).fingerprint != '0' * 64
     os.chmod(path, 0o600)

@@ -110,12 +110,12 @@ def _read(path: str, directory: str) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     real = os.path.realpath(directory)
     try:
-        with open(path, encoding='utf-8') as f:
+        with open(path, 'rb') as f:
             for line in f:
                 try:
                     got = json.loads(line)
                 except ValueError:
-                    continue  # a line cut by a crash
+                    continue  # a line cut by a crash, or damaged
                 if isinstance(got, list) and len(got) == 9 and got[0] == real:
                     out[got[1]] = got[2:]
     except OSError:
