@@ -64,8 +64,8 @@ def case_env(case: str, **extra: str) -> dict:
     By default ``TMPDIR`` is a fresh directory of the case's own, as on a clean machine:
     streaming 0.13 leaves two filelocks there per dataset that ever ran and its prefix scan
     tests them all, so on a long-used machine (this one held ~11,000 dead prefixes) that
-    scan is most of a raw start and hides the rest (foundrymix lists them once:
-    ``streaming_compat.prefix_scan_skips_locked``). ``--shared-tmp`` measures on the
+    scan is most of a raw start and hides the rest (foundrymix's loader has no such scan).
+    ``--shared-tmp`` measures on the
     machine's own temporary directory instead."""
     env = dict(ENV, **extra)
     if CASE_TMP:
@@ -119,6 +119,7 @@ def write_sparse_stream(template: str, out: str, rows: int) -> None:
             f.truncate(entry['raw_data']['bytes'])
         shards.append(entry)
     json.dump({'shards': shards, 'version': 2}, open(os.path.join(out, 'index.json'), 'w'))
+    manifest.get('options', {}).pop('hashes', None)  # the sparse shards have none recorded
     tokens = rows * manifest['max_seq_len']
     manifest['counts'].update(rows=rows, tokens=tokens, loss_tokens=tokens, documents_read=rows,
                               documents_written=rows, tail_tokens=0)
