@@ -22,6 +22,7 @@ The position and the rules for changing the data on resume: :mod:`foundrymix.loa
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -33,6 +34,8 @@ from torch.utils.data import DataLoader
 from foundrymix.loader.position import POSITION_VERSION, Resumed, StagedPosition  # noqa: F401 (re-exported)
 from foundrymix.plan.adaptive import AdaptiveController
 from foundrymix.plan.stages import RunPlan, StagePlan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -206,6 +209,7 @@ def _segment_rows(controller: AdaptiveController, batch: int, offsets: np.ndarra
     (the trainer fed the controller the loss of the segment before)."""
     k = controller.segment_of(batch)
     ids = controller.segment_ids(k).reshape(-1, controller.global_batch)
+    _warn_repeats(controller, k)
     start = controller.segment_start(k) - controller.start_batch
     if [int(x) for x in offsets] != controller.offsets.tolist():
         raise RuntimeError(f'adaptive: the dataset numbers samples from {offsets.tolist()}, the '
@@ -216,6 +220,29 @@ def _segment_rows(controller: AdaptiveController, batch: int, offsets: np.ndarra
         streams = controller.stream_of(got)
         return streams, got - offsets[streams]
     return rows
+
+
+#: an adaptive stream read this many times over is warned about (then at each doubling)
+REPEAT_WARNING = 10
+
+
+def _warn_repeats(controller: AdaptiveController, k: int) -> None:
+    """Warn when the policy's weights have a stream read :data:`REPEAT_WARNING` times over
+    (then 2x, 4x that, ...) by the end of segment ``k``: the plan's passes hold for the
+    configured start only, and a small stream a policy favours is repeated without end."""
+    done = controller.consumed_before(k) + np.asarray(controller.decision(k).rows, np.int64)
+    warned = controller.__dict__.setdefault('_repeat_warned', {})
+    for name, n, rows in zip(controller.names, done.tolist(), controller.rows):
+        passes = n / max(int(rows), 1)
+        level = REPEAT_WARNING
+        while level * 2 <= passes:
+            level *= 2
+        if passes >= REPEAT_WARNING and warned.get(name, 0) < level:
+            warned[name] = level
+            log.warning(f"adaptive: stream '{name}' ({rows:,} rows) has been read {passes:.1f} "
+                        f'times over in the run\'s first {controller.segment_start(k + 1)} batches (the policy\'s '
+                        f'weights; the plan\'s passes hold for the configured start only). If that '
+                        f'is not wanted, add rows to it or leave it out of the adaptive stage')
 
 
 def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections import Counter
 
 import numpy as np
@@ -250,3 +251,21 @@ def test_the_plan_states_what_an_adaptive_run_trains(dirs):
         f'adaptive (ado): batches 0-{2 * EVERY - 1} exact at the configured weights (')
     assert f'batches {2 * EVERY}-{BATCHES - 1} ({(BATCHES - 2 * EVERY) * BATCH:,} rows) decided during the run' \
         in plan.counted['run']
+
+
+def test_a_small_stream_the_weights_repeat_is_warned_about(tmp_path, caplog):
+    """A 3-row stream at a fifth of 20 batches of 8 is read 10+ times over: warned once
+    (at 10x; 20x is not reached), naming the stream; the other streams are not named."""
+    small = build_three(str(tmp_path / 'streams'), (40, 80, 3))
+    cfg = config(small, method='fixed')
+    loader = build(cfg)
+    feeder = Feeder(loader)
+    counts = np.zeros(3, np.int64)
+    with caplog.at_level(logging.WARNING, logger='foundrymix.loader'):
+        for b in loader:
+            counts += np.bincount(b['stream_id'].numpy(), minlength=3)
+            feeder.batch(b)
+    loader.release()
+    warnings = [r.getMessage() for r in caplog.records if 'times over' in r.getMessage()]
+    assert counts[2] / 3 >= 10 and counts[2] / 3 < 20, counts  # the trained rows, counted here
+    assert len(warnings) == 1 and warnings[0].startswith("adaptive: stream 'dolly' (3 rows) has been read ")
