@@ -113,7 +113,8 @@ class RowStore:
         self._fresh()
 
     def _fresh(self) -> None:
-        self._readers: dict[int, Any] = {}
+        self._pid = os.getpid()  # a forked DataLoader worker starts afresh (locks held by a
+        self._readers: dict[int, Any] = {}  # thread of the parent would never be released)
         self._opening: dict[int, threading.Lock] = {}  # one per shard: readers and prefetch
         self._hashes = ShardHashes(self.cache_root)
         self._lock_fds: dict[str, int] = {}
@@ -204,6 +205,8 @@ class RowStore:
         reader = self._readers.get(shard)
         if reader is not None:
             return reader
+        if self._pid != os.getpid():
+            self._fresh()
         with self._opening.setdefault(shard, threading.Lock()):
             reader = self._readers.get(shard)
             return reader if reader is not None else self._open_now(shard)
