@@ -293,8 +293,7 @@ def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:
 
     Why: the stage's mixture is planned as epochs of its configured weights, but an adaptive stage
     trains segments of whole rows per stream read through per-stream cursors
-    (:class:`~foundrymix.plan.adaptive.AdaptiveController`). So the sampler's rows per
-    stream, passes, ``counted`` and its under-one-pass/mid-epoch warnings are not what it
+    (:class:`AdaptiveController`). So the epochs' rows per stream, passes, ``counted`` and its under-one-pass/mid-epoch warnings are not what it
     trains. What is exact at plan time: the segments whose weights are known (the warmup's
     configured weights; every segment of ``fixed`` or ``replay``); the rest are decided
     from the loss during the run, each stream at least ``min_share`` of a segment's rows.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from foundrymix.config import DERIVED, ConfigError, read_dataclass, to_plain
-from foundrymix.plan.specs import AdaptiveConfig, StreamSpec, is_pattern
+from foundrymix.plan.specs import AdaptiveConfig, StreamSpec, is_pattern, refuse_replaced_knobs
 
 __all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'AdaptiveConfig', 'CACHE_ROOT_ENV']
 
@@ -97,30 +97,6 @@ def _few(names: list[str], n: int = 5) -> str:
     return ', '.join(names[:n]) + (f', ... ({len(names):,} in all)' if len(names) > n else '')
 
 
-#: streaming sampler knobs that foundrymix's own order replaced, and what replaced them
-REPLACED_KNOBS = {
-    'shuffle_algo': 'each stream is shuffled a window of shards at a time (shuffle_block_size rows)',
-    'num_canonical_nodes': 'ranks slice one global order, the same on any topology',
-    'partition_algo': 'ranks slice one global order, the same on any topology',
-    'sampling_method': 'each pass over a stream is a fresh permutation, complete before the next',
-    'sampling_granularity': 'each pass over a stream is a fresh permutation, complete before the next',
-}
-
-
-def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
-    """Refuse streaming's sampler knobs (the order is foundrymix's own) and, for training,
-    ``drop_last: false``: every epoch is whole global batches, so every batch is full (an
-    ``eval_loader`` keeps Foundry's ``drop_last: false``; the trainer says what it leaves out)."""
-    for key, why in REPLACED_KNOBS.items():
-        if key in data:
-            raise ConfigError(f'{where}.{key}: streaming\'s sampler knob, which foundrymix\'s own '
-                              f'sample order replaced ({why}; docs/mixing-and-plan.md); remove it')
-    if data.get('drop_last') is False and not where.startswith('eval_loader'):
-        raise ConfigError(f'{where}.drop_last: false is gone: every epoch is whole global batches, '
-                          f'so every batch is full (the rows an epoch leaves out go to the next '
-                          f'epoch and are listed by foundrymix plan); remove it')
-
-
 def _loader_hints() -> dict[str, Any]:
     import typing
     return typing.get_type_hints(LoaderConfig)
@@ -145,7 +121,6 @@ class LoaderConfig:
     #: epochs of whole global batches: no row trained twice by rank padding, stratified
     #: batches of exactly the requested shares (False: streaming's padding and rounding)
     exact: bool = True
-    predownload: Optional[int] = None
     cache_limit: Optional[Union[int, str]] = None
     #: seconds a remote file download may wait on the store: bounds each metadata and s3
     #: shard fetch as a whole when the store fails or hangs (see foundrymix.s3.remote)

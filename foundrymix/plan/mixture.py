@@ -98,10 +98,9 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 shuffle_seed=config.shuffle_seed, warnings=warnings, notes=notes,
                 duration_name=duration_name, nodes=topology.nodes,
                 ranks_per_node=topology.ranks_per_node,
-                num_canonical_nodes=1, exact=config.exact,
+                exact=config.exact,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
-                repeated_rows_per_epoch=0,
                 per_rank=per_rank, weights=epoch.weights,
                 groups=stream_groups(config))
     plan.order = epoch.order
@@ -293,8 +292,8 @@ EVERY_STREAM_HINT = '(every stream: plan --streams all, or --json)'
 def under_one_pass_warnings(plans: list[StreamPlan],
                             limit: Optional[int] = WARNING_LINES_PER_CLASS) -> list[str]:
     """The streams seen under once per epoch: a line each, or (more than ``limit``) one line
-    for the class with the count and the least-seen streams -- 1,000 such lines buried what
-    mattered (issue 22)."""
+    for the class with the count and the least-seen streams (a line per stream of 1,000 would
+    bury what matters)."""
     under = [s for s in plans if s.full_passes == 0]
     what = ('rows are not seen in an epoch (the next epoch goes on with the pass: every row is '
             'seen once before any is seen twice)')
@@ -366,4 +365,4 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         total_tokens=total_batches * G * L, epochs=total_batches / bpe, full_epochs=full_epochs,
         ends_mid_epoch=bool(rem), last_epoch=last_epoch, last_batch_in_epoch=last_batch,
         last_sample_in_epoch=last_batch * G,
-        rows_per_stream=rows_trained, passes_per_stream=passes, samples_exact=True)
+        rows_per_stream=rows_trained, passes_per_stream=passes)

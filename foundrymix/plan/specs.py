@@ -1,6 +1,6 @@
 """The stream and adaptive sections of a ``train_loader``: what one stream entry and an
-``adaptive`` block may say, checked when read (:mod:`foundrymix.plan.config` holds the loader
-config that contains them)."""
+``adaptive`` block may say, checked when read, and the knobs no section may give
+(:mod:`foundrymix.plan.config` holds the loader config that contains them)."""
 
 from __future__ import annotations
 
@@ -152,3 +152,34 @@ class AdaptiveConfig:
         checked against the checkpoint's own)."""
         return {k: getattr(self, k) for k in ('method', 'every', 'warmup', 'min_share', 'seed',
                                               'alpha', 'beta', 'lr')}
+
+
+#: streaming's knobs that foundrymix's own order replaced, and what replaced them
+REPLACED_KNOBS = {
+    'shuffle_algo': 'each stream is shuffled a window of shards at a time (shuffle_block_size rows)',
+    'num_canonical_nodes': 'ranks slice one global order, the same on any topology',
+    'partition_algo': 'ranks slice one global order, the same on any topology',
+    'sampling_method': 'each pass over a stream is a fresh permutation, complete before the next',
+    'sampling_granularity': 'each pass over a stream is a fresh permutation, complete before the next',
+    'predownload': 'rows are read by index: with num_workers > 0 each DataLoader worker reads '
+                   'prefetch_factor batches ahead of training, fetching their shards',
+}
+
+
+def replaced_knob(key: str) -> str:
+    """What a key of :data:`REPLACED_KNOBS` was: a knob of streaming's sampler or downloader."""
+    return f"streaming's {'download' if key == 'predownload' else 'sampler'} knob"
+
+
+def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
+    """Refuse streaming's sampler and download knobs (the order is foundrymix's own) and, for training,
+    ``drop_last: false``: every epoch is whole global batches, so every batch is full (an
+    ``eval_loader`` keeps Foundry's ``drop_last: false``; the trainer says what it leaves out)."""
+    for key, why in REPLACED_KNOBS.items():
+        if key in data:
+            raise ConfigError(f'{where}.{key}: {replaced_knob(key)}, which foundrymix\'s own '
+                              f'sample order replaced ({why}; docs/mixing-and-plan.md); remove it')
+    if data.get('drop_last') is False and not where.startswith('eval_loader'):
+        raise ConfigError(f'{where}.drop_last: false is gone: every epoch is whole global batches, '
+                          f'so every batch is full (the rows an epoch leaves out go to the next '
+                          f'epoch and are listed by foundrymix plan); remove it')
