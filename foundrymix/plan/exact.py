@@ -13,8 +13,8 @@ even them out. The epoch is lowered to a multiple of the global batch by lowerin
 stream, from fractional passes first, in proportion (absolute weights). A trimmed row is
 not lost: its stream's draws continue in the next epoch. Stratified batching whose
 per-batch shares cannot be whole rows is refused, naming the shares it would train and
-the nearest global batch that fits. The same :func:`epoch_weights` feeds the plan and the
-loader, so what is planned is what is trained.
+the nearest global batch that fits. The stage's order is built from :func:`epoch_weights`'
+rows and the loader reads that order, so what is planned is what is trained.
 """
 
 from __future__ import annotations
@@ -90,9 +90,8 @@ def trim_chooses(chooses: tuple[int, ...], cut: int,
                  rows: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
     """``chooses`` less ``cut`` rows in all.
 
-    Taken first from the streams' fractional passes (``choose % rows``: rows already drawn
-    as a random subset each epoch), so a stream asked for whole passes keeps them; split in
-    proportion (largest remainder, ties to the earlier stream) so shares move least.
+    Taken first from the streams' fractional passes (``choose % rows``), so a stream asked
+    for whole passes keeps them; split in proportion (largest remainder, ties to the earlier stream) so shares move least.
     """
     extras = tuple(c % n for c, n in zip(chooses, rows)) if rows else tuple(0 for _ in chooses)
     first = _split(min(cut, sum(extras)), extras)

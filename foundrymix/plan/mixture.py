@@ -11,7 +11,7 @@ Token figures: every row is ``max_seq_len`` slots, so the tokens Composer counts
 are rows x ``max_seq_len`` exactly. Real (non-padding) and loss tokens per epoch are the
 manifest totals x passes: exact when every row is seen equally often (whole passes) or
 rows are uniform (pretrain), otherwise an *expected* value, because a fractional pass
-trains the next rows of the stream's current pass, not a fixed subset (``exact`` says which).
+trains the next rows of the stream's current pass, not a fixed subset (``tokens_exact`` says which).
 
 The dataclasses it fills are in :mod:`foundrymix.plan.plans`.
 """
@@ -83,7 +83,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     L = infos[0].manifest.max_seq_len
     G = batch_size * topology.world_size
     epoch = _plan_epoch(config, infos, batch_size, topology, stage)
-    _warn_epoch(config, epoch, G, topology.world_size, warnings)
+    _warn_epoch(config, epoch, G, warnings)
     _note_exact(config, epoch, G, warnings, notes)
     names = [i.name for i in infos]
     stream_plans = _stream_plans(infos, epoch, L, warnings, notes)
@@ -234,9 +234,9 @@ def _counted(epoch: _Epoch, W: int, B: int, n: int) -> list[np.ndarray]:
     return list(out)
 
 
-def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int,
-                world_size: int, warnings: list[str]) -> None:
-    """Warnings about rows an epoch samples but does not train, or trains twice."""
+def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]) -> None:
+    """Warnings about proportions that do not sum to 1 and rows an epoch samples but does not
+    train."""
     total = config.proportion_sum
     if total is not None and abs(total - 1.0) > 1e-9:
         given = ' + '.join(f'{p:g}' for p in config.given_proportions.values())
