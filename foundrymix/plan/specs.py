@@ -161,8 +161,8 @@ REPLACED_KNOBS = {
     'partition_algo': 'ranks slice one global order, the same on any topology',
     'sampling_method': 'each pass over a stream is a fresh permutation, complete before the next',
     'sampling_granularity': 'each pass over a stream is a fresh permutation, complete before the next',
-    'predownload': 'rows are read by index: with num_workers > 0 each DataLoader worker reads '
-                   'prefetch_factor batches ahead of training, fetching their shards',
+    'predownload': 'the order is known: each reader fetches the shards of its next batches '
+                   'ahead, in a thread',
 }
 
 

@@ -189,8 +189,7 @@ def test_migrate_drops_streamings_replaced_knobs(tmp_path, capsys):
         "removed: train_loader.shuffle_algo: py1e: streaming's sampler knob, replaced by foundrymix's own order "
         "(each stream is shuffled a window of shards at a time (shuffle_block_size rows))",
         "removed: train_loader.predownload: 8: streaming's download knob, replaced by foundrymix's own order "
-        "(rows are read by index: with num_workers > 0 each DataLoader worker reads prefetch_factor batches ahead "
-        "of training, fetching their shards)",
+        "(the order is known: each reader fetches the shards of its next batches ahead, in a thread)",
         "removed: train_loader.num_canonical_nodes: 2: streaming's sampler knob, replaced by foundrymix's own "
         "order (ranks slice one global order, the same on any topology)"]
     text = out.read_text()
