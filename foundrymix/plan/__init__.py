@@ -1,1 +1,1 @@
-"""Pure planning: the loader config, the catalog (metadata read once), exact epoch weights, the replay of streaming's sampler, stages and the run plan, rendering."""
+"""Pure planning: the loader config, the catalog (metadata read once), the weights and exact epochs, the sample order, stages and the run plan, rendering."""

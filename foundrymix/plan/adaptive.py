@@ -1,5 +1,5 @@
-"""Adaptive mixing: policies that set the next interval's weights from the per-stream loss,
-the exact rows of each interval, and the per-stream cursors the rows are drawn from.
+"""Adaptive mixing: the exact rows of each interval, the per-stream cursors the rows are drawn
+from, and the plan of an adaptive stage (the policies: :mod:`foundrymix.plan.policies`).
 
 Pure (numpy only): the loader (:mod:`foundrymix.loader.run_loader`) asks
 :class:`AdaptiveController` for each segment's sample ids, the trainer's callback
@@ -12,9 +12,6 @@ A segment is a block of the order (:mod:`foundrymix.plan.order`) whose per-strea
 the policy decided: each stream's draws go on from its cursor (a fresh permutation per
 pass), so no row repeats before every row of its stream was trained once, across any
 number of weight changes.
-
-Length (over ~300 lines): the policies, the decision record, the controller (segments,
-cursors, state) and the replay reader share one state format, kept in one module.
 """
 
 from __future__ import annotations
@@ -27,10 +24,7 @@ import numpy as np
 
 from foundrymix.plan.exact import stratified_portions
 from foundrymix.plan.order import WINDOW_ROWS, Block, StreamDraws, rows_of, stream_draws
-
-#: ``adaptive.lr`` default of ODM: the bandit's reward scale (the paper's EXP3 has none; its
-#: rewards are losses of ~2-10 nats, ours too, so 1.0 keeps its update)
-ODM_DEFAULT_LR = 1.0
+from foundrymix.plan.policies import ADOPolicy, FixedPolicy, ODMPolicy, Policy
 
 
 def whole_rows(weights: Sequence[float], rows: int) -> list[int]:
@@ -53,121 +47,6 @@ def floor_shares(weights: np.ndarray, min_share: float) -> np.ndarray:
         if (new == low).all():
             return out
         low = new
-
-
-# ------------------------------------------------------------------------- policies
-class Policy:
-    """Maps the last interval's per-stream mean loss to the next interval's weights.
-
-    ``loss`` holds NaN for a stream with no loss tokens in the interval. State is plain
-    floats (:meth:`state_dict`), restored bitwise by :meth:`load_state_dict`.
-    """
-
-    def __init__(self, initial: np.ndarray) -> None:
-        self.initial = np.asarray(initial, np.float64)
-
-    def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-class FixedPolicy(Policy):
-    """The configured weights throughout: the baseline an adaptive run is compared with."""
-
-    def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        return self.initial.copy()
-
-
-class ODMPolicy(Policy):
-    """ODM (Albalak et al. 2023, "Efficient Online Data Mixing For Language Model
-    Pre-Training"): EXP3 over streams, rewarded by training loss.
-
-    Per update ``t`` (1-based), with K streams and the weights ``pi`` the interval trained:
-
-    * exploration ``eps_t = min(1/K, sqrt(ln K / (K t)))`` (``eps_0 = 1/K``);
-    * reward estimate, for each stream with loss tokens in the interval:
-      ``R_i <- alpha R_i + (1 - alpha) L_i / pi_i`` (the paper's importance-weighted moving
-      average; ``L_i`` the stream's mean loss per loss token);
-    * ``pi_i = (1 - K eps_t) softmax(eps_{t-1} lr R)_i + eps_t``.
-
-    Simplified from the paper: it samples one stream per batch and observes that stream's
-    loss only; a mixed interval observes every stream, so every stream's estimate is
-    updated each time (still importance-weighted, as the paper's estimator is).
-    """
-
-    def __init__(self, initial: np.ndarray, alpha: float = 0.9, lr: float = ODM_DEFAULT_LR) -> None:
-        super().__init__(initial)
-        self.alpha, self.lr = alpha, lr
-        self.t = 0
-        self.rewards = np.zeros(len(initial), np.float64)
-
-    def epsilon(self, t: int) -> float:
-        K = len(self.rewards)
-        if t == 0 or K == 1:
-            return 1.0 / K
-        return min(1.0 / K, math.sqrt(math.log(K) / (K * t)))
-
-    def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        K = len(self.rewards)
-        seen = ~np.isnan(loss)
-        self.rewards[seen] = (self.alpha * self.rewards[seen]
-                              + (1 - self.alpha) * loss[seen] / weights[seen])
-        self.t += 1
-        logits = self.epsilon(self.t - 1) * self.lr * self.rewards
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
-        eps = self.epsilon(self.t)
-        return (1 - K * eps) * p + eps
-
-    def state_dict(self) -> dict[str, Any]:
-        return {'t': self.t, 'rewards': self.rewards.tolist()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.t = int(state['t'])
-        self.rewards = np.array(state['rewards'], np.float64)
-
-
-class ADOPolicy(Policy):
-    """ADO-style learning progress: weight streams by how fast their loss is falling.
-
-    ADO (Jiang et al. 2025, "Adaptive Data Optimization") fits a power law
-    ``L_i(n) = e_i + b_i n^-a_i`` per stream and weights by the fitted derivative times a
-    prior. Simplified here: the derivative is measured, not fitted -- each stream's loss
-    is smoothed (EMA, ``alpha``), its progress is the drop of the smoothed loss over the
-    last interval (>= 0), and the next weights are ``beta x previous + (1 - beta) x
-    normalized(progress x prior)``, where the prior is the configured mixture. A stream
-    whose loss does not fall (random tokens: already at its entropy) loses weight down
-    to ``min_share``; without any progress the weights stay where they are.
-    """
-
-    def __init__(self, initial: np.ndarray, alpha: float = 0.9, beta: float = 0.5) -> None:
-        super().__init__(initial)
-        self.alpha, self.beta = alpha, beta
-        self.ema = np.full(len(initial), np.nan)
-
-    def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        seen = ~np.isnan(loss)
-        fresh = seen & np.isnan(self.ema)
-        old = self.ema.copy()
-        self.ema[fresh] = loss[fresh]
-        both = seen & ~fresh
-        self.ema[both] = self.alpha * self.ema[both] + (1 - self.alpha) * loss[both]
-        progress = np.where(both, np.maximum(old - self.ema, 0.0), 0.0)
-        score = np.nan_to_num(progress) * self.initial
-        if score.sum() <= 0:
-            return np.asarray(weights, np.float64).copy()
-        return self.beta * weights + (1 - self.beta) * score / score.sum()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {'ema': [None if math.isnan(x) else float(x) for x in self.ema]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ema = np.array([np.nan if x is None else x for x in state['ema']], np.float64)
 
 
 # -------------------------------------------------------------------- decisions, ids
@@ -407,3 +286,64 @@ def build_controller(stage: Any) -> Optional[AdaptiveController]:
         draws=stream_draws([i.shard_rows for i in stage.infos], [s.name for s in streams],
                            seed, stage.name, config.shuffle_block_size or WINDOW_ROWS,
                            config.shuffle) if stage.infos else None)
+
+
+def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:
+    """Restate an adaptive stage's plan as what its run does; True if its rows are exact.
+
+    Why: the stage's mixture is planned as epochs of its configured weights, but an adaptive stage
+    trains segments of whole rows per stream read through per-stream cursors
+    (:class:`AdaptiveController`). So the epochs' rows per stream, passes, ``counted`` and its under-one-pass/mid-epoch warnings are not what it
+    trains. What is exact at plan time: the segments whose weights are known (the warmup's
+    configured weights; every segment of ``fixed`` or ``replay``); the rest are decided
+    from the loss during the run, each stream at least ``min_share`` of a segment's rows.
+    """
+    c, d = controller, plan.duration
+    known = np.zeros(len(c.names), np.int64)
+    at_least = np.zeros(len(c.names), np.int64)
+    undecided = [0, 0]   # batches, rows
+    first = c.start_batch + c.batches  # the first batch decided during the run
+    for k in range(c.segments):
+        rows = c.segment_batches(k) * c.global_batch
+        if c.replay is not None:
+            known += c.replay[k].rows
+        elif c.method == 'fixed' or c.segment_start(k) < c.start_batch + c.warmup:
+            known += whole_rows(c.initial, rows)
+        else:
+            first = min(first, c.segment_start(k))
+            undecided[0] += c.segment_batches(k)
+            undecided[1] += rows
+            at_least += int(c.min_share * rows)
+    exact = undecided[0] == 0
+    n_rows = dict(zip(c.names, c.rows))
+    text = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, known))
+    if exact:
+        how = 'the recorded decisions' if c.replay is not None else 'the configured weights'
+        plan.counted = {'run': f'adaptive ({c.method}): every segment\'s whole rows from {how}'}
+    else:
+        plan.counted = {'run': (
+            f'adaptive ({c.method}): batches {c.start_batch:,}-{first - 1:,} exact at the configured '
+            f'weights ({text}); batches {first:,}-{c.start_batch + c.batches - 1:,} '
+            f'({undecided[1]:,} rows) decided during the run from the per-stream loss, each '
+            f'stream at least ' + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))
+            if first > c.start_batch else (
+            f'adaptive ({c.method}): all {undecided[1]:,} rows decided during the run from the '
+            f'per-stream loss, each stream at least '
+            + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))}
+    if d is not None:
+        d.rows_per_stream = {n: int(r) for n, r in zip(c.names, known)} if exact else None
+        d.passes_per_stream = ({n: int(r) / n_rows[n] for n, r in zip(c.names, known)}
+                               if exact else None)
+    plan.adaptive = True
+    plan.warnings = [w for w in plan.warnings if w.startswith('proportions sum to')]
+    plan.notes = [n for n in plan.notes if not n.startswith(('exact epoch:', '~ marks'))]
+    if exact:
+        plan.warnings += [f'{n}: under one pass: {n_rows[n] - int(r):,} of {n_rows[n]:,} rows are '
+                          f'not trained' for n, r in zip(c.names, known) if r < n_rows[n]]
+    plan.notes.append(
+        f'adaptive ({c.method}, every {c.every}ba from batch {c.start_batch + c.warmup:,}, '
+        f'min_share {c.min_share}): the table shows the configured start (its per-epoch columns '
+        f'are the configured mixture\'s epochs); the stage trains segments of whole rows per stream '
+        f'read by per-stream cursors, no row repeated before its stream\'s pass is complete '
+        f'(report/mixture.json, docs/adaptive.md)')
+    return exact

@@ -1,17 +1,17 @@
-"""The catalog: where each stream's files are, its small metadata, and its ``streaming.Stream``.
+"""The catalog: where each stream's files are and its small metadata, read once per run.
 
 Why one module: the mixer, the plan and every CLI need the same facts about a stream --
 its manifest (``foundrymix.json``), rows per shard (``index.json``), whether its shards
 are whole -- and remote streams need them fetched first, and checked against the remote
 on every start (:meth:`Catalog.sync_remote`: a re-uploaded dataset must never be read
 through stale cached shards). Only this module knows how: local paths, and remotes
-through :mod:`foundrymix.s3.remote` (bounded S3 downloads whose errors carry the S3 error
-code; streaming's own downloader for every other backend). Nothing here reads a shard.
+through :mod:`foundrymix.s3.remote` (bounded downloads whose errors carry the S3 error
+code). Nothing here reads a shard.
 
 :meth:`Catalog.validate` refuses streams that cannot share a batch (``max_seq_len``,
 tokenizer, schema), or whose ``index.json`` and manifest disagree on the rows, before a
-single row is read: streaming only notices when it reads a
-row, or never, if the columns happen to decode.
+single row is read: reading rows would notice late, or never, if the columns happen to
+decode.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig, StreamSpec
+from foundrymix.plan.exact import resolve_groups
 from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo, adopt_advice
 
 INDEX_NAME = 'index.json'
@@ -60,7 +61,7 @@ class StreamInfo:
 
     @property
     def shard_rows(self) -> list[int]:
-        """Rows per shard, from ``index.json`` (what streaming reads)."""
+        """Rows per shard, from ``index.json``."""
         return [int(shard['samples']) for shard in self.index['shards']]
 
     @property
@@ -101,8 +102,7 @@ class Catalog:
         """Local path of a stream's small metadata file, synced with the remote first if any.
 
         See :meth:`sync_remote`: a stream with a remote gets its ``foundrymix.json`` and
-        ``index.json`` from the remote on every start, where ``Stream`` expects its index
-        (``local/split``).
+        ``index.json`` from the remote on every start, into ``local/split``.
         """
         if self.config.stream_remote_dir(name) is not None:
             self.sync_remote(name)
@@ -111,12 +111,10 @@ class Catalog:
     def sync_remote(self, name: str) -> None:
         """Fetch a remote stream's manifest and index, and make sure no stale shard is read.
 
-        Why on every start: streaming trusts any shard file already in ``local`` (it never
-        compares content), so a dataset re-uploaded to the same prefix after the cache was
-        filled was read as a mix of old shards and the new index (seen as ``cannot reshape
-        array of size 133 into shape (256,)`` mid-run). Both files are downloaded afresh
-        (two small GETs; S3 error codes come with a GET, not with a HEAD) and compared byte
-        for byte with the local copies:
+        Why on every start: a dataset re-uploaded to the same prefix after the cache was
+        filled must not be read as a mix of old cached shards and the new index. Both files
+        are downloaded afresh (two small GETs; S3 error codes come with a GET, not with a
+        HEAD) and compared byte for byte with the local copies:
 
         * same bytes, or no local copy yet: installed (renamed into place);
         * different, in foundrymix's own cache (no ``local:`` given): the remote changed.
@@ -357,97 +355,3 @@ class Catalog:
     def tokenizer(self) -> TokenizerInfo:
         self.validate()
         return self.info(self.names[0]).manifest.tokenizer
-
-
-def units_per_row(info: StreamInfo, weights_in: str) -> float:
-    """Rows, real tokens or loss tokens per row of a stream, on average (from its manifest)."""
-    c = info.manifest.counts
-    if weights_in == 'rows':
-        return 1.0
-    total = c.tokens if weights_in == 'tokens' else c.loss_tokens
-    if total <= 0:
-        raise ConfigError(f'{info.where}: weights_in {weights_in}: the stream has no '
-                          f'{weights_in.replace("_", " ")}, so no share of them can be drawn from it')
-    return total / c.rows
-
-
-def resolve_groups(config: LoaderConfig, infos: list[StreamInfo],
-                   where: str = 'train_loader') -> list[StreamInfo]:
-    """``infos`` with every group member's weight set from its group (``config.groups``).
-
-    ``repeat: R``: each member repeats R times. ``proportion: P``: the group's share is P,
-    spread over the members by size -- rows, or tokens / loss tokens with ``weights_in`` --
-    ``P x size / group size`` each (then :func:`row_proportions` turns token shares into
-    rows as for any stream). ``choose: C``: C rows split by rows, whole numbers, exact sum
-    (largest remainder, ties to the earlier member). Streams outside groups pass unchanged.
-    """
-    import dataclasses
-    if not config.groups:
-        return infos
-    by_name = {i.name: i for i in infos}
-    weights: dict[str, dict[str, Any]] = {}
-    for pattern, members in config.group_members(where).items():
-        group = config.groups[pattern]
-        ms = [by_name[n] for n in members]
-        if group.repeat is not None:
-            weights.update({m.name: {'repeat': group.repeat} for m in ms})
-        elif group.proportion is not None:
-            sizes = [m.rows * units_per_row(m, config.weights_in) for m in ms]
-            total = sum(sizes)
-            weights.update({m.name: {'proportion': group.proportion * s / total}
-                            for m, s in zip(ms, sizes)})
-        else:
-            assert group.choose is not None, 'a pattern gives a weight (StreamSpec.check)'
-            split = split_whole(group.choose, [m.rows for m in ms])
-            weights.update({m.name: {'choose': c} for m, c in zip(ms, split)})
-    return [dataclasses.replace(i, spec=dataclasses.replace(i.spec, **weights[i.name]))
-            if i.name in weights else i for i in infos]
-
-
-def split_whole(total: int, sizes: list[int]) -> list[int]:
-    """``total`` split in proportion to ``sizes`` as whole numbers summing to ``total``
-    exactly (largest remainder; ties to the earlier one)."""
-    whole = sum(sizes)
-    floors = [total * s // whole for s in sizes]
-    rests = [total * s % whole for s in sizes]
-    for i in sorted(range(len(sizes)), key=lambda i: (-rests[i], i))[:total - sum(floors)]:
-        floors[i] += 1
-    return floors
-
-
-def row_proportions(infos: list[StreamInfo], weights_in: str) -> list[Optional[float]]:
-    """The row proportions that give the streams' ``proportion`` as shares of ``weights_in``.
-
-    A stream's share of tokens is rows x tokens per row, so the rows must be in proportion
-    ``p_i / (tokens per row)_i``; rescaled to the same sum as the requested ones. Other
-    weights (repeat, choose, none) pass through: the config allows ``weights_in`` other
-    than rows only when every stream has a proportion.
-    """
-    given = [i.spec.proportion for i in infos]
-    if weights_in == 'rows' or any(p is None for p in given):
-        return given
-    raw = [p / units_per_row(i, weights_in) for p, i in zip(given, infos)]  # type: ignore[operator]
-    scale = sum(given) / sum(raw) if sum(raw) > 0 else 0.0  # type: ignore[arg-type]
-    return [r * scale for r in raw]
-
-
-def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
-                 weights_in: str = 'rows') -> list[Any]:
-    """Fresh ``streaming.Stream`` objects carrying each stream's weight, in order, for
-    ``Stream.apply_weights`` (streaming's weight arithmetic, which the plan keeps so that
-    a weight means what it means in streaming). ``chooses`` (rows per stream per epoch)
-    replaces the configured weights when an exact epoch trims them; otherwise
-    ``weights_in`` says what ``proportion`` is a share of (:func:`row_proportions`)."""
-    from streaming import Stream
-
-    if chooses is not None:
-        streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
-                   for i, c in zip(infos, chooses)]
-    else:
-        proportions = row_proportions(infos, weights_in)
-        streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split,
-                          repeat=i.spec.repeat, proportion=p, choose=i.spec.choose)
-                   for i, p in zip(infos, proportions)]
-    # s3 shards through the downloader that honours download_timeout (foundrymix.s3.remote);
-    # a local stream's readers from the index read here, not from a second read of the file
-    return streams

@@ -2,27 +2,24 @@
 
 Why strict: a misspelt key (``repaet: 2``) silently dropped means a run trains on the
 wrong mixture for days. Every unknown key is an error naming the key and the allowed
-ones; weights are checked the way streaming will check them (one kind for all streams),
-but with the stream names in the message instead of stream indices.
+ones; weights are checked up front (one kind for all streams), with the stream names in
+the message.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from foundrymix.config import DERIVED, FROM_KEY, ConfigError, read_dataclass, to_plain
+from foundrymix.config import DERIVED, ConfigError, read_dataclass, to_plain
+from foundrymix.plan.specs import AdaptiveConfig, StreamSpec, is_pattern, refuse_replaced_knobs
 
-__all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'CACHE_ROOT_ENV']
+__all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'AdaptiveConfig', 'CACHE_ROOT_ENV']
 
 BatchingMethod = Literal['random', 'stratified']
-SamplingMethod = Literal['balanced', 'fixed']
-ShuffleAlgo = Literal['py1e', 'py1br', 'py1b', 'py1s', 'py2s', 'naive']
-PartitionAlgo = Literal['orig', 'relaxed']
 #: what ``proportion`` is a share of (see ``LoaderConfig.weights_in``)
 WeightsIn = Literal['rows', 'tokens', 'loss_tokens']
 HashAlgo = Literal['sha1', 'sha224', 'sha256', 'sha384', 'sha512', 'sha3_224', 'sha3_256',
@@ -31,14 +28,6 @@ HashAlgo = Literal['sha1', 'sha224', 'sha256', 'sha384', 'sha512', 'sha3_224', '
 
 #: environment variable naming where remote-only streams are cached (default: a tempdir)
 CACHE_ROOT_ENV = 'FOUNDRYMIX_CACHE'
-_SCHEME = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
-_GLOB = re.compile(r'[*?\[]')
-
-
-def is_pattern(name: str) -> bool:
-    """A ``streams`` key with ``*``, ``?`` or ``[`` is a group: weights for every stream it
-    matches (``fnmatch``), no stream of its own."""
-    return bool(_GLOB.search(name))
 
 
 def cache_base(cache_root: Optional[str] = None) -> str:
@@ -47,140 +36,6 @@ def cache_base(cache_root: Optional[str] = None) -> str:
     root = cache_root or os.environ.get(CACHE_ROOT_ENV) or os.path.join(
         tempfile.gettempdir(), 'foundrymix-cache')
     return os.path.abspath(os.path.expanduser(root))
-
-
-@dataclass
-class StreamSpec:
-    """One entry of ``train_loader.streams``: where a stream lives and how much of it to use.
-
-    At most one of ``repeat`` (multiplier on the stream's rows), ``proportion`` (relative
-    share of the epoch) and ``choose`` (exact rows per epoch) may be given. ``local`` is a
-    directory on this machine: a URL there is refused (streaming would read it as a
-    relative path named ``s3:``); URLs go in ``remote``.
-
-    A name with a glob (``web/*``) is a group (:func:`is_pattern`): exactly one weight and
-    no location; :meth:`LoaderConfig.group_members` says which streams it weights.
-    """
-
-    name: str = field(default='', metadata=FROM_KEY)
-    local: Optional[str] = None
-    remote: Optional[str] = None
-    split: Optional[str] = None
-    repeat: Optional[float] = None
-    proportion: Optional[float] = None
-    choose: Optional[int] = None
-
-    @property
-    def weight_kind(self) -> Optional[str]:
-        for key in ('proportion', 'repeat', 'choose'):
-            if getattr(self, key) is not None:
-                return key
-        return None
-
-    def check(self, where: str) -> None:
-        if is_pattern(self.name):
-            self._check_group(where)
-        elif not self.local and not self.remote:
-            raise ConfigError(f'{where}: needs local and/or remote')
-        if self.remote and _SCHEME.match(self.remote) and not self.remote.startswith('s3://'):
-            raise ConfigError(f'{where}.remote: {self.remote!r}: foundrymix reads remotes from S3 '
-                              f'(s3://bucket/path; S3_ENDPOINT_URL for another S3-compatible '
-                              f'store) or a mounted path; copy the data to one of those')
-        if self.local and _SCHEME.match(self.local):
-            raise ConfigError(f'{where}.local: {self.local!r} is a URL, not a local directory; put '
-                              f'it in remote: (and local: where to cache it, or leave local out)')
-        given = [k for k in ('repeat', 'proportion', 'choose') if getattr(self, k) is not None]
-        if len(given) > 1:
-            raise ConfigError(f'{where}: give at most one of repeat, proportion, choose '
-                              f'(got {", ".join(given)}); the others are derived')
-        for key in given:
-            if getattr(self, key) < 0:
-                raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')
-
-    def _check_group(self, where: str) -> None:
-        placed = [k for k in ('local', 'remote', 'split') if getattr(self, k) is not None]
-        if placed:
-            raise ConfigError(
-                f'{where}: {self.name!r} is a pattern (a group of the streams it matches), so it '
-                f'carries only a weight (repeat, proportion or choose), not {", ".join(placed)}; '
-                f'give each stream its location under its own name (without * ? [)')
-        if self.weight_kind is None:
-            raise ConfigError(f'{where}: the pattern {self.name!r} gives no weight; give it one of '
-                              f'repeat, proportion, choose (or delete it)')
-
-
-AdaptiveMethod = Literal['odm', 'ado', 'fixed', 'replay']
-
-
-@dataclass
-class AdaptiveConfig:
-    """``train_loader.adaptive`` (or a stage's): the weights are decided during the run.
-
-    Every ``every`` batches the policy (``method``) reads each stream's mean training loss
-    since the last update (summed over all ranks) and sets the weights of the next
-    ``every`` batches, from ``warmup`` on (before it: the configured weights). Each stream
-    keeps at least ``min_share`` of every segment. ``from`` (with ``method: replay``): a
-    ``report/mixture.json`` whose recorded decisions are trained again, without a policy.
-    ``alpha``/``beta``/``lr``: the policy's constants (see :mod:`foundrymix.plan.adaptive`).
-    See docs/adaptive.md.
-    """
-
-    #: ado by default: ODM rewards high loss and chased a stream of random tokens in the
-    #: proof run of docs/adaptive.md (benchmarks/bench_adaptive.py --proof), ado did not
-    method: AdaptiveMethod = 'ado'
-    every: str = '50ba'
-    warmup: str = '0ba'
-    min_share: float = 0.02
-    seed: Optional[int] = None       # default: the loader's shuffle_seed
-    alpha: float = 0.9               # ODM: reward moving average; ADO: loss EMA
-    beta: float = 0.5                # ADO: how much of the previous weights a decision keeps
-    lr: float = 1.0                  # ODM: reward scale in the softmax
-    replay_from: Optional[str] = None
-
-    @classmethod
-    def from_config(cls, value: Any, where: str) -> 'AdaptiveConfig':
-        d = dict(to_plain(value, where) or {})
-        if 'replay_from' in d:
-            raise ConfigError(f'{where}.replay_from: the key is from: (from: report/mixture.json)')
-        if 'from' in d:
-            d['replay_from'] = d.pop('from')
-        return read_dataclass(cls, d, where)
-
-    def batches(self, key: str, where: str) -> int:
-        m = re.fullmatch(r'\s*(\d+)\s*ba\s*', str(getattr(self, key)))
-        if not m:
-            raise ConfigError(f'{where}.{key}: {getattr(self, key)!r} must be whole batches (e.g. '
-                              f'50ba): a segment is whole global batches')
-        return int(m.group(1))
-
-    def check(self, where: str) -> None:
-        from foundrymix.config import Gather
-        gather = Gather()
-        with gather:
-            if self.batches('every', where) <= 0:
-                raise ConfigError(f'{where}.every: must be at least 1ba, got {self.every}')
-        with gather:
-            if self.batches('warmup', where) < 0:
-                raise ConfigError(f'{where}.warmup: must be >= 0ba, got {self.warmup}')
-        with gather:
-            if not 0 <= self.min_share < 1:
-                raise ConfigError(f'{where}.min_share: must be in [0, 1), got {self.min_share}')
-        for key in ('alpha', 'beta'):
-            with gather:
-                if not 0 <= getattr(self, key) < 1:
-                    raise ConfigError(f'{where}.{key}: must be in [0, 1), got {getattr(self, key)}')
-        with gather:
-            if (self.method == 'replay') != (self.replay_from is not None):
-                raise ConfigError(f'{where}: method: replay goes with from: <a report/mixture.json> '
-                                  f'(and from: only with method: replay); got method '
-                                  f'{self.method}, from {self.replay_from!r}')
-        gather.raise_any()
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What a resumed run must keep: everything but ``from`` (replayed decisions are
-        checked against the checkpoint's own)."""
-        return {k: getattr(self, k) for k in ('method', 'every', 'warmup', 'min_share', 'seed',
-                                              'alpha', 'beta', 'lr')}
 
 
 #: keys of a stage besides the loader knobs it may override
@@ -214,6 +69,7 @@ class StageSpec:
     def from_config(cls, value: Any, where: str) -> 'StageSpec':
         from foundrymix.config import check_duration, check_keys, read_value
         d = to_plain(value, where)
+        refuse_replaced_knobs(d, where)
         knobs = [k for k in LoaderConfig.__dataclass_fields__ if k not in ('streams', 'stages', 'groups')]
         check_keys(d, list(STAGE_KEYS) + knobs, where)
         for key in STAGE_KEYS[:3]:  # required
@@ -230,7 +86,6 @@ class StageSpec:
             batch = read_value(batch, int, f'{where}.global_train_batch_size')
             if batch <= 0:
                 raise ConfigError(f'{where}.global_train_batch_size: must be positive, got {batch}')
-        refuse_replaced_knobs(d, where)
         hints = _loader_hints()
         overrides = {k: read_value(v, hints[k], f'{where}.{k}') for k, v in d.items()}
         return cls(name=name, duration=duration, streams=streams, overrides=overrides, where=where,
@@ -242,30 +97,6 @@ def _few(names: list[str], n: int = 5) -> str:
     return ', '.join(names[:n]) + (f', ... ({len(names):,} in all)' if len(names) > n else '')
 
 
-#: streaming sampler knobs that foundrymix's own order replaced, and what replaced them
-REPLACED_KNOBS = {
-    'shuffle_algo': 'each stream is shuffled a window of shards at a time (shuffle_block_size rows)',
-    'num_canonical_nodes': 'ranks slice one global order, the same on any topology',
-    'partition_algo': 'ranks slice one global order, the same on any topology',
-    'sampling_method': 'each pass over a stream is a fresh permutation, complete before the next',
-    'sampling_granularity': 'each pass over a stream is a fresh permutation, complete before the next',
-}
-
-
-def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
-    """Refuse streaming's sampler knobs (the order is foundrymix's own) and, for training,
-    ``drop_last: false``: every epoch is whole global batches, so every batch is full (an
-    ``eval_loader`` keeps Foundry's ``drop_last: false``; the trainer says what it leaves out)."""
-    for key, why in REPLACED_KNOBS.items():
-        if key in data:
-            raise ConfigError(f'{where}.{key}: streaming\'s sampler knob, which foundrymix\'s own '
-                              f'sample order replaced ({why}; docs/mixing-and-plan.md); remove it')
-    if data.get('drop_last') is False and not where.startswith('eval_loader'):
-        raise ConfigError(f'{where}.drop_last: false is gone: every epoch is whole global batches, '
-                          f'so every batch is full (the rows an epoch leaves out go to the next '
-                          f'epoch and are listed by foundrymix plan); remove it')
-
-
 def _loader_hints() -> dict[str, Any]:
     import typing
     return typing.get_type_hints(LoaderConfig)
@@ -273,40 +104,32 @@ def _loader_hints() -> dict[str, Any]:
 
 @dataclass
 class LoaderConfig:
-    """``train_loader``: the streams plus the knobs of ``StreamingDataset`` and ``DataLoader``.
+    """``train_loader``: the streams, the order's knobs and the ``DataLoader``'s.
 
-    Names and defaults follow ``streaming.StreamingDataset`` / LLM-Foundry, except that
-    ``shuffle`` defaults to True (training data) and ``drop_last`` to True (every batch
-    full, so per-stream token counts stay exact arithmetic).
+    Names and defaults follow LLM-Foundry's, except that ``shuffle`` defaults to True
+    (training data) and ``drop_last`` to True (every batch full, so per-stream token counts
+    stay exact arithmetic).
     """
 
     streams: dict[str, StreamSpec] = field(default_factory=dict)
     shuffle: bool = True
     shuffle_seed: int = 9176
-    shuffle_algo: ShuffleAlgo = 'py1e'
     shuffle_block_size: Optional[int] = None
     batching_method: BatchingMethod = 'random'
     epoch_size: Optional[int] = None
     num_workers: int = 0
-    #: fixed (not streaming's "physical nodes" default): one global sample order on any
-    #: topology, so a run resumes on any number of nodes; stored in checkpoints
-    num_canonical_nodes: int = 1
     #: epochs of whole global batches: no row trained twice by rank padding, stratified
     #: batches of exactly the requested shares (False: streaming's padding and rounding)
     exact: bool = True
-    predownload: Optional[int] = None
     cache_limit: Optional[Union[int, str]] = None
     #: seconds a remote file download may wait on the store: bounds each metadata and s3
     #: shard fetch as a whole when the store fails or hangs (see foundrymix.s3.remote)
     download_timeout: float = 60
-    sampling_method: SamplingMethod = 'balanced'
     prefetch_factor: Optional[int] = None
     persistent_workers: bool = False
     pin_memory: bool = False
     drop_last: bool = True
     download_retry: int = 2
-    sampling_granularity: int = 1
-    partition_algo: PartitionAlgo = 'relaxed'
     #: the algorithm every shard file (and a compressed shard's zip) is hashed with at first
     #: open, against index.json (default: the fastest recorded, see hash_local_shards)
     validate_hash: Optional[HashAlgo] = None
@@ -323,13 +146,13 @@ class LoaderConfig:
     stages: Optional[list[StageSpec]] = None
     #: what ``proportion`` is a share of: rows (streaming's meaning), real tokens or loss
     #: tokens; the catalog turns token shares into row proportions from the manifests
-    #: (``catalog.row_proportions``) before streams are built, so plan and loader agree
+    #: (``exact.row_proportions``) before streams are built, so plan and loader agree
     weights_in: WeightsIn = 'rows'
     #: adaptive mixing: the weights set during the run from the per-stream loss (AdaptiveConfig)
     adaptive: Optional[AdaptiveConfig] = None
     #: the pattern entries of ``streams`` (``web/*: {proportion: 0.6}``), split from the
     #: streams on construction: weights of a group of streams, resolved per stream from
-    #: their sizes when the catalog reads them (:func:`~foundrymix.plan.catalog.resolve_groups`)
+    #: their sizes when the catalog reads them (:func:`~foundrymix.plan.exact.resolve_groups`)
     groups: dict[str, StreamSpec] = field(default_factory=dict, metadata=DERIVED)
 
     def __post_init__(self) -> None:
@@ -351,7 +174,7 @@ class LoaderConfig:
         impossible weightings.
         """
         data = to_plain(d, where)
-        refuse_replaced_knobs(data, where)
+        refuse_replaced_knobs(data, where)  # before the required-key check below
         if data.get('streams') is None and data.get('stages') is None:
             raise ConfigError(f'{where}: missing required key \'streams\' (a mapping of stream '
                               f'name to {{local, remote, split, repeat | proportion | choose}})')
@@ -464,8 +287,7 @@ class LoaderConfig:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ConfigError(f'{where}.stages: stage names must be unique ({", ".join(dupes)})')
-        for stage in self.stage_configs(where):
-            pass  # each stage's own config is checked as it is built
+        self.stage_configs(where)  # each stage's own config is checked as it is built
 
     def stage_configs(self, where: str = 'train_loader') -> list['LoaderConfig']:
         """The loader config of every stage: ``train_loader``'s knobs, the stage's overrides,

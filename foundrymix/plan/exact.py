@@ -1,4 +1,10 @@
-"""Exact epochs: whole global batches per epoch, and stratified shares that are whole rows.
+"""Weights in rows, and exact epochs: whole global batches per epoch, stratified shares that
+are whole rows.
+
+A group's weight is spread over its members and token shares (``weights_in``) become row
+proportions (:func:`resolve_groups`, :func:`row_proportions`); rows per stream per epoch
+are then streaming's ``Stream.apply_weights`` arithmetic, so a weight means what it means
+in streaming.
 
 An epoch is one block of the order (:mod:`foundrymix.plan.order`), so it must be whole
 global batches: ranks then slice every batch evenly and no row is padded or repeated to
@@ -7,27 +13,29 @@ even them out. The epoch is lowered to a multiple of the global batch by lowerin
 stream, from fractional passes first, in proportion (absolute weights). A trimmed row is
 not lost: its stream's draws continue in the next epoch. Stratified batching whose
 per-batch shares cannot be whole rows is refused, naming the shares it would train and
-the nearest global batch that fits. The same :func:`epoch_weights` feeds the plan and the
-loader, so what is planned is what is trained.
+the nearest global batch that fits. The stage's order is built from :func:`epoch_weights`'
+rows and the loader reads that order, so what is planned is what is trained.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from foundrymix.config import ConfigError, number_abbrev_to_int
-from foundrymix.plan.catalog import StreamInfo, make_streams
 from foundrymix.plan.config import LoaderConfig
+
+if TYPE_CHECKING:  # the catalog imports this module (resolve_groups)
+    from foundrymix.plan.catalog import StreamInfo
 
 
 @dataclass(frozen=True)
 class EpochWeights:
-    """How one epoch samples each stream, as handed to ``StreamingDataset``."""
+    """How one epoch samples each stream (in ``Stream.apply_weights``'s terms)."""
 
-    epoch_size: Optional[int]            # streaming's ``epoch_size`` argument
+    epoch_size: Optional[int]            # ``apply_weights``'s ``epoch_size`` argument
     chooses: Optional[tuple[int, ...]]   # per-stream ``choose`` replacing repeat/choose, if trimmed
     nominal: tuple[int, ...]             # rows per stream per epoch the weights ask for
     rows: tuple[int, ...]                # rows per stream per epoch actually sampled
@@ -41,8 +49,8 @@ class EpochWeights:
 
 def weighted_streams(infos: list[StreamInfo], weights: EpochWeights, seed: int,
                      weights_in: str = 'rows') -> tuple[list[Any], int]:
-    """Fresh streams with ``weights`` applied exactly as ``StreamingDataset.__init__`` applies
-    them; returns (streams, epoch size)."""
+    """Fresh streams with ``weights`` applied by ``Stream.apply_weights``; returns (streams,
+    epoch size)."""
     from streaming import Stream
     streams = make_streams(infos, weights.chooses, weights_in)
     rows = np.array([i.rows for i in infos], np.int64)
@@ -82,9 +90,8 @@ def trim_chooses(chooses: tuple[int, ...], cut: int,
                  rows: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
     """``chooses`` less ``cut`` rows in all.
 
-    Taken first from the streams' fractional passes (``choose % rows``: rows already drawn
-    as a random subset each epoch), so a stream asked for whole passes keeps them; split in
-    proportion (largest remainder, ties to the earlier stream) so shares move least.
+    Taken first from the streams' fractional passes (``choose % rows``), so a stream asked
+    for whole passes keeps them; split in proportion (largest remainder, ties to the earlier stream) so shares move least.
     """
     extras = tuple(c % n for c, n in zip(chooses, rows)) if rows else tuple(0 for _ in chooses)
     first = _split(min(cut, sum(extras)), extras)
@@ -142,3 +149,95 @@ def check_stratified(names: list[str], proportions: list[float], global_batch: i
         f'global batch of {global_batch}: every batch would train {trains} rows ({real}). Use '
         f'{hint}proportions that are multiples of 1/{global_batch} (nearest: {nearest}), or set '
         f'{where}.exact: false to train the rounded shares')
+
+
+def units_per_row(info: StreamInfo, weights_in: str) -> float:
+    """Rows, real tokens or loss tokens per row of a stream, on average (from its manifest)."""
+    c = info.manifest.counts
+    if weights_in == 'rows':
+        return 1.0
+    total = c.tokens if weights_in == 'tokens' else c.loss_tokens
+    if total <= 0:
+        raise ConfigError(f'{info.where}: weights_in {weights_in}: the stream has no '
+                          f'{weights_in.replace("_", " ")}, so no share of them can be drawn from it')
+    return total / c.rows
+
+
+def resolve_groups(config: LoaderConfig, infos: list[StreamInfo],
+                   where: str = 'train_loader') -> list[StreamInfo]:
+    """``infos`` with every group member's weight set from its group (``config.groups``).
+
+    ``repeat: R``: each member repeats R times. ``proportion: P``: the group's share is P,
+    spread over the members by size -- rows, or tokens / loss tokens with ``weights_in`` --
+    ``P x size / group size`` each (then :func:`row_proportions` turns token shares into
+    rows as for any stream). ``choose: C``: C rows split by rows, whole numbers, exact sum
+    (largest remainder, ties to the earlier member). Streams outside groups pass unchanged.
+    """
+    import dataclasses
+    if not config.groups:
+        return infos
+    by_name = {i.name: i for i in infos}
+    weights: dict[str, dict[str, Any]] = {}
+    for pattern, members in config.group_members(where).items():
+        group = config.groups[pattern]
+        ms = [by_name[n] for n in members]
+        if group.repeat is not None:
+            weights.update({m.name: {'repeat': group.repeat} for m in ms})
+        elif group.proportion is not None:
+            sizes = [m.rows * units_per_row(m, config.weights_in) for m in ms]
+            total = sum(sizes)
+            weights.update({m.name: {'proportion': group.proportion * s / total}
+                            for m, s in zip(ms, sizes)})
+        else:
+            assert group.choose is not None, 'a pattern gives a weight (StreamSpec.check)'
+            split = split_whole(group.choose, [m.rows for m in ms])
+            weights.update({m.name: {'choose': c} for m, c in zip(ms, split)})
+    return [dataclasses.replace(i, spec=dataclasses.replace(i.spec, **weights[i.name]))
+            if i.name in weights else i for i in infos]
+
+
+def split_whole(total: int, sizes: list[int]) -> list[int]:
+    """``total`` split in proportion to ``sizes`` as whole numbers summing to ``total``
+    exactly (largest remainder; ties to the earlier one)."""
+    whole = sum(sizes)
+    floors = [total * s // whole for s in sizes]
+    rests = [total * s % whole for s in sizes]
+    for i in sorted(range(len(sizes)), key=lambda i: (-rests[i], i))[:total - sum(floors)]:
+        floors[i] += 1
+    return floors
+
+
+def row_proportions(infos: list[StreamInfo], weights_in: str) -> list[Optional[float]]:
+    """The row proportions that give the streams' ``proportion`` as shares of ``weights_in``.
+
+    A stream's share of tokens is rows x tokens per row, so the rows must be in proportion
+    ``p_i / (tokens per row)_i``; rescaled to the same sum as the requested ones. Other
+    weights (repeat, choose, none) pass through: the config allows ``weights_in`` other
+    than rows only when every stream has a proportion.
+    """
+    given = [i.spec.proportion for i in infos]
+    if weights_in == 'rows' or any(p is None for p in given):
+        return given
+    raw = [p / units_per_row(i, weights_in) for p, i in zip(given, infos)]  # type: ignore[operator]
+    scale = sum(given) / sum(raw) if sum(raw) > 0 else 0.0  # type: ignore[arg-type]
+    return [r * scale for r in raw]
+
+
+def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
+                 weights_in: str = 'rows') -> list[Any]:
+    """Fresh ``streaming.Stream`` objects carrying each stream's weight, in order, for
+    ``Stream.apply_weights`` (streaming's weight arithmetic, which the plan keeps so that
+    a weight means what it means in streaming). ``chooses`` (rows per stream per epoch)
+    replaces the configured weights when an exact epoch trims them; otherwise
+    ``weights_in`` says what ``proportion`` is a share of (:func:`row_proportions`)."""
+    from streaming import Stream
+
+    if chooses is not None:
+        streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
+                   for i, c in zip(infos, chooses)]
+    else:
+        proportions = row_proportions(infos, weights_in)
+        streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split,
+                          repeat=i.spec.repeat, proportion=p, choose=i.spec.choose)
+                   for i, p in zip(infos, proportions)]
+    return streams

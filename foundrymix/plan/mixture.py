@@ -11,18 +11,15 @@ Token figures: every row is ``max_seq_len`` slots, so the tokens Composer counts
 are rows x ``max_seq_len`` exactly. Real (non-padding) and loss tokens per epoch are the
 manifest totals x passes: exact when every row is seen equally often (whole passes) or
 rows are uniform (pretrain), otherwise an *expected* value, because a fractional pass
-trains the next rows of the stream's current pass, not a fixed subset (``exact`` says which).
+trains the next rows of the stream's current pass, not a fixed subset (``tokens_exact`` says which).
 
-Length (over ~300 lines): the Plan, StreamPlan, RankPlan and DurationPlan dataclasses, whose
-fields are the plan's documentation, sit beside the functions that fill them; the
-arithmetic is split into per-epoch, per-rank and per-duration functions.
+The dataclasses it fills are in :mod:`foundrymix.plan.plans`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -32,79 +29,11 @@ from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted_streams
 from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, stream_draws
+from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
 
 __all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan',
            'parse_duration']
-
-
-@dataclass
-class StreamPlan:
-    """One stream's share of every epoch."""
-
-    name: str
-    kind: str
-    rows: int                  # underlying rows (index.json)
-    rows_per_epoch: int        # rows drawn per epoch (the weights, whole global batches)
-    passes: float              # rows_per_epoch / rows
-    full_passes: int           # every row is seen at least this many times per epoch ...
-    rows_seen_extra: int       # ... and this many rows once more (the pass continues next epoch)
-    unseen_rows: int           # rows not seen at all in an epoch (passes < 1)
-    share: float               # of the rows trained (stratified: of every batch, as rounded)
-    trained_rows_per_epoch: int  # rows in full batches of epoch 0 (drop_last / stratified cuts)
-    slot_tokens_per_epoch: int   # rows_per_epoch x max_seq_len (what Composer's `tok` counts)
-    tokens_per_epoch: float      # real (non-padding) tokens; exact iff tokens_exact
-    loss_tokens_per_epoch: float
-    tokens_exact: bool
-    token_share: float = 0.0     # of the epoch's real tokens
-    loss_token_share: float = 0.0
-
-
-@dataclass
-class DurationPlan:
-    """Where ``max_duration`` ends, in Composer's terms."""
-
-    max_duration: str
-    unit: str
-    value: int
-    total_batches: int
-    total_samples: int
-    total_tokens: int          # slot tokens (Composer `tok`): total_samples x max_seq_len
-    epochs: float              # total_batches / batches_per_epoch
-    full_epochs: int
-    ends_mid_epoch: bool
-    last_epoch: int            # 0-based index of the epoch the run stops in (or last finished)
-    last_batch_in_epoch: int   # batches of that epoch trained (== batches_per_epoch if not mid)
-    last_sample_in_epoch: int  # samples of that epoch trained
-    rows_per_stream: Optional[dict[str, int]] = None  # exact rows trained per stream, whole run
-    #: False: total_samples (and tokens) count every batch as full -- an upper bound, for an
-    #: epoch too large to replay without drop_last (its short batches are not known)
-    samples_exact: bool = True
-    #: passes over each stream's rows in the whole run: rows_per_stream / rows (or, when the
-    #: run is too long to replay, epochs x passes per epoch)
-    passes_per_stream: Optional[dict[str, float]] = None
-
-
-@dataclass
-class RankPlan:
-    """One rank's share of an epoch (epoch 0): its slice of every global batch."""
-
-    rank: int                  # global rank
-    node: int
-    local_rank: int
-    batches_per_epoch: int
-    samples_per_epoch: int
-    rows_per_stream: dict[str, int]
-
-
-@dataclass
-class GroupPlan:
-    """A group of ``train_loader.streams`` (a pattern entry) and the streams it weights."""
-
-    pattern: str
-    members: list[str]
-    weight: str                # repeat, proportion or choose
-    value: float               # as given in the YAML (the group's, not a member's)
 
 
 def stream_groups(config: LoaderConfig) -> list[GroupPlan]:
@@ -117,99 +46,6 @@ def stream_groups(config: LoaderConfig) -> list[GroupPlan]:
         out.append(GroupPlan(pattern=pattern, members=members, weight=kind,
                              value=getattr(g, kind)))
     return out
-
-
-@dataclass
-class Plan:
-    """The mixture per epoch and, given ``max_duration``, how long the run is."""
-
-    streams: list[StreamPlan]
-    epoch_size: int
-    batch_size: int
-    world_size: int
-    global_batch_size: int
-    batches_per_epoch: int
-    samples_per_epoch: int     # samples in the full batches of an epoch (what is trained)
-    max_seq_len: int
-    batching_method: str
-    shuffle_seed: int
-    duration: Optional[DurationPlan] = None
-    duration_name: str = 'max_duration'   # 'stage duration' in a stage of a staged run
-    nodes: int = 1
-    ranks_per_node: int = 1
-    num_canonical_nodes: int = 1
-    exact: bool = True
-    #: rows per stream per epoch the weights ask for, and how many an exact epoch leaves out
-    nominal_rows_per_epoch: dict[str, int] = field(default_factory=dict)
-    left_out_per_epoch: dict[str, int] = field(default_factory=dict)
-    #: rows trained a second time in an epoch to even out ranks: always 0 (kept for --json)
-    repeated_rows_per_epoch: int = 0
-    #: per rank (global rank order); None over RANK_COUNT_LIMIT rows an epoch
-    per_rank: Optional[list[RankPlan]] = None
-    warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    #: what the loader hands ``StreamingDataset`` (``epoch_size``, trimmed ``choose`` per
-    #: stream, the exact unit): computed here once, never recomputed by the loader
-    weights: Optional[EpochWeights] = None
-    #: the YAML's stream groups (pattern entries), each with its members and given weight
-    groups: list[GroupPlan] = field(default_factory=list)
-    #: how each count was made -- 'epoch' (rows per stream per epoch), 'per_rank', 'run'
-    #: (rows per stream over the duration): 'arithmetic' (the order's counts, exact), or
-    #: for per_rank 'not computed: ...' (an epoch over RANK_COUNT_LIMIT rows)
-    counted: dict[str, str] = field(default_factory=dict)
-    #: an adaptive stage (``train_loader.adaptive``): segments, not the sampler's epochs
-    adaptive: bool = False
-
-    def stream(self, name: str) -> StreamPlan:
-        return next(s for s in self.streams if s.name == name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """``dataclasses.asdict(self)``, rebuilt directly: ``asdict`` looks up every
-        object's fields and deep-copies every leaf, 0.24 s over 10,000 streams against
-        0.03 s here (CPython 3.11.7, the collector paused as ``plan`` runs; with it on,
-        ``asdict`` took 0.49 s). Equal to ``asdict``, and as unshared (tested)."""
-        return _plain(self)
-
-
-def _plain(obj: Any) -> Any:
-    """:func:`dataclasses.asdict`'s result for what a plan holds: dataclasses, lists,
-    tuples and dicts rebuilt, immutable scalars kept, anything else deep-copied (as
-    ``asdict`` does)."""
-    kind = type(obj)
-    if kind in _SCALARS:
-        return obj
-    names = _FIELDS.get(kind)
-    if names is None and dataclasses.is_dataclass(kind):
-        names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
-    scalars = _SCALARS  # a scalar is kept without a call: most of a plan's 10^5-10^6 leaves
-    if names is not None:
-        out = {}
-        for name in names:
-            value = getattr(obj, name)
-            out[name] = value if type(value) in scalars else _plain(value)
-        return out
-    if kind is list:
-        return [x if type(x) in scalars else _plain(x) for x in obj]
-    if kind is tuple:
-        return tuple(x if type(x) in scalars else _plain(x) for x in obj)
-    if kind is dict:
-        return {_plain(k): v if type(v) in scalars else _plain(v) for k, v in obj.items()}
-    return _asdict_fallback(obj)
-
-
-def _asdict_fallback(obj: Any) -> Any:
-    """What ``asdict`` makes of anything else (a namedtuple, a dict subclass, an array)."""
-    holder = _Holder(obj)
-    return asdict(holder)['value']
-
-
-@dataclass
-class _Holder:
-    value: Any
-
-
-_SCALARS = frozenset((int, float, str, bool, type(None)))
-_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass
@@ -247,7 +83,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     L = infos[0].manifest.max_seq_len
     G = batch_size * topology.world_size
     epoch = _plan_epoch(config, infos, batch_size, topology, stage)
-    _warn_epoch(config, epoch, G, topology.world_size, warnings)
+    _warn_epoch(config, epoch, G, warnings)
     _note_exact(config, epoch, G, warnings, notes)
     names = [i.name for i in infos]
     stream_plans = _stream_plans(infos, epoch, L, warnings, notes)
@@ -262,10 +98,9 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 shuffle_seed=config.shuffle_seed, warnings=warnings, notes=notes,
                 duration_name=duration_name, nodes=topology.nodes,
                 ranks_per_node=topology.ranks_per_node,
-                num_canonical_nodes=1, exact=config.exact,
+                exact=config.exact,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
-                repeated_rows_per_epoch=0,
                 per_rank=per_rank, weights=epoch.weights,
                 groups=stream_groups(config))
     plan.order = epoch.order
@@ -399,9 +234,9 @@ def _counted(epoch: _Epoch, W: int, B: int, n: int) -> list[np.ndarray]:
     return list(out)
 
 
-def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int,
-                world_size: int, warnings: list[str]) -> None:
-    """Warnings about rows an epoch samples but does not train, or trains twice."""
+def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]) -> None:
+    """Warnings about proportions that do not sum to 1 and rows an epoch samples but does not
+    train."""
     total = config.proportion_sum
     if total is not None and abs(total - 1.0) > 1e-9:
         given = ' + '.join(f'{p:g}' for p in config.given_proportions.values())
@@ -457,8 +292,8 @@ EVERY_STREAM_HINT = '(every stream: plan --streams all, or --json)'
 def under_one_pass_warnings(plans: list[StreamPlan],
                             limit: Optional[int] = WARNING_LINES_PER_CLASS) -> list[str]:
     """The streams seen under once per epoch: a line each, or (more than ``limit``) one line
-    for the class with the count and the least-seen streams -- 1,000 such lines buried what
-    mattered (issue 22)."""
+    for the class with the count and the least-seen streams (a line per stream of 1,000 would
+    bury what matters)."""
     under = [s for s in plans if s.full_passes == 0]
     what = ('rows are not seen in an epoch (the next epoch goes on with the pass: every row is '
             'seen once before any is seen twice)')
@@ -530,4 +365,4 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
         total_tokens=total_batches * G * L, epochs=total_batches / bpe, full_epochs=full_epochs,
         ends_mid_epoch=bool(rem), last_epoch=last_epoch, last_batch_in_epoch=last_batch,
         last_sample_in_epoch=last_batch * G,
-        rows_per_stream=rows_trained, passes_per_stream=passes, samples_exact=True)
+        rows_per_stream=rows_trained, passes_per_stream=passes)

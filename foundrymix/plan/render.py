@@ -129,22 +129,20 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
         where = (f'stops in epoch {d.last_epoch} after batch {d.last_batch_in_epoch:,} '
                  f'(sample {d.last_sample_in_epoch:,} of the epoch)' if d.ends_mid_epoch
                  else f'ends exactly at the end of epoch {d.last_epoch}')
-        at_most = ''
-        if plan.adaptive:  # segments read by cursors: the sampler's epochs do not apply
+        if plan.adaptive:  # segments read by cursors: the configured epochs do not apply
             where = ('in adaptive segments (the per-epoch figures above are the configured '
                      'start\'s epochs)')
         else:
             where = f'= {d.epochs:.4g} epochs ({d.full_epochs} full); {where}'
         console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '
-                      f'{at_most}{d.total_samples:,} samples, {d.total_tokens:,} tokens '
+                      f'{d.total_samples:,} samples, {d.total_tokens:,} tokens '
                       f'{where}')
         scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
         if d.rows_per_stream is not None:
             console.print(f'rows trained per stream over {scope}: '
                           + counts_text(d.rows_per_stream, all_streams))
         if d.passes_per_stream is not None:
-            console.print(passes_line(d.passes_per_stream, scope, d.rows_per_stream is None,
-                                      all_streams))
+            console.print(passes_line(d.passes_per_stream, scope, all_streams))
     if plan.counted:
         console.print('counted: ' + '; '.join(f'{k.replace("_", " ")} {v}'
                                                for k, v in plan.counted.items()))
@@ -185,17 +183,15 @@ def render_groups(plan: Plan, console: Any) -> None:
     console.print(table)
 
 
-def passes_line(passes: dict[str, float], scope: str, approximate: bool = False,
-                all_streams: bool = False) -> str:
+def passes_line(passes: dict[str, float], scope: str, all_streams: bool = False) -> str:
     """``passes over the run: web 2.00, code 0.87`` -- how many times each stream's rows are
     trained in all (rows trained / rows), the question a mixture by shares leaves open.
     Beyond :data:`MAX_STREAM_ROWS` streams: the most and least passed over."""
-    tilde = '~' if approximate else ''
     if all_streams or len(passes) <= MAX_STREAM_ROWS:
-        return f'passes over {scope}: ' + ', '.join(f'{k} {tilde}{v:.2f}' for k, v in passes.items())
+        return f'passes over {scope}: ' + ', '.join(f'{k} {v:.2f}' for k, v in passes.items())
     order = sorted(passes, key=lambda k: passes[k])
-    most = ', '.join(f'{k} {tilde}{passes[k]:.2f}' for k in reversed(order[-EXTREME_ROWS:]))
-    least = ', '.join(f'{k} {tilde}{passes[k]:.2f}' for k in order[:EXTREME_ROWS])
+    most = ', '.join(f'{k} {passes[k]:.2f}' for k in reversed(order[-EXTREME_ROWS:]))
+    least = ', '.join(f'{k} {passes[k]:.2f}' for k in order[:EXTREME_ROWS])
     return f'passes over {scope} ({len(passes):,} streams): most: {most}; least: {least}'
 
 

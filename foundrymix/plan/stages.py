@@ -38,9 +38,9 @@ class StagePlan:
     everything the loader is built from.
 
     The last four fields are the contract between plan and loader: the stage's loader
-    config, its streams' metadata (read once by the catalog), the epoch weights handed to
-    ``StreamingDataset`` (computed once, by the plan) and the stage's fingerprint (what
-    the resume rules compare). The loader never recomputes or re-reads any of them.
+    config, its streams' metadata (read once by the catalog), its plan (whose order the
+    loader reads) and the stage's fingerprint (what the resume rules compare). The loader
+    never recomputes or re-reads any of them.
     """
 
     index: int
@@ -73,8 +73,7 @@ class StagePlan:
     @property
     def samples(self) -> int:
         """Rows the stage trains (its batches' rows: short batches counted as they are)."""
-        if self.plan.duration is None:  # (as_run_plan of an epoch's plan)
-            return self.batches * self.global_batch_size
+        assert self.plan.duration is not None, 'a stage is planned with its duration'
         return self.plan.duration.total_samples
 
     @property
@@ -84,7 +83,7 @@ class StagePlan:
 
     @property
     def weights(self) -> EpochWeights:
-        """The epoch weights the plan computed: what the stage's dataset is given."""
+        """The epoch weights the plan computed (rows per stream per epoch)."""
         assert self.plan.weights is not None
         return self.plan.weights
 
@@ -262,10 +261,10 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                   explicit=config.stages is not None)
     if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
-    from foundrymix.plan.adaptive import build_controller
+    from foundrymix.plan.adaptive import build_controller, plan_adaptive
     for stage in stages:
         controller = build_controller(stage)  # refused now, not at the stage's first batch
-        if controller is not None and not _plan_adaptive(stage.plan, controller):
+        if controller is not None and not plan_adaptive(stage.plan, controller):
             run.decided_during_run.append(stage.name)
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
         for name, n in (rows or {}).items():
@@ -388,81 +387,3 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if new['streams'][name].get(key) != value:
                 out.append(f'stream {name}: {key} {value!r} -> {new["streams"][name].get(key)!r}')
     return out
-
-
-def _plan_adaptive(plan: Plan, controller: Any) -> bool:
-    """Restate an adaptive stage's plan as what its run does; True if its rows are exact.
-
-    Why: the stage's mixture is planned as epochs of its configured weights, but an adaptive stage
-    trains segments of whole rows per stream read through per-stream cursors
-    (:class:`~foundrymix.plan.adaptive.AdaptiveController`). So the sampler's rows per
-    stream, passes, ``counted`` and its under-one-pass/mid-epoch warnings are not what it
-    trains. What is exact at plan time: the segments whose weights are known (the warmup's
-    configured weights; every segment of ``fixed`` or ``replay``); the rest are decided
-    from the loss during the run, each stream at least ``min_share`` of a segment's rows.
-    """
-    import numpy as np
-
-    from foundrymix.plan.adaptive import whole_rows
-    c, d = controller, plan.duration
-    known = np.zeros(len(c.names), np.int64)
-    at_least = np.zeros(len(c.names), np.int64)
-    undecided = [0, 0]   # batches, rows
-    first = c.start_batch + c.batches  # the first batch decided during the run
-    for k in range(c.segments):
-        rows = c.segment_batches(k) * c.global_batch
-        if c.replay is not None:
-            known += c.replay[k].rows
-        elif c.method == 'fixed' or c.segment_start(k) < c.start_batch + c.warmup:
-            known += whole_rows(c.initial, rows)
-        else:
-            first = min(first, c.segment_start(k))
-            undecided[0] += c.segment_batches(k)
-            undecided[1] += rows
-            at_least += int(c.min_share * rows)
-    exact = undecided[0] == 0
-    n_rows = dict(zip(c.names, c.rows))
-    text = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, known))
-    if exact:
-        how = 'the recorded decisions' if c.replay is not None else 'the configured weights'
-        plan.counted = {'run': f'adaptive ({c.method}): every segment\'s whole rows from {how}'}
-    else:
-        plan.counted = {'run': (
-            f'adaptive ({c.method}): batches {c.start_batch:,}-{first - 1:,} exact at the configured '
-            f'weights ({text}); batches {first:,}-{c.start_batch + c.batches - 1:,} '
-            f'({undecided[1]:,} rows) decided during the run from the per-stream loss, each '
-            f'stream at least ' + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))
-            if first > c.start_batch else (
-            f'adaptive ({c.method}): all {undecided[1]:,} rows decided during the run from the '
-            f'per-stream loss, each stream at least '
-            + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))}
-    if d is not None:
-        d.rows_per_stream = {n: int(r) for n, r in zip(c.names, known)} if exact else None
-        d.passes_per_stream = ({n: int(r) / n_rows[n] for n, r in zip(c.names, known)}
-                               if exact else None)
-    plan.adaptive = True
-    plan.warnings = [w for w in plan.warnings if w.startswith('proportions sum to')]
-    plan.notes = [n for n in plan.notes if not n.startswith(('exact epoch:', '~ marks'))]
-    if exact:
-        plan.warnings += [f'{n}: under one pass: {n_rows[n] - int(r):,} of {n_rows[n]:,} rows are '
-                          f'not trained' for n, r in zip(c.names, known) if r < n_rows[n]]
-    plan.notes.append(
-        f'adaptive ({c.method}, every {c.every}ba from batch {c.start_batch + c.warmup:,}, '
-        f'min_share {c.min_share}): the table shows the configured start (its per-epoch columns '
-        f'are the configured mixture\'s epochs); the stage trains segments of whole rows per stream '
-        f'read by per-stream cursors, no row repeated before its stream\'s pass is complete '
-        f'(report/mixture.json, docs/adaptive.md)')
-    return exact
-
-
-def as_run_plan(plan: Any) -> RunPlan:
-    """A run plan as it is; a single mixture's plan as a one-stage run (for pictures)."""
-    if isinstance(plan, RunPlan):
-        return plan
-    batches = plan.duration.total_batches if plan.duration else plan.batches_per_epoch
-    stage = StagePlan(index=0, name=MAIN_STAGE, duration=f'{batches}ba', start_batch=0,
-                      batches=batches, plan=plan)
-    rows = dict(plan.duration.rows_per_stream or {}) if plan.duration else {}
-    return RunPlan(stages=[stage], global_batch_size=plan.global_batch_size,
-                   max_seq_len=plan.max_seq_len, total_batches=batches, rows_per_stream=rows,
-                   warnings=list(plan.warnings), explicit=False)

@@ -201,10 +201,10 @@ def _loader(m: Migration, name: str) -> None:
     if stream:
         loader.setdefault('streams', {})[name.split('_')[0]] = stream
         m.changes.append(f'{name}.dataset.{{{", ".join(stream)}}} -> {name}.streams.{name.split("_")[0]}')
-    from foundrymix.plan.config import REPLACED_KNOBS
+    from foundrymix.plan.specs import REPLACED_KNOBS, replaced_knob
     for key in [k for k in (*dataset, *loader) if k in REPLACED_KNOBS]:
         value = dataset.pop(key) if key in dataset else loader.pop(key)
-        m.dropped.append(f'{name}.{key}: {show(value)}: streaming\'s sampler knob, replaced by '
+        m.dropped.append(f'{name}.{key}: {show(value)}: {replaced_knob(key)}, replaced by '
                          f'foundrymix\'s own order ({REPLACED_KNOBS[key]})')
     if name == 'train_loader' and (dataset.get('drop_last') is False or loader.get('drop_last') is False):
         dataset.pop('drop_last', None)

@@ -142,20 +142,21 @@ def test_cache_root_in_a_stream_directory_or_a_dataset_is_refused(tmp_path, smal
     assert {d: listing(d) for d in (arxiv, dolly)} == before
 
 
-@pytest.mark.parametrize('key, value', [('shuffle_algo', 'py1e'), ('num_canonical_nodes', 1),
-                                        ('partition_algo', 'orig'), ('sampling_method', 'fixed'),
-                                        ('sampling_granularity', 2)])
-def test_streamings_sampler_knobs_are_refused_as_given_on_every_path(key, value):
+@pytest.mark.parametrize('key, value, kind', [
+    ('shuffle_algo', 'py1e', 'sampler'), ('num_canonical_nodes', 1, 'sampler'),
+    ('partition_algo', 'orig', 'sampler'), ('sampling_method', 'fixed', 'sampler'),
+    ('sampling_granularity', 2, 'sampler'), ('predownload', 8, 'download')])
+def test_streamings_sampler_knobs_are_refused_as_given_on_every_path(key, value, kind):
     """Refused whatever the value (even the old default), through the training YAML's reader
     (TrainConfig reads train_loader as a nested dataclass), from_dict and a stage's overrides."""
     from foundrymix.config import read_dataclass
     streams = {'a': {'local': '/a'}}
-    message = f"train_loader.{key}: streaming's sampler knob, which foundrymix's own sample order replaced"
+    message = f"train_loader.{key}: streaming's {kind} knob, which foundrymix's own sample order replaced"
     for read in (lambda d: read_dataclass(LoaderConfig, d, 'train_loader'),
                  lambda d: LoaderConfig.from_dict(d)):
         with pytest.raises(ConfigError, match=re.escape(message)):
             read({'streams': streams, key: value})
-    with pytest.raises(ConfigError, match=re.escape(f"stages[0].{key}: streaming's sampler knob")):
+    with pytest.raises(ConfigError, match=re.escape(f"stages[0].{key}: streaming's {kind} knob")):
         LoaderConfig.from_dict({'streams': streams, 'stages': [
             {'name': 's', 'duration': '1ba', 'streams': {'a': {}}, key: value}]})
 

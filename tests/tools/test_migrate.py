@@ -173,6 +173,30 @@ def test_migrate_turns_a_foundry_yaml_into_one_that_reads(tmp_path, capsys):
     assert out.read_bytes() == written and src.read_text() == FOUNDRY
 
 
+def test_migrate_drops_streamings_replaced_knobs(tmp_path, capsys):
+    """Streaming's sampler and download knobs (in the dataset or the loader) are removed, each with
+    what replaced it, and the migrated loader reads; the reader alone refuses each of them."""
+    src, out = tmp_path / 'old.yaml', tmp_path / 'new.yaml'
+    src.write_text(FOUNDRY.replace('    shuffle_seed: ${global_seed}\n  drop_last: true\n',
+                                   '    shuffle_seed: ${global_seed}\n    shuffle_algo: py1e\n'
+                                   '    predownload: 8\n  drop_last: true\n  num_canonical_nodes: 2\n', 1))
+    with pytest.raises(ConfigErrors) as err:
+        load_config(str(src))
+    assert "train_loader.num_canonical_nodes: streaming's sampler knob" in str(err.value)
+    assert main(['migrate', str(src), '--out', str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if 'knob' in line] == [
+        "removed: train_loader.shuffle_algo: py1e: streaming's sampler knob, replaced by foundrymix's own order "
+        "(each stream is shuffled a window of shards at a time (shuffle_block_size rows))",
+        "removed: train_loader.predownload: 8: streaming's download knob, replaced by foundrymix's own order "
+        "(the order is known: each reader fetches the shards of its next batches ahead, in a thread)",
+        "removed: train_loader.num_canonical_nodes: 2: streaming's sampler knob, replaced by foundrymix's own "
+        "order (ranks slice one global order, the same on any topology)"]
+    text = out.read_text()
+    assert not any(k in text for k in ('shuffle_algo', 'predownload', 'num_canonical_nodes'))
+    assert load_config(str(out)).train_loader.shuffle_seed == 17
+
+
 def test_migrate_lists_what_it_cannot_rewrite(tmp_path, capsys):
     src = tmp_path / 'f.yaml'
     src.write_text('max_seq_len: 64\neval_interval: 1\nsave_interval: 0.5\noptimizer: {name: decoupled_lionw}\n'

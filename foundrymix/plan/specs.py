@@ -1,0 +1,185 @@
+"""The stream and adaptive sections of a ``train_loader``: what one stream entry and an
+``adaptive`` block may say, checked when read, and the knobs no section may give
+(:mod:`foundrymix.plan.config` holds the loader config that contains them)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from foundrymix.config import FROM_KEY, ConfigError, read_dataclass, to_plain
+
+_SCHEME = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
+_GLOB = re.compile(r'[*?\[]')
+
+
+def is_pattern(name: str) -> bool:
+    """A ``streams`` key with ``*``, ``?`` or ``[`` is a group: weights for every stream it
+    matches (``fnmatch``), no stream of its own."""
+    return bool(_GLOB.search(name))
+
+
+@dataclass
+class StreamSpec:
+    """One entry of ``train_loader.streams``: where a stream lives and how much of it to use.
+
+    At most one of ``repeat`` (multiplier on the stream's rows), ``proportion`` (relative
+    share of the epoch) and ``choose`` (exact rows per epoch) may be given. ``local`` is a
+    directory on this machine: a URL there is refused (it would be read as a
+    relative path named ``s3:``); URLs go in ``remote``.
+
+    A name with a glob (``web/*``) is a group (:func:`is_pattern`): exactly one weight and
+    no location; :meth:`LoaderConfig.group_members` says which streams it weights.
+    """
+
+    name: str = field(default='', metadata=FROM_KEY)
+    local: Optional[str] = None
+    remote: Optional[str] = None
+    split: Optional[str] = None
+    repeat: Optional[float] = None
+    proportion: Optional[float] = None
+    choose: Optional[int] = None
+
+    @property
+    def weight_kind(self) -> Optional[str]:
+        for key in ('proportion', 'repeat', 'choose'):
+            if getattr(self, key) is not None:
+                return key
+        return None
+
+    def check(self, where: str) -> None:
+        if is_pattern(self.name):
+            self._check_group(where)
+        elif not self.local and not self.remote:
+            raise ConfigError(f'{where}: needs local and/or remote')
+        if self.remote and _SCHEME.match(self.remote) and not self.remote.startswith('s3://'):
+            raise ConfigError(f'{where}.remote: {self.remote!r}: foundrymix reads remotes from S3 '
+                              f'(s3://bucket/path; S3_ENDPOINT_URL for another S3-compatible '
+                              f'store) or a mounted path; copy the data to one of those')
+        if self.local and _SCHEME.match(self.local):
+            raise ConfigError(f'{where}.local: {self.local!r} is a URL, not a local directory; put '
+                              f'it in remote: (and local: where to cache it, or leave local out)')
+        given = [k for k in ('repeat', 'proportion', 'choose') if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ConfigError(f'{where}: give at most one of repeat, proportion, choose '
+                              f'(got {", ".join(given)}); the others are derived')
+        for key in given:
+            if getattr(self, key) < 0:
+                raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')
+
+    def _check_group(self, where: str) -> None:
+        placed = [k for k in ('local', 'remote', 'split') if getattr(self, k) is not None]
+        if placed:
+            raise ConfigError(
+                f'{where}: {self.name!r} is a pattern (a group of the streams it matches), so it '
+                f'carries only a weight (repeat, proportion or choose), not {", ".join(placed)}; '
+                f'give each stream its location under its own name (without * ? [)')
+        if self.weight_kind is None:
+            raise ConfigError(f'{where}: the pattern {self.name!r} gives no weight; give it one of '
+                              f'repeat, proportion, choose (or delete it)')
+
+
+AdaptiveMethod = Literal['odm', 'ado', 'fixed', 'replay']
+
+
+@dataclass
+class AdaptiveConfig:
+    """``train_loader.adaptive`` (or a stage's): the weights are decided during the run.
+
+    Every ``every`` batches the policy (``method``) reads each stream's mean training loss
+    since the last update (summed over all ranks) and sets the weights of the next
+    ``every`` batches, from ``warmup`` on (before it: the configured weights). Each stream
+    keeps at least ``min_share`` of every segment. ``from`` (with ``method: replay``): a
+    ``report/mixture.json`` whose recorded decisions are trained again, without a policy.
+    ``alpha``/``beta``/``lr``: the policy's constants (see :mod:`foundrymix.plan.adaptive`).
+    See docs/adaptive.md.
+    """
+
+    #: ado by default: ODM rewards high loss and chased a stream of random tokens in the
+    #: proof run of docs/adaptive.md (benchmarks/bench_adaptive.py --proof), ado did not
+    method: AdaptiveMethod = 'ado'
+    every: str = '50ba'
+    warmup: str = '0ba'
+    min_share: float = 0.02
+    seed: Optional[int] = None       # default: the loader's shuffle_seed
+    alpha: float = 0.9               # ODM: reward moving average; ADO: loss EMA
+    beta: float = 0.5                # ADO: how much of the previous weights a decision keeps
+    lr: float = 1.0                  # ODM: reward scale in the softmax
+    replay_from: Optional[str] = None
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> 'AdaptiveConfig':
+        d = dict(to_plain(value, where) or {})
+        if 'replay_from' in d:
+            raise ConfigError(f'{where}.replay_from: the key is from: (from: report/mixture.json)')
+        if 'from' in d:
+            d['replay_from'] = d.pop('from')
+        return read_dataclass(cls, d, where)
+
+    def batches(self, key: str, where: str) -> int:
+        m = re.fullmatch(r'\s*(\d+)\s*ba\s*', str(getattr(self, key)))
+        if not m:
+            raise ConfigError(f'{where}.{key}: {getattr(self, key)!r} must be whole batches (e.g. '
+                              f'50ba): a segment is whole global batches')
+        return int(m.group(1))
+
+    def check(self, where: str) -> None:
+        from foundrymix.config import Gather
+        gather = Gather()
+        with gather:
+            if self.batches('every', where) <= 0:
+                raise ConfigError(f'{where}.every: must be at least 1ba, got {self.every}')
+        with gather:
+            if self.batches('warmup', where) < 0:
+                raise ConfigError(f'{where}.warmup: must be >= 0ba, got {self.warmup}')
+        with gather:
+            if not 0 <= self.min_share < 1:
+                raise ConfigError(f'{where}.min_share: must be in [0, 1), got {self.min_share}')
+        for key in ('alpha', 'beta'):
+            with gather:
+                if not 0 <= getattr(self, key) < 1:
+                    raise ConfigError(f'{where}.{key}: must be in [0, 1), got {getattr(self, key)}')
+        with gather:
+            if (self.method == 'replay') != (self.replay_from is not None):
+                raise ConfigError(f'{where}: method: replay goes with from: <a report/mixture.json> '
+                                  f'(and from: only with method: replay); got method '
+                                  f'{self.method}, from {self.replay_from!r}')
+        gather.raise_any()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a resumed run must keep: everything but ``from`` (replayed decisions are
+        checked against the checkpoint's own)."""
+        return {k: getattr(self, k) for k in ('method', 'every', 'warmup', 'min_share', 'seed',
+                                              'alpha', 'beta', 'lr')}
+
+
+#: streaming's knobs that foundrymix's own order replaced, and what replaced them
+REPLACED_KNOBS = {
+    'shuffle_algo': 'each stream is shuffled a window of shards at a time (shuffle_block_size rows)',
+    'num_canonical_nodes': 'ranks slice one global order, the same on any topology',
+    'partition_algo': 'ranks slice one global order, the same on any topology',
+    'sampling_method': 'each pass over a stream is a fresh permutation, complete before the next',
+    'sampling_granularity': 'each pass over a stream is a fresh permutation, complete before the next',
+    'predownload': 'the order is known: each reader fetches the shards of its next batches '
+                   'ahead, in a thread',
+}
+
+
+def replaced_knob(key: str) -> str:
+    """What a key of :data:`REPLACED_KNOBS` was: a knob of streaming's sampler or downloader."""
+    return f"streaming's {'download' if key == 'predownload' else 'sampler'} knob"
+
+
+def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
+    """Refuse streaming's sampler and download knobs (the order is foundrymix's own) and, for training,
+    ``drop_last: false``: every epoch is whole global batches, so every batch is full (an
+    ``eval_loader`` keeps Foundry's ``drop_last: false``; the trainer says what it leaves out)."""
+    for key, why in REPLACED_KNOBS.items():
+        if key in data:
+            raise ConfigError(f'{where}.{key}: {replaced_knob(key)}, which foundrymix\'s own '
+                              f'sample order replaced ({why}; docs/mixing-and-plan.md); remove it')
+    if data.get('drop_last') is False and not where.startswith('eval_loader'):
+        raise ConfigError(f'{where}.drop_last: false is gone: every epoch is whole global batches, '
+                          f'so every batch is full (the rows an epoch leaves out go to the next '
+                          f'epoch and are listed by foundrymix plan); remove it')
