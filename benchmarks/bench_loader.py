@@ -140,7 +140,9 @@ def main() -> int:
         epoch_rows = mixer.plan(args.batch_size, '1ep', world_size=1).epoch_size
 
         from streaming import StreamingDataset
-        raw_ds = StreamingDataset(streams=mixer.streams(), batch_size=args.batch_size,
+
+        from foundrymix.plan.exact import make_streams
+        raw_ds = StreamingDataset(streams=make_streams(mixer.catalog.infos()), batch_size=args.batch_size,
                                   shuffle=True, shuffle_seed=1)
         raw = torch.utils.data.DataLoader(raw_ds, batch_size=args.batch_size, collate_fn=raw_collate,
                                           num_workers=args.workers, drop_last=True,
