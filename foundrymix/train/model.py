@@ -79,6 +79,8 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     weights or with weights of other sizes (:mod:`foundrymix.train.weights`), before any
     weight loads.
     A loaded model carries :func:`loading_line` as ``foundrymix_loading`` (rank 0 prints it).
+    With ``peft_config`` it is returned as peft's LoRA model over that one (base frozen;
+    :mod:`foundrymix.train.lora`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -103,6 +105,9 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
         if type(e).__name__ != 'SafetensorError':
             raise
         raise ModelConfigError(f'model.pretrained: {_unreadable_weights(spec.pretrained, e)}') from None
+    if spec.peft is not None:
+        from foundrymix.train.lora import wrap
+        model = wrap(model, spec.peft)
     add_fsdp_hooks(model)
     return model
 

@@ -301,10 +301,11 @@ SHIPPED = {
         'removed: model.init_device: mixed: no equivalent (fsdp builds the model)',
         'removed: train_loader.dataset.eos_token_id: 0: no equivalent (the tokenizer\'s EOS, recorded in each '
         'stream\'s manifest, ends the documents)',
-        "to do: model.peft_config (r: 64, peft_type: LORA, task_type: CAUSAL_LM, lora_alpha: 128, lora_dropout: 0.05, "
-        "target_modules: ['Wqkv']): removed; LoRA/PEFT is not supported here, so the migrated YAML trains every "
-        "weight (full finetuning, far more memory): accept that, or keep this run on LLM-Foundry",
-        HUB_TODO.format(name='databricks/dbrx-instruct'), 'to do: 4 line(s) above before it runs',
+        "kept: model.peft_config (r: 64, peft_type: LORA, task_type: CAUSAL_LM, lora_alpha: 128, lora_dropout: 0.05, "
+        "target_modules: ['Wqkv']): LoRA through the peft library, as in LLM-Foundry: the base weights are frozen, "
+        "the adapter trains; target_modules are checked against the model's layers at start; export writes the "
+        "merged model, or with --adapter the adapter alone",
+        HUB_TODO.format(name='databricks/dbrx-instruct'), 'to do: 3 line(s) above before it runs',
         'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa'], 34),
 }
 
