@@ -7,6 +7,8 @@ model from the transformers config the checkpoint recorded (the ``ModelInfo``
 callback), loads the weights strictly (every tensor accounted for), writes
 ``config.json`` + ``model.safetensors``, and saves the tokenizer the streams were
 converted with, after checking its fingerprint against the one recorded at training.
+A LoRA run (``model.peft_config``) is written merged, or with ``--adapter`` as peft's
+adapter directory (:mod:`foundrymix.train.lora`).
 
 A model trained with ``attention: document`` is an ordinary causal LM; it reproduces
 the training logits on packed rows when given the same restarting ``position_ids``, no
