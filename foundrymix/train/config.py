@@ -172,6 +172,12 @@ class TrainConfig:
             raise ConfigError('global_train_batch_size must be positive')
         if self.load_weights_only and not self.load_path:
             raise ConfigError('load_weights_only: needs load_path (the checkpoint whose weights to load)')
+        if self.load_weights_only and self.model is not None and self.model.peft is not None:
+            # a full run's weights (no peft names) stop Composer's strict load with a traceback of missing keys
+            raise ConfigError('load_weights_only: a LoRA run (model.peft_config) takes its base from '
+                              'model.pretrained: export the checkpoint (foundrymix export CHECKPOINT --to-hf DIR) '
+                              'and set model.pretrained: DIR; to go on with a LoRA run, resume it (load_path '
+                              'without load_weights_only)')
         if self.max_duration is None and self.train_loader.stages is None:
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")

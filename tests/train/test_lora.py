@@ -405,3 +405,15 @@ def test_foundrys_lora_yaml_migrated_trains_its_adapter(small_streams, tmp_path,
     prefix = 'model.base_model.model.transformer.blocks.0.norm_attn_norm.attn.Wqkv'
     assert adapter == {f'{prefix}.lora_A.default.weight': (64, in_features),
                        f'{prefix}.lora_B.default.weight': (out_features, 64)}
+
+
+def test_load_weights_only_is_refused_with_the_way_to_start_from_a_checkpoint(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict(tiny_run_config({'streams': {'a': {'local': '/x'}}},
+                                              model={**LLAMA, 'peft_config': LORA}, max_duration='1ba',
+                                              global_train_batch_size=2, load_path=str(tmp_path / 'c.pt'),
+                                              load_weights_only=True))
+    assert str(err.value) == (
+        'load_weights_only: a LoRA run (model.peft_config) takes its base from model.pretrained: export the '
+        'checkpoint (foundrymix export CHECKPOINT --to-hf DIR) and set model.pretrained: DIR; to go on with a LoRA '
+        'run, resume it (load_path without load_weights_only)')
