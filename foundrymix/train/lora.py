@@ -155,7 +155,16 @@ def wrap(model: Any, peft: Mapping[str, Any]) -> Any:
     from peft import get_peft_model
 
     check_targets(model, peft)
-    wrapped = get_peft_model(model, lora_config(peft))
+    try:
+        wrapped = get_peft_model(model, lora_config(peft))
+    except ValueError as e:  # e.g. no target_modules and no default for this model type
+        kind = getattr(model.config, 'model_type', 'this')
+        layers = [n for n, m in model.named_modules() if n and isinstance(m, _adaptable())]
+        if peft.get('target_modules') is None:
+            raise ConfigError(f'model.peft_config.target_modules: missing, and peft has no default for a {kind} '
+                              f'model: give the layers to adapt, from: {_short_names(layers)}') from None
+        raise ConfigError(f'model.peft_config: {_one_line(e)} (the layers of the {kind} model LoRA can adapt: '
+                          f'{_short_names(layers)})', path='model.peft_config') from None
     wrapped.foundrymix_lora = trainable_line(wrapped, peft)
     return wrapped
 

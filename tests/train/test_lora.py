@@ -417,3 +417,19 @@ def test_load_weights_only_is_refused_with_the_way_to_start_from_a_checkpoint(tm
         'load_weights_only: a LoRA run (model.peft_config) takes its base from model.pretrained: export the '
         'checkpoint (foundrymix export CHECKPOINT --to-hf DIR) and set model.pretrained: DIR; to go on with a LoRA '
         'run, resume it (load_path without load_weights_only)')
+
+
+def test_without_target_modules_peft_defaults_or_the_refusal_lists_the_layers():
+    """peft knows Llama's default (q_proj, v_proj); for DBRX it has none: one line with its layers."""
+    from transformers import DbrxConfig, DbrxForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from foundrymix.train.lora import wrap
+    kwargs = {k: v for k, v in LLAMA.items() if k != 'type'}
+    llama = wrap(LlamaForCausalLM(LlamaConfig(vocab_size=64, **kwargs)), {'r': 4, 'task_type': 'CAUSAL_LM'})
+    assert [n.rsplit('.', 1)[-1] for n in lora_layers(llama)] == ['q_proj', 'v_proj']
+    dbrx = DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=64, attn_config={'kv_n_heads': 2},
+                                      ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1}))
+    with pytest.raises(ConfigError) as err:
+        wrap(dbrx, {'r': 4, 'task_type': 'CAUSAL_LM'})
+    assert str(err.value) == ('model.peft_config.target_modules: missing, and peft has no default for a dbrx model: '
+                              'give the layers to adapt, from: wte, Wqkv, out_proj, layer, lm_head')
