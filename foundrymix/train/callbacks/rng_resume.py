@@ -9,7 +9,8 @@ rank's RNG state (Composer's public ``get_rng_state``, gathered on every rank at
 point of a checkpoint save as Composer gathers its own) and restores it right after the
 first batch of such a resume is read, before it reaches the model: where the straight run
 was when it read that batch (reading a batch draws nothing from the main process's RNGs).
-At an epoch boundary Composer restores them itself, and this does nothing.
+At an epoch boundary Composer restores them itself, and this does nothing; so on another
+number of ranks (the ranks' random streams cannot continue there: each rank had its own).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Optional
 
 from composer.core import Callback, State
 from composer.loggers import Logger
-from composer.utils import reproducibility
+from composer.utils import dist, reproducibility
 
 
 class ResumeRng(Callback):
@@ -35,7 +36,8 @@ class ResumeRng(Callback):
         self._loaded = state.get('rng')
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        self._armed = self._loaded is not None and int(state.timestamp.batch_in_epoch) > 0
+        self._armed = (self._loaded is not None and int(state.timestamp.batch_in_epoch) > 0
+                       and len(self._loaded) == dist.get_world_size())
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
         if self._armed:
