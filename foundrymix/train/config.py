@@ -263,7 +263,8 @@ def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional
 
 def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
-    pretrained model's): ``train`` and ``plan`` refuse alike, with one message (issue 26:
+    pretrained model's), and a LoRA ``target_modules`` must name layers of the model:
+    ``train`` and ``plan`` refuse alike, with one message (issue 26:
     ``plan`` accepted a ``tokenizer:`` the streams were not made with). ``tokenizer`` is the
     streams' :class:`~foundrymix.format.schema.TokenizerInfo`."""
     check_data_streams(cfg, max_seq_len, tokenizer)
@@ -272,6 +273,9 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
         from foundrymix.train.weights import check_has_weights
         check_has_weights(cfg.model)
         check_pretrained_tokenizer(cfg.model, tokenizer)
+    if cfg.model is not None and cfg.model.peft is not None:
+        from foundrymix.train.lora import check_spec_targets
+        check_spec_targets(cfg.model, tokenizer)
 
 
 def check_data_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:

@@ -147,6 +147,26 @@ def check_targets(model: Any, peft: Mapping[str, Any], where: str = 'model.peft_
     gather.raise_any()
 
 
+def check_spec_targets(spec: Any, tokenizer: Any) -> None:
+    """:func:`check_targets` on the model ``spec`` describes, built on the ``meta`` device (no
+    weights, no memory), so ``plan`` refuses what ``train`` would. A model that cannot be built
+    is left to ``train``'s own refusal."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from foundrymix.train.model import hf_config
+
+    try:
+        config = copy.deepcopy(hf_config(spec, tokenizer))
+        with torch.device('meta'):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, ImportError, ConfigError):
+        return
+    check_targets(model, spec.peft)
+
+
 def wrap(model: Any, peft: Mapping[str, Any]) -> Any:
     """``model`` as a peft LoRA model: base frozen, adapter initialised from torch's RNG.
 

@@ -40,7 +40,7 @@ __all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLos
            'check_pretrained_tokenizer', 'token_loss']
 
 
-def _hf_config(spec: ModelSpec, tokenizer: TokenizerInfo) -> Any:
+def hf_config(spec: ModelSpec, tokenizer: TokenizerInfo) -> Any:
     """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides."""
     from transformers import AutoConfig
 
@@ -84,7 +84,7 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     """
     from transformers import AutoModelForCausalLM
 
-    config = _hf_config(spec, tokenizer)
+    config = hf_config(spec, tokenizer)
     _check_fits(config, tokenizer, max_seq_len)
     attn = spec.attn_implementation or 'sdpa'
     if spec.pretrained is not None and spec.load_weights:

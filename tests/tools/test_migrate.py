@@ -492,6 +492,20 @@ def _tiny_llama(path: Path) -> Path:
     return path
 
 
+def _tiny_dbrx(path: Path) -> Path:
+    """A 1-layer DBRX (2 experts) saved by transformers itself, the bundled tokenizer beside it."""
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    from foundrymix.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=SMALL_SEQ, vocab_size=8192,
+                               attn_config={'kv_n_heads': 2},
+                               ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1})
+                    ).save_pretrained(path)
+    load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
+    return path
+
+
 #: what fits each migrated YAML to this machine's data, never a fix of the migration: where the
 #: data is (every split the YAMLs name), the tokenizer and row length the streams were made with
 FIT = [f'tokenizer={DEMO_TOKENIZER}', f'max_seq_len={SMALL_SEQ}', 'global_train_batch_size=4',
@@ -521,7 +535,11 @@ def _todo_done(name: str, data: Path, tmp_path: Path) -> list[str]:
                                         'load_path=null', 'load_weights_only=false'],
         '7b_dolly_sft': streams + ['load_path=null', 'load_weights_only=false'],
         'llama-3-8b_domain_adapt': llama() + ['model.config_overrides={}'],  # MPT keys on a llama: deleted
-        'dbrx-lora-ft': streams + [f'eval_loader.streams.eval.local={data / "test"}'] + llama(),
+        # its LoRA targets DBRX's Wqkv: a tiny DBRX, whose attention ignores position_ids (causal;
+        # plan and train say so once the model is a local directory, migrate cannot know before)
+        'dbrx-lora-ft': streams + [f'eval_loader.streams.eval.local={data / "test"}',
+                                   f'model.pretrained_model_name_or_path={_tiny_dbrx(tmp_path / "dbrx")}',
+                                   'model.attention=causal'],
     }[name]
 
 

@@ -149,8 +149,9 @@ def test_migrate_without_peft_carries_peft_config_and_asks_for_peft(tmp_path, ca
                           f"{LLAMA_LAYERS} (full names such as model.embed_tokens)"),
 ])
 def test_target_modules_that_match_no_layer_are_refused_listing_the_layers(small_streams, base_dir, tmp_path,
-                                                                          targets, message):
-    """peft itself trains q_proj alone for ['q_proj', 'q_prj'] and says nothing."""
+                                                                          targets, message, capsys):
+    """peft itself trains q_proj alone for ['q_proj', 'q_prj'] and says nothing. ``plan`` refuses
+    as ``train`` does (the model built on the meta device)."""
     cfg = tmp_path / 'lora.yaml'
     cfg.write_text(yaml.safe_dump(lora_config(small_streams, base_dir, {**LORA, 'target_modules': targets},
                                               save_folder=str(tmp_path / 'ckpt'))), encoding='utf-8')
@@ -159,6 +160,9 @@ def test_target_modules_that_match_no_layer_are_refused_listing_the_layers(small
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f'foundrymix train: error: {message}']
     assert not (tmp_path / 'ckpt').exists()
+    capsys.readouterr()
+    assert cli(['plan', str(cfg)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f'foundrymix plan: error: {message}']
 
 
 def test_modules_to_save_must_name_a_module(small_streams, base_dir, tmp_path):
@@ -360,10 +364,7 @@ def test_sigkill_then_autoresume_gives_the_straight_runs_adapter_bitwise(small_s
 def test_foundrys_lora_yaml_migrated_trains_its_adapter(small_streams, tmp_path, capsys):
     """LLM-Foundry's finetune/dbrx-lora-ft.yaml, migrated: peft_config is carried, and with its to-do
     lines done (data, a local DBRX -- a tiny one here) and the CPU overrides it trains LoRA on Wqkv."""
-    from test_migrate import FOUNDRY_DIR
-    from transformers import DbrxConfig, DbrxForCausalLM
-
-    from foundrymix.tokenizer import load_tokenizer
+    from test_migrate import FOUNDRY_DIR, _tiny_dbrx
 
     out = tmp_path / 'new.yaml'
     assert cli(['migrate', str(FOUNDRY_DIR / 'dbrx-lora-ft.yaml'), '--out', str(out)]) == 0
@@ -375,13 +376,7 @@ def test_foundrys_lora_yaml_migrated_trains_its_adapter(small_streams, tmp_path,
         'r': 64, 'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'lora_alpha': 128, 'lora_dropout': 0.05,
         'target_modules': ['Wqkv']}
     cpu = next(line for line in report if line.startswith('for a CPU trial add: ')).split(': ', 1)[1].split()
-    torch.manual_seed(0)
-    dbrx = tmp_path / 'dbrx'
-    DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=SMALL_SEQ, vocab_size=8192,
-                               attn_config={'kv_n_heads': 2},
-                               ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1})
-                    ).save_pretrained(dbrx)
-    load_tokenizer(DEMO_TOKENIZER).save_pretrained(dbrx)
+    dbrx = _tiny_dbrx(tmp_path / 'dbrx')
     todo = [f'train_loader.streams.train.local={small_streams["dolly"]}',
             f'eval_loader.streams.eval.local={small_streams["dolly"]}', f'model.pretrained_model_name_or_path={dbrx}',
             'model.attention=causal']  # train's own refusal for DBRX, once the model is a local directory
