@@ -39,6 +39,7 @@ class Migration:
     changes: list[str] = field(default_factory=list)  # rewritten, same meaning
     dropped: list[str] = field(default_factory=list)  # removed: no equivalent
     todo: list[str] = field(default_factory=list)     # kept: the user must decide
+    carried: list[str] = field(default_factory=list)  # kept as is, with a word on what it does here
     original: dict[str, Any] = field(default_factory=dict)  # the input, as read
 
     def report(self) -> list[str]:
@@ -46,7 +47,8 @@ class Migration:
         migration is complete and, for a GPU YAML, the overrides of a CPU trial."""
         renamed = {new for old, new in TOP_RENAMES.items()
                    if any(c.startswith(f'{old} -> {new}') for c in self.changes)}
-        lines = (kept(self, self.original, renamed) + [f'changed: {c}' for c in self.changes]
+        lines = (kept(self, self.original, renamed) + [f'kept: {c}' for c in self.carried]
+                 + [f'changed: {c}' for c in self.changes]
                  + [f'removed: {c}' for c in self.dropped] + [f'to do: {c}' for c in self.todo])
         lines.append(f'to do: {len(self.todo)} line(s) above before it runs' if self.todo else
                      'complete: every key is kept, changed or removed as listed')

@@ -81,12 +81,13 @@ def model_keys(m: Any) -> None:
     for key in ('use_auth_token', 'trust_remote_code', 'init_config', 'fc_type'):
         if key in model:
             m.dropped.append(f'model.{key}: {show(model.pop(key))}: {_advice(key, mtype)}')
-    if 'peft_config' in model:
-        peft = model.pop('peft_config')
+    if model.get('peft_config') is not None:
+        peft = model['peft_config']
         what = ', '.join(f'{k}: {v}' for k, v in peft.items()) if isinstance(peft, dict) else str(peft)
-        m.todo.append(f'model.peft_config ({what}): removed; LoRA/PEFT is not supported here, so the migrated '
-                      f'YAML trains every weight (full finetuning, far more memory): accept that, or keep this '
-                      f'run on LLM-Foundry')
+        m.carried.append(f'model.peft_config ({what}): LoRA through the peft library, as in LLM-Foundry: the '
+                         f'base weights are frozen, the adapter trains; target_modules are checked against the '
+                         f"model's layers at start; export writes the merged model, or with --adapter the "
+                         f'adapter alone')
     if 'ffn_config' in model and mtype == 'mpt':
         ffn = model.pop('ffn_config')
         plain = isinstance(ffn, dict) and set(ffn) <= {'ffn_type'} and ffn.get('ffn_type', 'mptmlp') == 'mptmlp'
@@ -154,7 +155,7 @@ def read_back(m: Any) -> None:
 def kept(m: Any, original: dict[str, Any], renamed: set[str]) -> list[str]:
     """The input's keys migrate carried unchanged (``renamed``: the new names of renamed
     sections, whose keys are carried as the rename line says), in a line or two."""
-    said = m.changes + m.dropped + m.todo
+    said = m.changes + m.dropped + m.todo + m.carried
     tops = {head(line).split('.')[0] for line in said} | renamed
     top_kept, inner_kept = [], []
     for key, value in m.data.items():

@@ -35,6 +35,7 @@ from foundrymix.format.schema import TokenizerInfo
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.model_info import ModelInfo
+from foundrymix.train.callbacks.rng_resume import ResumeRng
 from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig, check_streams, split_batch
 from foundrymix.train.model_spec import mpt_attention_line
@@ -91,13 +92,16 @@ def _precision(cfg: TrainConfig, device: str) -> str:
 
 
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer over the parameters that train (a LoRA run's frozen base is not in it:
+    no state kept for it, and no weight decay can reach it)."""
     o = cfg.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
     if o.name == 'decoupled_lionw':
-        return DecoupledLionW(model.parameters(), lr=o.lr, betas=o.betas or LION_BETAS, weight_decay=o.weight_decay)
+        return DecoupledLionW(params, lr=o.lr, betas=o.betas or LION_BETAS, weight_decay=o.weight_decay)
     betas = o.betas or (0.9, 0.95)
     if o.name == 'adamw':
-        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
-    return DecoupledAdamW(model.parameters(), lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+    return DecoupledAdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
 def _scheduler(cfg: TrainConfig, run: RunPlan, t_warmup: Optional[str] = None) -> Any:
@@ -213,19 +217,19 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
 
 def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: S3RetryCounter,
                since: RetryCounts, eval_streams: list[str]) -> tuple[list[Callback], StreamAccounting]:
-    """``ModelInfo`` and ``S3Log`` first, then every callback of the table the run uses
-    (accounting always)."""
+    """``ModelInfo``, ``S3Log`` and ``ResumeRng`` first, then every callback of the table the run
+    uses (accounting always)."""
     ctx = CallbackContext(config=cfg, stream_names=data.loader.stream_names,
                           planned_share=data.planned_share, stage_names=data.stage_names,
                           eval_stream_names=eval_streams)
     built = build_callbacks(cfg.callbacks, ctx)
-    info = ModelInfo(hf_model.config, cfg.model.attention, data.tokenizer, cfg.model.pretrained)
+    info = ModelInfo(hf_model.config, cfg.model.attention, data.tokenizer, cfg.model.pretrained, cfg.model.peft)
     accounting = built['stream_accounting']
     adaptive: list[Callback] = []
     if data.loader.position.adaptive:  # the per-stream loss -> the adaptive stages' weights
         from foundrymix.train.callbacks.adaptive import AdaptiveMixing
         adaptive.append(AdaptiveMixing(data.loader, accounting.out_dir, accounting))
-    return [info, S3Log(retry_counter, since), *adaptive, *built.values()], accounting
+    return [info, S3Log(retry_counter, since), ResumeRng(), *adaptive, *built.values()], accounting
 
 
 def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
@@ -350,8 +354,9 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     reproducibility.seed_all(cfg.seed)
     hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
     loaded = getattr(hf_model, 'foundrymix_loading', None)
-    if loaded and dist.get_global_rank() == 0:
-        print(loaded, flush=True)
+    for line in (loaded, getattr(hf_model, 'foundrymix_lora', None)):
+        if line and dist.get_global_rank() == 0:
+            print(line, flush=True)
     attention = mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs)
     if attention and dist.get_global_rank() == 0:
         print(attention, flush=True)

@@ -172,6 +172,12 @@ class TrainConfig:
             raise ConfigError('global_train_batch_size must be positive')
         if self.load_weights_only and not self.load_path:
             raise ConfigError('load_weights_only: needs load_path (the checkpoint whose weights to load)')
+        if self.load_weights_only and self.model is not None and self.model.peft is not None:
+            # a full run's weights (no peft names) stop Composer's strict load with a traceback of missing keys
+            raise ConfigError('load_weights_only: a LoRA run (model.peft_config) takes its base from '
+                              'model.pretrained: export the checkpoint (foundrymix export CHECKPOINT --to-hf DIR) '
+                              'and set model.pretrained: DIR; to go on with a LoRA run, resume it (load_path '
+                              'without load_weights_only)')
         if self.max_duration is None and self.train_loader.stages is None:
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")
@@ -257,7 +263,8 @@ def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional
 
 def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
-    pretrained model's): ``train`` and ``plan`` refuse alike, with one message (issue 26:
+    pretrained model's), and a LoRA ``target_modules`` must name layers of the model:
+    ``train`` and ``plan`` refuse alike, with one message (issue 26:
     ``plan`` accepted a ``tokenizer:`` the streams were not made with). ``tokenizer`` is the
     streams' :class:`~foundrymix.format.schema.TokenizerInfo`."""
     check_data_streams(cfg, max_seq_len, tokenizer)
@@ -266,6 +273,9 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
         from foundrymix.train.weights import check_has_weights
         check_has_weights(cfg.model)
         check_pretrained_tokenizer(cfg.model, tokenizer)
+    if cfg.model is not None and cfg.model.peft is not None:
+        from foundrymix.train.lora import check_spec_targets
+        check_spec_targets(cfg.model, tokenizer)
 
 
 def check_data_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:

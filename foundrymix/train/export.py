@@ -7,6 +7,8 @@ model from the transformers config the checkpoint recorded (the ``ModelInfo``
 callback), loads the weights strictly (every tensor accounted for), writes
 ``config.json`` + ``model.safetensors``, and saves the tokenizer the streams were
 converted with, after checking its fingerprint against the one recorded at training.
+A LoRA run (``model.peft_config``) is written merged, or with ``--adapter`` as peft's
+adapter directory (:mod:`foundrymix.train.lora`).
 
 A model trained with ``attention: document`` is an ordinary causal LM; it reproduces
 the training logits on packed rows when given the same restarting ``position_ids``, no
@@ -42,12 +44,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument('--to-hf', required=True, metavar='DIR', dest='out', help='output model directory')
     p.add_argument('--overwrite', action='store_true',
                    help='write into a non-empty DIR (never into a dataset directory)')
+    p.add_argument('--adapter', action='store_true',
+                   help='a LoRA run (model.peft_config): write only the adapter (adapter_config.json, '
+                        'adapter_model.safetensors) for peft\'s PeftModel.from_pretrained over the base model '
+                        'directory the run started from; without it a LoRA run is written merged')
     p.set_defaults(func=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     checkpoint = checkpoint_file(args.checkpoint, say=print)
-    out = export_to_hf(checkpoint, args.out, overwrite=args.overwrite)
+    out = export_to_hf(checkpoint, args.out, overwrite=args.overwrite, adapter=args.adapter)
     print(f'exported {checkpoint} -> {out}')
     return 0
 
@@ -109,7 +115,8 @@ def model_info(state: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
-    """The transformers model with the checkpoint's weights (strict: no tensor missing or extra)."""
+    """The transformers model with the checkpoint's weights (strict: no tensor missing or extra);
+    for a LoRA run (``info['peft']``) peft's LoRA model over it."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     config_dict = dict(info['hf_config'])
@@ -117,7 +124,11 @@ def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
     config.use_cache = True  # training turned the KV cache off; generation wants it
     model = AutoModelForCausalLM.from_config(config)
     weights = {k[len(PREFIX):]: v for k, v in state['model'].items() if k.startswith(PREFIX)}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if info.get('peft') is not None:
+        lora = _require_peft()
+        model, missing, unexpected = lora.peft_model_from_state(model, info['peft'], weights, info.get('pretrained'))
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ExportError(f'checkpoint weights do not fit the recorded {config.model_type} config: '
                           f'missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}')
@@ -145,9 +156,21 @@ def find_tokenizer(info: dict[str, Any]) -> Any:
                       f"({info['tokenizer_fingerprint'][:12]}): {'; '.join(tried)}")
 
 
-def export_to_hf(checkpoint: str, out: str, overwrite: bool = False) -> str:
+def _require_peft() -> Any:
+    from foundrymix.train import lora
+    if not lora.peft_available():
+        raise ExportError(f'the checkpoint is of a LoRA run (model.peft_config): exporting it needs the '
+                          f'peft library, which is not installed: {lora.INSTALL}')
+    return lora
+
+
+def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bool = False) -> str:
     """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``.
 
+    A LoRA run's checkpoint is written merged (an ordinary model directory), or with
+    ``adapter`` as the adapter alone (``adapter_config.json``, ``adapter_model.safetensors``)
+    for ``PeftModel.from_pretrained`` over the base directory the run started from: only
+    when that directory still holds, bitwise, the base weights the checkpoint holds.
     A dataset directory is refused even with ``overwrite``: model files written among its
     shards would make it neither a dataset nor a model directory.
     """
@@ -160,9 +183,43 @@ def export_to_hf(checkpoint: str, out: str, overwrite: bool = False) -> str:
         raise ExistsError(f'{out}: exists and is not empty (use --overwrite)')
     state = load_checkpoint_state(checkpoint)
     info = model_info(state, checkpoint)
+    if adapter:
+        _check_adapter_export(info, checkpoint)
     model = hf_model_from_state(state, info)
+    if adapter:
+        _check_base(model, info['pretrained'])
+    elif info.get('peft') is not None:
+        model = model.merge_and_unload()  # W + scale * B @ A: an ordinary transformers model
     tokenizer = find_tokenizer(info)  # before writing anything
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _check_adapter_export(info: dict[str, Any], checkpoint: str) -> None:
+    if info.get('peft') is None:
+        raise ExportError(f'{checkpoint}: --adapter: the run trained every weight (no model.peft_config), '
+                          f'so there is no adapter: export without --adapter')
+    _require_peft()
+    if not info.get('pretrained'):
+        raise ExportError(f'{checkpoint}: --adapter: the run\'s base model was built at random (no '
+                          f'model.pretrained), so an adapter alone has no base directory to load over: export '
+                          f'without --adapter (the merged model)')
+
+
+def _check_base(model: Any, directory: str) -> None:
+    """The adapter is only right over the base it was trained on: ``directory`` must hold it."""
+    from foundrymix.train.lora import changed_base_tensor
+
+    if not os.path.isdir(directory):
+        raise ExportError(f'--adapter: the base directory the run started from, {directory}, is gone: export '
+                          f'without --adapter (the merged model), or restore the directory')
+    try:
+        changed = changed_base_tensor(model, directory)
+    except ValueError as e:
+        raise ExportError(f'--adapter: {e}: export without --adapter (the merged model)') from None
+    if changed:
+        raise ExportError(f'--adapter: {changed} differs from the base weights the adapter was trained on '
+                          f'(the directory changed since, or the run took only its config): export without '
+                          f'--adapter (the merged model)')

@@ -40,7 +40,7 @@ __all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLos
            'check_pretrained_tokenizer', 'token_loss']
 
 
-def _hf_config(spec: ModelSpec, tokenizer: TokenizerInfo) -> Any:
+def hf_config(spec: ModelSpec, tokenizer: TokenizerInfo) -> Any:
     """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides."""
     from transformers import AutoConfig
 
@@ -79,10 +79,12 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     weights or with weights of other sizes (:mod:`foundrymix.train.weights`), before any
     weight loads.
     A loaded model carries :func:`loading_line` as ``foundrymix_loading`` (rank 0 prints it).
+    With ``peft_config`` it is returned as peft's LoRA model over that one (base frozen;
+    :mod:`foundrymix.train.lora`).
     """
     from transformers import AutoModelForCausalLM
 
-    config = _hf_config(spec, tokenizer)
+    config = hf_config(spec, tokenizer)
     _check_fits(config, tokenizer, max_seq_len)
     attn = spec.attn_implementation or 'sdpa'
     if spec.pretrained is not None and spec.load_weights:
@@ -103,6 +105,9 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
         if type(e).__name__ != 'SafetensorError':
             raise
         raise ModelConfigError(f'model.pretrained: {_unreadable_weights(spec.pretrained, e)}') from None
+    if spec.peft is not None:
+        from foundrymix.train.lora import wrap
+        model = wrap(model, spec.peft)
     add_fsdp_hooks(model)
     return model
 

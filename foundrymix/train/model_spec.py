@@ -27,7 +27,7 @@ AttnImplementation = Literal['sdpa', 'eager', 'flash_attention_2']
 
 #: our keys; every other key of the section is a transformers config field
 OWN_KEYS = ('type', 'model_type', 'attention', 'attn_implementation', 'pretrained',
-            'pretrained_model_name_or_path', 'config_overrides')
+            'pretrained_model_name_or_path', 'config_overrides', 'peft_config')
 
 
 #: LLM-Foundry ``model`` keys that are no transformers config field (for the type that has no
@@ -39,8 +39,6 @@ FOUNDRY_MODEL_KEYS = {
                          "classes are used, no code from a model directory runs; delete it",
     'use_flash_attention_2': "LLM-Foundry's use_flash_attention_2: true is attn_implementation: "
                              "flash_attention_2 here (GPU, flash-attn installed); delete it",
-    'peft_config': "LLM-Foundry's LoRA/PEFT (peft_config) is not supported: delete it to train every "
-                   "weight (full finetuning, far more memory), or keep this run on LLM-Foundry",
     'ffn_config': "LLM-Foundry MPT's ffn_config has no equivalent: transformers' MPT has one MLP "
                   "(d_model x expansion_ratio, GELU: LLM-Foundry's default ffn_type mptmlp); delete it",
     'init_config': "LLM-Foundry MPT's init_config has no equivalent: transformers initialises the weights "
@@ -84,7 +82,8 @@ class ModelSpec:
     ``model_type``), ``attention``, ``attn_implementation`` and ``pretrained`` (a local
     Hugging Face model directory whose weights are loaded; LLM-Foundry's
     ``pretrained_model_name_or_path: DIR`` + ``pretrained: true`` means the same, and
-    ``pretrained: false`` there takes only the directory's config, randomly initialised).
+    ``pretrained: false`` there takes only the directory's config, randomly initialised) and
+    ``peft_config`` (LoRA through peft, :mod:`foundrymix.train.lora`).
     Every other key (and LLM-Foundry's ``config_overrides`` mapping) overrides the
     transformers config.
     """
@@ -97,6 +96,8 @@ class ModelSpec:
     load_weights: bool = False
     #: ``None``: ``sdpa`` (document attention via a block-diagonal mask from position ids)
     attn_implementation: Optional[AttnImplementation] = None
+    #: ``peft_config``: peft ``LoraConfig`` keyword arguments (:mod:`foundrymix.train.lora`), or None
+    peft: Optional[dict[str, Any]] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> 'ModelSpec':
@@ -128,6 +129,12 @@ class ModelSpec:
         with gather:
             if attention not in ('document', 'causal'):
                 raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
+        peft = None
+        if d.get('peft_config') is not None:
+            from foundrymix.train.lora import read_peft_config
+            with gather:
+                peft = read_peft_config(d.get('peft_config'), f'{where}.peft_config')
+        d.pop('peft_config', None)
         attn = d.pop('attn_implementation', None)
         with gather:
             if attn is not None and attn not in AttnImplementation.__args__:
@@ -142,7 +149,7 @@ class ModelSpec:
                 attn = check_attention(str(model_type), attention, attn, where)
         gather.raise_any()
         return cls(model_type=str(model_type), attention=attention, config_kwargs={**d, **overrides},
-                   pretrained=pretrained, load_weights=load_weights, attn_implementation=attn)
+                   pretrained=pretrained, load_weights=load_weights, attn_implementation=attn, peft=peft)
 
 
 #: LLM-Foundry's ``model.name`` -> the transformers ``model_type`` that builds the same kind of model

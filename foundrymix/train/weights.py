@@ -36,10 +36,8 @@ def check_has_weights(spec: ModelSpec) -> None:
             f'weights, write model: {{pretrained_model_name_or_path: {spec.pretrained}, pretrained: false}}')
 
 
-def _checkpoint_shapes(directory: str) -> dict[str, tuple[str, list[int]]]:
-    """Tensor name -> (file, shape) of a directory's safetensors weights ({} if it has none)."""
-    from safetensors import safe_open
-
+def safetensors_files(directory: str) -> list[str]:
+    """The paths of a model directory's safetensors weight files (sharded or one), [] if none."""
     index = os.path.join(directory, 'model.safetensors.index.json')
     if os.path.exists(index):
         with open(index, encoding='utf-8') as f:
@@ -47,10 +45,16 @@ def _checkpoint_shapes(directory: str) -> dict[str, tuple[str, list[int]]]:
     elif os.path.exists(os.path.join(directory, 'model.safetensors')):
         files = ['model.safetensors']
     else:
-        return {}
+        return []
+    return [os.path.join(directory, name) for name in files]
+
+
+def _checkpoint_shapes(directory: str) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (file, shape) of a directory's safetensors weights ({} if it has none)."""
+    from safetensors import safe_open
+
     shapes: dict[str, tuple[str, list[int]]] = {}
-    for name in files:
-        path = os.path.join(directory, name)
+    for path in safetensors_files(directory):
         with safe_open(path, 'pt') as h:
             for key in h.keys():
                 shapes[key] = (path, list(h.get_slice(key).get_shape()))

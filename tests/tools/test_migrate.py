@@ -301,10 +301,11 @@ SHIPPED = {
         'removed: model.init_device: mixed: no equivalent (fsdp builds the model)',
         'removed: train_loader.dataset.eos_token_id: 0: no equivalent (the tokenizer\'s EOS, recorded in each '
         'stream\'s manifest, ends the documents)',
-        "to do: model.peft_config (r: 64, peft_type: LORA, task_type: CAUSAL_LM, lora_alpha: 128, lora_dropout: 0.05, "
-        "target_modules: ['Wqkv']): removed; LoRA/PEFT is not supported here, so the migrated YAML trains every "
-        "weight (full finetuning, far more memory): accept that, or keep this run on LLM-Foundry",
-        HUB_TODO.format(name='databricks/dbrx-instruct'), 'to do: 4 line(s) above before it runs',
+        "kept: model.peft_config (r: 64, peft_type: LORA, task_type: CAUSAL_LM, lora_alpha: 128, lora_dropout: 0.05, "
+        "target_modules: ['Wqkv']): LoRA through the peft library, as in LLM-Foundry: the base weights are frozen, "
+        "the adapter trains; target_modules are checked against the model's layers at start; export writes the "
+        "merged model, or with --adapter the adapter alone",
+        HUB_TODO.format(name='databricks/dbrx-instruct'), 'to do: 3 line(s) above before it runs',
         'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa'], 34),
 }
 
@@ -491,6 +492,20 @@ def _tiny_llama(path: Path) -> Path:
     return path
 
 
+def _tiny_dbrx(path: Path) -> Path:
+    """A 1-layer DBRX (2 experts) saved by transformers itself, the bundled tokenizer beside it."""
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    from foundrymix.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=SMALL_SEQ, vocab_size=8192,
+                               attn_config={'kv_n_heads': 2},
+                               ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1})
+                    ).save_pretrained(path)
+    load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
+    return path
+
+
 #: what fits each migrated YAML to this machine's data, never a fix of the migration: where the
 #: data is (every split the YAMLs name), the tokenizer and row length the streams were made with
 FIT = [f'tokenizer={DEMO_TOKENIZER}', f'max_seq_len={SMALL_SEQ}', 'global_train_batch_size=4',
@@ -520,7 +535,11 @@ def _todo_done(name: str, data: Path, tmp_path: Path) -> list[str]:
                                         'load_path=null', 'load_weights_only=false'],
         '7b_dolly_sft': streams + ['load_path=null', 'load_weights_only=false'],
         'llama-3-8b_domain_adapt': llama() + ['model.config_overrides={}'],  # MPT keys on a llama: deleted
-        'dbrx-lora-ft': streams + [f'eval_loader.streams.eval.local={data / "test"}'] + llama(),
+        # its LoRA targets DBRX's Wqkv: a tiny DBRX, whose attention ignores position_ids (causal;
+        # plan and train say so once the model is a local directory, migrate cannot know before)
+        'dbrx-lora-ft': streams + [f'eval_loader.streams.eval.local={data / "test"}',
+                                   f'model.pretrained_model_name_or_path={_tiny_dbrx(tmp_path / "dbrx")}',
+                                   'model.attention=causal'],
     }[name]
 
 

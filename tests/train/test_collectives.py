@@ -11,7 +11,10 @@ which hook made them, at which batch, and the device of every tensor. The ``gpu`
 The collectives (Composer 0.32): ``StreamAccounting.reduce`` (``all_reduce``, at
 ``log_interval``, checkpoint save, fit end), ``SampleLog.flush`` (``all_gather_object``, at
 its ``interval``, checkpoint save, fit end), ``S3Log`` (``all_gather_object``, at epoch end
-and fit end). ``builder``/``cli`` only read ranks and world sizes.
+and fit end). ``builder``/``cli`` only read ranks and world sizes. ``ResumeRng.state_dict``
+gathers the ranks' RNG states at each checkpoint save through Composer's
+``reproducibility.get_rng_state`` (an ``all_gather_object`` made from Composer's frame, as
+Composer's own save makes it at the same point), so the audit does not list it.
 """
 
 from __future__ import annotations

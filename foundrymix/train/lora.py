@@ -1,0 +1,252 @@
+"""LoRA finetuning through the ``peft`` library: ``model.peft_config`` as LLM-Foundry reads it.
+
+``model.peft_config: {peft_type: LORA, task_type: CAUSAL_LM, r, lora_alpha, lora_dropout,
+target_modules, ...}`` wraps the causal LM in peft's ``get_peft_model``: the base weights
+are frozen (``requires_grad`` off, never in the optimizer), only the adapter (and any
+``modules_to_save``) trains. A checkpoint holds the whole wrapped model, so a resume
+restores base and adapter exactly; ``foundrymix export`` writes the merged model, or the
+adapter alone for ``PeftModel.from_pretrained`` over the base directory.
+
+Why checked here rather than left to peft: peft accepts a ``target_modules`` entry that
+matches nothing as long as another one matches (a misspelt ``q_prj`` beside ``v_proj``
+trains only ``v_proj``, in silence), and an unknown key is a ``TypeError`` traceback.
+Every key is checked against peft's ``LoraConfig``; every ``target_modules`` and
+``modules_to_save`` entry must match a module of the model, or the refusal lists the
+names to choose from. peft is optional (``pip install 'foundrymix[peft]'``) and imported
+only when a YAML has ``peft_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import re
+from typing import Any, Mapping, Optional
+
+from foundrymix.config import ConfigError, Gather, to_plain
+
+INSTALL = "pip install 'foundrymix[peft]'"
+#: LoraConfig fields that are peft's bookkeeping, not settings of a run
+_MANAGED = {'peft_type': 'only LORA', 'task_type': 'only CAUSAL_LM',
+            'base_model_name_or_path': 'the base is model.pretrained',
+            'inference_mode': 'a run trains the adapter', 'auto_mapping': None, 'peft_version': None,
+            'revision': 'models are local directories'}
+#: ``init_lora_weights`` values that leave the base weights as they are and need no data
+_INITS = (True, False, 'gaussian')
+
+
+def peft_available() -> bool:
+    return importlib.util.find_spec('peft') is not None
+
+
+def require_peft(where: str) -> None:
+    """Refuse a ``peft_config`` when peft is not installed, saying how to install it."""
+    if not peft_available():
+        raise ConfigError(f'{where}: LoRA needs the peft library, which is not installed: {INSTALL}',
+                          path=where)
+
+
+def _one_line(e: BaseException) -> str:
+    return ' '.join(str(e).split())
+
+
+def lora_keys() -> list[str]:
+    """The keys of peft's ``LoraConfig`` a YAML may set."""
+    from peft import LoraConfig
+    return sorted(f.name for f in dataclasses.fields(LoraConfig) if f.init and f.name not in _MANAGED)
+
+
+def read_peft_config(value: Any, where: str) -> dict[str, Any]:
+    """``model.peft_config`` as plain ``LoraConfig`` keyword arguments (``task_type`` included),
+    every problem refused at once, each naming its key."""
+    d = to_plain(value, where)
+    require_peft(where)
+    gather = Gather()
+    peft_type = d.pop('peft_type', 'LORA')
+    if str(peft_type).upper() != 'LORA':
+        gather.add(ConfigError(f'{where}.peft_type: {peft_type!r}: only LORA is supported (as in LLM-Foundry)'))
+    task_type = d.pop('task_type', 'CAUSAL_LM')
+    if str(task_type).upper() != 'CAUSAL_LM':
+        gather.add(ConfigError(f'{where}.task_type: {task_type!r}: only CAUSAL_LM is supported (a causal LM '
+                               f'trains here)'))
+    valid = lora_keys()
+    for key in list(d):
+        if key in valid:
+            continue
+        d.pop(key)
+        if key in _MANAGED:
+            why = _MANAGED[key] or "set by peft itself"
+            gather.add(ConfigError(f'{where}.{key}: not a setting here ({why}); delete it'))
+            continue
+        near = difflib.get_close_matches(key, valid, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ''
+        gather.add(ConfigError(f"{where}.{key}: unknown key of peft's LoraConfig; {hint}"
+                               f"its keys: {', '.join(valid)}"))
+    init = d.get('init_lora_weights', True)
+    if init not in _INITS:
+        gather.add(ConfigError(f'{where}.init_lora_weights: {init!r}: not supported here (it changes the base '
+                               f'weights or needs data before training); use true, false or gaussian'))
+    gather.raise_any()
+    out = {**d, 'task_type': 'CAUSAL_LM'}
+    try:
+        lora_config(out)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f'{where}: {_one_line(e)}', path=where) from None
+    return out
+
+
+def lora_config(peft: Mapping[str, Any]) -> Any:
+    from peft import LoraConfig
+    return LoraConfig(**dict(peft))
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _adaptable() -> tuple[type, ...]:
+    """Module kinds peft's LoRA adapts."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+    return (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+
+
+def _matches(name: str, target: str) -> bool:
+    """peft's rule for a list entry: the module's full name, or its name after a dot."""
+    return name == target or name.endswith('.' + target)
+
+
+def _short_names(names: list[str]) -> str:
+    """The distinct last parts of module names, in the model's order (a layer's index left out)."""
+    return ', '.join(dict.fromkeys(n.rsplit('.', 1)[-1] for n in names if not n.rsplit('.', 1)[-1].isdigit()))
+
+
+def check_targets(model: Any, peft: Mapping[str, Any], where: str = 'model.peft_config') -> None:
+    """Every ``target_modules`` entry (or the regex) matches a module LoRA can adapt, and every
+    ``modules_to_save`` entry a module of ``model``; a refusal lists the names to choose from."""
+    adaptable = [n for n, m in model.named_modules() if n and isinstance(m, _adaptable())]
+    every = [n for n, _ in model.named_modules() if n]
+    kind = getattr(getattr(model, 'config', None), 'model_type', 'this')
+    gather = Gather()
+    targets = peft.get('target_modules')
+    if isinstance(targets, str) and targets != 'all-linear':
+        if not any(re.fullmatch(targets, n) for n in adaptable):
+            gather.add(ConfigError(
+                f'{where}.target_modules: {targets!r} (a regex, matched against full module names) matches no '
+                f'layer of the {kind} model that LoRA can adapt; its layers: {_short_names(adaptable)} '
+                f'(full names such as {adaptable[0] if adaptable else "-"})'))
+    elif isinstance(targets, (list, tuple)):
+        for t in targets:
+            if not any(_matches(n, str(t)) for n in adaptable):
+                gather.add(ConfigError(
+                    f'{where}.target_modules: {t!r} matches no layer of the {kind} model that LoRA can '
+                    f'adapt; choose from its layers: {_short_names(adaptable)}'))
+    for t in peft.get('modules_to_save') or []:
+        if not any(_matches(n, str(t)) for n in every):
+            gather.add(ConfigError(f'{where}.modules_to_save: {t!r} matches no module of the {kind} model; '
+                                   f'choose from: {_short_names(every)}'))
+    gather.raise_any()
+
+
+def check_spec_targets(spec: Any, tokenizer: Any) -> None:
+    """:func:`check_targets` on the model ``spec`` describes, built on the ``meta`` device (no
+    weights, no memory), so ``plan`` refuses what ``train`` would. A model that cannot be built
+    is left to ``train``'s own refusal."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from foundrymix.train.model import hf_config
+
+    try:
+        config = copy.deepcopy(hf_config(spec, tokenizer))
+        with torch.device('meta'):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, ImportError, ConfigError):
+        return
+    check_targets(model, spec.peft)
+
+
+def wrap(model: Any, peft: Mapping[str, Any]) -> Any:
+    """``model`` as a peft LoRA model: base frozen, adapter initialised from torch's RNG.
+
+    Carries :func:`trainable_line` as ``foundrymix_lora`` (rank 0 prints it).
+    """
+    from peft import get_peft_model
+
+    check_targets(model, peft)
+    try:
+        wrapped = get_peft_model(model, lora_config(peft))
+    except ValueError as e:  # e.g. no target_modules and no default for this model type
+        kind = getattr(model.config, 'model_type', 'this')
+        layers = [n for n, m in model.named_modules() if n and isinstance(m, _adaptable())]
+        if peft.get('target_modules') is None:
+            raise ConfigError(f'model.peft_config.target_modules: missing, and peft has no default for a {kind} '
+                              f'model: give the layers to adapt, from: {_short_names(layers)}') from None
+        raise ConfigError(f'model.peft_config: {_one_line(e)} (the layers of the {kind} model LoRA can adapt: '
+                          f'{_short_names(layers)})', path='model.peft_config') from None
+    wrapped.foundrymix_lora = trainable_line(wrapped, peft)
+    return wrapped
+
+
+def trainable_line(model: Any, peft: Mapping[str, Any]) -> str:
+    """``model: LoRA r=8 on q_proj, v_proj (2 layers): 1,024 of 123,456 parameters train (0.83 %)``."""
+    total = sum(p.numel() for p in model.parameters())
+    train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from peft.tuners.lora import LoraLayer
+    layers = [n for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    save = peft.get('modules_to_save')
+    extra = f', modules_to_save {", ".join(map(str, save))} train whole' if save else ''
+    return (f'model: LoRA r={peft.get("r", 8)} on {_short_names(layers)} ({len(layers)} layers{extra}): '
+            f'{train:,} of {total:,} parameters train ({100 * train / total:.2f} %); the others are frozen')
+
+
+# ----------------------------------------------------------------------------- export
+
+def peft_model_from_state(base: Any, peft: Mapping[str, Any], weights: Mapping[str, Any],
+                          pretrained: Optional[str]) -> tuple[Any, list[str], list[str]]:
+    """The LoRA model over ``base`` with a checkpoint's ``weights`` (the wrapper's keys);
+    (model, missing keys, unexpected keys). ``pretrained``: the base directory, recorded in the
+    adapter's config."""
+    from peft import get_peft_model
+
+    config = lora_config(peft)
+    config.base_model_name_or_path = pretrained
+    model = get_peft_model(base, config)
+    missing, unexpected = model.load_state_dict(dict(weights), strict=False)
+    return model, list(missing), list(unexpected)
+
+
+def base_tensors(model: Any) -> dict[str, Any]:
+    """The base model's own tensors inside a peft LoRA model, under the base model's names."""
+    out = {}
+    for key, value in model.state_dict().items():
+        if 'lora_' in key or '.modules_to_save.' in key:
+            continue
+        name = key.removeprefix('base_model.model.').replace('.base_layer.', '.').replace('.original_module.', '.')
+        out[name] = value
+    return out
+
+
+def changed_base_tensor(model: Any, directory: str) -> Optional[str]:
+    """The first base tensor of ``model`` that differs from ``directory``'s safetensors weights
+    (``FILE: TENSOR``), or None when all of them are bitwise equal; a directory without
+    safetensors weights gives ``ValueError``."""
+    import torch
+    from safetensors import safe_open
+
+    from foundrymix.train.weights import safetensors_files
+
+    files = safetensors_files(directory)
+    if not files:
+        raise ValueError(f'{directory}: no safetensors weights to compare the base with')
+    mine = base_tensors(model)
+    for path in files:
+        with safe_open(path, 'pt') as h:
+            for key in h.keys():
+                name = key if key in mine else f'{model.get_base_model().base_model_prefix}.{key}'
+                if name not in mine:
+                    return f'{path}: {key} (not in the model the adapter was trained on)'
+                if not torch.equal(h.get_tensor(key), mine[name]):
+                    return f'{path}: {key}'
+    return None
