@@ -20,8 +20,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from foundrymix.loader.collate import collate
 
-#: batches of a worker whose shards are opened ahead of their reading
-PREFETCH_BATCHES = 2
+#: batches of a worker whose shards are opened ahead of their reading, by this many threads
+#: (a cold window of a remote stream needs many shards at once: fetched side by side)
+PREFETCH_BATCHES = 8
+PREFETCH_THREADS = 4
 
 #: (global batch index within the stage) -> (stream index, row) of each of its rows
 BatchRows = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -53,7 +55,7 @@ class Span(IterableDataset):
         info = get_worker_info()
         w, W = (info.id, info.num_workers) if info is not None else (0, 1)
         mine = range(self.first + w, self.end, W)
-        ahead = ThreadPoolExecutor(1, thread_name_prefix='foundrymix-prefetch')
+        ahead = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix='foundrymix-prefetch')
         try:
             for k in range(min(PREFETCH_BATCHES, len(mine))):
                 ahead.submit(self.storage.prefetch, self.sample_ids(mine[k]))

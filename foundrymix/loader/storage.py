@@ -266,17 +266,21 @@ class RowStore:
                     removed.append(path)
         return removed
 
+    def _open_lock_file(self, directory: str) -> int:
+        from foundrymix.plan.config import cache_base
+        key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
+        path = os.path.join(cache_base(self.cache_root), 'locks', f'{key}.lock')
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+
     @contextlib.contextmanager
     def _shard_lock(self, directory: str, slot: int) -> Iterator[None]:
         """This node's lock on one shard of a cache directory (a byte-range lock on one file
         per directory, under the foundrymix cache): one process fetches, the others wait."""
-        fd = self._lock_fds.get(directory)
-        if fd is None:
-            from foundrymix.plan.config import cache_base
-            key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
-            path = os.path.join(cache_base(self.cache_root), 'locks', f'{key}.lock')
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = self._lock_fds[directory] = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        with self._opening.setdefault(-1, threading.Lock()):  # one fd per directory per process
+            fd = self._lock_fds.get(directory)
+            if fd is None:
+                fd = self._lock_fds[directory] = self._open_lock_file(directory)
         while True:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
