@@ -9,8 +9,8 @@ guarantees:
   (:mod:`foundrymix.loader.cache.hashes`) -- a local stream's and a cached copy of a remote
   one alike. A damaged local shard stops the run naming stream, shard and fix; a damaged
   cached copy is fetched again; a remote that serves damaged bytes is named.
-* **Remote shards are fetched when first needed** (``s3://`` or a mounted path,
-  :func:`foundrymix.s3.remote.download`) into the stream's cache directory; compressed
+* **Remote shards are fetched when first needed** -- or ahead, by :meth:`RowStore.prefetch`
+  (``s3://`` or a mounted path) -- into the stream's cache directory; compressed
   shards, a local stream's too, are unpacked there -- never in the user's directory. With
   ``cache_limit`` the node's cache never holds more than the limit
   (:mod:`foundrymix.loader.cache.budget`).
@@ -140,10 +140,6 @@ class RowStore:
         return sample
 
     # ------------------------------------------------------------ rows
-    def stream_of(self, sample_id: int) -> int:
-        """Index of the stream a sample id belongs to."""
-        return int(np.searchsorted(self.sample_offset_per_stream, int(sample_id), 'right')) - 1
-
     def _shard_of(self, sample_id: int) -> int:
         if not 0 <= sample_id < self.num_samples:
             raise IndexError(f'sample {sample_id} is not in 0..{self.num_samples - 1}')
