@@ -64,7 +64,7 @@ class Span(IterableDataset):
                     ahead.submit(self.storage.prefetch, self.sample_ids(mine[k + PREFETCH_BATCHES]))
                 yield collate([self.storage.get_row(int(i)) for i in self.sample_ids(b)])
         finally:
-            ahead.shutdown(wait=False, cancel_futures=True)
+            ahead.shutdown(wait=True, cancel_futures=True)  # nothing runs on after the reader
 
     def __len__(self) -> int:
         return max(0, self.end - self.first)

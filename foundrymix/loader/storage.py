@@ -116,12 +116,13 @@ class RowStore:
         self._pid = os.getpid()  # a forked DataLoader worker starts afresh (locks held by a
         self._readers: dict[int, Any] = {}  # thread of the parent would never be released)
         self._opening: dict[int, threading.Lock] = {}  # one per shard: readers and prefetch
+        self._failed: dict[int, BaseException] = {}  # what prefetching a shard raised
         self._hashes = ShardHashes(self.cache_root)
         self._lock_fds: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ('_readers', '_opening', '_hashes', '_lock_fds', 'cache_claims'):
+        for key in ('_readers', '_opening', '_failed', '_hashes', '_lock_fds', 'cache_claims'):
             state.pop(key, None)
         return state
 
@@ -188,12 +189,17 @@ class RowStore:
     # ------------------------------------------------------------ shards
     def prefetch(self, sample_ids: Any) -> None:
         """Open -- fetch, unpack, verify -- the shards of these rows now (the loader calls it
-        for the next batch while the current one is read). A failure is left for the read
-        of the row to raise, naming it."""
+        for the next batches while the current one is read). A failure is kept for the read
+        of the shard to raise (not tried twice), and stops this process's prefetching."""
+        if self.budget is not None:
+            return  # under cache_limit a shard fetched early may be evicted before it is read
         for shard in sorted({self._shard_of(int(i)) for i in sample_ids}):
+            if self._failed:
+                return
             try:
                 self._open(shard)
-            except Exception:
+            except Exception as e:
+                self._failed[shard] = e
                 return
 
     def _open(self, shard: int) -> Any:
@@ -204,6 +210,9 @@ class RowStore:
         if self._pid != os.getpid():
             self._fresh()
         with self._opening.setdefault(shard, threading.Lock()):
+            failed = self._failed.pop(shard, None)  # a prefetch tried it (after we looked, too)
+            if failed is not None:
+                raise failed
             reader = self._readers.get(shard)
             return reader if reader is not None else self._open_now(shard)
 
@@ -217,7 +226,7 @@ class RowStore:
         fetched = self._fetch(src, j) if src.remote is not None else False
         if src.remote is None and not os.path.isfile(path):
             raise self._shard_error(shard, 'the shard file is missing')
-        if not self._verified(src, info):
+        if not self._verified(src, info, fetched):
             if src.remote is None:
                 raise CorruptLocalShardError(
                     f"stream '{src.name}' ({src.directory}): shard file {raw} does not match the "
@@ -231,8 +240,8 @@ class RowStore:
                 log.warning(f"stream '{src.name}': cached shard file {path}: its {src.algorithm} "
                             f'hash does not match the one index.json records; removed it '
                             f'({", ".join(removed)}), it is downloaded again when needed')
-                self._fetch(src, j)
-            if not self._verified(src, info):
+                fetched = self._fetch(src, j)
+            if not self._verified(src, info, fetched):
                 raise _remote_damaged(src, info, self._remote_name(info), self._remove(src, info))
         if self.budget is not None:
             with contextlib.suppress(OSError):
@@ -241,12 +250,12 @@ class RowStore:
         self._readers[shard] = reader
         return reader
 
-    def _verified(self, src: Source, info: dict[str, Any]) -> bool:
+    def _verified(self, src: Source, info: dict[str, Any], fresh: bool = False) -> bool:
         raw = info['raw_data']
         expected = (raw.get('hashes') or {}).get(src.algorithm) if src.algorithm else None
         if expected is None:
             return True
-        return self._hashes.check(src.directory, raw['basename'], expected, src.algorithm)
+        return self._hashes.check(src.directory, raw['basename'], expected, src.algorithm, fresh)
 
     @staticmethod
     def _remote_name(info: dict[str, Any]) -> str:

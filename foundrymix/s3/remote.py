@@ -35,6 +35,7 @@ import os
 import random
 import shutil
 import socket
+import threading
 import time
 import urllib.parse
 from typing import Any, Optional
@@ -267,6 +268,22 @@ class BoundedS3Downloader:
                 os.remove(tmp)
 
 
+_local = threading.local()
+#: the environment an S3 client is made from: a change makes a new one
+_CLIENT_ENV = ('S3_ENDPOINT_URL', 'AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY', 'AWS_SESSION_TOKEN',
+               'AWS_PROFILE', 'AWS_DEFAULT_REGION', 'AWS_CONFIG_FILE', 'AWS_SHARED_CREDENTIALS_FILE',
+               'MOSAICML_STREAMING_AWS_REQUESTER_PAYS')
+
+
+def _downloader() -> BoundedS3Downloader:
+    """This thread's downloader: its S3 client (a session, credentials, a connection pool)
+    is made once and reused -- a client per shard cost more CPU than the shard's bytes."""
+    key = (os.getpid(), *(os.environ.get(k) for k in _CLIENT_ENV))  # what the client was made from
+    if getattr(_local, 'key', None) != key:
+        _local.downloader, _local.key = BoundedS3Downloader(), key
+    return _local.downloader
+
+
 def download(url: str, local: str, timeout: float) -> None:
     """Fetch ``url`` (``s3://`` or a local path) to ``local``, replacing it, within the bound
     above; written under a temporary name and renamed, so no reader sees a partial file.
@@ -275,11 +292,7 @@ def download(url: str, local: str, timeout: float) -> None:
     """
     try:
         if url.startswith('s3://'):
-            downloader = BoundedS3Downloader()
-            try:
-                downloader.download(url, local, timeout)
-            finally:
-                downloader.clean_up()
+            _downloader().download(url, local, timeout)
             return
         path = url[len('file://'):] if url.startswith('file://') else url
         if '://' in path:

@@ -1,12 +1,11 @@
 """Count the S3 requests and retries that really happened, for one line in the training log.
 
 Why: a cloud job that survives 503 ``SlowDown`` replies, connection resets and timeouts does
-so silently -- botocore retries inside the clients streaming and foundrymix create (adaptive
-mode: 3 attempts per request), and streaming's ``download_retry`` loop tries a shard again
-when botocore gave up. Without a count, a job that spends half its time retrying looks like a
-slow job. The clients are created deep inside streaming (one per downloader, per thread and
-per DataLoader worker), so no handler can be registered on them; what every one of them does
-is log at DEBUG level through fixed loggers:
+so silently -- botocore retries inside the clients foundrymix and Composer create (adaptive
+mode: 3 attempts per request). Without a count, a job that spends half its time retrying
+looks like a slow job. The clients are created in many places (per downloader, per thread and
+per DataLoader worker, inside Composer's uploader), so no handler can be registered on them;
+what every one of them does is log at DEBUG level through fixed loggers:
 
 * ``botocore.endpoint``: ``Making request for ...`` once per API call, ``Sending http
   request`` once per attempt;
@@ -14,8 +13,6 @@ is log at DEBUG level through fixed loggers:
   request after delay ...`` and ``botocore.retryhandler`` (legacy mode) ``Retry needed,
   action of ...``: one per retry; the reason (HTTP status and S3 error code, or the
   exception) is read from botocore's ``Endpoint._needs_retry`` frame that emitted it;
-* ``streaming.base.util``: ``Attempt i/n failed with: ...``: streaming downloads a shard
-  again (after botocore's own attempts were spent);
 * ``foundrymix.s3.remote``: the bounded S3 downloader foundrymix gives every ``s3://`` stream
   retries by itself within ``download_timeout`` (botocore's retries are off there) and tags
   each retry record with its reason (``s3_retry``).
@@ -38,7 +35,7 @@ from typing import Any, Optional
 
 #: the counters, in order (indices into the shared array)
 FIELDS = ('requests', 'attempts', 'retries', 'slowdown', 'http_other', 'reset', 'timeout',
-          'connect', 'other', 'redownloads')
+          'connect', 'other')
 
 #: how each retry reason is written in the summary line
 REASON_LABELS = {'slowdown': '503 SlowDown', 'http_other': 'other HTTP error',
@@ -46,7 +43,7 @@ REASON_LABELS = {'slowdown': '503 SlowDown', 'http_other': 'other HTTP error',
                  'other': 'other'}
 
 _LOGGERS = ('botocore.endpoint', 'botocore.retries.standard', 'botocore.retryhandler',
-            'streaming.base.util', 'foundrymix.s3.remote')
+            'foundrymix.s3.remote')
 
 
 @dataclass
@@ -71,8 +68,6 @@ class RetryCounts:
         reasons = [f'{label} {c[key]}' for key, label in REASON_LABELS.items() if c[key]]
         if reasons:
             text += f" ({', '.join(reasons)})"
-        if c['redownloads']:
-            text += f", {c['redownloads']} shard downloads tried again by streaming"
         return text
 
 
@@ -125,8 +120,6 @@ class _CountingFilter(logging.Filter):
             # foundrymix.s3.remote's BoundedS3Downloader retries by itself (botocore's retries are
             # off there): each attempt is a new API call, so the retry is not a new request.
             self.counter._add('retries', record.s3_retry, requests=-1)
-        elif record.name == 'streaming.base.util' and msg.startswith('Attempt '):
-            self.counter._add('redownloads')
         return record.levelno >= self.show_level
 
 

@@ -243,8 +243,9 @@ def test_plan_and_inspect_fetch_only_metadata(tmp_path, s3, small_streams):
 
 
 def test_hung_endpoint_during_training_names_the_shard(tmp_path, s3, small_streams, monkeypatch):
-    """Metadata fetched, then the endpoint hangs: reading a batch fails naming the shard after
-    download_retry attempts, each bounded by download_timeout."""
+    """Metadata fetched, then the endpoint hangs: reading a batch fails naming the shard,
+    each shard tried at most download_retry times (by the read, or once by the prefetch
+    whose failure the read then raises), each attempt bounded by download_timeout."""
     url = upload(s3, small_streams['dolly'], 'hung-shards')
     mixer = StreamMixer.from_dict(cfg({'remote': url}, cache_root=str(tmp_path / 'cache'),
                                       download_timeout=2, download_retry=1))
@@ -254,7 +255,8 @@ def test_hung_endpoint_during_training_names_the_shard(tmp_path, s3, small_strea
         monkeypatch.setenv('S3_ENDPOINT_URL', hung)
         loader = mixer.build_dataloader(batch_size=BATCH)
         e = fails(lambda: next(iter(loader)))
-        assert len(accepted) == 1  # one connection per attempt, no more
+        shards = len(json.loads(Path(small_streams['dolly'], 'index.json').read_text())['shards'])
+        assert 1 <= len(accepted) <= shards  # one connection per shard attempted, no more
     cache = mixer.config.stream_dir('ds')
     assert type(e).__name__ == 'ShardPrepareError'
     assert str(e).startswith(

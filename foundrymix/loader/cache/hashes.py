@@ -107,11 +107,18 @@ def _locked(path: str) -> Iterator[bool]:
 
 def _read(path: str, directory: str) -> dict[str, list[Any]]:
     """basename -> its latest record line's entry (lines of other directories ignored)."""
+    return _read_lines(path, directory)[0]
+
+
+def _read_lines(path: str, directory: str) -> tuple[dict[str, list[Any]], int]:
+    """:func:`_read`, and how many lines the record has."""
     out: dict[str, list[Any]] = {}
+    lines = 0
     real = os.path.realpath(directory)
     try:
         with open(path, 'rb') as f:
             for line in f:
+                lines += 1
                 try:
                     got = json.loads(line)
                 except ValueError:
@@ -120,7 +127,22 @@ def _read(path: str, directory: str) -> dict[str, list[Any]]:
                     out[got[1]] = got[2:]
     except OSError:
         pass
-    return out
+    return out, lines
+
+
+def _compact(path: str, directory: str, entries: dict[str, list[Any]]) -> None:
+    """Rewrite a record with one line per file (a cache whose shards are evicted and fetched
+    again adds a line per fetch); whole or not at all."""
+    real = os.path.realpath(directory)
+    tmp = f'{path}.part-{os.getpid()}'
+    try:
+        with open(tmp, 'w', encoding='utf-8') as f:
+            for base, entry in entries.items():
+                f.write(json.dumps([real, base, *entry]) + '\n')
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 class ShardHashes:
@@ -133,8 +155,10 @@ class ShardHashes:
         #: basenames this process hashed (the others it found recorded)
         self.hashed: list[str] = []
 
-    def check(self, directory: str, basename: str, expected: str, algo: str) -> bool:
-        """Whether ``directory/basename`` matches ``expected`` (its ``algo`` hash)."""
+    def check(self, directory: str, basename: str, expected: str, algo: str,
+              fresh: bool = False) -> bool:
+        """Whether ``directory/basename`` matches ``expected`` (its ``algo`` hash); ``fresh``:
+        this process just wrote the file (no other can have recorded it: hash it at once)."""
         path = os.path.join(directory, basename)
         st = os.stat(path)
         entry = [algo, expected, *_identity(st)]
@@ -147,8 +171,10 @@ class ShardHashes:
                 os.utime(record)  # used now: kept by the sweep
         if self._records[directory].get(basename) != entry:
             with _locked(record) as recording:
-                if recording:
-                    self._records[directory] = _read(record, directory)
+                if recording and not fresh:
+                    self._records[directory], lines = _read_lines(record, directory)
+                    if lines > 2 * len(self._records[directory]) + 64:
+                        _compact(record, directory, self._records[directory])
                 if self._records[directory].get(basename) != entry:
                     log.info('hashing %s (%s bytes, %s; once per file version)', path,
                              f'{st.st_size:,}', algo)
