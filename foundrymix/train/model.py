@@ -34,7 +34,7 @@ from composer.models import ComposerModel
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec
-from foundrymix.train.weights import check_has_weights, check_weight_shapes
+from foundrymix.train.weights import VOCAB_PAD, check_has_weights, check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
 
 __all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLoss', 'build_hf_model',
            'check_pretrained_tokenizer', 'token_loss']
@@ -175,40 +175,6 @@ def add_fsdp_hooks(model: torch.nn.Module) -> None:
 
     model.fsdp_wrap_fn = is_block
     model.activation_checkpointing_fn = is_block
-
-
-#: vocab padding that still counts as "the same vocabulary" when a model directory has no tokenizer
-VOCAB_PAD = 128
-
-
-def check_pretrained_tokenizer(spec: ModelSpec, streams: TokenizerInfo) -> None:
-    """Refuse streams tokenized with another vocabulary than the pretrained model's.
-
-    With a tokenizer in the model directory the fingerprints must be equal; without one,
-    the model's ``vocab_size`` must be the streams' vocabulary (padded by < ``VOCAB_PAD``).
-    """
-    if spec.pretrained is None:
-        return
-    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
-
-    try:
-        model_tok = tokenizer_info(load_tokenizer(spec.pretrained))
-    except TokenizerError:
-        model_tok = None
-    if model_tok is not None:
-        if model_tok.fingerprint != streams.fingerprint:
-            from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
-            raise ModelConfigError(
-                f'model.pretrained: {spec.pretrained} has another tokenizer than the streams ({streams.name}): '
-                f"{tokenizer_differences(model_tok, streams)} (the directory's vs the streams')"
-                f'{changed_tokenizer_note(spec.pretrained, streams)}')
-        return
-    from transformers import AutoConfig
-    vocab = AutoConfig.from_pretrained(spec.pretrained, local_files_only=True).vocab_size
-    if not 0 <= vocab - streams.vocab_size < VOCAB_PAD:
-        raise ModelConfigError(
-            f'model.pretrained: {spec.pretrained} (no tokenizer) has vocab_size={vocab}, the streams\' '
-            f'tokenizer {streams.name} has {streams.vocab_size} tokens: another vocabulary')
 
 
 @dataclass(frozen=True)
