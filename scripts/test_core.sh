@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The core tests without Composer, in a second venv (.venv-core): `pip install -e '.[test-core]'`,
+# The core tests without Composer, in a second venv (.venv-core): `pip install -e '.[test-core,examples]'`,
 # i.e. what `pip install foundrymix` gives -- the newest torch and numpy pip takes, streaming-community
 # 0.14 -- and no Composer. CI (.ci/run) runs it after the whole suite (scripts/test.sh).
 # Extra arguments go to pytest in place of the default files below, e.g.
@@ -12,10 +12,10 @@ if [ ! -x $VENV/bin/python ]; then
   "$PY" -m venv $VENV
   $VENV/bin/pip install -q --upgrade pip
 fi
-if ! $VENV/bin/python -c "import foundrymix, streaming, moto, mistral_common" 2>/dev/null \
+if ! $VENV/bin/python -c "import foundrymix, streaming, moto, mistral_common, lightning_fabric" 2>/dev/null \
    || [ pyproject.toml -nt $VENV/.foundrymix-installed ]; then
   # eager: a kept venv moves to the newest releases too (CI starts from none)
-  $VENV/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[test-core]"
+  $VENV/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[test-core,examples]"
   # mistral-common, a test-only dependency (its SentencePiece model file), caps numpy <2.4 on Python
   # <=3.12; `pip install foundrymix` has no such cap, so the core is tested on the newest numpy (pip
   # prints the conflict; the tests only read the model file)
@@ -28,11 +28,11 @@ if $VENV/bin/python -c "import composer" 2>/dev/null; then
 fi
 $VENV/bin/python -c "import importlib.metadata as m
 print('core venv:', ', '.join(f'{d} {m.version(d)}' for d in
-      ('torch', 'numpy', 'streaming-community', 'transformers', 'pyarrow', 'datasets')))"
+      ('torch', 'numpy', 'streaming-community', 'transformers', 'lightning-fabric', 'pyarrow', 'datasets')))"
 
-# Core files only (none needs Composer): convert, adopt, plan, the loader (resume,
-# stages, epochs, cache, streaming's shared memory, DataLoader workers), the tools; and
-# tests/examples/ (plain training loops) when it exists. Tests that need the trainer skip.
+# Core files only (none needs Composer): convert, adopt, plan, the loader (build_loader, resume,
+# stages, epochs, cache, shard hashes), the tools; and tests/examples/ (the plain PyTorch loop and
+# Lightning Fabric, each killed and resumed) when it exists. Tests that need the trainer skip.
 CORE_TESTS=(
   tests/test_core_without_composer.py
   tests/convert/test_convert_pretrain.py
@@ -50,6 +50,7 @@ CORE_TESTS=(
   tests/plan/test_mix_weights_in.py
   tests/plan/test_stream_groups.py
   tests/plan/test_adaptive_policy.py
+  tests/loader/test_build_loader.py
   tests/loader/test_mix_resume.py
   tests/loader/test_pass_complete.py
   tests/loader/test_mix_epochs.py
@@ -58,8 +59,6 @@ CORE_TESTS=(
   tests/loader/test_adaptive.py
   tests/loader/test_cache.py
   tests/loader/test_local_shard_hash.py
-  tests/loader/test_shm_prefix.py
-  tests/loader/test_parsed_index.py
   tests/tools/test_inspect.py
   tests/tools/test_verify.py
   tests/tools/test_migrate.py

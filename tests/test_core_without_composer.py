@@ -4,7 +4,7 @@
 Checked twice: statically (no import of ``composer`` in any module outside
 ``foundrymix/train/``) and for real, in child processes whose import system refuses
 ``composer`` (a meta-path finder raising ``ModuleNotFoundError``, as a venv without it
-does) and records every attempt: the core commands must not even try. ``foundrymix train``
+does) and records every attempt: the core commands and ``build_loader`` must not even try. ``foundrymix train``
 there stops with one line naming the extra to install.
 """
 
@@ -113,17 +113,14 @@ def test_core_commands_and_the_loader_run_with_composer_refused(tmp_path):
             if name == 'verify':
                 verdict = [line for line in out.getvalue().splitlines() if line.startswith('verdict:')]
 
-        from foundrymix.loader.run_loader import build_run_loader
-        from foundrymix.plan.stages import plan_run
-        from foundrymix.train.config import load_config
-        cfg = load_config({str(config)!r}, [], data_only=True)
-        run, _ = plan_run(cfg.train_loader, 4, cfg.max_duration)
-        straight = [b['input_ids'] for b in build_run_loader(run, 4, rank=0)]
-        first = build_run_loader(run, 4, rank=0)
+        from foundrymix import build_loader
+        cfg = {str(config)!r}
+        straight = [b['input_ids'] for b in build_loader(cfg, rank=0, world_size=1)]
+        first = build_loader(cfg, rank=0, world_size=1)
         it = iter(first)
         head = [next(it)['input_ids'] for _ in range(2)]
         state = first.state_dict()
-        resumed = build_run_loader(plan_run(cfg.train_loader, 4, cfg.max_duration)[0], 4, rank=0)
+        resumed = build_loader(cfg, rank=0, world_size=1)
         resumed.load_state_dict(state)
         tail = [b['input_ids'] for b in resumed]
         print(json.dumps({{'codes': codes, 'verdict': verdict, 'batches': len(straight),
