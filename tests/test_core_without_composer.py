@@ -88,7 +88,8 @@ def test_core_commands_and_the_loader_run_with_composer_refused(tmp_path):
     with open(SAMPLES / 'dolly_hhrlhf_sample.jsonl', encoding='utf-8') as f:
         (tmp_path / 'dolly.jsonl').write_text(''.join(next(f) for _ in range(60)), encoding='utf-8')
     config = _data_yaml(tmp_path)
-    # a pretrained directory with the streams' tokenizer: plan checks its vocabulary too
+    # a pretrained directory with the streams' tokenizer: plan checks its vocabulary too, and
+    # with a LoRA peft_config builds the model on the meta device to check its target layers
     pretrained = tmp_path / 'pretrained'
     shutil.copytree(PACKAGE / 'assets' / 'tokenizers' / DEMO_TOKENIZER, pretrained)
     (pretrained / 'model.safetensors').touch()
@@ -107,6 +108,8 @@ def test_core_commands_and_the_loader_run_with_composer_refused(tmp_path):
                 ('verify', ['verify', t + '/arxiv']),
                 ('plan', ['plan', {str(config)!r}]),
                 ('plan_pretrained', ['plan', {str(config)!r}, 'model.pretrained=' + t + '/pretrained']),
+                ('plan_lora', ['plan', {str(config)!r}, 'model.pretrained=' + t + '/pretrained',
+                               'model.peft_config={{r: 2, lora_alpha: 4, target_modules: [q_proj, v_proj]}}']),
                 ('migrate', ['migrate', {str(foundry)!r}, '--out', t + '/migrated.yaml'])]:
             with contextlib.redirect_stdout(io.StringIO()) as out:
                 codes[name] = main(argv)
@@ -132,7 +135,7 @@ def test_core_commands_and_the_loader_run_with_composer_refused(tmp_path):
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.splitlines()[-1])
     assert got['codes'] == {'pretrain': 0, 'finetune': 0, 'inspect': 0, 'verify': 0, 'plan': 0,
-                            'plan_pretrained': 0, 'migrate': 0}
+                            'plan_pretrained': 0, 'plan_lora': 0, 'migrate': 0}
     assert len(got['verdict']) == 1 and got['verdict'][0].startswith('verdict: INTACT')
     # 6 batches straight; stopped after 2 and resumed from the state dict: the same 6, bitwise
     assert (got['batches'], got['resumed_at'], got['equal']) == (6, 2, [True] * 6)

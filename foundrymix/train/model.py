@@ -33,31 +33,11 @@ from composer.metrics.nlp import LanguageCrossEntropy
 from composer.models import ComposerModel
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
-from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec
+from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec, hf_config
 from foundrymix.train.weights import VOCAB_PAD, check_has_weights, check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
 
 __all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLoss', 'build_hf_model',
            'check_pretrained_tokenizer', 'token_loss']
-
-
-def hf_config(spec: ModelSpec, tokenizer: TokenizerInfo) -> Any:
-    """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides."""
-    from transformers import AutoConfig
-
-    kwargs = dict(spec.config_kwargs)
-    if spec.pretrained is None:  # token ids from the streams' tokenizer unless the YAML says
-        kwargs.setdefault('vocab_size', tokenizer.vocab_size)
-        kwargs.setdefault('eos_token_id', tokenizer.eos_id)
-        kwargs.setdefault('pad_token_id', tokenizer.pad_id)
-        if tokenizer.bos_id is not None:
-            kwargs.setdefault('bos_token_id', tokenizer.bos_id)
-    kwargs.setdefault('use_cache', False)
-    try:
-        if spec.pretrained is not None:
-            return AutoConfig.from_pretrained(spec.pretrained, local_files_only=True, **kwargs)
-        return AutoConfig.for_model(spec.model_type, **kwargs)
-    except (ValueError, TypeError, OSError) as e:
-        raise ModelConfigError(f'model: {e}') from None
 
 
 def _check_fits(config: Any, tokenizer: TokenizerInfo, max_seq_len: int) -> None:
