@@ -28,7 +28,7 @@ if $VENV/bin/python -c "import composer" 2>/dev/null; then
 fi
 $VENV/bin/python -c "import importlib.metadata as m
 print('core venv:', ', '.join(f'{d} {m.version(d)}' for d in
-      ('torch', 'numpy', 'streaming-community', 'transformers', 'lightning-fabric', 'pyarrow', 'datasets')))"
+      ('torch', 'numpy', 'streaming-community', 'transformers', 'lightning-fabric', 'peft', 'pyarrow', 'datasets')))"
 
 # Core files only (none needs Composer): convert, adopt, plan, the loader (build_loader, resume,
 # stages, epochs, cache, shard hashes), the tools; and tests/examples/ (the plain PyTorch loop and
