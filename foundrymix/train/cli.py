@@ -12,6 +12,11 @@ import argparse
 from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP
+from foundrymix.errors import UserError
+
+#: the one line ``foundrymix train`` prints where Composer is not installed (the core installs none)
+COMPOSER_MISSING = ("training needs Composer, which is not installed here: pip install 'foundrymix[composer]' "
+                    "(it pins torch <2.7.1 and numpy <2.3; convert, plan and the loader run without it)")
 
 DESCRIPTION = ('Train a transformers causal LM on the mix a YAML describes: the weights of model.pretrained '
                '(a local directory; the run prints how many tensors it loaded) or a new model of model.type. '
@@ -41,14 +46,35 @@ def print_summary(run: Any) -> None:
         console.print(f'checkpoints: {run.config.save_folder}')
 
 
+def require_composer() -> None:
+    """Refuse in one line, naming the extra to install, where ``composer`` is not importable.
+
+    Only a missing ``composer`` itself is refused so; an installed Composer that fails to
+    import (one of its own dependencies missing) keeps its traceback, as a bug to report.
+    """
+    try:
+        import composer  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != 'composer':
+            raise
+        raise UserError(COMPOSER_MISSING) from None
+
+
 def run_cli(args: argparse.Namespace) -> int:
-    """Load the YAML with its overrides, build the trainer, fit; rank 0 prints the accounting."""
+    """Load the YAML with its overrides, build the trainer, fit; rank 0 prints the accounting.
+
+    The YAML is read (and refused, naming the key) before Composer is looked for, so a
+    config is checked the same with or without the ``composer`` extra.
+    """
+    from foundrymix.train.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    require_composer()
     from composer.utils import dist
 
     from foundrymix.train.builder import train
-    from foundrymix.train.config import load_config
 
-    run = train(load_config(args.config, args.overrides))
+    run = train(config)
     if dist.get_global_rank() == 0 and not run.finished:
         print_summary(run)
     return 0

@@ -269,8 +269,7 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     streams' :class:`~foundrymix.format.schema.TokenizerInfo`."""
     check_data_streams(cfg, max_seq_len, tokenizer)
     if cfg.model is not None and cfg.model.pretrained is not None:
-        from foundrymix.train.model import check_pretrained_tokenizer
-        from foundrymix.train.weights import check_has_weights
+        from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer
         check_has_weights(cfg.model)
         check_pretrained_tokenizer(cfg.model, tokenizer)
     if cfg.model is not None and cfg.model.peft is not None:

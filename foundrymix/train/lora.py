@@ -156,7 +156,7 @@ def check_spec_targets(spec: Any, tokenizer: Any) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from foundrymix.train.model import hf_config
+    from foundrymix.train.model_spec import hf_config
 
     try:
         config = copy.deepcopy(hf_config(spec, tokenizer))

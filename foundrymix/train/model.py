@@ -33,31 +33,11 @@ from composer.metrics.nlp import LanguageCrossEntropy
 from composer.models import ComposerModel
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
-from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec
-from foundrymix.train.weights import check_has_weights, check_weight_shapes
+from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec, hf_config
+from foundrymix.train.weights import VOCAB_PAD, check_has_weights, check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
 
 __all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLoss', 'build_hf_model',
            'check_pretrained_tokenizer', 'token_loss']
-
-
-def hf_config(spec: ModelSpec, tokenizer: TokenizerInfo) -> Any:
-    """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides."""
-    from transformers import AutoConfig
-
-    kwargs = dict(spec.config_kwargs)
-    if spec.pretrained is None:  # token ids from the streams' tokenizer unless the YAML says
-        kwargs.setdefault('vocab_size', tokenizer.vocab_size)
-        kwargs.setdefault('eos_token_id', tokenizer.eos_id)
-        kwargs.setdefault('pad_token_id', tokenizer.pad_id)
-        if tokenizer.bos_id is not None:
-            kwargs.setdefault('bos_token_id', tokenizer.bos_id)
-    kwargs.setdefault('use_cache', False)
-    try:
-        if spec.pretrained is not None:
-            return AutoConfig.from_pretrained(spec.pretrained, local_files_only=True, **kwargs)
-        return AutoConfig.for_model(spec.model_type, **kwargs)
-    except (ValueError, TypeError, OSError) as e:
-        raise ModelConfigError(f'model: {e}') from None
 
 
 def _check_fits(config: Any, tokenizer: TokenizerInfo, max_seq_len: int) -> None:
@@ -175,40 +155,6 @@ def add_fsdp_hooks(model: torch.nn.Module) -> None:
 
     model.fsdp_wrap_fn = is_block
     model.activation_checkpointing_fn = is_block
-
-
-#: vocab padding that still counts as "the same vocabulary" when a model directory has no tokenizer
-VOCAB_PAD = 128
-
-
-def check_pretrained_tokenizer(spec: ModelSpec, streams: TokenizerInfo) -> None:
-    """Refuse streams tokenized with another vocabulary than the pretrained model's.
-
-    With a tokenizer in the model directory the fingerprints must be equal; without one,
-    the model's ``vocab_size`` must be the streams' vocabulary (padded by < ``VOCAB_PAD``).
-    """
-    if spec.pretrained is None:
-        return
-    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
-
-    try:
-        model_tok = tokenizer_info(load_tokenizer(spec.pretrained))
-    except TokenizerError:
-        model_tok = None
-    if model_tok is not None:
-        if model_tok.fingerprint != streams.fingerprint:
-            from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
-            raise ModelConfigError(
-                f'model.pretrained: {spec.pretrained} has another tokenizer than the streams ({streams.name}): '
-                f"{tokenizer_differences(model_tok, streams)} (the directory's vs the streams')"
-                f'{changed_tokenizer_note(spec.pretrained, streams)}')
-        return
-    from transformers import AutoConfig
-    vocab = AutoConfig.from_pretrained(spec.pretrained, local_files_only=True).vocab_size
-    if not 0 <= vocab - streams.vocab_size < VOCAB_PAD:
-        raise ModelConfigError(
-            f'model.pretrained: {spec.pretrained} (no tokenizer) has vocab_size={vocab}, the streams\' '
-            f'tokenizer {streams.name} has {streams.vocab_size} tokens: another vocabulary')
 
 
 @dataclass(frozen=True)

@@ -272,3 +272,26 @@ def check_config_keys(model_type: str, kwargs: Mapping[str, Any], where: str) ->
             gather.add(ModelConfigError(f'{where}.{key}: unknown key for a {model_type!r} model '
                                         f'(transformers {model_type} config){hint}'))
     gather.raise_any()
+
+
+def hf_config(spec: ModelSpec, tokenizer: Any) -> Any:
+    """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides.
+
+    Here, beside the model section and not with the model (which imports Composer), because
+    ``plan`` builds it too (the LoRA target check) and must run without Composer."""
+    from transformers import AutoConfig
+
+    kwargs = dict(spec.config_kwargs)
+    if spec.pretrained is None:  # token ids from the streams' tokenizer unless the YAML says
+        kwargs.setdefault('vocab_size', tokenizer.vocab_size)
+        kwargs.setdefault('eos_token_id', tokenizer.eos_id)
+        kwargs.setdefault('pad_token_id', tokenizer.pad_id)
+        if tokenizer.bos_id is not None:
+            kwargs.setdefault('bos_token_id', tokenizer.bos_id)
+    kwargs.setdefault('use_cache', False)
+    try:
+        if spec.pretrained is not None:
+            return AutoConfig.from_pretrained(spec.pretrained, local_files_only=True, **kwargs)
+        return AutoConfig.for_model(spec.model_type, **kwargs)
+    except (ValueError, TypeError, OSError) as e:
+        raise ModelConfigError(f'model: {e}') from None

@@ -1,4 +1,4 @@
-"""A pretrained directory's weights checked against the model before they load.
+"""A pretrained directory checked against the model and the streams before it loads.
 
 Why: transformers (4.57) stops a directory without weights with an ``OSError`` listing
 five file names, and weights of another size than the config (with the YAML's model keys)
@@ -6,7 +6,9 @@ describes with a ``RuntimeError`` about a ``Linear``'s ``state_dict`` -- traceba
 neither the key ``model.pretrained`` nor what to change. :func:`check_has_weights` only
 lists the directory (``plan`` and ``train`` both call it); :func:`check_weight_shapes`
 reads the safetensors headers (shapes only, no tensor data) and builds the model on the
-``meta`` device (no memory), so a large model is checked in moments.
+``meta`` device (no memory), so a large model is checked in moments;
+:func:`check_pretrained_tokenizer` compares the directory's vocabulary with the streams'.
+Nothing here imports Composer: ``foundrymix plan`` runs these checks without it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ WEIGHT_FILES = ('model.safetensors', 'model.safetensors.index.json', 'pytorch_mo
                 'pytorch_model.bin.index.json')
 #: differing tensors a refusal names before '... and K more'
 NAMED = 3
+#: vocab padding that still counts as "the same vocabulary" when a model directory has no tokenizer
+VOCAB_PAD = 128
 
 
 def check_has_weights(spec: ModelSpec) -> None:
@@ -104,3 +108,34 @@ def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
     raise ModelConfigError(
         f'model.pretrained: {path} holds {key} of shape {shape}, but the model of {source} needs '
         f'{want}' + (f' (also differ: {more})' if more else '') + f'; {fix}')
+
+
+def check_pretrained_tokenizer(spec: ModelSpec, streams: Any) -> None:
+    """Refuse streams tokenized with another vocabulary than the pretrained model's.
+
+    With a tokenizer in the model directory the fingerprints must be equal; without one,
+    the model's ``vocab_size`` must be the streams' vocabulary (padded by < ``VOCAB_PAD``).
+    """
+    if spec.pretrained is None:
+        return
+    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
+
+    try:
+        model_tok = tokenizer_info(load_tokenizer(spec.pretrained))
+    except TokenizerError:
+        model_tok = None
+    if model_tok is not None:
+        if model_tok.fingerprint != streams.fingerprint:
+            from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
+            raise ModelConfigError(
+                f'model.pretrained: {spec.pretrained} has another tokenizer than the streams ({streams.name}): '
+                f"{tokenizer_differences(model_tok, streams)} (the directory's vs the streams')"
+                f'{changed_tokenizer_note(spec.pretrained, streams)}')
+        return
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(spec.pretrained, local_files_only=True).vocab_size
+    if not 0 <= vocab - streams.vocab_size < VOCAB_PAD:
+        raise ModelConfigError(
+            f'model.pretrained: {spec.pretrained} (no tokenizer) has vocab_size={vocab}, the streams\' '
+            f'tokenizer {streams.name} has {streams.vocab_size} tokens: another vocabulary')
+

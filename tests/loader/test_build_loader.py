@@ -140,6 +140,7 @@ def test_samples_per_stream_is_what_the_batches_carried(small_streams, straight)
 def test_the_composer_trainer_gets_the_same_loader(small_streams, straight):
     """The trainer's loader (``builder._train_data``, what Composer is given) from a training
     YAML with the same data yields the same batches as ``build_loader`` of it."""
+    pytest.importorskip('composer')  # the trainer's builder: the composer extra (scripts/test_core.sh has none)
     from foundrymix.train.builder import _train_data
     from foundrymix.train.config import TrainConfig
     cfg = {**staged(small_streams), 'max_seq_len': 128}
