@@ -1,0 +1,74 @@
+"""The one config layer: YAML loading, a strict typed reader, and the one ``ConfigError``.
+
+Why strict: a misspelt key (``repaet: 2``) silently dropped means a run trains on the
+wrong mixture for days, and a value of the wrong type that slips through fails hours
+later inside a library. So every config section of foundrymix is a dataclass, and
+:func:`read_dataclass` turns a plain mapping into it, checking *every* annotation it
+meets -- ``int``, ``float``, ``bool``, ``str``, ``Optional``/unions, ``Literal``
+choices, ``list``, ``tuple``, ``dict`` and nested dataclasses -- from
+``typing.get_type_hints`` (real types, not annotation text), and naming the full key
+path (``train_loader.streams.arxiv.repeat``) in every error. It goes on past a bad key and
+reports every problem of a config at once (:class:`ConfigErrors`, one line each), with the
+nearest valid key or LLM-Foundry's rename (:data:`FOUNDRY_RENAMES`), each blamed on the
+``key=value`` override that caused it, if one did (:func:`blame`).
+
+omegaconf does what it is good at: YAML, ``${variables.x}`` interpolation and
+``key=value`` overrides (:func:`load_yaml`). This module imports neither torch nor
+composer, so reading a config (``foundrymix plan``) stays fast.
+
+The package: :mod:`~foundrymix.config.errors` (``ConfigError``, key checks),
+:mod:`~foundrymix.config.loading` (YAML, overrides) and :mod:`~foundrymix.config.reader`
+(the typed reader); every name is also importable from ``foundrymix.config``.
+"""
+
+from __future__ import annotations
+
+from foundrymix.config.errors import (  # noqa: F401
+    ConfigError,
+    ConfigErrors,
+    FOUNDRY_RENAMES,
+    Gather,
+    _PATH_PREFIX,
+    check_keys,
+    did_you_mean,
+    errors_of,
+    foundry_advice,
+    join)
+from foundrymix.config.loading import (  # noqa: F401
+    ALIAS_NODE_ALLOWANCE,
+    OVERRIDES_HELP,
+    Override,
+    _created,
+    _is_new_stream,
+    _normal_path,
+    _omegaconf_load,
+    _plain_yaml,
+    blame,
+    load_yaml,
+    load_yaml_overrides,
+    to_plain)
+from foundrymix.config.reader import (  # noqa: F401
+    DERIVED,
+    DURATION_UNITS,
+    Duration,
+    FROM_KEY,
+    Interval,
+    _ABBREV,
+    _FieldPlan,
+    _INTERVAL,
+    _SCALARS,
+    _dataclass_plan,
+    _kind,
+    _read_bool,
+    _read_container,
+    _read_float,
+    _read_int,
+    _read_str,
+    _read_union,
+    _type_name,
+    check_duration,
+    check_interval,
+    number_abbrev_to_int,
+    parse_duration,
+    read_dataclass,
+    read_value)
