@@ -31,14 +31,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from foundrymix.errors import WorkerError
 from foundrymix.format.schema import CorruptRowError, check_row, decode_row
-from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes, hash_algorithm
+from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes
+from foundrymix.loader.cache.sources import Source, sources_of, unpack_directory  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -49,42 +49,6 @@ class ShardPrepareError(WorkerError):
 
 class CorruptShardError(ShardPrepareError):
     """A remote stream's shard, fetched afresh, does not match the hash ``index.json`` records."""
-
-
-@dataclass
-class Source:
-    """Where one stream's shard files are read (``directory``) and, if they may be missing
-    there, fetched from (``remote``: a remote directory, or the user's directory of a
-    compressed local stream, whose shards are unpacked into the cache)."""
-
-    name: str
-    directory: str
-    remote: Optional[str]
-    shards: list[dict[str, Any]]
-    algorithm: Optional[str]  #: hash checked on first open (None: no check)
-
-
-def unpack_directory(cache_root: Optional[str], directory: str) -> str:
-    """Where a compressed local stream's shards are unpacked: the foundrymix cache."""
-    from foundrymix.plan.config import cache_base
-    key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
-    return os.path.join(cache_base(cache_root), 'unpacked', key)
-
-
-def sources_of(infos: list[Any], config: Any) -> list[Source]:
-    """The stores' sources for catalog infos (after the cache claimed their directories)."""
-    out = []
-    for info in infos:
-        shards = info.index['shards']
-        algo = hash_algorithm(config, info.index)
-        if info.remote_dir:
-            out.append(Source(info.name, info.directory, info.remote_dir, shards, algo))
-        elif any(s.get('zip_data') for s in shards):
-            out.append(Source(info.name, unpack_directory(config.cache_root, info.directory),
-                              info.directory, shards, algo))
-        else:
-            out.append(Source(info.name, info.directory, None, shards, algo))
-    return out
 
 
 class RowStore:
