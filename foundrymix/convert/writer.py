@@ -20,7 +20,6 @@ more with ``--hash``), so streaming's ``validate_hash`` can check downloaded sha
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -29,7 +28,6 @@ import queue
 import re
 import secrets
 import shutil
-import stat
 import tempfile
 import threading
 from typing import Any, Optional
@@ -39,133 +37,23 @@ import numpy as np
 from foundrymix.format.mds import LeanMDSWriter
 from foundrymix.convert.paths import check_out_url
 from foundrymix.convert.pipeline import importing
-from foundrymix.convert.upload import (INDEX_NAME, SHARD_NAME, RemoteOutputError, S3Target, Uploader,
-                                       index_files, shard_file)
-from foundrymix.errors import FoundrymixError, UserError
+from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader, shard_file
+from foundrymix.errors import UserError
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns
+from foundrymix.convert.output import (  # noqa: F401 (re-exported)
+    NAMED_ENTRIES,
+    OutputExistsError,
+    _foreign_message,
+    _keep_owned_attributes,
+    _pid_alive,
+    check_can_create,
+    check_output_dir,
+    foreign_entries,
+    owned_files,
+    remove_output,
+    remove_stale_partials)
 
 logger = logging.getLogger(__name__)
-
-
-class OutputExistsError(FoundrymixError, FileExistsError):
-    """The output directory exists and is not empty, and ``overwrite`` was not given; or it
-    holds files foundrymix did not write, which ``overwrite`` never replaces."""
-
-
-#: foreign entries named in a refusal (the rest are counted)
-NAMED_ENTRIES = 3
-
-
-def owned_files(out: str) -> set[str]:
-    """Files in ``out`` that a foundrymix conversion wrote, relative to it.
-
-    Those are ``foundrymix.json``, ``index.json`` and the shard files that index lists,
-    ``shard.NNNNN.mds[.ext]`` or, from ``--engine ray``, ``task-NNNNN/shard...`` (names
-    checked, so a hand-edited index cannot claim other files). Without both metadata files
-    (e.g. streaming's own ``MDSWriter`` output) nothing is foundrymix's. A conversion that
-    is killed leaves nothing else inside ``out``: it writes into a hidden sibling directory
-    and renames it into place (see :meth:`ShardWriter._publish`).
-    """
-    meta = [os.path.join(out, n) for n in (MANIFEST_NAME, INDEX_NAME)]
-    if not all(os.path.isfile(p) and not os.path.islink(p) for p in meta):
-        return set()
-    try:
-        with open(meta[1], encoding='utf-8') as f:
-            listed = index_files(json.load(f))
-    except (OSError, ValueError, TypeError, AttributeError, KeyError):
-        listed = set()  # unreadable index: its shards cannot be told from the user's files
-    return {MANIFEST_NAME, INDEX_NAME} | {n for n in listed if SHARD_NAME.match(n)}
-
-
-def foreign_entries(out: str) -> list[str]:
-    """Entries of directory ``out`` that foundrymix did not write (folders with a trailing
-    ``/``; inside a ``task-NNNNN/`` folder of shards, its foreign files), sorted."""
-    owned = owned_files(out)
-    folders = {n.split('/', 1)[0] for n in owned if '/' in n}
-    foreign = []
-    for entry in sorted(os.listdir(out)):
-        path = os.path.join(out, entry)
-        is_dir = os.path.isdir(path) and not os.path.islink(path)
-        if is_dir and entry in folders:
-            for sub in sorted(os.listdir(path)):
-                rel = f'{entry}/{sub}'
-                if rel not in owned or os.path.isdir(os.path.join(path, sub)):
-                    foreign.append(rel)
-        elif is_dir or entry not in owned:
-            foreign.append(f'{entry}/' if is_dir else entry)
-    return foreign
-
-
-def _foreign_message(out: str, foreign: list[str]) -> str:
-    named = ', '.join(foreign[:NAMED_ENTRIES])
-    more = f' and {len(foreign) - NAMED_ENTRIES:,} more' if len(foreign) > NAMED_ENTRIES else ''
-    no_manifest = f'; it has no {MANIFEST_NAME}' if not os.path.isfile(os.path.join(out, MANIFEST_NAME)) \
-        and MANIFEST_NAME not in foreign and any(e == INDEX_NAME for e in foreign) else ''
-    return (f'{out} holds files foundrymix did not write ({named}{more}{no_manifest}); --overwrite replaces '
-            f'only a foundrymix dataset ({MANIFEST_NAME}, {INDEX_NAME} and the shards {INDEX_NAME} lists). '
-            f'Choose another --out, or remove them yourself')
-
-
-def check_output_dir(out: str, overwrite: bool) -> None:
-    """Refuse a non-empty output directory unless ``overwrite``, and even with it one that
-    holds anything foundrymix did not write (checked before any work).
-
-    Why: ``--overwrite`` once replaced whatever ``--out`` named; a typo in ``--out`` (a
-    project folder) deleted the whole tree, exit 0. Now only a foundrymix dataset is
-    replaced, as an ``s3://`` prefix keeps objects foundrymix did not write
-    (:mod:`foundrymix.convert.upload`).
-    """
-    check_can_create(out)
-    if os.path.exists(out):
-        if not os.path.isdir(out):
-            raise OutputExistsError(f'{out}: output path exists and is not a directory')
-        foreign = foreign_entries(out)
-        if foreign:  # with or without overwrite: advice to pass it would not work
-            raise OutputExistsError(_foreign_message(out, foreign))
-        if os.listdir(out) and not overwrite:
-            raise OutputExistsError(
-                f'{out}: output directory is not empty; pass --overwrite to replace it')
-
-
-def check_can_create(out: str) -> None:
-    """Refuse an ``out`` whose parent cannot hold it: the nearest existing ancestor is a file,
-    or this process may not create entries in it (the work directory is made beside ``out``).
-
-    Why: these failed after the tokenizer had loaded, with ``[Errno 13] Permission denied``
-    or ``[Errno 17] File exists`` naming a hidden work directory or a file the user never
-    thought of as ``--out``'s parent.
-    """
-    parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UserError(f'{out}: cannot be created, {parent} is a file, not a directory')
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f'{out}: cannot be created, no permission to write in {parent}; choose '
-                         f'another --out, or make {parent} writable')
-
-
-def remove_output(out: str) -> list[str]:
-    """Delete the files foundrymix wrote in ``out`` (:func:`owned_files`), then its emptied
-    ``task-NNNNN/`` folders and ``out`` itself if nothing is left; what is not foundrymix's
-    stays. Returns the entries left (:func:`foreign_entries`)."""
-    owned = owned_files(out)
-    # the index last: a removal cut short can be finished by the next call
-    for name in sorted(owned, key=lambda n: (n == INDEX_NAME, n == MANIFEST_NAME, n)):
-        try:
-            os.remove(os.path.join(out, name))
-        except FileNotFoundError:
-            pass
-    for folder in {n.split('/', 1)[0] for n in owned if '/' in n}:
-        try:
-            os.rmdir(os.path.join(out, folder))
-        except OSError:  # not empty (or gone): left alone
-            pass
-    try:
-        os.rmdir(out)
-        return []
-    except OSError:
-        return sorted(os.listdir(out)) if os.path.isdir(out) else []
 
 
 #: shard hash written by default: xxh3_64 hashes at tens of GB/s, so it costs nothing
@@ -209,55 +97,6 @@ def check_compression(compression: Optional[str]) -> None:
                          f'(choose from {levels})')
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (``os.kill(pid, 0)``: no signal is sent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _keep_owned_attributes(path: str, was: os.stat_result) -> None:
-    """Give the published directory ``path`` the group and permission bits (setgid and sticky
-    included) the directory it replaced had (``was``). The group first: changing it clears
-    setgid. A group the writer may not give (not one of its groups) is left as it is, and
-    said in the log."""
-    st = os.stat(path)
-    if st.st_gid != was.st_gid:
-        try:
-            os.chown(path, -1, was.st_gid)
-        except OSError as e:
-            logger.warning('%s: could not give it back its group %d (%s)', path, was.st_gid, e)
-    os.chmod(path, stat.S_IMODE(was.st_mode))
-
-
-def remove_stale_partials(parent: str, name: str) -> list[str]:
-    """Remove ``.<name>.partial-<pid>[-<tag>]`` directories whose process is dead.
-
-    Those of live processes (another conversion into the same ``--out``, or this one)
-    are kept. Returns the removed paths.
-    """
-    removed = []
-    pattern = re.compile(rf'^\.{re.escape(name)}\.partial-(\d+)(?:-[0-9a-f]+)?(?:\.old)?$')
-    for stale in glob.glob(os.path.join(glob.escape(parent), f'.{glob.escape(name)}.partial-*')):
-        match = pattern.match(os.path.basename(stale))
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        if stale.endswith('.old'):  # a replaced output (see ShardWriter._publish): its files only
-            left = remove_output(stale)
-            if left:
-                logger.warning('%s: kept (a replaced output holding files foundrymix did not write: %s)',
-                               stale, ', '.join(left[:NAMED_ENTRIES]))
-                continue
-        else:
-            shutil.rmtree(stale, ignore_errors=True)
-        removed.append(stale)
-    return removed
-
-
 def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
                 hashes: list[str]) -> Any:
     """The MDS writer for ``out``: uncompressed shards without importing ``streaming`` (and
@@ -275,6 +114,8 @@ def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], s
 
 #: rows waiting for the writer thread are capped at about this many bytes of tokens
 QUEUE_BYTES = 64 << 20
+
+
 _FINISH = object()
 
 
