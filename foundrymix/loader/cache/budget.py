@@ -20,21 +20,12 @@ import os
 import time
 from typing import Any, Iterator, Optional
 
+from foundrymix.claims import pid_alive
 from foundrymix.errors import FoundrymixError
 
 
 class CacheFullError(FoundrymixError, ValueError):
     """No shard can be evicted and nothing in flight will free room: the limit is too small."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
@@ -66,7 +57,7 @@ class CacheBudget:
                 got = json.load(f)
         except (OSError, ValueError):
             return {}
-        return {k: v for k, v in got.items() if isinstance(v, list) and _alive(int(v[0]))}
+        return {k: v for k, v in got.items() if isinstance(v, list) and pid_alive(int(v[0]))}
 
     def _write(self, reservations: dict[str, list[int]]) -> None:
         tmp = f'{self.lock}.json.part-{os.getpid()}'
