@@ -45,6 +45,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,14 +61,52 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 from mix_helpers import build_stream  # noqa: E402
 
-MODEL_125M = {'type': 'llama', 'attention': 'document', 'hidden_size': 768, 'intermediate_size': 2048,
-              'num_hidden_layers': 12, 'num_attention_heads': 12, 'num_key_value_heads': 12,
-              'vocab_size': 32000, 'max_position_embeddings': 2048}
-MODEL_TINY = {'type': 'llama', 'attention': 'document', 'hidden_size': 32, 'intermediate_size': 64,
-              'num_hidden_layers': 2, 'num_attention_heads': 2, 'num_key_value_heads': 2,
-              'vocab_size': 8192, 'max_position_embeddings': 64}
+#: the model sizes of the table: transformers Llama configs (vocab 32,000 as the demo tokenizer's
+#: family; ``1.3b`` has the shape of LLM-Foundry's MPT-1B row: d 2048, 24 layers, 16 heads)
+MODELS = {
+    'tiny': {'type': 'llama', 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 2,
+             'num_attention_heads': 2, 'num_key_value_heads': 2, 'vocab_size': 8192, 'max_position_embeddings': 64},
+    '125m': {'type': 'llama', 'hidden_size': 768, 'intermediate_size': 2048, 'num_hidden_layers': 12,
+             'num_attention_heads': 12, 'num_key_value_heads': 12, 'vocab_size': 32000,
+             'max_position_embeddings': 2048},
+    '1.3b': {'type': 'llama', 'hidden_size': 2048, 'intermediate_size': 5504, 'num_hidden_layers': 24,
+             'num_attention_heads': 16, 'num_key_value_heads': 16, 'vocab_size': 32000,
+             'max_position_embeddings': 2048},
+}
 PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}
-CONFIGS = [('sdpa', None), ('sdpa', 'FULL_SHARD'), ('flash_attention_2', None), ('flash_attention_2', 'FULL_SHARD')]
+ATTN = {'sdpa': 'sdpa', 'flex': 'flex_attention', 'flash': 'flash_attention_2'}
+#: one row each: MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH (the device batch is one microbatch)
+GPU_ROWS = ['125m/sdpa/eager/full/none/8', '125m/flex/compile/fused/none/8', '125m/flex/compile/fused/none/16',
+            '125m/flex/compile/fused/none/32', '1.3b/sdpa/eager/full/none/8', '1.3b/flex/compile/fused/none/8']
+TINY_ROWS = ['tiny/sdpa/eager/full/none/4', 'tiny/flex/eager/fused/none/4', 'tiny/sdpa/eager/full/FULL_SHARD/4',
+             'tiny/flash/eager/full/none/4']
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the table."""
+
+    model: str
+    attn: str
+    compile: bool
+    fused: bool
+    fsdp: Optional[str]
+    batch: int
+
+    @classmethod
+    def parse(cls, text: str) -> 'Row':
+        try:
+            model, attn, comp, loss, fsdp, batch = text.split('/')
+            assert model in MODELS and attn in ATTN and comp in ('eager', 'compile') and loss in ('full', 'fused')
+            return cls(model, attn, comp == 'compile', loss == 'fused', None if fsdp == 'none' else fsdp, int(batch))
+        except (ValueError, AssertionError):
+            raise SystemExit(f'bench_gpu: row {text!r}: write MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH with '
+                             f'MODEL in {sorted(MODELS)}, ATTENTION in {sorted(ATTN)}, COMPILE eager|compile, '
+                             f'LOSS full|fused, FSDP none|FULL_SHARD|..., e.g. 125m/flex/compile/fused/none/16') from None
+
+    def __str__(self) -> str:
+        return (f"{self.model}/{self.attn}/{'compile' if self.compile else 'eager'}/"
+                f"{'fused' if self.fused else 'full'}/{self.fsdp or 'none'}/{self.batch}")
 
 
 @contextlib.contextmanager
@@ -133,17 +172,28 @@ class StepTimer(Callback):
 
 @dataclass
 class Result:
-    attn: str
-    fsdp: str
+    row: str                              # MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH
+    model: str = ''
+    params: int = 0                       # N of the MFU formula
+    attn: str = ''
+    compile: bool = False
+    loss: str = 'full'
+    fsdp: str = 'none'
+    batch: int = 0                        # device batch = microbatch
+    precision: str = ''
     status: str = 'ok'                    # ok | skipped: <why> | error: <what>
     steps: int = 0
     step_s: float = 0.0                   # median step time
     positions_per_s: float = 0.0          # per GPU
     real_tokens_per_s: float = 0.0        # per GPU
     mfu: Optional[float] = None
+    peak_mem_gb: Optional[float] = None   # torch.cuda.max_memory_allocated
+    graphs: Optional[int] = None          # graphs dynamo compiled (compile rows)
+    recompiles: Optional[int] = None
     loader_share: float = 0.0             # sum(wait) / sum(step), measured steps
     loader_wait_ms: float = 0.0           # median
     next_ms: float = 0.0                  # median time inside the DataLoader iterator's __next__
+    next_max_ms: float = 0.0              # the slowest __next__ of the measured steps
     count_ms: float = 0.0                 # median StreamAccounting.after_dataloader
     attention: str = 'document'
     wait_max_ms: float = 0.0
@@ -157,6 +207,7 @@ class Result:
     batches: int = 0                      # all, warmup included
     real_tokens: int = 0                  # all batches, from their attention masks
     accounting_tokens: int = 0            # StreamAccounting's count of the same batches
+    stream_samples: dict = field(default_factory=dict)  # StreamAccounting's rows per stream
 
 
 def build_streams(root: str, seq: int, rows: int) -> dict[str, str]:
@@ -169,11 +220,14 @@ def build_streams(root: str, seq: int, rows: int) -> dict[str, str]:
     return dirs
 
 
-def flops_per_position(cfg: dict, seq: int) -> float:
-    """Training FLOPs per position: ``6 N + 12 L d S`` from the config (FSDP shards the module)."""
+def flops_per_position(cfg: dict, seq: int) -> tuple[float, int]:
+    """Training FLOPs per position, ``6 N + 12 L d S`` (LLM-Foundry's MFU formula), and N: the
+    parameters less the input embedding (the output layer counted once, as Foundry counts MPT's
+    tied one); grouped-query attention's smaller key/value projections included."""
     d, layers, inter = cfg['hidden_size'], cfg['num_hidden_layers'], cfg['intermediate_size']
-    n = layers * (4 * d * d + 3 * d * inter) + cfg['vocab_size'] * d  # attention, MLP; the output layer
-    return 6 * n + 12 * layers * d * seq
+    kv = d // cfg['num_attention_heads'] * cfg['num_key_value_heads']
+    n = layers * (2 * d * d + 2 * d * kv + 3 * d * inter) + cfg['vocab_size'] * d
+    return 6 * n + 12 * layers * d * seq, n
 
 
 def peak_flops(override: Optional[float]) -> Optional[float]:
@@ -185,10 +239,10 @@ def peak_flops(override: Optional[float]) -> Optional[float]:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def skip_reason(attn: str, fsdp: Optional[str], device: str) -> Optional[str]:
-    if fsdp and device != 'gpu':
+def skip_reason(row: Row, device: str) -> Optional[str]:
+    if row.fsdp and device != 'gpu':
         return 'skipped: FSDP needs CUDA'
-    if attn == 'flash_attention_2':
+    if row.attn == 'flash':
         if device != 'gpu':
             return 'skipped: flash_attention_2 needs CUDA'
         try:
@@ -198,31 +252,40 @@ def skip_reason(attn: str, fsdp: Optional[str], device: str) -> Optional[str]:
     return None
 
 
-def run_one(args: argparse.Namespace, dirs: dict[str, str], attn: str, fsdp: Optional[str], work: str) -> Result:
+def run_one(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str) -> Result:
     from composer.utils import dist
 
     from foundrymix.train.builder import build_trainer
     from foundrymix.train.config import TrainConfig
 
-    result = Result(attn=attn, fsdp=fsdp or 'none')
-    reason = skip_reason(attn, fsdp, args.device)
+    precision = 'amp_bf16' if args.device == 'gpu' else 'fp32'
+    result = Result(row=str(row), model=row.model, attn=row.attn, compile=row.compile,
+                    loss='fused' if row.fused else 'full', fsdp=row.fsdp or 'none', batch=row.batch,
+                    precision=precision, attention=args.attention)
+    reason = skip_reason(row, args.device)
     if reason:
         result.status = reason
         return result
-    model = dict(MODEL_TINY if args.tiny else MODEL_125M, attn_implementation=attn, attention=args.attention)
-    result.attention = args.attention
+    model = dict(MODELS[row.model], attn_implementation=ATTN[row.attn], attention=args.attention)
+    if row.fused:
+        model['fused_loss'] = True
+    name = str(row).replace('/', '-')
     top: dict[str, Any] = {
-        'run_name': f'bench-{attn}-{result.fsdp}', 'seed': 1, 'max_seq_len': args.seq, 'model': model,
+        'run_name': f'bench-{name}', 'seed': 1, 'max_seq_len': args.seq, 'model': model,
         'train_loader': {'streams': {n: {'local': d} for n, d in dirs.items()}, 'shuffle': True,
                          'num_workers': args.workers},
-        'global_train_batch_size': args.batch * dist.get_world_size(),
+        'global_train_batch_size': row.batch * dist.get_world_size(),
         'max_duration': f'{args.warmup + args.steps}ba', 'optimizer': {'lr': 1e-4},
-        'device': args.device, 'precision': 'amp_bf16' if args.device == 'gpu' else 'fp32',
+        'device': args.device, 'precision': precision,
         'progress_bar': False, 'loggers': {}, 'save_interval': '100000ba',
-        'callbacks': {'stream_accounting': {'out_dir': os.path.join(work, f'{attn}-{result.fsdp}'),
-                                            'plot': False, 'log_interval': '100000ba'}}}
-    if fsdp:
-        top['fsdp'] = {'sharding_strategy': fsdp, 'mixed_precision': 'DEFAULT'}
+        'callbacks': {'stream_accounting': {'out_dir': os.path.join(work, name), 'plot': False,
+                                            'log_interval': '100000ba'}}}
+    if row.fsdp:
+        top['fsdp'] = {'sharding_strategy': row.fsdp, 'mixed_precision': 'DEFAULT'}
+    if row.compile:
+        top['compile_config'] = {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     run = build_trainer(TrainConfig.from_dict(top))
     timer = StepTimer(cuda=args.device == 'gpu')
     run.trainer.state.callbacks.append(timer)
@@ -246,10 +309,17 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], attn: str, fsdp: Opt
         gc.callbacks.remove(on_gc)
         run.trainer.close()
         run.claims.release()
+    if row.compile:
+        from torch._dynamo.utils import counters  # dynamo's own tally (a benchmark may read it)
+        result.graphs = int(counters['stats']['unique_graphs'])
+        result.recompiles = int(sum(counters['recompiles'].values()))
+    if torch.cuda.is_available():
+        result.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30
     result.gc_pauses = [(g, round(ms, 3), w) for g, ms, w in pauses]
     steps, waits = timer.steps[args.warmup:], timer.waits[args.warmup:]
     if len(nexts) >= len(timer.waits):  # one __next__ per batch (0 if the loader is no torch DataLoader)
-        result.next_ms = statistics.median(nexts[args.warmup:len(timer.waits)]) * 1e3
+        measured = nexts[args.warmup:len(timer.waits)]
+        result.next_ms, result.next_max_ms = statistics.median(measured) * 1e3, max(measured) * 1e3
     result.count_ms = statistics.median(counts[args.warmup:]) * 1e3
     result.wait_max_ms = max(waits) * 1e3
     result.waits_ms = [round(w * 1e3, 3) for w in waits]
@@ -259,66 +329,121 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], attn: str, fsdp: Opt
     real = timer.real_tokens[args.warmup:]
     result.steps = len(steps)
     result.step_s = statistics.median(steps)
-    result.positions_per_s = args.batch * args.seq * len(steps) / sum(steps)
+    result.positions_per_s = row.batch * args.seq * len(steps) / sum(steps)
     result.real_tokens_per_s = sum(real) / sum(steps)
     result.loader_share = sum(waits) / sum(steps)
     result.loader_wait_ms = statistics.median(waits) * 1e3
+    per_position, result.params = flops_per_position(MODELS[row.model], args.seq)
     peak = peak_flops(args.peak_flops)
     if peak:
-        result.mfu = flops_per_position(model, args.seq) * result.positions_per_s / peak
+        result.mfu = per_position * result.positions_per_s / peak
     result.batches, result.real_tokens = len(timer.real_tokens), sum(timer.real_tokens)
     result.accounting_tokens = int(run.accounting.tokens.sum())
+    result.stream_samples = {n: s['samples'] for n, s in run.accounting.streams().items()}
     return result
+
+
+def run_row(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str) -> Result:
+    """``row`` measured here, or (``--isolate``) in a fresh process: a compiled graph, an
+    out-of-memory or a fragmented allocator must not carry over into the next row."""
+    if not args.isolate:
+        try:
+            return run_one(args, dirs, row, work)
+        except Exception as e:  # one configuration's failure must not hide the others' numbers
+            traceback.print_exc()
+            return Result(row=str(row), model=row.model, attn=row.attn, compile=row.compile,
+                          loss='fused' if row.fused else 'full', fsdp=row.fsdp or 'none', batch=row.batch,
+                          status=f'error: {type(e).__name__}: {str(e).splitlines()[0][:200]}')
+    out = os.path.join(work, f'{str(row).replace("/", "-")}.json')
+    cmd = [sys.executable, os.path.abspath(__file__), '--device', args.device, '--rows', str(row), '--no-isolate',
+           '--steps', str(args.steps), '--warmup', str(args.warmup), '--workers', str(args.workers),
+           '--attention', args.attention, '--data', os.path.dirname(dirs['web']), '--json', out]
+    if args.peak_flops:
+        cmd += ['--peak-flops', str(args.peak_flops)]
+    if args.tiny:
+        cmd.append('--tiny')
+    try:
+        proc = subprocess.run(cmd, timeout=args.row_timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = 'timeout'
+    if os.path.exists(out):
+        with open(out, encoding='utf-8') as f:
+            return Result(**json.load(f)['results'][0])
+    return Result(row=str(row), model=row.model, attn=row.attn, compile=row.compile,
+                  loss='fused' if row.fused else 'full', fsdp=row.fsdp or 'none', batch=row.batch,
+                  status=f'error: the row\'s process ended ({code}) without a result')
+
+
+def print_table(results: list[Result], device: str, args: argparse.Namespace) -> None:
+    from composer.utils import dist
+    print(f'bench_gpu: {device}, {dist.get_world_size()} rank(s), seq {args.seq}, {args.attention} attention, '
+          f'{args.workers} workers, {args.steps} steps after {args.warmup}; torch {torch.__version__}'
+          f'{", CUDA " + str(torch.version.cuda) if torch.cuda.is_available() else ""}')
+    print(f'{"model":<6} {"N":>6} {"attn":<6} {"compile":<8} {"loss":<6} {"prec":<9} {"fsdp":<10} {"micro":>5} '
+          f'{"tok/s/GPU":>10} {"MFU":>6} {"mem GB":>6} {"step ms":>8} {"loader":>7} {"next ms":>7} '
+          f'{"max ms":>7} {"graphs":>6}  status')
+    for r in results:
+        mfu = f'{r.mfu:6.1%}' if r.mfu is not None else '     -'
+        mem = f'{r.peak_mem_gb:6.1f}' if r.peak_mem_gb is not None else '     -'
+        graphs = f'{r.graphs}+{r.recompiles}' if r.graphs is not None else '-'
+        params = (f'{r.params / 1e6:.0f}M' if r.params >= 1e7 else f'{r.params / 1e6:.2f}M') if r.params else '-'
+        print(f'{r.model:<6} {params:>6} {r.attn:<6} {"compile" if r.compile else "eager":<8} {r.loss:<6} '
+              f'{r.precision:<9} {r.fsdp:<10} {r.batch:>5} {r.positions_per_s:>10,.0f} {mfu} {mem} '
+              f'{r.step_s * 1e3:>8.1f} {r.loader_share:>7.2%} {r.next_ms:>7.2f} {r.next_max_ms:>7.1f} '
+              f'{graphs:>6}  {r.status}')
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--device', choices=('gpu', 'cpu'), default='gpu' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--tiny', action='store_true', help='a tiny model and 64-token rows (CI, CPU)')
-    p.add_argument('--steps', type=int, default=None, help='measured steps (default 30; --tiny 4)')
+    p.add_argument('--tiny', action='store_true', help='the tiny model and 64-token rows (CI, CPU)')
+    p.add_argument('--rows', default=None, help='comma-separated MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH '
+                                                '(default: the GPU table; --tiny: the CI rows)')
+    p.add_argument('--steps', type=int, default=None, help='measured steps (default 20; --tiny 4)')
     p.add_argument('--warmup', type=int, default=None, help='steps not measured (default 5; --tiny 1)')
-    p.add_argument('--batch', type=int, default=None, help='device batch (default 8; --tiny 4)')
     p.add_argument('--workers', type=int, default=None, help='DataLoader workers (default 4; --tiny 0)')
     p.add_argument('--attention', choices=('document', 'causal'), default='document',
                    help="the model's attention: document (block-diagonal per document, default) or causal")
     p.add_argument('--peak-flops', type=float, default=None, help='peak bf16 FLOP/s of one GPU, for MFU')
+    p.add_argument('--isolate', action=argparse.BooleanOptionalAction, default=None,
+                   help='each row in its own process (default on a GPU)')
+    p.add_argument('--row-timeout', type=float, default=None, help='seconds a row may take (isolated rows)')
+    p.add_argument('--data', default=None, help=argparse.SUPPRESS)  # the streams, built by the parent
     p.add_argument('--json', default=None, help='also write the results here')
     args = p.parse_args(argv)
     args.seq = 64 if args.tiny else 2048
-    for name, full, tiny in (('steps', 30, 4), ('warmup', 5, 1), ('batch', 8, 4), ('workers', 4, 0)):
+    for name, full, tiny in (('steps', 20, 4), ('warmup', 5, 1), ('workers', 4, 0)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
-    rows = max(64, (args.warmup + args.steps) * args.batch * 8)  # the streams outlast the run
+    if args.isolate is None:
+        args.isolate = args.device == 'gpu'
+    rows = [Row.parse(r) for r in (args.rows.split(',') if args.rows else TINY_ROWS if args.tiny else GPU_ROWS)]
+    most = max(r.batch for r in rows)
+    n_rows = max(64, (args.warmup + args.steps) * most * 8)  # the streams outlast the run
 
     from composer.utils import dist
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix='bench-gpu-') as work:
-        dirs = build_streams(os.path.join(work, 'data'), args.seq, rows // 7 + 1)
-        for attn, fsdp in CONFIGS:
-            try:
-                results.append(run_one(args, dirs, attn, fsdp, work))
-            except Exception as e:  # one configuration's failure must not hide the others' numbers
-                traceback.print_exc()
-                results.append(Result(attn=attn, fsdp=fsdp or 'none',
-                                      status=f'error: {type(e).__name__}: {str(e).splitlines()[0][:200]}'))
+        data = args.data or os.path.join(work, 'data')
+        dirs = {n: os.path.join(data, n) for n in ('web', 'code', 'chat')}
+        if args.data is None:
+            dirs = build_streams(data, args.seq, n_rows // 7 + 1)
+        for row in rows:
+            results.append(run_row(args, dirs, row, work))
+            if args.isolate:  # the table so far, for a run cut short
+                print(f'bench_gpu: {row}: {results[-1].status} {results[-1].positions_per_s:,.0f} tok/s', flush=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if dist.get_global_rank() != 0:
         return 0
     device = torch.cuda.get_device_name() if args.device == 'gpu' else 'cpu'
-    print(f'bench_gpu: {device}, {dist.get_world_size()} rank(s), seq {args.seq}, device batch {args.batch}, '
-          f'{args.attention} attention, {args.workers} workers, {args.steps} steps after {args.warmup}')
-    print(f'{"attn":<18} {"fsdp":<10} {"tok/s/GPU":>10} {"real tok/s":>10} {"MFU":>6} '
-          f'{"step ms":>8} {"loader":>7} {"wait ms":>7} {"next ms":>7} {"count ms":>8}  status')
-    for r in results:
-        mfu = f'{r.mfu:6.1%}' if r.mfu is not None else '     -'
-        print(f'{r.attn:<18} {r.fsdp:<10} {r.positions_per_s:>10,.0f} {r.real_tokens_per_s:>10,.0f} {mfu} '
-              f'{r.step_s * 1e3:>8.1f} {r.loader_share:>7.2%} {r.loader_wait_ms:>7.2f} {r.next_ms:>7.2f} '
-              f'{r.count_ms:>8.2f}  {r.status}')
+    print_table(results, device, args)
     if args.json:
         with open(args.json, 'w', encoding='utf-8') as f:
             json.dump({'device': device, 'world_size': dist.get_world_size(), 'seq': args.seq,
-                       'batch': args.batch, 'results': [asdict(r) for r in results]}, f, indent=2)
+                       'torch': torch.__version__, 'cuda': torch.version.cuda,
+                       'results': [asdict(r) for r in results]}, f, indent=2)
     return 1 if any(r.status.startswith('error') for r in results) else 0
 
 

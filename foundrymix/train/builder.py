@@ -257,6 +257,8 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
 def _composer_trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
                       micro: Union[int, str], callbacks: list[Callback], max_duration: str, scheduler: Any,
                       device: str, loggers: list[Any], resume: dict[str, Any], composer_saves: bool) -> Trainer:
+    if cfg.compile_config is not None:  # every recompilation is printed with its reason
+        torch._logging.set_logs(recompiles=True)
     return Trainer(
         model=model,
         train_dataloader=train_loader,
@@ -271,6 +273,7 @@ def _composer_trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, eval
         precision=_precision(cfg, device),
         device_train_microbatch_size=micro,
         parallelism_config=parallelism_config(cfg.fsdp, device),
+        compile_config=cfg.compile_config.as_dict() if cfg.compile_config is not None else None,
         callbacks=callbacks,
         algorithms=cfg.algorithms.build(),
         loggers=loggers,
@@ -360,7 +363,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     attention = mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs)
     if attention and dist.get_global_rank() == 0:
         print(attention, flush=True)
-    model = CausalLM(hf_model, attention=cfg.model.attention)
+    model = CausalLM(hf_model, attention=cfg.model.attention, fused_loss=cfg.model.fused_loss)
     evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
     trainer, saving = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)

@@ -20,7 +20,7 @@ from foundrymix.plan.config import LoaderConfig, cache_base
 from foundrymix.plan.schedule import Decay, Span, check_stage_names
 from foundrymix.train.algorithms import Algorithms
 from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
-from foundrymix.train.gpu import FSDPSettings
+from foundrymix.train.gpu import CompileSettings, FSDPSettings
 from foundrymix.train.loggers import Loggers
 from foundrymix.train.model_spec import ModelSpec
 
@@ -151,6 +151,8 @@ class TrainConfig:
     device: str = 'auto'
     #: Composer FSDP settings (``parallelism_config={'fsdp': ...}``); GPU runs only
     fsdp: Optional[FSDPSettings] = None
+    #: ``torch.compile`` of the model (Composer's ``compile_config``); null: not compiled
+    compile_config: Optional[CompileSettings] = None
     #: ``None``: on when stdout is a terminal (Composer's bar; the console dump stays at ``log_interval``)
     progress_bar: Optional[bool] = None
     log_interval: Interval = Interval('10ba')

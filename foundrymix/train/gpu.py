@@ -44,6 +44,29 @@ class FSDPSettings:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
+@dataclass
+class CompileSettings:
+    """``compile_config:`` -- ``torch.compile`` of the model through Composer (LLM-Foundry's key).
+
+    ``dynamic`` defaults to false: a training run has one shape (device batch x ``max_seq_len``;
+    training drops the last partial batch), so the model compiles once, and an evaluation
+    batch of another size compiles once more; torch stops recompiling after its
+    ``recompile_limit`` and runs such a frame eagerly.
+    """
+
+    mode: Optional[Literal['default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs']] = None
+    dynamic: Optional[bool] = False
+    fullgraph: bool = False
+    backend: str = 'inductor'
+
+    def as_dict(self) -> dict[str, Any]:
+        """``torch.compile`` keyword arguments."""
+        out = {'dynamic': self.dynamic, 'fullgraph': self.fullgraph, 'backend': self.backend}
+        if self.mode is not None:
+            out['mode'] = self.mode
+        return out
+
+
 def parallelism_config(fsdp: Optional[FSDPSettings], device: str) -> Optional[dict[str, Any]]:
     """Composer's ``parallelism_config`` for the ``fsdp`` section; FSDP needs GPUs."""
     if fsdp is None:

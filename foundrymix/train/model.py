@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from composer.metrics.nlp import LanguageCrossEntropy
 from composer.models import ComposerModel
+from torchmetrics import Metric
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec, hf_config
@@ -67,6 +68,9 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     config = hf_config(spec, tokenizer)
     _check_fits(config, tokenizer, max_seq_len)
     attn = spec.attn_implementation or 'sdpa'
+    if attn == 'flex_attention':
+        from foundrymix.train.flex import register
+        attn = register()
     if spec.pretrained is not None and spec.load_weights:
         check_has_weights(spec)
         check_weight_shapes(spec, config)  # named, before transformers' size-mismatch traceback
@@ -191,6 +195,39 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
     return loss, rows
 
 
+class RowLossMean(Metric):
+    """The training loss as a metric (Composer's train ``LanguageCrossEntropy``), from the
+    :class:`RowLoss` sums :meth:`CausalLM.loss` already computed.
+
+    Why not Composer's ``LanguageCrossEntropy`` for training: Composer updates train metrics
+    after every microbatch, and that metric takes a second cross-entropy over the whole
+    ``tokens x vocab`` logits (and a contiguous copy of them); with ``fused_loss`` there are
+    no logits at all. Same value: the mean cross-entropy over loss targets.
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state('sum_loss', default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx='sum')
+        self.add_state('total_items', default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx='sum')
+
+    def update(self, rows: RowLoss) -> None:
+        self.sum_loss += rows.loss_sum.sum().to(self.sum_loss)
+        self.total_items += rows.targets.sum().to(self.total_items)
+
+    def compute(self) -> torch.Tensor:
+        return (self.sum_loss / self.total_items.clamp(min=1)).float()
+
+
+@dataclass
+class HiddenStates:
+    """A training forward's output with ``fused_loss``: the decoder's last hidden states, no logits."""
+
+    hidden: torch.Tensor
+    row_loss: Optional[RowLoss] = None
+
+
 class CausalLM(ComposerModel):
     """Composer wrapper: forward on foundrymix batches, loss = the model's cross-entropy on ``labels``.
 
@@ -198,13 +235,18 @@ class CausalLM(ComposerModel):
     :meth:`loss` and :meth:`eval_forward` compute it with :func:`token_loss` and leave the
     per-row sums on the outputs as ``outputs.row_loss`` (a plain attribute of transformers'
     ``ModelOutput``), where the stream accounting callback reads them at ``after_loss``.
+    With ``fused_loss`` a training forward stops at the decoder's hidden states and
+    :meth:`loss` runs the output layer and the loss in chunks (:mod:`foundrymix.train.fused_loss`);
+    evaluation keeps the full path (its metrics read the logits).
     """
 
-    def __init__(self, model: torch.nn.Module, attention: AttentionMode = 'document') -> None:
+    def __init__(self, model: torch.nn.Module, attention: AttentionMode = 'document',
+                 fused_loss: bool = False) -> None:
         super().__init__()
         self.model = model
         self.attention = attention
-        self.train_metrics = {'LanguageCrossEntropy': LanguageCrossEntropy(ignore_index=IGNORE_INDEX)}
+        self.fused_loss = fused_loss
+        self.train_metrics = {'LanguageCrossEntropy': RowLossMean()}
         self.val_metrics = {'LanguageCrossEntropy': LanguageCrossEntropy(ignore_index=IGNORE_INDEX)}
 
     def _model_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -216,9 +258,17 @@ class CausalLM(ComposerModel):
         return inputs
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Any:
+        if self.fused_loss and self.training:
+            return HiddenStates(self.model.base_model(**self._model_inputs(batch)).last_hidden_state)
         return self.model(**self._model_inputs(batch))
 
     def loss(self, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(outputs, HiddenStates):
+            from foundrymix.train.fused_loss import fused_token_loss
+            weight = self.model.get_output_embeddings().weight
+            loss, sums, counts = fused_token_loss(outputs.hidden, weight, batch['labels'])
+            outputs.row_loss = RowLoss(loss_sum=sums.detach(), targets=counts)
+            return loss
         loss, outputs.row_loss = token_loss(outputs.logits, batch['labels'])
         return loss
 
@@ -233,5 +283,8 @@ class CausalLM(ComposerModel):
         return self.train_metrics if is_train else self.val_metrics
 
     def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
+        if isinstance(metric, RowLossMean):
+            metric.update(outputs.row_loss)
+            return
         # HF labels are unshifted: the logit at t predicts the label at t+1.
         metric.update(outputs.logits[:, :-1].contiguous(), batch['labels'][:, 1:].contiguous())

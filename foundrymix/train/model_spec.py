@@ -23,11 +23,11 @@ from typing import Any, Literal, Mapping, Optional
 from foundrymix.config import ConfigError, Gather, foundry_advice, to_plain
 
 AttentionMode = Literal['document', 'causal']
-AttnImplementation = Literal['sdpa', 'eager', 'flash_attention_2']
+AttnImplementation = Literal['sdpa', 'eager', 'flash_attention_2', 'flex_attention']
 
 #: our keys; every other key of the section is a transformers config field
 OWN_KEYS = ('type', 'model_type', 'attention', 'attn_implementation', 'pretrained',
-            'pretrained_model_name_or_path', 'config_overrides', 'peft_config')
+            'pretrained_model_name_or_path', 'config_overrides', 'peft_config', 'fused_loss')
 
 
 #: LLM-Foundry ``model`` keys that are no transformers config field (for the type that has no
@@ -98,6 +98,8 @@ class ModelSpec:
     attn_implementation: Optional[AttnImplementation] = None
     #: ``peft_config``: peft ``LoraConfig`` keyword arguments (:mod:`foundrymix.train.lora`), or None
     peft: Optional[dict[str, Any]] = None
+    #: ``fused_loss``: output layer + cross-entropy in chunks (:mod:`foundrymix.train.fused_loss`)
+    fused_loss: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> 'ModelSpec':
@@ -136,6 +138,9 @@ class ModelSpec:
                 peft = read_peft_config(d.get('peft_config'), f'{where}.peft_config')
         d.pop('peft_config', None)
         attn = d.pop('attn_implementation', None)
+        fused = d.pop('fused_loss', False)
+        with gather:
+            fused = _read_fused_loss(fused, str(model_type or ''), peft, where)
         with gather:
             if attn is not None and attn not in AttnImplementation.__args__:
                 raise ModelConfigError(f"{where}.attn_implementation: {attn!r}; allowed: "
@@ -149,7 +154,23 @@ class ModelSpec:
                 attn = check_attention(str(model_type), attention, attn, where)
         gather.raise_any()
         return cls(model_type=str(model_type), attention=attention, config_kwargs={**d, **overrides},
-                   pretrained=pretrained, load_weights=load_weights, attn_implementation=attn, peft=peft)
+                   pretrained=pretrained, load_weights=load_weights, attn_implementation=attn, peft=peft,
+                   fused_loss=fused)
+
+
+def _read_fused_loss(value: Any, model_type: str, peft: Any, where: str) -> bool:
+    from foundrymix.train.fused_loss import FUSED_TYPES
+
+    if not isinstance(value, bool):
+        raise ModelConfigError(f'{where}.fused_loss: {value!r}; write true or false', path=f'{where}.fused_loss')
+    if value and model_type and model_type not in FUSED_TYPES:
+        raise ModelConfigError(f"{where}.fused_loss: not checked for a {model_type!r} model (its head may scale "
+                               f"or cap the logits); it works for {', '.join(FUSED_TYPES)}: leave fused_loss out",
+                               path=f'{where}.fused_loss')
+    if value and peft is not None:
+        raise ModelConfigError(f'{where}.fused_loss: not with peft_config (LoRA); leave fused_loss out',
+                               path=f'{where}.fused_loss')
+    return value
 
 
 #: LLM-Foundry's ``model.name`` -> the transformers ``model_type`` that builds the same kind of model

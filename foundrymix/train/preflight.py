@@ -155,6 +155,9 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
                         'or give a whole number that divides the per-rank batch')
     if cfg.fsdp is not None:
         gpu_only.append('fsdp: FSDP runs on GPUs, and this run is on {where}: leave fsdp out')
+        if getattr(cfg.model, 'fused_loss', False):
+            gather.add(ConfigError('model.fused_loss: not with fsdp (the output layer would run outside '
+                                   "FSDP's forward); on one GPU leave fsdp out, or leave fused_loss out"))
     if cfg.precision not in PRECISIONS:
         gather.add(ConfigError(f"precision: {cfg.precision!r} is not one of {', '.join(PRECISIONS)} "
                                f"(auto: fp32 on CPU, amp_bf16 on GPU)"))

@@ -17,21 +17,26 @@ def test_bench_gpu_runs_on_cpu_tiny(tmp_path):
                            '--json', str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert (got['device'], got['world_size'], got['seq'], got['batch']) == ('cpu', 1, 64, 4)
-    rows = {(r['attn'], r['fsdp']): r for r in got['results']}
-    assert list(rows) == [('sdpa', 'none'), ('sdpa', 'FULL_SHARD'), ('flash_attention_2', 'none'),
-                          ('flash_attention_2', 'FULL_SHARD')]
-    assert [r['status'] for r in got['results'][1:]] == [
-        'skipped: FSDP needs CUDA', 'skipped: flash_attention_2 needs CUDA', 'skipped: FSDP needs CUDA']
-    ran = rows[('sdpa', 'none')]
-    assert ran['status'] == 'ok' and (ran['steps'], ran['batches']) == (4, 5)  # 1 warmup step
-    assert ran['real_tokens'] == ran['accounting_tokens'] > 0  # every batch timed, counted once
-    # (real tokens <= positions: equal when the timed batches hold only full pretrain rows)
-    assert 0 < ran['loader_share'] < 1 and ran['positions_per_s'] >= ran['real_tokens_per_s'] > 0
-    assert ran['mfu'] is None  # no peak FLOP/s known for a CPU
-    # the wait's parts, per measured step: the DataLoader's __next__ and the accounting's count lie inside it
-    assert len(ran['waits_ms']) == len(ran['nexts_ms']) == len(ran['counts_ms']) == 4
-    assert all(n + c <= w for w, n, c in zip(ran['waits_ms'], ran['nexts_ms'], ran['counts_ms']))
-    assert ran['next_ms'] > 0 and ran['count_ms'] > 0
-    assert ran['batch_bytes'] == 5 * 4 * 64 * 8 + 2 * 4 * 8  # five (4, 64) int64 tensors, two (4,)
-    assert 'sdpa               none' in proc.stdout
+    assert (got['device'], got['world_size'], got['seq']) == ('cpu', 1, 64)
+    rows = {r['row']: r for r in got['results']}
+    assert list(rows) == ['tiny/sdpa/eager/full/none/4', 'tiny/flex/eager/fused/none/4',
+                          'tiny/sdpa/eager/full/FULL_SHARD/4', 'tiny/flash/eager/full/none/4']
+    assert [r['status'] for r in got['results'][2:]] == [
+        'skipped: FSDP needs CUDA', 'skipped: flash_attention_2 needs CUDA']
+    plain, fast = rows['tiny/sdpa/eager/full/none/4'], rows['tiny/flex/eager/fused/none/4']
+    for ran in (plain, fast):
+        assert ran['status'] == 'ok' and (ran['steps'], ran['batches'], ran['batch']) == (4, 5, 4)  # 1 warmup step
+        assert ran['real_tokens'] == ran['accounting_tokens'] > 0  # every batch timed, counted once
+        # (real tokens <= positions: equal when the timed batches hold only full pretrain rows)
+        assert 0 < ran['loader_share'] < 1 and ran['positions_per_s'] >= ran['real_tokens_per_s'] > 0
+        assert ran['mfu'] is None and ran['peak_mem_gb'] is None  # no peak FLOP/s, no CUDA memory on a CPU
+        # the wait's parts, per measured step: the DataLoader's __next__ and the accounting's count lie inside it
+        assert len(ran['waits_ms']) == len(ran['nexts_ms']) == len(ran['counts_ms']) == 4
+        assert all(n + c <= w for w, n, c in zip(ran['waits_ms'], ran['nexts_ms'], ran['counts_ms']))
+        assert ran['next_ms'] > 0 and ran['count_ms'] > 0 and ran['next_max_ms'] >= ran['next_ms']
+        assert ran['batch_bytes'] == 5 * 4 * 64 * 8 + 2 * 4 * 8  # five (4, 64) int64 tensors, two (4,)
+    # the fast path trains the same rows: the same counts per stream
+    assert fast['stream_samples'] == plain['stream_samples'] and sum(plain['stream_samples'].values()) == 20
+    # N of 6N + 12LdS: 2 layers of (4 d^2 + 3 d i) plus the output layer, d 32, i 64, vocab 8192
+    assert plain['params'] == 2 * (4 * 32 * 32 + 3 * 32 * 64) + 8192 * 32
+    assert 'tiny   ' in proc.stdout and 'skipped: FSDP needs CUDA' in proc.stdout

@@ -91,7 +91,7 @@ def test_flash_attention_without_the_package_is_a_config_error():
 def test_attn_implementation_is_checked():
     with pytest.raises(ConfigError) as err:
         ModelSpec.from_dict({**LLAMA, 'attn_implementation': 'flash'})
-    assert str(err.value) == "model.attn_implementation: 'flash'; allowed: sdpa, eager, flash_attention_2"
+    assert str(err.value) == "model.attn_implementation: 'flash'; allowed: sdpa, eager, flash_attention_2, flex_attention"
 
 
 def packed_batch(device: str) -> dict[str, torch.Tensor]:

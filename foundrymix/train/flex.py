@@ -1,0 +1,62 @@
+"""``attn_implementation: flex_attention``: document attention with PyTorch's FlexAttention, no dense mask.
+
+transformers (4.57) builds a FlexAttention ``BlockMask`` from restarting ``position_ids``
+(``masking_utils``: causal AND same document), so a packed row costs what its documents
+cost: blocks across documents are skipped, and no ``S x S`` mask is materialised as with
+``sdpa``. We register our own attention function for it (transformers' documented
+``AttentionInterface``) instead of using transformers' ``flex_attention`` because that one
+always ``torch.compile``s the kernel, which fails on CPU with torch 2.7's inductor; ours
+compiles it on CUDA only (or leaves it to an enclosing ``compile_config``) and runs the
+eager reference on CPU, so the same mask and code path are tested on CPU and used on GPUs.
+Attention dropout, head masks, soft-capping and attention sinks are refused, not dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+
+#: the name registered with transformers' AttentionInterface / AttentionMaskInterface
+REGISTERED = 'foundrymix_flex'
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Any, scaling: Optional[float] = None, dropout: float = 0.0,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``(B, H, S, D)`` in, ``(B, S, H, D)`` out."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if dropout and module.training:
+        raise ValueError('attn_implementation flex_attention: attention dropout is not supported; '
+                         'set the model config attention_dropout: 0')
+    for name in ('head_mask', 's_aux', 'softcap'):
+        if kwargs.get(name) is not None:
+            raise ValueError(f'attn_implementation flex_attention: {name} is not supported by this model '
+                             f'path; use attn_implementation sdpa')
+    if attention_mask is not None and not isinstance(attention_mask, BlockMask):
+        raise ValueError('attn_implementation flex_attention: expected a BlockMask from transformers')
+    compiling = torch.compiler.is_compiling()
+    kernel = _compiled_flex() if query.is_cuda and not compiling else flex_attention
+    gqa = query.shape[1] != key.shape[1]
+    out = kernel(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=1)
+def register() -> str:
+    """Register :func:`flex_forward` and transformers' own FlexAttention mask builder under
+    :data:`REGISTERED`; returns the name to give as a config's ``_attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
+
+    AttentionInterface.register(REGISTERED, flex_forward)
+    AttentionMaskInterface.register(REGISTERED, flex_attention_mask)
+    return REGISTERED
