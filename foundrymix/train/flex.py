@@ -21,6 +21,9 @@ import torch
 #: the name registered with transformers' AttentionInterface / AttentionMaskInterface
 REGISTERED = 'foundrymix_flex'
 
+#: FlexAttention's CUDA kernel (torch 2.11) refuses smaller query/key/value head dimensions
+MIN_CUDA_HEAD_DIM = 16
+
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex() -> Any:
@@ -43,6 +46,10 @@ def flex_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                              f'path; use attn_implementation sdpa')
     if attention_mask is not None and not isinstance(attention_mask, BlockMask):
         raise ValueError('attn_implementation flex_attention: expected a BlockMask from transformers')
+    if query.is_cuda and query.shape[-1] < MIN_CUDA_HEAD_DIM:
+        raise ValueError(f'attn_implementation flex_attention: the model\'s head dimension is {query.shape[-1]}; '
+                         f'FlexAttention\'s GPU kernel needs at least {MIN_CUDA_HEAD_DIM} (hidden_size / '
+                         f'num_attention_heads): use attn_implementation sdpa for this model')
     compiling = torch.compiler.is_compiling()
     kernel = _compiled_flex() if query.is_cuda and not compiling else flex_attention
     gqa = query.shape[1] != key.shape[1]

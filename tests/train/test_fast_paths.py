@@ -223,9 +223,13 @@ def test_a_compiled_run_counts_what_the_plain_run_counts_and_compiles_once(small
 @gpu
 def test_flex_attention_on_cuda_equals_sdpa_within_bf16():
     batch = packed_batch('cuda')
-    sdpa, flex = pair(LLAMA, {'attn_implementation': 'flex_attention'}, device='cuda')
+    wide = {**LLAMA, 'hidden_size': 64}  # head dimension 16: the least FlexAttention's GPU kernel takes
+    sdpa, flex = pair(wide, {'attn_implementation': 'flex_attention'}, device='cuda')
     with torch.no_grad(), torch.autocast('cuda', dtype=torch.bfloat16):
         torch.testing.assert_close(flex(batch).logits, sdpa(batch).logits, rtol=2e-2, atol=2e-2)
+    _, narrow = pair(LLAMA, {'attn_implementation': 'flex_attention'}, device='cuda')
+    with pytest.raises(ValueError, match="head dimension is 8; FlexAttention's GPU kernel needs at least 16"):
+        narrow(batch)
 
 
 @gpu
