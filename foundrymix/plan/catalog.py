@@ -24,7 +24,7 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig, StreamSpec
 from foundrymix.plan.exact import resolve_groups
-from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo, adopt_advice
+from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo, adopt_advice, splits_advice
 
 INDEX_NAME = 'index.json'
 logger = logging.getLogger(__name__)
@@ -235,9 +235,10 @@ class Catalog:
             if os.path.isfile(os.path.join(os.path.dirname(path), INDEX_NAME)):
                 raise ConfigError(f'{where}: no foundrymix manifest {path}; '
                                   f'{adopt_advice(self.config.stream_dir(name))}')
-            raise ConfigError(
-                f'{where}: no foundrymix manifest {path} (is {self.config.stream_dir(name)!r} a '
-                f'directory made by `foundrymix convert`?)')
+            directory = self.config.stream_dir(name)
+            splits = splits_advice(directory) if '://' not in directory else None
+            raise ConfigError(f'{where}: no foundrymix manifest {path} ' + (f'({splits})' if splits else (
+                f'(is {directory!r} a directory made by `foundrymix convert`?)')))
         try:
             manifest = Manifest.read(os.path.dirname(path))
         except (ValueError, FileNotFoundError) as e:

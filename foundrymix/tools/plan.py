@@ -43,7 +43,7 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
           nodes: int) -> tuple[Any, Any]:
     """(the RunPlan, the config) of a training YAML."""
     from foundrymix.plan.stages import Topology, plan_run
-    from foundrymix.train.config import check_streams, load_config, split_batch
+    from foundrymix.train.config import check_eval_streams, check_streams, load_config, split_batch
     from foundrymix.train.preflight import check_start
 
     cfg = load_config(path, overrides, max_duration, data_only=True)
@@ -55,6 +55,8 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
     check_start(cfg, run)  # what Composer would refuse at start, as train refuses it
     for catalog in catalogs:  # as train refuses them (issues 21, 26)
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
+    if cfg.eval_loader is not None:  # its streams, as train reads them
+        check_eval_streams(cfg, catalogs[0].max_seq_len, catalogs[0].tokenizer)
     return run, cfg
 
 

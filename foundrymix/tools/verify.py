@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from foundrymix.errors import MissingError
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, adopt_advice, format_row_error, mds_columns
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, adopt_advice, format_row_error, mds_columns, splits_advice
 from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
                                hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
                                validate_index)
@@ -178,8 +178,9 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
         if source.fetch(INDEX_NAME) is not None:
             raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; '
                                f'{adopt_advice(source.location)}')
-        raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; is '
-                                f'{source.location!r} a directory made by `foundrymix convert`?')
+        splits = splits_advice(source.location) if '://' not in source.location else None
+        raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; ' + (splits or (
+            f'is {source.location!r} a directory made by `foundrymix convert`?')))
     try:
         manifest = Manifest.read(os.path.dirname(manifest_path))
     except ValueError as e:

@@ -37,7 +37,7 @@ from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.rng_resume import ResumeRng
 from foundrymix.train.callbacks.s3_log import S3Log
-from foundrymix.train.config import TrainConfig, check_streams, split_batch
+from foundrymix.train.config import TrainConfig, check_eval_streams, check_streams, split_batch
 from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
 from foundrymix.train.gpu import parallelism_config
@@ -143,10 +143,7 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
     the train streams."""
     if cfg.eval_loader is None:
         return None, []
-    eval_mixer = StreamMixer(cfg.eval_loader)
-    eval_mixer.validate()
-    if eval_mixer.max_seq_len != cfg.max_seq_len or eval_mixer.tokenizer.fingerprint != tokenizer.fingerprint:
-        raise ConfigError('eval_loader streams differ from train_loader streams in max_seq_len or tokenizer')
+    eval_mixer = check_eval_streams(cfg, cfg.max_seq_len, tokenizer)
     eval_batch = cfg.device_eval_batch_size or device_batch
     loader = eval_mixer.build_dataloader(batch_size=eval_batch, rewind=True)
     left = {n: k for n, k in loader.run.stages[0].plan.left_out_per_epoch.items() if k}

@@ -279,6 +279,21 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
         check_spec_targets(cfg.model, tokenizer)
 
 
+def check_eval_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> Any:
+    """The ``eval_loader``'s streams read (errors named under ``eval_loader``) and checked to
+    hold rows like the train streams' (``max_seq_len``, ``tokenizer``); ``train`` and ``plan``
+    both call it. Returns its :class:`~foundrymix.loader.mixer.StreamMixer`."""
+    from foundrymix.loader.mixer import StreamMixer
+
+    eval_mixer = StreamMixer(cfg.eval_loader, 'eval_loader')
+    eval_mixer.validate()
+    if eval_mixer.max_seq_len != max_seq_len or eval_mixer.tokenizer.fingerprint != tokenizer.fingerprint:
+        raise ConfigError(f'eval_loader.streams: rows of max_seq_len {eval_mixer.max_seq_len} from tokenizer '
+                          f'{eval_mixer.tokenizer.name}, but the train streams\' are {max_seq_len} from '
+                          f'{tokenizer.name}: evaluate on data converted like the training data')
+    return eval_mixer
+
+
 def check_data_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     """What :func:`check_streams` checks without the model: ``max_seq_len`` and ``tokenizer``
     against the streams (imports neither torch nor composer, for a loader used alone)."""
