@@ -35,13 +35,18 @@ class ExportError(FoundrymixError, ValueError):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser('export', help='write a checkpoint as a transformers model directory',
+    p = subparsers.add_parser('export', help='write a checkpoint as a transformers model directory, or a '
+                                             'pretrain dataset as LLM-Foundry token shards',
                               description='Write a Composer checkpoint of a foundrymix run as a Hugging Face '
                                           'model directory (config.json, model.safetensors, tokenizer), '
                                           'loadable offline with AutoModelForCausalLM/AutoTokenizer.from_pretrained.')
     p.add_argument('checkpoint', help='a Composer checkpoint file of a foundrymix run (e.g. latest-rank0.pt), '
-                                      'or the folder holding them (its newest complete checkpoint is used)')
-    p.add_argument('--to-hf', required=True, metavar='DIR', dest='out', help='output model directory')
+                                      'or the folder holding them (its newest complete checkpoint is used); '
+                                      'with --to-foundry, a foundrymix pretrain dataset directory')
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument('--to-hf', metavar='DIR', dest='out', help='output model directory')
+    to.add_argument('--to-foundry', metavar='DIR', help='write the dataset as MDS with one tokens column, as '
+                                                        "LLM-Foundry's StreamingTextDataset reads it (a new DIR)")
     p.add_argument('--overwrite', action='store_true',
                    help='write into a non-empty DIR (never into a dataset directory)')
     p.add_argument('--adapter', action='store_true',
@@ -52,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    if args.to_foundry is not None:
+        from foundrymix.convert.to_foundry import export_to_foundry
+        done = export_to_foundry(args.checkpoint, args.to_foundry)
+        print(f'exported {args.checkpoint} -> {done.out}: {done.rows:,} rows, {done.tokens:,} tokens in '
+              f"{done.shards} shard(s), one tokens column (LLM-Foundry's StreamingTextDataset)")
+        return 0
     checkpoint = checkpoint_file(args.checkpoint, say=print)
     out = export_to_hf(checkpoint, args.out, overwrite=args.overwrite, adapter=args.adapter)
     print(f'exported {checkpoint} -> {out}')

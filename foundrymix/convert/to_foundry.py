@@ -1,0 +1,76 @@
+"""``foundrymix export DATASET --to-foundry OUT``: a pretrain dataset as LLM-Foundry token shards.
+
+The way back for a Foundry user: OUT is MDS with one column, ``tokens``
+(``ndarray:<the dataset's token dtype>``), which LLM-Foundry's ``StreamingTextDataset``
+reads as it reads the shards of its own ``convert_dataset_hf`` (documents concatenated,
+each ending in the EOS the converter put there). Each row's real tokens are written, in
+row order, shard by shard; padding is not (Foundry's collator pads). Rows are read from
+the shards' bytes and checked against the schema first, so a damaged dataset is refused
+naming its shard, not exported in part. OUT is written beside itself and renamed into
+place at the end, so an interrupted export leaves no OUT that looks complete; an existing
+OUT is refused, never replaced.
+
+Finetune datasets are refused: their rows carry loss spans (prompt tokens that are not
+trained) and example boundaries that a ``tokens`` column cannot hold.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+
+from foundrymix.errors import ExistsError, UserError
+from foundrymix.format.schema import Manifest
+from foundrymix.format.shards import INDEX_NAME, decompress_shard, iter_shard_rows, read_index, shard_name
+
+
+@dataclass(frozen=True)
+class FoundryExport:
+    """What an export wrote."""
+
+    out: str
+    rows: int
+    tokens: int
+    shards: int
+
+
+def export_to_foundry(dataset: str, out: str, size_limit: int = 1 << 26) -> FoundryExport:
+    """Write ``dataset`` (a local foundrymix pretrain dataset) to ``out`` as Foundry ``tokens`` MDS."""
+    from streaming import MDSWriter
+
+    manifest = Manifest.read(dataset)
+    if manifest.kind != 'pretrain':
+        raise UserError(f'{dataset}: a {manifest.kind} dataset: its rows carry loss spans and example '
+                        f"boundaries that LLM-Foundry's tokens column cannot hold; --to-foundry writes "
+                        f'pretrain datasets only (Foundry reads finetune data as prompt/response text)')
+    if os.path.lexists(out):
+        raise ExistsError(f'{out}: exists; give a new directory (an export never writes into or replaces '
+                          f'an existing one)')
+    index = read_index(os.path.join(dataset, INDEX_NAME))
+    partial = f'{out.rstrip(os.sep)}.partial-{os.getpid()}'
+    rows = tokens = 0
+    try:
+        with MDSWriter(out=partial, columns={'tokens': f'ndarray:{manifest.token_dtype}'},
+                       size_limit=size_limit) as writer:
+            for shard in index['shards']:
+                name = shard_name(shard)
+                with open(os.path.join(dataset, name), 'rb') as f:
+                    data = decompress_shard(shard, f.read())
+                for result in iter_shard_rows(data, shard, manifest.tokenizer.vocab_size, manifest.max_seq_len):
+                    if result.problem is not None:
+                        raise UserError(f'{os.path.join(dataset, name)}: row {result.row}: {result.problem}; '
+                                        f'run `foundrymix verify {dataset}`')
+                    real = int(np.asarray(result.value['doc_lens']).sum())  # the rest is padding
+                    ids = np.ascontiguousarray(result.value['input_ids'][:real], dtype=manifest.token_dtype)
+                    writer.write({'tokens': ids})
+                    rows += 1
+                    tokens += real
+        shards = len(read_index(os.path.join(partial, INDEX_NAME))['shards'])
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return FoundryExport(out=out, rows=rows, tokens=tokens, shards=shards)
