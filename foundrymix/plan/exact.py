@@ -44,7 +44,13 @@ class EpochWeights:
     @property
     def left_out(self) -> tuple[int, ...]:
         """Rows per stream per epoch the weights ask for but the exact epoch leaves out."""
-        return tuple(n - r for n, r in zip(self.nominal, self.rows))
+        return tuple(max(0, n - r) for n, r in zip(self.nominal, self.rows))
+
+    @property
+    def added(self) -> tuple[int, ...]:
+        """Rows per stream per epoch the exact epoch takes beyond what the weights ask: lowering
+        ``epoch_size`` re-apportions every stream's share, and rounding can give one a row more."""
+        return tuple(max(0, r - n) for n, r in zip(self.nominal, self.rows))
 
 
 def weighted_streams(infos: list[StreamInfo], weights: EpochWeights, seed: int,

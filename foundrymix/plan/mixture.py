@@ -258,17 +258,24 @@ def _note_exact(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]
     """What an exact epoch leaves out; stratified shares that rounding changes (exact: false)."""
     names = list(config.streams)
     left = {n: k for n, k in zip(names, epoch.weights.left_out) if k}
-    if left:
+    more = {n: k for n, k in zip(names, epoch.weights.added) if k}
+    if left or more:
         nominal = sum(epoch.weights.nominal)
-        listing = ', '.join(f'{n} {k:,} (of {c:,})' for n, k, c in
-                            zip(names, epoch.weights.left_out, epoch.weights.nominal) if k)
+        asked = dict(zip(names, epoch.weights.nominal))
+        listing = ', '.join(f'{n} {k:,} (of {asked[n]:,})' for n, k in left.items())
         if len(left) > 2 * WARNING_LINES_PER_CLASS:  # up to G - 1 streams: a line of 1,000 is noise
             first = ', '.join(f'{n} {k:,}' for n, k in list(left.items())[:WARNING_LINES_PER_CLASS])
             listing = (f'{sum(left.values()):,} rows from {len(left):,} streams, at most '
                        f'{max(left.values()):,} from one ({first}, ...; every stream: --json)')
+        extra = ', '.join(f'{n} {k:,} (asked {asked[n]:,})' for n, k in list(more.items())[:WARNING_LINES_PER_CLASS])
+        if len(more) > WARNING_LINES_PER_CLASS:
+            extra += f', ... ({len(more):,} streams, {sum(more.values()):,} rows)'
+        parts = [f'left out per epoch: {listing}'] if left else []
+        if more:  # re-apportioning the lowered epoch_size rounds some streams up
+            parts.append(f'taken beyond the weights per epoch: {extra}')
         notes.append(f'exact epoch: {epoch.epoch_size:,} rows = {epoch.epoch_size // G:,} whole '
-                     f'global batches of {G} (the weights ask for {nominal:,}); left out per epoch: '
-                     f'{listing} -- each stream\'s draws go on in the next epoch, so no row is lost '
+                     f'global batches of {G} (the weights ask for {nominal:,}); {"; ".join(parts)} '
+                     f'-- each stream\'s draws go on in the next epoch, so no row is lost '
                      f'to the cut, and none is trained twice to even out ranks')
     if config.batching_method == 'stratified':
         asked = epoch.chooses / epoch.epoch_size

@@ -74,6 +74,25 @@ def test_absolute_weights_are_trimmed_and_iteration_equals_plan(root):
                'left out per epoch: wiki 3 (of 200), dolly 3 (of 30)' in n for n in plan.notes)
 
 
+def test_a_stream_the_exact_epoch_rounds_up_is_named_as_such_never_as_a_negative_left_out(root, tmp_path):
+    """Proportions 0.6/0.25/0.1/0.05 of 325 rows, global batch 17: lowering epoch_size to 323
+    re-apportions every share and gives dolly a row more than the weights ask (it printed
+    'dolly -1 (of 32)' as left out)."""
+    build_stream(str(tmp_path / 'd4'), 'pretrain', 65, 3)
+    streams = {**dirs(root), 'd4': str(tmp_path / 'd4')}
+    m = StreamMixer.from_dict(loader_dict(streams, {n: {'proportion': p} for n, p in
+                                                    zip(streams, (0.6, 0.25, 0.1, 0.05))}))
+    plan = m.plan(17, '1ep')
+    got = Counter(tag for tag, _ in loader_rows(m, 17)[0])  # the loader's own rows
+    assert got == {0: 193, 1: 80, 2: 33, 3: 17}
+    assert {s.name: s.rows_per_epoch for s in plan.streams} == {'arxiv': 193, 'wiki': 80, 'dolly': 33, 'd4': 17}
+    assert plan.left_out_per_epoch == {'arxiv': 2, 'wiki': 1, 'dolly': 0, 'd4': 0}
+    [note] = [n for n in plan.notes if n.startswith('exact epoch')]
+    assert note.startswith('exact epoch: 323 rows = 19 whole global batches of 17 (the weights ask for 325); '
+                           'left out per epoch: arxiv 2 (of 195), wiki 1 (of 81); taken beyond the weights '
+                           'per epoch: dolly 1 (asked 32) --')
+
+
 def test_stratified_shares_that_round_are_refused_with_the_fix(root):
     m = StreamMixer.from_dict(loader_dict({k: v for k, v in dirs(root).items() if k != 'dolly'},
                                           {'arxiv': {'proportion': 0.7}, 'wiki': {'proportion': 0.3}},
