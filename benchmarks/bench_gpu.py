@@ -273,7 +273,7 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
     top: dict[str, Any] = {
         'run_name': f'bench-{name}', 'seed': 1, 'max_seq_len': args.seq, 'model': model,
         'train_loader': {'streams': {n: {'local': d} for n, d in dirs.items()}, 'shuffle': True,
-                         'num_workers': args.workers},
+                         'num_workers': args.workers, 'pin_memory': args.pin_memory},
         'global_train_batch_size': row.batch * dist.get_world_size(),
         'max_duration': f'{args.warmup + args.steps}ba', 'optimizer': {'lr': 1e-4},
         'device': args.device, 'precision': precision,
@@ -357,7 +357,7 @@ def run_row(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
     out = os.path.join(work, f'{str(row).replace("/", "-")}.json')
     cmd = [sys.executable, os.path.abspath(__file__), '--device', args.device, '--rows', str(row), '--no-isolate',
            '--steps', str(args.steps), '--warmup', str(args.warmup), '--workers', str(args.workers),
-           '--attention', args.attention, '--data', os.path.dirname(dirs['web']), '--json', out]
+           '--attention', args.attention, *(['--pin-memory'] if args.pin_memory else []), '--data', os.path.dirname(dirs['web']), '--json', out]
     if args.peak_flops:
         cmd += ['--peak-flops', str(args.peak_flops)]
     if args.tiny:
@@ -378,7 +378,8 @@ def run_row(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
 def print_table(results: list[Result], device: str, args: argparse.Namespace) -> None:
     from composer.utils import dist
     print(f'bench_gpu: {device}, {dist.get_world_size()} rank(s), seq {args.seq}, {args.attention} attention, '
-          f'{args.workers} workers, {args.steps} steps after {args.warmup}; torch {torch.__version__}'
+          f'{args.workers} workers{" (pin_memory)" if args.pin_memory else ""}, {args.steps} steps after '
+          f'{args.warmup}; torch {torch.__version__}'
           f'{", CUDA " + str(torch.version.cuda) if torch.cuda.is_available() else ""}')
     print(f'{"model":<6} {"N":>6} {"attn":<6} {"compile":<8} {"loss":<6} {"prec":<9} {"fsdp":<10} {"micro":>5} '
           f'{"tok/s/GPU":>10} {"MFU":>6} {"mem GB":>6} {"step ms":>8} {"loader":>7} {"next ms":>7} '
@@ -405,6 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument('--workers', type=int, default=None, help='DataLoader workers (default 4; --tiny 0)')
     p.add_argument('--attention', choices=('document', 'causal'), default='document',
                    help="the model's attention: document (block-diagonal per document, default) or causal")
+    p.add_argument('--pin-memory', action='store_true', help='train_loader.pin_memory: true in every row')
     p.add_argument('--peak-flops', type=float, default=None, help='peak bf16 FLOP/s of one GPU, for MFU')
     p.add_argument('--isolate', action=argparse.BooleanOptionalAction, default=None,
                    help='each row in its own process (default on a GPU)')

@@ -257,3 +257,23 @@ def test_a_compiled_flex_fused_bf16_run_on_cuda_counts_what_the_cpu_run_counts(s
         for key in ('samples', 'tokens', 'loss_tokens', 'loss_targets'):
             assert fast[name][key] == cpu[name][key], (name, key)
         assert fast[name]['loss'] == pytest.approx(cpu[name]['loss'], rel=2e-2)
+
+
+def test_the_train_metric_equals_composers_cross_entropy_on_the_logits_for_both_paths():
+    """The train ``LanguageCrossEntropy`` comes from the loss's row sums; Composer's own metric on
+    the full logits is the independent reference."""
+    from composer.metrics.nlp import LanguageCrossEntropy
+
+    batch = packed_batch()
+    full, fused = pair(LLAMA, {'fused_loss': True}, fused=True)
+    reference = LanguageCrossEntropy(ignore_index=-100)
+    with torch.no_grad():
+        logits = full(batch).logits
+    reference.update(logits[:, :-1].contiguous(), batch['labels'][:, 1:].contiguous())
+    for model in (full, fused):
+        outputs = model(batch)
+        model.loss(outputs, batch)
+        metric = model.get_metrics(is_train=True)['LanguageCrossEntropy']
+        metric.reset()
+        model.update_metric(batch, outputs, metric)
+        torch.testing.assert_close(metric.compute(), reference.compute(), rtol=1e-6, atol=1e-6)
