@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from foundrymix.errors import WorkerError
+from foundrymix.format.foundry_tokens import foundry_row
 from foundrymix.format.schema import CorruptRowError, check_row, decode_row
 from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes
 from foundrymix.loader.cache.sources import Source, sources_of, unpack_directory  # noqa: F401 (re-exported)
@@ -130,6 +131,12 @@ class RowStore:
                 where = self.row_location(idx)
                 raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}'
                                            f'{disk_full_hint(str(e), where[1])}') from e
+        foundry = self.sources[self._where[shard][0]].foundry
+        if foundry is not None:  # LLM-Foundry token rows, used in place
+            try:
+                row = foundry_row(row['tokens'], *foundry)
+            except ValueError as e:
+                raise self._row_error(idx, str(e)) from None
         problem = check_row(row, self.vocab_size, self.max_seq_len)
         if problem is not None:
             raise self._row_error(idx, problem)

@@ -21,8 +21,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from foundrymix.config import ConfigError
-from foundrymix.plan.config import LoaderConfig, StreamSpec
+from foundrymix.plan.config import LoaderConfig, StreamSpec, cache_base
 from foundrymix.plan.exact import resolve_groups
 from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo, adopt_advice, splits_advice
 
@@ -138,8 +140,9 @@ class Catalog:
         directory = self.config.stream_dir(name)
         where = self._where(name)
         os.makedirs(directory, exist_ok=True)
-        fresh = {b: os.path.join(directory, f'{b}.part-{os.getpid()}')
-                 for b in (MANIFEST_NAME, INDEX_NAME)}
+        # a stream given a tokenizer is LLM-Foundry token shards: no manifest to fetch
+        wanted = (INDEX_NAME,) if self.config.streams[name].tokenizer else (MANIFEST_NAME, INDEX_NAME)
+        fresh = {b: os.path.join(directory, f'{b}.part-{os.getpid()}') for b in wanted}
         try:
             for basename, part in fresh.items():
                 url = f'{remote_dir.rstrip("/")}/{basename}'
@@ -232,7 +235,16 @@ class Catalog:
         where = self._where(name)
         path = self.fetch(name, MANIFEST_NAME)
         if not os.path.isfile(path):
-            if os.path.isfile(os.path.join(os.path.dirname(path), INDEX_NAME)):
+            index_path = self.fetch(name, INDEX_NAME)
+            if os.path.isfile(index_path):
+                from foundrymix.format.foundry_tokens import is_foundry_tokens
+                from foundrymix.format.shards import read_index
+                try:
+                    index = read_index(index_path)
+                except ValueError as e:
+                    raise ConfigError(f'{where}: {e}') from e
+                if is_foundry_tokens(index):
+                    return self._foundry_tokens(name, index, os.path.dirname(index_path))
                 raise ConfigError(f'{where}: no foundrymix manifest {path}; '
                                   f'{adopt_advice(self.config.stream_dir(name))}')
             directory = self.config.stream_dir(name)
@@ -243,6 +255,10 @@ class Catalog:
             manifest = Manifest.read(os.path.dirname(path))
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f'{where}: {e}') from e
+        if self.config.streams[name].tokenizer:
+            raise ConfigError(f'{where}.tokenizer: only for LLM-Foundry token shards read in place; this '
+                              f'stream records the tokenizer it was converted with ({manifest.tokenizer.name}): '
+                              f'leave tokenizer out', path=f'{where}.tokenizer')
         index_path = self.fetch(name, INDEX_NAME)
         if not os.path.isfile(index_path):
             raise ConfigError(f'{where}: manifest but no {INDEX_NAME} in '
@@ -257,6 +273,72 @@ class Catalog:
                           directory=os.path.dirname(index_path),
                           remote_dir=self.config.stream_remote_dir(name), manifest=manifest,
                           index=index, where=where)
+
+    def _foundry_tokens(self, name: str, index: dict[str, Any], directory: str) -> StreamInfo:
+        """LLM-Foundry token shards used in place: a manifest made in memory from ``index.json``,
+        shard 0 (its row length and document rule) and the stream's ``tokenizer``."""
+        from foundrymix.format.foundry_tokens import document_rule, foundry_row, shard0_layout, uneven_shards
+        from foundrymix.format.schema import SCHEMA_VERSION, Counts, token_dtype_for
+        from foundrymix.format.shards import decompress_shard, shard_name
+        from foundrymix.tokenizer import describe_tokenizer
+
+        where, spec = self._where(name), self.config.streams[name]
+        if not spec.tokenizer:
+            raise ConfigError(f"{where}: LLM-Foundry token shards (one tokens column, no foundrymix.json): "
+                              f"to use them in place give the tokenizer they were made with, "
+                              f"{where}.tokenizer: NAME_OR_DIR (or adopt them: `foundrymix adopt`)",
+                              path=f'{where}.tokenizer')
+        memo = os.path.join(cache_base(self.config.cache_root), 'tokenizers')
+        tokenizer = describe_tokenizer(spec.tokenizer, memo)
+        first = index['shards'][0]
+        data = decompress_shard(first, self._shard_bytes(name, shard_name(first)))
+        try:
+            layout = shard0_layout(data, first, where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        uneven = uneven_shards(index, layout)
+        if uneven:
+            raise ConfigError(f"{where}: {', '.join(uneven[:3])}{' ...' if len(uneven) > 3 else ''}: rows of "
+                              f"another length than shard 0's {layout.length} tokens; LLM-Foundry token rows "
+                              f"used in place must all be one length: adopt them (`foundrymix adopt`)")
+        from foundrymix.format.shards import iter_shard_rows
+        stream = np.concatenate([np.asarray(foundry_row(r.value['tokens'], layout.dtype, 'none', None,
+                                                        layout.length)['input_ids'])
+                                 for r in iter_shard_rows(data, first)])
+        rule, separator = document_rule(stream, tokenizer.eos_id, tokenizer.bos_id)
+        rows = sum(int(s['samples']) for s in index['shards'])
+        tokens = rows * layout.length
+        manifest = Manifest(
+            kind='pretrain', max_seq_len=layout.length, token_dtype=token_dtype_for(tokenizer.vocab_size),
+            tokenizer=tokenizer, counts=Counts(rows=rows, tokens=tokens, loss_tokens=tokens),
+            options={'format': 'llm-foundry-tokens', 'documents': rule, 'separator': separator,
+                     'file_dtype': layout.dtype,
+                     'hashes': sorted(set.intersection(*[set(s.get('raw_data', {}).get('hashes') or {})
+                                                        for s in index['shards']]))},
+            schema_version=SCHEMA_VERSION, created_by='LLM-Foundry tokens, used in place')
+        return StreamInfo(name=name, spec=spec, local=self.config.stream_local(name), directory=directory,
+                          remote_dir=self.config.stream_remote_dir(name), manifest=manifest, index=index,
+                          where=where)
+
+    def _shard_bytes(self, name: str, basename: str) -> bytes:
+        """A shard file's bytes: the local copy, else fetched from the remote into a file of
+        this process that is removed after reading (the loader's cache accounts for its own)."""
+        path = os.path.join(self.config.stream_dir(name), basename)
+        remote_dir = self.config.stream_remote_dir(name)
+        if remote_dir is None or os.path.isfile(path):
+            with open(path, 'rb') as f:
+                return f.read()
+        from foundrymix.s3.remote import RemoteError, download
+        part = f'{path}.part-{os.getpid()}'
+        try:
+            download(f'{remote_dir.rstrip("/")}/{basename}', part, self.config.download_timeout)
+            with open(part, 'rb') as f:
+                return f.read()
+        except RemoteError as e:
+            raise ConfigError(f'{self._where(name)}: cannot read {e}') from e
+        finally:
+            if os.path.exists(part):
+                os.remove(part)
 
     def infos(self) -> list[StreamInfo]:
         """Every stream's info, in config order, validated (see :meth:`validate`), each with

@@ -89,6 +89,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     stream_plans = _stream_plans(infos, epoch, L, warnings, notes)
     if config.weights_in != 'rows':
         notes.append(weights_in_note(config.weights_in, stream_plans, L))
+    notes.extend(foundry_note(i) for i in infos if i.manifest.options.get('format') == 'llm-foundry-tokens')
     per_rank, how_ranks = _rank_plans(epoch, topology, names)
     plan = Plan(streams=stream_plans,
                 epoch_size=epoch.epoch_size, batch_size=batch_size,
@@ -131,6 +132,18 @@ def share_rounding(plans: list[StreamPlan], weights_in: str, L: int) -> float:
     total = sum(s.tokens_per_epoch if weights_in == 'tokens' else s.loss_tokens_per_epoch for s in plans)
     slack = len(plans) * L
     return 1.0 if total <= slack else 2 * slack / (total - slack)
+
+
+def foundry_note(info: StreamInfo) -> str:
+    """What a stream of LLM-Foundry token shards read in place is taken to be."""
+    m = info.manifest
+    rule = m.options['documents']
+    docs = {'eos': f'documents end after each EOS (id {m.options["separator"]})',
+            'bos': f'documents start at each BOS (id {m.options["separator"]})',
+            'none': 'no EOS or BOS of the tokenizer in shard 0: each row is one document'}[rule]
+    return (f'{info.name}: LLM-Foundry token shards read in place (tokens: {m.options["file_dtype"]}, rows of '
+            f'{m.max_seq_len}, tokenizer {m.tokenizer.name}); {docs}; nothing is written into '
+            f'{info.directory}')
 
 
 def weights_in_note(weights_in: str, plans: list[StreamPlan], L: int) -> str:

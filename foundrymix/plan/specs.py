@@ -40,6 +40,9 @@ class StreamSpec:
     repeat: Optional[float] = None
     proportion: Optional[float] = None
     choose: Optional[int] = None
+    #: the tokenizer LLM-Foundry token shards (a ``tokens`` column, no foundrymix.json) were
+    #: made with, to use them in place (:mod:`foundrymix.format.foundry_tokens`)
+    tokenizer: Optional[str] = None
 
     @property
     def weight_kind(self) -> Optional[str]:

@@ -36,7 +36,7 @@ def test_unknown_stream_key_names_key_and_allowed():
     with pytest.raises(ConfigError) as e:
         LoaderConfig.from_dict({'streams': {'arxiv': {'local': '/x', 'repaet': 2}}})
     assert str(e.value) == ("train_loader.streams.arxiv: unknown key 'repaet'; allowed: local, "
-                            "remote, split, repeat, proportion, choose; did you mean 'repeat'?")
+                            "remote, split, repeat, proportion, choose, tokenizer; did you mean 'repeat'?")
 
 
 def test_unknown_top_level_key():

@@ -150,7 +150,7 @@ def test_cli_reads_no_shards(root, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize('override, by_override, message', [
     ('train_loader.streams.wiki.repaet=3', True,
      "train_loader.streams.wiki: unknown key 'repaet'; allowed: local, remote, split, repeat, "
-     "proportion, choose; did you mean 'repeat'?"),
+     "proportion, choose, tokenizer; did you mean 'repeat'?"),
     # the YAML's repeat and the override's proportion together: the stream is the YAML's
     ('train_loader.streams.wiki.proportion=0.5', False,
      'train_loader.streams.wiki: give at most one of repeat, proportion, choose'),

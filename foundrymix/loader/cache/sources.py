@@ -26,6 +26,9 @@ class Source:
     remote: Optional[str]
     shards: list[dict[str, Any]]
     algorithm: Optional[str]  #: hash checked on first open (None: no check)
+    #: LLM-Foundry token rows read in place: (file dtype, document rule, separator id, row length,
+    #: token dtype of the rows made of them)
+    foundry: Optional[tuple[str, str, Optional[int], int, str]] = None
 
 
 def unpack_directory(cache_root: Optional[str], directory: str) -> str:
@@ -48,4 +51,8 @@ def sources_of(infos: list[Any], config: Any) -> list[Source]:
                               info.directory, shards, algo))
         else:
             out.append(Source(info.name, info.directory, None, shards, algo))
+        m = info.manifest
+        if m.options.get('format') == 'llm-foundry-tokens':
+            out[-1].foundry = (m.options['file_dtype'], m.options['documents'], m.options['separator'],
+                               m.max_seq_len, m.token_dtype)
     return out

@@ -1,0 +1,119 @@
+"""LLM-Foundry token shards read in place: their ``tokens`` rows as foundrymix rows, no copy.
+
+LLM-Foundry's ``convert_dataset_hf``/``convert_dataset_json`` write MDS with one column,
+``tokens`` (``ndarray:<int dtype>``, or ``bytes`` of ``int64`` in older versions): rows of
+exactly ``concat_tokens`` tokens, documents back to back with an EOS after each (or a BOS
+before each). A stream whose ``index.json`` has that one column and no ``foundrymix.json``
+is used as it is: its row length is read from shard 0's offset table and every other
+shard's size is checked against it from ``index.json`` alone (rows of one length, or the
+stream is refused naming the shard), so rows x length is the exact token count the plan
+prints. Each row becomes ``input_ids`` (the tokens), one loss span over the whole row and
+``doc_lens`` cut by the document rule :func:`document_rule` finds in shard 0 -- what
+``foundrymix adopt`` would write for the same rows, computed as rows are read.
+Nothing is written into the user's directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+#: LLM-Foundry's pretraining column
+COLUMN = 'tokens'
+_INT_DTYPES = ('int8', 'int16', 'int32', 'int64', 'uint8', 'uint16', 'uint32', 'uint64')
+
+
+def is_foundry_tokens(index: dict[str, Any]) -> bool:
+    """Every shard of ``index`` holds exactly one ``tokens`` column of integers (or bytes)."""
+    shards = index.get('shards') or []
+    return bool(shards) and all(s.get('column_names') == [COLUMN] and _dtype(s) is not None for s in shards)
+
+
+def _dtype(shard: dict[str, Any]) -> Optional[str]:
+    encoding = (shard.get('column_encodings') or [''])[0]
+    if encoding == 'bytes':
+        return 'int64'  # LLM-Foundry's older writer: np.int64 tokens as raw bytes
+    parts = encoding.split(':')
+    if parts[0] == 'ndarray' and len(parts) >= 2 and parts[1] in _INT_DTYPES:
+        return parts[1]
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What every row of a token stream is: ``length`` tokens stored as ``dtype``."""
+
+    length: int
+    dtype: str
+    row_bytes: int    # one row's bytes in a shard (its encoding included)
+    header: int       # a shard's bytes before its offset table ends, less 4 x (rows + 1)
+
+
+def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> Layout:
+    """The rows' layout from shard 0's raw bytes; refuses rows of several lengths."""
+    from foundrymix.format.streaming_format import reader_from_json
+
+    n = int(shard['samples'])
+    offsets = np.frombuffer(data[4:4 + 4 * (n + 1)], np.uint32).astype(np.int64)
+    sizes = np.diff(offsets)
+    if n == 0 or len(set(sizes.tolist())) != 1:
+        raise ValueError(f'{where}: rows of {len(set(sizes.tolist()))} sizes in its first shard; LLM-Foundry '
+                         f'token rows used in place must all be one length: adopt it (`foundrymix adopt`)')
+    reader = reader_from_json('', None, shard)
+    first = reader.decode_sample(data[offsets[0]:offsets[1]])[COLUMN]
+    dtype = _dtype(shard)
+    tokens = np.frombuffer(first, dtype=dtype) if isinstance(first, (bytes, bytearray)) else np.asarray(first)
+    return Layout(length=int(tokens.size), dtype=str(dtype), row_bytes=int(sizes[0]),
+                  header=int(offsets[0]) - 4 * (n + 1))
+
+
+def uneven_shards(index: dict[str, Any], layout: Layout) -> list[str]:
+    """Shards whose size in ``index.json`` is not that of rows of ``layout``'s one size."""
+    out = []
+    for shard in index['shards']:
+        n = int(shard['samples'])
+        want = layout.header + 4 * (n + 1) + n * layout.row_bytes
+        if int(shard['raw_data']['bytes']) != want or _dtype(shard) != layout.dtype:
+            out.append(shard['raw_data']['basename'])
+    return out
+
+
+def document_rule(tokens: np.ndarray, eos_id: Optional[int], bos_id: Optional[int]) -> tuple[str, Optional[int]]:
+    """How documents are marked in a token stream: ``('eos', id)`` when an EOS comes first
+    (documents end after each), ``('bos', id)`` when a BOS not after an EOS does (documents
+    start at each), else ``('none', None)`` (each row is one document)."""
+    tail = tokens[1:]
+    eos = np.flatnonzero(tail == eos_id) if eos_id is not None else tail[:0]
+    bos = np.flatnonzero(tail == bos_id) if bos_id is not None else tail[:0]
+    bos = bos[tokens[bos] != eos_id] if len(bos) else bos
+    if len(eos) and (not len(bos) or eos[0] < bos[0]):
+        return 'eos', eos_id
+    if len(bos):
+        return 'bos', bos_id
+    return 'none', None
+
+
+def foundry_row(value: Any, dtype: str, rule: str, separator: Optional[int], length: int,
+                token_dtype: Optional[str] = None) -> dict[str, np.ndarray]:
+    """A stored ``tokens`` row as a foundrymix row (``input_ids``, ``loss_spans``, ``doc_lens``),
+    its tokens as ``token_dtype`` (the narrowest for the vocabulary, as a converted row's: a
+    batch crosses from a DataLoader worker as its rows, and int32 tokens doubled its bytes)."""
+    tokens = np.frombuffer(value, dtype=dtype) if isinstance(value, (bytes, bytearray)) else np.asarray(value)
+    if tokens.size != length:
+        raise ValueError(f'a row of {tokens.size} tokens, the stream\'s rows have {length}')
+    if token_dtype is not None and tokens.dtype != token_dtype:
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > np.iinfo(token_dtype).max):
+            raise ValueError(f'token ids {int(tokens.min())}..{int(tokens.max())} are outside the '
+                             f'tokenizer\'s vocabulary')
+        tokens = tokens.astype(token_dtype)
+    if rule == 'eos':
+        cuts = np.flatnonzero(tokens[:-1] == separator) + 1
+    elif rule == 'bos':
+        cuts = np.flatnonzero(tokens[1:] == separator) + 1
+    else:
+        cuts = np.zeros(0, np.int64)
+    bounds = np.concatenate(([0], cuts, [length]))
+    return {'input_ids': tokens, 'loss_spans': np.array([0, length], np.int32),
+            'doc_lens': np.diff(bounds).astype(np.int32)}

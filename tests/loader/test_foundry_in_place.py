@@ -1,0 +1,119 @@
+"""LLM-Foundry token shards used in place (a stream with only ``local:`` and ``tokenizer:``).
+
+The shards are written as LLM-Foundry's ``convert_dataset_json`` writes them (documents
+tokenized, an EOS after each, concatenated, cut into rows of ``concat_tokens``; one ``tokens``
+column, ``ndarray:int32``). Checked against an independent source: ``foundrymix adopt`` of
+the same directory (the converter path, itself tested against LLM-Foundry's own rows) gives,
+row for row, the rows the loader reads in place; the plan's counts are the rows written;
+nothing is written into the user's directory; rows of another length are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from helpers import DEMO_TOKENIZER, SAMPLES
+
+from foundrymix.cli import main
+from foundrymix.config import ConfigError
+from foundrymix.loader.mixer import StreamMixer
+
+SEQ = 128
+
+
+def write_foundry(out, rows_per_shard_bytes: int = 20_000, length: int = SEQ, cut_last: bool = False) -> int:
+    from streaming import MDSWriter
+
+    from foundrymix.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(DEMO_TOKENIZER)
+    stream: list[int] = []
+    with open(SAMPLES / 'arxiv_sample.jsonl', encoding='utf-8') as f:
+        for line in list(f)[:6]:
+            stream += tok(json.loads(line)['text'][:6000], add_special_tokens=False)['input_ids'] + [tok.eos_token_id]
+    n = len(stream) // length
+    with MDSWriter(out=str(out), columns={'tokens': 'ndarray:int32'}, size_limit=rows_per_shard_bytes) as w:
+        for r in range(n):
+            row = stream[r * length:(r + 1) * length]
+            if cut_last and r == n - 1:
+                row = row[:-5]
+            w.write({'tokens': np.array(row, np.int32)})
+    return n
+
+
+def listing(directory) -> dict[str, tuple[int, int]]:
+    return {p: (os.stat(os.path.join(directory, p)).st_size, os.stat(os.path.join(directory, p)).st_mtime_ns)
+            for p in sorted(os.listdir(directory))}
+
+
+def test_foundry_tokens_read_in_place_equal_adopts_rows(tmp_path, capsys):
+    src = tmp_path / 'foundry'
+    n = write_foundry(src)
+    before = listing(src)
+    assert len([p for p in before if p.endswith('.mds')]) > 2
+    mixer = StreamMixer.from_dict({'streams': {'c4': {'local': str(src), 'tokenizer': DEMO_TOKENIZER}},
+                                   'shuffle': False, 'num_workers': 0})
+    plan = mixer.plan(4, '1ep')
+    [stream] = plan.streams
+    assert (stream.rows, stream.rows_per_epoch) == (n, n - n % 4)
+    assert mixer.max_seq_len == SEQ
+    store = mixer.build_store()
+    in_place = [store.get_row(i) for i in range(n)]
+    # the converter's reading of the same shards, into a dataset of its own
+    assert main(['adopt', str(src), '--out', str(tmp_path / 'adopted'), '--tokenizer', DEMO_TOKENIZER]) == 0
+    capsys.readouterr()
+    adopted = StreamMixer.from_dict({'streams': {'a': {'local': str(tmp_path / 'adopted')}}}).build_store()
+    assert len(adopted) == n
+    for i in range(n):
+        want = adopted.get_row(i)
+        assert in_place[i]['input_ids'].tolist() == want['input_ids'].tolist(), i
+        assert in_place[i]['doc_lens'].tolist() == want['doc_lens'].tolist(), i
+        assert in_place[i]['loss_spans'].tolist() == want['loss_spans'].tolist(), i
+    assert sum(len(r['doc_lens']) for r in in_place) > n  # documents were found (EOS), not one per row
+    # an epoch through the loader trains the plan's rows, each once
+    loader = mixer.build_dataloader(4)
+    seen = [int(s) for b in loader for s in b['sample_id']]
+    loader.release()
+    assert sorted(seen) == list(range(n - n % 4))
+    store.release()
+    adopted.release()
+    assert listing(src) == before  # nothing written into the user's directory
+
+
+def test_foundry_tokens_need_the_tokenizer_and_rows_of_one_length(tmp_path):
+    src = tmp_path / 'foundry'
+    write_foundry(src)
+    with pytest.raises(ConfigError, match=r'train_loader.streams.c4: LLM-Foundry token shards .* give the '
+                                          r'tokenizer they were made with, train_loader.streams.c4.tokenizer'):
+        StreamMixer.from_dict({'streams': {'c4': {'local': str(src)}}}).validate()
+    uneven = tmp_path / 'uneven'
+    write_foundry(uneven, cut_last=True)
+    last = sorted(p for p in os.listdir(uneven) if p.endswith('.mds'))[-1]
+    with pytest.raises(ConfigError, match=f"train_loader.streams.c4: {last}: rows of another length than "
+                                          f"shard 0's {SEQ} tokens"):
+        StreamMixer.from_dict({'streams': {'c4': {'local': str(uneven), 'tokenizer': DEMO_TOKENIZER}}}).validate()
+
+
+def test_foundry_tokens_on_s3_are_read_in_place_as_the_local_copy(tmp_path):
+    """The same shards uploaded to a real S3 endpoint (moto on 127.0.0.1): the plan fetches
+    index.json and shard 0 (no foundrymix.json is asked for), and every row equals the local one."""
+    from helpers import moto_s3
+
+    src = tmp_path / 'foundry'
+    n = write_foundry(src)
+    local = StreamMixer.from_dict({'streams': {'c4': {'local': str(src), 'tokenizer': DEMO_TOKENIZER}}})
+    want = [local.build_store().get_row(i)['input_ids'].tolist() for i in range(n)]
+    with moto_s3('fmx-foundry') as s3:
+        for f in sorted(src.iterdir()):
+            s3['client'].upload_file(str(f), 'fmx-foundry', f'c4/{f.name}')
+        remote = StreamMixer.from_dict({'streams': {'c4': {'remote': 's3://fmx-foundry/c4',
+                                                          'tokenizer': DEMO_TOKENIZER}},
+                                        'cache_root': str(tmp_path / 'cache')})
+        plan = remote.plan(4, '1ep')
+        assert plan.streams[0].rows == n and plan.max_seq_len == SEQ
+        store = remote.build_store()
+        assert [store.get_row(i)['input_ids'].tolist() for i in range(n)] == want
+        store.release()
