@@ -24,7 +24,7 @@ import numpy as np
 
 from foundrymix.errors import ExistsError, UserError
 from foundrymix.format.schema import Manifest
-from foundrymix.format.shards import INDEX_NAME, decompress_shard, iter_shard_rows, read_index, shard_name
+from foundrymix.format.shards import INDEX_NAME, iter_shard_rows, read_index, shard_raw_bytes, stored_name
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,9 @@ def export_to_foundry(dataset: str, out: str, size_limit: int = 1 << 26) -> Foun
         with MDSWriter(out=partial, columns={'tokens': f'ndarray:{manifest.token_dtype}'},
                        size_limit=size_limit) as writer:
             for shard in index['shards']:
-                name = shard_name(shard)
+                name = stored_name(shard)
                 with open(os.path.join(dataset, name), 'rb') as f:
-                    data = decompress_shard(shard, f.read())
+                    data = shard_raw_bytes(shard, f.read())
                 for result in iter_shard_rows(data, shard, manifest.tokenizer.vocab_size, manifest.max_seq_len):
                     if result.problem is not None:
                         raise UserError(f'{os.path.join(dataset, name)}: row {result.row}: {result.problem}; '

@@ -366,6 +366,16 @@ def decompress_shard(shard: dict[str, Any], data: bytes) -> bytes:
     return decompress(shard['compression'], data)
 
 
+def stored_name(shard: dict[str, Any]) -> str:
+    """The file a shard is stored as: its compressed basename if it has one, else its raw one."""
+    return (shard.get('zip_data') or shard['raw_data'])['basename']
+
+
+def shard_raw_bytes(shard: dict[str, Any], stored: bytes) -> bytes:
+    """A shard's raw bytes from the bytes of its stored file (decompressed if compressed)."""
+    return decompress_shard(shard, stored) if shard.get('zip_data') else stored
+
+
 def is_not_found(error: BaseException) -> bool:
     """True if a downloader error means "no such object" -- and nothing else.
 

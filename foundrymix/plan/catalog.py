@@ -144,11 +144,14 @@ class Catalog:
         wanted = (INDEX_NAME,) if self.config.streams[name].tokenizer else (MANIFEST_NAME, INDEX_NAME)
         fresh = {b: os.path.join(directory, f'{b}.part-{os.getpid()}') for b in wanted}
         try:
-            for basename, part in fresh.items():
+            for basename, part in list(fresh.items()):
                 url = f'{remote_dir.rstrip("/")}/{basename}'
                 try:
                     download(url, part, self.config.download_timeout)
                 except RemoteError as e:
+                    if e.kind == 'not_found' and basename == MANIFEST_NAME and self.config.tokenizer:
+                        del fresh[basename]  # perhaps LLM-Foundry token shards: the index says
+                        continue
                     raise self._remote_error(name, basename, e) from e
             changed = [b for b, part in fresh.items()
                        if not _same_bytes(part, os.path.join(directory, b))]
@@ -279,19 +282,20 @@ class Catalog:
         shard 0 (its row length and document rule) and the stream's ``tokenizer``."""
         from foundrymix.format.foundry_tokens import document_rule, foundry_row, shard0_layout, uneven_shards
         from foundrymix.format.schema import SCHEMA_VERSION, Counts, token_dtype_for
-        from foundrymix.format.shards import decompress_shard, shard_name
+        from foundrymix.format.shards import shard_raw_bytes, stored_name
         from foundrymix.tokenizer import describe_tokenizer
 
         where, spec = self._where(name), self.config.streams[name]
-        if not spec.tokenizer:
+        name_or_dir = spec.tokenizer or self.config.tokenizer
+        if not name_or_dir:
             raise ConfigError(f"{where}: LLM-Foundry token shards (one tokens column, no foundrymix.json): "
                               f"to use them in place give the tokenizer they were made with, "
-                              f"{where}.tokenizer: NAME_OR_DIR (or adopt them: `foundrymix adopt`)",
-                              path=f'{where}.tokenizer')
+                              f"{where}.tokenizer: NAME_OR_DIR or a top-level tokenizer: (or adopt them: "
+                              f"`foundrymix adopt`)", path=f'{where}.tokenizer')
         memo = os.path.join(cache_base(self.config.cache_root), 'tokenizers')
-        tokenizer = describe_tokenizer(spec.tokenizer, memo)
+        tokenizer = describe_tokenizer(name_or_dir, memo)
         first = index['shards'][0]
-        data = decompress_shard(first, self._shard_bytes(name, shard_name(first)))
+        data = shard_raw_bytes(first, self._shard_bytes(name, stored_name(first)))
         try:
             layout = shard0_layout(data, first, where)
         except ValueError as e:

@@ -130,6 +130,9 @@ class LoaderConfig:
     pin_memory: bool = False
     drop_last: bool = True
     download_retry: int = 2
+    #: the tokenizer of LLM-Foundry token-shard streams that name none (a training YAML's
+    #: top-level ``tokenizer`` fills it; :mod:`foundrymix.format.foundry_tokens`)
+    tokenizer: Optional[str] = None
     #: the algorithm every shard file (and a compressed shard's zip) is hashed with at first
     #: open, against index.json (default: the fastest recorded, see hash_local_shards)
     validate_hash: Optional[HashAlgo] = None

@@ -165,7 +165,11 @@ class TrainConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> 'TrainConfig':
         d = dict(d)
         d.pop('variables', None)
-        return read_dataclass(cls, d)
+        cfg = read_dataclass(cls, d)
+        for loader in (cfg.train_loader, cfg.eval_loader):  # LLM-Foundry token shards read in place
+            if cfg.tokenizer and loader is not None and loader.tokenizer is None:
+                loader.tokenizer = str(cfg.tokenizer)
+        return cfg
 
     def check(self, where: str) -> None:
         if self.save_folder and '{run_name}' in self.save_folder:

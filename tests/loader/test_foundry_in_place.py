@@ -22,26 +22,21 @@ from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
 
 SEQ = 128
+pytestmark = pytest.mark.filterwarnings('ignore')
 
 
-def write_foundry(out, rows_per_shard_bytes: int = 20_000, length: int = SEQ, cut_last: bool = False) -> int:
-    from streaming import MDSWriter
+def write_foundry(out, size_limit: int = 20_000, cut_last: bool = False, compression=None) -> int:
+    """Six arXiv papers' starts as LLM-Foundry writes them (``ConcatTokensDataset`` rows of
+    ``SEQ`` with ``--eos_text '<|endoftext|>'``: tests/foundry_fixtures.py); returns the rows."""
+    from foundry_fixtures import concat_tokens, write_foundry_pretrain
 
-    from foundrymix.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(DEMO_TOKENIZER)
-    stream: list[int] = []
     with open(SAMPLES / 'arxiv_sample.jsonl', encoding='utf-8') as f:
-        for line in list(f)[:6]:
-            stream += tok(json.loads(line)['text'][:6000], add_special_tokens=False)['input_ids'] + [tok.eos_token_id]
-    n = len(stream) // length
-    with MDSWriter(out=str(out), columns={'tokens': 'ndarray:int32'}, size_limit=rows_per_shard_bytes) as w:
-        for r in range(n):
-            row = stream[r * length:(r + 1) * length]
-            if cut_last and r == n - 1:
-                row = row[:-5]
-            w.write({'tokens': np.array(row, np.int32)})
-    return n
+        texts = [json.loads(line)['text'][:6000] for line in list(f)[:6]]
+    rows = concat_tokens(texts, DEMO_TOKENIZER, SEQ, eos_text='<|endoftext|>')
+    if cut_last:
+        rows[-1] = rows[-1][:-5]
+    write_foundry_pretrain(out, rows, compression=compression, size_limit=size_limit)
+    return len(rows)
 
 
 def listing(directory) -> dict[str, tuple[int, int]]:
@@ -51,9 +46,9 @@ def listing(directory) -> dict[str, tuple[int, int]]:
 
 def test_foundry_tokens_read_in_place_equal_adopts_rows(tmp_path, capsys):
     src = tmp_path / 'foundry'
-    n = write_foundry(src)
+    n = write_foundry(src, compression='zstd')  # LLM-Foundry's default compression
     before = listing(src)
-    assert len([p for p in before if p.endswith('.mds')]) > 2
+    assert len([p for p in before if p.endswith('.mds.zstd')]) > 2
     mixer = StreamMixer.from_dict({'streams': {'c4': {'local': str(src), 'tokenizer': DEMO_TOKENIZER}},
                                    'shuffle': False, 'num_workers': 0})
     plan = mixer.plan(4, '1ep')
@@ -97,9 +92,10 @@ def test_foundry_tokens_need_the_tokenizer_and_rows_of_one_length(tmp_path):
         StreamMixer.from_dict({'streams': {'c4': {'local': str(uneven), 'tokenizer': DEMO_TOKENIZER}}}).validate()
 
 
-def test_foundry_tokens_on_s3_are_read_in_place_as_the_local_copy(tmp_path):
+@pytest.mark.parametrize('where', ['stream', 'loader'])
+def test_foundry_tokens_on_s3_are_read_in_place_as_the_local_copy(tmp_path, where):
     """The same shards uploaded to a real S3 endpoint (moto on 127.0.0.1): the plan fetches
-    index.json and shard 0 (no foundrymix.json is asked for), and every row equals the local one."""
+    index.json and shard 0, and every row equals the local one."""
     from helpers import moto_s3
 
     src = tmp_path / 'foundry'
@@ -109,11 +105,29 @@ def test_foundry_tokens_on_s3_are_read_in_place_as_the_local_copy(tmp_path):
     with moto_s3('fmx-foundry') as s3:
         for f in sorted(src.iterdir()):
             s3['client'].upload_file(str(f), 'fmx-foundry', f'c4/{f.name}')
-        remote = StreamMixer.from_dict({'streams': {'c4': {'remote': 's3://fmx-foundry/c4',
-                                                          'tokenizer': DEMO_TOKENIZER}},
-                                        'cache_root': str(tmp_path / 'cache')})
+        stream = {'remote': 's3://fmx-foundry/c4'}
+        loader = {'cache_root': str(tmp_path / 'cache')}
+        # the stream's own tokenizer: no foundrymix.json asked for; the loader's: asked, not found
+        (stream if where == 'stream' else loader)['tokenizer'] = DEMO_TOKENIZER
+        remote = StreamMixer.from_dict({'streams': {'c4': stream}, **loader})
         plan = remote.plan(4, '1ep')
         assert plan.streams[0].rows == n and plan.max_seq_len == SEQ
         store = remote.build_store()
         assert [store.get_row(i)['input_ids'].tolist() for i in range(n)] == want
         store.release()
+
+
+def test_a_training_yaml_with_only_local_and_its_tokenizer_plans_and_says_what_it_read(tmp_path, capsys):
+    """As a migrated LLM-Foundry YAML has it: the top-level tokenizer, the stream only local:."""
+    import yaml
+
+    src = tmp_path / 'foundry'
+    n = write_foundry(src)
+    cfg = {'max_seq_len': SEQ, 'tokenizer': DEMO_TOKENIZER, 'global_train_batch_size': 4, 'max_duration': '1ep',
+           'train_loader': {'streams': {'c4': {'local': str(src)}}}}
+    (tmp_path / 'c.yaml').write_text(yaml.safe_dump(cfg))
+    assert main(['plan', str(tmp_path / 'c.yaml')]) == 0
+    out = ' '.join(capsys.readouterr().out.split())  # the table wraps long lines
+    assert (f'c4: LLM-Foundry token shards read in place (tokens: int32, rows of {SEQ}, tokenizer '
+            f'{DEMO_TOKENIZER}); documents end after each EOS (id 0); nothing is written into {src}') in out
+    assert f'rows trained per stream over the run: c4 {n - n % 4:,}' in out
