@@ -51,9 +51,10 @@ class Layout:
     header: int       # a shard's bytes before its offset table ends, less 4 x (rows + 1)
 
 
-def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> Layout:
-    """The rows' layout from shard 0's raw bytes; refuses rows of several lengths."""
-    from foundrymix.format.streaming_format import reader_from_json
+def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> tuple[Layout, np.ndarray]:
+    """The rows' layout and the tokens (``[rows, length]``) of shard 0 from its raw bytes;
+    refuses rows of several lengths."""
+    from foundrymix.format.mds import ndarray_rows
 
     n = int(shard['samples'])
     offsets = np.frombuffer(data[4:4 + 4 * (n + 1)], np.uint32).astype(np.int64)
@@ -61,12 +62,14 @@ def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> Layout:
     if n == 0 or len(set(sizes.tolist())) != 1:
         raise ValueError(f'{where}: rows of {len(set(sizes.tolist()))} sizes in its first shard; LLM-Foundry '
                          f'token rows used in place must all be one length: adopt it (`foundrymix adopt`)')
-    reader = reader_from_json('', None, shard)
-    first = reader.decode_sample(data[offsets[0]:offsets[1]])[COLUMN]
-    dtype = _dtype(shard)
-    tokens = np.frombuffer(first, dtype=dtype) if isinstance(first, (bytes, bytearray)) else np.asarray(first)
-    return Layout(length=int(tokens.size), dtype=str(dtype), row_bytes=int(sizes[0]),
-                  header=int(offsets[0]) - 4 * (n + 1))
+    dtype = str(_dtype(shard))
+    tokens = ndarray_rows(data, shard)  # one view of every row (ndarray encodings)
+    if tokens is None:  # LLM-Foundry's older bytes column: a uint32 size, then int64 values
+        length = (int(sizes[0]) - 4) // 8
+        tokens = np.stack([np.frombuffer(data, np.int64, count=length, offset=int(o) + 4) for o in offsets[:-1]])
+    layout = Layout(length=int(tokens.shape[1]), dtype=dtype, row_bytes=int(sizes[0]),
+                    header=int(offsets[0]) - 4 * (n + 1))
+    return layout, tokens
 
 
 def uneven_shards(index: dict[str, Any], layout: Layout) -> list[str]:

@@ -280,7 +280,7 @@ class Catalog:
     def _foundry_tokens(self, name: str, index: dict[str, Any], directory: str) -> StreamInfo:
         """LLM-Foundry token shards used in place: a manifest made in memory from ``index.json``,
         shard 0 (its row length and document rule) and the stream's ``tokenizer``."""
-        from foundrymix.format.foundry_tokens import document_rule, foundry_row, shard0_layout, uneven_shards
+        from foundrymix.format.foundry_tokens import document_rule, shard0_layout, uneven_shards
         from foundrymix.format.schema import SCHEMA_VERSION, Counts, token_dtype_for
         from foundrymix.format.shards import shard_raw_bytes, stored_name
         from foundrymix.tokenizer import describe_tokenizer
@@ -297,7 +297,7 @@ class Catalog:
         first = index['shards'][0]
         data = shard_raw_bytes(first, self._shard_bytes(name, stored_name(first)))
         try:
-            layout = shard0_layout(data, first, where)
+            layout, shard0 = shard0_layout(data, first, where)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         uneven = uneven_shards(index, layout)
@@ -305,10 +305,7 @@ class Catalog:
             raise ConfigError(f"{where}: {', '.join(uneven[:3])}{' ...' if len(uneven) > 3 else ''}: rows of "
                               f"another length than shard 0's {layout.length} tokens; LLM-Foundry token rows "
                               f"used in place must all be one length: adopt them (`foundrymix adopt`)")
-        from foundrymix.format.shards import iter_shard_rows
-        stream = np.concatenate([np.asarray(foundry_row(r.value['tokens'], layout.dtype, 'none', None,
-                                                        layout.length)['input_ids'])
-                                 for r in iter_shard_rows(data, first)])
+        stream = shard0.reshape(-1)
         rule, separator = document_rule(stream, tokenizer.eos_id, tokenizer.bos_id)
         rows = sum(int(s['samples']) for s in index['shards'])
         tokens = rows * layout.length
