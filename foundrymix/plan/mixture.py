@@ -28,12 +28,16 @@ from foundrymix.config import DURATION_UNITS, ConfigError, parse_duration
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted_streams
-from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, stream_draws
+from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, rank_counts, stream_draws
 from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
 
 __all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan',
            'parse_duration']
+
+
+#: by default, per-rank rows per stream are counted up to this many rows an epoch
+RANK_COUNT_LIMIT = 50_000_000
 
 
 def stream_groups(config: LoaderConfig) -> list[GroupPlan]:
@@ -66,14 +70,15 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                max_duration: Optional[Any] = None, topology: Topology = Topology(),
                duration_name: str = 'max_duration',
                duration_batches: Optional[Callable[['Plan'], int]] = None,
-               stage: str = 'main') -> Plan:
+               stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> Plan:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size.
 
     Pure: reads nothing but ``infos`` (manifests and index files the catalog read).
     ``duration_name`` is what messages call the duration (a stage's, or the run's).
     ``duration_batches`` (instead of ``max_duration``) turns the per-epoch plan into the
     duration's batches -- a stage's ``duration`` needs the epoch to be known -- so a stage
-    is planned (and its weights computed) once. ``stage`` names the stage (its order's seed).
+    is planned (and its weights computed) once. ``stage`` names the stage (its order's seed);
+    ``rank_count_limit``: see :func:`_rank_plans`.
     """
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
@@ -90,7 +95,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     if config.weights_in != 'rows':
         notes.append(weights_in_note(config.weights_in, stream_plans, L))
     notes.extend(foundry_note(i) for i in infos if i.manifest.options.get('format') == 'llm-foundry-tokens')
-    per_rank, how_ranks = _rank_plans(epoch, topology, names)
+    per_rank, how_ranks = _rank_plans(epoch, topology, names, rank_count_limit)
     plan = Plan(streams=stream_plans,
                 epoch_size=epoch.epoch_size, batch_size=batch_size,
                 world_size=topology.world_size, global_batch_size=G,
@@ -204,47 +209,31 @@ def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     return out
 
 
-#: per-rank rows per stream are counted position by position up to this many rows an epoch
-RANK_COUNT_LIMIT = 20_000_000
-
-
-def _rank_plans(epoch: _Epoch, topology: Topology,
-                names: list[str]) -> tuple[Optional[list[RankPlan]], str]:
-    """Every rank's rows per stream in epoch 0: rank ``q`` trains columns ``[qB, (q+1)B)`` of
-    every global batch. One rank: the epoch's counts; else counted over the epoch's layout
-    (the streams of its positions; no row is read)."""
-    W, n = topology.world_size, len(names)
+def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
+                limit: Optional[int]) -> tuple[list[RankPlan], str]:
+    """Every rank's share of epoch 0: rank ``q`` trains columns ``[qB, (q+1)B)`` of every
+    global batch, so its batches and rows are arithmetic; its rows per stream are counted
+    over the epoch's leaf patterns (:func:`rank_counts`) up to ``limit`` rows an epoch (None:
+    any size), one rank's being the epoch's counts."""
+    W = topology.world_size
     G = epoch.order.global_batch
     B = G // W
+    rows = epoch.batches * G
     if W == 1:
-        counts_per_rank = [epoch.trained]
-    elif epoch.batches * G <= RANK_COUNT_LIMIT:
-        counts_per_rank = _counted(epoch, W, B, n)
+        counts: Optional[np.ndarray] = epoch.trained[None, :]
+    elif limit is None or rows <= limit:
+        counts = rank_counts(epoch.order, epoch.batches, W)
     else:
-        return None, (f'not computed: over {RANK_COUNT_LIMIT:,} rows an epoch (every rank trains '
-                      f'{B} rows of each global batch; rows per stream per rank are not counted)')
-    out = []
-    for r, counts in enumerate(counts_per_rank):
-        out.append(RankPlan(rank=r, node=r // topology.ranks_per_node,
-                            local_rank=r % topology.ranks_per_node, batches_per_epoch=epoch.batches,
-                            samples_per_epoch=int(counts.sum()),
-                            rows_per_stream={n_: int(c) for n_, c in zip(names, counts)}))
-    return out, 'arithmetic'
-
-
-def _counted(epoch: _Epoch, W: int, B: int, n: int) -> list[np.ndarray]:
-    """Each rank's rows per stream over epoch 0, from the streams of the epoch's positions."""
-    G = W * B
-    total = epoch.batches * G
-    out = np.zeros((W, n), np.int64)
-    step = 1 << 20
-    step -= step % G
-    for begin in range(0, total, step):
-        end = min(total, begin + step)
-        streams, _ = epoch.order.positions(begin, end)
-        col = (np.arange(begin, end) % G) // B
-        np.add.at(out, (col, streams), 1)
-    return list(out)
+        counts = None
+    out = [RankPlan(rank=r, node=r // topology.ranks_per_node,
+                    local_rank=r % topology.ranks_per_node, batches_per_epoch=epoch.batches,
+                    samples_per_epoch=epoch.batches * B,
+                    rows_per_stream=None if counts is None else
+                    {n: int(c) for n, c in zip(names, counts[r])}) for r in range(W)]
+    if counts is None:
+        return out, (f'arithmetic; rows per stream per rank not counted over {limit:,} rows an '
+                     f'epoch (--rank-counts counts them: every position of the epoch is drawn)')
+    return out, 'arithmetic' if W == 1 else 'counted'
 
 
 def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]) -> None:

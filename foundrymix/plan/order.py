@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -194,14 +194,35 @@ class Block:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(streams), np.concatenate(draws)
 
+    def leaf_counts(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(k, rows of each stream in leaf ``k``) for every leaf in order: the halves of
+        :func:`_leaf` walked once (each node apportioned once, not once per leaf under it)."""
+        stack = [(0, self.leaves(), self.counts.astype(np.int64))]
+        while stack:
+            lo, hi, counts = stack.pop()
+            if hi - lo == 1:
+                yield lo, counts
+                continue
+            mid = lo + (hi - lo) // 2
+            left = apportion(counts, (mid - lo) * LEAF)
+            stack.append((mid, hi, counts - left))
+            stack.append((lo, mid, left))
+
+
+def leaf_streams(counts: np.ndarray, key: tuple[int, ...], k: int) -> np.ndarray:
+    """The stream of each position of leaf ``k`` holding ``counts`` rows of each stream: a
+    seeded shuffle of the streams' positions (in stream order unshuffled, ``key`` empty)."""
+    streams = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    if len(streams) > 1 and key:
+        streams = _rng(*key, k).permutation(streams)
+    return streams
+
 
 @lru_cache(maxsize=4)  # a batch touches one or two leaves; consecutive batches the same
 def _pattern(counts_bytes: bytes, dtype: str, size: int, key: tuple[int, ...], k: int
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     before, counts = _leaf(counts_bytes, dtype, size, k)
-    streams = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    if len(streams) > 1 and key:
-        streams = _rng(*key, k).permutation(streams)
+    streams = leaf_streams(counts, key, k)
     order = np.argsort(streams, kind='stable')
     occurrence = np.empty(len(streams), np.int64)
     firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
@@ -283,6 +304,35 @@ class StageOrder:
         if into:
             out = out + self.block(full).prefix_counts(into)
         return out
+
+
+def rank_counts(order: StageOrder, batches: int, world: int) -> np.ndarray:
+    """Rows of each stream (columns) that each of ``world`` ranks (rows) trains in the stage's
+    first ``batches`` global batches, rank ``q`` taking columns ``[qB, (q+1)B)`` of each.
+
+    Exact, and not arithmetic: a rank's share of a leaf depends on the leaf's shuffle, so
+    every leaf's pattern is drawn (as the loader draws it; no row is read), O(positions).
+    """
+    G, n = order.global_batch, len(order.counts)
+    B = G // world
+    total = batches * G
+    out = np.zeros(world * n, np.int64)
+    for e in range(-(-total // order.block_size)):
+        block, base = order.block(e), e * order.block_size
+        for k, counts in block.leaf_counts():
+            begin = base + k * LEAF
+            if begin >= total:
+                break
+            streams = leaf_streams(counts, block.key, k)[:total - begin]
+            cols = _columns(begin % G, len(streams), G, B)
+            out += np.bincount(cols * n + streams, minlength=world * n)
+    return out.reshape(world, n)
+
+
+@lru_cache(maxsize=8)
+def _columns(offset: int, m: int, G: int, B: int) -> np.ndarray:
+    """The rank of each of ``m`` positions from one that is ``offset`` into a global batch."""
+    return (offset + np.arange(m, dtype=np.int64)) % G // B
 
 
 def rows_of(draws: Sequence[StreamDraws], streams: np.ndarray, index: np.ndarray

@@ -67,7 +67,8 @@ class RankPlan:
     local_rank: int
     batches_per_epoch: int
     samples_per_epoch: int
-    rows_per_stream: dict[str, int]
+    #: counted over the epoch's leaf patterns; None where the plan was asked not to count
+    rows_per_stream: Optional[dict[str, int]]
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Plan:
     left_out_per_epoch: dict[str, int] = field(default_factory=dict)
     #: rows trained a second time in an epoch to even out ranks: always 0 (a key of --json)
     repeated_rows_per_epoch: int = 0
-    #: per rank (global rank order); None over RANK_COUNT_LIMIT rows an epoch
+    #: per rank (global rank order)
     per_rank: Optional[list[RankPlan]] = None
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -116,8 +117,8 @@ class Plan:
     #: the YAML's stream groups (pattern entries), each with its members and given weight
     groups: list[GroupPlan] = field(default_factory=list)
     #: how each count was made -- 'epoch' (rows per stream per epoch), 'per_rank', 'run'
-    #: (rows per stream over the duration): 'arithmetic' (the order's counts, exact), or
-    #: for per_rank 'not computed: ...' (an epoch over RANK_COUNT_LIMIT rows)
+    #: (rows per stream over the duration): 'arithmetic' (the order's counts, exact);
+    #: per_rank 'counted' (exact, over the epoch's leaf patterns) or says why it was not
     counted: dict[str, str] = field(default_factory=dict)
     #: an adaptive stage (``train_loader.adaptive``): segments, not epochs
     adaptive: bool = False

@@ -66,11 +66,15 @@ def render_ranks(plan: Plan, console: Any, all_streams: bool = False) -> None:
     if not plan.per_rank:
         return
     names = [s.name for s in plan.streams]
-    if len(plan.per_rank) <= MAX_RANK_ROWS:
-        for r in plan.per_rank:
+    if len(plan.per_rank) <= MAX_RANK_ROWS or plan.per_rank[0].rows_per_stream is None:
+        for r in plan.per_rank[:MAX_RANK_ROWS]:
+            per_stream = ('' if r.rows_per_stream is None else
+                          ' (' + counts_text(r.rows_per_stream, all_streams) + ')')
             console.print(f'  rank {r.rank} (node {r.node}, local {r.local_rank}): '
-                          f'{r.batches_per_epoch:,} batches, {r.samples_per_epoch:,} rows/epoch ('
-                          + counts_text(r.rows_per_stream, all_streams) + ')')
+                          f'{r.batches_per_epoch:,} batches, {r.samples_per_epoch:,} rows/epoch'
+                          + per_stream)
+        if len(plan.per_rank) > MAX_RANK_ROWS:
+            console.print(f'  ... ranks {MAX_RANK_ROWS}-{len(plan.per_rank) - 1} alike')
         return
     if not all_streams and len(names) > MAX_STREAM_ROWS:
         spread = {n: max(r.rows_per_stream[n] for r in plan.per_rank)

@@ -23,7 +23,7 @@ from foundrymix.config import ConfigError, parse_duration
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.exact import EpochWeights
-from foundrymix.plan.mixture import Plan, build_plan
+from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
 from foundrymix.plan.topology import Topology
 
 
@@ -209,7 +209,8 @@ def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Ca
 
 def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_size: int,
                    max_duration: Optional[str], topology: Topology = Topology(),
-                   where: str = 'train_loader') -> RunPlan:
+                   where: str = 'train_loader',
+                   rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> RunPlan:
     """The plan of a run: each stage's mixture, weights and exact batches, and the run totals.
 
     With ``stages:``, ``max_duration`` may be None (the run is the sum of the stages) or
@@ -228,7 +229,7 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")
         plan = build_plan(configs[0], infos[0], batch_size, max_duration, topology,
-                          stage=MAIN_STAGE)
+                          stage=MAIN_STAGE, rank_count_limit=rank_count_limit)
         assert plan.duration is not None
         batches = plan.duration.total_batches
         stages.append(StagePlan(index=0, name=MAIN_STAGE, duration=str(max_duration),
@@ -246,7 +247,8 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
             stage_G = spec.global_train_batch_size or G
             stage_batch = stage_device_batch(stage_G, topology.world_size, spec.where)
             plan = build_plan(cfg, stage_infos, stage_batch, None, topology, 'stage duration',
-                              duration_batches=resolve, stage=spec.name)
+                              duration_batches=resolve, stage=spec.name,
+                              rank_count_limit=rank_count_limit)
             assert plan.duration is not None
             batches = plan.duration.total_batches
             stages.append(StagePlan(index=i, name=spec.name, duration=spec.duration,
@@ -320,12 +322,15 @@ def _check_max_duration(max_duration: str, run: RunPlan) -> None:
 
 def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] = None,
              topology: Optional[Topology] = None,
-             where: str = 'train_loader') -> tuple[RunPlan, list[Catalog]]:
-    """Validate every stage and plan the run; returns the plan and each stage's catalog."""
+             where: str = 'train_loader', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT
+             ) -> tuple[RunPlan, list[Catalog]]:
+    """Validate every stage and plan the run; returns the plan and each stage's catalog
+    (``rank_count_limit``: :func:`foundrymix.plan.mixture.build_plan`'s)."""
     topology = topology or Topology()
     catalogs = stage_catalogs(config, where)
     infos = [c.infos() for c in catalogs]
-    return build_run_plan(config, infos, batch_size, max_duration, topology, where), catalogs
+    return (build_run_plan(config, infos, batch_size, max_duration, topology, where, rank_count_limit),
+            catalogs)
 
 
 def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],

@@ -21,11 +21,13 @@ from foundrymix.heap import collector_paused
 
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
-                   max_duration: Optional[str] = None, nodes: int = 1) -> Any:
+                   max_duration: Optional[str] = None, nodes: int = 1,
+                   rank_counts: bool = False) -> Any:
     """Build the plan of a training YAML: a single mixture's :class:`~foundrymix.plan.mixture.Plan`,
     or a staged run's ``RunPlan`` -- from :func:`~foundrymix.plan.stages.plan_run`, the same
-    function the trainer builds its loader from, so what is printed is what trains."""
-    run, _ = _plan(path, overrides, world_size, max_duration, nodes)
+    function the trainer builds its loader from, so what is printed is what trains.
+    ``rank_counts``: count every rank's rows per stream at any epoch size."""
+    run, _ = _plan(path, overrides, world_size, max_duration, nodes, rank_counts)
     return run if run.explicit else run.stages[0].plan
 
 
@@ -40,9 +42,9 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
 
 @collector_paused()  # as the trainer reads and plans a run (foundrymix/heap.py)
 def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Optional[str],
-          nodes: int) -> tuple[Any, Any]:
+          nodes: int, rank_counts: bool = False) -> tuple[Any, Any]:
     """(the RunPlan, the config) of a training YAML."""
-    from foundrymix.plan.stages import Topology, plan_run
+    from foundrymix.plan.stages import RANK_COUNT_LIMIT, Topology, plan_run
     from foundrymix.train.config import check_eval_streams, check_streams, load_config, split_batch
     from foundrymix.train.preflight import check_start
 
@@ -51,7 +53,8 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
     if world_size % nodes:
         raise ConfigError(f'world size {world_size} is not divisible by the {nodes} nodes')
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
-                             Topology(nodes=nodes, ranks_per_node=world_size // nodes))
+                             Topology(nodes=nodes, ranks_per_node=world_size // nodes),
+                             rank_count_limit=None if rank_counts else RANK_COUNT_LIMIT)
     check_start(cfg, run)  # what Composer would refuse at start, as train refuses it
     for catalog in catalogs:  # as train refuses them (issues 21, 26)
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
@@ -78,7 +81,7 @@ def _topology(args: argparse.Namespace) -> tuple[int, int]:
 @collector_paused()
 def _run(args: argparse.Namespace) -> int:
     world, nodes = _topology(args)
-    run, cfg = _plan(args.config, args.overrides, world, args.max_duration, nodes)
+    run, cfg = _plan(args.config, args.overrides, world, args.max_duration, nodes, args.rank_counts)
     plan = run if run.explicit else run.stages[0].plan
     schedule, lr = lr_schedule(cfg, run), cfg.optimizer.lr
     if args.json:
@@ -125,10 +128,14 @@ def register(subparsers: Any) -> None:
     p.add_argument('--world-size', type=int, default=1,
                    help='number of ranks (global_train_batch_size is split over them)')
     p.add_argument('--nodes', type=int, default=1,
-                   help='number of nodes (machines); with --ranks-per-node the plan gives every '
-                        "rank's rows exactly as streaming partitions them")
+                   help='number of nodes (machines); with --ranks-per-node the plan names every '
+                        "rank's node and local rank")
     p.add_argument('--ranks-per-node', type=int, default=None,
                    help='ranks (GPUs) per node; world size = nodes x ranks per node')
+    p.add_argument('--rank-counts', action='store_true',
+                   help="count every rank's rows per stream in epoch 0 however large the epoch "
+                        '(by default up to 50M rows an epoch: counting draws the stream of every '
+                        'position, seconds per 10^8 rows)')
     p.add_argument('--max-duration', default=None,
                    help='override max_duration (Composer time string: 3ep, 100ba, 5000sp, 1000tok)')
     p.add_argument('--png', default=None, metavar='FILE',

@@ -143,6 +143,29 @@ def test_cli_nodes_and_ranks_per_rank_figures(root, tmp_path, capsys):
     assert '--world-size 3 differs from --nodes 2 x --ranks-per-node 2 = 4' in capsys.readouterr().err
 
 
+
+def test_rank_counts_over_the_limit_only_on_request(root, tmp_path, capsys, monkeypatch):
+    """Over the default size the per-rank lines keep their exact batches and rows and say how
+    to count rows per stream; --rank-counts (the advice) counts them, equal to the default
+    count below the limit."""
+    from foundrymix.plan import stages
+    cfg = write_yaml(tmp_path, root, '1ep')
+    assert main(['plan', cfg, '--world-size', '4', '--json']) == 0
+    counted = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(stages, 'RANK_COUNT_LIMIT', 100)
+    assert main(['plan', cfg, '--world-size', '4', '--json']) == 0
+    over = json.loads(capsys.readouterr().out)
+    assert [r['rows_per_stream'] for r in over['per_rank']] == [None] * 4
+    assert ([(r['batches_per_epoch'], r['samples_per_epoch']) for r in over['per_rank']]
+            == [(r['batches_per_epoch'], r['samples_per_epoch']) for r in counted['per_rank']])
+    assert 'not counted over 100 rows an epoch (--rank-counts counts them' in over['counted']['per_rank']
+    assert main(['plan', cfg, '--world-size', '4']) == 0
+    assert '  rank 3 (node 0, local 3): 43 batches, 86 rows/epoch\n' in capsys.readouterr().out
+    assert main(['plan', cfg, '--world-size', '4', '--rank-counts', '--json']) == 0
+    asked = json.loads(capsys.readouterr().out)
+    assert asked['per_rank'] == counted['per_rank'] and asked['counted']['per_rank'] == 'counted'
+
+
 def test_resume_state_is_checked(root):
     from foundrymix.loader.position import check_resume
     check_resume({'global_batch_size': 8}, 8)

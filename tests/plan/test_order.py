@@ -137,3 +137,32 @@ def test_billion_rows_prefix_counts_exact_without_enumeration():
     # halves: the first half holds half of every stream, within one row per level
     half = block.prefix_counts(block.leaves() // 2 * O.LEAF)
     assert (np.abs(half - counts * (block.leaves() // 2 * O.LEAF) / block.size) <= 40).all()
+
+
+@pytest.mark.parametrize('counts, G, W, batches', [
+    ([300, 170, 33, 0, 1], 24, 4, 50),      # blocks of 21 batches; G does not divide a leaf
+    ([40, 24], 16, 2, 9),                   # 4 batches a block; G divides a leaf
+    ([5, 2, 1], 8, 8, 30),                  # a block per batch (stratified); B = 1
+    ([1000, 1], 40, 5, 26),                 # one leaf of 1,001 split unevenly, ends mid-block
+])
+def test_rank_counts_equal_the_enumerated_columns(small_leaf, counts, G, W, batches):
+    """Each rank's rows per stream: rank q's columns [qB, (q+1)B) of every global batch of the
+    enumerated order, counted here position by position."""
+    names = [f's{i}' for i in range(len(counts))]
+    draws = O.stream_draws([[max(c, 1)] for c in counts], names, seed=3, stage='main')
+    order = O.StageOrder(draws, np.array(counts, np.int64), G, key=(3, 9))
+    streams, _ = enumerate_stage(order, batches)
+    ranks = (np.arange(len(streams)) % G) // (G // W)
+    want = np.zeros((W, len(counts)), np.int64)
+    np.add.at(want, (ranks, streams), 1)
+    got = O.rank_counts(order, batches, W)
+    assert got.tolist() == want.tolist()
+    assert got.sum() == batches * G and (got.sum(axis=1) == batches * G // W).all()
+
+
+def test_leaf_counts_walk_equals_each_leaf_descent(small_leaf):
+    counts = np.array([977, 13, 0, 4001, 64], np.int64)
+    block = O.Block(counts, np.zeros(5, np.int64), (7,))
+    walked = list(block.leaf_counts())
+    assert [k for k, _ in walked] == list(range(block.leaves()))
+    assert all((c == block.leaf(k)[1]).all() for k, c in walked)
