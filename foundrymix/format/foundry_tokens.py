@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from foundrymix.format.schema import SCHEMA_VERSION, Counts, Manifest, TokenizerInfo, token_dtype_for
+
 #: LLM-Foundry's pretraining column
 COLUMN = 'tokens'
 _INT_DTYPES = ('int8', 'int16', 'int32', 'int64', 'uint8', 'uint16', 'uint32', 'uint64')
@@ -96,6 +98,29 @@ def document_rule(tokens: np.ndarray, eos_id: Optional[int], bos_id: Optional[in
     if len(bos):
         return 'bos', bos_id
     return 'none', None
+
+
+def in_place_manifest(index: dict[str, Any], shard0: bytes, tokenizer: TokenizerInfo,
+                      where: str) -> Manifest:
+    """The manifest a token directory would have if converted: rows and tokens from
+    ``index.json``, the row length and document rule from shard 0's bytes (``shard0``), the
+    converted dtype for ``tokenizer``. ValueError (naming ``where``) for rows of another length."""
+    layout, rows0 = shard0_layout(shard0, index['shards'][0], where)
+    uneven = uneven_shards(index, layout)
+    if uneven:
+        raise ValueError(f"{where}: {', '.join(uneven[:3])}{' ...' if len(uneven) > 3 else ''}: rows of "
+                         f"another length than shard 0's {layout.length} tokens; LLM-Foundry token rows "
+                         f"used in place must all be one length: adopt them (`foundrymix adopt`)")
+    rule, separator = document_rule(rows0.reshape(-1), tokenizer.eos_id, tokenizer.bos_id)
+    rows = sum(int(s['samples']) for s in index['shards'])
+    tokens = rows * layout.length
+    hashes = set.intersection(*[set(s.get('raw_data', {}).get('hashes') or {}) for s in index['shards']])
+    return Manifest(
+        kind='pretrain', max_seq_len=layout.length, token_dtype=token_dtype_for(tokenizer.vocab_size),
+        tokenizer=tokenizer, counts=Counts(rows=rows, tokens=tokens, loss_tokens=tokens),
+        options={'format': 'llm-foundry-tokens', 'documents': rule, 'separator': separator,
+                 'file_dtype': layout.dtype, 'hashes': sorted(hashes)},
+        schema_version=SCHEMA_VERSION, created_by='LLM-Foundry tokens, used in place')
 
 
 def foundry_row(value: Any, dtype: str, rule: str, separator: Optional[int], length: int,

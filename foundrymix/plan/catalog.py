@@ -16,7 +16,6 @@ decode.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -27,20 +26,7 @@ from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig, StreamSpec, cache_base
 from foundrymix.plan.exact import resolve_groups
 from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo, adopt_advice, splits_advice
-
-INDEX_NAME = 'index.json'
-logger = logging.getLogger(__name__)
-
-
-def _same_bytes(a: str, b: str) -> bool:
-    """True if files ``a`` and ``b`` both exist with the same bytes."""
-    try:
-        if os.path.getsize(a) != os.path.getsize(b):
-            return False
-        with open(a, 'rb') as fa, open(b, 'rb') as fb:
-            return fa.read() == fb.read()
-    except FileNotFoundError:
-        return False
+from foundrymix.format.shards import INDEX_NAME
 
 
 def _file(location: str, basename: str) -> str:
@@ -111,113 +97,12 @@ class Catalog:
         return os.path.join(self.config.stream_dir(name), basename)
 
     def sync_remote(self, name: str) -> None:
-        """Fetch a remote stream's manifest and index, and make sure no stale shard is read.
-
-        Why on every start: a dataset re-uploaded to the same prefix after the cache was
-        filled must not be read as a mix of old cached shards and the new index. Both files
-        are downloaded afresh (two small GETs; S3 error codes come with a GET, not with a
-        HEAD) and compared byte for byte with the local copies:
-
-        * same bytes, or no local copy yet: installed (renamed into place);
-        * different, in foundrymix's own cache (no ``local:`` given): the remote changed.
-          The shard files the *old* index lists are removed (they are this cache's, not
-          user data), the new metadata is installed, and a warning names the stream;
-        * different, in a ``local:`` directory the user named: refused with an error naming
-          the stream, the remote and the directory; nothing there is deleted.
-
-        With the remote unreachable this raises even if a cached copy exists: without the
-        remote nothing tells whether the cache is current (drop ``remote:`` and point
-        ``local:`` at a complete copy to train offline). Each file is fetched within the
-        bound of :mod:`foundrymix.s3.remote` (``download_timeout`` plus well under a second).
-        Ranks of a node may run this at once: each downloads into files of its own and
-        renames them into place, so none reads another's half-copy.
-        """
-        if name in self._synced:
-            return
-        from foundrymix.s3.remote import RemoteError, download
-        remote_dir = self.config.stream_remote_dir(name)
-        assert remote_dir is not None
-        directory = self.config.stream_dir(name)
-        where = self._where(name)
-        os.makedirs(directory, exist_ok=True)
-        # a stream given a tokenizer is LLM-Foundry token shards: no manifest to fetch
-        wanted = (INDEX_NAME,) if self.config.streams[name].tokenizer else (MANIFEST_NAME, INDEX_NAME)
-        fresh = {b: os.path.join(directory, f'{b}.part-{os.getpid()}') for b in wanted}
-        try:
-            for basename, part in list(fresh.items()):
-                url = f'{remote_dir.rstrip("/")}/{basename}'
-                try:
-                    download(url, part, self.config.download_timeout)
-                except RemoteError as e:
-                    if e.kind == 'not_found' and basename == MANIFEST_NAME and self.config.tokenizer:
-                        del fresh[basename]  # perhaps LLM-Foundry token shards: the index says
-                        continue
-                    raise self._remote_error(name, basename, e) from e
-            changed = [b for b, part in fresh.items()
-                       if not _same_bytes(part, os.path.join(directory, b))]
-            cached = [b for b in fresh if os.path.isfile(os.path.join(directory, b))]
-            if cached and changed:
-                self._remote_changed(name, directory, remote_dir, changed)
-            for basename, part in fresh.items():  # the index last: it names the shards
-                os.replace(part, os.path.join(directory, basename))
-        finally:
-            for part in fresh.values():
-                if os.path.exists(part):
-                    os.remove(part)
-        self._synced.add(name)
-
-    def _remote_error(self, name: str, basename: str, e: Any) -> ConfigError:
-        where, remote_dir = self._where(name), self.config.stream_remote_dir(name)
-        directory = self.config.stream_dir(name)
-        if e.kind == 'not_found' and basename == MANIFEST_NAME:
-            return ConfigError(
-                f'{where}: no foundrymix manifest at {e.url} ({e.code}: no such object). Check '
-                f'that remote {remote_dir!r} (bucket and path) is right and holds a whole '
-                f'directory made by `foundrymix convert` ({MANIFEST_NAME}, {INDEX_NAME} and shards)')
-        if e.kind == 'not_found':
-            return ConfigError(
-                f'{where}: no {INDEX_NAME} at {e.url} ({e.code}: no such object), though '
-                f'{MANIFEST_NAME} is there: an incomplete conversion or upload? Re-run '
-                f'`foundrymix convert` into {remote_dir!r} (it uploads {INDEX_NAME} last)')
-        cached = os.path.isfile(os.path.join(directory, INDEX_NAME))
-        note = (f' (a copy is cached in {directory}, but without the remote nothing tells '
-                f'whether it is current, so it is not used)' if cached else '')
-        return ConfigError(f'{where}: cannot read {e}{note}')
-
-    def _remote_changed(self, name: str, directory: str, remote_dir: str,
-                        changed: list[str]) -> None:
-        """The remote's metadata differs from the local copy: refresh our cache, or refuse."""
-        where, spec = self._where(name), self.config.streams[name]
-        what = ' and '.join(changed)
-        if spec.local:
-            raise ConfigError(
-                f'{where}: remote {remote_dir} changed since local {directory} was filled ({what} '
-                f'differ): its shard files are stale, and streaming would read them as the new '
-                f"dataset's. foundrymix never deletes files in a directory you named in local:; "
-                f'delete {directory} (to download the new dataset there), point local: at an '
-                f"empty directory, or leave local: out to use foundrymix's cache (refreshed "
-                f'when its remote changes)')
-        from foundrymix.format.shards import read_index
-        removed = 0
-        try:
-            old = read_index(os.path.join(directory, INDEX_NAME))
-        except ValueError:
-            old = {'shards': []}  # no readable old index: nothing it named can be trusted
-        for shard in old['shards']:
-            for key in ('raw_data', 'zip_data'):
-                info = shard.get(key)
-                if not info:
-                    continue
-                for path in (os.path.join(directory, info['basename']),
-                             os.path.join(directory, info['basename']) + '.tmp'):
-                    try:
-                        os.remove(path)
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
-        logger.warning('%s: remote %s changed since the cache %s was filled (%s differ): '
-                       'fetched the new metadata and removed %d stale cached shard file(s)',
-                       where, remote_dir, directory, what, removed)
+        """A remote stream's manifest and index, fetched afresh once per catalog (see
+        :func:`foundrymix.plan.remote_meta.sync_remote`)."""
+        if name not in self._synced:
+            from foundrymix.plan.remote_meta import sync_remote
+            sync_remote(self.config, name, self._where(name))
+            self._synced.add(name)
 
     def info(self, name: str) -> StreamInfo:
         """Manifest and index of stream ``name`` (fetched if remote-only), read once."""
@@ -280,8 +165,7 @@ class Catalog:
     def _foundry_tokens(self, name: str, index: dict[str, Any], directory: str) -> StreamInfo:
         """LLM-Foundry token shards used in place: a manifest made in memory from ``index.json``,
         shard 0 (its row length and document rule) and the stream's ``tokenizer``."""
-        from foundrymix.format.foundry_tokens import document_rule, shard0_layout, uneven_shards
-        from foundrymix.format.schema import SCHEMA_VERSION, Counts, token_dtype_for
+        from foundrymix.format.foundry_tokens import in_place_manifest
         from foundrymix.format.shards import shard_raw_bytes, stored_name
         from foundrymix.tokenizer import describe_tokenizer
 
@@ -297,26 +181,9 @@ class Catalog:
         first = index['shards'][0]
         data = shard_raw_bytes(first, self._shard_bytes(name, stored_name(first)))
         try:
-            layout, shard0 = shard0_layout(data, first, where)
+            manifest = in_place_manifest(index, data, tokenizer, where)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        uneven = uneven_shards(index, layout)
-        if uneven:
-            raise ConfigError(f"{where}: {', '.join(uneven[:3])}{' ...' if len(uneven) > 3 else ''}: rows of "
-                              f"another length than shard 0's {layout.length} tokens; LLM-Foundry token rows "
-                              f"used in place must all be one length: adopt them (`foundrymix adopt`)")
-        stream = shard0.reshape(-1)
-        rule, separator = document_rule(stream, tokenizer.eos_id, tokenizer.bos_id)
-        rows = sum(int(s['samples']) for s in index['shards'])
-        tokens = rows * layout.length
-        manifest = Manifest(
-            kind='pretrain', max_seq_len=layout.length, token_dtype=token_dtype_for(tokenizer.vocab_size),
-            tokenizer=tokenizer, counts=Counts(rows=rows, tokens=tokens, loss_tokens=tokens),
-            options={'format': 'llm-foundry-tokens', 'documents': rule, 'separator': separator,
-                     'file_dtype': layout.dtype,
-                     'hashes': sorted(set.intersection(*[set(s.get('raw_data', {}).get('hashes') or {})
-                                                        for s in index['shards']]))},
-            schema_version=SCHEMA_VERSION, created_by='LLM-Foundry tokens, used in place')
         return StreamInfo(name=name, spec=spec, local=self.config.stream_local(name), directory=directory,
                           remote_dir=self.config.stream_remote_dir(name), manifest=manifest, index=index,
                           where=where)
