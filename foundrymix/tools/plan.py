@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
             out['lr_schedule'] = schedule.to_dict(lr)
         print(json.dumps(out, indent=2))
     else:
-        from foundrymix.plan.render import console_for_output, render_lr_schedule, render_plan, render_run_plan
+        from foundrymix.tools.render import console_for_output, render_lr_schedule, render_plan, render_run_plan
         console = console_for_output()
         if cfg.model is None:
             print('no model section: the data is planned; `foundrymix train` needs a model (and max_seq_len)')
@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
         if schedule is not None:
             render_lr_schedule(schedule, lr, console)
     if args.png:
-        from foundrymix.plan.render import plot_run_plan
+        from foundrymix.train.picture import plot_run_plan
         plot_run_plan(run, args.png, lr=(schedule, lr) if schedule is not None else None)
         if not args.json:
             print(f'picture: {args.png}')

@@ -437,7 +437,7 @@ def train(cfg: TrainConfig) -> TrainRun:
 def _plot_staged(run: TrainRun) -> None:
     """The planned mixture over the run's batches with the realized one drawn over it, the
     training loss per stream under it, and a ``wsd`` run's LR under that."""
-    from foundrymix.plan.render import plot_run_plan
+    from foundrymix.train.picture import plot_run_plan
     history = run.accounting.history
     if not history or not run.accounting.plot:
         return

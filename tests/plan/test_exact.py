@@ -159,8 +159,10 @@ def test_rank_counts_over_the_limit_only_on_request(root, tmp_path, capsys, monk
     assert ([(r['batches_per_epoch'], r['samples_per_epoch']) for r in over['per_rank']]
             == [(r['batches_per_epoch'], r['samples_per_epoch']) for r in counted['per_rank']])
     assert 'not counted over 100 rows an epoch (--rank-counts counts them' in over['counted']['per_rank']
-    assert main(['plan', cfg, '--world-size', '4']) == 0
-    assert '  rank 3 (node 0, local 3): 43 batches, 86 rows/epoch\n' in capsys.readouterr().out
+    assert main(['plan', cfg, '--world-size', '4', '--png', str(tmp_path / 'mix.png')]) == 0
+    out = capsys.readouterr().out
+    assert '  rank 3 (node 0, local 3): 43 batches, 86 rows/epoch\n' in out
+    assert (tmp_path / 'mix.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and 'picture: ' in out
     assert main(['plan', cfg, '--world-size', '4', '--rank-counts', '--json']) == 0
     asked = json.loads(capsys.readouterr().out)
     assert asked['per_rank'] == counted['per_rank'] and asked['counted']['per_rank'] == 'counted'

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from foundrymix.cli import main
-from foundrymix.plan.render import EXTREME_ROWS
+from foundrymix.tools.render import EXTREME_ROWS
 from mix_helpers import build_stream
 
 GROUPS = {'web': 1, 'code': 0.5, 'math': 2}   # repeat per group: code/ is under one pass

@@ -88,7 +88,7 @@ def test_group_choose_splits_exactly_and_repeat_applies_to_each(dirs):
 def test_plan_records_and_shows_the_yaml_groups(dirs):
     from rich.console import Console
 
-    from foundrymix.plan.render import render_plan
+    from foundrymix.tools.render import render_plan
     cfg = loader(dirs, {'web/*': {'proportion': 0.6}, 'code/*': {'proportion': 0.3},
                         'books': {'proportion': 0.1}}, epoch_size=1000)
     plan = StreamMixer.from_dict(cfg).plan(1)
