@@ -141,8 +141,11 @@ def main() -> int:
 
         from streaming import StreamingDataset
 
-        from foundrymix.plan.exact import make_streams
-        raw_ds = StreamingDataset(streams=make_streams(mixer.catalog.infos()), batch_size=args.batch_size,
+        from streaming import Stream
+        infos = mixer.catalog.infos()
+        raw_ds = StreamingDataset(streams=[Stream(local=i.local, repeat=i.spec.repeat,
+                                                  proportion=i.spec.proportion, choose=i.spec.choose)
+                                           for i in infos], batch_size=args.batch_size,
                                   shuffle=True, shuffle_seed=1)
         raw = torch.utils.data.DataLoader(raw_ds, batch_size=args.batch_size, collate_fn=raw_collate,
                                           num_workers=args.workers, drop_last=True,

@@ -1,26 +1,17 @@
 """Collate decoded samples into a batch of ``int64`` tensors that share one storage.
 
-Why one storage: a DataLoader worker hands each batch to the main process through
-shared memory, and torch creates one shared-memory segment *per storage*. Creating a
-segment costs milliseconds on some systems (we measured ~11 ms in a container), far more
-than decoding a row, so a batch of 7 separate tensors was 7x that cost. Here every key
-is a view into a single ``int64`` buffer: one segment per batch, as for a raw
-``input_ids`` batch. The views behave as ordinary tensors (slicing, ``.to(device)``).
-The batch is a :class:`Batch` (a ``dict``) that pickles as its one buffer plus layout,
-so the worker -> main hand-off passes one file descriptor, not one per key.
+Every key is a view into one ``int64`` buffer, so a worker hands a batch to the main
+process through one shared-memory segment, not one per key (torch makes a segment per
+storage, and a segment costs far more than decoding a row). The views behave as ordinary
+tensors.
 
-Stored rows are collated compactly. When the samples are stored rows (what
-``MixedDataset`` yields under ``StreamMixer.build_dataloader``), the batch is decoded at
-once by :func:`foundrymix.format.schema.decode_rows` and *pickles as the rows* (tokens in their
-stored ``uint16``/``uint32``, spans, document lengths, ids: ~4 KB per 2048-token row
-instead of ~80 KB of ``int64``), to be decoded again where it is unpickled -- the main
-process. Why: pages of a fresh shared-memory segment are slow to fault in (we measured
-~0.6 ms for the 640 KB of one 8 x 2048 batch in a VM, vs ~0.02 ms for a private buffer
-that is reused), so shipping the decoded batch cost more than decoding it twice. A batch
-changed after collation (a key replaced, or a tensor written in place by torch) no
-longer matches its rows and pickles as its buffer, as before. Writes through a value's
-``.numpy()`` view bump no torch version counter and go unseen: a custom collate wrapper
-that edits the batch in a worker must replace keys or use torch operations.
+A batch of stored rows (what the loader's workers read) *pickles as the rows* -- tokens in
+their stored ``uint16``/``uint32``, spans, document lengths, ids: ~1/20 of the ``int64``
+batch -- and is decoded again where it is unpickled, because faulting in a fresh segment's
+pages costs more than decoding twice. A batch changed after collation (a key replaced, a
+tensor written in place by torch) pickles as its buffer. Writes through a value's
+``.numpy()`` view bump no version counter and go unseen: a collate wrapper that edits the
+batch in a worker must replace keys or use torch operations.
 """
 
 from __future__ import annotations

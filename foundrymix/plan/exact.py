@@ -3,8 +3,8 @@ are whole rows.
 
 A group's weight is spread over its members and token shares (``weights_in``) become row
 proportions (:func:`resolve_groups`, :func:`row_proportions`); rows per stream per epoch
-are then streaming's ``Stream.apply_weights`` arithmetic, so a weight means what it means
-in streaming.
+are then streaming's ``Stream.apply_weights`` arithmetic (:func:`weighted`, numpy only), so
+a weight means what it means in streaming.
 
 An epoch is one block of the order (:mod:`foundrymix.plan.order`), so it must be whole
 global batches: ranks then slice every batch evenly and no row is padded or repeated to
@@ -53,14 +53,48 @@ class EpochWeights:
         return tuple(max(0, r - n) for n, r in zip(self.nominal, self.rows))
 
 
-def weighted_streams(infos: list[StreamInfo], weights: EpochWeights, seed: int,
-                     weights_in: str = 'rows') -> tuple[list[Any], int]:
-    """Fresh streams with ``weights`` applied by ``Stream.apply_weights``; returns (streams,
-    epoch size)."""
-    from streaming import Stream
-    streams = make_streams(infos, weights.chooses, weights_in)
+@dataclass(frozen=True)
+class Weighted:
+    """Rows per stream per epoch, each stream's share of the epoch, and the epoch's size."""
+
+    chooses: np.ndarray
+    proportions: np.ndarray
+    epoch_size: int
+
+
+def weighted(infos: list[StreamInfo], weights: EpochWeights, seed: int,
+             weights_in: str = 'rows') -> Weighted:
+    """``weights`` applied to the streams exactly as streaming's ``Stream.apply_weights``
+    applies them (a weight means what it means there; tested against it), in plain numpy.
+
+    Relative (every stream a ``proportion``, or none and an ``epoch_size``): ``floor(size x
+    share)`` rows each, the shortfall one row each to streams drawn by ``seed``. Absolute:
+    ``int(repeat x rows)``, ``choose``, or all rows. ``weights.chooses`` replaces the
+    configured weights when an exact epoch trimmed them."""
     rows = np.array([i.rows for i in infos], np.int64)
-    return streams, Stream.apply_weights(streams, rows, weights.epoch_size, seed)
+    size = weights.epoch_size
+    if weights.chooses is not None:
+        given: list[Any] = [('choose', c) for c in weights.chooses]
+    else:
+        props = row_proportions(infos, weights_in)
+        given = [('proportion', p) if p is not None else ('repeat', i.spec.repeat)
+                 if i.spec.repeat is not None else ('choose', i.spec.choose)
+                 if i.spec.choose is not None else (None, None) for p, i in zip(props, infos)]
+    kinds = {k for k, _ in given}
+    if kinds == {'proportion'} or (kinds == {None} and size):
+        shares = (np.array([v for _, v in given], np.float64) if kinds == {'proportion'}
+                  else rows.astype(np.float64))
+        shares /= shares.sum()
+        total = size or int(rows.sum())
+        chooses = (total * shares).astype(np.int64)
+        chooses[np.random.default_rng(seed).choice(len(infos), total - int(chooses.sum()), False)] += 1
+        return Weighted(chooses, shares, int(total))
+    if 'proportion' in kinds or size:  # LoaderConfig refuses both before a plan is made
+        raise ConfigError('relative and absolute weights mixed, or an epoch_size with absolute weights')
+    chooses = np.array([int(v * r) if k == 'repeat' else int(v) if k == 'choose' else int(r)
+                        for (k, v), r in zip(given, rows)], np.int64)
+    with np.errstate(invalid='ignore', divide='ignore'):
+        return Weighted(chooses, chooses / chooses.sum(), int(chooses.sum()))
 
 
 def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: int,
@@ -70,12 +104,12 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     unless ``exact: false`` (which trains the rounded shares)."""
     requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
     base = EpochWeights(requested, None, (), (), 1)
-    streams, size = weighted_streams(infos, base, config.shuffle_seed, config.weights_in)
-    nominal = tuple(int(s.choose) for s in streams)
+    w = weighted(infos, base, config.shuffle_seed, config.weights_in)
+    size, nominal = w.epoch_size, tuple(int(c) for c in w.chooses)
     base = EpochWeights(requested, None, nominal, nominal, 1)
     if config.batching_method == 'stratified':  # every batch is a block of whole rows
         if config.exact:
-            check_stratified([i.name for i in infos], [float(s.proportion) for s in streams],
+            check_stratified([i.name for i in infos], [float(p) for p in w.proportions],
                              global_batch, where)
         return base
     unit = global_batch
@@ -87,9 +121,8 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     else:
         rows = tuple(i.rows for i in infos)
         trimmed = EpochWeights(None, trim_chooses(nominal, cut, rows), nominal, (), unit)
-    streams, _ = weighted_streams(infos, trimmed, config.shuffle_seed, config.weights_in)
-    return EpochWeights(trimmed.epoch_size, trimmed.chooses, nominal,
-                        tuple(int(s.choose) for s in streams), unit)
+    rows = tuple(int(c) for c in weighted(infos, trimmed, config.shuffle_seed, config.weights_in).chooses)
+    return EpochWeights(trimmed.epoch_size, trimmed.chooses, nominal, rows, unit)
 
 
 def trim_chooses(chooses: tuple[int, ...], cut: int,
@@ -227,23 +260,3 @@ def row_proportions(infos: list[StreamInfo], weights_in: str) -> list[Optional[f
     raw = [p / units_per_row(i, weights_in) for p, i in zip(given, infos)]  # type: ignore[operator]
     scale = sum(given) / sum(raw) if sum(raw) > 0 else 0.0  # type: ignore[arg-type]
     return [r * scale for r in raw]
-
-
-def make_streams(infos: list[StreamInfo], chooses: Optional[Any] = None,
-                 weights_in: str = 'rows') -> list[Any]:
-    """Fresh ``streaming.Stream`` objects carrying each stream's weight, in order, for
-    ``Stream.apply_weights`` (streaming's weight arithmetic, which the plan keeps so that
-    a weight means what it means in streaming). ``chooses`` (rows per stream per epoch)
-    replaces the configured weights when an exact epoch trims them; otherwise
-    ``weights_in`` says what ``proportion`` is a share of (:func:`row_proportions`)."""
-    from streaming import Stream
-
-    if chooses is not None:
-        streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split, choose=int(c))
-                   for i, c in zip(infos, chooses)]
-    else:
-        proportions = row_proportions(infos, weights_in)
-        streams = [Stream(remote=i.spec.remote, local=i.local, split=i.spec.split,
-                          repeat=i.spec.repeat, proportion=p, choose=i.spec.choose)
-                   for i, p in zip(infos, proportions)]
-    return streams

@@ -3,7 +3,7 @@
 Why exact: Megatron-style blending oversamples by 0.5% and users cannot tell which rows
 repeat. Here every number is the order's arithmetic (:mod:`foundrymix.plan.order`), the
 same object the loader reads: rows per stream per epoch from the weights (``Stream.
-apply_weights``, trimmed to whole global batches), rows per stream over any prefix of the
+apply_weights``' arithmetic, trimmed to whole global batches), rows per stream over any prefix of the
 run by the order's block counts, every rank's rows by its slice of each global batch.
 Nothing is replayed and no shard is read.
 
@@ -27,7 +27,7 @@ import numpy as np
 from foundrymix.config import DURATION_UNITS, ConfigError, parse_duration
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
-from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted_streams
+from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted
 from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, rank_counts, stream_draws
 from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
@@ -169,11 +169,11 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     batching every global batch is a block of the same rows per stream."""
     G = batch_size * topology.world_size
     weights = epoch_weights(config, infos, G)
-    streams, epoch_size = weighted_streams(infos, weights, config.shuffle_seed, config.weights_in)
+    w = weighted(infos, weights, config.shuffle_seed, config.weights_in)
+    epoch_size, chooses = w.epoch_size, w.chooses
     rows = np.array([i.rows for i in infos], np.int64)
-    chooses = np.array([int(s.choose) for s in streams], np.int64)
     if config.batching_method == 'stratified':
-        portions = np.array(stratified_portions([float(s.proportion) for s in streams], G), np.int64)
+        portions = np.array(stratified_portions([float(p) for p in w.proportions], G), np.int64)
         fits = [int(c) // int(p) for c, p in zip(chooses, portions) if p > 0]
         batches = min(fits) if fits else 0
         trained, block = portions * batches, portions
@@ -181,7 +181,7 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     else:
         batches = epoch_size // G
         trained, block = chooses, chooses
-        shares = chooses / epoch_size if epoch_size else np.zeros(len(streams))
+        shares = chooses / epoch_size if epoch_size else np.zeros(len(infos))
     order = stage_order(config, infos, block if block.sum() else np.ones(1, np.int64), G, stage)
     return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
                   shares=shares, weights=weights, batches=batches, order=order)

@@ -192,3 +192,43 @@ def test_proportions_lower_epoch_size_and_every_stream_gives_up_its_share(root):
     assert {s.name: s.rows_per_epoch for s in plan.streams} == dict(zip(('arxiv', 'wiki', 'dolly'),
                                                                          (got[0], got[1], got[2])))
     assert plan.left_out_per_epoch == {'arxiv': 1, 'wiki': 72 - got[1], 'dolly': 48 - got[2]}
+
+
+def test_weights_are_streamings_apply_weights_exactly():
+    """The plan's own weight arithmetic against streaming's ``Stream.apply_weights`` (the
+    meaning a weight has in streaming) over random relative, unspecified and absolute
+    weights, epoch sizes, trimmed chooses and rows up to 10^10."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from streaming import Stream
+
+    from foundrymix.plan.exact import EpochWeights, weighted
+    rng = np.random.default_rng(0)
+    for case in range(400):
+        n = int(rng.integers(1, 13))
+        rows = rng.integers(1, 10 ** int(rng.integers(1, 11)), n)
+        kind = case % 4
+        size, chooses = None, None
+        if kind == 0:      # proportions, with or without epoch_size
+            specs = [dict(proportion=float(p)) for p in rng.random(n) + 0.01]
+            size = int(rng.integers(1, 10 ** 9)) if case % 8 else None
+        elif kind == 1:    # no weights and an epoch_size
+            specs, size = [{} for _ in range(n)], int(rng.integers(1, 10 ** 9))
+        elif kind == 2:    # repeat / choose / none
+            specs = [[dict(repeat=float(rng.random() * 3)), dict(choose=int(rng.integers(0, 10 ** 6))),
+                      {}][int(rng.integers(0, 3))] for _ in range(n)]
+        else:              # an exact epoch's trimmed chooses
+            specs, chooses = [{} for _ in range(n)], tuple(int(c) for c in rng.integers(0, 10 ** 6, n))
+        seed = int(rng.integers(0, 2 ** 31))
+        infos = [SimpleNamespace(rows=int(r), spec=SimpleNamespace(**{'proportion': None, 'repeat': None,
+                                                                      'choose': None, **s}))
+                 for r, s in zip(rows, specs)]
+        ours = weighted(infos, EpochWeights(size, chooses, (), (), 1), seed)
+        streams = [Stream(local=f'/nonexistent/{i}', **({'choose': chooses[i]} if chooses else s))
+                   for i, s in enumerate(specs)]
+        theirs = Stream.apply_weights(streams, rows.astype(np.int64), size, seed)
+        assert ours.epoch_size == theirs, case
+        assert ours.chooses.tolist() == [int(s.choose) for s in streams], case
+        assert np.array_equal(ours.proportions, np.array([s.proportion for s in streams], np.float64),
+                              equal_nan=True), case

@@ -67,7 +67,6 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
     cfg = load_config(str(ROOT / 'yamls' / yaml_name),
                       [f'variables.out={tmp_path}', f'variables.data={tmp_path / "data"}'])
     from foundrymix.loader.mixer import build_store
-    from foundrymix.plan.exact import weighted_streams
     run = build_trainer(cfg)
     try:
         if cfg.train_loader.stages is not None:
@@ -79,7 +78,7 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
         stage = run.run_plan.stages[0]
         store = build_store(stage.config, stage.infos)
         store.release()
-        streams, size = weighted_streams(stage.infos, stage.weights, stage.config.shuffle_seed,
+        streams, size = streaming_weights(stage.infos, stage.weights, stage.config.shuffle_seed,
                                          stage.config.weights_in)
         assert [s.name for s in run.plan.streams] == list(raw_yaml(yaml_name)['train_loader']['streams'])
         assert [s.rows for s in run.plan.streams] == np.diff([*store.sample_offset_per_stream,
@@ -97,6 +96,21 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
         run.trainer.close()
 
 
+def streaming_weights(infos, weights, seed, weights_in):
+    """(streams, epoch size) from streaming's own ``Stream.apply_weights`` for the plan's
+    epoch weights: the meaning a weight has in streaming, which the plan must keep."""
+    from streaming import Stream
+
+    from foundrymix.plan.exact import row_proportions
+    if weights.chooses is not None:
+        streams = [Stream(local=i.local, choose=int(c)) for i, c in zip(infos, weights.chooses)]
+    else:
+        streams = [Stream(local=i.local, repeat=i.spec.repeat, proportion=p, choose=i.spec.choose)
+                   for i, p in zip(infos, row_proportions(infos, weights_in))]
+    rows = np.array([i.rows for i in infos], np.int64)
+    return streams, Stream.apply_weights(streams, rows, weights.epoch_size, seed)
+
+
 def check_staged_example(run, yaml_name: str) -> None:
     """A staged example: every stage's plan against the dataset streaming builds for it."""
     import gc
@@ -104,9 +118,8 @@ def check_staged_example(run, yaml_name: str) -> None:
     from composer.core import Time
     stages = raw_yaml(yaml_name)['train_loader']['stages']
     assert [s.name for s in run.plan.stages] == [s['name'] for s in stages]
-    from foundrymix.plan.exact import weighted_streams
     for stage in run.plan.stages:
-        streams, size = weighted_streams(stage.infos, stage.weights, stage.config.shuffle_seed,
+        streams, size = streaming_weights(stage.infos, stage.weights, stage.config.shuffle_seed,
                                          stage.config.weights_in)
         assert [s.name for s in stage.plan.streams] == list(stages[stage.index]['streams'])
         assert [s.rows_per_epoch for s in stage.plan.streams] == [int(s.choose) for s in streams]
