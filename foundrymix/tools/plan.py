@@ -36,7 +36,7 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
     evaluates), or None for Composer's schedulers; refused as ``train`` refuses it."""
     if cfg.scheduler.name != 'wsd':
         return None
-    from foundrymix.plan.schedule import Timeline, resolve_wsd
+    from foundrymix.train.lr_schedule import Timeline, resolve_wsd
     return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
 
 

@@ -17,7 +17,7 @@ from foundrymix.config import (ConfigError, Duration, Gather, Interval, blame, c
                                load_yaml_overrides, read_dataclass, to_plain)
 from foundrymix.heap import collector_paused
 from foundrymix.plan.config import LoaderConfig, cache_base
-from foundrymix.plan.schedule import Decay, Span, check_stage_names
+from foundrymix.train.lr_schedule import Decay, Span, check_stage_names
 from foundrymix.train.algorithms import Algorithms
 from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
 from foundrymix.train.gpu import CompileSettings, FSDPSettings
@@ -40,7 +40,7 @@ class OptimizerConfig:
 class SchedulerConfig:
     """LR schedule: Composer's ``cosine_with_warmup``, ``linear_decay_with_warmup`` or
     ``constant_with_warmup`` (``t_warmup``, ``alpha_f``), or ``wsd``: warmup-stable-decay over
-    the run's batches (``warmup``, ``decay``; :mod:`foundrymix.plan.schedule`)."""
+    the run's batches (``warmup``, ``decay``; :mod:`foundrymix.train.lr_schedule`)."""
 
     name: Literal['cosine_with_warmup', 'linear_decay_with_warmup',
                   'constant_with_warmup', 'wsd'] = 'cosine_with_warmup'

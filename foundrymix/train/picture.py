@@ -15,7 +15,7 @@ def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
     Panels below it, on the same batch axis and stage boundaries: ``losses`` (batches,
     cumulative loss sums, cumulative loss targets per stream, from the report's history):
     each stream's mean training loss between consecutive history points; ``lr`` (a
-    :class:`~foundrymix.plan.schedule.WSDSchedule` and the base LR): the LR of every batch.
+    :class:`~foundrymix.train.lr_schedule.WSDSchedule` and the base LR): the LR of every batch.
     """
     import matplotlib
     matplotlib.use('Agg')

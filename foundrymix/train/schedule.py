@@ -8,7 +8,7 @@ while ``state.timestamp.batch`` still reads ``b``; the one call before training
 schedulers evaluated at the timestamp therefore train batch ``b`` with their value at
 ``b - 1`` (batches 0 and 1 alike); this one returns, for each call, the multiplier
 of the batch it sets -- so the LR of every batch is exactly
-:meth:`~foundrymix.plan.schedule.WSDSchedule.multiplier`, what ``foundrymix plan`` prints.
+:meth:`~foundrymix.train.lr_schedule.WSDSchedule.multiplier`, what ``foundrymix plan`` prints.
 
 A resumed run loads the optimizer's LR as the checkpoint's run left it (for the next batch
 under *that* run's schedule); :func:`apply_resume_lr` sets the resume batch's LR under this
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from foundrymix.plan.schedule import Timeline, WSDSchedule, resolve_wsd
+from foundrymix.train.lr_schedule import Timeline, WSDSchedule, resolve_wsd
 
 
 class WSDScheduler:

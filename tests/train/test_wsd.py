@@ -3,7 +3,7 @@ first batch, and the extend / branch recipes of docs/schedules.md.
 
 Every run is in-process (a 1-layer Llama on ``small_streams``, 4-row batches): the LR each batch
 trains with is read from the optimizer at ``BATCH_START``, and compared with the schedule's
-formula written out here, independently of :mod:`foundrymix.plan.schedule`.
+formula written out here, independently of :mod:`foundrymix.train.lr_schedule`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The warmup-stable-decay LR schedule (``scheduler: {name: wsd, ...}``) as arithmetic over
 global batches, resolved against the run's stages.
 
-Why here, in ``plan/``: ``foundrymix plan`` prints and draws the LR the run will train with,
-and the trainer's Composer scheduler (:mod:`foundrymix.train.schedule`) must give exactly
-those numbers -- so both evaluate one function, :meth:`WSDSchedule.multiplier`, over spans
+Pure (no Composer, no torch): ``foundrymix plan`` prints and draws the LR the run will train
+with, and the trainer's Composer scheduler (:mod:`foundrymix.train.schedule`) must give
+exactly those numbers -- so both evaluate one function, :meth:`WSDSchedule.multiplier`, over spans
 resolved once from the :class:`~foundrymix.plan.stages.RunPlan` (a stage's name becomes its
 exact batches; ``sp``/``tok``/``dur``/``%`` become whole batches or are refused with the
 numbers, as stage durations are).
