@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-#: model types checked (tests) to compute logits as ``hidden @ lm_head.weight.T`` and nothing more
-FUSED_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3')
+from foundrymix.train.model_spec import FUSED_TYPES  # noqa: F401 (the types it is checked for)
 
 #: logits held at once, per chunk (float32: 256 MiB)
 CHUNK_ELEMENTS = 1 << 26

@@ -158,9 +158,12 @@ class ModelSpec:
                    fused_loss=fused)
 
 
-def _read_fused_loss(value: Any, model_type: str, peft: Any, where: str) -> bool:
-    from foundrymix.train.fused_loss import FUSED_TYPES
+#: model types whose logits are ``hidden @ lm_head.weight.T`` and nothing more, checked against
+#: transformers' own loss (:mod:`foundrymix.train.fused_loss`)
+FUSED_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3')
 
+
+def _read_fused_loss(value: Any, model_type: str, peft: Any, where: str) -> bool:
     if not isinstance(value, bool):
         raise ModelConfigError(f'{where}.fused_loss: {value!r}; write true or false', path=f'{where}.fused_loss')
     if value and model_type and model_type not in FUSED_TYPES:
