@@ -251,11 +251,13 @@ def download_datasets(url: str, into: str, progress: bool = False) -> int:
     the user would otherwise make with ``aws s3 sync`` (``adopt`` deletes it when done).
     Only what the indexes list is fetched, not the rest of the prefix.
     """
-    from foundrymix.convert.upload import RetryCounter, _list_keys, describe, index_files, make_client, parse_s3_url
-    s3 = parse_s3_url(url)
+    from foundrymix.convert.upload import parse_s3_url
+    from foundrymix.format.shards import index_files
+    from foundrymix.s3.client import RetryCounter, describe, list_keys, make_client
+    s3 = parse_s3_url(url, 'adopt')
     client = make_client(RetryCounter())
     try:
-        keys = set(_list_keys(client, s3))
+        keys = set(list_keys(client, s3))
     except Exception as e:
         raise UserError(describe('listing', url, e)) from None
     indexes = sorted(k for k in keys if k.split('/')[-1] == INDEX_NAME

@@ -11,7 +11,8 @@ import re
 import shutil
 import stat
 
-from foundrymix.convert.upload import INDEX_NAME, SHARD_NAME, index_files
+from foundrymix.convert.upload import INDEX_NAME, SHARD_NAME
+from foundrymix.format.shards import index_files
 from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.format.schema import MANIFEST_NAME
 

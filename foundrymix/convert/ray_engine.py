@@ -60,10 +60,10 @@ from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, importing
 from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
-from foundrymix.convert.upload import shard_file
 from foundrymix.convert.writer import _FINISH, ShardWriter
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Counts, Manifest, mds_columns, rows_of
+from foundrymix.format.shards import stored_name
 
 if TYPE_CHECKING:
     from foundrymix.convert.driver import Converter
@@ -207,7 +207,7 @@ class _MergedOutput(ShardWriter):
         sub = os.path.basename(_task_dir(self.partial, index))
         with open(os.path.join(self.partial, sub, 'index.json'), encoding='utf-8') as f:
             for shard in json.load(f)['shards']:
-                self._uploader.submit(f'{sub}/{shard_file(shard)}')
+                self._uploader.submit(f'{sub}/{stored_name(shard)}')
 
     def _run(self, *args: Any) -> None:
         try:

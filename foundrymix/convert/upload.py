@@ -28,14 +28,8 @@ and S3's error code); a prefix that holds a dataset (``index.json`` or
 Why boto3 and not streaming's ``S3Uploader``: that uploader retries with its own loop,
 hides the attempts, uploads ``index.json`` inside ``MDSWriter.finish`` (before our
 manifest, and even after a failed shard upload has only been logged), and has no notion
-of replacing a dataset safely. Here one boto3 client (thread-safe) uses botocore's
-``standard`` retry mode (exponential backoff with jitter on throttling such as 503
-``SlowDown``, 5xx, connection resets and timeouts; ``AWS_MAX_ATTEMPTS`` sets the attempts,
-default 8), and a ``needs-retry`` event handler counts every failed attempt by reason, so
-the summary can say how many retries the upload took. Credentials and endpoint are found
-as streaming finds them: boto3's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
-``AWS_PROFILE``, ``~/.aws``, instance roles) and ``S3_ENDPOINT_URL`` for S3-compatible
-stores.
+of replacing a dataset safely. The client is :func:`foundrymix.s3.client.make_client`'s
+(standard retries, every failed attempt counted for the summary).
 """
 
 from __future__ import annotations
@@ -46,13 +40,14 @@ import os
 import re
 import threading
 import time
-from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from foundrymix.errors import FoundrymixError
 from foundrymix.format.schema import MANIFEST_NAME
+from foundrymix.format.shards import index_files
+from foundrymix.s3.client import RetryCounter, S3Url, describe, list_keys, make_client
 
 logger = logging.getLogger(__name__)
 
@@ -69,32 +64,13 @@ SHARD_NAME = re.compile(r'^(task-\d+/)?shard\.\d+\.mds(\.[A-Za-z0-9:_-]+)?$')
 #: shard writer may get ahead by (so local disk holds at most about this many shards)
 UPLOAD_THREADS = 4
 MAX_PENDING = 2 * UPLOAD_THREADS
-DEFAULT_ATTEMPTS = 8
 
 
 class RemoteOutputError(FoundrymixError, ValueError):
     """The S3 output prefix cannot be written (named, with the S3 error code), or is not empty."""
 
 
-@dataclass(frozen=True)
-class S3Url:
-    """``s3://bucket/prefix``; ``prefix`` without leading or trailing slashes ('' = bucket root)."""
-
-    bucket: str
-    prefix: str
-
-    def key(self, name: str) -> str:
-        return f'{self.prefix}/{name}' if self.prefix else name
-
-    def url(self, name: str = '') -> str:
-        key = self.key(name) if name else self.prefix
-        return f's3://{self.bucket}/{key}'.rstrip('/')
-
-    def __str__(self) -> str:
-        return self.url()
-
-
-def parse_s3_url(url: str) -> S3Url:
+def parse_s3_url(url: str, flag: str = '--out') -> S3Url:
     """Split ``s3://bucket/prefix``; other schemes are refused (only S3 uploads are supported)."""
     scheme, sep, rest = url.partition('://')
     if not sep or scheme.lower() != 's3':
@@ -102,113 +78,8 @@ def parse_s3_url(url: str) -> S3Url:
                                 f'(for another store, convert to a local directory and copy it)')
     bucket, _, prefix = rest.partition('/')
     if not bucket:
-        raise RemoteOutputError(f'--out {url}: no bucket name (expected s3://bucket/prefix)')
+        raise RemoteOutputError(f'{flag} {url}: no bucket name (expected s3://bucket/prefix)')
     return S3Url(bucket, prefix.strip('/'))
-
-
-def error_code(error: BaseException) -> str:
-    """S3's error code, or the exception's class name for errors below HTTP."""
-    from foundrymix.s3.remote import s3_code
-    return s3_code(error) or type(error).__name__
-
-
-def _hint(code: str) -> str:
-    if code in ('NoSuchBucket', '404', 'NotFound'):
-        return 'check the bucket name and the endpoint (S3_ENDPOINT_URL)'
-    if code in ('InvalidAccessKeyId', 'SignatureDoesNotMatch', 'AccessDenied', '403', 'Forbidden',
-                'NoCredentialsError', 'PartialCredentialsError', 'ExpiredToken'):
-        return ('check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) '
-                'and that they may list, read, write and delete under this prefix')
-    return 'check that the endpoint is up and reachable (S3_ENDPOINT_URL, network, proxy settings)'
-
-
-def describe(action: str, url: str, error: BaseException) -> str:
-    """One message naming the URL, what was attempted, S3's error code and what to check."""
-    code = error_code(error)
-    return f'{url}: {action} failed ({code}: {error}); {_hint(code)}'
-
-
-@dataclass
-class RetryCounter:
-    """Failed attempts botocore retried, by reason (S3 error code, HTTP status, exception).
-
-    Counted in a ``needs-retry`` handler, which botocore calls after every attempt; an
-    attempt counts when it raised (reset, timeout) or got a 5xx/429 answer. The last failed
-    attempt of a request that fails for good is counted too, but then the upload fails.
-    """
-
-    reasons: Counter = field(default_factory=Counter)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __call__(self, response: Any = None, caught_exception: Optional[BaseException] = None,
-                 **_: Any) -> None:
-        reason = None
-        if caught_exception is not None:
-            reason = type(caught_exception).__name__
-        elif response is not None:
-            http, parsed = response
-            if http.status_code >= 500 or http.status_code == 429:
-                reason = (parsed or {}).get('Error', {}).get('Code') or f'HTTP {http.status_code}'
-        if reason is not None:
-            with self._lock:
-                self.reasons[reason] += 1
-        return None  # never decides whether to retry: botocore's own handler does
-
-    @property
-    def total(self) -> int:
-        return sum(self.reasons.values())
-
-    def summary(self) -> str:
-        if not self.total:
-            return 'no retries'
-        parts = ', '.join(f'{reason} {n}' for reason, n in sorted(self.reasons.items()))
-        return f'{self.total} retries ({parts})'
-
-
-def make_client(retries: RetryCounter, max_attempts: Optional[int] = None,
-                connect_timeout: float = 10, read_timeout: float = 30) -> Any:
-    """A boto3 S3 client with standard retries, bounded timeouts and the retry counter.
-
-    Bounds: an endpoint that stops answering fails a request after ``max_attempts`` x
-    ``read_timeout`` plus backoff (at most 20 s between attempts): about 5 minutes for the
-    upload client (8 x 30 s), 30 s for the up-front check (3 x 10 s, measured 30.4 s).
-    """
-    import boto3
-    from botocore.config import Config
-
-    if max_attempts is None:
-        max_attempts = int(os.environ.get('AWS_MAX_ATTEMPTS') or DEFAULT_ATTEMPTS)
-    config = Config(retries={'mode': 'standard', 'total_max_attempts': max_attempts},
-                    connect_timeout=connect_timeout, read_timeout=read_timeout,
-                    max_pool_connections=UPLOAD_THREADS + 4)
-    client = boto3.session.Session().client('s3', config=config,
-                                            endpoint_url=os.environ.get('S3_ENDPOINT_URL') or None)
-    client.meta.events.register('needs-retry.s3', retries)
-    return client
-
-
-def _list_keys(client: Any, url: S3Url) -> list[str]:
-    """Every key under the prefix, relative to it (the prefix as a folder: ``prefix/``)."""
-    start = f'{url.prefix}/' if url.prefix else ''
-    names = []
-    for page in client.get_paginator('list_objects_v2').paginate(Bucket=url.bucket, Prefix=start):
-        names.extend(obj['Key'][len(start):] for obj in page.get('Contents', []))
-    return names
-
-
-def index_files(index: dict[str, Any]) -> set[str]:
-    """The shard files an ``index.json`` lists (raw and zip data, relative to the dataset)."""
-    names = set()
-    for shard in index.get('shards', []):
-        for key in ('raw_data', 'zip_data'):
-            if shard.get(key):
-                names.add(shard[key]['basename'])
-    return names
-
-
-def shard_file(shard: dict[str, Any]) -> str:
-    """The one file ``MDSWriter`` writes for an index entry (the compressed one if any)."""
-    return (shard.get('zip_data') or shard['raw_data'])['basename']
 
 
 @dataclass
@@ -227,7 +98,7 @@ def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        keys = _list_keys(client, url)  # a LIST, not HEAD: its error body names S3's code
+        keys = list_keys(client, url)  # a LIST, not HEAD: its error body names S3's code
     except (ClientError, BotoCoreError) as e:
         raise RemoteOutputError(describe('listing the prefix', str(url), e)) from e
     metadata = [n for n in (INDEX_NAME, MANIFEST_NAME) if n in keys]
@@ -275,10 +146,11 @@ def check_remote(url: str, overwrite: bool) -> 'S3Target':
     """Parse ``url``, connect, and check the prefix (before any tokenizing)."""
     parsed = parse_s3_url(url)
     retries = RetryCounter()
-    client = make_client(retries)
+    client = make_client(retries, threads=UPLOAD_THREADS)
     # the up-front check fails fast: few attempts, short timeouts (an endpoint that
     # never answers is reported after about 3 x 10 s, not minutes)
-    quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10)
+    quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10,
+                        threads=UPLOAD_THREADS)
     return S3Target(preflight(parsed, overwrite, quick), client, quick, retries)
 
 

@@ -37,9 +37,10 @@ import numpy as np
 from foundrymix.format.mds import LeanMDSWriter
 from foundrymix.convert.paths import check_out_url
 from foundrymix.convert.pipeline import importing
-from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader, shard_file
+from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader
 from foundrymix.errors import UserError
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns
+from foundrymix.format.shards import stored_name
 from foundrymix.convert.output import (  # noqa: F401 (re-exported)
     NAMED_ENTRIES,
     OutputExistsError,
@@ -214,7 +215,7 @@ class ShardWriter:
             return
         shards = self._writer.shards
         while self._submitted < len(shards):
-            self._uploader.submit(shard_file(shards[self._submitted]))
+            self._uploader.submit(stored_name(shards[self._submitted]))
             self._submitted += 1
 
     def _put(self, item: Any) -> None:
@@ -279,7 +280,7 @@ class ShardWriter:
         manifest and index last; without a local copy the staging directory goes."""
         uploader = self._uploader
         with open(os.path.join(self.partial, INDEX_NAME), encoding='utf-8') as f:
-            shard_files = {shard_file(s) for s in json.load(f)['shards']}
+            shard_files = {stored_name(s) for s in json.load(f)['shards']}
         uploader.drain()
         if self.out is not None:
             self._publish()

@@ -366,6 +366,16 @@ def decompress_shard(shard: dict[str, Any], data: bytes) -> bytes:
     return decompress(shard['compression'], data)
 
 
+def index_files(index: dict[str, Any]) -> set[str]:
+    """The shard files an ``index.json`` lists (raw and zip data, relative to the dataset)."""
+    names = set()
+    for shard in index.get('shards', []):
+        for key in ('raw_data', 'zip_data'):
+            if shard.get(key):
+                names.add(shard[key]['basename'])
+    return names
+
+
 def stored_name(shard: dict[str, Any]) -> str:
     """The file a shard is stored as: its compressed basename if it has one, else its raw one."""
     return (shard.get('zip_data') or shard['raw_data'])['basename']

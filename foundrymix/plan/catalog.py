@@ -20,8 +20,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
-
 from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig, StreamSpec, cache_base
 from foundrymix.plan.exact import resolve_groups

@@ -1,0 +1,127 @@
+"""S3 clients for writing and listing: one boto3 client with botocore's ``standard`` retries
+(backoff with jitter on throttling, 5xx, resets and timeouts), bounded timeouts, every failed
+attempt counted by reason, and errors described by URL, S3 error code and what to check.
+
+Credentials and endpoint are boto3's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``AWS_PROFILE``, ``~/.aws``, instance roles) and ``S3_ENDPOINT_URL`` for S3-compatible stores;
+``AWS_MAX_ATTEMPTS`` sets the attempts.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from foundrymix.s3.remote import s3_code
+
+#: attempts per request unless ``AWS_MAX_ATTEMPTS`` says otherwise
+DEFAULT_ATTEMPTS = 8
+
+
+@dataclass(frozen=True)
+class S3Url:
+    """``s3://bucket/prefix``; ``prefix`` without leading or trailing slashes ('' = bucket root)."""
+
+    bucket: str
+    prefix: str
+
+    def key(self, name: str) -> str:
+        return f'{self.prefix}/{name}' if self.prefix else name
+
+    def url(self, name: str = '') -> str:
+        key = self.key(name) if name else self.prefix
+        return f's3://{self.bucket}/{key}'.rstrip('/')
+
+    def __str__(self) -> str:
+        return self.url()
+
+
+def error_code(error: BaseException) -> str:
+    """S3's error code, or the exception's class name for errors below HTTP."""
+    return s3_code(error) or type(error).__name__
+
+
+def hint(code: str) -> str:
+    if code in ('NoSuchBucket', '404', 'NotFound'):
+        return 'check the bucket name and the endpoint (S3_ENDPOINT_URL)'
+    if code in ('InvalidAccessKeyId', 'SignatureDoesNotMatch', 'AccessDenied', '403', 'Forbidden',
+                'NoCredentialsError', 'PartialCredentialsError', 'ExpiredToken'):
+        return ('check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) '
+                'and that they may list, read, write and delete under this prefix')
+    return 'check that the endpoint is up and reachable (S3_ENDPOINT_URL, network, proxy settings)'
+
+
+def describe(action: str, url: str, error: BaseException) -> str:
+    """One message naming the URL, what was attempted, S3's error code and what to check."""
+    code = error_code(error)
+    return f'{url}: {action} failed ({code}: {error}); {hint(code)}'
+
+
+@dataclass
+class RetryCounter:
+    """Failed attempts botocore retried, by reason (S3 error code, HTTP status, exception).
+
+    Counted in a ``needs-retry`` handler, which botocore calls after every attempt; an
+    attempt counts when it raised (reset, timeout) or got a 5xx/429 answer. The last failed
+    attempt of a request that fails for good is counted too, but then the upload fails.
+    """
+
+    reasons: Counter = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, response: Any = None, caught_exception: Optional[BaseException] = None,
+                 **_: Any) -> None:
+        reason = None
+        if caught_exception is not None:
+            reason = type(caught_exception).__name__
+        elif response is not None:
+            http, parsed = response
+            if http.status_code >= 500 or http.status_code == 429:
+                reason = (parsed or {}).get('Error', {}).get('Code') or f'HTTP {http.status_code}'
+        if reason is not None:
+            with self._lock:
+                self.reasons[reason] += 1
+        return None  # never decides whether to retry: botocore's own handler does
+
+    @property
+    def total(self) -> int:
+        return sum(self.reasons.values())
+
+    def summary(self) -> str:
+        if not self.total:
+            return 'no retries'
+        parts = ', '.join(f'{reason} {n}' for reason, n in sorted(self.reasons.items()))
+        return f'{self.total} retries ({parts})'
+
+
+def make_client(retries: RetryCounter, max_attempts: Optional[int] = None,
+                connect_timeout: float = 10, read_timeout: float = 30, threads: int = 4) -> Any:
+    """A boto3 S3 client with standard retries, bounded timeouts and the retry counter.
+
+    An endpoint that stops answering fails a request after ``max_attempts`` x
+    ``read_timeout`` plus backoff (at most 20 s between attempts).
+    """
+    import boto3
+    from botocore.config import Config
+
+    if max_attempts is None:
+        max_attempts = int(os.environ.get('AWS_MAX_ATTEMPTS') or DEFAULT_ATTEMPTS)
+    config = Config(retries={'mode': 'standard', 'total_max_attempts': max_attempts},
+                    connect_timeout=connect_timeout, read_timeout=read_timeout,
+                    max_pool_connections=threads + 4)
+    client = boto3.session.Session().client('s3', config=config,
+                                            endpoint_url=os.environ.get('S3_ENDPOINT_URL') or None)
+    client.meta.events.register('needs-retry.s3', retries)
+    return client
+
+
+def list_keys(client: Any, url: S3Url) -> list[str]:
+    """Every key under the prefix, relative to it (the prefix as a folder: ``prefix/``)."""
+    start = f'{url.prefix}/' if url.prefix else ''
+    names = []
+    for page in client.get_paginator('list_objects_v2').paginate(Bucket=url.bucket, Prefix=start):
+        names.extend(obj['Key'][len(start):] for obj in page.get('Contents', []))
+    return names
