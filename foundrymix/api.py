@@ -52,7 +52,7 @@ def build_loader(config: ConfigSource, *, rank: Optional[int] = None,
     cfg = _read(config, overrides, max_duration)
     device_batch, _ = split_batch(cfg, world_size)
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
-                             Topology(nodes=1, ranks_per_node=world_size))
+                             Topology(nodes=1, ranks_per_node=world_size), rank_count_limit=0)
     for catalog in catalogs:
         check_data_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     return build_run_loader(run, device_batch, rank=rank)

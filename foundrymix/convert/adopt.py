@@ -10,10 +10,9 @@ What each kind of source becomes (found from the shards' columns, :func:`source_
   that stream in shard order, document ends are taken from the EOS ids in the data (or,
   with no EOS, a document starts at each BOS; with neither, the stream is one document),
   and the stream is cut by the pretrain row cutter (:class:`~foundrymix.convert.pretrain.
-  RowCutter`) into rows of ``--max-seq-len`` (default: the source's window length). With
-  the same length and separators this gives exactly the rows ``convert pretrain`` gives on
-  the raw corpus (``tests/convert/test_adopt.py``). The inference is recorded in the
-  manifest (``options.source``) and printed.
+  RowCutter`) into rows of ``--max-seq-len`` (default: the source's window length): with
+  the same length and separators, exactly the rows ``convert pretrain`` gives on the raw
+  corpus. The inference is recorded in the manifest (``options.source``) and printed.
 * ``text: str`` -- raw-text MDS (streaming's own, e.g. its examples' ``{'text': 'str'}``):
   the normal pretrain path, tokenized with ``--tokenizer``.
 * ``prompt``/``response: str`` -- LLM-Foundry finetune shards written without a

@@ -214,7 +214,7 @@ def claim_output(local: Optional[str]) -> Optional[claims.Claim]:
     Why: ``convert --overwrite`` of a directory a training run was reading succeeded, and
     the run trained 16 more batches of mixed old/new rows, then died with ``corrupt row``.
     Training runs hold a shared claim on every local stream directory they read
-    (:func:`foundrymix.train.builder.claim_run`); this exclusive claim is refused while
+    (:func:`foundrymix.train.run_claims.claim_run`); this exclusive claim is refused while
     any of them lives, and a run starting during the conversion is refused in turn.
     """
     if local is None:

@@ -10,24 +10,17 @@ corpus).
 
 Two modes (``ConvertOptions.parallel``):
 
-* ``threads`` (the default for pretraining and prompt/response finetuning): one process, ``workers`` threads each
-  running the encoder on its own chunk. The Rust tokenizer releases the GIL while it
-  encodes, so the threads tokenize on all cores at once, and the little Python work
-  (JSON parsing, turning ids into arrays, cutting rows, writing shards: ~5% of the
-  tokenizer's time) fits in between on whichever core is free. Each thread encodes
-  single-threaded (``TOKENIZERS_PARALLELISM=false`` while the conversion runs; the
-  previous value is restored after), so ``workers`` is exactly the number of cores
-  tokenizing, and since chunks are handed out one at a time, chunks of large and of
-  small documents balance by themselves -- unlike one ``encode_batch`` call over the
-  Rust thread pool, which waits for its slowest document. Nothing is pickled or
-  forked, and start-up is that of one process.
+* ``threads`` (the default for pretraining and prompt/response finetuning): one process,
+  ``workers`` threads each encoding its own chunk single-threaded (``TOKENIZERS_PARALLELISM``
+  is false while the conversion runs, then restored). The Rust tokenizer releases the GIL,
+  so ``workers`` is exactly the number of cores tokenizing, and chunks handed out one at a
+  time balance large and small documents by themselves. Nothing is pickled or forked.
 * ``processes`` (the default for chats and ``--preprocess``): ``workers`` forked
-  processes, each tokenizing single-threaded. The Python side of encoding then runs in
+  processes, each tokenizing single-threaded, so the Python side of encoding runs in
   parallel too, at the price of pickling every result back: worth it when that side is
-  heavy, as with chat templates (measured ~20% faster than threads on 2 cores), not for
-  prompt/response examples (threads: ~7% less CPU). A worker that dies (the OOM
-  killer's SIGKILL, ``sys.exit`` or a segfault in a ``--preprocess`` function) stops the
-  conversion at once with a message naming its chunk and exit code (:class:`ProcessPool`).
+  heavy (chat templates). A worker that dies (the OOM killer's SIGKILL, ``sys.exit``, a
+  segfault in a ``--preprocess`` function) stops the conversion at once with a message
+  naming its chunk and exit code (:class:`ProcessPool`).
 
 ``workers == 1`` runs the very same encoder in the calling thread, also tokenizing
 single-threaded.

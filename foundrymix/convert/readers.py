@@ -56,13 +56,10 @@ class BadRecord:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One worker's share of the input (see module docstring).
-
-    ``first_line`` is the 1-based line (jsonl) or 0-based row (parquet, datasets) of the
-    chunk's first record; ``None`` for a byte range of a plain jsonl file, whose line
-    number is known only after the chunks before it were read. ``bad``: the file could
-    not be read past this chunk (a truncated or corrupt compressed file); counted as one
-    bad record of the file, after the chunk's records.
+    """One worker's share of the input. ``first_line``: the 1-based line (jsonl) or 0-based
+    row (parquet, datasets) of its first record; ``None`` for a byte range of a plain jsonl
+    file (known only once the chunks before it were read). ``bad``: the file could not be
+    read past this chunk (truncated or corrupt), one bad record after the chunk's records.
     """
 
     fmt: str  # jsonl | jsonl_stream | txt | parquet | hf | mds (start = shard number)
@@ -131,11 +128,9 @@ def _decompressed(path: str) -> Iterator[bytes]:
     """The decompressed bytes of a ``.gz``/``.zst`` file, block by block; raises
     :class:`_StreamEnded` after the last whole block when the data is truncated or corrupt.
 
-    Why not ``gzip.open(...).readlines()`` (used before): a truncated ``.gz`` raised a bare
-    ``EOFError`` naming no file, and ``zstandard``'s stream reader (0.25) ends a truncated
-    frame silently, so the cut line was reported as malformed JSON and, with
-    ``--on-error skip``, the truncation went unnoticed. ``read1`` returns what one
-    decompression step gave, so nothing read before an error is lost.
+    Why block by block: a truncated ``.gz`` raises a bare ``EOFError`` and ``zstandard``'s
+    stream reader ends a truncated frame silently; here the truncation is named (never a
+    cut line taken for malformed JSON), and nothing read before it is lost.
     """
     if path.lower().endswith('.gz'):
         with gzip.open(path, 'rb') as f:
@@ -293,9 +288,8 @@ def lone_surrogate(rec: dict, fields: Optional[Sequence[str]]) -> Optional[BadRe
     with a lone UTF-16 surrogate, else ``None``.
 
     Why: ``json.loads`` turns ``"\\ud800"`` into a Python string no UTF-8 text can hold,
-    and the Rust tokenizer (tokenizers 0.22) refused the whole chunk with ``TypeError:
-    TextEncodeInput must be Union[...]``, naming no record. A surrogate *pair* decodes to
-    one valid character and passes.
+    and the Rust tokenizer refuses the whole chunk, naming no record. A surrogate *pair*
+    decodes to one valid character and passes.
     """
     for key in (rec if fields is None else fields):
         if key in rec:

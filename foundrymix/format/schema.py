@@ -183,8 +183,10 @@ class Manifest:
         """Read the manifest of a local shard directory; a clear error if it is missing."""
         path = os.path.join(directory, MANIFEST_NAME)
         if not os.path.isfile(path):
-            if os.path.isfile(os.path.join(directory, 'index.json')):  # MDS from another tool
-                raise MissingError(f'{path}: no foundrymix manifest; {adopt_advice(directory)}')
+            from foundrymix.format.advice import adopt_advice, read_index_or_none, splits_advice
+            index = read_index_or_none(os.path.join(directory, 'index.json'))
+            if index is not None:  # MDS from another tool
+                raise MissingError(f'{path}: no foundrymix manifest; {adopt_advice(directory, index)}')
             raise MissingError(f'{path}: no foundrymix manifest. ' + (splits_advice(directory) or (
                 f'Is {directory!r} a foundrymix output directory (made by `foundrymix convert`)?')))
         with open(path, encoding='utf-8') as f:
@@ -196,31 +198,6 @@ class Manifest:
             return cls.from_dict(data)
         except (KeyError, TypeError) as e:
             raise UserError(f'{path}: manifest is missing or has a bad field: {e}') from e
-
-
-def splits_advice(directory: str) -> Optional[str]:
-    """For a local folder of splits (adopt's output, LLM-Foundry's ``--out_root``): which
-    splits it holds and what to give instead; None when it holds none."""
-    try:
-        names = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith('.'))
-    except OSError:
-        return None
-    ours = [n for n in names if os.path.isfile(os.path.join(directory, n, MANIFEST_NAME))]
-    theirs = [n for n in names if n not in ours and os.path.isfile(os.path.join(directory, n, 'index.json'))]
-    if ours:
-        return (f'{directory!r} is a folder of splits ({", ".join(ours)}: foundrymix datasets); '
-                f'give one of them, e.g. {os.path.join(directory, ours[0])}')
-    if theirs:
-        return (f'{directory!r} is a folder of splits ({", ".join(theirs)}: MDS written by another tool); '
-                f'make foundrymix datasets of them with `foundrymix adopt {directory} --out DIR` (each '
-                f'split goes to DIR/<split>) and give one of those')
-    return None
-
-
-def adopt_advice(directory: str) -> str:
-    """What to do with MDS shards that have no manifest (LLM-Foundry's, streaming's own)."""
-    return (f'{directory!r} holds MDS shards (index.json) written by another tool: make it a '
-            f'foundrymix dataset with `foundrymix adopt {directory} --out DIR` and use DIR')
 
 
 def encode_row(input_ids: np.ndarray, loss_spans: list[tuple[int, int]] | np.ndarray,

@@ -84,9 +84,9 @@ class StreamMixer:
         if self.config.stages is None:  # this mixer's catalog: its metadata is read once
             self.catalog.validate()
             run = build_run_plan(self.config, [self.catalog.infos()], batch_size, f'{epochs}ep',
-                                 topology, self.where)
+                                 topology, self.where, rank_count_limit=0)
         else:
-            run, _ = plan_run(self.config, batch_size, f'{epochs}ep', topology, self.where)
+            run, _ = plan_run(self.config, batch_size, f'{epochs}ep', topology, self.where, rank_count_limit=0)
         loader = build_run_loader(run, batch_size, rank=rank)
         loader.rewind = rewind
         loader.prepare()

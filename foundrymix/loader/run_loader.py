@@ -258,6 +258,6 @@ def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str
     """Validate every stage, plan the run, and return its loader (``loader.run`` is the plan)."""
     from foundrymix.plan.stages import plan_run
 
-    run, _ = plan_run(config, batch_size, max_duration, topology, where)
+    run, _ = plan_run(config, batch_size, max_duration, topology, where, rank_count_limit=0)
     return build_run_loader(run, batch_size, composer_epochs)
 

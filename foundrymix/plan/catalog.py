@@ -23,7 +23,8 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig, StreamSpec, cache_base
 from foundrymix.plan.exact import resolve_groups
-from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo, adopt_advice, splits_advice
+from foundrymix.format.advice import adopt_advice, splits_advice
+from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
 from foundrymix.format.shards import INDEX_NAME
 
 

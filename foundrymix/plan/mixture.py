@@ -214,7 +214,7 @@ def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
     """Every rank's share of epoch 0: rank ``q`` trains columns ``[qB, (q+1)B)`` of every
     global batch, so its batches and rows are arithmetic; its rows per stream are counted
     over the epoch's leaf patterns (:func:`rank_counts`) up to ``limit`` rows an epoch (None:
-    any size), one rank's being the epoch's counts."""
+    any size; 0 for a loader, which reads none), one rank's being the epoch's counts."""
     W = topology.world_size
     G = epoch.order.global_batch
     B = G // W

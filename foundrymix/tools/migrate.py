@@ -180,7 +180,10 @@ def _loader(m: Migration, name: str) -> None:
     if not isinstance(loader, dict):
         return
     if 'name' in loader:
-        m.dropped.append(f"{name}.name: {loader.pop('name')} (each stream's converted format decides)")
+        kind = loader.pop('name')
+        m.dropped.append(f'{name}.name: text (its LLM-Foundry token shards are read in place, with the '
+                         f'top-level tokenizer; `foundrymix adopt` makes a converted copy)' if kind == 'text' else
+                         f"{name}.name: {kind} (each stream's converted format decides)")
     dataset = loader.pop('dataset', None)
     if not isinstance(dataset, dict):
         return

@@ -1,7 +1,6 @@
 """``foundrymix verify DIR|REMOTE``: check every shard of a converted directory, byte for byte.
 
-Checks, for a local directory or a remote one (``s3://bucket/prefix`` and every other
-remote streaming reads):
+Checks, for a local directory or a remote one (``s3://bucket/prefix``):
 
 * ``foundrymix.json`` and ``index.json`` parse, and every shard's columns are the
   foundrymix schema for the manifest's ``max_seq_len`` and token dtype;
@@ -17,11 +16,8 @@ damaged, 2 for usage errors (no such directory, not a foundrymix directory, a re
 that cannot be read: its error names the URL, the S3 error code -- ``NoSuchBucket``,
 ``InvalidAccessKeyId``, ``SignatureDoesNotMatch``, ``AccessDenied`` -- and what to
 check). A remote directory is fetched one file at a time through
-:func:`foundrymix.s3.remote.download` (each file within ``--timeout`` s plus well under a
-second, see :mod:`foundrymix.s3.remote`) into a temporary directory, removed afterwards.
-
-Length (over ~300 lines): one command -- where shard files come from (local or fetched),
-the per-shard report and the table; the checks themselves live in ``shards.py``.
+:func:`foundrymix.s3.remote.download` (each file within ``--timeout`` s) into a temporary
+directory, removed afterwards. The checks themselves live in :mod:`foundrymix.format.shards`.
 """
 
 from __future__ import annotations
@@ -36,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from foundrymix.errors import MissingError
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, adopt_advice, format_row_error, mds_columns, splits_advice
+from foundrymix.format.advice import adopt_advice, read_index_or_none, splits_advice
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
 from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
                                hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
                                validate_index)
@@ -175,9 +172,10 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
     report = VerifyReport(location=source.location)
     manifest_path = source.fetch(MANIFEST_NAME)
     if manifest_path is None:
-        if source.fetch(INDEX_NAME) is not None:
+        index_path = source.fetch(INDEX_NAME)
+        if index_path is not None:
             raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; '
-                               f'{adopt_advice(source.location)}')
+                               f'{adopt_advice(source.location, read_index_or_none(index_path))}')
         splits = splits_advice(source.location) if '://' not in source.location else None
         raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; ' + (splits or (
             f'is {source.location!r} a directory made by `foundrymix convert`?')))
@@ -394,7 +392,7 @@ def register(subparsers: Any) -> None:
                     'index parse, shard sizes and recorded hashes match, every row decodes and keeps '
                     'the schema, row/token totals equal the manifest. Exit 0 if intact, 1 if not.')
     p.add_argument('location', metavar='DIR', help='a foundrymix output directory, or a remote one '
-                                                   '(s3://bucket/prefix, gs://, ...)')
+                                                   '(s3://bucket/prefix)')
     p.add_argument('--json', action='store_true', help='print the report as JSON')
     p.add_argument('--timeout', type=float, default=DEFAULT_TIMEOUT,
                    help='seconds per remote file download (default %(default)s)')

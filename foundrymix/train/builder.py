@@ -18,16 +18,12 @@ from typing import Any, Optional, Union
 import torch
 from composer import Trainer
 from composer.core import Callback, Evaluator
-from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler, DecoupledAdamW,
-                            LinearWithWarmupScheduler)
-from composer.utils import dist, format_name_with_dist, reproducibility
+from composer.utils import dist, reproducibility
 
 from foundrymix import claims
 from foundrymix.s3 import retries as s3_retries
-from foundrymix.config import ConfigError
 from foundrymix.errors import ExistsError
 from foundrymix.heap import collector_paused
-from foundrymix.loader.mixer import StreamMixer
 from foundrymix.loader.run_loader import StagedDataLoader, build_run_loader
 from foundrymix.plan.stages import RunPlan
 from foundrymix.s3.retries import RetryCounts, S3RetryCounter
@@ -42,16 +38,15 @@ from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
-from foundrymix.train.optim import LION_BETAS, DecoupledLionW
-from foundrymix.train.preflight import check_start, warmup_in_samples  # noqa: F401 (re-exported)
-from foundrymix.train.schedule import WSDScheduler, apply_resume_lr
+from foundrymix.train.optim import build_optimizer
+from foundrymix.train.preflight import check_start
+from foundrymix.train.schedule import WSDScheduler, apply_resume_lr, build_scheduler
 from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
 from foundrymix.train.remote_save import RemoteSave, remote_save
+from foundrymix.train.run_claims import claim_run
 
-# Modules every trainer start uses, imported with the trainer rather than at first use:
-# imported lazily they were ~0.07 s inside the start itself (omegaconf 0.040 s, the plan
-# record, loader cache, storage and collate modules 0.03 s; `python -X importtime`), which
-# issue 22's start-up ratio counts -- and a rank pays them once either way.
+# Modules every trainer start uses, imported with the trainer rather than inside the start
+# (a rank pays them once either way).
 import omegaconf  # noqa: E402 (load_config's YAML reader)
 from foundrymix import tokenizer as _tokenizer  # noqa: E402
 from foundrymix.loader import cache as _cache, collate as _collate, storage as _storage  # noqa: E402
@@ -91,39 +86,12 @@ def _precision(cfg: TrainConfig, device: str) -> str:
     return 'amp_bf16' if device == 'gpu' else 'fp32'
 
 
-def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer over the parameters that train (a LoRA run's frozen base is not in it:
-    no state kept for it, and no weight decay can reach it)."""
-    o = cfg.optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
-    if o.name == 'decoupled_lionw':
-        return DecoupledLionW(params, lr=o.lr, betas=o.betas or LION_BETAS, weight_decay=o.weight_decay)
-    betas = o.betas or (0.9, 0.95)
-    if o.name == 'adamw':
-        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
-    return DecoupledAdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
-
-
-def _scheduler(cfg: TrainConfig, run: RunPlan, t_warmup: Optional[str] = None) -> Any:
-    """``t_warmup``: the config's, in the unit Composer runs in (:func:`warmup_in_samples`)."""
-    s = cfg.scheduler
-    if s.name == 'wsd':
-        return WSDScheduler.of(cfg, run)
-    t_warmup = t_warmup or s.t_warmup
-    if s.name == 'cosine_with_warmup':
-        return CosineAnnealingWithWarmupScheduler(t_warmup=t_warmup, alpha_f=s.alpha_f)
-    if s.name == 'linear_decay_with_warmup':
-        return LinearWithWarmupScheduler(t_warmup=t_warmup, alpha_f=s.alpha_f)
-    return ConstantWithWarmupScheduler(t_warmup=t_warmup)
-
-
 def _share_cpu_threads(device: str) -> None:
     """Split the CPU cores over the ranks of this node, as ``torchrun`` does.
 
-    Why: Composer's launcher leaves ``OMP_NUM_THREADS`` unset, so every CPU rank starts
-    one intra-op thread per core; with ``composer -n 2`` on 2 cores the ranks' threads
-    oversubscribe the cores and each collective waits on descheduled threads (a 2-rank
-    CPU run took ~1.7x as long). An explicit ``OMP_NUM_THREADS`` is respected.
+    Why: Composer's launcher leaves ``OMP_NUM_THREADS`` unset, so every CPU rank starts one
+    intra-op thread per core, the ranks oversubscribe the cores and each collective waits on
+    descheduled threads. An explicit ``OMP_NUM_THREADS`` is respected.
     """
     local_ranks = dist.get_local_world_size()
     if device != 'cpu' or local_ranks <= 1 or os.environ.get('OMP_NUM_THREADS'):
@@ -173,15 +141,10 @@ class TrainData:
 
     @property
     def planned_share(self) -> list[float]:
-        """Per run-wide stream: its share of the rows the plan trains over the whole run.
-
-        Why the whole run, not an epoch's share: a run that ends mid-epoch (or an epoch
-        whose fractional passes are trimmed for whole batches) trains another mix than one
-        epoch's (the demo: 88.54 % arxiv over 300 batches, 88.95 % per epoch), and the
-        table compares this with what was trained. Falls back to the first stage's
-        per-epoch share only when the run was too long to replay (``rows_per_stream``
-        empty, see :func:`~foundrymix.plan.mixture.plan_duration`).
-        """
+        """Per run-wide stream: its share of the rows the plan trains over the whole run (a run
+        ending mid-epoch trains another mix than an epoch's, and the table compares this with
+        what was trained); the first stage's per-epoch share where no stage's rows are known
+        before the run (adaptive stages decide theirs during it)."""
         total = sum(self.run.rows_per_stream.values())
         if not total:
             shares = {s.name: s.share for s in self.run.stages[0].plan.streams}
@@ -201,7 +164,8 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     from foundrymix.plan.topology import Topology
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
-    run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology)
+    run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology,
+                             rank_count_limit=0)  # the trainer reads no rank's rows per stream
     # what Composer would refuse at start, as plan refuses it (max_duration and t_warmup as
     # Composer is given them: preflight.composer_max_duration says why)
     max_duration, t_warmup = check_start(cfg, run)
@@ -263,7 +227,7 @@ def _composer_trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, eval
         eval_interval=cfg.eval_interval if evaluator is not None else 1,
         eval_subset_num_batches=cfg.eval_subset_num_batches,
         max_duration=max_duration,
-        optimizers=_optimizer(cfg, model),
+        optimizers=build_optimizer(cfg, model),
         schedulers=scheduler,
         step_schedulers_every_batch=True,
         device=device,
@@ -283,50 +247,6 @@ def _composer_trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, eval
         load_weights_only=cfg.load_weights_only,
         seed=cfg.seed,
     )
-
-
-def _take(held: claims.ClaimSet, path: str, mode: str, message: Any) -> None:
-    """Claim ``path`` for this run; refused with ``message(holders)`` when another run holds it."""
-    try:
-        held.held.append(claims.try_claim(claims.normalize(path), mode))
-    except claims.Busy as e:
-        raise ConfigError(message(claims.describe(e.holders))) from None
-
-
-def claim_run(cfg: TrainConfig) -> claims.ClaimSet:
-    """Claim what this run must not share: ``save_folder`` exclusively, every local stream
-    directory (of every stage, and of ``eval_loader``) as a reader.
-
-    Why: two runs into one ``save_folder`` with ``save_overwrite`` both exited 0 and the
-    folder held only the second run's checkpoints; ``convert --overwrite`` of a directory
-    a run read made it train 16 batches of mixed old/new rows, then die with ``corrupt
-    row``. Taken before anything of the run is written (checkpoints, loggers, sample log,
-    report), so a refused start changes nothing. An ``s3://`` save_folder is claimed by its
-    URL, on this machine only. Remote streams' cache directories are claimed by the
-    dataset (:mod:`foundrymix.loader.cache`). See :mod:`foundrymix.claims`.
-    """
-    held = claims.ClaimSet()
-    try:
-        if cfg.save_folder:
-            folder = format_name_with_dist(cfg.save_folder, cfg.run_name)  # as Composer names it
-            _take(held, folder, claims.EXCLUSIVE, lambda who: (
-                f'save_folder: {folder} is in use by another live run, {who}. Two runs saving into '
-                f"one folder overwrite each other's checkpoints: give this run its own save_folder, "
-                f'or wait for that run to end'))
-        for where, loader in (('train_loader', cfg.train_loader), ('eval_loader', cfg.eval_loader)):
-            for stage in loader.stage_configs(where) if loader is not None else []:
-                for name, spec in stage.streams.items():
-                    if spec.remote:
-                        continue
-                    for path in dict.fromkeys((stage.stream_local(name), stage.stream_dir(name))):
-                        _take(held, path, claims.SHARED, lambda who, where=where, name=name, path=path: (
-                            f'{where}.streams.{name}: {path} is held by another live run, {who} (a '
-                            f'conversion replacing it, or a run writing there); reading it now would '
-                            f'mix old and new rows. Wait for that run to end'))
-    except BaseException:
-        held.release()
-        raise
-    return held
 
 
 def build_trainer(cfg: TrainConfig) -> TrainRun:
@@ -349,7 +269,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     retry_counter = s3_retries.install()  # before the first metadata fetch
     retries_before = retry_counter.snapshot()
     data = _train_data(cfg, device_batch)
-    scheduler = _scheduler(cfg, data.run, data.t_warmup)  # wsd spans refused before the model is built
+    scheduler = build_scheduler(cfg, data.run, data.t_warmup)  # wsd spans refused before the model is built
 
     reproducibility.seed_all(cfg.seed)
     hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
@@ -385,14 +305,10 @@ def freeze_built_heap() -> None:
     """Collect, then move every object built so far out of the cyclic collector's sight (``gc.freeze``).
 
     Why: the model, tokenizer, plan and trainer are long-lived objects that Python's
-    generation-2 collections walk again and again, and the loader's workers, forked at the
-    first batch, inherit them. On an H100 host (``benchmarks/bench_gpu.py``, 125M Llama,
-    torch 2.11, Python 3.12) one generation-2 collection in the trainer's process took
-    420-530 ms in every 35-step run (~9 % of those steps' time), and one ``next()`` on the
-    loader took 150-450 ms in the first run of a process. Python's docs (``gc.freeze``)
-    recommend freezing before fork so that children do not copy those pages when their
-    collections touch them. Objects made later are collected as usual; garbage is collected
-    first, so nothing unreachable is kept. :func:`train` unfreezes when the run ends, so a
+    generation-2 collections walk again and again (hundreds of ms on a GPU host, docs/gpu.md),
+    and the loader's workers, forked at the first batch, inherit them: Python's docs
+    (``gc.freeze``) recommend freezing before fork so that children do not copy those pages.
+    Objects made later are collected as usual; garbage is collected first. :func:`train` unfreezes when the run ends, so a
     later run in the same process can collect this one's cycles; a caller of
     :func:`build_trainer` alone that builds many trainers in one process should call
     ``gc.unfreeze()`` after each.

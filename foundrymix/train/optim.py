@@ -59,3 +59,17 @@ class DecoupledLionW(torch.optim.Optimizer):
                 p.add_(m.lerp(p.grad, 1 - beta1).sign_(), alpha=-lr)
                 m.lerp_(p.grad, 1 - beta2)
         return loss
+
+
+def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer over the parameters that train (a LoRA run's frozen base is not in it:
+    no state kept for it, and no weight decay can reach it)."""
+    o = cfg.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    if o.name == 'decoupled_lionw':
+        return DecoupledLionW(params, lr=o.lr, betas=o.betas or LION_BETAS, weight_decay=o.weight_decay)
+    betas = o.betas or (0.9, 0.95)
+    if o.name == 'adamw':
+        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+    from composer.optim import DecoupledAdamW
+    return DecoupledAdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)

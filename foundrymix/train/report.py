@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+import numpy as np
 
 from foundrymix.errors import MissingError, UserError
 
@@ -172,3 +174,16 @@ def run_cli(args: argparse.Namespace) -> int:
         write_plot(summary, plot_path(out_dir))
     print_report(summary, out_dir, plot)
     return 0
+
+
+def mean_loss(loss_sum: float, targets: int) -> Optional[float]:
+    """The mean loss per loss target, or None when there were none (JSON null, not NaN)."""
+    return float(loss_sum) / int(targets) if targets else None
+
+
+def interval_loss(before: Optional[Mapping[str, Any]], after: Mapping[str, Any]) -> list[Optional[float]]:
+    """Per stream: the mean loss between two history points (``before`` None: from the start)."""
+    zero = [0] * len(after['loss_sum'])
+    sums = np.subtract(after['loss_sum'], before['loss_sum'] if before else zero)
+    targets = np.subtract(after['loss_targets'], before['loss_targets'] if before else zero)
+    return [mean_loss(s, t) for s, t in zip(sums, targets)]

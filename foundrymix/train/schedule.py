@@ -17,7 +17,7 @@ run's schedule, so an extended or branched run trains the batch it resumes at as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from foundrymix.train.lr_schedule import Timeline, WSDSchedule, resolve_wsd
 
@@ -52,3 +52,19 @@ def apply_resume_lr(state: Any, scheduler: WSDScheduler) -> None:
         for group, base in zip(compiled.optimizer.param_groups, compiled.base_lrs):
             group['lr'] = base * scheduler.schedule.multiplier(batch)
         compiled._last_lr = [g['lr'] for g in compiled.optimizer.param_groups]
+
+
+def build_scheduler(cfg: Any, run: Any, t_warmup: Optional[str] = None) -> Any:
+    """The config's Composer scheduler; ``t_warmup``: the config's, in the unit Composer runs in
+    (:func:`foundrymix.train.preflight.warmup_in_samples`)."""
+    from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler,
+                                LinearWithWarmupScheduler)
+    s = cfg.scheduler
+    if s.name == 'wsd':
+        return WSDScheduler.of(cfg, run)
+    t_warmup = t_warmup or s.t_warmup
+    if s.name == 'cosine_with_warmup':
+        return CosineAnnealingWithWarmupScheduler(t_warmup=t_warmup, alpha_f=s.alpha_f)
+    if s.name == 'linear_decay_with_warmup':
+        return LinearWithWarmupScheduler(t_warmup=t_warmup, alpha_f=s.alpha_f)
+    return ConstantWithWarmupScheduler(t_warmup=t_warmup)

@@ -217,7 +217,7 @@ def test_composer_counts_a_run_with_batch_changes_in_samples(straight):
     t_warmup inside the first stage (one batch size) converts exactly, a later one in ba is
     refused with its value in samples."""
     from foundrymix.plan.stages import composer_duration
-    from foundrymix.train.builder import warmup_in_samples
+    from foundrymix.train.preflight import warmup_in_samples
     run, _ = straight
     assert composer_duration(run) == '328sp'
     assert warmup_in_samples('0ba', run) == '0sp'

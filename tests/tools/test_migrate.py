@@ -137,9 +137,11 @@ REPORT = [
     "removed: log_to_console: LLM-Foundry's log_to_console: the console logger is on unless loggers leaves it "
     "out (loggers: {console: {}})",
     'removed: tokenizer.kwargs (model_max_length): no equivalent (max_seq_len and the streams decide)',
-    "removed: train_loader.name: text (each stream's converted format decides)",
+    'removed: train_loader.name: text (its LLM-Foundry token shards are read in place, with the top-level '
+    'tokenizer; `foundrymix adopt` makes a converted copy)',
     'removed: train_loader.dataset.max_seq_len: the top-level max_seq_len says it',
-    "removed: eval_loader.name: text (each stream's converted format decides)",
+    'removed: eval_loader.name: text (its LLM-Foundry token shards are read in place, with the top-level '
+    'tokenizer; `foundrymix adopt` makes a converted copy)',
     'removed: eval_loader.dataset.max_seq_len: the top-level max_seq_len says it',
     'removed: model.init_device: meta: no equivalent (fsdp builds the model)',
     'complete: every key is kept, changed or removed as listed',

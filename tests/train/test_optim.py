@@ -42,7 +42,7 @@ def test_lion_steps_equal_the_rule(wd):
 
 
 def test_config_builds_lion_with_foundrys_default_betas():
-    from foundrymix.train.builder import _optimizer
+    from foundrymix.train.optim import build_optimizer as _optimizer
 
     model = torch.nn.Linear(2, 2)
     cfg = TrainConfig.from_dict(tiny_run_config({'streams': {'a': {'local': '/x'}}}, global_train_batch_size=2,

@@ -4,22 +4,15 @@ Counting only: the counters live in Composer checkpoints (``state_dict`` /
 ``load_state_dict``), so a resumed run continues them instead of starting over; the
 files are written by :mod:`foundrymix.train.report` from :meth:`StreamAccounting.summary`.
 
-Collectives (why they are few and on the trainer's device): each rank counts its own
-batches on the CPU (the batch is still on the CPU at ``after_dataloader``; Composer moves
-it per microbatch) and the ranks' counts are summed with one ``all_reduce`` only where a
-sum is read: at ``log_interval``, at the end and when a checkpoint is saved
-(``state_dict``, which Composer 0.32 calls on every rank while saving). The reduced
-tensor is moved to ``state.device`` first: Composer starts a plain ``nccl`` process group
-on GPUs, which takes CUDA tensors only (a CPU tensor fails at the first reduce).
+Collectives: each rank counts its own batches on the CPU, and the ranks' counts are summed
+with one ``all_reduce`` only where a sum is read: at ``log_interval``, at the end and when a
+checkpoint is saved (``state_dict``, called on every rank). The tensor is reduced on
+``state.device`` (an ``nccl`` group takes CUDA tensors only).
 
-Per-stream loss (exact, not a mean of batch means): :meth:`CausalLM.loss
-<foundrymix.train.model.CausalLM.loss>` leaves each row's summed cross-entropy and its
-number of loss targets on the outputs (``row_loss``); at ``after_loss`` -- once per
-*microbatch* in Composer 0.32, with ``state.batch`` the microbatch on the device -- they
-are added per stream on the device (no host sync per microbatch), unaffected by the
-scaling Composer applies to a microbatch's loss before ``backward``. They ride in the same
-``all_reduce`` as the counts: one float64 tensor (counts are exact in it below 2**53 per
-reduction). The mean loss of a stream is its summed loss over its summed targets.
+Per-stream loss (exact, not a mean of batch means): each row's summed cross-entropy and
+loss targets (``row_loss`` on the outputs) are added per stream on the device at
+``after_loss`` (per microbatch, no host sync), before Composer scales the loss for
+``backward``, and ride in the same float64 ``all_reduce`` as the counts (exact below 2**53).
 :meth:`StreamAccounting.add_reduce_hook` / :meth:`StreamAccounting.reduced_loss` give
 another callback (adaptive mixing) the sums of each reduction, identical on every rank.
 """
@@ -72,13 +65,10 @@ def count(batch: Mapping[str, torch.Tensor], n_streams: int) -> np.ndarray:
     From the batch itself: ``stream_id`` per row, ``attention_mask`` (real tokens) and
     ``labels`` (``IGNORE_INDEX`` where there is no loss).
 
-    Why numpy: Composer 0.32 runs ``after_dataloader`` with the batch still on the host (it
-    moves each microbatch to the device later), and torch's CPU reductions hand a tensor of
-    32,768 elements or more (``at::internal::GRAIN_SIZE``; a 16 x 2048 batch) to its OpenMP
-    pool, whose wake-up competes with the loader workers: on an H100 host (16 cores, 4
-    workers, torch 2.11) counting a 16 x 2048 batch took 2-18 ms (median 12.5 ms, 6 % of the
-    step) against 0.3 ms for 8 x 2048. numpy sums on the calling thread. A batch already on
-    the device is copied back first (one small sync per batch).
+    Why numpy: the batch is still on the host at ``after_dataloader``, and torch's CPU
+    reductions hand a large tensor to its OpenMP pool, whose wake-up competes with the loader
+    workers; numpy sums on the calling thread. A batch already on the device is copied back
+    first (one small sync per batch).
     """
     def host(name: str) -> np.ndarray:
         return batch[name].detach().cpu().numpy()
@@ -193,11 +183,8 @@ class StreamAccounting(Callback):
         self._loss_batch[1].index_add_(0, index, targets.to(torch.float64))
 
     def reduce(self) -> None:
-        """Add every rank's pending counts and loss to the totals: one ``all_reduce`` on the trainer's device.
-
-        A collective: every rank calls it at the same points (interval, end, checkpoint save).
-        Then runs the hooks of :meth:`add_reduce_hook`.
-        """
+        """Add every rank's pending counts and loss to the totals (one ``all_reduce``, called by
+        every rank at the same points), then run the hooks of :meth:`add_reduce_hook`."""
         n = len(self.stream_names)
         width = (1 + len(self.stage_names or ())) * n
         counts = torch.from_numpy(np.concatenate([self._pending.reshape(-1), self._pending_stages.reshape(-1)]))
@@ -226,12 +213,8 @@ class StreamAccounting(Callback):
 
     # -- per-stream loss for other callbacks ---------------------------------------
     def add_reduce_hook(self, hook: Callable[[LossReduction], None]) -> None:
-        """Call ``hook(reduction)`` after every reduction, on every rank, with the same values.
-
-        Reductions run at ``log_interval``, at every checkpoint save and at the end (so two
-        may follow each other with nothing between: the second is all zeros). A hook may
-        run collectives of its own: every rank is at the same point.
-        """
+        """Call ``hook(reduction)`` after every reduction (interval, checkpoint save, end; two in
+        a row: the second all zeros), on every rank with the same values: it may run collectives."""
         self._reduce_hooks.append(hook)
 
     def reduced_loss(self) -> tuple[np.ndarray, np.ndarray]:
@@ -290,7 +273,7 @@ class StreamAccounting(Callback):
             for key in ('tokens', 'loss_tokens', 'share', 'token_share', 'planned_share'):
                 metrics[f'streams/{name}/{key}'] = s[key]
         # the loss since the previous point (a logger's curve), not the run's mean so far
-        since = interval_loss(before, point)
+        since = report.interval_loss(before, point)
         metrics.update({f'streams/{name}/loss': since[i] for i, name in enumerate(self.stream_names)
                         if since[i] is not None})
         logger.log_metrics(metrics)
@@ -306,20 +289,20 @@ class StreamAccounting(Callback):
                        'share': float(self.samples[i]) / total_samples,
                        'token_share': float(self.tokens[i]) / total_tokens,
                        'planned_share': self.planned_share[i],
-                       'loss': mean_loss(self.loss_sum[i], self.loss_targets[i]),
+                       'loss': report.mean_loss(self.loss_sum[i], self.loss_targets[i]),
                        'loss_targets': int(self.loss_targets[i])}
                 for i, name in enumerate(self.stream_names)}
 
     def summary(self, state: Optional[State] = None) -> dict[str, Any]:
         """The report's data (without ``history``); ``batch``/``epoch`` from ``state`` if given."""
         total = {name: int(self.counts[i].sum()) for i, name in enumerate(COUNTERS)}
-        total.update(loss=mean_loss(self.loss_sum.sum(), self.loss_targets.sum()),
+        total.update(loss=report.mean_loss(self.loss_sum.sum(), self.loss_targets.sum()),
                      loss_targets=int(self.loss_targets.sum()))
         out: dict[str, Any] = {'streams': self.streams(), 'total': total}
         if self.stage_names is not None:
             out['stages'] = {
                 stage: {name: {**{c: int(self.stage_counts[k, i, j]) for i, c in enumerate(COUNTERS)},
-                               'loss': mean_loss(self.stage_loss_sum[k, j], self.stage_loss_targets[k, j]),
+                               'loss': report.mean_loss(self.stage_loss_sum[k, j], self.stage_loss_targets[k, j]),
                                'loss_targets': int(self.stage_loss_targets[k, j])}
                         for j, name in enumerate(self.stream_names) if self.stage_counts[k, 0, j]}
                 for k, stage in enumerate(self.stage_names)}
@@ -412,16 +395,3 @@ class StreamAccounting(Callback):
                     self.stage_counts[at] = widen(counts[k])
                     self.stage_loss_sum[at] = loss_sum[k]
                     self.stage_loss_targets[at] = loss_targets[k]
-
-
-def mean_loss(loss_sum: float, targets: int) -> Optional[float]:
-    """The mean loss per loss target, or None when there were none (JSON null, not NaN)."""
-    return float(loss_sum) / int(targets) if targets else None
-
-
-def interval_loss(before: Optional[Mapping[str, Any]], after: Mapping[str, Any]) -> list[Optional[float]]:
-    """Per stream: the mean loss between two history points (``before`` None: from the start)."""
-    zero = [0] * len(after['loss_sum'])
-    sums = np.subtract(after['loss_sum'], before['loss_sum'] if before else zero)
-    targets = np.subtract(after['loss_targets'], before['loss_targets'] if before else zero)
-    return [mean_loss(s, t) for s, t in zip(sums, targets)]

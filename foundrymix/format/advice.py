@@ -1,0 +1,55 @@
+"""What to say about a directory that is not a foundrymix dataset: a folder of splits, or MDS
+written by another tool (LLM-Foundry token shards can be trained in place; anything else is
+adopted first). Every suggestion here is a command or key that works as written."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from foundrymix.format.foundry_tokens import is_foundry_tokens
+from foundrymix.format.schema import MANIFEST_NAME
+
+
+def read_index_or_none(path: str) -> Optional[dict[str, Any]]:
+    """``index.json`` at ``path`` as read, ``{}`` if it does not parse, None if there is none."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def splits_advice(directory: str) -> Optional[str]:
+    """For a local folder of splits (adopt's output, LLM-Foundry's ``--out_root``): which
+    splits it holds and what to give instead; None when it holds none."""
+    try:
+        names = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith('.'))
+    except OSError:
+        return None
+    ours = [n for n in names if os.path.isfile(os.path.join(directory, n, MANIFEST_NAME))]
+    theirs = [n for n in names if n not in ours and os.path.isfile(os.path.join(directory, n, 'index.json'))]
+    if ours:
+        return (f'{directory!r} is a folder of splits ({", ".join(ours)}: foundrymix datasets); '
+                f'give one of them, e.g. {os.path.join(directory, ours[0])}')
+    if theirs:
+        return (f'{directory!r} is a folder of splits ({", ".join(theirs)}: MDS written by another tool); '
+                f'make foundrymix datasets of them with `foundrymix adopt {directory} --out DIR` (each '
+                f'split goes to DIR/<split>) and give one of those')
+    return None
+
+
+def adopt_advice(directory: str, index: Optional[dict[str, Any]] = None) -> str:
+    """What to do with MDS shards that have no manifest (LLM-Foundry's, streaming's own);
+    ``index`` (their ``index.json``) tells LLM-Foundry token shards, which train in place."""
+    adopt = f'`foundrymix adopt {directory} --out DIR` and use DIR'
+    if index and is_foundry_tokens(index):
+        return (f'{directory!r} holds LLM-Foundry token shards (one tokens column): train them in place '
+                f'by giving their stream the tokenizer they were made with (stream key tokenizer: '
+                f'NAME_OR_DIR, or train_loader.tokenizer), or make a foundrymix dataset of them with '
+                f'{adopt}')
+    return f'{directory!r} holds MDS shards (index.json) written by another tool: make it a foundrymix dataset with {adopt}'
