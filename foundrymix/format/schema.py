@@ -22,21 +22,20 @@ Labels use the Hugging Face convention: ``labels[i]`` is the target *at* positio
 and the model shifts internally, so a span ``[s, e)`` means tokens ``s..e-1`` are
 predicted (from the tokens before them).
 
-Length (over ~300 lines): the schema, its encoder/decoder and the row checks must agree
-bitwise, so they stay in one file.
+The schema, its encoder/decoder and the row checks must agree bitwise, so they are one
+module; a corrupt row's error is :mod:`foundrymix.format.row_errors`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 import numpy as np
 
-from foundrymix.errors import FoundrymixError, MissingError, UserError
+from foundrymix.errors import MissingError, UserError
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = 'foundrymix.json'
@@ -248,68 +247,6 @@ class RowBatch:
 def rows_of(item: dict[str, np.ndarray] | RowBatch) -> list[dict[str, np.ndarray]]:
     """The row dicts of what a row builder yields: one row, or a :class:`RowBatch`."""
     return item.rows() if isinstance(item, RowBatch) else [item]
-
-
-class CorruptRowError(FoundrymixError, ValueError):
-    """A stored row that cannot be read or breaks the schema, named by stream, shard and row.
-
-    Raised where rows are read (``MixedDataset``, ``foundrymix inspect --decode``,
-    ``foundrymix verify``) so that a damaged shard stops the run with the shard file and
-    row to look at, instead of an ``IndexError`` from the model's embedding or a streaming
-    traceback. Attributes: ``stream`` (name, may be ``None``), ``shard`` (shard file
-    basename), ``row`` (row index within the shard), ``sample_id`` (global sample index,
-    ``None`` outside a dataset), ``problem`` (what is wrong), ``directory``.
-
-    Constructible from its message alone, as torch's DataLoader re-raises a worker's
-    exception in the main process as ``type(e)(text)``; the fields are then parsed back
-    from the worker's text and the message is the worker's message (no worker traceback).
-    """
-
-    def __init__(self, text: str = '', *, stream: Optional[str] = None, shard: Optional[str] = None,
-                 row: Optional[int] = None, sample_id: Optional[int] = None,
-                 problem: Optional[str] = None, directory: Optional[str] = None) -> None:
-        if problem is None and text:
-            parsed = _parse_row_error(text)
-            if parsed is not None:
-                text, stream, shard, row, sample_id, problem, directory = parsed
-        elif problem is not None and not text:
-            text = format_row_error(problem, shard=shard, row=row, stream=stream,
-                                    sample_id=sample_id, directory=directory)
-        super().__init__(text)
-        self.stream, self.shard, self.row = stream, shard, row
-        self.sample_id, self.problem, self.directory = sample_id, problem, directory
-
-
-def format_row_error(problem: str, *, shard: Optional[str], row: Optional[int],
-                     stream: Optional[str] = None, sample_id: Optional[int] = None,
-                     directory: Optional[str] = None) -> str:
-    """One line: ``corrupt row: stream 'S' (DIR), shard F, row R (sample N): PROBLEM``."""
-    where = []
-    if stream is not None:
-        where.append(f"stream '{stream}'" + (f' ({directory})' if directory else ''))
-    elif directory:
-        where.append(directory)
-    where.append(f'shard {shard}, row {row}' + (f' (sample {sample_id})' if sample_id is not None else ''))
-    problem = ' '.join(str(problem).split())  # one line, so it survives a worker's traceback
-    return f"corrupt row: {', '.join(where)}: {problem}"
-
-
-_ROW_ERROR_RE = re.compile(
-    r"corrupt row: (?:stream '(?P<stream>[^']*)'(?: \((?P<sdir>[^)]*)\))?, |(?P<dir>[^,\n]*), )?"
-    r"shard (?P<shard>[^,\n]*), row (?P<row>\d+)(?: \(sample (?P<sample>\d+)\))?: "
-    r"(?P<problem>[^\n]*)")
-
-
-def _parse_row_error(text: str) -> Optional[tuple]:
-    """Fields of the last :func:`format_row_error` line in ``text`` (e.g. a worker's traceback)."""
-    matches = list(_ROW_ERROR_RE.finditer(text))
-    if not matches:
-        return None
-    m = matches[-1]
-    sample = m.group('sample')
-    return (m.group(0), m.group('stream'), m.group('shard'), int(m.group('row')),
-            int(sample) if sample is not None else None, m.group('problem'),
-            m.group('sdir') or m.group('dir'))
 
 
 def check_row(row: dict[str, Any], vocab_size: Optional[int] = None,

@@ -5,10 +5,8 @@ Layers, cheapest first (each catches what the previous cannot):
 1. :func:`read_index` -- ``index.json`` parses, is streaming's version 2 MDS index, and
    every shard entry has the fields streaming reads. Errors name the file and shard.
 2. :func:`check_shard_files` -- every shard file exists with the byte size ``index.json``
-   records (one ``stat`` per shard, nothing read). Catches deleted, truncated or
-   overwritten shards before a run starts; streaming itself notices a missing local
-   shard only when it reads it (a stream with no remote then ends its epoch early, with
-   a traceback from a background thread and no error in the training loop).
+   records (one ``stat`` per shard, nothing read): deleted, truncated or overwritten
+   shards are named before a run starts, not when a row is first read.
 3. :func:`shard_hash_status` -- the hashes ``index.json`` records (``MDSWriter(hashes=...)``)
    against the bytes. The only layer that sees bit flips that leave every token id
    below the vocabulary size: such a row is a valid row, just the wrong one.
@@ -16,10 +14,8 @@ Layers, cheapest first (each catches what the previous cannot):
    and keeps the schema (ids below the vocabulary, spans and lengths inside the row).
 
 ``foundrymix verify`` (:mod:`foundrymix.tools.verify`) runs all four; the loader runs 2 for
-local-only streams and 4 on every row it reads (``MixedDataset``).
-
-Length (over ~300 lines): the layers above, each a few small functions, torch-free so that
-``verify`` and the catalog use them without importing streaming.
+local streams at start, 3 when it first opens a shard and 4 on every row it reads. Torch-free,
+so ``verify`` and the catalog use it without importing torch.
 """
 
 from __future__ import annotations
@@ -224,12 +220,8 @@ def _validated_file(shard: dict[str, Any]) -> dict[str, Any]:
 
 
 def hashes_in_index(index: dict[str, Any]) -> set[str]:
-    """Hash algorithms recorded for every shard (the file streaming's ``validate_hash`` checks).
-
-    Empty when the index records none (older conversions) or has no shards. A
-    ``validate_hash`` outside this set makes streaming raise ``Hash algorithm ... does
-    not match with those provided during dataset creation`` when it fetches a shard.
-    """
+    """Hash algorithms recorded for every shard's stored file; empty when the index records
+    none (older conversions) or has no shards. A ``validate_hash`` outside it is refused."""
     common: Optional[set[str]] = None
     for shard in index['shards']:
         algos = set(_validated_file(shard).get('hashes') or {})
@@ -392,8 +384,7 @@ def is_not_found(error: BaseException) -> bool:
     A missing bucket, rejected credentials, access denied or an unreachable endpoint are
     not "not found": callers report those with their S3 error code
     (:class:`foundrymix.s3.remote.RemoteError`), so a wrong key never reads as a missing
-    dataset. S3 gives ``NoSuchKey``/404; GCS/OCI/Azure and local copies raise
-    ``FileNotFoundError``.
+    dataset. S3 gives ``NoSuchKey``/404; local copies raise ``FileNotFoundError``.
     """
     if isinstance(error, FileNotFoundError):
         return True

@@ -37,7 +37,8 @@ import numpy as np
 
 from foundrymix.errors import WorkerError
 from foundrymix.format.foundry_tokens import foundry_row
-from foundrymix.format.schema import CorruptRowError, check_row, decode_row
+from foundrymix.format.row_errors import CorruptRowError
+from foundrymix.format.schema import check_row, decode_row
 from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes
 from foundrymix.loader.cache.sources import Source, sources_of, unpack_directory  # noqa: F401 (re-exported)
 

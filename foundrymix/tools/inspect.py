@@ -25,7 +25,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from foundrymix.errors import MissingError
-from foundrymix.format.schema import CorruptRowError, Manifest, decode_row
+from foundrymix.format.row_errors import CorruptRowError
+from foundrymix.format.schema import Manifest, decode_row
 
 NO_LOSS_OPEN, NO_LOSS_CLOSE = '⟦', '⟧'
 
@@ -53,7 +54,7 @@ def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str,
 
     Each row passes :func:`foundrymix.format.schema.check_row` against the manifest (the checks
     the loader runs); a missing or damaged shard or bad row raises
-    :class:`~foundrymix.format.shards.ShardFilesError` / :class:`~foundrymix.format.schema.CorruptRowError`
+    :class:`~foundrymix.format.shards.ShardFilesError` / :class:`~foundrymix.format.row_errors.CorruptRowError`
     naming the shard file and row.
     """
     from foundrymix.format.shards import (check_shard_files, decompress_shard, iter_shard_rows, read_index,
