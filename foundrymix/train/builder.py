@@ -156,7 +156,7 @@ class TrainData:
         return [s.name for s in self.run.stages] if self.run.explicit else None
 
 
-@collector_paused()  # the plan record and loader objects of 10,000 streams: 2.6-3.2 -> 1.1 s (heap.py)
+@collector_paused()  # the plan record and loader objects: many, all kept (foundrymix/heap.py)
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (once: catalogs read once, weights computed once per stage) and the one
     loader built from it -- for a single mixture (one stage) as for a staged run."""
