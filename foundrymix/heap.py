@@ -1,17 +1,13 @@
 """Python's cyclic garbage collector, paused over start-up work that allocates much and frees little.
 
 Why: a collection of the oldest generation walks every tracked object in the process, and
-the trainer has ~430,000 of them before it reads its config (torch, transformers,
-Composer). Reading a run allocates hundreds of thousands more that all stay alive (the
-YAML's dicts and lists, the typed config, the plan and its catalogs, the loader's and
-streaming's per-stream objects), so the collector's thresholds are crossed again and again
-and each pass walks the whole heap to free nothing. Measured at 10,000 streams
-(``benchmarks/bench_scale.py --start``, CPython 3.11.7, load ~4 on 2 cores, phases of
-one restart): reading the config 2.3-2.7 s with the collector on, 0.91-0.93 s paused;
-the plan record 1.1-1.4 s vs 0.78-0.83 s; the loader's objects 1.5-1.8 s vs 0.31 s.
-CPython 3.12 and 3.13 collect by the same generational thresholds (3.12 is the GPU
-image's, not measured there); 3.14's incremental collector does less per pass, and
-pausing it is as correct.
+the trainer has hundreds of thousands before it reads its config (torch, transformers,
+Composer). Reading a run allocates as many more that all stay alive (the YAML's dicts and
+lists, the typed config, the plan and its catalogs, the loader's and streaming's per-stream
+objects), so the collector's thresholds are crossed again and again and each pass walks the
+whole heap to free nothing (figures: docs/measured.md). CPython 3.12 and 3.13 collect by the
+same generational thresholds; 3.14's incremental collector does less per pass, and pausing
+it is as correct.
 
 Pausing changes only *when* cycles are freed, never whether: every object is still freed
 by reference counting when it is dropped, and cycles made while paused are collected by

@@ -149,15 +149,14 @@ def describe_tokenizer(name_or_path: str, memo_dir: Optional[str] = None) -> Tok
     where the ``tokenizers`` library alone gives the same (:func:`_plain_fast_info`).
 
     Why: a conversion that never tokenizes (``foundrymix adopt`` of token shards) needs
-    only the ids and the fingerprint, and importing transformers took 6-15 s of one
-    core at load 10-18 on the 2-core CI machine (transformers 4.5x), against ~0.1 s
-    for ``tokenizers.Tokenizer.from_str``.
+    only the ids and the fingerprint, and importing transformers costs seconds where
+    ``tokenizers.Tokenizer.from_str`` costs a fraction of one.
 
     ``memo_dir``: where a plain tokenizer directory's result is kept, keyed by its three
     files' size, ``mtime_ns``, ``ctime_ns``, inode and device (any write changes ``ctime``)
     and the ``tokenizers`` version, so a trainer's next start reads 200 bytes instead of
-    parsing ``tokenizer.json`` (0.028-0.030 s of every start for the bundled 8k tokenizer,
-    issue 22). Read only from a directory and file of this user that no one else may write.
+    parsing ``tokenizer.json``. Read only from a directory and file of this user that no
+    one else may write.
     Without ``memo_dir`` the result is kept for the process (by name, as before).
     """
     if memo_dir is None:

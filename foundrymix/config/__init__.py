@@ -18,7 +18,7 @@ composer, so reading a config (``foundrymix plan``) stays fast.
 
 The package: :mod:`~foundrymix.config.errors` (``ConfigError``, key checks),
 :mod:`~foundrymix.config.loading` (YAML, overrides) and :mod:`~foundrymix.config.reader`
-(the typed reader); every name is also importable from ``foundrymix.config``.
+(the typed reader); every public name is also importable from ``foundrymix.config``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from foundrymix.config.errors import (  # noqa: F401
     ConfigErrors,
     FOUNDRY_RENAMES,
     Gather,
-    _PATH_PREFIX,
     check_keys,
     did_you_mean,
     errors_of,
@@ -38,11 +37,7 @@ from foundrymix.config.loading import (  # noqa: F401
     ALIAS_NODE_ALLOWANCE,
     OVERRIDES_HELP,
     Override,
-    _created,
-    _is_new_stream,
-    _normal_path,
     _omegaconf_load,
-    _plain_yaml,
     blame,
     load_yaml,
     load_yaml_overrides,
@@ -53,19 +48,6 @@ from foundrymix.config.reader import (  # noqa: F401
     Duration,
     FROM_KEY,
     Interval,
-    _ABBREV,
-    _FieldPlan,
-    _INTERVAL,
-    _SCALARS,
-    _dataclass_plan,
-    _kind,
-    _read_bool,
-    _read_container,
-    _read_float,
-    _read_int,
-    _read_str,
-    _read_union,
-    _type_name,
     check_duration,
     check_interval,
     number_abbrev_to_int,

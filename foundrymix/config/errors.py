@@ -32,8 +32,8 @@ _PATH_PREFIX = re.compile(r'^([A-Za-z_][\w.\[\]-]*): ')
 class ConfigErrors(UserErrors, ConfigError):
     """Every problem of a config found in one reading, one :class:`ConfigError` per line.
 
-    Why: a config with 15 problems took 15 runs of ~25 s each to fix, one refusal per run
-    (issue 21); the reader now goes on past a bad key and reports them all.
+    Why: one refusal per run makes a config with many problems take as many runs to fix;
+    the reader goes on past a bad key and reports them all.
     """
 
     def __init__(self, errors: Sequence[ConfigError]) -> None:

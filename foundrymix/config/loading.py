@@ -23,26 +23,27 @@ OVERRIDES_HELP = ('key=value overrides of the YAML (omegaconf dotlist, e.g. trai
 ALIAS_NODE_ALLOWANCE = 10_000
 
 
+def _node_limit(load: Any, path: str) -> dict[str, int]:
+    """``max_yaml_expanded_nodes`` for omegaconf's ``load`` of ``path``: the file's size plus
+    :data:`ALIAS_NODE_ALLOWANCE`; none where ``load`` has no such limit (omegaconf < 2.4) or
+    ``OMEGACONF_MAX_YAML_EXPANDED_NODES`` is set (then omegaconf's own setting holds)."""
+    if ('max_yaml_expanded_nodes' not in inspect.signature(load).parameters
+            or 'OMEGACONF_MAX_YAML_EXPANDED_NODES' in os.environ):
+        return {}
+    return {'max_yaml_expanded_nodes': os.path.getsize(path) + ALIAS_NODE_ALLOWANCE}
+
+
 def _omegaconf_load(path: str) -> Any:
     """``OmegaConf.load(path)`` without omegaconf's absolute node limit on plain YAML.
 
-    Why: omegaconf 2.4.0 refuses any document that expands to more than 10,000 nodes
-    (``max_yaml_expanded_nodes``, a guard against alias bombs), and a plain mix of 10,000
-    streams -- no alias in it -- has ~40,000 (measured: "YAML node expansion exceeds the
-    configured limit of 10000"). A file of N bytes spells out at most N nodes, so the limit
-    becomes N + 10,000: what the file writes is never refused, aliases may still add
-    10,000 nodes, and omegaconf's ratio guard (expanded vs unique nodes, 100x) stays on.
-    An explicit ``OMEGACONF_MAX_YAML_EXPANDED_NODES`` is respected; omegaconf < 2.4 has
-    no limit to raise.
+    Why: omegaconf 2.4 refuses any document that expands to more than 10,000 nodes (a guard
+    against alias bombs), and a plain mix of a few thousand streams -- no alias in it --
+    has more. A file of N bytes spells out at most N nodes, so the limit becomes N + 10,000:
+    what the file writes is never refused, aliases may still add 10,000 nodes, and
+    omegaconf's ratio guard (expanded vs unique nodes) stays on.
     """
-    import inspect
-
     from omegaconf import OmegaConf
-    if ('max_yaml_expanded_nodes' not in inspect.signature(OmegaConf.load).parameters
-            or 'OMEGACONF_MAX_YAML_EXPANDED_NODES' in os.environ):
-        return OmegaConf.load(path)
-    limit = os.path.getsize(path) + ALIAS_NODE_ALLOWANCE
-    return OmegaConf.load(path, max_yaml_expanded_nodes=limit)
+    return OmegaConf.load(path, **_node_limit(OmegaConf.load, path))
 
 
 def _plain_yaml(path: str) -> Optional[dict[str, Any]]:
@@ -51,20 +52,15 @@ def _plain_yaml(path: str) -> Optional[dict[str, Any]]:
     booleans, nulls, lists and mappings, and no node shared by aliases. Else ``None`` (then
     omegaconf reads it).
 
-    Why: ``OmegaConf.create`` wraps every node of the document in its own node objects and
-    ``to_container`` unwraps them again: 3.9 s of reading a 1,000-stream YAML, more than a
-    raw ``StreamingDataset`` over the streams takes to start (issue 22). The YAML is read
+    Why: ``OmegaConf.create`` wraps every node of the document in node objects that
+    ``to_container`` unwraps again, the bulk of reading a many-stream YAML. The YAML is read
     with omegaconf's own loader and node limit, so what it parses (and refuses) is the same.
     """
     import yaml
     from omegaconf.omegaconf import get_yaml_loader  # its own loader (2.3: _utils, 2.4: _yaml)
 
-    kwargs: dict[str, Any] = {}
-    if not ('OMEGACONF_MAX_YAML_EXPANDED_NODES' in os.environ or
-            'max_yaml_expanded_nodes' not in inspect.signature(get_yaml_loader).parameters):
-        kwargs['max_yaml_expanded_nodes'] = os.path.getsize(path) + ALIAS_NODE_ALLOWANCE
     with open(path, encoding='utf-8') as f:
-        obj = yaml.load(f, Loader=get_yaml_loader(**kwargs))
+        obj = yaml.load(f, Loader=get_yaml_loader(**_node_limit(get_yaml_loader, path)))
     seen: set[int] = set()
 
     def plain(v: Any) -> bool:
@@ -104,8 +100,8 @@ def load_yaml_overrides(path: str, overrides: Sequence[str] = ()) -> tuple[dict[
 
     A scalar value sets that one key. A mapping or list value (``train_loader.streams={a:
     {local: /d}}``) *replaces* the YAML's value at that key: whoever types a whole mapping
-    means that mapping; merging it into the YAML's (omegaconf's ``update(merge=True)``, the
-    default until issue 27) kept every stream the YAML had besides, silently. Hydra's
+    means that mapping; merging it into the YAML's (omegaconf's ``update(merge=True)``) would
+    keep every stream the YAML had besides, silently. Hydra's
     ``+key=value`` (add a key) is accepted as the plain ``key=value``: the typed reader
     decides whether the key exists.
     """
@@ -175,9 +171,10 @@ def blame(error: ConfigError, path: str, overrides: Sequence[Override], data: Ma
     """``error`` (every line of it) prefixed with what caused it: the ``key=value`` override
     that set or created its key, else the YAML ``path``.
 
-    Why: an override's typo was reported as the YAML's (``foo.yaml: train_loader: unknown key
-    'strams'``), and a misspelt stream name in an override (``train_loader.streams.wbe.repeat=2``
-    creates stream ``wbe``, with no location) said "needs local and/or remote" (issue 26).
+    Why: an override's typo is the override's, not the YAML's, and a misspelt stream name in
+    an override (``train_loader.streams.wbe.repeat=2`` creates stream ``wbe``, with no
+    location) is named as such, with the streams the YAML has, not as a stream that "needs
+    local and/or remote".
     """
     lines: list[ConfigError] = []
     for e in errors_of(error):

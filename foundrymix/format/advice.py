@@ -11,6 +11,12 @@ from typing import Any, Optional
 from foundrymix.format.foundry_tokens import is_foundry_tokens
 from foundrymix.format.schema import MANIFEST_NAME
 
+#: where the tokenizer of LLM-Foundry token shards read in place is given (plan/catalog reads them)
+IN_PLACE_TOKENIZER = ('the tokenizer they were made with (stream key tokenizer: NAME_OR_DIR, or '
+                      'train_loader.tokenizer, or a top-level tokenizer:)')
+#: what adopt needs of token shards: they do not record their tokenizer (its EOS/BOS ids cut documents)
+_TOKENIZER_FLAG = ' --tokenizer NAME_OR_DIR'
+
 
 def read_index_or_none(path: str) -> Optional[dict[str, Any]]:
     """``index.json`` at ``path`` as read, ``{}`` if it does not parse, None if there is none."""
@@ -37,19 +43,26 @@ def splits_advice(directory: str) -> Optional[str]:
         return (f'{directory!r} is a folder of splits ({", ".join(ours)}: foundrymix datasets); '
                 f'give one of them, e.g. {os.path.join(directory, ours[0])}')
     if theirs:
-        return (f'{directory!r} is a folder of splits ({", ".join(theirs)}: MDS written by another tool); '
-                f'make foundrymix datasets of them with `foundrymix adopt {directory} --out DIR` (each '
-                f'split goes to DIR/<split>) and give one of those')
+        tokens = all(is_foundry_tokens(read_index_or_none(os.path.join(directory, n, 'index.json')) or {})
+                     for n in theirs)
+        adopt = (f'make foundrymix datasets of them with `foundrymix adopt {directory}'
+                 f'{_TOKENIZER_FLAG if tokens else ""} --out DIR` (each split goes to DIR/<split>) and '
+                 f'give one of those')
+        if tokens:
+            return (f'{directory!r} is a folder of splits ({", ".join(theirs)}: LLM-Foundry token shards); '
+                    f'train one in place by giving its stream local: {os.path.join(directory, theirs[0])} '
+                    f'and {IN_PLACE_TOKENIZER}, or {adopt}')
+        return f'{directory!r} is a folder of splits ({", ".join(theirs)}: MDS written by another tool); {adopt}'
     return None
 
 
 def adopt_advice(directory: str, index: Optional[dict[str, Any]] = None) -> str:
     """What to do with MDS shards that have no manifest (LLM-Foundry's, streaming's own);
     ``index`` (their ``index.json``) tells LLM-Foundry token shards, which train in place."""
-    adopt = f'`foundrymix adopt {directory} --out DIR` and use DIR'
     if index and is_foundry_tokens(index):
+        adopt = f'`foundrymix adopt {directory}{_TOKENIZER_FLAG} --out DIR` and use DIR'
         return (f'{directory!r} holds LLM-Foundry token shards (one tokens column): train them in place '
-                f'by giving their stream the tokenizer they were made with (stream key tokenizer: '
-                f'NAME_OR_DIR, or train_loader.tokenizer), or make a foundrymix dataset of them with '
-                f'{adopt}')
-    return f'{directory!r} holds MDS shards (index.json) written by another tool: make it a foundrymix dataset with {adopt}'
+                f'by giving their stream {IN_PLACE_TOKENIZER}, or make a foundrymix dataset of them '
+                f'with {adopt}')
+    return (f'{directory!r} holds MDS shards (index.json) written by another tool: make it a foundrymix '
+            f'dataset with `foundrymix adopt {directory} --out DIR` and use DIR')

@@ -1,13 +1,11 @@
 """``foundrymix compare RUN_A RUN_B``: is a resumed run the straight run? Part by part.
 
-Why: resuming exactly is foundrymix's promise, and users checked it with scripts of their
-own (diffing sample logs, loading two checkpoints). This compares what a run leaves:
+Why: resuming exactly is foundrymix's promise, and this checks it on what a run leaves:
 
 * the sample log (the ``sample_log`` callback's JSONL: each global batch's sample, stream
   and stage ids in rank order, and a digest of its tokens) -- the first batch whose rows
   differ *as a set* (a global batch is one step on a set of rows: two logs listing its rows
-  in other orders, as streaming's sampler did on another number of ranks, describe the same
-  training), with a row only A has and one only B has;
+  in other orders describe the same training), with a row only A has and one only B has;
   else the first batch whose tokens differ under the same ids (the data itself differed:
   a shard changed or damaged);
 * the per-stream counts (``stream_accounting.json``: samples, tokens, loss tokens per

@@ -2,11 +2,10 @@
 LLM-Foundry-only keys, the loader dataset keys with no equivalent, the keys carried as they
 are, the read-back of the migrated YAML and the overrides of a CPU trial.
 
-Why: a migrated YAML that migrate called done still failed later, at a key nobody had
-looked at (``use_auth_token``; MPT's ``ffn_config`` refused with "did you mean
-'sep_token_id'?"). Every key of the input is now named once -- kept, changed, removed with
-its reason, or to do -- and the migrated YAML is read back by the same typed reader as
-``train``: whatever that reader would refuse is a to-do line, never a surprise later.
+Why: a YAML that migrate calls done must not fail later at a key nobody looked at. Every
+key of the input is named once -- kept, changed, removed with its reason, or to do -- and
+the migrated YAML is read back by the same typed reader as ``train``: whatever that reader
+would refuse is a to-do line, never a surprise later.
 """
 
 from __future__ import annotations

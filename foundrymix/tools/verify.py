@@ -104,7 +104,6 @@ class VerifyReport:
         return d
 
 
-
 def is_remote(location: str) -> bool:
     return '://' in location and not location.startswith('file://')
 
@@ -238,7 +237,7 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
 def _verify_shard(source: _Source, shard: dict[str, Any], vocab: Optional[int], seq: Optional[int],
                   columns: Optional[dict[str, str]], first_row: int) -> ShardReport:
     """Every check of one shard, in order, into one report line: fetch, size, hashes,
-    decompression, header, rows. Kept as one sequence (86 lines) because each step reads
+    decompression, header, rows. Kept as one sequence because each step reads
     what the previous produced and a failure ends the later ones with a named reason."""
     name = shard_name(shard)
     raw_info, zip_info = shard['raw_data'], shard.get('zip_data')

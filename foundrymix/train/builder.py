@@ -100,9 +100,11 @@ def _share_cpu_threads(device: str) -> None:
     torch.set_num_threads(max(1, cores // local_ranks))
 
 
-def _batch_sizes(cfg: TrainConfig) -> tuple[int, Union[int, str]]:
-    """(per-rank batch, microbatch) on this run's ranks (:func:`split_batch`)."""
-    return split_batch(cfg, dist.get_world_size())
+def _print0(*lines: Optional[str]) -> None:
+    """Each line given (None: none), on rank 0 only."""
+    if dist.get_global_rank() == 0:
+        for line in filter(None, lines):
+            print(line, flush=True)
 
 
 def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
@@ -156,7 +158,7 @@ class TrainData:
         return [s.name for s in self.run.stages] if self.run.explicit else None
 
 
-@collector_paused()  # the plan record and loader objects of 10,000 streams: 2.6-3.2 -> 1.1 s (heap.py)
+@collector_paused()  # the plan record and loader objects: many, all kept (foundrymix/heap.py)
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (once: catalogs read once, weights computed once per stage) and the one
     loader built from it -- for a single mixture (one stage) as for a staged run."""
@@ -256,7 +258,7 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     them when the run ends (a caller that only builds: ``run.claims.release()``, or they
     go with the process).
     """
-    device_batch, micro = _batch_sizes(cfg)
+    device_batch, micro = split_batch(cfg, dist.get_world_size())
     held = claim_run(cfg)
     try:
         return _build(cfg, device_batch, micro, held)
@@ -273,13 +275,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
 
     reproducibility.seed_all(cfg.seed)
     hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
-    loaded = getattr(hf_model, 'foundrymix_loading', None)
-    for line in (loaded, getattr(hf_model, 'foundrymix_lora', None)):
-        if line and dist.get_global_rank() == 0:
-            print(line, flush=True)
-    attention = mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs)
-    if attention and dist.get_global_rank() == 0:
-        print(attention, flush=True)
+    _print0(getattr(hf_model, 'foundrymix_loading', None), getattr(hf_model, 'foundrymix_lora', None),
+            mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs))
     model = CausalLM(hf_model, attention=cfg.model.attention, fused_loss=cfg.model.fused_loss)
     evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
@@ -292,10 +289,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
         apply_resume_lr(trainer.state, scheduler)  # the resume batch's LR under this run's schedule
     elif line:
         extended = extension_line(trainer.state, scheduler, cfg.optimizer.lr)
-    if line and dist.get_global_rank() == 0:
-        print(line, flush=True)
-        if extended:
-            print(extended, flush=True)
+    if line:
+        _print0(line, extended)
     freeze_built_heap()
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
                     plan=data.plan, claims=held, finished=finished, remote_save=saving)
@@ -305,13 +300,12 @@ def freeze_built_heap() -> None:
     """Collect, then move every object built so far out of the cyclic collector's sight (``gc.freeze``).
 
     Why: the model, tokenizer, plan and trainer are long-lived objects that Python's
-    generation-2 collections walk again and again (hundreds of ms on a GPU host, docs/gpu.md),
-    and the loader's workers, forked at the first batch, inherit them: Python's docs
-    (``gc.freeze``) recommend freezing before fork so that children do not copy those pages.
-    Objects made later are collected as usual; garbage is collected first. :func:`train` unfreezes when the run ends, so a
-    later run in the same process can collect this one's cycles; a caller of
-    :func:`build_trainer` alone that builds many trainers in one process should call
-    ``gc.unfreeze()`` after each.
+    generation-2 collections walk again and again, and the loader's workers, forked at the
+    first batch, inherit them: Python's docs (``gc.freeze``) recommend freezing before fork so
+    that children do not copy those pages. Objects made later are collected as usual; garbage
+    is collected first. :func:`train` unfreezes when the run ends, so a later run in the same
+    process can collect this one's cycles; a caller of :func:`build_trainer` alone that builds
+    many trainers in one process should call ``gc.unfreeze()`` after each.
     """
     gc.collect()
     gc.freeze()
@@ -322,8 +316,7 @@ def train(cfg: TrainConfig) -> TrainRun:
     run = build_trainer(cfg)
     try:
         if run.finished:  # a relaunch of a finished run: done, nothing to fit
-            if dist.get_global_rank() == 0:
-                print(run.finished, flush=True)
+            _print0(run.finished)
             run.trainer.close()
             return run
         try:

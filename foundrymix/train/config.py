@@ -215,8 +215,8 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
     or the microbatches cannot split.
 
     Pure, so ``foundrymix plan --world-size N`` refuses what ``composer -n N`` would, in the
-    same words: there the check ran only inside the launched ranks, and the launcher buried
-    the one-line error under a crash dump of every rank (issue 26).
+    same words, before any rank is launched (a launcher buries a rank's one-line error under
+    a crash dump of every rank).
 
     The microbatch is a device setting, one for the whole run: with per-stage batches
     (``train_loader.stages[i].global_train_batch_size``) it must divide every stage's
@@ -246,7 +246,7 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
     return device_batch, micro
 
 
-@collector_paused()  # 10,000 streams: 2.3-2.7 s -> 0.9 s (foundrymix/heap.py)
+@collector_paused()  # a large YAML allocates much and frees nothing (foundrymix/heap.py)
 def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional[str] = None,
                 data_only: bool = False) -> TrainConfig:
     """Load a YAML, apply ``key=value`` overrides, resolve interpolations, type it.
@@ -270,9 +270,9 @@ def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional
 def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
     pretrained model's), and a LoRA ``target_modules`` must name layers of the model:
-    ``train`` and ``plan`` refuse alike, with one message (issue 26:
-    ``plan`` accepted a ``tokenizer:`` the streams were not made with). ``tokenizer`` is the
-    streams' :class:`~foundrymix.format.schema.TokenizerInfo`."""
+    ``train`` and ``plan`` refuse alike, with one message (so ``plan`` never accepts a
+    ``tokenizer:`` the streams were not made with). ``tokenizer`` is the streams'
+    :class:`~foundrymix.format.schema.TokenizerInfo`."""
     check_data_streams(cfg, max_seq_len, tokenizer)
     if cfg.model is not None and cfg.model.pretrained is not None:
         from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer

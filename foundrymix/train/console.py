@@ -64,19 +64,22 @@ def finished_line(state: Any) -> Optional[str]:
             f'max_duration)')
 
 
+def _resumed_run(state: Any) -> tuple[Any, Any]:
+    """The loader's resume point and its run's plan (None each where there is none)."""
+    position = getattr(state.train_dataloader, 'dataset', None)
+    return getattr(position, 'resumed', None), getattr(position, 'run', None)
+
+
 def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
     """What a resume that changed the run's length does to the LR schedule, or None.
 
     Why: Composer does not checkpoint ``max_duration``; a schedule is a function of the
     elapsed fraction of it, so extending a finished run (``max_duration`` 1ep -> 2ep, or
-    appended stages) silently moved a cosine schedule back up (0.00134 -> 0.00628 at the
-    resume batch, seen with composer 0.32). The run's position records the run's length,
-    so a resume can say what changes: the LR at the resume batch under the checkpoint's
-    length and under this run's.
+    appended stages) silently moves a cosine schedule back up. The run's position records
+    the run's length, so a resume can say what changes: the LR at the resume batch under the
+    checkpoint's length and under this run's.
     """
-    position = getattr(state.train_dataloader, 'dataset', None)
-    resumed = getattr(position, 'resumed', None)
-    run = getattr(position, 'run', None)
+    resumed, run = _resumed_run(state)
     if resumed is None or run is None:
         return None
     saved = state.max_duration
@@ -111,9 +114,7 @@ def wsd_resume_line(state: Any, scheduler: Any) -> Optional[str]:
     Why: extending the stable phase or branching into an anneal from a checkpoint changes the
     schedule from the resume batch on; the line shows the change where it takes effect.
     """
-    position = getattr(state.train_dataloader, 'dataset', None)
-    resumed = getattr(position, 'resumed', None)
-    run = getattr(position, 'run', None)
+    resumed, run = _resumed_run(state)
     if resumed is None or run is None:
         return None
     base = state.schedulers[0].base_lrs[0]

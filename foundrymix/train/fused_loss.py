@@ -1,8 +1,8 @@
 """``model.fused_loss: true``: the output layer and cross-entropy in chunks, never the full-vocabulary logits.
 
 The model's own path materialises ``tokens x vocab`` logits and upcasts them to float32
-for the loss (8 x 2048 x 32,000 = 2.1 GB, a fifth of a 125M model's step on an H100 spent
-copying). Here the decoder's last hidden states go through the output layer a chunk of
+for the loss (8 x 2048 x 32,000 = 2.1 GB; copying it is a large share of a small model's
+step). Here the decoder's last hidden states go through the output layer a chunk of
 tokens at a time; each chunk's logits live only inside :class:`LinearCrossEntropy`'s
 forward, which computes the loss *and* the gradients of the hidden states and of the
 output weight there (the approach of liger-kernel's fused linear cross-entropy, in plain

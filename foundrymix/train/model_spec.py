@@ -1,7 +1,7 @@
 """The ``model`` section of a training YAML, read without building a model.
 
-Why strict: a misspelt transformers config key (``hiden_size: 64``) used to be handed
-to ``AutoConfig`` and silently ignored, so a run trained a model of the wrong size.
+Why strict: ``AutoConfig`` silently ignores a misspelt key (``hiden_size: 64``), so a run
+would train a model of the wrong size.
 Every key that is not ours is checked against the transformers config class of the
 chosen ``type`` (its ``__init__`` parameters, attribute aliases and the attributes of a
 default instance); an unknown key is an error naming the nearest valid one.
@@ -193,7 +193,7 @@ def reads_position_ids(model_type: str) -> bool:
     OPT, Falcon) attends across documents whatever position ids it gets -- MPT's forward has
     no ``position_ids`` at all (tests/train/test_config_errors.py checks the answer against
     real models' outputs). Read from the modeling module's source, not imported: importing
-    it took 16 s on a loaded 2-core machine, and ``plan`` reads the model section too.
+    it takes seconds, and ``plan`` reads the model section too.
     """
     import importlib.util
 

@@ -207,6 +207,17 @@ def _listed(store: Any, prefix: str) -> dict[str, int]:
     return {key: -1 for key in store.list_objects(prefix)}
 
 
+def _object_store(save_folder: str) -> tuple[Any, str]:
+    """Composer's object store for the remote ``save_folder`` and the key prefix of its objects
+    (``''`` or ending in ``/``); refused when Composer cannot write there."""
+    from composer.utils import maybe_create_object_store_from_uri, parse_uri
+    store = maybe_create_object_store_from_uri(save_folder)
+    if store is None:
+        raise UserError(f'save_folder {save_folder!r}: not an object store URI Composer can write to')
+    path = parse_uri(save_folder)[2].strip('/')
+    return store, f'{path}/' if path else ''
+
+
 def remote_checkpoint(save_folder: str) -> Optional[RemoteResume]:
     """The newest complete checkpoint under the remote ``save_folder`` (newest batch first), or
     None when it holds none (a fresh start).
@@ -214,16 +225,11 @@ def remote_checkpoint(save_folder: str) -> Optional[RemoteResume]:
     Refused (naming them) when every checkpoint object there is incomplete: starting over
     would overwrite them. Read errors name the URL and S3's error code.
     """
-    from composer.utils import maybe_create_object_store_from_uri, parse_uri
     from composer.utils.object_store import S3ObjectStore
 
     from foundrymix.s3.remote import classify
 
-    store = maybe_create_object_store_from_uri(save_folder)
-    if store is None:
-        raise UserError(f'save_folder {save_folder!r}: not an object store URI Composer can write to')
-    _, _, path = parse_uri(save_folder)
-    prefix = f"{path.strip('/')}/" if path.strip('/') else ''
+    store, prefix = _object_store(save_folder)
     try:
         found = sorted(((int(m[2]), key, size) for key, size in _listed(store, prefix).items()
                         if (m := CHECKPOINT.match(key[len(prefix):]))), reverse=True)
@@ -278,13 +284,8 @@ def latest_checkpoint(save_folder: str) -> Optional[str]:
     None when there is none (sharded checkpoints: Composer uploads that symlink only after every
     rank's shard is in the bucket).
     """
-    from composer.utils import maybe_create_object_store_from_uri, parse_uri
-
-    store = maybe_create_object_store_from_uri(save_folder)
-    if store is None:
-        raise UserError(f'save_folder {save_folder!r}: not an object store URI Composer can write to')
-    _, _, prefix = parse_uri(save_folder)
-    key = f"{prefix.strip('/')}/{LATEST}" if prefix.strip('/') else LATEST
+    store, prefix = _object_store(save_folder)
+    key = prefix + LATEST
     with tempfile.TemporaryDirectory(prefix='fmx-autoresume-') as tmp:
         local = os.path.join(tmp, LATEST)
         try:

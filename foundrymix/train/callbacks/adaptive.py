@@ -1,8 +1,8 @@
 """``AdaptiveMixing``: feeds each adaptive stage's controller the per-stream training loss.
 
 The loss is the model's own: :meth:`CausalLM.loss <foundrymix.train.model.CausalLM.loss>`
-leaves each row's summed cross-entropy and loss targets on the outputs (``row_loss``, the
-per-stream loss core of issue 23). Per microbatch (``after_loss``) this rank keeps those
+leaves each row's summed cross-entropy and loss targets on the outputs (``row_loss``).
+Per microbatch (``after_loss``) this rank keeps those
 rows with their stream ids, on the device (no host sync). At each segment boundary
 (``batch_end``, before Composer's checkpoint event) they are summed per batch and stream
 on the CPU, all-reduced, and the controller decides the next segment, which the loader
