@@ -110,7 +110,8 @@ def in_place_manifest(index: dict[str, Any], shard0: bytes, tokenizer: Tokenizer
     if uneven:
         raise ValueError(f"{where}: {', '.join(uneven[:3])}{' ...' if len(uneven) > 3 else ''}: rows of "
                          f"another length than shard 0's {layout.length} tokens; LLM-Foundry token rows "
-                         f"used in place must all be one length: adopt them (`foundrymix adopt`)")
+                         f"used in place must all be one length: adopt them (`foundrymix adopt DIR --tokenizer "
+                         f"NAME_OR_DIR --out OUT`)")
     rule, separator = document_rule(rows0.reshape(-1), tokenizer.eos_id, tokenizer.bos_id)
     rows = sum(int(s['samples']) for s in index['shards'])
     tokens = rows * layout.length

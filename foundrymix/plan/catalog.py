@@ -173,8 +173,9 @@ class Catalog:
         if not name_or_dir:
             raise ConfigError(f"{where}: LLM-Foundry token shards (one tokens column, no foundrymix.json): "
                               f"to use them in place give the tokenizer they were made with, "
-                              f"{where}.tokenizer: NAME_OR_DIR or a top-level tokenizer: (or adopt them: "
-                              f"`foundrymix adopt`)", path=f'{where}.tokenizer')
+                              f"{where}.tokenizer: NAME_OR_DIR or a top-level tokenizer: (or make a dataset "
+                              f"of them: `foundrymix adopt {self.config.stream_dir(name)} --tokenizer NAME_OR_DIR "
+                              f"--out DIR`)", path=f'{where}.tokenizer')
         memo = os.path.join(cache_base(self.config.cache_root), 'tokenizers')
         tokenizer = describe_tokenizer(name_or_dir, memo)
         first = index['shards'][0]
