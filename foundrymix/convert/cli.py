@@ -136,7 +136,7 @@ def _start_up_lean() -> None:
     """Keep ``transformers`` from importing torch in a standalone ``foundrymix convert``.
 
     Conversion needs transformers only for its tokenizers, but with torch installed
-    transformers imports it first (seconds on one core, before any work can start).
+    transformers imports it first, before any work can start.
     The shard writer still imports torch (``streaming`` needs it), but in a thread of
     its own while the tokenizer threads are busy, so the import overlaps the work.
     Not done in-process (tests, notebooks): later code may need transformers with
@@ -149,8 +149,8 @@ def _start_up_lean() -> None:
 
 
 def _exit_lean() -> None:
-    """Let interpreter shutdown skip garbage-collecting torch's object graph (about a
-    second); everything is written and closed by now. Standalone processes only."""
+    """Let interpreter shutdown skip garbage-collecting torch's object graph; everything
+    is written and closed by now. Standalone processes only."""
     gc.freeze()
 
 

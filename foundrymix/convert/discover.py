@@ -131,14 +131,13 @@ def _dict_split(directory: str, split: Optional[str]) -> str:
 
 
 def _unlisted(e: OSError) -> None:
-    """``os.walk`` skips a directory it cannot list, silently: a directory of inputs the
-    user may not read was reported as holding no input files."""
+    """Refuse a directory ``os.walk`` cannot list (it would skip it silently, and the
+    inputs in it would look absent)."""
     raise UserError(f'{e.filename}: cannot list this directory ({e.strerror.lower()})')
 
 
 def check_readable(path: str) -> None:
-    """Refuse an input file this process cannot open, before any work (the error named
-    only the path, as ``[Errno 13] Permission denied``, mid-conversion)."""
+    """Refuse an input file this process cannot open, before any work, saying why."""
     if os.path.isdir(path):  # a dataset saved to disk: datasets reads it
         return
     try:
@@ -154,8 +153,8 @@ _MAGIC = (('gzip', b'\x1f\x8b', '.gz', 'gunzip'), ('zstd', b'\x28\xb5\x2f\xfd', 
 
 def check_not_compressed(path: str) -> None:
     """Refuse a plain-text input (``.jsonl``, ``.json``, ``.ndjson``, ``.txt``) that holds
-    gzip or zstd data, naming the compression and the rename that makes it readable (its
-    bytes were reported as invalid UTF-8, line after line)."""
+    gzip or zstd data, naming the compression and the rename that makes it readable
+    (rather than one invalid-UTF-8 record per line)."""
     fmt = input_format(path)
     if fmt not in ('jsonl', 'txt'):
         return

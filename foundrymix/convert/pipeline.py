@@ -59,9 +59,9 @@ def importing(module: str) -> Iterator[None]:
     """Pause the cyclic garbage collector while ``module`` is imported for the first time.
 
     Importing torch (via ``streaming``) or transformers allocates so many objects that
-    the collector runs over and over, about a fifth of the import time, and finds
-    nothing: modules are not garbage. Nothing changes when ``module`` is already
-    imported or collection is off anyway; the pause lasts the import only.
+    the collector runs over and over and finds nothing: modules are not garbage. Nothing
+    changes when ``module`` is already imported or collection is off; the pause lasts the
+    import only.
     """
     if module in sys.modules or not gc.isenabled():
         yield
@@ -159,7 +159,7 @@ def _send_results(out: Any, results: queue.SimpleQueue) -> None:
 class ProcessPool:
     """``workers`` forked processes encoding chunks; a dead worker stops the conversion at once.
 
-    Why not ``multiprocessing.Pool`` (used before) or ``ProcessPoolExecutor``: a Pool
+    Why not ``multiprocessing.Pool`` or ``ProcessPoolExecutor``: a Pool
     replaces a worker killed by SIGKILL (the OOM killer), ``sys.exit`` or a segfault and
     waits forever for the lost chunk's result; ``ProcessPoolExecutor`` (Python 3.11) does
     raise ``BrokenProcessPool``, but names neither the chunk nor the exit code, which only
@@ -249,7 +249,7 @@ class ordered_map:
 
     A context manager that starts the workers and hands out the first chunks at once,
     so tokenization is under way while the shard writer still imports ``streaming``
-    (it pulls in torch: seconds of start-up). Worker processes are forked before that
+    (it pulls in torch). Worker processes are forked before that
     import, so they stay small and inherit the loaded tokenizer.
     """
 
@@ -367,7 +367,7 @@ class Progress:
 
     The bar counts records *read*, so it ends at the input's size; a converter that drops
     records (finetune: too long, no loss token) passes ``written`` too and the bar shows
-    ``N written, D dropped`` beside it (it counted written examples: "688 docs" of 1,000).
+    ``N written, D dropped`` beside it.
     """
 
     def __init__(self, enabled: bool, desc: str) -> None:

@@ -333,12 +333,10 @@ def _cancel(futures: list[Any], timeout: float = 60) -> None:
     """Stop the tasks still running (a task failed for good, or Ctrl-C) and wait for them,
     so that none writes into the partial directory after it is removed.
 
-    Only the tasks not yet finished are cancelled. Cancelling every task, finished or not,
-    once crashed the driver (the pytest process itself) in Ray 2.60: ``task_manager.cc:
-    Check failed: it != submissible_tasks_.end() Tried to complete task that was not
-    pending`` -- a cancel racing with a task's reply, the race of ray-project/ray#54846
-    (fixed for two of its paths by PR #54798). A task that finishes between the ``wait``
-    and its ``cancel`` can still meet that race; the window is now one task's, not all.
+    Only the tasks not yet finished are cancelled: in Ray, a cancel that races with a
+    task's reply can abort the driver process (``task_manager.cc: Check failed``,
+    ray-project/ray#54846), so the race is left only to a task finishing between the
+    ``wait`` and its ``cancel``.
     """
     import ray
     if not futures:
