@@ -48,7 +48,6 @@ from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest, RowBatch
 from foundrymix.tokenizer import describe_tokenizer
 
-BOUNDARIES = ('eos', 'bos', 'none')
 #: the column sets adopt reads, and what they are
 KINDS = {
     'tokens': 'LLM-Foundry pretrain tokens (tokens: ndarray:int32)',

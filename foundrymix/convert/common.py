@@ -66,6 +66,8 @@ class ConvertOptions:
     hash: tuple[str, ...] = ()
     engine: str = 'local'
     ray_address: Optional[str] = None
+    #: input per Ray task: its fixed cost (scheduling, a first tokenizer load, one MDS
+    #: writer) stays small against its tokenizing
     ray_task_bytes: int = 64 << 20
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
