@@ -63,8 +63,7 @@ def input_format(path: str) -> str:
 
 
 def _is_hf_dataset(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, 'state.json')) or os.path.isfile(
-        os.path.join(path, 'dataset_dict.json'))
+    return os.path.isfile(os.path.join(path, 'state.json')) or os.path.isfile(os.path.join(path, DATASET_DICT))
 
 
 def _supported(path: str, expanding: bool = False) -> bool:
@@ -88,13 +87,8 @@ def output_marker(directory: str) -> Optional[str]:
 
 def _expand_dir(directory: str, exclude: Optional[str] = None, split: Optional[str] = None) -> list[str]:
     """Inputs inside a directory: itself if it is a saved dataset (one split of a saved
-    ``DatasetDict``, see :func:`_dict_split`), else supported files, sorted.
-
-    Skipped while walking: hidden entries (``.<out>.partial-<pid>`` work directories
-    among them), output directories (:func:`output_marker`), the real path ``exclude``
-    (the conversion's own ``--out``), and ``.json`` files (often JSON documents, not
-    JSON Lines: name them explicitly to read them).
-    """
+    ``DatasetDict``, see :func:`_dict_split`), else supported files, sorted, skipping what
+    the module docstring lists (``exclude``: the real path of the conversion's ``--out``)."""
     if os.path.isfile(os.path.join(directory, DATASET_DICT)):
         return [_dict_split(directory, split)]
     if _is_hf_dataset(directory):

@@ -309,10 +309,9 @@ def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
 
     Why: with prompt/response examples nearly all work is the Rust tokenizer, which
     releases the GIL, and threads save forking and pickling every chunk's result back.
-    Chat templates are rendered in Python, which
-    holds the GIL, so there processes run that in parallel. Which one the input holds is
-    read from the first records of the first chunk (a few ms); the output is the same
-    either way.
+    Chat templates are rendered in Python, which holds the GIL, so there processes run
+    that in parallel. Which one the input holds is read from the first records of the
+    first chunk; the output is the same either way.
     """
     ptemplate, rtemplate = _templates(o)
     if o.preprocess is not None:
