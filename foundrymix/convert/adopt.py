@@ -36,7 +36,7 @@ import numpy as np
 
 from foundrymix.convert.common import ConvertOptions, Setup
 from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records, worker_state
-from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _ChunkExamples, _concat, _fit, _layout
+from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
 from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
                                          read_column_arrays)
 from foundrymix.convert.paths import check_overlap, is_url
@@ -48,7 +48,6 @@ from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest, RowBatch
 from foundrymix.tokenizer import describe_tokenizer
 
-BOUNDARIES = ('eos', 'bos', 'none')
 #: the column sets adopt reads, and what they are
 KINDS = {
     'tokens': 'LLM-Foundry pretrain tokens (tokens: ndarray:int32)',
@@ -351,30 +350,9 @@ def _encode_turns(chunk: Chunk) -> _ChunkExamples:
     vocab = w.vocab_size
     n_lines, n_records, examples, errors, dropped = parse_records(
         chunk, ('turns',), lambda rec: _turns(rec, vocab, o.chat_loss, o.loss_on_prompt), o.on_error)
-    lengths = np.zeros(len(examples), dtype=np.int64)
-    parts: list[list[int] | np.ndarray] = []
-    kept_lens: list[int] = []
-    kept_spans: list[int] = []
-    span_counts: list[int] = []
-    for i, segs in enumerate(examples):
-        n, spans = _layout([len(ids) for ids, _ in segs], [loss for _, loss in segs], 0, False)
-        lengths[i] = n
-        fit = _fit(n, spans, o, dropped)
-        if fit is None:
-            continue
-        keep, spans = fit
-        ids = [x for seg, _ in segs for x in seg][:keep]
-        parts.append(ids)
-        kept_lens.append(keep)
-        kept_spans.extend(x for span in spans for x in span)
-        span_counts.append(len(spans))
-    total = sum(kept_lens)
-    return _ChunkExamples(n_lines, n_records, errors, dropped,
-                          tokens=_concat(parts, total, w.token_dtype) if total else
-                          np.zeros(0, dtype=w.token_dtype),
-                          example_lens=np.asarray(kept_lens, dtype=np.int64),
-                          spans=np.asarray(kept_spans, dtype=np.int32),
-                          span_counts=np.asarray(span_counts, dtype=np.int64), lengths=lengths)
+    laid_out = [(*_layout([len(ids) for ids, _ in segs], [loss for _, loss in segs], 0, False),
+                 [ids for ids, _ in segs]) for segs in examples]
+    return _chunk_examples(n_lines, n_records, errors, dropped, laid_out, o, w.token_dtype)
 
 
 def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:

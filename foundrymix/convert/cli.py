@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from foundrymix.convert.common import ENGINES, ON_ERROR
 from foundrymix.convert.finetune import CHAT_LOSS, TOO_LONG, FinetuneOptions, convert_finetune
@@ -125,33 +126,28 @@ def _options(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
-def _standalone() -> bool:
-    """Whether this process was started as ``foundrymix convert ...`` and has not imported
-    torch or transformers yet (not a test or notebook calling the CLI in-process)."""
-    return (sys.argv[1:2] in (['convert'], ['adopt']) and 'torch' not in sys.modules
-            and 'transformers' not in sys.modules)
-
-
-def _start_up_lean() -> None:
-    """Keep ``transformers`` from importing torch in a standalone ``foundrymix convert``.
+@contextlib.contextmanager
+def _lean() -> Iterator[None]:
+    """Start and end a standalone ``foundrymix convert|adopt`` process lean; nothing changes
+    in-process (tests, notebooks: later code may need transformers with torch).
 
     Conversion needs transformers only for its tokenizers, but with torch installed
-    transformers imports it first (seconds on one core, before any work can start).
-    The shard writer still imports torch (``streaming`` needs it), but in a thread of
-    its own while the tokenizer threads are busy, so the import overlaps the work.
-    Not done in-process (tests, notebooks): later code may need transformers with
-    torch. Explicit settings of these variables win.
+    transformers imports it first, before any work can start; so ``USE_TORCH=0`` and the
+    like (explicit settings win). The shard writer still imports torch (``streaming``
+    needs it), in a thread of its own while the tokenizer threads work. At the end,
+    interpreter shutdown skips garbage-collecting torch's object graph (``gc.freeze``):
+    everything is written and closed by then.
     """
-    for var in ('USE_TORCH', 'USE_TF', 'USE_FLAX'):
-        os.environ.setdefault(var, '0')
-    # silence "None of PyTorch, TensorFlow >= 2.0, or Flax have been found"
-    os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
-
-
-def _exit_lean() -> None:
-    """Let interpreter shutdown skip garbage-collecting torch's object graph (about a
-    second); everything is written and closed by now. Standalone processes only."""
-    gc.freeze()
+    standalone = (sys.argv[1:2] in (['convert'], ['adopt']) and 'torch' not in sys.modules
+                  and 'transformers' not in sys.modules)
+    if standalone:
+        for var in ('USE_TORCH', 'USE_TF', 'USE_FLAX'):
+            os.environ.setdefault(var, '0')
+        # silence "None of PyTorch, TensorFlow >= 2.0, or Flax have been found"
+        os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
+    yield
+    if standalone:
+        gc.freeze()
 
 
 def _out(args: argparse.Namespace) -> Any:
@@ -189,12 +185,8 @@ def _from_mds(args: argparse.Namespace) -> int:
 def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
     if args.from_mds:
         return _from_mds(args)
-    standalone = _standalone()
-    if standalone:
-        _start_up_lean()
-    convert(args.inputs, _out(args), _options(options_cls, args))
-    if standalone:
-        _exit_lean()
+    with _lean():
+        convert(args.inputs, _out(args), _options(options_cls, args))
     return 0
 
 
@@ -208,18 +200,14 @@ def _run_finetune(args: argparse.Namespace) -> int:
 
 def _run_adopt(args: argparse.Namespace, kinds: tuple[str, ...] = ()) -> int:
     from foundrymix.convert.adopt import AdoptArgs, adopt
-    standalone = _standalone()
-    if standalone:
-        _start_up_lean()
     common = {k: getattr(args, k) for k in ('workers', 'overwrite', 'on_error', 'bos', 'eos',
                                             'compression', 'size_limit')}
     common['hash'] = tuple(args.hash)
-    adopt(AdoptArgs(source=args.source, out=args.out, splits=tuple(args.split or ()),
-                    tokenizer=args.tokenizer, max_seq_len=args.max_seq_len, chat_loss=args.chat_loss,
-                    common=common, kinds=kinds),
-          progress=args.progress)
-    if standalone:
-        _exit_lean()
+    with _lean():
+        adopt(AdoptArgs(source=args.source, out=args.out, splits=tuple(args.split or ()),
+                        tokenizer=args.tokenizer, max_seq_len=args.max_seq_len, chat_loss=args.chat_loss,
+                        common=common, kinds=kinds),
+              progress=args.progress)
     return 0
 
 

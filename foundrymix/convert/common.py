@@ -24,11 +24,10 @@ from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info
 
 ON_ERROR = ('raise', 'skip')
-#: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py); a larger
-#: value stopped the conversion with a bare ``OverflowError`` from numpy
+#: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py)
 MAX_SEQ_LEN = (1 << 31) - 1
-#: the most workers: ``--workers 10**20`` stopped the conversion with a bare ``ValueError``
-#: from ``itertools.islice``; more threads than chunks in flight only cost memory
+#: the most workers, refused up front above it: more threads than chunks in flight only
+#: cost memory
 MAX_WORKERS = 4096
 ENGINES = ('local', 'ray')
 
@@ -67,6 +66,8 @@ class ConvertOptions:
     hash: tuple[str, ...] = ()
     engine: str = 'local'
     ray_address: Optional[str] = None
+    #: input per Ray task: its fixed cost (scheduling, a first tokenizer load, one MDS
+    #: writer) stays small against its tokenizing
     ray_task_bytes: int = 64 << 20
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)

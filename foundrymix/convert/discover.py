@@ -63,8 +63,7 @@ def input_format(path: str) -> str:
 
 
 def _is_hf_dataset(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, 'state.json')) or os.path.isfile(
-        os.path.join(path, 'dataset_dict.json'))
+    return os.path.isfile(os.path.join(path, 'state.json')) or os.path.isfile(os.path.join(path, DATASET_DICT))
 
 
 def _supported(path: str, expanding: bool = False) -> bool:
@@ -88,13 +87,8 @@ def output_marker(directory: str) -> Optional[str]:
 
 def _expand_dir(directory: str, exclude: Optional[str] = None, split: Optional[str] = None) -> list[str]:
     """Inputs inside a directory: itself if it is a saved dataset (one split of a saved
-    ``DatasetDict``, see :func:`_dict_split`), else supported files, sorted.
-
-    Skipped while walking: hidden entries (``.<out>.partial-<pid>`` work directories
-    among them), output directories (:func:`output_marker`), the real path ``exclude``
-    (the conversion's own ``--out``), and ``.json`` files (often JSON documents, not
-    JSON Lines: name them explicitly to read them).
-    """
+    ``DatasetDict``, see :func:`_dict_split`), else supported files, sorted, skipping what
+    the module docstring lists (``exclude``: the real path of the conversion's ``--out``)."""
     if os.path.isfile(os.path.join(directory, DATASET_DICT)):
         return [_dict_split(directory, split)]
     if _is_hf_dataset(directory):
@@ -131,14 +125,13 @@ def _dict_split(directory: str, split: Optional[str]) -> str:
 
 
 def _unlisted(e: OSError) -> None:
-    """``os.walk`` skips a directory it cannot list, silently: a directory of inputs the
-    user may not read was reported as holding no input files."""
+    """Refuse a directory ``os.walk`` cannot list (it would skip it silently, and the
+    inputs in it would look absent)."""
     raise UserError(f'{e.filename}: cannot list this directory ({e.strerror.lower()})')
 
 
 def check_readable(path: str) -> None:
-    """Refuse an input file this process cannot open, before any work (the error named
-    only the path, as ``[Errno 13] Permission denied``, mid-conversion)."""
+    """Refuse an input file this process cannot open, before any work, saying why."""
     if os.path.isdir(path):  # a dataset saved to disk: datasets reads it
         return
     try:
@@ -154,8 +147,8 @@ _MAGIC = (('gzip', b'\x1f\x8b', '.gz', 'gunzip'), ('zstd', b'\x28\xb5\x2f\xfd', 
 
 def check_not_compressed(path: str) -> None:
     """Refuse a plain-text input (``.jsonl``, ``.json``, ``.ndjson``, ``.txt``) that holds
-    gzip or zstd data, naming the compression and the rename that makes it readable (its
-    bytes were reported as invalid UTF-8, line after line)."""
+    gzip or zstd data, naming the compression and the rename that makes it readable
+    (rather than one invalid-UTF-8 record per line)."""
     fmt = input_format(path)
     if fmt not in ('jsonl', 'txt'):
         return

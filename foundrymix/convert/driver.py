@@ -183,13 +183,9 @@ def convert(converter: Converter, inputs: list[str], out: OutSpec, options: Conv
 
 
 def no_space(local: Optional[str], error: OSError) -> str:
-    """The one line for a disk (or quota) that filled up while the output was written.
-
-    Why: the shard writer's thread raised ``OSError: [Errno 28] No space left on device``
-    as a traceback naming no path (a write or close has none). Nothing was published: the
-    output is written into a hidden sibling and renamed only when complete, and a failed
-    conversion removes it.
-    """
+    """The one line for a disk (or quota) that filled up while the output was written,
+    naming the folder (the ``OSError`` of a write names no path) and saying that nothing
+    was published: the output is renamed into place only when complete."""
     what = 'no space left' if error.errno == errno.ENOSPC else 'the disk quota is used up'
     if local is None:  # --out s3:// only: shards are staged in the temporary directory
         where = tempfile.gettempdir()
@@ -211,8 +207,7 @@ def claim_output(local: Optional[str]) -> Optional[claims.Claim]:
     """Claim the local output directory for this conversion, or refuse naming the live run
     that reads (or writes) it.
 
-    Why: ``convert --overwrite`` of a directory a training run was reading succeeded, and
-    the run trained 16 more batches of mixed old/new rows, then died with ``corrupt row``.
+    Why: replacing a directory a training run reads would feed it mixed old and new rows.
     Training runs hold a shared claim on every local stream directory they read
     (:func:`foundrymix.train.run_claims.claim_run`); this exclusive claim is refused while
     any of them lives, and a run starting during the conversion is refused in turn.

@@ -1,24 +1,20 @@
 """Tokenize texts through the Rust batch encoder, huge texts in slices with bounded memory.
 
 Why slices: the Rust encoder keeps per-token strings, offsets and masks for the whole
-input, and the ids come back as a Python list of ints (~36 bytes a token): a 50 MB
-single-line document took 5.7 GB. A text longer than ``SLICE_CHARS`` characters is
-therefore encoded slice by slice (about 1 MB each) into one ``uint32`` array.
+input, and the ids come back as a Python list of ints, so one huge text takes many times
+its size in memory. A text longer than ``SLICE_CHARS`` characters is therefore encoded
+slice by slice (about 1 MB each) into one ``uint32`` array.
 
-Why the tokens do not change: slices are cut only just before a single space that
-lies between two non-whitespace characters (``"word next"`` -> ``"word"`` | ``" next"``).
-Pre-tokenizers split there anyway: the byte-level BPE's regex never joins a space to
-the token before it, and SentencePiece's metaspace marks a word start there; BPE
-merges never cross that boundary, so each slice yields exactly the tokens the whole
-text yields for that stretch. Which form the slice after a cut needs is calibrated
-once per tokenizer (:func:`slice_mode`): with the space (byte-level BPE, the bundled
-tokenizer, Mistral's SentencePiece model as loaded here) or without it (a tokenizer
-that prepends its own word-start marker). A tokenizer for which neither reproduces
-whole-text tokens is never sliced. Verified against whole-text tokenization on the
-bundled tokenizer and on SentencePiece (``tests/convert/test_convert_safety.py``).
+Why the tokens do not change: slices are cut only just before a single space between
+two non-whitespace characters (``"word next"`` -> ``"word"`` | ``" next"``), where
+pre-tokenizers split anyway (byte-level BPE never joins a space to the token before it;
+SentencePiece's metaspace marks a word start there), so BPE merges never cross the cut.
+Whether the slice after a cut keeps the space or drops it (a tokenizer that prepends
+its own word-start marker) is calibrated once per tokenizer (:func:`slice_mode`); a
+tokenizer for which neither reproduces whole-text tokens is never sliced
+(``tests/convert/test_convert_safety.py`` checks both kinds).
 
-Limit: a huge text without such a space (e.g. a CJK document with no spaces) has no
-safe cut and is encoded whole, with the memory that takes.
+Limit: a huge text without such a space (e.g. CJK without spaces) is encoded whole.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, conver
 from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.packing import Packer, build_row
+from foundrymix.convert.pipeline import ChunkErrors
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest
@@ -199,13 +200,42 @@ def _concat(parts: list[list[int] | np.ndarray], total: int, dtype: str) -> np.n
     return np.concatenate(pieces)
 
 
-def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
-    """Read, check, template and tokenize one chunk (runs in a worker).
+def _chunk_examples(n_lines: int, n_records: int, errors: ChunkErrors, dropped: dict[str, int],
+                    laid_out: list[tuple[int, list[tuple[int, int]], list[list[int] | np.ndarray]]],
+                    o: FinetuneOptions, dtype: str) -> _ChunkExamples:
+    """The examples that fit (:func:`_fit`), back to back in one result. ``laid_out``: each
+    example's length, loss spans and id pieces (whose lengths sum to that length).
 
-    The kept examples come back as one token array (and their lengths and spans), not
-    one array each: a chunk holds a thousand short examples, and per-example numpy
-    calls and pickling were a fifth of a finetune conversion.
+    One token array for the chunk, not one per example: a chunk holds a thousand short
+    examples, and per-example numpy calls and pickling would cost more than the packing.
     """
+    parts: list[list[int] | np.ndarray] = []
+    kept_lens: list[int] = []
+    kept_spans: list[int] = []
+    span_counts: list[int] = []
+    for n, spans, pieces in laid_out:
+        fit = _fit(n, spans, o, dropped)
+        if fit is None:
+            continue
+        keep, spans = fit
+        if keep == n:
+            parts.extend(pieces)
+        else:  # truncated: its first ``keep`` tokens
+            parts.append(_concat(pieces, n, 'uint32')[:keep])
+        kept_lens.append(keep)
+        kept_spans.extend(x for span in spans for x in span)
+        span_counts.append(len(spans))
+    total = sum(kept_lens)
+    return _ChunkExamples(n_lines, n_records, errors, dropped,
+                          tokens=_concat(parts, total, dtype) if total else np.zeros(0, dtype=dtype),
+                          example_lens=np.asarray(kept_lens, dtype=np.int64),
+                          spans=np.asarray(kept_spans, dtype=np.int32),
+                          span_counts=np.asarray(span_counts, dtype=np.int64),
+                          lengths=np.asarray([n for n, _, _ in laid_out], dtype=np.int64))
+
+
+def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
+    """Read, check, template and tokenize one chunk (runs in a worker)."""
     w = worker_state()
     o: FinetuneOptions = w.options
     fields = read_fields((o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field),
@@ -215,37 +245,14 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
     flat = encode_texts(w.tok, [text for segs in examples_segs for text, _ in segs])
     head: list[int] = [] if w.bos_id is None else [w.bos_id]
     tail: list[int] = [] if w.eos_id is None else [w.eos_id]
-    lengths = np.zeros(len(examples_segs), dtype=np.int64)
-    parts: list[list[int] | np.ndarray] = []
-    kept_lens: list[int] = []
-    kept_spans: list[int] = []
-    span_counts: list[int] = []
+    laid_out = []
     pos = 0
-    for i, segs in enumerate(examples_segs):
+    for segs in examples_segs:
         seg_ids = flat[pos:pos + len(segs)]
         pos += len(segs)
         n, spans = _layout([len(x) for x in seg_ids], [loss for _, loss in segs], len(head), bool(tail))
-        lengths[i] = n
-        fit = _fit(n, spans, o, dropped)
-        if fit is None:
-            continue
-        keep, spans = fit
-        if keep == n:
-            parts.append(head)
-            parts.extend(seg_ids)
-            parts.append(tail)
-        else:  # truncated: its first ``keep`` tokens
-            parts.append(_concat([head, *seg_ids, tail], n, 'uint32')[:keep])
-        kept_lens.append(keep)
-        kept_spans.extend(x for span in spans for x in span)
-        span_counts.append(len(spans))
-    total = sum(kept_lens)
-    return _ChunkExamples(n_lines, n_records, errors, dropped,
-                          tokens=_concat(parts, total, w.token_dtype) if total else
-                          np.zeros(0, dtype=w.token_dtype),
-                          example_lens=np.asarray(kept_lens, dtype=np.int64),
-                          spans=np.asarray(kept_spans, dtype=np.int32),
-                          span_counts=np.asarray(span_counts, dtype=np.int64), lengths=lengths)
+        laid_out.append((n, spans, [head, *seg_ids, tail]))
+    return _chunk_examples(n_lines, n_records, errors, dropped, laid_out, o, w.token_dtype)
 
 
 class _FinetuneRows(RowBuilder):
@@ -301,11 +308,10 @@ def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
     """``threads`` for prompt/response examples, ``processes`` for chats or ``--preprocess``.
 
     Why: with prompt/response examples nearly all work is the Rust tokenizer, which
-    releases the GIL, and threads save forking and pickling every chunk's result back
-    (measured: ~7 % less CPU on 2 cores). Chat templates are rendered in Python, which
-    holds the GIL, so there processes run that in parallel. Which one the input holds is
-    read from the first records of the first chunk (a few ms); the output is the same
-    either way.
+    releases the GIL, and threads save forking and pickling every chunk's result back.
+    Chat templates are rendered in Python, which holds the GIL, so there processes run
+    that in parallel. Which one the input holds is read from the first records of the
+    first chunk; the output is the same either way.
     """
     ptemplate, rtemplate = _templates(o)
     if o.preprocess is not None:

@@ -1,11 +1,10 @@
 """Existing MDS datasets (LLM-Foundry's, streaming's own) as conversion inputs.
 
 Why: MDS written by other tools has no ``foundrymix.json``, so ``inspect``, ``plan`` and
-``train`` refuse it, and re-tokenizing the raw corpus may be impossible (it is gone) or
-slow. ``foundrymix adopt`` (:mod:`foundrymix.convert.adopt`) reads such shards as records
-through the normal conversion pipeline instead: a shard is a :class:`~foundrymix.convert.
-readers.Chunk` (``fmt='mds'``, ``start`` = its number in ``index.json``), its rows are
-records whose keys are the MDS columns.
+``train`` refuse it, and the raw corpus may be gone. ``foundrymix adopt``
+(:mod:`foundrymix.convert.adopt`) reads such shards through the normal conversion
+pipeline: a shard is a :class:`~foundrymix.convert.readers.Chunk` (``fmt='mds'``,
+``start`` = its number in ``index.json``), its rows are records keyed by the MDS columns.
 
 What is found (:func:`find_splits`): a directory with ``index.json`` is one dataset;
 otherwise every directory below it that holds an ``index.json`` is a split, named by its
@@ -140,9 +139,8 @@ def shard_file(path: str, number: int) -> tuple[str, bool]:
 def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
     """``(file, raw shard bytes)`` of shard ``number`` of the dataset in ``path``.
 
-    An uncompressed shard is memory-mapped, not read: reading a 64 MB shard into a new
-    buffer ran at ~1.6 GB/s (page faults on fresh memory; ``cat`` of the same page-cached
-    files, 12 GB/s), ~25 % of adopting token shards (``benchmarks/bench_adopt.py``).
+    An uncompressed shard is memory-mapped, not read: copying it into a fresh buffer pays
+    a page fault per page of new memory, a large share of adopting token shards.
     """
     shard = _index(path)['shards'][number]
     name, compressed = shard_file(path, number)
@@ -165,8 +163,8 @@ def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
 
 def _checked(name: str, shard: dict[str, Any], data: Any) -> Any:
     """``data``, once its header and offset table agree with what ``index.json`` records for the
-    shard (its rows, where they end): an index overstating a shard's rows made streaming's
-    readers fail with a bare numpy ``ValueError``."""
+    shard (its rows, where they end), so a wrong index is named here, not met later as a
+    bare numpy ``ValueError`` in streaming's reader."""
     problems = shard_header_problems(data, shard)
     if problems:
         raise UserError(f'{name}: {problems[0]}: {INDEX_NAME} does not describe this shard; '

@@ -82,9 +82,8 @@ def check_output_dir(out: str, overwrite: bool) -> None:
     """Refuse a non-empty output directory unless ``overwrite``, and even with it one that
     holds anything foundrymix did not write (checked before any work).
 
-    Why: ``--overwrite`` once replaced whatever ``--out`` named; a typo in ``--out`` (a
-    project folder) deleted the whole tree, exit 0. Now only a foundrymix dataset is
-    replaced, as an ``s3://`` prefix keeps objects foundrymix did not write
+    Why: a typo in ``--out`` (a project folder) must not delete it. Only a foundrymix
+    dataset is replaced, as an ``s3://`` prefix keeps objects foundrymix did not write
     (:mod:`foundrymix.convert.upload`).
     """
     check_can_create(out)
@@ -103,9 +102,8 @@ def check_can_create(out: str) -> None:
     """Refuse an ``out`` whose parent cannot hold it: the nearest existing ancestor is a file,
     or this process may not create entries in it (the work directory is made beside ``out``).
 
-    Why: these failed after the tokenizer had loaded, with ``[Errno 13] Permission denied``
-    or ``[Errno 17] File exists`` naming a hidden work directory or a file the user never
-    thought of as ``--out``'s parent.
+    Why here: later, the error would name a hidden work directory, after the tokenizer
+    had loaded.
     """
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.lexists(parent) and os.path.dirname(parent) != parent:

@@ -43,14 +43,12 @@ only the *split into tasks* differs from a single-machine run:
 The output directory must be on a filesystem every node sees (tasks write to it), and
 inputs must be readable at the same paths on every node. Workers must be able to import
 ``foundrymix`` (installed on each node, or shipped with a Ray ``runtime_env``).
-
-Length (over ~300 lines): task planning, the task body, the merge and the atomic output
-of one engine; everything else is the default engine's code, reused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -68,9 +66,6 @@ from foundrymix.format.shards import stored_name
 if TYPE_CHECKING:
     from foundrymix.convert.driver import Converter
 
-#: default input bytes per Ray task: big enough that a task's fixed cost (scheduling,
-#: the worker's first tokenizer load, one MDS writer) is small against its tokenizing
-DEFAULT_TASK_BYTES = 64 << 20
 #: Ray re-runs a failed task (worker crash or exception) this many times
 MAX_RETRIES = 3
 #: test hook, read in the driver and handed to the tasks: ``"<task index>:<marker file>"``
@@ -123,6 +118,13 @@ class TaskResult:
 
 def _task_dir(partial: str, index: int) -> str:
     return os.path.join(partial, f'task-{index:05d}')
+
+
+def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
+    """A task's folder name (``task-NNNNN``) and the ``index.json`` its writer left there."""
+    sub = os.path.basename(_task_dir(partial, index))
+    with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
+        return sub, json.load(f)
 
 
 def _init_task_worker(options: ConvertOptions, setup: Setup) -> None:
@@ -203,11 +205,9 @@ class _MergedOutput(ShardWriter):
         """Upload a finished task's shards now (with an ``s3://`` output), while others run."""
         if self._uploader is None:
             return
-        import json
-        sub = os.path.basename(_task_dir(self.partial, index))
-        with open(os.path.join(self.partial, sub, 'index.json'), encoding='utf-8') as f:
-            for shard in json.load(f)['shards']:
-                self._uploader.submit(f'{sub}/{stored_name(shard)}')
+        sub, index_json = _task_index(self.partial, index)
+        for shard in index_json['shards']:
+            self._uploader.submit(f'{sub}/{stored_name(shard)}')
 
     def _run(self, *args: Any) -> None:
         try:
@@ -230,12 +230,9 @@ def merge_task_indexes(partial: str, n_tasks: int) -> None:
     Basenames are unique because each task has its own subdirectory; streaming resolves
     them relative to the stream's root, so the shards stay where the tasks wrote them.
     """
-    import json
     shards = []
     for i in range(n_tasks):
-        sub = os.path.basename(_task_dir(partial, i))
-        with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
-            index = json.load(f)
+        sub, index = _task_index(partial, i)
         for shard in index['shards']:
             for key in ('raw_data', 'zip_data'):
                 if shard.get(key):
@@ -333,12 +330,10 @@ def _cancel(futures: list[Any], timeout: float = 60) -> None:
     """Stop the tasks still running (a task failed for good, or Ctrl-C) and wait for them,
     so that none writes into the partial directory after it is removed.
 
-    Only the tasks not yet finished are cancelled. Cancelling every task, finished or not,
-    once crashed the driver (the pytest process itself) in Ray 2.60: ``task_manager.cc:
-    Check failed: it != submissible_tasks_.end() Tried to complete task that was not
-    pending`` -- a cancel racing with a task's reply, the race of ray-project/ray#54846
-    (fixed for two of its paths by PR #54798). A task that finishes between the ``wait``
-    and its ``cancel`` can still meet that race; the window is now one task's, not all.
+    Only the tasks not yet finished are cancelled: in Ray, a cancel that races with a
+    task's reply can abort the driver process (``task_manager.cc: Check failed``,
+    ray-project/ray#54846), so the race is left only to a task finishing between the
+    ``wait`` and its ``cancel``.
     """
     import ray
     if not futures:

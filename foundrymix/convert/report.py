@@ -166,10 +166,9 @@ def _no_rows_reasons(manifest: Manifest) -> list[tuple[str, str]]:
 def check_rows(manifest: Manifest) -> None:
     """Refuse to publish a conversion with no rows, saying why by reason and what to do.
 
-    Why: an empty dataset used to be published with exit 0 (every document shorter than
-    one row, every record dropped or skipped); a training run found out later, or mixed
-    it in as a stream of weight zero. Called once every row is built, before anything is
-    published, so ``--out`` is left as it was.
+    Why: an empty dataset (every document shorter than one row, every record dropped or
+    skipped) would only be found out by a training run. Called once every row is built,
+    before anything is published, so ``--out`` is left as it was.
     """
     if manifest.counts.rows:
         return

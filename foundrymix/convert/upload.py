@@ -46,12 +46,11 @@ from typing import Any, Optional
 
 from foundrymix.errors import FoundrymixError
 from foundrymix.format.schema import MANIFEST_NAME
-from foundrymix.format.shards import index_files
+from foundrymix.format.shards import INDEX_NAME, index_files
 from foundrymix.s3.client import RetryCounter, S3Url, describe, list_keys, make_client
 
 logger = logging.getLogger(__name__)
 
-INDEX_NAME = 'index.json'
 #: written before an old index is deleted (``--overwrite``): the shard files the replaced
 #: dataset listed, so that a replacement that fails or is killed half-way can still be
 #: finished (and its old shards removed) by the next ``--overwrite``; deleted at the end

@@ -14,8 +14,8 @@ copy, deleted once uploaded; the directory then lives in the system temp dir), a
 ``foundrymix.json`` and ``index.json`` go up last. With a local copy as well, the local
 directory is published first (it is complete), then the remote metadata.
 
-Shards are hashed into ``index.json`` (``xxh3_64`` by default, fast enough to be free;
-more with ``--hash``), so streaming's ``validate_hash`` can check downloaded shards.
+Shards are hashed into ``index.json`` (``xxh3_64`` by default, more with ``--hash``), so
+streaming's ``validate_hash`` can check downloaded shards.
 """
 
 from __future__ import annotations
@@ -41,23 +41,14 @@ from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, U
 from foundrymix.errors import UserError
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns
 from foundrymix.format.shards import stored_name
-from foundrymix.convert.output import (  # noqa: F401 (re-exported)
-    NAMED_ENTRIES,
-    OutputExistsError,
-    _foreign_message,
-    _keep_owned_attributes,
-    _pid_alive,
-    check_can_create,
-    check_output_dir,
-    foreign_entries,
-    owned_files,
-    remove_output,
-    remove_stale_partials)
+from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreign_message,
+                                       _keep_owned_attributes, check_output_dir, foreign_entries,
+                                       remove_output, remove_stale_partials)
 
 logger = logging.getLogger(__name__)
 
 
-#: shard hash written by default: xxh3_64 hashes at tens of GB/s, so it costs nothing
+#: shard hash always written: xxh3_64 is fast enough to cost next to nothing
 DEFAULT_HASH = 'xxh3_64'
 
 
@@ -78,9 +69,8 @@ def check_hashes(algos: list[str]) -> None:
 
 
 #: streaming 0.13's shard codecs and their levels (``streaming.base.compression``), kept here
-#: so that the check needs no torch import; ``tests/convert/test_bad_inputs.py`` compares
-#: the two. A wrong ``--compression`` stopped the conversion with streaming's bare
-#: ``ValueError: Invalid compression`` traceback once the shard writer had started.
+#: so that ``--compression`` is checked before any work without importing torch;
+#: ``tests/convert/test_bad_inputs.py`` compares the two
 COMPRESSION_LEVELS = {'br': range(0, 12), 'bz2': range(1, 10), 'gz': range(0, 10), 'snappy': range(0),
                       'zstd': range(1, 23)}
 
@@ -101,7 +91,7 @@ def check_compression(compression: Optional[str]) -> None:
 def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
                 hashes: list[str]) -> Any:
     """The MDS writer for ``out``: uncompressed shards without importing ``streaming`` (and
-    so torch: seconds of a core, see :mod:`foundrymix.format.mds`), compressed ones
+    so torch, see :mod:`foundrymix.format.mds`), compressed ones
     through ``streaming.MDSWriter``; both write the same files."""
     if compression is None:
         return LeanMDSWriter(out, columns, hashes=hashes, size_limit=size_limit)
@@ -127,7 +117,7 @@ class ShardWriter:
     the block without ``finish`` (an exception) deletes the partial directory.
 
     Rows are written by a background thread (which, for compressed output only, also
-    imports ``streaming``: torch and torchvision, seconds of one core). So :meth:`write`
+    imports ``streaming`` and so torch). So :meth:`write`
     returns at once and the conversion keeps its workers busy; a bounded queue (about
     ``QUEUE_BYTES`` of tokens) keeps memory flat. An error in the thread is raised by
     the next :meth:`write` or by :meth:`finish`.
@@ -310,9 +300,8 @@ class ShardWriter:
         the new one moves in and only then deleted, so ``out`` is never missing for long.
 
         An ``out`` directory that existed (empty, or replaced with ``overwrite``) keeps its
-        permission bits and group: the rename puts the partial directory (mode from the
-        umask) in its place, and a team's ``2775`` folder became ``755`` with the writer's
-        group, or a ``555`` one writable (:func:`_keep_owned_attributes`).
+        permission bits and group (:func:`_keep_owned_attributes`): the rename puts the
+        partial directory, with the umask's mode and the writer's group, in its place.
         """
         if os.path.lexists(self.out):
             if not os.path.isdir(self.out) or os.path.islink(self.out):

@@ -1,0 +1,188 @@
+"""Forked worker processes that encode chunks; a worker that dies stops the conversion at once.
+
+Used by :class:`~foundrymix.convert.pipeline.ordered_map` in ``processes`` mode. A worker
+killed by the OOM killer's SIGKILL, ending through ``sys.exit`` or segfaulting in a
+``--preprocess`` function is reported with the chunk it was encoding and how it died
+(:class:`WorkerDied`), never waited on forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import threading
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Callable, Optional
+
+from foundrymix.convert.lifeline import die_with_parent
+from foundrymix.convert.readers import Chunk, describe
+from foundrymix.errors import FoundrymixError
+
+#: set to ``false`` in each worker, which tokenizes single-threaded
+PARALLELISM_ENV = 'TOKENIZERS_PARALLELISM'
+
+
+class WorkerDied(FoundrymixError, ValueError):
+    """A worker process died (killed by a signal, or ``sys.exit``/``os._exit``) mid-conversion.
+
+    A ``ValueError`` so that the CLI prints it as its one-line error (exit 2): the
+    message names the worker's chunk and how it died, which is all the user can act on.
+    """
+
+
+def _how(exitcode: Optional[int]) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f'signal {-exitcode}'
+        if name == 'SIGKILL':
+            return 'was killed by SIGKILL (out of memory? fewer --workers need less memory)'
+        return f'was killed by {name} (a crash in native code, e.g. one a --preprocess function calls?)'
+    return f'exited with code {exitcode} (sys.exit or os._exit, e.g. in a --preprocess function?)'
+
+
+def _work(index: int, fn: Callable[[Chunk], Any], initializer: Callable[..., None], initargs: tuple,
+          tasks: Any, out: Any, current: Any, parent: int) -> None:
+    """A forked worker: encode chunks from ``tasks``, send results on its own pipe ``out``.
+
+    SIGTERM goes back to its default: the pool stops workers with SIGTERM, but a handler
+    the parent had installed is inherited by the fork (importing composer installs one
+    that calls ``sys.exit``), and a worker running Python exit code on locks it
+    inherited mid-use could hang the conversion's end. SIGINT is ignored: Ctrl-C reaches
+    the whole process group, and the parent stops the workers itself. A worker has
+    nothing to clean up.
+
+    Each worker tokenizes single-threaded: N processes each running the Rust tokenizer's
+    own thread pool would oversubscribe the cores. Results are sent by a thread, so the
+    worker goes on with its next chunk while the parent is busy writing shards.
+    ``current[index]`` holds the chunk being encoded (-1: none), for the parent's message
+    should this process die. A worker whose parent is gone (killed) ends at once
+    (:func:`~foundrymix.convert.lifeline.die_with_parent`), releasing the ``--out`` claim.
+    """
+    die_with_parent(parent)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ[PARALLELISM_ENV] = 'false'
+    try:
+        initializer(*initargs)
+    except Exception as e:  # noqa: BLE001 -- re-raised in the parent
+        out.send((None, False, e))
+        return
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_send_results, args=(out, results), daemon=True).start()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        seq, chunk = task
+        current[index] = seq
+        try:
+            result = (seq, True, fn(chunk))
+        except Exception as e:  # noqa: BLE001 -- re-raised in the parent, as Pool.get() did
+            result = (seq, False, e)
+        current[index] = -1
+        results.put(result)
+
+
+def _send_results(out: Any, results: queue.SimpleQueue) -> None:
+    while True:
+        seq, ok, value = results.get()
+        try:
+            out.send((seq, ok, value))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # pickled before anything is sent
+            out.send((seq, False, RuntimeError(f'cannot send the result of a chunk back: {e!r}')))
+
+
+class ProcessPool:
+    """``workers`` forked processes encoding chunks; a dead worker stops the conversion at once.
+
+    Why not ``multiprocessing.Pool`` or ``ProcessPoolExecutor``: a Pool
+    replaces a worker killed by SIGKILL (the OOM killer), ``sys.exit`` or a segfault and
+    waits forever for the lost chunk's result; ``ProcessPoolExecutor`` (Python 3.11) does
+    raise ``BrokenProcessPool``, but names neither the chunk nor the exit code, which only
+    the ``Process`` objects it keeps privately know. Here the parent owns them: it waits
+    on the workers' result pipes and their sentinels together, so a death is seen at once
+    and reported with the chunk its worker was encoding (``current``) and its exit code.
+
+    Each worker has its own result pipe whose write end only it holds, so a worker killed
+    mid-send leaves an end of file (``EOFError``), not a half message to wait on forever.
+    Tasks go through one shared queue (a feeder thread sends them, so handing out a large
+    compressed block never blocks the calling thread), so a free worker takes the next
+    chunk whatever the others are doing. Workers end with the process (on Linux, with the
+    thread) that created the pool: create it in the thread that uses it.
+    """
+
+    def __init__(self, fn: Callable[[Chunk], Any], workers: int, initializer: Callable[..., None],
+                 initargs: tuple) -> None:
+        ctx = mp.get_context('fork')
+        self.tasks = ctx.Queue()
+        self.current = ctx.RawArray('q', [-1] * workers)
+        self.chunks: dict[int, Chunk] = {}  # handed out, result not yet taken
+        self.done: dict[int, tuple[bool, Any]] = {}
+        self.seq = 0
+        self.procs: list[Any] = []
+        self.pipes: list[Any] = []
+        for index in range(workers):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_work, daemon=True, name=f'foundrymix-encode-{index}',
+                               args=(index, fn, initializer, initargs, self.tasks, writer, self.current,
+                                     os.getpid()))
+            proc.start()
+            writer.close()  # the worker's is then the only write end: its death is an end of file
+            self.procs.append(proc)
+            self.pipes.append(reader)
+
+    def submit(self, chunk: Chunk) -> int:
+        self.seq += 1
+        self.chunks[self.seq] = chunk
+        self.tasks.put((self.seq, chunk))
+        return self.seq
+
+    def result(self, seq: int) -> Any:
+        """The result of chunk ``seq``, its worker's exception re-raised, or :class:`WorkerDied`."""
+        while seq not in self.done:
+            sentinels = [p.sentinel for p in self.procs]
+            for ready in mp_wait([*self.pipes, *sentinels]):
+                if isinstance(ready, int):
+                    self._died(sentinels.index(ready))
+                try:
+                    got, ok, value = ready.recv()
+                except EOFError:
+                    self._died(self.pipes.index(ready))
+                if got is None:  # the worker's initializer failed
+                    raise value
+                self.done[got] = (ok, value)
+        ok, value = self.done.pop(seq)
+        del self.chunks[seq]
+        if not ok:
+            raise value
+        return value
+
+    def _died(self, index: int) -> None:
+        proc = self.procs[index]
+        proc.join(5)  # it is dead or dying: its pipe or sentinel said so
+        seq = self.current[index]
+        what = f'for {describe(self.chunks[seq])}' if seq in self.chunks else '(between chunks)'
+        raise WorkerDied(f'worker process {proc.pid} {what} {_how(proc.exitcode)}; the conversion '
+                         f'was stopped')
+
+    def close(self) -> None:
+        """Stop every worker (SIGTERM, then SIGKILL after 5 s) and wait for them: no orphans."""
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.join(5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        for reader in self.pipes:
+            reader.close()
+        self.tasks.cancel_join_thread()  # tasks nobody will read must not hold up exit
+        self.tasks.close()
