@@ -231,8 +231,9 @@ def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
                     rows_per_stream=None if counts is None else
                     {n: int(c) for n, c in zip(names, counts[r])}) for r in range(W)]
     if counts is None:
-        return out, (f'arithmetic; rows per stream per rank not counted over {limit:,} rows an '
-                     f'epoch (--rank-counts counts them: every position of the epoch is drawn)')
+        over = f'over {limit:,} rows an epoch' if limit else 'for a loader (it reads none)'
+        return out, (f'arithmetic; rows per stream per rank not counted {over} (--rank-counts '
+                     f'counts them: every position of the epoch is drawn)')
     return out, 'arithmetic' if W == 1 else 'counted'
 
 
