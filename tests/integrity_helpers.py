@@ -148,3 +148,25 @@ def first_row_cut(stream: Path, k: int, new_size: int) -> int:
 def corrupt_offset(stream: Path, k: int, row: int, value: int = 5) -> None:
     """Overwrite the offset where ``row`` begins (and ``row - 1`` ends) with ``value``."""
     patch(shard_path(stream, k), 4 * (1 + row), np.uint32(value).tobytes())
+
+
+def rank_one_only(stream: Path) -> tuple[int, int, list[int]]:
+    """(global batch G, shard k, first row of each shard): unshuffled on 2 ranks, the first
+    global batch holding shard ``k``'s rows gives them to rank 1 only (the shard starts in
+    the second half of a batch), and that batch is inside the epoch."""
+    counts = [s['samples'] for s in index_of(stream)['shards']]
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    for g in (4, 6, 8, 10, 12):
+        for k, s in enumerate(starts[1:], 1):
+            if s % g >= g // 2 and s // g < sum(counts) // g:
+                return g, k, starts
+    raise AssertionError(f'no shard starts in rank 1\'s half of a batch: {starts}')
+
+
+def shard_hash_error(stream: Path, shard: str, name: str = 'arxiv') -> str:
+    """The loader's message for a local shard whose bytes do not match index.json's xxh3_64."""
+    return (f"stream '{name}' ({stream}): shard file {shard} does not match the xxh3_64 hash its "
+            f'index.json records: the bytes changed after conversion (a damaged copy or disk); no '
+            f'row of it was read. Re-copy the stream from where it came from, or re-run '
+            f'`foundrymix convert` into {stream} with --overwrite; `foundrymix verify {stream}` '
+            f'checks every shard')

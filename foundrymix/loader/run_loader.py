@@ -25,7 +25,7 @@ import gc
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -59,6 +59,9 @@ class StagedDataLoader(DataLoader):
         self.rank = rank
         #: every iteration starts at the first batch (an evaluation set)
         self.rewind = False
+        #: called before each batch with this rank's read failure or None; a
+        #: :class:`~foundrymix.loader.together.StopTogether` stops every rank together
+        self.stop_together: Optional[Callable[[Optional[BaseException]], None]] = None
         if composer_epochs and (run.explicit or any(s.config is not None and s.config.adaptive
                                                     for s in run.stages)):
             # A staged run is one Composer epoch: ending Composer epochs at stage switches
@@ -173,7 +176,19 @@ class StagedDataLoader(DataLoader):
         stream_map = self._maps[stage.index]
         loader = span_loader(span, config.num_workers, config.pin_memory, config.timeout,
                              config.prefetch_factor)
-        for batch in loader:
+        batches = iter(loader)
+        while True:
+            failure: Optional[BaseException] = None
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return  # every rank's span ends at the same batch
+            except Exception as e:
+                failure = e
+            if self.stop_together is not None:
+                self.stop_together(failure)
+            if failure is not None:
+                raise failure
             batch['stream_id'] = stream_map[batch['stream_id']]
             if self.run.explicit:
                 batch['stage_id'] = torch.full_like(batch['stream_id'], stage.index)

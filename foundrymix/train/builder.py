@@ -25,6 +25,7 @@ from foundrymix.s3 import retries as s3_retries
 from foundrymix.errors import ExistsError
 from foundrymix.heap import collector_paused
 from foundrymix.loader.run_loader import StagedDataLoader, build_run_loader
+from foundrymix.loader.together import StopTogether
 from foundrymix.plan.stages import RunPlan
 from foundrymix.s3.retries import RetryCounts, S3RetryCounter
 from foundrymix.format.schema import TokenizerInfo
@@ -174,6 +175,7 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     for catalog in catalogs:
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     loader = build_run_loader(run, device_batch, composer_epochs=True)
+    loader.stop_together = StopTogether()  # a damaged shard stops every rank, each saying why
     return TrainData(loader=loader, run=run, tokenizer=catalogs[0].tokenizer,
                      max_duration=max_duration, t_warmup=t_warmup)
 

@@ -18,6 +18,7 @@ whenever their rows hold different numbers of targets.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -28,6 +29,7 @@ import pytest
 import torch
 import yaml
 from helpers import ROOT, LoggedTokens, free_port, moto_s3, tiny_run_config
+from integrity_helpers import copy_stream, flip_bits, index_of, rank_one_only, shard_hash_error
 
 BATCH = 6          # global batch
 RANKS = 2
@@ -291,3 +293,37 @@ def test_stream_loss_on_two_ranks_equals_one_rank_and_the_rows_recomputed(straig
 def _data_of(config: Path) -> dict[str, str]:
     streams = yaml.safe_load(config.read_text())['train_loader']['streams']
     return {name: s['local'] for name, s in streams.items()}
+
+
+@pytest.mark.slow  # two train.py ranks on gloo, started as the launcher starts them
+def test_a_damaged_shard_one_rank_reads_stops_both_training_ranks_each_naming_it(data, tmp_path):
+    """The trainer sets the loader's ``StopTogether``: rank 1 alone opens the damaged shard
+    (:func:`rank_one_only`), and both ranks end with one line naming stream, shard and fix --
+    not rank 0 waiting in the gradient all-reduce for the launcher to kill it. The ranks are
+    started as ``composer -n 2`` starts them (its environment), without the launcher, which
+    stops the other ranks as soon as one exits: here each rank's own ending is seen."""
+    arxiv = copy_stream(Path(data['arxiv']), tmp_path / 'arxiv')
+    g, k, _ = rank_one_only(arxiv)
+    flip_bits(arxiv, k, 0, token=10)
+    shard = index_of(arxiv)['shards'][k]['raw_data']['basename']
+    loader = {'streams': {'arxiv': {'local': str(arxiv)}}, 'shuffle': False, 'num_workers': 1}
+    cfg = tmp_path / 'c.yaml'
+    cfg.write_text(yaml.safe_dump(tiny_run_config(
+        loader, run_name='stop-together', global_train_batch_size=g, max_duration='1ep',
+        save_folder=str(tmp_path / 'ckpt'))), encoding='utf-8')
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, 'FOUNDRYMIX_CACHE': str(tmp_path / 'cache'), 'RANK': str(rank),
+               'LOCAL_RANK': str(rank), 'NODE_RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2',
+               'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / 'train.py'), str(cfg)], cwd=tmp_path,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    ends = [p.communicate(timeout=300) for p in procs]
+    damaged = shard_hash_error(arxiv, shard)
+    errors = [[line for line in err.splitlines() if line.startswith('foundrymix train: error:')]
+              for _, err in ends]
+    assert [p.returncode for p in procs] == [2, 2], [err[-3000:] for _, err in ends]
+    assert errors[1] == [f'foundrymix train: error: {damaged}']
+    assert errors[0] == ['foundrymix train: error: rank 1 could not read its rows of this batch, so '
+                         f'every rank stops here: CorruptLocalShardError: {damaged}']
