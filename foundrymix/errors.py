@@ -62,6 +62,10 @@ def run_command(args: Any) -> int:
     except KeyboardInterrupt:
         print('interrupted', file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe (a worker's): a bug to report
+        return 141  # the reader of our output left (`| head`): exit as a shell's SIGPIPE does
     except (FoundrymixError, FileNotFoundError, FileExistsError, PermissionError) as e:
         # User-facing errors carry file/line/field in their message; no traceback. (An OS
         # error about a file names it.) Any other exception -- a ValueError included -- is a
@@ -69,3 +73,20 @@ def run_command(args: Any) -> int:
         for line in getattr(e, 'lines', None) or [str(e)]:
             print(f'foundrymix {args.command}: error: {line}', file=sys.stderr)
         return 2
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (``poll`` reports an error on
+    it); if so it is pointed at ``/dev/null``, so Python's flush at exit does not fail too."""
+    import os
+    import select
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return gone

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from convert_helpers import read_jsonl, write_jsonl
+from helpers import ROOT
 from foundrymix.cli import main
 from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
 
@@ -23,3 +29,19 @@ def test_inspect_table_json_and_decode(capsys, dolly_jsonl, tmp_path):
     assert first_seg == f"⟦{records[0]['prompt']}⟧{records[0]['response']}<|endoftext|>"
     assert main(['inspect', str(tmp_path)]) == 2
     assert 'no foundrymix manifest' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('flags,code', [(['--json'], 141), (['--decode', '2'], 1)], ids=['json', 'table'])
+def test_output_cut_short_by_its_reader_ends_without_a_traceback(small_streams, flags, code):
+    """``foundrymix inspect DIR | head``, the reader gone before inspect writes (so every
+    write fails, whatever the timing): nothing on stderr, and the exit a shell's SIGPIPE
+    gives (141) -- or rich's own (1) when its table is what met the closed pipe."""
+    read, write = os.pipe()
+    os.close(read)  # the reader has left
+    try:
+        proc = subprocess.run([sys.executable, '-m', 'foundrymix.cli', 'inspect',
+                               str(small_streams['arxiv']), *flags], stdout=write, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=120)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (code, '')
