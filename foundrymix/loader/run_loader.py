@@ -158,6 +158,29 @@ class StagedDataLoader(DataLoader):
 
     def _span(self, stage: StagePlan, position: StagedPosition, end: int) -> Iterator[Any]:
         """Batches ``[position, end)`` of ``stage``, read in workers (:mod:`~foundrymix.loader.span`)."""
+        stream_map = self._maps[stage.index]
+        try:  # a stage's storage is built here at a switch: a failure is agreed on like a read's
+            batches = iter(self._span_loader(stage, position, end))
+        except Exception as e:
+            self._agree(e)
+            raise  # (_agree raised it: here for the reader)
+        while True:
+            failure: Optional[BaseException] = None
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return  # every rank's span ends at the same batch
+            except Exception as e:
+                failure = e
+            self._agree(failure)
+            batch['stream_id'] = stream_map[batch['stream_id']]
+            if self.run.explicit:
+                batch['stage_id'] = torch.full_like(batch['stream_id'], stage.index)
+            position.batch += 1
+            yield batch
+
+    def _span_loader(self, stage: StagePlan, position: StagedPosition, end: int) -> DataLoader:
+        """The DataLoader of batches ``[position, end)`` of ``stage`` (its storage built if new)."""
         from foundrymix.loader.span import Span, span_loader
         from foundrymix.plan.topology import env_rank
         active = self._activate(stage)
@@ -173,27 +196,16 @@ class StagedDataLoader(DataLoader):
         rank = env_rank() if self.rank is None else self.rank
         span = Span(active.store, batch_rows, first, end - stage.start_batch, rank,
                     stage.batch_size, offsets)
-        stream_map = self._maps[stage.index]
-        loader = span_loader(span, config.num_workers, config.pin_memory, config.timeout,
-                             config.prefetch_factor)
-        batches = iter(loader)
-        while True:
-            failure: Optional[BaseException] = None
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return  # every rank's span ends at the same batch
-            except Exception as e:
-                failure = e
-            if self.stop_together is not None:
-                self.stop_together(failure)
-            if failure is not None:
-                raise failure
-            batch['stream_id'] = stream_map[batch['stream_id']]
-            if self.run.explicit:
-                batch['stage_id'] = torch.full_like(batch['stream_id'], stage.index)
-            position.batch += 1
-            yield batch
+        return span_loader(span, config.num_workers, config.pin_memory, config.timeout,
+                           config.prefetch_factor)
+
+    def _agree(self, failure: Optional[BaseException]) -> None:
+        """Raise ``failure`` -- after :attr:`stop_together`, which raises on every rank when
+        any rank failed."""
+        if self.stop_together is not None:
+            self.stop_together(failure)
+        if failure is not None:
+            raise failure
 
     def _activate(self, stage: StagePlan) -> _Active:
         """The stage's storage, built from its plan once per stage."""

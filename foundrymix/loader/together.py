@@ -1,7 +1,8 @@
 """Ranks that train in lockstep stop at the same batch when any rank's read fails, each
 saying why.
 
-Why: a damaged shard is found by the rank that opens it. Alone, that rank raises and the
+Why: a damaged shard is found by the rank that opens it (and a stage's storage, built at
+its first batch, can fail on one node only). Alone, that rank raises and the
 others wait in the next gradient all-reduce until the launcher kills them, none saying
 why. With :class:`StopTogether` set on the loader (the trainer sets it), the ranks agree
 before each batch is handed over -- one integer summed over a gloo group (CPU, apart from

@@ -30,8 +30,19 @@ CHILD = textwrap.dedent('''
     from foundrymix.plan.topology import Topology
     job = json.loads(open(sys.argv[1]).read())
     dist.init_process_group('gloo')
+    fail = job.get('fail_build')  # [rank, n]: that rank's n-th stage storage build fails
+    if fail and dist.get_rank() == fail[0]:
+        import foundrymix.loader.mixer as mixer
+        from foundrymix.errors import UserError
+        built, real = [], mixer.build_store
+        def build_store(*args, **kwargs):
+            built.append(1)
+            if len(built) == fail[1]:
+                raise UserError("injected: this stage's storage could not be built here")
+            return real(*args, **kwargs)
+        mixer.build_store = build_store
     batch = job['global_batch'] // dist.get_world_size()
-    run, _ = plan_run(LoaderConfig.from_dict(job['config']), batch, '1ep',
+    run, _ = plan_run(LoaderConfig.from_dict(job['config']), batch, job.get('duration', '1ep'),
                       Topology(nodes=1, ranks_per_node=dist.get_world_size()))
     loader = build_run_loader(run, batch)
     loader.stop_together = StopTogether()
@@ -47,6 +58,24 @@ CHILD = textwrap.dedent('''
 ''')
 
 
+def run_two_ranks(tmp_path, job: dict) -> list[dict]:
+    """Each rank's batches (sample ids) and its error, from two fresh gloo processes."""
+    path = tmp_path / 'job.json'
+    path.write_text(json.dumps({**job, 'out': str(tmp_path / 'rank{rank}.json')}))
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
+               'FOUNDRYMIX_CACHE': str(tmp_path / 'cache'), 'RANK': str(rank), 'LOCAL_RANK': str(rank),
+               'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
+        procs.append(subprocess.Popen([sys.executable, '-c', CHILD, str(path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, p in enumerate(procs):
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, f'rank {rank}:\n{err[-4000:]}'
+    return [json.loads((tmp_path / f'rank{r}.json').read_text()) for r in range(2)]
+
+
 def test_a_damaged_shard_one_rank_reads_stops_both_ranks_naming_it(tmp_path, small_streams):
     arxiv = copy_stream(small_streams['arxiv'], tmp_path / 'arxiv')
     g, k, starts = rank_one_only(arxiv)
@@ -54,22 +83,9 @@ def test_a_damaged_shard_one_rank_reads_stops_both_ranks_naming_it(tmp_path, sma
     shard = index_of(arxiv)['shards'][k]['raw_data']['basename']
     bad_batch = starts[k] // g
 
-    job = tmp_path / 'job.json'
-    job.write_text(json.dumps({
+    out = run_two_ranks(tmp_path, {
         'config': {'streams': {'arxiv': {'local': str(arxiv)}}, 'shuffle': False, 'num_workers': 1},
-        'global_batch': g, 'out': str(tmp_path / 'rank{rank}.json')}))
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
-               'FOUNDRYMIX_CACHE': str(tmp_path / 'cache'), 'RANK': str(rank), 'LOCAL_RANK': str(rank),
-               'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
-        procs.append(subprocess.Popen([sys.executable, '-c', CHILD, str(job)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for rank, p in enumerate(procs):
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, f'rank {rank}:\n{err[-4000:]}'
-    out = [json.loads((tmp_path / f'rank{r}.json').read_text()) for r in range(2)]
+        'global_batch': g})
 
     half = g // 2
     for rank in range(2):  # every batch before the damaged one, on both ranks; none after
@@ -79,3 +95,22 @@ def test_a_damaged_shard_one_rank_reads_stops_both_ranks_naming_it(tmp_path, sma
     assert out[1]['error'] == ['CorruptLocalShardError', damaged]
     assert out[0]['error'] == ['OtherRankFailed', 'rank 1 could not read its rows of this batch, so '
                                f'every rank stops here: CorruptLocalShardError: {damaged}']
+
+
+def test_a_stage_storage_that_fails_on_one_rank_at_the_switch_stops_both_ranks(tmp_path, small_streams):
+    """A stage's storage is built at its first batch; when that fails on rank 1 only (injected
+    in the child: its second build raises), both ranks stop there: the first stage's 3
+    batches read on both, none of the second."""
+    arxiv = str(small_streams['arxiv'])
+    stages = [{'name': 'a', 'duration': '3ba', 'streams': {'arxiv': {}}},
+              {'name': 'b', 'duration': '2ba', 'streams': {'arxiv': {}}}]
+    out = run_two_ranks(tmp_path, {
+        'config': {'streams': {'arxiv': {'local': arxiv}}, 'shuffle': False, 'num_workers': 0,
+                   'stages': stages},
+        'global_batch': 4, 'duration': None, 'fail_build': [1, 2]})
+    for rank in range(2):
+        assert out[rank]['got'] == [[4 * b + 2 * rank, 4 * b + 2 * rank + 1] for b in range(3)]
+    injected = "injected: this stage's storage could not be built here"
+    assert out[1]['error'] == ['UserError', injected]
+    assert out[0]['error'] == ['OtherRankFailed', 'rank 1 could not read its rows of this batch, so '
+                               f'every rank stops here: UserError: {injected}']
