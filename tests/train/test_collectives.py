@@ -14,7 +14,10 @@ its ``interval``, checkpoint save, fit end), ``S3Log`` (``all_gather_object``, a
 and fit end). ``builder``/``cli`` only read ranks and world sizes. ``ResumeRng.state_dict``
 gathers the ranks' RNG states at each checkpoint save through Composer's
 ``reproducibility.get_rng_state`` (an ``all_gather_object`` made from Composer's frame, as
-Composer's own save makes it at the same point), so the audit does not list it.
+Composer's own save makes it at the same point), so the audit does not list it. One
+collective per batch is made on purpose, outside Composer: on more than one rank the
+loader's ``StopTogether`` sums one CPU integer over its own gloo group before each batch,
+so a rank whose read failed stops every rank there (the premise test checks its group).
 """
 
 from __future__ import annotations
@@ -32,14 +35,27 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU
 COLLECTIVES = ('all_reduce', 'all_gather', 'all_gather_object', 'broadcast', 'broadcast_object_list', 'barrier')
 
 
+#: the one module that reaches torch.distributed itself (the loader imports no Composer)
+AGREEMENT = 'foundrymix/loader/together.py'
+
+
 def test_foundrymix_reaches_torch_distributed_only_through_composer_dist():
-    """The premise of the audit below: patching ``composer.utils.dist`` sees every collective."""
+    """The premise of the audit below: patching ``composer.utils.dist`` sees every collective
+    -- but the ranks' agreement before each batch (:data:`AGREEMENT`), whose every collective
+    is on the gloo group it makes (CPU tensors, never Composer's NCCL group on GPUs); that it
+    stops every rank is tested in ``tests/loader/test_stop_together.py`` and
+    ``test_distributed.py``, what it costs in ``benchmarks/bench_together.py``."""
     direct = []
     for path in sorted((ROOT / 'foundrymix').rglob('*.py')):
         for n, line in enumerate(path.read_text(encoding='utf-8').splitlines(), 1):
             if re.search(r'torch\.distributed|from torch import distributed', line):
                 direct.append(f'{path.relative_to(ROOT)}:{n}')
-    assert direct == []
+    assert {d.split(':')[0] for d in direct} == {AGREEMENT}
+    source = (ROOT / AGREEMENT).read_text(encoding='utf-8')
+    calls = re.findall(r'tdist\.(\w+)\(([^)]*)\)', source)
+    assert {name for name, _ in calls if name in COLLECTIVES} == {'all_reduce', 'all_gather_object'}
+    assert all('group=self._group' in args for name, args in calls if name in COLLECTIVES)
+    assert "self._group = tdist.new_group(backend='gloo')" in source
 
 
 class CollectiveLog:
