@@ -44,6 +44,13 @@ def _streaming() -> SimpleNamespace:
     return _loaded
 
 
+def load() -> None:
+    """Import streaming's modules now. A loader calls it before its DataLoader workers fork:
+    they inherit the modules instead of each importing streaming again (seconds of CPU per
+    worker, at every epoch and stage, where the process has not imported transformers)."""
+    _streaming()
+
+
 def is_hash(algorithm: str) -> bool:
     """Whether streaming knows hash ``algorithm`` (for ``validate_hash`` / ``--hash``)."""
     return _streaming().is_hash(algorithm)

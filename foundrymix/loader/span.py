@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from foundrymix.format import streaming_format
 from foundrymix.loader.collate import collate
 
 #: batches of a worker whose shards are opened ahead of their reading, by this many threads
@@ -77,10 +78,13 @@ def _as_is(batch: Any) -> Any:
 def span_loader(span: Span, num_workers: int, pin_memory: bool = False, timeout: float = 0,
                 prefetch_factor: Optional[int] = None) -> DataLoader:
     """A DataLoader over a span: its batches come collated, in order; never more workers than
-    batches (an idle worker would only cost a fork)."""
+    batches (an idle worker would only cost a fork), forked after streaming's format modules
+    are imported here (each worker would otherwise import streaming again)."""
     workers = min(num_workers, len(span))
     extra: dict[str, Any] = {}
-    if workers > 0 and prefetch_factor is not None:
-        extra['prefetch_factor'] = prefetch_factor
+    if workers > 0:
+        streaming_format.load()
+        if prefetch_factor is not None:
+            extra['prefetch_factor'] = prefetch_factor
     return DataLoader(span, batch_size=None, collate_fn=_as_is, num_workers=workers,
                       pin_memory=pin_memory, timeout=timeout if workers > 0 else 0, **extra)

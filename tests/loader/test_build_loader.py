@@ -186,6 +186,32 @@ def test_a_loop_with_the_loader_never_imports_composer(small_streams):
     assert out[-1] == '[]', out
 
 
+def test_dataloader_workers_inherit_streaming_rather_than_import_it(small_streams, tmp_path):
+    """A worker forked before streaming was imported imports it itself (seconds of CPU per
+    worker, at every span); the loader imports it once, in the main process, before the
+    fork. Seen by an import hook that logs the pid of every process that imports streaming."""
+    cfg = staged(small_streams)
+    cfg['train_loader']['num_workers'] = 2
+    log = tmp_path / 'imports.log'
+    code = textwrap.dedent(f'''
+        import os, sys
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name == 'streaming':
+                    with open({str(log)!r}, 'a') as f:
+                        f.write(f'{{os.getpid()}}\\n')
+                return None
+        sys.meta_path.insert(0, Watch())
+        import foundrymix
+        loader = foundrymix.build_loader({cfg!r}, rank=0, world_size=1)
+        print(os.getpid(), sum(1 for _ in loader))
+    ''')
+    out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[1] == '14'  # both stages' batches (5 + 9), read by workers
+    assert log.read_text().split() == [out[0]]  # imported once, by the main process
+
+
 def test_samples_per_stream_of_an_adaptive_run(tmp_path_factory):
     """Adaptive segments: the counts follow each decision as the batches did."""
     from mix_helpers import build_three

@@ -17,11 +17,8 @@ the ranks must hold the same global batch as one rank does).
 
 Real processes: each configuration runs in fresh interpreters (two ranks: two processes
 with a gloo process group, ``RANK``/``WORLD_SIZE`` as a launcher sets them), each with its
-own ``TMPDIR`` -- streaming scans ``<tmp>/*_filelock`` for a free shared-memory prefix at
-every dataset it builds, so a ``/tmp`` full of other runs' lock files (thousands on a
-shared machine) made each restore ~0.4 s slower -- and with ``gc.freeze()`` after the
-imports (the loader's ``release`` runs ``gc.collect`` at every stage switch, 0.4 s each
-over torch's heap on a loaded 2-core machine; freezing keeps it to the new objects).
+own ``TMPDIR``, and with ``gc.freeze()`` after the imports (the loader's ``release`` runs
+``gc.collect`` at every stage switch; freezing keeps it to the new objects).
 """
 
 from __future__ import annotations
