@@ -1,17 +1,14 @@
 """The typed ``train_loader`` config: what a YAML data section may say, checked up front.
-
-Why strict: a misspelt key (``repaet: 2``) silently dropped means a run trains on the
-wrong mixture for days. Every unknown key is an error naming the key and the allowed
-ones; weights are checked up front (one kind for all streams), with the stream names in
-the message.
-"""
+Strict, because a misspelt key silently dropped means days of training on the wrong mixture."""
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional, Union
 
 from foundrymix.config import DERIVED, ConfigError, read_dataclass, to_plain
@@ -48,14 +45,9 @@ STAGE_SEED_STEP = 1_000_003
 class StageSpec:
     """One entry of ``train_loader.stages``: a name, a duration and its own mixture.
 
-    ``streams`` are read against ``train_loader.streams``: a stream named there may be
-    given by its weight alone (its location is inherited); a new stream gives its
-    location too. ``overrides`` are loader knobs (``shuffle_seed``, ``batching_method``,
-    ...) that differ from ``train_loader``'s in this stage.
-
-    ``global_train_batch_size`` (default: the run's) is the stage's own global batch, for
-    batch-size warm-up (DeepSeek-V3 grows its batch mid-run): the stage's epochs, batches
-    and rows are planned with it (:func:`~foundrymix.plan.stages.build_run_plan`).
+    ``streams`` inherit their location from ``train_loader.streams``; ``overrides`` are the
+    loader knobs this stage changes; ``global_train_batch_size`` (default: the run's) is the
+    stage's own global batch, for batch-size warm-up.
     """
 
     name: str
@@ -86,7 +78,7 @@ class StageSpec:
             batch = read_value(batch, int, f'{where}.global_train_batch_size')
             if batch <= 0:
                 raise ConfigError(f'{where}.global_train_batch_size: must be positive, got {batch}')
-        hints = _loader_hints()
+        hints = typing.get_type_hints(LoaderConfig)
         overrides = {k: read_value(v, hints[k], f'{where}.{k}') for k, v in d.items()}
         return cls(name=name, duration=duration, streams=streams, overrides=overrides, where=where,
                    global_train_batch_size=batch)
@@ -95,11 +87,6 @@ class StageSpec:
 def _few(names: list[str], n: int = 5) -> str:
     """The first ``n`` names and how many more: a message about 1,000 streams stays one line."""
     return ', '.join(names[:n]) + (f', ... ({len(names):,} in all)' if len(names) > n else '')
-
-
-def _loader_hints() -> dict[str, Any]:
-    import typing
-    return typing.get_type_hints(LoaderConfig)
 
 
 @dataclass
@@ -136,10 +123,8 @@ class LoaderConfig:
     #: the algorithm every shard file (and a compressed shard's zip) is hashed with at first
     #: open, against index.json (default: the fastest recorded, see hash_local_shards)
     validate_hash: Optional[HashAlgo] = None
-    #: hash every shard file (local, or a cached copy of a remote's) once per file version
-    #: (size, mtime, ctime, inode) when first opened, against index.json (validate_hash's
-    #: algorithm, else the fastest recorded); false: only with validate_hash set
-    #: (foundrymix.loader.cache.hashes)
+    #: hash every shard file (local, or a cached remote's) once per file version when first
+    #: opened, against index.json; false: only with validate_hash set
     hash_local_shards: bool = True
     keep_zip: bool = False
     timeout: float = 0
@@ -171,11 +156,8 @@ class LoaderConfig:
 
     @classmethod
     def from_dict(cls, d: Any, where: str = 'train_loader') -> 'LoaderConfig':
-        """Build and check a config from a mapping or an omegaconf ``DictConfig``.
-
-        Raises :class:`ConfigError` naming ``where.key`` for unknown keys, bad types and
-        impossible weightings.
-        """
+        """Build and check a config from a mapping or an omegaconf ``DictConfig`` (errors name
+        ``where.key``)."""
         data = to_plain(d, where)
         refuse_replaced_knobs(data, where)  # before the required-key check below
         if data.get('streams') is None and data.get('stages') is None:
@@ -250,12 +232,8 @@ class LoaderConfig:
                 f'(${CACHE_ROOT_ENV}, else <tmp>/foundrymix-cache)')
 
     def group_members(self, where: str = 'train_loader') -> dict[str, list[str]]:
-        """Pattern -> the streams it matches (``fnmatchcase``, in ``streams`` order).
-
-        Refused: a pattern matching no stream, a stream matched by two patterns, a member
-        with a weight of its own (which one would count is not obvious; one rule each).
-        """
-        import fnmatch
+        """Pattern -> the streams it matches (``fnmatchcase``, in ``streams`` order). Refused: a
+        pattern matching nothing, a stream matched twice, a member with a weight of its own."""
         out: dict[str, list[str]] = {}
         owner: dict[str, str] = {}
         for pattern, group in self.groups.items():
@@ -293,18 +271,10 @@ class LoaderConfig:
         self.stage_configs(where)  # each stage's own config is checked as it is built
 
     def stage_configs(self, where: str = 'train_loader') -> list['LoaderConfig']:
-        """The loader config of every stage: ``train_loader``'s knobs, the stage's overrides,
-        its streams (locations inherited from ``train_loader.streams``), and a shuffle seed
-        of its own unless given, so every stage reshuffles afresh.
-
-        Without ``stages`` the run is one stage: this config itself.
-        """
-        import dataclasses
-
-        from foundrymix.config import read_dataclass
+        """The loader config of every stage (without ``stages``: this one): ``train_loader``'s
+        knobs, the stage's overrides and streams, and a shuffle seed of its own unless given."""
         if self.stages is None:
             return [self]
-        import fnmatch
         out = []
         for i, stage in enumerate(self.stages):
             streams = {}
@@ -320,11 +290,10 @@ class LoaderConfig:
             patterns = [n for n in streams if is_pattern(n)]
             for name, base in self.streams.items():
                 if name not in streams and any(fnmatch.fnmatchcase(name, p) for p in patterns):
-                    streams[name] = dataclasses.replace(base, repeat=None, proportion=None,
-                                                        choose=None)
+                    streams[name] = replace(base, repeat=None, proportion=None, choose=None)
             knobs = dict(stage.overrides)
             knobs.setdefault('shuffle_seed', self.shuffle_seed + i * STAGE_SEED_STEP)
-            config = dataclasses.replace(self, streams=streams, groups={}, stages=None, **knobs)
+            config = replace(self, streams=streams, groups={}, stages=None, **knobs)
             config.check(stage.where)
             out.append(config)
         return out
@@ -346,16 +315,9 @@ class LoaderConfig:
 
     # ------------------------------------------------------------------ paths
     def stream_local(self, name: str) -> str:
-        """The local directory of stream ``name`` (without split), caching remote-only ones.
-
-        A remote-only stream is cached under ``cache_root`` in a directory keyed by a hash
-        of the remote URL, so two different remotes never collide and runs over the same
-        remote *one after another* reuse its downloaded shards. Runs that overlap in time
-        do not share it: streaming refuses two live datasets over one directory, so the
-        dataset a run builds claims the directory for its life and a second live run reads
-        from a sibling (``<this>-run2``, ...; see :mod:`foundrymix.loader.cache`). This is the
-        configured directory; the one a dataset uses is its streams' ``local``.
-        """
+        """The configured local directory of stream ``name`` (without split). A remote-only
+        stream's is under ``cache_root``, keyed by a hash of its remote, so two remotes never
+        collide and runs one after another reuse its shards (:mod:`foundrymix.loader.cache`)."""
         spec = self.streams[name]
         if spec.local:
             return os.path.abspath(os.path.expanduser(spec.local))

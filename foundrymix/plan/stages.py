@@ -1,16 +1,6 @@
 """Stages (curricula): each stage's mixture, its exact length in batches, and the run's plan.
-
-Why resolve every stage to whole batches before training: a stage switch must happen at
-one exact global batch on every rank, and "2 epochs of this mixture" or "50M tokens"
-must mean the same batch count to the plan, the loader and a resumed run. So
-``ep``/``sp``/``tok`` durations become batches here, once, from the stage's own plan
-(:func:`~foundrymix.plan.mixture.build_plan`); a duration that is not a whole number of
-global batches is refused with the numbers rather than rounded.
-
-A stage is a loader config of its own (:meth:`LoaderConfig.stage_configs`), with its
-own catalog, so a stream reused by a later stage is simply read again: each stage
-starts a fresh, seeded pass over its streams.
-"""
+Every duration becomes whole global batches here, once, so a stage switches at one exact batch on
+every rank and in a resumed run; a duration that is not whole batches is refused, not rounded."""
 
 from __future__ import annotations
 
@@ -35,13 +25,8 @@ MAIN_STAGE = 'main'
 @dataclass
 class StagePlan:
     """One stage: where it starts and ends in the run (global batches), its mixture, and
-    everything the loader is built from.
-
-    The last four fields are the contract between plan and loader: the stage's loader
-    config, its streams' metadata (read once by the catalog), its plan (whose order the
-    loader reads) and the stage's fingerprint (what the resume rules compare). The loader
-    never recomputes or re-reads any of them.
-    """
+    everything the loader is built from (config, metadata, plan, fingerprint), which the
+    loader never recomputes or re-reads."""
 
     index: int
     name: str
@@ -57,7 +42,6 @@ class StagePlan:
 
     @property
     def end_batch(self) -> int:
-        """One past the stage's last global batch."""
         return self.start_batch + self.batches
 
     @property
@@ -83,7 +67,6 @@ class StagePlan:
 
     @property
     def weights(self) -> EpochWeights:
-        """The epoch weights the plan computed (rows per stream per epoch)."""
         assert self.plan.weights is not None
         return self.plan.weights
 
@@ -101,12 +84,8 @@ class StagePlan:
 
 @dataclass
 class RunPlan:
-    """Every stage of a run, in order, and the rows each stream trains over the whole run.
-
-    One per run, computed once (:func:`plan_run`); a run without ``stages:`` is one stage
-    (``explicit`` False). ``foundrymix plan`` prints it, the loader is built from it, the
-    accounting expects its shares and a resumed run checks its fingerprints.
-    """
+    """Every stage of a run, in order, and the rows each stream trains over the whole run:
+    computed once (:func:`plan_run`), and what the CLI, the loader and a resume all read."""
 
     stages: list[StagePlan]
     global_batch_size: int      # the first stage's (each stage has its own: StagePlan)
@@ -138,7 +117,6 @@ class RunPlan:
 
     @property
     def batch_sizes(self) -> list[int]:
-        """Each stage's global batch, in order."""
         return [s.global_batch_size for s in self.stages]
 
     @property
@@ -186,11 +164,8 @@ def stage_batches(duration: str, plan: Plan, where: str) -> int:
 
 
 def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
-    """One validated catalog per stage (a run without stages has one).
-
-    The stages share one metadata cache: a stream that several stages use (or two names
-    for one directory) has its manifest and index read -- downloaded, for a remote -- once.
-    """
+    """One validated catalog per stage, sharing one metadata cache: a stream that several
+    stages use has its manifest and index read (downloaded, for a remote) once."""
     configs = config.stage_configs(where)
     shared: dict[Any, Any] = {}
     if config.stages is None:
@@ -213,13 +188,10 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                    rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> RunPlan:
     """The plan of a run: each stage's mixture, weights and exact batches, and the run totals.
 
-    With ``stages:``, ``max_duration`` may be None (the run is the sum of the stages) or
-    must equal that sum. Without, the run is one stage, :data:`MAIN_STAGE`, as long as
-    ``max_duration`` (``sp``/``tok`` round up to whole batches, as Composer stops after
-    the batch that reaches them). Each stage is planned -- and its epoch weights
-    computed -- exactly once, with its own global batch (``stages[i].global_train_batch_size``,
-    else ``batch_size`` x ranks): its epoch is whole batches of *that* batch, its ``sp``/``tok``
-    duration is counted in them, and each stage starts at the sample where the last ended.
+    With ``stages:``, ``max_duration`` is None or the sum of the stages; without, the run is
+    one stage, :data:`MAIN_STAGE`, as long as ``max_duration`` (``sp``/``tok`` round up, as
+    Composer stops after the batch that reaches them). Each stage is planned once, with its
+    own global batch.
     """
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
@@ -289,16 +261,9 @@ def stage_device_batch(global_batch: int, world_size: int, where: str) -> int:
 
 def composer_duration(run: RunPlan) -> str:
     """The ``max_duration`` Composer is given for a run with stages: its batches, or -- when
-    the stages' global batches differ -- its samples.
-
-    Why samples then: Composer 0.32 counts ``timestamp.sample``/``token`` from each batch's
-    real rows (``get_num_samples_in_batch``, summed over ranks), so they stay exact across a
-    batch change, but ``timestamp.batch`` counts optimizer steps. A schedule given in ``dur``
-    is a fraction of ``max_duration`` in *its* unit (``composer.optim.scheduler._convert_time``):
-    in batches, ``t_warmup: 0.05dur`` would be 5% of the steps -- far more than 5% of the
-    data when early stages have small batches. In samples it is 5% of the rows (= of the
-    tokens: every row is ``max_seq_len`` slots). The total is exact (every stage's rows, as
-    the plan counts them), so Composer stops after the run's last batch.
+    the stages' global batches differ -- its samples, the exact total. Why: a ``dur`` schedule
+    is a fraction of ``max_duration`` in its unit, and with growing batches a fraction of the
+    optimizer steps is far more than that fraction of the data; of the samples it is not.
     """
     if not run.batch_varies:
         return f'{run.total_batches}ba'
@@ -335,11 +300,8 @@ def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] 
 
 def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
                       global_batch_size: int) -> dict[str, Any]:
-    """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes.
-
-    Stored in checkpoints; a resumed run compares it field by field, so a refusal can
-    name the stage, the stream and the field.
-    """
+    """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes
+    (compared field by field, so a refusal can name the stage, the stream and the field)."""
     knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_block_size',
                                              'batching_method', 'epoch_size')}
     if config.weights_in != 'rows':  # only then: fingerprints of older checkpoints stay valid
