@@ -1,10 +1,5 @@
-"""Rows of each stream trained before a global batch: arithmetic on the run's plan.
-
-Why arithmetic and not a tally of the batches seen: a loader resumed at batch ``b`` (on any
-number of ranks) must report what the whole run trained before ``b`` -- every rank's rows,
-including batches trained before the checkpoint by another process. The order fixes every
-batch's rows, so the counts follow from the position alone.
-"""
+"""Rows of each stream trained before a global batch, by arithmetic on the run's plan: a resumed
+loader (on any number of ranks) must report every rank's rows trained before it."""
 
 from __future__ import annotations
 

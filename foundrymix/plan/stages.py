@@ -100,10 +100,7 @@ class RunPlan:
     @property
     def stream_names(self) -> list[str]:
         """Run-wide stream index -> name: every stage's streams, in order of first use."""
-        names: dict[str, None] = {}  # insertion-ordered; a list's `in` was O(N^2) in streams
-        for stage in self.stages:
-            names.update(dict.fromkeys(stage.stream_names))
-        return list(names)
+        return list(dict.fromkeys(n for stage in self.stages for n in stage.stream_names))
 
     @property
     def total_samples(self) -> int:
