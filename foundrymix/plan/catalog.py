@@ -52,12 +52,6 @@ class StreamInfo:
     def rows(self) -> int:
         return sum(self.shard_rows)
 
-    @property
-    def hashes(self) -> set[str]:
-        """Hash algorithms recorded for every shard of this stream (empty if none)."""
-        from foundrymix.format.shards import hashes_in_index
-        return hashes_in_index(self.index)
-
 
 class Catalog:
     """The streams of one loader config: metadata fetched and read once, then validated."""
@@ -67,8 +61,7 @@ class Catalog:
         self.config = config
         self.where = where
         self._infos: dict[str, StreamInfo] = {}
-        #: metadata read by other catalogs of the same run (its stages), keyed by location:
-        #: a stream several stages use is read -- and fetched from its remote -- once
+        #: metadata read by the run's other catalogs (its stages), keyed by location: read once
         self._shared: dict[Any, StreamInfo] = shared if shared is not None else {}
         self._synced: set[str] = set()
         self._validated = False
@@ -83,17 +76,13 @@ class Catalog:
 
     # ------------------------------------------------------------ metadata
     def fetch(self, name: str, basename: str) -> str:
-        """Local path of a stream's small metadata file, synced with the remote first if any."""
-        if self.config.stream_remote_dir(name) is not None:
-            self.sync_remote(name)
-        return os.path.join(self.config.stream_dir(name), basename)
-
-    def sync_remote(self, name: str) -> None:
-        """A remote stream's manifest and index, fetched afresh once per catalog."""
-        if name not in self._synced:
+        """Local path of a stream's small metadata file; a remote's manifest and index are
+        fetched afresh first, once per catalog."""
+        if self.config.stream_remote_dir(name) is not None and name not in self._synced:
             from foundrymix.plan.remote_meta import sync_remote
             sync_remote(self.config, name, self._where(name))
             self._synced.add(name)
+        return os.path.join(self.config.stream_dir(name), basename)
 
     def info(self, name: str) -> StreamInfo:
         """Manifest and index of stream ``name`` (fetched if remote-only), read once."""

@@ -17,7 +17,6 @@ from foundrymix.plan.specs import AdaptiveConfig, StreamSpec, is_pattern, refuse
 __all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'AdaptiveConfig', 'CACHE_ROOT_ENV']
 
 BatchingMethod = Literal['random', 'stratified']
-#: what ``proportion`` is a share of (see ``LoaderConfig.weights_in``)
 WeightsIn = Literal['rows', 'tokens', 'loss_tokens']
 HashAlgo = Literal['sha1', 'sha224', 'sha256', 'sha384', 'sha512', 'sha3_224', 'sha3_256',
                    'sha3_384', 'sha3_512', 'md5', 'xxh32', 'xxh64', 'xxh128', 'xxh3_64',
@@ -91,12 +90,8 @@ def _few(names: list[str], n: int = 5) -> str:
 
 @dataclass
 class LoaderConfig:
-    """``train_loader``: the streams, the order's knobs and the ``DataLoader``'s.
-
-    Names and defaults follow LLM-Foundry's, except that ``shuffle`` defaults to True
-    (training data) and ``drop_last`` to True (every batch full, so per-stream token counts
-    stay exact arithmetic).
-    """
+    """``train_loader``: the streams, the order's knobs and the ``DataLoader``'s. Names and
+    defaults follow LLM-Foundry's, except ``shuffle`` and ``drop_last`` (True: every batch full)."""
 
     streams: dict[str, StreamSpec] = field(default_factory=dict)
     shuffle: bool = True
@@ -105,23 +100,19 @@ class LoaderConfig:
     batching_method: BatchingMethod = 'random'
     epoch_size: Optional[int] = None
     num_workers: int = 0
-    #: epochs of whole global batches: no row trained twice by rank padding, stratified
-    #: batches of exactly the requested shares (False: streaming's padding and rounding)
+    #: epochs of whole global batches, stratified shares exact (False: the rounded shares)
     exact: bool = True
     cache_limit: Optional[Union[int, str]] = None
-    #: seconds a remote file download may wait on the store: bounds each metadata and s3
-    #: shard fetch as a whole when the store fails or hangs (see foundrymix.s3.remote)
+    #: seconds a remote file download may wait on the store, as a whole (foundrymix.s3.remote)
     download_timeout: float = 60
     prefetch_factor: Optional[int] = None
     persistent_workers: bool = False
     pin_memory: bool = False
     drop_last: bool = True
     download_retry: int = 2
-    #: the tokenizer of LLM-Foundry token-shard streams that name none (a training YAML's
-    #: top-level ``tokenizer`` fills it; :mod:`foundrymix.format.foundry_tokens`)
+    #: the tokenizer of LLM-Foundry token-shard streams that name none (the YAML's top-level one)
     tokenizer: Optional[str] = None
-    #: the algorithm every shard file (and a compressed shard's zip) is hashed with at first
-    #: open, against index.json (default: the fastest recorded, see hash_local_shards)
+    #: the algorithm shard files are hashed with at first open (default: the fastest recorded)
     validate_hash: Optional[HashAlgo] = None
     #: hash every shard file (local, or a cached remote's) once per file version when first
     #: opened, against index.json; false: only with validate_hash set
@@ -132,15 +123,11 @@ class LoaderConfig:
     cache_root: Optional[str] = None
     #: curricula: ordered stages, each with its own mixture and duration (see StageSpec)
     stages: Optional[list[StageSpec]] = None
-    #: what ``proportion`` is a share of: rows (streaming's meaning), real tokens or loss
-    #: tokens; the catalog turns token shares into row proportions from the manifests
-    #: (``exact.row_proportions``) before streams are built, so plan and loader agree
+    #: what ``proportion`` is a share of: rows (streaming's meaning), real tokens or loss tokens
     weights_in: WeightsIn = 'rows'
     #: adaptive mixing: the weights set during the run from the per-stream loss (AdaptiveConfig)
     adaptive: Optional[AdaptiveConfig] = None
-    #: the pattern entries of ``streams`` (``web/*: {proportion: 0.6}``), split from the
-    #: streams on construction: weights of a group of streams, resolved per stream from
-    #: their sizes when the catalog reads them (:func:`~foundrymix.plan.exact.resolve_groups`)
+    #: the pattern entries of ``streams``, split from them on construction (exact.resolve_groups)
     groups: dict[str, StreamSpec] = field(default_factory=dict, metadata=DERIVED)
 
     def __post_init__(self) -> None:
@@ -210,9 +197,8 @@ class LoaderConfig:
                 f'sum. Use proportion on every stream to fix the epoch size.')
 
     def _check_cache_root(self, where: str) -> None:
-        """Refuse a ``cache_root`` that is (or is inside) a local stream's directory, or that
-        holds a dataset: foundrymix writes its records (plans, shuffles, shard hashes,
-        tokenizers, downloaded streams) there, which must never land among a dataset's files."""
+        """Refuse a ``cache_root`` inside a local stream's directory or holding a dataset: the
+        records foundrymix writes there must never land among a dataset's files."""
         if not self.cache_root:
             return
         root = os.path.realpath(cache_base(self.cache_root))
@@ -285,8 +271,7 @@ class LoaderConfig:
                 merged.update(to_plain(raw, f'{stage.where}.streams.{name}'))
                 streams[str(name)] = read_dataclass(StreamSpec, merged,
                                                     f'{stage.where}.streams.{name}', key=str(name))
-            # a stage's pattern also takes in train_loader's streams it matches (after the
-            # stage's own, in train_loader order): a stage of 1,000 streams names none of them
+            # a stage's pattern also takes in train_loader's streams it matches (after its own)
             patterns = [n for n in streams if is_pattern(n)]
             for name, base in self.streams.items():
                 if name not in streams and any(fnmatch.fnmatchcase(name, p) for p in patterns):
