@@ -290,14 +290,6 @@ class LoaderConfig:
         out = {n: s.proportion for n, s in self.streams.items() if n not in members}
         return {**out, **{p: g.proportion for p, g in self.groups.items()}}
 
-    @property
-    def proportion_sum(self) -> Optional[float]:
-        """Sum of the streams' proportions (None unless weights are proportions)."""
-        values = list(self.given_proportions.values())
-        if any(v is None for v in values):
-            return None
-        return float(sum(values))  # type: ignore[arg-type]
-
     # ------------------------------------------------------------------ paths
     def stream_local(self, name: str) -> str:
         """The configured local directory of stream ``name`` (without split). A remote-only

@@ -164,18 +164,12 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
         batches = epoch_size // G
         trained, block = chooses, chooses
         shares = chooses / epoch_size if epoch_size else np.zeros(len(infos))
-    order = stage_order(config, infos, block if block.sum() else np.ones(1, np.int64), G, stage)
+    draws = stream_draws([i.shard_rows for i in infos], [i.name for i in infos], config.shuffle_seed,
+                         stage, config.shuffle_block_size or WINDOW_ROWS, config.shuffle)
+    order = StageOrder(draws, block if block.sum() else np.ones(1, np.int64), G,
+                       (config.shuffle_seed, name_key(stage)), config.shuffle)
     return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
                   shares=shares, weights=weights, batches=batches, order=order)
-
-
-def stage_order(config: LoaderConfig, infos: list[StreamInfo], block: np.ndarray, G: int,
-                stage: str) -> StageOrder:
-    """The order of a stage over ``infos`` with ``block`` rows per stream per block."""
-    draws = stream_draws([i.shard_rows for i in infos], [i.name for i in infos],
-                         config.shuffle_seed, stage, config.shuffle_block_size or WINDOW_ROWS,
-                         config.shuffle)
-    return StageOrder(draws, block, G, (config.shuffle_seed, name_key(stage)), config.shuffle)
 
 
 def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
@@ -206,12 +200,13 @@ def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
 
 def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]) -> None:
     """Warnings: proportions that do not sum to 1, rows an epoch samples but does not train."""
-    total = config.proportion_sum
+    given = list(config.given_proportions.values())
+    total = None if None in given else float(sum(given))
     if total is not None and abs(total - 1.0) > 1e-9:
-        given = ' + '.join(f'{p:g}' for p in config.given_proportions.values())
+        listed = ' + '.join(f'{p:g}' for p in given)
         shares = ', '.join(f'{n} {c / epoch.epoch_size:.1%}'
                            for n, c in zip(config.streams, epoch.chooses))
-        warnings.append(f'proportions sum to {total:g} ({given}), not 1: they are normalised to '
+        warnings.append(f'proportions sum to {total:g} ({listed}), not 1: they are normalised to '
                         f'{shares} of the epoch')
     samples, size = int(epoch.trained.sum()), epoch.epoch_size
     if samples < size:

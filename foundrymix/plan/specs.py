@@ -1,6 +1,5 @@
-"""The stream and adaptive sections of a ``train_loader``: what one stream entry and an
-``adaptive`` block may say, checked when read, and the knobs no section may give
-(:mod:`foundrymix.plan.config` holds the loader config that contains them)."""
+"""The stream and adaptive sections of a ``train_loader``, checked when read, and the knobs no
+section may give (:mod:`foundrymix.plan.config` holds the loader config that contains them)."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ class AdaptiveConfig:
     the policy sets the next segment's weights from the per-stream loss summed over all
     ranks, each stream keeping at least ``min_share`` (docs/adaptive.md)."""
 
-    #: ado by default: ODM rewards high loss and chased a stream of random tokens in the
-    #: proof run of docs/adaptive.md, ado did not
+    #: ado by default: in docs/adaptive.md's proof run ODM chased a stream of random tokens
     method: AdaptiveMethod = 'ado'
     every: str = '50ba'
     warmup: str = '0ba'

@@ -12,13 +12,11 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError, parse_duration
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
-from foundrymix.plan.exact import EpochWeights
 from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
 from foundrymix.plan.topology import Topology
 
 
-#: the name of the one stage of a run without ``stages:`` (name it so to append stages to
-#: such a run: ``stages: [{name: main, duration: <its max_duration>, streams: ...}, ...]``)
+#: the name of the one stage of a run without ``stages:`` (name it so to append stages to it)
 MAIN_STAGE = 'main'
 
 
@@ -64,11 +62,6 @@ class StagePlan:
     def tokens(self) -> int:
         """Slot tokens the stage trains (what Composer's ``tok`` counts): samples x max_seq_len."""
         return self.samples * self.plan.max_seq_len
-
-    @property
-    def weights(self) -> EpochWeights:
-        assert self.plan.weights is not None
-        return self.plan.weights
 
     @property
     def stream_names(self) -> list[str]:
@@ -118,16 +111,12 @@ class RunPlan:
 
     @property
     def batch_varies(self) -> bool:
-        """True when stages have different global batches (batch-size warm-up): Composer
-        then runs in samples, not batches (see ``composer_duration``)."""
+        """True when stages have different global batches: Composer then runs in samples."""
         return len(set(self.batch_sizes)) > 1
 
     def stage_at(self, batch: int) -> StagePlan:
-        """The stage that trains global batch ``batch`` (0-based)."""
-        for stage in self.stages:
-            if batch < stage.end_batch:
-                return stage
-        return self.stages[-1]
+        """The stage that trains global batch ``batch`` (0-based; past the end: the last)."""
+        return next((s for s in self.stages if batch < s.end_batch), self.stages[-1])
 
     def to_dict(self) -> dict[str, Any]:
         return {'stages': [s.to_dict() for s in self.stages],
@@ -214,7 +203,10 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                     raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
                 return batches
             stage_G = spec.global_train_batch_size or G
-            stage_batch = stage_device_batch(stage_G, topology.world_size, spec.where)
+            if stage_G % topology.world_size:  # the words of train.config.split_batch
+                raise ConfigError(f'{spec.where}.global_train_batch_size={stage_G} is not divisible by '
+                                  f'the {topology.world_size} ranks')
+            stage_batch = stage_G // topology.world_size
             plan = build_plan(cfg, stage_infos, stage_batch, None, topology, 'stage duration',
                               duration_batches=resolve, stage=spec.name,
                               rank_count_limit=rank_count_limit)
@@ -245,15 +237,6 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
         else:
             run.warnings += stage.plan.warnings
     return run
-
-
-def stage_device_batch(global_batch: int, world_size: int, where: str) -> int:
-    """A stage's per-rank batch; refused unless its global batch splits over the ranks (the
-    words of :func:`~foundrymix.train.config.split_batch`, which ``plan`` and ``train`` run first)."""
-    if global_batch % world_size:
-        raise ConfigError(f'{where}.global_train_batch_size={global_batch} is not divisible by the '
-                          f'{world_size} ranks')
-    return global_batch // world_size
 
 
 def composer_duration(run: RunPlan) -> str:
