@@ -65,9 +65,8 @@ class AdaptiveError(RuntimeError):
 
 @dataclass
 class AdaptiveController:
-    """One adaptive stage: segments of ``every`` batches, the policy, every decision, and the
-    per-stream cursors that turn a decision into sample ids. ``replay``: recorded decisions
-    (``method: replay``), used instead of the policy."""
+    """One adaptive stage: segments of ``every`` batches, the policy (or ``replay``'s recorded
+    decisions), every decision, and the per-stream cursors that turn one into sample ids."""
 
     method: str
     names: list[str]
@@ -89,12 +88,8 @@ class AdaptiveController:
     def __post_init__(self) -> None:
         initial = floor_shares(np.array(self.initial), self.min_share)
         self.initial = initial.tolist()
-        if self.method == 'odm':
-            self.policy: Policy = ODMPolicy(initial, **self.options)
-        elif self.method == 'ado':
-            self.policy = ADOPolicy(initial, **self.options)
-        else:
-            self.policy = FixedPolicy(initial)
+        policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(self.method)
+        self.policy: Policy = FixedPolicy(initial) if policy is None else policy(initial, **self.options)
         self.offsets = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
         if self.draws is None:
             self.draws = [StreamDraws([n], (self.seed, i)) for i, n in enumerate(self.rows)]
@@ -182,10 +177,8 @@ class AdaptiveController:
         return cursor
 
     def segment_ids(self, k: int) -> np.ndarray:
-        """Segment ``k``'s global sample ids, in training order (global batch after global
-        batch): a block of the decided rows per stream from the streams' cursors, so even a
-        segment that crosses a stream's pass boundary trains the rest of the old pass before
-        any row of the new one."""
+        """Segment ``k``'s global sample ids, in training order: a block of the decided rows
+        per stream from the streams' cursors, so a pass is finished before the next starts."""
         decision = self.decision(k)
         block = Block(np.asarray(decision.rows, np.int64), self.consumed_before(k),
                       (self.seed, len(self.rows), 1_000_003, k))
@@ -240,9 +233,8 @@ def read_replay(path: str, stage: str, where: str) -> list[Decision]:
 
 
 def build_controller(stage: Any) -> Optional[AdaptiveController]:
-    """The controller of a planned stage (a :class:`~foundrymix.plan.stages.StagePlan`) whose
-    config is adaptive, else None. Its initial weights are the stage's planned shares (the
-    configured mixture); refused here -- at plan time -- when it cannot be met."""
+    """The controller of a planned adaptive stage (else None), starting from its planned
+    shares; refused here, at plan time, when it cannot be met."""
     config = stage.config
     a = config.adaptive if config is not None else None
     if a is None:
@@ -294,19 +286,15 @@ def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:
         how = 'the recorded decisions' if c.replay is not None else 'the configured weights'
         plan.counted = {'run': f'adaptive ({c.method}): every segment\'s whole rows from {how}'}
     else:
-        plan.counted = {'run': (
-            f'adaptive ({c.method}): batches {c.start_batch:,}-{first - 1:,} exact at the configured '
-            f'weights ({text}); batches {first:,}-{c.start_batch + c.batches - 1:,} '
-            f'({undecided[1]:,} rows) decided during the run from the per-stream loss, each '
-            f'stream at least ' + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))
-            if first > c.start_batch else (
-            f'adaptive ({c.method}): all {undecided[1]:,} rows decided during the run from the '
-            f'per-stream loss, each stream at least '
-            + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))}
+        floors = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least))
+        decided = (f'batches {c.start_batch:,}-{first - 1:,} exact at the configured weights ({text}); '
+                   f'batches {first:,}-{c.start_batch + c.batches - 1:,} ({undecided[1]:,} rows)'
+                   if first > c.start_batch else f'all {undecided[1]:,} rows')
+        plan.counted = {'run': f'adaptive ({c.method}): {decided} decided during the run from the '
+                               f'per-stream loss, each stream at least {floors}'}
     if d is not None:
         d.rows_per_stream = {n: int(r) for n, r in zip(c.names, known)} if exact else None
-        d.passes_per_stream = ({n: int(r) / n_rows[n] for n, r in zip(c.names, known)}
-                               if exact else None)
+        d.passes_per_stream = {n: int(r) / n_rows[n] for n, r in zip(c.names, known)} if exact else None
     plan.adaptive = True
     plan.warnings = [w for w in plan.warnings if w.startswith('proportions sum to')]
     plan.notes = [n for n in plan.notes if not n.startswith(('exact epoch:', '~ marks'))]

@@ -233,8 +233,7 @@ class Catalog:
         if problem:
             raise ConfigError(f'{where}: {problem} (`foundrymix verify {location}` shows which '
                               f'shards are there)')
-        # A remote stream's cached shards are checked (and damaged ones fetched again) when
-        # first opened: foundrymix.loader.storage.
+        # a remote stream's cached shards are checked when first opened (foundrymix.loader.storage)
         problems = [] if info.remote_dir is not None else check_shard_files(info.directory, info.index)
         if problems:
             raise shard_files_error(info.name, info.directory, problems)

@@ -42,12 +42,8 @@ STAGE_SEED_STEP = 1_000_003
 
 @dataclass
 class StageSpec:
-    """One entry of ``train_loader.stages``: a name, a duration and its own mixture.
-
-    ``streams`` inherit their location from ``train_loader.streams``; ``overrides`` are the
-    loader knobs this stage changes; ``global_train_batch_size`` (default: the run's) is the
-    stage's own global batch, for batch-size warm-up.
-    """
+    """One entry of ``train_loader.stages``: a name, a duration, its own mixture (streams
+    inherit their location from ``train_loader.streams``) and the loader knobs it overrides."""
 
     name: str
     duration: str

@@ -79,9 +79,8 @@ def weighted(infos: list[StreamInfo], weights: EpochWeights, seed: int,
 
 def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: int,
                   where: str = 'train_loader') -> EpochWeights:
-    """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches
-    (batching ``random``: an epoch is one block of the order); stratified shares checked
-    unless ``exact: false`` (which trains the rounded shares)."""
+    """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches;
+    stratified shares checked unless ``exact: false`` (which trains the rounded shares)."""
     requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
     base = EpochWeights(requested, None, (), (), 1)
     w = weighted(infos, base, config.shuffle_seed, config.weights_in)

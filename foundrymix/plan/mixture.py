@@ -64,10 +64,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                duration_batches: Optional[Callable[['Plan'], int]] = None,
                stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> Plan:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size.
-
-    Pure: reads nothing but ``infos``. ``duration_batches`` (instead of ``max_duration``)
-    gives a stage's batches from its per-epoch plan, so a stage is planned once.
-    """
+    ``duration_batches`` (instead of ``max_duration``) gives a stage's batches from its plan."""
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
                           f'node ({topology.ranks_per_node}) must be positive')

@@ -29,11 +29,8 @@ def _rng(*key: int) -> np.random.Generator:
 
 # ------------------------------------------------------------------------------- draws
 class StreamDraws:
-    """Stream ``i``'s draw sequence in one stage: draw ``t`` -> row (0-based within the stream).
-
-    Pass ``p`` permutes the shards, cuts them into windows of whole shards (those starting
-    within one span of ``window_rows`` draws) and permutes the rows of each window, all seeded.
-    """
+    """Stream ``i``'s draws in one stage: draw ``t`` -> row. Pass ``p`` permutes the shards, cuts
+    them into windows of about ``window_rows`` rows and permutes each window's rows, all seeded."""
 
     def __init__(self, shard_rows: Sequence[int], key: tuple[int, ...], window_rows: int = WINDOW_ROWS,
                  shuffle: bool = True) -> None:
@@ -236,8 +233,7 @@ def _leaf(counts_bytes: bytes, dtype: str, size: int, k: int) -> tuple[np.ndarra
 
 # ------------------------------------------------------------------------------- stages
 class StageOrder:
-    """One stage's order: blocks of ``block_counts`` rows per stream, one after another, cut
-    into global batches of ``global_batch`` rows. Block ``e`` takes stream ``i``'s draws
+    """One stage's order in global batches: block ``e`` takes stream ``i``'s draws
     ``[e c_i, (e+1) c_i)``, so repetition is pass-complete over the whole stage."""
 
     def __init__(self, draws: Sequence[StreamDraws], block_counts: Sequence[int], global_batch: int,
@@ -273,9 +269,8 @@ class StageOrder:
 
 
 def rank_counts(order: StageOrder, batches: int, world: int) -> np.ndarray:
-    """Rows of each stream (columns) that each of ``world`` ranks (rows) trains in the stage's
-    first ``batches`` global batches. Counted, not arithmetic: a rank's share of a leaf depends
-    on the leaf's shuffle, so every leaf's pattern is drawn (no row is read)."""
+    """Rows of each stream (columns) each of ``world`` ranks (rows) trains in the first ``batches``
+    global batches: counted, as a rank's share of a leaf depends on the leaf's shuffle."""
     G, n = order.global_batch, len(order.counts)
     B = G // world
     total = batches * G

@@ -50,8 +50,7 @@ class DurationPlan:
     rows_per_stream: Optional[dict[str, int]] = None  # exact rows trained per stream, whole run
     #: always True: every batch is full, so total_samples is exact (a key of --json)
     samples_exact: bool = True
-    #: passes over each stream's rows in the whole run: rows_per_stream / rows (None where
-    #: the rows are decided during the run: an adaptive stage)
+    #: rows_per_stream / rows (None where the rows are decided during the run: adaptive)
     passes_per_stream: Optional[dict[str, float]] = None
 
 

@@ -34,9 +34,8 @@ class FixedPolicy(Policy):
 
 
 class ODMPolicy(Policy):
-    """ODM (Albalak et al. 2023): EXP3 over streams, rewarded by training loss
-    (docs/adaptive.md). Unlike the paper, which observes one stream per batch, a mixed
-    interval observes every stream, so every estimate is updated each time."""
+    """ODM (Albalak et al. 2023): EXP3 over streams, rewarded by training loss; a mixed interval
+    observes every stream, so every estimate is updated each time (docs/adaptive.md)."""
 
     def __init__(self, initial: np.ndarray, alpha: float = 0.9, lr: float = 1.0) -> None:
         super().__init__(initial)
@@ -71,9 +70,8 @@ class ODMPolicy(Policy):
 
 
 class ADOPolicy(Policy):
-    """ADO-style learning progress (Jiang et al. 2025, docs/adaptive.md): weight streams by
-    how fast their smoothed loss falls, times the configured mixture; the derivative is
-    measured, not fitted. Without any progress the weights stay where they are."""
+    """ADO-style learning progress (Jiang et al. 2025): weights follow how fast each stream's
+    smoothed loss falls, times the configured mixture; no progress keeps them (docs/adaptive.md)."""
 
     def __init__(self, initial: np.ndarray, alpha: float = 0.9, beta: float = 0.5) -> None:
         super().__init__(initial)

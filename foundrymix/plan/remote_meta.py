@@ -29,14 +29,10 @@ def _same_bytes(a: str, b: str) -> bool:
 
 
 def sync_remote(config: LoaderConfig, name: str, where: str) -> None:
-    """Fetch a remote stream's manifest and index afresh (GETs: S3 error codes come with a
-    GET), and make sure no stale shard is read.
-
-    Changed files in foundrymix's own cache: the old index's shards are removed, with a
-    warning; in a ``local:`` the user named: refused, nothing deleted. An unreachable remote
-    raises even with a cached copy, since nothing then tells whether it is current. Each rank
-    downloads into files of its own and renames them into place.
-    """
+    """Fetch a remote stream's manifest and index afresh, so no stale shard is read: if they
+    changed, foundrymix's own cache drops the old index's shards (warning), a ``local:`` the
+    user named is refused. An unreachable remote raises even with a cached copy, which might
+    be stale. Each rank downloads into files of its own and renames them into place."""
     from foundrymix.s3.remote import RemoteError, download
     remote_dir = config.stream_remote_dir(name)
     assert remote_dir is not None

@@ -22,9 +22,8 @@ MAIN_STAGE = 'main'
 
 @dataclass
 class StagePlan:
-    """One stage: where it starts and ends in the run (global batches), its mixture, and
-    everything the loader is built from (config, metadata, plan, fingerprint), which the
-    loader never recomputes or re-reads."""
+    """One stage: where it starts and ends in the run (global batches), its mixture, and all
+    the loader is built from (config, metadata, plan, fingerprint), never recomputed there."""
 
     index: int
     name: str
@@ -172,13 +171,9 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                    max_duration: Optional[str], topology: Topology = Topology(),
                    where: str = 'train_loader',
                    rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> RunPlan:
-    """The plan of a run: each stage's mixture, weights and exact batches, and the run totals.
-
-    With ``stages:``, ``max_duration`` is None or the sum of the stages; without, the run is
-    one stage, :data:`MAIN_STAGE`, as long as ``max_duration`` (``sp``/``tok`` round up, as
-    Composer stops after the batch that reaches them). Each stage is planned once, with its
-    own global batch.
-    """
+    """The plan of a run: each stage's mixture, weights and exact batches (each planned once,
+    with its own global batch), and the run totals. Without ``stages:`` the run is one stage,
+    :data:`MAIN_STAGE`, as long as ``max_duration`` (rounded up, as Composer stops)."""
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
     stages: list[StagePlan] = []
@@ -240,11 +235,9 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
 
 
 def composer_duration(run: RunPlan) -> str:
-    """The ``max_duration`` Composer is given for a run with stages: its batches, or -- when
-    the stages' global batches differ -- its samples, the exact total. Why: a ``dur`` schedule
-    is a fraction of ``max_duration`` in its unit, and with growing batches a fraction of the
-    optimizer steps is far more than that fraction of the data; of the samples it is not.
-    """
+    """The ``max_duration`` Composer is given for a run with stages: its batches, or, when the
+    stages' global batches differ, its samples, so that a ``dur`` schedule is a fraction of the
+    data rather than of the optimizer steps (docs/stages.md)."""
     if not run.batch_varies:
         return f'{run.total_batches}ba'
     return f'{run.total_samples}sp'
