@@ -1,27 +1,18 @@
-"""Adaptive mixing: the exact rows of each interval, the per-stream cursors the rows are drawn
-from, and the plan of an adaptive stage (the policies: :mod:`foundrymix.plan.policies`).
-
-Pure (numpy only): the loader (:mod:`foundrymix.loader.run_loader`) asks
-:class:`AdaptiveController` for each segment's sample ids, the trainer's callback
-(:mod:`foundrymix.train.callbacks.adaptive`) feeds it the all-reduced per-stream loss at
-each segment boundary. Why this split: a decision must be identical on every rank and on
-a resumed run, so it is a function of (state, summed loss) only, and the state is a few
-plain lists (checkpoint and ``report/mixture.json``). See docs/adaptive.md.
-
-A segment is a block of the order (:mod:`foundrymix.plan.order`) whose per-stream counts
-the policy decided: each stream's draws go on from its cursor (a fresh permutation per
-pass), so no row repeats before every row of its stream was trained once, across any
-number of weight changes.
-"""
+"""Adaptive mixing: each segment's exact rows, decided from the all-reduced per-stream loss (or
+replayed), drawn through per-stream cursors so no row repeats before its stream's pass is complete,
+and the plan of an adaptive stage. A decision is a function of (state, summed loss) only, so it
+is identical on every rank and on a resumed run (docs/adaptive.md)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from foundrymix.config import ConfigError
 from foundrymix.plan.exact import stratified_portions
 from foundrymix.plan.order import WINDOW_ROWS, Block, StreamDraws, rows_of, stream_draws
 from foundrymix.plan.policies import ADOPolicy, FixedPolicy, ODMPolicy, Policy
@@ -34,9 +25,8 @@ def whole_rows(weights: Sequence[float], rows: int) -> list[int]:
 
 
 def floor_shares(weights: np.ndarray, min_share: float) -> np.ndarray:
-    """``weights`` normalized, with every share raised to at least ``min_share`` (needs
-    ``min_share x n <= 1``): the streams below it get exactly ``min_share``, the others
-    share the rest in their proportions (weights already above the floor are unchanged)."""
+    """``weights`` normalized, with the shares below ``min_share`` raised to it and the others
+    sharing the rest in their proportions (needs ``min_share x n <= 1``)."""
     w = np.asarray(weights, np.float64)
     w = w / w.sum()
     low = np.zeros(len(w), bool)
@@ -75,14 +65,8 @@ class AdaptiveError(RuntimeError):
 
 @dataclass
 class AdaptiveController:
-    """One adaptive stage: segments of ``every`` batches, the policy, every decision, and the
-    per-stream cursors that turn a decision into sample ids.
-
-    ``rows``: underlying rows per stream (config order); ``offsets``: each stream's first
-    global sample id (streaming numbers samples stream by stream). ``start_batch``: the
-    stage's first global batch; ``batches``: its length. ``replay``: recorded decisions
-    (``method: replay``), used instead of the policy.
-    """
+    """One adaptive stage: segments of ``every`` batches, the policy (or ``replay``'s recorded
+    decisions), every decision, and the per-stream cursors that turn one into sample ids."""
 
     method: str
     names: list[str]
@@ -104,12 +88,8 @@ class AdaptiveController:
     def __post_init__(self) -> None:
         initial = floor_shares(np.array(self.initial), self.min_share)
         self.initial = initial.tolist()
-        if self.method == 'odm':
-            self.policy: Policy = ODMPolicy(initial, **self.options)
-        elif self.method == 'ado':
-            self.policy = ADOPolicy(initial, **self.options)
-        else:
-            self.policy = FixedPolicy(initial)
+        policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(self.method)
+        self.policy: Policy = FixedPolicy(initial) if policy is None else policy(initial, **self.options)
         self.offsets = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
         if self.draws is None:
             self.draws = [StreamDraws([n], (self.seed, i)) for i, n in enumerate(self.rows)]
@@ -119,7 +99,6 @@ class AdaptiveController:
             self.decisions.append(self._decision(0, initial, None))
 
     def _check_replay(self) -> None:
-        from foundrymix.config import ConfigError
         assert self.replay is not None
         want = [(self.segment_start(k), self.segment_batches(k) * self.global_batch)
                 for k in range(self.segments)]
@@ -139,7 +118,6 @@ class AdaptiveController:
         return -(-self.batches // self.every)
 
     def segment_of(self, batch: int) -> int:
-        """The segment (0-based) of global batch ``batch``."""
         return (batch - self.start_batch) // self.every
 
     def segment_start(self, k: int) -> int:
@@ -199,10 +177,8 @@ class AdaptiveController:
         return cursor
 
     def segment_ids(self, k: int) -> np.ndarray:
-        """Segment ``k``'s global sample ids, in training order (global batch after global
-        batch): a block of the decided rows per stream from the streams' cursors, so even a
-        segment that crosses a stream's pass boundary trains the rest of the old pass before
-        any row of the new one."""
+        """Segment ``k``'s global sample ids, in training order: a block of the decided rows
+        per stream from the streams' cursors, so a pass is finished before the next starts."""
         decision = self.decision(k)
         block = Block(np.asarray(decision.rows, np.int64), self.consumed_before(k),
                       (self.seed, len(self.rows), 1_000_003, k))
@@ -241,9 +217,6 @@ class AdaptiveController:
 
 def read_replay(path: str, stage: str, where: str) -> list[Decision]:
     """The recorded decisions of ``stage`` in a ``mixture.json`` (``method: replay``)."""
-    import json
-
-    from foundrymix.config import ConfigError
     try:
         with open(path, encoding='utf-8') as f:
             data = json.load(f)
@@ -260,10 +233,8 @@ def read_replay(path: str, stage: str, where: str) -> list[Decision]:
 
 
 def build_controller(stage: Any) -> Optional[AdaptiveController]:
-    """The controller of a planned stage (a :class:`~foundrymix.plan.stages.StagePlan`) whose
-    config is adaptive, else None. Its initial weights are the stage's planned shares (the
-    configured mixture); refused here -- at plan time -- when it cannot be met."""
-    from foundrymix.config import ConfigError
+    """The controller of a planned adaptive stage (else None), starting from its planned
+    shares; refused here, at plan time, when it cannot be met."""
     config = stage.config
     a = config.adaptive if config is not None else None
     if a is None:
@@ -289,15 +260,9 @@ def build_controller(stage: Any) -> Optional[AdaptiveController]:
 
 
 def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:
-    """Restate an adaptive stage's plan as what its run does; True if its rows are exact.
-
-    Why: the stage's mixture is planned as epochs of its configured weights, but an adaptive stage
-    trains segments of whole rows per stream read through per-stream cursors
-    (:class:`AdaptiveController`). So the epochs' rows per stream, passes, ``counted`` and its under-one-pass/mid-epoch warnings are not what it
-    trains. What is exact at plan time: the segments whose weights are known (the warmup's
-    configured weights; every segment of ``fixed`` or ``replay``); the rest are decided
-    from the loss during the run, each stream at least ``min_share`` of a segment's rows.
-    """
+    """Restate an adaptive stage's plan (planned as epochs of its configured weights) as the
+    segments it trains; True if its rows are exact. Exact at plan time: the segments whose
+    weights are known (warmup, ``fixed``, ``replay``); the rest only have ``min_share`` floors."""
     c, d = controller, plan.duration
     known = np.zeros(len(c.names), np.int64)
     at_least = np.zeros(len(c.names), np.int64)
@@ -321,19 +286,15 @@ def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:
         how = 'the recorded decisions' if c.replay is not None else 'the configured weights'
         plan.counted = {'run': f'adaptive ({c.method}): every segment\'s whole rows from {how}'}
     else:
-        plan.counted = {'run': (
-            f'adaptive ({c.method}): batches {c.start_batch:,}-{first - 1:,} exact at the configured '
-            f'weights ({text}); batches {first:,}-{c.start_batch + c.batches - 1:,} '
-            f'({undecided[1]:,} rows) decided during the run from the per-stream loss, each '
-            f'stream at least ' + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))
-            if first > c.start_batch else (
-            f'adaptive ({c.method}): all {undecided[1]:,} rows decided during the run from the '
-            f'per-stream loss, each stream at least '
-            + ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least)))}
+        floors = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least))
+        decided = (f'batches {c.start_batch:,}-{first - 1:,} exact at the configured weights ({text}); '
+                   f'batches {first:,}-{c.start_batch + c.batches - 1:,} ({undecided[1]:,} rows)'
+                   if first > c.start_batch else f'all {undecided[1]:,} rows')
+        plan.counted = {'run': f'adaptive ({c.method}): {decided} decided during the run from the '
+                               f'per-stream loss, each stream at least {floors}'}
     if d is not None:
         d.rows_per_stream = {n: int(r) for n, r in zip(c.names, known)} if exact else None
-        d.passes_per_stream = ({n: int(r) / n_rows[n] for n, r in zip(c.names, known)}
-                               if exact else None)
+        d.passes_per_stream = {n: int(r) / n_rows[n] for n, r in zip(c.names, known)} if exact else None
     plan.adaptive = True
     plan.warnings = [w for w in plan.warnings if w.startswith('proportions sum to')]
     plan.notes = [n for n in plan.notes if not n.startswith(('exact epoch:', '~ marks'))]

@@ -1,23 +1,12 @@
-"""The catalog: where each stream's files are and its small metadata, read once per run.
-
-Why one module: the mixer, the plan and every CLI need the same facts about a stream --
-its manifest (``foundrymix.json``), rows per shard (``index.json``), whether its shards
-are whole -- and remote streams need them fetched first, and checked against the remote
-on every start (:meth:`Catalog.sync_remote`: a re-uploaded dataset must never be read
-through stale cached shards). Only this module knows how: local paths, and remotes
-through :mod:`foundrymix.s3.remote` (bounded downloads whose errors carry the S3 error
-code). Nothing here reads a shard.
-
-:meth:`Catalog.validate` refuses streams that cannot share a batch (``max_seq_len``,
-tokenizer, schema), or whose ``index.json`` and manifest disagree on the rows, before a
-single row is read: reading rows would notice late, or never, if the columns happen to
-decode.
-"""
+"""The catalog: each stream's location and small metadata (manifest, index), read once per run;
+remote metadata checked against the remote on every start (:mod:`foundrymix.plan.remote_meta`).
+:meth:`Catalog.validate` refuses streams that cannot share a batch or are not whole before any
+row is read: reading rows would notice late, or never, if the columns happen to decode."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from foundrymix.config import ConfigError
@@ -26,6 +15,14 @@ from foundrymix.plan.exact import resolve_groups
 from foundrymix.format.advice import adopt_advice, splits_advice
 from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
 from foundrymix.format.shards import INDEX_NAME
+
+
+def _read_index(path: str, where: str) -> dict[str, Any]:
+    from foundrymix.format.shards import read_index
+    try:
+        return read_index(path)
+    except ValueError as e:
+        raise ConfigError(f'{where}: {e}') from e
 
 
 def _file(location: str, basename: str) -> str:
@@ -55,12 +52,6 @@ class StreamInfo:
     def rows(self) -> int:
         return sum(self.shard_rows)
 
-    @property
-    def hashes(self) -> set[str]:
-        """Hash algorithms recorded for every shard of this stream (empty if none)."""
-        from foundrymix.format.shards import hashes_in_index
-        return hashes_in_index(self.index)
-
 
 class Catalog:
     """The streams of one loader config: metadata fetched and read once, then validated."""
@@ -70,8 +61,7 @@ class Catalog:
         self.config = config
         self.where = where
         self._infos: dict[str, StreamInfo] = {}
-        #: metadata read by other catalogs of the same run (its stages), keyed by location:
-        #: a stream several stages use is read -- and fetched from its remote -- once
+        #: metadata read by the run's other catalogs (its stages), keyed by location: read once
         self._shared: dict[Any, StreamInfo] = shared if shared is not None else {}
         self._synced: set[str] = set()
         self._validated = False
@@ -86,22 +76,13 @@ class Catalog:
 
     # ------------------------------------------------------------ metadata
     def fetch(self, name: str, basename: str) -> str:
-        """Local path of a stream's small metadata file, synced with the remote first if any.
-
-        See :meth:`sync_remote`: a stream with a remote gets its ``foundrymix.json`` and
-        ``index.json`` from the remote on every start, into ``local/split``.
-        """
-        if self.config.stream_remote_dir(name) is not None:
-            self.sync_remote(name)
-        return os.path.join(self.config.stream_dir(name), basename)
-
-    def sync_remote(self, name: str) -> None:
-        """A remote stream's manifest and index, fetched afresh once per catalog (see
-        :func:`foundrymix.plan.remote_meta.sync_remote`)."""
-        if name not in self._synced:
+        """Local path of a stream's small metadata file; a remote's manifest and index are
+        fetched afresh first, once per catalog."""
+        if self.config.stream_remote_dir(name) is not None and name not in self._synced:
             from foundrymix.plan.remote_meta import sync_remote
             sync_remote(self.config, name, self._where(name))
             self._synced.add(name)
+        return os.path.join(self.config.stream_dir(name), basename)
 
     def info(self, name: str) -> StreamInfo:
         """Manifest and index of stream ``name`` (fetched if remote-only), read once."""
@@ -111,10 +92,8 @@ class Catalog:
             if known is None:
                 known = self._shared[key] = self._read(name)
             else:  # the same files under this catalog's name, weights and key path
-                import dataclasses
-                known = dataclasses.replace(known, name=name, spec=self.config.streams[name],
-                                            local=self.config.stream_local(name),
-                                            where=self._where(name))
+                known = replace(known, name=name, spec=self.config.streams[name],
+                                local=self.config.stream_local(name), where=self._where(name))
             self._infos[name] = known
         return self._infos[name]
 
@@ -125,11 +104,7 @@ class Catalog:
             index_path = self.fetch(name, INDEX_NAME)
             if os.path.isfile(index_path):
                 from foundrymix.format.foundry_tokens import is_foundry_tokens
-                from foundrymix.format.shards import read_index
-                try:
-                    index = read_index(index_path)
-                except ValueError as e:
-                    raise ConfigError(f'{where}: {e}') from e
+                index = _read_index(index_path, where)
                 if is_foundry_tokens(index):
                     return self._foundry_tokens(name, index, os.path.dirname(index_path))
                 raise ConfigError(f'{where}: no foundrymix manifest {path}; '
@@ -150,11 +125,7 @@ class Catalog:
         if not os.path.isfile(index_path):
             raise ConfigError(f'{where}: manifest but no {INDEX_NAME} in '
                               f'{os.path.dirname(index_path)} (an incomplete conversion?)')
-        from foundrymix.format.shards import read_index
-        try:
-            index = read_index(index_path)
-        except ValueError as e:
-            raise ConfigError(f'{where}: {e}') from e
+        index = _read_index(index_path, where)
         return StreamInfo(name=name, spec=self.config.streams[name],
                           local=self.config.stream_local(name),
                           directory=os.path.dirname(index_path),
@@ -209,10 +180,8 @@ class Catalog:
                 os.remove(part)
 
     def infos(self) -> list[StreamInfo]:
-        """Every stream's info, in config order, validated (see :meth:`validate`), each with
-        its own weight: a group's weight is resolved over its members here, once
-        (:func:`resolve_groups`), so the plan, the fingerprint and the loader all see
-        per-stream weights."""
+        """Every stream's info, in config order, validated, each with its own weight (groups
+        resolved once here, so the plan, the fingerprint and the loader see the same)."""
         self.validate()
         if self._resolved is None:
             self._resolved = resolve_groups(self.config, [self.info(n) for n in self.names],
@@ -264,8 +233,7 @@ class Catalog:
         if problem:
             raise ConfigError(f'{where}: {problem} (`foundrymix verify {location}` shows which '
                               f'shards are there)')
-        # A remote stream's cached shards are checked (and damaged ones fetched again) when
-        # first opened: foundrymix.loader.storage.
+        # a remote stream's cached shards are checked when first opened (foundrymix.loader.storage)
         problems = [] if info.remote_dir is not None else check_shard_files(info.directory, info.index)
         if problems:
             raise shard_files_error(info.name, info.directory, problems)

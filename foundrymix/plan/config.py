@@ -1,17 +1,14 @@
 """The typed ``train_loader`` config: what a YAML data section may say, checked up front.
-
-Why strict: a misspelt key (``repaet: 2``) silently dropped means a run trains on the
-wrong mixture for days. Every unknown key is an error naming the key and the allowed
-ones; weights are checked up front (one kind for all streams), with the stream names in
-the message.
-"""
+Strict, because a misspelt key silently dropped means days of training on the wrong mixture."""
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional, Union
 
 from foundrymix.config import DERIVED, ConfigError, read_dataclass, to_plain
@@ -20,7 +17,6 @@ from foundrymix.plan.specs import AdaptiveConfig, StreamSpec, is_pattern, refuse
 __all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'AdaptiveConfig', 'CACHE_ROOT_ENV']
 
 BatchingMethod = Literal['random', 'stratified']
-#: what ``proportion`` is a share of (see ``LoaderConfig.weights_in``)
 WeightsIn = Literal['rows', 'tokens', 'loss_tokens']
 HashAlgo = Literal['sha1', 'sha224', 'sha256', 'sha384', 'sha512', 'sha3_224', 'sha3_256',
                    'sha3_384', 'sha3_512', 'md5', 'xxh32', 'xxh64', 'xxh128', 'xxh3_64',
@@ -46,17 +42,8 @@ STAGE_SEED_STEP = 1_000_003
 
 @dataclass
 class StageSpec:
-    """One entry of ``train_loader.stages``: a name, a duration and its own mixture.
-
-    ``streams`` are read against ``train_loader.streams``: a stream named there may be
-    given by its weight alone (its location is inherited); a new stream gives its
-    location too. ``overrides`` are loader knobs (``shuffle_seed``, ``batching_method``,
-    ...) that differ from ``train_loader``'s in this stage.
-
-    ``global_train_batch_size`` (default: the run's) is the stage's own global batch, for
-    batch-size warm-up (DeepSeek-V3 grows its batch mid-run): the stage's epochs, batches
-    and rows are planned with it (:func:`~foundrymix.plan.stages.build_run_plan`).
-    """
+    """One entry of ``train_loader.stages``: a name, a duration, its own mixture (streams
+    inherit their location from ``train_loader.streams``) and the loader knobs it overrides."""
 
     name: str
     duration: str
@@ -86,7 +73,7 @@ class StageSpec:
             batch = read_value(batch, int, f'{where}.global_train_batch_size')
             if batch <= 0:
                 raise ConfigError(f'{where}.global_train_batch_size: must be positive, got {batch}')
-        hints = _loader_hints()
+        hints = typing.get_type_hints(LoaderConfig)
         overrides = {k: read_value(v, hints[k], f'{where}.{k}') for k, v in d.items()}
         return cls(name=name, duration=duration, streams=streams, overrides=overrides, where=where,
                    global_train_batch_size=batch)
@@ -97,19 +84,10 @@ def _few(names: list[str], n: int = 5) -> str:
     return ', '.join(names[:n]) + (f', ... ({len(names):,} in all)' if len(names) > n else '')
 
 
-def _loader_hints() -> dict[str, Any]:
-    import typing
-    return typing.get_type_hints(LoaderConfig)
-
-
 @dataclass
 class LoaderConfig:
-    """``train_loader``: the streams, the order's knobs and the ``DataLoader``'s.
-
-    Names and defaults follow LLM-Foundry's, except that ``shuffle`` defaults to True
-    (training data) and ``drop_last`` to True (every batch full, so per-stream token counts
-    stay exact arithmetic).
-    """
+    """``train_loader``: the streams, the order's knobs and the ``DataLoader``'s. Names and
+    defaults follow LLM-Foundry's, except ``shuffle`` and ``drop_last`` (True: every batch full)."""
 
     streams: dict[str, StreamSpec] = field(default_factory=dict)
     shuffle: bool = True
@@ -118,28 +96,22 @@ class LoaderConfig:
     batching_method: BatchingMethod = 'random'
     epoch_size: Optional[int] = None
     num_workers: int = 0
-    #: epochs of whole global batches: no row trained twice by rank padding, stratified
-    #: batches of exactly the requested shares (False: streaming's padding and rounding)
+    #: epochs of whole global batches, stratified shares exact (False: the rounded shares)
     exact: bool = True
     cache_limit: Optional[Union[int, str]] = None
-    #: seconds a remote file download may wait on the store: bounds each metadata and s3
-    #: shard fetch as a whole when the store fails or hangs (see foundrymix.s3.remote)
+    #: seconds a remote file download may wait on the store, as a whole (foundrymix.s3.remote)
     download_timeout: float = 60
     prefetch_factor: Optional[int] = None
     persistent_workers: bool = False
     pin_memory: bool = False
     drop_last: bool = True
     download_retry: int = 2
-    #: the tokenizer of LLM-Foundry token-shard streams that name none (a training YAML's
-    #: top-level ``tokenizer`` fills it; :mod:`foundrymix.format.foundry_tokens`)
+    #: the tokenizer of LLM-Foundry token-shard streams that name none (the YAML's top-level one)
     tokenizer: Optional[str] = None
-    #: the algorithm every shard file (and a compressed shard's zip) is hashed with at first
-    #: open, against index.json (default: the fastest recorded, see hash_local_shards)
+    #: the algorithm shard files are hashed with at first open (default: the fastest recorded)
     validate_hash: Optional[HashAlgo] = None
-    #: hash every shard file (local, or a cached copy of a remote's) once per file version
-    #: (size, mtime, ctime, inode) when first opened, against index.json (validate_hash's
-    #: algorithm, else the fastest recorded); false: only with validate_hash set
-    #: (foundrymix.loader.cache.hashes)
+    #: hash every shard file (local, or a cached remote's) once per file version when first
+    #: opened, against index.json; false: only with validate_hash set
     hash_local_shards: bool = True
     keep_zip: bool = False
     timeout: float = 0
@@ -147,15 +119,11 @@ class LoaderConfig:
     cache_root: Optional[str] = None
     #: curricula: ordered stages, each with its own mixture and duration (see StageSpec)
     stages: Optional[list[StageSpec]] = None
-    #: what ``proportion`` is a share of: rows (streaming's meaning), real tokens or loss
-    #: tokens; the catalog turns token shares into row proportions from the manifests
-    #: (``exact.row_proportions``) before streams are built, so plan and loader agree
+    #: what ``proportion`` is a share of: rows (streaming's meaning), real tokens or loss tokens
     weights_in: WeightsIn = 'rows'
     #: adaptive mixing: the weights set during the run from the per-stream loss (AdaptiveConfig)
     adaptive: Optional[AdaptiveConfig] = None
-    #: the pattern entries of ``streams`` (``web/*: {proportion: 0.6}``), split from the
-    #: streams on construction: weights of a group of streams, resolved per stream from
-    #: their sizes when the catalog reads them (:func:`~foundrymix.plan.exact.resolve_groups`)
+    #: the pattern entries of ``streams``, split from them on construction (exact.resolve_groups)
     groups: dict[str, StreamSpec] = field(default_factory=dict, metadata=DERIVED)
 
     def __post_init__(self) -> None:
@@ -171,11 +139,8 @@ class LoaderConfig:
 
     @classmethod
     def from_dict(cls, d: Any, where: str = 'train_loader') -> 'LoaderConfig':
-        """Build and check a config from a mapping or an omegaconf ``DictConfig``.
-
-        Raises :class:`ConfigError` naming ``where.key`` for unknown keys, bad types and
-        impossible weightings.
-        """
+        """Build and check a config from a mapping or an omegaconf ``DictConfig`` (errors name
+        ``where.key``)."""
         data = to_plain(d, where)
         refuse_replaced_knobs(data, where)  # before the required-key check below
         if data.get('streams') is None and data.get('stages') is None:
@@ -228,9 +193,8 @@ class LoaderConfig:
                 f'sum. Use proportion on every stream to fix the epoch size.')
 
     def _check_cache_root(self, where: str) -> None:
-        """Refuse a ``cache_root`` that is (or is inside) a local stream's directory, or that
-        holds a dataset: foundrymix writes its records (plans, shuffles, shard hashes,
-        tokenizers, downloaded streams) there, which must never land among a dataset's files."""
+        """Refuse a ``cache_root`` inside a local stream's directory or holding a dataset: the
+        records foundrymix writes there must never land among a dataset's files."""
         if not self.cache_root:
             return
         root = os.path.realpath(cache_base(self.cache_root))
@@ -250,12 +214,8 @@ class LoaderConfig:
                 f'(${CACHE_ROOT_ENV}, else <tmp>/foundrymix-cache)')
 
     def group_members(self, where: str = 'train_loader') -> dict[str, list[str]]:
-        """Pattern -> the streams it matches (``fnmatchcase``, in ``streams`` order).
-
-        Refused: a pattern matching no stream, a stream matched by two patterns, a member
-        with a weight of its own (which one would count is not obvious; one rule each).
-        """
-        import fnmatch
+        """Pattern -> the streams it matches (``fnmatchcase``, in ``streams`` order). Refused: a
+        pattern matching nothing, a stream matched twice, a member with a weight of its own."""
         out: dict[str, list[str]] = {}
         owner: dict[str, str] = {}
         for pattern, group in self.groups.items():
@@ -293,18 +253,10 @@ class LoaderConfig:
         self.stage_configs(where)  # each stage's own config is checked as it is built
 
     def stage_configs(self, where: str = 'train_loader') -> list['LoaderConfig']:
-        """The loader config of every stage: ``train_loader``'s knobs, the stage's overrides,
-        its streams (locations inherited from ``train_loader.streams``), and a shuffle seed
-        of its own unless given, so every stage reshuffles afresh.
-
-        Without ``stages`` the run is one stage: this config itself.
-        """
-        import dataclasses
-
-        from foundrymix.config import read_dataclass
+        """The loader config of every stage (without ``stages``: this one): ``train_loader``'s
+        knobs, the stage's overrides and streams, and a shuffle seed of its own unless given."""
         if self.stages is None:
             return [self]
-        import fnmatch
         out = []
         for i, stage in enumerate(self.stages):
             streams = {}
@@ -315,16 +267,14 @@ class LoaderConfig:
                 merged.update(to_plain(raw, f'{stage.where}.streams.{name}'))
                 streams[str(name)] = read_dataclass(StreamSpec, merged,
                                                     f'{stage.where}.streams.{name}', key=str(name))
-            # a stage's pattern also takes in train_loader's streams it matches (after the
-            # stage's own, in train_loader order): a stage of 1,000 streams names none of them
+            # a stage's pattern also takes in train_loader's streams it matches (after its own)
             patterns = [n for n in streams if is_pattern(n)]
             for name, base in self.streams.items():
                 if name not in streams and any(fnmatch.fnmatchcase(name, p) for p in patterns):
-                    streams[name] = dataclasses.replace(base, repeat=None, proportion=None,
-                                                        choose=None)
+                    streams[name] = replace(base, repeat=None, proportion=None, choose=None)
             knobs = dict(stage.overrides)
             knobs.setdefault('shuffle_seed', self.shuffle_seed + i * STAGE_SEED_STEP)
-            config = dataclasses.replace(self, streams=streams, groups={}, stages=None, **knobs)
+            config = replace(self, streams=streams, groups={}, stages=None, **knobs)
             config.check(stage.where)
             out.append(config)
         return out
@@ -336,26 +286,11 @@ class LoaderConfig:
         out = {n: s.proportion for n, s in self.streams.items() if n not in members}
         return {**out, **{p: g.proportion for p, g in self.groups.items()}}
 
-    @property
-    def proportion_sum(self) -> Optional[float]:
-        """Sum of the streams' proportions (None unless weights are proportions)."""
-        values = list(self.given_proportions.values())
-        if any(v is None for v in values):
-            return None
-        return float(sum(values))  # type: ignore[arg-type]
-
     # ------------------------------------------------------------------ paths
     def stream_local(self, name: str) -> str:
-        """The local directory of stream ``name`` (without split), caching remote-only ones.
-
-        A remote-only stream is cached under ``cache_root`` in a directory keyed by a hash
-        of the remote URL, so two different remotes never collide and runs over the same
-        remote *one after another* reuse its downloaded shards. Runs that overlap in time
-        do not share it: streaming refuses two live datasets over one directory, so the
-        dataset a run builds claims the directory for its life and a second live run reads
-        from a sibling (``<this>-run2``, ...; see :mod:`foundrymix.loader.cache`). This is the
-        configured directory; the one a dataset uses is its streams' ``local``.
-        """
+        """The configured local directory of stream ``name`` (without split). A remote-only
+        stream's is under ``cache_root``, keyed by a hash of its remote, so two remotes never
+        collide and runs one after another reuse its shards (:mod:`foundrymix.loader.cache`)."""
         spec = self.streams[name]
         if spec.local:
             return os.path.abspath(os.path.expanduser(spec.local))

@@ -1,10 +1,5 @@
-"""Rows of each stream trained before a global batch: arithmetic on the run's plan.
-
-Why arithmetic and not a tally of the batches seen: a loader resumed at batch ``b`` (on any
-number of ranks) must report what the whole run trained before ``b`` -- every rank's rows,
-including batches trained before the checkpoint by another process. The order fixes every
-batch's rows, so the counts follow from the position alone.
-"""
+"""Rows of each stream trained before a global batch, by arithmetic on the run's plan: a resumed
+loader (on any number of ranks) must report every rank's rows trained before it."""
 
 from __future__ import annotations
 
@@ -18,11 +13,8 @@ from foundrymix.plan.stages import RunPlan
 
 def rows_before(run: RunPlan, batch: int,
                 adaptive: Mapping[int, AdaptiveController] | None = None) -> dict[str, int]:
-    """Run-wide stream name -> rows of it in global batches ``[0, batch)`` (all ranks).
-
-    ``adaptive``: stage index -> its controller (its decisions fix its segments' rows);
-    a segment not decided yet cannot have been trained.
-    """
+    """Run-wide stream name -> rows of it in global batches ``[0, batch)`` (all ranks);
+    ``adaptive``: stage index -> its controller, whose decisions fix its segments' rows."""
     out = dict.fromkeys(run.stream_names, 0)
     for stage in run.stages:
         if stage.start_batch >= batch:
@@ -31,19 +23,13 @@ def rows_before(run: RunPlan, batch: int,
         controller = (adaptive or {}).get(stage.index)
         if controller is None:
             counts = stage.plan.order.trained(done)
-        else:
-            counts = _adaptive_rows(controller, stage.start_batch + done)
+        else:  # the decided segments' rows, and the current segment's batches so far
+            k = controller.segment_of(stage.start_batch + done)
+            into = stage.start_batch + done - controller.segment_start(k)
+            counts = controller.consumed_before(min(k, controller.segments)).copy()
+            if into and k < controller.segments:
+                ids = controller.segment_ids(k)[:into * controller.global_batch]
+                counts += np.bincount(controller.stream_of(ids), minlength=len(counts))
         for name, n in zip(stage.stream_names, np.asarray(counts).tolist()):
             out[name] += int(n)
     return out
-
-
-def _adaptive_rows(controller: AdaptiveController, batch: int) -> np.ndarray:
-    """Rows per stream of an adaptive stage's batches before global batch ``batch``."""
-    k = controller.segment_of(batch)
-    into = batch - controller.segment_start(k)
-    counts = controller.consumed_before(min(k, controller.segments)).copy()
-    if into and k < controller.segments:
-        ids = controller.segment_ids(k)[:into * controller.global_batch]
-        counts += np.bincount(controller.stream_of(ids), minlength=len(counts))
-    return counts

@@ -1,25 +1,10 @@
-"""Weights in rows, and exact epochs: whole global batches per epoch, stratified shares that
-are whole rows.
-
-A group's weight is spread over its members and token shares (``weights_in``) become row
-proportions (:func:`resolve_groups`, :func:`row_proportions`); rows per stream per epoch
-are then streaming's ``Stream.apply_weights`` arithmetic (:func:`weighted`, numpy only), so
-a weight means what it means in streaming.
-
-An epoch is one block of the order (:mod:`foundrymix.plan.order`), so it must be whole
-global batches: ranks then slice every batch evenly and no row is padded or repeated to
-even them out. The epoch is lowered to a multiple of the global batch by lowering
-``epoch_size`` (relative weights, split by proportion) or by trimming ``choose`` per
-stream, from fractional passes first, in proportion (absolute weights). A trimmed row is
-not lost: its stream's draws continue in the next epoch. Stratified batching whose
-per-batch shares cannot be whole rows is refused, naming the shares it would train and
-the nearest global batch that fits. The stage's order is built from :func:`epoch_weights`'
-rows and the loader reads that order, so what is planned is what is trained.
-"""
+"""Weights in rows (groups, token shares, ``Stream.apply_weights``' arithmetic), and exact
+epochs: whole global batches per epoch (an epoch is one block of the order, so ranks slice every
+batch evenly), trimmed rows going on in the next epoch; stratified shares that are whole rows."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -48,8 +33,7 @@ class EpochWeights:
 
     @property
     def added(self) -> tuple[int, ...]:
-        """Rows per stream per epoch the exact epoch takes beyond what the weights ask: lowering
-        ``epoch_size`` re-apportions every stream's share, and rounding can give one a row more."""
+        """Rows per stream per epoch beyond what the weights ask (a lowered ``epoch_size`` rounds some up)."""
         return tuple(max(0, r - n) for n, r in zip(self.nominal, self.rows))
 
 
@@ -64,13 +48,9 @@ class Weighted:
 
 def weighted(infos: list[StreamInfo], weights: EpochWeights, seed: int,
              weights_in: str = 'rows') -> Weighted:
-    """``weights`` applied to the streams exactly as streaming's ``Stream.apply_weights``
-    applies them (a weight means what it means there; tested against it), in plain numpy.
-
-    Relative (every stream a ``proportion``, or none and an ``epoch_size``): ``floor(size x
-    share)`` rows each, the shortfall one row each to streams drawn by ``seed``. Absolute:
-    ``int(repeat x rows)``, ``choose``, or all rows. ``weights.chooses`` replaces the
-    configured weights when an exact epoch trimmed them."""
+    """``weights`` applied to the streams exactly as streaming's ``Stream.apply_weights`` applies
+    them (tested against it), in plain numpy, so a weight means what it means there.
+    ``weights.chooses`` replaces the configured weights when an exact epoch trimmed them."""
     rows = np.array([i.rows for i in infos], np.int64)
     size = weights.epoch_size
     if weights.chooses is not None:
@@ -99,9 +79,8 @@ def weighted(infos: list[StreamInfo], weights: EpochWeights, seed: int,
 
 def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: int,
                   where: str = 'train_loader') -> EpochWeights:
-    """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches
-    (batching ``random``: an epoch is one block of the order); stratified shares checked
-    unless ``exact: false`` (which trains the rounded shares)."""
+    """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches;
+    stratified shares checked unless ``exact: false`` (which trains the rounded shares)."""
     requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
     base = EpochWeights(requested, None, (), (), 1)
     w = weighted(infos, base, config.shuffle_seed, config.weights_in)
@@ -127,11 +106,8 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
 
 def trim_chooses(chooses: tuple[int, ...], cut: int,
                  rows: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
-    """``chooses`` less ``cut`` rows in all.
-
-    Taken first from the streams' fractional passes (``choose % rows``), so a stream asked
-    for whole passes keeps them; split in proportion (largest remainder, ties to the earlier stream) so shares move least.
-    """
+    """``chooses`` less ``cut`` rows in all: first from the fractional passes (``choose % rows``),
+    so whole passes are kept, each split in proportion so that shares move least."""
     extras = tuple(c % n for c, n in zip(chooses, rows)) if rows else tuple(0 for _ in chooses)
     first = _split(min(cut, sum(extras)), extras)
     left = tuple(c - k for c, k in zip(chooses, first))
@@ -204,15 +180,9 @@ def units_per_row(info: StreamInfo, weights_in: str) -> float:
 
 def resolve_groups(config: LoaderConfig, infos: list[StreamInfo],
                    where: str = 'train_loader') -> list[StreamInfo]:
-    """``infos`` with every group member's weight set from its group (``config.groups``).
-
-    ``repeat: R``: each member repeats R times. ``proportion: P``: the group's share is P,
-    spread over the members by size -- rows, or tokens / loss tokens with ``weights_in`` --
-    ``P x size / group size`` each (then :func:`row_proportions` turns token shares into
-    rows as for any stream). ``choose: C``: C rows split by rows, whole numbers, exact sum
-    (largest remainder, ties to the earlier member). Streams outside groups pass unchanged.
-    """
-    import dataclasses
+    """``infos`` with every group member's weight set from its group (``config.groups``):
+    ``repeat`` per member, ``proportion`` spread by size (in ``weights_in`` units), ``choose``
+    split by rows in whole numbers with the exact sum."""
     if not config.groups:
         return infos
     by_name = {i.name: i for i in infos}
@@ -231,7 +201,7 @@ def resolve_groups(config: LoaderConfig, infos: list[StreamInfo],
             assert group.choose is not None, 'a pattern gives a weight (StreamSpec.check)'
             split = split_whole(group.choose, [m.rows for m in ms])
             weights.update({m.name: {'choose': c} for m, c in zip(ms, split)})
-    return [dataclasses.replace(i, spec=dataclasses.replace(i.spec, **weights[i.name]))
+    return [replace(i, spec=replace(i.spec, **weights[i.name]))
             if i.name in weights else i for i in infos]
 
 
@@ -247,13 +217,8 @@ def split_whole(total: int, sizes: list[int]) -> list[int]:
 
 
 def row_proportions(infos: list[StreamInfo], weights_in: str) -> list[Optional[float]]:
-    """The row proportions that give the streams' ``proportion`` as shares of ``weights_in``.
-
-    A stream's share of tokens is rows x tokens per row, so the rows must be in proportion
-    ``p_i / (tokens per row)_i``; rescaled to the same sum as the requested ones. Other
-    weights (repeat, choose, none) pass through: the config allows ``weights_in`` other
-    than rows only when every stream has a proportion.
-    """
+    """The row proportions that give the streams' ``proportion`` as shares of ``weights_in``:
+    ``p_i / (units per row)_i``, rescaled to the requested sum (other weights pass through)."""
     given = [i.spec.proportion for i in infos]
     if weights_in == 'rows' or any(p is None for p in given):
         return given

@@ -1,20 +1,8 @@
 """The exact plan of a mixture: rows, passes, shares and tokens per epoch; where a run ends.
 
-Why exact: Megatron-style blending oversamples by 0.5% and users cannot tell which rows
-repeat. Here every number is the order's arithmetic (:mod:`foundrymix.plan.order`), the
-same object the loader reads: rows per stream per epoch from the weights (``Stream.
-apply_weights``' arithmetic, trimmed to whole global batches), rows per stream over any prefix of the
-run by the order's block counts, every rank's rows by its slice of each global batch.
-Nothing is replayed and no shard is read.
-
-Token figures: every row is ``max_seq_len`` slots, so the tokens Composer counts (``tok``)
-are rows x ``max_seq_len`` exactly. Real (non-padding) and loss tokens per epoch are the
-manifest totals x passes: exact when every row is seen equally often (whole passes) or
-rows are uniform (pretrain), otherwise an *expected* value, because a fractional pass
-trains the next rows of the stream's current pass, not a fixed subset (``tokens_exact`` says which).
-
-The dataclasses it fills are in :mod:`foundrymix.plan.plans`.
-"""
+Every number is the arithmetic of the order the loader reads (:mod:`foundrymix.plan.order`):
+nothing is replayed, no shard is read. Real and loss tokens are expected values unless whole
+passes or uniform rows make them exact (``tokens_exact``)."""
 
 from __future__ import annotations
 
@@ -38,6 +26,10 @@ __all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_
 
 #: by default, per-rank rows per stream are counted up to this many rows an epoch
 RANK_COUNT_LIMIT = 50_000_000
+#: a class of per-stream warning gets one line per stream up to this many streams, then one line
+WARNING_LINES_PER_CLASS = 3
+#: ends the one line that stands for a class of per-stream warnings
+EVERY_STREAM_HINT = '(every stream: plan --streams all, or --json)'
 
 
 def stream_groups(config: LoaderConfig) -> list[GroupPlan]:
@@ -72,14 +64,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                duration_batches: Optional[Callable[['Plan'], int]] = None,
                stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> Plan:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size.
-
-    Pure: reads nothing but ``infos`` (manifests and index files the catalog read).
-    ``duration_name`` is what messages call the duration (a stage's, or the run's).
-    ``duration_batches`` (instead of ``max_duration``) turns the per-epoch plan into the
-    duration's batches -- a stage's ``duration`` needs the epoch to be known -- so a stage
-    is planned (and its weights computed) once. ``stage`` names the stage (its order's seed);
-    ``rank_count_limit``: see :func:`_rank_plans`.
-    """
+    ``duration_batches`` (instead of ``max_duration``) gives a stage's batches from its plan."""
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
                           f'node ({topology.ranks_per_node}) must be positive')
@@ -114,7 +99,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     if duration_batches is not None:
         max_duration = f'{duration_batches(plan)}ba'
     if max_duration is not None:
-        plan.duration = plan_duration(plan, max_duration, [i.name for i in infos], epoch)
+        plan.duration = plan_duration(plan, max_duration, names, epoch)
         d = plan.duration
         plan.counted['run'] = 'arithmetic'
         if d.ends_mid_epoch:
@@ -127,13 +112,8 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
 
 
 def share_rounding(plans: list[StreamPlan], weights_in: str, L: int) -> float:
-    """How far a realized share (of ``weights_in``) can be from the requested one, at most.
-
-    Rows per stream per epoch are whole numbers, within one row of the exact value; a row
-    holds at most ``L`` tokens. So each stream's tokens are off by at most ``L`` and the
-    total by ``n L``: a share differs by at most ``2 n L / (T - n L)`` for ``T`` tokens per
-    epoch (for fractional passes over finetune rows, the tokens are expected values on top).
-    """
+    """How far a realized share (of ``weights_in``) can be from the requested one, at most:
+    whole rows are within one row (``L`` tokens) of exact, so ``2 n L / (T - n L)``."""
     total = sum(s.tokens_per_epoch if weights_in == 'tokens' else s.loss_tokens_per_epoch for s in plans)
     slack = len(plans) * L
     return 1.0 if total <= slack else 2 * slack / (total - slack)
@@ -164,9 +144,8 @@ def weights_in_note(weights_in: str, plans: list[StreamPlan], L: int) -> str:
 
 def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 topology: Topology, stage: str) -> _Epoch:
-    """Rows per stream per epoch (the weights, trimmed to whole global batches) and the
-    stage's order built from them: an epoch is one block of the order; under stratified
-    batching every global batch is a block of the same rows per stream."""
+    """Rows per stream per epoch (trimmed to whole global batches) and the stage's order: an
+    epoch is one block, or under stratified batching every global batch is one."""
     G = batch_size * topology.world_size
     weights = epoch_weights(config, infos, G)
     w = weighted(infos, weights, config.shuffle_seed, config.weights_in)
@@ -182,39 +161,18 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
         batches = epoch_size // G
         trained, block = chooses, chooses
         shares = chooses / epoch_size if epoch_size else np.zeros(len(infos))
-    order = stage_order(config, infos, block if block.sum() else np.ones(1, np.int64), G, stage)
+    draws = stream_draws([i.shard_rows for i in infos], [i.name for i in infos], config.shuffle_seed,
+                         stage, config.shuffle_block_size or WINDOW_ROWS, config.shuffle)
+    order = StageOrder(draws, block if block.sum() else np.ones(1, np.int64), G,
+                       (config.shuffle_seed, name_key(stage)), config.shuffle)
     return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
                   shares=shares, weights=weights, batches=batches, order=order)
 
 
-def stage_order(config: LoaderConfig, infos: list[StreamInfo], block: np.ndarray, G: int,
-                stage: str) -> StageOrder:
-    """The order of a stage over ``infos`` with ``block`` rows per stream per block."""
-    draws = stream_draws([i.shard_rows for i in infos], [i.name for i in infos],
-                         config.shuffle_seed, stage, config.shuffle_block_size or WINDOW_ROWS,
-                         config.shuffle)
-    return StageOrder(draws, block, G, (config.shuffle_seed, name_key(stage)), config.shuffle)
-
-
-def epoch_order(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
-                topology: Topology, epoch: int = 0, stage: str = 'main') -> list[np.ndarray]:
-    """The global batches (sample ids, numbered stream by stream in config order) of epoch
-    ``epoch`` as the loader will train them on any topology (for checks and tools)."""
-    planned = _plan_epoch(config, infos, batch_size, topology, stage)
-    offsets = np.concatenate(([0], np.cumsum(planned.rows)[:-1])).astype(np.int64)
-    out = []
-    for b in range(epoch * planned.batches, (epoch + 1) * planned.batches):
-        streams, rows = planned.order.batch(b)
-        out.append(offsets[streams] + rows)
-    return out
-
-
 def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
                 limit: Optional[int]) -> tuple[list[RankPlan], str]:
-    """Every rank's share of epoch 0: rank ``q`` trains columns ``[qB, (q+1)B)`` of every
-    global batch, so its batches and rows are arithmetic; its rows per stream are counted
-    over the epoch's leaf patterns (:func:`rank_counts`) up to ``limit`` rows an epoch (None:
-    any size; 0 for a loader, which reads none), one rank's being the epoch's counts."""
+    """Every rank's share of epoch 0: batches and rows by arithmetic, rows per stream counted
+    (:func:`rank_counts`) up to ``limit`` rows an epoch (None: any size; 0: never)."""
     W = topology.world_size
     G = epoch.order.global_batch
     B = G // W
@@ -238,14 +196,14 @@ def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
 
 
 def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]) -> None:
-    """Warnings about proportions that do not sum to 1 and rows an epoch samples but does not
-    train."""
-    total = config.proportion_sum
+    """Warnings: proportions that do not sum to 1, rows an epoch samples but does not train."""
+    given = list(config.given_proportions.values())
+    total = None if None in given else float(sum(given))
     if total is not None and abs(total - 1.0) > 1e-9:
-        given = ' + '.join(f'{p:g}' for p in config.given_proportions.values())
+        listed = ' + '.join(f'{p:g}' for p in given)
         shares = ', '.join(f'{n} {c / epoch.epoch_size:.1%}'
                            for n, c in zip(config.streams, epoch.chooses))
-        warnings.append(f'proportions sum to {total:g} ({given}), not 1: they are normalised to '
+        warnings.append(f'proportions sum to {total:g} ({listed}), not 1: they are normalised to '
                         f'{shares} of the epoch')
     samples, size = int(epoch.trained.sum()), epoch.epoch_size
     if samples < size:
@@ -291,19 +249,10 @@ def _note_exact(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]
                 + ', '.join(f'{n} {a:.1%}' for n, a in zip(names, asked)))
 
 
-#: a class of per-stream warning gets one line per stream up to this many streams, then one line
-WARNING_LINES_PER_CLASS = 3
-
-
-#: ends the one line that stands for a class of per-stream warnings
-EVERY_STREAM_HINT = '(every stream: plan --streams all, or --json)'
-
-
 def under_one_pass_warnings(plans: list[StreamPlan],
                             limit: Optional[int] = WARNING_LINES_PER_CLASS) -> list[str]:
-    """The streams seen under once per epoch: a line each, or (more than ``limit``) one line
-    for the class with the count and the least-seen streams (a line per stream of 1,000 would
-    bury what matters)."""
+    """The streams seen under once per epoch: a line each, or past ``limit`` one line for the
+    class (a line per stream of 1,000 would bury what matters)."""
     under = [s for s in plans if s.full_passes == 0]
     what = ('rows are not seen in an epoch (the next epoch goes on with the pass: every row is '
             'seen once before any is seen twice)')

@@ -1,37 +1,14 @@
 """The sample order: a pure function of (stage counts, seed) from a global position to (stream, row).
 
-Guarantees, by construction rather than by replay:
-
-* **Exact counts.** A stage is a sequence of *blocks* (an epoch of a fixed mixture, or a
-  segment of an adaptive stage), each with whole per-stream row counts the plan fixed. A
-  block's positions are laid out by splitting it in halves recursively, each half getting
-  its share of every stream's count (largest remainder), down to *leaves* of at most
-  ``LEAF`` positions whose stream pattern is a seeded shuffle. So any prefix of a block
-  holds an exact, computable number of rows of each stream, and the streams are mixed
-  evenly at every scale above a leaf.
-* **Pass-complete repetition.** Stream ``i`` is read through its *draws*: draw ``t`` is
-  row ``perm_p(t mod N_i)`` of pass ``p = t // N_i``, a fresh permutation per pass. A
-  block takes consecutive draws from each stream's cursor, and inside a block a stream's
-  positions receive its draws in increasing order. So no row is trained ``k+1`` times
-  before every row of its stream was trained ``k`` times, at every position, for any
-  weight; two passes are never shuffled together.
-* **Shard locality.** A pass permutes a stream's shards, groups consecutive shards into
-  windows of about ``window_rows`` rows and permutes rows only inside a window: a
-  stream is read a window of shards at a time, so a cold pass fetches each shard about once.
-* **O(1) seek.** Position -> (stream, row) needs one descent of the block's halves and one
-  leaf shuffle; nothing before it is replayed. Ranks slice the same global batches, so the
-  order does not depend on the topology.
-
-Everything is seeded from integers (``numpy.random.SeedSequence``): the order is the same on
-every machine, process and numpy version that keeps ``PCG64`` and ``permutation`` stable.
-"""
+Blocks of exact per-stream counts halved down to shuffled leaves; pass-complete draws per stream, a
+window of shards at a time; O(1) seek on any topology; integer seeds only (docs/mixing-and-plan.md)."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -52,13 +29,8 @@ def _rng(*key: int) -> np.random.Generator:
 
 # ------------------------------------------------------------------------------- draws
 class StreamDraws:
-    """Stream ``i``'s draw sequence in one stage: draw ``t`` -> row (0-based within the stream).
-
-    Pass ``p`` permutes the shards (seeded by ``(seed, stage, stream, p)``), cuts them, in
-    that order, into windows of whole shards (a window: the shards that start within one
-    span of ``window_rows`` draws) and permutes the rows of each window (seeded by the same
-    key and the window).
-    """
+    """Stream ``i``'s draws in one stage: draw ``t`` -> row. Pass ``p`` permutes the shards, cuts
+    them into windows of about ``window_rows`` rows and permutes each window's rows, all seeded."""
 
     def __init__(self, shard_rows: Sequence[int], key: tuple[int, ...], window_rows: int = WINDOW_ROWS,
                  shuffle: bool = True) -> None:
@@ -180,23 +152,14 @@ class Block:
 
     def draws(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream, draw index) of positions ``[begin, end)`` of the block."""
-        streams, draws = [], []
-        pos = begin
-        while pos < end:
-            k, into = divmod(pos, LEAF)
-            upto = min(end, (k + 1) * LEAF)
+        def leaf(k: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
             s, occ, before = self.pattern(k)
-            s, occ = s[into:upto - k * LEAF], occ[into:upto - k * LEAF]
-            streams.append(s)
-            draws.append(self.start[s] + before[s] + occ)
-            pos = upto
-        if not streams:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return np.concatenate(streams), np.concatenate(draws)
+            s = s[lo:hi]
+            return s, self.start[s] + before[s] + occ[lo:hi]
+        return _pieces(begin, end, LEAF, leaf)
 
     def leaf_counts(self) -> Iterator[tuple[int, np.ndarray]]:
-        """(k, rows of each stream in leaf ``k``) for every leaf in order: the halves of
-        :func:`_leaf` walked once (each node apportioned once, not once per leaf under it)."""
+        """(k, rows of each stream in leaf ``k``) for every leaf in order, each node apportioned once."""
         stack = [(0, self.leaves(), self.counts.astype(np.int64))]
         while stack:
             lo, hi, counts = stack.pop()
@@ -207,6 +170,22 @@ class Block:
             left = apportion(counts, (mid - lo) * LEAF)
             stack.append((mid, hi, counts - left))
             stack.append((lo, mid, left))
+
+
+def _pieces(begin: int, end: int, size: int, piece: Callable[[int, int, int], tuple[np.ndarray, np.ndarray]]
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """(stream, draw) of positions ``[begin, end)`` cut into pieces of ``size`` positions:
+    ``piece(i, lo, hi)`` gives those of positions ``[lo, hi)`` of piece ``i``."""
+    streams, draws = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    pos = begin
+    while pos < end:
+        i, into = divmod(pos, size)
+        upto = min(end, (i + 1) * size)
+        s, t = piece(i, into, upto - i * size)
+        streams.append(s)
+        draws.append(t)
+        pos = upto
+    return np.concatenate(streams), np.concatenate(draws)
 
 
 def leaf_streams(counts: np.ndarray, key: tuple[int, ...], k: int) -> np.ndarray:
@@ -254,14 +233,8 @@ def _leaf(counts_bytes: bytes, dtype: str, size: int, k: int) -> tuple[np.ndarra
 
 # ------------------------------------------------------------------------------- stages
 class StageOrder:
-    """One stage's order: its blocks of ``block_counts`` rows per stream, one after another,
-    cut into global batches of ``global_batch`` rows.
-
-    Block ``e`` takes stream ``i``'s draws ``[e c_i, (e+1) c_i)``: an epoch of a fixed
-    mixture is one block (its size a whole number of batches), a stratified stage has a
-    block per batch. Stream cursors run on across blocks, so repetition is pass-complete
-    over the whole stage.
-    """
+    """One stage's order in global batches: block ``e`` takes stream ``i``'s draws
+    ``[e c_i, (e+1) c_i)``, so repetition is pass-complete over the whole stage."""
 
     def __init__(self, draws: Sequence[StreamDraws], block_counts: Sequence[int], global_batch: int,
                  key: tuple[int, ...], shuffle: bool = True) -> None:
@@ -279,18 +252,7 @@ class StageOrder:
 
     def positions(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream, draw) of the stage's positions ``[begin, end)``."""
-        streams, draws = [], []
-        pos = begin
-        while pos < end:
-            e, into = divmod(pos, self.block_size)
-            upto = min(end, (e + 1) * self.block_size)
-            s, t = self.block(e).draws(into, upto - e * self.block_size)
-            streams.append(s)
-            draws.append(t)
-            pos = upto
-        if not streams:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return np.concatenate(streams), np.concatenate(draws)
+        return _pieces(begin, end, self.block_size, lambda e, lo, hi: self.block(e).draws(lo, hi))
 
     def batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream, row) of each of global batch ``b``'s rows (0-based within the stage)."""
@@ -307,12 +269,8 @@ class StageOrder:
 
 
 def rank_counts(order: StageOrder, batches: int, world: int) -> np.ndarray:
-    """Rows of each stream (columns) that each of ``world`` ranks (rows) trains in the stage's
-    first ``batches`` global batches, rank ``q`` taking columns ``[qB, (q+1)B)`` of each.
-
-    Exact, and not arithmetic: a rank's share of a leaf depends on the leaf's shuffle, so
-    every leaf's pattern is drawn (as the loader draws it; no row is read), O(positions).
-    """
+    """Rows of each stream (columns) each of ``world`` ranks (rows) trains in the first ``batches``
+    global batches: counted, as a rank's share of a leaf depends on the leaf's shuffle."""
     G, n = order.global_batch, len(order.counts)
     B = G // world
     total = batches * G

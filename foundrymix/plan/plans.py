@@ -1,8 +1,5 @@
 """The plan's results: per stream, per rank and over the duration, and the Plan holding them.
-
-Their fields are the plan's documentation and, through :meth:`Plan.to_dict`, the JSON of
-``foundrymix plan --json``. :mod:`foundrymix.plan.mixture` fills them.
-"""
+Their fields are the JSON of ``foundrymix plan --json``; :mod:`foundrymix.plan.mixture` fills them."""
 
 from __future__ import annotations
 
@@ -53,8 +50,7 @@ class DurationPlan:
     rows_per_stream: Optional[dict[str, int]] = None  # exact rows trained per stream, whole run
     #: always True: every batch is full, so total_samples is exact (a key of --json)
     samples_exact: bool = True
-    #: passes over each stream's rows in the whole run: rows_per_stream / rows (None where
-    #: the rows are decided during the run: an adaptive stage)
+    #: rows_per_stream / rows (None where the rows are decided during the run: adaptive)
     passes_per_stream: Optional[dict[str, float]] = None
 
 
@@ -111,14 +107,12 @@ class Plan:
     per_rank: Optional[list[RankPlan]] = None
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    #: the epoch's weights (``epoch_size``, trimmed ``choose`` per stream, the exact unit):
-    #: computed once, by the plan
+    #: the epoch's weights (``epoch_size``, trimmed ``choose`` per stream, the exact unit)
     weights: Optional[EpochWeights] = None
     #: the YAML's stream groups (pattern entries), each with its members and given weight
     groups: list[GroupPlan] = field(default_factory=list)
-    #: how each count was made -- 'epoch' (rows per stream per epoch), 'per_rank', 'run'
-    #: (rows per stream over the duration): 'arithmetic' (the order's counts, exact);
-    #: per_rank 'counted' (exact, over the epoch's leaf patterns) or says why it was not
+    #: how each count ('epoch', 'per_rank', 'run') was made: 'arithmetic', 'counted' (exact,
+    #: over the leaf patterns), or why it was not
     counted: dict[str, str] = field(default_factory=dict)
     #: an adaptive stage (``train_loader.adaptive``): segments, not epochs
     adaptive: bool = False
@@ -127,15 +121,13 @@ class Plan:
         return next(s for s in self.streams if s.name == name)
 
     def to_dict(self) -> dict[str, Any]:
-        """``dataclasses.asdict(self)``, equal and as unshared, built directly: ``asdict``
-        looks up every object's fields and deep-copies every leaf, several times slower."""
+        """``dataclasses.asdict(self)``, equal and as unshared, built several times faster."""
         return _plain(self)
 
 
 def _plain(obj: Any) -> Any:
-    """:func:`dataclasses.asdict`'s result for what a plan holds: dataclasses, lists,
-    tuples and dicts rebuilt, immutable scalars kept, anything else deep-copied (as
-    ``asdict`` does)."""
+    """:func:`dataclasses.asdict`'s result: containers rebuilt, immutable scalars kept,
+    anything else as ``asdict`` makes it."""
     kind = type(obj)
     if kind in _SCALARS:
         return obj
@@ -155,13 +147,7 @@ def _plain(obj: Any) -> Any:
         return tuple(x if type(x) in scalars else _plain(x) for x in obj)
     if kind is dict:
         return {_plain(k): v if type(v) in scalars else _plain(v) for k, v in obj.items()}
-    return _asdict_fallback(obj)
-
-
-def _asdict_fallback(obj: Any) -> Any:
-    """What ``asdict`` makes of anything else (a namedtuple, a dict subclass, an array)."""
-    holder = _Holder(obj)
-    return asdict(holder)['value']
+    return asdict(_Holder(obj))['value']  # a namedtuple, a dict subclass, an array
 
 
 @dataclass

@@ -1,10 +1,6 @@
 """Adaptive mixing's policies: each maps the last interval's per-stream mean loss to the next
-interval's weights (:class:`~foundrymix.plan.adaptive.AdaptiveController` runs them).
-
-A decision must be identical on every rank and on a resumed run, so a policy is a function of
-its state and the summed loss only, and its state is plain floats (checkpoint and
-``report/mixture.json``).
-"""
+interval's weights. A decision must be identical on every rank and on a resumed run, so a policy
+is a function of its state and the summed loss only, and its state is plain floats."""
 
 from __future__ import annotations
 
@@ -13,18 +9,9 @@ from typing import Any
 
 import numpy as np
 
-#: ``adaptive.lr`` default of ODM: the bandit's reward scale (the paper's EXP3 has none; its
-#: rewards are losses of ~2-10 nats, ours too, so 1.0 keeps its update)
-ODM_DEFAULT_LR = 1.0
-
-
-
 class Policy:
-    """Maps the last interval's per-stream mean loss to the next interval's weights.
-
-    ``loss`` holds NaN for a stream with no loss tokens in the interval. State is plain
-    floats (:meth:`state_dict`), restored bitwise by :meth:`load_state_dict`.
-    """
+    """Maps the last interval's per-stream mean loss (NaN: no loss tokens) to the next
+    interval's weights; its state is plain floats, restored bitwise."""
 
     def __init__(self, initial: np.ndarray) -> None:
         self.initial = np.asarray(initial, np.float64)
@@ -47,23 +34,10 @@ class FixedPolicy(Policy):
 
 
 class ODMPolicy(Policy):
-    """ODM (Albalak et al. 2023, "Efficient Online Data Mixing For Language Model
-    Pre-Training"): EXP3 over streams, rewarded by training loss.
+    """ODM (Albalak et al. 2023): EXP3 over streams, rewarded by training loss; a mixed interval
+    observes every stream, so every estimate is updated each time (docs/adaptive.md)."""
 
-    Per update ``t`` (1-based), with K streams and the weights ``pi`` the interval trained:
-
-    * exploration ``eps_t = min(1/K, sqrt(ln K / (K t)))`` (``eps_0 = 1/K``);
-    * reward estimate, for each stream with loss tokens in the interval:
-      ``R_i <- alpha R_i + (1 - alpha) L_i / pi_i`` (the paper's importance-weighted moving
-      average; ``L_i`` the stream's mean loss per loss token);
-    * ``pi_i = (1 - K eps_t) softmax(eps_{t-1} lr R)_i + eps_t``.
-
-    Simplified from the paper: it samples one stream per batch and observes that stream's
-    loss only; a mixed interval observes every stream, so every stream's estimate is
-    updated each time (still importance-weighted, as the paper's estimator is).
-    """
-
-    def __init__(self, initial: np.ndarray, alpha: float = 0.9, lr: float = ODM_DEFAULT_LR) -> None:
+    def __init__(self, initial: np.ndarray, alpha: float = 0.9, lr: float = 1.0) -> None:
         super().__init__(initial)
         self.alpha, self.lr = alpha, lr
         self.t = 0
@@ -96,17 +70,8 @@ class ODMPolicy(Policy):
 
 
 class ADOPolicy(Policy):
-    """ADO-style learning progress: weight streams by how fast their loss is falling.
-
-    ADO (Jiang et al. 2025, "Adaptive Data Optimization") fits a power law
-    ``L_i(n) = e_i + b_i n^-a_i`` per stream and weights by the fitted derivative times a
-    prior. Simplified here: the derivative is measured, not fitted -- each stream's loss
-    is smoothed (EMA, ``alpha``), its progress is the drop of the smoothed loss over the
-    last interval (>= 0), and the next weights are ``beta x previous + (1 - beta) x
-    normalized(progress x prior)``, where the prior is the configured mixture. A stream
-    whose loss does not fall (random tokens: already at its entropy) loses weight down
-    to ``min_share``; without any progress the weights stay where they are.
-    """
+    """ADO-style learning progress (Jiang et al. 2025): weights follow how fast each stream's
+    smoothed loss falls, times the configured mixture; no progress keeps them (docs/adaptive.md)."""
 
     def __init__(self, initial: np.ndarray, alpha: float = 0.9, beta: float = 0.5) -> None:
         super().__init__(initial)

@@ -4,6 +4,7 @@ stale cached shards."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -28,27 +29,10 @@ def _same_bytes(a: str, b: str) -> bool:
 
 
 def sync_remote(config: LoaderConfig, name: str, where: str) -> None:
-    """Fetch a remote stream's manifest and index, and make sure no stale shard is read.
-
-    Why on every start: a dataset re-uploaded to the same prefix after the cache was
-    filled must not be read as a mix of old cached shards and the new index. Both files
-    are downloaded afresh (two small GETs; S3 error codes come with a GET, not with a
-    HEAD) and compared byte for byte with the local copies:
-
-    * same bytes, or no local copy yet: installed (renamed into place);
-    * different, in foundrymix's own cache (no ``local:`` given): the remote changed.
-      The shard files the *old* index lists are removed (they are this cache's, not
-      user data), the new metadata is installed, and a warning names the stream;
-    * different, in a ``local:`` directory the user named: refused with an error naming
-      the stream, the remote and the directory; nothing there is deleted.
-
-    With the remote unreachable this raises even if a cached copy exists: without the
-    remote nothing tells whether the cache is current (drop ``remote:`` and point
-    ``local:`` at a complete copy to train offline). Each file is fetched within the
-    bound of :mod:`foundrymix.s3.remote` (``download_timeout`` plus well under a second).
-    Ranks of a node may run this at once: each downloads into files of its own and
-    renames them into place, so none reads another's half-copy.
-    """
+    """Fetch a remote stream's manifest and index afresh, so no stale shard is read: if they
+    changed, foundrymix's own cache drops the old index's shards (warning), a ``local:`` the
+    user named is refused. An unreachable remote raises even with a cached copy, which might
+    be stale. Each rank downloads into files of its own and renames them into place."""
     from foundrymix.s3.remote import RemoteError, download
     remote_dir = config.stream_remote_dir(name)
     assert remote_dir is not None
@@ -120,13 +104,11 @@ def _remote_changed(config: LoaderConfig, name: str, where: str, directory: str,
             info = shard.get(key)
             if not info:
                 continue
-            for path in (os.path.join(directory, info['basename']),
-                         os.path.join(directory, info['basename']) + '.tmp'):
-                try:
+            base = os.path.join(directory, info['basename'])
+            for path in (base, base + '.tmp'):
+                with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
                     removed += 1
-                except FileNotFoundError:
-                    pass
     logger.warning('%s: remote %s changed since the cache %s was filled (%s differ): '
                    'fetched the new metadata and removed %d stale cached shard file(s)',
                    where, remote_dir, directory, what, removed)

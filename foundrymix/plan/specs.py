@@ -1,6 +1,5 @@
-"""The stream and adaptive sections of a ``train_loader``: what one stream entry and an
-``adaptive`` block may say, checked when read, and the knobs no section may give
-(:mod:`foundrymix.plan.config` holds the loader config that contains them)."""
+"""The stream and adaptive sections of a ``train_loader``, checked when read, and the knobs no
+section may give (:mod:`foundrymix.plan.config` holds the loader config that contains them)."""
 
 from __future__ import annotations
 
@@ -22,16 +21,10 @@ def is_pattern(name: str) -> bool:
 
 @dataclass
 class StreamSpec:
-    """One entry of ``train_loader.streams``: where a stream lives and how much of it to use.
-
-    At most one of ``repeat`` (multiplier on the stream's rows), ``proportion`` (relative
-    share of the epoch) and ``choose`` (exact rows per epoch) may be given. ``local`` is a
-    directory on this machine: a URL there is refused (it would be read as a
-    relative path named ``s3:``); URLs go in ``remote``.
-
-    A name with a glob (``web/*``) is a group (:func:`is_pattern`): exactly one weight and
-    no location; :meth:`LoaderConfig.group_members` says which streams it weights.
-    """
+    """One entry of ``train_loader.streams``: where a stream lives and how much of it to use
+    (at most one of ``repeat``, ``proportion``, ``choose``). ``local`` is a directory on this
+    machine; a URL there is refused, as it would be read as a relative path. A name with a
+    glob is a group (:func:`is_pattern`): exactly one weight and no location."""
 
     name: str = field(default='', metadata=FROM_KEY)
     local: Optional[str] = None
@@ -88,19 +81,11 @@ AdaptiveMethod = Literal['odm', 'ado', 'fixed', 'replay']
 
 @dataclass
 class AdaptiveConfig:
-    """``train_loader.adaptive`` (or a stage's): the weights are decided during the run.
+    """``train_loader.adaptive`` (or a stage's): every ``every`` batches from ``warmup`` on,
+    the policy sets the next segment's weights from the per-stream loss summed over all
+    ranks, each stream keeping at least ``min_share`` (docs/adaptive.md)."""
 
-    Every ``every`` batches the policy (``method``) reads each stream's mean training loss
-    since the last update (summed over all ranks) and sets the weights of the next
-    ``every`` batches, from ``warmup`` on (before it: the configured weights). Each stream
-    keeps at least ``min_share`` of every segment. ``from`` (with ``method: replay``): a
-    ``report/mixture.json`` whose recorded decisions are trained again, without a policy.
-    ``alpha``/``beta``/``lr``: the policy's constants (see :mod:`foundrymix.plan.adaptive`).
-    See docs/adaptive.md.
-    """
-
-    #: ado by default: ODM rewards high loss and chased a stream of random tokens in the
-    #: proof run of docs/adaptive.md (benchmarks/bench_adaptive.py --proof), ado did not
+    #: ado by default: in docs/adaptive.md's proof run ODM chased a stream of random tokens
     method: AdaptiveMethod = 'ado'
     every: str = '50ba'
     warmup: str = '0ba'
@@ -175,9 +160,8 @@ def replaced_knob(key: str) -> str:
 
 
 def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
-    """Refuse streaming's sampler and download knobs (the order is foundrymix's own) and, for training,
-    ``drop_last: false``: every epoch is whole global batches, so every batch is full (an
-    ``eval_loader`` keeps Foundry's ``drop_last: false``; the trainer says what it leaves out)."""
+    """Refuse streaming's sampler and download knobs (the order is foundrymix's own) and, for
+    training, ``drop_last: false``: every epoch is whole global batches, so every batch is full."""
     for key, why in REPLACED_KNOBS.items():
         if key in data:
             raise ConfigError(f'{where}.{key}: {replaced_knob(key)}, which foundrymix\'s own '

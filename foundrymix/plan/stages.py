@@ -1,16 +1,6 @@
 """Stages (curricula): each stage's mixture, its exact length in batches, and the run's plan.
-
-Why resolve every stage to whole batches before training: a stage switch must happen at
-one exact global batch on every rank, and "2 epochs of this mixture" or "50M tokens"
-must mean the same batch count to the plan, the loader and a resumed run. So
-``ep``/``sp``/``tok`` durations become batches here, once, from the stage's own plan
-(:func:`~foundrymix.plan.mixture.build_plan`); a duration that is not a whole number of
-global batches is refused with the numbers rather than rounded.
-
-A stage is a loader config of its own (:meth:`LoaderConfig.stage_configs`), with its
-own catalog, so a stream reused by a later stage is simply read again: each stage
-starts a fresh, seeded pass over its streams.
-"""
+Every duration becomes whole global batches here, once, so a stage switches at one exact batch on
+every rank and in a resumed run; a duration that is not whole batches is refused, not rounded."""
 
 from __future__ import annotations
 
@@ -22,26 +12,18 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError, parse_duration
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
-from foundrymix.plan.exact import EpochWeights
 from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
 from foundrymix.plan.topology import Topology
 
 
-#: the name of the one stage of a run without ``stages:`` (name it so to append stages to
-#: such a run: ``stages: [{name: main, duration: <its max_duration>, streams: ...}, ...]``)
+#: the name of the one stage of a run without ``stages:`` (name it so to append stages to it)
 MAIN_STAGE = 'main'
 
 
 @dataclass
 class StagePlan:
-    """One stage: where it starts and ends in the run (global batches), its mixture, and
-    everything the loader is built from.
-
-    The last four fields are the contract between plan and loader: the stage's loader
-    config, its streams' metadata (read once by the catalog), its plan (whose order the
-    loader reads) and the stage's fingerprint (what the resume rules compare). The loader
-    never recomputes or re-reads any of them.
-    """
+    """One stage: where it starts and ends in the run (global batches), its mixture, and all
+    the loader is built from (config, metadata, plan, fingerprint), never recomputed there."""
 
     index: int
     name: str
@@ -57,7 +39,6 @@ class StagePlan:
 
     @property
     def end_batch(self) -> int:
-        """One past the stage's last global batch."""
         return self.start_batch + self.batches
 
     @property
@@ -82,12 +63,6 @@ class StagePlan:
         return self.samples * self.plan.max_seq_len
 
     @property
-    def weights(self) -> EpochWeights:
-        """The epoch weights the plan computed (rows per stream per epoch)."""
-        assert self.plan.weights is not None
-        return self.plan.weights
-
-    @property
     def stream_names(self) -> list[str]:
         return [s.name for s in self.plan.streams]
 
@@ -101,12 +76,8 @@ class StagePlan:
 
 @dataclass
 class RunPlan:
-    """Every stage of a run, in order, and the rows each stream trains over the whole run.
-
-    One per run, computed once (:func:`plan_run`); a run without ``stages:`` is one stage
-    (``explicit`` False). ``foundrymix plan`` prints it, the loader is built from it, the
-    accounting expects its shares and a resumed run checks its fingerprints.
-    """
+    """Every stage of a run, in order, and the rows each stream trains over the whole run:
+    computed once (:func:`plan_run`), and what the CLI, the loader and a resume all read."""
 
     stages: list[StagePlan]
     global_batch_size: int      # the first stage's (each stage has its own: StagePlan)
@@ -121,10 +92,7 @@ class RunPlan:
     @property
     def stream_names(self) -> list[str]:
         """Run-wide stream index -> name: every stage's streams, in order of first use."""
-        names: dict[str, None] = {}  # insertion-ordered; a list's `in` was O(N^2) in streams
-        for stage in self.stages:
-            names.update(dict.fromkeys(stage.stream_names))
-        return list(names)
+        return list(dict.fromkeys(n for stage in self.stages for n in stage.stream_names))
 
     @property
     def total_samples(self) -> int:
@@ -138,21 +106,16 @@ class RunPlan:
 
     @property
     def batch_sizes(self) -> list[int]:
-        """Each stage's global batch, in order."""
         return [s.global_batch_size for s in self.stages]
 
     @property
     def batch_varies(self) -> bool:
-        """True when stages have different global batches (batch-size warm-up): Composer
-        then runs in samples, not batches (see ``composer_duration``)."""
+        """True when stages have different global batches: Composer then runs in samples."""
         return len(set(self.batch_sizes)) > 1
 
     def stage_at(self, batch: int) -> StagePlan:
-        """The stage that trains global batch ``batch`` (0-based)."""
-        for stage in self.stages:
-            if batch < stage.end_batch:
-                return stage
-        return self.stages[-1]
+        """The stage that trains global batch ``batch`` (0-based; past the end: the last)."""
+        return next((s for s in self.stages if batch < s.end_batch), self.stages[-1])
 
     def to_dict(self) -> dict[str, Any]:
         return {'stages': [s.to_dict() for s in self.stages],
@@ -186,11 +149,8 @@ def stage_batches(duration: str, plan: Plan, where: str) -> int:
 
 
 def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
-    """One validated catalog per stage (a run without stages has one).
-
-    The stages share one metadata cache: a stream that several stages use (or two names
-    for one directory) has its manifest and index read -- downloaded, for a remote -- once.
-    """
+    """One validated catalog per stage, sharing one metadata cache: a stream that several
+    stages use has its manifest and index read (downloaded, for a remote) once."""
     configs = config.stage_configs(where)
     shared: dict[Any, Any] = {}
     if config.stages is None:
@@ -211,16 +171,9 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                    max_duration: Optional[str], topology: Topology = Topology(),
                    where: str = 'train_loader',
                    rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> RunPlan:
-    """The plan of a run: each stage's mixture, weights and exact batches, and the run totals.
-
-    With ``stages:``, ``max_duration`` may be None (the run is the sum of the stages) or
-    must equal that sum. Without, the run is one stage, :data:`MAIN_STAGE`, as long as
-    ``max_duration`` (``sp``/``tok`` round up to whole batches, as Composer stops after
-    the batch that reaches them). Each stage is planned -- and its epoch weights
-    computed -- exactly once, with its own global batch (``stages[i].global_train_batch_size``,
-    else ``batch_size`` x ranks): its epoch is whole batches of *that* batch, its ``sp``/``tok``
-    duration is counted in them, and each stage starts at the sample where the last ended.
-    """
+    """The plan of a run: each stage's mixture, weights and exact batches (each planned once,
+    with its own global batch), and the run totals. Without ``stages:`` the run is one stage,
+    :data:`MAIN_STAGE`, as long as ``max_duration`` (rounded up, as Composer stops)."""
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
     stages: list[StagePlan] = []
@@ -245,7 +198,10 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                     raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
                 return batches
             stage_G = spec.global_train_batch_size or G
-            stage_batch = stage_device_batch(stage_G, topology.world_size, spec.where)
+            if stage_G % topology.world_size:  # the words of train.config.split_batch
+                raise ConfigError(f'{spec.where}.global_train_batch_size={stage_G} is not divisible by '
+                                  f'the {topology.world_size} ranks')
+            stage_batch = stage_G // topology.world_size
             plan = build_plan(cfg, stage_infos, stage_batch, None, topology, 'stage duration',
                               duration_batches=resolve, stage=spec.name,
                               rank_count_limit=rank_count_limit)
@@ -278,28 +234,10 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     return run
 
 
-def stage_device_batch(global_batch: int, world_size: int, where: str) -> int:
-    """A stage's per-rank batch; refused unless its global batch splits over the ranks (the
-    words of :func:`~foundrymix.train.config.split_batch`, which ``plan`` and ``train`` run first)."""
-    if global_batch % world_size:
-        raise ConfigError(f'{where}.global_train_batch_size={global_batch} is not divisible by the '
-                          f'{world_size} ranks')
-    return global_batch // world_size
-
-
 def composer_duration(run: RunPlan) -> str:
-    """The ``max_duration`` Composer is given for a run with stages: its batches, or -- when
-    the stages' global batches differ -- its samples.
-
-    Why samples then: Composer 0.32 counts ``timestamp.sample``/``token`` from each batch's
-    real rows (``get_num_samples_in_batch``, summed over ranks), so they stay exact across a
-    batch change, but ``timestamp.batch`` counts optimizer steps. A schedule given in ``dur``
-    is a fraction of ``max_duration`` in *its* unit (``composer.optim.scheduler._convert_time``):
-    in batches, ``t_warmup: 0.05dur`` would be 5% of the steps -- far more than 5% of the
-    data when early stages have small batches. In samples it is 5% of the rows (= of the
-    tokens: every row is ``max_seq_len`` slots). The total is exact (every stage's rows, as
-    the plan counts them), so Composer stops after the run's last batch.
-    """
+    """The ``max_duration`` Composer is given for a run with stages: its batches, or, when the
+    stages' global batches differ, its samples, so that a ``dur`` schedule is a fraction of the
+    data rather than of the optimizer steps (docs/stages.md)."""
     if not run.batch_varies:
         return f'{run.total_batches}ba'
     return f'{run.total_samples}sp'
@@ -335,11 +273,8 @@ def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] 
 
 def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
                       global_batch_size: int) -> dict[str, Any]:
-    """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes.
-
-    Stored in checkpoints; a resumed run compares it field by field, so a refusal can
-    name the stage, the stream and the field.
-    """
+    """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes
+    (compared field by field, so a refusal can name the stage, the stream and the field)."""
     knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_block_size',
                                              'batching_method', 'epoch_size')}
     if config.weights_in != 'rows':  # only then: fingerprints of older checkpoints stay valid

@@ -78,7 +78,7 @@ def test_example_yaml_builds(demo, tmp_path, yaml_name, monkeypatch):
         stage = run.run_plan.stages[0]
         store = build_store(stage.config, stage.infos)
         store.release()
-        streams, size = streaming_weights(stage.infos, stage.weights, stage.config.shuffle_seed,
+        streams, size = streaming_weights(stage.infos, stage.plan.weights, stage.config.shuffle_seed,
                                          stage.config.weights_in)
         assert [s.name for s in run.plan.streams] == list(raw_yaml(yaml_name)['train_loader']['streams'])
         assert [s.rows for s in run.plan.streams] == np.diff([*store.sample_offset_per_stream,
@@ -119,7 +119,7 @@ def check_staged_example(run, yaml_name: str) -> None:
     stages = raw_yaml(yaml_name)['train_loader']['stages']
     assert [s.name for s in run.plan.stages] == [s['name'] for s in stages]
     for stage in run.plan.stages:
-        streams, size = streaming_weights(stage.infos, stage.weights, stage.config.shuffle_seed,
+        streams, size = streaming_weights(stage.infos, stage.plan.weights, stage.config.shuffle_seed,
                                          stage.config.weights_in)
         assert [s.name for s in stage.plan.streams] == list(stages[stage.index]['streams'])
         assert [s.rows_per_epoch for s in stage.plan.streams] == [int(s.choose) for s in streams]

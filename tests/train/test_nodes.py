@@ -170,9 +170,24 @@ def four_ranks(tmp_path_factory, remote, plan) -> dict:
     return {'dir': d, 'log': sample_log(d / 'samples.jsonl')}
 
 
+def epoch_order(config, infos, batch_size: int, topology) -> list:
+    """The global batches (sample ids, numbered stream by stream in config order) of epoch 0
+    as the loader trains them on ``topology``."""
+    import numpy as np
+
+    from foundrymix.plan.mixture import _plan_epoch
+    planned = _plan_epoch(config, infos, batch_size, topology, 'main')
+    offsets = np.concatenate(([0], np.cumsum(planned.rows)[:-1])).astype(np.int64)
+    out = []
+    for b in range(planned.batches):
+        streams, rows = planned.order.batch(b)
+        out.append(offsets[streams] + rows)
+    return out
+
+
 @pytest.mark.slow  # 1 rank and 2 nodes x 2 ranks
 def test_four_ranks_on_two_nodes_train_the_plan_once(plan, one_rank, four_ranks):
-    from foundrymix.plan.mixture import Topology, epoch_order
+    from foundrymix.plan.mixture import Topology
     log4, log1 = four_ranks['log'], one_rank['log']
     epoch = [b for b in log4 if b['epoch'] == 0]
     assert len(epoch) == plan.batches_per_epoch and len(log4) == plan.batches_per_epoch + 2
