@@ -160,12 +160,17 @@ def replaced_knob(key: str) -> str:
 
 
 def refuse_replaced_knobs(data: dict[str, Any], where: str) -> None:
-    """Refuse streaming's sampler and download knobs (the order is foundrymix's own) and, for
-    training, ``drop_last: false``: every epoch is whole global batches, so every batch is full."""
+    """Refuse streaming's sampler and download knobs (the order is foundrymix's own),
+    ``persistent_workers: true`` (workers live one span) and, for training, ``drop_last:
+    false``: every epoch is whole global batches, so every batch is full."""
     for key, why in REPLACED_KNOBS.items():
         if key in data:
             raise ConfigError(f'{where}.{key}: {replaced_knob(key)}, which foundrymix\'s own '
                               f'sample order replaced ({why}; docs/mixing-and-plan.md); remove it')
+    if data.get('persistent_workers') is True:
+        raise ConfigError(f'{where}.persistent_workers: true cannot be kept: each span of batches (an '
+                          f'epoch, a stage, an adaptive segment, an evaluation) is read by DataLoader '
+                          f'workers of its own, forked when it starts; remove it')
     if data.get('drop_last') is False and not where.startswith('eval_loader'):
         raise ConfigError(f'{where}.drop_last: false is gone: every epoch is whole global batches, '
                           f'so every batch is full (the rows an epoch leaves out go to the next '

@@ -211,6 +211,10 @@ def _loader(m: Migration, name: str) -> None:
         value = dataset.pop(key) if key in dataset else loader.pop(key)
         m.dropped.append(f'{name}.{key}: {show(value)}: {replaced_knob(key)}, replaced by '
                          f'foundrymix\'s own order ({REPLACED_KNOBS[key]})')
+    if loader.get('persistent_workers') is True:
+        loader.pop('persistent_workers')
+        m.dropped.append(f'{name}.persistent_workers: true: each span of batches (an epoch, a stage, '
+                         f'an evaluation) is read by workers of its own, forked when it starts')
     if name == 'train_loader' and (dataset.get('drop_last') is False or loader.get('drop_last') is False):
         dataset.pop('drop_last', None)
         loader.pop('drop_last', None)

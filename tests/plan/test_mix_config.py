@@ -172,3 +172,17 @@ def test_drop_last_false_is_refused_for_training_only():
     assert ok.drop_last is False
     assert read_dataclass(LoaderConfig, {'streams': {'a': {'local': '/a'}}, 'drop_last': True},
                           'train_loader').drop_last is True
+
+
+@pytest.mark.parametrize('where', ['train_loader', 'eval_loader'])
+def test_persistent_workers_true_is_refused_false_is_the_default(where):
+    """Each span of batches is read by DataLoader workers of its own, so ``persistent_workers:
+    true`` would be a promise the loader does not keep (``migrate`` removes it, saying why)."""
+    from foundrymix.config import read_dataclass
+    with pytest.raises(ConfigError) as e:
+        read_dataclass(LoaderConfig, {'streams': {'a': {'local': '/a'}}, 'persistent_workers': True}, where)
+    assert str(e.value) == (f'{where}.persistent_workers: true cannot be kept: each span of batches (an '
+                            f'epoch, a stage, an adaptive segment, an evaluation) is read by DataLoader '
+                            f'workers of its own, forked when it starts; remove it')
+    assert read_dataclass(LoaderConfig, {'streams': {'a': {'local': '/a'}}, 'persistent_workers': False},
+                          where).persistent_workers is False

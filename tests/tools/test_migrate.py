@@ -245,6 +245,9 @@ HUB_TODO = ('to do: model.pretrained_model_name_or_path: {name}: give a local Hu
 AUTH = ("removed: model.use_auth_token: true: LLM-Foundry's Hugging Face Hub token has no equivalent: models are never "
         "downloaded here, a local model directory needs no token")
 CPU = 'for a CPU trial add: fsdp=null precision=fp32'
+# the loader starts workers per span: a persistent_workers: true would be a promise not kept
+PERSISTENT = ('removed: {loader}.persistent_workers: true: each span of batches (an epoch, a stage, an '
+              'evaluation) is read by workers of its own, forked when it starts')
 COMPLETE = 'complete: every key is kept, changed or removed as listed'
 #: per shipped YAML: (lines it must print, besides COMMON; how many lines in all)
 SHIPPED = {
@@ -273,7 +276,8 @@ SHIPPED = {
         '`foundrymix convert finetune`; no padding to trim)',
         HF_TODO.format(loader='train_loader', split='train', stream='train'),
         HF_TODO.format(loader='eval_loader', split='validation', stream='eval'),
-        'to do: 2 line(s) above before it runs', CPU], 23),
+        PERSISTENT.format(loader='train_loader'), PERSISTENT.format(loader='eval_loader'),
+        'to do: 2 line(s) above before it runs', CPU], 25),
     'gpt2-small': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='gpt2-small'),
         'changed: tokenizer_name: moved under variables (${tokenizer_name} -> ${variables.tokenizer_name})',
@@ -286,7 +290,8 @@ SHIPPED = {
         "to do: train_loader.dataset (hf_name: HuggingFaceH4/databricks_dolly_15k): a Hugging Face dataset read at "
         "training time; here data is converted once: foundrymix convert finetune the "
         "HuggingFaceH4/databricks_dolly_15k files --out DIR (the train split's files), then set "
-        "train_loader.streams.train.local: DIR", 'to do: 1 line(s) above before it runs', CPU], 22),
+        "train_loader.streams.train.local: DIR", PERSISTENT.format(loader='train_loader'),
+        'to do: 1 line(s) above before it runs', CPU], 23),
     'llama-3-8b_domain_adapt': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='llama-3-8b_domain_adapt'), AUTH,
         'removed: load_weights_only: true: no load_path, so no weights to load (LLM-Foundry ignored it)',
@@ -308,7 +313,8 @@ SHIPPED = {
         "the adapter trains; target_modules are checked against the model's layers at start; export writes the "
         "merged model, or with --adapter the adapter alone",
         HUB_TODO.format(name='databricks/dbrx-instruct'), 'to do: 3 line(s) above before it runs',
-        'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa'], 34),
+        PERSISTENT.format(loader='train_loader'), PERSISTENT.format(loader='eval_loader'),
+        'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa'], 36),
 }
 
 
