@@ -1,1 +1,1 @@
-"""Runtime: the loader built from the run plan, the dataset, the node-local cache, collate, and the one adapter over streaming's private runtime internals."""
+"""Runtime: the run's DataLoader built from the plan, its row store, the node-local cache, collate."""

@@ -1,17 +1,6 @@
-"""Collate decoded samples into a batch of ``int64`` tensors that share one storage.
-
-Every key is a view into one ``int64`` buffer, so a worker hands a batch to the main
-process through one shared-memory segment, not one per key (torch makes a segment per
-storage, and a segment costs far more than decoding a row). The views behave as ordinary
-tensors.
-
-A batch of stored rows (what the loader's workers read) *pickles as the rows* -- tokens in
-their stored ``uint16``/``uint32``, spans, document lengths, ids: ~1/20 of the ``int64``
-batch -- and is decoded again where it is unpickled, because faulting in a fresh segment's
-pages costs more than decoding twice. A batch changed after collation (a key replaced, a
-tensor written in place by torch) pickles as its buffer. Writes through a value's
-``.numpy()`` view bump no version counter and go unseen: a collate wrapper that edits the
-batch in a worker must replace keys or use torch operations.
+"""Collate samples into a batch of ``int64`` tensors, all views of one buffer: a worker hands it
+over in one shared-memory segment, not one per key. A batch of stored rows pickles as the compact
+rows and is decoded again where unpickled (cheaper than faulting in a segment's pages).
 """
 
 from __future__ import annotations
@@ -25,11 +14,9 @@ from foundrymix.format.schema import DECODED_KEYS, decode_rows
 
 
 class Batch(dict):
-    """``dict[str, Tensor]`` whose values are views into one buffer; pickles as that buffer.
-
-    A batch collated from stored rows keeps them (``rows``) and pickles as them instead,
-    while its values are untouched since (same views, buffer version unchanged).
-    """
+    """``dict[str, Tensor]`` of views into one buffer. While the views are intact it pickles as its
+    ``rows`` (buffer unwritten: a write through ``.numpy()`` goes unseen, so a worker that edits a
+    batch must replace keys or use torch) or as its buffer; else as a dict."""
 
     def __init__(self, *args: Any, buffer: torch.Tensor | None = None,
                  layout: tuple | None = None, rows: tuple | None = None, **kwargs: Any) -> None:
@@ -48,31 +35,20 @@ class Batch(dict):
 
     def _intact(self) -> bool:
         """True while the values are still exactly the views this batch was built with."""
-        if list(self.keys()) != [k for k, _, _ in self._layout]:
-            return False
         ptr = self._buffer.data_ptr()
-        for key, offset, shape in self._layout:
-            v = self[key]
-            if (not isinstance(v, torch.Tensor) or v.data_ptr() != ptr + 8 * offset
-                    or tuple(v.shape) != shape or v.dtype != torch.int64):
-                return False
-        return True
+        return list(self.keys()) == [k for k, _, _ in self._layout] and all(
+            isinstance(v := self[key], torch.Tensor) and v.data_ptr() == ptr + 8 * offset
+            and tuple(v.shape) == shape and v.dtype == torch.int64 for key, offset, shape in self._layout)
 
 
 def _rebuild_batch(buffer: torch.Tensor, layout: tuple) -> Batch:
-    values = {}
-    for key, offset, shape in layout:
-        size = int(np.prod(shape, dtype=np.int64))
-        values[key] = buffer[offset:offset + size].view(shape)
+    values, layout = _views(buffer, {key: shape for key, _, shape in layout})
     return Batch(values, buffer=buffer, layout=layout)
 
 
 def _new_buffer(numel: int) -> torch.Tensor:
-    """An int64 buffer; in a DataLoader worker, allocated in shared memory up front.
-
-    As torch's ``default_collate`` does: writing straight into shared memory saves the
-    copy torch would otherwise make when handing the batch to the main process.
-    """
+    """An int64 buffer; in a DataLoader worker, in shared memory up front (as ``default_collate``:
+    no copy when the batch is handed to the main process)."""
     if torch.utils.data.get_worker_info() is not None:
         storage = torch.empty(0, dtype=torch.int64)._typed_storage()._new_shared(numel, device='cpu')
         return torch.empty(0, dtype=torch.int64).new(storage)
@@ -124,15 +100,8 @@ def _collate_rows(samples: Sequence[dict[str, Any]]) -> Batch:
 
 
 def collate(samples: Sequence[dict[str, Any]]) -> Batch:
-    """Batch samples into ``int64`` tensors (batch dimension first) sharing one buffer.
-
-    ``samples`` are either stored rows with ids (``input_ids``, ``loss_spans``,
-    ``doc_lens``, ``stream_id``, ``sample_id``: what ``MixedDataset`` yields under
-    ``build_dataloader``), decoded here for the whole batch at once, or already decoded
-    samples (``ds[i]``), stacked. Either way the batch has the keys of a decoded sample:
-    ``input_ids``, ``labels``, ``attention_mask``, ``sequence_id``, ``position_ids``,
-    ``stream_id``, ``sample_id`` -- bitwise the same for both.
-    """
+    """Batch samples (batch dimension first): stored rows with ids (``get_row``), decoded here
+    for the whole batch, or decoded samples (``store[i]``), stacked -- bitwise the same batch."""
     if not samples:
         raise ValueError('cannot collate an empty batch')
     if 'loss_spans' in samples[0]:

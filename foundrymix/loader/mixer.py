@@ -1,15 +1,6 @@
-"""``StreamMixer``: a ``train_loader`` config -> validated streams -> a loader in the plan's order.
-
-The mixer only builds: what the streams are and whether they can be mixed is the
-:class:`~foundrymix.plan.catalog.Catalog`'s job (manifests and ``index.json``, validated
-before a single shard is touched); what an epoch and a run will train is the pure
-:func:`~foundrymix.plan.mixture.build_plan`'s. Pretrain and finetune streams share one
-schema, so they mix freely.
-
-Usable from plain PyTorch::
-
-    mixer = StreamMixer.from_dict(yaml_cfg['train_loader'])
-    loader = mixer.build_dataloader(batch_size=8)   # one epoch of int64 batches, in plan order
+"""``StreamMixer``: a ``train_loader`` config -> validated streams -> a loader in the plan's order
+(plain PyTorch: ``StreamMixer.from_dict(cfg).build_dataloader(batch_size=8)``). Validation is
+the :class:`~foundrymix.plan.catalog.Catalog`'s, the plan :mod:`foundrymix.plan`'s: it only builds.
 """
 
 from __future__ import annotations
@@ -62,22 +53,19 @@ class StreamMixer:
         return self.catalog.tokenizer
 
     def build_store(self) -> 'RowStore':
-        """The rows of every stream by sample id (streams numbered in config order): the
-        storage a loader reads (cache directories claimed; ``release()`` gives them back)."""
+        """The rows of every stream by sample id (streams in config order), cache directories
+        claimed until ``release()``."""
         self.catalog.validate()
         return build_store(self.config, self.catalog.infos(), self.where)
 
     def build_dataloader(self, batch_size: int, epochs: int = 1, world_size: Optional[int] = None,
                          rank: Optional[int] = None, rewind: bool = False) -> Any:
-        """A loader of ``epochs`` epochs of the mixture in the plan's order: rank ``rank``'s
-        ``batch_size`` rows of each global batch of ``world_size`` ranks (default: the
-        launcher's), collated (int64 tensors); iterating it trains the epochs once, and
-        ``state_dict()`` / ``load_state_dict()`` resume it at any batch. ``rewind``: every
-        iteration starts again at the first batch (an evaluation set, read whole each time)."""
+        """``epochs`` epochs in the plan's order: rank ``rank``'s ``batch_size`` rows of each
+        global batch of ``world_size`` ranks (default: the launcher's), resumable at any batch.
+        ``rewind``: every iteration starts at the first batch (an evaluation set)."""
         from foundrymix.loader.run_loader import build_run_loader
-        from foundrymix.plan.topology import env_world_size
         from foundrymix.plan.stages import build_run_plan, plan_run
-        from foundrymix.plan.topology import Topology
+        from foundrymix.plan.topology import Topology, env_world_size
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
         topology = Topology(1, world_size or env_world_size())
@@ -107,11 +95,7 @@ class StreamMixer:
 
 @collector_paused()  # at each start and stage switch: per-stream objects (heap.py)
 def build_store(config: LoaderConfig, infos: list['StreamInfo'], where: str = 'train_loader') -> 'RowStore':
-    """The store of one stage's streams, from the metadata the catalog read once.
-
-    Claims the cache directories (another live run's are not shared), cleans what killed
-    runs left there, and refuses a cache too small -- all before the first row is read.
-    """
+    """The store of one stage's streams; claims, cleans and checks the cache directories first."""
     from foundrymix.loader import cache
     from foundrymix.loader.storage import RowStore, sources_of
     infos, claims = cache.prepare(config, infos, where)

@@ -1,12 +1,6 @@
-"""The run's position: the next global batch and what each trained stage was -- what a
-checkpoint keeps of the data, and the rules for changing the data on resume.
-
-What has been trained is immutable: stages already (partly) trained must have the same
-data definition (:func:`~foundrymix.plan.stages.stage_fingerprint`, their global batch
-included) and the same start batch; a finished stage keeps its length. Later stages
-(including one that starts exactly at the checkpoint) may change -- their
-``global_train_batch_size`` too -- and new ones, with new streams, may be appended; the
-run may be extended. Positions written in streaming's order (versions 1-2) are refused.
+"""The run's position -- the next global batch and what each trained stage was: what a checkpoint
+keeps of the data. On resume, trained stages keep their data (fingerprint, global batch included),
+start and trained length; later stages may change and new ones be appended (docs/resume.md).
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ from foundrymix.plan.stages import RunPlan, fingerprint_changes
 
 
 #: version of :meth:`StagedPosition.state_dict`; 3: the order of :mod:`foundrymix.plan.order`
-#: (checkpoints of versions 1-2 and streaming's own dataset state followed streaming's sampler)
 POSITION_VERSION = 3
 
 
@@ -32,32 +25,25 @@ class Resumed:
 
     batch: int
     old_total_batches: Optional[int]   # None: the checkpoint did not record it
-    legacy: bool = False               # a single-mixture checkpoint from before fingerprints
     old_total_samples: Optional[int] = None  # None: the checkpoint did not record it
 
 
 class StagedPosition(IterableDataset):
-    """The run's position: the next global batch, and what each trained stage was.
-
-    Composer finds it as ``train_dataloader.dataset`` and checkpoints it through
-    :meth:`state_dict` / :meth:`load_state_dict`.
-    """
+    """Composer finds it as ``train_dataloader.dataset`` and checkpoints it (``state_dict``)."""
 
     def __init__(self, run: RunPlan) -> None:
         self.run = run
         self.batch = 0  # next global batch to yield
         self.resumed: Optional[Resumed] = None
         #: stage index -> its adaptive controller (stages with ``adaptive:``)
-        self.adaptive: dict[int, AdaptiveController] = {}
-        for stage in run.stages:
-            controller = build_controller(stage)
-            if controller is not None:
-                self.adaptive[stage.index] = controller
+        self.adaptive: dict[int, AdaptiveController] = {
+            stage.index: c for stage in run.stages if (c := build_controller(stage)) is not None}
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - the loader iterates, not this
         raise TypeError('iterate the StagedDataLoader, not its position')
 
     def state_dict(self, num_samples: int = 0, from_beginning: bool = True) -> dict[str, Any]:
+        """(Composer's arguments: unused, the position is the batch.)"""
         stage = self.run.stage_at(self.batch)
         # stages with at least one batch trained: their data is now immutable
         done = [s for s in self.run.stages if s.start_batch < self.batch]
@@ -92,9 +78,8 @@ class StagedPosition(IterableDataset):
                 f'this config trains: a run cannot be shortened below what it trained (give '
                 f'max_duration / the stages at least {batch} batches)')
         self._check_order(obj, batch)
-        for old in obj['stages']:
-            if old['start_batch'] < batch:  # (older checkpoints also list a stage starting here)
-                self._check_unchanged(old, batch)
+        for old in obj['stages']:  # the stages trained: starting before the batch
+            self._check_unchanged(old, batch)
         for index, controller in self.adaptive.items():
             state = obj.get('adaptive', {}).get(self.run.stages[index].name)
             if state is not None:
@@ -105,19 +90,12 @@ class StagedPosition(IterableDataset):
                                old_total_samples=int(samples) if samples is not None else None)
 
     def _check_order(self, obj: dict[str, Any], batch: int) -> None:
-        """The global batch, which fixes every batch's rows, checked first with the message
-        that says how to resume (a resize keeps it; the fingerprints would only list it among
-        other changes).
-
-        The global batch is the last trained stage's (each stage has its own): the stage the
-        checkpoint is inside keeps it; a stage that starts at the checkpoint may set another.
-        """
-        trained = [s for s in obj['stages'] if s['start_batch'] < batch]
+        """The last trained stage's global batch, checked first with a message saying how to
+        resume (the fingerprints would only list it among other changes)."""
+        trained = obj['stages']
         if not trained:
             return
-        last = trained[-1]['fingerprint']
-        # the stage's own batch (its fingerprint); older checkpoints: the run's, the same
-        old_g = last.get('global_batch_size', obj.get('global_batch_size'))
+        old_g = trained[-1]['fingerprint']['global_batch_size']
         stage = next((s for s in self.run.stages if s.name == trained[-1]['name']), None)
         if stage is None:
             return  # a trained stage removed: _check_unchanged names it
@@ -155,9 +133,7 @@ class StagedPosition(IterableDataset):
                               f'it from batch {old["start_batch"]}; earlier stages changed length')
         finished = old['start_batch'] + old['batches'] <= batch
         trained = min(trained, old['batches'])
-        # A stage may grow (extending a finished run continues its mixture's epochs; a later
-        # stage that was trained would move, which the start-batch check refuses) but never
-        # shrink below what it trained.
+        # a stage may grow (a later trained stage would move: refused above), never shrink
         if new.batches < trained and finished:
             raise ConfigError(f'{where}: finished with {old["batches"]} batches, now '
                               f'{new.batches}; what is trained cannot be undone')
@@ -198,7 +174,6 @@ def _weights_yaml(fingerprint: dict[str, Any]) -> str:
 def check_resume(obj: dict[str, Any], global_batch_size: Optional[int]) -> None:
     """Refuse a checkpointed data position made with another global batch size (a
     :class:`~foundrymix.config.ConfigError` naming both values)."""
-    from foundrymix.config import ConfigError
     old_g = obj.get('global_batch_size')
     if old_g is not None and global_batch_size is not None and old_g != global_batch_size:
         raise ConfigError(

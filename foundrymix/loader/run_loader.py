@@ -1,22 +1,7 @@
-"""The run's one DataLoader: every stage's batches in the plan's order, switched at exact
-batches -- for every run (a run without ``stages:`` is one stage).
-
-Why one loader and one Composer ``fit``: the LR schedule, the optimizer and the
-checkpoints belong to the whole run, and Composer checkpoints the train loader's
-``dataset.state_dict``. So :class:`StagedDataLoader` is a ``DataLoader`` whose ``dataset``
-is a :class:`StagedPosition` -- the run's position, one global batch index, what Composer
-saves and loads -- and whose iterator reads spans of batches of the stage at the position
-(:mod:`foundrymix.loader.span`): batch ``b`` of a stage is ``stage.plan.order.batch(b)``
-(an adaptive stage: its controller's segment), this rank's columns of it read by index from
-the stage's storage. Nothing is replayed: resuming at any batch, on any number of ranks
-with the same global batch, starts reading there.
-
-For a run without stages, ``composer_epochs`` (the trainer's setting) makes one iteration
-of the loader one epoch of its mixture, so Composer's epochs -- ``max_duration: 3ep``,
-``save_interval: 1ep`` -- are data epochs; a staged or adaptive run is one Composer epoch,
-and a plain ``for`` loop over the loader (the default) runs the whole run.
-
-The position and the rules for changing the data on resume: :mod:`foundrymix.loader.position`.
+"""The run's one DataLoader: every stage's batches in the plan's order, switched at exact batches.
+Its ``dataset`` is the run's position (:mod:`foundrymix.loader.position`), what Composer saves and
+loads; its iterator reads spans (:mod:`foundrymix.loader.span`), so a resume at any batch, on any
+number of ranks with the same global batch, replays nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from foundrymix.loader.position import POSITION_VERSION, Resumed, StagedPosition  # noqa: F401 (re-exported)
+from foundrymix.loader.position import StagedPosition
 from foundrymix.plan.adaptive import AdaptiveController
 from foundrymix.plan.stages import RunPlan, StagePlan
 
@@ -40,8 +25,6 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Active:
-    """The stage being read: its storage (rows read by index)."""
-
     stage: StagePlan
     store: Any
 
@@ -54,26 +37,19 @@ class StagedDataLoader(DataLoader):
                  rank: Optional[int] = None) -> None:
         super().__init__(StagedPosition(run), batch_size=batch_size)
         self.run = run
-        #: the global rank whose slice of every global batch this loader yields (default:
-        #: the launcher's ``RANK``)
-        self.rank = rank
-        #: every iteration starts at the first batch (an evaluation set)
-        self.rewind = False
-        #: called before each batch with this rank's read failure or None; a
-        #: :class:`~foundrymix.loader.together.StopTogether` stops every rank together
+        self.rank = rank  #: whose rows of each global batch (default: the launcher's ``RANK``)
+        self.rewind = False  #: every iteration starts at the first batch (an evaluation set)
+        #: called before each batch with this rank's failure or None (:mod:`~.together`)
         self.stop_together: Optional[Callable[[Optional[BaseException]], None]] = None
         if composer_epochs and (run.explicit or any(s.config is not None and s.config.adaptive
                                                     for s in run.stages)):
-            # A staged run is one Composer epoch: ending Composer epochs at stage switches
-            # would renumber epochs after a resume exactly at a switch (Composer saved
-            # batch_in_epoch > 0 there and would count on). An adaptive run has no epochs of
-            # one mixture: one Composer epoch too.
+            # one Composer epoch: epochs ending at stage switches would be renumbered by a
+            # resume exactly at a switch; an adaptive run has no epochs of one mixture
             composer_epochs = False
         self.composer_epochs = composer_epochs
         self.stream_names = run.stream_names
         column = {n: i for i, n in enumerate(self.stream_names)}  # list.index: O(N^2) at 10,000 streams
-        self._maps = [torch.tensor([column[n] for n in s.stream_names])
-                      for s in run.stages]
+        self._maps = [torch.tensor([column[n] for n in s.stream_names]) for s in run.stages]
         self._active: Optional[_Active] = None
 
     @property
@@ -92,28 +68,23 @@ class StagedDataLoader(DataLoader):
         return stage.global_batch_size // stage.batch_size
 
     def samples_per_stream(self) -> dict[str, int]:
-        """Stream name -> rows of it in the global batches before the position, all ranks'
-        (the plan's arithmetic, :func:`~foundrymix.plan.counts.rows_before`): after a resume,
-        the whole run's so far."""
+        """Stream name -> rows of it in all ranks' global batches before the position."""
         from foundrymix.plan.counts import rows_before
         return rows_before(self.run, self.position.batch, self.position.adaptive)
 
     @property
     def storage(self) -> Any:
-        """The storage (:class:`~foundrymix.loader.storage.RowStore`) of the stage being
-        read, or None before the first batch (:meth:`prepare` builds it) and after
-        :meth:`release`. A stage's storage is kept until the next stage's is built."""
+        """The :class:`~foundrymix.loader.storage.RowStore` of the stage being read, or None
+        before :meth:`prepare` / the first batch and after :meth:`release`."""
         return self._active.store if self._active is not None else None
 
     def prepare(self) -> None:
-        """Build the storage of the stage at the position now (cache claims and checks,
-        shard files): what refuses a run refuses it here, before the first batch is due."""
+        """Build the storage of the stage at the position now: what refuses a run refuses it here."""
         if self.position.batch < self.run.total_batches:
             self._activate(self.run.stage_at(self.position.batch))
 
     def state_dict(self) -> dict[str, Any]:
-        """The position (next global batch, trained stages' fingerprints, adaptive state):
-        what a checkpoint keeps. Under Composer the position itself is checkpointed."""
+        """The position: what a checkpoint keeps (Composer checkpoints the position itself)."""
         return self.position.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -122,9 +93,8 @@ class StagedDataLoader(DataLoader):
         self.position.load_state_dict(state)
 
     def __len__(self) -> int:
-        """Batches of one iteration: the whole run, or (``composer_epochs``, one stage) one
-        epoch of its mixture -- Composer yields at most this many per epoch and converts
-        ``ep`` times (``t_warmup: 1ep``) with it."""
+        """Batches of one iteration: the run, or (``composer_epochs``) one epoch of its mixture,
+        which Composer's ``ep`` times are converted with."""
         if not self.composer_epochs:
             return self.run.total_batches
         return max(s.plan.batches_per_epoch for s in self.run.stages)
@@ -135,16 +105,14 @@ class StagedDataLoader(DataLoader):
             position.batch = 0
         while position.batch < self.run.total_batches:
             stage = self.run.stage_at(position.batch)
-            end = self._span_end(stage, position)
-            yield from self._span(stage, position, end)
+            yield from self._span(stage, position, self._span_end(stage, position))
             if self.composer_epochs and (position.batch - stage.start_batch) % \
                     stage.plan.batches_per_epoch == 0:
                 return
 
     def _span_end(self, stage: StagePlan, position: StagedPosition) -> int:
-        """Where the batches from the position on stop being one span: the stage's end, the
-        end of the current adaptive segment (the next one is decided from the loss), or --
-        one Composer epoch per iteration -- the end of the current epoch."""
+        """The end of the span from the position: the stage's, the adaptive segment's (the next is
+        decided from the loss), or with ``composer_epochs`` the epoch's."""
         end = stage.end_batch
         controller = position.adaptive.get(stage.index)
         if controller is not None:
@@ -157,7 +125,6 @@ class StagedDataLoader(DataLoader):
         return end
 
     def _span(self, stage: StagePlan, position: StagedPosition, end: int) -> Iterator[Any]:
-        """Batches ``[position, end)`` of ``stage``, read in workers (:mod:`~foundrymix.loader.span`)."""
         stream_map = self._maps[stage.index]
         try:  # a stage's storage is built here at a switch: a failure is agreed on like a read's
             batches = iter(self._span_loader(stage, position, end))
@@ -188,20 +155,16 @@ class StagedDataLoader(DataLoader):
         assert config is not None
         controller = position.adaptive.get(stage.index)
         offsets = np.asarray(active.store.sample_offset_per_stream, np.int64)
-        if controller is not None:
-            batch_rows = _segment_rows(controller, position.batch, offsets)
-        else:
-            batch_rows = stage.plan.order.batch
-        first = position.batch - stage.start_batch
+        batch_rows = (stage.plan.order.batch if controller is None
+                      else _segment_rows(controller, position.batch, offsets))
         rank = env_rank() if self.rank is None else self.rank
-        span = Span(active.store, batch_rows, first, end - stage.start_batch, rank,
-                    stage.batch_size, offsets)
+        span = Span(active.store, batch_rows, position.batch - stage.start_batch,
+                    end - stage.start_batch, rank, stage.batch_size, offsets)
         return span_loader(span, config.num_workers, config.pin_memory, config.timeout,
                            config.prefetch_factor)
 
     def _agree(self, failure: Optional[BaseException]) -> None:
-        """Raise ``failure`` -- after :attr:`stop_together`, which raises on every rank when
-        any rank failed."""
+        """Raise ``failure``, after :attr:`stop_together` (which raises on every rank if any failed)."""
         if self.stop_together is not None:
             self.stop_together(failure)
         if failure is not None:
@@ -218,12 +181,10 @@ class StagedDataLoader(DataLoader):
         return self._active
 
     def release(self) -> None:
-        """Drop the current stage's storage (its locks and cache claims), so a later stage
-        (or run) may reuse its directories."""
+        """Drop the current stage's storage, its locks and cache claims given back."""
         active, self._active = self._active, None
         if active is None or sys is None or sys.is_finalizing():
-            # An iterator still held when the interpreter exits is closed during its
-            # teardown, with module globals gone (late enough, this module's ``sys`` is None).
+            # an iterator closed in interpreter teardown: module globals (``sys``) may be gone
             return
         store = active.store
         del active
@@ -232,8 +193,7 @@ class StagedDataLoader(DataLoader):
 
 
 def _segment_rows(controller: AdaptiveController, batch: int, offsets: np.ndarray) -> Any:
-    """An adaptive segment's batches as (stream, row), decided before its first batch is read
-    (the trainer fed the controller the loss of the segment before)."""
+    """An adaptive segment's batches as (stream, row), decided before its first batch is read."""
     k = controller.segment_of(batch)
     ids = controller.segment_ids(k).reshape(-1, controller.global_batch)
     _warn_repeats(controller, k)
@@ -254,9 +214,8 @@ REPEAT_WARNING = 10
 
 
 def _warn_repeats(controller: AdaptiveController, k: int) -> None:
-    """Warn when the policy's weights have a stream read :data:`REPEAT_WARNING` times over
-    (then 2x, 4x that, ...) by the end of segment ``k``: the plan's passes hold for the
-    configured start only, and a small stream a policy favours is repeated without end."""
+    """Warn when the policy's weights have read a stream :data:`REPEAT_WARNING` times over (then
+    2x, 4x that, ...) by the end of segment ``k``: a small favoured stream repeats without end."""
     done = controller.consumed_before(k) + np.asarray(controller.decision(k).rows, np.int64)
     warned = controller.__dict__.setdefault('_repeat_warned', {})
     for name, n, rows in zip(controller.names, done.tolist(), controller.rows):
@@ -274,17 +233,6 @@ def _warn_repeats(controller: AdaptiveController, k: int) -> None:
 
 def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False,
                      rank: Optional[int] = None) -> StagedDataLoader:
-    """The loader of a planned run (``run`` from :func:`~foundrymix.plan.stages.plan_run`)
-    for global rank ``rank`` (default: the launcher's)."""
+    """The loader of a planned run for global rank ``rank`` (default: the launcher's)."""
     return StagedDataLoader(run, batch_size, composer_epochs, rank)
-
-
-def build_staged_loader(config: Any, batch_size: int, max_duration: Optional[str] = None,
-                        topology: Any = None, where: str = 'train_loader',
-                        composer_epochs: bool = False) -> StagedDataLoader:
-    """Validate every stage, plan the run, and return its loader (``loader.run`` is the plan)."""
-    from foundrymix.plan.stages import plan_run
-
-    run, _ = plan_run(config, batch_size, max_duration, topology, where, rank_count_limit=0)
-    return build_run_loader(run, batch_size, composer_epochs)
 

@@ -1,14 +1,7 @@
-"""A span of global batches read in the order the plan fixed: this rank's rows of each batch,
-read by index from the stage's storage, in DataLoader workers.
-
-Why a span and not an epoch: the order (:mod:`foundrymix.plan.order`) maps any global batch
-to its rows, so the loader needs no sampler state -- it reads batches ``[first, end)``. A
-span ends where the order is not yet known (an adaptive segment's decision) or where the
-caller wants an iteration to end (a Composer epoch); the next span starts at the position,
-so resuming anywhere is starting a span there.
-
-Worker ``w`` of ``W`` reads batches ``first + w, first + w + W, ...``; torch's DataLoader
-takes batches from its workers in turn, so they arrive in batch order.
+"""A span of global batches ``[first, end)`` of one stage: this rank's rows of each, read by index
+in DataLoader workers. The order maps any batch to its rows (no sampler state), so resuming is
+starting a span there; a span ends where the order is not yet known (an adaptive segment) or an
+iteration ends. Worker ``w`` of ``W`` reads batches ``first + w, first + w + W, ...``, in turn.
 """
 
 from __future__ import annotations
@@ -21,8 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from foundrymix.format import streaming_format
 from foundrymix.loader.collate import collate
 
-#: batches of a worker whose shards are opened ahead of their reading, by this many threads
-#: (a cold window of a remote stream needs many shards at once: fetched side by side)
+#: a worker's next batches whose shards are opened (fetched side by side) ahead of reading
 PREFETCH_BATCHES = 8
 PREFETCH_THREADS = 4
 
@@ -31,9 +23,8 @@ BatchRows = Callable[[int], tuple[np.ndarray, np.ndarray]]
 
 
 class Span(IterableDataset):
-    """Batches ``[first, end)`` of one stage: rank ``rank``'s ``batch_size`` rows of each,
-    read from ``storage`` (``get_row(sample id)``, sample ids numbered stream by stream from
-    ``offsets``) and collated."""
+    """Rank ``rank``'s ``batch_size`` rows of each batch, read from ``storage`` by sample id
+    (numbered stream by stream from ``offsets``) and collated."""
 
     def __init__(self, storage: Any, batch_rows: BatchRows, first: int, end: int, rank: int,
                  batch_size: int, offsets: np.ndarray) -> None:
@@ -50,8 +41,7 @@ class Span(IterableDataset):
         return self.offsets[streams[mine]] + rows[mine]
 
     def __iter__(self) -> Iterator[Any]:
-        """This worker's batches; the shards of its next :data:`PREFETCH_BATCHES` batches are
-        opened (fetched, checked) in a thread while the current one is read."""
+        """This worker's batches, the shards of the next ones opened in threads meanwhile."""
         from concurrent.futures import ThreadPoolExecutor
         info = get_worker_info()
         w, W = (info.id, info.num_workers) if info is not None else (0, 1)
@@ -77,9 +67,8 @@ def _as_is(batch: Any) -> Any:
 
 def span_loader(span: Span, num_workers: int, pin_memory: bool = False, timeout: float = 0,
                 prefetch_factor: Optional[int] = None) -> DataLoader:
-    """A DataLoader over a span: its batches come collated, in order; never more workers than
-    batches (an idle worker would only cost a fork), forked after streaming's format modules
-    are imported here (each worker would otherwise import streaming again)."""
+    """A DataLoader over a span: collated batches in order; never more workers than batches,
+    forked after streaming's format modules are imported here (else each imports streaming)."""
     workers = min(num_workers, len(span))
     extra: dict[str, Any] = {}
     if workers > 0:

@@ -1,24 +1,7 @@
-"""``RowStore``: the rows of one stage read by index -- the loader's storage.
-
-The order is foundrymix's own (:mod:`foundrymix.plan.order`); a store only turns a sample id
-(streams numbered one after another in config order) into the stored row, checked. It
-guarantees:
-
-* **Only verified bytes are trained.** A shard file is hashed against its ``index.json``
-  when a process first opens it, once per file version per machine
-  (:mod:`foundrymix.loader.cache.hashes`) -- a local stream's and a cached copy of a remote
-  one alike. A damaged local shard stops the run naming stream, shard and fix; a damaged
-  cached copy is fetched again; a remote that serves damaged bytes is named.
-* **Remote shards are fetched when first needed** -- or ahead, by :meth:`RowStore.prefetch`
-  (``s3://`` or a mounted path) -- into the stream's cache directory; compressed
-  shards, a local stream's too, are unpacked there -- never in the user's directory. With
-  ``cache_limit`` the node's cache never holds more than the limit
-  (:mod:`foundrymix.loader.cache.budget`).
-* **streaming is used for the MDS format only** -- its row reader, hashes and codecs,
-  through :mod:`foundrymix.format.streaming_format`: no shared memory, no sampler, no patch.
-* Every failure names the stream, the shard (and row) and what to do.
-
-A store pickles (DataLoader workers start with a copy): readers and locks are per process.
+"""``RowStore``: the rows of one stage by sample id (streams numbered in config order), checked.
+Only verified bytes are trained: a shard file is hashed against ``index.json`` when first opened
+(docs/safety.md); remote and compressed shards are fetched or unpacked into the cache, never the
+user's directory. Every failure names the stream, the shard (and row) and what to do.
 """
 
 from __future__ import annotations
@@ -26,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import threading
@@ -39,8 +21,8 @@ from foundrymix.errors import WorkerError
 from foundrymix.format.foundry_tokens import foundry_row
 from foundrymix.format.row_errors import CorruptRowError
 from foundrymix.format.schema import check_row, decode_row
-from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes
-from foundrymix.loader.cache.sources import Source, sources_of, unpack_directory  # noqa: F401 (re-exported)
+from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes, cache_file
+from foundrymix.loader.cache.sources import Source, sources_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +36,8 @@ class CorruptShardError(ShardPrepareError):
 
 
 class RowStore:
-    """The rows of ``sources`` by sample id; a row is ``decode_row`` of the stored row plus
-    ``stream_id`` (index into :attr:`stream_names`) and ``sample_id``."""
+    """The rows of ``sources`` by sample id; pickles for DataLoader workers (readers and locks are
+    per process)."""
 
     def __init__(self, sources: list[Source], config: Any, vocab_size: Optional[int] = None,
                  max_seq_len: Optional[int] = None, budget: Any = None) -> None:
@@ -87,10 +69,8 @@ class RowStore:
         self._lock_fds: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for key in ('_readers', '_opening', '_failed', '_hashes', '_lock_fds', 'cache_claims'):
-            state.pop(key, None)
-        return state
+        per_process = ('_readers', '_opening', '_failed', '_hashes', '_lock_fds', 'cache_claims')
+        return {k: v for k, v in self.__dict__.items() if k not in per_process}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -106,16 +86,14 @@ class RowStore:
         sample['stream_id'], sample['sample_id'] = row['stream_id'], row['sample_id']
         return sample
 
-    # ------------------------------------------------------------ rows
     def _shard_of(self, sample_id: int) -> int:
         if not 0 <= sample_id < self.num_samples:
             raise IndexError(f'sample {sample_id} is not in 0..{self.num_samples - 1}')
         return int(np.searchsorted(self._shard_start, sample_id, 'right')) - 1
 
     def get_row(self, idx: int) -> dict[str, Any]:
-        """The stored row (``input_ids``, ``loss_spans``, ``doc_lens``) plus ``stream_id``,
-        ``sample_id``; a row that cannot be read or fails :func:`check_row` raises
-        :class:`CorruptRowError` naming stream, shard file, row and sample id."""
+        """The stored row plus ``stream_id``, ``sample_id``; one that cannot be read or fails
+        :func:`check_row` raises :class:`CorruptRowError`."""
         idx = int(idx)
         shard = self._shard_of(idx)
         for attempt in (0, 1):
@@ -129,9 +107,8 @@ class RowStore:
                     raise self._shard_error(shard, 'its file vanished twice while being read')
             except Exception as e:
                 from foundrymix.loader.cache import disk_full_hint
-                where = self.row_location(idx)
-                raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}'
-                                           f'{disk_full_hint(str(e), where[1])}') from e
+                hint = disk_full_hint(str(e), self.sources[self._where[shard][0]].directory)
+                raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}{hint}') from e
         foundry = self.sources[self._where[shard][0]].foundry
         if foundry is not None:  # LLM-Foundry token rows, used in place
             try:
@@ -145,24 +122,17 @@ class RowStore:
         row['sample_id'] = idx
         return row
 
-    def row_location(self, sample_id: int) -> tuple[str, str, str, int]:
-        """(stream name, directory, shard file, row within the shard) of a sample."""
-        shard = self._shard_of(int(sample_id))
+    def _row_error(self, sample_id: int, problem: str) -> CorruptRowError:
+        shard = self._shard_of(sample_id)
         k, j = self._where[shard]
         src = self.sources[k]
-        return (src.name, src.directory, src.shards[j]['raw_data']['basename'],
-                int(sample_id) - int(self._shard_start[shard]))
+        return CorruptRowError(stream=src.name, shard=src.shards[j]['raw_data']['basename'],
+                               row=sample_id - int(self._shard_start[shard]), sample_id=sample_id,
+                               problem=problem, directory=src.directory)
 
-    def _row_error(self, sample_id: int, problem: str) -> CorruptRowError:
-        stream, directory, shard, row = self.row_location(sample_id)
-        return CorruptRowError(stream=stream, shard=shard, row=row, sample_id=int(sample_id),
-                               problem=problem, directory=directory)
-
-    # ------------------------------------------------------------ shards
     def prefetch(self, sample_ids: Any) -> None:
-        """Open -- fetch, unpack, verify -- the shards of these rows now (the loader calls it
-        for the next batches while the current one is read). A failure is kept for the read
-        of the shard to raise (not tried twice), and stops this process's prefetching."""
+        """Open (fetch, unpack, verify) the shards of these rows ahead of reading; a failure is
+        kept for the read to raise, and stops this process's prefetching."""
         if self.budget is not None:
             return  # under cache_limit a shard fetched early may be evicted before it is read
         for shard in sorted({self._shard_of(int(i)) for i in sample_ids}):
@@ -214,7 +184,7 @@ class RowStore:
                             f'({", ".join(removed)}), it is downloaded again when needed')
                 fetched = self._fetch(src, j)
             if not self._verified(src, info, fetched):
-                raise _remote_damaged(src, info, self._remote_name(info), self._remove(src, info))
+                raise _remote_damaged(src, info, self._remove(src, info))
         if self.budget is not None:
             with contextlib.suppress(OSError):
                 os.utime(path)  # opened now: the last shard the budget evicts
@@ -229,10 +199,6 @@ class RowStore:
             return True
         return self._hashes.check(src.directory, raw['basename'], expected, src.algorithm, fresh)
 
-    @staticmethod
-    def _remote_name(info: dict[str, Any]) -> str:
-        return (info.get('zip_data') or info['raw_data'])['basename']
-
     def _remove(self, src: Source, info: dict[str, Any]) -> list[str]:
         removed = []
         for part in (info['raw_data'], info.get('zip_data')):
@@ -243,21 +209,16 @@ class RowStore:
                     removed.append(path)
         return removed
 
-    def _open_lock_file(self, directory: str) -> int:
-        from foundrymix.plan.config import cache_base
-        key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
-        path = os.path.join(cache_base(self.cache_root), 'locks', f'{key}.lock')
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-
     @contextlib.contextmanager
     def _shard_lock(self, directory: str, slot: int) -> Iterator[None]:
-        """This node's lock on one shard of a cache directory (a byte-range lock on one file
-        per directory, under the foundrymix cache): one process fetches, the others wait."""
+        """This node's lock on one shard of a cache directory (a byte-range lock on one file per
+        directory): one process fetches, the others wait."""
         with self._opening.setdefault(-1, threading.Lock()):  # one fd per directory per process
             fd = self._lock_fds.get(directory)
             if fd is None:
-                fd = self._lock_fds[directory] = self._open_lock_file(directory)
+                path = cache_file(self.cache_root, 'locks', directory, '.lock')
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = self._lock_fds[directory] = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         while True:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
@@ -274,8 +235,8 @@ class RowStore:
             fcntl.lockf(fd, fcntl.LOCK_UN, 1, slot)
 
     def _fetch(self, src: Source, j: int) -> bool:
-        """Put shard ``j``'s raw file in ``src.directory``, fetching and unpacking it if absent
-        (a cached file of another size is removed first); whether it fetched."""
+        """Put shard ``j``'s raw file in ``src.directory`` if absent (or of another size);
+        whether it fetched."""
         info = src.shards[j]
         raw = info['raw_data']
         path = os.path.join(src.directory, raw['basename'])
@@ -332,7 +293,7 @@ class RowStore:
                 if local.startswith(src.directory + os.sep):
                     os.remove(local)
                     removed.append(local)
-                raise _remote_damaged(src, info, name, removed)
+                raise _remote_damaged(src, info, removed)
             out = os.path.join(src.directory, raw['basename'])
             tmp = f'{out}.part-{os.getpid()}'
             try:
@@ -363,8 +324,9 @@ class RowStore:
             self.cache_claims = None
 
 
-def _remote_damaged(src: Source, info: dict[str, Any], name: str, removed: list[str]) -> CorruptShardError:
+def _remote_damaged(src: Source, info: dict[str, Any], removed: list[str]) -> CorruptShardError:
     remote = src.remote.rstrip('/') if src.remote else src.directory
+    name = (info.get('zip_data') or info['raw_data'])['basename']
     return CorruptShardError(
         f"stream '{src.name}' ({src.directory}), shard {info['raw_data']['basename']}: {remote}/{name} "
         f'does not match the {src.algorithm} hash its index.json records: the shard in the remote '

@@ -1,14 +1,7 @@
-"""Ranks that train in lockstep stop at the same batch when any rank's read fails, each
-saying why.
+"""Ranks in lockstep stop at the same batch when any rank's read fails, each saying why.
 
-Why: a damaged shard is found by the rank that opens it (and a stage's storage, built at
-its first batch, can fail on one node only). Alone, that rank raises and the
-others wait in the next gradient all-reduce until the launcher kills them, none saying
-why. With :class:`StopTogether` set on the loader (the trainer sets it), the ranks agree
-before each batch is handed over -- one integer summed over a gloo group (CPU, apart from
-the GPU's collectives) -- and when any rank failed, every rank raises: the failing rank its
-own error, the others :class:`OtherRankFailed` with its message (stream, shard, what to
-do). Off by default: a loop that reads the ranks' loaders unevenly would wait in it.
+Alone, the failing rank raises and the others hang in the next all-reduce until killed.
+Off by default: a loop that reads the ranks' loaders unevenly would wait in the agreement.
 """
 
 from __future__ import annotations
@@ -23,9 +16,9 @@ class OtherRankFailed(WorkerError):
 
 
 class StopTogether:
-    """``agree(failure)`` before each batch, on every rank: returns when no rank failed,
-    else raises on every rank (see the module). Without a process group of more than one
-    rank it raises only this rank's failure."""
+    """Called with this rank's failure (or None) before each batch, on every rank: agrees by one
+    integer summed over its own gloo group (CPU, apart from the GPU's collectives); when any
+    rank failed, the failing rank raises its error and the others :class:`OtherRankFailed`."""
 
     def __init__(self) -> None:
         self._group: Any = None

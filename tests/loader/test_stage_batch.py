@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from foundrymix.config import ConfigError
-from foundrymix.loader.run_loader import build_staged_loader
 from foundrymix.plan.config import LoaderConfig
+from helpers import build_staged_loader
 from mix_helpers import build_three
 
 BATCH = 4  # the run's global batch (one rank): the first stage keeps it

@@ -9,7 +9,7 @@ import pytest
 
 from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig
-from foundrymix.loader.run_loader import build_staged_loader
+from helpers import build_staged_loader
 from mix_helpers import build_three, identity
 
 BATCH = 4

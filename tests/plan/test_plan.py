@@ -181,7 +181,7 @@ def test_headline_samples_and_tokens_are_what_the_loader_yields(root, tmp_path, 
     import re
     from collections import Counter
 
-    from foundrymix.loader.run_loader import build_staged_loader
+    from helpers import build_staged_loader
     from foundrymix.plan.config import LoaderConfig
     from mix_helpers import identity
     assert main(['plan', write_yaml(tmp_path, root, duration),

@@ -91,7 +91,7 @@ def test_three_stages_follow_the_plan_exactly(straight):
     assert per_stage(log, run) == [s.plan.duration.rows_per_stream for s in run.stages]
     # the same batches, sample for sample, as the loader yields outside the trainer
     from foundrymix.plan.config import LoaderConfig
-    from foundrymix.loader.run_loader import build_staged_loader
+    from helpers import build_staged_loader
     loader = build_staged_loader(LoaderConfig.from_dict(yaml.safe_load(
         straight['config'].read_text())['train_loader']), BATCH)
     assert [b['sample_id'].tolist() for b in loader] == [b['sample_ids'] for b in log]

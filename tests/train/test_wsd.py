@@ -120,7 +120,7 @@ def test_lr_of_every_batch_is_the_wsd_formula(straight):
 
 def loader_batches(cfg: TrainConfig) -> list[tuple[list[int], list[int]]]:
     """The run's batches (sample ids, stream ids) straight from its loader: the reference."""
-    from foundrymix.loader.run_loader import build_staged_loader
+    from helpers import build_staged_loader
     loader = build_staged_loader(cfg.train_loader, BATCH)
     out = [(b['sample_id'].tolist(), b['stream_id'].tolist()) for b in loader]
     loader.release()

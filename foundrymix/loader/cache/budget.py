@@ -1,14 +1,7 @@
 """``cache_limit``: the node's cache of one run's remote streams never holds more than the limit.
-
-Part of :mod:`foundrymix.loader.cache`. Every process of a node (ranks and their DataLoader
-workers) fetches into the same directories, so the account is kept on disk, under one
-``flock``: what the cache holds is the shard files present (one ``stat`` each), plus the
-bytes each live process has reserved for a fetch in flight (a small JSON file beside the
-lock). A fetch reserves its shard's raw plus compressed size before it starts -- evicting
-the least recently opened shards (their files' ``mtime``, which the store sets on every
-first open) until it fits -- and drops the reservation when its files are in place. A
-reservation of a process that died is ignored. A shard evicted while another process reads
-it is fetched again by that process (the store re-opens a shard whose file is gone).
+The account is on disk under one ``flock``, shared by every process of the node: the shard files
+present plus each live process's reservation for a fetch in flight. A fetch reserves its bytes
+first, evicting the least recently opened shards (file ``mtime``) until they fit.
 """
 
 from __future__ import annotations
@@ -66,8 +59,8 @@ class CacheBudget:
         os.replace(tmp, self.lock + '.json')
 
     def _present(self) -> list[tuple[float, int, list[str]]]:
-        """(mtime of its first file, bytes, files) of every shard with a file in the cache,
-        and one entry for the index files (which ``reserved`` never evicts)."""
+        """(oldest mtime, bytes, files) of every shard with a file in the cache, and one entry
+        for the index files (which ``reserved`` never evicts)."""
         out = [(float('inf'), sum(os.stat(p).st_size for p in self.fixed if os.path.exists(p)), [])]
         for files in self.files:
             size, mtime, here = 0, None, []
@@ -82,10 +75,6 @@ class CacheBudget:
             if here:
                 out.append((float(mtime or 0), size, here))
         return out
-
-    def usage(self) -> int:
-        """Bytes the cache holds now plus those reserved by fetches in flight."""
-        return sum(s for _, s, _ in self._present()) + sum(v[1] for v in self._reservations().values())
 
     @contextlib.contextmanager
     def reserved(self, key: str, need: int, keep: Optional[str] = None) -> Iterator[None]:

@@ -1,7 +1,5 @@
-"""Which cache directory a run uses: claims of the default cache and of a named ``local:``,
-so that two live runs never evict or replace each other's shards.
-
-Part of :mod:`foundrymix.loader.cache` (see its docstring for why).
+"""Which cache directory a run uses: claims (``flock`` s, released when a process dies) of the
+default cache and of a named ``local:``, so that two live runs never evict each other's shards.
 """
 
 from __future__ import annotations
@@ -19,20 +17,11 @@ log = logging.getLogger(__name__)
 MAX_CANDIDATES = 64
 
 
-def candidate(home: str, k: int) -> str:
-    """The ``k``-th directory a run may use for default-cache directory ``home`` (0: itself)."""
-    return home if k == 0 else f'{home}-run{k + 1}'
-
-
 @dataclass
 class Claims:
     """Directories one dataset claimed; :meth:`release` when the dataset is done."""
 
     held: list[Claim] = field(default_factory=list)
-
-    @property
-    def dirs(self) -> list[str]:
-        return [c.path for c in self.held]
 
     def release(self) -> None:
         while self.held:
@@ -40,15 +29,11 @@ class Claims:
 
 
 def claim(home: str, shared_default: bool, where: str) -> Claim:
-    """Claim a directory for this run: ``home`` itself or, for the default cache
-    (``shared_default``), its first sibling no other live run holds.
-
-    Returns the claim of the directory (``path``); ``fresh`` when no live run held it
-    before this one (then whatever a dead run left in it may be cleaned). A ``local:`` the
-    user named and another live run holds raises :class:`ConfigError`.
-    """
+    """Claim ``home`` or, for the default cache (``shared_default``), its first sibling no other
+    live run holds (ranks of one job share it); a named ``local:`` another run holds is refused.
+    The claim is ``fresh`` when no live run held it before (what dead runs left may be cleaned)."""
     configured, home = home, claims.normalize(home)
-    paths = [candidate(home, k) for k in range(MAX_CANDIDATES if shared_default else 1)]
+    paths = [home] + [f'{home}-run{k + 1}' for k in range(1, MAX_CANDIDATES if shared_default else 1)]
     me = claims.run_id()
     busy: list[claims.Busy] = []
     with claims.guard(home, '.group'):  # two runs starting at once never pick the same directory

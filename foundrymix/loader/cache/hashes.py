@@ -1,24 +1,7 @@
-"""Shard files hashed against ``index.json`` when first opened, once per file version.
-
-Part of :mod:`foundrymix.loader.cache`. Why: a flipped bit that keeps every token id below
-the vocabulary size makes a valid row -- just the wrong one -- so no row check can see it.
-So before a process reads the first row of a shard file (a local stream's, or a cached copy
-of a remote one) the file is hashed with the algorithm ``index.json`` records (the
-converter records ``xxh3_64``; ``validate_hash`` picks another; ``hash_local_shards:
-false`` turns it off). Only the shards a run reads are hashed, as it reads them: a start
-reads no data.
-
-Once per file version: a file that passed is recorded under the foundrymix cache
-(``<cache_base>/shard-hashes/<directory key>.log``, never in the user's directory) with its
-size, ``mtime_ns``, ``ctime_ns``, inode and device; later opens, in any process of the
-machine, only ``stat`` it. Any write to the file, a copy over it or a rename onto it
-changes ``ctime``, so a changed file is hashed again. A record is one appended line, so
-records of one directory never need rewriting. What a record cannot see: bits that change
-on the disk without a write (media decay); ``foundrymix verify DIR`` reads everything.
-
-Processes hashing the same directory take its lock in turn, so a file is hashed once and
-the others find its record. A file that fails is never recorded: every process that opens
-it hashes it and refuses it. Records not used for :data:`RECORD_TTL_DAYS` days are swept.
+"""Shard files hashed against ``index.json`` when first opened, once per file version per machine
+(docs/safety.md): a bit flip that keeps token ids in range makes a valid, wrong row. A file that
+passed is recorded under the foundrymix cache with its size, times, inode and device -- any write
+changes ``ctime`` -- so later opens only ``stat`` it; a file that fails is never recorded.
 """
 
 from __future__ import annotations
@@ -49,26 +32,26 @@ class CorruptLocalShardError(WorkerError):
 
 
 def hash_algorithm(config: Any, index: dict[str, Any]) -> Optional[str]:
-    """The algorithm a stream's shards are hashed with, or ``None`` for no check:
-    ``validate_hash`` if set, else (unless ``hash_local_shards: false``) the fastest
-    algorithm recorded for every shard."""
+    """``validate_hash``, else (unless ``hash_local_shards: false``) the fastest algorithm recorded
+    for every shard, else None (no check)."""
     if config.validate_hash:
         return config.validate_hash
     if not config.hash_local_shards:
         return None
     have = hashes_in_index(index)
-    for algo in _FASTEST:
-        if algo in have:
-            return algo
-    return min(have) if have else None
+    return next((algo for algo in _FASTEST if algo in have), min(have) if have else None)
+
+
+def cache_file(cache_root: Optional[str], kind: str, directory: str, ext: str = '') -> str:
+    """``<cache base>/<kind>/<key><ext>``, the key a hash of ``directory``'s real path."""
+    from foundrymix.plan.config import cache_base
+    key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
+    return os.path.join(cache_base(cache_root), kind, key + ext)
 
 
 def record_path(cache_root: Optional[str], directory: str) -> str:
-    """The record file of a stream directory (named by a hash of its real path)."""
-    from foundrymix.plan.config import cache_base
-    real = os.path.realpath(directory)
-    key = hashlib.blake2s(real.encode('utf-8'), digest_size=10).hexdigest()
-    return os.path.join(cache_base(cache_root), RECORD_DIR, f'{key}.log')
+    """The record file of a stream directory."""
+    return cache_file(cache_root, RECORD_DIR, directory, '.log')
 
 
 def _identity(st: os.stat_result) -> list[int]:
@@ -105,34 +88,25 @@ def _locked(path: str) -> Iterator[bool]:
         os.close(fd)
 
 
-def _read(path: str, directory: str) -> dict[str, list[Any]]:
-    """basename -> its latest record line's entry (lines of other directories ignored)."""
-    return _read_lines(path, directory)[0]
-
-
 def _read_lines(path: str, directory: str) -> tuple[dict[str, list[Any]], int]:
-    """:func:`_read`, and how many lines the record has."""
+    """basename -> its latest record line's entry (other directories' ignored), and the lines."""
     out: dict[str, list[Any]] = {}
     lines = 0
     real = os.path.realpath(directory)
-    try:
-        with open(path, 'rb') as f:
-            for line in f:
-                lines += 1
-                try:
-                    got = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by a crash, or damaged
-                if isinstance(got, list) and len(got) == 9 and got[0] == real:
-                    out[got[1]] = got[2:]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(path, 'rb') as f:
+        for line in f:
+            lines += 1
+            try:
+                got = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash, or damaged
+            if isinstance(got, list) and len(got) == 9 and got[0] == real:
+                out[got[1]] = got[2:]
     return out, lines
 
 
 def _compact(path: str, directory: str, entries: dict[str, list[Any]]) -> None:
-    """Rewrite a record with one line per file (a cache whose shards are evicted and fetched
-    again adds a line per fetch); whole or not at all."""
+    """Rewrite a record with one line per file (each fetch of an evicted shard adds one), atomically."""
     real = os.path.realpath(directory)
     tmp = f'{path}.part-{os.getpid()}'
     try:
@@ -152,13 +126,11 @@ class ShardHashes:
         self.cache_root = cache_root
         self._seen: dict[tuple[str, str], list[Any]] = {}
         self._records: dict[str, dict[str, list[Any]]] = {}
-        #: basenames this process hashed (the others it found recorded)
-        self.hashed: list[str] = []
 
     def check(self, directory: str, basename: str, expected: str, algo: str,
               fresh: bool = False) -> bool:
-        """Whether ``directory/basename`` matches ``expected`` (its ``algo`` hash); ``fresh``:
-        this process just wrote the file (no other can have recorded it: hash it at once)."""
+        """Whether ``directory/basename`` matches its ``algo`` hash ``expected``; ``fresh``: this
+        process just wrote it (no record can exist: hash it without reading them)."""
         path = os.path.join(directory, basename)
         st = os.stat(path)
         entry = [algo, expected, *_identity(st)]
@@ -166,7 +138,7 @@ class ShardHashes:
             return True
         record = record_path(self.cache_root, directory)
         if directory not in self._records:
-            self._records[directory] = _read(record, directory)
+            self._records[directory] = _read_lines(record, directory)[0]
             with contextlib.suppress(OSError):
                 os.utime(record)  # used now: kept by the sweep
         if self._records[directory].get(basename) != entry:
@@ -180,7 +152,6 @@ class ShardHashes:
                              f'{st.st_size:,}', algo)
                     if file_hash(path, st.st_size, algo) != expected:
                         return False
-                    self.hashed.append(basename)
                     self._records[directory][basename] = entry
                     if recording:
                         line = json.dumps([os.path.realpath(directory), basename, *entry])
@@ -199,14 +170,11 @@ def sweep_records(folder: str, now: Optional[float] = None) -> int:
     days (at most once a day: the :data:`SWEPT` file's mtime). Returns how many."""
     now = time.time() if now is None else now
     marker = os.path.join(folder, SWEPT)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         if now - os.stat(marker).st_mtime < 86400:
             return 0
-    except FileNotFoundError:
-        pass
     try:
-        with open(marker, 'a', encoding='utf-8'):
-            pass
+        open(marker, 'a', encoding='utf-8').close()
         os.utime(marker, (now, now))
         entries = list(os.scandir(folder))
     except OSError:

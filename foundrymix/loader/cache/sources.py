@@ -1,25 +1,20 @@
-"""Where each stream's shard files are read, and fetched from if they may be missing there.
-
-Part of :mod:`foundrymix.loader.cache`: a remote stream is read from its cache directory; a
-compressed local stream is unpacked into the foundrymix cache (never into the user's
-directory); an uncompressed local stream is read where it is.
+"""Where each stream's shard files are read, and fetched from if they may be missing there: a remote
+stream's cache directory; the foundrymix cache for a compressed local stream (unpacked there, never
+in the user's directory); an uncompressed local stream where it is.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from foundrymix.loader.cache.hashes import hash_algorithm
+from foundrymix.loader.cache.hashes import cache_file, hash_algorithm
 
 
 @dataclass
 class Source:
-    """Where one stream's shard files are read (``directory``) and, if they may be missing
-    there, fetched from (``remote``: a remote directory, or the user's directory of a
-    compressed local stream, whose shards are unpacked into the cache)."""
+    """One stream's shard files: read in ``directory``, fetched from ``remote`` (a remote, or a
+    compressed local stream's directory) if set."""
 
     name: str
     directory: str
@@ -31,13 +26,6 @@ class Source:
     foundry: Optional[tuple[str, str, Optional[int], int, str]] = None
 
 
-def unpack_directory(cache_root: Optional[str], directory: str) -> str:
-    """Where a compressed local stream's shards are unpacked: the foundrymix cache."""
-    from foundrymix.plan.config import cache_base
-    key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
-    return os.path.join(cache_base(cache_root), 'unpacked', key)
-
-
 def sources_of(infos: list[Any], config: Any) -> list[Source]:
     """The stores' sources for catalog infos (after the cache claimed their directories)."""
     out = []
@@ -47,8 +35,8 @@ def sources_of(infos: list[Any], config: Any) -> list[Source]:
         if info.remote_dir:
             out.append(Source(info.name, info.directory, info.remote_dir, shards, algo))
         elif any(s.get('zip_data') for s in shards):
-            out.append(Source(info.name, unpack_directory(config.cache_root, info.directory),
-                              info.directory, shards, algo))
+            unpacked = cache_file(config.cache_root, 'unpacked', info.directory)
+            out.append(Source(info.name, unpacked, info.directory, shards, algo))
         else:
             out.append(Source(info.name, info.directory, None, shards, algo))
         m = info.manifest

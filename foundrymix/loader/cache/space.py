@@ -1,20 +1,16 @@
-"""Whether the shards fit: ``cache_limit`` and the cache disk's free space, checked before
-the first batch. Part of :mod:`foundrymix.loader.cache`.
-"""
+"""Whether the shards fit: ``cache_limit`` and the cache disk's free space, checked before the
+first batch."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
-import logging
 import os
 import shutil
 from typing import Any
 
 from foundrymix.config import ConfigError
-
-log = logging.getLogger(__name__)
-
 
 
 def _shard_sizes(shard: dict[str, Any]) -> tuple[str, int, int]:
@@ -27,34 +23,25 @@ def _present(directory: str, shard: dict[str, Any]) -> bool:
     for key in ('raw_data', 'zip_data'):
         f = shard.get(key)
         if f:
-            try:
+            with contextlib.suppress(OSError):
                 if os.stat(os.path.join(directory, f['basename'])).st_size == int(f['bytes']):
                     return True
-            except OSError:
-                pass
     return False
 
 
 def remove_plain_file(path: str, removed: list[str]) -> None:
     """Remove ``path`` if it is a regular file (never a link or a directory: what it points
     to may be the user's); append it to ``removed``. Gone already is fine."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         if os.path.isfile(path) and not os.path.islink(path):
             os.remove(path)
             removed.append(path)
-    except FileNotFoundError:
-        pass
 
 
 def min_cache_limit(infos: list[Any]) -> tuple[int, str, str, int]:
-    """The minimum ``cache_limit`` for these streams, and the shard that sets it.
-
-    Returns (minimum bytes, stream, shard file, that shard's raw + zip bytes): 4 x the
-    largest shard of any stream (raw plus compressed: a compressed shard is held in both
-    forms while it is unpacked), so fetches of several processes fit beside the shards
-    being read; and more than all ``index.json`` files. The rule is streaming's, so a
-    config that ran before still runs.
-    """
+    """(minimum ``cache_limit``, stream, shard file, its raw + zip bytes): 4 x the largest shard
+    (held in both forms while unpacked), so several processes' fetches fit beside the shards
+    being read, and more than all ``index.json`` files -- streaming's rule, so old configs run."""
     best = (0, '', '', 0)
     index_bytes = 0
     for info in infos:
@@ -70,14 +57,9 @@ def min_cache_limit(infos: list[Any]) -> tuple[int, str, str, int]:
 
 
 def check_space(config: Any, infos: list[Any], where: str) -> None:
-    """Refuse, before the first batch, a ``cache_limit`` the loader cannot work with and a
-    cache disk without room for what the run downloads.
-
-    The need on a filesystem is the bytes of the shards its remote streams do not hold
-    yet (raw form, plus compressed if ``keep_zip``, plus room for one compressed shard
-    being unpacked), capped by ``cache_limit`` when set: with a limit the loader evicts
-    shards so the cache never holds more.
-    """
+    """Refuse a ``cache_limit`` the loader cannot work with, and a filesystem without room for
+    the shards not cached yet (raw, compressed too with ``keep_zip``, one being unpacked),
+    capped by ``cache_limit`` (the loader then evicts)."""
     from foundrymix.format.mds import size_limit_bytes
     limit = config.cache_limit
     if isinstance(limit, str):
@@ -88,8 +70,6 @@ def check_space(config: Any, infos: list[Any], where: str) -> None:
                               f'(bytes, or e.g. "200mb", "10gb")') from e
     local_only = [i.name for i in infos if not i.remote_dir]
     if limit and local_only:
-        # the budget evicts shard files to stay under the limit: a stream without a remote
-        # has only its local files
         raise ConfigError(
             f'{where}.cache_limit: stream(s) {", ".join(local_only)} have no remote, and the '
             f'loader would evict -- delete -- their shard files to keep the cache under the limit. '

@@ -1,9 +1,5 @@
-"""What a killed run left in a cache directory: partial files, removed before the next run.
-
-Part of :mod:`foundrymix.loader.cache`. A fetch writes ``<file>.part-<pid>[-<hex>]`` and
-renames it when whole; a run killed mid-fetch leaves the partial file, never read but
-filling the disk. Removed here when its process is gone and the index names its file
-(older streaming temporaries, ``<file>.tmp`` and boto3's ``<file>.<8 hex>``, too).
+"""What a killed run left in a cache directory: ``<file>.part-<pid>[-<hex>]`` of a dead process
+(older ``<file>.tmp`` and boto3's ``<file>.<8 hex>`` too) whose file the index names, removed.
 """
 
 from __future__ import annotations
@@ -27,11 +23,9 @@ def clean_stale(directory: str, stream_dirs: list[tuple[str, dict[str, Any]]]) -
     (call only on a directory no live run holds); returns what was removed."""
     removed: list[str] = []
     for stream_dir, index in stream_dirs:
-        names = {'index.json', 'foundrymix.json'}
-        for shard in index.get('shards', []):
-            for key in ('raw_data', 'zip_data'):
-                if shard.get(key):
-                    names.add(shard[key]['basename'])
+        names = {'index.json', 'foundrymix.json'} | {
+            shard[key]['basename'] for shard in index.get('shards', []) for key in ('raw_data', 'zip_data')
+            if shard.get(key)}
         try:
             listing = os.listdir(stream_dir)
         except FileNotFoundError:
