@@ -79,7 +79,7 @@ def plain_batch(G: int, seq: int, rounds: int) -> list[float]:
     loader = build_run_loader(run, G)
     it = iter(loader)
     next(it)  # the dataset is built; shards opened
-    dataset = loader._active.dataset
+    dataset = loader.storage
     c = loader.position.adaptive[0]
     ids = c.segment_ids(0).reshape(-1, G)
     out = []
