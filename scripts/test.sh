@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest "$@"
+# two test processes where there are two cores (a file's tests stay together: its module fixtures are
+# built once); `-n 0` after it runs them in this process
+exec .venv/bin/python -m pytest -n auto --maxprocesses 2 --dist loadfile "$@"
