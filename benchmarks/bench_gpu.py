@@ -1,17 +1,18 @@
 """Training throughput on a GPU: tokens/s per GPU, MFU and the loader's share of the step.
 
-A ~125M-parameter Llama (hidden 768, 12 layers, 12 heads, intermediate 2048, vocab 32000;
+Llamas of :data:`MODELS` (125M: hidden 768, 12 layers; 1.3B: LLM-Foundry's MPT-1B shape;
 ``attention: document``, ``amp_bf16``, ``max_seq_len 2048``) trained through
 ``foundrymix.train.builder.build_trainer`` on the mixed loader: two pretrain streams and
 one finetune stream of synthetic MDS rows (``tests/mix_helpers.build_stream``: pretrain
 rows hold two documents each, finetune rows two short examples and padding). One trainer
-per configuration, in this order: ``sdpa`` / ``flash_attention_2`` x FSDP none /
-``FULL_SHARD``; a configuration that cannot run here (FSDP without CUDA, flash-attn not
-installed) is reported as skipped with the reason, one that fails with its error.
-One process, one GPU (``FULL_SHARD`` on one GPU shards nothing but runs FSDP's wrapping,
-mixed precision and collectives): the numbers are per GPU.
+per row ``MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH[/pin|nopin]`` (the last: the loader's
+``pin_memory``, default the loader's own), each in its own process on a GPU; a row that
+cannot run here (FSDP without CUDA, flash-attn not installed) is reported as skipped with
+the reason, one that fails with its error. One process, one GPU (``FULL_SHARD`` on one GPU
+shards nothing but runs FSDP's wrapping, mixed precision and collectives): the numbers are
+per GPU.
 
-    .venv/bin/python benchmarks/bench_gpu.py [--steps 30] [--warmup 5] [--batch 8] [--json out.json]
+    .venv/bin/python benchmarks/bench_gpu.py [--rows ROW,...] [--steps 20] [--warmup 5] [--json out.json]
     .venv/bin/python benchmarks/bench_gpu.py --device cpu --tiny     # CI: a tiny model, seconds
 
 Measured per step after ``--warmup`` steps, by a callback appended to the trainer:
@@ -20,11 +21,12 @@ Measured per step after ``--warmup`` steps, by a callback appended to the traine
   at ``batch_end``, so the GPU's work is inside its step and the loader wait is an upper
   bound: no overlap of the next batch's loading with GPU work is credited);
 * loader wait: ``before_dataloader`` -> ``after_dataloader``: Composer's ``next()`` on the
-  DataLoader, its copy of the batch to the device and the ``after_dataloader`` callbacks before
-  this one; loader share = sum(wait) / sum(step), goal < 1 %. Split into its parts: the time
-  inside the DataLoader iterator's ``__next__`` (``next ms``: the loader proper, workers'
-  batches handed over), foundrymix's ``StreamAccounting.after_dataloader`` (``count ms``) and
-  the rest (Composer's transfer to the device and bookkeeping);
+  DataLoader, its bookkeeping and the ``after_dataloader`` callbacks before this one (Composer
+  copies each microbatch to the device later, in the step); loader share = sum(wait) /
+  sum(step), goal < 0.5 %. The time inside the DataLoader iterator's ``__next__`` (``next ms``:
+  workers' batches handed over, by the pin thread with ``pin_memory``) is shown apart, and so is
+  foundrymix's per-stream count (``count ms``, ``StreamAccounting.after_train_batch``: in the
+  step while the GPU works, not in the wait);
 * tokens/s per GPU: positions computed (device batch x ``max_seq_len``) / step time, and
   the real (non-pad) tokens / step time;
 * MFU: ``(6 N + 12 L d S) * positions/s / peak`` (the PaLM appendix B estimate, N = the
@@ -50,7 +52,8 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from unittest import mock
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -92,21 +95,26 @@ class Row:
     fused: bool
     fsdp: Optional[str]
     batch: int
+    pin: Optional[bool] = None  # train_loader.pin_memory; None: the loader's default
 
     @classmethod
     def parse(cls, text: str) -> 'Row':
         try:
-            model, attn, comp, loss, fsdp, batch = text.split('/')
+            model, attn, comp, loss, fsdp, batch, *pin = text.split('/')
             assert model in MODELS and attn in ATTN and comp in ('eager', 'compile') and loss in ('full', 'fused')
-            return cls(model, attn, comp == 'compile', loss == 'fused', None if fsdp == 'none' else fsdp, int(batch))
+            assert len(pin) <= 1 and set(pin) <= {'pin', 'nopin'}
+            return cls(model, attn, comp == 'compile', loss == 'fused', None if fsdp == 'none' else fsdp, int(batch),
+                       pin[0] == 'pin' if pin else None)
         except (ValueError, AssertionError):
-            raise SystemExit(f'bench_gpu: row {text!r}: write MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH with '
+            raise SystemExit(f'bench_gpu: row {text!r}: write MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH[/PIN] with '
                              f'MODEL in {sorted(MODELS)}, ATTENTION in {sorted(ATTN)}, COMPILE eager|compile, '
-                             f'LOSS full|fused, FSDP none|FULL_SHARD|..., e.g. 125m/flex/compile/fused/none/16') from None
+                             f'LOSS full|fused, FSDP none|FULL_SHARD|..., PIN pin|nopin (default: the loader\'s), '
+                             f'e.g. 125m/flex/compile/fused/none/16') from None
 
     def __str__(self) -> str:
         return (f"{self.model}/{self.attn}/{'compile' if self.compile else 'eager'}/"
-                f"{'fused' if self.fused else 'full'}/{self.fsdp or 'none'}/{self.batch}")
+                f"{'fused' if self.fused else 'full'}/{self.fsdp or 'none'}/{self.batch}"
+                f"{'' if self.pin is None else '/pin' if self.pin else '/nopin'}")
 
 
 @contextlib.contextmanager
@@ -180,6 +188,7 @@ class Result:
     loss: str = 'full'
     fsdp: str = 'none'
     batch: int = 0                        # device batch = microbatch
+    pin: Optional[bool] = None            # pin_memory of the DataLoaders that were read
     precision: str = ''
     status: str = 'ok'                    # ok | skipped: <why> | error: <what>
     steps: int = 0
@@ -194,10 +203,10 @@ class Result:
     loader_wait_ms: float = 0.0           # median
     next_ms: float = 0.0                  # median time inside the DataLoader iterator's __next__
     next_max_ms: float = 0.0              # the slowest __next__ of the measured steps
-    count_ms: float = 0.0                 # median StreamAccounting.after_dataloader
+    count_ms: float = 0.0                 # median StreamAccounting.after_train_batch
     attention: str = 'document'
     wait_max_ms: float = 0.0
-    #: per measured step (JSON only): loader wait, time in __next__, in StreamAccounting.after_dataloader
+    #: per measured step (JSON only): loader wait, time in __next__, in StreamAccounting.after_train_batch
     waits_ms: list = field(default_factory=list)
     nexts_ms: list = field(default_factory=list)
     counts_ms: list = field(default_factory=list)
@@ -267,13 +276,14 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
         result.status = reason
         return result
     model = dict(MODELS[row.model], attn_implementation=ATTN[row.attn], attention=args.attention)
+    model['max_position_embeddings'] = max(model['max_position_embeddings'], args.seq)
     if row.fused:
         model['fused_loss'] = True
     name = str(row).replace('/', '-')
     top: dict[str, Any] = {
         'run_name': f'bench-{name}', 'seed': 1, 'max_seq_len': args.seq, 'model': model,
         'train_loader': {'streams': {n: {'local': d} for n, d in dirs.items()}, 'shuffle': True,
-                         'num_workers': args.workers, 'pin_memory': args.pin_memory},
+                         'num_workers': args.workers, **({} if row.pin is None else {'pin_memory': row.pin})},
         'global_train_batch_size': row.batch * dist.get_world_size(),
         'max_duration': f'{args.warmup + args.steps}ba', 'optimizer': {'lr': 1e-4},
         'device': args.device, 'precision': precision,
@@ -301,14 +311,23 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
             pauses.append((info['generation'], (time.perf_counter() - gc_clock.pop('start')) * 1e3, timer.in_wait))
 
     gc.callbacks.append(on_gc)
+    pinned: set[bool] = set()
+    iter_of = torch.utils.data.DataLoader.__iter__
+
+    def recorded_iter(loader: Any) -> Any:  # each span's DataLoader: its pin_memory, as it was given
+        pinned.add(bool(loader.pin_memory))
+        return iter_of(loader)
+
     try:
-        with timing(torch.utils.data.dataloader._BaseDataLoaderIter, '__next__', nexts), \
-                timing(run.accounting, 'after_dataloader', counts):
+        with mock.patch.object(torch.utils.data.DataLoader, '__iter__', recorded_iter), \
+                timing(torch.utils.data.dataloader._BaseDataLoaderIter, '__next__', nexts), \
+                timing(run.accounting, 'after_train_batch', counts):
             run.trainer.fit()
     finally:
         gc.callbacks.remove(on_gc)
         run.trainer.close()
         run.claims.release()
+    result.pin = pinned.pop() if len(pinned) == 1 else None
     if row.compile:
         from torch._dynamo.utils import counters  # dynamo's own tally (a benchmark may read it)
         result.graphs = int(counters['stats']['unique_graphs'])
@@ -357,7 +376,7 @@ def run_row(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
     out = os.path.join(work, f'{str(row).replace("/", "-")}.json')
     cmd = [sys.executable, os.path.abspath(__file__), '--device', args.device, '--rows', str(row), '--no-isolate',
            '--steps', str(args.steps), '--warmup', str(args.warmup), '--workers', str(args.workers),
-           '--attention', args.attention, *(['--pin-memory'] if args.pin_memory else []), '--data', os.path.dirname(dirs['web']), '--json', out]
+           '--attention', args.attention, '--seq', str(args.seq), '--data', os.path.dirname(dirs['web']), '--json', out]
     if args.peak_flops:
         cmd += ['--peak-flops', str(args.peak_flops)]
     if args.tiny:
@@ -378,19 +397,20 @@ def run_row(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
 def print_table(results: list[Result], device: str, args: argparse.Namespace) -> None:
     from composer.utils import dist
     print(f'bench_gpu: {device}, {dist.get_world_size()} rank(s), seq {args.seq}, {args.attention} attention, '
-          f'{args.workers} workers{" (pin_memory)" if args.pin_memory else ""}, {args.steps} steps after '
+          f'{args.workers} workers, {args.steps} steps after '
           f'{args.warmup}; torch {torch.__version__}'
           f'{", CUDA " + str(torch.version.cuda) if torch.cuda.is_available() else ""}')
     print(f'{"model":<6} {"N":>6} {"attn":<6} {"compile":<8} {"loss":<6} {"prec":<9} {"fsdp":<10} {"micro":>5} '
-          f'{"tok/s/GPU":>10} {"MFU":>6} {"mem GB":>6} {"step ms":>8} {"loader":>7} {"next ms":>7} '
+          f'{"pin":>3} {"tok/s/GPU":>10} {"MFU":>6} {"mem GB":>6} {"step ms":>8} {"loader":>7} {"next ms":>7} '
           f'{"max ms":>7} {"graphs":>6}  status')
     for r in results:
         mfu = f'{r.mfu:6.1%}' if r.mfu is not None else '     -'
         mem = f'{r.peak_mem_gb:6.1f}' if r.peak_mem_gb is not None else '     -'
         graphs = f'{r.graphs}+{r.recompiles}' if r.graphs is not None else '-'
+        pin = '-' if r.pin is None else 'yes' if r.pin else 'no'
         params = (f'{r.params / 1e6:.0f}M' if r.params >= 1e7 else f'{r.params / 1e6:.2f}M') if r.params else '-'
         print(f'{r.model:<6} {params:>6} {r.attn:<6} {"compile" if r.compile else "eager":<8} {r.loss:<6} '
-              f'{r.precision:<9} {r.fsdp:<10} {r.batch:>5} {r.positions_per_s:>10,.0f} {mfu} {mem} '
+              f'{r.precision:<9} {r.fsdp:<10} {r.batch:>5} {pin:>3} {r.positions_per_s:>10,.0f} {mfu} {mem} '
               f'{r.step_s * 1e3:>8.1f} {r.loader_share:>7.2%} {r.next_ms:>7.2f} {r.next_max_ms:>7.1f} '
               f'{graphs:>6}  {r.status}')
 
@@ -406,7 +426,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument('--workers', type=int, default=None, help='DataLoader workers (default 4; --tiny 0)')
     p.add_argument('--attention', choices=('document', 'causal'), default='document',
                    help="the model's attention: document (block-diagonal per document, default) or causal")
-    p.add_argument('--pin-memory', action='store_true', help='train_loader.pin_memory: true in every row')
+    p.add_argument('--pin-memory', choices=('pin', 'nopin'), default=None,
+                   help='train_loader.pin_memory in every row that does not set it (default: the loader\'s)')
+    p.add_argument('--seq', type=int, default=None, help='max_seq_len (default 2048; --tiny 64)')
     p.add_argument('--peak-flops', type=float, default=None, help='peak bf16 FLOP/s of one GPU, for MFU')
     p.add_argument('--isolate', action=argparse.BooleanOptionalAction, default=None,
                    help='each row in its own process (default on a GPU)')
@@ -414,13 +436,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument('--data', default=None, help=argparse.SUPPRESS)  # the streams, built by the parent
     p.add_argument('--json', default=None, help='also write the results here')
     args = p.parse_args(argv)
-    args.seq = 64 if args.tiny else 2048
+    if args.seq is None:
+        args.seq = 64 if args.tiny else 2048
     for name, full, tiny in (('steps', 20, 4), ('warmup', 5, 1), ('workers', 4, 0)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
     if args.isolate is None:
         args.isolate = args.device == 'gpu'
     rows = [Row.parse(r) for r in (args.rows.split(',') if args.rows else TINY_ROWS if args.tiny else GPU_ROWS)]
+    if args.pin_memory:
+        rows = [r if r.pin is not None else replace(r, pin=args.pin_memory == 'pin') for r in rows]
     most = max(r.batch for r in rows)
     n_rows = max(64, (args.warmup + args.steps) * most * 8)  # the streams outlast the run
 

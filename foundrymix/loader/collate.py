@@ -33,6 +33,9 @@ class Batch(dict):
             return _rebuild_batch, (self._buffer, self._layout)
         return Batch, (dict(self),)
 
+    def __copy__(self) -> 'Batch':  # what pin_memory does: copy, then pin the values (no decode)
+        return Batch(self)
+
     def _intact(self) -> bool:
         """True while the values are still exactly the views this batch was built with."""
         ptr = self._buffer.data_ptr()

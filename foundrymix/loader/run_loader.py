@@ -1,8 +1,7 @@
 """The run's one DataLoader: every stage's batches in the plan's order, switched at exact batches.
 Its ``dataset`` is the run's position (:mod:`foundrymix.loader.position`), what Composer saves and
 loads; its iterator reads spans (:mod:`foundrymix.loader.span`), so a resume at any batch, on any
-number of ranks with the same global batch, replays nothing.
-"""
+number of ranks with the same global batch, replays nothing."""
 
 from __future__ import annotations
 
@@ -140,9 +139,11 @@ class StagedDataLoader(DataLoader):
             except Exception as e:
                 failure = e
             self._agree(failure)
-            batch['stream_id'] = stream_map[batch['stream_id']]
+            ids = batch['stream_id']  # in place: a pinned batch stays pinned
+            ids.copy_(stream_map[ids])
             if self.run.explicit:
-                batch['stage_id'] = torch.full_like(batch['stream_id'], stage.index)
+                stage_id = torch.full_like(ids, stage.index)
+                batch['stage_id'] = stage_id.pin_memory() if ids.is_pinned() else stage_id
             position.batch += 1
             yield batch
 

@@ -1,14 +1,14 @@
 """A span of global batches ``[first, end)`` of one stage: this rank's rows of each, read by index
 in DataLoader workers. The order maps any batch to its rows (no sampler state), so resuming is
 starting a span there; a span ends where the order is not yet known (an adaptive segment) or an
-iteration ends. Worker ``w`` of ``W`` reads batches ``first + w, first + w + W, ...``, in turn.
-"""
+iteration ends. Worker ``w`` of ``W`` reads batches ``first + w, first + w + W, ...``, in turn."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from foundrymix.format import streaming_format
@@ -65,15 +65,13 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
-def span_loader(span: Span, num_workers: int, pin_memory: bool = False, timeout: float = 0,
+def span_loader(span: Span, num_workers: int, pin_memory: Optional[bool] = None, timeout: float = 0,
                 prefetch_factor: Optional[int] = None) -> DataLoader:
     """A DataLoader over a span: collated batches in order; never more workers than batches,
     forked after streaming's format modules are imported here (else each imports streaming)."""
     workers = min(num_workers, len(span))
-    extra: dict[str, Any] = {}
+    extra = {'prefetch_factor': prefetch_factor} if workers > 0 and prefetch_factor is not None else {}
     if workers > 0:
         streaming_format.load()
-        if prefetch_factor is not None:
-            extra['prefetch_factor'] = prefetch_factor
-    return DataLoader(span, batch_size=None, collate_fn=_as_is, num_workers=workers,
-                      pin_memory=pin_memory, timeout=timeout if workers > 0 else 0, **extra)
+    return DataLoader(span, batch_size=None, collate_fn=_as_is, num_workers=workers, timeout=timeout if workers else 0,
+                      pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory, **extra)

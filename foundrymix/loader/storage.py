@@ -1,8 +1,7 @@
 """``RowStore``: the rows of one stage by sample id (streams numbered in config order), checked.
 Only verified bytes are trained: a shard file is hashed against ``index.json`` when first opened
 (docs/safety.md); remote and compressed shards are fetched or unpacked into the cache, never the
-user's directory. Every failure names the stream, the shard (and row) and what to do.
-"""
+user's directory. Every failure names the stream, the shard (and row) and what to do."""
 
 from __future__ import annotations
 

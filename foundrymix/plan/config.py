@@ -103,7 +103,8 @@ class LoaderConfig:
     download_timeout: float = 60
     prefetch_factor: Optional[int] = None
     persistent_workers: bool = False
-    pin_memory: bool = False
+    #: batches in page-locked memory, copied to the GPU asynchronously (None: where CUDA is available)
+    pin_memory: Optional[bool] = None
     drop_last: bool = True
     download_retry: int = 2
     #: the tokenizer of LLM-Foundry token-shard streams that name none (the YAML's top-level one)

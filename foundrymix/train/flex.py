@@ -58,6 +58,19 @@ def flex_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
 
 
 @functools.lru_cache(maxsize=1)
+def trains_on_cpu() -> bool:
+    """Whether this torch's FlexAttention has a backward on the CPU (torch 2.7 has; 2.11 refuses
+    it at the forward of a tensor that needs a gradient), tried once on a 16 x 16 head."""
+    from torch.nn.attention.flex_attention import flex_attention
+    q = torch.zeros(1, 1, 16, 16, requires_grad=True)
+    try:
+        flex_attention(q, q, q).sum().backward()
+    except NotImplementedError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
 def register() -> str:
     """Register :func:`flex_forward` and transformers' own FlexAttention mask builder under
     :data:`REGISTERED`; returns the name to give as a config's ``_attn_implementation``."""

@@ -142,7 +142,8 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
     """Refuse, one :class:`ConfigError` per key (all at once), what Composer refuses at start:
     ``device_train_microbatch_size: auto`` or ``fsdp`` off a GPU, a ``precision`` other than
     fp32 on the CPU, a ``precision`` Composer does not know, a ``load_path`` that is not a
-    local file or ``s3://``, a ``t_warmup`` in another unit than ``max_duration`` (the one
+    local file or ``s3://``, ``flex_attention`` on the CPU of a torch without its CPU backward,
+    a ``t_warmup`` in another unit than ``max_duration`` (the one
     Composer is given, :func:`composer_max_duration`). Returns ``max_duration`` and ``t_warmup``
     as Composer is to be given them. ``device()`` (this machine's, for ``device: auto``) is
     called only when a device-bound setting is used.
@@ -164,10 +165,19 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
     elif cfg.precision not in ('auto', 'fp32'):
         not_cpu.append(f'precision: {cfg.precision} needs a GPU, and this run is on {{where}}: give '
                        f'precision: fp32 (or auto: fp32 on CPU, amp_bf16 on GPU)')
-    if gpu_only or not_cpu:
+    flex = getattr(cfg.model, 'attn_implementation', None) == 'flex_attention'
+    if gpu_only or not_cpu or flex:
         resolved = cfg.device if cfg.device != 'auto' else device()
         where = ('the CPU (device: auto, and this machine has no GPU)' if cfg.device == 'auto'
                  else f'device: {cfg.device}')
+        if flex and resolved == 'cpu':
+            import torch
+
+            from foundrymix.train.flex import trains_on_cpu
+            if not trains_on_cpu():
+                gather.add(ConfigError(f'model.attn_implementation: flex_attention has no backward on the CPU in '
+                                       f'torch {torch.__version__}, and this run is on {where}: give '
+                                       f'attn_implementation: sdpa for a CPU run (flex_attention on a GPU)'))
         for message in gpu_only if resolved != 'gpu' else []:
             gather.add(ConfigError(message.format(where=where)))
         for message in not_cpu if resolved == 'cpu' else []:

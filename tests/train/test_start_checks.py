@@ -129,3 +129,26 @@ def test_on_a_gpu_the_gpu_settings_pass_and_device_cpu_is_named(run_yaml):
     with pytest.raises(ConfigError, match=r"^precision: 'bf16' is not one of auto, fp32, amp_fp16, amp_bf16, "
                                           r"amp_fp8 \(auto: fp32 on CPU, amp_bf16 on GPU\)$"):
         check_start(load_config(str(run_yaml), ['precision=bf16']), run, device=lambda: 'gpu')
+
+
+def test_flex_attention_on_a_cpu_without_its_backward_is_refused_at_start(run_yaml, monkeypatch):
+    """torch 2.11's FlexAttention has no CPU backward: it raises at the first training forward,
+    mid-fit. Given such a torch (the probe answering no), a CPU run is refused at start naming the
+    key and the fix; a GPU run passes; with the probe answering yes the CPU run passes."""
+    from foundrymix.plan.stages import Topology, plan_run
+    from foundrymix.train import flex
+    from foundrymix.train.config import load_config
+    from foundrymix.train.preflight import check_start
+
+    cfg = load_config(str(run_yaml), ['model.attn_implementation=flex_attention'])
+    run, _ = plan_run(cfg.train_loader, 4, cfg.max_duration, Topology(nodes=1, ranks_per_node=1))
+    monkeypatch.setattr(flex, 'trains_on_cpu', lambda: True)
+    assert check_start(cfg, run, device=lambda: 'cpu') == ('6ba', '0ba')
+    monkeypatch.setattr(flex, 'trains_on_cpu', lambda: False)
+    assert check_start(cfg, run, device=lambda: 'gpu') == ('6ba', '0ba')
+    with pytest.raises(ConfigError) as err:
+        check_start(cfg, run, device=lambda: 'cpu')
+    assert str(err.value) == (
+        f'model.attn_implementation: flex_attention has no backward on the CPU in torch '
+        f'{__import__("torch").__version__}, and this run is on {WHERE}: give attn_implementation: sdpa '
+        f'for a CPU run (flex_attention on a GPU)')

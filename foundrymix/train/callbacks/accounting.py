@@ -65,7 +65,7 @@ def count(batch: Mapping[str, torch.Tensor], n_streams: int) -> np.ndarray:
     From the batch itself: ``stream_id`` per row, ``attention_mask`` (real tokens) and
     ``labels`` (``IGNORE_INDEX`` where there is no loss).
 
-    Why numpy: the batch is still on the host at ``after_dataloader``, and torch's CPU
+    Why numpy: the batch is on the host at ``after_train_batch``, and torch's CPU
     reductions hand a large tensor to its OpenMP pool, whose wake-up competes with the loader
     workers; numpy sums on the calling thread. A batch already on the device is copied back
     first (one small sync per batch).
@@ -144,11 +144,6 @@ class StreamAccounting(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         self._device = state.device
 
-    def after_dataloader(self, state: State, logger: Logger) -> None:
-        counts = count(state.batch, len(self.stream_names))
-        self._pending += counts
-        if self.stage_names is not None:  # a batch never straddles two stages
-            self._pending_stages[int(state.batch['stage_id'].reshape(-1)[0])] += counts
 
     def before_train_batch(self, state: State, logger: Logger) -> None:
         """Start the batch's loss over: Composer 0.32 (``device_train_microbatch_size: auto``)
@@ -159,6 +154,13 @@ class StreamAccounting(Callback):
             self._loss_batch.zero_()
 
     def after_train_batch(self, state: State, logger: Logger) -> None:
+        """Count the batch (``state.batch``: Composer has put the whole host batch back) and add
+        its loss. Counted here rather than at ``after_dataloader`` so that counting runs while
+        the GPU still works on the batch, not before the step can start."""
+        counts = count(state.batch, len(self.stream_names))
+        self._pending += counts
+        if self.stage_names is not None:  # a batch never straddles two stages
+            self._pending_stages[int(state.batch['stage_id'].reshape(-1)[0])] += counts
         if self._loss_batch is not None:
             if self._loss_pending is None:
                 self._loss_pending = torch.zeros_like(self._loss_batch)
