@@ -50,7 +50,7 @@ status=0
 echo "gpu_check: CUDA tests ..."
 # shellcheck disable=SC2086  # a list of test paths
 timeout "${GPU_CHECK_TEST_TIMEOUT:-1200}" "$PY" -m pytest -q -rs -p no:cacheprovider \
-  ${GPU_CHECK_TESTS:-tests/train/test_collectives.py tests/train/test_gpu_settings.py tests/train/test_gpu_runs.py tests/train/test_fast_paths.py} \
+  ${GPU_CHECK_TESTS:-tests/train/test_collectives.py tests/train/test_gpu_settings.py tests/train/test_gpu_runs.py tests/train/test_fast_paths.py tests/loader/test_pin_memory.py} \
   2>&1 | tee -a "$OUT/tests.log" || status=1
 echo "gpu_check: benchmarks/bench_gpu.py ..."
 "$PY" benchmarks/bench_gpu.py --device gpu --json "$OUT/bench_gpu.json" "$@" 2>"$OUT/bench_gpu.err" \
