@@ -117,6 +117,7 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
     eval_mixer = check_eval_streams(cfg, cfg.max_seq_len, tokenizer)
     eval_batch = cfg.device_eval_batch_size or device_batch
     loader = eval_mixer.build_dataloader(batch_size=eval_batch, rewind=True)
+    loader.stop_together = StopTogether()  # a damaged eval shard stops every rank too, at its batch
     left = {n: k for n, k in loader.run.stages[0].plan.left_out_per_epoch.items() if k}
     if left:  # an evaluation is whole global batches: say which rows it leaves out
         log.warning('eval_loader: every evaluation reads whole global batches of %d rows, so %s '

@@ -327,3 +327,40 @@ def test_a_damaged_shard_one_rank_reads_stops_both_training_ranks_each_naming_it
     assert errors[1] == [f'foundrymix train: error: {damaged}']
     assert errors[0] == ['foundrymix train: error: rank 1 could not read its rows of this batch, so '
                          f'every rank stops here: CorruptLocalShardError: {damaged}']
+
+
+@pytest.mark.slow  # two train.py ranks on gloo, started as the launcher starts them
+def test_a_damaged_eval_shard_one_rank_reads_stops_both_ranks_each_naming_it(data, tmp_path):
+    """As above, with the damaged shard in the ``eval_loader`` (the training streams intact):
+    the evaluation's loader agrees before each batch as the training loader does. Without it,
+    rank 0 ended with exit code 1 in a collective that lost rank 1, naming no shard."""
+    arxiv = copy_stream(Path(data['arxiv']), tmp_path / 'eval-arxiv')
+    g, k, _ = rank_one_only(arxiv)
+    flip_bits(arxiv, k, 0, token=10)
+    shard = index_of(arxiv)['shards'][k]['raw_data']['basename']
+    cfg = tmp_path / 'c.yaml'
+    cfg.write_text(yaml.safe_dump(tiny_run_config(
+        {'streams': {'arxiv': {'local': data['arxiv']}}, 'num_workers': 0}, run_name='stop-together-eval',
+        global_train_batch_size=4, max_duration='2ba', eval_interval='1ba', device_eval_batch_size=g // 2,
+        eval_loader={'streams': {'arxiv': {'local': str(arxiv)}}, 'shuffle': False, 'num_workers': 1},
+        save_folder=str(tmp_path / 'ckpt'))), encoding='utf-8')
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, 'FOUNDRYMIX_CACHE': str(tmp_path / 'cache'), 'RANK': str(rank),
+               'LOCAL_RANK': str(rank), 'NODE_RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2',
+               'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / 'train.py'), str(cfg)], cwd=tmp_path,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        ends = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    damaged = shard_hash_error(arxiv, shard)
+    errors = [[line for line in err.splitlines() if line.startswith('foundrymix train: error:')]
+              for _, err in ends]
+    assert [p.returncode for p in procs] == [2, 2], [err[-3000:] for _, err in ends]
+    assert errors[1] == [f'foundrymix train: error: {damaged}']
+    assert errors[0] == ['foundrymix train: error: rank 1 could not read its rows of this batch, so '
+                         f'every rank stops here: CorruptLocalShardError: {damaged}']
