@@ -149,7 +149,7 @@ class LeanMDSWriter:
         ``(values, counts)`` for a 1-D column (every row's values back to back, each row's
         count), as :meth:`foundrymix.format.schema.RowBatch.columns` gives. Why: per row,
         :meth:`write` costs a dict, three encodes and a join, which made ``foundrymix
-        adopt`` of token shards ~50x slower than reading them; here the small columns are
+        adopt`` of token shards far slower than reading them; here the small columns are
         encoded with numpy for the whole batch and the rows are joined in one call.
         """
         parts, sizes = self._encode_batch(columns)

@@ -3,8 +3,8 @@
 Why this module: streaming's S3 downloader fails slowly and vaguely. It asks botocore for
 ``read_timeout=download_timeout`` but leaves ``connect_timeout`` at 60 s and botocore's
 retries on (3 attempts), and ``download_file`` first sends a HEAD request, whose error
-responses have no body: an endpoint that accepts connections and never answers took 68 s
-to fail with ``download_timeout: 20``, and wrong credentials, a missing bucket and a
+responses have no body: an endpoint that accepts connections and never answers failed
+long after ``download_timeout``, and wrong credentials, a missing bucket and a
 missing key all read "403"/"404" ("not found"). Here:
 
 * :class:`BoundedS3Downloader` (foundrymix's own: streaming's ``Stream`` offers no public

@@ -119,7 +119,7 @@ class AdaptiveMixing(Callback):
         planned rows, an adaptive stage's decided rows (every segment decided so far).
 
         Why: before the run the accounting can only know an adaptive stage's configured
-        start (the demo mix with ``ado``: 88.95 % arxiv planned, 91.25 % trained); the
+        start, which the trained shares leave behind; the
         decisions are the plan of its segments, whole rows that the loader trains exactly,
         so the end-of-run table compares what was trained with what was decided.
         """
