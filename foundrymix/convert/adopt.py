@@ -1,29 +1,13 @@
 """``foundrymix adopt``: existing MDS (LLM-Foundry's, streaming's) -> foundrymix datasets.
 
-What each kind of source becomes (found from the shards' columns, :func:`source_kind`):
-
-* ``tokens: ndarray:int32`` -- LLM-Foundry pretrain shards (``convert_dataset_hf`` /
-  ``convert_dataset_json`` / ``convert_text_to_mds`` with ``--concat_tokens``): windows of
-  exactly ``max_seq_len`` ids cut from one stream of tokenized documents, each with the
-  ``--bos_text``/``--eos_text`` ids around it (Foundry's ``ConcatTokensDataset``); the tail
-  after the last window is dropped. No tokenizer runs: the windows are joined back into
-  that stream in shard order, document ends are taken from the EOS ids in the data (or,
-  with no EOS, a document starts at each BOS; with neither, the stream is one document),
-  and the stream is cut by the pretrain row cutter (:class:`~foundrymix.convert.pretrain.
-  RowCutter`) into rows of ``--max-seq-len`` (default: the source's window length): with
-  the same length and separators, exactly the rows ``convert pretrain`` gives on the raw
-  corpus. The inference is recorded in the manifest (``options.source``) and printed.
-* ``text: str`` -- raw-text MDS (streaming's own, e.g. its examples' ``{'text': 'str'}``):
-  the normal pretrain path, tokenized with ``--tokenizer``.
-* ``prompt``/``response: str`` -- LLM-Foundry finetune shards written without a
-  tokenizer: the normal finetune path (loss on the response).
-* ``turns: json`` -- LLM-Foundry finetune shards written with a tokenizer: each turn's
-  ``input_ids`` (no loss) then ``labels`` (loss on every turn's, or the last one's with
-  ``chat_loss='last'``), already tokenized (no BOS/EOS added), packed as finetune rows.
-
-Everything else -- the output checks, atomic shards + manifest, ``--out s3://``, the
-summary -- is the shared driver (:mod:`foundrymix.convert.driver`). A root holding several
-splits (``<root>/train``, ``<root>/val``) gives one dataset per split, ``<out>/<split>``.
+The shards' columns say what a source is (:data:`KINDS`, :func:`source_kind`). ``text`` and
+``prompt``/``response`` take the normal pretrain/finetune paths. ``turns`` are packed as
+finetune rows from their ids as they are. ``tokens`` windows run no tokenizer: they are
+joined back into one stream in shard order, document ends are found from the EOS (else BOS)
+ids in the data, and the pretrain row cutter re-cuts the stream, so with the same length
+and separators the rows equal ``convert pretrain`` of the raw corpus. Output, checks and
+summary are the shared driver's; several splits give ``<out>/<split>`` each. docs/convert.md
+("Adopting existing MDS") has the details.
 """
 
 from __future__ import annotations
@@ -115,10 +99,7 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
 
 class _TokenRows(_PretrainRows):
     """Feeds the joined stream to the pretrain row cutter with document ends found in the data.
-
-    A document may run across shards: the cutter keeps the tokens after the last document
-    end it knows, so the first end in the next shard is measured from there (``open``).
-    """
+    A document may run across shards: the first end in a shard counts from the open one."""
 
     def __init__(self, setup: Setup, options: TokenOptions, manifest: Manifest) -> None:
         super().__init__(setup, options, manifest)
@@ -186,10 +167,9 @@ class AdoptArgs:
 def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], Optional[int], str]:
     """Where documents end: ``(boundary, id, window length of shard 0, statement)``.
 
-    Shards are read in order up to the first separator past the stream's first token: an
-    EOS means documents end after each EOS; a BOS not right after an EOS means documents
-    start at each BOS (data made without ``--eos_text``). A long document can fill many
-    shards, so one shard is not enough; data without either separator is read whole.
+    Shards are read in order up to the first separator past the stream's first token (a long
+    document can fill many shards): an EOS means documents end after each EOS; a BOS not
+    right after an EOS means documents start at each BOS.
     """
     from foundrymix.convert.mds_input import shard_count
     info = describe_tokenizer(tokenizer)
@@ -221,10 +201,8 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
 
 
 def no_separator_warning(inferred: str, tokenizer: str) -> str:
-    """What a stream with no separator of ``tokenizer`` may mean, said as a warning: token
-    shards hold no text, so a wrong tokenizer whose vocabulary covers the ids, or documents
-    joined by a separator of several ids (LLM-Foundry's ``--eos_text`` of several tokens),
-    look the same as one long document."""
+    """The warning for a stream with no separator of ``tokenizer``: a wrong tokenizer or a
+    separator of several ids looks the same as one long document."""
     return (f'warning: {inferred.split(":")[0]} of tokenizer {tokenizer!r} in the shards, so every row is '
             f'one document. If the documents had separators, they were not its single EOS/BOS ids: '
             f'the shards were made with another tokenizer (pass it with --tokenizer) or with an '
@@ -322,9 +300,8 @@ def _adopt_one(split: MdsSplit, kind: str, out: str, args: AdoptArgs, progress: 
 
 def _turns(rec: dict, vocab: int, chat_loss: str, loss_on_prompt: bool
            ) -> list[tuple[list[int], bool]] | BadRecord:
-    """A ``turns`` record as (ids, has loss) segments: each turn's ``input_ids`` (the prompt,
-    loss only with ``loss_on_prompt``) then its ``labels`` (the response: loss on every turn,
-    or on the last only with ``chat_loss='last'``, LLM-Foundry's ``target_responses``)."""
+    """A ``turns`` record as (ids, has loss) segments: each turn's ``input_ids`` (loss only with
+    ``loss_on_prompt``) then its ``labels`` (loss on every turn, or the last with ``'last'``)."""
     turns = rec.get('turns')
     if not isinstance(turns, list) or not turns:
         return BadRecord('missing_field', "field 'turns': expected a non-empty list of "
@@ -344,7 +321,7 @@ def _turns(rec: dict, vocab: int, chat_loss: str, loss_on_prompt: bool
 
 def _encode_turns(chunk: Chunk) -> _ChunkExamples:
     """Already tokenized finetune examples of one shard, laid out as ``convert finetune`` does
-    (no BOS/EOS added: the turns hold what Foundry's tokenizer call put in)."""
+    (no BOS/EOS added)."""
     w = worker_state()
     o: FinetuneOptions = w.options
     vocab = w.vocab_size
@@ -365,8 +342,7 @@ def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:
 
 
 def _as_source(base: Any) -> Any:
-    """Manifest options saying that no separator was inserted: the source's ids are kept as
-    they are (its own EOS/BOS, if any), whatever ``--bos``/``--eos`` say."""
+    """Manifest options saying no separator was inserted, whatever ``--bos``/``--eos`` say."""
     def options(o: Any, setup: Setup) -> dict[str, Any]:
         return dict(base(o, setup), separators={'bos': False, 'eos': False, 'as_source': True})
     return options

@@ -1,16 +1,10 @@
 """The one conversion driver: chunks -> workers -> rows -> shards, for every converter.
 
-Why one driver: pretrain and finetune differ only in how a chunk's records become
-token arrays (the *encode step*, run in the workers) and how those arrays become
-rows (the *row builder*, run in the calling thread: cutting a token stream, packing
-examples). Everything else -- set-up checks, the ordered parallel map, the error
-policy with line numbers, counting, progress, atomic shard writing, the summary --
-is the same and lives here, so a fix to it reaches both.
-
-A converter supplies a :class:`Converter`: its ``kind``, the module-level encode
-function (workers pickle it by reference), its default parallel mode, and a factory
-for its :class:`RowBuilder`. Workers reach their tokenizer and options through one
-typed :class:`WorkerState`, set up once per worker by :func:`init_worker`.
+Converters differ only in their encode step (records -> token arrays, in the workers) and
+row builder (arrays -> rows, in the calling thread); set-up checks, the ordered parallel
+map, error policy, counts, progress, atomic writing and the summary live here, shared.
+A converter supplies a :class:`Converter`; workers reach tokenizer and options through
+:class:`WorkerState`, set up once per worker by :func:`init_worker`.
 """
 
 from __future__ import annotations
@@ -86,10 +80,9 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
     """Read a chunk and ``parse`` each record: ``(n_lines, n_records, parsed, errors, dropped)``.
 
     ``parse`` returns the record's usable form or a :class:`BadRecord`. With
-    ``on_error='raise'`` reading stops at the first bad record: the conversion stops
-    there anyway, so nothing after it needs tokenizing. ``preprocess`` (``module:function``,
-    see :mod:`foundrymix.convert.mapping`) runs on each record first; records it returns
-    ``None`` for are counted in ``dropped``. ``fields=None`` reads every column.
+    ``on_error='raise'`` reading stops at the first bad record (the conversion stops there).
+    ``preprocess`` (``module:function``) runs on each record first; its ``None`` results are
+    counted in ``dropped``. ``fields=None`` reads every column.
     """
     n_lines, records = read_records(chunk, fields)
     errors = ChunkErrors()
@@ -163,11 +156,8 @@ class Converter:
 def convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
     """Check everything, convert ``inputs`` to shards plus manifest in ``out``, print the summary.
 
-    ``out``: a local directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair
-    (see :func:`foundrymix.convert.paths.split_out`).
-
-    The local output directory is claimed exclusively first (:func:`claim_output`) and
-    held until the conversion ends.
+    ``out``: see :func:`foundrymix.convert.paths.split_out`. The local output directory is
+    claimed exclusively (:func:`claim_output`) until the conversion ends.
     """
     local = split_out(out).local
     claim = claim_output(local)
@@ -204,13 +194,10 @@ def no_space(local: Optional[str], error: OSError) -> str:
 
 
 def claim_output(local: Optional[str]) -> Optional[claims.Claim]:
-    """Claim the local output directory for this conversion, or refuse naming the live run
-    that reads (or writes) it.
+    """Claim the local output directory exclusively, or refuse naming the live run using it.
 
-    Why: replacing a directory a training run reads would feed it mixed old and new rows.
-    Training runs hold a shared claim on every local stream directory they read
-    (:func:`foundrymix.train.run_claims.claim_run`); this exclusive claim is refused while
-    any of them lives, and a run starting during the conversion is refused in turn.
+    Replacing a directory a training run reads would feed it mixed old and new rows; runs
+    hold a shared claim on their local streams (:func:`foundrymix.train.run_claims.claim_run`).
     """
     if local is None:
         return None
@@ -244,9 +231,9 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
         manifest: Manifest) -> tuple[float, RowBuilder, Optional[str]]:
     """Stream chunks through the workers, build rows, write shards, fill ``manifest``.
 
-    Writes to ``setup.output`` (uploading to ``setup.remote`` as shards are finished).
-    Returns the seconds spent, the row builder and the upload summary (objects, bytes,
-    retries; None without upload). The output appears only if everything succeeded.
+    Writes ``setup.output`` (uploading to ``setup.remote`` if set); it appears only if
+    everything succeeded. Returns the seconds spent, the row builder and the upload summary
+    (None without upload).
     """
     builder = converter.builder(setup, options, manifest)
     lines = LineCounter()

@@ -1,32 +1,16 @@
 """``convert finetune``: prompt/response or chat examples -> decoder-only rows with loss masks.
 
-Example layout: ``[BOS] + prompt + response + [EOS]`` (BOS iff the tokenizer adds one by
-default, overridable). Prompt and response are tokenized *separately* (no special
-tokens) and concatenated, so the loss boundary is always a token boundary and the
-response tokens are exactly ``tokenizer(response, add_special_tokens=False)``. Loss
-spans cover the response tokens and the EOS (``loss_on_prompt``: every token). The
-first token of an example is never a loss target: it would be predicted from the end
-of the previous packed example.
+An example is ``[BOS] + prompt + response + [EOS]`` (BOS iff the tokenizer adds one,
+overridable). Prompt and response are tokenized separately and concatenated, so the loss
+boundary is a token boundary. Loss covers the response and EOS (``loss_on_prompt``: every
+token), never an example's first token (it would be predicted from the previous packed
+example). Chats: :mod:`foundrymix.convert.chat`; ``chat_loss='all'`` trains every assistant
+turn, ``'last'`` only the last; the final EOS has loss iff the last segment has.
 
-Chats (a ``messages`` list of ``{role, content}``): rendered with the tokenizer's chat
-template, or a plain one, split into turns (see :mod:`foundrymix.convert.chat`).
-Roles must be system, user or assistant, plus tool where the template handles it
-(always with the plain template); others are bad records (``unknown_role``).
-``chat_loss='all'`` trains every assistant turn, ``'last'`` only the last. The final
-EOS has loss iff the last segment has.
-
-Too long for ``max_seq_len``: ``too_long='drop'`` drops the example (``dropped.too_long``);
-``'truncate'`` keeps its first ``max_seq_len`` tokens (``dropped.truncated_tokens`` counts
-the tokens cut). An example left with no loss token is dropped (``dropped.no_loss_tokens``).
-
-Packing (default): first-fit, in input order, into a window of at most ``pack_window``
-open rows. Each example goes into the first open row (oldest first) with room for it;
-if none has room a new row is opened, and if that makes more than ``pack_window``
-open rows the oldest is written. A row that becomes exactly full is written at once;
-at the end the open rows are written oldest first. Examples are never split, and the
-rows depend only on the input order, not on the number of workers. ``pack=False``
-writes one example per row. Rows are padded with the pad id; ``doc_lens`` holds the
-example lengths.
+Too long: ``too_long='drop'`` drops the example, ``'truncate'`` keeps its first
+``max_seq_len`` tokens; an example left with no loss token is dropped; all are counted in
+``manifest.dropped``. Rows are packed first-fit (:mod:`foundrymix.convert.packing`), or one
+example per row with ``pack=False``, padded with the pad id.
 """
 
 from __future__ import annotations
@@ -55,9 +39,7 @@ TOO_LONG = ('drop', 'truncate')
 CHAT_LOSS = ('all', 'last')
 #: used when the response field is missing (LLM-Foundry's name for the response)
 RESPONSE_ALIAS = 'completion'
-#: default ``parallel`` mode for chats and ``--preprocess``: rendering chat templates (or a
-#: user's function) is Python work that holds the GIL, so processes beat threads there;
-#: prompt/response examples take threads (see :func:`_default_parallel`)
+#: default ``parallel`` mode for chats and ``--preprocess`` (see :func:`_default_parallel`)
 FINETUNE_PARALLEL = 'processes'
 #: records of the first chunk looked at to tell chats from prompt/response examples
 _SNIFF_RECORDS = 64
@@ -83,12 +65,8 @@ class FinetuneOptions(ConvertOptions):
 
 @dataclass
 class _ChunkExamples(ChunkResult):
-    """A worker's result: the kept examples of a chunk, in input order, back to back.
-
-    Example ``i`` is ``tokens[o_i:o_i + example_lens[i]]`` (``o_i`` the sum of the lengths
-    before it) with ``span_counts[i]`` loss spans, flat ``(start, end)`` pairs relative
-    to the example, in ``spans``.
-    """
+    """A worker's result: the kept examples of a chunk, in input order, back to back in
+    ``tokens``; example ``i`` has ``span_counts[i]`` flat ``(start, end)`` pairs in ``spans``."""
 
     tokens: np.ndarray
     example_lens: np.ndarray
@@ -112,10 +90,7 @@ def _templates(o: FinetuneOptions) -> tuple[Optional[Template], Optional[Templat
 
 def _segments(rec: dict, o: FinetuneOptions, tok: Any) -> Segments | BadRecord:
     """The example's text pieces with their loss flags, or why the record is unusable.
-
-    A template (``--prompt``/``--response``) replaces its field; with either, records
-    are prompt/response examples even if they hold a messages field.
-    """
+    With a ``--prompt``/``--response`` template, records are prompt/response examples."""
     ptemplate, rtemplate = _templates(o)
     if o.messages_field in rec and ptemplate is None and rtemplate is None:
         return chat_segments(rec[o.messages_field], o.messages_field, o.chat_loss, o.loss_on_prompt, tok)
@@ -136,11 +111,8 @@ def _segments(rec: dict, o: FinetuneOptions, tok: Any) -> Segments | BadRecord:
 
 def _layout(seg_lens: list[int], flags: list[bool], n_head: int, has_eos: bool
             ) -> tuple[int, list[tuple[int, int]]]:
-    """Length and loss spans of ``[BOS] + segments + [EOS]``: spans merged, never on the first token.
-
-    Works on segment lengths only, so a chunk's token ids are concatenated once, for all
-    its examples (:func:`_encode_chunk`), instead of one small array per example.
-    """
+    """Length and loss spans of ``[BOS] + segments + [EOS]``: spans merged, never on the first
+    token. Takes lengths only, so a chunk's ids are concatenated once for all its examples."""
     spans: list[tuple[int, int]] = []
     pos = n_head
     for n, loss in zip(seg_lens, flags):
@@ -180,9 +152,7 @@ def _fit(n: int, spans: list[tuple[int, int]], o: FinetuneOptions,
 
 
 def _concat(parts: list[list[int] | np.ndarray], total: int, dtype: str) -> np.ndarray:
-    """``parts`` back to back as one array: runs of lists in one C call each (one
-    ``np.asarray`` per small list cost more than the lists' conversion itself); arrays
-    (huge texts, see :mod:`foundrymix.convert.encode`) are copied as they are."""
+    """``parts`` back to back as one array; runs of lists are converted in one C call each."""
     if all(type(p) is list for p in parts):
         return np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=total)
     pieces: list[np.ndarray] = []
@@ -203,12 +173,9 @@ def _concat(parts: list[list[int] | np.ndarray], total: int, dtype: str) -> np.n
 def _chunk_examples(n_lines: int, n_records: int, errors: ChunkErrors, dropped: dict[str, int],
                     laid_out: list[tuple[int, list[tuple[int, int]], list[list[int] | np.ndarray]]],
                     o: FinetuneOptions, dtype: str) -> _ChunkExamples:
-    """The examples that fit (:func:`_fit`), back to back in one result. ``laid_out``: each
-    example's length, loss spans and id pieces (whose lengths sum to that length).
-
-    One token array for the chunk, not one per example: a chunk holds a thousand short
-    examples, and per-example numpy calls and pickling would cost more than the packing.
-    """
+    """The examples that fit (:func:`_fit`), back to back in one token array (per-example
+    arrays would cost more than the packing). ``laid_out``: each example's length, loss
+    spans and id pieces."""
     parts: list[list[int] | np.ndarray] = []
     kept_lens: list[int] = []
     kept_spans: list[int] = []
@@ -307,11 +274,9 @@ def _manifest_options(options: FinetuneOptions, setup: Setup) -> dict[str, Any]:
 def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
     """``threads`` for prompt/response examples, ``processes`` for chats or ``--preprocess``.
 
-    Why: with prompt/response examples nearly all work is the Rust tokenizer, which
-    releases the GIL, and threads save forking and pickling every chunk's result back.
-    Chat templates are rendered in Python, which holds the GIL, so there processes run
-    that in parallel. Which one the input holds is read from the first records of the
-    first chunk; the output is the same either way.
+    The Rust tokenizer releases the GIL, so threads suffice and save pickling results;
+    chat templates and user functions are Python that holds it. Chats are recognised from
+    the first records of the first chunk; the output is the same either way.
     """
     ptemplate, rtemplate = _templates(o)
     if o.preprocess is not None:
@@ -334,8 +299,7 @@ FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chun
 
 
 def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions) -> Manifest:
-    """Convert finetuning data in ``inputs`` to MDS shards plus manifest in ``out`` (a local
-    directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair)."""
+    """Convert finetuning data in ``inputs`` to MDS shards plus manifest in ``out``."""
     if options.too_long not in TOO_LONG:
         raise UserError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {options.too_long!r}")
     if options.chat_loss not in CHAT_LOSS:

@@ -1,29 +1,16 @@
 """Run the chunk encoder in parallel and bring its results back in input order.
 
-Why this shape: tokenization dominates conversion time. A chunk encoder reads, parses
-and tokenizes a whole chunk and returns compact numpy arrays; the calling thread only
-cuts rows and writes shards. Results are consumed strictly in chunk order, so the
-output is the same for any number of workers and either mode, and at most
-``2 * workers`` chunks are in flight, so memory stays flat (``Pool.imap`` would queue
-every task up front, which for compressed inputs means holding the whole decompressed
-corpus).
+A chunk encoder reads, parses and tokenizes a whole chunk and returns compact numpy arrays;
+the calling thread only cuts rows and writes shards. Results are consumed in chunk order,
+so the output is the same for any number of workers and either mode, and at most
+``2 * workers`` chunks are in flight, so memory stays flat (``Pool.imap`` would queue every
+task up front: for compressed inputs, the whole decompressed corpus).
 
-Two modes (``ConvertOptions.parallel``):
-
-* ``threads`` (the default for pretraining and prompt/response finetuning): one process,
-  ``workers`` threads each encoding its own chunk single-threaded (``TOKENIZERS_PARALLELISM``
-  is false while the conversion runs, then restored). The Rust tokenizer releases the GIL,
-  so ``workers`` is exactly the number of cores tokenizing, and chunks handed out one at a
-  time balance large and small documents by themselves. Nothing is pickled or forked.
-* ``processes`` (the default for chats and ``--preprocess``): ``workers`` forked
-  processes, each tokenizing single-threaded, so the Python side of encoding runs in
-  parallel too, at the price of pickling every result back: worth it when that side is
-  heavy (chat templates). A worker that dies (the OOM killer's SIGKILL, ``sys.exit``, a
-  segfault in a ``--preprocess`` function) stops the conversion at once with a message
-  naming its chunk and exit code (:mod:`foundrymix.convert.process_pool`).
-
-``workers == 1`` runs the very same encoder in the calling thread, also tokenizing
-single-threaded.
+Modes (``ConvertOptions.parallel``): ``threads``, each tokenizing single-threaded (the Rust
+tokenizer releases the GIL; nothing is pickled), or ``processes``, forked, for encoders
+whose Python side is heavy (chat templates, ``--preprocess``); a dying worker process stops
+the conversion naming its chunk (:mod:`foundrymix.convert.process_pool`). ``workers == 1``
+runs the encoder in the calling thread.
 """
 
 from __future__ import annotations
@@ -49,13 +36,8 @@ PARALLEL_MODES = ('threads', 'processes')
 
 @contextlib.contextmanager
 def importing(module: str) -> Iterator[None]:
-    """Pause the cyclic garbage collector while ``module`` is imported for the first time.
-
-    Importing torch (via ``streaming``) or transformers allocates so many objects that
-    the collector runs over and over and finds nothing: modules are not garbage. Nothing
-    changes when ``module`` is already imported or collection is off; the pause lasts the
-    import only.
-    """
+    """Pause the cyclic garbage collector while ``module`` is imported for the first time:
+    importing torch or transformers makes the collector run over and over, finding nothing."""
     if module in sys.modules or not gc.isenabled():
         yield
         return
@@ -77,10 +59,9 @@ def default_workers() -> int:
 class ordered_map:
     """Yield ``(chunk, fn(chunk))`` in chunk order, computed by ``workers`` threads or processes.
 
-    A context manager that starts the workers and hands out the first chunks at once,
-    so tokenization is under way while the shard writer still imports ``streaming``
-    (it pulls in torch). Worker processes are forked before that
-    import, so they stay small and inherit the loaded tokenizer.
+    A context manager that starts the workers and hands out the first chunks at once, so
+    tokenization runs while the shard writer imports ``streaming``; worker processes are
+    forked before that import, so they stay small and inherit the loaded tokenizer.
     """
 
     def __init__(self, fn: Callable[[Chunk], Any], chunks: Iterable[Chunk], workers: int,
@@ -156,11 +137,8 @@ class ChunkErrors:
 
 
 class LineCounter:
-    """Turns a chunk-relative record index into a file line, in chunk order.
-
-    A byte range of a plain jsonl file does not know its first line; the main process
-    does, because it sees the chunks of a file in order and each reports its line count.
-    """
+    """Turns a chunk-relative record index into a file line, fed the chunks in order (a byte
+    range of a plain jsonl file does not know its first line)."""
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
@@ -177,9 +155,8 @@ def apply_error_policy(chunk: Chunk, errors: ChunkErrors, first_line: Optional[i
                        on_error: str, manifest: Manifest) -> None:
     """Raise :class:`InputError` for the first bad record, or count each one as skipped.
 
-    Skipped records are counted by reason in ``manifest.skipped``, and the first
-    ``SKIP_LOCATIONS`` of each reason are kept in ``manifest.skipped_at`` as ``file:line``
-    so that they can be found.
+    Skipped records are counted by reason in ``manifest.skipped``; the first
+    ``SKIP_LOCATIONS`` of each are kept in ``manifest.skipped_at`` as ``file:line``.
     """
     for path, index, reason, detail in errors.items:
         line = None if index is None or first_line is None else first_line + index
@@ -193,12 +170,8 @@ def apply_error_policy(chunk: Chunk, errors: ChunkErrors, first_line: Optional[i
 
 
 class Progress:
-    """A tqdm bar on stderr: documents read, tokens and tokens/s (silent when disabled).
-
-    The bar counts records *read*, so it ends at the input's size; a converter that drops
-    records (finetune: too long, no loss token) passes ``written`` too and the bar shows
-    ``N written, D dropped`` beside it.
-    """
+    """A tqdm bar on stderr: records read, tokens and tokens/s (silent when disabled); with
+    ``written`` it also shows ``N written, D dropped``."""
 
     def __init__(self, enabled: bool, desc: str) -> None:
         self.start = time.perf_counter()

@@ -1,48 +1,13 @@
-"""``--engine ray``: the same conversion, spread over the tasks of a Ray cluster.
+"""``--engine ray``: the default engine's conversion, split into Ray tasks over a cluster.
 
-Why a second engine: the default engine uses the cores of one machine; a corpus of
-terabytes wants many. Everything that defines the output is reused unchanged -- the
-chunk plan (:func:`~foundrymix.convert.readers.plan_chunks`, so one huge jsonl file is
-spread by byte ranges), the converters' encode steps and row builders (same BOS/EOS
-policy, same cutting and packing), the error policy and the atomic publish -- so
-only the *split into tasks* differs from a single-machine run:
-
-* **Tasks.** Consecutive chunks, in input order, are grouped into tasks of about
-  ``ray_task_bytes`` of input (a task may span files; a file may span tasks). Each task
-  is a Ray task (one CPU) that encodes its chunks in order, builds rows with a fresh row
-  builder and writes MDS shards to ``task-NNNNN/`` inside the hidden partial output
-  directory. Its output is therefore a pure function of its chunks.
-* **Tails and packing per task.** Pretrain: each task cuts its own token stream, so the
-  tokens after its last full row (fewer than ``max_seq_len``) are not written and are
-  counted in ``tail_tokens``; the manifest stays exact (``tail_tokens`` is the sum, and
-  documents lying wholly in a tail are not counted as written). Compared with the
-  default engine, rows that would straddle a task boundary are missing and the rows
-  after it start at the task's first document: at most ``max_seq_len - 1`` tokens per
-  task are not written. Finetune: each task packs its own examples with the same
-  first-fit packer, so the open rows are flushed at each task end.
-* **Errors.** Tasks do not apply the error policy: they return each chunk's line count
-  and bad records, and the driver applies the policy in input order with the same line
-  counter as the default engine. So ``--on-error raise`` stops with the same
-  ``file:line`` message, and ``--on-error skip`` gives the same counts and locations.
-* **Merge.** When every task is done, their ``index.json`` files are merged in task
-  order into one (shard basenames prefixed with ``task-NNNNN/``; what streaming's
-  ``merge_index`` does, without its temporary downloads), then ``foundrymix.json`` with
-  the summed counts is written and the directory renamed into place by the same
-  :class:`~foundrymix.convert.writer.ShardWriter` publish as the default engine. Rows
-  are in input order whatever the cluster size or task finish order.
-* **Upload.** With ``--out s3://bucket/prefix`` (:mod:`foundrymix.convert.upload`), the
-  shards of each task are uploaded as soon as the task is done (as ``task-NNNNN/<file>``,
-  the names the merged index gives them), and ``foundrymix.json`` and ``index.json`` last,
-  by the same publish step as the default engine. The staging directory is the partial
-  directory next to ``--keep-local DIR`` or, without it, in the driver's temp dir: on a
-  cluster of several nodes give ``--keep-local`` a directory every node sees.
-* **Retries.** A task whose worker dies or raises is re-run by Ray (``max_retries``); an
-  attempt first clears its task directory, so a half-written attempt leaves nothing. A
-  job that fails removes the partial directory and writes no index.
-
-The output directory must be on a filesystem every node sees (tasks write to it), and
-inputs must be readable at the same paths on every node. Workers must be able to import
-``foundrymix`` (installed on each node, or shipped with a Ray ``runtime_env``).
+Chunk plan, encoders, row builders, error policy and atomic publish are the default
+engine's; only the split into tasks differs. Each task encodes a run of consecutive chunks
+and writes its own shards to ``task-NNNNN/`` in the partial directory, so its output is a
+pure function of its chunks (a retried attempt first clears that directory). The driver
+applies the error policy in input order, so errors and counts equal the default engine's,
+and merges the task indexes in task order. Output differs only at task boundaries
+(pretrain tails, finetune packing flushes). docs/convert.md ("On a Ray cluster") and
+docs/s3.md give the details and the cluster requirements.
 """
 
 from __future__ import annotations
@@ -77,10 +42,8 @@ FAIL_ENV = 'FOUNDRYMIX_RAY_FAIL_ONCE'
 def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]]:
     """Group consecutive chunks into tasks of about ``task_bytes`` input bytes, in order.
 
-    Lazy, like :func:`plan_chunks`: the driver holds only the tasks in flight (a block of
-    a compressed file carries its bytes). Chunks without a byte range (parquet row
-    groups, dataset rows, txt groups) count as ``task_bytes`` / 16 each, so a task holds
-    a bounded number of them too.
+    Lazy, so the driver holds only the tasks in flight. Chunks without a byte range count
+    as ``task_bytes`` / 16 each, so a task holds a bounded number of them too.
     """
     current: list[Chunk] = []
     size = 0
@@ -187,12 +150,8 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
 
 
 class _MergedOutput(ShardWriter):
-    """The default engine's atomic output directory, filled by tasks instead of rows.
-
-    Reuses :class:`ShardWriter`'s partial directory naming, stale-partial clean-up,
-    publish (re-check of ``--out``, rename) and abort, so the Ray output is exactly as
-    atomic; its writer thread only creates the directory, the tasks write the shards.
-    """
+    """The default engine's atomic output directory (:class:`ShardWriter`'s partial, publish
+    and abort), filled by tasks; its writer thread only creates the directory."""
 
     def __init__(self, out: Optional[str], options: ConvertOptions, token_dtype: str,
                  remote: Any = None) -> None:
@@ -225,11 +184,8 @@ class _MergedOutput(ShardWriter):
 
 
 def merge_task_indexes(partial: str, n_tasks: int) -> None:
-    """One ``index.json`` listing every task's shards in task order, as ``task-NNNNN/<file>``.
-
-    Basenames are unique because each task has its own subdirectory; streaming resolves
-    them relative to the stream's root, so the shards stay where the tasks wrote them.
-    """
+    """One ``index.json`` listing every task's shards in task order, as ``task-NNNNN/<file>``
+    (streaming resolves basenames against the stream's root, so shards stay where written)."""
     shards = []
     for i in range(n_tasks):
         sub, index = _task_index(partial, i)
@@ -266,11 +222,8 @@ def _apply_results(results: list[TaskResult], tasks: list[list[Chunk]], options:
 
 
 def _connect(options: ConvertOptions) -> bool:
-    """Use the Ray already initialized, else join ``ray_address`` or start a local one.
-
-    Returns whether this call started it (then the conversion shuts it down). A local
-    Ray gets ``workers`` CPUs (0 = all cores) and no dashboard.
-    """
+    """Use the Ray already initialized, else join ``ray_address`` or start a local one
+    (``workers`` CPUs, no dashboard). True if this call started it (the caller shuts it down)."""
     with importing('ray'):
         import ray
     if ray.is_initialized():
@@ -288,10 +241,9 @@ def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[C
                ) -> tuple[list[TaskResult], list[list[Chunk]]]:
     """Submit tasks as they are planned, at most ``window`` in flight; wait for all.
 
-    Returns the results in task order (whatever order they finished in) and each task's
-    chunks without their payloads (the driver needs only their places, for line numbers).
-    ``on_done(index)`` runs in this thread as each task finishes (uploads its shards).
-    If a task fails for good (or on Ctrl-C) the others are cancelled first.
+    Returns the results in task order and each task's chunks without payloads (for line
+    numbers). ``on_done(index)`` runs here as each task finishes. On failure or Ctrl-C the
+    other tasks are cancelled first.
     """
     futures: list[Any] = []
     kept: list[list[Chunk]] = []
@@ -314,8 +266,7 @@ def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[C
 
 def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progress,
              on_done: Callable[[int], None]) -> list[Any]:
-    """Wait for one more task to finish; record its result, update the progress bar, hand
-    it to ``on_done``."""
+    """Wait for one more task to finish; record it, update progress, call ``on_done``."""
     import ray
     done, pending = ray.wait(pending, num_returns=1)
     for ref in done:
@@ -327,13 +278,11 @@ def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progr
 
 
 def _cancel(futures: list[Any], timeout: float = 60) -> None:
-    """Stop the tasks still running (a task failed for good, or Ctrl-C) and wait for them,
-    so that none writes into the partial directory after it is removed.
+    """Cancel the tasks still running and wait for them, so none writes into the partial
+    directory after it is removed.
 
-    Only the tasks not yet finished are cancelled: in Ray, a cancel that races with a
-    task's reply can abort the driver process (``task_manager.cc: Check failed``,
-    ray-project/ray#54846), so the race is left only to a task finishing between the
-    ``wait`` and its ``cancel``.
+    Only unfinished tasks are cancelled: a cancel racing a task's reply can abort the driver
+    (``task_manager.cc: Check failed``, ray-project/ray#54846).
     """
     import ray
     if not futures:
@@ -347,9 +296,7 @@ def _cancel(futures: list[Any], timeout: float = 60) -> None:
 
 def run(converter: 'Converter', setup: Setup, out: Optional[str], options: ConvertOptions,
         manifest: Manifest) -> tuple[float, Optional[str]]:
-    """The Ray engine's counterpart of :func:`foundrymix.convert.driver.run` (same contract):
-    writes ``out`` (None: upload only) and uploads to ``setup.remote`` if given. Returns the
-    seconds spent and the upload summary."""
+    """:func:`foundrymix.convert.driver.run` on Ray (same contract)."""
     started = _connect(options)
     import ray
     try:

@@ -1,20 +1,13 @@
 """Read input files as records, in chunks that workers can process alone.
 
-Why chunks: conversion is bound by tokenization, so workers must read and parse their
-own share of the input instead of receiving text from the thread that writes. A chunk is a
-small, picklable description of a share -- a byte range of a plain ``.jsonl`` file
-(cut at line ends), a row group of a parquet file, a row range of a Hugging Face
-dataset saved to disk, or a group of ``.txt`` files. Compressed ``.jsonl.gz`` /
-``.jsonl.zst`` files cannot be split by byte ranges, so the calling thread reads them
-as a stream and hands out blocks of whole lines (the ``payload``). Chunks are produced
-lazily, in input order, so memory stays flat whatever the corpus size.
+Conversion is bound by tokenization, so workers read and parse their own share. A chunk is
+a small picklable description of one: a byte range of a plain ``.jsonl`` (cut at line
+ends), a parquet row group, a row range of a saved dataset, or a group of ``.txt`` files.
+Compressed ``.jsonl`` cannot be split by byte ranges, so the calling thread streams it and
+hands out blocks of whole lines (``payload``). Chunks are planned lazily, in input order.
 
-Finding the inputs is :mod:`foundrymix.convert.discover`.
-
-Records are dicts. A record that cannot be read is yielded as a :class:`BadRecord`
-(reason + detail) so the caller decides between stopping and skipping; its position
-is reported as ``file:line`` (jsonl, 1-based line) or ``file:row`` (parquet and
-datasets, 0-based row), or the file alone (txt).
+Records are dicts; an unreadable one is a :class:`BadRecord` (the caller stops or skips),
+located as ``file:line`` (jsonl, 1-based), ``file:row N`` (columnar, 0-based) or ``file``.
 """
 
 from __future__ import annotations
@@ -128,9 +121,8 @@ def _decompressed(path: str) -> Iterator[bytes]:
     """The decompressed bytes of a ``.gz``/``.zst`` file, block by block; raises
     :class:`_StreamEnded` after the last whole block when the data is truncated or corrupt.
 
-    Why block by block: a truncated ``.gz`` raises a bare ``EOFError`` and ``zstandard``'s
-    stream reader ends a truncated frame silently; here the truncation is named (never a
-    cut line taken for malformed JSON), and nothing read before it is lost.
+    A truncated ``.gz`` raises a bare ``EOFError`` and ``zstandard``'s stream reader ends a
+    truncated frame silently; here the truncation is named and nothing before it is lost.
     """
     if path.lower().endswith('.gz'):
         with gzip.open(path, 'rb') as f:
@@ -226,12 +218,10 @@ def read_records(chunk: Chunk, fields: Optional[Sequence[str]]
                  ) -> tuple[int, list[tuple[str, Optional[int], Any]]]:
     """Read a chunk: ``(n_lines, [(path, index, record), ...])``.
 
-    ``record`` is a dict or a :class:`BadRecord`; ``index`` is the offset of its line
-    (row) inside the chunk, ``None`` for txt files. ``n_lines`` counts the chunk's lines
-    (rows), blank ones included, so the caller can number the lines of later chunks.
-    Blank jsonl lines are not records. ``fields`` names the columns to load from
-    columnar inputs (others are not read; ``None``: all); the first is the field a
-    ``.txt`` file's text goes to (``text`` when ``None``).
+    ``record`` is a dict or a :class:`BadRecord`; ``index`` is its line (row) offset in the
+    chunk, ``None`` for txt. ``n_lines`` counts blank lines too, so later chunks can be
+    numbered. ``fields``: the columns to load (``None``: all); the first names a ``.txt``
+    file's text (``text`` when ``None``).
     """
     if chunk.fmt in ('jsonl', 'jsonl_stream'):
         data = read_chunk_bytes(chunk)
@@ -275,8 +265,7 @@ def _read_txt(path: str, field: str) -> Any:
         return BadRecord('invalid_utf8', f'invalid UTF-8 at byte {e.start}')
 
 
-#: a JSON escape of a UTF-16 surrogate (``\\ud800``-``\\udfff``): only lines holding one
-#: are searched for a lone surrogate (:func:`lone_surrogate`), so other lines pay a byte scan
+#: a JSON escape of a UTF-16 surrogate: only lines holding one are searched by :func:`lone_surrogate`
 _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
 
 
@@ -284,9 +273,8 @@ def lone_surrogate(rec: dict, fields: Optional[Sequence[str]]) -> Optional[BadRe
     """Why ``rec`` cannot be tokenized if one of ``fields`` (all: ``None``) holds a string
     with a lone UTF-16 surrogate, else ``None``.
 
-    Why: ``json.loads`` turns ``"\\ud800"`` into a Python string no UTF-8 text can hold,
-    and the Rust tokenizer refuses the whole chunk, naming no record. A surrogate *pair*
-    decodes to one valid character and passes.
+    ``json.loads`` accepts ``"\\ud800"``, but the Rust tokenizer then refuses the whole
+    chunk, naming no record. A surrogate *pair* is one valid character and passes.
     """
     for key in (rec if fields is None else fields):
         if key in rec:

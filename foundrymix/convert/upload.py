@@ -1,35 +1,23 @@
 """Upload a conversion to ``s3://bucket/prefix`` so that a reader never sees half a dataset.
 
-Why this order: readers (streaming, ``foundrymix inspect|verify|plan``) take a prefix as a
-dataset once ``index.json`` is there. So shards are uploaded while the conversion runs,
-each as soon as the shard writer has closed it, then ``foundrymix.json``, and
-``index.json`` last of all. A conversion that fails or is killed before that leaves no
-index at the prefix; on a failure this process can still report, it also deletes what it
-uploaded (best effort: an endpoint that stopped answering cannot be cleaned).
+Readers take a prefix as a dataset once ``index.json`` is there, so shards go up as they are
+finished, then ``foundrymix.json``, ``index.json`` last. A failed or killed conversion leaves
+no index; one that can still report also deletes what it uploaded (best effort).
 
-Replacing a dataset (``--overwrite``): the old ``index.json`` and ``foundrymix.json`` are
-deleted *before* the first new shard is uploaded (new shards may reuse old shard names,
-and a reader must never pair the old index with new shards), and old shards that the new
-dataset does not reuse are deleted only after the new index is up. Only objects listed in
-the old index are ever deleted, plus objects this conversion or an interrupted earlier
-one wrote (each upload carries the metadata ``foundrymix-writer``); anything else at the
-prefix is the user's and is left alone. Before the old index goes, the list of its shards
-is saved as ``.foundrymix-replacing.json`` (deleted at the end), so that when the
-replacement fails or is killed the next ``--overwrite`` still knows which objects the old
-dataset owned (its shards may carry no tag: ``aws s3 sync`` uploads).
+``--overwrite``: the old ``index.json`` and ``foundrymix.json`` are deleted before the first
+new shard (new shards may reuse old names; a reader must never pair the old index with new
+shards), and old shards not reused only after the new index is up. Only objects the old
+index lists or foundrymix wrote (metadata :data:`WRITER_META`) are ever deleted. The old
+shard list is saved first as :data:`REPLACING_NAME`, so the next ``--overwrite`` can finish
+a replacement that was killed (old shards may carry no tag: ``aws s3 sync`` uploads).
 
-What is refused up front, before any tokenizing: a bucket that does not exist or cannot
-be read, credentials S3 rejects, an endpoint that does not answer (each naming the URL
-and S3's error code); a prefix that holds a dataset (``index.json`` or
-``foundrymix.json``) or any other object, unless ``--overwrite``; and, even with
-``--overwrite``, a prefix holding objects named like shards (``shard.NNNNN.mds...``,
-``task-NNNNN/...``) that foundrymix did not write, since a new shard could replace them.
+Refused before any tokenizing: an unusable bucket, credentials or endpoint (naming S3's
+error code); a non-empty prefix without ``--overwrite``; and, even with it, objects named
+like shards that foundrymix did not write.
 
-Why boto3 and not streaming's ``S3Uploader``: that uploader retries with its own loop,
-hides the attempts, uploads ``index.json`` inside ``MDSWriter.finish`` (before our
-manifest, and even after a failed shard upload has only been logged), and has no notion
-of replacing a dataset safely. The client is :func:`foundrymix.s3.client.make_client`'s
-(standard retries, every failed attempt counted for the summary).
+Not streaming's ``S3Uploader``: it hides its retries, uploads ``index.json`` inside
+``MDSWriter.finish`` (before our manifest, even after a failed shard upload was only
+logged) and cannot replace a dataset safely.
 """
 
 from __future__ import annotations
@@ -51,16 +39,13 @@ from foundrymix.s3.client import RetryCounter, S3Url, describe, list_keys, make_
 
 logger = logging.getLogger(__name__)
 
-#: written before an old index is deleted (``--overwrite``): the shard files the replaced
-#: dataset listed, so that a replacement that fails or is killed half-way can still be
-#: finished (and its old shards removed) by the next ``--overwrite``; deleted at the end
+#: the replaced dataset's shard list, written before its index is deleted (``--overwrite``)
 REPLACING_NAME = '.foundrymix-replacing.json'
 #: S3 object metadata set on every object a conversion uploads (``x-amz-meta-foundrymix-writer``)
 WRITER_META = {'foundrymix-writer': 'convert'}
 #: object names a conversion writes besides the metadata files
 SHARD_NAME = re.compile(r'^(task-\d+/)?shard\.\d+\.mds(\.[A-Za-z0-9:_-]+)?$')
-#: shard uploads in flight at once, and shards finished but not yet uploaded that the
-#: shard writer may get ahead by (so local disk holds at most about this many shards)
+#: shard uploads in flight, and finished shards the writer may get ahead by (bounds local disk)
 UPLOAD_THREADS = 4
 MAX_PENDING = 2 * UPLOAD_THREADS
 
@@ -146,8 +131,7 @@ def check_remote(url: str, overwrite: bool) -> 'S3Target':
     parsed = parse_s3_url(url)
     retries = RetryCounter()
     client = make_client(retries, threads=UPLOAD_THREADS)
-    # the up-front check fails fast: few attempts, short timeouts (an endpoint that
-    # never answers is reported after about 3 x 10 s, not minutes)
+    # the up-front check fails fast: few attempts, short timeouts
     quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10,
                         threads=UPLOAD_THREADS)
     return S3Target(preflight(parsed, overwrite, quick), client, quick, retries)
@@ -155,8 +139,7 @@ def check_remote(url: str, overwrite: bool) -> 'S3Target':
 
 @dataclass
 class S3Target:
-    """A checked output prefix with its clients (uploads; quick checks and clean-up) and
-    retry counter."""
+    """A checked output prefix, its clients (uploads; quick checks and clean-up), retry counter."""
 
     checked: Preflight
     client: Any
@@ -171,13 +154,10 @@ class S3Target:
 class Uploader:
     """Uploads finished shards from ``local`` in the background, then the metadata last.
 
-    :meth:`submit` hands over one shard file (relative name); it blocks while
-    ``MAX_PENDING`` shards wait, so the local disk holds a bounded number of shards.
-    Without ``keep_local`` a shard's local file is deleted once S3 has confirmed it.
-    :meth:`finish` waits for every shard, uploads ``foundrymix.json`` then ``index.json``,
-    then deletes old shards the new dataset did not replace. :meth:`abort` stops and
-    deletes this run's objects. The first upload error stops everything: the next
-    :meth:`submit` or :meth:`finish` raises it.
+    :meth:`submit` blocks while ``MAX_PENDING`` shards wait; without ``keep_local`` a shard's
+    local file is deleted once uploaded. :meth:`finish` uploads the metadata last, then
+    deletes old shards not replaced; :meth:`abort` deletes this run's objects. The first
+    upload error is raised by the next :meth:`submit` or :meth:`finish`.
     """
 
     def __init__(self, target: S3Target, local: str, keep_local: bool) -> None:
@@ -302,8 +282,7 @@ class Uploader:
         logger.info('%s', self.summary())
 
     def summary(self) -> str:
-        """Objects and MB uploaded, seconds from the first shard handed over to the index
-        uploaded (the upload overlaps the conversion), retries by reason, old shards removed."""
+        """Objects and MB uploaded, seconds from first shard to index, retries, old shards removed."""
         removed = f'; removed {self.removed} old shard file(s)' if self.removed else ''
         return (f'uploaded {len(self.uploaded)} objects ({self.bytes / 1e6:,.1f} MB, first shard to '
                 f'index {self.seconds:.1f} s) to {self.url}: {self.target.retries.summary()}{removed}')
