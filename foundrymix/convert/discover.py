@@ -1,12 +1,10 @@
 """Find the input files of a conversion: files, globs and directories, in a fixed order.
 
-Why rules: a directory given as input often holds more than the corpus -- an earlier
-conversion's output, a conversion in progress, configs -- and reading any of those as
-records is wrong (``foundrymix.json`` read as JSON Lines, say). So directory walks skip
-output directories (``foundrymix.json`` or an MDS ``index.json``), hidden entries
-(``.<out>.partial-<pid>`` among them), the conversion's own ``--out``, and ``.json``
-files, which are as often JSON documents as JSON Lines (name them explicitly, or glob
-``*.json``, to read them). A ``.json`` input is checked to really be JSON Lines.
+A directory given as input often holds more than the corpus (earlier outputs, a conversion
+in progress, configs), so walks skip output directories (``foundrymix.json`` or an MDS
+``index.json``), hidden entries (partial outputs among them), the conversion's own
+``--out``, and ``.json`` files, as often JSON documents as JSON Lines (read only when named
+or globbed as ``*.json``, and then checked to be JSON Lines).
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.format.schema import MANIFEST_NAME
 
 JSONL_SUFFIXES = ('.jsonl', '.json', '.ndjson')
-#: read only when named (or globbed as ``*.json``), not when a directory is expanded:
-#: a ``.json`` file is as often a JSON document (a config, an index) as JSON Lines
+#: read only when named (or globbed as ``*.json``), not when a directory is expanded
 NOT_EXPANDED_SUFFIXES = ('.json',)
 #: a directory holding one of these is conversion output, never an input
 OUTPUT_MARKERS = (MANIFEST_NAME, 'index.json')
@@ -67,8 +64,8 @@ def _is_hf_dataset(path: str) -> bool:
 
 
 def _supported(path: str, expanding: bool = False) -> bool:
-    """Whether ``path`` is an input we read; ``expanding``: found by walking a directory
-    or a glob, where a ``.json`` file is not taken as JSON Lines (see :func:`discover_inputs`)."""
+    """Whether ``path`` is an input we read; ``expanding``: found by walking a directory or a
+    glob, where a ``.json`` file is not taken as JSON Lines."""
     try:
         input_format(path)
     except ValueError:
@@ -86,9 +83,9 @@ def output_marker(directory: str) -> Optional[str]:
 
 
 def _expand_dir(directory: str, exclude: Optional[str] = None, split: Optional[str] = None) -> list[str]:
-    """Inputs inside a directory: itself if it is a saved dataset (one split of a saved
-    ``DatasetDict``, see :func:`_dict_split`), else supported files, sorted, skipping what
-    the module docstring lists (``exclude``: the real path of the conversion's ``--out``)."""
+    """Inputs inside a directory: itself if it is a saved dataset (one split of a
+    ``DatasetDict``), else supported files, sorted, skipping what the module docstring lists
+    (``exclude``: the real path of ``--out``)."""
     if os.path.isfile(os.path.join(directory, DATASET_DICT)):
         return [_dict_split(directory, split)]
     if _is_hf_dataset(directory):
@@ -181,11 +178,8 @@ def _refuse_output_dir(spec: str, directory: str) -> None:
 
 
 def check_json_lines(path: str) -> None:
-    """Refuse a ``.json`` file that is not JSON Lines (e.g. a pretty-printed document or an
-    array), with a clear error instead of a malformed record per line.
-
-    Only the first non-blank line is parsed: it must be a whole JSON object.
-    """
+    """Refuse a ``.json`` file whose first non-blank line is not a whole JSON object, instead
+    of a malformed record per line."""
     with open(path, 'rb') as f:
         for line in f:
             if not line.strip():
@@ -205,16 +199,11 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None,
                     split: Optional[str] = None) -> list[str]:
     """Resolve files, globs and directories to an ordered, duplicate-free list of inputs.
 
-    Order is the order of ``specs``; a glob or directory contributes its matches sorted
-    by path, so the output of a conversion does not depend on file-system order.
-
-    Rules: a file named explicitly is read whatever its supported suffix, ``.json``
-    included (as JSON Lines, checked by :func:`check_json_lines`); a directory or a glob
-    contributes ``.jsonl``/``.ndjson`` (maybe compressed), ``.txt``, ``.parquet`` and
-    saved datasets, and ``.json`` only from a glob whose pattern ends in ``.json``. Output
-    directories (``foundrymix.json`` or ``index.json``), hidden entries and the real path
-    ``exclude`` are never read; naming an output directory or a file in one is an error.
-    A saved ``DatasetDict`` contributes one split: ``split``, or its only one.
+    Order is that of ``specs``, a glob's or directory's matches sorted by path, so the
+    output does not depend on file-system order. A file named explicitly is read whatever
+    its supported suffix (``.json`` included); walks follow the module docstring's rules;
+    naming an output directory or a file in one is an error. A saved ``DatasetDict`` gives
+    one split: ``split``, or its only one.
     """
     if not specs:
         raise UserError('no inputs given')

@@ -1,16 +1,10 @@
 """Existing MDS datasets (LLM-Foundry's, streaming's own) as conversion inputs.
 
-Why: MDS written by other tools has no ``foundrymix.json``, so ``inspect``, ``plan`` and
-``train`` refuse it, and the raw corpus may be gone. ``foundrymix adopt``
-(:mod:`foundrymix.convert.adopt`) reads such shards through the normal conversion
-pipeline: a shard is a :class:`~foundrymix.convert.readers.Chunk` (``fmt='mds'``,
-``start`` = its number in ``index.json``), its rows are records keyed by the MDS columns.
-
-What is found (:func:`find_splits`): a directory with ``index.json`` is one dataset;
-otherwise every directory below it that holds an ``index.json`` is a split, named by its
-path relative to the root (LLM-Foundry writes ``<out>/<split>/``: ``train``, ``val``...).
-Each shard is read with streaming's own row decoder (the one training uses), from its
-uncompressed file if present, else from its compressed file through streaming's codec.
+``foundrymix adopt`` (:mod:`foundrymix.convert.adopt`) reads them through the normal
+pipeline: a shard is a :class:`~foundrymix.convert.readers.Chunk` (``fmt='mds'``, ``start``
+its number in ``index.json``), its rows are records keyed by the MDS columns, decoded by
+streaming's own reader. A directory with ``index.json`` is one dataset; otherwise each
+directory below it with one is a split named by its relative path (:func:`find_splits`).
 """
 
 from __future__ import annotations
@@ -53,9 +47,8 @@ def is_mds_dir(path: str) -> bool:
 
 
 def load_split(path: str, name: str) -> MdsSplit:
-    """Read ``path``'s index and check every shard has the same columns, and every shard file
-    the size ``index.json`` records (as ``plan``, ``train`` and ``verify`` check a stream's:
-    :func:`~foundrymix.format.shards.check_shard_files`), before anything is converted."""
+    """Read ``path``'s index and check, before anything is converted, that every shard has
+    the same columns and every shard file the size ``index.json`` records."""
     index = _index(path)
     shards = index['shards']
     if not shards:
@@ -139,8 +132,7 @@ def shard_file(path: str, number: int) -> tuple[str, bool]:
 def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
     """``(file, raw shard bytes)`` of shard ``number`` of the dataset in ``path``.
 
-    An uncompressed shard is memory-mapped, not read: copying it into a fresh buffer pays
-    a page fault per page of new memory, a large share of adopting token shards.
+    An uncompressed shard is memory-mapped: a fresh buffer would pay a page fault per page.
     """
     shard = _index(path)['shards'][number]
     name, compressed = shard_file(path, number)
@@ -162,9 +154,8 @@ def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
 
 
 def _checked(name: str, shard: dict[str, Any], data: Any) -> Any:
-    """``data``, once its header and offset table agree with what ``index.json`` records for the
-    shard (its rows, where they end), so a wrong index is named here, not met later as a
-    bare numpy ``ValueError`` in streaming's reader."""
+    """``data``, once its header agrees with ``index.json`` (a wrong index is named here, not
+    met later as a bare numpy ``ValueError`` in streaming's reader)."""
     problems = shard_header_problems(data, shard)
     if problems:
         raise UserError(f'{name}: {problems[0]}: {INDEX_NAME} does not describe this shard; '
@@ -216,10 +207,8 @@ def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str]
     as ``dtype`` (default: the column's); with ``below``, a value outside ``[0, below)`` raises
     :class:`OutOfRange` (checked on the stored values, before any narrowing conversion).
 
-    Read at once by :func:`foundrymix.format.mds.ndarray_rows` when every row has the same
-    layout (LLM-Foundry's token windows): the check and the conversion run on a view of the
-    shard's bytes, so the values are copied once; else row by row with streaming's reader
-    (:func:`read_shard`).
+    When every row has the same layout (LLM-Foundry's token windows), check and conversion
+    run on a view of the shard's bytes (one copy); else rows are decoded by :func:`read_shard`.
     """
     from foundrymix.format.mds import ndarray_rows
     shard = _index(path)['shards'][number]
@@ -241,13 +230,9 @@ def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str]
 
 
 def download_datasets(url: str, into: str, progress: bool = False) -> int:
-    """Copy every MDS dataset under ``s3://bucket/prefix`` (each folder with ``index.json``,
-    and the shard files it lists) into the local folder ``into``, keeping the layout; returns
-    the bytes copied.
-
-    Why a copy first: the readers here map or read whole shard files; a local copy is what
-    the user would otherwise make with ``aws s3 sync`` (``adopt`` deletes it when done).
-    Only what the indexes list is fetched, not the rest of the prefix.
+    """Copy every MDS dataset under ``s3://bucket/prefix`` (each ``index.json`` and the shard
+    files it lists, nothing else) into the local folder ``into``, keeping the layout; returns
+    the bytes copied. The readers here map or read whole local shard files.
     """
     from foundrymix.convert.upload import parse_s3_url
     from foundrymix.format.shards import index_files

@@ -1,8 +1,7 @@
 """Forked worker processes that encode chunks; a worker that dies stops the conversion at once.
 
 Used by :class:`~foundrymix.convert.pipeline.ordered_map` in ``processes`` mode. A worker
-killed by the OOM killer's SIGKILL, ending through ``sys.exit`` or segfaulting in a
-``--preprocess`` function is reported with the chunk it was encoding and how it died
+that is killed, exits or segfaults is reported with its chunk and how it died
 (:class:`WorkerDied`), never waited on forever.
 """
 
@@ -26,11 +25,8 @@ PARALLELISM_ENV = 'TOKENIZERS_PARALLELISM'
 
 
 class WorkerDied(FoundrymixError, ValueError):
-    """A worker process died (killed by a signal, or ``sys.exit``/``os._exit``) mid-conversion.
-
-    A ``ValueError`` so that the CLI prints it as its one-line error (exit 2): the
-    message names the worker's chunk and how it died, which is all the user can act on.
-    """
+    """A worker process died (a signal, or ``sys.exit``/``os._exit``) mid-conversion; a
+    ``ValueError`` so that the CLI prints it as its one-line error (exit 2)."""
 
 
 def _how(exitcode: Optional[int]) -> str:
@@ -49,19 +45,12 @@ def _work(index: int, fn: Callable[[Chunk], Any], initializer: Callable[..., Non
           tasks: Any, out: Any, current: Any, parent: int) -> None:
     """A forked worker: encode chunks from ``tasks``, send results on its own pipe ``out``.
 
-    SIGTERM goes back to its default: the pool stops workers with SIGTERM, but a handler
-    the parent had installed is inherited by the fork (importing composer installs one
-    that calls ``sys.exit``), and a worker running Python exit code on locks it
-    inherited mid-use could hang the conversion's end. SIGINT is ignored: Ctrl-C reaches
-    the whole process group, and the parent stops the workers itself. A worker has
-    nothing to clean up.
-
-    Each worker tokenizes single-threaded: N processes each running the Rust tokenizer's
-    own thread pool would oversubscribe the cores. Results are sent by a thread, so the
-    worker goes on with its next chunk while the parent is busy writing shards.
-    ``current[index]`` holds the chunk being encoded (-1: none), for the parent's message
-    should this process die. A worker whose parent is gone (killed) ends at once
-    (:func:`~foundrymix.convert.lifeline.die_with_parent`), releasing the ``--out`` claim.
+    SIGTERM goes back to its default: a handler inherited from the parent (composer installs
+    one calling ``sys.exit``) could run exit code on locks held mid-use and hang the end.
+    SIGINT is ignored: the parent stops the workers itself. Tokenizing is single-threaded
+    (no oversubscription); results are sent by a thread so encoding goes on meanwhile.
+    ``current[index]`` holds the chunk being encoded (-1: none) for the parent's message.
+    A worker whose parent is gone ends at once, releasing the ``--out`` claim.
     """
     die_with_parent(parent)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -103,20 +92,13 @@ def _send_results(out: Any, results: queue.SimpleQueue) -> None:
 class ProcessPool:
     """``workers`` forked processes encoding chunks; a dead worker stops the conversion at once.
 
-    Why not ``multiprocessing.Pool`` or ``ProcessPoolExecutor``: a Pool
-    replaces a worker killed by SIGKILL (the OOM killer), ``sys.exit`` or a segfault and
-    waits forever for the lost chunk's result; ``ProcessPoolExecutor`` (Python 3.11) does
-    raise ``BrokenProcessPool``, but names neither the chunk nor the exit code, which only
-    the ``Process`` objects it keeps privately know. Here the parent owns them: it waits
-    on the workers' result pipes and their sentinels together, so a death is seen at once
-    and reported with the chunk its worker was encoding (``current``) and its exit code.
-
-    Each worker has its own result pipe whose write end only it holds, so a worker killed
-    mid-send leaves an end of file (``EOFError``), not a half message to wait on forever.
-    Tasks go through one shared queue (a feeder thread sends them, so handing out a large
-    compressed block never blocks the calling thread), so a free worker takes the next
-    chunk whatever the others are doing. Workers end with the process (on Linux, with the
-    thread) that created the pool: create it in the thread that uses it.
+    Not ``multiprocessing.Pool``, which replaces a dead worker and waits forever for its
+    chunk, nor ``ProcessPoolExecutor``, whose ``BrokenProcessPool`` names neither chunk nor
+    exit code. The parent waits on the result pipes and process sentinels together, so a
+    death is seen at once. Each worker alone holds its pipe's write end, so dying mid-send
+    gives ``EOFError``, not a half message. Tasks go through one shared queue (a free worker
+    takes the next chunk). Workers end with the thread that created the pool (Linux): create
+    it in the thread that uses it.
     """
 
     def __init__(self, fn: Callable[[Chunk], Any], workers: int, initializer: Callable[..., None],

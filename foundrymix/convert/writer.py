@@ -1,21 +1,13 @@
 """Write foundrymix rows to MDS shards so that a directory is complete or absent.
 
-Why write aside and rename: a conversion killed half-way (Ctrl-C, SIGKILL, a full
-disk) must never leave a directory that looks finished. Shards, ``index.json`` and
-``foundrymix.json`` are written into a hidden sibling directory; only when all of
-them are on disk is that directory renamed to the requested output path (a rename on
-one filesystem is atomic). A leftover ``.<name>.partial-<pid>-<tag>`` is obviously
-partial; the next run removes it once its process ``pid`` is gone (a live one may be a
-conversion into the same ``--out`` running right now, and is left alone).
+A conversion killed half-way must never leave a directory that looks finished: shards,
+``index.json`` and ``foundrymix.json`` are written into a hidden sibling directory
+(``.<name>.partial-<pid>-<tag>``), renamed to the output path (atomic on one filesystem)
+only when all are on disk. The next run removes a leftover once its process is gone.
 
-With an ``s3://`` output (:mod:`foundrymix.convert.upload`) the same hidden directory is
-the staging area: each shard is uploaded as soon as it is closed (and, without a local
-copy, deleted once uploaded; the directory then lives in the system temp dir), and
-``foundrymix.json`` and ``index.json`` go up last. With a local copy as well, the local
-directory is published first (it is complete), then the remote metadata.
-
-Shards are hashed into ``index.json`` (``xxh3_64`` by default, more with ``--hash``), so
-streaming's ``validate_hash`` can check downloaded shards.
+With an ``s3://`` output that directory is the staging area (in the temp dir without a
+local copy): each shard is uploaded once closed, the metadata last
+(:mod:`foundrymix.convert.upload`); a local copy, if kept, is published first.
 """
 
 from __future__ import annotations
@@ -48,7 +40,7 @@ from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreig
 logger = logging.getLogger(__name__)
 
 
-#: shard hash always written: xxh3_64 is fast enough to cost next to nothing
+#: shard hash always written (cheap)
 DEFAULT_HASH = 'xxh3_64'
 
 
@@ -68,9 +60,8 @@ def check_hashes(algos: list[str]) -> None:
                          f"(choose from {', '.join(sorted(known))})")
 
 
-#: streaming 0.13's shard codecs and their levels (``streaming.base.compression``), kept here
-#: so that ``--compression`` is checked before any work without importing torch;
-#: ``tests/convert/test_bad_inputs.py`` compares the two
+#: streaming 0.13's shard codecs and levels, to check ``--compression`` without importing torch
+#: (``tests/convert/test_bad_inputs.py`` compares them with ``streaming.base.compression``)
 COMPRESSION_LEVELS = {'br': range(0, 12), 'bz2': range(1, 10), 'gz': range(0, 10), 'snappy': range(0),
                       'zstd': range(1, 23)}
 
@@ -91,12 +82,10 @@ def check_compression(compression: Optional[str]) -> None:
 def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
                 hashes: list[str]) -> Any:
     """The MDS writer for ``out``: uncompressed shards without importing ``streaming`` (and
-    so torch, see :mod:`foundrymix.format.mds`), compressed ones
-    through ``streaming.MDSWriter``; both write the same files."""
+    torch), compressed ones through ``streaming.MDSWriter``; both write the same files."""
     if compression is None:
         return LeanMDSWriter(out, columns, hashes=hashes, size_limit=size_limit)
-    # imported here, off the caller's thread: streaming imports torch, which conversion
-    # workers forked before never need
+    # imported here, in the writer thread, after the conversion workers were forked
     with importing('streaming'):
         from streaming import MDSWriter
     return MDSWriter(out=out, columns=columns, compression=compression, size_limit=size_limit,
@@ -113,14 +102,9 @@ _FINISH = object()
 class ShardWriter:
     """An ``MDSWriter`` over the foundrymix columns that publishes atomically.
 
-    Use as a context manager; call :meth:`finish` with the manifest to publish. Leaving
-    the block without ``finish`` (an exception) deletes the partial directory.
-
-    Rows are written by a background thread (which, for compressed output only, also
-    imports ``streaming`` and so torch). So :meth:`write`
-    returns at once and the conversion keeps its workers busy; a bounded queue (about
-    ``QUEUE_BYTES`` of tokens) keeps memory flat. An error in the thread is raised by
-    the next :meth:`write` or by :meth:`finish`.
+    Use as a context manager; :meth:`finish` publishes, leaving without it deletes the
+    partial directory. Rows are written by a background thread behind a queue bounded to
+    about ``QUEUE_BYTES``; its errors are raised by the next :meth:`write` or :meth:`finish`.
     """
 
     def __init__(self, out: Optional[str], max_seq_len: int, token_dtype: str, overwrite: bool = False,
@@ -198,9 +182,8 @@ class ShardWriter:
             self._batch_room.notify_all()
 
     def _upload_new_shards(self) -> None:
-        """Hand the shards the MDS writer has closed since the last call to the uploader
-        (``MDSWriter.shards`` gets an entry once its file is written); blocks while the
-        uploader is too far behind, which in turn holds back :meth:`write`."""
+        """Hand the shards closed since the last call to the uploader (blocks while it is too
+        far behind, which in turn holds back :meth:`write`)."""
         if self._uploader is None:
             return
         shards = self._writer.shards
@@ -225,7 +208,7 @@ class ShardWriter:
 
     def write(self, row: dict[str, Any] | RowBatch) -> None:
         """Queue one row, or a :class:`~foundrymix.format.schema.RowBatch` (written in one go;
-        batches wait while the rows of those queued would pass the queue's capacity)."""
+        waits while the queued batches' rows would pass the queue's capacity)."""
         assert not self._closed, 'writer already closed'
         if not isinstance(row, RowBatch):
             self._put(row)
@@ -266,8 +249,7 @@ class ShardWriter:
         return self.out or str(self._uploader.url)
 
     def _finish_upload(self) -> None:
-        """Wait for the shard uploads, publish the local copy (if kept), then upload the
-        manifest and index last; without a local copy the staging directory goes."""
+        """Wait for the shard uploads, publish the local copy (if kept), upload the metadata."""
         uploader = self._uploader
         with open(os.path.join(self.partial, INDEX_NAME), encoding='utf-8') as f:
             shard_files = {stored_name(s) for s in json.load(f)['shards']}
@@ -294,14 +276,9 @@ class ShardWriter:
     def _publish(self) -> None:
         """Move the partial directory into place, re-checking ``out`` first.
 
-        Another conversion may have published the same ``out`` while this one ran: without
-        ``overwrite`` that output is left alone and this one fails (its partial directory is
-        removed by :meth:`abort`). With ``overwrite`` the old output is renamed aside before
-        the new one moves in and only then deleted, so ``out`` is never missing for long.
-
-        An ``out`` directory that existed (empty, or replaced with ``overwrite``) keeps its
-        permission bits and group (:func:`_keep_owned_attributes`): the rename puts the
-        partial directory, with the umask's mode and the writer's group, in its place.
+        An output another conversion published meanwhile is left alone (this one fails)
+        unless ``overwrite``: then it is renamed aside, replaced, and only then deleted. An
+        existing ``out`` keeps its permission bits and group (:func:`_keep_owned_attributes`).
         """
         if os.path.lexists(self.out):
             if not os.path.isdir(self.out) or os.path.islink(self.out):
