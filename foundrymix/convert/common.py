@@ -1,10 +1,8 @@
-"""Options and set-up shared by the pretrain and finetune converters.
+"""Options and set-up shared by the converters.
 
-Everything that can fail cheaply (bad options, missing inputs, non-empty output,
-``--out`` overlapping an input (:mod:`foundrymix.convert.paths`), an ``s3://`` output whose
-bucket cannot be reached or whose prefix holds a dataset (:mod:`foundrymix.convert.upload`),
-unknown hash, unknown tokenizer, ``max_seq_len`` too small) is checked before any work
-starts, so a mistake costs nothing and touches nothing.
+Everything that can fail cheaply (options, inputs, output directory, overlap, the ``s3://``
+prefix, hashes, tokenizer, ``max_seq_len``) is checked before any work starts, so a mistake
+costs nothing and touches nothing.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokeni
 ON_ERROR = ('raise', 'skip')
 #: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py)
 MAX_SEQ_LEN = (1 << 31) - 1
-#: the most workers, refused up front above it: more threads than chunks in flight only
-#: cost memory
+#: the most workers (more only cost memory)
 MAX_WORKERS = 4096
 ENGINES = ('local', 'ray')
 
@@ -36,19 +33,11 @@ ENGINES = ('local', 'ray')
 class ConvertOptions:
     """Options every conversion takes.
 
-    ``bos``/``eos``: whether each document (example) gets a BOS in front / an EOS at
-    the end. ``bos=None`` follows the tokenizer (BOS iff it adds one by default).
-    ``workers`` is how many chunks are encoded at once, each on one core: threads of
-    this process (``parallel='threads'``) or worker processes (``'processes'``);
-    ``None`` picks the converter's default (pretrain and prompt/response finetuning:
-    threads; chats and ``preprocess``: processes),
-    see :mod:`foundrymix.convert.pipeline`. ``0`` means all cores.
-    ``chunk_bytes`` is the share of input a worker reads at a time. None of these
-    three changes the output. ``engine``: ``'local'`` (this machine, the default) or
-    ``'ray'`` (tasks on a Ray cluster at ``ray_address``, or a local Ray; each task
-    converts about ``ray_task_bytes`` of input, see :mod:`foundrymix.convert.ray_engine`).
-    ``hash``: shard hash algorithms written to ``index.json``
-    besides the default ``xxh3_64`` (any that streaming validates, e.g. ``sha1``).
+    ``bos``/``eos``: a BOS before / an EOS after each document (example); ``bos=None``
+    follows the tokenizer. ``workers`` (0: all cores), ``parallel`` (``None``: the
+    converter's default, :mod:`foundrymix.convert.pipeline`) and ``chunk_bytes`` never
+    change the output. ``engine='ray'`` runs tasks of about ``ray_task_bytes`` on Ray
+    (:mod:`foundrymix.convert.ray_engine`). ``hash``: shard hashes besides ``xxh3_64``.
     """
 
     tokenizer: str = DEMO_TOKENIZER
@@ -66,8 +55,7 @@ class ConvertOptions:
     hash: tuple[str, ...] = ()
     engine: str = 'local'
     ray_address: Optional[str] = None
-    #: input per Ray task: its fixed cost (scheduling, a first tokenizer load, one MDS
-    #: writer) stays small against its tokenizing
+    #: input per Ray task: large enough that its fixed cost stays small against tokenizing
     ray_task_bytes: int = 64 << 20
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
@@ -75,8 +63,7 @@ class ConvertOptions:
 
     @property
     def hash_algorithms(self) -> list[str]:
-        """Shard hash algorithms written to ``index.json``: the fast default and ``hash``,
-        sorted and unique (as ``MDSWriter`` requires)."""
+        """The default and ``hash``, sorted and unique (as ``MDSWriter`` requires)."""
         return sorted({DEFAULT_HASH, *(self.hash or ())})
 
     def to_manifest(self) -> dict[str, Any]:
@@ -108,9 +95,8 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
             load: bool = True) -> Setup:
     """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
 
-    ``min_content`` is how many non-special tokens a row must at least have room for.
-    ``load=False``: only the tokenizer's description is needed (``Setup.tokenizer`` is None),
-    read without transformers where possible (:func:`~foundrymix.tokenizer.describe_tokenizer`).
+    ``min_content``: non-special tokens a row must have room for. ``load=False``: only the
+    tokenizer's description is read (``Setup.tokenizer`` is None).
     """
     if options.on_error not in ON_ERROR:
         raise UserError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")

@@ -1,32 +1,16 @@
 """Field mapping at conversion: templates over a record's fields and ``--preprocess``.
 
-Why: real corpora rarely have a ``prompt``/``response`` (or ``text``) field. LAMBADA has
-``context``/``continuation``, HellaSwag an ``endings`` list chosen by ``label``, PIQA
-``sol1``/``sol2`` chosen by ``label``. A template builds the field from others::
+Corpora rarely have ``prompt``/``response`` (or ``text``) fields, so a template builds one
+from others: ``--prompt '{ctx}' --response ' {endings[label]}'``. Inside ``{}``: ``name``,
+``.key`` (a dict key), ``[3]`` (a list index, negative from the end), ``[other]`` (index or
+key = the value of top-level field ``other``; digits index a list). Values must be strings
+or numbers; ``{{ }}`` are literal braces. No format specs, conversions or attribute access:
+``str.format`` on the record would reach Python internals (``{x.__class__}``), so templates
+are parsed with :class:`string.Formatter` and resolved here (:func:`resolve`).
 
-    --prompt '{context}' --response ' {continuation}'
-    --prompt '{ctx}' --response ' {endings[label]}'
-    --text '{title}\\n\\n{body}'
-
-Field syntax (inside ``{}``), resolved by :func:`resolve` against the record only:
-
-* ``name`` -- a top-level field;
-* ``.key`` -- a key of a dict, literally: ``{meta.source}``;
-* ``[3]`` -- an integer index into a list: ``{choices[0]}`` (negative counts from the end);
-* ``[other]`` -- *indirection*: the value of the record's top-level field ``other``
-  used as the index (list: an int or a string of digits) or key (dict):
-  ``{choices[gold]}`` is ``rec['choices'][rec['gold']]``.
-
-Values must be strings, ints or floats (inserted with ``str``). No format specs or
-``!r``/``!s`` conversions, and no attribute access: ``str.format`` on the record would
-reach Python internals (``{x.__class__}``), so the templates are parsed with
-:class:`string.Formatter` and resolved here. ``{{`` and ``}}`` are literal braces.
-
-``--preprocess module:function`` runs first on every record: it gets the record dict
-and returns a dict (then read as usual, by field names or templates) or ``None`` to skip
-the record, counted as ``dropped.preprocess_skipped``. The module is imported by name in
-every worker (forked processes included), from the current directory or an installed
-package.
+``--preprocess module:function`` runs first on every record and returns a dict (read as
+usual) or ``None`` (skipped, counted as :data:`PREPROCESS_SKIPPED`); it is imported by name
+in every worker, from the current directory or an installed package.
 """
 
 from __future__ import annotations

@@ -31,12 +31,9 @@ NAMED_ENTRIES = 3
 def owned_files(out: str) -> set[str]:
     """Files in ``out`` that a foundrymix conversion wrote, relative to it.
 
-    Those are ``foundrymix.json``, ``index.json`` and the shard files that index lists,
-    ``shard.NNNNN.mds[.ext]`` or, from ``--engine ray``, ``task-NNNNN/shard...`` (names
-    checked, so a hand-edited index cannot claim other files). Without both metadata files
-    (e.g. streaming's own ``MDSWriter`` output) nothing is foundrymix's. A conversion that
-    is killed leaves nothing else inside ``out``: it writes into a hidden sibling directory
-    and renames it into place (see :meth:`ShardWriter._publish`).
+    ``foundrymix.json``, ``index.json`` and the shard files that index lists (names checked
+    against :data:`SHARD_NAME`, so a hand-edited index cannot claim other files). Without
+    both metadata files nothing is foundrymix's.
     """
     meta = [os.path.join(out, n) for n in (MANIFEST_NAME, INDEX_NAME)]
     if not all(os.path.isfile(p) and not os.path.islink(p) for p in meta):
@@ -82,9 +79,7 @@ def check_output_dir(out: str, overwrite: bool) -> None:
     """Refuse a non-empty output directory unless ``overwrite``, and even with it one that
     holds anything foundrymix did not write (checked before any work).
 
-    Why: a typo in ``--out`` (a project folder) must not delete it. Only a foundrymix
-    dataset is replaced, as an ``s3://`` prefix keeps objects foundrymix did not write
-    (:mod:`foundrymix.convert.upload`).
+    A typo in ``--out`` (a project folder) must not delete it.
     """
     check_can_create(out)
     if os.path.exists(out):
@@ -99,12 +94,8 @@ def check_output_dir(out: str, overwrite: bool) -> None:
 
 
 def check_can_create(out: str) -> None:
-    """Refuse an ``out`` whose parent cannot hold it: the nearest existing ancestor is a file,
-    or this process may not create entries in it (the work directory is made beside ``out``).
-
-    Why here: later, the error would name a hidden work directory, after the tokenizer
-    had loaded.
-    """
+    """Refuse an ``out`` whose nearest existing ancestor is a file or not writable, before any
+    work (later, the error would name the hidden work directory made beside ``out``)."""
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)
@@ -150,10 +141,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _keep_owned_attributes(path: str, was: os.stat_result) -> None:
-    """Give the published directory ``path`` the group and permission bits (setgid and sticky
-    included) the directory it replaced had (``was``). The group first: changing it clears
-    setgid. A group the writer may not give (not one of its groups) is left as it is, and
-    said in the log."""
+    """Give the published directory ``path`` the group and permission bits of the one it
+    replaced (``was``). The group first: changing it clears setgid. A group the writer may
+    not give is left as it is, with a log line."""
     st = os.stat(path)
     if st.st_gid != was.st_gid:
         try:
@@ -164,11 +154,8 @@ def _keep_owned_attributes(path: str, was: os.stat_result) -> None:
 
 
 def remove_stale_partials(parent: str, name: str) -> list[str]:
-    """Remove ``.<name>.partial-<pid>[-<tag>]`` directories whose process is dead.
-
-    Those of live processes (another conversion into the same ``--out``, or this one)
-    are kept. Returns the removed paths.
-    """
+    """Remove ``.<name>.partial-<pid>[-<tag>]`` directories whose process is dead (a live one
+    may be converting into the same ``--out``). Returns the removed paths."""
     removed = []
     pattern = re.compile(rf'^\.{re.escape(name)}\.partial-(\d+)(?:-[0-9a-f]+)?(?:\.old)?$')
     for stale in glob.glob(os.path.join(glob.escape(parent), f'.{glob.escape(name)}.partial-*')):

@@ -1,19 +1,13 @@
 """Checks that keep a conversion from reading its own output or harming its inputs.
 
-Why: ``--overwrite`` deletes the dataset in the output directory before publishing the
-new one (only files foundrymix wrote: :func:`foundrymix.convert.writer.check_output_dir`).
-If ``--out`` is an input, holds an input, or lies inside an input directory, that deletes
-(or, on the next run, re-reads) the user's corpus. Paths are compared after resolving
-symbolic links (``os.path.realpath``), so a link cannot hide the overlap. The checks
-run before any work and hold with or without ``--overwrite``.
+``--overwrite`` deletes the dataset in ``--out`` before publishing; if ``--out`` is an
+input, holds one, or lies inside an input directory, that deletes (or later re-reads) the
+user's corpus. Paths are compared after resolving symbolic links, before any work, with or
+without ``--overwrite``.
 
-Object-store URLs are not local paths: ``os.path`` would happily turn ``s3://bucket/x``
-into a local folder ``s3:/bucket/x``. So ``--out`` is split first (:func:`split_out`):
-an ``s3://bucket/prefix`` output is uploaded as it is written
-(:mod:`foundrymix.convert.upload`; other schemes are refused), optionally with a local
-copy (``--keep-local DIR``, or the pair ``(DIR, 's3://...')`` in Python, as streaming's
-``MDSWriter(out=(local, remote))``), and only the local directory goes through the
-checks below. Inputs given as URLs are refused (download them first).
+``os.path`` would turn ``s3://bucket/x`` into a local folder ``s3:/bucket/x``, so ``--out``
+is split first (:func:`split_out`) into an ``s3://`` remote and/or a local directory; only
+the local one goes through these checks. Input URLs are refused.
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ from typing import Optional, Sequence, Union
 from foundrymix.errors import FoundrymixError
 
 _URL = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
-#: ``--out`` that is a URL missing a slash: a first path component like ``s3:`` or ``gs:``
-#: (``s3:/bucket``; two letters or more, so no drive letter), or a known scheme glued to the
-#: bucket (``s3:bucket``; other names with a colon, ``run:2024``, stay local folders)
+#: a URL missing a slash: ``s3:/bucket`` (two letters or more: no drive letter), or a known
+#: scheme glued to the bucket (``s3:bucket``; ``run:2024`` stays a local folder)
 _MISTYPED_URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):(?:/(?!/)|$)(?P<rest>.*)$')
 _KNOWN_SCHEMES = ('s3', 'gs', 'gcs', 'az', 'abfs', 'abfss', 'wasb', 'wasbs', 'oci', 'hf', 'http', 'https',
                   'file', 'ftp', 'sftp', 'dbfs', 'r2', 'hdfs')
@@ -83,10 +76,8 @@ class Output:
 
 
 def split_out(out: OutSpec) -> Output:
-    """``--out`` as given (a string, or a ``(local, remote)`` pair) -> :class:`Output`.
-
-    Only ``s3://`` is supported as a remote; a URL in the local slot is refused.
-    """
+    """``--out`` as given (a string, or a ``(local, remote)`` pair) -> :class:`Output`;
+    only ``s3://`` is a remote, a URL in the local slot is refused."""
     if isinstance(out, (tuple, list)):
         if len(out) != 2:
             raise UnsafePathsError(f'--out {out!r}: expected a local directory, an s3:// prefix '
@@ -121,10 +112,8 @@ def _inside(path: str, directory: str) -> bool:
 def check_overlap(specs: Sequence[str], resolved: Sequence[str], out: str) -> None:
     """Refuse inputs at or under ``out``, and ``out`` at or under an input directory.
 
-    ``specs`` are the inputs as given (files, directories, globs: their matches count),
-    ``resolved`` the files and datasets that would be read. Both are
-    checked so that a symbolic link inside an input directory pointing into ``out`` is
-    caught too. The message names both paths.
+    ``specs`` are the inputs as given (globs: their matches), ``resolved`` what would be
+    read; both are checked, so a symbolic link in an input directory into ``out`` is caught.
     """
     real_out = os.path.realpath(out)
     given = [m for s in specs for m in (sorted(glob.glob(s, recursive=True)) if glob.has_magic(s) else [s])]
