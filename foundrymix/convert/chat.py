@@ -1,18 +1,13 @@
 """Chat examples (a ``messages`` list of ``{role, content}``) as text segments with loss flags.
 
-Rendered with the tokenizer's chat template when it has one. The text is split into
-turns by rendering growing prefixes of the conversation: an assistant turn is what
-``messages[:i+1]`` adds to ``messages[:i]`` rendered with the generation prompt, so the
-template's assistant header is not trained but the turn's end marker is. Without a
-chat template a plain one is used: each message is ``"{role}: "`` (no loss) then
-``"{content}\\n"`` (loss for trained assistant turns).
+Turns are found by rendering growing prefixes with the tokenizer's chat template: an
+assistant turn is what ``messages[:i+1]`` adds to ``messages[:i]`` rendered with the
+generation prompt, so the assistant header is not trained but the turn's end marker is.
+Without a chat template each message is ``"{role}: "`` (no loss) then ``"{content}\\n"``.
 
-Roles are checked first (:func:`allowed_roles`): an unknown one is a bad record
-(``unknown_role``), not text rendered as-is. A chat must start with a system or user
-message (``assistant_first`` otherwise): its first reply is trained on what precedes it,
-and a chat template renders no generation prompt for an empty conversation. A chat the
-template itself refuses (``raise_exception`` in the template) is a bad record too
-(``template_error``), with the template's message.
+Bad records: an unknown role (:func:`allowed_roles`), a chat not starting with a system or
+user message (its first reply needs a prompt; templates render no generation prompt for an
+empty chat), a chat the template refuses (``raise_exception``).
 """
 
 from __future__ import annotations
@@ -71,12 +66,9 @@ def chat_segments(messages: Any, field: str, chat_loss: str, loss_on_prompt: boo
 
 
 def allowed_roles(tok: Any) -> tuple[str, ...]:
-    """Roles a chat may use: system, user and assistant, plus tool where the template
-    handles it (it names the role ``'tool'``) or the plain template is used (it renders
-    any role as ``"{role}: "``).
-
-    Why check: a misspelt or differently cased role (``USER``, ``wizard``) renders as some
-    unintended text or, for ``Assistant``, silently drops the turn from the loss.
+    """Roles a chat may use: system, user and assistant, plus tool where the template names
+    it or the plain template is used. A misspelt role (``USER``, ``Assistant``) would render
+    as unintended text or silently drop the turn from the loss.
     """
     template = tok.chat_template
     if template is None or re.search(r"""['"]tool['"]""", str(template)):

@@ -1,20 +1,12 @@
 """Tokenize texts through the Rust batch encoder, huge texts in slices with bounded memory.
 
-Why slices: the Rust encoder keeps per-token strings, offsets and masks for the whole
-input, and the ids come back as a Python list of ints, so one huge text takes many times
-its size in memory. A text longer than ``SLICE_CHARS`` characters is therefore encoded
-slice by slice (about 1 MB each) into one ``uint32`` array.
-
-Why the tokens do not change: slices are cut only just before a single space between
-two non-whitespace characters (``"word next"`` -> ``"word"`` | ``" next"``), where
-pre-tokenizers split anyway (byte-level BPE never joins a space to the token before it;
-SentencePiece's metaspace marks a word start there), so BPE merges never cross the cut.
-Whether the slice after a cut keeps the space or drops it (a tokenizer that prepends
-its own word-start marker) is calibrated once per tokenizer (:func:`slice_mode`); a
-tokenizer for which neither reproduces whole-text tokens is never sliced
-(``tests/convert/test_convert_safety.py`` checks both kinds).
-
-Limit: a huge text without such a space (e.g. CJK without spaces) is encoded whole.
+The Rust encoder keeps per-token strings, offsets and masks for the whole input, so one
+huge text takes many times its size in memory; a text over ``SLICE_CHARS`` characters is
+encoded slice by slice into one ``uint32`` array. The tokens do not change: slices are cut
+only just before a single space between two non-whitespace characters, where
+pre-tokenizers split anyway, and whether the next slice keeps that space is calibrated per
+tokenizer (:func:`slice_mode`); a tokenizer for which neither way reproduces whole-text
+tokens is never sliced. A huge text without such a space (unspaced CJK) is encoded whole.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Forked worker processes end when the process that forked them dies, even by SIGKILL.
 
-Why: a worker inherits its parent's open files, among them the ``flock`` of the
-conversion's claim on ``--out`` (:mod:`foundrymix.claims`). A worker that runs on after
-its parent was SIGKILLed keeps that claim, so the run started again to replace the
-killed one is refused, naming the dead parent, until the worker finishes what it had.
-
-On Linux the kernel delivers SIGKILL to the worker the moment its parent exits
-(``prctl(PR_SET_PDEATHSIG)``); the setting is made in the worker, so a parent that died
-before it was made is checked for right after. Elsewhere a daemon thread in the worker
-polls for its parent and ends the process (``os._exit``) once it is gone.
+A worker inherits the ``flock`` of the conversion's claim on ``--out``
+(:mod:`foundrymix.claims`); outliving a SIGKILLed parent, it would keep a rerun out. On
+Linux the kernel kills the worker when its parent exits (``prctl(PR_SET_PDEATHSIG)``, then
+a check for a parent that died before); elsewhere a daemon thread polls for the parent.
 """
 
 from __future__ import annotations

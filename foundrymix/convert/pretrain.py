@@ -1,20 +1,12 @@
 """``convert pretrain``: documents -> one token stream -> rows of exactly ``max_seq_len``.
 
-Separator policy: every document is tokenized without special tokens and becomes
-``[BOS] + ids + [EOS]``, where BOS is present iff the tokenizer adds one by default
-(``TokenizerInfo.add_bos``; override with ``bos``) and EOS is present unless ``eos`` is
-off; at least one separator is required, otherwise documents would run together.
-All documents are concatenated in input order and cut into windows of
-``max_seq_len``. Each row has one loss span over the whole row and ``doc_lens`` = the
-lengths of the document pieces inside it (a document cut across rows gives a piece in
-each row). The tokens after the last full row are not written; their number is
-``counts.tail_tokens``.
-
-Workers (threads or processes) read and tokenize whole chunks (the encode step,
-:func:`_encode_chunk`); the calling thread receives one flat token array and the
-document lengths per chunk, in input order, and cuts rows (:class:`_PretrainRows`), so
-the rows are the same for any number and kind of workers. The rest is the shared
-driver (:mod:`foundrymix.convert.driver`).
+Each document is tokenized without special tokens and becomes ``[BOS] + ids + [EOS]``:
+BOS iff the tokenizer adds one by default (override with ``bos``), EOS unless ``eos`` is
+off; at least one is required, or documents would run together. Documents are concatenated
+in input order and cut into rows of ``max_seq_len``, each with one loss span over the row
+and ``doc_lens`` the lengths of the document pieces in it. The tokens after the last full
+row are not written (``counts.tail_tokens``). Rows are cut in the calling thread, in input
+order, so they are the same for any number and kind of workers.
 """
 
 from __future__ import annotations
@@ -86,11 +78,8 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
 
 
 class RowCutter:
-    """Cuts a token stream, fed chunk by chunk, into rows of ``max_seq_len``.
-
-    Keeps the leftover (less than one row) between chunks, with the lengths of the
-    document pieces in it, so a document may span chunk and row boundaries.
-    """
+    """Cuts a token stream, fed chunk by chunk, into rows of ``max_seq_len``; the leftover and
+    its document pieces are kept between chunks, so a document may span chunks and rows."""
 
     def __init__(self, max_seq_len: int, token_dtype: str) -> None:
         self.max_seq_len = max_seq_len
@@ -173,8 +162,7 @@ PRETRAIN = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_chu
 
 
 def convert_pretrain(inputs: list[str], out: 'OutSpec', options: PretrainOptions) -> Manifest:
-    """Convert pretraining corpora in ``inputs`` to MDS shards plus manifest in ``out`` (a local
-    directory, ``s3://bucket/prefix``, or a ``(local, s3://...)`` pair)."""
+    """Convert pretraining corpora in ``inputs`` to MDS shards plus manifest in ``out``."""
     if options.bos is False and not options.eos:
         raise UserError('--no-bos with --no-eos would join documents with no separator; '
                          'keep at least one of BOS and EOS')

@@ -103,13 +103,8 @@ def documents_note(manifest: Manifest) -> str:
 
 
 def too_long_warning(manifest: Manifest, fit_95: Optional[int]) -> Optional[str]:
-    """A warning when more than ``TOO_LONG_WARN`` of the examples were dropped as too long.
-
-    It names both ways out and what each does to the data: a longer ``--max-seq-len``
-    keeps every token (longer rows); ``--too-long truncate`` keeps each example's first
-    ``max_seq_len`` tokens and loses the rest (a response cut off there is trained on
-    only in part, or the example is dropped if no response token is left).
-    """
+    """A warning when more than ``TOO_LONG_WARN`` of the examples were dropped as too long,
+    naming both ways out and what each does to the data."""
     n, read = manifest.dropped.get('too_long', 0), manifest.counts.documents_read
     if not read or n / read <= TOO_LONG_WARN:
         return None
@@ -166,9 +161,8 @@ def _no_rows_reasons(manifest: Manifest) -> list[tuple[str, str]]:
 def check_rows(manifest: Manifest) -> None:
     """Refuse to publish a conversion with no rows, saying why by reason and what to do.
 
-    Why: an empty dataset (every document shorter than one row, every record dropped or
-    skipped) would only be found out by a training run. Called once every row is built,
-    before anything is published, so ``--out`` is left as it was.
+    An empty dataset would only be found out by a training run. Called before anything is
+    published, so ``--out`` is left as it was.
     """
     if manifest.counts.rows:
         return
@@ -193,11 +187,9 @@ def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]
 
 def print_summary(manifest: Manifest, out: str, seconds: float, fit_95: Optional[int] = None,
                   uploaded: Optional[str] = None) -> None:
-    """The table printed at the end of a conversion (on stderr, like the progress bar), then
-    plain sentences on what the table cannot say: separators, what was not written, warnings.
+    """The table printed at the end of a conversion (on stderr), then :func:`summary_notes`.
 
-    ``fit_95``: the example length (tokens) that 95 % of the examples fit in, if known.
-    ``uploaded``: what an ``s3://`` upload did (objects, MB, retries by reason).
+    ``fit_95``: the length 95 % of the examples fit in, if known; ``uploaded``: the upload summary.
     """
     console = Console(file=sys.stderr)
     console.print(manifest_table(manifest, f'foundrymix convert -> {out}', seconds))

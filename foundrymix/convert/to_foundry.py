@@ -1,17 +1,11 @@
 """``foundrymix export DATASET --to-foundry OUT``: a pretrain dataset as LLM-Foundry token shards.
 
-The way back for a Foundry user: OUT is MDS with one column, ``tokens``
-(``ndarray:<the dataset's token dtype>``), which LLM-Foundry's ``StreamingTextDataset``
-reads as it reads the shards of its own ``convert_dataset_hf`` (documents concatenated,
-each ending in the EOS the converter put there). Each row's real tokens are written, in
-row order, shard by shard; padding is not (Foundry's collator pads). Rows are read from
-the shards' bytes and checked against the schema first, so a damaged dataset is refused
-naming its shard, not exported in part. OUT is written beside itself and renamed into
-place at the end, so an interrupted export leaves no OUT that looks complete; an existing
-OUT is refused, never replaced.
-
-Finetune datasets are refused: their rows carry loss spans (prompt tokens that are not
-trained) and example boundaries that a ``tokens`` column cannot hold.
+OUT is MDS with one ``tokens`` column (the dataset's token dtype), as LLM-Foundry's
+``StreamingTextDataset`` reads its own ``convert_dataset_hf`` output: each row's real tokens
+in order, padding left out. Rows are checked against the schema first, so a damaged dataset
+is refused naming its shard. OUT is written beside itself and renamed into place, and an
+existing OUT is refused. Finetune datasets are refused: a ``tokens`` column cannot hold
+their loss spans and example boundaries.
 """
 
 from __future__ import annotations
