@@ -129,14 +129,11 @@ def _options(cls: type, args: argparse.Namespace) -> Any:
 @contextlib.contextmanager
 def _lean() -> Iterator[None]:
     """Start and end a standalone ``foundrymix convert|adopt`` process lean; nothing changes
-    in-process (tests, notebooks: later code may need transformers with torch).
+    in-process (tests, notebooks may need transformers with torch later).
 
-    Conversion needs transformers only for its tokenizers, but with torch installed
-    transformers imports it first, before any work can start; so ``USE_TORCH=0`` and the
-    like (explicit settings win). The shard writer still imports torch (``streaming``
-    needs it), in a thread of its own while the tokenizer threads work. At the end,
-    interpreter shutdown skips garbage-collecting torch's object graph (``gc.freeze``):
-    everything is written and closed by then.
+    Transformers would import torch before any work (only tokenizers are needed), so
+    ``USE_TORCH=0`` and the like (explicit settings win). At the end ``gc.freeze`` spares
+    shutdown collecting torch's object graph; everything is written and closed by then.
     """
     standalone = (sys.argv[1:2] in (['convert'], ['adopt']) and 'torch' not in sys.modules
                   and 'transformers' not in sys.modules)
@@ -162,8 +159,7 @@ def _out(args: argparse.Namespace) -> Any:
 
 #: ``convert`` options ``--from-mds`` passes on to adopt; any other given is refused
 _ADOPT_OPTIONS = ('inputs', 'out', 'tokenizer', 'max_seq_len', 'from_mds', 'split', 'workers', 'overwrite',
-                  'on_error',
-                  'bos', 'eos', 'compression', 'size_limit', 'hash', 'progress', 'chat_loss', 'func',
+                  'on_error', 'bos', 'eos', 'compression', 'size_limit', 'hash', 'progress', 'chat_loss', 'func',
                   'command', 'convert_kind', 'parser')
 #: what each ``convert KIND --from-mds`` accepts (:data:`foundrymix.convert.adopt.KINDS`)
 _FROM_MDS_KINDS = {'pretrain': ('tokens', 'text'), 'finetune': ('prompt_response', 'turns')}
