@@ -133,8 +133,7 @@ class TrainConfig:
     #: local checkpoints kept (-1: all); Composer never deletes checkpoints in a bucket
     save_num_checkpoints_to_keep: int = -1
     save_overwrite: bool = False
-    #: resume from the newest complete checkpoint in ``save_folder``, local or ``s3://``
-    #: (see :mod:`foundrymix.train.remote_resume`)
+    #: resume from the newest complete checkpoint in ``save_folder`` (:mod:`foundrymix.train.remote_resume`)
     autoresume: bool = False
     #: a checkpoint to start from (local path or ``s3://...``); ignored when autoresume finds one
     load_path: Optional[str] = None

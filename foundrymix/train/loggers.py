@@ -56,7 +56,6 @@ class MLFlowLoggerConfig:
     log_system_metrics: bool = False
     rank_zero_only: bool = True
     #: Composer skips a value equal to the last one for this many steps; 1 logs every point
-    #: (a constant planned share is still a curve beside the realized one)
     log_duplicated_metric_every_n_steps: int = 1
 
 

@@ -26,8 +26,7 @@ OWN_KEYS = ('type', 'model_type', 'attention', 'attn_implementation', 'pretraine
             'pretrained_model_name_or_path', 'config_overrides', 'peft_config', 'fused_loss')
 
 
-#: LLM-Foundry ``model`` keys that are no transformers config field (for the type that has no
-#: such field): what each is here, said when the config reader meets one and by ``migrate``
+#: LLM-Foundry ``model`` keys that are no transformers config field: what each is here
 FOUNDRY_MODEL_KEYS = {
     'use_auth_token': "LLM-Foundry's Hugging Face Hub token has no equivalent: models are never "
                       "downloaded here, a local model directory needs no token; delete it",
@@ -169,8 +168,7 @@ def _read_fused_loss(value: Any, model_type: str, peft: Any, where: str) -> bool
 #: LLM-Foundry's ``model.name`` -> the transformers ``model_type`` that builds the same kind of model
 _FOUNDRY_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': 'the model_type of its pretrained_model_name_or_path'}
 
-#: model types whose attention (with ``sdpa``) is known to work with ``attention: document``;
-#: named in the refusal for one that does not (each is checked with :func:`reads_position_ids`)
+#: model types named in the refusal of ``attention: document`` (each checked with :func:`reads_position_ids`)
 DOCUMENT_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'phi3', 'gpt2', 'gpt_neox', 'olmo')
 
 
