@@ -88,11 +88,9 @@ def _precision(cfg: TrainConfig, device: str) -> str:
 
 
 def _share_cpu_threads(device: str) -> None:
-    """Split the CPU cores over the ranks of this node, as ``torchrun`` does.
-
-    Why: Composer's launcher leaves ``OMP_NUM_THREADS`` unset, so every CPU rank starts a
-    thread per core and each collective waits on descheduled threads. An explicit one is kept.
-    """
+    """Split the CPU cores over the ranks of this node, as ``torchrun`` does: Composer's launcher
+    leaves ``OMP_NUM_THREADS`` unset, so every CPU rank starts a thread per core and each
+    collective waits on descheduled threads. An explicit ``OMP_NUM_THREADS`` is kept."""
     local_ranks = dist.get_local_world_size()
     if device != 'cpu' or local_ranks <= 1 or os.environ.get('OMP_NUM_THREADS'):
         return

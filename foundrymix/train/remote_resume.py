@@ -52,8 +52,7 @@ class LocalResume:
 
 
 def local_checkpoint(folder: str) -> Optional[LocalResume]:
-    """The newest complete checkpoint in the local ``folder`` (newest batch first), or None
-    when the folder holds no checkpoint (a fresh start).
+    """The newest complete checkpoint in the local ``folder``, or None when it holds none.
 
     Refused (naming the files) when every checkpoint there is incomplete: starting over
     silently would overwrite them.
@@ -198,8 +197,7 @@ def _object_store(save_folder: str) -> tuple[Any, str]:
 
 
 def remote_checkpoint(save_folder: str) -> Optional[RemoteResume]:
-    """The newest complete checkpoint under the remote ``save_folder`` (newest batch first), or
-    None when it holds none (a fresh start).
+    """The newest complete checkpoint under the remote ``save_folder``, or None when it holds none.
 
     Refused (naming them) when every checkpoint object there is incomplete: starting over
     would overwrite them. Read errors name the URL and S3's error code.

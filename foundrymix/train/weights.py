@@ -62,10 +62,7 @@ def _checkpoint_shapes(directory: str) -> dict[str, tuple[str, list[int]]]:
 
 def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
     """Every tensor of the pretrained directory's safetensors weights has the shape the model
-    built from ``config`` (the directory's config plus the YAML's model keys) gives it.
-
-    A file safetensors cannot open is left to the load, which names it.
-    """
+    built from ``config`` gives it (a file safetensors cannot open is left to the load)."""
     import torch
     from transformers import AutoModelForCausalLM
 
