@@ -2,10 +2,8 @@
 LLM-Foundry spells it (``algorithms: {gradient_clipping: {clipping_type: norm,
 clipping_threshold: 1.0}}``).
 
-Why a table of Composer's algorithms and not our own code: ``GradientClipping`` already
-clips after the backward pass of every step, microbatches included, and under FSDP too.
-Like :mod:`foundrymix.train.callbacks` this module imports neither torch nor composer;
-each factory imports its algorithm when the trainer is built.
+Why Composer's algorithms and not our own code: ``GradientClipping`` already clips after
+every step's backward, microbatches and FSDP included. Imports neither torch nor composer.
 """
 
 from __future__ import annotations

@@ -88,12 +88,9 @@ def _precision(cfg: TrainConfig, device: str) -> str:
 
 
 def _share_cpu_threads(device: str) -> None:
-    """Split the CPU cores over the ranks of this node, as ``torchrun`` does.
-
-    Why: Composer's launcher leaves ``OMP_NUM_THREADS`` unset, so every CPU rank starts one
-    intra-op thread per core, the ranks oversubscribe the cores and each collective waits on
-    descheduled threads. An explicit ``OMP_NUM_THREADS`` is respected.
-    """
+    """Split the CPU cores over the ranks of this node, as ``torchrun`` does: Composer's launcher
+    leaves ``OMP_NUM_THREADS`` unset, so every CPU rank starts a thread per core and each
+    collective waits on descheduled threads. An explicit ``OMP_NUM_THREADS`` is kept."""
     local_ranks = dist.get_local_world_size()
     if device != 'cpu' or local_ranks <= 1 or os.environ.get('OMP_NUM_THREADS'):
         return
@@ -145,10 +142,9 @@ class TrainData:
 
     @property
     def planned_share(self) -> list[float]:
-        """Per run-wide stream: its share of the rows the plan trains over the whole run (a run
-        ending mid-epoch trains another mix than an epoch's, and the table compares this with
-        what was trained); the first stage's per-epoch share where no stage's rows are known
-        before the run (adaptive stages decide theirs during it)."""
+        """Per run-wide stream: its share of the rows the plan trains over the whole run (not an
+        epoch's: a run may end mid-epoch); the first stage's per-epoch share where no rows are
+        known before the run (adaptive stages)."""
         total = sum(self.run.rows_per_stream.values())
         if not total:
             shares = {s.name: s.share for s in self.run.stages[0].plan.streams}
@@ -170,8 +166,6 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology,
                              rank_count_limit=0)  # the trainer reads no rank's rows per stream
-    # what Composer would refuse at start, as plan refuses it (max_duration and t_warmup as
-    # Composer is given them: preflight.composer_max_duration says why)
     max_duration, t_warmup = check_start(cfg, run)
     for catalog in catalogs:
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
@@ -258,8 +252,7 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     """Validate everything, then build model, data, callbacks and the Composer trainer.
 
     The run's claims (:func:`claim_run`) are held from the start; :func:`train` releases
-    them when the run ends (a caller that only builds: ``run.claims.release()``, or they
-    go with the process).
+    them at the end (a caller that only builds: ``run.claims.release()``).
     """
     device_batch, micro = split_batch(cfg, dist.get_world_size())
     held = claim_run(cfg)
@@ -302,13 +295,10 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
 def freeze_built_heap() -> None:
     """Collect, then move every object built so far out of the cyclic collector's sight (``gc.freeze``).
 
-    Why: the model, tokenizer, plan and trainer are long-lived objects that Python's
-    generation-2 collections walk again and again, and the loader's workers, forked at the
-    first batch, inherit them: Python's docs (``gc.freeze``) recommend freezing before fork so
-    that children do not copy those pages. Objects made later are collected as usual; garbage
-    is collected first. :func:`train` unfreezes when the run ends, so a later run in the same
-    process can collect this one's cycles; a caller of :func:`build_trainer` alone that builds
-    many trainers in one process should call ``gc.unfreeze()`` after each.
+    Why: generation-2 collections walk these long-lived objects again and again, and the
+    loader's workers, forked at the first batch, would copy their pages (Python's docs advise
+    freezing before fork). :func:`train` unfreezes at the end; a caller that builds many
+    trainers in one process should call ``gc.unfreeze()`` after each.
     """
     gc.collect()
     gc.freeze()

@@ -1,9 +1,7 @@
 """``foundrymix train CONFIG.yaml [key=value ...]``, also ``python train.py`` / ``composer train.py``.
 
-One entry function: :func:`main` parses its own arguments (``train.py``) and
-``foundrymix train`` registers the same arguments; both call :func:`run_cli`, which
-loads the config and calls the builder. Imports of torch/composer wait until a run
-starts, so registering the subcommand keeps ``foundrymix plan`` fast.
+Both entry points call :func:`run_cli`. Imports of torch/composer wait until a run starts, so
+registering the subcommand keeps ``foundrymix plan`` fast.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ def print_summary(run: Any) -> None:
 def require_composer() -> None:
     """Refuse in one line, naming the extra to install, where ``composer`` is not importable.
 
-    Only a missing ``composer`` itself is refused so; an installed Composer that fails to
-    import (one of its own dependencies missing) keeps its traceback, as a bug to report.
+    An installed Composer that fails to import keeps its traceback, as a bug to report.
     """
     try:
         import composer  # noqa: F401
@@ -63,8 +60,7 @@ def require_composer() -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """Load the YAML with its overrides, build the trainer, fit; rank 0 prints the accounting.
 
-    The YAML is read (and refused, naming the key) before Composer is looked for, so a
-    config is checked the same with or without the ``composer`` extra.
+    The YAML is read before Composer is looked for, so a config is checked the same without it.
     """
     from foundrymix.train.config import load_config
 

@@ -1,10 +1,7 @@
 """The training YAML as typed objects, read by the one config layer (:mod:`foundrymix.config`).
 
-Why not hand the raw ``DictConfig`` around: an unknown or misspelt key must be an error
-that names it (LLM-Foundry filters keys by ``inspect.signature`` and silently drops
-typos). omegaconf loads the YAML, resolves ``${variables.x}`` and applies ``key=value``
-overrides; :func:`foundrymix.config.read_dataclass` turns the result into these
-dataclasses, refusing anything it does not know. Imports neither torch nor composer.
+Why not the raw ``DictConfig``: an unknown or misspelt key must be an error that names it
+(LLM-Foundry silently drops typos). Imports neither torch nor composer.
 """
 
 from __future__ import annotations
@@ -129,22 +126,18 @@ class TrainConfig:
     eval_first: bool = False
     eval_subset_num_batches: int = -1
     run_name: str = 'foundrymix'
-    #: a local directory or ``s3://bucket/prefix`` (each checkpoint is uploaded, then
-    #: ``latest-rank0.pt.symlink`` naming it; endpoint and credentials from the environment);
-    #: ``{run_name}`` in it is replaced by ``run_name`` when the YAML is read, as Composer
-    #: formats it, so the report beside it and every printed path name the real directory
+    #: a local directory or ``s3://bucket/prefix``; ``{run_name}`` in it is replaced when the
+    #: YAML is read, so the report beside it and every printed path name the real directory
     save_folder: Optional[str] = None
     save_interval: Interval = Interval('1ep')
     #: local checkpoints kept (-1: all); Composer never deletes checkpoints in a bucket
     save_num_checkpoints_to_keep: int = -1
     save_overwrite: bool = False
-    #: resume from the newest complete checkpoint in ``save_folder``, local or ``s3://``
-    #: (see :mod:`foundrymix.train.remote_resume`)
+    #: resume from the newest complete checkpoint in ``save_folder`` (:mod:`foundrymix.train.remote_resume`)
     autoresume: bool = False
     #: a checkpoint to start from (local path or ``s3://...``); ignored when autoresume finds one
     load_path: Optional[str] = None
-    #: take only the model weights from ``load_path`` (a fresh optimizer, schedule and data
-    #: order: fine-tuning from a pretraining checkpoint), Composer's ``load_weights_only``
+    #: take only the model weights from ``load_path`` (Composer's ``load_weights_only``)
     load_weights_only: bool = False
     seed: int = 17
     precision: str = 'auto'
@@ -201,10 +194,8 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class DataConfig(TrainConfig):
-    """A data-only YAML as ``foundrymix plan`` reads it: the mix, the batch and the duration,
-    no ``model`` (a data engineer planning a mix has none); ``max_seq_len`` may be left out
-    (the streams' rows say it; given, it is checked against them). Every other key is read
-    and refused exactly as in a training YAML. ``train`` never reads this: it needs a model."""
+    """A data-only YAML as ``foundrymix plan`` reads it: no ``model``, ``max_seq_len`` optional
+    (the streams' rows say it); every other key is read and refused as in a training YAML."""
 
     model: Optional[ModelSpec] = None
     max_seq_len: Optional[int] = None
@@ -214,15 +205,10 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
     """(per-rank batch, microbatch) of ``cfg`` on ``world_size`` ranks; refuses a batch the ranks
     or the microbatches cannot split.
 
-    Pure, so ``foundrymix plan --world-size N`` refuses what ``composer -n N`` would, in the
-    same words, before any rank is launched (a launcher buries a rank's one-line error under
-    a crash dump of every rank).
-
-    The microbatch is a device setting, one for the whole run: with per-stage batches
-    (``train_loader.stages[i].global_train_batch_size``) it must divide every stage's
-    per-rank batch, and unset it is the largest of them (one microbatch per batch: Composer
-    0.32 splits each batch it is handed by ``device_train_microbatch_size`` and scales the
-    loss by the rows of that batch, so a smaller stage batch is simply one shorter microbatch).
+    Pure, so ``foundrymix plan --world-size N`` refuses what ``composer -n N`` would, before
+    any rank is launched. The microbatch is one for the whole run: it must divide every
+    stage's per-rank batch, and unset it is the largest of them (Composer scales the loss by
+    the rows of each batch, so a smaller stage batch is simply one shorter microbatch).
     """
     gbs = cfg.global_train_batch_size
     stages = cfg.train_loader.stages or []
@@ -251,11 +237,8 @@ def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional
                 data_only: bool = False) -> TrainConfig:
     """Load a YAML, apply ``key=value`` overrides, resolve interpolations, type it.
 
-    ``train`` and ``plan`` both read a run this way, so ``plan`` refuses every config
-    ``train`` refuses, with the same message. ``max_duration`` (``plan --max-duration``)
-    replaces the YAML's before it is read. With ``data_only`` (``plan``) a YAML without a
-    ``model`` section is read as a :class:`DataConfig`; one with a model is read as ``train``
-    reads it.
+    ``train`` and ``plan`` both read a run this way, so they refuse alike. ``max_duration``
+    replaces the YAML's; with ``data_only`` a YAML without ``model`` is a :class:`DataConfig`.
     """
     data, applied = load_yaml_overrides(path, overrides)
     if max_duration is not None:
@@ -269,10 +252,8 @@ def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional
 
 def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
-    pretrained model's), and a LoRA ``target_modules`` must name layers of the model:
-    ``train`` and ``plan`` refuse alike, with one message (so ``plan`` never accepts a
-    ``tokenizer:`` the streams were not made with). ``tokenizer`` is the streams'
-    :class:`~foundrymix.format.schema.TokenizerInfo`."""
+    pretrained model's), and LoRA ``target_modules`` must name layers of the model; ``train``
+    and ``plan`` refuse alike. ``tokenizer`` is the streams' ``TokenizerInfo``."""
     check_data_streams(cfg, max_seq_len, tokenizer)
     if cfg.model is not None and cfg.model.pretrained is not None:
         from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer
@@ -284,9 +265,8 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
 
 
 def check_eval_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> Any:
-    """The ``eval_loader``'s streams read (errors named under ``eval_loader``) and checked to
-    hold rows like the train streams' (``max_seq_len``, ``tokenizer``); ``train`` and ``plan``
-    both call it. Returns its :class:`~foundrymix.loader.mixer.StreamMixer`."""
+    """The ``eval_loader``'s :class:`~foundrymix.loader.mixer.StreamMixer`, checked to hold rows
+    like the train streams' (``max_seq_len``, ``tokenizer``)."""
     from foundrymix.loader.mixer import StreamMixer
 
     eval_mixer = StreamMixer(cfg.eval_loader, 'eval_loader')

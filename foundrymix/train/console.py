@@ -1,10 +1,7 @@
 """What a run prints to the terminal: Composer's progress bar, the metric dump, the resume line.
 
-Why: on an interactive terminal a progress bar says how far the run is; the full metric
-dump (Composer's ``ConsoleLogger``) is printed only every ``log_interval`` so it does
-not bury the bar. A resumed run says in one line which checkpoint it continued from
-and where (batch, epoch and, for a staged run, stage), so a log shows at a glance
-that nothing restarted from zero; a finished run started again says it is finished.
+The metric dump is printed only every ``log_interval`` so it does not bury the bar; a
+resumed run says in one line where it continued from, so a log shows nothing restarted.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ def console_kwargs(cfg: Any) -> dict[str, Any]:
 def resume_line(state: Any, weights_only: bool = False) -> Optional[str]:
     """``resumed from PATH at batch B (epoch E, batch b of it[, stage S, batch s of it])``, or None.
 
-    With ``load_weights_only`` nothing but the weights is taken, and the line says so: the
-    data position, optimizer and schedule start at batch 0 (a branch that resets them).
+    With ``load_weights_only`` the line says that only the weights were taken.
     """
     if not getattr(state, 'load_path', None):
         return None
@@ -50,9 +46,8 @@ def finished_line(state: Any) -> Optional[str]:
     """``already finished: ...`` when the checkpoint a run resumed from is at or past its
     ``max_duration``, else None.
 
-    Why: Composer's ``fit()`` refuses such a run with a traceback (``max_duration ... is less
-    than or equal to the elapsed training duration``); a finished run relaunched by a
-    scheduler with ``autoresume: true`` is done, not failed, so the run says so and exits 0.
+    Why: Composer's ``fit()`` refuses such a run with a traceback; a finished run relaunched
+    with ``autoresume: true`` is done, not failed, so it says so and exits 0.
     """
     max_duration = getattr(state, 'max_duration', None)
     if not getattr(state, 'load_path', None) or max_duration is None:
@@ -73,11 +68,9 @@ def _resumed_run(state: Any) -> tuple[Any, Any]:
 def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
     """What a resume that changed the run's length does to the LR schedule, or None.
 
-    Why: Composer does not checkpoint ``max_duration``; a schedule is a function of the
-    elapsed fraction of it, so extending a finished run (``max_duration`` 1ep -> 2ep, or
-    appended stages) silently moves a cosine schedule back up. The run's position records
-    the run's length, so a resume can say what changes: the LR at the resume batch under the
-    checkpoint's length and under this run's.
+    Why: Composer does not checkpoint ``max_duration`` and a schedule is a function of the
+    elapsed fraction of it, so extending a run silently moves a cosine schedule back up; the
+    line gives the LR at the resume batch under the checkpoint's length and under this run's.
     """
     resumed, run = _resumed_run(state)
     if resumed is None or run is None:
@@ -111,8 +104,8 @@ def wsd_resume_line(state: Any, scheduler: Any) -> Optional[str]:
     (the optimizer's, set by its own schedule) and under this run's schedule, when they
     differ or the run's length changed; else None.
 
-    Why: extending the stable phase or branching into an anneal from a checkpoint changes the
-    schedule from the resume batch on; the line shows the change where it takes effect.
+    Why: extending the stable phase or branching into an anneal changes the schedule from
+    the resume batch on; the line shows the change where it takes effect.
     """
     resumed, run = _resumed_run(state)
     if resumed is None or run is None:

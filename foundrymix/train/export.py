@@ -1,20 +1,9 @@
 """``foundrymix export CHECKPOINT --to-hf DIR``: a Composer checkpoint as a transformers model.
 
-Why: a run's checkpoints are Composer full-state files (weights under a ``model.``
-prefix, optimizer, data position); everything downstream (evaluation harnesses,
-``generate``, the Hub) wants a ``save_pretrained`` directory. The export rebuilds the
-model from the transformers config the checkpoint recorded (the ``ModelInfo``
-callback), loads the weights strictly (every tensor accounted for), writes
-``config.json`` + ``model.safetensors``, and saves the tokenizer the streams were
-converted with, after checking its fingerprint against the one recorded at training.
-A LoRA run (``model.peft_config``) is written merged, or with ``--adapter`` as peft's
-adapter directory (:mod:`foundrymix.train.lora`).
-
-A model trained with ``attention: document`` is an ordinary causal LM; it reproduces
-the training logits on packed rows when given the same restarting ``position_ids``, no
-``attention_mask`` and ``use_cache=False`` (transformers 4.57 derives the block-diagonal
-mask from position ids only without a KV cache; the exported config turns the cache
-on for generation).
+Why: a run's checkpoints are Composer full-state files; everything downstream wants a
+``save_pretrained`` directory. The model is rebuilt from the config the checkpoint recorded
+(the ``ModelInfo`` callback), its weights loaded strictly, and the streams' tokenizer saved
+beside it after its fingerprint is checked (docs/train.md).
 """
 
 from __future__ import annotations
@@ -70,9 +59,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def checkpoint_file(path: str, say: Any = None) -> str:
-    """``path`` itself, or for a folder of checkpoints (a run's ``save_folder``) its newest
-    complete one (by batch; incomplete ones, left by a job killed while writing, are
-    skipped), announced through ``say``; a folder with no checkpoint is refused, naming it."""
+    """``path`` itself, or for a folder of checkpoints its newest complete one, announced
+    through ``say``; a folder with no checkpoint is refused, naming it."""
     if not os.path.isdir(path):
         return path
     from foundrymix.train.remote_resume import local_checkpoint
@@ -178,12 +166,9 @@ def _require_peft() -> Any:
 def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bool = False) -> str:
     """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``.
 
-    A LoRA run's checkpoint is written merged (an ordinary model directory), or with
-    ``adapter`` as the adapter alone (``adapter_config.json``, ``adapter_model.safetensors``)
-    for ``PeftModel.from_pretrained`` over the base directory the run started from: only
-    when that directory still holds, bitwise, the base weights the checkpoint holds.
-    A dataset directory is refused even with ``overwrite``: model files written among its
-    shards would make it neither a dataset nor a model directory.
+    A LoRA run is written merged, or with ``adapter`` as the adapter alone, only while the
+    base directory still holds, bitwise, the checkpoint's base weights. A dataset directory
+    is refused even with ``overwrite`` (it would become neither a dataset nor a model).
     """
     held = dataset_files(out) if os.path.isdir(out) else []
     if held:

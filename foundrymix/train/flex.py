@@ -1,14 +1,10 @@
 """``attn_implementation: flex_attention``: document attention with PyTorch's FlexAttention, no dense mask.
 
-transformers (4.57) builds a FlexAttention ``BlockMask`` from restarting ``position_ids``
-(``masking_utils``: causal AND same document), so a packed row costs what its documents
-cost: blocks across documents are skipped, and no ``S x S`` mask is materialised as with
-``sdpa``. We register our own attention function for it (transformers' documented
-``AttentionInterface``) instead of using transformers' ``flex_attention`` because that one
-always ``torch.compile``s the kernel, which fails on CPU with torch 2.7's inductor; ours
-compiles it on CUDA only (or leaves it to an enclosing ``compile_config``) and runs the
-eager reference on CPU, so the same mask and code path are tested on CPU and used on GPUs.
-Attention dropout, head masks, soft-capping and attention sinks are refused, not dropped.
+transformers builds the ``BlockMask`` from restarting ``position_ids``. Why our own attention
+function rather than transformers' ``flex_attention``: that one always ``torch.compile``s the
+kernel, which fails on CPU with torch 2.7's inductor; ours compiles on CUDA only and runs the
+eager reference on CPU, so the same path is tested on CPU and used on GPUs. Attention
+dropout, head masks, soft-capping and attention sinks are refused, not dropped.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """``model.fused_loss: true``: the output layer and cross-entropy in chunks, never the full-vocabulary logits.
 
-The model's own path materialises ``tokens x vocab`` logits and upcasts them to float32
-for the loss (8 x 2048 x 32,000 = 2.1 GB; copying it is a large share of a small model's
-step). Here the decoder's last hidden states go through the output layer a chunk of
-tokens at a time; each chunk's logits live only inside :class:`LinearCrossEntropy`'s
-forward, which computes the loss *and* the gradients of the hidden states and of the
-output weight there (the approach of liger-kernel's fused linear cross-entropy, in plain
-torch: no extra install, runs on CPU), so backward only scales them. Per chunk the loss is
-``logsumexp - picked`` over float32 logits of the same matrix product the model computes,
-so the training loss and the per-row sums that per-stream losses use are the full path's
-up to float rounding (tests/train/test_fused_loss.py compares both, and the gradients).
-
-Only for model types whose causal LM head is a plain ``lm_head(hidden)`` (no bias, no
-soft-capping or logit scaling): :data:`FUSED_TYPES`; refused with FSDP (the head would be
-called outside FSDP's forward) and with LoRA.
+Why: the model's own path materialises ``tokens x vocab`` float32 logits. Here each chunk's
+logits live only inside :class:`LinearCrossEntropy`'s forward, which computes the loss *and*
+the gradients there (liger-kernel's approach, in plain torch), so backward only scales them;
+the loss is the full path's up to float rounding. Only for :data:`FUSED_TYPES`, whose head
+is a plain ``lm_head(hidden)``; refused with FSDP and with LoRA (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """GPU settings of a training YAML: the ``fsdp`` section, handed to Composer as ``parallelism_config``.
 
-Why our own typed copy of Composer's ``FSDPConfig``: the config reader checks every key
-and value (a misspelt ``sharding_stratgy`` or ``mixed_precision: FUL`` is an error that
-names it) without importing torch; a key left out keeps Composer's default, so only
-the keys the YAML sets reach Composer. ``tests/train/test_gpu_settings.py`` checks that every
-key here is a field of Composer's ``FSDPConfig``.
+Why our own typed copy of Composer's ``FSDPConfig``: every key and value is checked without
+importing torch; only the keys the YAML sets reach Composer.
 """
 
 from __future__ import annotations
@@ -48,10 +45,8 @@ class FSDPSettings:
 class CompileSettings:
     """``compile_config:`` -- ``torch.compile`` of the model through Composer (LLM-Foundry's key).
 
-    ``dynamic`` defaults to false: a training run has one shape (device batch x ``max_seq_len``;
-    training drops the last partial batch), so the model compiles once, and an evaluation
-    batch of another size compiles once more; torch stops recompiling after its
-    ``recompile_limit`` and runs such a frame eagerly.
+    ``dynamic`` defaults to false: a training run has one shape (device batch x ``max_seq_len``),
+    so the model compiles once (an evaluation batch of another size once more).
     """
 
     mode: Optional[Literal['default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs']] = None

@@ -1,15 +1,8 @@
 """The ``loggers`` section of a training YAML: one table, YAML name -> (options, extra, factory).
 
-Like the callbacks table: each logger's options are a typed dataclass (unknown keys and
-wrong types are refused by the config reader, naming the key path), and the factory
+Each logger's options are a typed dataclass (unknown keys refused when read); the factory
 imports Composer's logger only when the trainer is built, so reading a config stays
-torch-free. ``tensorboard``, ``mlflow`` and ``wandb`` need packages that are optional
-extras of foundrymix; a YAML naming one whose package is missing is refused when it is
-read, with the ``pip install 'foundrymix[...]'`` line that fixes it.
-
-Everything the run logs through Composer's ``logger.log_metrics`` (loss, learning rate,
-the per-stream counters and planned vs realized shares of ``stream_accounting``)
-reaches every logger named here.
+torch-free. A logger whose optional package is missing is refused when the YAML is read.
 """
 
 from __future__ import annotations
@@ -63,7 +56,6 @@ class MLFlowLoggerConfig:
     log_system_metrics: bool = False
     rank_zero_only: bool = True
     #: Composer skips a value equal to the last one for this many steps; 1 logs every point
-    #: (a constant planned share is still a curve beside the realized one)
     log_duplicated_metric_every_n_steps: int = 1
 
 
@@ -107,8 +99,7 @@ def _mlflow(o: MLFlowLoggerConfig, run_name: str) -> Any:
 
 def _wandb_compat() -> None:
     """Composer 0.32's ``WandBLogger.init`` calls ``wandb.run.get_url()``, which wandb 0.19+
-    dropped for the ``url`` property; wandb < 0.19 needs protobuf < 6, which the rest of the
-    stack (google-api-core via streaming) no longer installs. Give new wandb the old name."""
+    dropped for ``url`` (and older wandb needs protobuf < 6): give new wandb the old name."""
     from wandb.sdk.wandb_run import Run
     if not hasattr(Run, 'get_url'):
         Run.get_url = lambda self: self.url
@@ -126,9 +117,8 @@ def _wandb(o: WandbLoggerConfig, run_name: str) -> Any:
 
 @dataclass(frozen=True)
 class LoggerEntry:
-    """One row: the options' dataclass, the package it needs (and the extra that installs
-    it), and the factory (``None`` for ``console``, which Composer builds from its own
-    ``log_to_console`` argument)."""
+    """One row: the options' dataclass, the factory (``None`` for ``console``, which Composer
+    builds itself), and the package it needs with the extra that installs it."""
 
     config: type
     factory: Optional[Callable[[Any, str], Any]] = None

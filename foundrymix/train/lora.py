@@ -1,19 +1,10 @@
 """LoRA finetuning through the ``peft`` library: ``model.peft_config`` as LLM-Foundry reads it.
 
-``model.peft_config: {peft_type: LORA, task_type: CAUSAL_LM, r, lora_alpha, lora_dropout,
-target_modules, ...}`` wraps the causal LM in peft's ``get_peft_model``: the base weights
-are frozen (``requires_grad`` off, never in the optimizer), only the adapter (and any
-``modules_to_save``) trains. A checkpoint holds the whole wrapped model, so a resume
-restores base and adapter exactly; ``foundrymix export`` writes the merged model, or the
-adapter alone for ``PeftModel.from_pretrained`` over the base directory.
-
+The base weights are frozen; only the adapter (and any ``modules_to_save``) trains.
 Why checked here rather than left to peft: peft accepts a ``target_modules`` entry that
 matches nothing as long as another one matches (a misspelt ``q_prj`` beside ``v_proj``
 trains only ``v_proj``, in silence), and an unknown key is a ``TypeError`` traceback.
-Every key is checked against peft's ``LoraConfig``; every ``target_modules`` and
-``modules_to_save`` entry must match a module of the model, or the refusal lists the
-names to choose from. peft is optional (``pip install 'foundrymix[peft]'``) and imported
-only when a YAML has ``peft_config``.
+peft is optional and imported only when a YAML has ``peft_config``.
 """
 
 from __future__ import annotations
@@ -148,9 +139,8 @@ def check_targets(model: Any, peft: Mapping[str, Any], where: str = 'model.peft_
 
 
 def check_spec_targets(spec: Any, tokenizer: Any) -> None:
-    """:func:`check_targets` on the model ``spec`` describes, built on the ``meta`` device (no
-    weights, no memory), so ``plan`` refuses what ``train`` would. A model that cannot be built
-    is left to ``train``'s own refusal."""
+    """:func:`check_targets` on the model ``spec`` describes, built on the ``meta`` device, so
+    ``plan`` refuses what ``train`` would; a model that cannot be built is left to ``train``."""
     import copy
 
     import torch

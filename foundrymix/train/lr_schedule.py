@@ -2,19 +2,9 @@
 global batches, resolved against the run's stages.
 
 Pure (no Composer, no torch): ``foundrymix plan`` prints and draws the LR the run will train
-with, and the trainer's Composer scheduler (:mod:`foundrymix.train.schedule`) must give
-exactly those numbers -- so both evaluate one function, :meth:`WSDSchedule.multiplier`, over spans
-resolved once from the :class:`~foundrymix.plan.stages.RunPlan` (a stage's name becomes its
-exact batches; ``sp``/``tok``/``dur``/``%`` become whole batches or are refused with the
-numbers, as stage durations are).
-
-The LR of global batch ``b`` (0-based) is ``lr * multiplier(b)``, the schedule at the *end*
-of the batch: warmup ``(b + 1) / W`` (the warmup's last batch trains at ``lr``, its first at
-``lr / W`` rather than 0); stable ``1``; decay over batches ``[s, e)`` with ``p = (b + 1 - s)
-/ (e - s)``: linear ``1 - (1 - to) p``, cosine ``to + (1 - to)(1 + cos(pi p)) / 2``, sqrt
-``1 - (1 - to) sqrt(p)`` (the "1-sqrt" cooldown of Hägele et al. 2024, MiniCPM's WSD) -- so
-the decay stage's first batch is already below ``lr`` and its last trains at ``to * lr``;
-after a decay that ends before the run does, ``to``.
+with, and the trainer's scheduler (:mod:`foundrymix.train.schedule`) must give exactly those
+numbers, so both evaluate :meth:`WSDSchedule.multiplier` over spans resolved once to whole
+batches. The LR of a batch is the schedule at its *end* (formulas: docs/schedules.md).
 """
 
 from __future__ import annotations
@@ -136,8 +126,7 @@ class Timeline:
                               f'give it in batches (ba), as a fraction of the run (0.1dur, 10%) or '
                               f'as a stage ({{stage: NAME}})')
         if unit in ('sp', 'tok') and len(set(self.batch_sizes)) > 1:
-            # a wsd schedule counts optimizer steps (global batches); with per-stage batches a
-            # number of samples is not a fixed number of steps, so it is refused, not rounded
+            # wsd counts global batches; with per-stage batches samples are no fixed number of them
             raise ConfigError(f'{where}: {text} is not a fixed number of global batches: the stages\' '
                               f'global batches differ ({", ".join(map(str, self.batch_sizes))} rows); '
                               f'give it as a stage ({{stage: NAME}}) or in batches (ba)')

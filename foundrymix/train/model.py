@@ -1,24 +1,12 @@
 """A ``transformers`` causal LM (random init or a local pretrained directory) as a Composer model.
 
-Why our own small wrapper instead of ``composer.models.HuggingFaceModel``: foundrymix
-batches carry bookkeeping keys (``stream_id``, ``sample_id``, ``sequence_id``) that a
-Hugging Face model would reject, and the attention mode decides which of
-``attention_mask``/``position_ids`` the model gets. Loss is the cross-entropy on ``labels`` (``-100``
-ignored) that the model itself would compute, so prompts, padding and packing seams
-never contribute; :meth:`CausalLM.loss` computes it from the logits once per token, so
-the per-row loss sums that per-stream loss reports need come with it (:class:`RowLoss`).
-
-Attention modes (``model.attention``):
-
-* ``document`` (default): tokens attend only inside their own document / packed
-  example. We pass the per-segment ``position_ids`` and no 2D mask. With
-  ``attn_implementation: sdpa`` (default) transformers (4.57) derives a block-diagonal
-  causal mask from restarting position ids (a dense mask: memory grows with the square
-  of the row length); with ``flash_attention_2`` (GPU, ``flash-attn`` installed) it
-  turns the same position ids into ``cu_seqlens`` and runs flash-attention's varlen
-  kernel, no mask at all. Padding tokens become one-token segments that attend only
-  to themselves.
-* ``causal``: plain causal attention over the whole row, padding masked.
+Why not ``composer.models.HuggingFaceModel``: foundrymix batches carry bookkeeping keys
+(``stream_id``, ``sample_id``, ``sequence_id``) a Hugging Face model would reject, and
+``model.attention`` decides what the model gets: ``document`` (default) the per-segment
+``position_ids`` and no mask, so tokens attend only inside their own document and padding
+tokens only to themselves (docs/gpu.md); ``causal`` the padding ``attention_mask``.
+Loss is the model's own cross-entropy on ``labels`` (``-100`` ignored), computed once per
+token together with the per-row sums per-stream loss needs (:class:`RowLoss`).
 """
 
 from __future__ import annotations
@@ -56,12 +44,9 @@ def _check_fits(config: Any, tokenizer: TokenizerInfo, max_seq_len: int) -> None
 def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) -> torch.nn.Module:
     """The causal LM: random init from a config, or a local pretrained directory's weights.
 
-    Refuses one that cannot hold the data (vocabulary, positions), and a directory without
-    weights or with weights of other sizes (:mod:`foundrymix.train.weights`), before any
-    weight loads.
-    A loaded model carries :func:`loading_line` as ``foundrymix_loading`` (rank 0 prints it).
-    With ``peft_config`` it is returned as peft's LoRA model over that one (base frozen;
-    :mod:`foundrymix.train.lora`).
+    Refuses, before any weight loads, one that cannot hold the data (vocabulary, positions)
+    and a directory without weights or with weights of other sizes. A loaded model carries
+    :func:`loading_line` as ``foundrymix_loading``; with ``peft_config`` it is wrapped in LoRA.
     """
     from transformers import AutoModelForCausalLM
 
@@ -100,9 +85,8 @@ def _unreadable_weights(directory: str, error: BaseException) -> str:
     """``FILE: what is wrong`` for the first ``*.safetensors`` file in ``directory`` that
     safetensors cannot open (a truncated or damaged copy), else the directory and ``error``.
 
-    Why: transformers (4.57) lets safetensors' ``SafetensorError: Error while deserializing
-    header: ...`` through as a traceback naming no file; a sharded model has many. Opening
-    a file reads only its header and checks that the data it lists is all there.
+    Why: transformers lets safetensors' ``SafetensorError`` through as a traceback naming no
+    file. Opening a file reads only its header and checks the data it lists is all there.
     """
     from safetensors import safe_open
 
@@ -125,12 +109,9 @@ MAX_NAMED_AT_INIT = 5
 def loading_line(model: torch.nn.Module, directory: str, missing: list[str]) -> str:
     """``model: loaded N tensors from DIR (M left at init: names...)``.
 
-    Why: transformers (4.57) only logs a warning for weights missing from a checkpoint,
-    which a run's log buries; this line says that the start is pretrained at all, and
-    which tensors a config override (e.g. more layers) left random. ``missing`` is
-    transformers' ``output_loading_info`` list; N counts the model's own tensors
-    (parameters once, tied ones once, persistent buffers) less those, so it equals the
-    checkpoint's tensor count when every one of them is used.
+    Why: transformers only logs a warning, buried in a run's log, for weights missing from a
+    checkpoint. ``missing`` is its ``output_loading_info`` list; N counts the model's own
+    tensors (tied ones once, persistent buffers) less those.
     """
     own = [n for n, _ in model.named_parameters()]
     own += [n for n, _ in model.named_buffers()
@@ -149,8 +130,7 @@ def add_fsdp_hooks(model: torch.nn.Module) -> None:
     """Tell Composer's FSDP to shard (and, with ``activation_checkpointing``, checkpoint) per
     transformer block: the classes transformers lists in ``_no_split_modules``.
 
-    Why: without ``fsdp_wrap_fn`` Composer wraps only the whole model, one all-gather of
-    every weight at once, which defeats sharding. Plain attributes: ignored without FSDP.
+    Why: without ``fsdp_wrap_fn`` Composer wraps only the whole model, which defeats sharding.
     """
     blocks = frozenset(getattr(model, '_no_split_modules', None) or ())
 
@@ -165,9 +145,8 @@ def add_fsdp_hooks(model: torch.nn.Module) -> None:
 class RowLoss:
     """Per row of a (micro)batch: the summed cross-entropy of its loss targets, and their count.
 
-    Detached, float32 sums and int64 counts, on the model's device. ``targets`` counts the
-    positions the loss scores: ``labels[1:] != -100`` (the label at position 0 has no
-    token before it), one fewer than a row's labelled tokens when its first is labelled.
+    Detached float32 sums and int64 counts on the model's device; ``targets`` counts
+    ``labels[1:] != -100`` (position 0's label has no token before it).
     """
 
     loss_sum: torch.Tensor
@@ -177,12 +156,9 @@ class RowLoss:
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, RowLoss]:
     """The mean cross-entropy over loss targets, as transformers computes it, and the :class:`RowLoss`.
 
-    transformers 4.57's ``ForCausalLMLoss`` upcasts the logits to float32, shifts the labels
-    (pads ``-100`` on the right, drops the first) and takes ``cross_entropy(..., reduction=
-    'mean')``, which torch computes as ``nll_loss(log_softmax(x))``. We take the same
-    ``log_softmax`` once and both reduce it with the same ``nll_loss`` (the training loss,
-    bitwise equal to the model's own) and gather the targets' log-probabilities from it
-    without grad (the per-row sums): no second softmax over the vocabulary.
+    The same float32 ``nll_loss(log_softmax(x))`` on shifted labels as transformers'
+    ``ForCausalLMLoss`` (bitwise equal to the model's own loss); the per-row sums are gathered
+    from that one ``log_softmax`` without grad, so there is no second softmax over the vocabulary.
     """
     logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
     target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(logp.device)
@@ -199,10 +175,9 @@ class RowLossMean(Metric):
     """The training loss as a metric (Composer's train ``LanguageCrossEntropy``), from the
     :class:`RowLoss` sums :meth:`CausalLM.loss` already computed.
 
-    Why not Composer's ``LanguageCrossEntropy`` for training: Composer updates train metrics
-    after every microbatch, and that metric takes a second cross-entropy over the whole
-    ``tokens x vocab`` logits (and a contiguous copy of them); with ``fused_loss`` there are
-    no logits at all. Same value: the mean cross-entropy over loss targets.
+    Why: Composer updates train metrics after every microbatch, and ``LanguageCrossEntropy``
+    takes a second cross-entropy over (a copy of) the whole logits; with ``fused_loss`` there
+    are no logits at all. Same value: the mean cross-entropy over loss targets.
     """
 
     full_state_update = False
@@ -231,13 +206,10 @@ class HiddenStates:
 class CausalLM(ComposerModel):
     """Composer wrapper: forward on foundrymix batches, loss = the model's cross-entropy on ``labels``.
 
-    The model is called without ``labels`` (it would compute the loss a second time);
-    :meth:`loss` and :meth:`eval_forward` compute it with :func:`token_loss` and leave the
-    per-row sums on the outputs as ``outputs.row_loss`` (a plain attribute of transformers'
-    ``ModelOutput``), where the stream accounting callback reads them at ``after_loss``.
-    With ``fused_loss`` a training forward stops at the decoder's hidden states and
-    :meth:`loss` runs the output layer and the loss in chunks (:mod:`foundrymix.train.fused_loss`);
-    evaluation keeps the full path (its metrics read the logits).
+    The model is called without ``labels`` (it would compute the loss twice); :meth:`loss` and
+    :meth:`eval_forward` leave the per-row sums as ``outputs.row_loss``, which stream accounting
+    reads at ``after_loss``. With ``fused_loss`` a training forward stops at the hidden states
+    and :meth:`loss` runs the output layer in chunks; evaluation keeps the logits for its metrics.
     """
 
     def __init__(self, model: torch.nn.Module, attention: AttentionMode = 'document',

@@ -1,13 +1,9 @@
 """The ``model`` section of a training YAML, read without building a model.
 
 Why strict: ``AutoConfig`` silently ignores a misspelt key (``hiden_size: 64``), so a run
-would train a model of the wrong size.
-Every key that is not ours is checked against the transformers config class of the
-chosen ``type`` (its ``__init__`` parameters, attribute aliases and the attributes of a
-default instance); an unknown key is an error naming the nearest valid one.
-
-transformers is imported only when a ``model`` section is read (``foundrymix plan``
-never reads it); importing transformers imports torch, so this is not torch-free.
+would train a model of the wrong size; every key that is not ours is checked against the
+transformers config class of the chosen ``type``. transformers (and torch) is imported
+only when a ``model`` section is read.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ OWN_KEYS = ('type', 'model_type', 'attention', 'attn_implementation', 'pretraine
             'pretrained_model_name_or_path', 'config_overrides', 'peft_config', 'fused_loss')
 
 
-#: LLM-Foundry ``model`` keys that are no transformers config field (for the type that has no
-#: such field): what each is here, said when the config reader meets one and by ``migrate``
+#: LLM-Foundry ``model`` keys that are no transformers config field: what each is here
 FOUNDRY_MODEL_KEYS = {
     'use_auth_token': "LLM-Foundry's Hugging Face Hub token has no equivalent: models are never "
                       "downloaded here, a local model directory needs no token; delete it",
@@ -58,9 +53,8 @@ def foundry_model_advice(key: str, model_type: str) -> Optional[str]:
 
 
 def mpt_attention_line(model_type: str, config_kwargs: Mapping[str, Any]) -> Optional[str]:
-    """One line when an MPT model asks LLM-Foundry's fast attention (``attn_config.attn_impl``
-    flash or triton), which transformers' MPT does not have: it computes eager attention (the
-    same values, slower and with more memory), and that must not happen in silence."""
+    """One line when an MPT model asks LLM-Foundry's flash or triton attention, which
+    transformers' MPT lacks: it computes eager attention instead, never in silence."""
     attn = config_kwargs.get('attn_config')
     impl = attn.get('attn_impl') if isinstance(attn, Mapping) else None
     if model_type != 'mpt' or impl in (None, 'torch'):
@@ -78,13 +72,8 @@ class ModelConfigError(ConfigError):
 class ModelSpec:
     """The ``model`` section: a transformers ``model_type`` plus its config fields.
 
-    Read with :meth:`from_config` (the config reader calls it). Ours: ``type`` (or
-    ``model_type``), ``attention``, ``attn_implementation`` and ``pretrained`` (a local
-    Hugging Face model directory whose weights are loaded; LLM-Foundry's
-    ``pretrained_model_name_or_path: DIR`` + ``pretrained: true`` means the same, and
-    ``pretrained: false`` there takes only the directory's config, randomly initialised) and
-    ``peft_config`` (LoRA through peft, :mod:`foundrymix.train.lora`).
-    Every other key (and LLM-Foundry's ``config_overrides`` mapping) overrides the
+    Our keys are :data:`OWN_KEYS` (``pretrained``: a local Hugging Face model directory, also
+    in LLM-Foundry's spelling); every other key (and ``config_overrides``) overrides the
     transformers config.
     """
 
@@ -179,8 +168,7 @@ def _read_fused_loss(value: Any, model_type: str, peft: Any, where: str) -> bool
 #: LLM-Foundry's ``model.name`` -> the transformers ``model_type`` that builds the same kind of model
 _FOUNDRY_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': 'the model_type of its pretrained_model_name_or_path'}
 
-#: model types whose attention (with ``sdpa``) is known to work with ``attention: document``;
-#: named in the refusal for one that does not (each is checked with :func:`reads_position_ids`)
+#: model types named in the refusal of ``attention: document`` (each checked with :func:`reads_position_ids`)
 DOCUMENT_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'phi3', 'gpt2', 'gpt_neox', 'olmo')
 
 
@@ -188,12 +176,9 @@ DOCUMENT_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'phi3
 def reads_position_ids(model_type: str) -> bool:
     """Does ``model_type``'s causal LM turn restarting ``position_ids`` into a per-document mask?
 
-    transformers (4.57) derives the block-diagonal mask from ``position_ids`` in
-    ``masking_utils.create_causal_mask``; a model whose module does not call it (MPT, Bloom,
-    OPT, Falcon) attends across documents whatever position ids it gets -- MPT's forward has
-    no ``position_ids`` at all (tests/train/test_config_errors.py checks the answer against
-    real models' outputs). Read from the modeling module's source, not imported: importing
-    it takes seconds, and ``plan`` reads the model section too.
+    transformers derives the mask in ``masking_utils.create_causal_mask``; a model whose module
+    does not call it (MPT, Bloom, OPT, Falcon) attends across documents. Read from the modeling
+    module's source, not imported: importing it is slow, and ``plan`` reads the model section too.
     """
     import importlib.util
 
@@ -301,8 +286,7 @@ def check_config_keys(model_type: str, kwargs: Mapping[str, Any], where: str) ->
 def hf_config(spec: ModelSpec, tokenizer: Any) -> Any:
     """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides.
 
-    Here, beside the model section and not with the model (which imports Composer), because
-    ``plan`` builds it too (the LoRA target check) and must run without Composer."""
+    Here, not with the model (which imports Composer): ``plan`` builds it too (LoRA targets)."""
     from transformers import AutoConfig
 
     kwargs = dict(spec.config_kwargs)

@@ -1,18 +1,15 @@
 """``optimizer.name: decoupled_lionw``: LLM-Foundry's Lion with decoupled weight decay.
 
-Why here: Composer 0.32's ``composer.optim`` has ``DecoupledAdamW`` only, and LLM-Foundry's
-``DecoupledLionW`` (``llmfoundry/optim/lion.py``, Apache-2.0) comes with all of Foundry.
-YAMLs migrated from Foundry name it; this is the same update rule (Chen et al. 2023,
-"Symbolic Discovery of Optimization Algorithms"), written from that rule:
+Why here: Composer 0.32 has no Lion, and LLM-Foundry's ``DecoupledLionW`` comes with all of
+Foundry. The same update rule (Chen et al. 2023), written from that rule:
 
 * weight decay, decoupled and scaled by the schedule: ``p *= 1 - (lr / initial_lr) * wd``
   (``initial_lr``: the group's lr when the optimizer was built, before any schedule);
 * ``p -= lr * sign(beta1 * m + (1 - beta1) * g)``;
 * ``m = beta2 * m + (1 - beta2) * g``.
 
-Foundry's defaults: ``betas=(0.9, 0.99)``, no ``eps`` (Lion has none; ``optimizer.eps``
-is not used). Its optional per-parameter norm metrics are not reproduced. Checked against
-the rule recomputed with numpy in ``tests/train/test_optim.py``.
+Foundry's defaults: ``betas=(0.9, 0.99)``, no ``eps``; its per-parameter norm metrics are not
+reproduced.
 """
 
 from __future__ import annotations

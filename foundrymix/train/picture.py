@@ -8,14 +8,10 @@ from typing import Any
 
 def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
                   lr: Any = None) -> None:
-    """A picture of the planned mixture over training steps: one band per stream (its
-    share of each global batch), stage boundaries marked; ``realized`` (batch ->
-    cumulative rows per stream, from the accounting report) is drawn over it.
-
-    Panels below it, on the same batch axis and stage boundaries: ``losses`` (batches,
-    cumulative loss sums, cumulative loss targets per stream, from the report's history):
-    each stream's mean training loss between consecutive history points; ``lr`` (a
-    :class:`~foundrymix.train.lr_schedule.WSDSchedule` and the base LR): the LR of every batch.
+    """One band per stream (its share of each global batch), stage boundaries marked, with
+    ``realized`` (batches, cumulative rows per stream) drawn over it. Panels below on the same
+    axis: ``losses`` (batches, cumulative loss sums and targets per stream) as each stream's
+    mean loss per interval, and ``lr`` (a ``WSDSchedule`` and the base LR) per batch.
     """
     import matplotlib
     matplotlib.use('Agg')

@@ -1,13 +1,9 @@
 """What Composer would refuse when a run starts, refused first -- by ``train`` and ``plan`` alike.
 
-Why: Composer checks these only inside ``Trainer(...)`` or at the first batch, as a
-traceback that names no key of the YAML (``Can only use adaptive device_train_microbatch_size
-on GPU``, ``Precision.AMP_BF16 is not supported for CPU training``, ``t_warmup and t_max must
-use the same units``, an OCI config error for a placeholder ``load_path``), after the plan,
-the model and the loader were built; ``plan`` passed such a config. :func:`check_start` is
-the one check both commands call, so they refuse with the same one line per key.
-Imports neither torch nor composer: the device is asked for only when a GPU-only setting
-is used (``plan`` stays fast).
+Why: Composer checks these only inside ``Trainer(...)`` or at the first batch, after the
+model and loader were built, as a traceback naming no key of the YAML. :func:`check_start`
+is the one check both commands call. Imports neither torch nor composer; the device is
+asked for only when a GPU-only setting is used (``plan`` stays fast).
 """
 
 from __future__ import annotations
@@ -39,9 +35,8 @@ def local_device() -> str:
 def composer_max_duration(cfg: Any, run: Any) -> str:
     """The ``max_duration`` Composer is given for ``cfg`` planned as ``run``.
 
-    A single mixture keeps the YAML's (``3ep``: three of its epochs, which are the
-    mixture's); stages and adaptive segments are batches -- or samples, when the stages'
-    batches differ (:func:`~foundrymix.plan.stages.composer_duration`).
+    A single mixture keeps the YAML's; stages and adaptive segments are batches, or samples
+    when the stages' batches differ.
     """
     from foundrymix.plan.stages import composer_duration
     adaptive = any(s.config is not None and s.config.adaptive for s in run.stages)
@@ -64,12 +59,9 @@ def _composer_unit(unit: str, max_unit: str) -> str:
 def composer_warmup(cfg: Any, max_duration: str, run: Any) -> str:
     """``scheduler.t_warmup`` as Composer is to be given it next to ``max_duration``.
 
-    Composer 0.32's warmup schedulers refuse a ``t_warmup`` in another unit than the
-    run's (``_raise_if_warmup_and_max_incompatible``, at the first batch). A run counted in
-    samples converts it where exact (:func:`warmup_in_samples`). Otherwise a zero warmup
-    (the default ``0ba``) is the same point in any unit and is given in the run's; any
-    other is refused, naming the same point in the run's unit where one batch size makes
-    it exact (Composer counts a batch's tokens as rows x ``max_seq_len``), and ``dur``.
+    Composer 0.32's warmup schedulers refuse, at the first batch, a ``t_warmup`` in another
+    unit than the run's. It is converted where exact (a zero warmup, a run in samples);
+    otherwise refused, naming the same point in the run's unit where one exists.
     """
     t_warmup = str(cfg.scheduler.t_warmup)
     if run.explicit and t_warmup.strip().endswith('ep'):
@@ -100,12 +92,9 @@ def composer_warmup(cfg: Any, max_duration: str, run: Any) -> str:
 def warmup_in_samples(t_warmup: str, run: Any) -> str:
     """``t_warmup`` for a run that Composer counts in samples.
 
-    A warmup that ends inside the first stage is the same point in samples (one batch
-    size there, so samples grow with batches and the LR at every batch is unchanged): it
-    is converted. A later ``ba`` warmup is refused, with the value in samples that this
-    plan gives the same point of the run. A ``tok`` warmup is converted when it is whole
-    rows (Composer counts a batch's tokens as rows x ``max_seq_len``,
-    ``DataSpec._default_get_num_tokens_in_batch``).
+    Converted where it is the same point: a ``ba`` warmup ending inside the first stage (one
+    batch size there), a ``tok`` warmup of whole rows (Composer counts a batch's tokens as
+    rows x ``max_seq_len``). A later ``ba`` warmup is refused, naming its value in samples.
     """
     value, unit = _time(t_warmup)
     if unit in ('sp', 'dur'):
@@ -139,14 +128,10 @@ def _samples_before(run: Any, batch: int) -> int:
 
 
 def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) -> tuple[str, str]:
-    """Refuse, one :class:`ConfigError` per key (all at once), what Composer refuses at start:
-    ``device_train_microbatch_size: auto`` or ``fsdp`` off a GPU, a ``precision`` other than
-    fp32 on the CPU, a ``precision`` Composer does not know, a ``load_path`` that is not a
-    local file or ``s3://``, ``flex_attention`` on the CPU of a torch without its CPU backward,
-    a ``t_warmup`` in another unit than ``max_duration`` (the one
-    Composer is given, :func:`composer_max_duration`). Returns ``max_duration`` and ``t_warmup``
-    as Composer is to be given them. ``device()`` (this machine's, for ``device: auto``) is
-    called only when a device-bound setting is used.
+    """Refuse, one :class:`ConfigError` per key (all at once), what Composer refuses at start
+    (GPU-only settings off a GPU, an unknown precision, a ``load_path`` scheme, a ``t_warmup``
+    unit); return ``max_duration`` and ``t_warmup`` as Composer is to be given them.
+    ``device()`` is called only when a device-bound setting is used.
     """
     gather = Gather()
     gpu_only, not_cpu = [], []

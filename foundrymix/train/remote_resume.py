@@ -1,31 +1,12 @@
 """Autoresume: the newest *complete* checkpoint of a local or a remote (``s3://...``) ``save_folder``.
 
-Local: Composer (0.32.1) writes ``ep{e}-ba{b}-rank0.pt`` in place with ``torch.save`` (no
-temporary name, no fsync) and then points ``latest-rank0.pt`` at it, and its autoresume loads
-whatever ``latest-rank0.pt`` points at. A job killed (pre-empted) while writing leaves a
-truncated file: as the symlink's target autoresume died with ``PytorchStreamReader failed
-reading zip archive: failed finding central directory``; as a newer file beside it, Composer's
-start-of-fit check refused the folder ("may conflict with a future checkpoint").
-:func:`local_checkpoint` checks each checkpoint's zip central directory (truncation removes it;
-reading it costs a few KB whatever the checkpoint's size), newest batch first, and the run
-loads the newest complete one; the incomplete newer ones are left where they are and named
-in one line, and the run rewrites them as it passes their batches.
-
-Remote (``s3://...``): the bucket is the truth, and the newest *complete* checkpoint in it is
-resumed, whatever ``latest-rank0.pt.symlink`` says. Composer (0.32.1) uploads that symlink only
-after polling that the checkpoint object exists (30 s apart, from its upload workers), so a job
-pre-empted mid-run usually leaves ``ep*-ba*-rank0.pt`` objects and no symlink -- or one naming an
-older checkpoint: resuming from it repeats batches and then fails to upload a name that exists.
-:func:`remote_checkpoint` lists the ``ep{e}-ba{b}-rank0.pt`` objects under the folder and takes
-the newest batch whose object is whole: an S3 object appears only when its PUT or multipart
-upload completes, and on S3 each candidate's zip central directory (the end of a ``torch.save``
-archive, which a cut-short copy lacks) is read with two or three ranged GETs, as
-:func:`incomplete` reads a local file's. Newer objects that are not whole are named and left in
-place; the run rewrites them. Rank 0 decides and broadcasts (:func:`agreed`), so every rank
-loads the same checkpoint even while a dead job's last upload is landing.
-
-Why not Composer's own autoresume: it first looks for a *local* ``./s3:/b/run/ckpts/latest-rank0.pt``
-(where its previous autoresume downloaded a checkpoint) and would resume from that stale copy.
+Why: Composer (0.32) writes ``ep{e}-ba{b}-rank0.pt`` in place, so a job killed while writing
+leaves a truncated file that its autoresume loads and dies on; on S3 it uploads
+``latest-rank0.pt.symlink`` late or not at all, and its autoresume first loads a stale local
+copy (``./s3:/b/run/ckpts/latest-rank0.pt``). So the checkpoint files (objects) are the truth:
+the newest batch whose zip central directory is whole (truncation removes it; on S3 a few
+ranged GETs read it) is resumed, and newer incomplete ones are named and left for the run to
+rewrite. On S3 rank 0 decides for every rank (:func:`agreed`). docs/resume.md, docs/s3.md.
 """
 
 from __future__ import annotations
@@ -71,8 +52,7 @@ class LocalResume:
 
 
 def local_checkpoint(folder: str) -> Optional[LocalResume]:
-    """The newest complete checkpoint in the local ``folder`` (newest batch first), or None
-    when the folder holds no checkpoint (a fresh start).
+    """The newest complete checkpoint in the local ``folder``, or None when it holds none.
 
     Refused (naming the files) when every checkpoint there is incomplete: starting over
     silently would overwrite them.
@@ -106,9 +86,8 @@ def sharded(cfg: Any) -> bool:
 
 
 def resume_kwargs(cfg: Any, device: str) -> dict[str, Any]:
-    """Composer's ``autoresume``/``load_path``/``save_overwrite``; for a remote ``save_folder``
-    we find the newest complete checkpoint in the bucket ourselves, decided on rank 0 for
-    every rank (above)."""
+    """Composer's ``autoresume``/``load_path``/``save_overwrite``, with the newest complete
+    checkpoint found here where Composer's own choice could be incomplete."""
     from composer.utils import dist, format_name_with_dist
     if cfg.autoresume and is_remote(cfg.save_folder):
         folder = format_name_with_dist(cfg.save_folder, cfg.run_name)
@@ -126,9 +105,8 @@ def resume_kwargs(cfg: Any, device: str) -> dict[str, Any]:
     if cfg.autoresume and cfg.save_folder:
         found = local_checkpoint(format_name_with_dist(cfg.save_folder, cfg.run_name))
         if found is not None and (found.skipped or not found.is_latest):
-            # Not what latest-rank0.pt names: load it ourselves. The newer files are all
-            # incomplete; overwriting lets Composer's start-of-fit check pass them and the
-            # run rewrite them (a local folder: nothing else is overwritten).
+            # Not what latest-rank0.pt names: load it ourselves; overwriting lets Composer's
+            # start-of-fit check pass the newer, incomplete files and the run rewrite them.
             if found.skipped and dist.get_global_rank() == 0:
                 print(found.line(), flush=True)
             return {'autoresume': False, 'load_path': found.path,
@@ -219,8 +197,7 @@ def _object_store(save_folder: str) -> tuple[Any, str]:
 
 
 def remote_checkpoint(save_folder: str) -> Optional[RemoteResume]:
-    """The newest complete checkpoint under the remote ``save_folder`` (newest batch first), or
-    None when it holds none (a fresh start).
+    """The newest complete checkpoint under the remote ``save_folder``, or None when it holds none.
 
     Refused (naming them) when every checkpoint object there is incomplete: starting over
     would overwrite them. Read errors name the URL and S3's error code.
@@ -258,9 +235,8 @@ def remote_checkpoint(save_folder: str) -> Optional[RemoteResume]:
 def agreed(find: Callable[[], Any], device: str) -> Any:
     """``find()`` as rank 0 computed it, on every rank (its error raised on every rank).
 
-    Why: ranks that each read the bucket at slightly different moments could see different
-    newest checkpoints (a dead job's last upload landing) and load different states. The
-    process group is started here (Composer's ``initialize_dist``; the trainer then reuses it).
+    Why: ranks reading the bucket at different moments could see different newest checkpoints
+    (a dead job's last upload landing). Starts the process group, which the trainer reuses.
     """
     from composer.utils import dist
     if dist.get_world_size() == 1:

@@ -1,20 +1,11 @@
 """Checkpoints to a remote ``save_folder`` (``s3://...``), uploaded by threads of the trainer.
 
-Why not Composer's default for a remote ``save_folder`` (0.32.1): its ``RemoteUploader`` runs
-uploads and existence checks in spawned worker processes (a ``ProcessPoolExecutor`` and a
-``multiprocessing`` manager, each importing torch) that do not watch their parent: after a
-SIGKILL or SIGTERM of the trainer they run on, holding memory and landing uploads after the
-job is gone. Composer's public ``RemoteUploaderDownloader`` logger with ``use_procs=False``
-uploads from threads of the trainer's own process instead, so a killed run leaves nothing
-running; network I/O releases the GIL. The ``CheckpointSaver`` here is the one Composer's
-trainer would build (same names, interval, overwrite and local rotation), given a local
-scratch folder: it hands each checkpoint, then ``latest-rank0.pt.symlink``, to that uploader,
-which uploads them one at a time (a symlink waiting behind an earlier one keeps its place in
-the queue, so when uploads lag it can land before the checkpoint it names). Autoresume does
-not rely on the symlink (:mod:`foundrymix.train.remote_resume` lists the checkpoints).
-
-A sharded (``fsdp.state_dict_type: sharded``) run keeps Composer's own uploader: its symlink
-is uploaded only after every rank's shard is in the bucket, which is what autoresume reads.
+Why not Composer's default (0.32.1): its ``RemoteUploader`` uploads from spawned worker
+processes that outlive a killed trainer, landing uploads after the job is gone.
+``RemoteUploaderDownloader`` with ``use_procs=False`` uploads from threads of the trainer, so
+a killed run leaves nothing running. The ``CheckpointSaver`` is the one Composer's trainer
+would build, writing to a local scratch folder. A sharded run keeps Composer's own uploader,
+whose symlink autoresume reads (it is uploaded after every rank's shard).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The per-stream accounting report: ``stream_accounting.json``, its plot and its table.
 
-Plain data in, files out: everything here works from the summary dict the
-:class:`~foundrymix.train.callbacks.accounting.StreamAccounting` callback produces (or
-the JSON a finished run wrote), so ``foundrymix report RUN/report`` re-renders the table
-and the PNG of any run without torch. The summary::
+Plain data in, files out, without torch, so ``foundrymix report RUN/report`` re-renders
+any run's table and PNG from its JSON. The summary::
 
     {"streams": {name: {"samples", "tokens", "loss_tokens", "share", "token_share",
                         "planned_share", "loss", "loss_targets"}, ...},
@@ -15,11 +13,8 @@ and the PNG of any run without torch. The summary::
                   "loss_sum": [...], "loss_targets": [...]}, ...]}
                                                  # cumulative, one list entry per stream
 
-``loss`` is the mean training loss per loss target (``null`` with none): the summed
-cross-entropy over ``loss_targets``, the tokens the loss scores. A row's first position
-is never scored (the label at position 0 has no token before it), so ``loss_targets`` is
-``loss_tokens`` less the rows whose first token is labelled (every pretrain row). Older
-summaries have no loss keys; the table shows ``-`` there.
+``loss`` is the mean training loss per loss target (``null`` with none; ``-`` in the table
+where a summary has no loss keys).
 """
 
 from __future__ import annotations
@@ -57,9 +52,8 @@ def write_report(summary: dict[str, Any], out_dir: str, plot: bool = True) -> No
 def write_plot(summary: dict[str, Any], path: str) -> None:
     """Cumulative tokens per stream against batches, realized (solid) and planned (dashed).
 
-    The plan is a share of *rows*; on this token axis its line is that row share of the
-    rows trained so far times the stream's realized tokens per row, and the legend says so
-    (a row share printed beside a token curve read as a token share).
+    The plan is a share of *rows*: its line is that share of the rows trained so far times
+    the stream's realized tokens per row, and the legend says so.
     """
     import matplotlib
     matplotlib.use('Agg')
@@ -77,7 +71,6 @@ def write_plot(summary: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, name in enumerate(names):
         line, = ax.plot(steps, tokens[:, i], label=f'{name} (realized)')
-        # Planned tokens: planned sample share x realized tokens per sample of the stream.
         per_sample = tokens[-1, i] / max(samples[-1, i], 1)
         planned = np.array([planned_share[i] * s.sum() * per_sample for s in samples])
         ax.plot(steps, planned, linestyle='--', color=line.get_color(), alpha=0.6,

@@ -24,11 +24,10 @@ def claim_run(cfg: TrainConfig) -> claims.ClaimSet:
     """Claim what this run must not share: ``save_folder`` exclusively, every local stream
     directory (of every stage, and of ``eval_loader``) as a reader.
 
-    Why: two runs into one ``save_folder`` would both succeed with one run's checkpoints
-    left, and a ``convert --overwrite`` of a directory a run reads would train a mix of old
-    and new rows. Taken before anything of the run is written, so a refused start changes
-    nothing. An ``s3://`` save_folder is claimed by its URL, on this machine only. Remote streams' cache directories are claimed by the
-    dataset (:mod:`foundrymix.loader.cache`). See :mod:`foundrymix.claims`.
+    Why: two runs into one ``save_folder`` would both succeed with one run's checkpoints left,
+    and a ``convert --overwrite`` of a directory a run reads would train a mix of old and new
+    rows. Taken before anything is written, so a refused start changes nothing. An ``s3://``
+    save_folder is claimed by its URL, on this machine only.
     """
     held = claims.ClaimSet()
     try:

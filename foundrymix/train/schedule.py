@@ -1,18 +1,13 @@
 """The ``wsd`` schedule as a Composer scheduler: :class:`WSDScheduler`.
 
 Why its own call convention: Composer 0.32 steps a scheduler at the end of batch ``b``
-*before* it advances the timestamp (``Trainer._train_loop``: ``scheduler.step()``, then
-``timestamp.to_next_batch``), so a call during training sets the LR of batch ``b + 1``
-while ``state.timestamp.batch`` still reads ``b``; the one call before training
-(``LambdaLR``'s constructor, ``state.batch`` still None) sets batch 0's. Composer's own
-schedulers evaluated at the timestamp therefore train batch ``b`` with their value at
-``b - 1`` (batches 0 and 1 alike); this one returns, for each call, the multiplier
-of the batch it sets -- so the LR of every batch is exactly
-:meth:`~foundrymix.train.lr_schedule.WSDSchedule.multiplier`, what ``foundrymix plan`` prints.
+*before* it advances the timestamp, so a call during training sets batch ``b + 1``'s LR while
+``state.timestamp.batch`` reads ``b`` (the one call before training, ``state.batch`` None,
+sets batch 0's). This one returns the multiplier of the batch it sets, so every batch trains
+at exactly :meth:`~foundrymix.train.lr_schedule.WSDSchedule.multiplier`, what ``plan`` prints.
 
-A resumed run loads the optimizer's LR as the checkpoint's run left it (for the next batch
-under *that* run's schedule); :func:`apply_resume_lr` sets the resume batch's LR under this
-run's schedule, so an extended or branched run trains the batch it resumes at as its plan says.
+A resumed optimizer holds the LR under the checkpoint's run's schedule; :func:`apply_resume_lr`
+sets the resume batch's LR under this run's (an extended or branched run).
 """
 
 from __future__ import annotations

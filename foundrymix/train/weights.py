@@ -1,14 +1,9 @@
 """A pretrained directory checked against the model and the streams before it loads.
 
-Why: transformers (4.57) stops a directory without weights with an ``OSError`` listing
-five file names, and weights of another size than the config (with the YAML's model keys)
-describes with a ``RuntimeError`` about a ``Linear``'s ``state_dict`` -- tracebacks naming
-neither the key ``model.pretrained`` nor what to change. :func:`check_has_weights` only
-lists the directory (``plan`` and ``train`` both call it); :func:`check_weight_shapes`
-reads the safetensors headers (shapes only, no tensor data) and builds the model on the
-``meta`` device (no memory), so a large model is checked in moments;
-:func:`check_pretrained_tokenizer` compares the directory's vocabulary with the streams'.
-Nothing here imports Composer: ``foundrymix plan`` runs these checks without it.
+Why: transformers stops a directory without weights, or with weights of another size than
+the config, with tracebacks naming neither ``model.pretrained`` nor what to change. Shapes
+come from safetensors headers and a model on the ``meta`` device, so a large model is
+checked in moments. Nothing here imports Composer (``foundrymix plan`` runs these checks).
 """
 
 from __future__ import annotations
@@ -67,10 +62,7 @@ def _checkpoint_shapes(directory: str) -> dict[str, tuple[str, list[int]]]:
 
 def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
     """Every tensor of the pretrained directory's safetensors weights has the shape the model
-    built from ``config`` (the directory's config plus the YAML's model keys) gives it.
-
-    A file safetensors cannot open is left to the load, which names it.
-    """
+    built from ``config`` gives it (a file safetensors cannot open is left to the load)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -1,10 +1,8 @@
 """The ``callbacks`` section of a training YAML: one table, YAML name -> (config, factory).
 
-Adding a callback is one entry in :data:`CALLBACKS`: a small dataclass for its YAML
-options (unknown keys are refused by the config reader) and a factory that builds the
-Composer callback. This module imports neither torch nor composer, so reading a config
-(and ``foundrymix plan``) stays fast; each factory imports its callback class when the
-trainer is built. The callbacks themselves live beside this file, one per module.
+Adding a callback is one entry in :data:`CALLBACKS`. This module imports neither torch nor
+composer, so reading a config stays fast; each factory imports its callback when the
+trainer is built. The callbacks live beside this file, one per module.
 """
 
 from __future__ import annotations
@@ -148,10 +146,7 @@ ALWAYS_ON = ('stream_accounting',)
 
 
 def build_callbacks(options: dict[str, Any], ctx: CallbackContext) -> dict[str, Any]:
-    """Build every callback the YAML names plus the always-on ones, always-on first.
-
-    ``options`` maps a YAML name to its config dataclass (as the config reader made it).
-    Returns YAML name -> Composer callback, in build order.
-    """
+    """YAML name -> Composer callback for every callback ``options`` names plus the always-on
+    ones, always-on first."""
     names = [*ALWAYS_ON, *(n for n in options if n not in ALWAYS_ON)]
     return {name: CALLBACKS[name].factory(options.get(name) or CALLBACKS[name].config(), ctx) for name in names}

@@ -1,20 +1,13 @@
 """``StreamAccounting``: samples, tokens, loss tokens and training loss per stream, against the plan.
 
-Counting only: the counters live in Composer checkpoints (``state_dict`` /
-``load_state_dict``), so a resumed run continues them instead of starting over; the
-files are written by :mod:`foundrymix.train.report` from :meth:`StreamAccounting.summary`.
+The counters live in Composer checkpoints, so a resumed run continues them; the files are
+written by :mod:`foundrymix.train.report`. Each rank counts its own batches, and the ranks'
+counts are summed with one ``all_reduce`` only where a sum is read (``log_interval``, the
+end, a checkpoint save), on ``state.device`` (``nccl`` takes CUDA tensors only).
 
-Collectives: each rank counts its own batches on the CPU, and the ranks' counts are summed
-with one ``all_reduce`` only where a sum is read: at ``log_interval``, at the end and when a
-checkpoint is saved (``state_dict``, called on every rank). The tensor is reduced on
-``state.device`` (an ``nccl`` group takes CUDA tensors only).
-
-Per-stream loss (exact, not a mean of batch means): each row's summed cross-entropy and
-loss targets (``row_loss`` on the outputs) are added per stream on the device at
-``after_loss`` (per microbatch, no host sync), before Composer scales the loss for
-``backward``, and ride in the same float64 ``all_reduce`` as the counts (exact below 2**53).
-:meth:`StreamAccounting.add_reduce_hook` / :meth:`StreamAccounting.reduced_loss` give
-another callback (adaptive mixing) the sums of each reduction, identical on every rank.
+Per-stream loss is exact, not a mean of batch means: each row's summed cross-entropy and
+targets are added per stream on the device at ``after_loss`` (no host sync, before Composer
+scales the loss) and ride in the same float64 ``all_reduce`` (exact below 2**53).
 """
 
 from __future__ import annotations
@@ -40,10 +33,8 @@ COUNTERS = ('samples', 'tokens', 'loss_tokens')
 class LossReduction:
     """One reduction's per-stream training loss, summed over every rank (the same on each).
 
-    ``loss_sum`` (float64) and ``loss_targets`` (int64) are indexed like
-    ``StreamAccounting.stream_names`` and hold only the batches since the previous
-    reduction (all zero when none ran); ``batch`` is the number of batches trained when it
-    ran. A stream's mean loss over them is ``loss_sum[i] / loss_targets[i]``.
+    ``loss_sum`` (float64) and ``loss_targets`` (int64), indexed like ``stream_names``, hold
+    only the batches since the previous reduction; ``batch`` is the batches trained when it ran.
     """
 
     batch: int
@@ -62,13 +53,8 @@ def interval_hit(timestamp: Any, interval: Time) -> bool:
 def count(batch: Mapping[str, torch.Tensor], n_streams: int) -> np.ndarray:
     """This rank's batch as a ``(3, n_streams)`` int64 array: samples, real tokens, loss tokens.
 
-    From the batch itself: ``stream_id`` per row, ``attention_mask`` (real tokens) and
-    ``labels`` (``IGNORE_INDEX`` where there is no loss).
-
-    Why numpy: the batch is on the host at ``after_train_batch``, and torch's CPU
-    reductions hand a large tensor to its OpenMP pool, whose wake-up competes with the loader
-    workers; numpy sums on the calling thread. A batch already on the device is copied back
-    first (one small sync per batch).
+    Why numpy: torch's CPU reductions wake its OpenMP pool, which competes with the loader
+    workers; numpy sums on the calling thread.
     """
     def host(name: str) -> np.ndarray:
         return batch[name].detach().cpu().numpy()
@@ -86,11 +72,8 @@ def count(batch: Mapping[str, torch.Tensor], n_streams: int) -> np.ndarray:
 class StreamAccounting(Callback):
     """Count samples, tokens and loss tokens consumed per stream; compare with the plan.
 
-    Counts come from the batches (:func:`count`), summed over all ranks. Every
-    ``log_interval`` it records a history point and logs, per stream, cumulative tokens
-    and loss tokens, the realized share of samples and tokens, the planned share of
-    samples, and the epoch. At the end rank 0 writes ``stream_accounting.json`` (and
-    ``.png`` with ``plot``) into ``out_dir``.
+    Every ``log_interval`` it records a history point and logs the per-stream counts and
+    shares; at the end rank 0 writes ``stream_accounting.json`` (and ``.png``) into ``out_dir``.
     """
 
     def __init__(self, stream_names: Sequence[str], planned_share: Sequence[float],
@@ -144,7 +127,6 @@ class StreamAccounting(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         self._device = state.device
 
-
     def before_train_batch(self, state: State, logger: Logger) -> None:
         """Start the batch's loss over: Composer 0.32 (``device_train_microbatch_size: auto``)
         reruns a batch whose microbatch ran out of memory, from this event, so the microbatches
@@ -154,9 +136,8 @@ class StreamAccounting(Callback):
             self._loss_batch.zero_()
 
     def after_train_batch(self, state: State, logger: Logger) -> None:
-        """Count the batch (``state.batch``: Composer has put the whole host batch back) and add
-        its loss. Counted here rather than at ``after_dataloader`` so that counting runs while
-        the GPU still works on the batch, not before the step can start."""
+        """Count the batch and add its loss: here, not at ``after_dataloader``, so counting runs
+        while the GPU works on the batch."""
         counts = count(state.batch, len(self.stream_names))
         self._pending += counts
         if self.stage_names is not None:  # a batch never straddles two stages
@@ -339,12 +320,8 @@ class StreamAccounting(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's counters and loss sums, by stream name.
 
-        The run's streams may have grown since the checkpoint (a stage appended with a
-        stream the run had not used): those come after the checkpoint's (run-wide stream
-        ids are in order of first use) and start at zero. A stream the checkpoint counted
-        is never dropped -- the stages that trained it are immutable, so it is still in the
-        run's plan; if not, the resume check has already refused the config. A checkpoint
-        from before per-stream loss has no loss sums: they start at zero there.
+        Streams added since the checkpoint come after its own (ids are in order of first use)
+        and start at zero; a checkpoint without loss sums starts them at zero.
         """
         old = list(state['stream_names'])
         if self.stream_names[:len(old)] != old:  # streams are numbered in order of first use

@@ -1,20 +1,13 @@
 """``AdaptiveMixing``: feeds each adaptive stage's controller the per-stream training loss.
 
-The loss is the model's own: :meth:`CausalLM.loss <foundrymix.train.model.CausalLM.loss>`
-leaves each row's summed cross-entropy and loss targets on the outputs (``row_loss``).
-Per microbatch (``after_loss``) this rank keeps those
-rows with their stream ids, on the device (no host sync). At each segment boundary
-(``batch_end``, before Composer's checkpoint event) they are summed per batch and stream
-on the CPU, all-reduced, and the controller decides the next segment, which the loader
-reads when its first batch is due. So every rank decides from the same numbers.
+Per microbatch (``after_loss``) this rank keeps the rows' ``row_loss`` with their stream
+ids on the device; at each segment boundary (``batch_end``, before Composer's checkpoint
+event) they are summed per batch and stream, all-reduced, and the controller decides the
+next segment, so every rank decides from the same numbers.
 
-Why per-batch sums, summed in order on the CPU, and not the accounting's running sums:
-a resumed run must decide bitwise as the straight run did. A running sum split at a
-checkpoint adds the same numbers in another order (``(a + b) + (c + d)`` vs
-``((a + b) + c) + d``), and ``index_add_`` on a GPU adds with atomics in any order; so each
-batch's rows are summed sequentially (``np.add.at``), the batches' sums since the last
-update are kept (reduced, in the checkpoint) and added in one ``np.sum`` over the same
-array either way. ``every x n_streams x 2`` floats.
+Why per-batch sums added in order on the CPU, not the accounting's running sums: a resumed
+run must decide bitwise as the straight run did, and a running sum split at a checkpoint
+(or ``index_add_`` with GPU atomics) adds in another order (docs/adaptive.md).
 """
 
 from __future__ import annotations
@@ -55,9 +48,8 @@ class AdaptiveMixing(Callback):
         self._device = state.device
 
     def before_train_batch(self, state: State, logger: Logger) -> None:
-        """Start the batch's rows over: Composer 0.32 (``device_train_microbatch_size: auto``)
-        reruns a batch whose microbatch ran out of memory from this event, so a failed try's
-        microbatches must not count (as in the stream accounting)."""
+        """Start the batch's rows over: Composer reruns a batch from this event after an
+        out-of-memory microbatch (``device_train_microbatch_size: auto``); a failed try must not count."""
         self._batch = []
 
     def after_loss(self, state: State, logger: Logger) -> None:
@@ -118,10 +110,8 @@ class AdaptiveMixing(Callback):
         """Per run-wide stream, its share of the rows planned for the run: a fixed stage's
         planned rows, an adaptive stage's decided rows (every segment decided so far).
 
-        Why: before the run the accounting can only know an adaptive stage's configured
-        start, which the trained shares leave behind; the
-        decisions are the plan of its segments, whole rows that the loader trains exactly,
-        so the end-of-run table compares what was trained with what was decided.
+        Why: before the run the accounting knows only an adaptive stage's configured start;
+        the decisions are the rows the loader trains exactly, so the table compares with them.
         """
         names = list(self.loader.stream_names)
         rows = np.zeros(len(names))

@@ -1,8 +1,7 @@
 """``ModelInfo``: what ``foundrymix export`` needs to rebuild the model, kept in every checkpoint.
 
-Why a callback: Composer checkpoints hold the wrapper's weights (``model.`` prefix) but
-not the transformers config nor the tokenizer; a callback's ``state_dict`` is saved in
-``state['callbacks']['ModelInfo']`` of every checkpoint, so an export never has to guess
+Why a callback: Composer checkpoints hold neither the transformers config nor the tokenizer;
+a callback's ``state_dict`` is saved in every checkpoint, so an export never has to guess
 the architecture from a YAML that may have changed since.
 """
 

@@ -1,16 +1,11 @@
 """``ResumeRng``: a run resumed mid-epoch continues the random streams where the checkpoint left them.
 
-Why: Composer (0.32) restores the RNG states a checkpoint saved only when it resumes at an
-epoch's first batch, or while it spins a dataloader forward; a dataloader that resumes
-itself (``load_state_dict``, as foundrymix's does) skips both, so a run resumed mid-epoch
-drew its dropout masks (``lora_dropout``, ``attention_dropout``) from the seed, not from
-where the interrupted run was, and ended with other weights. This callback saves every
-rank's RNG state (Composer's public ``get_rng_state``, gathered on every rank at the same
-point of a checkpoint save as Composer gathers its own) and restores it right after the
-first batch of such a resume is read, before it reaches the model: where the straight run
-was when it read that batch (reading a batch draws nothing from the main process's RNGs).
-At an epoch boundary Composer restores them itself, and this does nothing; so on another
-number of ranks (the ranks' random streams cannot continue there: each rank had its own).
+Why: Composer (0.32) restores a checkpoint's RNG states only at an epoch's first batch or
+while it spins a dataloader forward; a dataloader that resumes itself (as foundrymix's does)
+skips both, so dropout masks would come from the seed, not where the interrupted run was.
+The states are restored right after the resume's first batch is read, before it reaches the
+model (reading draws nothing from the main process's RNGs). Nothing is done at an epoch
+boundary (Composer restores them) or on another number of ranks (each rank had its own).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``S3Log``: one line per epoch and one at the end of the run with the S3 requests and retries.
 
-Why: retries keep a cloud job alive through 503 ``SlowDown`` replies, connection resets and
-timeouts, but silently; a job that spends its time retrying must say so in its log. The
-counts come from :mod:`foundrymix.s3.retries` (installed by the builder before the first
-metadata fetch), summed over the ranks; a run that made no S3 request prints nothing.
+Why: retries keep a cloud job alive, but silently; a job that spends its time retrying must
+say so. Counts are summed over the ranks; a run that made no S3 request prints nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ from foundrymix.s3.retries import FIELDS, RetryCounts, S3RetryCounter
 class S3Log(Callback):
     """Print ``S3 (epoch E): ...`` at each epoch end and ``S3 (run): ...`` at fit end (rank 0).
 
-    The run line covers everything since ``since`` (the builder passes the counts before it
-    fetched any metadata): the metadata fetched while the trainer was built and every shard downloaded during training (also by DataLoader workers,
-    which fork from the rank and share its counters).
+    The run line covers everything since ``since``: the metadata fetched while the trainer was
+    built and every shard downloaded since (DataLoader workers fork and share the counters).
     """
 
     def __init__(self, counter: S3RetryCounter, since: Optional[RetryCounts] = None) -> None:

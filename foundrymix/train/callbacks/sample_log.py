@@ -17,29 +17,24 @@ from foundrymix.train.callbacks.accounting import interval_hit
 
 
 def row_digests(batch: Any) -> list[str]:
-    """Each row's ``xxh3_64`` hex digest over what the model is given of it: the
-    :data:`~foundrymix.format.schema.DECODED_KEYS` tensors' values (``int64``, that order,
-    concatenated). Two runs whose rows have equal digests trained on equal tokens, labels,
-    masks and positions.
-
-    ``xxh3_64`` from ``xxhash`` (streaming's own hash dependency): fast enough to digest
-    every batch."""
+    """Each row's ``xxh3_64`` hex digest over what the model is given of it (the
+    :data:`~foundrymix.format.schema.DECODED_KEYS` tensors as ``int64``, in that order): equal
+    digests mean equal tokens, labels, masks and positions."""
     import xxhash
     rows = torch.stack([batch[k].to(torch.int64) for k in DECODED_KEYS], dim=1).cpu().numpy()
     return [xxhash.xxh3_64_hexdigest(row) for row in rows]  # (n, keys, seq): each row contiguous
 
 
 #: how :func:`batch_digest` orders the row digests, written beside it in every log line
-#: (``tokens_order``); lines without it were written in rank order, by an older foundrymix
+#: (``tokens_order``; lines without it hash them in rank order)
 TOKENS_ORDER = 'sorted'
 
 
 def batch_digest(rows: list[str]) -> str:
     """A global batch's ``tokens`` digest: ``xxh3_64`` over its rows' digests, sorted.
 
-    Order-free within the batch: a global batch is one step on a set of rows, so the digest
-    does not depend on how its rows are listed (by rank, in an order that streaming's
-    sampler made depend on the number of ranks), as ``foundrymix compare`` matches ids."""
+    Order-free: a global batch is one step on a set of rows, so the digest does not depend on
+    how its rows are listed by rank (as ``foundrymix compare`` matches ids)."""
     import xxhash
     return xxhash.xxh3_64_hexdigest(''.join(sorted(rows)).encode())
 
@@ -48,27 +43,15 @@ class SampleLog(Callback):
     """Append each global batch's sample ids and streams to a JSONL file (rank 0).
 
     One line per batch: ``{"batch": b, "epoch": e, "sample_ids": [...], "stream_ids":
-    [...], "tokens": "<16 hex digits>", "tokens_order": "sorted"}``, ids in rank order. On resume, lines for batches at or
-    after the checkpoint are dropped first, so the file always describes exactly what the
-    weights saw.
+    [...], "tokens": "<16 hex digits>", "tokens_order": "sorted"}``, ids in rank order
+    (``tokens``: :func:`batch_digest`, so ``foundrymix compare`` sees data that changed under
+    equal ids). On resume, lines for batches at or after the checkpoint are dropped first, so
+    the file describes exactly what the weights saw -- at the first batch, not ``fit_start``,
+    so that a start refused after ``fit_start`` leaves an earlier run's log as it was.
 
-    Why that happens at the first batch and not at ``fit_start``: a start that is refused
-    after ``fit_start`` (Composer refusing to overwrite a finished run's checkpoints, a
-    failing first batch) must leave an earlier run's log as it was; a rerun of a finished
-    run's command truncated its 10-line log to 0 before.
-
-    Each rank keeps its batches' ids and rank 0 gathers and writes them every
-    ``interval``, at the end and when a checkpoint is saved (``state_dict``, called on every
-    rank while Composer 0.32 saves), not at every batch: ``all_gather_object`` pickles
-    through a tensor on the GPU with NCCL, and once per batch it is a needless sync. A
-    checkpoint therefore never covers a batch the file lacks; a crash loses only lines
-    after the last checkpoint, which a resume drops anyway.
-
-    Why ``tokens`` (:func:`batch_digest`): equal sample ids say the same rows were *chosen*;
-    only the rows' contents say the same data was *trained*. A shard that differs between two
-    runs (damaged on the way, rewritten in place, another cache's copy) keeps every id and
-    changes the weights; with the digest, ``foundrymix compare`` names the first batch whose
-    tokens differ, not only that the weights do.
+    Rank 0 gathers and writes every ``interval``, at the end and when a checkpoint is saved,
+    not every batch (``all_gather_object`` through NCCL is a sync): a checkpoint never covers
+    a batch the file lacks.
     """
 
     def __init__(self, path: str, interval: str = '10ba') -> None:

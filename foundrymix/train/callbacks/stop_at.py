@@ -11,10 +11,8 @@ from foundrymix.errors import UserError
 class StopAt(Callback):
     """Stop training gracefully at a given time (``'40ba'`` or ``'1ep'``), keeping ``max_duration``.
 
-    Why: a long run often has to be cut into jobs shorter than a cluster's time limit.
-    The LR schedule must still follow the *whole* run's ``max_duration``, so the run
-    is stopped rather than shortened; with a matching ``save_interval`` the last
-    checkpoint is at exactly that time, and ``autoresume`` continues from it.
+    Why: a run cut into jobs shorter than a cluster's time limit must keep the *whole* run's
+    LR schedule, so it is stopped rather than shortened; ``autoresume`` continues it.
     """
 
     def __init__(self, time: str) -> None:
