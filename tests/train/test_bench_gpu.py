@@ -30,9 +30,11 @@ def test_bench_gpu_runs_on_cpu_tiny(tmp_path):
         # (real tokens <= positions: equal when the timed batches hold only full pretrain rows)
         assert 0 < ran['loader_share'] < 1 and ran['positions_per_s'] >= ran['real_tokens_per_s'] > 0
         assert ran['mfu'] is None and ran['peak_mem_gb'] is None  # no peak FLOP/s, no CUDA memory on a CPU
-        # the wait's parts, per measured step: the DataLoader's __next__ and the accounting's count lie inside it
+        # per measured step: the DataLoader's __next__ lies inside the wait; the accounting's count
+        # (at after_train_batch, after the wait) is timed once per step
         assert len(ran['waits_ms']) == len(ran['nexts_ms']) == len(ran['counts_ms']) == 4
-        assert all(n + c <= w for w, n, c in zip(ran['waits_ms'], ran['nexts_ms'], ran['counts_ms']))
+        assert all(n <= w for w, n in zip(ran['waits_ms'], ran['nexts_ms']))
+        assert all(c > 0 for c in ran['counts_ms'])
         assert ran['next_ms'] > 0 and ran['count_ms'] > 0 and ran['next_max_ms'] >= ran['next_ms']
         assert ran['batch_bytes'] == 5 * 4 * 64 * 8 + 2 * 4 * 8  # five (4, 64) int64 tensors, two (4,)
     # the fast path trains the same rows: the same counts per stream
