@@ -295,38 +295,52 @@ def _data_of(config: Path) -> dict[str, str]:
     return {name: s['local'] for name, s in streams.items()}
 
 
-@pytest.mark.slow  # two train.py ranks on gloo, started as the launcher starts them
-def test_a_damaged_shard_one_rank_reads_stops_both_training_ranks_each_naming_it(data, tmp_path):
-    """The trainer sets the loader's ``StopTogether``: rank 1 alone opens the damaged shard
-    (:func:`rank_one_only`), and both ranks end with one line naming stream, shard and fix --
-    not rank 0 waiting in the gradient all-reduce for the launcher to kill it. The ranks are
-    started as ``composer -n 2`` starts them (its environment), without the launcher, which
-    stops the other ranks as soon as one exits: here each rank's own ending is seen."""
-    arxiv = copy_stream(Path(data['arxiv']), tmp_path / 'arxiv')
-    g, k, _ = rank_one_only(arxiv)
-    flip_bits(arxiv, k, 0, token=10)
-    shard = index_of(arxiv)['shards'][k]['raw_data']['basename']
-    loader = {'streams': {'arxiv': {'local': str(arxiv)}}, 'shuffle': False, 'num_workers': 1}
-    cfg = tmp_path / 'c.yaml'
-    cfg.write_text(yaml.safe_dump(tiny_run_config(
-        loader, run_name='stop-together', global_train_batch_size=g, max_duration='1ep',
-        save_folder=str(tmp_path / 'ckpt'))), encoding='utf-8')
+def damaged_for_rank_one(data, stream: Path) -> tuple[int, str]:
+    """A copy of ``arxiv`` at ``stream`` whose shard that rank 1 alone reads first (unshuffled,
+    :func:`rank_one_only`) is damaged: the global batch and the loader's message for it."""
+    copy_stream(Path(data['arxiv']), stream)
+    g, k, _ = rank_one_only(stream)
+    flip_bits(stream, k, 0, token=10)
+    return g, shard_hash_error(stream, index_of(stream)['shards'][k]['raw_data']['basename'])
+
+
+def both_ranks_name_it(cfg: dict, tmp_path: Path, damaged: str) -> None:
+    """Start two ``train.py`` ranks as ``composer -n 2`` starts them (its environment), without the
+    launcher, which stops the other ranks as soon as one exits: here each rank's own ending is
+    seen. Rank 1 ends naming the damaged shard, rank 0 naming rank 1 and its message."""
+    path = tmp_path / 'c.yaml'
+    path.write_text(yaml.safe_dump(cfg), encoding='utf-8')
     port = str(free_port())
     procs = []
     for rank in range(2):
         env = {**os.environ, 'FOUNDRYMIX_CACHE': str(tmp_path / 'cache'), 'RANK': str(rank),
                'LOCAL_RANK': str(rank), 'NODE_RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2',
                'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / 'train.py'), str(cfg)], cwd=tmp_path,
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / 'train.py'), str(path)], cwd=tmp_path,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    ends = [p.communicate(timeout=300) for p in procs]
-    damaged = shard_hash_error(arxiv, shard)
+    try:
+        ends = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     errors = [[line for line in err.splitlines() if line.startswith('foundrymix train: error:')]
               for _, err in ends]
     assert [p.returncode for p in procs] == [2, 2], [err[-3000:] for _, err in ends]
     assert errors[1] == [f'foundrymix train: error: {damaged}']
     assert errors[0] == ['foundrymix train: error: rank 1 could not read its rows of this batch, so '
                          f'every rank stops here: CorruptLocalShardError: {damaged}']
+
+
+@pytest.mark.slow  # two train.py ranks on gloo, started as the launcher starts them
+def test_a_damaged_shard_one_rank_reads_stops_both_training_ranks_each_naming_it(data, tmp_path):
+    """The trainer sets the loader's ``StopTogether``: rank 1 alone opens the damaged shard, and
+    both ranks end with one line naming stream, shard and fix -- not rank 0 waiting in the
+    gradient all-reduce for the launcher to kill it."""
+    arxiv = tmp_path / 'arxiv'
+    g, damaged = damaged_for_rank_one(data, arxiv)
+    loader = {'streams': {'arxiv': {'local': str(arxiv)}}, 'shuffle': False, 'num_workers': 1}
+    both_ranks_name_it(tiny_run_config(loader, run_name='stop-together', global_train_batch_size=g,
+                                       max_duration='1ep', save_folder=str(tmp_path / 'ckpt')), tmp_path, damaged)
 
 
 @pytest.mark.slow  # two train.py ranks on gloo, started as the launcher starts them
@@ -334,33 +348,10 @@ def test_a_damaged_eval_shard_one_rank_reads_stops_both_ranks_each_naming_it(dat
     """As above, with the damaged shard in the ``eval_loader`` (the training streams intact):
     the evaluation's loader agrees before each batch as the training loader does. Without it,
     rank 0 ended with exit code 1 in a collective that lost rank 1, naming no shard."""
-    arxiv = copy_stream(Path(data['arxiv']), tmp_path / 'eval-arxiv')
-    g, k, _ = rank_one_only(arxiv)
-    flip_bits(arxiv, k, 0, token=10)
-    shard = index_of(arxiv)['shards'][k]['raw_data']['basename']
-    cfg = tmp_path / 'c.yaml'
-    cfg.write_text(yaml.safe_dump(tiny_run_config(
+    arxiv = tmp_path / 'eval-arxiv'
+    g, damaged = damaged_for_rank_one(data, arxiv)
+    both_ranks_name_it(tiny_run_config(
         {'streams': {'arxiv': {'local': data['arxiv']}}, 'num_workers': 0}, run_name='stop-together-eval',
         global_train_batch_size=4, max_duration='2ba', eval_interval='1ba', device_eval_batch_size=g // 2,
         eval_loader={'streams': {'arxiv': {'local': str(arxiv)}}, 'shuffle': False, 'num_workers': 1},
-        save_folder=str(tmp_path / 'ckpt'))), encoding='utf-8')
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, 'FOUNDRYMIX_CACHE': str(tmp_path / 'cache'), 'RANK': str(rank),
-               'LOCAL_RANK': str(rank), 'NODE_RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2',
-               'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port}
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / 'train.py'), str(cfg)], cwd=tmp_path,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        ends = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    damaged = shard_hash_error(arxiv, shard)
-    errors = [[line for line in err.splitlines() if line.startswith('foundrymix train: error:')]
-              for _, err in ends]
-    assert [p.returncode for p in procs] == [2, 2], [err[-3000:] for _, err in ends]
-    assert errors[1] == [f'foundrymix train: error: {damaged}']
-    assert errors[0] == ['foundrymix train: error: rank 1 could not read its rows of this batch, so '
-                         f'every rank stops here: CorruptLocalShardError: {damaged}']
+        save_folder=str(tmp_path / 'ckpt')), tmp_path, damaged)
