@@ -1,8 +1,6 @@
-"""Ranks in lockstep stop at the same batch when any rank's read fails, each saying why.
-
-Alone, the failing rank raises and the others hang in the next all-reduce until killed.
-Off by default: a loop that reads the ranks' loaders unevenly would wait in the agreement.
-"""
+"""Ranks in lockstep stop at the same batch when any rank's read fails, each saying why (alone, the
+failing rank raises and the others hang in the next all-reduce until killed). Off by default: a loop
+that reads the ranks' loaders unevenly would wait in the agreement."""
 
 from __future__ import annotations
 
@@ -20,8 +18,9 @@ class StopTogether:
     integer summed over its own gloo group (CPU, apart from the GPU's collectives); when any
     rank failed, the failing rank raises its error and the others :class:`OtherRankFailed`."""
 
-    def __init__(self) -> None:
+    def __init__(self, doing: str = 'could not read its rows of this batch') -> None:
         self._group: Any = None
+        self.doing = doing  # what the failing rank could not do, as the others say it
 
     def __call__(self, failure: Optional[BaseException]) -> None:
         import torch
@@ -42,5 +41,4 @@ class StopTogether:
         if failure is not None:
             raise failure
         rank, message = next((r, m) for r, m in enumerate(said) if m is not None)
-        raise OtherRankFailed(f'rank {rank} could not read its rows of this batch, so every rank '
-                              f'stops here: {message}')
+        raise OtherRankFailed(f'rank {rank} {self.doing}, so every rank stops here: {message}')

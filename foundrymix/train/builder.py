@@ -8,12 +8,13 @@ writes, a stream directory a conversion is replacing (:func:`claim_run`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from composer import Trainer
@@ -255,26 +256,45 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     them at the end (a caller that only builds: ``run.claims.release()``).
     """
     device_batch, micro = split_batch(cfg, dist.get_world_size())
-    held = claim_run(cfg)
+    if dist.get_world_size() > 1:  # now, so that the start is agreed (_start_together); Composer reuses it
+        dist.initialize_dist(_device(cfg))
+    held = claims.ClaimSet()
     try:
+        with _start_together():
+            held = claim_run(cfg)
         return _build(cfg, device_batch, micro, held)
     except BaseException:
         held.release()
         raise
 
 
+@contextlib.contextmanager
+def _start_together() -> Iterator[None]:
+    """Every rank leaves the block together: a rank that fails in it (a stream directory missing on
+    its node, a damaged index, another run holding its save_folder) raises its error and every
+    other rank says which rank failed and why -- not waiting in the trainer's first collective
+    until the timeout."""
+    together = StopTogether('could not start')
+    try:
+        yield
+    except Exception as e:
+        together(e)
+        raise
+    together(None)
+
+
 def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: claims.ClaimSet) -> TrainRun:
     retry_counter = s3_retries.install()  # before the first metadata fetch
     retries_before = retry_counter.snapshot()
-    data = _train_data(cfg, device_batch)
-    scheduler = build_scheduler(cfg, data.run, data.t_warmup)  # wsd spans refused before the model is built
-
-    reproducibility.seed_all(cfg.seed)
-    hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
-    _print0(getattr(hf_model, 'foundrymix_loading', None), getattr(hf_model, 'foundrymix_lora', None),
-            mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs))
-    model = CausalLM(hf_model, attention=cfg.model.attention, fused_loss=cfg.model.fused_loss)
-    evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
+    with _start_together():  # nothing in it is collective: a rank that fails here stops them all
+        data = _train_data(cfg, device_batch)
+        scheduler = build_scheduler(cfg, data.run, data.t_warmup)  # wsd spans refused before the model
+        reproducibility.seed_all(cfg.seed)
+        hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
+        _print0(getattr(hf_model, 'foundrymix_loading', None), getattr(hf_model, 'foundrymix_lora', None),
+                mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs))
+        model = CausalLM(hf_model, attention=cfg.model.attention, fused_loss=cfg.model.fused_loss)
+        evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
     trainer, saving = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)
     finished = None if cfg.load_weights_only else finished_line(trainer.state)

@@ -304,10 +304,11 @@ def damaged_for_rank_one(data, stream: Path) -> tuple[int, str]:
     return g, shard_hash_error(stream, index_of(stream)['shards'][k]['raw_data']['basename'])
 
 
-def both_ranks_name_it(cfg: dict, tmp_path: Path, damaged: str) -> None:
+def both_ranks_name_it(cfg: dict, tmp_path: Path, damaged: str, doing: str = 'could not read its rows of this batch',
+                       kind: str = 'CorruptLocalShardError') -> None:
     """Start two ``train.py`` ranks as ``composer -n 2`` starts them (its environment), without the
     launcher, which stops the other ranks as soon as one exits: here each rank's own ending is
-    seen. Rank 1 ends naming the damaged shard, rank 0 naming rank 1 and its message."""
+    seen. Rank 1 ends with ``damaged`` (its error), rank 0 naming rank 1 and its message."""
     path = tmp_path / 'c.yaml'
     path.write_text(yaml.safe_dump(cfg), encoding='utf-8')
     port = str(free_port())
@@ -327,8 +328,7 @@ def both_ranks_name_it(cfg: dict, tmp_path: Path, damaged: str) -> None:
               for _, err in ends]
     assert [p.returncode for p in procs] == [2, 2], [err[-3000:] for _, err in ends]
     assert errors[1] == [f'foundrymix train: error: {damaged}']
-    assert errors[0] == ['foundrymix train: error: rank 1 could not read its rows of this batch, so '
-                         f'every rank stops here: CorruptLocalShardError: {damaged}']
+    assert errors[0] == [f'foundrymix train: error: rank 1 {doing}, so every rank stops here: {kind}: {damaged}']
 
 
 @pytest.mark.slow  # two train.py ranks on gloo, started as the launcher starts them
@@ -355,3 +355,20 @@ def test_a_damaged_eval_shard_one_rank_reads_stops_both_ranks_each_naming_it(dat
         global_train_batch_size=4, max_duration='2ba', eval_interval='1ba', device_eval_batch_size=g // 2,
         eval_loader={'streams': {'arxiv': {'local': str(arxiv)}}, 'shuffle': False, 'num_workers': 1},
         save_folder=str(tmp_path / 'ckpt')), tmp_path, damaged)
+
+
+@pytest.mark.slow  # two train.py ranks on gloo, started as the launcher starts them
+def test_an_eval_stream_missing_on_one_rank_stops_both_ranks_at_start_each_naming_it(data, tmp_path):
+    """The start is agreed: rank 1 alone lacks its ``eval_loader`` stream (the path names the rank,
+    as a node's own disk would), so it fails building the evaluator before any collective. Both
+    ranks end with one line; without the agreement rank 0 waited in the trainer's process-group
+    start for its timeout."""
+    copy_stream(Path(data['arxiv']), tmp_path / 'eval0')
+    missing = tmp_path / 'eval1'
+    said = (f"eval_loader.streams.arxiv: no foundrymix manifest {missing / 'foundrymix.json'} (is "
+            f"'{missing}' a directory made by `foundrymix convert`?)")
+    both_ranks_name_it(tiny_run_config(
+        {'streams': {'arxiv': {'local': data['arxiv']}}, 'num_workers': 0}, run_name='start-together',
+        global_train_batch_size=4, max_duration='2ba', eval_interval='1ba',
+        eval_loader={'streams': {'arxiv': {'local': str(tmp_path / 'eval') + '${oc.env:RANK}'}}},
+        save_folder=str(tmp_path / 'ckpt')), tmp_path, said, doing='could not start', kind='ConfigError')
