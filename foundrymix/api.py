@@ -1,17 +1,8 @@
 """The run's loader for any training loop: :func:`build_loader`.
 
-A training loop that is not Composer's -- a plain PyTorch loop, Lightning Fabric, a
-trainer of its own -- gets the same loader the Composer trainer is given (a
-:class:`~foundrymix.loader.run_loader.StagedDataLoader`, built from the same plan), so
-stages, exact mixtures, pass-complete repetition and resume behave identically. The config
-is read as ``foundrymix plan`` reads it: a data-only YAML (``train_loader``,
-``global_train_batch_size``, ``max_duration`` or ``train_loader.stages``) or a whole
-training YAML, whose other keys are checked and not used. Imports no composer.
-
-The loader speaks the protocol of torchdata's ``StatefulDataLoader`` and torchtitan's
-``BaseDataLoader``: ``state_dict()`` is the position (one global batch index plus the
-fingerprints of the trained stages), ``load_state_dict()`` resumes there -- on any number of
-ranks that splits the same global batch.
+A loop that is not Composer's gets the loader the Composer trainer is given, built from the
+same plan, so stages, exact mixtures, repetition and resume behave identically. Imports no
+composer. How to use it: docs/any-trainer.md.
 """
 
 from __future__ import annotations
@@ -35,11 +26,7 @@ def build_loader(config: ConfigSource, *, rank: Optional[int] = None,
     launcher's ``RANK`` / ``WORLD_SIZE``, else 0 of 1).
 
     Iterating it yields this rank's ``global_train_batch_size / world_size`` rows of every
-    global batch from its position to the end of the run (dicts of ``int64`` tensors:
-    ``input_ids``, ``labels``, ``attention_mask``, ``sequence_id``, ``position_ids``,
-    ``stream_id``, ``sample_id``; ``stage_id`` with stages). ``loader.plan`` is the run's
-    plan, ``loader.samples_per_stream()`` the rows each stream trained before the position.
-    ``overrides`` (``key=value``) and ``max_duration`` apply to a YAML as on the command line.
+    global batch from its position to the end of the run; ``state_dict()`` is that position.
     A config the trainer or ``foundrymix plan`` would refuse is refused here with the same
     one-line :class:`~foundrymix.config.ConfigError`.
     """

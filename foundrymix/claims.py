@@ -1,9 +1,7 @@
 """Claims on the paths live runs use, so that concurrent runs cannot destroy each other's files.
 
-Why: two ``train.py`` runs into one ``save_folder`` both exited 0 and every checkpoint left
-was the second run's; ``convert --overwrite`` of a dataset a live run was reading succeeded,
-and the run trained 16 more batches of mixed old/new rows before dying with ``corrupt
-row``. So a live run claims what it uses, and whoever would destroy it is refused:
+A live run claims what it uses, and whoever would destroy it is refused (a second run into
+one ``save_folder``, ``convert --overwrite`` of a dataset a live run reads):
 
 * ``EXCLUSIVE``: one run (all processes of one job) -- a training run's ``save_folder``, a
   conversion's output directory, a cache directory the user named.
@@ -142,10 +140,9 @@ def guard(path: str, suffix: str = '.guard') -> Iterator[None]:
     """Hold ``path``'s guard lock (``suffix`` ``.group``: a caller's lock over several claims).
 
     The lock file is removed on the way out when no claim file of ``path`` is left, so the
-    claims directory holds only live claims (it held 45,000 files after a few test runs, and
-    every ``glob`` in it lists the whole directory). Removing a lock file others may wait on
-    is safe because a locker checks, once it holds the lock, that the file it locked is
-    still the one at the path, and starts again if not.
+    claims directory holds only live claims (every ``glob`` in it lists the whole directory).
+    Removing a lock file others may wait on is safe because a locker checks, once it holds
+    the lock, that the file it locked is still the one at the path, and starts again if not.
     """
     root = claims_dir()
     os.makedirs(root, exist_ok=True)

@@ -67,9 +67,8 @@ def run_command(args: Any) -> int:
             raise  # another pipe (a worker's): a bug to report
         return 141  # the reader of our output left (`| head`): exit as a shell's SIGPIPE does
     except (FoundrymixError, FileNotFoundError, FileExistsError, PermissionError) as e:
-        # User-facing errors carry file/line/field in their message; no traceback. (An OS
-        # error about a file names it.) Any other exception -- a ValueError included -- is a
-        # bug, and keeps its traceback.
+        # An OS error about a file names it. Any other exception -- a ValueError included --
+        # is a bug, and keeps its traceback.
         for line in getattr(e, 'lines', None) or [str(e)]:
             print(f'foundrymix {args.command}: error: {line}', file=sys.stderr)
         return 2

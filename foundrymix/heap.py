@@ -1,13 +1,8 @@
 """Python's cyclic garbage collector, paused over start-up work that allocates much and frees little.
 
-Why: a collection of the oldest generation walks every tracked object in the process, and
-the trainer has hundreds of thousands before it reads its config (torch, transformers,
-Composer). Reading a run allocates as many more that all stay alive (the YAML's dicts and
-lists, the typed config, the plan and its catalogs, the loader's and streaming's per-stream
-objects), so the collector's thresholds are crossed again and again and each pass walks the
-whole heap to free nothing (figures: docs/measured.md). CPython 3.12 and 3.13 collect by the
-same generational thresholds; 3.14's incremental collector does less per pass, and pausing
-it is as correct.
+Why: reading a run allocates hundreds of thousands of objects that all stay alive, so the
+collector's thresholds are crossed again and again and each pass of the oldest generation
+walks the whole heap to free nothing (figures: docs/measured.md).
 
 Pausing changes only *when* cycles are freed, never whether: every object is still freed
 by reference counting when it is dropped, and cycles made while paused are collected by

@@ -29,7 +29,7 @@ DEMO_TOKENIZER = 'foundrymix-bpe-8k'
 
 #: files of which a Hugging Face tokenizer directory holds at least one (or a ``*.model``);
 #: a directory with none of them (an empty one, a model without its tokenizer) is refused
-#: by name instead of with transformers' message, which ran to hundreds of model types
+#: by name instead of with transformers' message, which lists hundreds of model types
 TOKENIZER_FILES = frozenset({'tokenizer.json', 'tokenizer_config.json', 'config.json', 'vocab.json',
                              'vocab.txt'})
 
@@ -149,15 +149,14 @@ def describe_tokenizer(name_or_path: str, memo_dir: Optional[str] = None) -> Tok
     where the ``tokenizers`` library alone gives the same (:func:`_plain_fast_info`).
 
     Why: a conversion that never tokenizes (``foundrymix adopt`` of token shards) needs
-    only the ids and the fingerprint, and importing transformers costs seconds where
-    ``tokenizers.Tokenizer.from_str`` costs a fraction of one.
+    only the ids and the fingerprint, and importing transformers is far slower than
+    ``tokenizers.Tokenizer.from_str``.
 
     ``memo_dir``: where a plain tokenizer directory's result is kept, keyed by its three
     files' size, ``mtime_ns``, ``ctime_ns``, inode and device (any write changes ``ctime``)
-    and the ``tokenizers`` version, so a trainer's next start reads 200 bytes instead of
-    parsing ``tokenizer.json``. Read only from a directory and file of this user that no
-    one else may write.
-    Without ``memo_dir`` the result is kept for the process (by name, as before).
+    and the ``tokenizers`` version, so a trainer's next start need not parse
+    ``tokenizer.json``. Read only from a directory and file of this user that no one else
+    may write. Without ``memo_dir`` the result is kept for the process, by name.
     """
     if memo_dir is None:
         return _describe(name_or_path)

@@ -3,22 +3,15 @@
 Why strict: a misspelt key (``repaet: 2``) silently dropped means a run trains on the
 wrong mixture for days, and a value of the wrong type that slips through fails hours
 later inside a library. So every config section of foundrymix is a dataclass, and
-:func:`read_dataclass` turns a plain mapping into it, checking *every* annotation it
-meets -- ``int``, ``float``, ``bool``, ``str``, ``Optional``/unions, ``Literal``
-choices, ``list``, ``tuple``, ``dict`` and nested dataclasses -- from
-``typing.get_type_hints`` (real types, not annotation text), and naming the full key
-path (``train_loader.streams.arxiv.repeat``) in every error. It goes on past a bad key and
-reports every problem of a config at once (:class:`ConfigErrors`, one line each), with the
-nearest valid key or LLM-Foundry's rename (:data:`FOUNDRY_RENAMES`), each blamed on the
-``key=value`` override that caused it, if one did (:func:`blame`).
+:func:`read_dataclass` checks *every* annotation it meets (from ``typing.get_type_hints``:
+real types, not annotation text), naming the full key path in every error and reporting
+every problem of a config at once (docs/train.md).
 
-omegaconf does what it is good at: YAML, ``${variables.x}`` interpolation and
-``key=value`` overrides (:func:`load_yaml`). This module imports neither torch nor
-composer, so reading a config (``foundrymix plan``) stays fast.
-
-The package: :mod:`~foundrymix.config.errors` (``ConfigError``, key checks),
-:mod:`~foundrymix.config.loading` (YAML, overrides) and :mod:`~foundrymix.config.reader`
-(the typed reader); every public name is also importable from ``foundrymix.config``.
+omegaconf does YAML, ``${variables.x}`` interpolation and ``key=value`` overrides
+(:func:`load_yaml`). This package imports neither torch nor composer, so reading a config
+(``foundrymix plan``) stays fast. Every public name of :mod:`~foundrymix.config.errors`,
+:mod:`~foundrymix.config.loading` and :mod:`~foundrymix.config.reader` is importable from
+``foundrymix.config``.
 """
 
 from __future__ import annotations

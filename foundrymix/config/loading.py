@@ -101,9 +101,8 @@ def load_yaml_overrides(path: str, overrides: Sequence[str] = ()) -> tuple[dict[
     A scalar value sets that one key. A mapping or list value (``train_loader.streams={a:
     {local: /d}}``) *replaces* the YAML's value at that key: whoever types a whole mapping
     means that mapping; merging it into the YAML's (omegaconf's ``update(merge=True)``) would
-    keep every stream the YAML had besides, silently. Hydra's
-    ``+key=value`` (add a key) is accepted as the plain ``key=value``: the typed reader
-    decides whether the key exists.
+    keep every stream the YAML had besides, silently. Hydra's ``+key=value`` (add a key) is
+    accepted as the plain ``key=value``: the typed reader decides whether the key exists.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException

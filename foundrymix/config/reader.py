@@ -276,10 +276,10 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
 
     Unknown keys (except ``allow_extra``) and missing required fields are errors naming
     ``where``; every one of them, and every bad field, is reported at once
-    (:class:`ConfigErrors`). A field with ``metadata=FROM_KEY`` takes ``key`` (the mapping key of the
-    section, e.g. a stream's name) instead of a value from ``data``. After building,
-    ``cls.check(self, where)`` runs if defined: checks that need several fields; before
-    anything is read, ``cls.refuse_given(data, where)`` if defined: keys refused as given.
+    (:class:`ConfigErrors`). A field with ``metadata=FROM_KEY`` takes ``key`` (the mapping
+    key of the section, e.g. a stream's name) instead of a value from ``data``. After
+    building, ``cls.check(self, where)`` runs if defined: checks that need several fields;
+    before anything is read, ``cls.refuse_given(data, where)`` if defined: keys refused as given.
     """
     data = to_plain(data, where)
     refuse = getattr(cls, 'refuse_given', None)

@@ -1,16 +1,11 @@
 """LLM-Foundry token shards read in place: their ``tokens`` rows as foundrymix rows, no copy.
 
-LLM-Foundry's ``convert_dataset_hf``/``convert_dataset_json`` write MDS with one column,
-``tokens`` (``ndarray:<int dtype>``, or ``bytes`` of ``int64`` in older versions): rows of
-exactly ``concat_tokens`` tokens, documents back to back with an EOS after each (or a BOS
-before each). A stream whose ``index.json`` has that one column and no ``foundrymix.json``
-is used as it is: its row length is read from shard 0's offset table and every other
-shard's size is checked against it from ``index.json`` alone (rows of one length, or the
-stream is refused naming the shard), so rows x length is the exact token count the plan
-prints. Each row becomes ``input_ids`` (the tokens), one loss span over the whole row and
-``doc_lens`` cut by the document rule :func:`document_rule` finds in shard 0 -- what
-``foundrymix adopt`` would write for the same rows, computed as rows are read.
-Nothing is written into the user's directory.
+A stream whose ``index.json`` has that one column and no ``foundrymix.json`` is used as it
+is: its row length is read from shard 0 and every other shard's size is checked against it
+from ``index.json`` alone (rows of one length, or the stream is refused naming the shard),
+so rows x length is the exact token count the plan prints. Each row becomes what
+``foundrymix adopt`` would write for it, computed as rows are read; nothing is written into
+the user's directory (docs/convert.md).
 """
 
 from __future__ import annotations
@@ -128,7 +123,7 @@ def foundry_row(value: Any, dtype: str, rule: str, separator: Optional[int], len
                 token_dtype: Optional[str] = None) -> dict[str, np.ndarray]:
     """A stored ``tokens`` row as a foundrymix row (``input_ids``, ``loss_spans``, ``doc_lens``),
     its tokens as ``token_dtype`` (the narrowest for the vocabulary, as a converted row's: a
-    batch crosses from a DataLoader worker as its rows, and int32 tokens doubled its bytes)."""
+    batch crosses from a DataLoader worker as its rows, so wider tokens cost bytes)."""
     tokens = np.frombuffer(value, dtype=dtype) if isinstance(value, (bytes, bytearray)) else np.asarray(value)
     if tokens.size != length:
         raise ValueError(f'a row of {tokens.size} tokens, the stream\'s rows have {length}')

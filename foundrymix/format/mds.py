@@ -1,10 +1,8 @@
 """Write uncompressed MDS shards of foundrymix rows without importing ``streaming``.
 
-Why: ``import streaming`` pulls in torch and torchvision, about 1.6 s of one core. A
-conversion never needs torch, and on a 2-core machine that import took a core away
-from the tokenizer for the first seconds of every run (~20 % of a 20 MB conversion,
-~4 % of a 150 MB one). Rows of the foundrymix schema have three ``ndarray`` columns,
-so writing their MDS shards is a few lines of numpy.
+Why: ``import streaming`` pulls in torch and torchvision, which a conversion never needs
+and whose import takes CPU from the tokenizer. Rows of the foundrymix schema have three
+``ndarray`` columns, so writing their MDS shards is a few lines of numpy.
 
 The files are byte for byte those of ``streaming.MDSWriter`` (same shard layout and
 names, same ``index.json``, same size-limit rule, same hashes), checked against
@@ -148,8 +146,7 @@ class LeanMDSWriter:
         ``columns``: name -> a ``[rows, *shape]`` array for a fixed-shape column, or
         ``(values, counts)`` for a 1-D column (every row's values back to back, each row's
         count), as :meth:`foundrymix.format.schema.RowBatch.columns` gives. Why: per row,
-        :meth:`write` costs a dict, three encodes and a join, which made ``foundrymix
-        adopt`` of token shards far slower than reading them; here the small columns are
+        :meth:`write` costs a dict, three encodes and a join; here the small columns are
         encoded with numpy for the whole batch and the rows are joined in one call.
         """
         parts, sizes = self._encode_batch(columns)
@@ -174,9 +171,9 @@ class LeanMDSWriter:
         """``(every row's parts in order, each row's size)``: the parts of a row joined are
         what :meth:`encode_sample` gives; every row has the same number of parts.
 
-        Why parts, not one joined blob: joining a 64 MB batch into new memory, then the
-        shard again on flush, was ~60 % of adopting token shards (page faults on fresh
-        memory); the parts go to the file through one reused buffer (:meth:`_flush_shard`).
+        Why parts, not one joined blob: joining a batch into new memory, then the shard
+        again on flush, dominated adopting token shards (page faults on fresh memory); the
+        parts go to the file through one reused buffer (:meth:`_flush_shard`).
         """
         n = None
         segments: list[Any] = []  # per row in order: small parts (flat, lens) or big ones (rows 2-D)
@@ -280,14 +277,12 @@ def ndarray_rows(data: bytes | memoryview | Any, shard: dict[str, Any]) -> Optio
     ``ndarray:<dtype>[:<n>]`` and whose rows all have the same layout, without ``streaming``
     and without copying; else None. ``data``: the uncompressed shard (bytes, or a mmap).
 
-    Why: decoding row by row with streaming's reader ran at ~100 MB/s, and importing
-    streaming (torch) took seconds before any work. LLM-Foundry's token shards
-    (``tokens: ndarray:int32``) are windows of one length, so every row is the same
-    bytes before its values: with no shape in the encoding, a ``uint32`` size, one byte
-    ``ndim << 2 | log2(shape itemsize)``, the shape; with a shape, nothing. Those bytes are
-    checked equal in every row, then the values are one strided view (the caller's one
-    copy out of it also converts the dtype). Checked against streaming's own decoding in
-    ``tests/convert/test_adopt.py``.
+    Why: decoding row by row with streaming's reader is slow, and importing streaming
+    imports torch. LLM-Foundry's token shards (``tokens: ndarray:int32``) are windows of
+    one length, so every row is the same bytes before its values: with no shape in the
+    encoding, a ``uint32`` size, one byte ``ndim << 2 | log2(shape itemsize)``, the shape;
+    with a shape, nothing. Those bytes are checked equal in every row, then the values are
+    one strided view. Checked against streaming's own decoding in ``tests/convert/test_adopt.py``.
     """
     names, encodings = shard['column_names'], shard['column_encodings']
     parts = encodings[0].split(':') if len(names) == 1 else []

@@ -14,9 +14,9 @@ class CorruptRowError(FoundrymixError, ValueError):
 
     Raised where rows are read (``MixedDataset``, ``foundrymix inspect --decode``,
     ``foundrymix verify``) so that a damaged shard stops the run with the shard file and
-    row to look at, instead of an ``IndexError`` from the model's embedding. Attributes: ``stream`` (name, may be ``None``), ``shard`` (shard file
-    basename), ``row`` (row index within the shard), ``sample_id`` (global sample index,
-    ``None`` outside a dataset), ``problem`` (what is wrong), ``directory``.
+    row to look at, instead of an ``IndexError`` from the model's embedding. Attributes:
+    ``stream`` (may be ``None``), ``shard`` (file basename), ``row`` (index within the
+    shard), ``sample_id`` (``None`` outside a dataset), ``problem``, ``directory``.
 
     Constructible from its message alone, as torch's DataLoader re-raises a worker's
     exception in the main process as ``type(e)(text)``; the fields are then parsed back

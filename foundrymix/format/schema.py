@@ -214,9 +214,9 @@ def encode_row(input_ids: np.ndarray, loss_spans: list[tuple[int, int]] | np.nda
 class RowBatch:
     """Consecutive rows as whole arrays: what :func:`encode_row` gives for each, at once.
 
-    Why: handing rows one by one to the shard writer (a dict, a queue hand-off and an
-    encode per row) was ~60 % of ``foundrymix adopt`` of token shards, whose rows are
-    cut with numpy anyway (:meth:`foundrymix.convert.pretrain.RowCutter.feed_batch`).
+    Why: handing rows one by one to the shard writer costs a dict, a queue hand-off and an
+    encode per row, for rows that are cut with numpy anyway
+    (:meth:`foundrymix.convert.pretrain.RowCutter.feed_batch`).
     ``input_ids`` is ``[rows, max_seq_len]``; ``loss_spans``/``doc_lens`` are every row's
     values back to back with each row's count in ``*_counts``. Written in one go by
     :meth:`foundrymix.format.mds.LeanMDSWriter.write_batch`, byte for byte the rows'.
@@ -336,11 +336,9 @@ def decode_rows(input_ids: np.ndarray, loss_spans: Any, span_counts: Any, doc_le
     ``doc_lens`` are the rows' arrays concatenated, ``span_counts``/``doc_counts`` how many
     values of each belong to each row. ``out[k]`` holds key ``DECODED_KEYS[k]``.
 
-    It runs once per batch in the DataLoader workers (and once more where the batch is
-    unpickled), so it is written for speed: whole-batch copies and fills, then a slice
-    write per span and segment (rows hold few): faster, measured, than a fully vectorised
-    version (``bincount``/``cumsum`` marks for spans, ``repeat`` over document lengths and
-    masked scatters), whose whole-batch arithmetic costs more than a few dozen slice writes.
+    It runs once per batch in the DataLoader workers, so it is written for speed:
+    whole-batch fills, then a slice write per span and segment (rows hold few), which
+    measured faster than a fully vectorised version (marks, ``repeat``, masked scatters).
     """
     n = input_ids.shape[0]
     ids_out, labels, attention_mask, sequence_id, position_ids = out

@@ -46,8 +46,8 @@ def _streaming() -> SimpleNamespace:
 
 def load() -> None:
     """Import streaming's modules now. A loader calls it before its DataLoader workers fork:
-    they inherit the modules instead of each importing streaming again (seconds of CPU per
-    worker, at every epoch and stage, where the process has not imported transformers)."""
+    they inherit the modules instead of each importing streaming again, at every epoch and
+    stage."""
     _streaming()
 
 

@@ -1,30 +1,22 @@
 """Remote files: one bounded download, and an error that says what went wrong and what to check.
 
-Why this module: streaming's S3 downloader fails slowly and vaguely. It asks botocore for
-``read_timeout=download_timeout`` but leaves ``connect_timeout`` at 60 s and botocore's
-retries on (3 attempts), and ``download_file`` first sends a HEAD request, whose error
-responses have no body: an endpoint that accepts connections and never answers failed
-long after ``download_timeout``, and wrong credentials, a missing bucket and a
-missing key all read "403"/"404" ("not found"). Here:
+Why not streaming's S3 downloader: it leaves ``connect_timeout`` at 60 s and botocore's
+retries on, so an endpoint that accepts connections and never answers fails long after
+``download_timeout``; and ``download_file`` first sends a HEAD request, whose error
+responses have no body, so wrong credentials, a missing bucket and a missing key all read
+"403"/"404" ("not found"). Here:
 
 * :class:`BoundedS3Downloader` (foundrymix's own: streaming's ``Stream`` offers no public
   way to change its downloader) sends one ``GetObject`` per attempt, with botocore's
   retries off and ``connect_timeout = read_timeout = download_timeout``. It retries
-  transient failures itself (5xx/SlowDown/throttling, reset or refused connections, a
-  stalled read) with backoff, but never starts or waits on an attempt past a deadline
-  of ``download_timeout`` after the first one began. **Bound per file**: a download that
-  cannot succeed fails within ``download_timeout`` plus client set-up (well under a
-  second); a transfer that keeps receiving bytes is not cut (the timeout bounds each
-  stall, not a slow but moving shard). Retries are logged (``foundrymix.s3.remote``,
-  WARNING) with the URL, attempt and cause.
-* :class:`RemoteError` classifies a failure (``kind``: not_found, no_bucket, credentials,
-  access_denied, unreachable, timeout, transient, other) and its message names the URL,
-  the S3 error code (``NoSuchKey``, ``NoSuchBucket``, ``InvalidAccessKeyId``,
-  ``SignatureDoesNotMatch``, ``AccessDenied``, HTTP status), the endpoint, and what to check.
+  transient failures itself with backoff, but never starts or waits on an attempt past a
+  deadline of ``download_timeout`` after the first one began. **Bound per file**: a
+  download that cannot succeed fails within ``download_timeout`` plus client set-up; a
+  transfer that keeps receiving bytes is not cut (the timeout bounds each stall, not a
+  slow but moving shard). Retries are logged (WARNING) with the URL, attempt and cause.
+* :class:`RemoteError` classifies a failure; its message names the URL, the S3 error
+  code, the endpoint, and what to check.
 
-In training the loader (:mod:`foundrymix.loader.storage`) fetches each shard with
-:func:`download`, once more after a failure to name the shard and its error, so a shard
-that cannot be fetched stops training within about ``2 * download_timeout`` plus backoffs.
 Remotes are ``s3://`` URLs or local paths (a mounted file system): a remote path is copied.
 """
 

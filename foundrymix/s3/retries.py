@@ -1,11 +1,10 @@
 """Count the S3 requests and retries that really happened, for one line in the training log.
 
-Why: a cloud job that survives 503 ``SlowDown`` replies, connection resets and timeouts does
-so silently -- botocore retries inside the clients foundrymix and Composer create (adaptive
-mode: 3 attempts per request). Without a count, a job that spends half its time retrying
-looks like a slow job. The clients are created in many places (per downloader, per thread and
-per DataLoader worker, inside Composer's uploader), so no handler can be registered on them;
-what every one of them does is log at DEBUG level through fixed loggers:
+Why: botocore retries 503 ``SlowDown`` replies, connection resets and timeouts silently, so
+a job that spends much of its time retrying looks like a slow job. The clients are created
+in many places (per downloader, per thread and per DataLoader worker, inside Composer's
+uploader), so no handler can be registered on them; what every one of them does is log at
+DEBUG level through fixed loggers:
 
 * ``botocore.endpoint``: ``Making request for ...`` once per API call, ``Sending http
   request`` once per attempt;
@@ -13,16 +12,14 @@ what every one of them does is log at DEBUG level through fixed loggers:
   request after delay ...`` and ``botocore.retryhandler`` (legacy mode) ``Retry needed,
   action of ...``: one per retry; the reason (HTTP status and S3 error code, or the
   exception) is read from botocore's ``Endpoint._needs_retry`` frame that emitted it;
-* ``foundrymix.s3.remote``: the bounded S3 downloader foundrymix gives every ``s3://`` stream
-  retries by itself within ``download_timeout`` (botocore's retries are off there) and tags
-  each retry record with its reason (``s3_retry``).
+* ``foundrymix.s3.remote``: the bounded S3 downloader retries by itself (botocore's retries
+  are off there) and tags each retry record with its reason (``s3_retry``).
 
-:func:`install` puts a counting *filter* on those loggers (and lowers them to DEBUG): the
-filter counts, then drops the DEBUG records the user's logging setup would not have shown,
-so nothing new is printed. The counts live in shared memory (a ``RawArray``), so DataLoader
-worker processes forked after :func:`install` add to the same counters, and so do the
-trainer's checkpoint upload threads; processes that are *spawned* (Composer's own uploader,
-which sharded checkpoints keep) are not counted.
+:func:`install` puts a counting *filter* on those loggers (and lowers them to DEBUG) that
+drops the DEBUG records the user's logging setup would not have shown, so nothing new is
+printed. The counts live in shared memory (a ``RawArray``), so DataLoader workers forked
+after :func:`install` and the checkpoint upload threads add to the same counters;
+*spawned* processes (Composer's own uploader, which sharded checkpoints keep) are not counted.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """``foundrymix compare RUN_A RUN_B``: is a resumed run the straight run? Part by part.
 
-Why: resuming exactly is foundrymix's promise, and this checks it on what a run leaves:
-
-* the sample log (the ``sample_log`` callback's JSONL: each global batch's sample, stream
-  and stage ids in rank order, and a digest of its tokens) -- the first batch whose rows
-  differ *as a set* (a global batch is one step on a set of rows: two logs listing its rows
-  in other orders describe the same training), with a row only A has and one only B has;
-  else the first batch whose tokens differ under the same ids (the data itself differed:
-  a shard changed or damaged);
-* the per-stream counts (``stream_accounting.json``: samples, tokens, loss tokens per
-  stream) -- the first stream and count that differ;
-* the final weights (the last checkpoint in the run: Composer's ``latest-rank0.pt``, else
-  the ``ep*-ba*-rank0.pt`` with the most batches; or ``--checkpoint-a/-b``) -- the first
-  tensor that differs and its largest absolute difference.
-
-A RUN is a directory holding those files (found by name below it: the one ``*.jsonl``
-whose lines are sample-log lines, the one ``stream_accounting.json``, the checkpoint).
-Prints ``equal`` or the first difference per part; exit 0 if every part is equal, 1 if
-one differs, 2 on bad input (a missing directory or file, named). Reads only.
+Why: resuming exactly is foundrymix's promise, and this checks it on what a run leaves
+(docs/resume.md): the sample log, where a global batch is compared as a set of rows (one
+step on a set of rows: two logs listing its rows in other orders describe the same
+training), then by its tokens digest; the per-stream counts; the final weights. Prints
+``equal`` or the first difference per part; exit 0 if every part is equal, 1 if one
+differs, 2 on bad input (a missing directory or file, named). Reads only.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """``foundrymix inspect DIR``: the manifest as a table (or JSON), and rows decoded as text.
 
 ``--decode K`` prints the first K rows, segment by segment (documents or packed
-examples), with the tokens that carry no loss (labels ``-100``) between ``⟦`` and ``⟧``,
-so a finetune row shows its prompts bracketed and its responses bare. Rows are read
-with the loader's checks (shard sizes against ``index.json``, token ids below the
-vocabulary, spans and lengths inside the row): a damaged row stops with its shard file
-and row named (``foundrymix verify`` checks every row).
+examples), with the tokens that carry no loss (labels ``-100``) between ``⟦`` and ``⟧``.
+Rows are read with the loader's checks: a damaged row stops with its shard file and row
+named (``foundrymix verify`` checks every row).
 
-A remote directory (``s3://bucket/prefix``, or any remote streaming reads) is read
-without a dataset cache: only ``foundrymix.json`` is downloaded, into a temporary
-directory removed afterwards; ``--decode K`` adds ``index.json`` and the shards that hold
-the first K rows. Each download is bounded by ``--timeout`` (see :mod:`foundrymix.s3.remote`),
-and a remote that cannot be read fails with its URL, S3 error code and what to check.
+A remote directory (``s3://bucket/prefix``) is read without a dataset cache: only
+``foundrymix.json`` (with ``--decode K``, also ``index.json`` and the shards that hold the
+first K rows) is downloaded, each file within ``--timeout``, into a temporary directory
+removed afterwards.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ from foundrymix.tools.migrate_keys import DATASET_KEYS, cpu_overrides, kept, mod
 
 #: top-level keys renamed one to one
 TOP_RENAMES = {'fsdp_config': 'fsdp', 'console_log_interval': 'log_interval', 'global_seed': 'seed'}
-#: LLM-Foundry ``model.name`` -> ``model.type`` (None: the name goes, pretrained_model_name_or_path stays)
 #: what a rename's line adds: where the meaning differs
 _RENAME_NOTES = {'fsdp_config': " (FSDP runs on GPUs here: a CPU run is refused until fsdp is left out; "
                                 "LLM-Foundry dropped it with a warning on one rank)"}
+#: LLM-Foundry ``model.name`` -> ``model.type`` (None: the name goes, pretrained_model_name_or_path stays)
 MODEL_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': None}
 INTERVALS = ('eval_interval', 'save_interval', 'log_interval')
 _REF = re.compile(r'\$\{([A-Za-z_]\w*)\}')

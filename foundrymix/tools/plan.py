@@ -2,12 +2,8 @@
 
 The YAML is read exactly as ``train`` reads it (:func:`~foundrymix.train.config.load_config`,
 the whole :class:`~foundrymix.train.config.TrainConfig`, and the batch split over
-``--world-size`` ranks): a config ``train`` would refuse -- a misspelt optimizer key,
-``seed: 17.5``, a microbatch that does not divide the per-rank batch -- is refused here
-with the same message, before anything is printed. That is why this command lives in
-``train/`` and not in ``mix/``: ``mix/`` (the loader library) does not import ``train/``.
-``key=value`` overrides use omegaconf dotlist syntax, as the trainer does
-(``train_loader.shuffle_seed=3``).
+``--world-size`` ranks), so a config ``train`` would refuse is refused here with the same
+message, before anything is printed.
 """
 
 from __future__ import annotations
@@ -56,7 +52,7 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
                              Topology(nodes=nodes, ranks_per_node=world_size // nodes),
                              rank_count_limit=None if rank_counts else RANK_COUNT_LIMIT)
     check_start(cfg, run)  # what Composer would refuse at start, as train refuses it
-    for catalog in catalogs:  # as train refuses them (issues 21, 26)
+    for catalog in catalogs:  # as train refuses them
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
     if cfg.eval_loader is not None:  # its streams, as train reads them
         check_eval_streams(cfg, catalogs[0].max_seq_len, catalogs[0].tokenizer)

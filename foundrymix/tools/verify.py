@@ -13,10 +13,8 @@ Checks, for a local directory or a remote one (``s3://bucket/prefix``):
 
 Prints one line per shard and a verdict; exit code 0 iff intact, 1 if anything is
 damaged, 2 for usage errors (no such directory, not a foundrymix directory, a remote
-that cannot be read: its error names the URL, the S3 error code -- ``NoSuchBucket``,
-``InvalidAccessKeyId``, ``SignatureDoesNotMatch``, ``AccessDenied`` -- and what to
-check). A remote directory is fetched one file at a time through
-:func:`foundrymix.s3.remote.download` (each file within ``--timeout`` s) into a temporary
+that cannot be read, named by :class:`foundrymix.s3.remote.RemoteError`). A remote
+directory is fetched one file at a time (each within ``--timeout`` s) into a temporary
 directory, removed afterwards. The checks themselves live in :mod:`foundrymix.format.shards`.
 """
 
