@@ -46,7 +46,6 @@ def apply_resume_lr(state: Any, scheduler: WSDScheduler) -> None:
     for compiled in state.schedulers:
         for group, base in zip(compiled.optimizer.param_groups, compiled.base_lrs):
             group['lr'] = base * scheduler.schedule.multiplier(batch)
-        compiled._last_lr = [g['lr'] for g in compiled.optimizer.param_groups]
 
 
 def build_scheduler(cfg: Any, run: Any, t_warmup: Optional[str] = None) -> Any:
