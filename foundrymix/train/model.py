@@ -66,8 +66,7 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
                 dtype=torch.float32, output_loading_info=True)
             model.foundrymix_loading = loading_line(model, spec.pretrained, info['missing_keys'])
         else:
-            config._attn_implementation = attn
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     except (ValueError, ImportError) as e:  # not a causal LM, flash-attn missing, ...
         raise ModelConfigError(f'model: {spec.model_type!r}: {e}') from None
     except Exception as e:  # noqa: BLE001 -- only safetensors' own error is turned into a message

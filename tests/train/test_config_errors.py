@@ -174,9 +174,8 @@ def test_the_refusal_agrees_with_the_models(model_type, kwargs):
     from foundrymix.train.model_spec import ModelSpec, reads_position_ids
     spec = ModelSpec.from_dict({'type': model_type, 'attention': 'causal', **kwargs})
     config = AutoConfig.for_model(model_type, vocab_size=100, **kwargs)
-    config._attn_implementation = spec.attn_implementation or 'sdpa'  # as build_hf_model does
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    torch.manual_seed(0)  # the attention implementation as build_hf_model gives it
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn_implementation or 'sdpa').eval()
     ids = torch.randint(0, 100, (1, 16))
     documents = torch.cat([torch.arange(8), torch.arange(8)])[None]  # two packed documents
     with torch.no_grad():
