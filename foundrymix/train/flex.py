@@ -69,7 +69,7 @@ def trains_on_cpu() -> bool:
 @functools.lru_cache(maxsize=1)
 def register() -> str:
     """Register :func:`flex_forward` and transformers' own FlexAttention mask builder under
-    :data:`REGISTERED`; returns the name to give as a config's ``_attn_implementation``."""
+    :data:`REGISTERED`; returns the name to give as ``attn_implementation``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
 
