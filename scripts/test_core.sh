@@ -12,7 +12,7 @@ if [ ! -x $VENV/bin/python ]; then
   "$PY" -m venv $VENV
   $VENV/bin/pip install -q --upgrade pip
 fi
-if ! $VENV/bin/python -c "import foundrymix, streaming, moto, mistral_common, lightning_fabric, peft" 2>/dev/null \
+if ! $VENV/bin/python -c "import foundrymix, streaming, moto, mistral_common, lightning_fabric, peft, xdist" 2>/dev/null \
    || [ pyproject.toml -nt $VENV/.foundrymix-installed ]; then
   # eager: a kept venv moves to the newest releases too (CI starts from none)
   $VENV/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[test-core,examples,peft]"
@@ -66,7 +66,9 @@ CORE_TESTS=(
 if [ -d tests/examples ]; then CORE_TESTS+=(tests/examples); fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# two processes where there are two cores, as scripts/test.sh (`-n 0` after it: this process)
+XDIST=(-n auto --maxprocesses 2 --dist loadfile)
 if [ $# -gt 0 ]; then
-  exec $VENV/bin/python -m pytest "$@"
+  exec $VENV/bin/python -m pytest "${XDIST[@]}" "$@"
 fi
-exec $VENV/bin/python -m pytest "${CORE_TESTS[@]}"
+exec $VENV/bin/python -m pytest "${XDIST[@]}" "${CORE_TESTS[@]}"
