@@ -58,6 +58,9 @@ def parse_s3_url(url: str, flag: str = '--out') -> S3Url:
     """Split ``s3://bucket/prefix``; other schemes are refused (only S3 uploads are supported)."""
     scheme, sep, rest = url.partition('://')
     if not sep or scheme.lower() != 's3':
+        if flag != '--out':  # a source (adopt): read from a local copy instead
+            raise RemoteOutputError(f'{flag} {url}: only s3://bucket/prefix is supported as a remote source '
+                                    f'(for another store, copy it to a local directory first)')
         raise RemoteOutputError(f'--out {url}: only s3://bucket/prefix is supported as a remote output '
                                 f'(for another store, convert to a local directory and copy it)')
     bucket, _, prefix = rest.partition('/')

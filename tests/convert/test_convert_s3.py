@@ -308,3 +308,15 @@ def test_bad_remote_fails_before_any_work(corpus, monkeypatch, caplog, out, endp
             and str(r.msg).startswith('Sending http request')]
     assert len(sent) == {'dead': 3, None: 1 if out.startswith('s3://') else 0}[endpoint]
     assert 'ray' not in sys.modules or not sys.modules['ray'].is_initialized()
+
+
+@pytest.mark.parametrize('flag, wording', [
+    ('--out', 'supported as a remote output (for another store, convert to a local directory and copy it)'),
+    ('adopt', 'supported as a remote source (for another store, copy it to a local directory first)'),
+])
+def test_a_non_s3_url_is_refused_as_what_it_is(flag, wording):
+    """An output is converted elsewhere and copied; a source is copied first: each is told its own fix."""
+    from foundrymix.convert.upload import parse_s3_url
+    with pytest.raises(RemoteOutputError) as e:
+        parse_s3_url('gs://bucket/x', flag)
+    assert str(e.value) == f'{flag} gs://bucket/x: only s3://bucket/prefix is {wording}'
