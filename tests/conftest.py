@@ -12,6 +12,12 @@ import pytest
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
+# torch on one thread in the tests and every process they start (train.py, the launchers' ranks, the
+# examples): the suite runs in 2 processes on 2 cores, and each tiny-model process's default thread
+# per core spins against the other test process (2 threads on 2 busy cores made the tiny model's
+# steps ~16x slower, measured; see test_accounting's one_thread). Every comparison the tests make is
+# between runs under this same setting. Set before torch is imported; an explicit value is kept.
+os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 # Still importable from here for the test modules not yet switched to ``from helpers import``.
 from helpers import DEMO_TOKENIZER, ROOT, SAMPLES, SMALL_SEQ, spm_tokenizer_path, tiny_run_config  # noqa: F401

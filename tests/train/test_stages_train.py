@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,10 +117,25 @@ def test_three_stages_follow_the_plan_exactly(straight):
     assert (position['batch'], position['stage_name'], position['batch_in_stage']) == (36, 'finetune', 26)
 
 
+@pytest.fixture(scope='module')
+def stopped_at_8(tmp_path_factory, data) -> dict:
+    """The run stopped at batch 8 (inside stage mix) with its checkpoint there, made once for
+    the two tests that start from it: ``test_resume_is_exact[inside-stage]`` (on a copy of its
+    folder) and ``test_editing_a_trained_stage_refuses_to_resume`` (its checkpoint, read only)."""
+    d = tmp_path_factory.mktemp('stages-stopped-8')
+    train(write_config(d, data, save_interval='8ba'), 'callbacks.stop_at.time=8ba')
+    return {'dir': d, 'ckpt': os.path.realpath(d / 'ckpt' / 'latest-rank0.pt')}
+
+
 @pytest.mark.parametrize('stop', [8, 6, 23], ids=['inside-stage', 'stage-boundary', 'epoch-boundary-in-stage'])
-def test_resume_is_exact(tmp_path, data, straight, stop):
+def test_resume_is_exact(tmp_path, data, straight, stop, request):
+    if stop == 8:  # the module's run stopped at 8: its folder as that run left it (checkpoints,
+        # latest symlink, sample log, report), copied here; the resume below then runs as for 6, 23
+        shutil.copytree(request.getfixturevalue('stopped_at_8')['dir'], tmp_path, symlinks=True,
+                        dirs_exist_ok=True)
     cfg = write_config(tmp_path, data, save_interval=f'{stop}ba')
-    train(cfg, f'callbacks.stop_at.time={stop}ba')
+    if stop != 8:
+        train(cfg, f'callbacks.stop_at.time={stop}ba')
     stopped = final_state(tmp_path / 'ckpt')
     assert stopped['timestamp']['Timestamp']['batch'] == stop
     assert stopped['dataset_state']['train']['batch'] == stop
@@ -150,10 +166,9 @@ def test_sigkill_then_autoresume_is_exact(tmp_path, data, straight):
     assert_same_weights(final_state(tmp_path / 'ckpt'), straight['state'])
 
 
-def test_editing_a_trained_stage_refuses_to_resume(tmp_path, data):
+def test_editing_a_trained_stage_refuses_to_resume(tmp_path, data, stopped_at_8):
     cfg = write_config(tmp_path, data, save_interval='8ba')
-    train(cfg, 'callbacks.stop_at.time=8ba')
-    ckpt = os.path.realpath(tmp_path / 'ckpt' / 'latest-rank0.pt')
+    ckpt = stopped_at_8['ckpt']  # the run stopped at batch 8 (8ba saves), as this config trains it
     proc = train(cfg, f'load_path={ckpt}', 'train_loader.stages.0.streams.dolly.repeat=2',
                  check=False)
     assert proc.returncode == 2
