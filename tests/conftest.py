@@ -85,3 +85,11 @@ def process_group_ends():
     import torch.distributed as torch_dist
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(items):
+    """The files with slow tests first (a stable sort: each file's tests stay together, in order).
+    Under ``--dist loadfile`` the two test processes then end on short files together, instead
+    of one waiting while the other runs a long training file that came last."""
+    slow = {item.path for item in items if item.get_closest_marker('slow')}
+    items.sort(key=lambda item: item.path not in slow)
