@@ -11,7 +11,6 @@ memo, sealed with a digest: ``tests/train/test_start_records.py``.)
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
 from pathlib import Path
@@ -38,7 +37,6 @@ def rows(directory: Path) -> list[bytes]:
         return [bytes(store[i]['input_ids'].tobytes()) for i in range(len(store))]
     finally:
         store.release()
-        gc.collect()
 
 
 def test_a_damaged_hash_record_never_passes_a_damaged_shard(tmp_path, cache, small_streams):
