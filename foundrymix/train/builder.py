@@ -260,8 +260,6 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
         dist.initialize_dist(_device(cfg))
     held = claims.ClaimSet()
     try:
-        with _start_together():
-            held = claim_run(cfg)
         return _build(cfg, device_batch, micro, held)
     except BaseException:
         held.release()
@@ -287,6 +285,7 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     retry_counter = s3_retries.install()  # before the first metadata fetch
     retries_before = retry_counter.snapshot()
     with _start_together():  # nothing in it is collective: a rank that fails here stops them all
+        claim_run(cfg, held)
         data = _train_data(cfg, device_batch)
         scheduler = build_scheduler(cfg, data.run, data.t_warmup)  # wsd spans refused before the model
         reproducibility.seed_all(cfg.seed)

@@ -20,34 +20,29 @@ def _take(held: claims.ClaimSet, path: str, mode: str, message: Any) -> None:
         raise ConfigError(message(claims.describe(e.holders))) from None
 
 
-def claim_run(cfg: TrainConfig) -> claims.ClaimSet:
+def claim_run(cfg: TrainConfig, held: claims.ClaimSet) -> None:
     """Claim what this run must not share: ``save_folder`` exclusively, every local stream
     directory (of every stage, and of ``eval_loader``) as a reader.
 
     Why: two runs into one ``save_folder`` would both succeed with one run's checkpoints left,
     and a ``convert --overwrite`` of a directory a run reads would train a mix of old and new
     rows. Taken before anything is written, so a refused start changes nothing. An ``s3://``
-    save_folder is claimed by its URL, on this machine only.
+    save_folder is claimed by its URL, on this machine only. The claims go into ``held``, which
+    the caller releases (also when one is refused).
     """
-    held = claims.ClaimSet()
-    try:
-        if cfg.save_folder:
-            folder = format_name_with_dist(cfg.save_folder, cfg.run_name)  # as Composer names it
-            _take(held, folder, claims.EXCLUSIVE, lambda who: (
-                f'save_folder: {folder} is in use by another live run, {who}. Two runs saving into '
-                f"one folder overwrite each other's checkpoints: give this run its own save_folder, "
-                f'or wait for that run to end'))
-        for where, loader in (('train_loader', cfg.train_loader), ('eval_loader', cfg.eval_loader)):
-            for stage in loader.stage_configs(where) if loader is not None else []:
-                for name, spec in stage.streams.items():
-                    if spec.remote:
-                        continue
-                    for path in dict.fromkeys((stage.stream_local(name), stage.stream_dir(name))):
-                        _take(held, path, claims.SHARED, lambda who, where=where, name=name, path=path: (
-                            f'{where}.streams.{name}: {path} is held by another live run, {who} (a '
-                            f'conversion replacing it, or a run writing there); reading it now would '
-                            f'mix old and new rows. Wait for that run to end'))
-    except BaseException:
-        held.release()
-        raise
-    return held
+    if cfg.save_folder:
+        folder = format_name_with_dist(cfg.save_folder, cfg.run_name)  # as Composer names it
+        _take(held, folder, claims.EXCLUSIVE, lambda who: (
+            f'save_folder: {folder} is in use by another live run, {who}. Two runs saving into '
+            f"one folder overwrite each other's checkpoints: give this run its own save_folder, "
+            f'or wait for that run to end'))
+    for where, loader in (('train_loader', cfg.train_loader), ('eval_loader', cfg.eval_loader)):
+        for stage in loader.stage_configs(where) if loader is not None else []:
+            for name, spec in stage.streams.items():
+                if spec.remote:
+                    continue
+                for path in dict.fromkeys((stage.stream_local(name), stage.stream_dir(name))):
+                    _take(held, path, claims.SHARED, lambda who, where=where, name=name, path=path: (
+                        f'{where}.streams.{name}: {path} is held by another live run, {who} (a '
+                        f'conversion replacing it, or a run writing there); reading it now would '
+                        f'mix old and new rows. Wait for that run to end'))
