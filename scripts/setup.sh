@@ -2,14 +2,9 @@
 # Create .venv (if missing) and install foundrymix with its test extra (Composer included). Idempotent.
 # composer 0.32 pins torch <2.7.1, so pip takes torch 2.7.0 from PyPI (a few GB, ~3-4 min once).
 #
-# The streaming package: `pip install foundrymix` requires streaming-community 0.14 (the maintained
-# fork, import name `streaming`, numpy <3). This venv -- the Composer path and the whole suite --
-# stays on mosaicml-streaming 0.13, the release composer 0.32 shipped with and the one the Composer
-# path's tests and figures were made on. Both write the same `streaming/` package, so they must never
-# be installed together (uninstalling one deletes the other's files): the install is followed by an
-# explicit swap, and both are removed first on a reinstall. `pip check` then reports that foundrymix
-# wants streaming-community: expected here. scripts/test_core.sh tests the core on streaming-community
-# with the newest torch and numpy (.venv-core); docs/install.md says which versions each part runs on.
+# One streaming distribution everywhere: streaming-community (the maintained fork of mosaicml-streaming,
+# import name `streaming`), the one `pip install foundrymix` takes. Composer does not require a streaming
+# package; tests/format/test_mds_compat.py reads shards written by mosaicml-streaming 0.13 and Foundry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,12 +19,10 @@ for d in ('mosaicml-streaming', 'streaming-community'):
     except m.PackageNotFoundError: pass" 2>/dev/null | tr '\n' ' '
 }
 if ! .venv/bin/python -c "import foundrymix, streaming, composer, moto, mistral_common" 2>/dev/null \
-   || [ "$(streaming_dist)" != "mosaicml-streaming " ] \
+   || [ "$(streaming_dist)" != "streaming-community " ] \
    || [ pyproject.toml -nt .venv/.foundrymix-installed ]; then
+  # a venv from before the swap was removed: take mosaicml-streaming out (both write `streaming/`)
   .venv/bin/pip uninstall -q -y mosaicml-streaming streaming-community 2>/dev/null || true
-  # numpy <2.2: mosaicml-streaming 0.13's bound, so the swap below changes no numpy
-  .venv/bin/pip install -q -e ".[test]" 'numpy<2.2'
-  .venv/bin/pip uninstall -q -y streaming-community
-  .venv/bin/pip install -q 'mosaicml-streaming==0.13.*'
+  .venv/bin/pip install -q -e ".[test]"
   touch .venv/.foundrymix-installed
 fi
