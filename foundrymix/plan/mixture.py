@@ -6,13 +6,12 @@ passes or uniform rows make them exact (``tokens_exact``)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from foundrymix.config import DURATION_UNITS, ConfigError, parse_duration
+from foundrymix.config import DURATION_UNITS, UNIT_WORDS, ConfigError, parse_time, to_batches
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted
@@ -20,8 +19,7 @@ from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, rank_counts
 from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
 
-__all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan',
-           'parse_duration']
+__all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan']
 
 
 #: by default, per-rank rows per stream are counted up to this many rows an epoch
@@ -298,18 +296,13 @@ def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list
 
 def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch) -> DurationPlan:
     """Where ``max_duration`` ends, and exactly how many rows of each stream it trains."""
-    value, unit = parse_duration(max_duration)
+    time = parse_time(max_duration, 'max_duration', DURATION_UNITS, positive=True)
     G, L, bpe = plan.global_batch_size, plan.max_seq_len, plan.batches_per_epoch
     if bpe <= 0:
         raise ConfigError(f'an epoch has no full global batch of {G} rows (epoch size '
                           f'{plan.epoch_size}); lower the batch size or add rows')
-    if unit == 'ep':
-        total_batches = value * bpe
-    elif unit == 'ba':
-        total_batches = value
-    else:  # Composer stops after the batch that reaches the samples (tokens: rows x L)
-        samples = value if unit == 'sp' else math.ceil(value / L)
-        total_batches = math.ceil(samples / G)
+    total_batches = to_batches(time, 'max_duration', batches_per_epoch=bpe, samples_per_batch=G,
+                               tokens_per_batch=G * L, round_up=True)
     full_epochs, rem = divmod(total_batches, bpe)
     totals = epoch.order.trained(total_batches)
     rows_trained = {n: int(v) for n, v in zip(names, totals)}
@@ -319,7 +312,7 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
     else:
         last_epoch, last_batch = full_epochs - 1, bpe
     return DurationPlan(
-        max_duration=f'{value}{unit}', unit=DURATION_UNITS[unit], value=value,
+        max_duration=f'{time.value}{time.unit}', unit=UNIT_WORDS[time.unit], value=int(time.value),
         total_batches=total_batches, total_samples=total_batches * G,
         total_tokens=total_batches * G * L, epochs=total_batches / bpe, full_epochs=full_epochs,
         ends_mid_epoch=bool(rem), last_epoch=last_epoch, last_batch_in_epoch=last_batch,

@@ -216,8 +216,7 @@ def test_composer_counts_a_run_with_batch_changes_in_samples(straight):
     """Composer's schedules run in max_duration's unit: samples when the batch changes; a
     t_warmup inside the first stage (one batch size) converts exactly, a later one in ba is
     refused with its value in samples."""
-    from foundrymix.plan.stages import composer_duration
-    from foundrymix.train.preflight import warmup_in_samples
+    from foundrymix.train.preflight import composer_duration, warmup_in_samples
     run, _ = straight
     assert composer_duration(run) == '328sp'
     assert warmup_in_samples('0ba', run) == '0sp'
