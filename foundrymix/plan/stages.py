@@ -187,7 +187,7 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                     raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
                 return batches
             stage_G = spec.global_train_batch_size or G
-            if stage_G % topology.world_size:  # the words of plan.data_config.device_batch
+            if stage_G % topology.world_size:  # the words of plan.data_config.batch_per_rank
                 raise ConfigError(f'{spec.where}.global_train_batch_size={stage_G} is not divisible by '
                                   f'the {topology.world_size} ranks')
             stage_batch = stage_G // topology.world_size

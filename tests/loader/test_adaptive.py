@@ -189,7 +189,7 @@ def test_adaptive_config_errors_come_all_at_once(dirs):
     with pytest.raises(ConfigError) as err:
         LoaderConfig.from_dict(config(dirs, method='replay', every='5', min_share=1.5))
     text = str(err.value)
-    for part in ("adaptive.every: '5' must be whole batches", 'adaptive.min_share: must be in [0, 1)',
+    for part in ("adaptive.every: '5' has no unit; give one (e.g. 5ba)", 'adaptive.min_share: must be in [0, 1)',
                  'method: replay goes with from:'):
         assert part in text, text
     with pytest.raises(ConfigError, match=r'min_share: 0.4 x 3 streams exceeds 1'):

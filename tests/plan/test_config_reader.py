@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 import pytest
 
-from foundrymix.config import ConfigError, check_duration, load_yaml, read_dataclass
+from foundrymix.config import ConfigError, Duration, load_yaml, read_dataclass
 
 
 @dataclass
@@ -78,10 +78,9 @@ def test_wrong_types_name_the_key_path(data, message):
 
 def test_duration_needs_a_unit():
     with pytest.raises(ConfigError) as e:
-        check_duration('10', 'max_duration')
-    assert str(e.value) == ("max_duration: '10' has no unit; write it as a Composer time string "
-                            "(e.g. 10ep, 10ba, 5000sp, 1000000tok)")
-    check_duration('10ba', 'max_duration')
+        Duration.from_config('10', 'max_duration')
+    assert str(e.value) == "max_duration: '10' has no unit; give one (e.g. 10ep, 10ba, 10sp or 10tok)"
+    assert Duration.from_config('10ba', 'max_duration') == '10ba'
 
 
 def test_yaml_overrides_and_plus_form(tmp_path):

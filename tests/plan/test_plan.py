@@ -10,7 +10,6 @@ import pytest
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
-from foundrymix.plan.mixture import parse_duration
 from mix_helpers import build_three, loader_dict
 
 YAML = '''
@@ -99,18 +98,6 @@ def test_plan_numbers(root):
     assert m.plan(2, '1000tok').duration.total_batches == 16  # ceil(1000 / (2 x 32))
 
 
-@pytest.mark.parametrize('text, expected', [('100ba', (100, 'ba')), ('5000sp', (5000, 'sp')),
-                                            ('1000000tok', (1000000, 'tok')), ('3ep', (3, 'ep')),
-                                            (2, (2, 'ep'))])
-def test_parse_duration(text, expected):
-    assert parse_duration(text) == expected
-
-
-def test_parse_duration_refuses_other_units():
-    with pytest.raises(ConfigError, match=r"max_duration: '0.5dur' is not a Composer time string"):
-        parse_duration('0.5dur')
-
-
 def test_cli_table(root, tmp_path, capsys):
     assert main(['plan', write_yaml(tmp_path, root, '100ba')]) == 0
     out = capsys.readouterr().out
@@ -154,7 +141,7 @@ def test_cli_reads_no_shards(root, tmp_path, capsys, monkeypatch):
     # the YAML's repeat and the override's proportion together: the stream is the YAML's
     ('train_loader.streams.wiki.proportion=0.5', False,
      'train_loader.streams.wiki: give at most one of repeat, proportion, choose'),
-    ('max_duration=3xx', True, "max_duration: '3xx' is not a Composer time string"),
+    ('max_duration=3xx', True, "max_duration: '3xx' is not a duration: a number and its unit, ep, ba, sp or tok"),
 ])
 def test_cli_errors_exit_2(root, tmp_path, capsys, override, by_override, message):
     path = write_yaml(tmp_path, root)

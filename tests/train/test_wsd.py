@@ -268,8 +268,8 @@ def test_wsd_config_errors_name_every_problem(data, tmp_path, capsys, scheduler,
 
 @pytest.mark.parametrize('scheduler, message', [
     ({'name': 'wsd', 'decay': {'duration': '15%'}},
-     'scheduler.decay.duration: 15% is 1.5 global batches of this run (10 batches of 4 rows x 128 '
-     'tokens), not a whole number; give 1ba or 2ba'),
+     'scheduler.decay.duration: 15% is not a whole number of global batches (the run is 10 batches): '
+     '1.5 batches; use 1ba or 2ba'),
     ({'name': 'wsd', 'warmup': '1ep', 'decay': {'stage': 'anneal'}},
      'scheduler.warmup: 1ep is ambiguous with stages (epochs of which stage?)'),
     ({'name': 'wsd', 'warmup': '8ba', 'decay': {'stage': 'anneal'}},
