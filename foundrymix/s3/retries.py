@@ -2,9 +2,9 @@
 
 Why: botocore retries 503 ``SlowDown`` replies, connection resets and timeouts silently, so
 a job that spends much of its time retrying looks like a slow job. The clients are created
-in many places (per downloader, per thread and per DataLoader worker, inside Composer's
-uploader), so no handler can be registered on them; what every one of them does is log at
-DEBUG level through fixed loggers:
+in many places (per downloader, per thread and per DataLoader worker, inside the trainer's
+checkpoint uploader), so no handler can be registered on them; what every one of them does is
+log at DEBUG level through fixed loggers:
 
 * ``botocore.endpoint``: ``Making request for ...`` once per API call, ``Sending http
   request`` once per attempt;
@@ -19,7 +19,7 @@ DEBUG level through fixed loggers:
 drops the DEBUG records the user's logging setup would not have shown, so nothing new is
 printed. The counts live in shared memory (a ``RawArray``), so DataLoader workers forked
 after :func:`install` and the checkpoint upload threads add to the same counters;
-*spawned* processes (Composer's own uploader, which sharded checkpoints keep) are not counted.
+*spawned* processes (the trainer's own uploader, which sharded checkpoints keep) are not counted.
 """
 
 from __future__ import annotations
