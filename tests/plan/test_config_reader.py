@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import pytest
+import yaml
+from helpers import DEMO_TOKENIZER, SMALL_SEQ, tiny_run_config
 
 from foundrymix.config import ConfigError, Duration, load_yaml, read_dataclass
+from foundrymix.tools.plan import plan_from_yaml
 
 
 @dataclass
@@ -122,3 +125,37 @@ def test_reading_a_config_imports_neither_torch_nor_composer():
             'if m in sys.modules))')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == '[]'
+
+
+def _imported(args: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the ``foundrymix`` CLI under ``-X importtime``: its result and every module imported."""
+    done = subprocess.run([sys.executable, '-X', 'importtime', '-m', 'foundrymix.cli', *args],
+                          capture_output=True, text=True, timeout=300)
+    modules = {line.rsplit('|', 1)[1].strip() for line in done.stderr.splitlines()
+               if line.startswith('import time:') and line.count('|') == 2}
+    return done, modules
+
+
+def test_plan_of_a_data_only_yaml_imports_no_trainer_torch_or_transformers(small_streams, tmp_path):
+    """``foundrymix plan`` of a data-only YAML (tokenizer and eval_loader set, so every data
+    check runs) on real streams: planned and checked by the core alone. The same data with a
+    model is read by the trainer's config, which the import log then shows."""
+    streams = {'arxiv': {'local': str(small_streams['arxiv'])}, 'dolly': {'local': str(small_streams['dolly'])}}
+    data = {'train_loader': {'streams': streams}, 'eval_loader': {'streams': {'arxiv': streams['arxiv']}},
+            'global_train_batch_size': 4, 'max_duration': '3ba', 'tokenizer': DEMO_TOKENIZER,
+            'max_seq_len': SMALL_SEQ}
+    (tmp_path / 'data.yaml').write_text(yaml.safe_dump(data))
+    done, modules = _imported(['plan', str(tmp_path / 'data.yaml')])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'max_duration 3ba: 3 batches, 12 samples' in done.stdout
+    assert 'no model section' in done.stdout
+    assert {'torch', 'transformers', 'composer', 'foundrymix.train.config'} & modules == set()
+    assert {'foundrymix.plan.data_config', 'tokenizers'} <= modules  # the log holds the checks' imports
+
+    (tmp_path / 'train.yaml').write_text(yaml.safe_dump({**tiny_run_config(data['train_loader']), **data}))
+    done, modules = _imported(['plan', str(tmp_path / 'train.yaml')])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'max_duration 3ba: 3 batches, 12 samples' in done.stdout and 'no model section' not in done.stdout
+    assert 'foundrymix.train.config' in modules
+    with pytest.raises(ConfigError, match=r"max_seq_len=64, but the train streams hold rows of 128 tokens$"):
+        plan_from_yaml(str(tmp_path / 'data.yaml'), ['max_seq_len=64'])
