@@ -215,9 +215,9 @@ def test_migrate_lists_what_it_cannot_rewrite(tmp_path, capsys):
         'speed_monitor, lr_monitor, memory_monitor, runtime_estimator)',
         '# to do: save_interval: 0.5 has no unit: give one (e.g. 0.5ep; Composer reads an int as epochs)',
         # what the config reader would refuse in the migrated YAML is to do now, not a surprise later
-        "# to do: config: missing required key 'model' (the migrated YAML is refused so)",
         "# to do: config: missing required key 'train_loader' (the migrated YAML is refused so)",
         "# to do: config: missing required key 'global_train_batch_size' (the migrated YAML is refused so)",
+        "# to do: config: missing required key 'model' (the migrated YAML is refused so)",
         '# to do: 4 line(s) above before it runs']
     assert 'name: decoupled_lionw' in out  # kept: foundrymix has it (tests/train/test_optim.py)
 
