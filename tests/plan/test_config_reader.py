@@ -159,3 +159,22 @@ def test_plan_of_a_data_only_yaml_imports_no_trainer_torch_or_transformers(small
     assert 'foundrymix.train.config' in modules
     with pytest.raises(ConfigError, match=r"max_seq_len=64, but the train streams hold rows of 128 tokens$"):
         plan_from_yaml(str(tmp_path / 'data.yaml'), ['max_seq_len=64'])
+
+
+def test_the_data_part_of_a_training_yaml():
+    """``DataConfig.from_run`` (what ``build_loader`` reads): a YAML with ``model:`` has its data
+    keys read and checked, the rest left to the trainer; a YAML without one is data-only and
+    every key of it is checked."""
+    from foundrymix.plan.data_config import DataConfig
+    train = tiny_run_config({'streams': {'a': {'local': '/d'}}}, global_train_batch_size=4, max_duration='2ba',
+                            optimizer={'lrr': 1}, tokenizer=DEMO_TOKENIZER)
+    cfg = DataConfig.from_run(train)
+    assert type(cfg) is DataConfig
+    assert (cfg.global_train_batch_size, cfg.max_duration, cfg.max_seq_len, cfg.seed) == (4, '2ba', SMALL_SEQ, 5)
+    assert cfg.train_loader.tokenizer == DEMO_TOKENIZER  # the run's tokenizer reaches its loaders
+    with pytest.raises(ConfigError, match=r"^max_duration: '2' has no unit"):
+        DataConfig.from_run({**train, 'max_duration': '2'})
+    data = {k: v for k, v in train.items() if k not in ('model', 'optimizer', 'save_interval', 'loggers')}
+    assert DataConfig.from_run(data) == cfg
+    with pytest.raises(ConfigError, match=r"^config: unknown key 'optimizer'; allowed: train_loader, "):
+        DataConfig.from_run({**data, 'optimizer': {'lr': 1}})

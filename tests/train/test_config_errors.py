@@ -243,3 +243,22 @@ def test_eval_first_evaluates_once_before_the_first_batch(small_streams, capsys,
         train(cfg)
         evals[first] = capsys.readouterr().out.count('metrics/eval/LanguageCrossEntropy')
     assert evals == {False: 1, True: 2}
+
+
+def test_plan_reads_trainer_keys_without_a_model_as_train_does(tmp_path, capsys):
+    """A YAML with trainer keys but no model is no data-only YAML: ``plan`` reads every key as
+    ``train`` does (the same refusal, blamed on the override), only the model may be absent."""
+    from foundrymix.cli import main
+    no_model = '\n'.join(ln for ln in GOOD.splitlines() if not ln.startswith(('model:', '        num_')))
+    path = write(tmp_path, no_model + '\noptimizer: {lr: 0.01}\n')
+    for override, message in [('optimizer.lrr=1', "optimizer: unknown key 'lrr'; allowed: name, lr, "),
+                              ('scheduler.t_warmup=5', "scheduler.t_warmup: '5' has no unit"),
+                              ('global_seed=3', "config: unknown key 'global_seed'; allowed: train_loader, ")]:
+        assert main(['plan', path, override]) == 2
+        planned = capsys.readouterr().err.splitlines()
+        assert planned[0].startswith(f'foundrymix plan: error: override {override!r}: {message}')
+        with pytest.raises(ConfigError) as err:
+            load_config(path, [override])
+        lines = str(err.value).split('\n')
+        lines.remove(f"{path}: config: missing required key 'model'")  # the one difference
+        assert lines == [ln.removeprefix('foundrymix plan: error: ') for ln in planned]
