@@ -17,9 +17,8 @@ from typing import Any, Optional, Sequence
 from foundrymix.config.errors import ConfigError
 from foundrymix.config.reader import read_value
 
-#: unit -> what it counts (``dur``: a fraction of the run, ``%``: a percentage of it)
-UNIT_WORDS = {'ba': 'batches', 'sp': 'samples', 'tok': 'tokens', 'ep': 'epochs', 'dur': 'of the run',
-              '%': 'percent of the run'}
+#: unit -> what it counts (``dur`` and ``%``: a fraction and a percentage of the run)
+UNIT_WORDS = {'ba': 'batches', 'sp': 'samples', 'tok': 'tokens', 'ep': 'epochs'}
 #: a run's length or a stage's: whole epochs, batches, samples or tokens
 DURATION_UNITS = ('ep', 'ba', 'sp', 'tok')
 #: how often something happens (``eval_interval``, ``t_warmup``, ...): a length or a fraction of the run

@@ -49,7 +49,6 @@ class DataConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Any:
-        """``d`` read as this class: every key must be one of its fields."""
         d = dict(d)
         d.pop('variables', None)
         cfg = read_dataclass(cls, d)
@@ -75,13 +74,8 @@ class DataConfig:
                               "only with train_loader.stages: the run is then the sum of the stages)")
 
 
-#: the keys a data-only YAML may hold
+#: the keys a data-only YAML may hold (no model, optimizer, loggers, ...)
 DATA_KEYS = frozenset(f.name for f in dataclasses.fields(DataConfig)) | {'variables'}
-
-
-def data_only(data: Mapping[str, Any]) -> bool:
-    """True when every key of a YAML is a data key (no model, optimizer, loggers, ...)."""
-    return DATA_KEYS.issuperset(data)
 
 
 def read_yaml_config(path: str, overrides: Sequence[str], max_duration: Optional[str],
@@ -122,8 +116,9 @@ def check_data_streams(cfg: DataConfig, max_seq_len: int, tokenizer: Any) -> Non
     """The train streams' rows must be ``max_seq_len`` long and from ``cfg.tokenizer``
     (``tokenizer``: the streams' ``TokenizerInfo``). A tokenizer directory the ``tokenizers``
     library reads alone is checked without importing transformers."""
-    if cfg.max_seq_len is not None:  # a data-only YAML may leave it to the streams
-        check_seq_len(cfg, max_seq_len)
+    if cfg.max_seq_len is not None and cfg.max_seq_len != max_seq_len:  # data-only: may be left out
+        raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
+                          f'{max_seq_len} tokens')
     if cfg.tokenizer is not None:
         from foundrymix.tokenizer import describe_tokenizer
         memo = os.path.join(cache_base(cfg.train_loader.cache_root), 'tokenizers')
@@ -133,13 +128,6 @@ def check_data_streams(cfg: DataConfig, max_seq_len: int, tokenizer: Any) -> Non
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
                               f'converted with ({tokenizer.name}): {tokenizer_differences(have, tokenizer)} '
                               f"(this one vs the streams'){changed_tokenizer_note(cfg.tokenizer, tokenizer)}")
-
-
-def check_seq_len(cfg: DataConfig, stream_seq_len: int) -> None:
-    """The train streams' rows must be ``max_seq_len`` long (``train`` and ``plan`` refuse alike)."""
-    if stream_seq_len != cfg.max_seq_len:
-        raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
-                          f'{stream_seq_len} tokens')
 
 
 def check_eval_catalog(catalog: Any, max_seq_len: int, tokenizer: Any) -> None:

@@ -75,8 +75,8 @@ def _read(data: dict[str, Any]) -> Any:
     """A data-only YAML as the core's ``DataConfig``; one with ``model:`` as ``train`` reads it
     (``TrainConfig``); one with other trainer keys but no model as a ``PlanConfig`` (every key
     checked as ``train`` would, the model left out)."""
-    from foundrymix.plan.data_config import DataConfig, data_only
-    if data_only(data):
+    from foundrymix.plan.data_config import DATA_KEYS, DataConfig
+    if DATA_KEYS.issuperset(data):
         return DataConfig.from_dict(data)
     from foundrymix.train.config import PlanConfig, TrainConfig
     return (TrainConfig if 'model' in data else PlanConfig).from_dict(data)
