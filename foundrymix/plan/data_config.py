@@ -45,6 +45,7 @@ class DataConfig:
     max_seq_len: Optional[int] = None
     tokenizer: Optional[TokenizerName] = None
     eval_loader: Optional[LoaderConfig] = None
+    #: the run's seed, which the trainer seeds with (the sample order is ``shuffle_seed``'s)
     seed: int = 17
 
     @classmethod
