@@ -214,10 +214,8 @@ def moto_auth(endpoint: str):
 
 
 def build_staged_loader(config, batch_size: int, max_duration=None, topology=None,
-                        where: str = 'train_loader', composer_epochs: bool = False):
+                        where: str = 'train_loader'):
     """Validate every stage, plan the run, and return its loader (``loader.run`` is the plan)."""
     from foundrymix.loader.run_loader import build_run_loader
-    from foundrymix.plan.stages import plan_run
 
-    run, _ = plan_run(config, batch_size, max_duration, topology, where, rank_count_limit=0)
-    return build_run_loader(run, batch_size, composer_epochs)
+    return build_run_loader(config, batch_size, max_duration, topology, where=where)[0]

@@ -40,11 +40,11 @@ def config(dirs: dict[str, str], **adaptive) -> dict:
 
 
 def build(cfg: dict):
-    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.loader.run_loader import StagedDataLoader
     from foundrymix.plan.config import LoaderConfig
     from foundrymix.plan.stages import plan_run
     run, _ = plan_run(LoaderConfig.from_dict(cfg), BATCH, f'{BATCHES}ba')
-    return build_run_loader(run, BATCH)
+    return StagedDataLoader(run)
 
 
 class Feeder:
@@ -199,7 +199,7 @@ def test_adaptive_config_errors_come_all_at_once(dirs):
 def test_an_adaptive_stage_after_a_plain_one_starts_its_segments_at_the_stage(dirs):
     """Stage a (plain, 4 batches) then stage b (adaptive, 7 batches in segments of 3): b's
     decisions start at batches 4, 7, 10 and each segment trains exactly its rows."""
-    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.loader.run_loader import StagedDataLoader
     from foundrymix.plan.config import LoaderConfig
     from foundrymix.plan.stages import plan_run
     streams = {n: {'local': d} for n, d in dirs.items()}
@@ -209,7 +209,7 @@ def test_an_adaptive_stage_after_a_plain_one_starts_its_segments_at_the_stage(di
          'streams': {'wiki': {'proportion': 0.5}, 'dolly': {'proportion': 0.5}},
          'adaptive': {'method': 'odm', 'every': f'{EVERY}ba', 'min_share': 0.05}}]}
     run, _ = plan_run(LoaderConfig.from_dict(cfg), BATCH)
-    loader = build_run_loader(run, BATCH)
+    loader = StagedDataLoader(run)
     c = loader.position.adaptive[1]
     names = loader.stream_names  # run-wide: arxiv, wiki, dolly
     rows = []
