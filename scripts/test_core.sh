@@ -51,6 +51,7 @@ CORE_TESTS=(
   tests/plan/test_stream_groups.py
   tests/plan/test_adaptive_policy.py
   tests/loader/test_build_loader.py
+  tests/loader/test_plain_loader.py
   tests/loader/test_mix_resume.py
   tests/loader/test_pass_complete.py
   tests/loader/test_mix_epochs.py
