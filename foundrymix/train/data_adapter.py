@@ -31,17 +31,11 @@ class ComposerPosition(IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
 
-    @property
-    def run(self) -> Any:
-        return self.loader.run
-
-    @property
-    def batch(self) -> int:
-        return self.loader.position.batch
-
-    @property
-    def resumed(self) -> Any:
-        return self.loader.position.resumed
+    def __getattr__(self, name: str) -> Any:
+        """``run``, ``batch``, ``resumed``: the position's, for the resume lines (train/console.py)."""
+        if name in ('run', 'batch', 'resumed'):
+            return getattr(self.loader.position, name)
+        raise AttributeError(name)
 
 
 class ComposerLoader(DataLoader):
