@@ -20,7 +20,7 @@ PACKAGE = ROOT / 'foundrymix'
 #: package (or foundation module) -> layer; siblings of one layer may not import each other
 #: (``foundrymix/__init__.py`` is the public facade on top: its one import is lazy)
 LAYERS = {'errors': 0, 'heap': 0, 'config': 1, 'claims': 1, 'format': 2, 'tokenizer': 3, 's3': 3,
-          'convert': 4, 'plan': 4, 'loader': 5, 'train': 6, 'tools': 7, 'api': 7, 'cli': 8, '__init__': 9}
+          'convert': 4, 'plan': 4, 'loader': 5, 'train': 6, 'integrations': 6, 'tools': 7, 'api': 7, 'cli': 8, '__init__': 9}
 STREAMING_PRIVATE_ALLOWED = {'format/streaming_format.py'}
 
 
