@@ -28,6 +28,8 @@ _RENAME_NOTES = {'fsdp_config': " (FSDP runs on GPUs here: a CPU run is refused 
                                 "LLM-Foundry dropped it with a warning on one rank)"}
 #: LLM-Foundry ``model.name`` -> ``model.type`` (None: the name goes, pretrained_model_name_or_path stays)
 MODEL_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': None}
+#: LLM-Foundry's encoder-decoder model names: foundrymix trains causal LMs only, so migrate refuses them
+ENCODER_DECODER = {'hf_t5': 'T5'}
 INTERVALS = ('eval_interval', 'save_interval', 'log_interval')
 _REF = re.compile(r'\$\{([A-Za-z_]\w*)\}')
 _VAR_REF = re.compile(r'\$\{variables\.([A-Za-z_]\w*)\}')
@@ -237,6 +239,11 @@ def _pretrained(m: Migration) -> None:
     """A hub name is never downloaded here: the model must be a local directory."""
     model = m.data.get('model')
     name = model.get('pretrained_model_name_or_path') if isinstance(model, dict) else None
+    if isinstance(model, dict) and isinstance(model.get('pretrained'), bool):
+        m.carried.append(f"model.pretrained: {show(model['pretrained'])}: "
+                         + ('load the weights of the model directory' if model['pretrained'] else
+                            "the model directory's config only, the weights initialised at random")
+                         + ', as in LLM-Foundry')
     if isinstance(name, str) and not os.path.isdir(name):
         m.todo.append(f'model.pretrained_model_name_or_path: {name}: give a local Hugging Face model '
                       f'directory (models are never downloaded; e.g. save_pretrained() it once)')
@@ -247,6 +254,9 @@ def _model(m: Migration) -> None:
     if not isinstance(model, dict) or 'name' not in model:
         return
     name = model.pop('name')
+    if name in ENCODER_DECODER:
+        raise ConfigError(f'model.name: {name}: {ENCODER_DECODER[name]} is an encoder-decoder model; foundrymix '
+                          f'trains decoder-only causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry')
     if name not in MODEL_NAMES:
         m.todo.append(f'model.name: {name}: give model.type, a transformers model_type')
         return
@@ -260,10 +270,6 @@ def _model(m: Migration) -> None:
     if 'loss_fn' in model:  # mpt-small-cpu.yaml: torch_crossentropy
         m.dropped.append(f"model.loss_fn: {model.pop('loss_fn')}: no equivalent (the loss is transformers' "
                          f"cross-entropy on the labels)")
-    if model.get('type') == 'mpt' and 'attention' not in model:
-        model['attention'] = 'causal'
-        m.changes.append("model.attention: causal (transformers' MPT ignores position_ids, so document "
-                         "attention is refused)")
 
 
 def _run(args: argparse.Namespace) -> int:

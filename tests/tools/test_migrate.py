@@ -145,7 +145,8 @@ REPORT = [
     'removed: eval_loader.dataset.max_seq_len: the top-level max_seq_len says it',
     'removed: model.init_device: meta: no equivalent (fsdp builds the model)',
     'complete: every key is kept, changed or removed as listed',
-    'for a CPU trial add: fsdp=null precision=fp32',
+    # a trial's evaluation: one batch, once, at the end (not the whole eval set, as -1 says)
+    'for a CPU trial add: fsdp=null precision=fp32 eval_subset_num_batches=1 eval_interval=4800ba',
 ]
 
 
@@ -245,6 +246,13 @@ HUB_TODO = ('to do: model.pretrained_model_name_or_path: {name}: give a local Hu
 AUTH = ("removed: model.use_auth_token: true: LLM-Foundry's Hugging Face Hub token has no equivalent: models are never "
         "downloaded here, a local model directory needs no token")
 CPU = 'for a CPU trial add: fsdp=null precision=fp32'
+EVAL = ' eval_subset_num_batches=1 eval_interval={end}'  # a trial's evaluation: one batch, at its end
+PRETRAINED = ('kept: model.pretrained: {v}: ' + "{what}, as in LLM-Foundry")
+LOADS = PRETRAINED.format(v='true', what='load the weights of the model directory')
+CONFIG_ONLY = PRETRAINED.format(v='false', what="the model directory's config only, the weights initialised at random")
+TYPE_TODO = ("to do: {keys}: checked against the model's type once model.pretrained_model_name_or_path is a local "
+             "directory (`foundrymix plan` names what it refuses: attention: causal for a type that ignores "
+             "position_ids, attn_implementation: eager for one without sdpa, a key its config lacks)")
 # the loader starts workers per span: a persistent_workers: true would be a promise not kept
 PERSISTENT = ('removed: {loader}.persistent_workers: true: each span of batches (an epoch, a stage, an '
               'evaluation) is read by workers of its own, forked when it starts')
@@ -255,7 +263,8 @@ SHIPPED = {
                   *MPT_LINES, ATTN_LINE.format(impl='flash'),
                   'changed: train_loader.dataset.{local, remote, split} -> train_loader.streams.train',
                   'changed: eval_loader.dataset.{local, remote, split} -> eval_loader.streams.eval',
-                  'removed: model.init_device: meta: no equivalent (fsdp builds the model)', COMPLETE, CPU], 24),
+                  'removed: model.init_device: meta: no equivalent (fsdp builds the model)', COMPLETE,
+                  CPU + EVAL.format(end='4800ba')], 24),
     'mpt-small-cpu': ([FSDP_LINE, KWARGS, *MPT_LINES,
                        "removed: model.loss_fn: torch_crossentropy: no equivalent (the loss is transformers' "
                        "cross-entropy on the labels)", COMPLETE, 'for a CPU trial add: fsdp=null'], 23),
@@ -266,7 +275,8 @@ SHIPPED = {
         'removed: model.name: hf_causal_lm (pretrained_model_name_or_path says the model)',
         'removed: train_loader.dataset.decoder_only_format: true: no equivalent (finetune streams are decoder-only: '
         'prompt then response, loss on the response)',
-        HUB_TODO.format(name='gpt2'), 'to do: 1 line(s) above before it runs'], 16),
+        HUB_TODO.format(name='gpt2'), LOADS, TYPE_TODO.format(keys='model.attention'),
+        'to do: 2 line(s) above before it runs'], 18),
     '1b_local_data_sft': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='1b_local_data_sft'), *MPT_LINES,
         ATTN_LINE.format(impl='flash'),
@@ -277,13 +287,13 @@ SHIPPED = {
         HF_TODO.format(loader='train_loader', split='train', stream='train'),
         HF_TODO.format(loader='eval_loader', split='validation', stream='eval'),
         PERSISTENT.format(loader='train_loader'), PERSISTENT.format(loader='eval_loader'),
-        'to do: 2 line(s) above before it runs', CPU], 25),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='1ep')], 25),
     'gpt2-small': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='gpt2-small'),
         'changed: tokenizer_name: moved under variables (${tokenizer_name} -> ${variables.tokenizer_name})',
-        HUB_TODO.format(name='gpt2'),
-        "to do: model.config_overrides.n_positions: checked against the model's transformers config once "
-        "model.pretrained_model_name_or_path is a local directory", 'to do: 2 line(s) above before it runs', CPU], 27),
+        HUB_TODO.format(name='gpt2'), CONFIG_ONLY,
+        TYPE_TODO.format(keys='model.attention, model.config_overrides.n_positions'),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='33696ba')], 28),
     '7b_dolly_sft': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='7b_dolly_sft'), *MPT_LINES,
         ATTN_LINE.format(impl='flash'),
@@ -295,10 +305,9 @@ SHIPPED = {
     'llama-3-8b_domain_adapt': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='llama-3-8b_domain_adapt'), AUTH,
         'removed: load_weights_only: true: no load_path, so no weights to load (LLM-Foundry ignored it)',
-        HUB_TODO.format(name='meta-llama/Meta-Llama-3-8B'),
-        "to do: model.config_overrides.max_seq_len, model.config_overrides.attn_config: checked against the model's "
-        "transformers config once model.pretrained_model_name_or_path is a local directory",
-        'to do: 2 line(s) above before it runs', CPU], 25),
+        HUB_TODO.format(name='meta-llama/Meta-Llama-3-8B'), LOADS,
+        TYPE_TODO.format(keys='model.attention, model.config_overrides.max_seq_len, model.config_overrides.attn_config'),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='3195ba')], 26),
     'dbrx-lora-ft': ([
         FSDP_LINE, AUTH, RUN_NAME_LINE.format(was='empty', name='dbrx-lora-ft'),
         'removed: tokenizer.kwargs (model_max_length, trust_remote_code): no equivalent (max_seq_len and the streams '
@@ -312,9 +321,26 @@ SHIPPED = {
         "target_modules: ['Wqkv']): LoRA through the peft library, as in LLM-Foundry: the base weights are frozen, "
         "the adapter trains; target_modules are checked against the model's layers at start; export writes the "
         "merged model, or with --adapter the adapter alone",
-        HUB_TODO.format(name='databricks/dbrx-instruct'), 'to do: 3 line(s) above before it runs',
+        HUB_TODO.format(name='databricks/dbrx-instruct'), LOADS, TYPE_TODO.format(keys='model.attention'),
+        'to do: 4 line(s) above before it runs',
         PERSISTENT.format(loader='train_loader'), PERSISTENT.format(loader='eval_loader'),
-        'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa'], 36),
+        'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa' + EVAL.format(end='2ep')], 38),
+    'gpt-neo-125m': ([
+        FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='${variables.run_name} (empty)', name='gpt-neo-125m'),
+        HUB_TODO.format(name='EleutherAI/gpt-neo-125M'), CONFIG_ONLY,
+        TYPE_TODO.format(keys='model.attention, model.config_overrides.max_position_embeddings'),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='4800ba')], 24),
+    'testing-moe': ([
+        FSDP_LINE, KWARGS, *MPT_LINES,
+        "removed: model.loss_fn: torch_crossentropy: no equivalent (the loss is transformers' cross-entropy on the "
+        "labels)",
+        # a mixture of experts would silently become a dense MLP: kept, so plan refuses it until deleted
+        "to do: model.ffn_config: {'ffn_type': 'mb_dmoe', 'memory_optimized_mlp': True, 'mlp_impl': 'grouped', "
+        "'moe_lbl_in_fp32': False, 'moe_loss_weight': 0.01, 'moe_num_experts': 4, 'moe_top_k': 2, 'moe_world_size': 1, "
+        "'uniform_expert_assignment': False}: LLM-Foundry MPT's ffn_config has no equivalent: transformers' MPT has one "
+        "MLP (d_model x expansion_ratio, GELU: LLM-Foundry's default ffn_type mptmlp); kept, so plan and train refuse "
+        "the YAML: delete model.ffn_config to accept a dense MLP instead of its experts (a different model), or keep "
+        "this run on LLM-Foundry", 'to do: 1 line(s) above before it runs', CPU + EVAL.format(end='200ba')], 25),
 }
 
 
