@@ -184,19 +184,31 @@ def read_back(m: Any) -> None:
 
 def kept(m: Any, original: dict[str, Any], renamed: set[str]) -> list[str]:
     """The input's keys migrate carried unchanged (``renamed``: the new names of renamed
-    sections, whose keys are carried as the rename line says), in a line or two."""
+    sections, whose keys are carried as the rename line says), in a line or two: a key no
+    line names, or the unnamed keys inside one whose line names only some of its keys."""
     said = m.changes + m.dropped + m.todo + m.carried
     tops = {head(line).split('.')[0] for line in said} | renamed
+
+    def named(path: str, below: bool) -> bool:  # model.pretrained is not model.pretrained_...
+        end = r'\.' if below else r'(?![\w.])'
+        return any(re.search(rf'(?<![\w.]){re.escape(path)}{end}', line) for line in said)
+
+    def inner(path: str, value: dict[str, Any]) -> list[str]:
+        out = []
+        for k, v in value.items():
+            if named(f'{path}.{k}', below=False):
+                continue
+            out += inner(f'{path}.{k}', v) if isinstance(v, dict) and named(f'{path}.{k}', below=True) else \
+                [f'{path}.{k}']
+        return out
     top_kept, inner_kept = [], []
     for key, value in m.data.items():
         if key not in original and key not in renamed:
             continue
         if key not in tops:
             top_kept.append(key)
-        elif isinstance(value, dict) and key not in renamed:  # model.pretrained is not model.pretrained_...
-            inner_kept += [f'{key}.{k}' for k in value
-                           if not any(re.search(rf'(?<![\w.]){re.escape(key)}\.{re.escape(k)}(?![\w])', line)
-                                      for line in said)]
+        elif isinstance(value, dict) and key not in renamed:
+            inner_kept += inner(key, value)
     return [f'kept: {", ".join(keys)} (the same keys and meaning here)' for keys in (top_kept, inner_kept) if keys]
 
 
