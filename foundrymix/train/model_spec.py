@@ -134,9 +134,12 @@ class ModelSpec:
             if attn is not None and attn not in AttnImplementation.__args__:
                 raise ModelConfigError(f"{where}.attn_implementation: {attn!r}; allowed: "
                                        f"{', '.join(AttnImplementation.__args__)}")
+        trained = False
         if model_type:
-            with gather:
+            with gather:  # one line for a type not trained here, nothing more about it
                 check_model_type(str(model_type), where)
+                trained = True
+        if trained:
             with gather:
                 check_config_keys(str(model_type), d, where)
             with gather:
@@ -212,18 +215,12 @@ def has_sdpa(model_type: str) -> bool:
 
 
 def check_model_type(model_type: str, where: str) -> None:
-    """Refuse a model type foundrymix does not train: an encoder-decoder (T5, BART: their
-    causal-LM class, if any, is a decoder alone, a different model) or no causal LM at all."""
+    """Refuse an encoder-decoder type (T5, BART): transformers has no causal LM for it, or one
+    that is its decoder alone, a different model."""
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if model_type not in CONFIG_MAPPING:
-        return  # check_config_keys names the unknown type
-    if getattr(CONFIG_MAPPING[model_type](), 'is_encoder_decoder', False):
+    if model_type in CONFIG_MAPPING and getattr(CONFIG_MAPPING[model_type](), 'is_encoder_decoder', False):
         raise ModelConfigError(f"{where}: {model_type!r} is an encoder-decoder model; foundrymix trains decoder-only "
                                f"causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry", path=f'{where}.type')
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelConfigError(f"{where}: {model_type!r} has no causal LM in transformers; foundrymix trains "
-                               f"decoder-only causal LMs (llama, gpt2, mpt, ...)", path=f'{where}.type')
 
 
 def check_attention(model_type: str, attention: str, attn: Optional[str], where: str) -> Optional[str]:

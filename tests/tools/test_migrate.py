@@ -466,8 +466,7 @@ def test_each_migrated_foundry_yaml_trains(name, small_streams, tmp_path, capsys
     elif name.startswith('gpt2'):
         overrides += [f'variables.data_local={data}',
                       f'model.pretrained_model_name_or_path={_tiny_gpt2(tmp_path / "gpt2")}']
-        assert todo == ['to do: model.pretrained_model_name_or_path: gpt2: give a local Hugging Face model '
-                        'directory (models are never downloaded; e.g. save_pretrained() it once)']
+        assert todo == [HUB_TODO.format(name='gpt2'), TYPE_TODO.format(keys='model.attention')]
     else:  # an HF json dataset with a preprocessing function: converted first, here already
         overrides += MPT + [f'train_loader.streams.train.local={data / "train"}',
                             f'eval_loader.streams.eval.local={data / "validation"}',
@@ -500,7 +499,7 @@ def test_migrated_gpu_yaml_trains_on_cpu_with_the_offered_overrides(small_stream
     name = 'llama-3-8b_domain_adapt'
     lines, out = _report(name, tmp_path, capsys)
     cpu = [line for line in lines if line.startswith('for a CPU trial add: ')]
-    assert cpu == ['for a CPU trial add: fsdp=null precision=fp32']
+    assert cpu == [CPU + EVAL.format(end='3195ba')]
     data = _data(small_streams, tmp_path, name)
     scale = ['train_loader.num_workers=0', 'eval_loader.num_workers=0', 'max_duration=2ba',
              'eval_subset_num_batches=1', 'device_eval_batch_size=2']
@@ -665,7 +664,7 @@ def test_foundry_model_keys_are_named_not_guessed(tmp_path, capsys):
            "Hugging Face Hub token has no equivalent" in text
 
 
-def test_encoder_decoder_models_are_refused_by_name(tmp_path, capsys):
+def test_encoder_decoder_models_are_refused_by_name(small_streams, tmp_path, capsys):
     """LLM-Foundry's t5-small_dolly_sft.yaml is refused by migrate in one line, and so is any
     encoder-decoder type at plan (by type, or as the pretrained directory's); transformers itself
     has no causal LM for T5, so such a run could never train."""
@@ -682,7 +681,7 @@ def test_encoder_decoder_models_are_refused_by_name(tmp_path, capsys):
         'decoder-only causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry'] and not out.exists()
     for model_type in ('t5', 'bart'):
         with pytest.raises(ConfigError) as e:
-            ModelSpec.from_dict({'type': model_type, 'attention': 'causal'})
+            ModelSpec.from_dict({'type': model_type})  # one line: not also its attention or keys
         assert str(e.value) == (f"model: {model_type!r} is an encoder-decoder model; foundrymix trains decoder-only "
                                 f"causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry")
     T5Config(num_layers=1, d_model=8, d_ff=8, num_heads=1, d_kv=8).save_pretrained(tmp_path / 't5')
@@ -690,9 +689,15 @@ def test_encoder_decoder_models_are_refused_by_name(tmp_path, capsys):
     src.write_text((FOUNDRY_DIR / 'gpt2-small.yaml').read_text().replace(
         'pretrained_model_name_or_path: gpt2', f'pretrained_model_name_or_path: {tmp_path / "t5"}'))
     assert main(['migrate', str(src)]) == 2
-    assert capsys.readouterr().err.splitlines() == [
-        "foundrymix migrate: error: model: 't5' is an encoder-decoder model; foundrymix trains decoder-only causal "
-        "LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry"]
+    line = ("model: 't5' is an encoder-decoder model; foundrymix trains decoder-only causal LMs (llama, gpt2, mpt, "
+            "...): keep this run on LLM-Foundry")
+    assert capsys.readouterr().err.splitlines() == [f'foundrymix migrate: error: {line}']
+    src.write_text(f'max_seq_len: {SMALL_SEQ}\nglobal_train_batch_size: 4\nmax_duration: 2ba\n'
+                   f'train_loader: {{streams: {{a: {{local: {small_streams["arxiv"]}}}}}}}\n'
+                   f'model: {{pretrained: {tmp_path / "t5"}}}\n')
+    assert main(['plan', str(src)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and line in err, err
 
 
 @pytest.mark.parametrize('model_type, kwargs', [
