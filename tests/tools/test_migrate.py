@@ -330,6 +330,10 @@ SHIPPED = {
         HUB_TODO.format(name='EleutherAI/gpt-neo-125M'), CONFIG_ONLY,
         TYPE_TODO.format(keys='model.attention, model.config_overrides.max_position_embeddings'),
         'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='4800ba')], 24),
+    'opt-3b': ([
+        FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='${variables.run_name} (empty)', name='opt-3b'),
+        HUB_TODO.format(name='facebook/opt-2.7b'), LOADS, TYPE_TODO.format(keys='model.attention'),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='4800ba')], 24),
     'testing-moe': ([
         FSDP_LINE, KWARGS, *MPT_LINES,
         "removed: model.loss_fn: torch_crossentropy: no equivalent (the loss is transformers' cross-entropy on the "
@@ -539,6 +543,19 @@ def _tiny_gpt_neo(path: Path) -> Path:
     return path
 
 
+def _tiny_opt(path: Path) -> Path:
+    """A 1-layer OPT saved by transformers itself, the bundled tokenizer beside it."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from foundrymix.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    OPTForCausalLM(OPTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
+                             word_embed_proj_dim=16, vocab_size=8192, max_position_embeddings=SMALL_SEQ)
+                   ).save_pretrained(path)
+    load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
+    return path
+
+
 def _tiny_dbrx(path: Path) -> Path:
     """A 1-layer DBRX (2 experts) saved by transformers itself, the bundled tokenizer beside it."""
     from transformers import DbrxConfig, DbrxForCausalLM
@@ -578,6 +595,8 @@ def _todo_done(name: str, data: Path, tmp_path: Path) -> list[str]:
         'mpt-125m': [], 'mpt-small-cpu': [], 'testing-moe': [],  # (its to-do deletes a key: DELETE)
         # GPT-Neo ignores position_ids and has no sdpa: the two settings plan asks once the type is known
         'gpt-neo-125m': neo() + ['model.attention=causal', 'model.attn_implementation=eager'],
+        # OPT ignores position_ids too (it has sdpa)
+        'opt-3b': [f'model.pretrained_model_name_or_path={_tiny_opt(tmp_path / "opt")}', 'model.attention=causal'],
         'gpt2-arc-easy-cpu-streaming-dataset': gpt2(),
         'gpt2-small': gpt2(),  # its config_overrides.n_positions is a gpt2 key: nothing to delete
         # (and their load_path placeholder, oci://my-bucket/...: plan and train refuse it)
@@ -778,7 +797,7 @@ def _report_of(src: Path, tmp_path: Path, capsys) -> tuple[list[str], Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name', ['gpt2-small', '7b_dolly_sft', 'gpt-neo-125m', 'testing-moe'])
+@pytest.mark.parametrize('name', ['gpt2-small', '7b_dolly_sft', 'gpt-neo-125m', 'opt-3b', 'testing-moe'])
 def test_the_other_migrated_yamls_train_two_batches(name, small_streams, tmp_path, capsys):
     """The shipped YAMLs no other test trains: migrated (GPT-Neo from a local directory, so
     migrate sets its attention), to-dos done, with the CPU trial line as printed and the fit
