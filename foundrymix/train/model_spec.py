@@ -8,6 +8,7 @@ only when a ``model`` section is read.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import inspect
@@ -184,12 +185,10 @@ def _modeling_source(model_type: str) -> str:
     import importlib.util
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return ''
-    try:
-        spec = importlib.util.find_spec(f'transformers.models.{model_type}.modeling_{model_type}')
-    except ImportError:
-        return ''
+    spec = None
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        with contextlib.suppress(ImportError):
+            spec = importlib.util.find_spec(f'transformers.models.{model_type}.modeling_{model_type}')
     if spec is None or not spec.origin or not os.path.isfile(spec.origin):
         return ''
     with open(spec.origin, encoding='utf-8') as f:
@@ -220,7 +219,8 @@ def check_model_type(model_type: str, where: str) -> None:
     from transformers import CONFIG_MAPPING
     if model_type in CONFIG_MAPPING and getattr(CONFIG_MAPPING[model_type](), 'is_encoder_decoder', False):
         raise ModelConfigError(f"{where}: {model_type!r} is an encoder-decoder model; foundrymix trains decoder-only "
-                               f"causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry", path=f'{where}.type')
+                               f"causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry",
+                               path=f'{where}.type')
 
 
 def check_attention(model_type: str, attention: str, attn: Optional[str], where: str) -> Optional[str]:
@@ -230,8 +230,9 @@ def check_attention(model_type: str, attention: str, attn: Optional[str], where:
     if not has_sdpa(model_type):
         if attn == 'sdpa' or (model_type == 'mpt' and attn not in (None, 'eager')):
             what = "MPT has only eager" if model_type == 'mpt' else f"{model_type!r} has no sdpa"
-            raise ModelConfigError(f"{where}.attn_implementation: {attn!r}: transformers' {what} attention; leave attn_implementation out (eager is used) "
-                                   f"or write eager", path=f'{where}.attn_implementation')
+            raise ModelConfigError(f"{where}.attn_implementation: {attn!r}: transformers' {what} attention; leave "
+                                   f"attn_implementation out (eager is used) or write eager",
+                                   path=f'{where}.attn_implementation')
         attn = attn or 'eager'
     if attention == 'document' and not reads_position_ids(model_type):
         works = ', '.join(t for t in DOCUMENT_TYPES if reads_position_ids(t))

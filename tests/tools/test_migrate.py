@@ -306,7 +306,8 @@ SHIPPED = {
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='llama-3-8b_domain_adapt'), AUTH,
         'removed: load_weights_only: true: no load_path, so no weights to load (LLM-Foundry ignored it)',
         HUB_TODO.format(name='meta-llama/Meta-Llama-3-8B'), LOADS,
-        TYPE_TODO.format(keys='model.attention, model.config_overrides.max_seq_len, model.config_overrides.attn_config'),
+        TYPE_TODO.format(keys='model.attention, model.config_overrides.max_seq_len, '
+                              'model.config_overrides.attn_config'),
         'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='3195ba')], 26),
     'dbrx-lora-ft': ([
         FSDP_LINE, AUTH, RUN_NAME_LINE.format(was='empty', name='dbrx-lora-ft'),
@@ -340,11 +341,12 @@ SHIPPED = {
         "labels)",
         # a mixture of experts would silently become a dense MLP: kept, so plan refuses it until deleted
         "to do: model.ffn_config: {'ffn_type': 'mb_dmoe', 'memory_optimized_mlp': True, 'mlp_impl': 'grouped', "
-        "'moe_lbl_in_fp32': False, 'moe_loss_weight': 0.01, 'moe_num_experts': 4, 'moe_top_k': 2, 'moe_world_size': 1, "
-        "'uniform_expert_assignment': False}: LLM-Foundry MPT's ffn_config has no equivalent: transformers' MPT has one "
-        "MLP (d_model x expansion_ratio, GELU: LLM-Foundry's default ffn_type mptmlp); kept, so plan and train refuse "
-        "the YAML: delete model.ffn_config to accept a dense MLP instead of its experts (a different model), or keep "
-        "this run on LLM-Foundry", 'to do: 1 line(s) above before it runs', CPU + EVAL.format(end='200ba')], 25),
+        "'moe_lbl_in_fp32': False, 'moe_loss_weight': 0.01, 'moe_num_experts': 4, 'moe_top_k': 2, "
+        "'moe_world_size': 1, 'uniform_expert_assignment': False}: LLM-Foundry MPT's ffn_config has no equivalent: "
+        "transformers' MPT has one MLP (d_model x expansion_ratio, GELU: LLM-Foundry's default ffn_type mptmlp); "
+        "kept, so plan and train refuse the YAML: delete model.ffn_config to accept a dense MLP instead of its "
+        "experts (a different model), or keep this run on LLM-Foundry",
+        'to do: 1 line(s) above before it runs', CPU + EVAL.format(end='200ba')], 25),
 }
 
 
