@@ -26,10 +26,9 @@ TOP_RENAMES = {'fsdp_config': 'fsdp', 'console_log_interval': 'log_interval', 'g
 #: what a rename's line adds: where the meaning differs
 _RENAME_NOTES = {'fsdp_config': " (FSDP runs on GPUs here: a CPU run is refused until fsdp is left out; "
                                 "LLM-Foundry dropped it with a warning on one rank)"}
-#: LLM-Foundry ``model.name`` -> ``model.type`` (None: the name goes, pretrained_model_name_or_path stays)
-MODEL_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': None}
-#: LLM-Foundry's encoder-decoder model names: foundrymix trains causal LMs only, so migrate refuses them
-ENCODER_DECODER = {'hf_t5': 'T5'}
+#: LLM-Foundry ``model.name`` -> ``model.type`` (None: the name goes, pretrained_model_name_or_path stays;
+#: T5, an encoder-decoder, is then refused as ``plan`` refuses it)
+MODEL_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': None, 'hf_t5': 't5'}
 INTERVALS = ('eval_interval', 'save_interval', 'log_interval')
 _REF = re.compile(r'\$\{([A-Za-z_]\w*)\}')
 _VAR_REF = re.compile(r'\$\{variables\.([A-Za-z_]\w*)\}')
@@ -254,9 +253,6 @@ def _model(m: Migration) -> None:
     if not isinstance(model, dict) or 'name' not in model:
         return
     name = model.pop('name')
-    if name in ENCODER_DECODER:
-        raise ConfigError(f'model.name: {name}: {ENCODER_DECODER[name]} is an encoder-decoder model; foundrymix '
-                          f'trains decoder-only causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry')
     if name not in MODEL_NAMES:
         m.todo.append(f'model.name: {name}: give model.type, a transformers model_type')
         return
