@@ -135,7 +135,7 @@ def test_migrate_without_peft_carries_peft_config_and_asks_for_peft(tmp_path, ca
         "merged model, or with --adapter the adapter alone",
         "to do: model.peft_config: LoRA needs the peft library, which is not installed: pip install "
         "'foundrymix[peft]' (the migrated YAML is refused so)"]
-    assert 'to do: 4 line(s) above before it runs' in lines  # 3 with peft (test_migrate.py)
+    assert 'to do: 5 line(s) above before it runs' in lines  # 4 with peft (test_migrate.py)
     assert yaml.safe_load(out.read_text())['model']['peft_config']['target_modules'] == ['Wqkv']
 
 
