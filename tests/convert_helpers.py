@@ -53,4 +53,3 @@ def tree_hash(root) -> dict[str, str]:
             else:
                 out[rel] = 'dir'
     return out
-

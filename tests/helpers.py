@@ -251,4 +251,3 @@ def tiny_dbrx(path: Path) -> Path:
                     ).save_pretrained(path)
     load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
     return path
-

@@ -147,9 +147,7 @@ train_loader:
 '''
 
 
-
 def write_yaml(tmp_path, root, duration='3ep'):
     path = tmp_path / 'run.yaml'
     path.write_text(PLAN_YAML.format(root=root, duration=duration))
     return str(path)
-

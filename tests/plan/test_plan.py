@@ -13,6 +13,7 @@ from foundrymix.loader.mixer import StreamMixer
 from foundrymix.plan.mixture import parse_duration
 from mix_helpers import PLAN_YAML, build_three, loader_dict, write_yaml
 
+
 @pytest.fixture(scope='module')
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp('plan')
