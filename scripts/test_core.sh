@@ -40,6 +40,7 @@ CORE_TESTS=(
   tests/convert/test_adopt.py
   tests/format/test_convert_mds.py
   tests/format/test_integrity.py
+  tests/format/test_mds_compat.py
   tests/plan/test_plan.py
   tests/plan/test_plan_checks.py
   tests/plan/test_exact.py

@@ -6,7 +6,9 @@ both sides; ``convert`` on one side; ``plan`` (pure) then ``loader`` (runtime) t
 function-level ones included (they are how heavy imports are deferred), must go to a
 lower layer or stay in its own package. And streaming's private modules
 (``streaming.base.*``) are imported only by the one format module
-``format/streaming_format.py`` (MDS hashes, codecs and row reader).
+``format/streaming_format.py`` (MDS hashes, codecs and row reader). In ``tests/``, a test
+module imports no other test module: what tests share is in helper modules, so running one
+test file never collects or runs another's module-level code.
 """
 
 from __future__ import annotations
@@ -77,4 +79,11 @@ def test_streaming_privates_only_in_the_adapters():
         for line, module in _imports(path):
             if module.startswith('streaming.') and rel not in STREAMING_PRIVATE_ALLOWED:
                 bad.append(f'{rel}:{line} imports {module}')
+    assert not bad, '\n'.join(bad)
+
+
+def test_test_modules_import_no_test_module():
+    bad = [f'{path.relative_to(ROOT)}:{line} imports {module}'
+           for path in sorted((ROOT / 'tests').rglob('*.py'))
+           for line, module in _imports(path) if module.split('.')[0].startswith('test_')]
     assert not bad, '\n'.join(bad)

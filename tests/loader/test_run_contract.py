@@ -27,8 +27,7 @@ import pytest
 import torch
 import yaml
 from helpers import tiny_run_config
-
-from test_train import assert_same_weights, final_state, sample_log, train
+from train_helpers import sample_log, train
 
 BATCH = 4
 

@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEMO_TOKENIZER, SMALL_SEQ
+from helpers import DEMO_TOKENIZER, FOUNDRY_DIR, SMALL_SEQ, tiny_dbrx
 
 from foundrymix.cli import main
 from foundrymix.config import ConfigError, ConfigErrors
 from foundrymix.train.config import load_config
-
-#: LLM-Foundry's own YAMLs (tests/data/foundry/README.md: source, commit and license)
-FOUNDRY_DIR = Path(__file__).resolve().parent.parent / 'data' / 'foundry'
 
 #: LLM-Foundry's scripts/train/yamls/pretrain/mpt-125m.yaml (its old top-level variables style)
 FOUNDRY = """
@@ -558,20 +555,6 @@ def _tiny_opt(path: Path) -> Path:
     return path
 
 
-def _tiny_dbrx(path: Path) -> Path:
-    """A 1-layer DBRX (2 experts) saved by transformers itself, the bundled tokenizer beside it."""
-    from transformers import DbrxConfig, DbrxForCausalLM
-
-    from foundrymix.tokenizer import load_tokenizer
-    torch.manual_seed(0)
-    DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=SMALL_SEQ, vocab_size=8192,
-                               attn_config={'kv_n_heads': 2},
-                               ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1})
-                    ).save_pretrained(path)
-    load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
-    return path
-
-
 #: what fits each migrated YAML to this machine's data, never a fix of the migration: where the
 #: data is (every split the YAMLs name), the tokenizer and row length the streams were made with
 FIT = [f'tokenizer={DEMO_TOKENIZER}', f'max_seq_len={SMALL_SEQ}', 'global_train_batch_size=4',
@@ -609,7 +592,7 @@ def _todo_done(name: str, data: Path, tmp_path: Path) -> list[str]:
         # its LoRA targets DBRX's Wqkv: a tiny DBRX, whose attention ignores position_ids (causal;
         # plan and train say so once the model is a local directory, migrate cannot know before)
         'dbrx-lora-ft': streams + [f'eval_loader.streams.eval.local={data / "test"}',
-                                   f'model.pretrained_model_name_or_path={_tiny_dbrx(tmp_path / "dbrx")}',
+                                   f'model.pretrained_model_name_or_path={tiny_dbrx(tmp_path / "dbrx")}',
                                    'model.attention=causal'],
     }[name]
 

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_run_config
-
-from test_train import assert_same_weights, final_state, sample_log
+from train_helpers import assert_same_weights, final_state, sample_log
 
 BATCHES = 12
 EVERY = 2

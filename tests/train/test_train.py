@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from helpers import ROOT, tiny_run_config
 from helpers import SMALL_SEQ as SEQ
+from train_helpers import assert_same_weights, final_state, sample_log, train
 
 BATCH = 6
 N_BATCHES = 40
@@ -42,36 +42,12 @@ def write_config(path: Path, data: dict[str, str], **top) -> Path:
     return path
 
 
-def train(config: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / 'train.py'), str(config), *overrides],
-                          capture_output=True, text=True, cwd=config.parent, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f'train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}')
-    return proc
-
-
-def final_state(save_folder: Path) -> dict:
-    ckpt = torch.load(save_folder / 'latest-rank0.pt', map_location='cpu', weights_only=False)
-    return ckpt['state']
-
-
-def sample_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def compare_cli(capsys, run_a: Path, run_b: Path, *options: str) -> tuple[int, list[str]]:
     """``foundrymix compare`` (in-process): (exit code, printed lines)."""
     from foundrymix.cli import main
     capsys.readouterr()
     code = main(['compare', str(run_a), str(run_b), *options])
     return code, capsys.readouterr().out.splitlines()
-
-
-def assert_same_weights(a: dict, b: dict) -> None:
-    wa, wb = a['model'], b['model']
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), f'weights differ at {k}'
 
 
 @pytest.fixture(scope='module')
