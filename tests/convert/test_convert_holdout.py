@@ -1,4 +1,5 @@
-"""convert --holdout: OUT/eval and OUT/train hold exactly the records the hash rule picks.
+"""convert --holdout: OUT/eval and OUT/train hold exactly the records the hash rule picks,
+and ``plan`` reports what an evaluation on ``{local: OUT, split: eval}`` reads.
 
 The rule is recomputed here from the input records (sha256 of each record's sorted JSON),
 and each side's records are recovered from its rows by matching them against an independent
@@ -16,13 +17,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from convert_helpers import ids, read_jsonl, read_rows, write_jsonl
 from foundrymix.cli import main
 from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.format.schema import Manifest
+from foundrymix.loader.mixer import StreamMixer
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
+from foundrymix.train.config import load_config
 
 L = 4096  # every Dolly/HH example fits: none is dropped, so each side's rows hold all its records
 
@@ -157,3 +161,41 @@ def test_an_empty_eval_side_is_refused(arxiv_jsonl, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and 'no documents fell in the eval split' in err[0], err
     assert not (tmp_path / 'out' / 'eval').exists() and not (tmp_path / 'out' / 'train').exists()
+
+
+@pytest.fixture(scope='module')
+def dolly_split(dolly_jsonl, tmp_path_factory):
+    out = tmp_path_factory.mktemp('split') / 'dolly'
+    convert_finetune([str(dolly_jsonl)], str(out), FinetuneOptions(max_seq_len=256, workers=2, holdout='5%'))
+    return out
+
+
+@pytest.mark.parametrize('world, eval_batch, subset', [(1, 3, 8), (2, None, -1), (1, 5, -1)])
+def test_plan_reports_the_batches_the_evaluator_reads(dolly_split, tmp_path, capsys, world, eval_batch, subset):
+    """``plan``'s eval set against the real eval loader (the trainer's: the ``eval_loader``'s
+    streams at the eval batch on each rank), counted batch by batch, and the rows in the index."""
+    cfg = {'max_seq_len': 256, 'global_train_batch_size': 8, 'max_duration': '1ep',
+           'train_loader': {'streams': {'dolly': {'local': str(dolly_split), 'split': 'train'}}},
+           'eval_loader': {'streams': {'dolly_eval': {'local': str(dolly_split), 'split': 'eval'}}},
+           'eval_subset_num_batches': subset}
+    if eval_batch is not None:
+        cfg['device_eval_batch_size'] = eval_batch
+    path = tmp_path / 'c.yaml'
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(['plan', str(path), '--json', '--world-size', str(world)]) == 0
+    got = json.loads(capsys.readouterr().out)['eval']
+    rows = len(read_rows(dolly_split / 'eval'))
+    per_rank = eval_batch or 8 // world
+    loader = StreamMixer(load_config(str(path), data_only=True).eval_loader, 'eval_loader').build_dataloader(
+        batch_size=per_rank, world_size=world, rank=world - 1, rewind=True)
+    sizes = [len(b['input_ids']) for b in loader]
+    assert set(sizes) == {per_rank}
+    batches = len(sizes) if subset < 0 else min(subset, len(sizes))
+    assert got == {'rows': rows, 'rows_per_stream': {'dolly_eval': rows}, 'global_batch_size': per_rank * world,
+                   'batches': batches, 'rows_evaluated': batches * per_rank * world,
+                   'left_out_by_batches': rows - len(sizes) * per_rank * world,
+                   'left_out_by_subset': (len(sizes) - batches) * per_rank * world}
+    assert got['left_out_by_batches'] + got['left_out_by_subset'] > 0  # each case leaves some out
+    assert main(['plan', str(path), '--world-size', str(world)]) == 0
+    assert (f"eval: {rows} rows (dolly_eval {rows}) in global batches of {per_rank * world}: {batches} batches "
+            f"per evaluation") in capsys.readouterr().out
