@@ -199,3 +199,25 @@ def test_plan_reports_the_batches_the_evaluator_reads(dolly_split, tmp_path, cap
     assert main(['plan', str(path), '--world-size', str(world)]) == 0
     assert (f"eval: {rows} rows (dolly_eval {rows}) in global batches of {per_rank * world}: {batches} batches "
             f"per evaluation") in capsys.readouterr().out
+
+
+def test_s3_out_gets_both_sides_as_two_prefixes(arxiv_jsonl, tmp_path):
+    """``--out s3://bucket/p --keep-local DIR``: ``p/eval`` and ``p/train`` uploaded, ``DIR/eval``
+    and ``DIR/train`` kept, each byte for byte the local conversion's side."""
+    from helpers import moto_s3
+
+    def files(directory):
+        return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+    options = dict(max_seq_len=256, workers=1, size_limit='16kb', holdout='0.2')
+    convert_pretrain([str(arxiv_jsonl)], str(tmp_path / 'local'), PretrainOptions(**options))
+    with moto_s3('fmx-holdout') as s3:
+        convert_pretrain([str(arxiv_jsonl)], (str(tmp_path / 'kept'), 's3://fmx-holdout/p'),
+                         PretrainOptions(**options))
+        client = s3['client']
+        for side in ('eval', 'train'):
+            keys = [o['Key'] for o in client.list_objects_v2(Bucket='fmx-holdout', Prefix=f'p/{side}/')['Contents']]
+            uploaded = {k.rsplit('/', 1)[1]: client.get_object(Bucket='fmx-holdout', Key=k)['Body'].read()
+                        for k in keys}
+            assert uploaded == files(tmp_path / 'local' / side) == files(tmp_path / 'kept' / side)
+            assert len(uploaded) > 3  # several shards, index and manifest
