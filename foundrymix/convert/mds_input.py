@@ -236,9 +236,9 @@ def download_datasets(url: str, into: str, progress: bool = False) -> int:
     """
     from foundrymix.convert.upload import parse_s3_url
     from foundrymix.format.shards import index_files
-    from foundrymix.s3.client import RetryCounter, describe, list_keys, make_client
+    from foundrymix.s3.client import describe, list_keys, make_client
     s3 = parse_s3_url(url, 'adopt')
-    client = make_client(RetryCounter())
+    client = make_client()
     try:
         keys = set(list_keys(client, s3))
     except Exception as e:
