@@ -98,7 +98,7 @@ class RowStore:
         for attempt in (0, 1):
             reader = self._open(shard)
             try:
-                row = reader.get_item(idx - int(self._shard_start[shard]))
+                row = reader[idx - int(self._shard_start[shard])]
                 break
             except FileNotFoundError:
                 self._readers.pop(shard, None)  # evicted by another process since we opened it
@@ -158,7 +158,7 @@ class RowStore:
             return reader if reader is not None else self._open_now(shard)
 
     def _open_now(self, shard: int) -> Any:
-        from foundrymix.format.streaming_format import reader_from_json
+        from foundrymix.format.streaming_format import ShardRows
         k, j = self._where[shard]
         src = self.sources[k]
         info = src.shards[j]
@@ -187,7 +187,7 @@ class RowStore:
         if self.budget is not None:
             with contextlib.suppress(OSError):
                 os.utime(path)  # opened now: the last shard the budget evicts
-        reader = reader_from_json(src.directory, None, info)
+        reader = ShardRows(info, path=path)
         self._readers[shard] = reader
         return reader
 
