@@ -5,7 +5,6 @@ number of ranks with the same global batch, replays nothing."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from dataclasses import dataclass
@@ -189,7 +188,6 @@ class StagedDataLoader(DataLoader):
             return
         store = active.store
         del active
-        gc.collect()  # a span's iterator (and any workers) first
         store.release()
 
 
