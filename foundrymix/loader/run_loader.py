@@ -7,7 +7,6 @@ ranks with the same global batch, replays nothing."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from dataclasses import dataclass
@@ -161,7 +160,6 @@ class StagedDataLoader:
             return
         store = active.store
         del active
-        gc.collect()  # a span's iterator (and any workers) first
         store.release()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -307,21 +306,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
         extended = extension_line(trainer.state, scheduler, cfg.optimizer.lr)
     if line:
         _print0(line, extended)
-    freeze_built_heap()
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
                     plan=data.plan, claims=held, finished=finished, remote_save=saving)
-
-
-def freeze_built_heap() -> None:
-    """Collect, then move every object built so far out of the cyclic collector's sight (``gc.freeze``).
-
-    Why: generation-2 collections walk these long-lived objects again and again, and the
-    loader's workers, forked at the first batch, would copy their pages (Python's docs advise
-    freezing before fork). :func:`train` unfreezes at the end; a caller that builds many
-    trainers in one process should call ``gc.unfreeze()`` after each.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def train(cfg: TrainConfig) -> TrainRun:
@@ -352,7 +338,6 @@ def train(cfg: TrainConfig) -> TrainRun:
         run.claims.release()
         if run.remote_save is not None:
             run.remote_save.close()
-        gc.unfreeze()  # the run is over: what it built may be garbage now (a second run in this process)
     return run
 
 

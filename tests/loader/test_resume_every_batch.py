@@ -17,8 +17,7 @@ the ranks must hold the same global batch as one rank does).
 
 Real processes: each configuration runs in fresh interpreters (two ranks: two processes
 with a gloo process group, ``RANK``/``WORLD_SIZE`` as a launcher sets them), each with its
-own ``TMPDIR``, and with ``gc.freeze()`` after the imports (the loader's ``release`` runs
-``gc.collect`` at every stage switch; freezing keeps it to the new objects).
+own ``TMPDIR``.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ GLOBAL_BATCH = 4
 # One rank: the straight run, its position after every batch, then a fresh plan and loader
 # restored at every position, read to the end.
 CHILD = textwrap.dedent('''
-    import gc, json, os, sys
+    import json, os, sys
     from foundrymix.plan.config import LoaderConfig
     from foundrymix.plan.topology import Topology
     from foundrymix.plan.stages import plan_run
@@ -49,7 +48,6 @@ CHILD = textwrap.dedent('''
     if ranks > 1:
         dist.init_process_group('gloo')
     batch = job['global_batch'] // ranks
-    gc.freeze()
 
     def plan(config):
         run, _ = plan_run(LoaderConfig.from_dict(config), batch, None,
