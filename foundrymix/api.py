@@ -27,24 +27,25 @@ def build_loader(config: ConfigSource, *, rank: Optional[int] = None,
     """The run's loader for global rank ``rank`` of ``world_size`` ranks (default: the
     launcher's ``RANK`` / ``WORLD_SIZE``, else 0 of 1).
 
-    Iterating it yields this rank's ``global_train_batch_size / world_size`` rows of every
-    global batch from its position to the end of the run; ``state_dict()`` is that position.
+    A plain stateful iterable (not a torch ``DataLoader``: accelerate, Lightning Fabric and the
+    HF Trainer take it unchanged). Iterating it yields this rank's ``global_train_batch_size /
+    world_size`` rows of every global batch from its position to the end of the run;
+    ``state_dict()`` is that position.
     A config the trainer or ``foundrymix plan`` would refuse is refused here with the same
     one-line :class:`~foundrymix.config.ConfigError`.
     """
     from foundrymix.loader.run_loader import build_run_loader
-    from foundrymix.plan.stages import plan_run
     from foundrymix.plan.topology import Topology
     from foundrymix.plan.data_config import batch_per_rank, check_data_streams
 
     rank, world_size = _ranks(rank, world_size)
     cfg = _read(config, overrides, max_duration)
     device_batch = batch_per_rank(cfg, world_size)
-    run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
-                             Topology(nodes=1, ranks_per_node=world_size), rank_count_limit=0)
+    loader, catalogs = build_run_loader(cfg.train_loader, device_batch, cfg.max_duration,
+                                        Topology(nodes=1, ranks_per_node=world_size), rank=rank)
     for catalog in catalogs:
         check_data_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
-    return build_run_loader(run, device_batch, rank=rank)
+    return loader
 
 
 def _ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:

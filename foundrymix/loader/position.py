@@ -6,9 +6,7 @@ start and trained length; later stages may change and new ones be appended (docs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
-
-from torch.utils.data import IterableDataset
+from typing import Any, Optional
 
 from foundrymix.config import ConfigError
 from foundrymix.plan.adaptive import AdaptiveController, build_controller
@@ -28,8 +26,9 @@ class Resumed:
     old_total_samples: Optional[int] = None  # None: the checkpoint did not record it
 
 
-class StagedPosition(IterableDataset):
-    """Composer finds it as ``train_dataloader.dataset`` and checkpoints it (``state_dict``)."""
+class StagedPosition:
+    """The next global batch to yield, and each adaptive stage's controller (built here once
+    per loader: its decisions are state a checkpoint keeps)."""
 
     def __init__(self, run: RunPlan) -> None:
         self.run = run
@@ -39,11 +38,8 @@ class StagedPosition(IterableDataset):
         self.adaptive: dict[int, AdaptiveController] = {
             stage.index: c for stage in run.stages if (c := build_controller(stage)) is not None}
 
-    def __iter__(self) -> Iterator[Any]:  # pragma: no cover - the loader iterates, not this
-        raise TypeError('iterate the StagedDataLoader, not its position')
-
-    def state_dict(self, num_samples: int = 0, from_beginning: bool = True) -> dict[str, Any]:
-        """(Composer's arguments: unused, the position is the batch.)"""
+    def state_dict(self) -> dict[str, Any]:
+        """The batch, each trained stage's fingerprint and the adaptive decisions: plain values."""
         stage = self.run.stage_at(self.batch)
         # stages with at least one batch trained: their data is now immutable
         done = [s for s in self.run.stages if s.start_batch < self.batch]

@@ -124,9 +124,11 @@ def foundry_note(info: StreamInfo) -> str:
     docs = {'eos': f'documents end after each EOS (id {m.options["separator"]})',
             'bos': f'documents start at each BOS (id {m.options["separator"]})',
             'none': 'no EOS or BOS of the tokenizer in shard 0: each row is one document'}[rule]
+    where = (f'nothing is written into {info.directory}' if info.remote_dir is None else
+             f'{info.remote_dir} is read; its files are downloaded into {info.directory} (the download cache, '
+             f'as LLM-Foundry uses local:)')
     return (f'{info.name}: LLM-Foundry token shards read in place (tokens: {m.options["file_dtype"]}, rows of '
-            f'{m.max_seq_len}, tokenizer {m.tokenizer.name}); {docs}; nothing is written into '
-            f'{info.directory}')
+            f'{m.max_seq_len}, tokenizer {m.tokenizer.name}); {docs}; {where}')
 
 
 def weights_in_note(weights_in: str, plans: list[StreamPlan], L: int) -> str:

@@ -102,8 +102,9 @@ def _run(args: argparse.Namespace) -> int:
     plan = run if run.explicit else run.stages[0].plan
     schedule = lr_schedule(cfg, run)
     lr = cfg.optimizer.lr if schedule is not None else None
+    from foundrymix.tools.plan_eval import eval_json, print_eval
     if args.json:
-        out = plan.to_dict()
+        out = {**plan.to_dict(), **eval_json(cfg, world, nodes)}
         if schedule is not None:
             out['lr_schedule'] = schedule.to_dict(lr)
         print(json.dumps(out, indent=2))
@@ -118,6 +119,7 @@ def _run(args: argparse.Namespace) -> int:
             render_plan(plan, console, all_streams=args.streams == 'all')
         if schedule is not None:
             render_lr_schedule(schedule, lr, console)
+        print_eval(cfg, world, nodes, console)
     if args.png:
         from foundrymix.train.picture import plot_run_plan
         plot_run_plan(run, args.png, lr=(schedule, lr) if schedule is not None else None)

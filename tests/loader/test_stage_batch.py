@@ -57,7 +57,7 @@ def state_at(d, at):
     it = iter(staged)
     for _ in range(at):
         next(it)
-    state = json.loads(json.dumps(staged.dataset.state_dict()))
+    state = json.loads(json.dumps(staged.state_dict()))
     del it
     staged.release()
     return state
@@ -111,14 +111,14 @@ def test_resume_before_at_and_after_a_batch_change(dirs, straight, at):
     state = state_at(warmup(dirs), at)
     assert state['batch'] == at
     resumed = loader(warmup(dirs))
-    resumed.dataset.load_state_dict(state)
+    resumed.load_state_dict(state)
     assert ids(resumed) == [b for _, _, b in batches[at:]]
 
 
 def test_a_trained_stage_keeps_its_batch(dirs):
     state = state_at(warmup(dirs), 11)  # one batch into grow
     with pytest.raises(ConfigError) as e:
-        loader(warmup(dirs, grow=4)).dataset.load_state_dict(state)
+        loader(warmup(dirs, grow=4)).load_state_dict(state)
     assert str(e.value) == (
         "train_loader.stages[1].global_train_batch_size: the checkpoint trained 1 batches of stage "
         "'grow' with a global batch of 8 rows, this config gives it 4; its epochs and every batch "
@@ -132,7 +132,7 @@ def test_a_trained_stage_keeps_its_batch(dirs):
     with pytest.raises(ConfigError, match=r'train_loader.stages \(warm\): its data changed since the '
                                           r'checkpoint \(global batch size 4 -> 8 \(a trained '
                                           r"stage's global_train_batch_size must stay fixed\)\)"):
-        loader(edited).dataset.load_state_dict(state)
+        loader(edited).load_state_dict(state)
 
 
 def test_the_advice_works(dirs, straight):
@@ -145,7 +145,7 @@ def test_the_advice_works(dirs, straight):
     d['stages'].insert(2, {**rest, 'name': 'grow-16', 'global_train_batch_size': 16,
                            'duration': '64sp'})
     resumed = loader(d)
-    resumed.dataset.load_state_dict(state)
+    resumed.load_state_dict(state)
     assert [len(b) for b in ids(resumed)] == [16] * 4 + [16] * 8
 
 
@@ -158,7 +158,7 @@ def test_a_stage_starting_at_the_checkpoint_may_change_its_batch(dirs, at, stage
     edited = warmup(dirs, **({'grow': batch} if stage == 1 else {'full': batch}))
     straight_edited = ids(loader(edited))
     resumed = loader(edited)
-    resumed.dataset.load_state_dict(state)
+    resumed.load_state_dict(state)
     assert ids(resumed) == straight_edited[at:]
     assert {len(b) for b in straight_edited[at:at + 1]} == {batch}
 

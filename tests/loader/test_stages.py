@@ -101,11 +101,11 @@ def test_resume_anywhere_gives_the_same_batches(dirs, straight, at):
     it = iter(first)
     for _ in range(at):
         next(it)
-    state = first.dataset.state_dict()
+    state = first.state_dict()
     del it
     assert state['batch'] == at
     resumed = loader(three_stages(dirs))
-    resumed.dataset.load_state_dict(state)
+    resumed.load_state_dict(state)
     assert run_all(resumed) == batches[at:]
 
 
@@ -114,7 +114,7 @@ def state_at(dirs, at, d=None):
     it = iter(staged)
     for _ in range(at):
         next(it)
-    return staged.dataset.state_dict()
+    return staged.state_dict()
 
 
 def test_editing_a_trained_stage_is_refused(dirs):
@@ -122,18 +122,18 @@ def test_editing_a_trained_stage_is_refused(dirs):
     changed = three_stages(dirs)
     changed['stages'][0]['streams']['wiki']['repeat'] = 2.0
     with pytest.raises(ConfigError) as e:
-        loader(changed).dataset.load_state_dict(state)
+        loader(changed).load_state_dict(state)
     assert str(e.value).startswith('train_loader.stages (pretrain): its data changed since the '
                                    'checkpoint (stream wiki: repeat 0.5 -> 2.0)')
     current = three_stages(dirs)
     current['stages'][1]['streams']['dolly'] = {'repeat': 3}
     with pytest.raises(ConfigError, match=r'stages \(mix\): its data changed .*stream dolly: '
                                           r'repeat 1.0 -> 3.0.*duration: 10ba\) and add a new stage'):
-        loader(current).dataset.load_state_dict(state)
+        loader(current).load_state_dict(state)
     shorter = three_stages(dirs)
     shorter['stages'][0]['duration'] = '20ba'
     with pytest.raises(ConfigError, match=r'finished with 30 batches, now 20'):
-        loader(shorter).dataset.load_state_dict(state)
+        loader(shorter).load_state_dict(state)
 
 
 def test_later_stages_may_change_and_stages_may_be_appended(dirs, straight):
@@ -143,7 +143,7 @@ def test_later_stages_may_change_and_stages_may_be_appended(dirs, straight):
     d['stages'][2]['streams']['arxiv']['repeat'] = 0.5  # not trained yet: editable
     d['stages'].append({'name': 'extra', 'duration': '3ba', 'streams': {'wiki': {'repeat': 1}}})
     staged = loader(d)
-    staged.dataset.load_state_dict(state)
+    staged.load_state_dict(state)
     got = run_all(staged)
     assert got[:10] == batches[40:50]  # the rest of the current stage is unchanged
     # finetune now 60 + 60 rows per epoch: 2ep = 2 x 30 batches, then 'extra'
@@ -160,7 +160,7 @@ def test_end_the_current_stage_now_and_switch_the_mixture(dirs, straight):
     d['stages'].insert(2, {'name': 'mix2', 'duration': '5ba',
                            'streams': {'dolly': {'repeat': 1}, 'wiki': {'repeat': 1}}})
     staged = loader(d)
-    staged.dataset.load_state_dict(state)
+    staged.load_state_dict(state)
     got = run_all(staged)
     assert [g[0] for g in got[:5]] == [[2] * BATCH] * 5  # mix2 from exactly batch 41
     assert {n for g in got[:5] for n in g[1]} <= {'dolly', 'wiki'}

@@ -12,8 +12,7 @@ from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.plan.exact import trim_chooses
 from foundrymix.loader.mixer import StreamMixer
-from mix_helpers import build_stream, build_three, identity, loader_dict
-from test_plan import write_yaml
+from mix_helpers import build_stream, build_three, identity, loader_dict, write_yaml
 
 
 @pytest.fixture(scope='module')

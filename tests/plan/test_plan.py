@@ -10,29 +10,7 @@ import pytest
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
-from mix_helpers import build_three, loader_dict
-
-YAML = '''
-variables:
-  root: {root}
-global_train_batch_size: 8
-max_duration: {duration}
-max_seq_len: 32
-model: {{type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1,
-         num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 32}}
-train_loader:
-  streams:
-    arxiv:
-      local: ${{variables.root}}/arxiv
-      repeat: 1
-    wiki:
-      local: ${{variables.root}}/wiki
-      repeat: 2.5
-    dolly:
-      local: ${{variables.root}}/dolly
-      repeat: 0.5
-  shuffle_seed: 17
-'''
+from mix_helpers import PLAN_YAML, build_three, loader_dict, write_yaml
 
 
 @pytest.fixture(scope='module')
@@ -40,12 +18,6 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp('plan')
     build_three(str(root), (120, 80, 60))
     return root
-
-
-def write_yaml(tmp_path, root, duration='3ep'):
-    path = tmp_path / 'run.yaml'
-    path.write_text(YAML.format(root=root, duration=duration))
-    return str(path)
 
 
 def loader_epochs(dirs, weights, batch_size, epochs):
@@ -269,7 +241,7 @@ def _containers(obj, seen=None) -> set:
 
 def _data_only(tmp_path, root, seq_len: bool = False) -> str:
     """The run YAML without its model section (and without max_seq_len unless ``seq_len``)."""
-    lines = YAML.format(root=root, duration='3ep').splitlines()
+    lines = PLAN_YAML.format(root=root, duration='3ep').splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith('model:'))
     del lines[start:start + 2]  # model: {...} spans two lines
     if not seq_len:
