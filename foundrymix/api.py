@@ -31,8 +31,8 @@ def build_loader(config: ConfigSource, *, rank: Optional[int] = None,
     HF Trainer take it unchanged). Iterating it yields this rank's ``global_train_batch_size /
     world_size`` rows of every global batch from its position to the end of the run;
     ``state_dict()`` is that position.
-    A config the trainer or ``foundrymix plan`` would refuse is refused here with the same
-    one-line :class:`~foundrymix.config.ConfigError`.
+    Data keys the trainer or ``foundrymix plan`` would refuse are refused here with the same
+    one-line :class:`~foundrymix.config.ConfigError` (a YAML's trainer keys are theirs to check).
     """
     from foundrymix.loader.run_loader import build_run_loader
     from foundrymix.plan.topology import Topology
