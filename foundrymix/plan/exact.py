@@ -32,12 +32,12 @@ def apportion(weights: Sequence[Any], total: int) -> np.ndarray:
         exact = [Fraction(x) for x in np.asarray(weights, object).tolist()]
         den = math.lcm(*(f.denominator for f in exact)) if exact else 1
         ints = np.array([int(f * den) for f in exact], object)
-    whole = int(ints.sum()) if len(ints) else 0
+    whole = sum(ints.tolist())
     if whole <= 0 or total <= 0:
         if total > 0:
             raise ValueError(f'{total} units apportioned over weights that sum to zero')
         return np.zeros(len(ints), np.int64)
-    if ints.dtype == np.int64 and int(ints.max()) < (1 << 62) // max(total, 1):
+    if ints.dtype == np.int64 and whole < (1 << 62) and int(ints.max()) < (1 << 62) // total:
         share, rest = np.divmod(ints * total, whole)
     else:  # exact for any size: Python integers
         pairs = [divmod(int(c) * total, whole) for c in ints.tolist()]

@@ -274,3 +274,27 @@ def test_weights_are_streamings_apply_weights_but_relative_ones_whole_by_largest
             assert ours.chooses.tolist() == largest_remainder(relative, theirs), case
         else:
             assert ours.chooses.tolist() == [int(s.choose) for s in streams], case
+
+
+def test_apportion_is_the_largest_remainder_of_the_exact_weights():
+    """The one apportioner against the brute force above: random float, integer and huge integer
+    weights, equal weights (ties to the stream listed first), never above a weight when the
+    total is at most their sum."""
+    import numpy as np
+
+    from foundrymix.plan.exact import apportion
+    rng = np.random.default_rng(3)
+    for case in range(500):
+        n = int(rng.integers(1, 9))
+        weights = ([float(x) for x in rng.random(n)] if case % 3 == 0 else
+                   [int(x) for x in rng.integers(0, 50, n)] if case % 3 == 1 else
+                   [int(x) * 10 ** 15 + 1 for x in rng.integers(1, 10 ** 4, n)])
+        if sum(weights) == 0:
+            continue
+        total = int(rng.integers(0, 3 * int(sum(weights)) + 2 if case % 3 == 1 else 10 ** 6))
+        got = apportion(weights, total).tolist()
+        assert got == largest_remainder(weights, total), (case, weights, total)
+        if case % 3 == 1 and total <= sum(weights):
+            assert all(g <= w for g, w in zip(got, weights))
+    assert apportion([1 / 7] * 7, 10).tolist() == largest_remainder([Fraction(1, 7)] * 7, 10)
+    assert apportion([2, 2, 1], 2).tolist() == [1, 1, 0] and apportion([1, 2, 2], 2).tolist() == [0, 1, 1]
