@@ -89,8 +89,8 @@ class AdaptiveController:
         self.offsets = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
         if self.draws is None:
             self.draws = [StreamDraws([n], (self.seed, i)) for i, n in enumerate(self.rows)]
-        self.draws_before = np.asarray(0 if self.draws_before is None else self.draws_before,
-                                       np.int64) + np.zeros(len(self.rows), np.int64)
+        self.draws_before = (np.zeros(len(self.rows), np.int64) if self.draws_before is None
+                             else np.asarray(self.draws_before, np.int64))
         if self.replay is not None:
             self._check_replay()
         if not self.decisions:
