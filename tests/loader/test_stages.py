@@ -226,3 +226,29 @@ def test_max_duration_must_equal_the_sum(dirs):
         loader(three_stages(dirs), '90ba')
     with pytest.raises(ConfigError, match=r'max_duration: 2ep is ambiguous with stages'):
         loader(three_stages(dirs), '2ep')
+
+
+def test_an_adaptive_stage_goes_on_with_a_plain_stages_passes(dirs):
+    """A plain stage leaves wiki mid-pass; the adaptive stage after it (its rows decided from a
+    fed loss) takes wiki's next draws: over the run no wiki row is trained twice before every
+    wiki row once (brute force over the rows' own tags)."""
+    cfg = {'streams': {n: {'local': d} for n, d in dirs.items()}, 'stages': [
+        {'name': 'a', 'duration': '15ba', 'streams': {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 1}}},
+        {'name': 'b', 'duration': '30ba', 'epoch_size': 200,
+         'streams': {'wiki': {'proportion': 0.5}, 'dolly': {'proportion': 0.5}},
+         'adaptive': {'method': 'odm', 'every': '5ba', 'min_share': 0.05}}]}
+    staged = loader(cfg)
+    assert staged.run.stages[0].plan.duration.rows_per_stream['wiki'] % 80  # left mid-pass
+    c = staged.position.adaptive[1]
+    wiki = []
+    for b in staged:
+        wiki += [row for tag, row in (identity(ids) for ids in b['input_ids'].numpy()) if tag == 1]
+        done = staged.position.batch
+        if 15 < done < 45 and (done - 15) % 5 == 0:
+            c.update(np.array([6.0, 2.0]) * 100, np.array([100.0, 100.0]))  # wiki: higher loss
+    assert len(wiki) > 80  # past a whole pass
+    seen = np.zeros(80, np.int64)
+    for t, row in enumerate(wiki):
+        seen[row] += 1
+        k = (t + 1) // 80
+        assert ((seen == k) | (seen == k + 1)).all(), t
