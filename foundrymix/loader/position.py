@@ -67,17 +67,15 @@ class StagedPosition(IterableDataset):
     def load_state_dict(self, obj: dict[str, Any]) -> None:
         """Resume at ``obj['batch']`` after checking that the trained past is unchanged."""
         version = int(obj.get('version', 0) if isinstance(obj, dict) else 0)
-        if version < 3:
+        if version < POSITION_VERSION:
             raise ConfigError(
                 'the checkpoint was written by an older foundrymix, whose sample order was '
                 "streaming's sampler: it cannot be resumed by this version (the order is now "
-                "foundrymix's own); start the run again, or finish it with the version that wrote it")
-        if version < POSITION_VERSION:
-            raise ConfigError(
+                "foundrymix's own); start the run again, or finish it with the version that wrote it"
+                if version < 3 else
                 f'the checkpoint was written by an older foundrymix (data position version {version}), '
-                f'whose rows per stream depended on the shuffle seed and whose stages restarted a '
-                f'reused stream\'s passes; this version trains other rows from the same config '
-                f'(whole rows from the weights alone, passes that go on across stages), so it cannot '
+                f"whose rows per stream depended on the shuffle seed and whose stages restarted a reused "
+                f"stream's passes; this version trains other rows from the same config, so it cannot "
                 f'resume it: start the run again, or finish it with the version that wrote it')
         batch = int(obj['batch'])
         if batch > self.run.total_batches:

@@ -76,9 +76,8 @@ class AdaptiveController:
     options: dict[str, float] = field(default_factory=dict)
     replay: Optional[list[Decision]] = None
     decisions: list[Decision] = field(default_factory=list)
-    #: each stream's draws (:func:`~foundrymix.plan.order.stream_draws`); None: one shard a stream
+    #: each stream's draws, and those earlier stages took: the stage order's (its passes go on)
     draws: Optional[list[StreamDraws]] = None
-    #: draws of each stream taken before the stage (earlier stages'): its passes go on from there
     draws_before: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
@@ -87,10 +86,6 @@ class AdaptiveController:
         policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(self.method)
         self.policy: Policy = FixedPolicy(initial) if policy is None else policy(initial, **self.options)
         self.offsets = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
-        if self.draws is None:
-            self.draws = [StreamDraws([n], (self.seed, i)) for i, n in enumerate(self.rows)]
-        self.draws_before = (np.zeros(len(self.rows), np.int64) if self.draws_before is None
-                             else np.asarray(self.draws_before, np.int64))
         if self.replay is not None:
             self._check_replay()
         if not self.decisions:
@@ -178,10 +173,9 @@ class AdaptiveController:
         """Segment ``k``'s global sample ids, in training order: a block of the decided rows
         per stream from the streams' cursors, so a pass is finished before the next starts."""
         decision = self.decision(k)
-        assert self.draws_before is not None
+        assert self.draws is not None and self.draws_before is not None
         block = Block(np.asarray(decision.rows, np.int64), self.draws_before + self.consumed_before(k),
                       (self.seed, len(self.rows), 1_000_003, k))
-        assert self.draws is not None
         streams, rows = rows_of(self.draws, *block.draws(0, block.size))
         return self.offsets[streams] + rows
 
@@ -253,8 +247,7 @@ def build_controller(stage: Any) -> Optional[AdaptiveController]:
         every=a.batches('every', where), warmup=a.batches('warmup', where),
         min_share=a.min_share, seed=seed,
         start_batch=stage.start_batch, batches=stage.batches, options=options, replay=replay,
-        draws=stage.plan.order.draws if stage.infos else None,
-        draws_before=stage.plan.order.start if stage.infos else None)
+        draws=stage.plan.order.draws, draws_before=stage.plan.order.start)
 
 
 def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:

@@ -26,27 +26,22 @@ def apportion(weights: Sequence[Any], total: int) -> np.ndarray:
     order). The plan's one rounding: whole rows are a function of the weights alone, never of a
     seed; with ``total`` at most the weights' sum, none gets more than its weight."""
     w = np.asarray(weights)
-    if w.dtype.kind in 'iub':
-        ints: Any = w.astype(np.int64)
-    else:
-        exact = [Fraction(x) for x in np.asarray(weights, object).tolist()]
-        den = math.lcm(*(f.denominator for f in exact)) if exact else 1
-        ints = np.array([int(f * den) for f in exact], object)
-    whole = sum(ints.tolist())
-    if whole <= 0 or total <= 0:
+    if w.dtype.kind not in 'iu':  # floats, fractions: exact integers over a common denominator
+        exact = [Fraction(x) for x in w.tolist()]
+        den = math.lcm(*(f.denominator for f in exact))
+        w = np.array([int(f * den) for f in exact], object)
+    whole = sum(w.tolist())
+    if total <= 0 or whole <= 0:
         if total > 0:
             raise ValueError(f'{total} units apportioned over weights that sum to zero')
-        return np.zeros(len(ints), np.int64)
-    if ints.dtype == np.int64 and whole < (1 << 62) and int(ints.max()) < (1 << 62) // total:
-        share, rest = np.divmod(ints * total, whole)
+        return np.zeros(len(w), np.int64)
+    if w.dtype.kind in 'iu' and whole < (1 << 62) and int(w.max()) < (1 << 62) // total:
+        share, rest = np.divmod(w.astype(np.int64) * total, whole)
     else:  # exact for any size: Python integers
-        pairs = [divmod(int(c) * total, whole) for c in ints.tolist()]
-        share = np.array([q for q, _ in pairs], np.int64)
-        rest = np.array([r for _, r in pairs], object)
+        pairs = [divmod(int(c) * total, whole) for c in w.tolist()]
+        share, rest = np.array([q for q, _ in pairs], object), [r for _, r in pairs]
     share = share.astype(np.int64)
-    missing = total - int(share.sum())
-    if missing:
-        share[sorted(range(len(share)), key=lambda i: (-rest[i], i))[:missing]] += 1
+    share[sorted(range(len(share)), key=lambda i: (-rest[i], i))[:total - int(share.sum())]] += 1
     return share
 
 
@@ -73,12 +68,12 @@ class EpochWeights:
 
 @dataclass(frozen=True)
 class Weighted:
-    """Rows per stream per epoch, each stream's share of the epoch, and the epoch's size."""
+    """Rows per stream per epoch, the epoch's size, and the exact weights the rows are made from
+    (each stream's share of the epoch is its weight over their sum)."""
 
     chooses: np.ndarray
-    proportions: np.ndarray
     epoch_size: int
-    weights: tuple[Any, ...]     # the exact weights ``chooses`` and ``proportions`` are made from
+    weights: tuple[Any, ...]
 
 
 def weighted(infos: list[StreamInfo], weights: EpochWeights, weights_in: str = 'rows') -> Weighted:
@@ -98,16 +93,13 @@ def weighted(infos: list[StreamInfo], weights: EpochWeights, weights_in: str = '
     kinds = {k for k, _ in given}
     if kinds == {'proportion'} or (kinds == {None} and size):
         exact = tuple(v for _, v in given) if kinds == {'proportion'} else tuple(rows.tolist())
-        shares = np.array(exact, np.float64)
-        shares /= shares.sum()
         total = size or int(rows.sum())
-        return Weighted(apportion(exact, total), shares, int(total), exact)
+        return Weighted(apportion(exact, total), int(total), exact)
     if 'proportion' in kinds or size:  # LoaderConfig refuses both before a plan is made
         raise ConfigError('relative and absolute weights mixed, or an epoch_size with absolute weights')
     chooses = np.array([int(v * r) if k == 'repeat' else int(v) if k == 'choose' else int(r)
                         for (k, v), r in zip(given, rows)], np.int64)
-    with np.errstate(invalid='ignore', divide='ignore'):
-        return Weighted(chooses, chooses / chooses.sum(), int(chooses.sum()), tuple(chooses.tolist()))
+    return Weighted(chooses, int(chooses.sum()), tuple(chooses.tolist()))
 
 
 def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: int,

@@ -229,11 +229,6 @@ class StageOrder:
         if self.block_size <= 0:
             raise ValueError('a block holds no row')
 
-    def continuing(self, draws: Sequence[StreamDraws], start: Sequence[int]) -> 'StageOrder':
-        """This order reading stream ``i`` through ``draws[i]`` from draw ``start[i]`` on (the
-        same positions and counts: only which rows fill them changes)."""
-        return StageOrder(draws, self.counts, self.global_batch, self.key, self.shuffle, start)
-
     def block(self, e: int) -> Block:
         return Block(self.counts, self.start + e * self.counts, (*self.key, e) if self.shuffle else ())
 
@@ -293,6 +288,6 @@ def rows_of(draws: Sequence[StreamDraws], streams: np.ndarray, index: np.ndarray
 def stream_draws(shard_rows: Sequence[Sequence[int]], names: Sequence[str], seed: int, stage: str,
                  window_rows: int = WINDOW_ROWS, shuffle: bool = True) -> list[StreamDraws]:
     """Every stream's draws as first used in stage ``stage``, keyed by names (stable when streams
-    are added); a later stage reusing a stream goes on with these (:meth:`StageOrder.continuing`)."""
+    are added); a later stage reusing a stream goes on with these (``StageOrder``'s ``start``)."""
     return [StreamDraws(r, (seed, name_key(stage), name_key(n)), window_rows, shuffle)
             for r, n in zip(shard_rows, names)]

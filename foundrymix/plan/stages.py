@@ -15,7 +15,7 @@ from foundrymix.config import ConfigError, parse_duration
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
-from foundrymix.plan.order import StreamDraws
+from foundrymix.plan.order import StageOrder, StreamDraws
 from foundrymix.plan.topology import Topology
 
 
@@ -223,14 +223,16 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
     from foundrymix.plan.adaptive import build_controller, plan_adaptive
-    carried: dict[str, tuple[StreamDraws, int]] = {}
+    carried: dict[str, Optional[tuple[StreamDraws, int]]] = {}
     for stage in stages:
-        _continue_passes(stage, carried)
+        places = _continue_passes(stage, carried)
         controller = build_controller(stage)  # refused now, not at the stage's first batch
         if controller is not None and not plan_adaptive(stage.plan, controller):
             run.decided_during_run.append(stage.name)
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
-        _carry_passes(stage, rows, carried)
+        order = stage.plan.order  # rows decided during the run (None): later, a fresh pass
+        carried.update({w: (order.draws[k], int(order.start[k]) + rows[stage.infos[k].name])
+                        if rows is not None else None for w, k in places.items()})
         for name, n in (rows or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
         if run.explicit:
@@ -241,43 +243,22 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
 
 
 def stream_location(info: StreamInfo) -> str:
-    """What makes a stream the same stream in two stages: where its rows are (remote, else
-    local directory, with split), whatever name a stage gives it."""
+    """What makes a stream the same in two stages, whatever its name: where its rows are."""
     return info.remote_dir or info.directory
 
 
-def _continue_passes(stage: StagePlan, carried: dict[str, tuple[StreamDraws, int]]) -> None:
-    """Make the stage's order read each stream an earlier stage trained (``carried``: location ->
-    its draws and the draws taken) on from where that stage left it, so its passes go on across
-    stages: a stage's first use of a stream (seed, shuffle window) fixes its passes for the run."""
-    order, places = stage.plan.order, _locations(stage)
-    if not places:
-        return
-    draws, start = list(order.draws), np.zeros(len(order.draws), np.int64)
-    for k, where in places.items():
-        draws[k], start[k] = carried.get(where, (draws[k], 0))
-    stage.plan.order = order.continuing(draws, start)
-
-
-def _carry_passes(stage: StagePlan, rows: Optional[dict[str, int]],
-                  carried: dict[str, tuple[StreamDraws, int]]) -> None:
-    """Record the draws each stream of the stage took (``rows``: its rows per stream). An adaptive
-    stage decided during the run (``rows`` None) is not known here: its streams start afresh."""
+def _continue_passes(stage: StagePlan, carried: dict[str, Optional[tuple[StreamDraws, int]]]
+                     ) -> dict[str, int]:
+    """The stage reads each stream from where earlier stages left its draws (``carried``); a
+    stream's first stage fixes its passes. Returns location -> the stage's stream there."""
     order = stage.plan.order
-    for k, where in _locations(stage).items():
-        if rows is None:
-            carried.pop(where, None)
-        else:
-            carried[where] = (order.draws[k], int(order.start[k]) + rows[stage.infos[k].name])
-
-
-def _locations(stage: StagePlan) -> dict[int, str]:
-    """Stream index -> location, for the first stream at each location (a second stream of
-    the stage at the same place has passes of its own)."""
-    if len(stage.plan.order.draws) != len(stage.infos):
-        return {}
-    firsts = {stream_location(info): k for k, info in reversed(list(enumerate(stage.infos)))}
-    return {k: where for where, k in firsts.items()}
+    places = {stream_location(i): k for k, i in reversed(list(enumerate(stage.infos)))}
+    draws, start = list(order.draws), np.zeros(len(order.draws), np.int64)
+    for where, k in places.items():
+        draws[k], start[k] = carried.get(where) or (draws[k], 0)
+    # the same positions and counts: only which rows fill them changes
+    stage.plan.order = StageOrder(draws, order.counts, order.global_batch, order.key, order.shuffle, start)
+    return places
 
 
 def composer_duration(run: RunPlan) -> str:

@@ -239,16 +239,14 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
     for s in run.stages:
         console.rule(f'stage {s.index} {s.name}: batches {s.start_batch:,}-{s.end_batch - 1:,}')
         render_plan(s.plan, console, all_streams)
-    stages = Counter(w for s in run.stages for w in {stream_location(i) for i in s.infos})
-    reused = sorted({i.name for s in run.stages for i in s.infos if stages[stream_location(i)] > 1})
+    at = Counter(stream_location(i) for s in run.stages for i in s.infos)
+    reused = sorted({i.name for s in run.stages for i in s.infos if at[stream_location(i)] > 1})
     if reused:
-        console.print(f'note: {", ".join(reused)} come back in a later stage: a stream\'s '
-                      f'passes go on across stages (its next rows, shuffled as the first stage that '
-                      f'trains it shuffles them), so no row is trained k+1 times before every row '
-                      f'of it k times'
-                      + (f' (except after the adaptive stage {", ".join(run.decided_during_run)}, '
-                         f'whose rows are decided during the run: its streams start a fresh pass)'
-                         if run.decided_during_run else ''))
+        after = ', '.join(run.decided_during_run)
+        console.print(f'note: {", ".join(reused)} come back in a later stage and go on with their '
+                      f'passes (as their first stage shuffles them): no row is trained k+1 times before '
+                      f'every row of its stream k times'
+                      + (f' (after adaptive {after}: a fresh pass)' if after else ''))
     console.rule('whole run')
     if run.decided_during_run:
         console.print(f'rows trained per stream over the run: decided during the run (adaptive '

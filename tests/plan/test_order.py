@@ -180,7 +180,7 @@ def test_a_later_stage_goes_on_with_a_streams_draws(small_leaf):
     b1, b2 = 25, 40
     cursor = int(one.trained(b1)[0])
     assert cursor % 103                                     # stage 1 leaves web mid-pass
-    two = plain.continuing([second[0], first[0]], [0, cursor])
+    two = O.StageOrder([second[0], first[0]], plain.counts, 8, plain.key, start=[0, cursor])
     s1, r1 = enumerate_stage(one, b1)
     s2, r2 = enumerate_stage(two, b2)
     assert [two.trained(b).tolist() for b in range(b2 + 1)] == [plain.trained(b).tolist() for b in range(b2 + 1)]
@@ -193,5 +193,5 @@ def test_a_later_stage_goes_on_with_a_streams_draws(small_leaf):
         k = (t + 1) // 103
         assert ((seen == k) | (seen == k + 1)).all() and (seen == k + 1).sum() == t + 1 - k * 103
     for b in [0, 17, b2 - 1]:
-        s, r = plain.continuing([second[0], first[0]], [0, cursor]).batch(b)
+        s, r = O.StageOrder([second[0], first[0]], plain.counts, 8, plain.key, start=[0, cursor]).batch(b)
         assert (s == s2[b * 8:(b + 1) * 8]).all() and (r == r2[b * 8:(b + 1) * 8]).all()
