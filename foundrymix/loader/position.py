@@ -13,8 +13,8 @@ from foundrymix.plan.adaptive import AdaptiveController, build_controller
 from foundrymix.plan.stages import RunPlan, fingerprint_changes
 
 
-#: version of :meth:`StagedPosition.state_dict`; 3: the order of :mod:`foundrymix.plan.order`
-POSITION_VERSION = 3
+#: version of :meth:`StagedPosition.state_dict`; 4: seed-free whole rows, passes across stages
+POSITION_VERSION = 4
 
 
 @dataclass
@@ -62,11 +62,17 @@ class StagedPosition:
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
         """Resume at ``obj['batch']`` after checking that the trained past is unchanged."""
-        if int(obj.get('version', 0) if isinstance(obj, dict) else 0) < POSITION_VERSION:
+        version = int(obj.get('version', 0) if isinstance(obj, dict) else 0)
+        if version < POSITION_VERSION:
             raise ConfigError(
                 'the checkpoint was written by an older foundrymix, whose sample order was '
                 "streaming's sampler: it cannot be resumed by this version (the order is now "
-                "foundrymix's own); start the run again, or finish it with the version that wrote it")
+                "foundrymix's own); start the run again, or finish it with the version that wrote it"
+                if version < 3 else
+                f'the checkpoint was written by an older foundrymix (data position version {version}), '
+                f"whose rows per stream depended on the shuffle seed and whose stages restarted a reused "
+                f"stream's passes; this version trains other rows from the same config, so it cannot "
+                f'resume it: start the run again, or finish it with the version that wrote it')
         batch = int(obj['batch'])
         if batch > self.run.total_batches:
             raise ConfigError(

@@ -14,7 +14,7 @@ import numpy as np
 from foundrymix.config import DURATION_UNITS, UNIT_WORDS, ConfigError, parse_time, to_batches
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
-from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted
+from foundrymix.plan.exact import EpochWeights, apportion, epoch_weights, weighted
 from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, rank_counts, stream_draws
 from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
@@ -148,11 +148,11 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     epoch is one block, or under stratified batching every global batch is one."""
     G = batch_size * topology.world_size
     weights = epoch_weights(config, infos, G)
-    w = weighted(infos, weights, config.shuffle_seed, config.weights_in)
+    w = weighted(infos, weights, config.weights_in)
     epoch_size, chooses = w.epoch_size, w.chooses
     rows = np.array([i.rows for i in infos], np.int64)
     if config.batching_method == 'stratified':
-        portions = np.array(stratified_portions([float(p) for p in w.proportions], G), np.int64)
+        portions = apportion(w.weights, G)
         fits = [int(c) // int(p) for c, p in zip(chooses, portions) if p > 0]
         batches = min(fits) if fits else 0
         trained, block = portions * batches, portions

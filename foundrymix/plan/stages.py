@@ -9,10 +9,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from foundrymix.config import DURATION_UNITS, ConfigError, parse_time, to_batches
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
+from foundrymix.plan.order import StageOrder, StreamDraws
 from foundrymix.plan.topology import Topology
 
 
@@ -209,11 +212,16 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
     from foundrymix.plan.adaptive import build_controller, plan_adaptive
+    carried: dict[str, Optional[tuple[StreamDraws, int]]] = {}
     for stage in stages:
+        places = _continue_passes(stage, carried)
         controller = build_controller(stage)  # refused now, not at the stage's first batch
         if controller is not None and not plan_adaptive(stage.plan, controller):
             run.decided_during_run.append(stage.name)
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
+        order = stage.plan.order  # rows decided during the run (None): later, a fresh pass
+        carried.update({w: (order.draws[k], int(order.start[k]) + rows[stage.infos[k].name])
+                        if rows is not None else None for w, k in places.items()})
         for name, n in (rows or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
         if run.explicit:
@@ -221,6 +229,25 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
         else:
             run.warnings += stage.plan.warnings
     return run
+
+
+def stream_location(info: StreamInfo) -> str:
+    """What makes a stream the same in two stages, whatever its name: where its rows are."""
+    return info.remote_dir or info.directory
+
+
+def _continue_passes(stage: StagePlan, carried: dict[str, Optional[tuple[StreamDraws, int]]]
+                     ) -> dict[str, int]:
+    """The stage reads each stream from where earlier stages left its draws (``carried``); a
+    stream's first stage fixes its passes. Returns location -> the stage's stream there."""
+    order = stage.plan.order
+    places = {stream_location(i): k for k, i in reversed(list(enumerate(stage.infos)))}
+    draws, start = list(order.draws), np.zeros(len(order.draws), np.int64)
+    for where, k in places.items():
+        draws[k], start[k] = carried.get(where) or (draws[k], 0)
+    # the same positions and counts: only which rows fill them changes
+    stage.plan.order = StageOrder(draws, order.counts, order.global_batch, order.key, order.shuffle, start)
+    return places
 
 
 def _check_max_duration(max_duration: str, run: RunPlan) -> None:

@@ -86,22 +86,34 @@ def test_each_stage_yields_batches_of_its_own_size_as_planned(straight):
         got = Counter(n for _, names, _ in inside for n in names)
         assert dict(got) == stage.plan.duration.rows_per_stream
         assert sum(got.values()) == stage.samples
-    full = run.stages[2]
-    for e in range(2):  # each epoch of full: 64 distinct rows (an exact epoch of 4 x 16)
-        rows = [i for _, _, b in batches[full.start_batch + 4 * e:full.start_batch + 4 * (e + 1)]
-                for i in b]
-        assert len(rows) == len(set(rows)) == 64
+    # over the run, each stream's rows are pass-complete across the batch changes: never a row
+    # k+1 times before every row of its stream k times (stage by stage sample ids -> rows)
+    seen = {'arxiv': [0] * 120, 'wiki': [0] * 80, 'dolly': [0] * 60}
+    for stage_ids, names, sample_ids in batches:
+        streams = run.stages[stage_ids[0]].plan.streams
+        offset = {s.name: sum(t.rows for t in streams[:k]) for k, s in enumerate(streams)}
+        for name, i in zip(names, sample_ids):
+            counts = seen[name]
+            counts[i - offset[name]] += 1
+            k = sum(counts) // len(counts)
+            assert set(counts) <= {k, k + 1}
 
 
 def test_a_stage_trains_what_a_run_with_its_batch_trains(dirs, straight):
-    """Independent of the staged loader's bookkeeping: stage grow's batches are those of a
-    one-stage run of grow's mixture whose own global batch is 8."""
+    """Independent of the staged loader's bookkeeping: stage grow's batches are laid out as
+    those of a one-stage run of grow's mixture whose own global batch is 8, and its dolly (first
+    trained in grow) is the same rows; arxiv and wiki go on from warm's passes instead."""
     run, batches = straight
     alone = warmup(dirs)
     alone['stages'] = [{k: v for k, v in alone['stages'][1].items()
                         if k != 'global_train_batch_size'}]
-    assert ids(build_staged_loader(LoaderConfig.from_dict(alone), 8)) == \
-        [b for _, _, b in batches[10:30]]
+    staged = build_staged_loader(LoaderConfig.from_dict(alone), 8)
+    got = [([staged.stream_names[i] for i in b['stream_id'].tolist()], b['sample_id'].tolist())
+           for b in staged]
+    assert [names for names, _ in got] == [names for _, names, _ in batches[10:30]]
+    dolly = [[i for n, i in zip(names, b) if n == 'dolly'] for names, b in got]
+    assert dolly == [[i for n, i in zip(names, b) if n == 'dolly'] for _, names, b in batches[10:30]]
+    assert [b for _, b in got] != [b for _, _, b in batches[10:30]]
 
 
 @pytest.mark.parametrize('at', [9, 10, 11, 29, 30, 33])
