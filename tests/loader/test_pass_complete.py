@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from foundrymix.loader.mixer import StreamMixer
-from foundrymix.loader.run_loader import build_run_loader
+from foundrymix.loader.run_loader import StagedDataLoader
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.stages import plan_run
 from foundrymix.plan.topology import Topology
@@ -77,7 +77,7 @@ def test_a_curriculum_goes_on_with_a_reused_streams_passes(tmp_path):
     run, _ = plan_run(config, B, None, Topology(ranks_per_node=W), rank_count_limit=0)
     per_rank = []
     for rank in range(W):
-        loader = build_run_loader(run, B, rank=rank)
+        loader = StagedDataLoader(run, rank=rank)
         per_rank.append([[identity(row) for row in b['input_ids'].numpy()] for b in loader])
         loader.release()
         del loader

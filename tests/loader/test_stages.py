@@ -115,7 +115,7 @@ def test_a_position_of_the_seed_dependent_order_is_refused_in_one_line(dirs):
     state = state_at(dirs, 40)
     assert state['version'] == 4
     with pytest.raises(ConfigError) as e:
-        loader(three_stages(dirs)).dataset.load_state_dict({**state, 'version': 3})
+        loader(three_stages(dirs)).load_state_dict({**state, 'version': 3})
     assert '\n' not in str(e.value)
     assert str(e.value).startswith('the checkpoint was written by an older foundrymix (data position '
                                    'version 3), whose rows per stream depended on the shuffle seed')
