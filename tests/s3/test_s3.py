@@ -10,7 +10,6 @@ naming the stream and remote path; ``train.py`` trains on ``s3://`` streams.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -83,10 +82,8 @@ def files_under(root: Path) -> dict[str, set[str]]:
 
 def read_epoch(mixer: StreamMixer) -> list[dict[str, torch.Tensor]]:
     loader = mixer.build_dataloader(batch_size=BATCH)
-    ds = loader.dataset
     batches = [{k: v.clone() for k, v in b.items()} for b in loader]
-    del loader, ds
-    gc.collect()
+    loader.release()
     return batches
 
 
