@@ -116,7 +116,7 @@ def _load_spm(path: str) -> Any:
     """
     from sentencepiece import SentencePieceProcessor
     from sentencepiece import sentencepiece_model_pb2 as spm_pb
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
@@ -137,24 +137,27 @@ def _load_spm(path: str) -> Any:
     backend.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in pieces
                                 if p.type in (p.UNKNOWN, p.CONTROL)])
     backend.add_tokens([AddedToken(p.piece, normalized=False) for p in pieces if p.type == p.USER_DEFINED])
+    # spaces become U+2581 and one is put in front (SentencePiece's dummy prefix), even before
+    # a leading space, which a Metaspace pre-tokenizer would not double
     prefix = proto.normalizer_spec.add_dummy_prefix
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement='\u2581', prepend_scheme='first' if prefix else 'never',
-                                                     split=False)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend('\u2581')] * prefix
+                                              + [normalizers.Replace(' ', '\u2581')])
     backend.decoder = decoders.Sequence([decoders.Replace('\u2581', ' '), decoders.ByteFallback(), decoders.Fuse()]
                                         + ([decoders.Strip(' ', 1, 0)] if prefix else []))
     backend.post_processor = processors.TemplateProcessing(single=f'{bos} $A', pair=f'{bos} $A {bos} $B',
                                                            special_tokens=[(bos, spec.bos_id)])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, bos_token=bos, eos_token=eos,
                                   clean_up_tokenization_spaces=False)
-    if tok(SPM_PROBE, add_special_tokens=False)['input_ids'] != SentencePieceProcessor(model_file=path).encode(SPM_PROBE):
+    if tok(SPM_PROBE, add_special_tokens=False)['input_ids'] != SentencePieceProcessor(model_file=path).encode(
+            SPM_PROBE):
         raise ValueError('its tokens differ from SentencePiece\'s (not a Llama-style model: normalization?); '
                          'convert it to a tokenizer directory with transformers')
     return tok
 
 
-#: text on which a SentencePiece model's tokens are checked: words, runs of spaces, tabs,
-#: newlines, digits, accents, CJK and an emoji (byte fallback)
-SPM_PROBE = 'Hello world, x  y   z    w\n\n\tcode(1234) \u00fcber na\u00efve \u6f22\u5b57 \U0001f917 end.'
+#: text on which a SentencePiece model's tokens are checked: words, runs of spaces (leading
+#: too), tabs, newlines, digits, accents, CJK and an emoji (byte fallback)
+SPM_PROBE = '  Hello world, x  y   z    w\n\n\tcode(1234) \u00fcber na\u00efve \u6f22\u5b57 \U0001f917 end.'
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:

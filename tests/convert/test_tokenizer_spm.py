@@ -46,27 +46,36 @@ def test_saved_directory_is_the_same_tokenizer(spm_tokenizer, tmp_path):
         assert again(text)['input_ids'] == tok(text)['input_ids']
 
 
-def _train(tmp_path, model_type: str) -> str:
+#: how Llama's SentencePiece model was trained: no normalization, spaces kept, byte fallback
+LLAMA_STYLE = dict(normalization_rule_name='identity', remove_extra_whitespaces=False, byte_fallback=True)
+
+
+def _train(tmp_path, name: str, **options) -> str:
     text = tmp_path / 'train.txt'
-    text.write_text('\n'.join(f'the cat {i} sat on the mat number {i * 7}' for i in range(300)), encoding='utf-8')
-    prefix = tmp_path / model_type
-    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(prefix), vocab_size=60,
-                                             model_type=model_type, bos_id=1, eos_id=2, unk_id=0,
-                                             minloglevel=2)
+    text.write_text('\n'.join(f'the cat {i} sat on  the mat number {i * 7}' for i in range(300)), encoding='utf-8')
+    prefix = tmp_path / name
+    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(prefix), vocab_size=300,
+                                             bos_id=1, eos_id=2, unk_id=0, minloglevel=2, **options)
     return f'{prefix}.model'
 
 
-def test_a_small_bpe_model_matches_and_a_unigram_one_is_refused(tmp_path):
-    bpe = _train(tmp_path, 'bpe')
+def test_a_small_llama_style_model_matches_others_are_refused(tmp_path):
+    bpe = _train(tmp_path, 'bpe', model_type='bpe', **LLAMA_STYLE)
     sp = sentencepiece.SentencePieceProcessor(model_file=bpe)
     tok = load_tokenizer(bpe)
     for text in ('the cat 12 sat  on the mat', 'unseen words: zebra!', *SPACEY):
         assert tok(text, add_special_tokens=False)['input_ids'] == sp.encode(text)
-    unigram = _train(tmp_path, 'unigram')
+    unigram = _train(tmp_path, 'unigram', model_type='unigram', **LLAMA_STYLE)
     with pytest.raises(TokenizerError) as e:
         load_tokenizer(unigram)
     assert str(e.value) == (f'{unigram}: cannot load this SentencePiece model: ValueError: not a BPE model '
                             f'with unk, BOS and EOS pieces (Llama-style)')
+    normalizing = _train(tmp_path, 'nfkc', model_type='bpe')  # NFKC, runs of spaces collapsed
+    with pytest.raises(TokenizerError) as e:
+        load_tokenizer(normalizing)
+    assert str(e.value) == (f"{normalizing}: cannot load this SentencePiece model: ValueError: its tokens differ "
+                            f"from SentencePiece's (not a Llama-style model: normalization?); convert it to a "
+                            f"tokenizer directory with transformers")
 
 
 def test_a_damaged_model_file_is_one_line(tmp_path):
