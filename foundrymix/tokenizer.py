@@ -5,8 +5,8 @@ Why offline only: conversion and training must never reach a model hub at run ti
 
 * ``foundrymix-bpe-8k`` -- the bundled demo tokenizer (byte-level BPE, no BOS);
 * a directory holding a Hugging Face tokenizer (``tokenizer.json`` etc.);
-* a SentencePiece ``.model``/``.model.v*`` file (Llama-style: adds BOS), converted by
-  ``LlamaTokenizerFast`` (:func:`_load_spm`);
+* a SentencePiece ``.model``/``.model.v*`` file (Llama-style: adds BOS), built from its
+  pieces and scores (:func:`_load_spm`);
 * a name already in the local Hugging Face cache (looked up with
   ``local_files_only=True``; never downloaded).
 """
@@ -109,10 +109,10 @@ def _load_spm(path: str) -> Any:
     giving SentencePiece's own ids (checked on :data:`SPM_PROBE`; a model for which it does
     not -- a unigram model, a normalizing one -- is refused).
 
-    Built here from the model's pieces and scores rather than by transformers' converter:
-    4.x dropped the dummy prefix when given ``vocab_file`` and 5.x ranks merges by id
-    instead of score (runs of spaces tokenize differently), so neither reproduces
-    SentencePiece, and the fingerprint must not depend on the transformers version.
+    Built here rather than by transformers' converters, which do not reproduce
+    SentencePiece's ids (4.x from ``vocab_file`` omits the dummy prefix; 5.x ranks merges
+    by piece id, not score), so the ids and the fingerprint do not depend on the
+    transformers version.
     """
     from sentencepiece import SentencePieceProcessor
     from sentencepiece import sentencepiece_model_pb2 as spm_pb
