@@ -64,7 +64,7 @@ def plain_batch(G: int, seq: int, rounds: int) -> list[float]:
     from mix_helpers import build_stream
 
     from foundrymix.loader.collate import collate
-    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.loader.run_loader import StagedDataLoader
     from foundrymix.plan.config import LoaderConfig
     from foundrymix.plan.stages import plan_run
     root = tempfile.mkdtemp(prefix='bench-adaptive-')
@@ -76,7 +76,7 @@ def plain_batch(G: int, seq: int, rounds: int) -> list[float]:
     cfg = LoaderConfig.from_dict({'streams': streams, 'epoch_size': 10 * G,
                                   'adaptive': {'method': 'fixed', 'every': '1000ba'}})
     run, _ = plan_run(cfg, G, '1000ba')
-    loader = build_run_loader(run, G)
+    loader = StagedDataLoader(run)
     it = iter(loader)
     next(it)  # the dataset is built; shards opened
     dataset = loader.storage

@@ -3,7 +3,7 @@
 Two real ranks (processes, a gloo process group, ``RANK``/``WORLD_SIZE`` as a launcher sets
 them) read the same run of ``--batches`` global batches from a synthetic stream through
 the run's loader (``num_workers: 2``), rounds alternating ``off`` (no agreement, the
-baseline) and ``on`` (``loader.stop_together = StopTogether()``): off, on, off, on ...
+baseline) and ``on`` (``read_together(loader, StopTogether())``): off, on, off, on ...
 Printed: each mode's median seconds per batch and ``on``'s ratio to ``off`` of the same run,
 and what one agreement costs on its own (``--calls`` of them, no reading).
 
@@ -30,8 +30,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 RANK = '''
 import json, sys, time
 import torch.distributed as dist
-from foundrymix.loader.run_loader import build_run_loader
-from foundrymix.loader.together import StopTogether
+from foundrymix.loader.run_loader import StagedDataLoader
+from foundrymix.train.together import StopTogether, read_together
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.stages import plan_run
 from foundrymix.plan.topology import Topology
@@ -43,12 +43,11 @@ run, _ = plan_run(config, batch, f"{job['batches']}ba", Topology(nodes=1, ranks_
 times = {'off': [], 'on': []}
 for _ in range(job['rounds']):
     for mode in times:
-        loader = build_run_loader(run, batch)
-        loader.stop_together = StopTogether() if mode == 'on' else None
+        loader = StagedDataLoader(run)
         loader.prepare()
         dist.barrier()
         start = time.perf_counter()
-        n = sum(1 for _ in loader)
+        n = sum(1 for _ in (read_together(loader, StopTogether()) if mode == 'on' else loader))
         times[mode].append((time.perf_counter() - start) / n)
         loader.release()
 agree = StopTogether()

@@ -1,8 +1,8 @@
 """The run's loader for any training loop: :func:`build_loader`.
 
-A loop that is not Composer's gets the loader the Composer trainer is given, built from the
-same plan, so stages, exact mixtures, repetition and resume behave identically. Imports no
-composer. How to use it: docs/any-trainer.md.
+Any loop gets the loader the trainer is given, built from the same plan, so stages, exact
+mixtures, repetition and resume behave identically. Imports no trainer: a YAML is read by the
+core's :class:`~foundrymix.plan.data_config.DataConfig`. How to use it: docs/any-trainer.md.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from foundrymix.config import ConfigError
+from foundrymix.heap import collector_paused
 
 if TYPE_CHECKING:
     from foundrymix.loader.run_loader import StagedDataLoader
+    from foundrymix.plan.data_config import DataConfig
 
 #: a YAML file, or the same keys as a mapping (``${variables.x}`` interpolations resolved)
 ConfigSource = Union[str, 'os.PathLike[str]', Mapping[str, Any]]
@@ -25,24 +27,25 @@ def build_loader(config: ConfigSource, *, rank: Optional[int] = None,
     """The run's loader for global rank ``rank`` of ``world_size`` ranks (default: the
     launcher's ``RANK`` / ``WORLD_SIZE``, else 0 of 1).
 
-    Iterating it yields this rank's ``global_train_batch_size / world_size`` rows of every
-    global batch from its position to the end of the run; ``state_dict()`` is that position.
-    A config the trainer or ``foundrymix plan`` would refuse is refused here with the same
-    one-line :class:`~foundrymix.config.ConfigError`.
+    A plain stateful iterable (not a torch ``DataLoader``: accelerate, Lightning Fabric and the
+    HF Trainer take it unchanged). Iterating it yields this rank's ``global_train_batch_size /
+    world_size`` rows of every global batch from its position to the end of the run;
+    ``state_dict()`` is that position.
+    Data keys the trainer or ``foundrymix plan`` would refuse are refused here with the same
+    one-line :class:`~foundrymix.config.ConfigError` (a YAML's trainer keys are theirs to check).
     """
     from foundrymix.loader.run_loader import build_run_loader
-    from foundrymix.plan.stages import plan_run
     from foundrymix.plan.topology import Topology
-    from foundrymix.train.config import check_data_streams, split_batch
+    from foundrymix.plan.data_config import batch_per_rank, check_data_streams
 
     rank, world_size = _ranks(rank, world_size)
     cfg = _read(config, overrides, max_duration)
-    device_batch, _ = split_batch(cfg, world_size)
-    run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
-                             Topology(nodes=1, ranks_per_node=world_size), rank_count_limit=0)
+    device_batch = batch_per_rank(cfg, world_size)
+    loader, catalogs = build_run_loader(cfg.train_loader, device_batch, cfg.max_duration,
+                                        Topology(nodes=1, ranks_per_node=world_size), rank=rank)
     for catalog in catalogs:
         check_data_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
-    return build_run_loader(run, device_batch, rank=rank)
+    return loader
 
 
 def _ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
@@ -62,11 +65,13 @@ def _ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
     return r, w
 
 
-def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional[str]) -> Any:
-    """The config as ``foundrymix plan`` reads it (a YAML without ``model`` is data-only)."""
-    from foundrymix.train.config import DataConfig, TrainConfig, load_config
+@collector_paused()  # a large YAML allocates much and frees nothing (foundrymix/heap.py)
+def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional[str]) -> 'DataConfig':
+    """The data part of the config (:meth:`~foundrymix.plan.data_config.DataConfig.from_run`:
+    a YAML without ``model`` is data-only, every key checked)."""
+    from foundrymix.plan.data_config import DataConfig, read_yaml_config
     if isinstance(config, (str, os.PathLike)):
-        return load_config(os.fspath(config), overrides, max_duration, data_only=True)
+        return read_yaml_config(os.fspath(config), overrides, max_duration, DataConfig.from_run)
     if not isinstance(config, Mapping):
         raise ConfigError(f'build_loader: config must be a YAML path or a mapping, got '
                           f'{type(config).__name__}')
@@ -76,7 +81,7 @@ def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional
     data = _resolved(config)
     if max_duration is not None:
         data['max_duration'] = max_duration
-    return (TrainConfig if 'model' in data else DataConfig).from_dict(data)
+    return DataConfig.from_run(data)
 
 
 def _resolved(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -78,6 +78,48 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+class FileLock:
+    """An ``flock`` on one file (made if absent): exclusive, or shared with other shared holders.
+
+    The one lock of the node's files (claims here, the cache budget, shard hash records, shard
+    fetches). ``flock`` belongs to the open file, so two threads or two processes that each
+    open the file exclude each other alike, and the kernel drops it when the holder closes the
+    file or dies (even by SIGKILL): a lock never goes stale. Opening raises ``OSError`` (a
+    read-only directory, or no such file with ``create=False``) before anything is locked.
+    ``with FileLock(path):`` holds it exclusively for the block.
+    """
+
+    def __init__(self, path: str, create: bool = True) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o666)
+
+    def lock(self, shared: bool = False, wait: bool = True) -> bool:
+        """Take the lock (waiting unless ``wait`` is False); whether it was taken."""
+        try:
+            fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+            return True
+        except BlockingIOError:
+            return False
+
+    def is_current(self) -> bool:
+        """The locked file is still the one at ``path`` (not removed or replaced meanwhile)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        """Release the lock and the file."""
+        os.close(self.fd)
+
+    def __enter__(self) -> 'FileLock':
+        self.lock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @dataclass
 class Holder:
     """A process holding a claim, as recorded in its ``.owner`` / ``.reader-<pid>`` file."""
@@ -107,7 +149,7 @@ def describe(holders: list[Holder]) -> str:
 
 @dataclass
 class _Held:
-    fds: list[int]
+    locks: list[FileLock]
     count: int = 1
 
 
@@ -148,21 +190,18 @@ def guard(path: str, suffix: str = '.guard') -> Iterator[None]:
     os.makedirs(root, exist_ok=True)
     name = os.path.join(root, key(path) + suffix)
     while True:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            if os.stat(name).st_ino == os.fstat(fd).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # removed (or replaced) while we waited: lock the current one
+        lock = FileLock(name)
+        lock.lock()
+        if lock.is_current():
+            break
+        lock.close()  # removed (or replaced) while we waited: lock the current one
     try:
         yield
     finally:
         stem = name[:-len(suffix)]
         if suffix != '.guard' or not _any_claim_file(stem):
             _remove(name)
-        os.close(fd)
+        lock.close()
 
 
 def _any_claim_file(h: str) -> bool:
@@ -170,23 +209,11 @@ def _any_claim_file(h: str) -> bool:
             or bool(glob.glob(glob.escape(h) + '.reader-*')))
 
 
-def _open(name: str) -> int:
-    return os.open(name, os.O_RDWR | os.O_CREAT, 0o666)
-
-
-def _open_existing(name: str) -> Optional[int]:
+def _open_existing(name: str) -> Optional[FileLock]:
     try:
-        return os.open(name, os.O_RDWR)
+        return FileLock(name, create=False)
     except FileNotFoundError:
         return None
-
-
-def _try_ex(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 def _read(name: str) -> Optional[Holder]:
@@ -222,23 +249,23 @@ def _state(h: str) -> tuple[bool, Optional[Holder]]:
     """(anyone holds the path, its live exclusive owner); call under the guard. Creates no
     file: a holder keeps ``.inuse`` open (and ``.excl``, if exclusive), so a missing one is
     not held."""
-    fd = _open_existing(h + '.inuse')
-    if fd is None:
+    lock = _open_existing(h + '.inuse')
+    if lock is None:
         return False, None
     try:
-        if _try_ex(fd):
+        if lock.lock(wait=False):
             return False, None
     finally:
-        os.close(fd)
-    fd = _open_existing(h + '.excl')
-    if fd is None:
+        lock.close()
+    lock = _open_existing(h + '.excl')
+    if lock is None:
         return True, None
     try:
-        if _try_ex(fd):
+        if lock.lock(wait=False):
             return True, None
         return True, _read(h + '.owner') or Holder(run='unknown', pid=0)
     finally:
-        os.close(fd)
+        lock.close()
 
 
 def exclusive_owner(path: str) -> Optional[Holder]:
@@ -268,16 +295,16 @@ def try_claim(path: str, mode: str) -> Claim:
             raise Busy(path, mode, [owner] if owner is not None else _readers(h))
         if mode == SHARED and owner is not None and not mine:
             raise Busy(path, mode, [owner])
-        fds = [_open(h + '.inuse')]
+        locks = [FileLock(h + '.inuse')]
         if mode == EXCLUSIVE:
-            fds.append(_open(h + '.excl'))
+            locks.append(FileLock(h + '.excl'))
             if not busy:
                 _write(h + '.owner', me)
         else:
             _write(f'{h}.reader-{me.pid}', me)
-        for fd in fds:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        _held[(path, mode)] = _Held(fds)
+        for lock in locks:
+            lock.lock(shared=True)
+        _held[(path, mode)] = _Held(locks)
         return Claim(path, mode, fresh=not busy)
 
 
@@ -293,8 +320,8 @@ def _release(path: str, mode: str) -> None:
     with guard(path):
         if mode == SHARED:
             _remove(f'{h}.reader-{os.getpid()}')
-        for fd in held.fds:
-            os.close(fd)  # releases the locks
+        for lock in held.locks:
+            lock.close()
         if not _state(h)[0]:  # nobody else holds it: its files go (claimers open them under the guard)
             _remove(h + '.owner', h + '.inuse', h + '.excl', *glob.glob(glob.escape(h) + '.reader-*'))
 

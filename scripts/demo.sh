@@ -13,6 +13,9 @@ echo "== 1. convert the pretrain sample (arXiv, 20 papers) to MDS"
 $FM convert pretrain data/samples/arxiv_sample.jsonl --out "$OUT/data/arxiv" --max-seq-len 256
 echo "== 2. convert the finetune sample (Dolly/HH, 1000 prompt/response pairs) to MDS"
 $FM convert finetune data/samples/dolly_hhrlhf_sample.jsonl --out "$OUT/data/dolly" --max-seq-len 256
+echo "   again with 5% held out for evaluation (yamls/finetune.yaml): $OUT/data/dolly_split/{train,eval}"
+$FM convert finetune data/samples/dolly_hhrlhf_sample.jsonl --out "$OUT/data/dolly_split" --max-seq-len 256 \
+    --holdout 5% --no-progress
 echo "== 3. what is inside"
 $FM inspect "$OUT/data/dolly" --decode 1
 echo "== 4. the plan: samples and tokens per stream, per epoch and for the run"

@@ -12,9 +12,10 @@ cd "$(dirname "$0")/.."
 TARGET=${1:-3.12}
 DIR=${2:-gpu-wheels}
 PY=.venv/bin/python
-# composer, streaming and the modules they import at start-up; transformers < 5 (streaming 0.13)
+# composer, streaming (streaming-community, as foundrymix requires) and the modules they import at
+# start-up; transformers < 5 (foundrymix pins it)
 # with its tokenizers and hub; omegaconf; boto3 (S3); the compression codecs streaming imports.
-NAMES="composer mosaicml-streaming mosaicml-cli coolname gql graphql-core backoff paramiko bcrypt PyNaCl
+NAMES="composer streaming-community mosaicml-cli coolname gql graphql-core backoff paramiko bcrypt PyNaCl
 cryptography cffi pycparser python-snappy cramjam brotli zstandard questionary prompt_toolkit ruamel.yaml
 validators websockets catalogue dill omegaconf antlr4-python3-runtime boto3 botocore s3transfer jmespath
 transformers tokenizers huggingface_hub importlib_metadata wcwidth opentelemetry-api opentelemetry-sdk

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The core tests without Composer, in a second venv (.venv-core): `pip install -e '.[test-core,examples,peft]'`,
+# The core tests without Composer, in a second venv (.venv-core): `pip install -e '.[test-core,examples,peft,hf]'`,
 # i.e. what `pip install foundrymix` gives -- the newest torch and numpy pip takes, streaming-community
 # 0.14 -- and no Composer. CI (.ci/run) runs it after the whole suite (scripts/test.sh).
 # Extra arguments go to pytest in place of the default files below, e.g.
@@ -12,10 +12,10 @@ if [ ! -x $VENV/bin/python ]; then
   "$PY" -m venv $VENV
   $VENV/bin/pip install -q --upgrade pip
 fi
-if ! $VENV/bin/python -c "import foundrymix, streaming, moto, mistral_common, lightning_fabric, peft, xdist" 2>/dev/null \
+if ! $VENV/bin/python -c "import foundrymix, streaming, moto, mistral_common, lightning_fabric, peft, xdist, accelerate" 2>/dev/null \
    || [ pyproject.toml -nt $VENV/.foundrymix-installed ]; then
   # eager: a kept venv moves to the newest releases too (CI starts from none)
-  $VENV/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[test-core,examples,peft]"
+  $VENV/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[test-core,examples,peft,hf]"
   # mistral-common, a test-only dependency (its SentencePiece model file), caps numpy <2.4 on Python
   # <=3.12; `pip install foundrymix` has no such cap, so the core is tested on the newest numpy (pip
   # prints the conflict; the tests only read the model file)
@@ -42,6 +42,7 @@ CORE_TESTS=(
   tests/convert/test_adopt.py
   tests/format/test_convert_mds.py
   tests/format/test_integrity.py
+  tests/format/test_mds_compat.py
   tests/plan/test_plan.py
   tests/plan/test_plan_checks.py
   tests/plan/test_exact.py
@@ -53,6 +54,7 @@ CORE_TESTS=(
   tests/plan/test_stream_groups.py
   tests/plan/test_adaptive_policy.py
   tests/loader/test_build_loader.py
+  tests/loader/test_plain_loader.py
   tests/loader/test_mix_resume.py
   tests/loader/test_pass_complete.py
   tests/loader/test_mix_epochs.py

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -34,3 +36,20 @@ def ids(tokenizer: str, text: str) -> list[int]:
 
 def spans(row: dict) -> list[tuple[int, int]]:
     return [tuple(s) for s in np.asarray(row['loss_spans']).reshape(-1, 2).tolist()]
+
+
+def tree_hash(root) -> dict[str, str]:
+    """Every entry below ``root``: files by content hash, links by target, directories by name."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                out[rel] = 'link:' + os.readlink(p)
+            elif os.path.isfile(p):
+                with open(p, 'rb') as f:
+                    out[rel] = hashlib.sha256(f.read()).hexdigest()
+            else:
+                out[rel] = 'dir'
+    return out

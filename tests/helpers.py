@@ -19,6 +19,9 @@ DEMO_TOKENIZER = 'foundrymix-bpe-8k'
 #: rows of the ``small_streams`` fixture (tokens per row)
 SMALL_SEQ = 128
 
+#: LLM-Foundry's own YAMLs (tests/data/foundry/README.md: source, commit and license)
+FOUNDRY_DIR = ROOT / 'tests' / 'data' / 'foundry'
+
 
 def reference_decode(row) -> dict[str, list[int]]:
     """A stored row's model inputs by the schema's meaning, one token at a time (an oracle
@@ -214,10 +217,35 @@ def moto_auth(endpoint: str):
 
 
 def build_staged_loader(config, batch_size: int, max_duration=None, topology=None,
-                        where: str = 'train_loader', composer_epochs: bool = False):
+                        where: str = 'train_loader'):
     """Validate every stage, plan the run, and return its loader (``loader.run`` is the plan)."""
     from foundrymix.loader.run_loader import build_run_loader
-    from foundrymix.plan.stages import plan_run
 
-    run, _ = plan_run(config, batch_size, max_duration, topology, where, rank_count_limit=0)
-    return build_run_loader(run, batch_size, composer_epochs)
+    return build_run_loader(config, batch_size, max_duration, topology, where=where)[0]
+
+
+def staged(streams) -> dict:
+    """A data-only config: two stages over the two small streams, 4 rows a batch."""
+    return {
+        'global_train_batch_size': 4,
+        'train_loader': {
+            'streams': {n: {'local': str(p)} for n, p in streams.items()},
+            'shuffle_seed': 3,
+            'stages': [{'name': 'text', 'duration': '5ba', 'streams': {'arxiv': {'repeat': 1}}},
+                       {'name': 'mix', 'duration': '9ba',
+                        'streams': {'arxiv': {'repeat': 0.5}, 'dolly': {'repeat': 1}}}]}}
+
+
+def tiny_dbrx(path: Path) -> Path:
+    """A 1-layer DBRX (2 experts) saved by transformers itself, the bundled tokenizer beside it."""
+    import torch
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    from foundrymix.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=SMALL_SEQ, vocab_size=8192,
+                               attn_config={'kv_n_heads': 2},
+                               ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1})
+                    ).save_pretrained(path)
+    load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
+    return path

@@ -121,3 +121,33 @@ def read_epoch(config: dict, batch_size: int) -> list[dict]:
     del loader
     gc.collect()
     return batches
+
+
+#: a training YAML over the three streams of :func:`build_three` (repeat 1, 2.5, 0.5)
+PLAN_YAML = '''
+variables:
+  root: {root}
+global_train_batch_size: 8
+max_duration: {duration}
+max_seq_len: 32
+model: {{type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1,
+         num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 32}}
+train_loader:
+  streams:
+    arxiv:
+      local: ${{variables.root}}/arxiv
+      repeat: 1
+    wiki:
+      local: ${{variables.root}}/wiki
+      repeat: 2.5
+    dolly:
+      local: ${{variables.root}}/dolly
+      repeat: 0.5
+  shuffle_seed: 17
+'''
+
+
+def write_yaml(tmp_path, root, duration='3ep'):
+    path = tmp_path / 'run.yaml'
+    path.write_text(PLAN_YAML.format(root=root, duration=duration))
+    return str(path)

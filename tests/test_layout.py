@@ -6,7 +6,13 @@ both sides; ``convert`` on one side; ``plan`` (pure) then ``loader`` (runtime) t
 function-level ones included (they are how heavy imports are deferred), must go to a
 lower layer or stay in its own package. And streaming's private modules
 (``streaming.base.*``) are imported only by the one format module
-``format/streaming_format.py`` (MDS hashes, codecs and row reader).
+``format/streaming_format.py`` (MDS hashes, codecs and row reader). In ``tests/``, a test
+module imports no other test module: what tests share is in helper modules, so running one
+test file never collects or runs another's module-level code.
+
+The core (``api.py``, the foundation modules and config, format, tokenizer, s3, convert, plan,
+loader) knows no trainer: it imports nothing from ``train/`` (nor the integrations, tools or
+CLI above it) and does not name Composer, not even in a comment.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ PACKAGE = ROOT / 'foundrymix'
 #: package (or foundation module) -> layer; siblings of one layer may not import each other
 #: (``foundrymix/__init__.py`` is the public facade on top: its one import is lazy)
 LAYERS = {'errors': 0, 'heap': 0, 'config': 1, 'claims': 1, 'format': 2, 'tokenizer': 3, 's3': 3,
-          'convert': 4, 'plan': 4, 'loader': 5, 'train': 6, 'tools': 7, 'api': 7, 'cli': 8, '__init__': 9}
+          'convert': 4, 'plan': 4, 'loader': 5, 'train': 6, 'integrations': 6, 'tools': 7, 'api': 7, 'cli': 8, '__init__': 9}
 STREAMING_PRIVATE_ALLOWED = {'format/streaming_format.py'}
+#: the core: what a loop without the trainer uses
+CORE = ('api.py', 'errors.py', 'heap.py', 'claims.py', 'config', 'format', 'tokenizer.py', 's3', 'convert',
+        'plan', 'loader')
 
 
 def _unit(module: str) -> str:
@@ -77,4 +86,34 @@ def test_streaming_privates_only_in_the_adapters():
         for line, module in _imports(path):
             if module.startswith('streaming.') and rel not in STREAMING_PRIVATE_ALLOWED:
                 bad.append(f'{rel}:{line} imports {module}')
+    assert not bad, '\n'.join(bad)
+
+
+def _core_modules() -> list[Path]:
+    return [p for p in _modules() if p.relative_to(PACKAGE).parts[0] in CORE]
+
+
+def test_the_core_imports_no_trainer():
+    core = _core_modules()
+    assert {p.relative_to(PACKAGE).parts[0] for p in core} == set(CORE)  # every part was walked
+    bad = [f'{p.relative_to(PACKAGE)}:{line} imports {module}' for p in core
+           for line, module in _imports(p) if _unit(module) in ('train', 'integrations', 'tools', 'cli')]
+    assert not bad, '\n'.join(bad)
+    # and the check sees such an import where there is one
+    assert any(_unit(m) == 'train' for _, m in _imports(PACKAGE / 'tools' / 'plan.py'))
+
+
+def test_the_core_does_not_name_composer():
+    bad = [f'{p.relative_to(PACKAGE)}:{i}: {line.strip()}' for p in _core_modules()
+           for i, line in enumerate(p.read_text(encoding='utf-8').splitlines(), 1)
+           if 'composer' in line.lower()]
+    assert not bad, '\n'.join(bad)
+    # and the search finds the name where it is
+    assert 'composer' in (PACKAGE / 'train' / 'builder.py').read_text(encoding='utf-8').lower()
+
+
+def test_test_modules_import_no_test_module():
+    bad = [f'{path.relative_to(ROOT)}:{line} imports {module}'
+           for path in sorted((ROOT / 'tests').rglob('*.py'))
+           for line, module in _imports(path) if module.split('.')[0].startswith('test_')]
     assert not bad, '\n'.join(bad)

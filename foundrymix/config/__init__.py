@@ -8,10 +8,10 @@ real types, not annotation text), naming the full key path in every error and re
 every problem of a config at once (docs/train.md).
 
 omegaconf does YAML, ``${variables.x}`` interpolation and ``key=value`` overrides
-(:func:`load_yaml`). This package imports neither torch nor composer, so reading a config
+(:func:`load_yaml`). This package imports no torch and no trainer, so reading a config
 (``foundrymix plan``) stays fast. Every public name of :mod:`~foundrymix.config.errors`,
-:mod:`~foundrymix.config.loading` and :mod:`~foundrymix.config.reader` is importable from
-``foundrymix.config``.
+:mod:`~foundrymix.config.loading`, :mod:`~foundrymix.config.reader` and
+:mod:`~foundrymix.config.durations` is importable from ``foundrymix.config``.
 """
 
 from __future__ import annotations
@@ -37,13 +37,17 @@ from foundrymix.config.loading import (  # noqa: F401
     to_plain)
 from foundrymix.config.reader import (  # noqa: F401
     DERIVED,
-    DURATION_UNITS,
-    Duration,
     FROM_KEY,
-    Interval,
-    check_duration,
-    check_interval,
     number_abbrev_to_int,
-    parse_duration,
     read_dataclass,
     read_value)
+from foundrymix.config.durations import (  # noqa: F401
+    DURATION_UNITS,
+    INTERVAL_UNITS,
+    SPAN_UNITS,
+    UNIT_WORDS,
+    Duration,
+    Interval,
+    Time,
+    parse_time,
+    to_batches)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import types
 import typing
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
@@ -25,79 +24,6 @@ def number_abbrev_to_int(text: str) -> int:
     if s.isdigit():
         return int(s)
     raise ValueError(text)
-
-
-DURATION_UNITS = {'ep': 'epochs', 'ba': 'batches', 'sp': 'samples', 'tok': 'tokens'}
-
-
-def parse_duration(text: Any, where: str = 'max_duration') -> tuple[int, str]:
-    """Parse a Composer time string (``100ba``, ``5000sp``, ``1000000tok``, ``3ep``).
-
-    A bare int is read as epochs, as Composer reads it; config files must say the unit
-    (:func:`check_duration`), so a plan and a run can never read one number two ways.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text, 'ep'
-    m = re.fullmatch(r'\s*(\d+)\s*(ep|ba|sp|tok)\s*', str(text))
-    if not m:
-        raise ConfigError(f'{where}: {text!r} is not a Composer time string with a whole '
-                          f'number of ep, ba, sp or tok (e.g. 3ep, 100ba, 5000sp, 1000000tok)')
-    value = int(m.group(1))
-    if value <= 0:
-        raise ConfigError(f'{where}: must be positive, got {text!r}')
-    return value, m.group(2)
-
-
-def check_duration(text: Optional[str], where: str) -> None:
-    """A config duration must name its unit: ``10`` could mean epochs or batches."""
-    if text is None:
-        return
-    if re.fullmatch(r'\s*\d+\s*', text):
-        raise ConfigError(f'{where}: {text!r} has no unit; write it as a Composer time string '
-                          f'(e.g. {text.strip()}ep, {text.strip()}ba, 5000sp, 1000000tok)')
-    parse_duration(text, where)
-
-
-_INTERVAL = re.compile(r'\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*(ep|ba|sp|tok|dur|iter)\s*', re.IGNORECASE)
-
-
-def check_interval(text: str, where: str) -> None:
-    """A Composer time string with its unit (``500ba``, ``1ep``, ``0.05dur``), checked up front.
-
-    Why: Composer reads a bare ``eval_interval: 1`` (the string ``'1'`` here) as a time delta,
-    not one epoch or batch; a unit-less interval is refused as ``max_duration`` is.
-    """
-    m = _INTERVAL.fullmatch(text)
-    if re.fullmatch(r'\s*\d+(\.\d*)?\s*', text):
-        raise ConfigError(f'{where}: {text!r} has no unit; write it as a Composer time string '
-                          f'(e.g. {text.strip()}ba or {text.strip()}ep)')
-    if not m:
-        raise ConfigError(f'{where}: {text!r} is not a Composer time string (a number and ep, ba, '
-                          f'sp, tok, iter or dur, e.g. 500ba, 1ep, 0.05dur)')
-    if m.group(2).lower() != 'dur' and not float(m.group(1)).is_integer():
-        raise ConfigError(f'{where}: {text!r}: {m.group(2)} needs a whole number')
-
-
-class Duration(str):
-    """A run length (``max_duration``, a stage's ``duration``): a whole number of ep, ba, sp or
-    tok, unit required (:func:`check_duration`)."""
-
-    @classmethod
-    def from_config(cls, value: Any, where: str) -> 'Duration':
-        text = read_value(value, str, where)
-        check_duration(text, where)
-        return cls(text)
-
-
-class Interval(str):
-    """How often something happens (``eval_interval``, ``save_interval``, ``log_interval``,
-    ``t_warmup``, ...): a Composer time string with its unit (:func:`check_interval`)."""
-
-    @classmethod
-    def from_config(cls, value: Any, where: str) -> 'Interval':
-        text = read_value(value, str, where)
-        check_interval(text, where)
-        return cls(text)
 
 
 def _type_name(tp: Any) -> str:

@@ -96,6 +96,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help='Python function run on every record first (module importable from the '
                         'current directory or installed): takes the record dict, returns a dict '
                         '(read as usual) or None to skip it (counted as dropped: preprocess_skipped)')
+    p.add_argument('--holdout', metavar='F', default=None,
+                   help='also write a held-out eval split: OUT/train and OUT/eval, two datasets '
+                        '(streams {local: OUT, split: eval}). F: a fraction (2%% or 0.02) or a number '
+                        'of records (500). A record is held out by the sha256 of its content alone, so '
+                        'the split is the same for any --workers or input order and exact duplicates '
+                        'land on the same side')
     p.add_argument('--no-progress', dest='progress', action='store_false',
                    help='no progress bar or summary table')
 

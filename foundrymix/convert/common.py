@@ -60,6 +60,9 @@ class ConvertOptions:
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
     split: Optional[str] = None  # the split of a saved DatasetDict input (discover.py)
+    #: ``--holdout`` as given ('2%', '0.02', '500'): write OUT/eval and OUT/train (holdout.py);
+    #: each run's side is a :class:`~foundrymix.convert.holdout.Holdout` (its manifest records it)
+    holdout: Any = None
 
     @property
     def hash_algorithms(self) -> list[str]:
@@ -73,6 +76,8 @@ class ConvertOptions:
                      'ray_address', 'ray_task_bytes', 'from_mds'):
             d.pop(knob)
         d['hashes'] = self.hash_algorithms
+        if d['holdout'] is None:  # recorded only for a side of a held-out split
+            d.pop('holdout')
         return d
 
 

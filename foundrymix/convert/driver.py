@@ -13,10 +13,11 @@ import errno
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from foundrymix import claims
+from foundrymix.convert import holdout as held
 from foundrymix.convert.common import ConvertOptions, Setup, prepare
 from foundrymix.convert.paths import OutSpec, split_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
@@ -82,9 +83,12 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
     ``parse`` returns the record's usable form or a :class:`BadRecord`. With
     ``on_error='raise'`` reading stops at the first bad record (the conversion stops there).
     ``preprocess`` (``module:function``) runs on each record first; its ``None`` results are
-    counted in ``dropped``. ``fields=None`` reads every column.
+    counted in ``dropped``. ``fields=None`` reads every column. With ``--holdout`` only the
+    records of this run's side are read (:func:`foundrymix.convert.holdout.side_records`).
     """
-    n_lines, records = read_records(chunk, fields)
+    holdout = getattr(_state.options, 'holdout', None) if _state is not None else None
+    n_lines, records = (read_records(chunk, fields) if holdout is None
+                        else held.side_records(chunk, fields, holdout, on_error))
     errors = ChunkErrors()
     parsed: list[Any] = []
     dropped: dict[str, int] = {}
@@ -157,8 +161,25 @@ def convert(converter: Converter, inputs: list[str], out: OutSpec, options: Conv
     """Check everything, convert ``inputs`` to shards plus manifest in ``out``, print the summary.
 
     ``out``: see :func:`foundrymix.convert.paths.split_out`. The local output directory is
-    claimed exclusively (:func:`claim_output`) until the conversion ends.
+    claimed exclusively (:func:`claim_output`) until the conversion ends. With
+    ``options.holdout`` two datasets are written, ``out/eval`` then ``out/train``
+    (:mod:`foundrymix.convert.holdout`); both outputs are checked before either is written,
+    and the train manifest is returned.
     """
+    if options.holdout is None:
+        return _convert_claimed(converter, inputs, out, options)
+    rule = held.parse_holdout(options.holdout)
+    outs = {side: held.side_out(out, side) for side in held.SIDES}
+    setups = [prepare(inputs, outs[side], options, min_content=converter.min_content, load=False)
+              for side in held.SIDES]
+    rule = held.resolve(rule, setups[0].inputs, options.chunk_bytes, converter.noun)
+    manifests = [_convert_claimed(converter, inputs, outs[side],
+                                  replace(options, holdout=replace(rule, side=side)))
+                 for side in held.SIDES]
+    return manifests[-1]
+
+
+def _convert_claimed(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
     local = split_out(out).local
     claim = claim_output(local)
     try:
@@ -261,7 +282,8 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
         finally:
             seconds = progress.close()
         if manifest.counts.documents_read == 0:
-            raise UserError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
+            raise UserError(held.empty_side(options.holdout, converter.noun) if options.holdout is not None
+                            else f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
         builder.close()
         check_rows(manifest)
         writer.finish(manifest)

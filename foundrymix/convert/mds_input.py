@@ -164,18 +164,16 @@ def _checked(name: str, shard: dict[str, Any], data: Any) -> Any:
 
 
 def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
-    """``(file, rows)`` of shard ``number``: each row a dict of its columns, decoded by
-    streaming's reader for that shard (the decoder training uses)."""
-    from foundrymix.format.streaming_format import reader_from_json
+    """``(file, rows)`` of shard ``number``: each row a dict of its columns, read by
+    :class:`foundrymix.format.streaming_format.ShardRows` (the reader training uses)."""
+    from foundrymix.format.streaming_format import ShardRows
     shard = _index(path)['shards'][number]
     name, data = shard_bytes(path, number)
-    reader = reader_from_json('', None, shard)
+    reader = ShardRows(shard, data)
     rows = []
-    n = int(shard['samples'])
-    offsets = np.frombuffer(data, np.uint32, count=n + 1, offset=4)
-    for r in range(n):
+    for r in range(len(reader)):
         try:
-            rows.append(reader.decode_sample(data[offsets[r]:offsets[r + 1]]))
+            rows.append(reader[r])
         except Exception as e:  # noqa: BLE001 -- numpy/struct/json errors on bytes of another layout
             columns = ', '.join(f'{c}: {enc}' for c, enc in zip(shard['column_names'], shard['column_encodings']))
             raise UserError(f'{name}: row {r} cannot be read as the columns {INDEX_NAME} declares ({columns}): '
@@ -236,9 +234,9 @@ def download_datasets(url: str, into: str, progress: bool = False) -> int:
     """
     from foundrymix.convert.upload import parse_s3_url
     from foundrymix.format.shards import index_files
-    from foundrymix.s3.client import RetryCounter, describe, list_keys, make_client
+    from foundrymix.s3.client import describe, list_keys, make_client
     s3 = parse_s3_url(url, 'adopt')
-    client = make_client(RetryCounter())
+    client = make_client()
     try:
         keys = set(list_keys(client, s3))
     except Exception as e:

@@ -45,7 +45,7 @@ def _work(index: int, fn: Callable[[Chunk], Any], initializer: Callable[..., Non
           tasks: Any, out: Any, current: Any, parent: int) -> None:
     """A forked worker: encode chunks from ``tasks``, send results on its own pipe ``out``.
 
-    SIGTERM goes back to its default: a handler inherited from the parent (composer installs
+    SIGTERM goes back to its default: a handler inherited from the parent (a trainer may install
     one calling ``sys.exit``) could run exit code on locks held mid-use and hang the end.
     SIGINT is ignored: the parent stops the workers itself. Tokenizing is single-threaded
     (no oversubscription); results are sent by a thread so encoding goes on meanwhile.

@@ -35,7 +35,8 @@ from typing import Any, Optional
 from foundrymix.errors import FoundrymixError
 from foundrymix.format.schema import MANIFEST_NAME
 from foundrymix.format.shards import INDEX_NAME, index_files
-from foundrymix.s3.client import RetryCounter, S3Url, describe, list_keys, make_client
+from foundrymix.s3.client import S3Url, describe, list_keys, make_client
+from foundrymix.s3.retries import S3RetryCounter
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
 def check_remote(url: str, overwrite: bool) -> 'S3Target':
     """Parse ``url``, connect, and check the prefix (before any tokenizing)."""
     parsed = parse_s3_url(url)
-    retries = RetryCounter()
+    retries = S3RetryCounter()
     client = make_client(retries, threads=UPLOAD_THREADS)
     # the up-front check fails fast: few attempts, short timeouts
     quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10,
@@ -147,7 +148,7 @@ class S3Target:
     checked: Preflight
     client: Any
     quick: Any
-    retries: RetryCounter
+    retries: S3RetryCounter
 
     @property
     def url(self) -> S3Url:

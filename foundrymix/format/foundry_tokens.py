@@ -61,9 +61,10 @@ def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> tuple[Layou
                          f'token rows used in place must all be one length: adopt it (`foundrymix adopt`)')
     dtype = str(_dtype(shard))
     tokens = ndarray_rows(data, shard)  # one view of every row (ndarray encodings)
-    if tokens is None:  # LLM-Foundry's older bytes column: a uint32 size, then int64 values
-        length = (int(sizes[0]) - 4) // 8
-        tokens = np.stack([np.frombuffer(data, np.int64, count=length, offset=int(o) + 4) for o in offsets[:-1]])
+    if tokens is None:  # LLM-Foundry's older bytes column: int64 values as raw bytes
+        from foundrymix.format.streaming_format import ShardRows
+        rows = ShardRows(shard, data)
+        tokens = np.stack([np.frombuffer(rows[r][COLUMN], dtype) for r in range(n)])
     layout = Layout(length=int(tokens.shape[1]), dtype=dtype, row_bytes=int(sizes[0]),
                     header=int(offsets[0]) - 4 * (n + 1))
     return layout, tokens

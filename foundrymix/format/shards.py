@@ -322,30 +322,19 @@ def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int
                     max_seq_len: Optional[int] = None) -> Iterator[RowResult]:
     """Each of the ``samples`` rows ``index.json`` records for a shard, read from its raw bytes.
 
-    Reads exactly as streaming does (offset pair at ``4 * (1 + row)``, then the row's
-    bytes) but bounds-checks the offsets and catches decode errors, so one bad row is
-    reported, not raised; each row is then checked with :func:`check_row`.
+    Read by :class:`foundrymix.format.streaming_format.ShardRows` (offsets bounds-checked);
+    a row that cannot be read is reported, not raised; each row is then checked with
+    :func:`check_row`.
     """
-    from foundrymix.format.streaming_format import reader_from_json
-
     from foundrymix.format.schema import check_row
-    reader = reader_from_json('', None, shard)
-    samples = int(shard['samples'])
-    size = len(data)
-    table_end = 4 + 4 * (samples + 1)
-    for r in range(samples):
-        at = 4 * (1 + r)
-        if at + 8 > size:
-            yield RowResult(r, None, f'its offsets are past the end of the shard ({size:,} bytes: '
-                                     f'truncated)')
-            continue
-        begin, end = (int(x) for x in np.frombuffer(data[at:at + 8], np.uint32))
-        if not table_end <= begin <= end <= size:
-            yield RowResult(r, None, f'offsets [{begin:,}, {end:,}) are not inside the row data '
-                                     f'[{table_end:,}, {size:,}) (corrupt offsets or truncated shard)')
-            continue
+    from foundrymix.format.streaming_format import RowBoundsError, ShardRows
+    rows = ShardRows(shard, data)
+    for r in range(len(rows)):
         try:
-            value = reader.decode_sample(data[begin:end])
+            value = rows[r]
+        except RowBoundsError as e:
+            yield RowResult(r, None, str(e))
+            continue
         except Exception as e:  # numpy/struct errors on garbage bytes
             yield RowResult(r, None, f'cannot decode: {type(e).__name__}: {e}')
             continue

@@ -1,4 +1,4 @@
-"""streaming's MDS format as foundrymix reads shards: hashes, codecs, the row reader.
+"""streaming's MDS format as foundrymix reads shards: hashes, codecs, and the one MDS row reader.
 
 The one module that imports streaming's modules below its top level (``streaming.base.
 hashing``, ``.compression``, ``.format``: private paths in 0.13 and in the fork); everything
@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import threading
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import numpy as np
 
 _LOADING = threading.Lock()
 _loaded: Optional[SimpleNamespace] = None
@@ -61,9 +63,56 @@ def get_hash(algorithm: str, data: Any) -> str:
     return _streaming().get_hash(algorithm, data)
 
 
-def reader_from_json(dirname: str, split: Any, shard: dict[str, Any]) -> Any:
-    """streaming's reader of one shard of an index (the one training uses)."""
-    return _streaming().reader_from_json(dirname, split, shard)
+class RowBoundsError(ValueError):
+    """A row's offsets point outside the shard's row data (corrupt offsets or a cut file)."""
+
+
+class ShardRows:
+    """Rows of one uncompressed MDS shard by index: every reader of an MDS row in foundrymix.
+
+    A row is read as streaming's reader reads it (the offset pair at ``4 * (1 + i)``, then the
+    bytes between them) and decoded by streaming's own decoder for the shard's columns, so a
+    row equals streaming's ``get_item(i)`` bitwise; offsets outside the row data raise
+    :class:`RowBoundsError` instead of decoding garbage. Reads from ``data`` (bytes or a mmap)
+    or, given ``path``, from the file at each read: a file removed meanwhile (a cache
+    eviction) raises ``FileNotFoundError``, and no descriptor is held between reads.
+    """
+
+    def __init__(self, shard: dict[str, Any], data: Any = None, path: Optional[str] = None) -> None:
+        self._decode: Callable[[bytes], dict[str, Any]] = \
+            _streaming().reader_from_json('', None, shard).decode_sample
+        self.samples = int(shard['samples'])
+        self._data, self._path = data, path
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._decode(self.row_bytes(i))
+
+    def row_bytes(self, i: int) -> bytes:
+        """Row ``i``'s stored bytes."""
+        if not 0 <= i < self.samples:
+            raise IndexError(f'row {i} of a shard of {self.samples} rows')
+        if self._path is None:
+            data = self._data
+            return self._span(i, len(data), lambda at, n: data[at:at + n])
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            return self._span(i, os.fstat(fd).st_size, lambda at, n: os.pread(fd, n, at))
+        finally:
+            os.close(fd)
+
+    def _span(self, i: int, size: int, read: Callable[[int, int], bytes]) -> bytes:
+        at = 4 * (1 + i)
+        if at + 8 > size:
+            raise RowBoundsError(f'its offsets are past the end of the shard ({size:,} bytes: truncated)')
+        begin, end = (int(x) for x in np.frombuffer(read(at, 8), np.uint32))
+        table_end = 4 + 4 * (self.samples + 1)
+        if not table_end <= begin <= end <= size:
+            raise RowBoundsError(f'offsets [{begin:,}, {end:,}) are not inside the row data '
+                                 f'[{table_end:,}, {size:,}) (corrupt offsets or truncated shard)')
+        return bytes(read(begin, end - begin))
 
 
 def decompress(algorithm: str, data: bytes) -> bytes:

@@ -64,19 +64,13 @@ class StreamMixer:
         global batch of ``world_size`` ranks (default: the launcher's), resumable at any batch.
         ``rewind``: every iteration starts at the first batch (an evaluation set)."""
         from foundrymix.loader.run_loader import build_run_loader
-        from foundrymix.plan.stages import build_run_plan, plan_run
         from foundrymix.plan.topology import Topology, env_world_size
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
         topology = Topology(1, world_size or env_world_size())
-        if self.config.stages is None:  # this mixer's catalog: its metadata is read once
-            self.catalog.validate()
-            run = build_run_plan(self.config, [self.catalog.infos()], batch_size, f'{epochs}ep',
-                                 topology, self.where, rank_count_limit=0)
-        else:
-            run, _ = plan_run(self.config, batch_size, f'{epochs}ep', topology, self.where, rank_count_limit=0)
-        loader = build_run_loader(run, batch_size, rank=rank)
-        loader.rewind = rewind
+        own = [self.catalog] if self.config.stages is None else None  # its metadata is read once
+        loader, _ = build_run_loader(self.config, batch_size, f'{epochs}ep', topology, where=self.where,
+                                     rank=rank, rewind=rewind, catalogs=own)
         loader.prepare()
         return loader
 

@@ -6,17 +6,15 @@ start and trained length; later stages may change and new ones be appended (docs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
-
-from torch.utils.data import IterableDataset
+from typing import Any, Optional
 
 from foundrymix.config import ConfigError
 from foundrymix.plan.adaptive import AdaptiveController, build_controller
 from foundrymix.plan.stages import RunPlan, fingerprint_changes
 
 
-#: version of :meth:`StagedPosition.state_dict`; 3: the order of :mod:`foundrymix.plan.order`
-POSITION_VERSION = 3
+#: version of :meth:`StagedPosition.state_dict`; 4: seed-free whole rows, passes across stages
+POSITION_VERSION = 4
 
 
 @dataclass
@@ -28,8 +26,9 @@ class Resumed:
     old_total_samples: Optional[int] = None  # None: the checkpoint did not record it
 
 
-class StagedPosition(IterableDataset):
-    """Composer finds it as ``train_dataloader.dataset`` and checkpoints it (``state_dict``)."""
+class StagedPosition:
+    """The next global batch to yield, and each adaptive stage's controller (built here once
+    per loader: its decisions are state a checkpoint keeps)."""
 
     def __init__(self, run: RunPlan) -> None:
         self.run = run
@@ -39,11 +38,8 @@ class StagedPosition(IterableDataset):
         self.adaptive: dict[int, AdaptiveController] = {
             stage.index: c for stage in run.stages if (c := build_controller(stage)) is not None}
 
-    def __iter__(self) -> Iterator[Any]:  # pragma: no cover - the loader iterates, not this
-        raise TypeError('iterate the StagedDataLoader, not its position')
-
-    def state_dict(self, num_samples: int = 0, from_beginning: bool = True) -> dict[str, Any]:
-        """(Composer's arguments: unused, the position is the batch.)"""
+    def state_dict(self) -> dict[str, Any]:
+        """The batch, each trained stage's fingerprint and the adaptive decisions: plain values."""
         stage = self.run.stage_at(self.batch)
         # stages with at least one batch trained: their data is now immutable
         done = [s for s in self.run.stages if s.start_batch < self.batch]
@@ -66,11 +62,17 @@ class StagedPosition(IterableDataset):
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
         """Resume at ``obj['batch']`` after checking that the trained past is unchanged."""
-        if int(obj.get('version', 0) if isinstance(obj, dict) else 0) < POSITION_VERSION:
+        version = int(obj.get('version', 0) if isinstance(obj, dict) else 0)
+        if version < POSITION_VERSION:
             raise ConfigError(
                 'the checkpoint was written by an older foundrymix, whose sample order was '
                 "streaming's sampler: it cannot be resumed by this version (the order is now "
-                "foundrymix's own); start the run again, or finish it with the version that wrote it")
+                "foundrymix's own); start the run again, or finish it with the version that wrote it"
+                if version < 3 else
+                f'the checkpoint was written by an older foundrymix (data position version {version}), '
+                f"whose rows per stream depended on the shuffle seed and whose stages restarted a reused "
+                f"stream's passes; this version trains other rows from the same config, so it cannot "
+                f'resume it: start the run again, or finish it with the version that wrote it')
         batch = int(obj['batch'])
         if batch > self.run.total_batches:
             raise ConfigError(

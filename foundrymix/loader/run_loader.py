@@ -1,23 +1,30 @@
-"""The run's one DataLoader: every stage's batches in the plan's order, switched at exact batches.
-Its ``dataset`` is the run's position (:mod:`foundrymix.loader.position`), what Composer saves and
-loads; its iterator reads spans (:mod:`foundrymix.loader.span`), so a resume at any batch, on any
-number of ranks with the same global batch, replays nothing."""
+"""The run's one loader: every stage's batches in the plan's order, switched at exact batches.
+A plain stateful iterable (``__iter__``, ``__len__``, ``state_dict``, ``load_state_dict``), not a
+torch ``DataLoader``, so a trainer that rebuilds DataLoaders (accelerate, Lightning) passes it
+through unchanged. Its state is the run's position (:mod:`foundrymix.loader.position`); its
+iterator reads spans (:mod:`foundrymix.loader.span`), so a resume at any batch, on any number of
+ranks with the same global batch, replays nothing."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from foundrymix.loader.position import StagedPosition
 from foundrymix.plan.adaptive import AdaptiveController
 from foundrymix.plan.stages import RunPlan, StagePlan
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from foundrymix.plan.catalog import Catalog
+    from foundrymix.plan.config import LoaderConfig
+    from foundrymix.plan.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -28,32 +35,21 @@ class _Active:
     store: Any
 
 
-class StagedDataLoader(DataLoader):
-    """Batches of every stage in order; ``stream_id`` is the run-wide stream index and, in a
-    run with ``stages:``, ``stage_id`` the stage of each sample."""
+class StagedDataLoader:
+    """Rank ``rank``'s rows of every global batch of ``run``, from the position to the end;
+    ``stream_id`` is the run-wide stream index and, in a run with ``stages:``, ``stage_id`` the
+    stage of each sample. ``rewind``: every iteration starts at the first batch (an evaluation
+    set)."""
 
-    def __init__(self, run: RunPlan, batch_size: int, composer_epochs: bool = False,
-                 rank: Optional[int] = None) -> None:
-        super().__init__(StagedPosition(run), batch_size=batch_size)
+    def __init__(self, run: RunPlan, rank: Optional[int] = None, rewind: bool = False) -> None:
         self.run = run
         self.rank = rank  #: whose rows of each global batch (default: the launcher's ``RANK``)
-        self.rewind = False  #: every iteration starts at the first batch (an evaluation set)
-        #: called before each batch with this rank's failure or None (:mod:`~.together`)
-        self.stop_together: Optional[Callable[[Optional[BaseException]], None]] = None
-        if composer_epochs and (run.explicit or any(s.config is not None and s.config.adaptive
-                                                    for s in run.stages)):
-            # one Composer epoch: epochs ending at stage switches would be renumbered by a
-            # resume exactly at a switch; an adaptive run has no epochs of one mixture
-            composer_epochs = False
-        self.composer_epochs = composer_epochs
+        self.rewind = rewind
+        self.position = StagedPosition(run)
         self.stream_names = run.stream_names
         column = {n: i for i, n in enumerate(self.stream_names)}  # list.index: O(N^2) at 10,000 streams
         self._maps = [torch.tensor([column[n] for n in s.stream_names]) for s in run.stages]
         self._active: Optional[_Active] = None
-
-    @property
-    def position(self) -> StagedPosition:
-        return self.dataset  # type: ignore[return-value]
 
     @property
     def plan(self) -> RunPlan:
@@ -83,7 +79,7 @@ class StagedDataLoader(DataLoader):
             self._activate(self.run.stage_at(self.position.batch))
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: what a checkpoint keeps (Composer checkpoints the position itself)."""
+        """The position: what a checkpoint keeps, plain Python values."""
         return self.position.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -92,53 +88,36 @@ class StagedDataLoader(DataLoader):
         self.position.load_state_dict(state)
 
     def __len__(self) -> int:
-        """Batches of one iteration: the run, or (``composer_epochs``) one epoch of its mixture,
-        which Composer's ``ep`` times are converted with."""
-        if not self.composer_epochs:
-            return self.run.total_batches
-        return max(s.plan.batches_per_epoch for s in self.run.stages)
+        """The run's global batches (this rank yields its rows of each)."""
+        return self.run.total_batches
 
     def __iter__(self) -> Iterator[Any]:
-        position = self.position
         if self.rewind:
-            position.batch = 0
-        while position.batch < self.run.total_batches:
+            self.position.batch = 0
+        return self.batches()
+
+    def batches(self, end: Optional[int] = None) -> Iterator[Any]:
+        """This rank's batches from the position up to global batch ``end`` (default: the run's
+        end); the position counts each batch as it is yielded."""
+        position = self.position
+        end = self.run.total_batches if end is None else min(end, self.run.total_batches)
+        while position.batch < end:
             stage = self.run.stage_at(position.batch)
-            yield from self._span(stage, position, self._span_end(stage, position))
-            if self.composer_epochs and (position.batch - stage.start_batch) % \
-                    stage.plan.batches_per_epoch == 0:
-                return
+            yield from self._span(stage, position, min(end, self._span_end(stage, position)))
 
     def _span_end(self, stage: StagePlan, position: StagedPosition) -> int:
-        """The end of the span from the position: the stage's, the adaptive segment's (the next is
-        decided from the loss), or with ``composer_epochs`` the epoch's."""
+        """The end of the span from the position: the stage's, or the adaptive segment's (the
+        next is decided from the loss)."""
         end = stage.end_batch
         controller = position.adaptive.get(stage.index)
         if controller is not None:
             k = controller.segment_of(position.batch)
             end = min(end, controller.segment_start(k) + controller.segment_batches(k))
-        elif self.composer_epochs:
-            bpe = stage.plan.batches_per_epoch
-            done = position.batch - stage.start_batch
-            end = min(end, stage.start_batch + (done // bpe + 1) * bpe)
         return end
 
     def _span(self, stage: StagePlan, position: StagedPosition, end: int) -> Iterator[Any]:
         stream_map = self._maps[stage.index]
-        try:  # a stage's storage is built here at a switch: a failure is agreed on like a read's
-            batches = iter(self._span_loader(stage, position, end))
-        except Exception as e:
-            self._agree(e)
-            raise  # (_agree raised it: here for the reader)
-        while True:
-            failure: Optional[BaseException] = None
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return  # every rank's span ends at the same batch
-            except Exception as e:
-                failure = e
-            self._agree(failure)
+        for batch in self._span_loader(stage, position, end):
             ids = batch['stream_id']  # in place: a pinned batch stays pinned
             ids.copy_(stream_map[ids])
             if self.run.explicit:
@@ -147,7 +126,7 @@ class StagedDataLoader(DataLoader):
             position.batch += 1
             yield batch
 
-    def _span_loader(self, stage: StagePlan, position: StagedPosition, end: int) -> DataLoader:
+    def _span_loader(self, stage: StagePlan, position: StagedPosition, end: int) -> 'DataLoader':
         """The DataLoader of batches ``[position, end)`` of ``stage`` (its storage built if new)."""
         from foundrymix.loader.span import Span, span_loader
         from foundrymix.plan.topology import env_rank
@@ -155,21 +134,13 @@ class StagedDataLoader(DataLoader):
         config = stage.config
         assert config is not None
         controller = position.adaptive.get(stage.index)
-        offsets = np.asarray(active.store.sample_offset_per_stream, np.int64)
         batch_rows = (stage.plan.order.batch if controller is None
-                      else _segment_rows(controller, position.batch, offsets))
+                      else _segment_rows(controller, position.batch))
         rank = env_rank() if self.rank is None else self.rank
         span = Span(active.store, batch_rows, position.batch - stage.start_batch,
-                    end - stage.start_batch, rank, stage.batch_size, offsets)
+                    end - stage.start_batch, rank, stage.batch_size)
         return span_loader(span, config.num_workers, config.pin_memory, config.timeout,
                            config.prefetch_factor)
-
-    def _agree(self, failure: Optional[BaseException]) -> None:
-        """Raise ``failure``, after :attr:`stop_together` (which raises on every rank if any failed)."""
-        if self.stop_together is not None:
-            self.stop_together(failure)
-        if failure is not None:
-            raise failure
 
     def _activate(self, stage: StagePlan) -> _Active:
         """The stage's storage, built from its plan once per stage."""
@@ -189,24 +160,45 @@ class StagedDataLoader(DataLoader):
             return
         store = active.store
         del active
-        gc.collect()  # a span's iterator (and any workers) first
         store.release()
 
 
-def _segment_rows(controller: AdaptiveController, batch: int, offsets: np.ndarray) -> Any:
-    """An adaptive segment's batches as (stream, row), decided before its first batch is read."""
+def build_run_loader(config: 'LoaderConfig', batch_size: int, max_duration: Optional[str] = None,
+                     topology: Optional['Topology'] = None, *, where: str = 'train_loader',
+                     rank: Optional[int] = None, rewind: bool = False,
+                     catalogs: Optional[list['Catalog']] = None
+                     ) -> tuple[StagedDataLoader, list['Catalog']]:
+    """Plan a run and build its loader for global rank ``rank`` (default: the launcher's), with
+    ``batch_size`` rows per rank; returns the loader and each stage's catalog. Every way to get a
+    run's loader (``build_loader``, ``StreamMixer``, the trainer) comes here, so one config gives
+    one plan and one order. ``catalogs``: a run without stages' catalog, already read (its
+    metadata is not read again). Reads no rows: the first batch (or :meth:`prepare`) does."""
+    from foundrymix.plan.stages import build_run_plan, plan_run
+    from foundrymix.plan.topology import Topology
+    topology = topology or Topology()
+    if catalogs is None:
+        run, catalogs = plan_run(config, batch_size, max_duration, topology, where, rank_count_limit=0)
+    else:
+        for catalog in catalogs:
+            catalog.validate()
+        run = build_run_plan(config, [c.infos() for c in catalogs], batch_size, max_duration,
+                             topology, where, rank_count_limit=0)
+    return StagedDataLoader(run, rank, rewind), catalogs
+
+
+def _segment_rows(controller: AdaptiveController, batch: int) -> Any:
+    """An adaptive segment's batches as (stream, row), decided before its first batch is read.
+    The controller's ids are its own numbering, turned back into (stream, row) by it; the store
+    numbers those rows itself (:class:`~foundrymix.loader.span.Span`), so no two numberings meet."""
     k = controller.segment_of(batch)
     ids = controller.segment_ids(k).reshape(-1, controller.global_batch)
     _warn_repeats(controller, k)
     start = controller.segment_start(k) - controller.start_batch
-    if [int(x) for x in offsets] != controller.offsets.tolist():
-        raise RuntimeError(f'adaptive: the dataset numbers samples from {offsets.tolist()}, the '
-                           f'plan from {controller.offsets.tolist()}')
 
     def rows(b: int) -> tuple[np.ndarray, np.ndarray]:
         got = ids[b - start]
         streams = controller.stream_of(got)
-        return streams, got - offsets[streams]
+        return streams, got - controller.offsets[streams]
     return rows
 
 
@@ -230,10 +222,4 @@ def _warn_repeats(controller: AdaptiveController, k: int) -> None:
                         f'times over in the run\'s first {controller.segment_start(k + 1)} batches (the policy\'s '
                         f'weights; the plan\'s passes hold for the configured start only). If that '
                         f'is not wanted, add rows to it or leave it out of the adaptive stage')
-
-
-def build_run_loader(run: RunPlan, batch_size: int, composer_epochs: bool = False,
-                     rank: Optional[int] = None) -> StagedDataLoader:
-    """The loader of a planned run for global rank ``rank`` (default: the launcher's)."""
-    return StagedDataLoader(run, batch_size, composer_epochs, rank)
 

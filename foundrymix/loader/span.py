@@ -23,16 +23,16 @@ BatchRows = Callable[[int], tuple[np.ndarray, np.ndarray]]
 
 
 class Span(IterableDataset):
-    """Rank ``rank``'s ``batch_size`` rows of each batch, read from ``storage`` by sample id
-    (numbered stream by stream from ``offsets``) and collated."""
+    """Rank ``rank``'s ``batch_size`` rows of each batch, read from ``storage`` by sample id and
+    collated. A (stream, row) becomes an id by the store's own numbering, the one it reads by."""
 
     def __init__(self, storage: Any, batch_rows: BatchRows, first: int, end: int, rank: int,
-                 batch_size: int, offsets: np.ndarray) -> None:
+                 batch_size: int) -> None:
         self.storage = storage
         self.batch_rows = batch_rows
         self.first, self.end = first, end
         self.rank, self.batch_size = rank, batch_size
-        self.offsets = np.asarray(offsets, np.int64)
+        self.offsets = np.asarray(storage.sample_offset_per_stream, np.int64)
 
     def sample_ids(self, b: int) -> np.ndarray:
         """This rank's sample ids of stage batch ``b``."""

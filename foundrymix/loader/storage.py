@@ -6,16 +6,14 @@ user's directory. Every failure names the stream, the shard (and row) and what t
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import threading
-import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 
+from foundrymix.claims import FileLock
 from foundrymix.errors import WorkerError
 from foundrymix.format.foundry_tokens import foundry_row
 from foundrymix.format.row_errors import CorruptRowError
@@ -65,10 +63,9 @@ class RowStore:
         self._opening: dict[int, threading.Lock] = {}  # one per shard: readers and prefetch
         self._failed: dict[int, BaseException] = {}  # what prefetching a shard raised
         self._hashes = ShardHashes(self.cache_root)
-        self._lock_fds: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        per_process = ('_readers', '_opening', '_failed', '_hashes', '_lock_fds', 'cache_claims')
+        per_process = ('_readers', '_opening', '_failed', '_hashes', 'cache_claims')
         return {k: v for k, v in self.__dict__.items() if k not in per_process}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -98,7 +95,7 @@ class RowStore:
         for attempt in (0, 1):
             reader = self._open(shard)
             try:
-                row = reader.get_item(idx - int(self._shard_start[shard]))
+                row = reader[idx - int(self._shard_start[shard])]
                 break
             except FileNotFoundError:
                 self._readers.pop(shard, None)  # evicted by another process since we opened it
@@ -158,7 +155,7 @@ class RowStore:
             return reader if reader is not None else self._open_now(shard)
 
     def _open_now(self, shard: int) -> Any:
-        from foundrymix.format.streaming_format import reader_from_json
+        from foundrymix.format.streaming_format import ShardRows
         k, j = self._where[shard]
         src = self.sources[k]
         info = src.shards[j]
@@ -187,7 +184,7 @@ class RowStore:
         if self.budget is not None:
             with contextlib.suppress(OSError):
                 os.utime(path)  # opened now: the last shard the budget evicts
-        reader = reader_from_json(src.directory, None, info)
+        reader = ShardRows(info, path=path)
         self._readers[shard] = reader
         return reader
 
@@ -208,30 +205,12 @@ class RowStore:
                     removed.append(path)
         return removed
 
-    @contextlib.contextmanager
-    def _shard_lock(self, directory: str, slot: int) -> Iterator[None]:
-        """This node's lock on one shard of a cache directory (a byte-range lock on one file per
-        directory): one process fetches, the others wait."""
-        with self._opening.setdefault(-1, threading.Lock()):  # one fd per directory per process
-            fd = self._lock_fds.get(directory)
-            if fd is None:
-                path = cache_file(self.cache_root, 'locks', directory, '.lock')
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = self._lock_fds[directory] = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
-                break
-            except OSError as e:
-                # POSIX locks belong to processes, so the kernel sees a cycle where threads of
-                # two processes wait on each other's other shard; none is real: wait a little
-                if e.errno != errno.EDEADLK:
-                    raise
-                time.sleep(0.01)
-        try:
-            yield
-        finally:
-            fcntl.lockf(fd, fcntl.LOCK_UN, 1, slot)
+    def _shard_lock(self, directory: str, slot: int) -> FileLock:
+        """This node's lock on one shard of a cache directory (one lock file per shard): one
+        thread of one process fetches it, the others wait."""
+        path = cache_file(self.cache_root, 'locks', directory, f'-{slot}.lock')
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return FileLock(path)
 
     def _fetch(self, src: Source, j: int) -> bool:
         """Put shard ``j``'s raw file in ``src.directory`` if absent (or of another size);
@@ -312,11 +291,7 @@ class RowStore:
                                  f"{src.shards[j]['raw_data']['basename']}: {problem}")
 
     def release(self) -> None:
-        """Close this process's lock files and give the cache directories back."""
-        for fd in self._lock_fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._lock_fds.clear()
+        """Drop this process's shard readers and give the cache directories back."""
         self._readers.clear()
         if self.cache_claims is not None:
             self.cache_claims.release()

@@ -8,20 +8,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
 from foundrymix.config import ConfigError
-from foundrymix.plan.exact import stratified_portions
-from foundrymix.plan.order import WINDOW_ROWS, Block, StreamDraws, rows_of, stream_draws
+from foundrymix.plan.exact import apportion
+from foundrymix.plan.order import Block, StreamDraws, rows_of
 from foundrymix.plan.policies import ADOPolicy, FixedPolicy, ODMPolicy, Policy
-
-
-def whole_rows(weights: Sequence[float], rows: int) -> list[int]:
-    """``rows`` split by ``weights`` into whole rows per stream, as streaming's stratified
-    batching splits a batch (``int(w x rows)``, the rest to the largest remainders)."""
-    return stratified_portions([float(w) for w in weights], rows)
 
 
 def floor_shares(weights: np.ndarray, min_share: float) -> np.ndarray:
@@ -82,8 +76,9 @@ class AdaptiveController:
     options: dict[str, float] = field(default_factory=dict)
     replay: Optional[list[Decision]] = None
     decisions: list[Decision] = field(default_factory=list)
-    #: each stream's draws (:func:`~foundrymix.plan.order.stream_draws`); None: one shard a stream
+    #: each stream's draws, and those earlier stages took: the stage order's (its passes go on)
     draws: Optional[list[StreamDraws]] = None
+    draws_before: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         initial = floor_shares(np.array(self.initial), self.min_share)
@@ -91,8 +86,6 @@ class AdaptiveController:
         policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(self.method)
         self.policy: Policy = FixedPolicy(initial) if policy is None else policy(initial, **self.options)
         self.offsets = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
-        if self.draws is None:
-            self.draws = [StreamDraws([n], (self.seed, i)) for i, n in enumerate(self.rows)]
         if self.replay is not None:
             self._check_replay()
         if not self.decisions:
@@ -129,7 +122,7 @@ class AdaptiveController:
     def _decision(self, k: int, weights: np.ndarray, loss: Optional[np.ndarray]) -> Decision:
         if self.replay is not None:
             return self.replay[k]
-        rows = whole_rows(weights, self.segment_batches(k) * self.global_batch)
+        rows = apportion(weights, self.segment_batches(k) * self.global_batch).tolist()
         lost = None if loss is None else [None if math.isnan(x) else float(x) for x in loss]
         return Decision(self.segment_start(k), [float(w) for w in weights], rows, lost)
 
@@ -180,9 +173,9 @@ class AdaptiveController:
         """Segment ``k``'s global sample ids, in training order: a block of the decided rows
         per stream from the streams' cursors, so a pass is finished before the next starts."""
         decision = self.decision(k)
-        block = Block(np.asarray(decision.rows, np.int64), self.consumed_before(k),
+        assert self.draws is not None and self.draws_before is not None
+        block = Block(np.asarray(decision.rows, np.int64), self.draws_before + self.consumed_before(k),
                       (self.seed, len(self.rows), 1_000_003, k))
-        assert self.draws is not None
         streams, rows = rows_of(self.draws, *block.draws(0, block.size))
         return self.offsets[streams] + rows
 
@@ -254,9 +247,7 @@ def build_controller(stage: Any) -> Optional[AdaptiveController]:
         every=a.batches('every', where), warmup=a.batches('warmup', where),
         min_share=a.min_share, seed=seed,
         start_batch=stage.start_batch, batches=stage.batches, options=options, replay=replay,
-        draws=stream_draws([i.shard_rows for i in stage.infos], [s.name for s in streams],
-                           seed, stage.name, config.shuffle_block_size or WINDOW_ROWS,
-                           config.shuffle) if stage.infos else None)
+        draws=stage.plan.order.draws, draws_before=stage.plan.order.start)
 
 
 def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:
@@ -273,7 +264,7 @@ def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:
         if c.replay is not None:
             known += c.replay[k].rows
         elif c.method == 'fixed' or c.segment_start(k) < c.start_batch + c.warmup:
-            known += whole_rows(c.initial, rows)
+            known += apportion(c.initial, rows)
         else:
             first = min(first, c.segment_start(k))
             undecided[0] += c.segment_batches(k)

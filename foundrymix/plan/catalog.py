@@ -248,22 +248,20 @@ class Catalog:
             raise ConfigError(f'{self.where}.validate_hash: {problem}')
 
     def _check_agree(self, infos: list[StreamInfo]) -> None:
-        checks = (
-            ('max_seq_len', lambda m: m.max_seq_len),
-            ('tokenizer', lambda m: f'{m.tokenizer.name} (fingerprint '
-                                    f'{m.tokenizer.fingerprint[:12]}, vocab {m.tokenizer.vocab_size})'),
-            ('pad id', lambda m: m.tokenizer.pad_id),
-            # The short tokenizer description above could collide; the fingerprint decides.
-            ('tokenizer fingerprint', lambda m: m.tokenizer.fingerprint),
+        """Streams share a batch only with one ``max_seq_len``, one tokenizer and one pad id. A
+        tokenizer is what it is (its fingerprint), not how its path was spelled at conversion."""
+        def tokenizer(m: Manifest) -> str:
+            return f'{m.tokenizer.name} (fingerprint {m.tokenizer.fingerprint[:12]}, vocab {m.tokenizer.vocab_size})'
+        checks = (  # (what, the value that must agree, how it is shown)
+            ('max_seq_len', lambda m: m.max_seq_len, lambda m: m.max_seq_len),
+            ('tokenizer', lambda m: m.tokenizer.fingerprint, tokenizer),
+            ('pad id', lambda m: m.tokenizer.pad_id, lambda m: m.tokenizer.pad_id),
         )
-        for what, get in checks:
-            values = {i.name: get(i.manifest) for i in infos}
-            if len(set(values.values())) > 1:
-                listing = ', '.join(f'{n}: {v}' for n, v in values.items())
-                tail = ('' if what == 'tokenizer fingerprint' else
-                        f'; every stream of one loader must be converted with the same {what}')
-                raise ConfigError(f'{self.where}.streams: streams disagree on {what} '
-                                  f'({listing}){tail}')
+        for what, key, show in checks:
+            if len({key(i.manifest) for i in infos}) > 1:
+                listing = ', '.join(f'{i.name}: {show(i.manifest)}' for i in infos)
+                raise ConfigError(f'{self.where}.streams: streams disagree on {what} ({listing}); every '
+                                  f'stream of one loader must be converted with the same {what}')
 
     @property
     def max_seq_len(self) -> int:

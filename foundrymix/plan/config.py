@@ -54,7 +54,7 @@ class StageSpec:
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'StageSpec':
-        from foundrymix.config import check_duration, check_keys, read_value
+        from foundrymix.config import Duration, check_keys, read_value
         d = to_plain(value, where)
         refuse_replaced_knobs(d, where)
         knobs = [k for k in LoaderConfig.__dataclass_fields__ if k not in ('streams', 'stages', 'groups')]
@@ -63,8 +63,7 @@ class StageSpec:
             if d.get(key) is None:
                 raise ConfigError(f'{where}: missing required key {key!r}')
         name = read_value(d.pop('name'), str, f'{where}.name')
-        duration = read_value(d.pop('duration'), str, f'{where}.duration')
-        check_duration(duration, f'{where}.duration')
+        duration = str(Duration.from_config(d.pop('duration'), f'{where}.duration'))
         streams = to_plain(d.pop('streams'), f'{where}.streams')
         if not streams:
             raise ConfigError(f'{where}.streams: a stage needs at least one stream')

@@ -1,11 +1,14 @@
-"""Weights in rows (groups, token shares, ``Stream.apply_weights``' arithmetic), and exact
-epochs: whole global batches per epoch (an epoch is one block of the order, so ranks slice every
-batch evenly), trimmed rows going on in the next epoch; stratified shares that are whole rows."""
+"""Weights in rows (groups, token shares, ``Stream.apply_weights``' meaning of a weight), and
+exact epochs: whole global batches per epoch (an epoch is one block of the order, so ranks slice
+every batch evenly), trimmed rows going on in the next epoch; stratified shares that are whole
+rows. Every share becomes whole rows through one rule, :func:`apportion`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -14,6 +17,32 @@ from foundrymix.plan.config import LoaderConfig
 
 if TYPE_CHECKING:  # the catalog imports this module (resolve_groups)
     from foundrymix.plan.catalog import StreamInfo
+
+
+def apportion(weights: Sequence[Any], total: int) -> np.ndarray:
+    """``total`` whole units split in proportion to ``weights`` (non-negative ints, floats or
+    fractions, taken at their exact values): each gets the floor of its exact share, and the units
+    left go one each to the largest remainders, equal remainders to the earlier weight (config
+    order). The plan's one rounding: whole rows are a function of the weights alone, never of a
+    seed; with ``total`` at most the weights' sum, none gets more than its weight."""
+    w = np.asarray(weights)
+    if w.dtype.kind not in 'iu':  # floats, fractions: exact integers over a common denominator
+        exact = [Fraction(x) for x in w.tolist()]
+        den = math.lcm(*(f.denominator for f in exact))
+        w = np.array([int(f * den) for f in exact], object)
+    whole = sum(w.tolist())
+    if total <= 0 or whole <= 0:
+        if total > 0:
+            raise ValueError(f'{total} units apportioned over weights that sum to zero')
+        return np.zeros(len(w), np.int64)
+    if w.dtype.kind in 'iu' and whole < (1 << 62) and int(w.max()) < (1 << 62) // total:
+        share, rest = np.divmod(w.astype(np.int64) * total, whole)
+    else:  # exact for any size: Python integers
+        pairs = [divmod(int(c) * total, whole) for c in w.tolist()]
+        share, rest = np.array([q for q, _ in pairs], object), [r for _, r in pairs]
+    share = share.astype(np.int64)
+    share[sorted(range(len(share)), key=lambda i: (-rest[i], i))[:total - int(share.sum())]] += 1
+    return share
 
 
 @dataclass(frozen=True)
@@ -39,18 +68,19 @@ class EpochWeights:
 
 @dataclass(frozen=True)
 class Weighted:
-    """Rows per stream per epoch, each stream's share of the epoch, and the epoch's size."""
+    """Rows per stream per epoch, the epoch's size, and the exact weights the rows are made from
+    (each stream's share of the epoch is its weight over their sum)."""
 
     chooses: np.ndarray
-    proportions: np.ndarray
     epoch_size: int
+    weights: tuple[Any, ...]
 
 
-def weighted(infos: list[StreamInfo], weights: EpochWeights, seed: int,
-             weights_in: str = 'rows') -> Weighted:
-    """``weights`` applied to the streams exactly as streaming's ``Stream.apply_weights`` applies
-    them (tested against it), in plain numpy, so a weight means what it means there.
-    ``weights.chooses`` replaces the configured weights when an exact epoch trimmed them."""
+def weighted(infos: list[StreamInfo], weights: EpochWeights, weights_in: str = 'rows') -> Weighted:
+    """``weights`` applied to the streams as streaming's ``Stream.apply_weights`` applies them
+    (tested against it), except that relative weights are made whole rows by :func:`apportion`
+    rather than a seeded draw. ``weights.chooses`` replaces the configured weights when an exact
+    epoch trimmed them."""
     rows = np.array([i.rows for i in infos], np.int64)
     size = weights.epoch_size
     if weights.chooses is not None:
@@ -62,19 +92,14 @@ def weighted(infos: list[StreamInfo], weights: EpochWeights, seed: int,
                  if i.spec.choose is not None else (None, None) for p, i in zip(props, infos)]
     kinds = {k for k, _ in given}
     if kinds == {'proportion'} or (kinds == {None} and size):
-        shares = (np.array([v for _, v in given], np.float64) if kinds == {'proportion'}
-                  else rows.astype(np.float64))
-        shares /= shares.sum()
+        exact = tuple(v for _, v in given) if kinds == {'proportion'} else tuple(rows.tolist())
         total = size or int(rows.sum())
-        chooses = (total * shares).astype(np.int64)
-        chooses[np.random.default_rng(seed).choice(len(infos), total - int(chooses.sum()), False)] += 1
-        return Weighted(chooses, shares, int(total))
+        return Weighted(apportion(exact, total), int(total), exact)
     if 'proportion' in kinds or size:  # LoaderConfig refuses both before a plan is made
         raise ConfigError('relative and absolute weights mixed, or an epoch_size with absolute weights')
     chooses = np.array([int(v * r) if k == 'repeat' else int(v) if k == 'choose' else int(r)
                         for (k, v), r in zip(given, rows)], np.int64)
-    with np.errstate(invalid='ignore', divide='ignore'):
-        return Weighted(chooses, chooses / chooses.sum(), int(chooses.sum()))
+    return Weighted(chooses, int(chooses.sum()), tuple(chooses.tolist()))
 
 
 def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: int,
@@ -83,13 +108,12 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     stratified shares checked unless ``exact: false`` (which trains the rounded shares)."""
     requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
     base = EpochWeights(requested, None, (), (), 1)
-    w = weighted(infos, base, config.shuffle_seed, config.weights_in)
+    w = weighted(infos, base, config.weights_in)
     size, nominal = w.epoch_size, tuple(int(c) for c in w.chooses)
     base = EpochWeights(requested, None, nominal, nominal, 1)
     if config.batching_method == 'stratified':  # every batch is a block of whole rows
         if config.exact:
-            check_stratified([i.name for i in infos], [float(p) for p in w.proportions],
-                             global_batch, where)
+            check_stratified([i.name for i in infos], w.weights, global_batch, where)
         return base
     unit = global_batch
     cut = size % unit
@@ -100,7 +124,7 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     else:
         rows = tuple(i.rows for i in infos)
         trimmed = EpochWeights(None, trim_chooses(nominal, cut, rows), nominal, (), unit)
-    rows = tuple(int(c) for c in weighted(infos, trimmed, config.shuffle_seed, config.weights_in).chooses)
+    rows = tuple(int(c) for c in weighted(infos, trimmed, config.weights_in).chooses)
     return EpochWeights(trimmed.epoch_size, trimmed.chooses, nominal, rows, unit)
 
 
@@ -109,48 +133,22 @@ def trim_chooses(chooses: tuple[int, ...], cut: int,
     """``chooses`` less ``cut`` rows in all: first from the fractional passes (``choose % rows``),
     so whole passes are kept, each split in proportion so that shares move least."""
     extras = tuple(c % n for c, n in zip(chooses, rows)) if rows else tuple(0 for _ in chooses)
-    first = _split(min(cut, sum(extras)), extras)
+    first = apportion(extras, min(cut, sum(extras))).tolist()
     left = tuple(c - k for c, k in zip(chooses, first))
-    return tuple(c - k for c, k in zip(left, _split(cut - sum(first), left)))
-
-
-def _split(cut: int, caps: tuple[int, ...]) -> tuple[int, ...]:
-    """``cut`` split over ``caps`` in proportion to them, none above its cap."""
-    total = sum(caps)
-    if cut <= 0 or total <= 0:
-        return tuple(0 for _ in caps)
-    exact = [cut * c / total for c in caps]
-    cuts = [min(int(x), c) for x, c in zip(exact, caps)]
-    for i in sorted(range(len(caps)), key=lambda i: (-(exact[i] - cuts[i]), i)):
-        if sum(cuts) == cut:
-            break
-        if cuts[i] < caps[i]:
-            cuts[i] += 1
-    return tuple(cuts)
-
-
-def stratified_portions(proportions: list[float], global_batch: int) -> list[int]:
-    """Rows per stream in every global batch, computed as streaming's stratified batching does
-    (``int(p x G)``, the shortfall to the largest remainders)."""
-    props = np.array(proportions, np.float64)
-    portions = np.array([int(p * global_batch) for p in proportions], np.int64)
-    missing = global_batch - int(portions.sum())
-    if missing > 0:
-        leftover = global_batch * props - portions
-        portions[np.flip(np.argsort(leftover))[:missing]] += 1
-    return [int(p) for p in portions]
+    return tuple(int(c - k) for c, k in zip(left, apportion(left, cut - sum(first))))
 
 
 def _whole(proportions: list[float], batch: int) -> bool:
     return all(abs(p * batch - round(p * batch)) < 1e-6 for p in proportions)
 
 
-def check_stratified(names: list[str], proportions: list[float], global_batch: int,
+def check_stratified(names: list[str], weights: Sequence[Any], global_batch: int,
                      where: str = 'train_loader') -> None:
     """Refuse stratified batching whose requested shares are not whole rows of a global batch."""
+    proportions = [float(x) / float(sum(weights)) for x in weights]
     if _whole(proportions, global_batch):
         return
-    portions = stratified_portions(proportions, global_batch)
+    portions = apportion(weights, global_batch).tolist()
     trains = ' + '.join(f'{n} {k}' for n, k in zip(names, portions))
     real = ', '.join(f'{n} {k / global_batch:.1%}' for n, k in zip(names, portions))
     asked = ', '.join(f'{n} {p:.4g}' for n, p in zip(names, proportions))
@@ -199,21 +197,10 @@ def resolve_groups(config: LoaderConfig, infos: list[StreamInfo],
                             for m, s in zip(ms, sizes)})
         else:
             assert group.choose is not None, 'a pattern gives a weight (StreamSpec.check)'
-            split = split_whole(group.choose, [m.rows for m in ms])
+            split = apportion([m.rows for m in ms], group.choose).tolist()
             weights.update({m.name: {'choose': c} for m, c in zip(ms, split)})
     return [replace(i, spec=replace(i.spec, **weights[i.name]))
             if i.name in weights else i for i in infos]
-
-
-def split_whole(total: int, sizes: list[int]) -> list[int]:
-    """``total`` split in proportion to ``sizes`` as whole numbers summing to ``total``
-    exactly (largest remainder; ties to the earlier one)."""
-    whole = sum(sizes)
-    floors = [total * s // whole for s in sizes]
-    rests = [total * s % whole for s in sizes]
-    for i in sorted(range(len(sizes)), key=lambda i: (-rests[i], i))[:total - sum(floors)]:
-        floors[i] += 1
-    return floors
 
 
 def row_proportions(infos: list[StreamInfo], weights_in: str) -> list[Optional[float]]:

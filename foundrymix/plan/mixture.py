@@ -6,22 +6,20 @@ passes or uniform rows make them exact (``tokens_exact``)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from foundrymix.config import DURATION_UNITS, ConfigError, parse_duration
+from foundrymix.config import DURATION_UNITS, UNIT_WORDS, ConfigError, parse_time, to_batches
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
-from foundrymix.plan.exact import EpochWeights, epoch_weights, stratified_portions, weighted
+from foundrymix.plan.exact import EpochWeights, apportion, epoch_weights, weighted
 from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, rank_counts, stream_draws
 from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
 
-__all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan',
-           'parse_duration']
+__all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan']
 
 
 #: by default, per-rank rows per stream are counted up to this many rows an epoch
@@ -126,9 +124,11 @@ def foundry_note(info: StreamInfo) -> str:
     docs = {'eos': f'documents end after each EOS (id {m.options["separator"]})',
             'bos': f'documents start at each BOS (id {m.options["separator"]})',
             'none': 'no EOS or BOS of the tokenizer in shard 0: each row is one document'}[rule]
+    where = (f'nothing is written into {info.directory}' if info.remote_dir is None else
+             f'{info.remote_dir} is read; its files are downloaded into {info.directory} (the download cache, '
+             f'as LLM-Foundry uses local:)')
     return (f'{info.name}: LLM-Foundry token shards read in place (tokens: {m.options["file_dtype"]}, rows of '
-            f'{m.max_seq_len}, tokenizer {m.tokenizer.name}); {docs}; nothing is written into '
-            f'{info.directory}')
+            f'{m.max_seq_len}, tokenizer {m.tokenizer.name}); {docs}; {where}')
 
 
 def weights_in_note(weights_in: str, plans: list[StreamPlan], L: int) -> str:
@@ -148,11 +148,11 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     epoch is one block, or under stratified batching every global batch is one."""
     G = batch_size * topology.world_size
     weights = epoch_weights(config, infos, G)
-    w = weighted(infos, weights, config.shuffle_seed, config.weights_in)
+    w = weighted(infos, weights, config.weights_in)
     epoch_size, chooses = w.epoch_size, w.chooses
     rows = np.array([i.rows for i in infos], np.int64)
     if config.batching_method == 'stratified':
-        portions = np.array(stratified_portions([float(p) for p in w.proportions], G), np.int64)
+        portions = apportion(w.weights, G)
         fits = [int(c) // int(p) for c, p in zip(chooses, portions) if p > 0]
         batches = min(fits) if fits else 0
         trained, block = portions * batches, portions
@@ -298,18 +298,13 @@ def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list
 
 def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch) -> DurationPlan:
     """Where ``max_duration`` ends, and exactly how many rows of each stream it trains."""
-    value, unit = parse_duration(max_duration)
+    time = parse_time(max_duration, 'max_duration', DURATION_UNITS, positive=True)
     G, L, bpe = plan.global_batch_size, plan.max_seq_len, plan.batches_per_epoch
     if bpe <= 0:
         raise ConfigError(f'an epoch has no full global batch of {G} rows (epoch size '
                           f'{plan.epoch_size}); lower the batch size or add rows')
-    if unit == 'ep':
-        total_batches = value * bpe
-    elif unit == 'ba':
-        total_batches = value
-    else:  # Composer stops after the batch that reaches the samples (tokens: rows x L)
-        samples = value if unit == 'sp' else math.ceil(value / L)
-        total_batches = math.ceil(samples / G)
+    total_batches = to_batches(time, 'max_duration', batches_per_epoch=bpe, samples_per_batch=G,
+                               tokens_per_batch=G * L, round_up=True)
     full_epochs, rem = divmod(total_batches, bpe)
     totals = epoch.order.trained(total_batches)
     rows_trained = {n: int(v) for n, v in zip(names, totals)}
@@ -319,7 +314,7 @@ def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch
     else:
         last_epoch, last_batch = full_epochs - 1, bpe
     return DurationPlan(
-        max_duration=f'{value}{unit}', unit=DURATION_UNITS[unit], value=value,
+        max_duration=f'{time.value}{time.unit}', unit=UNIT_WORDS[time.unit], value=int(time.value),
         total_batches=total_batches, total_samples=total_batches * G,
         total_tokens=total_batches * G * L, epochs=total_batches / bpe, full_epochs=full_epochs,
         ends_mid_epoch=bool(rem), last_epoch=last_epoch, last_batch_in_epoch=last_batch,

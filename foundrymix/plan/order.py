@@ -12,6 +12,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from foundrymix.plan.exact import apportion
+
 #: positions in one leaf of a block (its stream pattern is shuffled as a whole)
 LEAF = 1 << 16
 #: default rows of a shuffle window of one stream's pass (``shuffle_block_size``)
@@ -91,28 +93,6 @@ class StreamDraws:
 
 
 # ------------------------------------------------------------------------------- blocks
-def apportion(counts: np.ndarray, size: int) -> np.ndarray:
-    """``size`` positions split over streams in proportion to ``counts`` (largest remainder,
-    ties to the lower stream index); never more than ``counts[i]`` for a stream."""
-    total = int(counts.sum())
-    if size >= total:
-        return counts.copy()
-    if size <= 0:
-        return np.zeros_like(counts)
-    if int(counts.max()) < (1 << 62) // max(size, 1):
-        num = counts * size
-        share, rest = num // total, num % total
-    else:  # exact for any size: Python integers
-        pairs = [divmod(int(c) * size, total) for c in counts.tolist()]
-        share = np.array([q for q, _ in pairs], np.int64)
-        rest = np.array([r for _, r in pairs], object)
-    missing = size - int(share.sum())
-    if missing:
-        order = sorted(range(len(counts)), key=lambda i: (-rest[i], i))[:missing]
-        share[order] += 1
-    return share
-
-
 @dataclass(frozen=True)
 class Block:
     """``counts[i]`` consecutive draws of stream ``i`` from its cursor ``start[i]``, laid out
@@ -233,22 +213,24 @@ def _leaf(counts_bytes: bytes, dtype: str, size: int, k: int) -> tuple[np.ndarra
 
 # ------------------------------------------------------------------------------- stages
 class StageOrder:
-    """One stage's order in global batches: block ``e`` takes stream ``i``'s draws
-    ``[e c_i, (e+1) c_i)``, so repetition is pass-complete over the whole stage."""
+    """One stage's order in global batches: block ``e`` takes stream ``i``'s draws from
+    ``start[i] + e c_i`` on, ``start[i]`` being the draws of it earlier stages took, so repetition
+    is pass-complete over the whole run, across stages."""
 
     def __init__(self, draws: Sequence[StreamDraws], block_counts: Sequence[int], global_batch: int,
-                 key: tuple[int, ...], shuffle: bool = True) -> None:
+                 key: tuple[int, ...], shuffle: bool = True, start: Sequence[int] | None = None) -> None:
         self.draws = list(draws)
         self.counts = np.asarray(block_counts, np.int64)
         self.global_batch = int(global_batch)
         self.key = tuple(int(k) for k in key)
         self.shuffle = shuffle
+        self.start = np.zeros(len(self.counts), np.int64) if start is None else np.asarray(start, np.int64)
         self.block_size = int(self.counts.sum())
         if self.block_size <= 0:
             raise ValueError('a block holds no row')
 
     def block(self, e: int) -> Block:
-        return Block(self.counts, e * self.counts, (*self.key, e) if self.shuffle else ())
+        return Block(self.counts, self.start + e * self.counts, (*self.key, e) if self.shuffle else ())
 
     def positions(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream, draw) of the stage's positions ``[begin, end)``."""
@@ -305,6 +287,7 @@ def rows_of(draws: Sequence[StreamDraws], streams: np.ndarray, index: np.ndarray
 
 def stream_draws(shard_rows: Sequence[Sequence[int]], names: Sequence[str], seed: int, stage: str,
                  window_rows: int = WINDOW_ROWS, shuffle: bool = True) -> list[StreamDraws]:
-    """Every stream's draws in stage ``stage``, keyed by names (stable when streams are added)."""
+    """Every stream's draws as first used in stage ``stage``, keyed by names (stable when streams
+    are added); a later stage reusing a stream goes on with these (``StageOrder``'s ``start``)."""
     return [StreamDraws(r, (seed, name_key(stage), name_key(n)), window_rows, shuffle)
             for r, n in zip(shard_rows, names)]

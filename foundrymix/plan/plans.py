@@ -23,7 +23,7 @@ class StreamPlan:
     unseen_rows: int           # rows not seen at all in an epoch (passes < 1)
     share: float               # of the rows trained (stratified: of every batch, as rounded)
     trained_rows_per_epoch: int  # rows in full batches of epoch 0 (drop_last / stratified cuts)
-    slot_tokens_per_epoch: int   # rows_per_epoch x max_seq_len (what Composer's `tok` counts)
+    slot_tokens_per_epoch: int   # rows_per_epoch x max_seq_len (what a `tok` duration counts)
     tokens_per_epoch: float      # real (non-padding) tokens; exact iff tokens_exact
     loss_tokens_per_epoch: float
     tokens_exact: bool
@@ -33,14 +33,14 @@ class StreamPlan:
 
 @dataclass
 class DurationPlan:
-    """Where ``max_duration`` ends, in Composer's terms."""
+    """Where ``max_duration`` ends, in batches, samples, tokens and epochs."""
 
     max_duration: str
     unit: str
     value: int
     total_batches: int
     total_samples: int
-    total_tokens: int          # slot tokens (Composer `tok`): total_samples x max_seq_len
+    total_tokens: int          # slot tokens (a `tok` duration's): total_samples x max_seq_len
     epochs: float              # total_batches / batches_per_epoch
     full_epochs: int
     ends_mid_epoch: bool

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from foundrymix.config import FROM_KEY, ConfigError, read_dataclass, to_plain
+from foundrymix.config import FROM_KEY, ConfigError, parse_time, read_dataclass, to_plain
 
 _SCHEME = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
 _GLOB = re.compile(r'[*?\[]')
@@ -106,21 +106,16 @@ class AdaptiveConfig:
         return read_dataclass(cls, d, where)
 
     def batches(self, key: str, where: str) -> int:
-        m = re.fullmatch(r'\s*(\d+)\s*ba\s*', str(getattr(self, key)))
-        if not m:
-            raise ConfigError(f'{where}.{key}: {getattr(self, key)!r} must be whole batches (e.g. '
-                              f'50ba): a segment is whole global batches')
-        return int(m.group(1))
+        """``every`` or ``warmup`` in global batches: a segment is whole global batches."""
+        return int(parse_time(getattr(self, key), f'{where}.{key}', ('ba',)).value)
 
     def check(self, where: str) -> None:
         from foundrymix.config import Gather
         gather = Gather()
         with gather:
-            if self.batches('every', where) <= 0:
-                raise ConfigError(f'{where}.every: must be at least 1ba, got {self.every}')
+            parse_time(self.every, f'{where}.every', ('ba',), positive=True)
         with gather:
-            if self.batches('warmup', where) < 0:
-                raise ConfigError(f'{where}.warmup: must be >= 0ba, got {self.warmup}')
+            self.batches('warmup', where)
         with gather:
             if not 0 <= self.min_share < 1:
                 raise ConfigError(f'{where}.min_share: must be in [0, 1), got {self.min_share}')

@@ -9,10 +9,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from foundrymix.config import ConfigError, parse_duration
+import numpy as np
+
+from foundrymix.config import DURATION_UNITS, ConfigError, parse_time, to_batches
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
+from foundrymix.plan.order import StageOrder, StreamDraws
 from foundrymix.plan.topology import Topology
 
 
@@ -59,7 +62,7 @@ class StagePlan:
 
     @property
     def tokens(self) -> int:
-        """Slot tokens the stage trains (what Composer's ``tok`` counts): samples x max_seq_len."""
+        """Slot tokens the stage trains (what a ``tok`` duration counts): samples x max_seq_len."""
         return self.samples * self.plan.max_seq_len
 
     @property
@@ -101,7 +104,7 @@ class RunPlan:
 
     @property
     def total_tokens(self) -> int:
-        """Slot tokens the run trains (Composer's ``tok``): total samples x max_seq_len."""
+        """Slot tokens the run trains (what a ``tok`` duration counts): total samples x max_seq_len."""
         return self.total_samples * self.max_seq_len
 
     @property
@@ -110,7 +113,7 @@ class RunPlan:
 
     @property
     def batch_varies(self) -> bool:
-        """True when stages have different global batches: Composer then runs in samples."""
+        """True when stages have different global batches: the trainer then counts the run in samples."""
         return len(set(self.batch_sizes)) > 1
 
     def stage_at(self, batch: int) -> StagePlan:
@@ -128,24 +131,13 @@ class RunPlan:
 
 def stage_batches(duration: str, plan: Plan, where: str) -> int:
     """A stage duration as an exact number of global batches; refused unless whole."""
-    value, unit = parse_duration(duration, where)
-    G, L, bpe = plan.global_batch_size, plan.max_seq_len, plan.batches_per_epoch
+    G, bpe = plan.global_batch_size, plan.batches_per_epoch
     if bpe <= 0:
         raise ConfigError(f'{where}: the stage\'s epoch ({plan.epoch_size:,} rows) holds no full '
                           f'global batch of {G} rows; add rows, raise the weights or lower the '
                           f'batch size')
-    if unit == 'ba':
-        return value
-    if unit == 'ep':
-        return value * bpe
-    per_batch = G if unit == 'sp' else G * L
-    if value % per_batch:
-        what = 'samples' if unit == 'sp' else f'tokens ({G} rows x {L})'
-        raise ConfigError(
-            f'{where}: {duration} is not a whole number of global batches of {per_batch:,} '
-            f'{what}: {value / per_batch:.4g} batches; use {value // per_batch * per_batch}'
-            f'{unit} or {(value // per_batch + 1) * per_batch}{unit}')
-    return value // per_batch
+    return to_batches(parse_time(duration, where, DURATION_UNITS, positive=True), where,
+                      batches_per_epoch=bpe, samples_per_batch=G, tokens_per_batch=G * plan.max_seq_len)
 
 
 def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
@@ -173,7 +165,7 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                    rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> RunPlan:
     """The plan of a run: each stage's mixture, weights and exact batches (each planned once,
     with its own global batch), and the run totals. Without ``stages:`` the run is one stage,
-    :data:`MAIN_STAGE`, as long as ``max_duration`` (rounded up, as Composer stops)."""
+    :data:`MAIN_STAGE`, as long as ``max_duration`` (rounded up to the batch that reaches it)."""
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
     stages: list[StagePlan] = []
@@ -198,7 +190,7 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                     raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
                 return batches
             stage_G = spec.global_train_batch_size or G
-            if stage_G % topology.world_size:  # the words of train.config.split_batch
+            if stage_G % topology.world_size:  # the words of plan.data_config.batch_per_rank
                 raise ConfigError(f'{spec.where}.global_train_batch_size={stage_G} is not divisible by '
                                   f'the {topology.world_size} ranks')
             stage_batch = stage_G // topology.world_size
@@ -220,11 +212,16 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
     from foundrymix.plan.adaptive import build_controller, plan_adaptive
+    carried: dict[str, Optional[tuple[StreamDraws, int]]] = {}
     for stage in stages:
+        places = _continue_passes(stage, carried)
         controller = build_controller(stage)  # refused now, not at the stage's first batch
         if controller is not None and not plan_adaptive(stage.plan, controller):
             run.decided_during_run.append(stage.name)
         rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
+        order = stage.plan.order  # rows decided during the run (None): later, a fresh pass
+        carried.update({w: (order.draws[k], int(order.start[k]) + rows[stage.infos[k].name])
+                        if rows is not None else None for w, k in places.items()})
         for name, n in (rows or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
         if run.explicit:
@@ -234,17 +231,28 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     return run
 
 
-def composer_duration(run: RunPlan) -> str:
-    """The ``max_duration`` Composer is given for a run with stages: its batches, or, when the
-    stages' global batches differ, its samples, so that a ``dur`` schedule is a fraction of the
-    data rather than of the optimizer steps (docs/stages.md)."""
-    if not run.batch_varies:
-        return f'{run.total_batches}ba'
-    return f'{run.total_samples}sp'
+def stream_location(info: StreamInfo) -> str:
+    """What makes a stream the same in two stages, whatever its name: where its rows are."""
+    return info.remote_dir or info.directory
+
+
+def _continue_passes(stage: StagePlan, carried: dict[str, Optional[tuple[StreamDraws, int]]]
+                     ) -> dict[str, int]:
+    """The stage reads each stream from where earlier stages left its draws (``carried``); a
+    stream's first stage fixes its passes. Returns location -> the stage's stream there."""
+    order = stage.plan.order
+    places = {stream_location(i): k for k, i in reversed(list(enumerate(stage.infos)))}
+    draws, start = list(order.draws), np.zeros(len(order.draws), np.int64)
+    for where, k in places.items():
+        draws[k], start[k] = carried.get(where) or (draws[k], 0)
+    # the same positions and counts: only which rows fill them changes
+    stage.plan.order = StageOrder(draws, order.counts, order.global_batch, order.key, order.shuffle, start)
+    return places
 
 
 def _check_max_duration(max_duration: str, run: RunPlan) -> None:
-    value, unit = parse_duration(max_duration)
+    time = parse_time(max_duration, 'max_duration', DURATION_UNITS, positive=True)
+    value, unit = time.value, time.unit
     L, total = run.max_seq_len, run.total_batches
     samples = sum(s.batches * s.global_batch_size for s in run.stages)
     sums = {'ba': total, 'sp': samples, 'tok': samples * L}

@@ -1,6 +1,7 @@
 """S3 clients for writing and listing: one boto3 client with botocore's ``standard`` retries
-(backoff with jitter on throttling, 5xx, resets and timeouts), bounded timeouts, every failed
-attempt counted by reason, and errors described by URL, S3 error code and what to check.
+(backoff with jitter on throttling, 5xx, resets and timeouts), bounded timeouts, attempts and
+failed attempts counted by reason (:mod:`foundrymix.s3.retries`), and errors described by URL,
+S3 error code and what to check.
 
 Credentials and endpoint are boto3's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws``, instance roles) and ``S3_ENDPOINT_URL`` for S3-compatible stores;
@@ -10,12 +11,11 @@ Credentials and endpoint are boto3's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_A
 from __future__ import annotations
 
 import os
-import threading
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from foundrymix.s3.remote import s3_code
+from foundrymix.s3.retries import S3RetryCounter, watch
 
 #: attempts per request unless ``AWS_MAX_ATTEMPTS`` says otherwise
 DEFAULT_ATTEMPTS = 8
@@ -60,46 +60,10 @@ def describe(action: str, url: str, error: BaseException) -> str:
     return f'{url}: {action} failed ({code}: {error}); {hint(code)}'
 
 
-@dataclass
-class RetryCounter:
-    """Failed attempts botocore retried, by reason (S3 error code, HTTP status, exception).
-
-    Counted in a ``needs-retry`` handler, which botocore calls after every attempt; an
-    attempt counts when it raised (reset, timeout) or got a 5xx/429 answer. The last failed
-    attempt of a request that fails for good is counted too, but then the upload fails.
-    """
-
-    reasons: Counter = field(default_factory=Counter)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __call__(self, response: Any = None, caught_exception: Optional[BaseException] = None,
-                 **_: Any) -> None:
-        reason = None
-        if caught_exception is not None:
-            reason = type(caught_exception).__name__
-        elif response is not None:
-            http, parsed = response
-            if http.status_code >= 500 or http.status_code == 429:
-                reason = (parsed or {}).get('Error', {}).get('Code') or f'HTTP {http.status_code}'
-        if reason is not None:
-            with self._lock:
-                self.reasons[reason] += 1
-        return None  # never decides whether to retry: botocore's own handler does
-
-    @property
-    def total(self) -> int:
-        return sum(self.reasons.values())
-
-    def summary(self) -> str:
-        if not self.total:
-            return 'no retries'
-        parts = ', '.join(f'{reason} {n}' for reason, n in sorted(self.reasons.items()))
-        return f'{self.total} retries ({parts})'
-
-
-def make_client(retries: RetryCounter, max_attempts: Optional[int] = None,
+def make_client(retries: Optional[S3RetryCounter] = None, max_attempts: Optional[int] = None,
                 connect_timeout: float = 10, read_timeout: float = 30, threads: int = 4) -> Any:
-    """A boto3 S3 client with standard retries, bounded timeouts and the retry counter.
+    """A boto3 S3 client with standard retries and bounded timeouts, whose attempts and retries
+    go to ``retries`` (default: the process's installed counter, :func:`foundrymix.s3.retries.watch`).
 
     An endpoint that stops answering fails a request after ``max_attempts`` x
     ``read_timeout`` plus backoff (at most 20 s between attempts).
@@ -114,8 +78,7 @@ def make_client(retries: RetryCounter, max_attempts: Optional[int] = None,
                     max_pool_connections=threads + 4)
     client = boto3.session.Session().client('s3', config=config,
                                             endpoint_url=os.environ.get('S3_ENDPOINT_URL') or None)
-    client.meta.events.register('needs-retry.s3', retries)
-    return client
+    return watch(client, retries)
 
 
 def list_keys(client: Any, url: S3Url) -> list[str]:

@@ -13,7 +13,8 @@ responses have no body, so wrong credentials, a missing bucket and a missing key
   deadline of ``download_timeout`` after the first one began. **Bound per file**: a
   download that cannot succeed fails within ``download_timeout`` plus client set-up; a
   transfer that keeps receiving bytes is not cut (the timeout bounds each stall, not a
-  slow but moving shard). Retries are logged (WARNING) with the URL, attempt and cause.
+  slow but moving shard). Retries are logged (WARNING) with the URL, attempt and cause,
+  and counted (:mod:`foundrymix.s3.retries`).
 * :class:`RemoteError` classifies a failure; its message names the URL, the S3 error
   code, the endpoint, and what to check.
 
@@ -33,6 +34,7 @@ import urllib.parse
 from typing import Any, Optional
 
 from foundrymix.errors import FoundrymixError
+from foundrymix.s3.retries import failure_reason, installed, watch
 
 logger = logging.getLogger(__name__)
 
@@ -152,24 +154,6 @@ def _is_transient(error: BaseException) -> bool:
                               HTTPClientError, socket.timeout, TimeoutError, ConnectionResetError))
 
 
-def retry_reason(error: BaseException) -> str:
-    """Why a request is tried again, in :mod:`foundrymix.s3.retries`'s words."""
-    code = s3_code(error)
-    if code in ('SlowDown', '503'):
-        return 'slowdown'
-    if code is not None:
-        return 'http_other'
-    name = type(error).__name__
-    if 'EndpointConnection' in name or 'ConnectTimeout' in name:
-        return 'connect'
-    if 'Timeout' in name or isinstance(error, (socket.timeout, TimeoutError)):
-        return 'timeout'
-    if any(w in name for w in ('Closed', 'Reset', 'Protocol', 'Connection', 'IncompleteRead',
-                               'ResponseStreaming')):
-        return 'reset'
-    return 'other'
-
-
 class BoundedS3Downloader:
     """An S3 downloader with a deadline per file; see the module docstring for the bound.
 
@@ -202,8 +186,8 @@ class BoundedS3Downloader:
             kwargs['signature_version'] = UNSIGNED
         self._unsigned = unsigned
         self._client_timeout = timeout
-        self._s3_client = Session().client('s3', config=Config(**kwargs),
-                                           endpoint_url=os.environ.get('S3_ENDPOINT_URL'))
+        self._s3_client = watch(Session().client('s3', config=Config(**kwargs),
+                                                 endpoint_url=os.environ.get('S3_ENDPOINT_URL')))
 
     def _download_file_impl(self, remote: str, local: str, timeout: float) -> None:
         from botocore.exceptions import ClientError, NoCredentialsError
@@ -239,10 +223,8 @@ class BoundedS3Downloader:
             backoff = BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random() / 2)
             if not _is_transient(error) or attempt >= MAX_ATTEMPTS or left <= backoff:
                 raise classify(error, remote, timeout, attempt) from error
-            # ``s3_retry`` lets foundrymix.s3.retries count this retry (and why) for the log.
             logger.warning('%s: attempt %d of %d failed (%s); retrying in %.1f s', remote, attempt,
-                           MAX_ATTEMPTS, s3_code(error) or f'{type(error).__name__}: {error}', backoff,
-                           extra={'s3_retry': retry_reason(error)})
+                           MAX_ATTEMPTS, s3_code(error) or f'{type(error).__name__}: {error}', backoff)
             time.sleep(backoff)
 
     def _get(self, remote: str, local: str) -> None:
@@ -252,8 +234,13 @@ class BoundedS3Downloader:
         tmp = f'{local}.part-{os.getpid()}-{random.randrange(1 << 30):x}'
         try:
             with open(tmp, 'wb') as f:
-                for chunk in response['Body'].iter_chunks(1 << 20):
-                    f.write(chunk)
+                try:
+                    for chunk in response['Body'].iter_chunks(1 << 20):
+                        f.write(chunk)
+                except Exception as e:  # a body cut mid-read: no hook saw this attempt fail
+                    if _is_transient(e) and installed() is not None:
+                        installed().failed(failure_reason(error=e))
+                    raise
             os.replace(tmp, local)
         finally:
             if os.path.exists(tmp):

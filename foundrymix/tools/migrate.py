@@ -26,8 +26,9 @@ TOP_RENAMES = {'fsdp_config': 'fsdp', 'console_log_interval': 'log_interval', 'g
 #: what a rename's line adds: where the meaning differs
 _RENAME_NOTES = {'fsdp_config': " (FSDP runs on GPUs here: a CPU run is refused until fsdp is left out; "
                                 "LLM-Foundry dropped it with a warning on one rank)"}
-#: LLM-Foundry ``model.name`` -> ``model.type`` (None: the name goes, pretrained_model_name_or_path stays)
-MODEL_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': None}
+#: LLM-Foundry ``model.name`` -> ``model.type`` (None: the name goes, pretrained_model_name_or_path stays;
+#: T5, an encoder-decoder, is then refused as ``plan`` refuses it)
+MODEL_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': None, 'hf_t5': 't5'}
 INTERVALS = ('eval_interval', 'save_interval', 'log_interval')
 _REF = re.compile(r'\$\{([A-Za-z_]\w*)\}')
 _VAR_REF = re.compile(r'\$\{variables\.([A-Za-z_]\w*)\}')
@@ -237,6 +238,11 @@ def _pretrained(m: Migration) -> None:
     """A hub name is never downloaded here: the model must be a local directory."""
     model = m.data.get('model')
     name = model.get('pretrained_model_name_or_path') if isinstance(model, dict) else None
+    if isinstance(model, dict) and isinstance(model.get('pretrained'), bool):
+        m.carried.append(f"model.pretrained: {show(model['pretrained'])}: "
+                         + ('load the weights of the model directory' if model['pretrained'] else
+                            "the model directory's config only, the weights initialised at random")
+                         + ', as in LLM-Foundry')
     if isinstance(name, str) and not os.path.isdir(name):
         m.todo.append(f'model.pretrained_model_name_or_path: {name}: give a local Hugging Face model '
                       f'directory (models are never downloaded; e.g. save_pretrained() it once)')
@@ -260,10 +266,6 @@ def _model(m: Migration) -> None:
     if 'loss_fn' in model:  # mpt-small-cpu.yaml: torch_crossentropy
         m.dropped.append(f"model.loss_fn: {model.pop('loss_fn')}: no equivalent (the loss is transformers' "
                          f"cross-entropy on the labels)")
-    if model.get('type') == 'mpt' and 'attention' not in model:
-        model['attention'] = 'causal'
-        m.changes.append("model.attention: causal (transformers' MPT ignores position_ids, so document "
-                         "attention is refused)")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -88,12 +88,17 @@ def model_keys(m: Any) -> None:
                          f"model's layers at start; export writes the merged model, or with --adapter the "
                          f'adapter alone')
     if 'ffn_config' in model and mtype == 'mpt':
-        ffn = model.pop('ffn_config')
-        plain = isinstance(ffn, dict) and set(ffn) <= {'ffn_type'} and ffn.get('ffn_type', 'mptmlp') == 'mptmlp'
+        ffn = model['ffn_config']
         line = f'model.ffn_config: {ffn}: {_advice("ffn_config", mtype)}'
-        (m.dropped if plain else m.todo).append(
-            line if plain else line + '; removed: the model is built with that MLP instead (a different '
-                                      'model): accept it, or keep this run on LLM-Foundry')
+        if isinstance(ffn, dict) and set(ffn) <= {'ffn_type'} and ffn.get('ffn_type', 'mptmlp') == 'mptmlp':
+            model.pop('ffn_config')
+            m.dropped.append(line)
+        else:  # kept, so plan and train refuse it: deleting it is the user's acceptance
+            instead = 'a dense MLP instead of its experts' if 'moe' in str(ffn) else 'that MLP instead'
+            m.todo.append(f'{line}; kept, so plan and train refuse the YAML: delete model.ffn_config to accept '
+                          f'{instead} (a different model), or keep this run on LLM-Foundry')
+    if mtype is not None:
+        _attention(m, model, mtype)
     if mtype == 'mpt':
         attn = model.get('attn_config')
         given = isinstance(attn, dict) and attn.get('attn_impl') is not None
@@ -105,23 +110,49 @@ def model_keys(m: Any) -> None:
     overrides = model.get('config_overrides')
     keys = [(f'model.{k}', k) for k in model if k not in OWN_KEYS]
     keys += [(f'model.config_overrides.{k}', k) for k in (overrides if isinstance(overrides, dict) else {})]
-    if not keys:
+    if not keys and mtype is not None:
         return
     if mtype is None:
-        m.todo.append(f'{", ".join(p for p, _ in keys)}: checked against the model\'s transformers config '
-                      f'once model.pretrained_model_name_or_path is a local directory')
+        keys = [('model.attention', 'attention')] * ('attention' not in model) + keys
+        if keys:
+            m.todo.append(f'{", ".join(p for p, _ in keys)}: checked against the model\'s type once '
+                          f'model.pretrained_model_name_or_path is a local directory (`foundrymix plan` names '
+                          f'what it refuses: attention: causal for a type that ignores position_ids, '
+                          f'attn_implementation: eager for one without sdpa, a key its config lacks)')
         return
     try:
         valid = config_keys(mtype)
     except KeyError:
         return  # the read-back names the unknown type
     for path, key in keys:
-        if key in valid:
+        if key in valid or any(line.startswith(path + ':') for line in m.todo):
             continue
         advice = _advice(key, mtype)
-        m.todo.append(f'{path}: not a key of transformers\' {mtype} config'
-                      + (f' ({advice}): delete it' if advice else ': delete it, or give the key of that config '
-                                                                  'that means it'))
+        if advice:  # LLM-Foundry's own key: its config refused it too ("config does not have attribute")
+            (overrides if path.startswith('model.config_overrides.') else model).pop(key)
+            m.dropped.append(f'{path}: {advice} (LLM-Foundry refused it on a {mtype} config too)')
+        else:
+            m.todo.append(f"{path}: not a key of transformers' {mtype} config: delete it, or give the key of "
+                          f"that config that means it")
+    if overrides == {} and any(line.startswith('model.config_overrides.') for line in m.dropped):
+        model.pop('config_overrides')  # each of its keys removed, with its line
+
+
+def _attention(m: Any, model: dict[str, Any], mtype: str) -> None:
+    """``attention`` and ``attn_implementation`` as ``plan`` accepts them for ``mtype``: causal for a
+    model that ignores position_ids, eager for one without sdpa; an explicit value stays, and the
+    read-back turns a refused one into a to-do."""
+    from foundrymix.train.model_spec import check_model_type, has_sdpa, reads_position_ids
+
+    check_model_type(mtype, 'model')  # an encoder-decoder model: refused here, in one line
+    who = 'MPT' if mtype == 'mpt' else repr(mtype)
+    if 'attention' not in model and not reads_position_ids(mtype):
+        model['attention'] = 'causal'
+        m.changes.append(f"model.attention: causal (transformers' {who} ignores position_ids, so document "
+                         f"attention is refused)")
+    if 'attn_implementation' not in model and mtype != 'mpt' and not has_sdpa(mtype):
+        model['attn_implementation'] = 'eager'
+        m.changes.append(f"model.attn_implementation: eager (transformers' {who} has no sdpa attention)")
 
 
 def read_back(m: Any) -> None:
@@ -153,9 +184,23 @@ def read_back(m: Any) -> None:
 
 def kept(m: Any, original: dict[str, Any], renamed: set[str]) -> list[str]:
     """The input's keys migrate carried unchanged (``renamed``: the new names of renamed
-    sections, whose keys are carried as the rename line says), in a line or two."""
+    sections, whose keys are carried as the rename line says), in a line or two: a key no
+    line names, or the unnamed keys inside one whose line names only some of its keys."""
     said = m.changes + m.dropped + m.todo + m.carried
     tops = {head(line).split('.')[0] for line in said} | renamed
+
+    def named(path: str, below: bool) -> bool:  # model.pretrained is not model.pretrained_...
+        end = r'\.' if below else r'(?![\w.])'
+        return any(re.search(rf'(?<![\w.]){re.escape(path)}{end}', line) for line in said)
+
+    def inner(path: str, value: dict[str, Any]) -> list[str]:
+        out = []
+        for k, v in value.items():
+            if named(f'{path}.{k}', below=False):
+                continue
+            out += inner(f'{path}.{k}', v) if isinstance(v, dict) and named(f'{path}.{k}', below=True) else \
+                [f'{path}.{k}']
+        return out
     top_kept, inner_kept = [], []
     for key, value in m.data.items():
         if key not in original and key not in renamed:
@@ -163,13 +208,16 @@ def kept(m: Any, original: dict[str, Any], renamed: set[str]) -> list[str]:
         if key not in tops:
             top_kept.append(key)
         elif isinstance(value, dict) and key not in renamed:
-            inner_kept += [f'{key}.{k}' for k in value if not any(f'{key}.{k}' in line for line in said)]
+            inner_kept += inner(key, value)
     return [f'kept: {", ".join(keys)} (the same keys and meaning here)' for keys in (top_kept, inner_kept) if keys]
 
 
 def cpu_overrides(data: dict[str, Any]) -> list[str]:
-    """The ``key=value`` overrides that make a GPU YAML run on a CPU (FSDP, mixed precision,
-    Composer's adaptive microbatching and flash attention need a GPU)."""
+    """The ``key=value`` overrides that make a trial of the YAML a short CPU run: FSDP, mixed
+    precision, Composer's adaptive microbatching and flash attention need a GPU (a model without
+    sdpa gets eager); an evaluation of the whole eval set (``eval_subset_num_batches: -1``, the
+    default) is bounded to one batch, once, at the end (Composer always evaluates there), else
+    it would outlast a trial of a few batches."""
     out = []
     if data.get('fsdp') is not None:
         out.append('fsdp=null')
@@ -179,5 +227,12 @@ def cpu_overrides(data: dict[str, Any]) -> list[str]:
         out.append('device_train_microbatch_size=null')
     model = data.get('model')
     if isinstance(model, dict) and model.get('attn_implementation') == 'flash_attention_2':
-        out.append('model.attn_implementation=sdpa')
+        from foundrymix.train.model_spec import has_sdpa
+        mtype = model_type(model)
+        out.append(f"model.attn_implementation={'eager' if mtype and not has_sdpa(mtype) else 'sdpa'}")
+    if data.get('eval_loader') and data.get('eval_subset_num_batches', -1) == -1:
+        out.append('eval_subset_num_batches=1')
+        end = data.get('max_duration')
+        if isinstance(end, str) and data.get('eval_interval', '1ep') != end:
+            out.append(f'eval_interval={end}')
     return out

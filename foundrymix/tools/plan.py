@@ -1,9 +1,11 @@
 """``foundrymix plan CONFIG.yaml``: the exact mixture of a training YAML, from manifests only.
 
-The YAML is read exactly as ``train`` reads it (:func:`~foundrymix.train.config.load_config`,
-the whole :class:`~foundrymix.train.config.TrainConfig`, and the batch split over
-``--world-size`` ranks), so a config ``train`` would refuse is refused here with the same
-message, before anything is printed.
+A YAML with trainer keys is read exactly as ``train`` reads it (the whole
+:class:`~foundrymix.train.config.TrainConfig`, and the batch split over ``--world-size``
+ranks), so a config ``train`` would refuse is refused here with the same message, before
+anything is printed. A data-only YAML is read and checked by the core
+(:class:`~foundrymix.plan.data_config.DataConfig`): no trainer, torch or transformers is
+imported for it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1
 
 def lr_schedule(cfg: Any, run: Any) -> Any:
     """The run's ``wsd`` schedule resolved against its plan (what the trainer's scheduler
-    evaluates), or None for Composer's schedulers; refused as ``train`` refuses it."""
-    if cfg.scheduler.name != 'wsd':
+    evaluates), or None for Composer's schedulers and a data-only YAML; refused as ``train``
+    refuses it."""
+    if getattr(cfg, 'scheduler', None) is None or cfg.scheduler.name != 'wsd':
         return None
     from foundrymix.train.lr_schedule import Timeline, resolve_wsd
     return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
@@ -39,24 +42,44 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
 @collector_paused()  # as the trainer reads and plans a run (foundrymix/heap.py)
 def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Optional[str],
           nodes: int, rank_counts: bool = False) -> tuple[Any, Any]:
-    """(the RunPlan, the config) of a training YAML."""
+    """(the RunPlan, the config) of a YAML (:func:`_read`), refused as ``train`` refuses it."""
+    from foundrymix.plan.catalog import Catalog
+    from foundrymix.plan.data_config import (DataConfig, batch_per_rank, check_data_streams, check_eval_catalog,
+                                             read_yaml_config)
     from foundrymix.plan.stages import RANK_COUNT_LIMIT, Topology, plan_run
-    from foundrymix.train.config import check_eval_streams, check_streams, load_config, split_batch
-    from foundrymix.train.preflight import check_start
 
-    cfg = load_config(path, overrides, max_duration, data_only=True)
-    device_batch, _ = split_batch(cfg, world_size)
+    cfg = read_yaml_config(path, overrides, max_duration, _read)
+    trainer = type(cfg) is not DataConfig
+    if trainer:
+        from foundrymix.train.config import check_streams, split_batch
+        from foundrymix.train.preflight import check_start
+        device_batch, _ = split_batch(cfg, world_size)
+    else:
+        device_batch = batch_per_rank(cfg, world_size)
     if world_size % nodes:
         raise ConfigError(f'world size {world_size} is not divisible by the {nodes} nodes')
     run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration,
                              Topology(nodes=nodes, ranks_per_node=world_size // nodes),
                              rank_count_limit=None if rank_counts else RANK_COUNT_LIMIT)
-    check_start(cfg, run)  # what Composer would refuse at start, as train refuses it
+    if trainer:
+        check_start(cfg, run)  # what the trainer would refuse at start, as train refuses it
     for catalog in catalogs:  # as train refuses them
-        check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
+        (check_streams if trainer else check_data_streams)(cfg, catalog.max_seq_len, catalog.tokenizer)
     if cfg.eval_loader is not None:  # its streams, as train reads them
-        check_eval_streams(cfg, catalogs[0].max_seq_len, catalogs[0].tokenizer)
+        check_eval_catalog(Catalog(cfg.eval_loader, 'eval_loader'), catalogs[0].max_seq_len,
+                           catalogs[0].tokenizer)
     return run, cfg
+
+
+def _read(data: dict[str, Any]) -> Any:
+    """A data-only YAML as the core's ``DataConfig``; one with ``model:`` as ``train`` reads it
+    (``TrainConfig``); one with other trainer keys but no model as a ``PlanConfig`` (every key
+    checked as ``train`` would, the model left out)."""
+    from foundrymix.plan.data_config import DATA_KEYS, DataConfig
+    if DATA_KEYS.issuperset(data):
+        return DataConfig.from_dict(data)
+    from foundrymix.train.config import PlanConfig, TrainConfig
+    return (TrainConfig if 'model' in data else PlanConfig).from_dict(data)
 
 
 def _topology(args: argparse.Namespace) -> tuple[int, int]:
@@ -77,16 +100,18 @@ def _run(args: argparse.Namespace) -> int:
     world, nodes = _topology(args)
     run, cfg = _plan(args.config, args.overrides, world, args.max_duration, nodes, args.rank_counts)
     plan = run if run.explicit else run.stages[0].plan
-    schedule, lr = lr_schedule(cfg, run), cfg.optimizer.lr
+    schedule = lr_schedule(cfg, run)
+    lr = cfg.optimizer.lr if schedule is not None else None
+    from foundrymix.tools.plan_eval import eval_json, print_eval
     if args.json:
-        out = plan.to_dict()
+        out = {**plan.to_dict(), **eval_json(cfg, world, nodes)}
         if schedule is not None:
             out['lr_schedule'] = schedule.to_dict(lr)
         print(json.dumps(out, indent=2))
     else:
         from foundrymix.tools.render import console_for_output, render_lr_schedule, render_plan, render_run_plan
         console = console_for_output()
-        if cfg.model is None:
+        if getattr(cfg, 'model', None) is None:
             print('no model section: the data is planned; `foundrymix train` needs a model (and max_seq_len)')
         if run.explicit:
             render_run_plan(plan, console, all_streams=args.streams == 'all')
@@ -94,6 +119,7 @@ def _run(args: argparse.Namespace) -> int:
             render_plan(plan, console, all_streams=args.streams == 'all')
         if schedule is not None:
             render_lr_schedule(schedule, lr, console)
+        print_eval(cfg, world, nodes, console)
     if args.png:
         from foundrymix.train.picture import plot_run_plan
         plot_run_plan(run, args.png, lr=(schedule, lr) if schedule is not None else None)
@@ -131,7 +157,7 @@ def register(subparsers: Any) -> None:
                         '(by default up to 50M rows an epoch: counting draws the stream of every '
                         'position, seconds per 10^8 rows)')
     p.add_argument('--max-duration', default=None,
-                   help='override max_duration (Composer time string: 3ep, 100ba, 5000sp, 1000tok)')
+                   help='override max_duration (3ep, 100ba, 5000sp, 1000tok)')
     p.add_argument('--png', default=None, metavar='FILE',
                    help='also draw the planned mixture over training steps (stages marked)')
     p.set_defaults(func=_run)

@@ -7,9 +7,11 @@ change without touching them.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Mapping, Optional
 
 from foundrymix.plan.mixture import EVERY_STREAM_HINT, Plan, StreamPlan, under_one_pass_warnings
+from foundrymix.plan.stages import stream_location
 
 #: a plan lists every stream up to this many; beyond, the largest and smallest, the groups
 #: (name prefixes such as ``web/``) and the totals -- ``--streams all`` or ``--json`` for all
@@ -237,11 +239,14 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
     for s in run.stages:
         console.rule(f'stage {s.index} {s.name}: batches {s.start_batch:,}-{s.end_batch - 1:,}')
         render_plan(s.plan, console, all_streams)
-    reused = sorted({n for s in run.stages[1:] for n in (p.name for p in s.plan.streams)
-                     if any(n in (p.name for p in t.plan.streams) for t in run.stages[:s.index])})
+    at = Counter(stream_location(i) for s in run.stages for i in s.infos)
+    reused = sorted({i.name for s in run.stages for i in s.infos if at[stream_location(i)] > 1})
     if reused:
-        console.print(f'note: {", ".join(reused)} come back in a later stage: each stage starts a '
-                      f'fresh pass over its streams, shuffled with its own seed')
+        after = ', '.join(run.decided_during_run)
+        console.print(f'note: {", ".join(reused)} come back in a later stage and go on with their '
+                      f'passes (as their first stage shuffles them): no row is trained k+1 times before '
+                      f'every row of its stream k times'
+                      + (f' (after adaptive {after}: a fresh pass)' if after else ''))
     console.rule('whole run')
     if run.decided_during_run:
         console.print(f'rows trained per stream over the run: decided during the run (adaptive '

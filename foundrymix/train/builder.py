@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from foundrymix.s3 import retries as s3_retries
 from foundrymix.errors import ExistsError
 from foundrymix.heap import collector_paused
 from foundrymix.loader.run_loader import StagedDataLoader, build_run_loader
-from foundrymix.loader.together import StopTogether
 from foundrymix.plan.stages import RunPlan
 from foundrymix.s3.retries import RetryCounts, S3RetryCounter
 from foundrymix.format.schema import TokenizerInfo
@@ -36,6 +34,7 @@ from foundrymix.train.callbacks.model_info import ModelInfo
 from foundrymix.train.callbacks.rng_resume import ResumeRng
 from foundrymix.train.callbacks.s3_log import S3Log
 from foundrymix.train.config import TrainConfig, check_eval_streams, check_streams, split_batch
+from foundrymix.train.data_adapter import ComposerLoader
 from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
 from foundrymix.train.gpu import parallelism_config
@@ -46,6 +45,7 @@ from foundrymix.train.schedule import WSDScheduler, apply_resume_lr, build_sched
 from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
 from foundrymix.train.remote_save import RemoteSave, remote_save
 from foundrymix.train.run_claims import claim_run
+from foundrymix.train.together import StopTogether
 
 # Modules every trainer start uses, imported with the trainer rather than inside the start
 # (a rank pays them once either way).
@@ -115,20 +115,21 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
     eval_mixer = check_eval_streams(cfg, cfg.max_seq_len, tokenizer)
     eval_batch = cfg.device_eval_batch_size or device_batch
     loader = eval_mixer.build_dataloader(batch_size=eval_batch, rewind=True)
-    loader.stop_together = StopTogether()  # a damaged eval shard stops every rank too, at its batch
     left = {n: k for n, k in loader.run.stages[0].plan.left_out_per_epoch.items() if k}
     if left:  # an evaluation is whole global batches: say which rows it leaves out
         log.warning('eval_loader: every evaluation reads whole global batches of %d rows, so %s '
                     'rows are not evaluated (%s); a global eval batch that divides the eval '
                     'rows evaluates every row', loader.run.stages[0].global_batch_size,
                     sum(left.values()), ', '.join(f'{n} {k}' for n, k in left.items()))
-    return Evaluator(label='eval', dataloader=loader,
+    # a damaged eval shard stops every rank too, at its batch
+    return Evaluator(label='eval', dataloader=ComposerLoader(loader, together=StopTogether()),
                      metric_names=['LanguageCrossEntropy']), eval_mixer.stream_names
 
 
 @dataclass
 class TrainData:
-    """The train loader and what the rest of the run needs to know about it."""
+    """The train loader (what any loop gets; Composer gets it through :class:`ComposerLoader`)
+    and what the rest of the run needs to know about it."""
 
     loader: StagedDataLoader
     run: RunPlan                  # the run's one plan: the loader is built from it
@@ -161,18 +162,14 @@ class TrainData:
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (once: catalogs read once, weights computed once per stage) and the one
     loader built from it -- for a single mixture (one stage) as for a staged run."""
-    from foundrymix.plan.stages import plan_run
     from foundrymix.plan.topology import Topology
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
-    run, catalogs = plan_run(cfg.train_loader, device_batch, cfg.max_duration, topology,
-                             rank_count_limit=0)  # the trainer reads no rank's rows per stream
-    max_duration, t_warmup = check_start(cfg, run)
+    loader, catalogs = build_run_loader(cfg.train_loader, device_batch, cfg.max_duration, topology)
+    max_duration, t_warmup = check_start(cfg, loader.run)
     for catalog in catalogs:
         check_streams(cfg, catalog.max_seq_len, catalog.tokenizer)
-    loader = build_run_loader(run, device_batch, composer_epochs=True)
-    loader.stop_together = StopTogether()  # a damaged shard stops every rank, each saying why
-    return TrainData(loader=loader, run=run, tokenizer=catalogs[0].tokenizer,
+    return TrainData(loader=loader, run=loader.run, tokenizer=catalogs[0].tokenizer,
                      max_duration=max_duration, t_warmup=t_warmup)
 
 
@@ -295,7 +292,10 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
         model = CausalLM(hf_model, attention=cfg.model.attention, fused_loss=cfg.model.fused_loss)
         evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)
-    trainer, saving = _trainer(cfg, model, data.loader, evaluator, micro, callbacks, data.max_duration, scheduler)
+    # one Composer epoch is one of the mixture; a damaged shard stops every rank, each saying why
+    composer_loader = ComposerLoader(data.loader, epochs=True, together=StopTogether())
+    trainer, saving = _trainer(cfg, model, composer_loader, evaluator, micro, callbacks, data.max_duration,
+                               scheduler)
     finished = None if cfg.load_weights_only else finished_line(trainer.state)
     line = None if finished else resume_line(trainer.state, cfg.load_weights_only)
     extended = None
@@ -306,21 +306,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
         extended = extension_line(trainer.state, scheduler, cfg.optimizer.lr)
     if line:
         _print0(line, extended)
-    freeze_built_heap()
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
                     plan=data.plan, claims=held, finished=finished, remote_save=saving)
-
-
-def freeze_built_heap() -> None:
-    """Collect, then move every object built so far out of the cyclic collector's sight (``gc.freeze``).
-
-    Why: generation-2 collections walk these long-lived objects again and again, and the
-    loader's workers, forked at the first batch, would copy their pages (Python's docs advise
-    freezing before fork). :func:`train` unfreezes at the end; a caller that builds many
-    trainers in one process should call ``gc.unfreeze()`` after each.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def train(cfg: TrainConfig) -> TrainRun:
@@ -351,7 +338,6 @@ def train(cfg: TrainConfig) -> TrainRun:
         run.claims.release()
         if run.remote_save is not None:
             run.remote_save.close()
-        gc.unfreeze()  # the run is over: what it built may be garbage now (a second run in this process)
     return run
 
 

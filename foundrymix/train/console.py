@@ -76,7 +76,7 @@ def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
     if resumed is None or run is None:
         return None
     saved = state.max_duration
-    # per-stage batches: Composer runs in samples (foundrymix.plan.stages.composer_duration)
+    # per-stage batches: Composer runs in samples (foundrymix.train.preflight.composer_duration)
     in_samples = str(saved).endswith('sp')
     unit, what_unit = ('sp', 'samples') if in_samples else ('ba', 'batches')
     old = resumed.old_total_samples if in_samples else resumed.old_total_batches

@@ -10,29 +10,11 @@ batches. The LR of a batch is the schedule at its *end* (formulas: docs/schedule
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
-from foundrymix.config import ConfigError, Gather, did_you_mean, read_dataclass
-
-#: a span's duration: a whole ``ba``/``sp``/``tok``/``ep``, or a fraction of the run (``dur``, ``%``)
-_SPAN = re.compile(r'\s*(\d+(?:\.\d*)?)\s*(ba|sp|tok|ep|dur|%)\s*')
-
-
-def check_span_duration(text: str, where: str) -> None:
-    """``20ba``, ``5000sp``, ``1000000tok``, ``1ep``, ``0.1dur`` or ``10%``; checked when read."""
-    m = _SPAN.fullmatch(text)
-    if not m:
-        raise ConfigError(f'{where}: {text!r} is not a duration (a number and ba, sp, tok, ep, dur '
-                          f'or %, e.g. 20ba, 0.1dur, 10%)')
-    value, unit = float(m.group(1)), m.group(2)
-    if unit in ('ba', 'sp', 'tok', 'ep') and not value.is_integer():
-        raise ConfigError(f'{where}: {text!r}: {unit} needs a whole number')
-    limit = 1.0 if unit == 'dur' else 100.0 if unit == '%' else math.inf
-    if value <= 0 or value > limit:
-        raise ConfigError(f'{where}: {text!r} must be above 0' + (f' and at most {limit:g}{unit} '
-                          f'(the whole run)' if limit != math.inf else ''))
+from foundrymix.config import (SPAN_UNITS, ConfigError, Gather, did_you_mean, parse_time, read_dataclass,
+                               to_batches)
 
 
 @dataclass
@@ -47,7 +29,7 @@ class Span:
             raise ConfigError(f'{where}: give exactly one of duration (e.g. 20ba, 10%) or stage '
                               f'(a stage name)')
         if self.duration is not None:
-            check_span_duration(self.duration, f'{where}.duration')
+            parse_time(self.duration, f'{where}.duration', SPAN_UNITS, positive=True)
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'Span':
@@ -117,28 +99,19 @@ class Timeline:
 
     def batches(self, text: str, where: str) -> int:
         """A span duration as whole global batches of this run; refused with the numbers."""
-        m = _SPAN.fullmatch(text)
-        assert m is not None, text  # checked when read
-        value, unit = float(m.group(1)), m.group(2)
-        T, G = self.total_batches, self.global_batch_size
-        if unit == 'ep' and self.batches_per_epoch is None:
+        time = parse_time(text, where, SPAN_UNITS, positive=True)
+        if time.unit == 'ep' and self.batches_per_epoch is None:
             raise ConfigError(f'{where}: {text} is ambiguous with stages (epochs of which stage?); '
                               f'give it in batches (ba), as a fraction of the run (0.1dur, 10%) or '
                               f'as a stage ({{stage: NAME}})')
-        if unit in ('sp', 'tok') and len(set(self.batch_sizes)) > 1:
+        if time.unit in ('sp', 'tok') and len(set(self.batch_sizes)) > 1:
             # wsd counts global batches; with per-stage batches samples are no fixed number of them
             raise ConfigError(f'{where}: {text} is not a fixed number of global batches: the stages\' '
                               f'global batches differ ({", ".join(map(str, self.batch_sizes))} rows); '
                               f'give it as a stage ({{stage: NAME}}) or in batches (ba)')
-        per = {'ba': 1, 'sp': G, 'tok': G * self.max_seq_len, 'ep': 1 / (self.batches_per_epoch or 1),
-               'dur': 1 / T, '%': 100 / T}[unit]
-        exact = value / per
-        if abs(exact - round(exact)) > 1e-9:
-            low, high = math.floor(exact), math.ceil(exact)
-            raise ConfigError(f'{where}: {text} is {exact:.4g} global batches of this run ({T} '
-                              f'batches of {G} rows x {self.max_seq_len} tokens), not a whole '
-                              f'number; give {low}ba or {high}ba')
-        return int(round(exact))
+        G = self.global_batch_size
+        return to_batches(time, where, batches_per_epoch=self.batches_per_epoch, samples_per_batch=G,
+                          tokens_per_batch=G * self.max_seq_len, total_batches=self.total_batches)
 
     def stage_span(self, name: str, where: str) -> tuple[int, int]:
         for stage, start, batches in self.stages:

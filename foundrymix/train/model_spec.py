@@ -8,6 +8,7 @@ only when a ``model`` section is read.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import inspect
@@ -134,7 +135,12 @@ class ModelSpec:
             if attn is not None and attn not in AttnImplementation.__args__:
                 raise ModelConfigError(f"{where}.attn_implementation: {attn!r}; allowed: "
                                        f"{', '.join(AttnImplementation.__args__)}")
+        trained = False
         if model_type:
+            with gather:  # one line for a type not trained here, nothing more about it
+                check_model_type(str(model_type), where)
+                trained = True
+        if trained:
             with gather:
                 check_config_keys(str(model_type), d, where)
             with gather:
@@ -172,40 +178,62 @@ _FOUNDRY_NAMES = {'mpt_causal_lm': 'mpt', 'hf_causal_lm': 'the model_type of its
 DOCUMENT_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'phi3', 'gpt2', 'gpt_neox', 'olmo')
 
 
+def _modeling_source(model_type: str) -> str:
+    """The source text of transformers' causal-LM module for ``model_type`` ('' when it has none).
+
+    Read, not imported: importing a modeling module is slow, and ``plan`` reads the model section too."""
+    import importlib.util
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    spec = None
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        with contextlib.suppress(ImportError):
+            spec = importlib.util.find_spec(f'transformers.models.{model_type}.modeling_{model_type}')
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return ''
+    with open(spec.origin, encoding='utf-8') as f:
+        return f.read()
+
+
 @functools.lru_cache(maxsize=32)
 def reads_position_ids(model_type: str) -> bool:
     """Does ``model_type``'s causal LM turn restarting ``position_ids`` into a per-document mask?
 
     transformers derives the mask in ``masking_utils.create_causal_mask``; a model whose module
-    does not call it (MPT, Bloom, OPT, Falcon) attends across documents. Read from the modeling
-    module's source, not imported: importing it is slow, and ``plan`` reads the model section too.
-    """
-    import importlib.util
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return False
-    try:
-        spec = importlib.util.find_spec(f'transformers.models.{model_type}.modeling_{model_type}')
-    except ImportError:
-        return False
-    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
-        return False
-    with open(spec.origin, encoding='utf-8') as f:
-        source = f.read()
+    does not call it (MPT, Bloom, OPT, Falcon, GPT-Neo) attends across documents."""
+    source = _modeling_source(model_type)
     return 'create_causal_mask' in source and 'position_ids' in source
+
+
+@functools.lru_cache(maxsize=32)
+def has_sdpa(model_type: str) -> bool:
+    """Does ``model_type``'s causal LM declare sdpa attention? Without it (GPT-Neo, MPT, GPT-J,
+    Bloom) transformers refuses ``attn_implementation='sdpa'`` when the model is built, so a run
+    must use eager; the declaration is read from the modeling source, as transformers writes it."""
+    return '_supports_sdpa = True' in _modeling_source(model_type)
+
+
+def check_model_type(model_type: str, where: str) -> None:
+    """Refuse an encoder-decoder type (T5, BART): transformers has no causal LM for it, or one
+    that is its decoder alone, a different model."""
+    from transformers import CONFIG_MAPPING
+    if model_type in CONFIG_MAPPING and getattr(CONFIG_MAPPING[model_type](), 'is_encoder_decoder', False):
+        raise ModelConfigError(f"{where}: {model_type!r} is an encoder-decoder model; foundrymix trains decoder-only "
+                               f"causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry",
+                               path=f'{where}.type')
 
 
 def check_attention(model_type: str, attention: str, attn: Optional[str], where: str) -> Optional[str]:
     """Refuse ``attention: document`` for a model that ignores ``position_ids`` (it would train
-    with cross-document attention, silently), and pick ``eager`` for MPT, whose transformers
-    model has no sdpa path (``from_config`` with sdpa raises)."""
-    if model_type == 'mpt':
-        if attn not in (None, 'eager'):
-            raise ModelConfigError(f"{where}.attn_implementation: {attn!r}: transformers' MPT has only "
-                                   f"eager attention; leave attn_implementation out (eager is used) "
-                                   f"or write eager")
-        attn = 'eager'
+    with cross-document attention, silently), and pick ``eager`` for a model without sdpa
+    (GPT-Neo, MPT: building it with sdpa raises); MPT has eager attention only."""
+    if not has_sdpa(model_type):
+        if attn == 'sdpa' or (model_type == 'mpt' and attn not in (None, 'eager')):
+            what = "MPT has only eager" if model_type == 'mpt' else f"{model_type!r} has no sdpa"
+            raise ModelConfigError(f"{where}.attn_implementation: {attn!r}: transformers' {what} attention; leave "
+                                   f"attn_implementation out (eager is used) or write eager",
+                                   path=f'{where}.attn_implementation')
+        attn = attn or 'eager'
     if attention == 'document' and not reads_position_ids(model_type):
         works = ', '.join(t for t in DOCUMENT_TYPES if reads_position_ids(t))
         raise ModelConfigError(f"{where}.attention: document needs a model that builds its mask from "

@@ -9,10 +9,9 @@ asked for only when a GPU-only setting is used (``plan`` stays fast).
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Callable
 
-from foundrymix.config import ConfigError, Gather
+from foundrymix.config import DURATION_UNITS, INTERVAL_UNITS, UNIT_WORDS, ConfigError, Gather, parse_time
 from foundrymix.errors import MissingError
 
 #: Composer 0.32's precisions (``composer.core.Precision``) and ours (``auto``)
@@ -22,8 +21,6 @@ LOAD_SCHEMES = ('s3',)
 #: Composer's schedulers that check ``t_warmup`` against ``max_duration`` (``wsd`` is ours)
 WARMUP_SCHEDULERS = ('cosine_with_warmup', 'linear_decay_with_warmup', 'constant_with_warmup')
 
-_TIME = re.compile(r'\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*', re.IGNORECASE)
-_UNIT_WORDS = {'ba': 'batches', 'sp': 'samples', 'tok': 'tokens', 'ep': 'epochs', 'iter': 'iterations'}
 
 
 def local_device() -> str:
@@ -38,14 +35,15 @@ def composer_max_duration(cfg: Any, run: Any) -> str:
     A single mixture keeps the YAML's; stages and adaptive segments are batches, or samples
     when the stages' batches differ.
     """
-    from foundrymix.plan.stages import composer_duration
     adaptive = any(s.config is not None and s.config.adaptive for s in run.stages)
     return composer_duration(run) if run.explicit or adaptive else str(cfg.max_duration)
 
 
-def _time(text: str) -> tuple[float, str]:
-    m = _TIME.fullmatch(str(text))
-    return (float(m.group(1)), m.group(2).lower()) if m else (0.0, '')
+def composer_duration(run: Any) -> str:
+    """The ``max_duration`` Composer is given for a run with stages: its batches, or, when the
+    stages' global batches differ, its samples, so that a ``dur`` schedule is a fraction of the
+    data rather than of the optimizer steps (docs/stages.md)."""
+    return f'{run.total_samples}sp' if run.batch_varies else f'{run.total_batches}ba'
 
 
 def _composer_unit(unit: str, max_unit: str) -> str:
@@ -64,17 +62,18 @@ def composer_warmup(cfg: Any, max_duration: str, run: Any) -> str:
     otherwise refused, naming the same point in the run's unit where one exists.
     """
     t_warmup = str(cfg.scheduler.t_warmup)
-    if run.explicit and t_warmup.strip().endswith('ep'):
+    warmup = parse_time(t_warmup, 'scheduler.t_warmup', INTERVAL_UNITS)
+    value, unit = warmup.value, warmup.unit
+    if run.explicit and unit == 'ep':
         raise ConfigError(f'scheduler.t_warmup: {t_warmup} is ambiguous with stages (epochs of which '
                           f'stage?); give it in batches (ba) or as a fraction of the run (e.g. 0.05dur)')
     if cfg.scheduler.name not in WARMUP_SCHEDULERS:
         return t_warmup
-    _, max_unit = _time(max_duration)
-    value, unit = _time(t_warmup)
+    max_unit = parse_time(max_duration, 'max_duration', DURATION_UNITS).unit
     if max_unit == 'sp' and unit in ('ba', 'sp', 'tok', 'dur'):
         return warmup_in_samples(t_warmup, run)
     want = _composer_unit(max_unit, max_unit)
-    if not unit or _composer_unit(unit, max_unit) == want:
+    if _composer_unit(unit, max_unit) == want:
         return t_warmup
     if value == 0:
         return f'0{want}'
@@ -83,8 +82,8 @@ def composer_warmup(cfg: Any, max_duration: str, run: Any) -> str:
         rows = int(value) * (run.stages[0].global_batch_size if unit == 'ba' else 1)
         same = f'{rows * run.max_seq_len if want == "tok" else rows}{want} (the same point) or '
     raise ConfigError(
-        f'scheduler.t_warmup: {t_warmup} is in {_UNIT_WORDS.get(unit, unit)}, but this run is counted '
-        f'in {_UNIT_WORDS.get(want, want)} (max_duration {max_duration}) and Composer\'s '
+        f'scheduler.t_warmup: {t_warmup} is in {UNIT_WORDS[unit]}, but this run is counted '
+        f'in {UNIT_WORDS[want]} (max_duration {max_duration}) and Composer\'s '
         f'{cfg.scheduler.name} takes t_warmup in that unit: give t_warmup: {same}a fraction of '
         f'the run (e.g. 0.05dur)')
 
@@ -96,11 +95,12 @@ def warmup_in_samples(t_warmup: str, run: Any) -> str:
     batch size there), a ``tok`` warmup of whole rows (Composer counts a batch's tokens as
     rows x ``max_seq_len``). A later ``ba`` warmup is refused, naming its value in samples.
     """
-    value, unit = _time(t_warmup)
+    warmup = parse_time(t_warmup, 'scheduler.t_warmup', INTERVAL_UNITS)
+    unit = warmup.unit
     if unit in ('sp', 'dur'):
         return t_warmup
     first, L = run.stages[0], run.max_seq_len
-    value = int(value)
+    value = int(warmup.value)
     if unit == 'ba' and value <= first.batches:
         return f'{value * first.global_batch_size}sp'
     if unit == 'tok' and value % L == 0:  # Composer's tok: rows x max_seq_len

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from convert_helpers import read_rows, write_jsonl
+from convert_helpers import read_rows, tree_hash, write_jsonl
 from helpers import ROOT, SAMPLES
-from test_convert_safety import tree_hash
 from foundrymix.cli import main
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.format.schema import Manifest

@@ -298,9 +298,6 @@ def test_bad_remote_fails_before_any_work(corpus, monkeypatch, caplog, out, endp
     given the up-front check's 3 attempts, not the upload client's."""
     if endpoint == 'dead':
         monkeypatch.setenv('S3_ENDPOINT_URL', f'http://127.0.0.1:{free_port()}')
-    from foundrymix.s3 import retries
-    if retries.installed() is not None:  # a run earlier in this process counts (and hides) botocore's DEBUG
-        retries.installed().uninstall()
     with caplog.at_level(logging.DEBUG, logger='botocore.endpoint'), \
             pytest.raises((RemoteOutputError, UnsafePathsError), match=message):
         convert_pretrain([str(corpus)], out, options(tokenizer='no-such-tokenizer', engine=engine))

@@ -5,7 +5,6 @@ the user's files byte for byte afterwards."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -13,30 +12,13 @@ import sys
 
 import pytest
 
-from convert_helpers import read_rows, write_jsonl
+from convert_helpers import read_rows, tree_hash, write_jsonl
 from foundrymix.cli import main
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.format.schema import Manifest
 
 L = 64
 GOOD = '{"text": "A perfectly fine document about cats and dogs."}\n'
-
-
-def tree_hash(root) -> dict[str, str]:
-    """Every entry below ``root``: files by content hash, links by target, directories by name."""
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            p = os.path.join(dirpath, name)
-            rel = os.path.relpath(p, root)
-            if os.path.islink(p):
-                out[rel] = 'link:' + os.readlink(p)
-            elif os.path.isfile(p):
-                with open(p, 'rb') as f:
-                    out[rel] = hashlib.sha256(f.read()).hexdigest()
-            else:
-                out[rel] = 'dir'
-    return out
 
 
 def convert(capsys, *argv) -> tuple[int, str]:

@@ -170,18 +170,19 @@ def test_truncated_shard_named_by_size_check_and_by_the_loader(streams):
     row = first_row_cut(arxiv, 1, new)
     assert (err.value.stream, err.value.shard, err.value.row) == ('arxiv', 'shard.00001.mds', row)
     assert err.value.sample_id == first_row_of_shard(arxiv, 1) + row
-    assert err.value.problem.startswith('cannot read the row: ValueError: cannot reshape array')
+    assert err.value.problem.startswith('cannot read the row: RowBoundsError: offsets [')
+    assert err.value.problem.endswith('(corrupt offsets or truncated shard)')
 
 
 def test_corrupt_offsets_named_by_the_loader(streams):
     arxiv = streams['arxiv']
-    corrupt_offset(arxiv, 0, 6)  # row 6 now "begins" at byte 5, inside the offset table
+    corrupt_offset(arxiv, 0, 6)  # row 5 now "ends" and row 6 "begins" at byte 5, inside the offset table
     assert check_shard_files(str(arxiv), read_index(str(arxiv))) == []  # size unchanged
     with pytest.raises(CorruptRowError) as err:
         read_all(loader_cfg(streams))
     assert (err.value.stream, err.value.shard, err.value.row, err.value.sample_id) == (
-        'arxiv', 'shard.00000.mds', 6, 6)
-    assert err.value.problem.startswith('cannot read the row: ')
+        'arxiv', 'shard.00000.mds', 5, 5)
+    assert err.value.problem.startswith('cannot read the row: RowBoundsError: offsets [')
 
 
 def test_deleted_shard_named_before_reading(streams):

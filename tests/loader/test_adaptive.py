@@ -18,67 +18,15 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from mix_helpers import build_three, identity, loader_dict
+from adaptive_helpers import BATCH, BATCHES, EVERY, ROWS, Feeder, build, config
+from mix_helpers import build_three, identity
 
 from foundrymix.config import ConfigError
-
-BATCH = 8
-EVERY = 3
-BATCHES = 20          # 7 segments, the last one 2 batches
-ROWS = (40, 80, 60)   # arxiv, wiki, dolly: arxiv is read over several passes
 
 
 @pytest.fixture(scope='module')
 def dirs(tmp_path_factory) -> dict[str, str]:
     return build_three(str(tmp_path_factory.mktemp('adaptive-streams')), ROWS)
-
-
-def config(dirs: dict[str, str], **adaptive) -> dict:
-    a = {'method': 'ado', 'every': f'{EVERY}ba', 'min_share': 0.05, 'beta': 0.3, **adaptive}
-    return loader_dict(dirs, {'arxiv': {'proportion': 0.4}, 'wiki': {'proportion': 0.4},
-                              'dolly': {'proportion': 0.2}}, epoch_size=200, adaptive=a)
-
-
-def build(cfg: dict):
-    from foundrymix.loader.run_loader import build_run_loader
-    from foundrymix.plan.config import LoaderConfig
-    from foundrymix.plan.stages import plan_run
-    run, _ = plan_run(LoaderConfig.from_dict(cfg), BATCH, f'{BATCHES}ba')
-    return build_run_loader(run, BATCH)
-
-
-class Feeder:
-    """Stands in for the trainer's callback: a per-stream 'loss' from the rows of each batch
-    (falls for arxiv as it is trained, flat for the others), fed at every segment boundary."""
-
-    def __init__(self, loader) -> None:
-        self.loader = loader
-        self.rows: list[np.ndarray] = []     # per batch since the last update: (2, streams)
-        self.seen = np.zeros(3)
-
-    def batch(self, b) -> None:
-        sid = b['stream_id'].numpy()
-        out = np.zeros((2, 3))
-        for s, ids in zip(sid, b['input_ids'].numpy()):
-            loss = 5.0 - 4.0 * min(self.seen[0] / 150, 1) if s == 0 else 3.0 + int(ids[1]) % 7 / 100
-            out[0, s] += loss * 100
-            out[1, s] += 100
-            self.seen[s] += 1
-        self.rows.append(out)
-        position = self.loader.position
-        c = position.adaptive[0]
-        done = position.batch
-        if done < BATCHES and done % c.every == 0:
-            total = np.sum(np.stack(self.rows), axis=0)
-            self.rows = []
-            c.update(total[0], total[1])
-
-    def state(self) -> dict:
-        return {'rows': [r.copy() for r in self.rows], 'seen': self.seen.copy()}
-
-    def load(self, state: dict) -> None:
-        self.rows = [r.copy() for r in state['rows']]
-        self.seen = state['seen'].copy()
 
 
 def straight_run(dirs, cfg=None):
@@ -189,7 +137,7 @@ def test_adaptive_config_errors_come_all_at_once(dirs):
     with pytest.raises(ConfigError) as err:
         LoaderConfig.from_dict(config(dirs, method='replay', every='5', min_share=1.5))
     text = str(err.value)
-    for part in ("adaptive.every: '5' must be whole batches", 'adaptive.min_share: must be in [0, 1)',
+    for part in ("adaptive.every: '5' has no unit; give one (e.g. 5ba)", 'adaptive.min_share: must be in [0, 1)',
                  'method: replay goes with from:'):
         assert part in text, text
     with pytest.raises(ConfigError, match=r'min_share: 0.4 x 3 streams exceeds 1'):
@@ -199,7 +147,7 @@ def test_adaptive_config_errors_come_all_at_once(dirs):
 def test_an_adaptive_stage_after_a_plain_one_starts_its_segments_at_the_stage(dirs):
     """Stage a (plain, 4 batches) then stage b (adaptive, 7 batches in segments of 3): b's
     decisions start at batches 4, 7, 10 and each segment trains exactly its rows."""
-    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.loader.run_loader import StagedDataLoader
     from foundrymix.plan.config import LoaderConfig
     from foundrymix.plan.stages import plan_run
     streams = {n: {'local': d} for n, d in dirs.items()}
@@ -209,7 +157,7 @@ def test_an_adaptive_stage_after_a_plain_one_starts_its_segments_at_the_stage(di
          'streams': {'wiki': {'proportion': 0.5}, 'dolly': {'proportion': 0.5}},
          'adaptive': {'method': 'odm', 'every': f'{EVERY}ba', 'min_share': 0.05}}]}
     run, _ = plan_run(LoaderConfig.from_dict(cfg), BATCH)
-    loader = build_run_loader(run, BATCH)
+    loader = StagedDataLoader(run)
     c = loader.position.adaptive[1]
     names = loader.stream_names  # run-wide: arxiv, wiki, dolly
     rows = []

@@ -22,21 +22,9 @@ import foundrymix
 from foundrymix.config import ConfigError
 from foundrymix.errors import MissingError
 from foundrymix.loader.run_loader import StagedDataLoader
-from helpers import ROOT, tiny_run_config
+from helpers import ROOT, staged, tiny_run_config
 
 KEYS = ('input_ids', 'labels', 'stream_id', 'sample_id', 'stage_id')
-
-
-def staged(streams) -> dict:
-    """A data-only config: two stages over the two small streams, 4 rows a batch."""
-    return {
-        'global_train_batch_size': 4,
-        'train_loader': {
-            'streams': {n: {'local': str(p)} for n, p in streams.items()},
-            'shuffle_seed': 3,
-            'stages': [{'name': 'text', 'duration': '5ba', 'streams': {'arxiv': {'repeat': 1}}},
-                       {'name': 'mix', 'duration': '9ba',
-                        'streams': {'arxiv': {'repeat': 0.5}, 'dolly': {'repeat': 1}}}]}}
 
 
 def batches(loader) -> list[dict]:
@@ -215,7 +203,7 @@ def test_dataloader_workers_inherit_streaming_rather_than_import_it(small_stream
 def test_samples_per_stream_of_an_adaptive_run(tmp_path_factory):
     """Adaptive segments: the counts follow each decision as the batches did."""
     from mix_helpers import build_three
-    from test_adaptive import ROWS, Feeder, build, config
+    from adaptive_helpers import ROWS, Feeder, build, config
     loader = build(config(build_three(str(tmp_path_factory.mktemp('adaptive')), ROWS)))
     feeder, names = Feeder(loader), loader.plan.stream_names
     seen = collections.Counter()

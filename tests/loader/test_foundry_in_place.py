@@ -131,3 +131,29 @@ def test_a_training_yaml_with_only_local_and_its_tokenizer_plans_and_says_what_i
     assert (f'c4: LLM-Foundry token shards read in place (tokens: int32, rows of {SEQ}, tokenizer '
             f'{DEMO_TOKENIZER}); documents end after each EOS (id 0); nothing is written into {src}') in out
     assert f'rows trained per stream over the run: c4 {n - n % 4:,}' in out
+
+
+def test_remote_and_local_plan_says_local_is_the_download_cache_and_it_is(tmp_path, capsys):
+    """``remote:`` + ``local:`` as in Foundry: ``local`` is where the files are downloaded, and
+    the plan says so -- not that nothing is written there, in the call that writes index.json."""
+    import yaml
+
+    from helpers import moto_s3
+    src, local = tmp_path / 'foundry', tmp_path / 'local'
+    n = write_foundry(src)
+    with moto_s3('fmx-foundry-local') as s3:
+        for f in sorted(src.iterdir()):
+            s3['client'].upload_file(str(f), 'fmx-foundry-local', f'c4/{f.name}')
+        cfg = {'max_seq_len': SEQ, 'tokenizer': DEMO_TOKENIZER, 'global_train_batch_size': 4,
+               'max_duration': '1ep', 'train_loader': {
+                   'cache_root': str(tmp_path / 'cache'),
+                   'streams': {'c4': {'remote': 's3://fmx-foundry-local/c4', 'local': str(local)}}}}
+        (tmp_path / 'c.yaml').write_text(yaml.safe_dump(cfg))
+        assert main(['plan', str(tmp_path / 'c.yaml')]) == 0
+    out = ' '.join(capsys.readouterr().out.split())
+    assert 'nothing is written into' not in out
+    assert (f'c4: LLM-Foundry token shards read in place (tokens: int32, rows of {SEQ}, tokenizer '
+            f'{DEMO_TOKENIZER}); documents end after each EOS (id 0); s3://fmx-foundry-local/c4 is read; its '
+            f'files are downloaded into {local} (the download cache, as LLM-Foundry uses local:)') in out
+    assert (local / 'index.json').is_file()  # what the sentence says
+    assert f'c4 {n - n % 4:,}' in out

@@ -15,7 +15,7 @@ import torch
 
 import foundrymix
 from foundrymix.loader.collate import collate
-from test_build_loader import staged
+from helpers import staged
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 

@@ -9,16 +9,15 @@ stage's second epoch) is exactly the kind a few spot checks miss. The run: three
 last stage -- on the bundled sample streams (``small_streams``).
 
 The restore goes through the path Composer uses: the straight run's
-``train_dataloader.dataset.state_dict()`` after batch ``k`` (JSON round-tripped, as a
-checkpoint stores it), then a *new plan* and a *new* :class:`StagedDataLoader` whose
-``dataset.load_state_dict`` gets it -- what a resumed process does. The reference is
+``state_dict()`` after batch ``k`` (JSON round-tripped, as a checkpoint stores it;
+Composer's ``train_dataloader.dataset`` returns it), then a *new plan* and a *new*
+:class:`StagedDataLoader` whose ``load_state_dict`` gets it -- what a resumed process does. The reference is
 the straight run's sample ids (and, for two ranks, the one-rank run's global batches:
 the ranks must hold the same global batch as one rank does).
 
 Real processes: each configuration runs in fresh interpreters (two ranks: two processes
 with a gloo process group, ``RANK``/``WORLD_SIZE`` as a launcher sets them), each with its
-own ``TMPDIR``, and with ``gc.freeze()`` after the imports (the loader's ``release`` runs
-``gc.collect`` at every stage switch; freezing keeps it to the new objects).
+own ``TMPDIR``.
 """
 
 from __future__ import annotations
@@ -38,18 +37,17 @@ GLOBAL_BATCH = 4
 # One rank: the straight run, its position after every batch, then a fresh plan and loader
 # restored at every position, read to the end.
 CHILD = textwrap.dedent('''
-    import gc, json, os, sys
+    import json, os, sys
     from foundrymix.plan.config import LoaderConfig
     from foundrymix.plan.topology import Topology
     from foundrymix.plan.stages import plan_run
-    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.loader.run_loader import StagedDataLoader
     import torch.distributed as dist
     job = json.loads(open(sys.argv[1]).read())
     ranks = int(os.environ.get('WORLD_SIZE', '1'))
     if ranks > 1:
         dist.init_process_group('gloo')
     batch = job['global_batch'] // ranks
-    gc.freeze()
 
     def plan(config):
         run, _ = plan_run(LoaderConfig.from_dict(config), batch, None,
@@ -58,18 +56,18 @@ CHILD = textwrap.dedent('''
 
     def every_position(config):
         run = plan(config)
-        loader = build_run_loader(run, batch)
-        straight, states = [], [json.loads(json.dumps(loader.dataset.state_dict()))]
+        loader = StagedDataLoader(run)
+        straight, states = [], [json.loads(json.dumps(loader.state_dict()))]
         for b in loader:
             straight.append(b['sample_id'].tolist())
-            states.append(json.loads(json.dumps(loader.dataset.state_dict())))
+            states.append(json.loads(json.dumps(loader.state_dict())))
         loader.release()
         del loader
         resumed = []
         for k, state in enumerate(states):
-            fresh = build_run_loader(plan(config), batch)  # what a resumed process builds
-            fresh.dataset.load_state_dict(state)
-            assert fresh.dataset.batch == k, (k, fresh.dataset.batch)
+            fresh = StagedDataLoader(plan(config))  # what a resumed process builds
+            fresh.load_state_dict(state)
+            assert fresh.position.batch == k, (k, fresh.position.batch)
             resumed.append([b['sample_id'].tolist() for b in fresh])
             fresh.release()
             del fresh

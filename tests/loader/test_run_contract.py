@@ -27,8 +27,7 @@ import pytest
 import torch
 import yaml
 from helpers import tiny_run_config
-
-from test_train import assert_same_weights, final_state, sample_log, train
+from train_helpers import sample_log, train
 
 BATCH = 4
 
@@ -63,7 +62,7 @@ def _count_calls(monkeypatch) -> dict[str, int]:
 def test_plan_and_loader_share_one_plan(data, monkeypatch, staged):
     from foundrymix.loader import mixer
     from foundrymix.plan.config import LoaderConfig
-    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.loader.run_loader import StagedDataLoader
     from foundrymix.plan.stages import plan_run
 
     loader_cfg = {'streams': {'arxiv': {'local': data['arxiv']}, 'dolly': {'local': data['dolly']}},
@@ -88,7 +87,7 @@ def test_plan_and_loader_share_one_plan(data, monkeypatch, staged):
         built.append((config, infos))
         return real_build(config, infos, *a, **k)
     monkeypatch.setattr(mixer, 'build_store', spy)
-    loader = build_run_loader(run, BATCH)
+    loader = StagedDataLoader(run)
     batches = list(loader)
     assert calls == {'weights': n_stages, 'reads': 2}  # the loader recomputed and re-read nothing
     assert len(batches) == run.total_batches and loader.run is run

@@ -57,7 +57,7 @@ def state_at(d, at):
     it = iter(staged)
     for _ in range(at):
         next(it)
-    state = json.loads(json.dumps(staged.dataset.state_dict()))
+    state = json.loads(json.dumps(staged.state_dict()))
     del it
     staged.release()
     return state
@@ -86,22 +86,34 @@ def test_each_stage_yields_batches_of_its_own_size_as_planned(straight):
         got = Counter(n for _, names, _ in inside for n in names)
         assert dict(got) == stage.plan.duration.rows_per_stream
         assert sum(got.values()) == stage.samples
-    full = run.stages[2]
-    for e in range(2):  # each epoch of full: 64 distinct rows (an exact epoch of 4 x 16)
-        rows = [i for _, _, b in batches[full.start_batch + 4 * e:full.start_batch + 4 * (e + 1)]
-                for i in b]
-        assert len(rows) == len(set(rows)) == 64
+    # over the run, each stream's rows are pass-complete across the batch changes: never a row
+    # k+1 times before every row of its stream k times (stage by stage sample ids -> rows)
+    seen = {'arxiv': [0] * 120, 'wiki': [0] * 80, 'dolly': [0] * 60}
+    for stage_ids, names, sample_ids in batches:
+        streams = run.stages[stage_ids[0]].plan.streams
+        offset = {s.name: sum(t.rows for t in streams[:k]) for k, s in enumerate(streams)}
+        for name, i in zip(names, sample_ids):
+            counts = seen[name]
+            counts[i - offset[name]] += 1
+            k = sum(counts) // len(counts)
+            assert set(counts) <= {k, k + 1}
 
 
 def test_a_stage_trains_what_a_run_with_its_batch_trains(dirs, straight):
-    """Independent of the staged loader's bookkeeping: stage grow's batches are those of a
-    one-stage run of grow's mixture whose own global batch is 8."""
+    """Independent of the staged loader's bookkeeping: stage grow's batches are laid out as
+    those of a one-stage run of grow's mixture whose own global batch is 8, and its dolly (first
+    trained in grow) is the same rows; arxiv and wiki go on from warm's passes instead."""
     run, batches = straight
     alone = warmup(dirs)
     alone['stages'] = [{k: v for k, v in alone['stages'][1].items()
                         if k != 'global_train_batch_size'}]
-    assert ids(build_staged_loader(LoaderConfig.from_dict(alone), 8)) == \
-        [b for _, _, b in batches[10:30]]
+    staged = build_staged_loader(LoaderConfig.from_dict(alone), 8)
+    got = [([staged.stream_names[i] for i in b['stream_id'].tolist()], b['sample_id'].tolist())
+           for b in staged]
+    assert [names for names, _ in got] == [names for _, names, _ in batches[10:30]]
+    dolly = [[i for n, i in zip(names, b) if n == 'dolly'] for names, b in got]
+    assert dolly == [[i for n, i in zip(names, b) if n == 'dolly'] for _, names, b in batches[10:30]]
+    assert [b for _, b in got] != [b for _, _, b in batches[10:30]]
 
 
 @pytest.mark.parametrize('at', [9, 10, 11, 29, 30, 33])
@@ -111,14 +123,14 @@ def test_resume_before_at_and_after_a_batch_change(dirs, straight, at):
     state = state_at(warmup(dirs), at)
     assert state['batch'] == at
     resumed = loader(warmup(dirs))
-    resumed.dataset.load_state_dict(state)
+    resumed.load_state_dict(state)
     assert ids(resumed) == [b for _, _, b in batches[at:]]
 
 
 def test_a_trained_stage_keeps_its_batch(dirs):
     state = state_at(warmup(dirs), 11)  # one batch into grow
     with pytest.raises(ConfigError) as e:
-        loader(warmup(dirs, grow=4)).dataset.load_state_dict(state)
+        loader(warmup(dirs, grow=4)).load_state_dict(state)
     assert str(e.value) == (
         "train_loader.stages[1].global_train_batch_size: the checkpoint trained 1 batches of stage "
         "'grow' with a global batch of 8 rows, this config gives it 4; its epochs and every batch "
@@ -132,7 +144,7 @@ def test_a_trained_stage_keeps_its_batch(dirs):
     with pytest.raises(ConfigError, match=r'train_loader.stages \(warm\): its data changed since the '
                                           r'checkpoint \(global batch size 4 -> 8 \(a trained '
                                           r"stage's global_train_batch_size must stay fixed\)\)"):
-        loader(edited).dataset.load_state_dict(state)
+        loader(edited).load_state_dict(state)
 
 
 def test_the_advice_works(dirs, straight):
@@ -145,7 +157,7 @@ def test_the_advice_works(dirs, straight):
     d['stages'].insert(2, {**rest, 'name': 'grow-16', 'global_train_batch_size': 16,
                            'duration': '64sp'})
     resumed = loader(d)
-    resumed.dataset.load_state_dict(state)
+    resumed.load_state_dict(state)
     assert [len(b) for b in ids(resumed)] == [16] * 4 + [16] * 8
 
 
@@ -158,7 +170,7 @@ def test_a_stage_starting_at_the_checkpoint_may_change_its_batch(dirs, at, stage
     edited = warmup(dirs, **({'grow': batch} if stage == 1 else {'full': batch}))
     straight_edited = ids(loader(edited))
     resumed = loader(edited)
-    resumed.dataset.load_state_dict(state)
+    resumed.load_state_dict(state)
     assert ids(resumed) == straight_edited[at:]
     assert {len(b) for b in straight_edited[at:at + 1]} == {batch}
 
@@ -216,8 +228,7 @@ def test_composer_counts_a_run_with_batch_changes_in_samples(straight):
     """Composer's schedules run in max_duration's unit: samples when the batch changes; a
     t_warmup inside the first stage (one batch size) converts exactly, a later one in ba is
     refused with its value in samples."""
-    from foundrymix.plan.stages import composer_duration
-    from foundrymix.train.preflight import warmup_in_samples
+    from foundrymix.train.preflight import composer_duration, warmup_in_samples
     run, _ = straight
     assert composer_duration(run) == '328sp'
     assert warmup_in_samples('0ba', run) == '0sp'

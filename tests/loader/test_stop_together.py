@@ -2,7 +2,7 @@
 
 Two real processes with a gloo process group (``RANK``/``WORLD_SIZE`` as a launcher sets
 them), each reading its rows of the same global batches in a DataLoader worker, with
-:class:`~foundrymix.loader.together.StopTogether` set as the trainer sets it. Real damage:
+:class:`~foundrymix.train.together.StopTogether` set as the trainer sets it. Real damage:
 one token bit of a real shard flipped (a valid id: only the hash sees it). The shard and
 the batch size are chosen so that the first global batch holding the shard's rows gives
 them to rank 1 only; unshuffled, global batch ``b`` is rows ``[bG, (b+1)G)`` and rank ``r``
@@ -23,8 +23,9 @@ from integrity_helpers import copy_stream, flip_bits, index_of, rank_one_only, s
 CHILD = textwrap.dedent('''
     import json, os, sys
     import torch.distributed as dist
-    from foundrymix.loader.run_loader import build_run_loader
-    from foundrymix.loader.together import StopTogether
+    from foundrymix.loader.run_loader import StagedDataLoader
+    from foundrymix.train.data_adapter import ComposerLoader
+    from foundrymix.train.together import StopTogether
     from foundrymix.plan.config import LoaderConfig
     from foundrymix.plan.stages import plan_run
     from foundrymix.plan.topology import Topology
@@ -44,8 +45,7 @@ CHILD = textwrap.dedent('''
     batch = job['global_batch'] // dist.get_world_size()
     run, _ = plan_run(LoaderConfig.from_dict(job['config']), batch, job.get('duration', '1ep'),
                       Topology(nodes=1, ranks_per_node=dist.get_world_size()))
-    loader = build_run_loader(run, batch)
-    loader.stop_together = StopTogether()
+    loader = ComposerLoader(StagedDataLoader(run), together=StopTogether())
     got, error = [], None
     try:
         for b in loader:

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from foundrymix.plan.adaptive import ADOPolicy, ODMPolicy, floor_shares, whole_rows
+from foundrymix.plan.adaptive import ADOPolicy, ODMPolicy, floor_shares
+from foundrymix.plan.exact import apportion
 
 
 def test_odm_is_exp3_with_the_papers_exploration_schedule():
@@ -64,5 +65,5 @@ def test_floor_and_whole_rows():
     assert floor_shares(np.array([0.5, 0.3, 0.2]), 0.05).tolist() == pytest.approx([0.5, 0.3, 0.2])
     out = floor_shares(np.array([0.99, 0.01, 0.0]), 0.1)
     assert out.tolist() == pytest.approx([0.8, 0.1, 0.1])
-    assert whole_rows([0.5, 0.3, 0.2], 24) == [12, 7, 5]  # 7.2 and 4.8: the remainder to dolly
-    assert sum(whole_rows([1 / 3] * 3, 100)) == 100
+    assert apportion([0.5, 0.3, 0.2], 24).tolist() == [12, 7, 5]  # 7.2 and 4.8: the remainder to dolly
+    assert sum(apportion([1 / 3] * 3, 100)) == 100

@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import pytest
+import yaml
+from helpers import DEMO_TOKENIZER, SMALL_SEQ, tiny_run_config
 
-from foundrymix.config import ConfigError, check_duration, load_yaml, read_dataclass
+from foundrymix.config import ConfigError, Duration, load_yaml, read_dataclass
+from foundrymix.tools.plan import plan_from_yaml
 
 
 @dataclass
@@ -78,10 +81,9 @@ def test_wrong_types_name_the_key_path(data, message):
 
 def test_duration_needs_a_unit():
     with pytest.raises(ConfigError) as e:
-        check_duration('10', 'max_duration')
-    assert str(e.value) == ("max_duration: '10' has no unit; write it as a Composer time string "
-                            "(e.g. 10ep, 10ba, 5000sp, 1000000tok)")
-    check_duration('10ba', 'max_duration')
+        Duration.from_config('10', 'max_duration')
+    assert str(e.value) == "max_duration: '10' has no unit; give one (e.g. 10ep, 10ba, 10sp or 10tok)"
+    assert Duration.from_config('10ba', 'max_duration') == '10ba'
 
 
 def test_yaml_overrides_and_plus_form(tmp_path):
@@ -123,3 +125,56 @@ def test_reading_a_config_imports_neither_torch_nor_composer():
             'if m in sys.modules))')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == '[]'
+
+
+def _imported(args: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the ``foundrymix`` CLI under ``-X importtime``: its result and every module imported."""
+    done = subprocess.run([sys.executable, '-X', 'importtime', '-m', 'foundrymix.cli', *args],
+                          capture_output=True, text=True, timeout=300)
+    modules = {line.rsplit('|', 1)[1].strip() for line in done.stderr.splitlines()
+               if line.startswith('import time:') and line.count('|') == 2}
+    return done, modules
+
+
+def test_plan_of_a_data_only_yaml_imports_no_trainer_torch_or_transformers(small_streams, tmp_path):
+    """``foundrymix plan`` of a data-only YAML (tokenizer and eval_loader set, so every data
+    check runs) on real streams: planned and checked by the core alone. The same data with a
+    model is read by the trainer's config, which the import log then shows."""
+    streams = {'arxiv': {'local': str(small_streams['arxiv'])}, 'dolly': {'local': str(small_streams['dolly'])}}
+    data = {'train_loader': {'streams': streams}, 'eval_loader': {'streams': {'arxiv': streams['arxiv']}},
+            'global_train_batch_size': 4, 'max_duration': '3ba', 'tokenizer': DEMO_TOKENIZER,
+            'max_seq_len': SMALL_SEQ}
+    (tmp_path / 'data.yaml').write_text(yaml.safe_dump(data))
+    done, modules = _imported(['plan', str(tmp_path / 'data.yaml')])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'max_duration 3ba: 3 batches, 12 samples' in done.stdout
+    assert 'no model section' in done.stdout
+    assert {'torch', 'transformers', 'composer', 'foundrymix.train.config'} & modules == set()
+    assert {'foundrymix.plan.data_config', 'tokenizers'} <= modules  # the log holds the checks' imports
+
+    (tmp_path / 'train.yaml').write_text(yaml.safe_dump({**tiny_run_config(data['train_loader']), **data}))
+    done, modules = _imported(['plan', str(tmp_path / 'train.yaml')])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'max_duration 3ba: 3 batches, 12 samples' in done.stdout and 'no model section' not in done.stdout
+    assert 'foundrymix.train.config' in modules
+    with pytest.raises(ConfigError, match=r"max_seq_len=64, but the train streams hold rows of 128 tokens$"):
+        plan_from_yaml(str(tmp_path / 'data.yaml'), ['max_seq_len=64'])
+
+
+def test_the_data_part_of_a_training_yaml():
+    """``DataConfig.from_run`` (what ``build_loader`` reads): a YAML with ``model:`` has its data
+    keys read and checked, the rest left to the trainer; a YAML without one is data-only and
+    every key of it is checked."""
+    from foundrymix.plan.data_config import DataConfig
+    train = tiny_run_config({'streams': {'a': {'local': '/d'}}}, global_train_batch_size=4, max_duration='2ba',
+                            optimizer={'lrr': 1}, tokenizer=DEMO_TOKENIZER)
+    cfg = DataConfig.from_run(train)
+    assert type(cfg) is DataConfig
+    assert (cfg.global_train_batch_size, cfg.max_duration, cfg.max_seq_len, cfg.seed) == (4, '2ba', SMALL_SEQ, 5)
+    assert cfg.train_loader.tokenizer == DEMO_TOKENIZER  # the run's tokenizer reaches its loaders
+    with pytest.raises(ConfigError, match=r"^max_duration: '2' has no unit"):
+        DataConfig.from_run({**train, 'max_duration': '2'})
+    data = {k: v for k, v in train.items() if k not in ('model', 'optimizer', 'save_interval', 'loggers')}
+    assert DataConfig.from_run(data) == cfg
+    with pytest.raises(ConfigError, match=r"^config: unknown key 'optimizer'; allowed: train_loader, "):
+        DataConfig.from_run({**data, 'optimizer': {'lr': 1}})

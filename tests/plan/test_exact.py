@@ -4,7 +4,9 @@ shares realized or refused; plan --nodes/--ranks-per-node."""
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
+from fractions import Fraction
 
 import pytest
 
@@ -12,8 +14,7 @@ from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.plan.exact import trim_chooses
 from foundrymix.loader.mixer import StreamMixer
-from mix_helpers import build_stream, build_three, identity, loader_dict
-from test_plan import write_yaml
+from mix_helpers import build_stream, build_three, identity, loader_dict, write_yaml
 
 
 @pytest.fixture(scope='module')
@@ -26,6 +27,37 @@ def root(tmp_path_factory):
 
 def dirs(root):
     return {n: str(root / n) for n in ('arxiv', 'wiki', 'dolly')}
+
+
+def largest_remainder(weights, total):
+    """Brute force, in exact fractions: every stream its quota's floor, then one more to each of
+    the largest remainders; of equal remainders the stream listed first."""
+    w = [Fraction(x) for x in weights]
+    quotas = [total * x / sum(w) for x in w]
+    out = [math.floor(q) for q in quotas]
+    best = sorted(range(len(w)), key=lambda i: (-(quotas[i] - out[i]), i))
+    for i in best[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def test_rows_per_stream_are_the_weights_largest_remainder_for_every_seed(tmp_path):
+    """Three streams at 1/3 and an epoch of 100, seven at 1/7 and an epoch of 10: the same rows
+    per stream for every shuffle seed (streaming's seeded +1 gave 33/33/34 or 33/34/33, and five
+    vectors over six seeds), the loader's own rows, equal to the largest remainder."""
+    for n, size in ((3, 100), (7, 10)):
+        dirs = {f's{k}': str(tmp_path / f'{n}s{k}') for k in range(n)}
+        for k, d in enumerate(dirs.values()):
+            build_stream(d, 'pretrain', 1000 if n == 3 else 30, k)
+        want = largest_remainder([Fraction(1, n)] * n, size)
+        for seed in range(6):
+            m = StreamMixer.from_dict(loader_dict(dirs, {s: {'proportion': 1 / n} for s in dirs},
+                                                  epoch_size=size, shuffle_seed=seed))
+            plan = m.plan(size, '1ep')
+            assert [s.rows_per_epoch for s in plan.streams] == want, (n, seed)
+            got = Counter(tag for tag, _ in loader_rows(m, size)[0])
+            assert [got[k] for k in range(n)] == want, (n, seed)
+    assert largest_remainder([Fraction(1, 3)] * 3, 100) == [34, 33, 33]
 
 
 def test_trim_chooses_splits_the_cut_by_share():
@@ -75,22 +107,25 @@ def test_absolute_weights_are_trimmed_and_iteration_equals_plan(root):
 
 
 def test_a_stream_the_exact_epoch_rounds_up_is_named_as_such_never_as_a_negative_left_out(root, tmp_path):
-    """Proportions 0.6/0.25/0.1/0.05 of 325 rows, global batch 17: lowering epoch_size to 323
-    re-apportions every share and gives dolly a row more than the weights ask (it printed
-    'dolly -1 (of 32)' as left out)."""
+    """Proportions 0.1/0.35/0.35/0.2 of 325 rows, global batch 3: lowering epoch_size to 324
+    re-apportions every share, and the largest remainder gives arxiv a row more than at 325
+    (32.4 -> 33 beside 32.5 -> 32): named as taken beyond, never as a negative left out."""
     build_stream(str(tmp_path / 'd4'), 'pretrain', 65, 3)
     streams = {**dirs(root), 'd4': str(tmp_path / 'd4')}
-    m = StreamMixer.from_dict(loader_dict(streams, {n: {'proportion': p} for n, p in
-                                                    zip(streams, (0.6, 0.25, 0.1, 0.05))}))
-    plan = m.plan(17, '1ep')
-    got = Counter(tag for tag, _ in loader_rows(m, 17)[0])  # the loader's own rows
-    assert got == {0: 193, 1: 80, 2: 33, 3: 17}
-    assert {s.name: s.rows_per_epoch for s in plan.streams} == {'arxiv': 193, 'wiki': 80, 'dolly': 33, 'd4': 17}
-    assert plan.left_out_per_epoch == {'arxiv': 2, 'wiki': 1, 'dolly': 0, 'd4': 0}
+    props = (0.1, 0.35, 0.35, 0.2)
+    m = StreamMixer.from_dict(loader_dict(streams, {n: {'proportion': p} for n, p in zip(streams, props)}))
+    plan = m.plan(3, '1ep')
+    asked, trained = largest_remainder(props, 325), largest_remainder(props, 324)
+    assert trained[0] == asked[0] + 1                          # the case: arxiv rounds up
+    got = Counter(tag for tag, _ in loader_rows(m, 3)[0])      # the loader's own rows
+    assert [got[k] for k in range(4)] == trained
+    assert [s.rows_per_epoch for s in plan.streams] == trained
+    assert plan.left_out_per_epoch == {n: max(0, a - t) for n, a, t in zip(streams, asked, trained)}
     [note] = [n for n in plan.notes if n.startswith('exact epoch')]
-    assert note.startswith('exact epoch: 323 rows = 19 whole global batches of 17 (the weights ask for 325); '
-                           'left out per epoch: arxiv 2 (of 195), wiki 1 (of 81); taken beyond the weights '
-                           'per epoch: dolly 1 (asked 32) --')
+    left = ', '.join(f'{n} {a - t} (of {a})' for n, a, t in zip(streams, asked, trained) if a > t)
+    assert note.startswith(f'exact epoch: 324 rows = 108 whole global batches of 3 (the weights ask '
+                           f'for 325); left out per epoch: {left}; taken beyond the weights per '
+                           f'epoch: arxiv 1 (asked {asked[0]}) --')
 
 
 def test_stratified_shares_that_round_are_refused_with_the_fix(root):
@@ -179,8 +214,8 @@ def test_resume_state_is_checked(root):
 
 def test_proportions_lower_epoch_size_and_every_stream_gives_up_its_share(root):
     """proportion 0.5 / 0.3 / 0.2 of epoch_size 240 = 120 (one whole pass of arxiv), 72, 48;
-    a global batch of 7 -> 238 rows, split by streaming by proportion: arxiv loses a row
-    too (the leftover rule for proportions, as docs/mixing-and-plan.md states it)."""
+    a global batch of 7 -> 238 rows, split again by proportion: arxiv loses a row too (the
+    largest remainder over the lowered size, as docs/mixing-and-plan.md states it)."""
     m = StreamMixer.from_dict(loader_dict(dirs(root), {'arxiv': {'proportion': 0.5}, 'wiki': {'proportion': 0.3},
                                                        'dolly': {'proportion': 0.2}},
                                           epoch_size=240, shuffle_seed=17))
@@ -194,10 +229,12 @@ def test_proportions_lower_epoch_size_and_every_stream_gives_up_its_share(root):
     assert plan.left_out_per_epoch == {'arxiv': 1, 'wiki': 72 - got[1], 'dolly': 48 - got[2]}
 
 
-def test_weights_are_streamings_apply_weights_exactly():
+def test_weights_are_streamings_apply_weights_but_relative_ones_whole_by_largest_remainder():
     """The plan's own weight arithmetic against streaming's ``Stream.apply_weights`` (the
     meaning a weight has in streaming) over random relative, unspecified and absolute
-    weights, epoch sizes, trimmed chooses and rows up to 10^10."""
+    weights, epoch sizes, trimmed chooses and rows up to 10^10: the same epoch size, shares and
+    absolute rows; relative weights made whole rows by the largest remainder (not streaming's
+    seeded +1), whatever the seed streaming is given."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -224,11 +261,41 @@ def test_weights_are_streamings_apply_weights_exactly():
         infos = [SimpleNamespace(rows=int(r), spec=SimpleNamespace(**{'proportion': None, 'repeat': None,
                                                                       'choose': None, **s}))
                  for r, s in zip(rows, specs)]
-        ours = weighted(infos, EpochWeights(size, chooses, (), (), 1), seed)
+        ours = weighted(infos, EpochWeights(size, chooses, (), (), 1))
         streams = [Stream(local=f'/nonexistent/{i}', **({'choose': chooses[i]} if chooses else s))
                    for i, s in enumerate(specs)]
         theirs = Stream.apply_weights(streams, rows.astype(np.int64), size, seed)
         assert ours.epoch_size == theirs, case
-        assert ours.chooses.tolist() == [int(s.choose) for s in streams], case
-        assert np.array_equal(ours.proportions, np.array([s.proportion for s in streams], np.float64),
+        with np.errstate(invalid='ignore', divide='ignore'):
+            shares = np.array(ours.weights, np.float64) / np.array(ours.weights, np.float64).sum()
+        assert np.array_equal(shares, np.array([s.proportion for s in streams], np.float64),
                               equal_nan=True), case
+        if kind < 2:
+            relative = [s['proportion'] for s in specs] if kind == 0 else rows.tolist()
+            assert ours.chooses.tolist() == largest_remainder(relative, theirs), case
+        else:
+            assert ours.chooses.tolist() == [int(s.choose) for s in streams], case
+
+
+def test_apportion_is_the_largest_remainder_of_the_exact_weights():
+    """The one apportioner against the brute force above: random float, integer and huge integer
+    weights, equal weights (ties to the stream listed first), never above a weight when the
+    total is at most their sum."""
+    import numpy as np
+
+    from foundrymix.plan.exact import apportion
+    rng = np.random.default_rng(3)
+    for case in range(500):
+        n = int(rng.integers(1, 9))
+        weights = ([float(x) for x in rng.random(n)] if case % 3 == 0 else
+                   [int(x) for x in rng.integers(0, 50, n)] if case % 3 == 1 else
+                   [int(x) * 10 ** 15 + 1 for x in rng.integers(1, 10 ** 4, n)])
+        if sum(weights) == 0:
+            continue
+        total = int(rng.integers(0, 3 * int(sum(weights)) + 2 if case % 3 == 1 else 10 ** 6))
+        got = apportion(weights, total).tolist()
+        assert got == largest_remainder(weights, total), (case, weights, total)
+        if case % 3 == 1 and total <= sum(weights):
+            assert all(g <= w for g, w in zip(got, weights))
+    assert apportion([1 / 7] * 7, 10).tolist() == largest_remainder([Fraction(1, 7)] * 7, 10)
+    assert apportion([2, 2, 1], 2).tolist() == [1, 1, 0] and apportion([1, 2, 2], 2).tolist() == [0, 1, 1]

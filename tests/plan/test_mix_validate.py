@@ -8,7 +8,7 @@ import pytest
 
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
-from foundrymix.format.schema import MANIFEST_NAME
+from foundrymix.format.schema import MANIFEST_NAME, Manifest
 from mix_helpers import build_stream, demo_tokenizer_info, loader_dict, other_tokenizer_info
 
 
@@ -99,3 +99,24 @@ def test_same_directory_twice_is_refused(root):
                                            'b': {'local': str(root / 'pre32') + '/', 'repeat': 1}}})
     with pytest.raises(ConfigError, match=r'^train_loader.streams: a and b use the same directory '):
         m.validate()
+
+
+def test_one_tokenizer_agrees_however_its_path_was_spelled(tmp_path, monkeypatch, arxiv_jsonl):
+    """Converted from one tokenizer directory given as an absolute and as a relative path: the
+    manifests name it two ways, the fingerprints are equal, and the streams mix."""
+    import shutil
+
+    from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
+    from helpers import ROOT
+    tok = tmp_path / 'tok'
+    shutil.copytree(ROOT / 'foundrymix' / 'assets' / 'tokenizers' / 'foundrymix-bpe-8k', tok)
+    (tmp_path / 'work').mkdir()
+    monkeypatch.chdir(tmp_path / 'work')
+    for name, spelled in (('absolute', str(tok)), ('relative', '../tok')):
+        convert_pretrain([str(arxiv_jsonl)], str(tmp_path / name),
+                         PretrainOptions(max_seq_len=64, tokenizer=spelled, workers=1))
+    m = StreamMixer.from_dict({'streams': {n: {'local': str(tmp_path / n)} for n in ('absolute', 'relative')}})
+    names = {man.tokenizer.name for man in m.manifests.values()}
+    assert len(names) == 2, names  # the case: two spellings in the manifests
+    m.validate()
+    assert m.tokenizer.fingerprint == Manifest.read(str(tmp_path / 'relative')).tokenizer.fingerprint

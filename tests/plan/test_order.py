@@ -166,3 +166,32 @@ def test_leaf_counts_walk_equals_each_leaf_descent(small_leaf):
     walked = list(block.leaf_counts())
     assert [k for k, _ in walked] == list(range(block.leaves()))
     assert all((c == block.leaf(k)[1]).all() for k, c in walked)
+
+
+def test_a_later_stage_goes_on_with_a_streams_draws(small_leaf):
+    """Stage 2 reuses stage 1's stream 'web' from where stage 1 left it (its draws, from the
+    rows stage 1 trained): web's rows over both stages are its draws 0, 1, 2, ... in order,
+    interleaved by position, so the two stages are pass-complete together; the start changes
+    no count, and a batch asked alone (resume) is the one enumerated."""
+    first = O.stream_draws([[40, 40, 23], [17]], ['web', 'code'], seed=3, stage='one', window_rows=50)
+    one = O.StageOrder(first, np.array([90, 30], np.int64), 8, key=(3, 1))
+    second = O.stream_draws([[9], [40, 40, 23]], ['chat', 'web'], seed=8, stage='two', window_rows=50)
+    plain = O.StageOrder(second, np.array([20, 52], np.int64), 8, key=(8, 2))
+    b1, b2 = 25, 40
+    cursor = int(one.trained(b1)[0])
+    assert cursor % 103                                     # stage 1 leaves web mid-pass
+    two = O.StageOrder([second[0], first[0]], plain.counts, 8, plain.key, start=[0, cursor])
+    s1, r1 = enumerate_stage(one, b1)
+    s2, r2 = enumerate_stage(two, b2)
+    assert [two.trained(b).tolist() for b in range(b2 + 1)] == [plain.trained(b).tolist() for b in range(b2 + 1)]
+    web_rows = np.concatenate([r1[s1 == 0], r2[s2 == 1]])
+    fresh = O.StreamDraws([40, 40, 23], first[0].key, window_rows=50)
+    assert (web_rows == fresh.rows_of(np.arange(len(web_rows)))).all()
+    seen = np.zeros(103, np.int64)
+    for t, r in enumerate(web_rows.tolist()):               # brute force: never k+1 before all k
+        seen[r] += 1
+        k = (t + 1) // 103
+        assert ((seen == k) | (seen == k + 1)).all() and (seen == k + 1).sum() == t + 1 - k * 103
+    for b in [0, 17, b2 - 1]:
+        s, r = O.StageOrder([second[0], first[0]], plain.counts, 8, plain.key, start=[0, cursor]).batch(b)
+        assert (s == s2[b * 8:(b + 1) * 8]).all() and (r == r2[b * 8:(b + 1) * 8]).all()

@@ -10,30 +10,7 @@ import pytest
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
-from foundrymix.plan.mixture import parse_duration
-from mix_helpers import build_three, loader_dict
-
-YAML = '''
-variables:
-  root: {root}
-global_train_batch_size: 8
-max_duration: {duration}
-max_seq_len: 32
-model: {{type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1,
-         num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 32}}
-train_loader:
-  streams:
-    arxiv:
-      local: ${{variables.root}}/arxiv
-      repeat: 1
-    wiki:
-      local: ${{variables.root}}/wiki
-      repeat: 2.5
-    dolly:
-      local: ${{variables.root}}/dolly
-      repeat: 0.5
-  shuffle_seed: 17
-'''
+from mix_helpers import PLAN_YAML, build_three, loader_dict, write_yaml
 
 
 @pytest.fixture(scope='module')
@@ -41,12 +18,6 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp('plan')
     build_three(str(root), (120, 80, 60))
     return root
-
-
-def write_yaml(tmp_path, root, duration='3ep'):
-    path = tmp_path / 'run.yaml'
-    path.write_text(YAML.format(root=root, duration=duration))
-    return str(path)
 
 
 def loader_epochs(dirs, weights, batch_size, epochs):
@@ -99,18 +70,6 @@ def test_plan_numbers(root):
     assert m.plan(2, '1000tok').duration.total_batches == 16  # ceil(1000 / (2 x 32))
 
 
-@pytest.mark.parametrize('text, expected', [('100ba', (100, 'ba')), ('5000sp', (5000, 'sp')),
-                                            ('1000000tok', (1000000, 'tok')), ('3ep', (3, 'ep')),
-                                            (2, (2, 'ep'))])
-def test_parse_duration(text, expected):
-    assert parse_duration(text) == expected
-
-
-def test_parse_duration_refuses_other_units():
-    with pytest.raises(ConfigError, match=r"max_duration: '0.5dur' is not a Composer time string"):
-        parse_duration('0.5dur')
-
-
 def test_cli_table(root, tmp_path, capsys):
     assert main(['plan', write_yaml(tmp_path, root, '100ba')]) == 0
     out = capsys.readouterr().out
@@ -154,7 +113,7 @@ def test_cli_reads_no_shards(root, tmp_path, capsys, monkeypatch):
     # the YAML's repeat and the override's proportion together: the stream is the YAML's
     ('train_loader.streams.wiki.proportion=0.5', False,
      'train_loader.streams.wiki: give at most one of repeat, proportion, choose'),
-    ('max_duration=3xx', True, "max_duration: '3xx' is not a Composer time string"),
+    ('max_duration=3xx', True, "max_duration: '3xx' is not a duration: a number and its unit, ep, ba, sp or tok"),
 ])
 def test_cli_errors_exit_2(root, tmp_path, capsys, override, by_override, message):
     path = write_yaml(tmp_path, root)
@@ -282,7 +241,7 @@ def _containers(obj, seen=None) -> set:
 
 def _data_only(tmp_path, root, seq_len: bool = False) -> str:
     """The run YAML without its model section (and without max_seq_len unless ``seq_len``)."""
-    lines = YAML.format(root=root, duration='3ep').splitlines()
+    lines = PLAN_YAML.format(root=root, duration='3ep').splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith('model:'))
     del lines[start:start + 2]  # model: {...} spans two lines
     if not seq_len:

@@ -39,9 +39,9 @@ def root(tmp_path_factory):
 
 
 @pytest.mark.parametrize('override, message', [
-    ('max_duration=10', "max_duration: '10' has no unit; write it as a Composer time string"),
+    ('max_duration=10', "max_duration: '10' has no unit; give one (e.g. 10ep, 10ba, 10sp or 10tok)"),
     ('global_train_batchsize=16', "config: unknown key 'global_train_batchsize'; allowed: "
-                                  "max_seq_len, model, train_loader, global_train_batch_size"),
+                                  "train_loader, global_train_batch_size, max_duration, max_seq_len"),
     ('train_loader.streams.a.local=s3://bucket/a',
      "train_loader.streams.a.local: 's3://bucket/a' is a URL, not a local directory"),
     # keys plan used to skip (it read only train_loader, the batch and max_duration)

@@ -17,9 +17,9 @@ import pytest
 import torch
 import yaml
 from helpers import tiny_run_config
+from train_helpers import sample_log, train
 
 from foundrymix.cli import main
-from test_train import sample_log, train
 
 BATCH = 4
 

@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEMO_TOKENIZER, SMALL_SEQ
+from helpers import DEMO_TOKENIZER, FOUNDRY_DIR, SMALL_SEQ, tiny_dbrx
 
 from foundrymix.cli import main
-from foundrymix.config import ConfigErrors
+from foundrymix.config import ConfigError, ConfigErrors
 from foundrymix.train.config import load_config
-
-#: LLM-Foundry's own YAMLs (tests/data/foundry/README.md: source, commit and license)
-FOUNDRY_DIR = Path(__file__).resolve().parent.parent / 'data' / 'foundry'
 
 #: LLM-Foundry's scripts/train/yamls/pretrain/mpt-125m.yaml (its old top-level variables style)
 FOUNDRY = """
@@ -145,7 +142,8 @@ REPORT = [
     'removed: eval_loader.dataset.max_seq_len: the top-level max_seq_len says it',
     'removed: model.init_device: meta: no equivalent (fsdp builds the model)',
     'complete: every key is kept, changed or removed as listed',
-    'for a CPU trial add: fsdp=null precision=fp32',
+    # a trial's evaluation: one batch, once, at the end (not the whole eval set, as -1 says)
+    'for a CPU trial add: fsdp=null precision=fp32 eval_subset_num_batches=1 eval_interval=4800ba',
 ]
 
 
@@ -215,9 +213,9 @@ def test_migrate_lists_what_it_cannot_rewrite(tmp_path, capsys):
         'speed_monitor, lr_monitor, memory_monitor, runtime_estimator)',
         '# to do: save_interval: 0.5 has no unit: give one (e.g. 0.5ep; Composer reads an int as epochs)',
         # what the config reader would refuse in the migrated YAML is to do now, not a surprise later
-        "# to do: config: missing required key 'model' (the migrated YAML is refused so)",
         "# to do: config: missing required key 'train_loader' (the migrated YAML is refused so)",
         "# to do: config: missing required key 'global_train_batch_size' (the migrated YAML is refused so)",
+        "# to do: config: missing required key 'model' (the migrated YAML is refused so)",
         '# to do: 4 line(s) above before it runs']
     assert 'name: decoupled_lionw' in out  # kept: foundrymix has it (tests/train/test_optim.py)
 
@@ -245,6 +243,13 @@ HUB_TODO = ('to do: model.pretrained_model_name_or_path: {name}: give a local Hu
 AUTH = ("removed: model.use_auth_token: true: LLM-Foundry's Hugging Face Hub token has no equivalent: models are never "
         "downloaded here, a local model directory needs no token")
 CPU = 'for a CPU trial add: fsdp=null precision=fp32'
+EVAL = ' eval_subset_num_batches=1 eval_interval={end}'  # a trial's evaluation: one batch, at its end
+PRETRAINED = ('kept: model.pretrained: {v}: ' + "{what}, as in LLM-Foundry")
+LOADS = PRETRAINED.format(v='true', what='load the weights of the model directory')
+CONFIG_ONLY = PRETRAINED.format(v='false', what="the model directory's config only, the weights initialised at random")
+TYPE_TODO = ("to do: {keys}: checked against the model's type once model.pretrained_model_name_or_path is a local "
+             "directory (`foundrymix plan` names what it refuses: attention: causal for a type that ignores "
+             "position_ids, attn_implementation: eager for one without sdpa, a key its config lacks)")
 # the loader starts workers per span: a persistent_workers: true would be a promise not kept
 PERSISTENT = ('removed: {loader}.persistent_workers: true: each span of batches (an epoch, a stage, an '
               'evaluation) is read by workers of its own, forked when it starts')
@@ -255,7 +260,8 @@ SHIPPED = {
                   *MPT_LINES, ATTN_LINE.format(impl='flash'),
                   'changed: train_loader.dataset.{local, remote, split} -> train_loader.streams.train',
                   'changed: eval_loader.dataset.{local, remote, split} -> eval_loader.streams.eval',
-                  'removed: model.init_device: meta: no equivalent (fsdp builds the model)', COMPLETE, CPU], 24),
+                  'removed: model.init_device: meta: no equivalent (fsdp builds the model)', COMPLETE,
+                  CPU + EVAL.format(end='4800ba')], 24),
     'mpt-small-cpu': ([FSDP_LINE, KWARGS, *MPT_LINES,
                        "removed: model.loss_fn: torch_crossentropy: no equivalent (the loss is transformers' "
                        "cross-entropy on the labels)", COMPLETE, 'for a CPU trial add: fsdp=null'], 23),
@@ -266,7 +272,8 @@ SHIPPED = {
         'removed: model.name: hf_causal_lm (pretrained_model_name_or_path says the model)',
         'removed: train_loader.dataset.decoder_only_format: true: no equivalent (finetune streams are decoder-only: '
         'prompt then response, loss on the response)',
-        HUB_TODO.format(name='gpt2'), 'to do: 1 line(s) above before it runs'], 16),
+        HUB_TODO.format(name='gpt2'), LOADS, TYPE_TODO.format(keys='model.attention'),
+        'to do: 2 line(s) above before it runs'], 18),
     '1b_local_data_sft': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='1b_local_data_sft'), *MPT_LINES,
         ATTN_LINE.format(impl='flash'),
@@ -277,13 +284,13 @@ SHIPPED = {
         HF_TODO.format(loader='train_loader', split='train', stream='train'),
         HF_TODO.format(loader='eval_loader', split='validation', stream='eval'),
         PERSISTENT.format(loader='train_loader'), PERSISTENT.format(loader='eval_loader'),
-        'to do: 2 line(s) above before it runs', CPU], 25),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='1ep')], 25),
     'gpt2-small': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='gpt2-small'),
         'changed: tokenizer_name: moved under variables (${tokenizer_name} -> ${variables.tokenizer_name})',
-        HUB_TODO.format(name='gpt2'),
-        "to do: model.config_overrides.n_positions: checked against the model's transformers config once "
-        "model.pretrained_model_name_or_path is a local directory", 'to do: 2 line(s) above before it runs', CPU], 27),
+        HUB_TODO.format(name='gpt2'), CONFIG_ONLY,
+        TYPE_TODO.format(keys='model.attention, model.config_overrides.n_positions'),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='33696ba')], 28),
     '7b_dolly_sft': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='7b_dolly_sft'), *MPT_LINES,
         ATTN_LINE.format(impl='flash'),
@@ -295,10 +302,10 @@ SHIPPED = {
     'llama-3-8b_domain_adapt': ([
         FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='empty', name='llama-3-8b_domain_adapt'), AUTH,
         'removed: load_weights_only: true: no load_path, so no weights to load (LLM-Foundry ignored it)',
-        HUB_TODO.format(name='meta-llama/Meta-Llama-3-8B'),
-        "to do: model.config_overrides.max_seq_len, model.config_overrides.attn_config: checked against the model's "
-        "transformers config once model.pretrained_model_name_or_path is a local directory",
-        'to do: 2 line(s) above before it runs', CPU], 25),
+        HUB_TODO.format(name='meta-llama/Meta-Llama-3-8B'), LOADS,
+        TYPE_TODO.format(keys='model.attention, model.config_overrides.max_seq_len, '
+                              'model.config_overrides.attn_config'),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='3195ba')], 26),
     'dbrx-lora-ft': ([
         FSDP_LINE, AUTH, RUN_NAME_LINE.format(was='empty', name='dbrx-lora-ft'),
         'removed: tokenizer.kwargs (model_max_length, trust_remote_code): no equivalent (max_seq_len and the streams '
@@ -312,9 +319,31 @@ SHIPPED = {
         "target_modules: ['Wqkv']): LoRA through the peft library, as in LLM-Foundry: the base weights are frozen, "
         "the adapter trains; target_modules are checked against the model's layers at start; export writes the "
         "merged model, or with --adapter the adapter alone",
-        HUB_TODO.format(name='databricks/dbrx-instruct'), 'to do: 3 line(s) above before it runs',
+        HUB_TODO.format(name='databricks/dbrx-instruct'), LOADS, TYPE_TODO.format(keys='model.attention'),
+        'to do: 4 line(s) above before it runs',
         PERSISTENT.format(loader='train_loader'), PERSISTENT.format(loader='eval_loader'),
-        'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa'], 36),
+        'for a CPU trial add: fsdp=null precision=fp32 model.attn_implementation=sdpa' + EVAL.format(end='2ep')], 38),
+    'gpt-neo-125m': ([
+        FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='${variables.run_name} (empty)', name='gpt-neo-125m'),
+        HUB_TODO.format(name='EleutherAI/gpt-neo-125M'), CONFIG_ONLY,
+        TYPE_TODO.format(keys='model.attention, model.config_overrides.max_position_embeddings'),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='4800ba')], 24),
+    'opt-3b': ([
+        FSDP_LINE, KWARGS, RUN_NAME_LINE.format(was='${variables.run_name} (empty)', name='opt-3b'),
+        HUB_TODO.format(name='facebook/opt-2.7b'), LOADS, TYPE_TODO.format(keys='model.attention'),
+        'to do: 2 line(s) above before it runs', CPU + EVAL.format(end='4800ba')], 24),
+    'testing-moe': ([
+        FSDP_LINE, KWARGS, *MPT_LINES,
+        "removed: model.loss_fn: torch_crossentropy: no equivalent (the loss is transformers' cross-entropy on the "
+        "labels)",
+        # a mixture of experts would silently become a dense MLP: kept, so plan refuses it until deleted
+        "to do: model.ffn_config: {'ffn_type': 'mb_dmoe', 'memory_optimized_mlp': True, 'mlp_impl': 'grouped', "
+        "'moe_lbl_in_fp32': False, 'moe_loss_weight': 0.01, 'moe_num_experts': 4, 'moe_top_k': 2, "
+        "'moe_world_size': 1, 'uniform_expert_assignment': False}: LLM-Foundry MPT's ffn_config has no equivalent: "
+        "transformers' MPT has one MLP (d_model x expansion_ratio, GELU: LLM-Foundry's default ffn_type mptmlp); "
+        "kept, so plan and train refuse the YAML: delete model.ffn_config to accept a dense MLP instead of its "
+        "experts (a different model), or keep this run on LLM-Foundry",
+        'to do: 1 line(s) above before it runs', CPU + EVAL.format(end='200ba')], 25),
 }
 
 
@@ -363,14 +392,14 @@ def test_migrate_accounts_for_every_key(name, tmp_path, capsys):
     import yaml
     data = yaml.safe_load((FOUNDRY_DIR / f'{name}.yaml').read_text())
     lines, _ = _report(name, tmp_path, capsys)
-    named = set()
+    named = set()  # the keys each line is about: what it starts with, never a word further on
     for line in lines[:-1]:
         kind, _, text = line.partition(': ')
-        if kind == 'kept':
-            named.update(text.split(' (')[0].split(', '))
-        for path, group in re.findall(r'([\w.]+?)\.?\{([\w, ]+)\}', text):  # dataset.{local, split}
+        subject = re.split(r': | -> | \((?!the same)', text)[0] if kind != 'kept' or ' (the same' not in text \
+            else text.split(' (')[0]
+        for path, group in re.findall(r'([\w.]+?)\.?\{([\w, ]+)\}', subject):  # dataset.{local, split}
             named.update(f'{path}.{k}' for k in group.split(', '))
-        named.update(re.findall(r'[\w.]+', text))
+        named.update(subject.split(', '))
     missing = [p for p in _paths(data) if not any('.'.join(p.split('.')[:i]) in named
                                                    for i in range(1, p.count('.') + 2))]
     assert missing == []
@@ -440,8 +469,7 @@ def test_each_migrated_foundry_yaml_trains(name, small_streams, tmp_path, capsys
     elif name.startswith('gpt2'):
         overrides += [f'variables.data_local={data}',
                       f'model.pretrained_model_name_or_path={_tiny_gpt2(tmp_path / "gpt2")}']
-        assert todo == ['to do: model.pretrained_model_name_or_path: gpt2: give a local Hugging Face model '
-                        'directory (models are never downloaded; e.g. save_pretrained() it once)']
+        assert todo == [HUB_TODO.format(name='gpt2'), TYPE_TODO.format(keys='model.attention')]
     else:  # an HF json dataset with a preprocessing function: converted first, here already
         overrides += MPT + [f'train_loader.streams.train.local={data / "train"}',
                             f'eval_loader.streams.eval.local={data / "validation"}',
@@ -474,7 +502,7 @@ def test_migrated_gpu_yaml_trains_on_cpu_with_the_offered_overrides(small_stream
     name = 'llama-3-8b_domain_adapt'
     lines, out = _report(name, tmp_path, capsys)
     cpu = [line for line in lines if line.startswith('for a CPU trial add: ')]
-    assert cpu == ['for a CPU trial add: fsdp=null precision=fp32']
+    assert cpu == [CPU + EVAL.format(end='3195ba')]
     data = _data(small_streams, tmp_path, name)
     scale = ['train_loader.num_workers=0', 'eval_loader.num_workers=0', 'max_duration=2ba',
              'eval_subset_num_batches=1', 'device_eval_batch_size=2']
@@ -502,16 +530,27 @@ def _tiny_llama(path: Path) -> Path:
     return path
 
 
-def _tiny_dbrx(path: Path) -> Path:
-    """A 1-layer DBRX (2 experts) saved by transformers itself, the bundled tokenizer beside it."""
-    from transformers import DbrxConfig, DbrxForCausalLM
+def _tiny_gpt_neo(path: Path) -> Path:
+    """A 1-layer GPT-Neo (global attention) saved by transformers itself, the bundled tokenizer beside it."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     from foundrymix.tokenizer import load_tokenizer
     torch.manual_seed(0)
-    DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=SMALL_SEQ, vocab_size=8192,
-                               attn_config={'kv_n_heads': 2},
-                               ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1})
-                    ).save_pretrained(path)
+    GPTNeoForCausalLM(GPTNeoConfig(hidden_size=16, num_layers=1, num_heads=2, attention_types=[[['global'], 1]],
+                                   vocab_size=8192, max_position_embeddings=SMALL_SEQ)).save_pretrained(path)
+    load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
+    return path
+
+
+def _tiny_opt(path: Path) -> Path:
+    """A 1-layer OPT saved by transformers itself, the bundled tokenizer beside it."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from foundrymix.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    OPTForCausalLM(OPTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
+                             word_embed_proj_dim=16, vocab_size=8192, max_position_embeddings=SMALL_SEQ)
+                   ).save_pretrained(path)
     load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
     return path
 
@@ -534,10 +573,15 @@ def _data(small_streams, tmp_path: Path, name: str) -> Path:
 def _todo_done(name: str, data: Path, tmp_path: Path) -> list[str]:
     """The overrides that do what each YAML's to-do lines ask (none for a complete one)."""
     gpt2 = lambda: [f'model.pretrained_model_name_or_path={_tiny_gpt2(tmp_path / "gpt2")}']  # noqa: E731
+    neo = lambda: [f'model.pretrained_model_name_or_path={_tiny_gpt_neo(tmp_path / "neo")}']  # noqa: E731
     llama = lambda: [f'model.pretrained_model_name_or_path={_tiny_llama(tmp_path / "llama")}']  # noqa: E731
     streams = [f'train_loader.streams.train.local={data / "train"}']
     return {
-        'mpt-125m': [], 'mpt-small-cpu': [],
+        'mpt-125m': [], 'mpt-small-cpu': [], 'testing-moe': [],  # (its to-do deletes a key: DELETE)
+        # GPT-Neo ignores position_ids and has no sdpa: the two settings plan asks once the type is known
+        'gpt-neo-125m': neo() + ['model.attention=causal', 'model.attn_implementation=eager'],
+        # OPT ignores position_ids too (it has sdpa)
+        'opt-3b': [f'model.pretrained_model_name_or_path={_tiny_opt(tmp_path / "opt")}', 'model.attention=causal'],
         'gpt2-arc-easy-cpu-streaming-dataset': gpt2(),
         'gpt2-small': gpt2(),  # its config_overrides.n_positions is a gpt2 key: nothing to delete
         # (and their load_path placeholder, oci://my-bucket/...: plan and train refuse it)
@@ -548,9 +592,26 @@ def _todo_done(name: str, data: Path, tmp_path: Path) -> list[str]:
         # its LoRA targets DBRX's Wqkv: a tiny DBRX, whose attention ignores position_ids (causal;
         # plan and train say so once the model is a local directory, migrate cannot know before)
         'dbrx-lora-ft': streams + [f'eval_loader.streams.eval.local={data / "test"}',
-                                   f'model.pretrained_model_name_or_path={_tiny_dbrx(tmp_path / "dbrx")}',
+                                   f'model.pretrained_model_name_or_path={tiny_dbrx(tmp_path / "dbrx")}',
                                    'model.attention=causal'],
     }[name]
+
+
+#: the keys a YAML's to-do lines say to delete (an override cannot): testing-moe's MoE becomes a
+#: dense MLP only when the user deletes ffn_config, the acceptance its to-do names
+DELETE = {'testing-moe': ['ffn_config']}
+
+
+def _delete(out: Path, keys: list[str]) -> None:
+    import yaml
+    data = yaml.safe_load(out.read_text())
+    for key in keys:
+        del data['model'][key]
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _fit(name: str, data: Path) -> list[str]:
+    return FIT + [f'variables.data_local={data}'] * ('data_local' in (FOUNDRY_DIR / f'{name}.yaml').read_text())
 
 
 @pytest.mark.parametrize('name', list(SHIPPED))
@@ -559,13 +620,14 @@ def test_migrated_yaml_plans_once_its_to_dos_are_done(name, small_streams, tmp_p
     plans once exactly what they ask is given, and not before (each to-do is real)."""
     lines, out = _report(name, tmp_path, capsys)
     data = _data(small_streams, tmp_path, name)
-    fit = FIT + ['device=gpu'] + \
-        [f'variables.data_local={data}'] * ('data_local' in (FOUNDRY_DIR / f'{name}.yaml').read_text())  # the GPU run it is
+    fit = _fit(name, data) + ['device=gpu']  # the GPU run it is
     done = _todo_done(name, data, tmp_path)
-    assert (COMPLETE in lines) == (done == [])
-    if done:
-        assert main(['plan', str(out), *fit]) == 2
-        capsys.readouterr()
+    assert (COMPLETE in lines) == (done == [] and name not in DELETE)
+    if COMPLETE not in lines:
+        assert main(['plan', str(out), *fit, *done]) == 2 if name in DELETE else main(['plan', str(out), *fit]) == 2
+        err = capsys.readouterr().err
+        assert all(f'model.{key}: unknown key' in err for key in DELETE.get(name, [])), err
+    _delete(out, DELETE.get(name, []))
     assert main(['plan', str(out), *fit, *done]) == 0, capsys.readouterr().err
     assert 'max_duration' in capsys.readouterr().out
 
@@ -592,8 +654,8 @@ def test_foundry_model_keys_are_named_not_guessed(tmp_path, capsys):
         "transformers initialises the weights (initializer_range)",
         "to do: model.ffn_config: {'ffn_type': 'mptglu'}: LLM-Foundry MPT's ffn_config has no equivalent: "
         "transformers' MPT has one MLP (d_model x expansion_ratio, GELU: LLM-Foundry's default ffn_type mptmlp); "
-        "removed: the model is built with that MLP instead (a different model): accept it, or keep this run on "
-        "LLM-Foundry"]
+        "kept, so plan and train refuse the YAML: delete model.ffn_config to accept that MLP instead (a different "
+        "model), or keep this run on LLM-Foundry"]
     # as it is (MPT written as transformers' type), the reader names LLM-Foundry's keys for what they are
     src.write_text(src.read_text().replace('name: mpt_causal_lm', 'type: mpt, attention: causal'))
     with pytest.raises(ConfigErrors) as err:
@@ -604,3 +666,137 @@ def test_foundry_model_keys_are_named_not_guessed(tmp_path, capsys):
             "ffn_config has no equivalent") in text
     assert "model.use_auth_token: unknown key for a 'mpt' model (transformers mpt config); LLM-Foundry's " \
            "Hugging Face Hub token has no equivalent" in text
+
+
+def test_encoder_decoder_models_are_refused_by_name(small_streams, tmp_path, capsys):
+    """LLM-Foundry's t5-small_dolly_sft.yaml is refused by migrate in one line, and so is any
+    encoder-decoder type at plan (by type, or as the pretrained directory's); transformers itself
+    has no causal LM for T5, so such a run could never train."""
+    from transformers import AutoModelForCausalLM, T5Config
+
+    from foundrymix.train.model_spec import ModelSpec
+    with pytest.raises(ValueError, match='Unrecognized configuration class'):
+        AutoModelForCausalLM.from_config(T5Config(num_layers=1, d_model=8, d_ff=8, num_heads=1, d_kv=8))
+    out = tmp_path / 'new.yaml'
+    assert main(['migrate', str(FOUNDRY_DIR / 't5-small_dolly_sft.yaml'), '--out', str(out)]) == 2
+    err = capsys.readouterr().err
+    line = ("model: 't5' is an encoder-decoder model; foundrymix trains decoder-only causal LMs (llama, gpt2, mpt, "
+            "...): keep this run on LLM-Foundry")
+    assert err.splitlines() == [f'foundrymix migrate: error: {line}'] and not out.exists()
+    for model_type in ('t5', 'bart'):
+        with pytest.raises(ConfigError) as e:
+            ModelSpec.from_dict({'type': model_type})  # one line: not also its attention or keys
+        assert str(e.value) == (f"model: {model_type!r} is an encoder-decoder model; foundrymix trains decoder-only "
+                                f"causal LMs (llama, gpt2, mpt, ...): keep this run on LLM-Foundry")
+    T5Config(num_layers=1, d_model=8, d_ff=8, num_heads=1, d_kv=8).save_pretrained(tmp_path / 't5')
+    src = tmp_path / 'f.yaml'  # a local T5 directory under hf_causal_lm: its type is read and refused
+    src.write_text((FOUNDRY_DIR / 'gpt2-small.yaml').read_text().replace(
+        'pretrained_model_name_or_path: gpt2', f'pretrained_model_name_or_path: {tmp_path / "t5"}'))
+    assert main(['migrate', str(src)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f'foundrymix migrate: error: {line}']
+    src.write_text(f'max_seq_len: {SMALL_SEQ}\nglobal_train_batch_size: 4\nmax_duration: 2ba\n'
+                   f'train_loader: {{streams: {{a: {{local: {small_streams["arxiv"]}}}}}}}\n'
+                   f'model: {{pretrained: {tmp_path / "t5"}}}\n')
+    assert main(['plan', str(src)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and line in err, err
+
+
+@pytest.mark.parametrize('model_type, kwargs', [
+    ('gpt_neo', {'hidden_size': 16, 'num_layers': 1, 'num_heads': 2, 'attention_types': [[['global'], 1]]}),
+    ('gpt2', {'n_embd': 16, 'n_layer': 1, 'n_head': 2}),
+    ('opt', {'hidden_size': 16, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'ffn_dim': 32,
+             'word_embed_proj_dim': 16}),
+    ('mpt', {'d_model': 16, 'n_heads': 2, 'n_layers': 1}),
+])
+def test_eager_is_chosen_exactly_where_transformers_refuses_sdpa(model_type, kwargs):
+    """Independent check of :func:`has_sdpa`: building the real model with sdpa raises exactly
+    for the types it says lack it, and the attention plan picks then builds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from foundrymix.train.model_spec import ModelSpec, has_sdpa
+    config = AutoConfig.for_model(model_type, vocab_size=64, **kwargs)
+    try:
+        AutoModelForCausalLM.from_config(config, attn_implementation='sdpa')
+        refused = False
+    except ValueError as e:
+        refused = 'scaled_dot_product_attention' in str(e)
+    assert refused == (not has_sdpa(model_type)) == (model_type in ('gpt_neo', 'mpt'))
+    spec = ModelSpec.from_dict({'type': model_type, 'attention': 'causal', **kwargs})
+    assert spec.attn_implementation == ('eager' if refused else None)
+    AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn_implementation or 'sdpa')
+    if refused and model_type != 'mpt':
+        with pytest.raises(ConfigError, match=rf"^model.attn_implementation: 'sdpa': "
+                           rf"transformers' '{model_type}' has no sdpa attention; leave attn_implementation out"):
+            ModelSpec.from_dict({'type': model_type, 'attention': 'causal', 'attn_implementation': 'sdpa', **kwargs})
+
+
+def _neo_local(tmp_path: Path) -> Path:
+    """LLM-Foundry's gpt-neo-125m.yaml with its Hub name replaced by a local GPT-Neo directory."""
+    src = tmp_path / 'gpt-neo-125m.yaml'
+    src.write_text((FOUNDRY_DIR / 'gpt-neo-125m.yaml').read_text().replace(
+        'EleutherAI/gpt-neo-125M', str(_tiny_gpt_neo(tmp_path / 'neo'))))
+    return src
+
+
+def test_a_local_gpt_neo_migrates_complete_and_plans(small_streams, tmp_path, capsys):
+    """With the model a local directory, migrate knows its type: GPT-Neo gets causal attention
+    (it ignores position_ids) and eager (it has no sdpa), the migration is complete, and it plans
+    with only the data-fit overrides; its config override is a gpt_neo key, kept."""
+    src, out = _neo_local(tmp_path), tmp_path / 'new.yaml'
+    assert main(['migrate', str(src), '--out', str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith(('changed: model.', 'to do', 'complete', 'for a CPU'))] == [
+        "changed: model.attention: causal (transformers' 'gpt_neo' ignores position_ids, so document attention "
+        "is refused)",
+        "changed: model.attn_implementation: eager (transformers' 'gpt_neo' has no sdpa attention)",
+        COMPLETE, CPU + EVAL.format(end='4800ba')]
+    assert 'model.config_overrides' in next(line for line in lines if line.startswith('kept: model.'))
+    data = _data(small_streams, tmp_path, 'gpt-neo-125m')
+    assert main(['plan', str(out), *_fit('gpt-neo-125m', data), 'device=gpu']) == 0, capsys.readouterr().err
+
+
+def test_foundry_mpt_overrides_on_a_local_llama_are_removed(tmp_path, capsys):
+    """llama-3-8b_domain_adapt.yaml with a local Llama: its config_overrides are LLM-Foundry MPT
+    keys that a llama config lacks (LLM-Foundry's own set_config_overrides refused them there too):
+    removed with that reason, so the migration is complete and reads."""
+    src = tmp_path / 'llama.yaml'
+    src.write_text((FOUNDRY_DIR / 'llama-3-8b_domain_adapt.yaml').read_text().replace(
+        'meta-llama/Meta-Llama-3-8B', str(_tiny_llama(tmp_path / 'llama'))))
+    lines, out = _report_of(src, tmp_path, capsys)
+    assert [line.split(': LLM-Foundry')[0] for line in lines if 'config_overrides' in line] == [
+        'removed: model.config_overrides.max_seq_len', 'removed: model.config_overrides.attn_config']
+    assert all(line.endswith("(LLM-Foundry refused it on a llama config too)") for line in lines
+               if 'config_overrides' in line)
+    assert COMPLETE in lines
+    cfg = load_config(str(out))
+    assert (cfg.model.model_type, cfg.model.attention, cfg.model.config_kwargs) == ('llama', 'document', {})
+
+
+def _report_of(src: Path, tmp_path: Path, capsys) -> tuple[list[str], Path]:
+    out = tmp_path / 'new.yaml'
+    assert main(['migrate', str(src), '--out', str(out)]) == 0
+    return capsys.readouterr().out.splitlines(), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['gpt2-small', '7b_dolly_sft', 'gpt-neo-125m', 'opt-3b', 'testing-moe'])
+def test_the_other_migrated_yamls_train_two_batches(name, small_streams, tmp_path, capsys):
+    """The shipped YAMLs no other test trains: migrated (GPT-Neo from a local directory, so
+    migrate sets its attention), to-dos done, with the CPU trial line as printed and the fit
+    overrides, each trains two batches on CPU and evaluates one batch."""
+    pytest.importorskip('composer')
+    src = _neo_local(tmp_path) if name == 'gpt-neo-125m' else FOUNDRY_DIR / f'{name}.yaml'
+    lines, out = _report_of(src, tmp_path, capsys)
+    data = _data(small_streams, tmp_path, name)
+    done = [] if name == 'gpt-neo-125m' else _todo_done(name, data, tmp_path)
+    _delete(out, DELETE.get(name, []))
+    cpu = next(line for line in lines if line.startswith('for a CPU trial add: ')).split(': ', 1)[1].split()
+    scale = MPT[:-1] if name in ('7b_dolly_sft', 'testing-moe') else []
+    overrides = [*_fit(name, data), *done, *cpu, *scale, 'max_duration=2ba', 'train_loader.num_workers=0',
+                 'device_eval_batch_size=2', f'save_folder={tmp_path / "ckpt"}']
+    if 'eval_loader' in out.read_text():
+        overrides.append('eval_loader.num_workers=0')
+    assert main(['train', str(out), *overrides]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert 'Traceback' not in printed

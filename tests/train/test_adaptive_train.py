@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_run_config
-
-from test_train import assert_same_weights, final_state, sample_log
+from train_helpers import assert_same_weights, final_state, sample_log
 
 BATCHES = 12
 EVERY = 2
@@ -46,12 +45,12 @@ def first_segment_loss(small_streams, root: Path) -> list[float]:
     """Each stream's mean loss per loss token over the first segment (batches 0 and 1),
     recomputed through the model's own (HF) loss one row at a time: batch 0 with the initial model,
     batch 1 after Composer trained batch 0 (a fresh trainer's ``fit`` of 1 batch)."""
-    from foundrymix.loader.run_loader import build_run_loader
+    from foundrymix.loader.run_loader import StagedDataLoader
     from foundrymix.train.builder import build_trainer
     from foundrymix.train.config import TrainConfig
     assert EVERY == 2
     run = build_trainer(TrainConfig.from_dict(run_config(root, small_streams)))
-    loader = build_run_loader(run.run_plan, 4)
+    loader = StagedDataLoader(run.run_plan)
     it = iter(loader)
     batches = [next(it) for _ in range(EVERY)]
     loader.release()

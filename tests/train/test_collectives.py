@@ -36,7 +36,7 @@ COLLECTIVES = ('all_reduce', 'all_gather', 'all_gather_object', 'broadcast', 'br
 
 
 #: the one module that reaches torch.distributed itself (the loader imports no Composer)
-AGREEMENT = 'foundrymix/loader/together.py'
+AGREEMENT = 'foundrymix/train/together.py'
 
 
 def test_foundrymix_reaches_torch_distributed_only_through_composer_dist():

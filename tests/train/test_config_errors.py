@@ -56,14 +56,14 @@ FOUNDRY_LINES = [
     ("config: unknown key 'console_log_interval'; allowed: ",
      "; LLM-Foundry's console_log_interval is 'log_interval' here"),
     ("config: unknown key 'icl_tasks'; allowed: ", "is not supported; delete it (see docs/train.md)"),
-    ("model.num_hiden_layers: unknown key for a 'llama' model", "; did you mean 'num_hidden_layers'?"),
     ("train_loader: unknown key 'shufle'; allowed: ", "; did you mean 'shuffle'?"),
     ("train_loader.streams.web: unknown key 'repaet'; allowed: ", "; did you mean 'repeat'?"),
-    ("max_duration: '10' has no unit", "(e.g. 10ep, 10ba, 5000sp, 1000000tok)"),
+    ("max_duration: '10' has no unit", "(e.g. 10ep, 10ba, 10sp or 10tok)"),
     ("tokenizer: LLM-Foundry's {name: ..., kwargs: ...} is tokenizer: EleutherAI/gpt-neox-20b here", ""),
+    ("model.num_hiden_layers: unknown key for a 'llama' model", "; did you mean 'num_hidden_layers'?"),
     ("optimizer.name: 'lionw' is not one of decoupled_adamw, adamw, decoupled_lionw", ""),
-    ("eval_interval: '1' has no unit", "(e.g. 1ba or 1ep)"),
-    ("save_interval: '500' has no unit", "(e.g. 500ba or 500ep)"),
+    ("eval_interval: '1' has no unit", "(e.g. 1ba, 1sp, 1tok or 1ep)"),
+    ("save_interval: '500' has no unit", "(e.g. 500ba, 500sp, 500tok or 500ep)"),
     ("callbacks: unknown key 'speed_monitr'; allowed: ", "; did you mean 'speed_monitor'?"),
     ("algorithms: unknown key 'gradient_cliping'; allowed: gradient_clipping", "; did you mean 'gradient_clipping'?"),
 ]
@@ -125,8 +125,7 @@ def test_overrides_that_add_or_fix_keys_still_load_and_a_yaml_error_names_the_fi
     with pytest.raises(ConfigErrors) as err:  # one from the override, one from the YAML
         load_config(write(tmp_path, GOOD.replace('max_duration: 4ba', 'max_duration: 4')), ['seed=x'])
     assert str(err.value).split('\n') == [
-        f"{path}: max_duration: '4' has no unit; write it as a Composer time string (e.g. 4ep, 4ba, 5000sp, "
-        f"1000000tok)",
+        f"{path}: max_duration: '4' has no unit; give one (e.g. 4ep, 4ba, 4sp or 4tok)",
         "override 'seed=x': seed: expected int, got 'x'"]
 
 
@@ -137,7 +136,7 @@ def test_overrides_that_add_or_fix_keys_still_load_and_a_yaml_error_names_the_fi
 def test_unit_less_intervals_are_refused(key, value):
     """Composer reads ``eval_interval: 1`` (the string '1' here) as a time delta, not 1 epoch."""
     from foundrymix.train.config import TrainConfig
-    with pytest.raises(ConfigError, match=r"has no unit; write it as a Composer time string"):
+    with pytest.raises(ConfigError, match=r"has no unit; give one \(e\.g\. "):
         TrainConfig.from_dict(tiny_run_config({'streams': {'a': {'local': '/d'}}}, global_train_batch_size=2,
                                               max_duration='2ba', **{key: value}))
     ok = {'scheduler': {'t_warmup': '0.05dur'}, 'callbacks': {'stop_at': {'time': '5ba'}}}
@@ -244,3 +243,22 @@ def test_eval_first_evaluates_once_before_the_first_batch(small_streams, capsys,
         train(cfg)
         evals[first] = capsys.readouterr().out.count('metrics/eval/LanguageCrossEntropy')
     assert evals == {False: 1, True: 2}
+
+
+def test_plan_reads_trainer_keys_without_a_model_as_train_does(tmp_path, capsys):
+    """A YAML with trainer keys but no model is no data-only YAML: ``plan`` reads every key as
+    ``train`` does (the same refusal, blamed on the override), only the model may be absent."""
+    from foundrymix.cli import main
+    no_model = '\n'.join(ln for ln in GOOD.splitlines() if not ln.startswith(('model:', '        num_')))
+    path = write(tmp_path, no_model + '\noptimizer: {lr: 0.01}\n')
+    for override, message in [('optimizer.lrr=1', "optimizer: unknown key 'lrr'; allowed: name, lr, "),
+                              ('scheduler.t_warmup=5', "scheduler.t_warmup: '5' has no unit"),
+                              ('global_seed=3', "config: unknown key 'global_seed'; allowed: train_loader, ")]:
+        assert main(['plan', path, override]) == 2
+        planned = capsys.readouterr().err.splitlines()
+        assert planned[0].startswith(f'foundrymix plan: error: override {override!r}: {message}')
+        with pytest.raises(ConfigError) as err:
+            load_config(path, [override])
+        lines = str(err.value).split('\n')
+        lines.remove(f"{path}: config: missing required key 'model'")  # the one difference
+        assert lines == [ln.removeprefix('foundrymix plan: error: ') for ln in planned]

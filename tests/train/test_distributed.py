@@ -17,7 +17,6 @@ whenever their rows hold different numbers of targets.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -28,13 +27,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from distributed_helpers import BATCH, N_BATCHES, RANKS, checkpoint, report, train_1rank, train_nranks, write_config
 from helpers import ROOT, LoggedTokens, free_port, moto_s3, tiny_run_config
 from integrity_helpers import copy_stream, flip_bits, index_of, rank_one_only, shard_hash_error
+from train_helpers import sample_log
 
-BATCH = 6          # global batch
-RANKS = 2
 EPOCH = 12         # batches per epoch of the data below (checked in the data fixture)
-N_BATCHES = 18     # the runs cross the epoch boundary
 STOP = 14          # the 2-rank run stops mid epoch 1; 1 rank resumes from there
 
 
@@ -51,58 +49,6 @@ def data(small_streams, tmp_path_factory) -> dict[str, str]:
         plan = mixer.plan(BATCH // ranks, world_size=ranks)
         assert plan.batches_per_epoch == EPOCH and plan.epoch_size == EPOCH * BATCH
     return paths
-
-
-def write_config(run: Path, data: dict[str, str], log_interval: str = '1ba', **top) -> Path:
-    loader = {'streams': {'arxiv': {'local': data['arxiv'], 'repeat': 1.5}, 'dolly': {'local': data['dolly']}},
-              'shuffle': True, 'shuffle_seed': 3, 'num_workers': 0}
-    callbacks = {'sample_log': {'path': str(run / 'samples.jsonl'), 'interval': '5ba'},
-                 'stream_accounting': {'out_dir': str(run / 'report'), 'log_interval': log_interval, 'plot': False}}
-    cfg = tiny_run_config(loader, run_name='dist-test', global_train_batch_size=BATCH,
-                          max_duration=f'{N_BATCHES}ba', save_folder=str(run / 'ckpt'), callbacks=callbacks,
-                          optimizer={'lr': 0.0})  # fixed weights: see the module docstring
-    cfg.update(top)
-    path = run / 'c.yaml'
-    path.write_text(yaml.safe_dump(cfg), encoding='utf-8')
-    return path
-
-
-
-
-def run(cmd: list[str], cwd: Path) -> str:
-    """Runs ``cmd``; its stdout (the launcher's: rank 0's)."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300)
-    if proc.returncode != 0:
-        ranks = ''.join(f'\n--- {p.name}\n{p.read_text()[-3000:]}' for p in sorted(cwd.glob('rank*.err')))
-        raise AssertionError(f'{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n'
-                             f'{proc.stderr[-5000:]}{ranks}')
-    return proc.stdout
-
-
-def train_1rank(config: Path, *overrides: str) -> None:
-    run([sys.executable, str(ROOT / 'train.py'), str(config), *overrides], config.parent)
-
-
-def train_nranks(config: Path, *overrides: str, n: int = RANKS) -> str:
-    """Composer's launcher (the venv's ``composer`` script), n CPU ranks on a free port."""
-    launcher = Path(sys.executable).parent / 'composer'
-    cmd = [str(launcher)] if launcher.exists() else [sys.executable, '-m', 'composer.cli.launcher']
-    d = config.parent
-    return run(cmd + ['-n', str(n), '--master_addr', '127.0.0.1', '--master_port', str(free_port()),
-               '--stdout', str(d / 'rank{rank}.out'), '--stderr', str(d / 'rank{rank}.err'),
-               str(ROOT / 'train.py'), str(config), *overrides], d)
-
-
-def sample_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def report(run_dir: Path) -> dict:
-    return json.loads((run_dir / 'report' / 'stream_accounting.json').read_text())
-
-
-def checkpoint(path: Path) -> dict:
-    return torch.load(path, map_location='cpu', weights_only=False)
 
 
 LOSS_RTOL = 1e-5  # float32 row sums over 1 or 2 ranks' batches, float64 sums in another order

@@ -82,7 +82,8 @@ def test_bf16_gpu_counts_equal_the_cpu_run(small_streams, tmp_path):
 
 @two_gpus
 def test_two_gpu_ranks_count_what_one_rank_counts(small_streams, tmp_path):
-    from test_distributed import report, sample_log, train_1rank, train_nranks, write_config
+    from distributed_helpers import report, train_1rank, train_nranks, write_config
+    from train_helpers import sample_log
 
     data = {name: str(path) for name, path in small_streams.items()}
     one = tmp_path / 'one'

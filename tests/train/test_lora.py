@@ -122,7 +122,7 @@ def test_without_peft_the_config_is_refused_with_the_install_line(small_streams,
 
 
 def test_migrate_without_peft_carries_peft_config_and_asks_for_peft(tmp_path, capsys, monkeypatch):
-    from test_migrate import FOUNDRY_DIR
+    from helpers import FOUNDRY_DIR
 
     monkeypatch.setitem(sys.modules, 'peft', None)  # import peft fails, as where it is not installed
     out = tmp_path / 'new.yaml'
@@ -135,7 +135,7 @@ def test_migrate_without_peft_carries_peft_config_and_asks_for_peft(tmp_path, ca
         "merged model, or with --adapter the adapter alone",
         "to do: model.peft_config: LoRA needs the peft library, which is not installed: pip install "
         "'foundrymix[peft]' (the migrated YAML is refused so)"]
-    assert 'to do: 4 line(s) above before it runs' in lines  # 3 with peft (test_migrate.py)
+    assert 'to do: 5 line(s) above before it runs' in lines  # 4 with peft (test_migrate.py)
     assert yaml.safe_load(out.read_text())['model']['peft_config']['target_modules'] == ['Wqkv']
 
 
@@ -364,7 +364,7 @@ def test_sigkill_then_autoresume_gives_the_straight_runs_adapter_bitwise(small_s
 def test_foundrys_lora_yaml_migrated_trains_its_adapter(small_streams, tmp_path, capsys):
     """LLM-Foundry's finetune/dbrx-lora-ft.yaml, migrated: peft_config is carried, and with its to-do
     lines done (data, a local DBRX -- a tiny one here) and the CPU overrides it trains LoRA on Wqkv."""
-    from test_migrate import FOUNDRY_DIR, _tiny_dbrx
+    from helpers import FOUNDRY_DIR, tiny_dbrx
 
     out = tmp_path / 'new.yaml'
     assert cli(['migrate', str(FOUNDRY_DIR / 'dbrx-lora-ft.yaml'), '--out', str(out)]) == 0
@@ -376,7 +376,7 @@ def test_foundrys_lora_yaml_migrated_trains_its_adapter(small_streams, tmp_path,
         'r': 64, 'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'lora_alpha': 128, 'lora_dropout': 0.05,
         'target_modules': ['Wqkv']}
     cpu = next(line for line in report if line.startswith('for a CPU trial add: ')).split(': ', 1)[1].split()
-    dbrx = _tiny_dbrx(tmp_path / 'dbrx')
+    dbrx = tiny_dbrx(tmp_path / 'dbrx')
     todo = [f'train_loader.streams.train.local={small_streams["dolly"]}',
             f'eval_loader.streams.eval.local={small_streams["dolly"]}', f'model.pretrained_model_name_or_path={dbrx}',
             'model.attention=causal']  # train's own refusal for DBRX, once the model is a local directory

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, SAMPLES, SMALL_SEQ, tiny_run_config
-from test_distributed import checkpoint, free_port, sample_log
+from distributed_helpers import checkpoint
+from helpers import ROOT, SAMPLES, SMALL_SEQ, free_port, tiny_run_config
+from train_helpers import sample_log
 
 pytestmark = pytest.mark.skipif(shutil.which('unshare') is None or os.geteuid() != 0,
                                 reason='needs root and unshare for a private /dev/shm per node')

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from distributed_helpers import train_nranks
 from helpers import ROOT, tiny_run_config
-
-from test_distributed import train_nranks
-from test_train import assert_same_weights, final_state, sample_log, train
+from train_helpers import assert_same_weights, final_state, sample_log, train
 
 pytestmark = pytest.mark.slow  # whole training runs
 

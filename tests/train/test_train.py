@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from helpers import ROOT, tiny_run_config
 from helpers import SMALL_SEQ as SEQ
+from train_helpers import assert_same_weights, final_state, sample_log, train
 
 BATCH = 6
 N_BATCHES = 40
@@ -42,36 +42,12 @@ def write_config(path: Path, data: dict[str, str], **top) -> Path:
     return path
 
 
-def train(config: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / 'train.py'), str(config), *overrides],
-                          capture_output=True, text=True, cwd=config.parent, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f'train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}')
-    return proc
-
-
-def final_state(save_folder: Path) -> dict:
-    ckpt = torch.load(save_folder / 'latest-rank0.pt', map_location='cpu', weights_only=False)
-    return ckpt['state']
-
-
-def sample_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def compare_cli(capsys, run_a: Path, run_b: Path, *options: str) -> tuple[int, list[str]]:
     """``foundrymix compare`` (in-process): (exit code, printed lines)."""
     from foundrymix.cli import main
     capsys.readouterr()
     code = main(['compare', str(run_a), str(run_b), *options])
     return code, capsys.readouterr().out.splitlines()
-
-
-def assert_same_weights(a: dict, b: dict) -> None:
-    wa, wb = a['model'], b['model']
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), f'weights differ at {k}'
 
 
 @pytest.fixture(scope='module')
@@ -310,48 +286,3 @@ def test_autoresume_skips_incomplete_checkpoints_or_names_them(tmp_path, data, s
     assert final_state(save)['timestamp']['Timestamp']['batch'] == 2
 
 
-def test_the_built_heap_is_frozen_and_later_garbage_is_still_collected(small_streams, tmp_path):
-    """``build_trainer`` ends with ``gc.freeze()``: the trainer is out of the collector's generations
-    (a full collection no longer walks it, forked loader workers do not touch its pages), and a
-    cycle made afterwards is still collected."""
-    import gc
-    import weakref
-
-    from foundrymix.train.builder import build_trainer
-    from foundrymix.train.config import TrainConfig
-
-    gc.unfreeze()
-    loader = {'streams': {n: {'local': str(p)} for n, p in small_streams.items()}, 'num_workers': 0}
-    run = build_trainer(TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=4, max_duration='2ba',
-                                                              save_folder=str(tmp_path / 'ckpt'))))
-    try:
-        assert gc.get_freeze_count() > 10_000
-        tracked = {id(o) for o in gc.get_objects()}
-        assert id(run.trainer) not in tracked and id(run.trainer.state.model) not in tracked
-
-        class Node:
-            pass
-
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        gone = weakref.ref(a)
-        del a, b
-        gc.collect()
-        assert gone() is None
-    finally:
-        run.trainer.close()
-        run.claims.release()
-        gc.unfreeze()
-
-
-def test_train_unfreezes_the_heap_when_the_run_ends(small_streams, tmp_path):
-    """What a finished run built can be collected by a later run in the same process."""
-    import gc
-
-    from foundrymix.train.builder import train as fit
-    from foundrymix.train.config import TrainConfig
-
-    loader = {'streams': {n: {'local': str(p)} for n, p in small_streams.items()}, 'num_workers': 0}
-    fit(TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=4, max_duration='2ba',
-                                              save_folder=str(tmp_path / 'ckpt'))))
-    assert gc.get_freeze_count() == 0

@@ -1,5 +1,5 @@
 """``cache_limit``: the node's cache of one run's remote streams never holds more than the limit.
-The account is on disk under one ``flock``, shared by every process of the node: the shard files
+The account is on disk under one :class:`~foundrymix.claims.FileLock`, shared by every process of the node: the shard files
 present plus each live process's reservation for a fetch in flight. A fetch reserves its bytes
 first, evicting the least recently opened shards (file ``mtime``) until they fit.
 """
@@ -7,28 +7,17 @@ first, evicting the least recently opened shards (file ``mtime``) until they fit
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
 from typing import Any, Iterator, Optional
 
-from foundrymix.claims import pid_alive
+from foundrymix.claims import FileLock, pid_alive
 from foundrymix.errors import FoundrymixError
 
 
 class CacheFullError(FoundrymixError, ValueError):
     """No shard can be evicted and nothing in flight will free room: the limit is too small."""
-
-
-@contextlib.contextmanager
-def _flock(path: str) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 class CacheBudget:
@@ -81,7 +70,7 @@ class CacheBudget:
         """Hold ``need`` bytes for the fetch of shard file ``key`` (evicting the coldest
         shards other than ``keep`` as needed) until the block ends."""
         while True:
-            with _flock(self.lock):
+            with FileLock(self.lock):
                 held = self._reservations()
                 held.pop(key, None)
                 everything = self._present()
@@ -105,7 +94,7 @@ class CacheBudget:
         try:
             yield
         finally:
-            with _flock(self.lock):
+            with FileLock(self.lock):
                 held = self._reservations()
                 held.pop(key, None)
                 self._write(held)

@@ -7,7 +7,6 @@ changes ``ctime`` -- so later opens only ``stat`` it; a file that fails is never
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -15,6 +14,7 @@ import os
 import time
 from typing import Any, Iterator, Optional
 
+from foundrymix.claims import FileLock
 from foundrymix.errors import WorkerError
 from foundrymix.format.shards import hashes_in_index
 
@@ -75,17 +75,14 @@ def _locked(path: str) -> Iterator[bool]:
     written: a read-only cache costs a re-hash next time, never the run."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path + '.lock', os.O_RDWR | os.O_CREAT, 0o666)
+        lock = FileLock(path + '.lock')
     except OSError as e:
         log.warning('cannot record verified shard hashes in %s (%s): every run hashes them',
                     os.path.dirname(path), e)
         yield False
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with lock:
         yield True
-    finally:
-        os.close(fd)
 
 
 def _read_lines(path: str, directory: str) -> tuple[dict[str, list[Any]], int]:

@@ -4,9 +4,12 @@ that reads the ranks' loaders unevenly would wait in the agreement."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Iterator, Optional, TypeVar
 
 from foundrymix.errors import WorkerError
+
+
+T = TypeVar('T')
 
 
 class OtherRankFailed(WorkerError):
@@ -42,3 +45,20 @@ class StopTogether:
             raise failure
         rank, message = next((r, m) for r, m in enumerate(said) if m is not None)
         raise OtherRankFailed(f'rank {rank} {self.doing}, so every rank stops here: {message}')
+
+
+def read_together(batches: Iterable[T], together: StopTogether) -> Iterator[T]:
+    """``batches``, each agreed on by every rank before it is yielded: a rank's failed read (or
+    stage storage build) raises on it and :class:`OtherRankFailed` on every other rank, at that
+    batch. The end needs no agreement: every rank's batches end at the same batch."""
+    it = iter(batches)
+    while True:
+        failure: Optional[BaseException] = None
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except Exception as e:
+            failure = e
+        together(failure)  # raises on every rank if any failed
+        yield batch
