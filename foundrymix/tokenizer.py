@@ -5,8 +5,8 @@ Why offline only: conversion and training must never reach a model hub at run ti
 
 * ``foundrymix-bpe-8k`` -- the bundled demo tokenizer (byte-level BPE, no BOS);
 * a directory holding a Hugging Face tokenizer (``tokenizer.json`` etc.);
-* a SentencePiece ``.model``/``.model.v*`` file (Llama-style: adds BOS), loaded as a
-  ``LlamaTokenizerFast``;
+* a SentencePiece ``.model``/``.model.v*`` file (Llama-style: adds BOS), built from its
+  pieces and scores (:func:`_load_spm`);
 * a name already in the local Hugging Face cache (looked up with
   ``local_files_only=True``; never downloaded).
 """
@@ -76,15 +76,19 @@ def load_tokenizer(name_or_path: str) -> Any:
     """
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
-    from transformers import AutoTokenizer, LlamaTokenizerFast
+    from transformers import AutoTokenizer
 
     kind, location = _resolve(name_or_path)
     try:
         if kind == 'spm':
-            tok = LlamaTokenizerFast(vocab_file=location, legacy=False)
+            tok = _load_spm(location)
         else:
             tok = AutoTokenizer.from_pretrained(location, local_files_only=True, use_fast=True)
     except Exception as e:  # transformers raises OSError/ValueError/others
+        if kind == 'spm':
+            need = ' (needs the sentencepiece and protobuf packages)' if isinstance(e, ImportError) else ''
+            raise TokenizerError(f'{name_or_path}: cannot load this SentencePiece model{need}: '
+                                 f'{type(e).__name__}: {_first_line(e)}') from None
         hint = f'bundled: {", ".join(bundled_tokenizers())}' if bundled_tokenizers() else ''
         raise TokenizerError(
             f'unknown tokenizer {name_or_path!r}: not a bundled name, a local tokenizer directory, '
@@ -98,6 +102,62 @@ def load_tokenizer(name_or_path: str) -> Any:
     tok.model_max_length = 1 << 30  # we cut rows ourselves; silence length warnings
     tok.foundrymix_name = name_or_path
     return tok
+
+
+def _load_spm(path: str) -> Any:
+    """A Llama-style SentencePiece BPE model file as a fast tokenizer that adds BOS, not EOS,
+    giving SentencePiece's own ids (checked on :data:`SPM_PROBE`; a model for which it does
+    not -- a unigram model, a normalizing one -- is refused).
+
+    Built here rather than by transformers' converters, which do not reproduce
+    SentencePiece's ids (4.x from ``vocab_file`` omits the dummy prefix; 5.x ranks merges
+    by piece id, not score), so the ids and the fingerprint do not depend on the
+    transformers version.
+    """
+    from sentencepiece import SentencePieceProcessor
+    from sentencepiece import sentencepiece_model_pb2 as spm_pb
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    proto = spm_pb.ModelProto()
+    with open(path, 'rb') as f:
+        proto.ParseFromString(f.read())
+    spec, pieces = proto.trainer_spec, proto.pieces
+    if spec.model_type != spm_pb.TrainerSpec.BPE or min(spec.unk_id, spec.bos_id, spec.eos_id) < 0:
+        raise ValueError('not a BPE model with unk, BOS and EOS pieces (Llama-style)')
+    vocab = {p.piece: i for i, p in enumerate(pieces)}
+    # SentencePiece merges the adjacent pair whose joined piece scores highest
+    ranked = [(p.piece[:k], p.piece[k:], p.score) for p in pieces if p.type == p.NORMAL
+              for k in range(1, len(p.piece)) if p.piece[:k] in vocab and p.piece[k:] in vocab]
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    unk, bos, eos = (pieces[i].piece for i in (spec.unk_id, spec.bos_id, spec.eos_id))
+    backend = Tokenizer(BPE(vocab, [(a, b) for a, b, _ in ranked], unk_token=unk, fuse_unk=True,
+                            byte_fallback=spec.byte_fallback))
+    backend.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in pieces
+                                if p.type in (p.UNKNOWN, p.CONTROL)])
+    backend.add_tokens([AddedToken(p.piece, normalized=False) for p in pieces if p.type == p.USER_DEFINED])
+    # spaces become U+2581 and one is put in front (SentencePiece's dummy prefix), even before
+    # a leading space, which a Metaspace pre-tokenizer would not double
+    prefix = proto.normalizer_spec.add_dummy_prefix
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend('\u2581')] * prefix
+                                              + [normalizers.Replace(' ', '\u2581')])
+    backend.decoder = decoders.Sequence([decoders.Replace('\u2581', ' '), decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(' ', 1, 0)] if prefix else []))
+    backend.post_processor = processors.TemplateProcessing(single=f'{bos} $A', pair=f'{bos} $A {bos} $B',
+                                                           special_tokens=[(bos, spec.bos_id)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, bos_token=bos, eos_token=eos,
+                                  clean_up_tokenization_spaces=False)
+    if tok(SPM_PROBE, add_special_tokens=False)['input_ids'] != SentencePieceProcessor(model_file=path).encode(
+            SPM_PROBE):
+        raise ValueError('its tokens differ from SentencePiece\'s (not a Llama-style model: normalization?); '
+                         'convert it to a tokenizer directory with transformers')
+    return tok
+
+
+#: text on which a SentencePiece model's tokens are checked: words, runs of spaces (leading
+#: too), tabs, newlines, digits, accents, CJK and an emoji (byte fallback)
+SPM_PROBE = '  Hello world, x  y   z    w\n\n\tcode(1234) \u00fcber na\u00efve \u6f22\u5b57 \U0001f917 end.'
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:

@@ -3,11 +3,11 @@
 # i.e. what `pip install foundrymix` gives -- the newest torch and numpy pip takes, streaming-community
 # 0.14 -- and no Composer. CI (.ci/run) runs it after the whole suite (scripts/test.sh).
 # Extra arguments go to pytest in place of the default files below, e.g.
-# `bash scripts/test_core.sh tests/plan/test_plan.py -x`.
+# `bash scripts/test_core.sh tests/plan/test_plan.py -x`. VENV=DIR builds/uses another venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=.venv-core
+VENV=${VENV:-.venv-core}
 if [ ! -x $VENV/bin/python ]; then
   "$PY" -m venv $VENV
   $VENV/bin/pip install -q --upgrade pip
@@ -28,7 +28,8 @@ if $VENV/bin/python -c "import composer" 2>/dev/null; then
 fi
 $VENV/bin/python -c "import importlib.metadata as m
 print('core venv:', ', '.join(f'{d} {m.version(d)}' for d in
-      ('torch', 'numpy', 'streaming-community', 'transformers', 'lightning-fabric', 'peft', 'pyarrow', 'datasets')))"
+      ('torch', 'numpy', 'streaming-community', 'transformers', 'tokenizers', 'huggingface-hub',
+       'lightning-fabric', 'peft', 'pyarrow', 'datasets')))"
 
 # Core files only (none needs Composer): convert, adopt, plan, the loader (build_loader, resume,
 # stages, epochs, cache, shard hashes), the tools; and tests/examples/ (the plain PyTorch loop and
@@ -37,6 +38,7 @@ CORE_TESTS=(
   tests/test_core_without_composer.py
   tests/convert/test_convert_pretrain.py
   tests/convert/test_convert_finetune.py
+  tests/convert/test_tokenizer_spm.py
   tests/convert/test_adopt.py
   tests/format/test_convert_mds.py
   tests/format/test_integrity.py

@@ -244,7 +244,7 @@ def tiny_dbrx(path: Path) -> Path:
     from foundrymix.tokenizer import load_tokenizer
     torch.manual_seed(0)
     DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=SMALL_SEQ, vocab_size=8192,
-                               attn_config={'kv_n_heads': 2},
+                               attn_config={'kv_n_heads': 2, 'rope_theta': 1e4, 'clip_qkv': 8.0},  # 5.24 needs both
                                ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1})
                     ).save_pretrained(path)
     load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)

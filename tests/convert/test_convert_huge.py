@@ -12,7 +12,7 @@ import pytest
 
 from convert_helpers import ids, read_jsonl, read_rows
 from foundrymix.convert.encode import encode_long, encode_texts, slice_mode
-from foundrymix.tokenizer import load_tokenizer, tokenizer_info
+from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
 
 def test_sliced_tokens_equal_whole_text_tokens(any_tokenizer, arxiv_jsonl):
@@ -20,7 +20,9 @@ def test_sliced_tokens_equal_whole_text_tokens(any_tokenizer, arxiv_jsonl):
     (1.2 MB: LaTeX, numbers, newlines, runs of spaces): the same ids as one encode call
     through the HF Python API."""
     tok = load_tokenizer(any_tokenizer)
-    assert slice_mode(tok) == 'keep_space'
+    # SentencePiece puts its dummy prefix in front of every text: a slice after a cut starts
+    # without the space, which the prefix stands for
+    assert slice_mode(tok) == ('keep_space' if any_tokenizer == DEMO_TOKENIZER else 'drop_space')
     text = ' '.join(r['text'] for r in read_jsonl(arxiv_jsonl))
     got = encode_long(tok, text, slice_chars=20_000)
     assert got.dtype == np.uint32 and got.tolist() == ids(any_tokenizer, text)

@@ -422,7 +422,8 @@ def test_without_target_modules_peft_defaults_or_the_refusal_lists_the_layers():
     kwargs = {k: v for k, v in LLAMA.items() if k != 'type'}
     llama = wrap(LlamaForCausalLM(LlamaConfig(vocab_size=64, **kwargs)), {'r': 4, 'task_type': 'CAUSAL_LM'})
     assert [n.rsplit('.', 1)[-1] for n in lora_layers(llama)] == ['q_proj', 'v_proj']
-    dbrx = DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=64, attn_config={'kv_n_heads': 2},
+    dbrx = DbrxForCausalLM(DbrxConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=64,
+                                      attn_config={'kv_n_heads': 2, 'rope_theta': 1e4},  # 5.x: no default
                                       ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 2, 'moe_top_k': 1}))
     with pytest.raises(ConfigError) as err:
         wrap(dbrx, {'r': 4, 'task_type': 'CAUSAL_LM'})
