@@ -52,15 +52,24 @@ class FoundrymixTrainer(Trainer):
         callbacks = [*(kwargs.pop('callbacks', None) or []), _SaveLoaderState(loader)]
         super().__init__(model=model, args=args, callbacks=callbacks, **kwargs)
         self._model_keys = _model_keys(self.model, attention)
+        self._no_cache = bool(_forward_takes(self.model, {'use_cache'}))
 
     def get_train_dataloader(self) -> Any:
         """The loader itself: accelerate passes an object that is not a torch DataLoader through
         unchanged, and each rank's rows of every global batch are already the loader's."""
         return self.loader
 
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What the model is given of a batch: the keys its ``forward`` takes, and no cache (with
+        a cache transformers ignores ``position_ids`` when it builds the mask, so packed
+        documents would attend to each other)."""
+        inputs = {k: v for k, v in batch.items() if k in self._model_keys}
+        if self._no_cache:
+            inputs['use_cache'] = False
+        return inputs
+
     def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        return super().compute_loss(model, {k: v for k, v in inputs.items() if k in self._model_keys},
-                                    *args, **kwargs)
+        return super().compute_loss(model, self.model_inputs(inputs), *args, **kwargs)
 
     def train(self, resume_from_checkpoint: Optional[Union[str, bool]] = None, **kwargs: Any) -> Any:
         """Train from the loader's position; with ``resume_from_checkpoint`` (a checkpoint
@@ -159,17 +168,23 @@ class _SaveLoaderState(TrainerCallback):
 
 def _model_keys(model: Any, attention: str) -> set[str]:
     """The batch keys the model is given: ids, labels, and ``position_ids`` (document) or
-    ``attention_mask`` (causal) where its ``forward`` names it."""
-    wanted = {'input_ids', 'labels', 'position_ids' if attention == 'document' else 'attention_mask'}
-    try:
-        parameters = inspect.signature(model.forward).parameters.values()
-    except (AttributeError, TypeError, ValueError):
-        return wanted
-    named = {p.name for p in parameters if p.kind != p.VAR_KEYWORD}
-    if 'input_ids' not in named and any(p.kind == p.VAR_KEYWORD for p in parameters):
-        return wanted  # a wrapper (peft) that hands its keyword arguments to the model
-    keys = wanted & named
+    ``attention_mask`` (causal) where its ``forward`` takes them."""
+    keys = _forward_takes(model, {'input_ids', 'labels',
+                                  'position_ids' if attention == 'document' else 'attention_mask'})
     if 'input_ids' not in keys:
         raise ConfigError(f'FoundrymixTrainer: the model\'s forward takes no input_ids '
                           f'({type(model).__name__}); it trains causal LMs that take input_ids and labels')
     return keys
+
+
+def _forward_takes(model: Any, names: set[str]) -> set[str]:
+    """Which of ``names`` the model's ``forward`` names; all of them for a wrapper (peft) whose
+    forward hands its keyword arguments on."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return names
+    named = {p.name for p in parameters if p.kind != p.VAR_KEYWORD}
+    if 'input_ids' not in named and any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return names
+    return names & named

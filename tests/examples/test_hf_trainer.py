@@ -111,3 +111,23 @@ def test_the_model_gets_only_the_keys_its_forward_takes(loader):
     assert _model_keys(model, 'causal') == {'input_ids', 'labels', 'attention_mask'}
     batch = next(iter(loader))
     assert {'sample_id', 'stream_id', 'sequence_id'} <= set(batch)  # what the filter keeps from the model
+
+
+def test_packed_documents_attend_only_inside_themselves(loader, tmp_path):
+    """What the Trainer gives the model of a packed row: the second document's logits equal the
+    document's alone (a cache, Llama's default, would make transformers ignore position_ids)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from foundrymix.integrations.hf_trainer import FoundrymixTrainer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    trainer = FoundrymixTrainer(model=model, loader=loader,
+                                args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    a, b = torch.tensor([[11, 12, 13, 14]]), torch.tensor([[21, 22, 23, 24]])
+    packed = {'input_ids': torch.cat([a, b], 1), 'position_ids': torch.tensor([[0, 1, 2, 3] * 2]),
+              'attention_mask': torch.ones(1, 8, dtype=torch.long), 'sample_id': torch.tensor([0])}
+    with torch.no_grad():
+        got = model(**trainer.model_inputs(packed)).logits[:, 4:]
+        alone = model(input_ids=b, use_cache=False).logits
+    assert torch.allclose(got, alone, atol=1e-5)
+    assert set(trainer.model_inputs(packed)) == {'input_ids', 'position_ids', 'use_cache'}
