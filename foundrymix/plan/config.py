@@ -185,6 +185,12 @@ class LoaderConfig:
                 f'{where}.weights_in: {self.weights_in} applies to proportion weights only; '
                 f'give every stream a proportion (not set on {", ".join(absolute)}) or use '
                 f'weights_in: rows')
+        anchors = [n for n, s in self.streams.items() if s.proportion is not None and s.repeat is not None]
+        if len(anchors) > 1 or (anchors and self.epoch_size is not None):
+            raise ConfigError(
+                f'{where}.streams: proportion with repeat on {", ".join(anchors)}: the passes of one '
+                f'stream size the epoch; give repeat beside proportion on one stream only, and no '
+                f'epoch_size')
         weighted_absolute = sorted(n for n, k in kinds.items() if k in ('repeat', 'choose'))
         if self.epoch_size is not None and weighted_absolute:
             raise ConfigError(

@@ -107,6 +107,8 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches;
     stratified shares checked unless ``exact: false`` (which trains the rounded shares)."""
     requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
+    anchored = anchored_epoch(infos, config.weights_in)
+    requested = anchored.epoch_size if anchored is not None else requested
     base = EpochWeights(requested, None, (), (), 1)
     w = weighted(infos, base, config.weights_in)
     size, nominal = w.epoch_size, tuple(int(c) for c in w.chooses)
@@ -119,13 +121,39 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
     cut = size % unit
     if cut == 0 or size - cut <= 0:  # (no whole batch at all: the plan refuses it, naming why)
         return EpochWeights(requested, None, nominal, nominal, unit)
-    if all(i.spec.weight_kind in (None, 'proportion') for i in infos):
+    if anchored is None and all(i.spec.weight_kind in (None, 'proportion') for i in infos):
         trimmed = EpochWeights(size - cut, None, nominal, (), unit)
     else:
         rows = tuple(i.rows for i in infos)
         trimmed = EpochWeights(None, trim_chooses(nominal, cut, rows), nominal, (), unit)
     rows = tuple(int(c) for c in weighted(infos, trimmed, config.weights_in).chooses)
     return EpochWeights(trimmed.epoch_size, trimmed.chooses, nominal, rows, unit)
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A stream whose ``proportion`` comes with ``repeat``: its whole passes size the epoch."""
+
+    index: int
+    rows: int          # its rows in an epoch: ``repeat`` times the stream
+    epoch_size: int    # the epoch in which its share is exactly ``rows``
+
+
+def anchored_epoch(infos: list[StreamInfo], weights_in: str) -> Optional[Anchor]:
+    """The epoch size at which the stream with ``proportion`` and ``repeat`` gets exactly its
+    passes by :func:`apportion` (the nearest such size to the exact quotient), or None."""
+    a = next((k for k, i in enumerate(infos) if i.spec.proportion is not None and i.spec.repeat is not None), None)
+    if a is None:
+        return None
+    exact = [Fraction(p) for p in row_proportions(infos, weights_in)]
+    want = int(infos[a].spec.repeat * infos[a].rows)  # type: ignore[operator]
+    if want <= 0 or exact[a] <= 0:
+        raise ConfigError(f'{infos[a].where}: repeat {infos[a].spec.repeat} with proportion '
+                          f'{infos[a].spec.proportion} makes no rows of it; give both positive')
+    quotient = want * sum(exact) / exact[a]
+    sizes = sorted(range(max(1, math.floor(quotient) - 2), math.ceil(quotient) + 3), key=lambda e: abs(e - quotient))
+    size = next((e for e in sizes if int(apportion(exact, e)[a]) == want), round(quotient))
+    return Anchor(a, want, size)
 
 
 def trim_chooses(chooses: tuple[int, ...], cut: int,

@@ -14,7 +14,7 @@ import numpy as np
 from foundrymix.config import DURATION_UNITS, UNIT_WORDS, ConfigError, parse_time, to_batches
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
-from foundrymix.plan.exact import EpochWeights, apportion, epoch_weights, weighted
+from foundrymix.plan.exact import EpochWeights, anchored_epoch, apportion, epoch_weights, weighted
 from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, rank_counts, stream_draws
 from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
@@ -77,6 +77,13 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     stream_plans = _stream_plans(infos, epoch, L, warnings, notes)
     if config.weights_in != 'rows':
         notes.append(weights_in_note(config.weights_in, stream_plans, L))
+    anchor = anchored_epoch(infos, config.weights_in)
+    if anchor is not None:
+        i = infos[anchor.index]
+        notes.append(f'the epoch is sized by {i.name}\'s repeat: {i.spec.repeat:g} beside its proportion: '
+                     f'{i.spec.proportion:g}: {anchor.rows:,} rows of it ({i.spec.repeat:g} x {i.rows:,}) are '
+                     f'its share of an epoch of {anchor.epoch_size:,} rows; whole passes are kept when the '
+                     f'epoch is cut to whole global batches')
     notes.extend(foundry_note(i) for i in infos if i.manifest.options.get('format') == 'llm-foundry-tokens')
     per_rank, how_ranks = _rank_plans(epoch, topology, names, rank_count_limit)
     plan = Plan(streams=stream_plans,

@@ -22,7 +22,8 @@ def is_pattern(name: str) -> bool:
 @dataclass
 class StreamSpec:
     """One entry of ``train_loader.streams``: where a stream lives and how much of it to use
-    (at most one of ``repeat``, ``proportion``, ``choose``). ``local`` is a directory on this
+    (one of ``repeat``, ``proportion``, ``choose``, or ``proportion`` and ``repeat``: the share,
+    and the passes that size the epoch). ``local`` is a directory on this
     machine; a URL there is refused, as it would be read as a relative path. A name with a
     glob is a group (:func:`is_pattern`): exactly one weight and no location."""
 
@@ -57,9 +58,10 @@ class StreamSpec:
             raise ConfigError(f'{where}.local: {self.local!r} is a URL, not a local directory; put '
                               f'it in remote: (and local: where to cache it, or leave local out)')
         given = [k for k in ('repeat', 'proportion', 'choose') if getattr(self, k) is not None]
-        if len(given) > 1:
+        if len(given) > 1 and (given != ['repeat', 'proportion'] or is_pattern(self.name)):
             raise ConfigError(f'{where}: give at most one of repeat, proportion, choose '
-                              f'(got {", ".join(given)}); the others are derived')
+                              f'(got {", ".join(given)}; a stream, not a group, may give proportion '
+                              f'and repeat: its share, and whole passes of it that size the epoch)')
         for key in given:
             if getattr(self, key) < 0:
                 raise ConfigError(f'{where}.{key}: must be >= 0, got {getattr(self, key)}')

@@ -64,7 +64,7 @@ def test_epoch_size_with_repeat_is_refused():
 
 @pytest.mark.parametrize('stream, message', [
     ({'local': '/a', 'repeat': 1, 'choose': 3},
-     'train_loader.streams.a: give at most one of repeat, proportion, choose (got repeat, choose); the others are derived'),
+     'train_loader.streams.a: give at most one of repeat, proportion, choose (got repeat, choose; a stream, not a group, may give proportion and repeat: its share, and whole passes of it that size the epoch)'),
     ({'split': 'train'}, 'train_loader.streams.a: needs local and/or remote'),
     ({'local': '/a', 'repeat': 'lots'}, "train_loader.streams.a.repeat: expected float, got 'lots'"),
     ({'local': '/a', 'repeat': -1}, 'train_loader.streams.a.repeat: must be >= 0, got -1.0'),

@@ -86,3 +86,43 @@ def test_weights_in_needs_proportions(small_streams):
         StreamMixer.from_dict(cfg)
     assert str(e.value) == ('train_loader.weights_in: tokens applies to proportion weights only; give '
                             'every stream a proportion (not set on arxiv) or use weights_in: rows')
+
+
+def test_a_token_share_with_whole_passes_sizes_the_epoch_and_a_real_epoch_trains_it(small_streams):
+    """``arxiv: {proportion: 0.7, repeat: 2}`` with ``weights_in: tokens``: one epoch trains every
+    arxiv row exactly twice, and the real tokens per stream over that epoch (counted from the
+    loader's batches) are 70/30 to within the whole rows the plan's bound allows."""
+    cfg = loader_cfg(small_streams, 0.7, 0.3, None, 'tokens')
+    del cfg['epoch_size']
+    cfg['streams']['arxiv']['repeat'] = 2
+    mixer = StreamMixer.from_dict(cfg)
+    arxiv_rows = sum(s['samples'] for s in __import__('json').loads(
+        (small_streams['arxiv'] / 'index.json').read_text())['shards'])
+    plan = mixer.plan(1)
+    assert plan.streams[0].rows_per_epoch == 2 * arxiv_rows
+    loader = mixer.build_dataloader(1)
+    seen = collections.Counter()
+    tokens = collections.Counter()
+    for batch in loader:
+        for sid, sample, mask in zip(batch['stream_id'].tolist(), batch['sample_id'].tolist(),
+                                     batch['attention_mask'].sum(dim=1).tolist()):
+            tokens[mixer.stream_names[sid]] += mask
+            if sid == 0:
+                seen[sample] += 1
+    loader.release()
+    assert sorted(seen.values()) == [2] * arxiv_rows  # every row twice: two whole passes
+    share = tokens['arxiv'] / (tokens['arxiv'] + tokens['dolly'])
+    bound = share_rounding(plan.streams, 'tokens', Manifest.read(str(small_streams['arxiv'])).max_seq_len)
+    assert abs(share - 0.7) <= bound, (share, bound)
+    assert any(n.startswith("the epoch is sized by arxiv's repeat: 2 beside its proportion: 0.7") for n in plan.notes)
+
+
+@pytest.mark.parametrize('streams, said', [
+    ({'arxiv': {'proportion': 0.7, 'repeat': 2}, 'dolly': {'proportion': 0.3, 'repeat': 1}},
+     'give repeat beside proportion on one stream only'),
+    ({'arxiv': {'proportion': 0.7, 'choose': 5}, 'dolly': {'proportion': 0.3}}, 'give at most one of'),
+])
+def test_passes_beside_a_share_are_refused_where_they_cannot_both_hold(small_streams, streams, said):
+    cfg = {'streams': {n: {'local': str(small_streams[n]), **w} for n, w in streams.items()}}
+    with pytest.raises(ConfigError, match=said):
+        StreamMixer.from_dict(cfg).plan(1)

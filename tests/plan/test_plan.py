@@ -111,8 +111,11 @@ def test_cli_reads_no_shards(root, tmp_path, capsys, monkeypatch):
      "train_loader.streams.wiki: unknown key 'repaet'; allowed: local, remote, split, repeat, "
      "proportion, choose, tokenizer; did you mean 'repeat'?"),
     # the YAML's repeat and the override's proportion together: the stream is the YAML's
-    ('train_loader.streams.wiki.proportion=0.5', False,
+    ('train_loader.streams.wiki.choose=5', False,
      'train_loader.streams.wiki: give at most one of repeat, proportion, choose'),
+    # proportion beside repeat is a share with passes: every other stream then needs a share too
+    ('train_loader.streams.wiki.proportion=0.5', False,
+     'train_loader.streams: cannot mix relative and absolute weights: proportion is set on wiki'),
     ('max_duration=3xx', True, "max_duration: '3xx' is not a duration: a number and its unit, ep, ba, sp or tok"),
 ])
 def test_cli_errors_exit_2(root, tmp_path, capsys, override, by_override, message):
