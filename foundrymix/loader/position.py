@@ -62,7 +62,7 @@ class StagedPosition:
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
         """Resume at ``obj['batch']`` after checking that the trained past is unchanged."""
-        version = int(obj.get('version', 0) if isinstance(obj, dict) else 0)
+        version = check_state(obj)
         if version < POSITION_VERSION:
             raise ConfigError(
                 'the checkpoint was written by an older foundrymix, whose sample order was '
@@ -161,6 +161,41 @@ class StagedPosition:
                 f'{where}: its data changed since the checkpoint ({"; ".join(changes)}); what '
                 f'is trained cannot change (the checkpoint trained {trained} batches of it). '
                 f'{advice[0].upper()}{advice[1:]}')
+
+
+def check_state(obj: Any) -> int:
+    """The version of a loader state, after refusing in one line anything that is not one this
+    version can read: not a dict, a key missing or of the wrong type, a future version, a batch
+    that is negative or disagrees with its place in its stage."""
+    def fail(what: str) -> ConfigError:
+        return ConfigError(f'loader state: {what}; pass what a foundrymix loader\'s state_dict() returned '
+                           f'(checkpoint[...] as saved), unedited')
+    if not isinstance(obj, dict):
+        raise fail(f'a dict is needed, got {type(obj).__name__}')
+    version = obj.get('version', 0 if 'sample_in_epoch' in obj else None)  # 0: streaming's own state
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise fail(f"'version' must be an integer, got {version!r}")
+    if version > POSITION_VERSION:
+        raise ConfigError(f'loader state: written by a newer foundrymix (data position version {version}; '
+                          f'this one reads {POSITION_VERSION}): resume with the version that wrote it')
+    if version < POSITION_VERSION:
+        return version
+    for key, kind in (('batch', int), ('batch_in_stage', int), ('stages', list)):
+        if key not in obj:
+            raise fail(f'no {key!r} (keys: {", ".join(map(str, obj))})')
+        if not isinstance(obj[key], kind) or isinstance(obj[key], bool):
+            raise fail(f'{key!r} must be {"an integer" if kind is int else "a list"}, got {obj[key]!r}')
+    batch, inside = obj['batch'], obj['batch_in_stage']
+    if batch < 0 or not 0 <= inside <= batch:
+        raise fail(f'batch {batch} with batch_in_stage {inside}: both must be >= 0, the second at most the first')
+    for k, stage in enumerate(obj['stages']):
+        if not (isinstance(stage, dict) and isinstance(stage.get('name'), str) and isinstance(stage.get('fingerprint'), dict)
+                and all(isinstance(stage.get(key), int) for key in ('start_batch', 'batches'))):
+            raise fail(f'stages[{k}] must hold name, start_batch, batches and fingerprint')
+    if inside and batch - inside not in {s['start_batch'] for s in obj['stages']}:
+        raise fail(f'batch {batch} is batch {inside} of a stage starting at {batch - inside}, which no '
+                   f'trained stage does')
+    return version
 
 
 def _weights_yaml(fingerprint: dict[str, Any]) -> str:

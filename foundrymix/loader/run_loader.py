@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import numpy as np
 import torch
 
+from foundrymix.config import ConfigError
 from foundrymix.loader.position import StagedPosition
 from foundrymix.plan.adaptive import AdaptiveController
 from foundrymix.plan.stages import RunPlan, StagePlan
@@ -50,6 +51,7 @@ class StagedDataLoader:
         column = {n: i for i, n in enumerate(self.stream_names)}  # list.index: O(N^2) at 10,000 streams
         self._maps = [torch.tensor([column[n] for n in s.stream_names]) for s in run.stages]
         self._active: Optional[_Active] = None
+        self._open = 0  # iterators of this loader started and not finished or closed
 
     @property
     def plan(self) -> RunPlan:
@@ -83,7 +85,12 @@ class StagedDataLoader:
         return self.position.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at a :meth:`state_dict`'s batch (the trained past checked unchanged)."""
+        """Resume at a :meth:`state_dict`'s batch (the trained past checked unchanged); refused
+        while an iterator of this loader is open, which would go on from its own batch."""
+        if self._open:
+            raise ConfigError('load_state_dict: an iterator of this loader is open and would go on from '
+                              'its own batch; load the state before iterating (or finish or close the '
+                              'iterator first)')
         self.release()
         self.position.load_state_dict(state)
 
@@ -101,9 +108,13 @@ class StagedDataLoader:
         end); the position counts each batch as it is yielded."""
         position = self.position
         end = self.run.total_batches if end is None else min(end, self.run.total_batches)
-        while position.batch < end:
-            stage = self.run.stage_at(position.batch)
-            yield from self._span(stage, position, min(end, self._span_end(stage, position)))
+        self._open += 1
+        try:
+            while position.batch < end:
+                stage = self.run.stage_at(position.batch)
+                yield from self._span(stage, position, min(end, self._span_end(stage, position)))
+        finally:
+            self._open -= 1
 
     def _span_end(self, stage: StagePlan, position: StagedPosition) -> int:
         """The end of the span from the position: the stage's, or the adaptive segment's (the
