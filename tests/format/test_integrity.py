@@ -61,8 +61,9 @@ def loader_cfg(paths: dict[str, Path], **extra) -> dict:
             'shuffle': False, 'num_workers': 0, 'hash_local_shards': False, **extra}
 
 
-def read_all(cfg: dict, batch_size: int = 4) -> list[dict]:
-    return [{k: v.clone() for k, v in b.items()} for b in StreamMixer.from_dict(cfg).build_dataloader(batch_size)]
+def read_all(cfg: dict, batch_size: int = 4, epochs: int = 1) -> list[dict]:
+    loader = StreamMixer.from_dict(cfg).build_dataloader(batch_size, epochs=epochs)
+    return [{k: v.clone() for k, v in b.items()} for b in loader]
 
 
 def rows_of(stream: Path) -> int:
@@ -136,8 +137,8 @@ def test_named_error_crosses_the_dataloader_worker(streams):
     n_shards = len(index_of(dolly)['shards'])
     k = n_shards - 1
     set_tokens_ff(dolly, k, 0, token=0, count=1)
-    with pytest.raises(CorruptRowError) as err:
-        read_all(loader_cfg(streams, num_workers=1))
+    with pytest.raises(CorruptRowError) as err:  # two epochs: rows an exact epoch cuts are read in the next
+        read_all(loader_cfg(streams, num_workers=1), epochs=2)
     e = err.value
     sample = rows_of(streams['arxiv']) + first_row_of_shard(dolly, k)  # dolly is the second stream
     assert (e.stream, e.shard, e.row, e.sample_id) == ('dolly', f'shard.{k:05d}.mds', 0, sample)

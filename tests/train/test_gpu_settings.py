@@ -85,7 +85,9 @@ def test_flash_attention_without_the_package_is_a_config_error():
         pass
     with pytest.raises(ConfigError) as err:
         build_hf_model(ModelSpec.from_dict({**LLAMA, 'attn_implementation': 'flash_attention_2'}), TOK, 16)
-    assert 'flash_attn seems to be not installed' in str(err.value)
+    # transformers' own words: 4.x 'flash_attn seems to be not installed', 5.x 'the package for
+    # FlashAttention2 doesn't seem to be installed'
+    assert 'seem' in str(err.value) and 'installed' in str(err.value) and 'lash' in str(err.value)
 
 
 def test_attn_implementation_is_checked():
