@@ -56,6 +56,7 @@ CORE_TESTS=(
   tests/loader/test_build_loader.py
   tests/loader/test_plain_loader.py
   tests/loader/test_mix_resume.py
+  tests/loader/test_state_checks.py
   tests/loader/test_pass_complete.py
   tests/loader/test_mix_epochs.py
   tests/loader/test_mix_collate.py
