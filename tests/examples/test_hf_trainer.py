@@ -5,7 +5,6 @@ step and ends with bitwise-equal weights; on 2 processes (torchrun, gloo) each r
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 
 import pytest
