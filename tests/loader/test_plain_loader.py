@@ -17,20 +17,9 @@ import pytest
 import torch
 
 import foundrymix
+from helpers import staged as config
 
 STEPS = 7  # past the stage switch at batch 5
-
-
-def config(streams) -> dict:
-    """Two stages over the two small streams, 4 rows a global batch, 14 batches."""
-    return {
-        'global_train_batch_size': 4,
-        'train_loader': {
-            'streams': {n: {'local': str(p)} for n, p in streams.items()},
-            'shuffle_seed': 5,
-            'stages': [{'name': 'text', 'duration': '5ba', 'streams': {'arxiv': {'repeat': 1}}},
-                       {'name': 'mix', 'duration': '9ba',
-                        'streams': {'arxiv': {'repeat': 0.5}, 'dolly': {'repeat': 1}}}]}}
 
 
 def tiny_llama(loader):

@@ -9,14 +9,7 @@ import pytest
 
 import foundrymix
 from foundrymix.config import ConfigError
-
-
-def config(streams) -> dict:
-    return {'global_train_batch_size': 4,
-            'train_loader': {'streams': {n: {'local': str(p)} for n, p in streams.items()},
-                             'stages': [{'name': 'text', 'duration': '5ba', 'streams': {'arxiv': {'repeat': 1}}},
-                                        {'name': 'mix', 'duration': '9ba',
-                                         'streams': {'arxiv': {'repeat': 0.5}, 'dolly': {'repeat': 1}}}]}}
+from helpers import staged as config
 
 
 @pytest.fixture(scope='module')
