@@ -149,8 +149,8 @@ def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
     if shard['compression'].split(':')[0] == 'zstd':  # streaming's codec is zstandard's, without torch
         import zstandard
         return name, _checked(name, shard, zstandard.decompress(data))
-    from foundrymix.format.shards import decompress_shard
-    return name, _checked(name, shard, decompress_shard(shard, data))
+    from foundrymix.format.shards import shard_raw_bytes
+    return name, _checked(name, shard, shard_raw_bytes(shard, data))
 
 
 def _checked(name: str, shard: dict[str, Any], data: Any) -> Any:

@@ -1,11 +1,7 @@
 """LLM-Foundry token shards read in place: their ``tokens`` rows as foundrymix rows, no copy.
 
-A stream whose ``index.json`` has that one column and no ``foundrymix.json`` is used as it
-is: its row length is read from shard 0 and every other shard's size is checked against it
-from ``index.json`` alone (rows of one length, or the stream is refused naming the shard),
-so rows x length is the exact token count the plan prints. Each row becomes what
-``foundrymix adopt`` would write for it, computed as rows are read; nothing is written into
-the user's directory (docs/convert.md).
+The row length comes from shard 0 and every shard's size in ``index.json`` must match it, so
+rows x length is exact. Each row becomes what ``foundrymix adopt`` would write; nothing is written.
 """
 
 from __future__ import annotations
@@ -122,9 +118,7 @@ def in_place_manifest(index: dict[str, Any], shard0: bytes, tokenizer: Tokenizer
 
 def foundry_row(value: Any, dtype: str, rule: str, separator: Optional[int], length: int,
                 token_dtype: Optional[str] = None) -> dict[str, np.ndarray]:
-    """A stored ``tokens`` row as a foundrymix row (``input_ids``, ``loss_spans``, ``doc_lens``),
-    its tokens as ``token_dtype`` (the narrowest for the vocabulary, as a converted row's: a
-    batch crosses from a DataLoader worker as its rows, so wider tokens cost bytes)."""
+    """A stored ``tokens`` row as a foundrymix row, its tokens as ``token_dtype`` (as converted)."""
     tokens = np.frombuffer(value, dtype=dtype) if isinstance(value, (bytes, bytearray)) else np.asarray(value)
     if tokens.size != length:
         raise ValueError(f'a row of {tokens.size} tokens, the stream\'s rows have {length}')

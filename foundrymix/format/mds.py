@@ -1,13 +1,7 @@
-"""Write uncompressed MDS shards of foundrymix rows without importing ``streaming``.
+"""Write uncompressed MDS shards of foundrymix rows without importing ``streaming`` (and torch).
 
-Why: ``import streaming`` pulls in torch and torchvision, which a conversion never needs
-and whose import takes CPU from the tokenizer. Rows of the foundrymix schema have three
-``ndarray`` columns, so writing their MDS shards is a few lines of numpy.
-
-The files are byte for byte those of ``streaming.MDSWriter`` (same shard layout and
-names, same ``index.json``, same size-limit rule, same hashes), checked against
-``MDSWriter`` itself in ``tests/format/test_convert_mds.py``. Compressed output
-(``--compression``) still goes through ``MDSWriter``.
+The files are byte for byte ``streaming.MDSWriter``'s (layout, names, ``index.json``, size-limit
+rule, hashes; ``tests/format/test_convert_mds.py`` compares). Compressed output uses ``MDSWriter``.
 """
 
 from __future__ import annotations
@@ -91,11 +85,8 @@ class _Column:
 
 
 class LeanMDSWriter:
-    """``MDSWriter(out, columns, compression=None, hashes, size_limit)`` for ndarray columns.
-
-    Same interface as far as :class:`foundrymix.convert.writer.ShardWriter` uses it:
-    :meth:`write` a row dict, :meth:`finish` to flush the last shard and ``index.json``.
-    """
+    """``MDSWriter(out, columns, compression=None, hashes, size_limit)`` for ndarray columns:
+    :meth:`write` a row dict, :meth:`finish` to flush the last shard and ``index.json``."""
 
     def __init__(self, out: str, columns: dict[str, str], hashes: Optional[list[str]] = None,
                  size_limit: Optional[int | str] = 1 << 26) -> None:
@@ -143,12 +134,7 @@ class LeanMDSWriter:
     def write_batch(self, columns: dict[str, Any]) -> None:
         """Write many rows at once: the same files as :meth:`write` of each row in turn.
 
-        ``columns``: name -> a ``[rows, *shape]`` array for a fixed-shape column, or
-        ``(values, counts)`` for a 1-D column (every row's values back to back, each row's
-        count), as :meth:`foundrymix.format.schema.RowBatch.columns` gives. Why: per row,
-        :meth:`write` costs a dict, three encodes and a join; here the small columns are
-        encoded with numpy for the whole batch and the rows are joined in one call.
-        """
+        ``columns`` as :meth:`foundrymix.format.schema.RowBatch.columns` gives them."""
         parts, sizes = self._encode_batch(columns)
         per_row = len(parts) // len(sizes) if len(sizes) else 0
         with_offset = sizes + _OFFSET_BYTES
@@ -168,13 +154,8 @@ class LeanMDSWriter:
             i += k
 
     def _encode_batch(self, columns: dict[str, Any]) -> tuple[list[memoryview], np.ndarray]:
-        """``(every row's parts in order, each row's size)``: the parts of a row joined are
-        what :meth:`encode_sample` gives; every row has the same number of parts.
-
-        Why parts, not one joined blob: joining a batch into new memory, then the shard
-        again on flush, dominated adopting token shards (page faults on fresh memory); the
-        parts go to the file through one reused buffer (:meth:`_flush_shard`).
-        """
+        """``(every row's parts in order, each row's size)``: a row's parts joined are what
+        :meth:`encode_sample` gives. Parts, not a joined blob, so bytes are copied once, on flush."""
         n = None
         segments: list[Any] = []  # per row in order: small parts (flat, lens) or big ones (rows 2-D)
         var_sizes = []
@@ -274,16 +255,9 @@ _NDARRAY_DTYPES = ('uint8', 'uint16', 'uint32', 'uint64', 'int8', 'int16', 'int3
 
 def ndarray_rows(data: bytes | memoryview | Any, shard: dict[str, Any]) -> Optional[np.ndarray]:
     """A ``[rows, values]`` read-only view of the values of a shard whose one column is a 1-D
-    ``ndarray:<dtype>[:<n>]`` and whose rows all have the same layout, without ``streaming``
-    and without copying; else None. ``data``: the uncompressed shard (bytes, or a mmap).
-
-    Why: decoding row by row with streaming's reader is slow, and importing streaming
-    imports torch. LLM-Foundry's token shards (``tokens: ndarray:int32``) are windows of
-    one length, so every row is the same bytes before its values: with no shape in the
-    encoding, a ``uint32`` size, one byte ``ndim << 2 | log2(shape itemsize)``, the shape;
-    with a shape, nothing. Those bytes are checked equal in every row, then the values are
-    one strided view. Checked against streaming's own decoding in ``tests/convert/test_adopt.py``.
-    """
+    ``ndarray:<dtype>[:<n>]`` and whose rows all have the same layout, else None; ``data`` is the
+    uncompressed shard. Every row's header bytes are checked equal, so the view equals streaming's
+    decoding (``tests/convert/test_adopt.py``) without streaming, torch, or a copy."""
     names, encodings = shard['column_names'], shard['column_encodings']
     parts = encodings[0].split(':') if len(names) == 1 else []
     if len(parts) not in (2, 3) or parts[0] != 'ndarray' or parts[1] not in _NDARRAY_DTYPES:
@@ -314,12 +288,3 @@ def ndarray_rows(data: bytes | memoryview | Any, shard: dict[str, Any]) -> Optio
     if head and not (block[:, :head] == np.frombuffer(row0[:head], np.uint8)).all():
         return None
     return block[:, head:].view(dtype)
-
-
-def ndarray_column(data: bytes | memoryview | Any, shard: dict[str, Any]
-                   ) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """``(values, row_lengths)`` of :func:`ndarray_rows`, the values copied back to back."""
-    rows = ndarray_rows(data, shard)
-    if rows is None:
-        return None
-    return rows.reshape(-1), np.full(rows.shape[0], rows.shape[1], dtype=np.int64)

@@ -10,18 +10,11 @@ from foundrymix.errors import FoundrymixError
 
 
 class CorruptRowError(FoundrymixError, ValueError):
-    """A stored row that cannot be read or breaks the schema, named by stream, shard and row.
+    """A stored row that cannot be read or breaks the schema, named by stream, shard and row,
+    so a damaged shard stops the run there rather than in the model's embedding.
 
-    Raised where rows are read (``MixedDataset``, ``foundrymix inspect --decode``,
-    ``foundrymix verify``) so that a damaged shard stops the run with the shard file and
-    row to look at, instead of an ``IndexError`` from the model's embedding. Attributes:
-    ``stream`` (may be ``None``), ``shard`` (file basename), ``row`` (index within the
-    shard), ``sample_id`` (``None`` outside a dataset), ``problem``, ``directory``.
-
-    Constructible from its message alone, as torch's DataLoader re-raises a worker's
-    exception in the main process as ``type(e)(text)``; the fields are then parsed back
-    from the worker's text and the message is the worker's message (no worker traceback).
-    """
+    Constructible from its message alone (torch's DataLoader re-raises a worker's error as
+    ``type(e)(text)``): the fields are parsed back from the worker's text."""
 
     def __init__(self, text: str = '', *, stream: Optional[str] = None, shard: Optional[str] = None,
                  row: Optional[int] = None, sample_id: Optional[int] = None,

@@ -1,13 +1,7 @@
 """The one sample schema every foundrymix stream uses, and the manifest beside its shards.
 
-Why one schema: LLM-Foundry's pretrain loader reads ``tokens`` and its finetune loader
-reads ``input_ids``/``labels`` columns of varying length, so the two kinds of stream
-cannot share a loader. Here every MDS row, pretrain or finetune, is exactly
-``max_seq_len`` tokens plus two small integer arrays that say where the loss is and
-where documents start. Because every row has the same length and meaning, weights by
-rows are weights by tokens, and per-stream token counts are exact arithmetic.
-
-MDS columns (see :data:`COLUMNS`):
+Every MDS row, pretrain or finetune, is exactly ``max_seq_len`` tokens plus where the loss is
+and where documents start, so weights by rows are weights by tokens and token counts are exact.
 
 * ``input_ids``  -- ``ndarray:<uint16|uint32>:<max_seq_len>``: the tokens, padding
   included (padding uses the pad id recorded in the manifest).
@@ -18,12 +12,8 @@ MDS columns (see :data:`COLUMNS`):
   or packed examples) that make up the non-padding part of the row, in order; their
   sum is the number of real tokens, the rest of the row is padding.
 
-Labels use the Hugging Face convention: ``labels[i]`` is the target *at* position ``i``
-and the model shifts internally, so a span ``[s, e)`` means tokens ``s..e-1`` are
-predicted (from the tokens before them).
-
-The schema, its encoder/decoder and the row checks must agree bitwise, so they are one
-module; a corrupt row's error is :mod:`foundrymix.format.row_errors`.
+Labels follow Hugging Face: ``labels[i]`` is the target at position ``i`` (the model shifts).
+Schema, encoder/decoder and row checks must agree bitwise, so they are one module.
 """
 
 from __future__ import annotations
@@ -67,12 +57,8 @@ COLUMN_NAMES = ('input_ids', 'loss_spans', 'doc_lens')
 
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """What identifies a tokenizer: streams may be mixed only if these agree.
-
-    ``fingerprint`` is a SHA-256 over the tokenizer's canonical serialization and its
-    special-token settings, so two copies of the same tokenizer from different paths
-    agree and a retrained one does not.
-    """
+    """What identifies a tokenizer: streams may be mixed only if these agree. ``fingerprint``
+    hashes the serialization and special tokens: copies agree, a retrained one does not."""
 
     name: str
     vocab_size: int
@@ -88,9 +74,7 @@ class TokenizerInfo:
 
 
 def tokenizer_differences(one: TokenizerInfo, other: TokenizerInfo) -> str:
-    """What differs between two tokenizers, ``one`` first, for a refusal that would otherwise
-    name only their names (the same directory, when it changed after a conversion): the
-    vocabulary size, special ids and BOS setting that differ, and the fingerprints."""
+    """What differs between two tokenizers (sizes, special ids, BOS, fingerprints), ``one`` first."""
     parts = [f'{label} {getattr(one, key)} vs {getattr(other, key)}'
              for label, key in (('vocabulary', 'vocab_size'), ('BOS id', 'bos_id'), ('EOS id', 'eos_id'),
                                 ('pad id', 'pad_id'), ('adds BOS', 'add_bos'))
@@ -101,9 +85,7 @@ def tokenizer_differences(one: TokenizerInfo, other: TokenizerInfo) -> str:
 
 
 def changed_tokenizer_note(name: str, streams: TokenizerInfo) -> str:
-    """For a tokenizer refused for streams converted with ``streams``: when ``name`` is the
-    streams' own tokenizer name (bundled name, or the same path), it changed after the
-    conversion -- say so and what to do; else nothing."""
+    """If refused tokenizer ``name`` is the streams' own (it changed since), say so and what to do."""
     same = name == streams.name or (os.path.abspath(os.path.expanduser(name))
                                     == os.path.abspath(os.path.expanduser(streams.name)))
     if not same:
@@ -115,12 +97,8 @@ def changed_tokenizer_note(name: str, streams: TokenizerInfo) -> str:
 
 @dataclass
 class Counts:
-    """Exact counts of what a conversion read and wrote.
-
-    ``tokens`` counts real (non-padding) tokens in rows; ``rows * max_seq_len ==
-    tokens + pad_tokens``. For pretrain, ``tail_tokens`` are the tokens after the last
-    full row, which are not written (counted, never silently lost).
-    """
+    """Exact counts of what a conversion read and wrote: ``rows * max_seq_len == tokens +
+    pad_tokens``; pretrain's ``tail_tokens`` after the last full row are counted, not written."""
 
     rows: int = 0
     tokens: int = 0
@@ -212,15 +190,10 @@ def encode_row(input_ids: np.ndarray, loss_spans: list[tuple[int, int]] | np.nda
 
 @dataclass(frozen=True)
 class RowBatch:
-    """Consecutive rows as whole arrays: what :func:`encode_row` gives for each, at once.
+    """Consecutive rows as whole arrays, written byte for byte as their :func:`encode_row` dicts.
 
-    Why: handing rows one by one to the shard writer costs a dict, a queue hand-off and an
-    encode per row, for rows that are cut with numpy anyway
-    (:meth:`foundrymix.convert.pretrain.RowCutter.feed_batch`).
-    ``input_ids`` is ``[rows, max_seq_len]``; ``loss_spans``/``doc_lens`` are every row's
-    values back to back with each row's count in ``*_counts``. Written in one go by
-    :meth:`foundrymix.format.mds.LeanMDSWriter.write_batch`, byte for byte the rows'.
-    """
+    ``input_ids`` is ``[rows, max_seq_len]``; ``loss_spans``/``doc_lens`` are every row's values
+    back to back, each row's count in ``*_counts``."""
 
     input_ids: np.ndarray
     loss_spans: np.ndarray
@@ -251,20 +224,9 @@ def rows_of(item: dict[str, np.ndarray] | RowBatch) -> list[dict[str, np.ndarray
 
 def check_row(row: dict[str, Any], vocab_size: Optional[int] = None,
               max_seq_len: Optional[int] = None) -> Optional[str]:
-    """What is wrong with a stored row, or ``None`` if it keeps the schema.
-
-    Checks: ``input_ids`` is one-dimensional with ``max_seq_len`` tokens, every id is
-    ``< vocab_size`` (and not negative); ``doc_lens`` are non-negative and sum to at most
-    ``max_seq_len``; ``loss_spans`` has an even length and every span has
-    ``0 <= start <= end <= max_seq_len``. ``None`` for ``vocab_size``/``max_seq_len``
-    skips the id check / takes the row's own length.
-
-    What it cannot see: bytes flipped inside token ids that stay below the vocabulary
-    size are valid ids -- only the shard hashes (``foundrymix verify``) catch those.
-
-    Cheap (a ``max`` over the tokens and a few Python comparisons on the short span and
-    length arrays): it runs for every row a ``MixedDataset`` reads.
-    """
+    """What is wrong with a stored row, or ``None`` if it keeps the schema: ``max_seq_len`` ids in
+    ``[0, vocab_size)``, ``doc_lens`` non-negative summing to at most the row, spans inside it
+    (``None`` skips that check). Cheap enough for every row read; flips into valid ids need hashes."""
     try:
         ids, spans, lens = row['input_ids'], row['loss_spans'], row['doc_lens']
     except KeyError as e:
@@ -311,15 +273,9 @@ _ARANGE = np.arange(1 << 16, dtype=np.int64)
 
 
 def decode_row(row: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Turn a stored MDS row into model inputs (all ``int64`` arrays of ``max_seq_len``).
-
-    Returns ``input_ids``, ``labels`` (``-100`` outside loss spans), ``attention_mask``
-    (0 on padding), ``sequence_id`` (segment index per token, ``-1`` on padding) and
-    ``position_ids`` (restarting at 0 in every segment, 0 on padding), so attention and
-    positions can stay inside one document or packed example.
-
-    The one-row case of :func:`decode_rows` (one code path, so both agree bitwise).
-    """
+    """A stored row as ``int64`` model inputs: ``input_ids``, ``labels`` (``-100`` outside loss
+    spans), ``attention_mask``, ``sequence_id`` (segment per token, ``-1`` on padding) and
+    ``position_ids`` (from 0 in each segment). The one-row case of :func:`decode_rows`."""
     ids = np.asarray(row['input_ids'])
     spans = np.asarray(row['loss_spans']).reshape(-1)
     doc_lens = np.asarray(row['doc_lens']).reshape(-1)
@@ -332,13 +288,8 @@ def decode_rows(input_ids: np.ndarray, loss_spans: Any, span_counts: Any, doc_le
                 doc_counts: Any, out: np.ndarray) -> np.ndarray:
     """:func:`decode_row` for a batch of rows, written into ``out`` (``int64``, ``(5, n, L)``).
 
-    ``input_ids`` is the ``(n, L)`` stack of the rows' tokens; ``loss_spans`` and
-    ``doc_lens`` are the rows' arrays concatenated, ``span_counts``/``doc_counts`` how many
-    values of each belong to each row. ``out[k]`` holds key ``DECODED_KEYS[k]``.
-
-    It runs once per batch in the DataLoader workers, so it is written for speed:
-    whole-batch fills, then a slice write per span and segment (rows hold few), which
-    measured faster than a fully vectorised version (marks, ``repeat``, masked scatters).
+    ``loss_spans``/``doc_lens`` are the rows' arrays concatenated, ``*_counts`` each row's share;
+    ``out[k]`` holds ``DECODED_KEYS[k]``. Slice writes per span and segment: faster than vectorised.
     """
     n = input_ids.shape[0]
     ids_out, labels, attention_mask, sequence_id, position_ids = out

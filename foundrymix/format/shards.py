@@ -1,21 +1,12 @@
-"""Shard integrity: ``index.json`` validation, shard files against the index, hashes, rows.
+"""Shard integrity, cheapest layer first, each catching what the previous cannot.
 
-Layers, cheapest first (each catches what the previous cannot):
+1. :func:`read_index`: ``index.json`` is streaming's version 2 MDS index with every field streaming reads.
+2. :func:`check_shard_files`: every shard file exists with its recorded size (one ``stat``, nothing read).
+3. :func:`shard_hash_checks`: recorded hashes against the bytes, the only layer that sees bit flips
+   that leave every token id valid.
+4. :func:`iter_shard_rows`: every row decodes and keeps the schema.
 
-1. :func:`read_index` -- ``index.json`` parses, is streaming's version 2 MDS index, and
-   every shard entry has the fields streaming reads. Errors name the file and shard.
-2. :func:`check_shard_files` -- every shard file exists with the byte size ``index.json``
-   records (one ``stat`` per shard, nothing read): deleted, truncated or overwritten
-   shards are named before a run starts, not when a row is first read.
-3. :func:`shard_hash_status` -- the hashes ``index.json`` records (``MDSWriter(hashes=...)``)
-   against the bytes. The only layer that sees bit flips that leave every token id
-   below the vocabulary size: such a row is a valid row, just the wrong one.
-4. :func:`iter_shard_rows` + :func:`foundrymix.format.schema.check_row` -- every row decodes
-   and keeps the schema (ids below the vocabulary, spans and lengths inside the row).
-
-``foundrymix verify`` (:mod:`foundrymix.tools.verify`) runs all four; the loader runs 2 for
-local streams at start, 3 when it first opens a shard and 4 on every row it reads. Torch-free,
-so ``verify`` and the catalog use it without importing torch.
+``foundrymix verify`` runs all four; the loader runs 2 at start, 3 per shard opened, 4 per row. Torch-free.
 """
 
 from __future__ import annotations
@@ -41,9 +32,8 @@ class IndexFileError(FoundrymixError, ValueError):
 def read_index(path: str) -> dict[str, Any]:
     """Read and validate an ``index.json`` (``path`` is the file or its directory).
 
-    Raises :class:`IndexFileError` naming the file (``FileNotFoundError`` is not used, so
-    a missing index in a directory that has a manifest reads as damage, not a typo).
-    """
+    Always :class:`IndexFileError` naming the file, never ``FileNotFoundError``: a missing index
+    beside a manifest is damage, not a typo."""
     if os.path.isdir(path):
         path = os.path.join(path, INDEX_NAME)
     try:
@@ -113,7 +103,6 @@ def shard_name(shard: dict[str, Any]) -> str:
     return shard['raw_data']['basename']
 
 
-# ---------------------------------------------------------------- files vs index
 @dataclass(frozen=True)
 class ShardProblem:
     """A shard file that is missing or whose size differs from what ``index.json`` records."""
@@ -132,8 +121,7 @@ class ShardProblem:
         return (f'{self.path}: {self.found_bytes:,} bytes, index.json records '
                 f'{self.expected_bytes:,} ({how})')
 
-    def __str__(self) -> str:
-        return self.describe()
+    __str__ = describe
 
 
 class ShardFilesError(FoundrymixError, ValueError):
@@ -158,12 +146,8 @@ def row_count_problem(index_path: str, manifest_path: str, indexed: int, recorde
                       location: str) -> Optional[str]:
     """The problem when ``index.json`` and the manifest disagree on a stream's rows, else None.
 
-    Why refused and not warned: streaming reads only the rows ``index.json`` lists, so an
-    index listing fewer rows than the manifest (a conversion or copy cut short, or files of
-    two conversions mixed) trained fewer rows than planned without a word. ``plan``,
-    ``train`` (the catalog) and ``verify`` all say it with these words. (``index.json``
-    records no tokens per shard, so rows are the one count both files hold.)
-    """
+    Refused, not warned: streaming reads only the rows the index lists, so a short index would
+    silently train fewer rows than planned. ``plan``, ``train`` and ``verify`` share these words."""
     if indexed == recorded:
         return None
     return (f'{index_path} lists {indexed:,} rows, {manifest_path} records {recorded:,}: they '
@@ -171,26 +155,13 @@ def row_count_problem(index_path: str, manifest_path: str, indexed: int, recorde
             f'lists); re-run `foundrymix convert` into {location}')
 
 
-def _size(path: str) -> Optional[int]:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return None
-
-
 def check_shard_files(directory: str, index: dict[str, Any],
                       allow_missing: bool = False) -> list[ShardProblem]:
     """Shards of ``index`` (read from ``directory``) that are missing or of the wrong size.
 
-    One ``stat`` per file, nothing read. A shard is present as its raw file or, if
-    compressed, its compressed file (a conversion writes only the compressed one; a
-    streaming cache may hold either or both); every file present must have the recorded
-    size. ``allow_missing=True`` is for a *cache* of a remote stream, where shards not
-    yet downloaded are expected: only the sizes of present files are checked. For a
-    stream with no remote (its local directory is the data), leave it ``False``: then a
-    compressed shard is its compressed file only (the loader unpacks it into its cache;
-    a raw file beside it, left by an older reader, is never read).
-    """
+    Nothing read; every file present must have its recorded size.
+    ``allow_missing=True`` is for a remote stream's cache (raw or compressed file, either may be
+    absent); otherwise a compressed shard must be present as its compressed file, the one read."""
     problems = []
     for shard in index['shards']:
         name = shard_name(shard)
@@ -200,9 +171,9 @@ def check_shard_files(directory: str, index: dict[str, Any],
         present = 0
         for info in pairs:
             path = os.path.join(directory, info['basename'])
-            found = _size(path)
-            if found is None:
+            if not os.path.exists(path):
                 continue
+            found = os.stat(path).st_size
             present += 1
             if found != int(info['bytes']):
                 problems.append(ShardProblem(name, path, 'size', int(info['bytes']), found))
@@ -213,10 +184,14 @@ def check_shard_files(directory: str, index: dict[str, Any],
     return problems
 
 
-# ---------------------------------------------------------------- hashes
-def _validated_file(shard: dict[str, Any]) -> dict[str, Any]:
-    """The file streaming hashes for ``validate_hash``: the compressed one if any, else raw."""
+def _stored(shard: dict[str, Any]) -> dict[str, Any]:
+    """The index entry of the file a shard is stored (and hashed) as: compressed if any, else raw."""
     return shard.get('zip_data') or shard['raw_data']
+
+
+def stored_name(shard: dict[str, Any]) -> str:
+    """The file a shard is stored as: its compressed basename if it has one, else its raw one."""
+    return _stored(shard)['basename']
 
 
 def hashes_in_index(index: dict[str, Any]) -> set[str]:
@@ -224,21 +199,19 @@ def hashes_in_index(index: dict[str, Any]) -> set[str]:
     none (older conversions) or has no shards. A ``validate_hash`` outside it is refused."""
     common: Optional[set[str]] = None
     for shard in index['shards']:
-        algos = set(_validated_file(shard).get('hashes') or {})
+        algos = set(_stored(shard).get('hashes') or {})
         common = algos if common is None else common & algos
     return common or set()
 
 
 def hashes_dropped_problem(index: dict[str, Any], recorded: Sequence[str], index_name: str,
                            manifest_name: str) -> Optional[str]:
-    """Why ``index`` does not match its manifest on hashes, or ``None``: shards that record
-    none of the algorithms ``recorded`` (the manifest's ``options.hashes``, what the
-    conversion wrote). Such an index was rewritten after the conversion; nothing can check
-    those shards' bytes, so a damaged one would be trained."""
+    """Why ``index`` has shards recording none of the hashes ``recorded`` (the manifest's
+    ``options.hashes``), or ``None``: such an index was rewritten, and those shards' bytes go unchecked."""
     if not recorded:
         return None
     bare = [shard_name(s) for s in index['shards']
-            if not set(_validated_file(s).get('hashes') or {}) & set(recorded)]
+            if not set(_stored(s).get('hashes') or {}) & set(recorded)]
     if not bare:
         return None
     return (f'{index_name} records no hash for {len(bare)} of {len(index["shards"])} shard(s) (e.g. '
@@ -247,10 +220,7 @@ def hashes_dropped_problem(index: dict[str, Any], recorded: Sequence[str], index
 
 
 def validate_hash_problem(stream: str, index: dict[str, Any], algorithm: Optional[str]) -> Optional[str]:
-    """Why ``validate_hash: algorithm`` cannot work for ``stream``, or ``None`` if it can.
-
-    For the loader config check: name the stream, the algorithm and what the index has.
-    """
+    """Why ``validate_hash: algorithm`` cannot work for ``stream``, or ``None`` if it can."""
     if not algorithm:
         return None
     from foundrymix.format.streaming_format import is_hash
@@ -289,7 +259,6 @@ def shard_hash_checks(info: dict[str, Any], data: bytes) -> list[HashCheck]:
     return out
 
 
-# ---------------------------------------------------------------- rows
 @dataclass(frozen=True)
 class RowResult:
     """One row of a shard read from its bytes: the row, or what is wrong with it."""
@@ -320,12 +289,8 @@ def shard_header_problems(data: bytes, shard: dict[str, Any]) -> list[str]:
 
 def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int] = None,
                     max_seq_len: Optional[int] = None) -> Iterator[RowResult]:
-    """Each of the ``samples`` rows ``index.json`` records for a shard, read from its raw bytes.
-
-    Read by :class:`foundrymix.format.streaming_format.ShardRows` (offsets bounds-checked);
-    a row that cannot be read is reported, not raised; each row is then checked with
-    :func:`check_row`.
-    """
+    """Each of the rows ``index.json`` records for a shard, read from its raw bytes and checked
+    with :func:`check_row`; a row that cannot be read is reported, not raised."""
     from foundrymix.format.schema import check_row
     from foundrymix.format.streaming_format import RowBoundsError, ShardRows
     rows = ShardRows(shard, data)
@@ -341,12 +306,6 @@ def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int
         yield RowResult(r, value, check_row(value, vocab_size, max_seq_len))
 
 
-def decompress_shard(shard: dict[str, Any], data: bytes) -> bytes:
-    """Raw bytes of a shard from the bytes of its compressed file (streaming's codecs)."""
-    from foundrymix.format.streaming_format import decompress
-    return decompress(shard['compression'], data)
-
-
 def index_files(index: dict[str, Any]) -> set[str]:
     """The shard files an ``index.json`` lists (raw and zip data, relative to the dataset)."""
     names = set()
@@ -357,24 +316,17 @@ def index_files(index: dict[str, Any]) -> set[str]:
     return names
 
 
-def stored_name(shard: dict[str, Any]) -> str:
-    """The file a shard is stored as: its compressed basename if it has one, else its raw one."""
-    return (shard.get('zip_data') or shard['raw_data'])['basename']
-
-
 def shard_raw_bytes(shard: dict[str, Any], stored: bytes) -> bytes:
-    """A shard's raw bytes from the bytes of its stored file (decompressed if compressed)."""
-    return decompress_shard(shard, stored) if shard.get('zip_data') else stored
+    """A shard's raw bytes from the bytes of its stored file (decompressed with streaming's codec)."""
+    if not shard.get('zip_data'):
+        return stored
+    from foundrymix.format.streaming_format import decompress
+    return decompress(shard['compression'], stored)
 
 
 def is_not_found(error: BaseException) -> bool:
-    """True if a downloader error means "no such object" -- and nothing else.
-
-    A missing bucket, rejected credentials, access denied or an unreachable endpoint are
-    not "not found": callers report those with their S3 error code
-    (:class:`foundrymix.s3.remote.RemoteError`), so a wrong key never reads as a missing
-    dataset. S3 gives ``NoSuchKey``/404; local copies raise ``FileNotFoundError``.
-    """
+    """True if a downloader error means "no such object" and nothing else: a missing bucket,
+    bad credentials or an unreachable endpoint keep their own error, never read as a missing dataset."""
     if isinstance(error, FileNotFoundError):
         return True
     kind = getattr(error, 'kind', None)

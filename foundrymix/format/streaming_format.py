@@ -1,14 +1,8 @@
 """streaming's MDS format as foundrymix reads shards: hashes, codecs, and the one MDS row reader.
 
-The one module that imports streaming's modules below its top level (``streaming.base.
-hashing``, ``.compression``, ``.format``: private paths in 0.13 and in the fork); everything
-else imports only ``streaming``'s top-level names (``tests/test_layout.py`` checks).
-Reading shards exactly as streaming does -- same hashes, codecs and row reader -- keeps
-files written by streaming's tools readable and ``verify`` in step with training.
-
-Imports are lazy (``import streaming`` pulls in torch) and made under one lock: the loader
-opens shards from several threads, and two threads importing ``streaming`` and one of its
-submodules at once is a cycle of import locks that CPython breaks with ``_DeadlockError``.
+The one module that imports streaming below its top level (``tests/test_layout.py`` checks), so
+shards read exactly as streaming reads them. Imports are lazy (streaming pulls in torch) and under
+one lock: two loader threads importing streaming at once deadlock on CPython's import locks.
 """
 
 from __future__ import annotations
@@ -47,9 +41,7 @@ def _streaming() -> SimpleNamespace:
 
 
 def load() -> None:
-    """Import streaming's modules now. A loader calls it before its DataLoader workers fork:
-    they inherit the modules instead of each importing streaming again, at every epoch and
-    stage."""
+    """Import streaming's modules now, before DataLoader workers fork, so they inherit them."""
     _streaming()
 
 
@@ -70,13 +62,10 @@ class RowBoundsError(ValueError):
 class ShardRows:
     """Rows of one uncompressed MDS shard by index: every reader of an MDS row in foundrymix.
 
-    A row is read as streaming's reader reads it (the offset pair at ``4 * (1 + i)``, then the
-    bytes between them) and decoded by streaming's own decoder for the shard's columns, so a
-    row equals streaming's ``get_item(i)`` bitwise; offsets outside the row data raise
-    :class:`RowBoundsError` instead of decoding garbage. Reads from ``data`` (bytes or a mmap)
-    or, given ``path``, from the file at each read: a file removed meanwhile (a cache
-    eviction) raises ``FileNotFoundError``, and no descriptor is held between reads.
-    """
+    A row equals streaming's ``get_item(i)`` bitwise (its offsets and decoder); offsets outside
+    the row data raise :class:`RowBoundsError`. Reads ``data`` (bytes or mmap) or, given ``path``,
+    the file at each read, holding no descriptor between reads (an evicted file raises
+    ``FileNotFoundError``)."""
 
     def __init__(self, shard: dict[str, Any], data: Any = None, path: Optional[str] = None) -> None:
         self._decode: Callable[[bytes], dict[str, Any]] = \

@@ -54,7 +54,7 @@ def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str,
     :class:`~foundrymix.format.shards.ShardFilesError` / :class:`~foundrymix.format.row_errors.CorruptRowError`
     naming the shard file and row.
     """
-    from foundrymix.format.shards import (check_shard_files, decompress_shard, iter_shard_rows, read_index,
+    from foundrymix.format.shards import (check_shard_files, shard_raw_bytes, iter_shard_rows, read_index,
                                    shard_files_error, shard_name)
     index = read_index(directory)
     sample = 0
@@ -69,7 +69,7 @@ def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str,
                 data = f.read()
         else:
             with open(os.path.join(directory, shard['zip_data']['basename']), 'rb') as f:
-                data = decompress_shard(shard, f.read())
+                data = shard_raw_bytes(shard, f.read())
         for result in iter_shard_rows(data, shard, manifest.tokenizer.vocab_size, manifest.max_seq_len):
             if result.problem is not None:
                 raise CorruptRowError(shard=name, row=result.row, sample_id=sample + result.row,

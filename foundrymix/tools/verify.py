@@ -33,7 +33,7 @@ from foundrymix.errors import MissingError
 from foundrymix.format.advice import adopt_advice, read_index_or_none, splits_advice
 from foundrymix.format.row_errors import format_row_error
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
-from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, decompress_shard, iter_shard_rows,
+from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, shard_raw_bytes, iter_shard_rows,
                                hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
                                validate_index)
 
@@ -279,7 +279,7 @@ def _verify_shard(source: _Source, shard: dict[str, Any], vocab: Optional[int], 
     raw = files.get(raw_info['basename'])
     if raw is None:  # only the compressed file
         try:
-            raw = decompress_shard(shard, files[zip_info['basename']])
+            raw = shard_raw_bytes(shard, files[zip_info['basename']])
         except Exception as e:  # codec errors vary
             rep.problems.append(f'{source.name(zip_info["basename"])}: cannot decompress '
                                 f'({shard.get("compression")}): {type(e).__name__}: {e}')

@@ -187,7 +187,7 @@ def test_ndarray_column_equals_streaming_decode(tmp_path, encoding, lengths):
     """The one-view read of token shards gives streaming's own row decoding (or declines)."""
     from streaming import MDSWriter
     from foundrymix.convert.mds_input import read_column_arrays, read_shard
-    from foundrymix.format.mds import ndarray_column
+    from foundrymix.format.mds import ndarray_rows
     from foundrymix.format.shards import read_index
     dtype = encoding.split(':')[1]
     rng = np.random.default_rng(0)
@@ -202,7 +202,7 @@ def test_ndarray_column_equals_streaming_decode(tmp_path, encoding, lengths):
     import zstandard
     shard = read_index(str(tmp_path / 'm'))['shards'][0]
     data = zstandard.decompress((tmp_path / 'm' / shard['zip_data']['basename']).read_bytes())
-    assert (ndarray_column(data, shard) is None) == (len(set(lengths)) > 1)
+    assert (ndarray_rows(data, shard) is None) == (len(set(lengths)) > 1)
 
 
 def test_splits_to_s3(tmp_path, dolly_jsonl, monkeypatch):
