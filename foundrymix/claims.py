@@ -1,28 +1,13 @@
 """Claims on the paths live runs use, so that concurrent runs cannot destroy each other's files.
 
-A live run claims what it uses, and whoever would destroy it is refused (a second run into
-one ``save_folder``, ``convert --overwrite`` of a dataset a live run reads):
+``EXCLUSIVE``: one run (all processes of one job), e.g. a ``save_folder`` or a conversion's output;
+``SHARED``: any number of readers, e.g. the stream directories a run reads. Each is refused while
+the other is held by another run.
 
-* ``EXCLUSIVE``: one run (all processes of one job) -- a training run's ``save_folder``, a
-  conversion's output directory, a cache directory the user named.
-* ``SHARED``: any number of readers -- every local stream directory a training run reads.
-  An exclusive claim is refused while readers hold the path, and readers while an
-  exclusive holder does (unless it is the same run).
-
-How: per path, files in ``<tmp>/foundrymix-claims`` named by a hash of the path (never in
-the user's directory): ``<h>.inuse``, on which every holding process keeps a shared
-``flock``; ``<h>.excl``, locked shared by exclusive holders only; ``<h>.owner``, the
-exclusive run (for joining and for the refusal message); ``<h>.reader-<pid>``, one per
-reading process (for the message). ``flock`` is released by the kernel when a process
-dies, even by SIGKILL, so a claim never goes stale; the record files only name holders,
-and a dead holder's are ignored and cleaned. ``<h>.guard`` is locked exclusively for the
-milliseconds a claim is decided or released, so two processes never decide at once.
-
-The processes of one job share the run id ``MASTER_ADDR:MASTER_PORT`` (the launcher's
-rendezvous; two live jobs on a node cannot share it) and so one exclusive claim, as the
-ranks writing one ``save_folder`` or reading one cache directory must; a single
-process's run id is its pid. Claims are per machine: the claims directory is local, so
-runs on different nodes over a shared file system do not see each other's claims.
+Per path, files in ``<tmp>/foundrymix-claims`` named by its hash (never in the user's directory)
+carry ``flock`` locks, which the kernel drops when a holder dies (even SIGKILL), so a claim never
+goes stale; record files only name holders. A job's processes share the run id
+``MASTER_ADDR:MASTER_PORT`` (else the pid). Claims are per machine.
 """
 
 from __future__ import annotations
@@ -81,13 +66,9 @@ def pid_alive(pid: int) -> bool:
 class FileLock:
     """An ``flock`` on one file (made if absent): exclusive, or shared with other shared holders.
 
-    The one lock of the node's files (claims here, the cache budget, shard hash records, shard
-    fetches). ``flock`` belongs to the open file, so two threads or two processes that each
-    open the file exclude each other alike, and the kernel drops it when the holder closes the
-    file or dies (even by SIGKILL): a lock never goes stale. Opening raises ``OSError`` (a
-    read-only directory, or no such file with ``create=False``) before anything is locked.
-    ``with FileLock(path):`` holds it exclusively for the block.
-    """
+    The one lock of the node's files. It belongs to the open file, so threads and processes
+    exclude each other alike, and it never goes stale. Opening raises ``OSError`` before anything
+    is locked. ``with FileLock(path):`` holds it exclusively for the block."""
 
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = path
@@ -179,13 +160,8 @@ def _me() -> Holder:
 
 @contextlib.contextmanager
 def guard(path: str, suffix: str = '.guard') -> Iterator[None]:
-    """Hold ``path``'s guard lock (``suffix`` ``.group``: a caller's lock over several claims).
-
-    The lock file is removed on the way out when no claim file of ``path`` is left, so the
-    claims directory holds only live claims (every ``glob`` in it lists the whole directory).
-    Removing a lock file others may wait on is safe because a locker checks, once it holds
-    the lock, that the file it locked is still the one at the path, and starts again if not.
-    """
+    """Hold ``path``'s guard lock (``suffix`` ``.group``: a caller's lock over several claims),
+    removing its file when no claim of ``path`` is left (safe: a locker re-checks the file it locked)."""
     root = claims_dir()
     os.makedirs(root, exist_ok=True)
     name = os.path.join(root, key(path) + suffix)

@@ -1,9 +1,5 @@
-"""``foundrymix`` command line: convert | inspect | verify | plan | train | report | export |
-compare.
-
-Each subcommand lives beside the code it drives and registers itself through a
-``register(subparsers)`` function, so this module only dispatches.
-"""
+"""``foundrymix`` command line: each subcommand registers itself beside the code it drives
+(``register(subparsers)``), so this module only dispatches."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The one base of every error foundrymix raises for a person to act on.
-
-Why: the command line turns these into one line naming the file, line or field (exit 2),
-and lets every other exception keep its traceback -- a ``ValueError`` from a bug in
-foundrymix or a library is a bug to report, not a message to act on. Each class also
-keeps the builtin base callers catch (``ValueError``, ``FileNotFoundError``, ...).
+"""The one base of every error foundrymix raises for a person to act on: the command line prints
+these as one line (exit 2), every other exception keeps its traceback (a bug to report). Each
+class keeps the builtin base callers catch (``ValueError``, ``FileNotFoundError``, ...).
 """
 
 from __future__ import annotations
@@ -51,12 +48,8 @@ class ExistsError(FoundrymixError, FileExistsError):
 
 
 def run_command(args: Any) -> int:
-    """Run a parsed subcommand (``args.func``); a user-facing error becomes one line (a
-    :class:`UserErrors` one line per problem), exit 2.
-
-    Here (and not in ``foundrymix/cli.py``) because ``python train.py`` runs its command
-    through it too, and nothing may import the CLI module on top of the package.
-    """
+    """Run a parsed subcommand (``args.func``); a user-facing error becomes one line per problem,
+    exit 2. Here, not in ``cli.py``, because ``train.py`` runs through it too."""
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

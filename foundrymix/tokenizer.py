@@ -1,14 +1,7 @@
-"""Load tokenizers offline and describe them for the manifest.
+"""Load tokenizers offline (never a hub at run time) and describe them for the manifest.
 
-Why offline only: conversion and training must never reach a model hub at run time.
-``--tokenizer`` accepts
-
-* ``foundrymix-bpe-8k`` -- the bundled demo tokenizer (byte-level BPE, no BOS);
-* a directory holding a Hugging Face tokenizer (``tokenizer.json`` etc.);
-* a SentencePiece ``.model``/``.model.v*`` file (Llama-style: adds BOS), built from its
-  pieces and scores (:func:`_load_spm`);
-* a name already in the local Hugging Face cache (looked up with
-  ``local_files_only=True``; never downloaded).
+``--tokenizer``: ``foundrymix-bpe-8k`` (bundled, no BOS), a Hugging Face tokenizer directory, a
+SentencePiece ``.model`` file (adds BOS), or a name already in the local Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -105,15 +98,9 @@ def load_tokenizer(name_or_path: str) -> Any:
 
 
 def _load_spm(path: str) -> Any:
-    """A Llama-style SentencePiece BPE model file as a fast tokenizer that adds BOS, not EOS,
-    giving SentencePiece's own ids (checked on :data:`SPM_PROBE`; a model for which it does
-    not -- a unigram model, a normalizing one -- is refused).
-
-    Built here rather than by transformers' converters, which do not reproduce
-    SentencePiece's ids (4.x from ``vocab_file`` omits the dummy prefix; 5.x ranks merges
-    by piece id, not score), so the ids and the fingerprint do not depend on the
-    transformers version.
-    """
+    """A Llama-style SentencePiece BPE model file as a fast tokenizer that adds BOS, not EOS, with
+    SentencePiece's own ids (checked on :data:`SPM_PROBE`, else refused). Built here because
+    transformers' converters do not reproduce them, and differ between its versions."""
     from sentencepiece import SentencePieceProcessor
     from sentencepiece import sentencepiece_model_pb2 as spm_pb
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
@@ -205,19 +192,11 @@ def tokenizer_info(tok: Any) -> TokenizerInfo:
 
 
 def describe_tokenizer(name_or_path: str, memo_dir: Optional[str] = None) -> TokenizerInfo:
-    """``tokenizer_info(load_tokenizer(name_or_path))``, without importing transformers
-    where the ``tokenizers`` library alone gives the same (:func:`_plain_fast_info`).
+    """``tokenizer_info(load_tokenizer(name_or_path))``, without importing transformers where
+    ``tokenizers`` alone gives the same (:func:`_plain_fast_info`).
 
-    Why: a conversion that never tokenizes (``foundrymix adopt`` of token shards) needs
-    only the ids and the fingerprint, and importing transformers is far slower than
-    ``tokenizers.Tokenizer.from_str``.
-
-    ``memo_dir``: where a plain tokenizer directory's result is kept, keyed by its three
-    files' size, ``mtime_ns``, ``ctime_ns``, inode and device (any write changes ``ctime``)
-    and the ``tokenizers`` version, so a trainer's next start need not parse
-    ``tokenizer.json``. Read only from a directory and file of this user that no one else
-    may write. Without ``memo_dir`` the result is kept for the process, by name.
-    """
+    ``memo_dir`` keeps a plain directory's result keyed by its files' stat (``ctime`` included)
+    and the ``tokenizers`` version, read only if this user alone may write it; else per process."""
     if memo_dir is None:
         return _describe(name_or_path)
     memo = _memo_path(name_or_path, memo_dir)
@@ -307,14 +286,9 @@ def _special(value: Any) -> Optional[str]:
 
 
 def _plain_fast_info(name_or_path: str) -> Optional[TokenizerInfo]:
-    """The :class:`TokenizerInfo` of a tokenizer directory read with ``tokenizers`` alone, or
-    None where transformers might load it differently. Taken only for the plain case, where
-    ``PreTrainedTokenizerFast`` keeps ``tokenizer.json`` as it is: that class named in
-    ``tokenizer_config.json``, no truncation or padding, every added token of the config
-    and every special token (BOS/EOS/pad, as the config and ``special_tokens_map.json``
-    agree) already an added token of ``tokenizer.json``. Checked equal to the transformers
-    path for the bundled tokenizer in ``tests/convert/test_adopt.py``.
-    """
+    """The :class:`TokenizerInfo` of a tokenizer directory read with ``tokenizers`` alone, or None
+    unless ``PreTrainedTokenizerFast`` would keep ``tokenizer.json`` as it is (that class, no
+    truncation or padding, every added and special token already in it)."""
     kind, location = _resolve(name_or_path)
     if kind != 'dir':
         return None

@@ -1,13 +1,9 @@
 """``foundrymix adopt``: existing MDS (LLM-Foundry's, streaming's) -> foundrymix datasets.
 
-The shards' columns say what a source is (:data:`KINDS`, :func:`source_kind`). ``text`` and
-``prompt``/``response`` take the normal pretrain/finetune paths. ``turns`` are packed as
-finetune rows from their ids as they are. ``tokens`` windows run no tokenizer: they are
-joined back into one stream in shard order, document ends are found from the EOS (else BOS)
-ids in the data, and the pretrain row cutter re-cuts the stream, so with the same length
-and separators the rows equal ``convert pretrain`` of the raw corpus. Output, checks and
-summary are the shared driver's; several splits give ``<out>/<split>`` each. docs/convert.md
-("Adopting existing MDS") has the details.
+The shards' columns say what a source is (:data:`KINDS`). ``text`` and ``prompt``/``response``
+take the pretrain/finetune paths; ``turns`` are packed from their ids; ``tokens`` windows are
+joined in shard order and re-cut at their EOS (else BOS) ids with no tokenizer run, so the rows
+equal ``convert pretrain`` of the raw corpus. docs/convert.md ("Adopting existing MDS").
 """
 
 from __future__ import annotations
@@ -165,12 +161,8 @@ class AdoptArgs:
 
 
 def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], Optional[int], str]:
-    """Where documents end: ``(boundary, id, window length of shard 0, statement)``.
-
-    Shards are read in order up to the first separator past the stream's first token (a long
-    document can fill many shards): an EOS means documents end after each EOS; a BOS not
-    right after an EOS means documents start at each BOS.
-    """
+    """Where documents end: ``(boundary, id, window length of shard 0, statement)``, from the first
+    separator in shard order: documents end after each EOS, or start at each BOS not after one."""
     from foundrymix.convert.mds_input import shard_count
     info = describe_tokenizer(tokenizer)
     window: Optional[int] = None

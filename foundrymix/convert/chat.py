@@ -1,13 +1,9 @@
 """Chat examples (a ``messages`` list of ``{role, content}``) as text segments with loss flags.
 
-Turns are found by rendering growing prefixes with the tokenizer's chat template: an
-assistant turn is what ``messages[:i+1]`` adds to ``messages[:i]`` rendered with the
-generation prompt, so the assistant header is not trained but the turn's end marker is.
-Without a chat template each message is ``"{role}: "`` (no loss) then ``"{content}\\n"``.
-
-Bad records: an unknown role (:func:`allowed_roles`), a chat not starting with a system or
-user message (its first reply needs a prompt; templates render no generation prompt for an
-empty chat), a chat the template refuses (``raise_exception``).
+An assistant turn is what ``messages[:i+1]`` adds to ``messages[:i]`` rendered with the chat
+template's generation prompt: the header is not trained, the end marker is. Without a template a
+message is ``"{role}: "`` (no loss) then ``"{content}\\n"``. Bad records: an unknown role, a chat
+not opening with a system or user message, a chat the template refuses.
 """
 
 from __future__ import annotations

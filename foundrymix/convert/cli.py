@@ -134,13 +134,8 @@ def _options(cls: type, args: argparse.Namespace) -> Any:
 
 @contextlib.contextmanager
 def _lean() -> Iterator[None]:
-    """Start and end a standalone ``foundrymix convert|adopt`` process lean; nothing changes
-    in-process (tests, notebooks may need transformers with torch later).
-
-    Transformers would import torch before any work (only tokenizers are needed), so
-    ``USE_TORCH=0`` and the like (explicit settings win). At the end ``gc.freeze`` spares
-    shutdown collecting torch's object graph; everything is written and closed by then.
-    """
+    """A standalone ``foundrymix convert|adopt`` process keeps transformers from importing torch
+    (explicit settings win) and skips the collector at exit; in-process callers see no change."""
     standalone = (sys.argv[1:2] in (['convert'], ['adopt']) and 'torch' not in sys.modules
                   and 'transformers' not in sys.modules)
     if standalone:

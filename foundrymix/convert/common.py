@@ -1,9 +1,5 @@
-"""Options and set-up shared by the converters.
-
-Everything that can fail cheaply (options, inputs, output directory, overlap, the ``s3://``
-prefix, hashes, tokenizer, ``max_seq_len``) is checked before any work starts, so a mistake
-costs nothing and touches nothing.
-"""
+"""Options and set-up shared by the converters: everything that can fail cheaply is checked
+before any work, so a mistake costs nothing and touches nothing."""
 
 from __future__ import annotations
 
@@ -31,14 +27,8 @@ ENGINES = ('local', 'ray')
 
 @dataclass
 class ConvertOptions:
-    """Options every conversion takes.
-
-    ``bos``/``eos``: a BOS before / an EOS after each document (example); ``bos=None``
-    follows the tokenizer. ``workers`` (0: all cores), ``parallel`` (``None``: the
-    converter's default, :mod:`foundrymix.convert.pipeline`) and ``chunk_bytes`` never
-    change the output. ``engine='ray'`` runs tasks of about ``ray_task_bytes`` on Ray
-    (:mod:`foundrymix.convert.ray_engine`). ``hash``: shard hashes besides ``xxh3_64``.
-    """
+    """Options every conversion takes. ``bos=None`` follows the tokenizer; ``workers``,
+    ``parallel`` and ``chunk_bytes`` never change the output; ``hash``: besides ``xxh3_64``."""
 
     tokenizer: str = DEMO_TOKENIZER
     max_seq_len: int = 2048
@@ -99,10 +89,7 @@ class Setup:
 def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_content: int = 1,
             load: bool = True) -> Setup:
     """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
-
-    ``min_content``: non-special tokens a row must have room for. ``load=False``: only the
-    tokenizer's description is read (``Setup.tokenizer`` is None).
-    """
+    ``min_content``: tokens a row must have room for; ``load=False``: describe the tokenizer only."""
     if options.on_error not in ON_ERROR:
         raise UserError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
     if not 0 <= options.workers <= MAX_WORKERS:

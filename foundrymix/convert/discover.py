@@ -1,10 +1,7 @@
 """Find the input files of a conversion: files, globs and directories, in a fixed order.
 
-A directory given as input often holds more than the corpus (earlier outputs, a conversion
-in progress, configs), so walks skip output directories (``foundrymix.json`` or an MDS
-``index.json``), hidden entries (partial outputs among them), the conversion's own
-``--out``, and ``.json`` files, as often JSON documents as JSON Lines (read only when named
-or globbed as ``*.json``, and then checked to be JSON Lines).
+Directory walks skip outputs (``foundrymix.json`` or MDS ``index.json``), hidden entries, the
+``--out``, and ``.json`` files (read only when named or globbed, then checked to be JSON Lines).
 """
 
 from __future__ import annotations
@@ -197,14 +194,9 @@ def check_json_lines(path: str) -> None:
 
 def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None,
                     split: Optional[str] = None) -> list[str]:
-    """Resolve files, globs and directories to an ordered, duplicate-free list of inputs.
-
-    Order is that of ``specs``, a glob's or directory's matches sorted by path, so the
-    output does not depend on file-system order. A file named explicitly is read whatever
-    its supported suffix (``.json`` included); walks follow the module docstring's rules;
-    naming an output directory or a file in one is an error. A saved ``DatasetDict`` gives
-    one split: ``split``, or its only one.
-    """
+    """Resolve files, globs and directories to a duplicate-free list in ``specs`` order, matches
+    sorted by path (never file-system order). Naming an output is an error; a saved
+    ``DatasetDict`` gives one split: ``split``, or its only one."""
     if not specs:
         raise UserError('no inputs given')
     resolved: list[str] = []

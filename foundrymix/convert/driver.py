@@ -1,10 +1,8 @@
 """The one conversion driver: chunks -> workers -> rows -> shards, for every converter.
 
-Converters differ only in their encode step (records -> token arrays, in the workers) and
-row builder (arrays -> rows, in the calling thread); set-up checks, the ordered parallel
-map, error policy, counts, progress, atomic writing and the summary live here, shared.
-A converter supplies a :class:`Converter`; workers reach tokenizer and options through
-:class:`WorkerState`, set up once per worker by :func:`init_worker`.
+A :class:`Converter` supplies only its encode step (in the workers, which reach options through
+:class:`WorkerState`) and row builder (in the calling thread); checks, error policy, counts,
+progress, atomic writing and the summary are shared here.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ class WorkerState:
 
     @property
     def tok(self) -> Any:
-        """The tokenizer, loaded on first use (cached per process by ``load_tokenizer``):
-        encode steps that only check ids (adopt's) never import transformers."""
+        """The tokenizer, loaded on first use: steps that only check ids never import transformers."""
         return load_tokenizer(self.options.tokenizer)
 
     @property
@@ -80,12 +77,9 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
                   ) -> tuple[int, int, list[Any], ChunkErrors, dict[str, int]]:
     """Read a chunk and ``parse`` each record: ``(n_lines, n_records, parsed, errors, dropped)``.
 
-    ``parse`` returns the record's usable form or a :class:`BadRecord`. With
-    ``on_error='raise'`` reading stops at the first bad record (the conversion stops there).
-    ``preprocess`` (``module:function``) runs on each record first; its ``None`` results are
-    counted in ``dropped``. ``fields=None`` reads every column. With ``--holdout`` only the
-    records of this run's side are read (:func:`foundrymix.convert.holdout.side_records`).
-    """
+    ``parse`` returns the usable form or a :class:`BadRecord`; ``on_error='raise'`` stops at the
+    first. ``preprocess`` runs first (its ``None`` counted in ``dropped``); with ``--holdout`` only
+    this run's side is read."""
     holdout = getattr(_state.options, 'holdout', None) if _state is not None else None
     n_lines, records = (read_records(chunk, fields) if holdout is None
                         else held.side_records(chunk, fields, holdout, on_error))
@@ -122,8 +116,7 @@ class RowBuilder:
         return iter(())
 
     def progress(self, result: Any) -> tuple[int, ...]:
-        """(documents read, tokens[, documents written]) of a result, for the progress bar
-        (:class:`~foundrymix.convert.pipeline.Progress`)."""
+        """(documents read, tokens[, documents written]) of a result, for the progress bar."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -160,12 +153,8 @@ class Converter:
 def convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
     """Check everything, convert ``inputs`` to shards plus manifest in ``out``, print the summary.
 
-    ``out``: see :func:`foundrymix.convert.paths.split_out`. The local output directory is
-    claimed exclusively (:func:`claim_output`) until the conversion ends. With
-    ``options.holdout`` two datasets are written, ``out/eval`` then ``out/train``
-    (:mod:`foundrymix.convert.holdout`); both outputs are checked before either is written,
-    and the train manifest is returned.
-    """
+    The local output is claimed exclusively until the end. With ``options.holdout``, ``out/eval``
+    then ``out/train`` are written, both checked first; the train manifest is returned."""
     if options.holdout is None:
         return _convert_claimed(converter, inputs, out, options)
     rule = held.parse_holdout(options.holdout)
@@ -194,9 +183,8 @@ def _convert_claimed(converter: Converter, inputs: list[str], out: OutSpec, opti
 
 
 def no_space(local: Optional[str], error: OSError) -> str:
-    """The one line for a disk (or quota) that filled up while the output was written,
-    naming the folder (the ``OSError`` of a write names no path) and saying that nothing
-    was published: the output is renamed into place only when complete."""
+    """The one line for a disk (or quota) that filled up: the folder (the ``OSError`` names none),
+    and that nothing was published."""
     what = 'no space left' if error.errno == errno.ENOSPC else 'the disk quota is used up'
     if local is None:  # --out s3:// only: shards are staged in the temporary directory
         where = tempfile.gettempdir()
@@ -215,11 +203,8 @@ def no_space(local: Optional[str], error: OSError) -> str:
 
 
 def claim_output(local: Optional[str]) -> Optional[claims.Claim]:
-    """Claim the local output directory exclusively, or refuse naming the live run using it.
-
-    Replacing a directory a training run reads would feed it mixed old and new rows; runs
-    hold a shared claim on their local streams (:func:`foundrymix.train.run_claims.claim_run`).
-    """
+    """Claim the local output directory exclusively, or refuse naming the live run reading it
+    (which would be fed mixed old and new rows)."""
     if local is None:
         return None
     path = claims.normalize(local)
@@ -250,12 +235,8 @@ def _convert(converter: Converter, inputs: list[str], out: OutSpec, options: Con
 
 def run(converter: Converter, setup: Setup, options: ConvertOptions,
         manifest: Manifest) -> tuple[float, RowBuilder, Optional[str]]:
-    """Stream chunks through the workers, build rows, write shards, fill ``manifest``.
-
-    Writes ``setup.output`` (uploading to ``setup.remote`` if set); it appears only if
-    everything succeeded. Returns the seconds spent, the row builder and the upload summary
-    (None without upload).
-    """
+    """Stream chunks through the workers, build rows, write shards, fill ``manifest``: the output
+    appears only if everything succeeded. ``(seconds, row builder, upload summary or None)``."""
     builder = converter.builder(setup, options, manifest)
     lines = LineCounter()
     progress = Progress(options.progress, f'convert {converter.kind}')

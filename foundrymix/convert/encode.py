@@ -1,12 +1,8 @@
 """Tokenize texts through the Rust batch encoder, huge texts in slices with bounded memory.
 
-The Rust encoder keeps per-token strings, offsets and masks for the whole input, so one
-huge text takes many times its size in memory; a text over ``SLICE_CHARS`` characters is
-encoded slice by slice into one ``uint32`` array. The tokens do not change: slices are cut
-only just before a single space between two non-whitespace characters, where
-pre-tokenizers split anyway, and whether the next slice keeps that space is calibrated per
-tokenizer (:func:`slice_mode`); a tokenizer for which neither way reproduces whole-text
-tokens is never sliced. A huge text without such a space (unspaced CJK) is encoded whole.
+A text over ``SLICE_CHARS`` is encoded in slices cut before a single space between non-spaces,
+where pre-tokenizers split anyway; how the space is kept is calibrated per tokenizer
+(:func:`slice_mode`), which is never sliced if neither way gives the whole-text tokens.
 """
 
 from __future__ import annotations
@@ -32,11 +28,8 @@ def _batch_encoder(tok: Any) -> Any:
 
 def encode_texts(tok: Any, texts: list[str],
                  slice_chars: int = SLICE_CHARS) -> list[list[int] | np.ndarray]:
-    """Token ids of each text, without special tokens, via the Rust batch encoder.
-
-    Texts up to ``slice_chars`` characters come back as lists of ints (one batch call);
-    longer ones as ``uint32`` arrays encoded in slices (module docstring).
-    """
+    """Token ids of each text, without special tokens: lists of ints, or ``uint32`` arrays for
+    texts over ``slice_chars`` (encoded in slices)."""
     if not texts:
         return []
     encode = _batch_encoder(tok)

@@ -1,16 +1,9 @@
 """``convert finetune``: prompt/response or chat examples -> decoder-only rows with loss masks.
 
-An example is ``[BOS] + prompt + response + [EOS]`` (BOS iff the tokenizer adds one,
-overridable). Prompt and response are tokenized separately and concatenated, so the loss
-boundary is a token boundary. Loss covers the response and EOS (``loss_on_prompt``: every
-token), never an example's first token (it would be predicted from the previous packed
-example). Chats: :mod:`foundrymix.convert.chat`; ``chat_loss='all'`` trains every assistant
-turn, ``'last'`` only the last; the final EOS has loss iff the last segment has.
-
-Too long: ``too_long='drop'`` drops the example, ``'truncate'`` keeps its first
-``max_seq_len`` tokens; an example left with no loss token is dropped; all are counted in
-``manifest.dropped``. Rows are packed first-fit (:mod:`foundrymix.convert.packing`), or one
-example per row with ``pack=False``, padded with the pad id.
+An example is ``[BOS] + prompt + response + [EOS]``, prompt and response tokenized apart so the
+loss boundary is a token boundary. Loss covers the response and EOS (or every token), never an
+example's first token. Too long: dropped or truncated; an example with no loss token is dropped;
+all counted in ``manifest.dropped``. Rows are packed first-fit, or one example per row, padded.
 """
 
 from __future__ import annotations
@@ -272,12 +265,8 @@ def _manifest_options(options: FinetuneOptions, setup: Setup) -> dict[str, Any]:
 
 
 def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
-    """``threads`` for prompt/response examples, ``processes`` for chats or ``--preprocess``.
-
-    The Rust tokenizer releases the GIL, so threads suffice and save pickling results;
-    chat templates and user functions are Python that holds it. Chats are recognised from
-    the first records of the first chunk; the output is the same either way.
-    """
+    """``threads`` for prompt/response examples, ``processes`` for chats or ``--preprocess``
+    (Python holding the GIL), told from the first chunk's first records; same output either way."""
     ptemplate, rtemplate = _templates(o)
     if o.preprocess is not None:
         return FINETUNE_PARALLEL

@@ -1,12 +1,9 @@
 """``--holdout``: a held-out eval split decided by each record's content alone.
 
-A record goes to ``eval`` when the sha256 of its JSON (every field, keys sorted) is small:
-below ``fraction`` of the hash range, or among the ``count`` smallest hashes of the input.
-Nothing else enters the decision, so the split is the same for any ``--workers``,
-``--parallel``, chunking or input order, and exact duplicates always land on the same side
-(a duplicated record never leaks from train into eval). The conversion runs once per side
-(``OUT/eval`` first, then ``OUT/train``), each run keeping its side's records before
-``--preprocess`` and parsing; a record that cannot be read is counted once, in train.
+A record goes to ``eval`` when the sha256 of its JSON (keys sorted) is below ``fraction`` of the
+range, or among the ``count`` smallest: the split is the same for any workers, chunking or order,
+and duplicates share a side. One run per side (``OUT/eval``, then ``OUT/train``), each keeping its
+side before ``--preprocess``; an unreadable record is counted once, in train.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Forked worker processes end when the process that forked them dies, even by SIGKILL.
-
-A worker inherits the ``flock`` of the conversion's claim on ``--out``
-(:mod:`foundrymix.claims`); outliving a SIGKILLed parent, it would keep a rerun out. On
-Linux the kernel kills the worker when its parent exits (``prctl(PR_SET_PDEATHSIG)``, then
-a check for a parent that died before); elsewhere a daemon thread polls for the parent.
+"""Forked worker processes end when the process that forked them dies, even by SIGKILL, so an
+inherited ``flock`` on ``--out`` never keeps a rerun out (``PR_SET_PDEATHSIG``, else a polling thread).
 """
 
 from __future__ import annotations

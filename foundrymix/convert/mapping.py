@@ -1,16 +1,10 @@
 """Field mapping at conversion: templates over a record's fields and ``--preprocess``.
 
-Corpora rarely have ``prompt``/``response`` (or ``text``) fields, so a template builds one
-from others: ``--prompt '{ctx}' --response ' {endings[label]}'``. Inside ``{}``: ``name``,
-``.key`` (a dict key), ``[3]`` (a list index, negative from the end), ``[other]`` (index or
-key = the value of top-level field ``other``; digits index a list). Values must be strings
-or numbers; ``{{ }}`` are literal braces. No format specs, conversions or attribute access:
-``str.format`` on the record would reach Python internals (``{x.__class__}``), so templates
-are parsed with :class:`string.Formatter` and resolved here (:func:`resolve`).
-
-``--preprocess module:function`` runs first on every record and returns a dict (read as
-usual) or ``None`` (skipped, counted as :data:`PREPROCESS_SKIPPED`); it is imported by name
-in every worker, from the current directory or an installed package.
+A template builds a field from others: ``--response ' {endings[label]}'``. Inside ``{}``: ``name``,
+``.key``, ``[3]`` (negative from the end), ``[other]`` (index or key = field ``other``'s value);
+values are strings or numbers; ``{{ }}`` are braces. Resolved here, not by ``str.format``, which
+would reach Python internals (``{x.__class__}``). ``--preprocess module:function`` runs first on
+every record: a dict, or ``None`` (skipped, counted as :data:`PREPROCESS_SKIPPED`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Existing MDS datasets (LLM-Foundry's, streaming's own) as conversion inputs.
+"""Existing MDS datasets (LLM-Foundry's, streaming's own) as conversion inputs for ``adopt``.
 
-``foundrymix adopt`` (:mod:`foundrymix.convert.adopt`) reads them through the normal
-pipeline: a shard is a :class:`~foundrymix.convert.readers.Chunk` (``fmt='mds'``, ``start``
-its number in ``index.json``), its rows are records keyed by the MDS columns, decoded by
-streaming's own reader. A directory with ``index.json`` is one dataset; otherwise each
-directory below it with one is a split named by its relative path (:func:`find_splits`).
+A shard is a chunk (``fmt='mds'``), its rows records keyed by column, decoded by streaming's
+reader. A directory with ``index.json`` is one dataset; else each below it is a split.
 """
 
 from __future__ import annotations
@@ -202,12 +199,8 @@ class OutOfRange(Exception):
 def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str] = None,
                        below: Optional[int] = None) -> tuple[str, np.ndarray, np.ndarray]:
     """``(file, values, row_lengths)``: one ndarray column of every row of a shard, back to back,
-    as ``dtype`` (default: the column's); with ``below``, a value outside ``[0, below)`` raises
-    :class:`OutOfRange` (checked on the stored values, before any narrowing conversion).
-
-    When every row has the same layout (LLM-Foundry's token windows), check and conversion
-    run on a view of the shard's bytes (one copy); else rows are decoded by :func:`read_shard`.
-    """
+    as ``dtype``; with ``below``, a stored value outside ``[0, below)`` raises :class:`OutOfRange`
+    (checked before narrowing)."""
     from foundrymix.format.mds import ndarray_rows
     shard = _index(path)['shards'][number]
     name, data = shard_bytes(path, number)

@@ -29,12 +29,8 @@ NAMED_ENTRIES = 3
 
 
 def owned_files(out: str) -> set[str]:
-    """Files in ``out`` that a foundrymix conversion wrote, relative to it.
-
-    ``foundrymix.json``, ``index.json`` and the shard files that index lists (names checked
-    against :data:`SHARD_NAME`, so a hand-edited index cannot claim other files). Without
-    both metadata files nothing is foundrymix's.
-    """
+    """Files in ``out`` a conversion wrote: both metadata files and the shards the index lists
+    (names must match :data:`SHARD_NAME`, so an edited index claims nothing else)."""
     meta = [os.path.join(out, n) for n in (MANIFEST_NAME, INDEX_NAME)]
     if not all(os.path.isfile(p) and not os.path.islink(p) for p in meta):
         return set()
@@ -76,11 +72,8 @@ def _foreign_message(out: str, foreign: list[str]) -> str:
 
 
 def check_output_dir(out: str, overwrite: bool) -> None:
-    """Refuse a non-empty output directory unless ``overwrite``, and even with it one that
-    holds anything foundrymix did not write (checked before any work).
-
-    A typo in ``--out`` (a project folder) must not delete it.
-    """
+    """Refuse a non-empty output directory unless ``overwrite``, and even with it one holding
+    anything foundrymix did not write: a typo in ``--out`` must not delete a project."""
     check_can_create(out)
     if os.path.exists(out):
         if not os.path.isdir(out):

@@ -1,9 +1,7 @@
 """Deterministic first-fit packing of finetuning examples into padded rows.
 
-Each example goes into the oldest open row with room for it; else a new row is opened and,
-past ``window`` open rows, the oldest is written. A row exactly full is written at once;
-at the end the open rows are written oldest first. Examples are never split, and rows
-depend only on the input order, not on the number of workers.
+An example goes into the oldest open row with room, else a new one (past ``window`` open rows
+the oldest is written). Examples are never split; rows depend only on the input order.
 """
 
 from __future__ import annotations

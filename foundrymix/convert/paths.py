@@ -1,13 +1,8 @@
 """Checks that keep a conversion from reading its own output or harming its inputs.
 
-``--overwrite`` deletes the dataset in ``--out`` before publishing; if ``--out`` is an
-input, holds one, or lies inside an input directory, that deletes (or later re-reads) the
-user's corpus. Paths are compared after resolving symbolic links, before any work, with or
-without ``--overwrite``.
-
-``os.path`` would turn ``s3://bucket/x`` into a local folder ``s3:/bucket/x``, so ``--out``
-is split first (:func:`split_out`) into an ``s3://`` remote and/or a local directory; only
-the local one goes through these checks. Input URLs are refused.
+An ``--out`` that is, holds, or lies inside an input is refused before any work (symbolic links
+resolved). ``--out`` is first split into an ``s3://`` remote and/or a local directory
+(:func:`split_out`; ``os.path`` would make ``s3:/bucket``); input URLs are refused.
 """
 
 from __future__ import annotations
@@ -110,11 +105,8 @@ def _inside(path: str, directory: str) -> bool:
 
 
 def check_overlap(specs: Sequence[str], resolved: Sequence[str], out: str) -> None:
-    """Refuse inputs at or under ``out``, and ``out`` at or under an input directory.
-
-    ``specs`` are the inputs as given (globs: their matches), ``resolved`` what would be
-    read; both are checked, so a symbolic link in an input directory into ``out`` is caught.
-    """
+    """Refuse inputs at or under ``out``, and ``out`` at or under an input directory; ``specs``
+    (as given) and ``resolved`` (what is read) both, so a link into ``out`` is caught."""
     real_out = os.path.realpath(out)
     given = [m for s in specs for m in (sorted(glob.glob(s, recursive=True)) if glob.has_magic(s) else [s])]
     for path in [*given, *resolved]:

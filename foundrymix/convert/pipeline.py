@@ -1,16 +1,8 @@
 """Run the chunk encoder in parallel and bring its results back in input order.
 
-A chunk encoder reads, parses and tokenizes a whole chunk and returns compact numpy arrays;
-the calling thread only cuts rows and writes shards. Results are consumed in chunk order,
-so the output is the same for any number of workers and either mode, and at most
-``2 * workers`` chunks are in flight, so memory stays flat (``Pool.imap`` would queue every
-task up front: for compressed inputs, the whole decompressed corpus).
-
-Modes (``ConvertOptions.parallel``): ``threads``, each tokenizing single-threaded (the Rust
-tokenizer releases the GIL; nothing is pickled), or ``processes``, forked, for encoders
-whose Python side is heavy (chat templates, ``--preprocess``); a dying worker process stops
-the conversion naming its chunk (:mod:`foundrymix.convert.process_pool`). ``workers == 1``
-runs the encoder in the calling thread.
+Results come in chunk order, so the output is the same for any workers and mode, with at most
+``2 * workers`` chunks in flight (``Pool.imap`` would queue the whole input). ``threads`` suit
+the Rust tokenizer (it releases the GIL); forked ``processes`` suit Python-heavy encoders.
 """
 
 from __future__ import annotations
@@ -59,10 +51,8 @@ def default_workers() -> int:
 class ordered_map:
     """Yield ``(chunk, fn(chunk))`` in chunk order, computed by ``workers`` threads or processes.
 
-    A context manager that starts the workers and hands out the first chunks at once, so
-    tokenization runs while the shard writer imports ``streaming``; worker processes are
-    forked before that import, so they stay small and inherit the loaded tokenizer.
-    """
+    A context manager that starts the first chunks at once; processes fork before the shard
+    writer imports ``streaming``, so they stay small."""
 
     def __init__(self, fn: Callable[[Chunk], Any], chunks: Iterable[Chunk], workers: int,
                  initializer: Callable[..., None], initargs: tuple, mode: str = 'threads') -> None:
@@ -73,12 +63,12 @@ class ordered_map:
         self.pool: Optional[ProcessPool] = None
         self.threads: Optional[ThreadPoolExecutor] = None
         self.pending: deque = deque()
-        self._saved_env: Optional[tuple[Optional[str]]] = None
+        self._saved_env: Optional[list[Optional[str]]] = None
         self.depth = 2 * workers
         if workers <= 1 or mode == 'threads':
             initializer(*initargs)
             # one Rust thread per worker thread: exactly ``workers`` cores tokenize
-            self._saved_env = (os.environ.get(PARALLELISM_ENV),)
+            self._saved_env = [os.environ.get(PARALLELISM_ENV)]
             os.environ[PARALLELISM_ENV] = 'false'
             if workers > 1:
                 self.threads = ThreadPoolExecutor(workers, thread_name_prefix='foundrymix-encode')
@@ -115,11 +105,9 @@ class ordered_map:
             self.threads.shutdown(wait=True)  # at most one chunk per thread left to finish
             self.threads = None
         if self._saved_env is not None:
-            (value,) = self._saved_env
-            if value is None:
-                os.environ.pop(PARALLELISM_ENV, None)
-            else:
-                os.environ[PARALLELISM_ENV] = value
+            os.environ.pop(PARALLELISM_ENV, None)
+            if self._saved_env[0] is not None:
+                os.environ[PARALLELISM_ENV] = self._saved_env[0]
             self._saved_env = None
         if self.pool is not None:
             self.pool.close()
@@ -153,11 +141,8 @@ class LineCounter:
 
 def apply_error_policy(chunk: Chunk, errors: ChunkErrors, first_line: Optional[int],
                        on_error: str, manifest: Manifest) -> None:
-    """Raise :class:`InputError` for the first bad record, or count each one as skipped.
-
-    Skipped records are counted by reason in ``manifest.skipped``; the first
-    ``SKIP_LOCATIONS`` of each are kept in ``manifest.skipped_at`` as ``file:line``.
-    """
+    """Raise :class:`InputError` for the first bad record, or count each in ``manifest.skipped``
+    (the first ``SKIP_LOCATIONS`` per reason located in ``manifest.skipped_at``)."""
     for path, index, reason, detail in errors.items:
         line = None if index is None or first_line is None else first_line + index
         where = location(path, line, chunk.fmt)

@@ -1,12 +1,9 @@
 """``convert pretrain``: documents -> one token stream -> rows of exactly ``max_seq_len``.
 
-Each document is tokenized without special tokens and becomes ``[BOS] + ids + [EOS]``:
-BOS iff the tokenizer adds one by default (override with ``bos``), EOS unless ``eos`` is
-off; at least one is required, or documents would run together. Documents are concatenated
-in input order and cut into rows of ``max_seq_len``, each with one loss span over the row
-and ``doc_lens`` the lengths of the document pieces in it. The tokens after the last full
-row are not written (``counts.tail_tokens``). Rows are cut in the calling thread, in input
-order, so they are the same for any number and kind of workers.
+A document becomes ``[BOS] + ids + [EOS]`` (at least one of the two, or documents run together);
+documents are concatenated in input order and cut into rows, each one loss span with ``doc_lens``
+its document pieces; the tail after the last full row is counted, not written. Rows are the same
+for any workers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Forked worker processes that encode chunks; a worker that dies stops the conversion at once.
-
-Used by :class:`~foundrymix.convert.pipeline.ordered_map` in ``processes`` mode. A worker
-that is killed, exits or segfaults is reported with its chunk and how it died
-(:class:`WorkerDied`), never waited on forever.
+"""Forked worker processes that encode chunks; a worker that dies stops the conversion at once,
+named with its chunk and how it died (:class:`WorkerDied`), never waited on forever.
 """
 
 from __future__ import annotations
@@ -45,13 +42,8 @@ def _work(index: int, fn: Callable[[Chunk], Any], initializer: Callable[..., Non
           tasks: Any, out: Any, current: Any, parent: int) -> None:
     """A forked worker: encode chunks from ``tasks``, send results on its own pipe ``out``.
 
-    SIGTERM goes back to its default: a handler inherited from the parent (a trainer may install
-    one calling ``sys.exit``) could run exit code on locks held mid-use and hang the end.
-    SIGINT is ignored: the parent stops the workers itself. Tokenizing is single-threaded
-    (no oversubscription); results are sent by a thread so encoding goes on meanwhile.
-    ``current[index]`` holds the chunk being encoded (-1: none) for the parent's message.
-    A worker whose parent is gone ends at once, releasing the ``--out`` claim.
-    """
+    SIGTERM is the default (an inherited ``sys.exit`` handler could hang on held locks), SIGINT
+    ignored (the parent stops workers); ``current[index]`` is the chunk being encoded (-1: none)."""
     die_with_parent(parent)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -92,14 +84,9 @@ def _send_results(out: Any, results: queue.SimpleQueue) -> None:
 class ProcessPool:
     """``workers`` forked processes encoding chunks; a dead worker stops the conversion at once.
 
-    Not ``multiprocessing.Pool``, which replaces a dead worker and waits forever for its
-    chunk, nor ``ProcessPoolExecutor``, whose ``BrokenProcessPool`` names neither chunk nor
-    exit code. The parent waits on the result pipes and process sentinels together, so a
-    death is seen at once. Each worker alone holds its pipe's write end, so dying mid-send
-    gives ``EOFError``, not a half message. Tasks go through one shared queue (a free worker
-    takes the next chunk). Workers end with the thread that created the pool (Linux): create
-    it in the thread that uses it.
-    """
+    Not ``multiprocessing.Pool`` (waits forever for a dead worker's chunk) nor
+    ``ProcessPoolExecutor`` (names neither chunk nor exit code): the parent waits on result pipes
+    and sentinels together. Workers end with the thread that created the pool: create it there."""
 
     def __init__(self, fn: Callable[[Chunk], Any], workers: int, initializer: Callable[..., None],
                  initargs: tuple) -> None:

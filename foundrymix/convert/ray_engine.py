@@ -1,13 +1,8 @@
 """``--engine ray``: the default engine's conversion, split into Ray tasks over a cluster.
 
-Chunk plan, encoders, row builders, error policy and atomic publish are the default
-engine's; only the split into tasks differs. Each task encodes a run of consecutive chunks
-and writes its own shards to ``task-NNNNN/`` in the partial directory, so its output is a
-pure function of its chunks (a retried attempt first clears that directory). The driver
-applies the error policy in input order, so errors and counts equal the default engine's,
-and merges the task indexes in task order. Output differs only at task boundaries
-(pretrain tails, finetune packing flushes). docs/convert.md ("On a Ray cluster") and
-docs/s3.md give the details and the cluster requirements.
+Each task encodes consecutive chunks into its own ``task-NNNNN/`` shards (a retry clears it
+first); the driver applies the error policy in input order and merges indexes in task order, so
+output differs from the local engine's only at task boundaries. docs/convert.md ("On a Ray cluster").
 """
 
 from __future__ import annotations
@@ -40,11 +35,8 @@ FAIL_ENV = 'FOUNDRYMIX_RAY_FAIL_ONCE'
 
 
 def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]]:
-    """Group consecutive chunks into tasks of about ``task_bytes`` input bytes, in order.
-
-    Lazy, so the driver holds only the tasks in flight. Chunks without a byte range count
-    as ``task_bytes`` / 16 each, so a task holds a bounded number of them too.
-    """
+    """Lazily group consecutive chunks into tasks of about ``task_bytes`` input bytes (a chunk
+    without a byte range counts ``task_bytes / 16``)."""
     current: list[Chunk] = []
     size = 0
     for chunk in chunks:
@@ -239,12 +231,8 @@ def _connect(options: ConvertOptions) -> bool:
 def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[Chunk]], window: int,
                progress: Progress, on_done: Callable[[int], None] = lambda index: None,
                ) -> tuple[list[TaskResult], list[list[Chunk]]]:
-    """Submit tasks as they are planned, at most ``window`` in flight; wait for all.
-
-    Returns the results in task order and each task's chunks without payloads (for line
-    numbers). ``on_done(index)`` runs here as each task finishes. On failure or Ctrl-C the
-    other tasks are cancelled first.
-    """
+    """Submit tasks as planned, at most ``window`` in flight: results in task order and each
+    task's chunks without payloads; ``on_done(index)`` per task; on failure the rest are cancelled."""
     futures: list[Any] = []
     kept: list[list[Chunk]] = []
     results: dict[int, TaskResult] = {}
@@ -278,12 +266,8 @@ def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progr
 
 
 def _cancel(futures: list[Any], timeout: float = 60) -> None:
-    """Cancel the tasks still running and wait for them, so none writes into the partial
-    directory after it is removed.
-
-    Only unfinished tasks are cancelled: a cancel racing a task's reply can abort the driver
-    (``task_manager.cc: Check failed``, ray-project/ray#54846).
-    """
+    """Cancel the unfinished tasks and wait, so none writes after the partial directory goes
+    (cancelling a finished one can abort the driver: ray-project/ray#54846)."""
     import ray
     if not futures:
         return

@@ -1,13 +1,8 @@
-"""Read input files as records, in chunks that workers can process alone.
+"""Read input files as records, in chunks that workers read and parse alone (tokenizing is the cost).
 
-Conversion is bound by tokenization, so workers read and parse their own share. A chunk is
-a small picklable description of one: a byte range of a plain ``.jsonl`` (cut at line
-ends), a parquet row group, a row range of a saved dataset, or a group of ``.txt`` files.
-Compressed ``.jsonl`` cannot be split by byte ranges, so the calling thread streams it and
-hands out blocks of whole lines (``payload``). Chunks are planned lazily, in input order.
-
-Records are dicts; an unreadable one is a :class:`BadRecord` (the caller stops or skips),
-located as ``file:line`` (jsonl, 1-based), ``file:row N`` (columnar, 0-based) or ``file``.
+A chunk is a small picklable share: a byte range of a plain ``.jsonl``, a parquet row group, rows
+of a saved dataset, ``.txt`` files, or (compressed ``.jsonl``, which cannot be split) a payload of
+whole lines streamed by the calling thread. An unreadable record is a :class:`BadRecord`.
 """
 
 from __future__ import annotations
@@ -49,11 +44,8 @@ class BadRecord:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One worker's share of the input. ``first_line``: the 1-based line (jsonl) or 0-based
-    row (parquet, datasets) of its first record; ``None`` for a byte range of a plain jsonl
-    file (known only once the chunks before it were read). ``bad``: the file could not be
-    read past this chunk (truncated or corrupt), one bad record after the chunk's records.
-    """
+    """One worker's share of the input. ``first_line``: 1-based line (jsonl) or 0-based row of its
+    first record, ``None`` where only earlier chunks tell. ``bad``: the damage that ends the file."""
 
     fmt: str  # jsonl | jsonl_stream | txt | parquet | hf | mds (start = shard number)
     path: str
@@ -118,12 +110,8 @@ _READ_BYTES = 1 << 16
 
 
 def _decompressed(path: str) -> Iterator[bytes]:
-    """The decompressed bytes of a ``.gz``/``.zst`` file, block by block; raises
-    :class:`_StreamEnded` after the last whole block when the data is truncated or corrupt.
-
-    A truncated ``.gz`` raises a bare ``EOFError`` and ``zstandard``'s stream reader ends a
-    truncated frame silently; here the truncation is named and nothing before it is lost.
-    """
+    """The decompressed bytes of a ``.gz``/``.zst`` file, block by block, then
+    :class:`_StreamEnded` if truncated or corrupt (zstandard's reader would end silently)."""
     if path.lower().endswith('.gz'):
         with gzip.open(path, 'rb') as f:
             try:
@@ -216,13 +204,9 @@ def read_chunk_bytes(chunk: Chunk) -> bytes:
 
 def read_records(chunk: Chunk, fields: Optional[Sequence[str]]
                  ) -> tuple[int, list[tuple[str, Optional[int], Any]]]:
-    """Read a chunk: ``(n_lines, [(path, index, record), ...])``.
-
-    ``record`` is a dict or a :class:`BadRecord`; ``index`` is its line (row) offset in the
-    chunk, ``None`` for txt. ``n_lines`` counts blank lines too, so later chunks can be
-    numbered. ``fields``: the columns to load (``None``: all); the first names a ``.txt``
-    file's text (``text`` when ``None``).
-    """
+    """Read a chunk: ``(n_lines, [(path, index, record), ...])``, ``record`` a dict or a
+    :class:`BadRecord`, ``index`` its line (row) in the chunk (``None``: txt). ``n_lines`` counts
+    blank lines too. ``fields``: the columns to load (``None``: all; the first names a txt's text)."""
     if chunk.fmt in ('jsonl', 'jsonl_stream'):
         data = read_chunk_bytes(chunk)
         records = [(chunk.path, i, _parse_json_line(line, fields))
@@ -270,12 +254,8 @@ _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
 
 
 def lone_surrogate(rec: dict, fields: Optional[Sequence[str]]) -> Optional[BadRecord]:
-    """Why ``rec`` cannot be tokenized if one of ``fields`` (all: ``None``) holds a string
-    with a lone UTF-16 surrogate, else ``None``.
-
-    ``json.loads`` accepts ``"\\ud800"``, but the Rust tokenizer then refuses the whole
-    chunk, naming no record. A surrogate *pair* is one valid character and passes.
-    """
+    """Why ``rec`` cannot be tokenized if one of ``fields`` (all: ``None``) holds a lone UTF-16
+    surrogate (``json.loads`` takes it; the Rust tokenizer then refuses the whole chunk), else ``None``."""
     for key in (rec if fields is None else fields):
         if key in rec:
             where = _surrogate_in(rec[key], str(key))
@@ -293,14 +273,10 @@ def _surrogate_in(value: Any, name: str) -> Optional[tuple[str, int, int]]:
             value.encode('utf-8')
         except UnicodeEncodeError as e:
             return name, e.start, ord(value[e.start])
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            found = _surrogate_in(v, f'{name}.{k}')
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found = _surrogate_in(v, f'{name}[{i}]')
+    elif isinstance(value, (dict, list)):
+        keyed = isinstance(value, dict)
+        for k, v in (value.items() if keyed else enumerate(value)):
+            found = _surrogate_in(v, f'{name}.{k}' if keyed else f'{name}[{k}]')
             if found is not None:
                 return found
     return None

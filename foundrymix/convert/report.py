@@ -159,11 +159,7 @@ def _no_rows_reasons(manifest: Manifest) -> list[tuple[str, str]]:
 
 
 def check_rows(manifest: Manifest) -> None:
-    """Refuse to publish a conversion with no rows, saying why by reason and what to do.
-
-    An empty dataset would only be found out by a training run. Called before anything is
-    published, so ``--out`` is left as it was.
-    """
+    """Refuse to publish a conversion with no rows, saying why by reason and what to do."""
     if manifest.counts.rows:
         return
     noun = 'documents' if manifest.kind == 'pretrain' else 'examples'

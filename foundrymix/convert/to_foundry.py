@@ -1,11 +1,8 @@
 """``foundrymix export DATASET --to-foundry OUT``: a pretrain dataset as LLM-Foundry token shards.
 
-OUT is MDS with one ``tokens`` column (the dataset's token dtype), as LLM-Foundry's
-``StreamingTextDataset`` reads its own ``convert_dataset_hf`` output: each row's real tokens
-in order, padding left out. Rows are checked against the schema first, so a damaged dataset
-is refused naming its shard. OUT is written beside itself and renamed into place, and an
-existing OUT is refused. Finetune datasets are refused: a ``tokens`` column cannot hold
-their loss spans and example boundaries.
+OUT has one ``tokens`` column, as LLM-Foundry's ``StreamingTextDataset`` reads: each row's real
+tokens, padding left out. Rows are checked first; OUT is renamed into place, never replaced.
+Finetune datasets are refused (a ``tokens`` column cannot hold their loss spans).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Upload a conversion to ``s3://bucket/prefix`` so that a reader never sees half a dataset.
 
-Readers take a prefix as a dataset once ``index.json`` is there, so shards go up as they are
-finished, then ``foundrymix.json``, ``index.json`` last. A failed or killed conversion leaves
-no index; one that can still report also deletes what it uploaded (best effort).
-
-``--overwrite``: the old ``index.json`` and ``foundrymix.json`` are deleted before the first
-new shard (new shards may reuse old names; a reader must never pair the old index with new
-shards), and old shards not reused only after the new index is up. Only objects the old
-index lists or foundrymix wrote (metadata :data:`WRITER_META`) are ever deleted. The old
-shard list is saved first as :data:`REPLACING_NAME`, so the next ``--overwrite`` can finish
-a replacement that was killed (old shards may carry no tag: ``aws s3 sync`` uploads).
-
-Refused before any tokenizing: an unusable bucket, credentials or endpoint (naming S3's
-error code); a non-empty prefix without ``--overwrite``; and, even with it, objects named
-like shards that foundrymix did not write.
-
-Not streaming's ``S3Uploader``: it hides its retries, uploads ``index.json`` inside
-``MDSWriter.finish`` (before our manifest, even after a failed shard upload was only
-logged) and cannot replace a dataset safely.
+Shards go up as finished, then ``foundrymix.json``, ``index.json`` last: a failed run leaves no
+index (and deletes its uploads, best effort). ``--overwrite`` deletes the old metadata before the
+first new shard and old shards only after the new index; only objects the old index lists or
+foundrymix wrote (:data:`WRITER_META`) are deleted, and the old list saved as
+:data:`REPLACING_NAME` lets a killed replacement be finished. Refused before tokenizing: an
+unusable bucket, a non-empty prefix without ``--overwrite``, foreign shard-named objects.
+Not streaming's ``S3Uploader``: it hides retries and uploads ``index.json`` before our manifest.
 """
 
 from __future__ import annotations
@@ -158,11 +147,8 @@ class S3Target:
 class Uploader:
     """Uploads finished shards from ``local`` in the background, then the metadata last.
 
-    :meth:`submit` blocks while ``MAX_PENDING`` shards wait; without ``keep_local`` a shard's
-    local file is deleted once uploaded. :meth:`finish` uploads the metadata last, then
-    deletes old shards not replaced; :meth:`abort` deletes this run's objects. The first
-    upload error is raised by the next :meth:`submit` or :meth:`finish`.
-    """
+    :meth:`submit` blocks while ``MAX_PENDING`` wait (uploaded local files go unless
+    ``keep_local``); the first upload error is raised by the next :meth:`submit` or :meth:`finish`."""
 
     def __init__(self, target: S3Target, local: str, keep_local: bool) -> None:
         self.target = target

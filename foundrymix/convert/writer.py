@@ -1,13 +1,8 @@
 """Write foundrymix rows to MDS shards so that a directory is complete or absent.
 
-A conversion killed half-way must never leave a directory that looks finished: shards,
-``index.json`` and ``foundrymix.json`` are written into a hidden sibling directory
-(``.<name>.partial-<pid>-<tag>``), renamed to the output path (atomic on one filesystem)
-only when all are on disk. The next run removes a leftover once its process is gone.
-
-With an ``s3://`` output that directory is the staging area (in the temp dir without a
-local copy): each shard is uploaded once closed, the metadata last
-(:mod:`foundrymix.convert.upload`); a local copy, if kept, is published first.
+Everything is written into a hidden sibling ``.<name>.partial-<pid>-<tag>`` and renamed into
+place (atomic) once on disk; the next run removes a leftover whose process is gone. For
+``s3://`` it is the staging area: shards are uploaded once closed, the metadata last.
 """
 
 from __future__ import annotations
@@ -81,8 +76,7 @@ def check_compression(compression: Optional[str]) -> None:
 
 def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
                 hashes: list[str]) -> Any:
-    """The MDS writer for ``out``: uncompressed shards without importing ``streaming`` (and
-    torch), compressed ones through ``streaming.MDSWriter``; both write the same files."""
+    """:class:`LeanMDSWriter` (no streaming import) or, compressed, ``streaming.MDSWriter``."""
     if compression is None:
         return LeanMDSWriter(out, columns, hashes=hashes, size_limit=size_limit)
     # imported here, in the writer thread, after the conversion workers were forked
@@ -274,12 +268,9 @@ class ShardWriter:
         return None if self._uploader is None else self._uploader.summary()
 
     def _publish(self) -> None:
-        """Move the partial directory into place, re-checking ``out`` first.
-
-        An output another conversion published meanwhile is left alone (this one fails)
-        unless ``overwrite``: then it is renamed aside, replaced, and only then deleted. An
-        existing ``out`` keeps its permission bits and group (:func:`_keep_owned_attributes`).
-        """
+        """Move the partial directory into place, re-checking ``out``: an output published
+        meanwhile is left alone unless ``overwrite`` (renamed aside, replaced, then deleted).
+        A replaced ``out`` keeps its permission bits and group."""
         if os.path.lexists(self.out):
             if not os.path.isdir(self.out) or os.path.islink(self.out):
                 raise OutputExistsError(f'{self.out}: output path appeared while converting and is '

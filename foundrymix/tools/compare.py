@@ -1,11 +1,8 @@
 """``foundrymix compare RUN_A RUN_B``: is a resumed run the straight run? Part by part.
 
-Why: resuming exactly is foundrymix's promise, and this checks it on what a run leaves
-(docs/resume.md): the sample log, where a global batch is compared as a set of rows (one
-step on a set of rows: two logs listing its rows in other orders describe the same
-training), then by its tokens digest; the per-stream counts; the final weights. Prints
-``equal`` or the first difference per part; exit 0 if every part is equal, 1 if one
-differs, 2 on bad input (a missing directory or file, named). Reads only.
+Checks exact resume on what runs leave (docs/resume.md): sample logs (a global batch as a set of
+rows, then its tokens digest), per-stream counts, final weights. Prints ``equal`` or the first
+difference per part; exit 0 if all equal, 1 if one differs, 2 on bad input. Reads only.
 """
 
 from __future__ import annotations
@@ -141,11 +138,9 @@ def _tokens_comparable(x: dict[str, Any], y: dict[str, Any]) -> bool:
 
 def compare_samples(a: str, b: str, names: Optional[list[str]] = None,
                     ranks: Optional[int] = None) -> Result:
-    """The first batch whose rows (sample, stream and stage ids) differ as a multiset (the
-    order a log lists a global batch's rows in is not what trains) --
-    naming a row only A has and one only B has (their rows in rank order; with ``ranks``,
-    A's rank and row there); else the first whose ``tokens`` digest differs (logs written
-    before the digest existed have none: then ids only, and the detail says so)."""
+    """The first batch whose rows (sample, stream, stage ids) differ as a multiset, naming a row
+    only A has and one only B has; else the first whose ``tokens`` digest differs (ids only,
+    said so, for logs without digests)."""
     la, lb = _read_log(a), _read_log(b)
 
     def stream(i: Any) -> str:

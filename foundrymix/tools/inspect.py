@@ -1,14 +1,8 @@
 """``foundrymix inspect DIR``: the manifest as a table (or JSON), and rows decoded as text.
 
-``--decode K`` prints the first K rows, segment by segment (documents or packed
-examples), with the tokens that carry no loss (labels ``-100``) between ``⟦`` and ``⟧``.
-Rows are read with the loader's checks: a damaged row stops with its shard file and row
-named (``foundrymix verify`` checks every row).
-
-A remote directory (``s3://bucket/prefix``) is read without a dataset cache: only
-``foundrymix.json`` (with ``--decode K``, also ``index.json`` and the shards that hold the
-first K rows) is downloaded, each file within ``--timeout``, into a temporary directory
-removed afterwards.
+``--decode K`` prints the first K rows segment by segment, tokens without loss between ``⟦`` and
+``⟧``, read with the loader's checks. A remote directory downloads only the files needed, each
+within ``--timeout``, into a temporary directory removed afterwards.
 """
 
 from __future__ import annotations
@@ -47,13 +41,8 @@ def render_row(row: dict[str, Any], tok: Any) -> list[str]:
 
 
 def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """(shard file, row within the shard, stored row) of a local directory, in order, checked.
-
-    Each row passes :func:`foundrymix.format.schema.check_row` against the manifest (the checks
-    the loader runs); a missing or damaged shard or bad row raises
-    :class:`~foundrymix.format.shards.ShardFilesError` / :class:`~foundrymix.format.row_errors.CorruptRowError`
-    naming the shard file and row.
-    """
+    """(shard file, row within the shard, stored row) of a local directory, in order, each checked
+    as the loader checks it: a damaged shard or row raises naming the shard file and row."""
     from foundrymix.format.shards import (check_shard_files, shard_raw_bytes, iter_shard_rows, read_index,
                                    shard_files_error, shard_name)
     index = read_index(directory)

@@ -1,10 +1,8 @@
 """``foundrymix migrate FOUNDRY.yaml [--out NEW.yaml]``: an LLM-Foundry training YAML rewritten
 in foundrymix's keys, printing every change and every setting that has no equivalent.
 
-Why: porting an LLM-Foundry YAML by hand takes a refusal per key. The renames are the ones
-the config reader names in its errors (:data:`foundrymix.config.FOUNDRY_RENAMES`); what has
-no equivalent is removed and listed, never guessed (a unit-less ``eval_interval`` is listed
-for the user to give its unit). The input is only read; ``--out`` never replaces a file.
+The renames are the config reader's (:data:`foundrymix.config.FOUNDRY_RENAMES`); what has no
+equivalent is removed and listed, never guessed. The input is only read; ``--out`` never replaces a file.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""What ``foundrymix migrate`` does with the keys its renames do not cover: the model's
-LLM-Foundry-only keys, the loader dataset keys with no equivalent, the keys carried as they
-are, the read-back of the migrated YAML and the overrides of a CPU trial.
-
-Why: a YAML that migrate calls done must not fail later at a key nobody looked at. Every
-key of the input is named once -- kept, changed, removed with its reason, or to do -- and
-the migrated YAML is read back by the same typed reader as ``train``: whatever that reader
-would refuse is a to-do line, never a surprise later.
+"""What ``foundrymix migrate`` does with the keys its renames do not cover, the read-back and a
+CPU trial's overrides. Every input key is named once (kept, changed, removed, or to do), and the
+migrated YAML is read back by ``train``'s reader: what it would refuse is a to-do line.
 """
 
 from __future__ import annotations
@@ -213,11 +208,8 @@ def kept(m: Any, original: dict[str, Any], renamed: set[str]) -> list[str]:
 
 
 def cpu_overrides(data: dict[str, Any]) -> list[str]:
-    """The ``key=value`` overrides that make a trial of the YAML a short CPU run: FSDP, mixed
-    precision, Composer's adaptive microbatching and flash attention need a GPU (a model without
-    sdpa gets eager); an evaluation of the whole eval set (``eval_subset_num_batches: -1``, the
-    default) is bounded to one batch, once, at the end (Composer always evaluates there), else
-    it would outlast a trial of a few batches."""
+    """The ``key=value`` overrides that make a trial of the YAML a short CPU run: no GPU-only
+    settings, and an unbounded evaluation cut to one batch, once, at the end."""
     out = []
     if data.get('fsdp') is not None:
         out.append('fsdp=null')

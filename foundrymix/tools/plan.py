@@ -1,11 +1,7 @@
 """``foundrymix plan CONFIG.yaml``: the exact mixture of a training YAML, from manifests only.
 
-A YAML with trainer keys is read exactly as ``train`` reads it (the whole
-:class:`~foundrymix.train.config.TrainConfig`, and the batch split over ``--world-size``
-ranks), so a config ``train`` would refuse is refused here with the same message, before
-anything is printed. A data-only YAML is read and checked by the core
-(:class:`~foundrymix.plan.data_config.DataConfig`): no trainer, torch or transformers is
-imported for it.
+A YAML with trainer keys is read exactly as ``train`` reads it, so what ``train`` would refuse is
+refused here in the same words; a data-only YAML is read by the core, importing no trainer or torch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``foundrymix plan``'s eval set: what every evaluation of the ``eval_loader`` reads.
-
-The numbers come from the plan of the loader the trainer evaluates on (the ``eval_loader``'s
-streams, ``device_eval_batch_size`` -- else the per-rank train batch -- on every rank), so
-they are the evaluator's: whole global batches, at most ``eval_subset_num_batches`` of them.
+"""``foundrymix plan``'s eval set: what every evaluation of the ``eval_loader`` reads, from the
+plan of the loader the trainer evaluates on (whole global batches, at most ``eval_subset_num_batches``).
 """
 
 from __future__ import annotations

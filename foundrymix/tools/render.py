@@ -1,9 +1,4 @@
-"""The plan as people read it: rich tables and plain sentences (JSON is ``Plan.to_dict``;
-the picture is :mod:`foundrymix.train.picture`).
-
-On top of :mod:`foundrymix.plan`, so the numbers stay a pure function and the words can
-change without touching them.
-"""
+"""The plan as people read it: rich tables and sentences over :mod:`foundrymix.plan`'s numbers."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """``foundrymix verify DIR|REMOTE``: check every shard of a converted directory, byte for byte.
 
-Checks, for a local directory or a remote one (``s3://bucket/prefix``):
-
-* ``foundrymix.json`` and ``index.json`` parse, and every shard's columns are the
-  foundrymix schema for the manifest's ``max_seq_len`` and token dtype;
-* every shard file exists with the size ``index.json`` records;
-* every hash ``index.json`` records matches the bytes ("no hashes recorded" if the
-  conversion recorded none -- then bit flips that leave token ids below the vocabulary
-  size cannot be seen by anything: such rows are valid rows);
-* every row decodes and passes :func:`foundrymix.format.schema.check_row`;
-* the rows, tokens and loss tokens read equal the manifest's counts.
-
-Prints one line per shard and a verdict; exit code 0 iff intact, 1 if anything is
-damaged, 2 for usage errors (no such directory, not a foundrymix directory, a remote
-that cannot be read, named by :class:`foundrymix.s3.remote.RemoteError`). A remote
-directory is fetched one file at a time (each within ``--timeout`` s) into a temporary
-directory, removed afterwards. The checks themselves live in :mod:`foundrymix.format.shards`.
+Local or ``s3://``: manifest and index parse with the schema's columns; every shard file has its
+recorded size and hashes; every row passes :func:`~foundrymix.format.schema.check_row`; rows and
+tokens equal the manifest's. One line per shard and a verdict; exit 0 iff intact, 1 if damaged,
+2 for usage errors. The checks live in :mod:`foundrymix.format.shards`.
 """
 
 from __future__ import annotations
@@ -150,13 +138,8 @@ class _Source:
 
 def verify(location: str, timeout: float = DEFAULT_TIMEOUT,
            on_shard: Optional[Callable[[ShardReport], None]] = None) -> VerifyReport:
-    """Verify a foundrymix directory (local path or remote URL); see the module docstring.
-
-    Raises ``FileNotFoundError`` if ``location`` is not a foundrymix directory (no such
-    directory, or no manifest) and ``ConnectionError`` if a remote cannot be read; every
-    kind of damage is reported in the returned :class:`VerifyReport` instead.
-    ``on_shard`` is called with each shard's report as soon as it is done.
-    """
+    """Verify a foundrymix directory (local path or remote URL): damage goes in the report;
+    ``FileNotFoundError`` if it is not one, ``ConnectionError`` if a remote cannot be read."""
     if not is_remote(location) and not os.path.isdir(location):
         raise MissingError(f'{location}: no such directory')
     source = _Source(location, timeout)
