@@ -25,6 +25,7 @@ from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
 from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.convert.writer import check_output_dir
 from foundrymix.errors import UserError
+from foundrymix.format.foundry_tokens import document_rule
 from foundrymix.format.schema import Manifest, RowBatch
 from foundrymix.tokenizer import describe_tokenizer
 
@@ -176,14 +177,12 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
             stream = np.concatenate(([previous], stream))
         if not len(stream):
             continue
-        eos = np.flatnonzero(stream[1:] == info.eos_id)
-        bos = np.flatnonzero(stream[1:] == info.bos_id) if info.bos_id is not None else eos[:0]
-        bos = bos[stream[bos] != info.eos_id]  # stream[bos] is the token before each BOS
+        rule, _ = document_rule(stream, info.eos_id, info.bos_id)
         where = f'shard {number}' + (f' of {split.name}' if split.name else '')
-        if len(eos) and (not len(bos) or eos[0] < bos[0]):
+        if rule == 'eos':
             return 'eos', info.eos_id, window, (f'documents end after each EOS (id {info.eos_id}; '
                                                 f'the first after the start is in {where})')
-        if len(bos):
+        if rule == 'bos':
             return 'bos', info.bos_id, window, (f'no EOS (id {info.eos_id}) between documents: '
                                                 f'documents start at each BOS (id {info.bos_id}; '
                                                 f'the first is in {where})')

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -187,14 +188,6 @@ def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_pretrain(args: argparse.Namespace) -> int:
-    return _run(convert_pretrain, PretrainOptions, args)
-
-
-def _run_finetune(args: argparse.Namespace) -> int:
-    return _run(convert_finetune, FinetuneOptions, args)
-
-
 def _run_adopt(args: argparse.Namespace, kinds: tuple[str, ...] = ()) -> int:
     from foundrymix.convert.adopt import AdoptArgs, adopt
     common = {k: getattr(args, k) for k in ('workers', 'overwrite', 'on_error', 'bos', 'eos',
@@ -263,7 +256,7 @@ def register(subparsers: Any) -> None:
     p.add_argument('--text', dest='text_template', metavar='TEMPLATE', default=None,
                    help=r"build the text from fields instead, e.g. '{title}\n\n{body}' "
                         r"(\n, \t, \\ are escapes; see --prompt in 'convert finetune -h' for the field syntax)")
-    p.set_defaults(func=_run_pretrain, parser=p)
+    p.set_defaults(func=functools.partial(_run, convert_pretrain, PretrainOptions), parser=p)
 
     f = sub.add_parser('finetune', help='prompt/response or chat examples -> packed rows with loss masks',
                        description='Decoder-only examples [BOS] prompt response [EOS], loss on the '
@@ -286,4 +279,4 @@ def register(subparsers: Any) -> None:
     f.add_argument('--no-pack', dest='pack', action='store_false',
                    help='one example per row, padded (default: first-fit packing)')
     f.add_argument('--pack-window', type=int, default=64, help='open rows kept while packing (default 64)')
-    f.set_defaults(func=_run_finetune, parser=f)
+    f.set_defaults(func=functools.partial(_run, convert_finetune, FinetuneOptions), parser=f)

@@ -90,24 +90,20 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
             load: bool = True) -> Setup:
     """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
     ``min_content``: tokens a row must have room for; ``load=False``: describe the tokenizer only."""
-    if options.on_error not in ON_ERROR:
-        raise UserError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {options.on_error!r}")
+    for flag, value, choices in (('--on-error', options.on_error, ON_ERROR), ('--engine', options.engine, ENGINES),
+                                 ('--parallel', options.parallel or PARALLEL_MODES[0], PARALLEL_MODES)):
+        if value not in choices:
+            raise UserError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+    for knob in ('ray_task_bytes', 'chunk_bytes'):
+        if getattr(options, knob) <= 0:
+            raise UserError(f'{knob} must be positive, got {getattr(options, knob)}')
     if not 0 <= options.workers <= MAX_WORKERS:
         raise UserError(f'--workers must be 0 (all cores) to {MAX_WORKERS:,}, got {options.workers}')
     if options.max_seq_len > MAX_SEQ_LEN:
         raise UserError(f'--max-seq-len {options.max_seq_len} is too large: rows store token positions '
                          f'as int32, so at most {MAX_SEQ_LEN:,}')
-    if options.parallel is not None and options.parallel not in PARALLEL_MODES:
-        raise UserError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, "
-                         f"got {options.parallel!r}")
-    if options.engine not in ENGINES:
-        raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
-    if options.ray_task_bytes <= 0:
-        raise UserError(f'ray_task_bytes must be positive, got {options.ray_task_bytes}')
     if options.preprocess is not None:
         load_preprocess(options.preprocess)  # fails fast, naming the function
-    if options.chunk_bytes <= 0:
-        raise UserError(f'chunk_bytes must be positive, got {options.chunk_bytes}')
     output = split_out(out)
     check_input_urls(inputs)
     local = output.local

@@ -44,7 +44,7 @@ def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str,
     """(shard file, row within the shard, stored row) of a local directory, in order, each checked
     as the loader checks it: a damaged shard or row raises naming the shard file and row."""
     from foundrymix.format.shards import (check_shard_files, shard_raw_bytes, iter_shard_rows, read_index,
-                                   shard_files_error, shard_name)
+                                   shard_files_error, shard_name, stored_name)
     index = read_index(directory)
     sample = 0
     for shard in index['shards']:
@@ -52,13 +52,8 @@ def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str,
         problems = check_shard_files(directory, {'shards': [shard]})
         if problems:
             raise shard_files_error(os.path.basename(os.path.normpath(directory)), directory, problems)
-        raw_path = os.path.join(directory, shard['raw_data']['basename'])
-        if os.path.isfile(raw_path):
-            with open(raw_path, 'rb') as f:
-                data = f.read()
-        else:
-            with open(os.path.join(directory, shard['zip_data']['basename']), 'rb') as f:
-                data = shard_raw_bytes(shard, f.read())
+        with open(os.path.join(directory, stored_name(shard)), 'rb') as f:  # what the loader reads
+            data = shard_raw_bytes(shard, f.read())
         for result in iter_shard_rows(data, shard, manifest.tokenizer.vocab_size, manifest.max_seq_len):
             if result.problem is not None:
                 raise CorruptRowError(shard=name, row=result.row, sample_id=sample + result.row,
@@ -85,7 +80,7 @@ def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None
     for ``--decode`` the index and the shards holding the first ``decode`` rows."""
     from foundrymix.s3.remote import download
     from foundrymix.format.schema import MANIFEST_NAME
-    from foundrymix.format.shards import INDEX_NAME, is_not_found, read_index
+    from foundrymix.format.shards import INDEX_NAME, is_not_found, read_index, stored_name
     url = url.rstrip('/')
 
     def get(basename: str, what: str) -> None:
@@ -105,8 +100,7 @@ def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None
     for shard in read_index(directory)['shards']:
         if rows >= decode:
             break
-        stored = shard.get('zip_data') or shard['raw_data']
-        get(stored['basename'], 'shard file listed in index.json')
+        get(stored_name(shard), 'shard file listed in index.json')
         rows += int(shard['samples'])
 
 

@@ -183,7 +183,7 @@ def test_unmanifested_mds_points_to_adopt(tmp_path):
 
 @pytest.mark.parametrize('encoding,lengths', [('ndarray:int32', [16, 16, 16]), ('ndarray:int32:16', [16, 16]),
                                               ('ndarray:uint16', [300, 300]), ('ndarray:int32', [16, 9, 16])])
-def test_ndarray_column_equals_streaming_decode(tmp_path, encoding, lengths):
+def test_ndarray_rows_equals_streaming_decode(tmp_path, encoding, lengths):
     """The one-view read of token shards gives streaming's own row decoding (or declines)."""
     from streaming import MDSWriter
     from foundrymix.convert.mds_input import read_column_arrays, read_shard
