@@ -11,6 +11,7 @@ import re
 import shutil
 import stat
 
+from foundrymix.claims import pid_alive
 from foundrymix.convert.upload import INDEX_NAME, SHARD_NAME
 from foundrymix.format.shards import index_files
 from foundrymix.errors import FoundrymixError, UserError
@@ -122,17 +123,6 @@ def remove_output(out: str) -> list[str]:
         return sorted(os.listdir(out)) if os.path.isdir(out) else []
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (``os.kill(pid, 0)``: no signal is sent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def _keep_owned_attributes(path: str, was: os.stat_result) -> None:
     """Give the published directory ``path`` the group and permission bits of the one it
     replaced (``was``). The group first: changing it clears setgid. A group the writer may
@@ -153,7 +143,7 @@ def remove_stale_partials(parent: str, name: str) -> list[str]:
     pattern = re.compile(rf'^\.{re.escape(name)}\.partial-(\d+)(?:-[0-9a-f]+)?(?:\.old)?$')
     for stale in glob.glob(os.path.join(glob.escape(parent), f'.{glob.escape(name)}.partial-*')):
         match = pattern.match(os.path.basename(stale))
-        if match is None or _pid_alive(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         if stale.endswith('.old'):  # a replaced output (see ShardWriter._publish): its files only
             left = remove_output(stale)
