@@ -57,24 +57,23 @@ def _is_sample_log(path: str) -> bool:
     return isinstance(line, dict) and all(k in line for k in SAMPLE_LOG_KEYS)
 
 
+def _only(run: str, found: list[str], what: str, advice: str) -> str:
+    """The one file of ``found``, or a refusal naming what was found instead."""
+    if len(found) != 1:
+        listing = f'found {len(found)}: {", ".join(found)}' if found else 'found none'
+        raise MissingError(f'{run}: expected one {what} below it, {listing}; {advice}')
+    return found[0]
+
+
 def find_sample_log(run: str) -> str:
-    logs = [p for p in _files(run, '*.jsonl') if _is_sample_log(p)]
-    if len(logs) != 1:
-        found = f'found {len(logs)}: {", ".join(logs)}' if logs else 'found none'
-        raise MissingError(f'{run}: expected one sample log (*.jsonl written by the sample_log '
-                           f'callback) below it, {found}; add callbacks.sample_log to the run, or '
-                           f'leave samples out with --parts')
-    return logs[0]
+    return _only(run, [p for p in _files(run, '*.jsonl') if _is_sample_log(p)],
+                 'sample log (*.jsonl written by the sample_log callback)',
+                 'add callbacks.sample_log to the run, or leave samples out with --parts')
 
 
 def find_summary(run: str) -> str:
     from foundrymix.train.report import SUMMARY_NAME
-    found = _files(run, SUMMARY_NAME)
-    if len(found) != 1:
-        what = f'found {len(found)}: {", ".join(found)}' if found else 'found none'
-        raise MissingError(f'{run}: expected one {SUMMARY_NAME} below it, {what}; leave '
-                           f'accounting out with --parts')
-    return found[0]
+    return _only(run, _files(run, SUMMARY_NAME), SUMMARY_NAME, 'leave accounting out with --parts')
 
 
 def find_checkpoint(run: str) -> str:
