@@ -28,15 +28,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'outputs, hidden entries and --out')
     p.add_argument('-o', '--out', required=True,
                    help='local output directory (empty or absent, or a foundrymix dataset with '
-                        '--overwrite; never an input, '
-                        'inside an input directory, or holding an input), or s3://bucket/prefix: '
-                        'shards are uploaded as they are finished, foundrymix.json and index.json '
-                        'last, so readers never see a partial dataset (a failed or killed run leaves '
-                        'no index). The prefix must be empty unless --overwrite. Credentials and '
-                        'endpoint as for boto3 and streaming: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY '
-                        'or AWS_PROFILE, S3_ENDPOINT_URL for S3-compatible stores; AWS_MAX_ATTEMPTS '
-                        'attempts per request (default 8; 503 SlowDown, resets and timeouts are '
-                        'retried with backoff, and counted in the summary)')
+                        '--overwrite; never an input or beside one), or s3://bucket/prefix (empty '
+                        'unless --overwrite): uploaded as shards finish, index.json last, so readers '
+                        'never see a partial dataset; credentials, endpoint and retries as for boto3 '
+                        '(docs/s3.md)')
     p.add_argument('--keep-local', metavar='DIR', default=None,
                    help='with --out s3://...: also keep a complete local copy in DIR (same rules as a '
                         'local --out); without it shards are staged in the temp dir ($TMPDIR) and '
@@ -64,11 +59,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'prompt/response finetuning), or forked processes (default for chats and '
                         '--preprocess, whose Python work holds the GIL)')
     p.add_argument('--overwrite', action='store_true',
-                   help='replace the foundrymix dataset in --out: locally only its foundrymix.json, '
-                        'index.json and the shards that index lists are removed, and a folder holding '
-                        'anything else is refused before any work; for s3:// the old index.json and '
-                        'foundrymix.json are deleted before the first new shard is uploaded and the '
-                        'old shards after the new index; objects foundrymix did not write are kept')
+                   help='replace the foundrymix dataset in --out: only what foundrymix wrote is '
+                        'removed, and a folder holding anything else is refused before any work '
+                        '(docs/safety.md)')
     p.add_argument('--on-error', choices=ON_ERROR, default='raise',
                    help='bad records: stop with an error naming file, line and field (raise), or '
                         'skip them and count each by reason in the manifest (skip)')

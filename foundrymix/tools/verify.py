@@ -21,7 +21,7 @@ from foundrymix.errors import MissingError
 from foundrymix.format.advice import adopt_advice, read_index_or_none, splits_advice
 from foundrymix.format.row_errors import format_row_error
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
-from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, shard_raw_bytes, iter_shard_rows,
+from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, ShardProblem, shard_raw_bytes, iter_shard_rows,
                                hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
                                validate_index)
 
@@ -243,8 +243,8 @@ def _verify_shard(source: _Source, shard: dict[str, Any], vocab: Optional[int], 
         finally:
             source.release(info['basename'])
     if not files:
-        rep.problems.append(f'{source.name(stored["basename"])}: shard file missing '
-                            f'(index.json records {int(stored["bytes"]):,} bytes)')
+        rep.problems.append(ShardProblem(name, source.name(stored['basename']), 'missing',
+                                         int(stored['bytes']), None).describe())
         rep.bad_rows = rep.rows_expected
         return rep
     rep.bytes_found = len(files.get(stored['basename'], next(iter(files.values()))))
@@ -254,9 +254,8 @@ def _verify_shard(source: _Source, shard: dict[str, Any], vocab: Optional[int], 
         if info and info['basename'] in files:
             data = files[info['basename']]
             if len(data) != int(info['bytes']):
-                how = 'truncated' if len(data) < int(info['bytes']) else 'longer than recorded'
-                rep.problems.append(f'{source.name(info["basename"])}: {len(data):,} bytes, '
-                                    f'index.json records {int(info["bytes"]):,} ({how})')
+                rep.problems.append(ShardProblem(name, source.name(info['basename']), 'size',
+                                                 int(info['bytes']), len(data)).describe())
             checks += shard_hash_checks(info, data)
 
     raw = files.get(raw_info['basename'])
