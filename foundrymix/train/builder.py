@@ -224,7 +224,7 @@ def _composer_trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, eval
         eval_interval=cfg.eval_interval if evaluator is not None else 1,
         eval_subset_num_batches=cfg.eval_subset_num_batches,
         max_duration=max_duration,
-        optimizers=build_optimizer(cfg, model),
+        optimizers=build_optimizer(cfg, model, device),
         schedulers=scheduler,
         step_schedulers_every_batch=True,
         device=device,

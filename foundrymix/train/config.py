@@ -31,6 +31,8 @@ class OptimizerConfig:
     betas: Optional[tuple[float, float]] = None  # default: (0.9, 0.95); decoupled_lionw: Foundry's (0.9, 0.99)
     eps: float = 1.0e-8  # not used by decoupled_lionw
     weight_decay: float = 0.0
+    #: the AdamW kinds on torch's fused kernel (no host sync per tensor); default: on a GPU
+    fused: Optional[bool] = None
 
 
 @dataclass

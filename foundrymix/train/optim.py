@@ -1,4 +1,7 @@
-"""``optimizer.name: decoupled_lionw``: LLM-Foundry's Lion with decoupled weight decay.
+"""The optimizers: LLM-Foundry's Lion (``decoupled_lionw``) and Composer's decoupled AdamW rule
+on torch's fused kernel (``decoupled_adamw`` on a GPU).
+
+``decoupled_lionw``: LLM-Foundry's Lion with decoupled weight decay.
 
 Why here: Composer 0.32 has no Lion, and LLM-Foundry's ``DecoupledLionW`` comes with all of
 Foundry. The same update rule (Chen et al. 2023), written from that rule:
@@ -58,15 +61,52 @@ class DecoupledLionW(torch.optim.Optimizer):
         return loss
 
 
-def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+class FusedDecoupledAdamW(torch.optim.AdamW):
+    """Composer's ``DecoupledAdamW`` rule -- ``p *= 1 - (lr / initial_lr) * wd``, then Adam's step --
+    on torch's fused AdamW kernel: one launch for all tensors and no host sync per
+    tensor, where Composer's loop reads each tensor's step with ``.item()``.
+
+    torch decays by ``lr * wd'``; with ``wd' = wd / initial_lr`` that is Composer's decay, so the
+    group keeps Composer's ``weight_decay`` and ``initial_lr`` (its checkpoints load into either
+    class) and ``step`` hands torch ``wd'``. Equal to Composer's up to float rounding.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float) -> None:
+        if lr <= 0:
+            raise ValueError(f'Invalid LR: {lr}. LR must be > 0')
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         fused=True)
+        for group in self.param_groups:
+            group['initial_lr'] = group['lr']
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        decays = [group['weight_decay'] for group in self.param_groups]
+        for group in self.param_groups:
+            group['weight_decay'] = group['weight_decay'] / group['initial_lr']
+        try:
+            return super().step(closure)
+        finally:
+            for group, decay in zip(self.param_groups, decays):
+                group['weight_decay'] = decay
+
+
+def build_optimizer(cfg: Any, model: torch.nn.Module, device: str = 'cpu') -> torch.optim.Optimizer:
     """The optimizer over the parameters that train (a LoRA run's frozen base is not in it:
-    no state kept for it, and no weight decay can reach it)."""
+    no state kept for it, and no weight decay can reach it). ``fused`` (default: on a GPU) takes
+    torch's fused AdamW kernel; Composer's per-tensor loop stays the CPU default, so CPU runs
+    keep their exact figures."""
     o = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     if o.name == 'decoupled_lionw':
         return DecoupledLionW(params, lr=o.lr, betas=o.betas or LION_BETAS, weight_decay=o.weight_decay)
     betas = o.betas or (0.9, 0.95)
+    fused = device == 'gpu' if o.fused is None else o.fused
     if o.name == 'adamw':
-        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay,
+                                 fused=fused or None)
+    if fused:
+        return FusedDecoupledAdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
     from composer.optim import DecoupledAdamW
     return DecoupledAdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
