@@ -47,18 +47,21 @@ def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claim
 
 
 def budget_for(config: Any, infos: list[Any], where: str) -> Optional[Any]:
-    """The remote streams' :class:`~.budget.CacheBudget` (None without ``cache_limit``), its lock
-    named by the directories it covers."""
-    from foundrymix.format.mds import size_limit_bytes
+    """The remote streams' :class:`~.budget.CacheBudget` (None without ``cache_limit``): each
+    stream may keep its shuffle window, the files kept beside the shards counted; its lock named
+    by the directories it covers."""
     from foundrymix.loader.cache.budget import CacheBudget
     from foundrymix.plan.config import cache_base
+    from foundrymix.plan.window import cache_window, fixed_bytes, limit_bytes, window_bytes
     if not config.cache_limit:
         return None
     remote = [i for i in infos if i.remote_dir]
+    rows = cache_window(config, infos)
     dirs = sorted(os.path.realpath(i.directory) for i in remote)
     key = hashlib.blake2s('\n'.join(dirs).encode('utf-8'), digest_size=10).hexdigest()
-    return CacheBudget(size_limit_bytes(config.cache_limit),
-                       [(i.directory, i.index['shards']) for i in remote],
+    return CacheBudget(limit_bytes(config, where),
+                       [(i.directory, i.index['shards'], window_bytes(i.index['shards'], rows)) for i in remote],
+                       sum(fixed_bytes(i) for i in remote),
                        os.path.join(cache_base(config.cache_root), 'budgets', f'{key}.lock'))
 
 
