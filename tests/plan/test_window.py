@@ -95,3 +95,22 @@ def test_a_limit_below_one_shard_of_each_stream_is_refused(tmp_path):
     assert cache_window(SimpleNamespace(cache_limit=need, shuffle_block_size=None), [a, b]) == 50
     with pytest.raises(ConfigError, match=r"cache_limit: 'lots' is not a size"):
         cache_window(SimpleNamespace(cache_limit='lots', shuffle_block_size=None), [a, b])
+
+
+def test_a_window_chosen_for_cache_limit_is_in_the_fingerprint_so_a_resume_cannot_change_it(tmp_path):
+    """Another window is another order: a checkpoint of the run without cache_limit (or with
+    another) differs in ``shuffle_block_size``, naming both values; a limit whose window is the
+    default changes nothing, and the chosen window set explicitly matches it."""
+    from foundrymix.plan.stages import fingerprint_changes, stage_fingerprint
+    a = info('a', [100] * 14, [90_000] * 14, tmp_path)
+    a.spec = SimpleNamespace(repeat=1, proportion=None, choose=None)
+
+    def fp(**knobs):
+        cfg = SimpleNamespace(shuffle=True, shuffle_seed=1, shuffle_block_size=None, batching_method='random',
+                              epoch_size=None, weights_in='rows', adaptive=None, cache_limit=None)
+        cfg.__dict__.update(knobs)
+        return stage_fingerprint(cfg, [a], 8)
+    tight = 4 * 90_000 + ROOM_SHARDS * 90_000 + fixed_bytes(a)
+    assert fingerprint_changes(fp(), fp(cache_limit=tight)) == ['shuffle_block_size None -> 400']
+    assert fingerprint_changes(fp(), fp(cache_limit='1gb')) == []
+    assert fingerprint_changes(fp(cache_limit=tight), fp(cache_limit='1gb', shuffle_block_size=400)) == []
