@@ -105,3 +105,29 @@ def test_a_tight_cache_fetches_each_shard_once_a_pass_and_never_overflows(tmp_pa
              'shuffle_block_size': window}
     want, _ = read(local, 3, tmp_path / 'none')
     assert got == want  # the rows, bitwise, in the order of that window
+
+
+def test_a_hash_record_stays_within_the_bound_the_budget_counts(tmp_path):
+    """A shard evicted and fetched again 200 times is a new file version each time (a line
+    each): the record is compacted to the files present, never past ``record_bytes``."""
+    import xxhash
+
+    from foundrymix.loader.cache.hashes import ShardHashes, record_path
+    from foundrymix.plan.window import RECORD_SLACK, record_bytes
+    d = tmp_path / 'stream'
+    d.mkdir()
+    payload = {f'shard.{k:05}.mds': bytes([k]) * 1000 for k in range(3)}
+    want = {n: xxhash.xxh3_64(b).hexdigest() for n, b in payload.items()}
+    index = [{'samples': 1, 'raw_data': {'basename': n, 'bytes': 1000, 'hashes': {'xxh3_64': h}}}
+             for n, h in want.items()]
+    record = Path(record_path(str(tmp_path / 'cache'), str(d)))
+    most = 0
+    for k in range(200):
+        name = f'shard.{k % 3:05}.mds'
+        (d / name).unlink(missing_ok=True)  # evicted, fetched again: a new inode and times
+        (d / name).write_bytes(payload[name])
+        assert ShardHashes(str(tmp_path / 'cache')).check(str(d), name, want[name], 'xxh3_64')
+        lines = record.read_text().splitlines()
+        most = max(most, len(lines))
+        assert record.stat().st_size <= record_bytes(index) // 2
+    assert 3 + RECORD_SLACK - 5 < most <= 3 + RECORD_SLACK + 1  # it grew, then was compacted
