@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -78,40 +78,48 @@ def largest_shard(infos: Sequence[Any]) -> tuple[int, str, str]:
 def cache_need(infos: Sequence[Any], rows: int) -> int:
     """Bytes a cache of the remote streams ``infos`` needs for windows of ``rows`` rows: every
     stream's window, room to fetch :data:`ROOM_SHARDS` of the largest shard, and the fixed files."""
+    return _need(infos)(rows)
+
+
+def _need(infos: Sequence[Any]) -> Callable[[int], int]:
     room = ROOM_SHARDS * largest_shard(infos)[0] + sum(fixed_bytes(i) for i in infos)
-    return room + sum(window_bytes(i.index['shards'], rows) for i in infos)
+    return lambda rows: room + sum(window_bytes(i.index['shards'], rows) for i in infos)
 
 
 def cache_window(config: Any, infos: Sequence[Any]) -> int:
     """The stage's shuffle window in rows: ``shuffle_block_size`` or the default, or under
     ``cache_limit`` the largest up to the default whose windows of every remote stream fit beside
-    the fetch room and fixed files; a ``shuffle_block_size`` or limit that cannot fit is refused."""
+    the fetch room and fixed files; a ``shuffle_block_size`` or limit that cannot fit is refused.
+    (Unshuffled, every window size gives one order, read a shard of each stream at a time.)"""
     asked = config.shuffle_block_size or WINDOW_ROWS
     remote = [i for i in infos if i.remote_dir]
     where = infos[0].where.rsplit('.streams.', 1)[0] if infos else 'train_loader'
     limit = limit_bytes(config, where)
-    if not limit or not remote or cache_need(remote, asked) <= limit:
+    if not limit or not remote:
         return asked
-    if cache_need(remote, 1) > limit:
+    need = _need(remote)
+    if need(asked if config.shuffle else 1) <= limit:  # unshuffled: a shard of each at a time
+        return asked
+    if need(1) > limit:
         size, stream, shard = largest_shard(remote)
         fixed = sum(fixed_bytes(i) for i in remote)
         raise ConfigError(
             f'{where}.cache_limit: {limit:,} bytes is below what the loader needs to read these '
-            f'streams, {cache_need(remote, 1):,} bytes: a shard of each of the {len(remote)} remote '
-            f'stream(s) at once ({cache_need(remote, 1) - fixed - ROOM_SHARDS * size:,} bytes), room to '
+            f'streams, {need(1):,} bytes: a shard of each of the {len(remote)} remote '
+            f'stream(s) at once ({need(1) - fixed - ROOM_SHARDS * size:,} bytes), room to '
             f"fetch {ROOM_SHARDS} more of the largest ({size:,} bytes, stream '{stream}', {shard}) and "
             f'the index and hash-record files ({fixed:,} bytes). Raise cache_limit to at least '
-            f'{cache_need(remote, 1):,}, or convert with a smaller --size-limit')
+            f'{need(1):,}, or convert with a smaller --size-limit')
     lo, hi = 1, asked  # windows of lo rows fit, of hi do not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if cache_need(remote, mid) <= limit else (lo, mid)
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
     if config.shuffle_block_size:
         raise ConfigError(
             f'{where}.shuffle_block_size: windows of {asked:,} rows need a cache of '
-            f'{cache_need(remote, asked):,} bytes (every remote stream\'s window at once, room to fetch '
+            f'{need(asked):,} bytes (every remote stream\'s window at once, room to fetch '
             f'and the index files), and cache_limit {limit:,} holds windows of {lo:,} rows; each shard '
             f'would be fetched many times a pass. Set shuffle_block_size to at most {lo:,} (or leave it '
             f'out: the largest window that fits is used), or raise cache_limit to at least '
-            f'{cache_need(remote, asked):,}')
+            f'{need(asked):,}')
     return lo

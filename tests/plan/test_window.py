@@ -50,24 +50,26 @@ def test_the_default_window_is_kept_when_it_fits_and_the_largest_that_fits_chose
     a = info('a', [100] * 14, [90_000] * 14, tmp_path)
     b = info('b', [50] * 9, [40_000] * 9, tmp_path)
     fixed = fixed_bytes(a) + fixed_bytes(b)
-    cfg = SimpleNamespace(cache_limit=None, shuffle_block_size=None)
+    cfg = SimpleNamespace(shuffle=True, cache_limit=None, shuffle_block_size=None)
     assert cache_window(cfg, [a, b]) == WINDOW_ROWS
     everything = 14 * 90_000 + 9 * 40_000 + ROOM_SHARDS * 90_000 + fixed
-    assert cache_window(SimpleNamespace(cache_limit=everything, shuffle_block_size=None), [a, b]) == WINDOW_ROWS
+    assert cache_window(SimpleNamespace(shuffle=True, cache_limit=everything, shuffle_block_size=None), [a, b]) == WINDOW_ROWS
     # A window of W rows spans up to 1 + (W - 1) // 100 shards of a and 1 + (W - 1) // 50 of b:
     # room for 390,000 bytes of them holds 2 + 4 shards (340,000) up to W = 200; 3 + 5 do not fit.
     limit = 3 * 90_000 + 3 * 40_000 + ROOM_SHARDS * 90_000 + fixed
-    W = cache_window(SimpleNamespace(cache_limit=limit, shuffle_block_size=None), [a, b])
+    W = cache_window(SimpleNamespace(shuffle=True, cache_limit=limit, shuffle_block_size=None), [a, b])
     assert W == 200
     assert cache_need([a, b], W) <= limit < cache_need([a, b], W + 1)
-    assert cache_window(SimpleNamespace(cache_limit=f'{limit}b', shuffle_block_size=200), [a, b]) == 200
+    assert cache_window(SimpleNamespace(shuffle=True, cache_limit=f'{limit}b', shuffle_block_size=200), [a, b]) == 200
+    # unshuffled, the window changes nothing (rows in shard order, one shard at a time): kept
+    assert cache_window(SimpleNamespace(shuffle=False, cache_limit=limit, shuffle_block_size=None), [a, b]) == WINDOW_ROWS
 
 
 def test_a_shuffle_block_size_that_cannot_fit_is_refused_saying_what_fits(tmp_path):
     a = info('a', [100] * 14, [90_000] * 14, tmp_path)
     limit = 4 * 90_000 + ROOM_SHARDS * 90_000 + fixed_bytes(a)
     with pytest.raises(ConfigError) as err:
-        cache_window(SimpleNamespace(cache_limit=limit, shuffle_block_size=1200), [a])
+        cache_window(SimpleNamespace(shuffle=True, cache_limit=limit, shuffle_block_size=1200), [a])
     need = 12 * 90_000 + ROOM_SHARDS * 90_000 + fixed_bytes(a)  # 1,199 rows hold 11 shards, + 1
     assert str(err.value) == (
         f"train_loader.shuffle_block_size: windows of 1,200 rows need a cache of {need:,} bytes "
@@ -84,7 +86,7 @@ def test_a_limit_below_one_shard_of_each_stream_is_refused(tmp_path):
     fixed = fixed_bytes(a) + fixed_bytes(b)
     need = 90_000 + 40_000 + ROOM_SHARDS * 90_000 + fixed
     with pytest.raises(ConfigError) as err:
-        cache_window(SimpleNamespace(cache_limit=need - 1, shuffle_block_size=None), [a, b])
+        cache_window(SimpleNamespace(shuffle=True, cache_limit=need - 1, shuffle_block_size=None), [a, b])
     assert str(err.value) == (
         f'train_loader.cache_limit: {need - 1:,} bytes is below what the loader needs to read these '
         f'streams, {need:,} bytes: a shard of each of the 2 remote stream(s) at once (130,000 bytes), '
@@ -92,9 +94,9 @@ def test_a_limit_below_one_shard_of_each_stream_is_refused(tmp_path):
         f'index and hash-record files ({fixed:,} bytes). Raise cache_limit to at least {need:,}, or '
         f'convert with a smaller --size-limit')
     # windows of up to 50 rows span one shard of each (b has 50 rows a shard)
-    assert cache_window(SimpleNamespace(cache_limit=need, shuffle_block_size=None), [a, b]) == 50
+    assert cache_window(SimpleNamespace(shuffle=True, cache_limit=need, shuffle_block_size=None), [a, b]) == 50
     with pytest.raises(ConfigError, match=r"cache_limit: 'lots' is not a size"):
-        cache_window(SimpleNamespace(cache_limit='lots', shuffle_block_size=None), [a, b])
+        cache_window(SimpleNamespace(shuffle=True, cache_limit='lots', shuffle_block_size=None), [a, b])
 
 
 def test_a_window_chosen_for_cache_limit_is_in_the_fingerprint_so_a_resume_cannot_change_it(tmp_path):

@@ -56,7 +56,7 @@ def budget_for(config: Any, infos: list[Any], where: str) -> Optional[Any]:
     if not config.cache_limit:
         return None
     remote = [i for i in infos if i.remote_dir]
-    rows = cache_window(config, infos)
+    rows = cache_window(config, infos) if config.shuffle else 1  # unshuffled: a shard at a time
     dirs = sorted(os.path.realpath(i.directory) for i in remote)
     key = hashlib.blake2s('\n'.join(dirs).encode('utf-8'), digest_size=10).hexdigest()
     return CacheBudget(limit_bytes(config, where),
