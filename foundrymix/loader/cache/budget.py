@@ -69,29 +69,30 @@ class CacheBudget:
                 out.append((float(mtime or 0), size, here, k))
         return out
 
-    def usage(self, held: dict[str, list[int]]) -> int:
+    def usage(self, held: dict[str, list[int]], present: Optional[list[tuple[float, int, list[str], int]]] = None
+              ) -> int:
         """Bytes counted now: shards present, reservations, the fixed files and the account
         itself (twice: it is rewritten through a copy)."""
-        present = sum(p[1] for p in self._present())
-        return present + sum(v[1] for v in held.values()) + self.fixed + 2 * len(json.dumps(held))
+        shards = sum(p[1] for p in (self._present() if present is None else present))
+        return shards + sum(v[1] for v in held.values()) + self.fixed + 2 * len(json.dumps(held))
 
     @contextlib.contextmanager
     def reserved(self, key: str, need: int, keep: Optional[str] = None) -> Iterator[None]:
         """Hold ``need`` bytes for the fetch of shard file ``key`` until the block ends, evicting
         first the least recently opened shard of a stream holding more than its window (the
         fetching one's included): a window in use is never evicted while an old one is cached."""
-        mine = self._of.get(key)
         while True:
             with FileLock(self.lock):
                 held = self._reservations()
                 held.pop(key, None)
                 held[key] = [os.getpid(), int(need)]
-                usage = self.usage(held)
-                by = [0] * len(self.quota)
+                everything = self._present()
+                usage = self.usage(held, everything)
+                by = [0] * len(self.quota)  # each stream's bytes: its evictable shards and fetches
                 for path, (_, size) in held.items():
                     if path in self._of:
                         by[self._of[path]] += size
-                present = sorted(p for p in self._present() if keep not in p[2] and key not in p[2])
+                present = sorted(p for p in everything if keep not in p[2] and key not in p[2])
                 for _, size, _, k in present:
                     by[k] += size
                 while usage > self.limit and present:
