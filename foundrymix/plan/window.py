@@ -8,7 +8,6 @@ refused; without ``shuffle_block_size`` the largest one that fits (at most the d
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -48,15 +47,10 @@ def record_bytes(shards: Sequence[dict[str, Any]]) -> int:
 
 
 def fixed_bytes(info: Any) -> int:
-    """What the cache keeps of a stream beside its shards: ``index.json``, ``foundrymix.json`` and
-    the shard-hash record's bound."""
-    out = record_bytes(info.index['shards'])
-    for name in ('index.json', 'foundrymix.json'):
-        try:
-            out += os.stat(os.path.join(info.directory, name)).st_size
-        except OSError:
-            out += len(json.dumps(info.index if name == 'index.json' else {})) + 4096
-    return out
+    """What the cache keeps of a stream beside its shards, from its index alone (so the window
+    chosen is the same at every start): the shard-hash record's bound, ``index.json`` and
+    ``foundrymix.json`` as twice the compact index plus 8 KiB (the budget counts the real files)."""
+    return record_bytes(info.index['shards']) + 2 * len(json.dumps(info.index)) + 8192
 
 
 def window_bytes(shards: Sequence[dict[str, Any]], rows: int) -> int:

@@ -52,7 +52,7 @@ def budget_for(config: Any, infos: list[Any], where: str) -> Optional[Any]:
     by the directories it covers."""
     from foundrymix.loader.cache.budget import CacheBudget
     from foundrymix.plan.config import cache_base
-    from foundrymix.plan.window import cache_window, fixed_bytes, limit_bytes, window_bytes
+    from foundrymix.plan.window import cache_window, limit_bytes, record_bytes, window_bytes
     if not config.cache_limit:
         return None
     remote = [i for i in infos if i.remote_dir]
@@ -61,8 +61,17 @@ def budget_for(config: Any, infos: list[Any], where: str) -> Optional[Any]:
     key = hashlib.blake2s('\n'.join(dirs).encode('utf-8'), digest_size=10).hexdigest()
     return CacheBudget(limit_bytes(config, where),
                        [(i.directory, i.index['shards'], window_bytes(i.index['shards'], rows)) for i in remote],
-                       sum(fixed_bytes(i) for i in remote),
+                       sum(record_bytes(i.index['shards']) + _metadata_bytes(i.directory) for i in remote),
                        os.path.join(cache_base(config.cache_root), 'budgets', f'{key}.lock'))
+
+
+def _metadata_bytes(directory: str) -> int:
+    """The bytes of a cached stream's ``index.json`` and ``foundrymix.json`` (written at start)."""
+    out = 0
+    for name in ('index.json', 'foundrymix.json'):
+        with contextlib.suppress(OSError):
+            out += os.stat(os.path.join(directory, name)).st_size
+    return out
 
 
 def _moved(info: Any, local: str) -> Any:
