@@ -94,7 +94,6 @@ def test_a_tight_cache_fetches_each_shard_once_a_pass_and_never_overflows(tmp_pa
     got, peak = read(cfg, 3, cache, workers)
     fetched = Counter(path.split(f'/{BUCKET}/', 1)[1] for method, path, _ in proxy.log
                       if method == 'GET' and '/shard.' in path)
-    print('DIAG', window, limit, peak, sorted(Counter(fetched.values()).items()), len(sizes))
     assert set(fetched) == set(sizes)
     # once a pass (3 passes): a shard of a window ending one pass may open the next, and with
     # two workers one a batch behind may find a shard of the window before evicted once.
