@@ -164,7 +164,7 @@ class RowStore:
         fetched = self._fetch(src, j) if src.remote is not None else False
         if src.remote is None and not os.path.isfile(path):
             raise self._shard_error(shard, 'the shard file is missing')
-        if not self._verified(src, info, fetched):
+        if not self._verified(src, info):
             if src.remote is None:
                 raise CorruptLocalShardError(
                     f"stream '{src.name}' ({src.directory}): shard file {raw} does not match the "
@@ -178,8 +178,8 @@ class RowStore:
                 log.warning(f"stream '{src.name}': cached shard file {path}: its {src.algorithm} "
                             f'hash does not match the one index.json records; removed it '
                             f'({", ".join(removed)}), it is downloaded again when needed')
-                fetched = self._fetch(src, j)
-            if not self._verified(src, info, fetched):
+                self._fetch(src, j)
+            if not self._verified(src, info):
                 raise _remote_damaged(src, info, self._remove(src, info))
         if self.budget is not None:
             with contextlib.suppress(OSError):
@@ -188,12 +188,12 @@ class RowStore:
         self._readers[shard] = reader
         return reader
 
-    def _verified(self, src: Source, info: dict[str, Any], fresh: bool = False) -> bool:
+    def _verified(self, src: Source, info: dict[str, Any]) -> bool:
         raw = info['raw_data']
         expected = (raw.get('hashes') or {}).get(src.algorithm) if src.algorithm else None
         if expected is None:
             return True
-        return self._hashes.check(src.directory, raw['basename'], expected, src.algorithm, fresh)
+        return self._hashes.check(src.directory, raw['basename'], expected, src.algorithm)
 
     def _remove(self, src: Source, info: dict[str, Any]) -> list[str]:
         removed = []

@@ -15,9 +15,10 @@ from foundrymix.config import DURATION_UNITS, UNIT_WORDS, ConfigError, parse_tim
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.exact import EpochWeights, anchored_epoch, apportion, epoch_weights, weighted
-from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, rank_counts, stream_draws
+from foundrymix.plan.order import StageOrder, name_key, rank_counts, stream_draws
 from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
+from foundrymix.plan.window import cache_window
 
 __all__ = ['Plan', 'StreamPlan', 'RankPlan', 'DurationPlan', 'Topology', 'build_plan']
 
@@ -169,7 +170,7 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
         trained, block = chooses, chooses
         shares = chooses / epoch_size if epoch_size else np.zeros(len(infos))
     draws = stream_draws([i.shard_rows for i in infos], [i.name for i in infos], config.shuffle_seed,
-                         stage, config.shuffle_block_size or WINDOW_ROWS, config.shuffle)
+                         stage, cache_window(config, infos), config.shuffle)
     order = StageOrder(draws, block if block.sum() else np.ones(1, np.int64), G,
                        (config.shuffle_seed, name_key(stage)), config.shuffle)
     return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,

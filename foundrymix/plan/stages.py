@@ -15,8 +15,9 @@ from foundrymix.config import DURATION_UNITS, ConfigError, parse_time, to_batche
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
-from foundrymix.plan.order import StageOrder, StreamDraws
+from foundrymix.plan.order import WINDOW_ROWS, StageOrder, StreamDraws
 from foundrymix.plan.topology import Topology
+from foundrymix.plan.window import cache_window
 
 
 #: the name of the one stage of a run without ``stages:`` (name it so to append stages to it)
@@ -285,6 +286,8 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
     (compared field by field, so a refusal can name the stage, the stream and the field)."""
     knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_block_size',
                                              'batching_method', 'epoch_size')}
+    if not config.shuffle_block_size and (window := cache_window(config, infos)) != WINDOW_ROWS:
+        knobs['shuffle_block_size'] = window  # chosen to fit cache_limit: another order
     if config.weights_in != 'rows':  # only then: fingerprints of older checkpoints stay valid
         knobs['weights_in'] = config.weights_in
     if config.adaptive is not None:

@@ -26,6 +26,7 @@ import pytest
 from cache_reader import summary
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
+from foundrymix.plan.window import cache_window
 from helpers import moto_s3
 from mix_helpers import build_stream
 
@@ -62,16 +63,16 @@ def big(s3, tmp_path_factory) -> dict[str, str]:
 
 
 def budget_usage(budget) -> int:
-    """Bytes the budget's cache holds now plus those reserved by fetches in flight."""
-    return sum(s for _, s, _ in budget._present()) + sum(v[1] for v in budget._reservations().values())
+    """Bytes the budget counts now: the shards, the fetches in flight and the fixed files."""
+    return budget.usage(budget._reservations())
 
 
 def loader(streams: dict[str, dict[str, str]], kind: str, **extra) -> dict:
     return {'streams': {n: {kind: s[kind]} for n, s in streams.items()}, 'shuffle_seed': 11, **extra}
 
 
-def local_summary(streams, batch: int = BATCH) -> dict:
-    ld = StreamMixer.from_dict(loader(streams, 'local')).build_dataloader(batch_size=batch)
+def local_summary(streams, batch: int = BATCH, **extra) -> dict:
+    ld = StreamMixer.from_dict(loader(streams, 'local', **extra)).build_dataloader(batch_size=batch)
     ds = ld.storage
     out = summary(ld)
     del ld
@@ -205,21 +206,30 @@ def test_a_sigkilled_reader_does_not_stop_the_next_run(tmp_path, s3, small, monk
 
 
 # ------------------------------------------------------------------ space
-def test_cache_limit_below_streamings_minimum_is_refused(tmp_path, big):
+def test_cache_limit_below_what_the_loader_needs_is_refused(tmp_path, big):
+    """Below a shard being read, room to fetch three more and the fixed files: refused in one
+    line naming the largest shard and the minimum -- which is then accepted, and one byte less not."""
+    import re
     streams = {'big': big}
     index = json.loads((Path(big['local']) / 'index.json').read_text())
     largest = max(s['raw_data']['bytes'] for s in index['shards'])
     name = next(s['raw_data']['basename'] for s in index['shards'] if s['raw_data']['bytes'] == largest)
-    limit = 4 * largest - 1
+    limit = 4 * largest - 1  # streaming's minimum, which did not count the files beside the shards
     cfg = loader(streams, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
     with pytest.raises(ConfigError) as err:
         StreamMixer.from_dict(cfg).build_dataloader(batch_size=BATCH)
-    assert str(err.value) == (
+    text = str(err.value)
+    minimum = int(re.search(r'Raise cache_limit to at least ([\d,]+),', text).group(1).replace(',', ''))
+    assert text == (
         f'train_loader.cache_limit: {limit:,} bytes is below what the loader needs to read these '
-        f'streams, {4 * largest:,} bytes: 4 x the largest shard ({largest:,} bytes, stream \'big\', '
-        f'{name}; the loader keeps room to download and unpack shards while others are read). '
-        f'Raise cache_limit to at least {4 * largest:,}, or convert with a smaller --size-limit')
-    StreamMixer.from_dict(dict(cfg, cache_limit=4 * largest)).build_store().release()
+        f'streams, {minimum:,} bytes: a shard of each of the 1 remote stream(s) at once ({largest:,} '
+        f"bytes), room to fetch 3 more of the largest ({largest:,} bytes, stream 'big', {name}) and the "
+        f'index and hash-record files ({minimum - 4 * largest:,} bytes). Raise cache_limit to at least '
+        f'{minimum:,}, or convert with a smaller --size-limit')
+    assert 4 * largest < minimum < 4 * largest + (96 << 10)
+    with pytest.raises(ConfigError, match='is below what the loader needs'):
+        StreamMixer.from_dict(dict(cfg, cache_limit=minimum - 1)).build_store()
+    StreamMixer.from_dict(dict(cfg, cache_limit=minimum)).build_store().release()
 
 
 def test_cache_limit_with_a_local_only_stream_is_refused_and_its_files_kept(tmp_path, big):
@@ -238,21 +248,22 @@ def test_cache_limit_with_a_local_only_stream_is_refused_and_its_files_kept(tmp_
 def test_cache_limit_reads_through_evictions_in_process(tmp_path, big):
     """Rows read by index (no DataLoader worker) from a remote under the smallest
     ``cache_limit``: every shard comes in, older ones are evicted, the rows are the local
-    copy's and the budget's usage is what is on disk."""
+    copy's, and what the budget counts covers every file under the cache root."""
     import numpy as np
-    index = json.loads((Path(big['local']) / 'index.json').read_text())
-    limit = 4 * max(s['raw_data']['bytes'] for s in index['shards'])
-    cfg = loader({'big': big}, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
-    ds = StreamMixer.from_dict(cfg).build_store()
+    from foundrymix.plan.window import cache_need
+    cfg = loader({'big': big}, 'remote', cache_root=str(tmp_path / 'c'))
+    limit = cache_need(StreamMixer.from_dict(cfg).catalog.infos(), 1)
+    ds = StreamMixer.from_dict(dict(cfg, cache_limit=limit)).build_store()
     ref = StreamMixer.from_dict(loader({'big': big}, 'local')).build_store()
+    index = json.loads((Path(big['local']) / 'index.json').read_text())
     try:
         ids = list(range(0, ds.num_samples, 97))
         for i in ids:
             assert np.array_equal(ds[i]['input_ids'], ref[i]['input_ids']), i
         cache = Path(ds.sources[0].directory)
-        on_disk = sum(f.stat().st_size for f in cache.iterdir() if f.name != 'foundrymix.json')
+        on_disk = sum(f.stat().st_size for f in (tmp_path / 'c').rglob('*') if f.is_file())
         shards = {s['raw_data']['basename'] for s in index['shards']}
-        assert budget_usage(ds.budget) == on_disk <= limit
+        assert on_disk <= budget_usage(ds.budget) <= limit
         assert 0 < len(shards & {f.name for f in cache.iterdir()}) < len(shards)  # some evicted
     finally:
         ds.release()
@@ -264,8 +275,9 @@ def test_cache_limit_keeps_the_cache_bounded_through_an_epoch(tmp_path, big):
     streams = {'big': big}
     total = sum(f.stat().st_size for f in Path(big['local']).glob('shard.*'))
     limit = total // 3
-    want = local_summary(streams, batch=16)
     cfg = loader(streams, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
+    window = cache_window(StreamMixer.from_dict(cfg).config, StreamMixer.from_dict(cfg).catalog.infos())
+    want = local_summary(streams, batch=16, shuffle_block_size=window)  # the order in that window
     ld = StreamMixer.from_dict(cfg).build_dataloader(batch_size=16)
     ds = ld.storage
     cache = Path(ds.sources[0].directory)
@@ -336,7 +348,7 @@ try:
     StreamMixer.from_dict(cfg).build_dataloader(batch_size=4)
 except ConfigError as e:
     out['refused'] = str(e)
-ld = StreamMixer.from_dict(dict(cfg, cache_limit=64 << 10)).build_dataloader(batch_size=4)
+ld = StreamMixer.from_dict(dict(cfg, cache_limit=96 << 10)).build_dataloader(batch_size=4)
 free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
 with open(os.path.join(root, 'filler'), 'wb') as f:
     f.write(b'x' * (free - (2 << 10)))

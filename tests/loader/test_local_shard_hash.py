@@ -70,7 +70,7 @@ def records(directory: Path) -> dict:
     if path.exists():
         for line in path.read_text().splitlines():
             entry = json.loads(line)
-            out[entry[1]] = entry[2:]
+            out[entry[0]] = entry[1:]
     return out
 
 

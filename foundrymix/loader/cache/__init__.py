@@ -47,19 +47,31 @@ def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claim
 
 
 def budget_for(config: Any, infos: list[Any], where: str) -> Optional[Any]:
-    """The remote streams' :class:`~.budget.CacheBudget` (None without ``cache_limit``), its lock
-    named by the directories it covers."""
-    from foundrymix.format.mds import size_limit_bytes
+    """The remote streams' :class:`~.budget.CacheBudget` (None without ``cache_limit``): each
+    stream may keep its shuffle window, the files kept beside the shards counted; its lock named
+    by the directories it covers."""
     from foundrymix.loader.cache.budget import CacheBudget
     from foundrymix.plan.config import cache_base
+    from foundrymix.plan.window import cache_window, limit_bytes, record_bytes, window_bytes
     if not config.cache_limit:
         return None
     remote = [i for i in infos if i.remote_dir]
+    rows = cache_window(config, infos) if config.shuffle else 1  # unshuffled: a shard at a time
     dirs = sorted(os.path.realpath(i.directory) for i in remote)
     key = hashlib.blake2s('\n'.join(dirs).encode('utf-8'), digest_size=10).hexdigest()
-    return CacheBudget(size_limit_bytes(config.cache_limit),
-                       [(i.directory, i.index['shards']) for i in remote],
+    return CacheBudget(limit_bytes(config, where),
+                       [(i.directory, i.index['shards'], window_bytes(i.index['shards'], rows)) for i in remote],
+                       sum(record_bytes(i.index['shards']) + _metadata_bytes(i.directory) for i in remote),
                        os.path.join(cache_base(config.cache_root), 'budgets', f'{key}.lock'))
+
+
+def _metadata_bytes(directory: str) -> int:
+    """The bytes of a cached stream's ``index.json`` and ``foundrymix.json`` (written at start)."""
+    out = 0
+    for name in ('index.json', 'foundrymix.json'):
+        with contextlib.suppress(OSError):
+            out += os.stat(os.path.join(directory, name)).st_size
+    return out
 
 
 def _moved(info: Any, local: str) -> Any:

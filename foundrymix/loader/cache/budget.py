@@ -1,7 +1,9 @@
 """``cache_limit``: the node's cache of one run's remote streams never holds more than the limit.
-The account is on disk under one :class:`~foundrymix.claims.FileLock`, shared by every process of the node: the shard files
-present plus each live process's reservation for a fetch in flight. A fetch reserves its bytes
-first, evicting the least recently opened shards (file ``mtime``) until they fit.
+The account is on disk under one :class:`~foundrymix.claims.FileLock`, shared by every process of
+the node: the shard files present, each live process's reservation for a fetch in flight, and the
+bound of the files kept beside them. A fetch reserves its bytes first, evicting shards of streams
+holding more than their shuffle window (least recently opened, file ``mtime``, first) until they
+fit, so each shard is fetched about once per pass (plan/window.py sizes the windows).
 """
 
 from __future__ import annotations
@@ -21,16 +23,19 @@ class CacheFullError(FoundrymixError, ValueError):
 
 
 class CacheBudget:
-    """The shards of ``sources`` ((directory, index shards) of each remote stream) kept under
-    ``limit`` bytes in all; ``lock`` names the account's lock file (the reservations beside it)."""
+    """The shards of ``sources`` ((directory, index shards, window bytes) of each remote stream)
+    kept under ``limit`` bytes in all with ``fixed`` bytes (index files, hash records) counted
+    as held; ``lock`` names the account's lock file (the reservations beside it)."""
 
-    def __init__(self, limit: int, sources: list[tuple[str, list[dict[str, Any]]]], lock: str) -> None:
-        self.limit = int(limit)
+    def __init__(self, limit: int, sources: list[tuple[str, list[dict[str, Any]], int]], fixed: int,
+                 lock: str) -> None:
+        self.limit, self.fixed, self.lock = int(limit), int(fixed), lock
         self.files = [[os.path.join(d, f['basename']) for f in (s['raw_data'], s.get('zip_data')) if f]
-                      for d, shards in sources for s in shards]
-        #: counted, never evicted: each stream's index.json
-        self.fixed = [os.path.join(d, 'index.json') for d, _ in sources]
-        self.lock = lock
+                      for d, shards, _ in sources for s in shards]
+        #: the stream of each shard, and each stream's window (what it may keep before its own are evicted)
+        self.stream = [k for k, (_, shards, _) in enumerate(sources) for _ in shards]
+        self.quota = [int(q) for _, _, q in sources]
+        self._of = {f: k for files, k in zip(self.files, self.stream) for f in files}
         os.makedirs(os.path.dirname(lock), exist_ok=True)
 
     def _reservations(self) -> dict[str, list[int]]:
@@ -47,11 +52,10 @@ class CacheBudget:
             json.dump(reservations, f)
         os.replace(tmp, self.lock + '.json')
 
-    def _present(self) -> list[tuple[float, int, list[str]]]:
-        """(oldest mtime, bytes, files) of every shard with a file in the cache, and one entry
-        for the index files (which ``reserved`` never evicts)."""
-        out = [(float('inf'), sum(os.stat(p).st_size for p in self.fixed if os.path.exists(p)), [])]
-        for files in self.files:
+    def _present(self) -> list[tuple[float, int, list[str], int]]:
+        """(oldest mtime, bytes, files, stream) of every shard with a file in the cache."""
+        out = []
+        for files, k in zip(self.files, self.stream):
             size, mtime, here = 0, None, []
             for path in files:
                 try:
@@ -62,31 +66,49 @@ class CacheBudget:
                 mtime = st.st_mtime if mtime is None else min(mtime, st.st_mtime)
                 here.append(path)
             if here:
-                out.append((float(mtime or 0), size, here))
+                out.append((float(mtime or 0), size, here, k))
         return out
+
+    def usage(self, held: dict[str, list[int]], present: Optional[list[tuple[float, int, list[str], int]]] = None
+              ) -> int:
+        """Bytes counted now: shards present, reservations, the fixed files and the account
+        itself (twice: it is rewritten through a copy)."""
+        shards = sum(p[1] for p in (self._present() if present is None else present))
+        return shards + sum(v[1] for v in held.values()) + self.fixed + 2 * len(json.dumps(held))
 
     @contextlib.contextmanager
     def reserved(self, key: str, need: int, keep: Optional[str] = None) -> Iterator[None]:
-        """Hold ``need`` bytes for the fetch of shard file ``key`` (evicting the coldest
-        shards other than ``keep`` as needed) until the block ends."""
+        """Hold ``need`` bytes for the fetch of shard file ``key`` until the block ends, evicting
+        first the least recently opened shard of a stream holding more than its window (the
+        fetching one's included): a window in use is never evicted while an old one is cached."""
         while True:
             with FileLock(self.lock):
                 held = self._reservations()
                 held.pop(key, None)
+                held[key] = [os.getpid(), int(need)]
                 everything = self._present()
-                usage = sum(s for _, s, _ in everything) + sum(v[1] for v in held.values())
-                present = sorted(p for p in everything if p[2] and keep not in p[2] and key not in p[2])
-                while usage + need > self.limit and present:
-                    _, size, files = present.pop(0)
+                usage = self.usage(held, everything)
+                by = [0] * len(self.quota)  # each stream's bytes: its evictable shards and fetches
+                for path, (_, size) in held.items():
+                    if path in self._of:
+                        by[self._of[path]] += size
+                present = sorted(p for p in everything if keep not in p[2] and key not in p[2])
+                for _, size, _, k in present:
+                    by[k] += size
+                while usage > self.limit and present:
+                    over = [k for k in range(len(by)) if by[k] > self.quota[k]]
+                    k = max(over, key=lambda k: by[k] - self.quota[k]) if over else None
+                    _, size, files, k = present.pop(next(
+                        (j for j, p in enumerate(present) if p[3] == k), 0))
                     for path in files:
                         with contextlib.suppress(FileNotFoundError):
                             os.remove(path)
                     usage -= size
-                if usage + need <= self.limit:
-                    held[key] = [os.getpid(), int(need)]
+                    by[k] -= size
+                if usage <= self.limit:
                     self._write(held)
                     break
-                if not held:
+                if len(held) == 1:
                     raise CacheFullError(
                         f'cache_limit {self.limit:,} bytes: no room for {key} ({need:,} bytes) '
                         f'with nothing left to evict; raise cache_limit')

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional
 from foundrymix.claims import FileLock
 from foundrymix.errors import WorkerError
 from foundrymix.format.shards import hashes_in_index
+from foundrymix.plan.window import RECORD_SLACK
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,10 @@ def _locked(path: str) -> Iterator[bool]:
         yield True
 
 
-def _read_lines(path: str, directory: str) -> tuple[dict[str, list[Any]], int]:
-    """basename -> its latest record line's entry (other directories' ignored), and the lines."""
+def _read_lines(path: str) -> tuple[dict[str, list[Any]], int]:
+    """basename -> its latest record line's entry, and the lines (one file per directory)."""
     out: dict[str, list[Any]] = {}
     lines = 0
-    real = os.path.realpath(directory)
     with contextlib.suppress(OSError), open(path, 'rb') as f:
         for line in f:
             lines += 1
@@ -97,23 +97,30 @@ def _read_lines(path: str, directory: str) -> tuple[dict[str, list[Any]], int]:
                 got = json.loads(line)
             except ValueError:
                 continue  # a line cut by a crash, or damaged
-            if isinstance(got, list) and len(got) == 9 and got[0] == real:
-                out[got[1]] = got[2:]
+            if isinstance(got, list) and len(got) == 8 and isinstance(got[0], str):
+                out[got[0]] = got[1:]
     return out, lines
 
 
-def _compact(path: str, directory: str, entries: dict[str, list[Any]]) -> None:
-    """Rewrite a record with one line per file (each fetch of an evicted shard adds one), atomically."""
-    real = os.path.realpath(directory)
+def _compact(path: str, directory: str, entries: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Rewrite a record with one line per file still there unchanged (each fetch of an evicted
+    shard adds one), atomically: it stays within the bound the cache budget counts
+    (foundrymix.plan.window.record_bytes). Returns the entries kept."""
+    kept = {}
+    for base, entry in entries.items():
+        with contextlib.suppress(OSError):
+            if _identity(os.stat(os.path.join(directory, base))) == entry[2:]:
+                kept[base] = entry
     tmp = f'{path}.part-{os.getpid()}'
     try:
         with open(tmp, 'w', encoding='utf-8') as f:
-            for base, entry in entries.items():
-                f.write(json.dumps([real, base, *entry]) + '\n')
+            for base, entry in kept.items():
+                f.write(json.dumps([base, *entry]) + '\n')
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+    return kept
 
 
 class ShardHashes:
@@ -124,10 +131,9 @@ class ShardHashes:
         self._seen: dict[tuple[str, str], list[Any]] = {}
         self._records: dict[str, dict[str, list[Any]]] = {}
 
-    def check(self, directory: str, basename: str, expected: str, algo: str,
-              fresh: bool = False) -> bool:
-        """Whether ``directory/basename`` matches its ``algo`` hash ``expected``; ``fresh``: this
-        process just wrote it (no record can exist: hash it without reading them)."""
+    def check(self, directory: str, basename: str, expected: str, algo: str) -> bool:
+        """Whether ``directory/basename`` matches its ``algo`` hash ``expected``; the record is
+        compacted when it holds :data:`RECORD_SLACK` lines more than files."""
         path = os.path.join(directory, basename)
         st = os.stat(path)
         entry = [algo, expected, *_identity(st)]
@@ -135,15 +141,15 @@ class ShardHashes:
             return True
         record = record_path(self.cache_root, directory)
         if directory not in self._records:
-            self._records[directory] = _read_lines(record, directory)[0]
+            self._records[directory] = _read_lines(record)[0]
             with contextlib.suppress(OSError):
                 os.utime(record)  # used now: kept by the sweep
         if self._records[directory].get(basename) != entry:
             with _locked(record) as recording:
-                if recording and not fresh:
-                    self._records[directory], lines = _read_lines(record, directory)
-                    if lines > 2 * len(self._records[directory]) + 64:
-                        _compact(record, directory, self._records[directory])
+                if recording:
+                    self._records[directory], lines = _read_lines(record)
+                    if lines > len(self._records[directory]) + RECORD_SLACK:
+                        self._records[directory] = _compact(record, directory, self._records[directory])
                 if self._records[directory].get(basename) != entry:
                     log.info('hashing %s (%s bytes, %s; once per file version)', path,
                              f'{st.st_size:,}', algo)
@@ -151,7 +157,7 @@ class ShardHashes:
                         return False
                     self._records[directory][basename] = entry
                     if recording:
-                        line = json.dumps([os.path.realpath(directory), basename, *entry])
+                        line = json.dumps([basename, *entry])
                         try:
                             with open(record, 'a', encoding='utf-8') as f:
                                 f.write(line + '\n')

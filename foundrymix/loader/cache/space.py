@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shutil
 from typing import Any
@@ -38,36 +37,12 @@ def remove_plain_file(path: str, removed: list[str]) -> None:
             removed.append(path)
 
 
-def min_cache_limit(infos: list[Any]) -> tuple[int, str, str, int]:
-    """(minimum ``cache_limit``, stream, shard file, its raw + zip bytes): 4 x the largest shard
-    (held in both forms while unpacked), so several processes' fetches fit beside the shards
-    being read, and more than all ``index.json`` files -- streaming's rule, so old configs run."""
-    best = (0, '', '', 0)
-    index_bytes = 0
-    for info in infos:
-        try:
-            index_bytes += os.stat(os.path.join(info.directory, 'index.json')).st_size
-        except OSError:
-            index_bytes += len(json.dumps(info.index))
-        for shard in info.index['shards']:
-            name, raw, zip_ = _shard_sizes(shard)
-            if raw + zip_ > best[3]:
-                best = (0, info.name, name, raw + zip_)
-    return max(4 * best[3], index_bytes + 1), best[1], best[2], best[3]
-
-
 def check_space(config: Any, infos: list[Any], where: str) -> None:
     """Refuse a ``cache_limit`` the loader cannot work with, and a filesystem without room for
     the shards not cached yet (raw, compressed too with ``keep_zip``, one being unpacked),
     capped by ``cache_limit`` (the loader then evicts)."""
-    from foundrymix.format.mds import size_limit_bytes
-    limit = config.cache_limit
-    if isinstance(limit, str):
-        try:
-            limit = size_limit_bytes(limit)
-        except (ValueError, KeyError) as e:
-            raise ConfigError(f'{where}.cache_limit: {config.cache_limit!r} is not a size '
-                              f'(bytes, or e.g. "200mb", "10gb")') from e
+    from foundrymix.plan.window import cache_need, cache_window, limit_bytes
+    limit = limit_bytes(config, where)
     local_only = [i.name for i in infos if not i.remote_dir]
     if limit and local_only:
         raise ConfigError(
@@ -75,15 +50,7 @@ def check_space(config: Any, infos: list[Any], where: str) -> None:
             f'loader would evict -- delete -- their shard files to keep the cache under the limit. '
             f'cache_limit is for streams read from a remote: remove it, or read those streams '
             f'with a remote: and a local: cache directory')
-    if limit:
-        minimum, stream, shard, size = min_cache_limit(infos)
-        if limit < minimum:
-            raise ConfigError(
-                f'{where}.cache_limit: {limit:,} bytes is below what the loader needs to read '
-                f'these streams, {minimum:,} bytes: 4 x the largest shard ({size:,} bytes, '
-                f"stream '{stream}', {shard}; the loader keeps room to download and unpack "
-                f'shards while others are read). Raise cache_limit to at least {minimum:,}, or '
-                f'convert with a smaller --size-limit')
+    cache_window(config, infos)  # refuses a limit the windows do not fit
     by_fs: dict[int, list[tuple[Any, int, int]]] = {}
     for info in infos:
         if not info.remote_dir:
@@ -110,7 +77,7 @@ def check_space(config: Any, infos: list[Any], where: str) -> None:
                 f'{where}: the cache directory {directory} has {free:,} bytes free, and this run '
                 f'downloads {need:,} bytes into it (shards not cached yet of stream {names}'
                 f'{capped}). Free space there, set {where}.cache_limit (the loader then evicts '
-                f'shards as it goes; at least {min_cache_limit([i for i, _, _ in streams])[0]:,} '
+                f'shards as it goes; at least {cache_need([i for i, _, _ in streams], 1):,} '
                 f'bytes), or point {where}.cache_root (or the stream\'s local:) at a larger disk')
 
 
