@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
 
 from foundrymix.config.errors import ConfigError, Gather, check_keys, did_you_mean, foundry_advice, join
 from foundrymix.config.loading import to_plain
@@ -234,3 +234,32 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
     if callable(check):
         check(where)
     return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class TableEntry:
+    """One part of a table section: its options' dataclass, what builds it from them, and the
+    optional package it needs with the extra that installs it."""
+
+    config: type
+    factory: Optional[Callable[..., Any]] = None
+    module: Optional[str] = None
+    extra: Optional[str] = None
+
+
+def read_table(cls: type, entries: Mapping[str, Any], value: Any, where: str,
+               check: Optional[Callable[[str, str], None]] = None) -> Any:
+    """``value`` as ``cls`` (a dict): a section of named parts (``callbacks``, ``loggers``, ...),
+    each name's options read as ``entries[name].config``, then ``check(name, where)``; unknown
+    names and bad options are refused all at once."""
+    data, gather, out = to_plain(value, where), Gather(), cls()
+    with gather:
+        check_keys(data, list(entries), where)
+    for name, options in data.items():
+        if name in entries:
+            with gather:
+                out[name] = read_dataclass(entries[name].config, options, join(where, name))
+                if check is not None:
+                    check(name, join(where, name))
+    gather.raise_any()
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
-from foundrymix.config import ConfigError, Gather, Interval, check_keys, read_dataclass, to_plain
+from foundrymix.config import ConfigError, Gather, Interval, read_table
 from foundrymix.heap import collector_paused
 from foundrymix.plan.data_config import (DataConfig, batch_per_rank, check_data_streams, check_eval_catalog,
                                          read_yaml_config, run_batches)
@@ -20,6 +20,7 @@ from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
 from foundrymix.train.gpu import CompileSettings, FSDPSettings
 from foundrymix.train.loggers import Loggers
 from foundrymix.train.model_spec import ModelSpec
+
 
 @dataclass
 class OptimizerConfig:
@@ -68,26 +69,12 @@ class SchedulerConfig:
         gather.raise_any()
 
 
-def _read_callbacks(value: Any, where: str) -> dict[str, Any]:
-    callbacks = to_plain(value, where)
-    gather, out = Gather(), {}
-    with gather:
-        check_keys(callbacks, list(CALLBACKS), where)
-    for name, v in callbacks.items():
-        if name in CALLBACKS:
-            with gather:
-                out[name] = read_dataclass(CALLBACKS[name].config, v, f'{where}.{name}')
-    gather.raise_any()
-    return out
-
-
 class Callbacks(dict):
-    """``callbacks``: YAML name -> that callback's config (the table in
-    :mod:`foundrymix.train.callbacks`)."""
+    """``callbacks``: YAML name -> that callback's config (the table in :mod:`foundrymix.train.callbacks`)."""
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'Callbacks':
-        return cls(_read_callbacks(value, where))
+        return read_table(cls, CALLBACKS, value, where)
 
 
 @dataclass(kw_only=True)

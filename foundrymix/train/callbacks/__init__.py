@@ -7,11 +7,13 @@ trainer is built. The callbacks live beside this file, one per module.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Sequence
 
-from foundrymix.config import Interval
+from foundrymix.config import Interval, TableEntry
 
 
 @dataclass
@@ -102,45 +104,24 @@ def _stop_at(opts: StopAtConfig, ctx: CallbackContext) -> Any:
     return StopAt(opts.time)
 
 
-def _speed_monitor(opts: SpeedMonitorConfig, ctx: CallbackContext) -> Any:
-    from composer.callbacks import SpeedMonitor
-    return SpeedMonitor(window_size=opts.window_size, gpu_flops_available=opts.gpu_flops_available,
-                        time_unit=opts.time_unit)
-
-
-def _lr_monitor(opts: LRMonitorConfig, ctx: CallbackContext) -> Any:
-    from composer.callbacks import LRMonitor
-    return LRMonitor()
-
-
-def _memory_monitor(opts: MemoryMonitorConfig, ctx: CallbackContext) -> Any:
-    from composer.callbacks import MemoryMonitor
-    return MemoryMonitor()
-
-
-def _runtime_estimator(opts: RuntimeEstimatorConfig, ctx: CallbackContext) -> Any:
-    from composer.callbacks import RuntimeEstimator
-    return RuntimeEstimator(skip_batches=opts.skip_batches, time_unit=opts.time_unit)
-
-
-@dataclass(frozen=True)
-class CallbackEntry:
-    """One row of the table: the YAML options' dataclass and what builds the callback."""
-
-    config: type
-    factory: Callable[[Any, CallbackContext], Any]
+def composer_part(kind: str, name: str) -> Callable[..., Any]:
+    """A factory of ``composer.<kind>.<name>`` whose keyword arguments are the options' fields
+    (the options' dataclass names them as Composer does), imported when the trainer is built."""
+    def build(opts: Any, *_: Any) -> Any:
+        return getattr(importlib.import_module(f'composer.{kind}'), name)(**dataclasses.asdict(opts))
+    return build
 
 
 #: YAML name -> (config dataclass, factory). ``stream_accounting`` is always built (with
 #: default options when the YAML leaves it out); the others only when named.
-CALLBACKS: dict[str, CallbackEntry] = {
-    'stream_accounting': CallbackEntry(StreamAccountingConfig, _stream_accounting),
-    'sample_log': CallbackEntry(SampleLogConfig, _sample_log),
-    'stop_at': CallbackEntry(StopAtConfig, _stop_at),
-    'speed_monitor': CallbackEntry(SpeedMonitorConfig, _speed_monitor),
-    'lr_monitor': CallbackEntry(LRMonitorConfig, _lr_monitor),
-    'memory_monitor': CallbackEntry(MemoryMonitorConfig, _memory_monitor),
-    'runtime_estimator': CallbackEntry(RuntimeEstimatorConfig, _runtime_estimator),
+CALLBACKS: dict[str, TableEntry] = {
+    'stream_accounting': TableEntry(StreamAccountingConfig, _stream_accounting),
+    'sample_log': TableEntry(SampleLogConfig, _sample_log),
+    'stop_at': TableEntry(StopAtConfig, _stop_at),
+    'speed_monitor': TableEntry(SpeedMonitorConfig, composer_part('callbacks', 'SpeedMonitor')),
+    'lr_monitor': TableEntry(LRMonitorConfig, composer_part('callbacks', 'LRMonitor')),
+    'memory_monitor': TableEntry(MemoryMonitorConfig, composer_part('callbacks', 'MemoryMonitor')),
+    'runtime_estimator': TableEntry(RuntimeEstimatorConfig, composer_part('callbacks', 'RuntimeEstimator')),
 }
 ALWAYS_ON = ('stream_accounting',)
 
