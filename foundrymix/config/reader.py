@@ -183,10 +183,8 @@ class _FieldPlan:
 
 @functools.lru_cache(maxsize=None)
 def _dataclass_plan(cls: type) -> tuple[tuple[_FieldPlan, ...], tuple[str, ...], frozenset[str]]:
-    """``cls``'s fields to read, its settable keys (list and set), once per class.
-
-    Why once: ``typing.get_type_hints`` re-evaluates every annotation on each call, and a
-    many-stream YAML reads the same stream section class thousands of times."""
+    """``cls``'s fields to read, its settable keys (list and set), once per class (a many-stream
+    YAML reads one class thousands of times; ``get_type_hints`` re-evaluates every annotation)."""
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get('derived')]
     plan = tuple(_FieldPlan(f.name, hints[f.name], bool(f.metadata.get('from_key')),
@@ -198,15 +196,10 @@ def _dataclass_plan(cls: type) -> tuple[tuple[_FieldPlan, ...], tuple[str, ...],
 
 def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = None,
                    allow_extra: Sequence[str] = ()) -> Any:
-    """Build dataclass ``cls`` from a mapping, checking every key and every value's type.
-
-    Unknown keys (except ``allow_extra``) and missing required fields are errors naming
-    ``where``; every one of them, and every bad field, is reported at once
-    (:class:`ConfigErrors`). A field with ``metadata=FROM_KEY`` takes ``key`` (the mapping
-    key of the section, e.g. a stream's name) instead of a value from ``data``. After
-    building, ``cls.check(self, where)`` runs if defined: checks that need several fields;
-    before anything is read, ``cls.refuse_given(data, where)`` if defined: keys refused as given.
-    """
+    """Build dataclass ``cls`` from a mapping, checking every key and value type; unknown keys (but
+    ``allow_extra``), missing required ones and bad fields are reported at once, naming ``where``.
+    A ``FROM_KEY`` field takes ``key`` (the section's mapping key, e.g. a stream's name). Optional
+    hooks: ``cls.refuse_given(data, where)`` before reading, ``obj.check(where)`` after building."""
     data = to_plain(data, where)
     refuse = getattr(cls, 'refuse_given', None)
     if callable(refuse):

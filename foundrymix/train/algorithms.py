@@ -1,9 +1,6 @@
-"""The ``algorithms`` section of a training YAML: YAML name -> (typed options, factory), as
-LLM-Foundry spells it (``algorithms: {gradient_clipping: {clipping_type: norm,
-clipping_threshold: 1.0}}``).
-
-Why Composer's algorithms and not our own code: ``GradientClipping`` already clips after
-every step's backward, microbatches and FSDP included. Imports neither torch nor composer.
+"""The ``algorithms`` section of a training YAML, as LLM-Foundry spells it (``algorithms:
+{gradient_clipping: {clipping_type: norm, clipping_threshold: 1.0}}``): Composer's algorithms
+(microbatches and FSDP included), typed options read without importing torch or composer.
 """
 
 from __future__ import annotations

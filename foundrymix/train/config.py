@@ -1,8 +1,5 @@
 """The training YAML as typed objects: the data part's :class:`~foundrymix.plan.data_config.DataConfig`
-extended with the model, the optimizer and the rest of the trainer's keys.
-
-Why not the raw ``DictConfig``: an unknown or misspelt key must be an error that names it
-(LLM-Foundry silently drops typos). Imports neither torch nor composer.
+extended with the trainer's keys, each checked (LLM-Foundry silently drops typos). No torch, no composer.
 """
 
 from __future__ import annotations
@@ -153,14 +150,9 @@ class PlanConfig(TrainConfig):
 
 
 def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]]:
-    """(per-rank batch, microbatch) of ``cfg`` on ``world_size`` ranks; refuses a batch the ranks
-    (:func:`~foundrymix.plan.data_config.batch_per_rank`) or the microbatches cannot split.
-
-    Pure, so ``foundrymix plan --world-size N`` refuses what ``composer -n N`` would, before
-    any rank is launched. The microbatch is one for the whole run: it must divide every
-    stage's per-rank batch, and unset it is the largest of them (Composer scales the loss by
-    the rows of each batch, so a smaller stage batch is simply one shorter microbatch).
-    """
+    """(per-rank batch, microbatch) of ``cfg`` on ``world_size`` ranks; refuses a batch the ranks or the
+    microbatches cannot split. Pure: ``plan --world-size N`` refuses what ``composer -n N`` would. The
+    microbatch must divide every stage's per-rank batch; unset it is the largest of them."""
     rows, used = batch_per_rank(cfg, world_size), run_batches(cfg)
     micro = cfg.device_train_microbatch_size
     if micro is None:  # every batch in one microbatch (a smaller stage's: one shorter one)
@@ -174,16 +166,14 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
 
 @collector_paused()  # a large YAML allocates much and frees nothing (foundrymix/heap.py)
 def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional[str] = None) -> TrainConfig:
-    """A training YAML with ``key=value`` overrides, interpolations resolved, typed: ``train``
-    and ``plan`` both read a run with a model this way, so they refuse alike. ``max_duration``
-    replaces the YAML's."""
+    """A training YAML with ``key=value`` overrides, typed (``train`` and ``plan`` both read a run with
+    a model this way, so they refuse alike); ``max_duration`` replaces the YAML's."""
     return read_yaml_config(path, overrides, max_duration, TrainConfig.from_dict)
 
 
 def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
-    """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
-    pretrained model's), and LoRA ``target_modules`` must name layers of the model; ``train``
-    and ``plan`` refuse alike. ``tokenizer`` is the streams' ``TokenizerInfo``."""
+    """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (``tokenizer``: theirs)
+    and the pretrained model's, and LoRA ``target_modules`` must name layers of the model."""
     check_data_streams(cfg, max_seq_len, tokenizer)
     if cfg.model is not None and cfg.model.pretrained is not None:
         from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer

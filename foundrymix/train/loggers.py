@@ -1,8 +1,6 @@
-"""The ``loggers`` section of a training YAML: one table, YAML name -> (options, extra, factory).
-
-Each logger's options are a typed dataclass (unknown keys refused when read); the factory
-imports Composer's logger only when the trainer is built, so reading a config stays
-torch-free. A logger whose optional package is missing is refused when the YAML is read.
+"""The ``loggers`` section of a training YAML: one table, YAML name -> typed options and factory
+(Composer's logger is imported when the trainer is built); a logger whose optional package is
+missing is refused when the YAML is read.
 """
 
 from __future__ import annotations

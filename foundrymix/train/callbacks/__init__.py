@@ -1,8 +1,6 @@
-"""The ``callbacks`` section of a training YAML: one table, YAML name -> (config, factory).
-
-Adding a callback is one entry in :data:`CALLBACKS`. This module imports neither torch nor
-composer, so reading a config stays fast; each factory imports its callback when the
-trainer is built. The callbacks live beside this file, one per module.
+"""The ``callbacks`` section of a training YAML: one table, :data:`CALLBACKS`, YAML name -> (config,
+factory); each factory imports its callback (beside this file, or Composer's) when the trainer is
+built, so reading a config imports neither torch nor composer.
 """
 
 from __future__ import annotations
