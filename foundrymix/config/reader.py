@@ -194,10 +194,9 @@ def _dataclass_plan(cls: type) -> tuple[tuple[_FieldPlan, ...], tuple[str, ...],
     return plan, settable, frozenset(settable)
 
 
-def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = None,
-                   allow_extra: Sequence[str] = ()) -> Any:
-    """Build dataclass ``cls`` from a mapping, checking every key and value type; unknown keys (but
-    ``allow_extra``), missing required ones and bad fields are reported at once, naming ``where``.
+def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = None) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking every key and value type; unknown keys,
+    missing required ones and bad fields are reported at once, naming ``where``.
     A ``FROM_KEY`` field takes ``key`` (the section's mapping key, e.g. a stream's name). Optional
     hooks: ``cls.refuse_given(data, where)`` before reading, ``obj.check(where)`` after building."""
     data = to_plain(data, where)
@@ -208,7 +207,7 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
     gather = Gather()  # every unknown key and every bad field, not just the first
     if not settable_set.issuperset(data):
         with gather:
-            check_keys(data, list(settable) + [k for k in allow_extra if k not in settable_set], where)
+            check_keys(data, list(settable), where)
     kwargs: dict[str, Any] = {}
     for f in plan:
         if f.from_key:

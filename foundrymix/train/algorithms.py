@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from foundrymix.config import ConfigError, TableEntry, read_table
-from foundrymix.train.callbacks import composer_part
+from foundrymix.train.callbacks import part
 
 
 @dataclass
@@ -26,7 +26,7 @@ class GradientClippingConfig:
 
 
 ALGORITHMS: dict[str, TableEntry] = {
-    'gradient_clipping': TableEntry(GradientClippingConfig, composer_part('algorithms', 'GradientClipping')),
+    'gradient_clipping': TableEntry(GradientClippingConfig, part('composer.algorithms', 'GradientClipping')),
 }
 
 

@@ -165,10 +165,10 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
 
 
 @collector_paused()  # a large YAML allocates much and frees nothing (foundrymix/heap.py)
-def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional[str] = None) -> TrainConfig:
+def load_config(path: str, overrides: Sequence[str] = ()) -> TrainConfig:
     """A training YAML with ``key=value`` overrides, typed (``train`` and ``plan`` both read a run with
-    a model this way, so they refuse alike); ``max_duration`` replaces the YAML's."""
-    return read_yaml_config(path, overrides, max_duration, TrainConfig.from_dict)
+    a model this way, so they refuse alike)."""
+    return read_yaml_config(path, overrides, None, TrainConfig.from_dict)
 
 
 def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:

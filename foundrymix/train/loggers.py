@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from foundrymix.config import ConfigError, TableEntry, read_table
-from foundrymix.train.callbacks import composer_part
+from foundrymix.train.callbacks import part
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _wandb(o: WandbLoggerConfig, run_name: str) -> Any:
 #: YAML name -> (options, factory; ``console`` has none, Composer builds it, the package it needs, its extra)
 LOGGERS: dict[str, TableEntry] = {
     'console': TableEntry(ConsoleLoggerConfig),
-    'file': TableEntry(FileLoggerConfig, composer_part('loggers', 'FileLogger')),
+    'file': TableEntry(FileLoggerConfig, part('composer.loggers', 'FileLogger')),
     'tensorboard': TableEntry(TensorboardLoggerConfig, _tensorboard, 'tensorboard', 'tensorboard'),
     'mlflow': TableEntry(MLFlowLoggerConfig, _mlflow, 'mlflow', 'mlflow'),
     'wandb': TableEntry(WandbLoggerConfig, _wandb, 'wandb', 'wandb'),

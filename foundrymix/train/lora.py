@@ -108,13 +108,13 @@ def _short_names(names: list[str]) -> str:
     return ', '.join(dict.fromkeys(n.rsplit('.', 1)[-1] for n in names if not n.rsplit('.', 1)[-1].isdigit()))
 
 
-def check_targets(model: Any, peft: Mapping[str, Any], where: str = 'model.peft_config') -> None:
+def check_targets(model: Any, peft: Mapping[str, Any]) -> None:
     """Every ``target_modules`` entry (or the regex) matches a module LoRA can adapt, and every
     ``modules_to_save`` entry a module of ``model``; a refusal lists the names to choose from."""
     adaptable = [n for n, m in model.named_modules() if n and isinstance(m, _adaptable())]
     every = [n for n, _ in model.named_modules() if n]
     kind = getattr(getattr(model, 'config', None), 'model_type', 'this')
-    gather = Gather()
+    gather, where = Gather(), 'model.peft_config'
     targets = peft.get('target_modules')
     if isinstance(targets, str) and targets != 'all-linear':
         if not any(re.fullmatch(targets, n) for n in adaptable):

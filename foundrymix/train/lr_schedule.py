@@ -170,11 +170,10 @@ class WSDSchedule:
                            for n, b in self.stage_starts]}
 
 
-def resolve_wsd(warmup: Optional[Span], decay: Decay, timeline: Timeline,
-                where: str = 'scheduler') -> WSDSchedule:
+def resolve_wsd(warmup: Optional[Span], decay: Decay, timeline: Timeline) -> WSDSchedule:
     """The schedule's spans in batches of ``timeline`` (every problem at once): the warmup from batch 0
     (a stage: to its end), the decay to the run's end (a duration) or over the named stage."""
-    gather = Gather()
+    gather, where = Gather(), 'scheduler'
     W, start, end = 0, timeline.total_batches, timeline.total_batches
     if warmup is not None:
         with gather:

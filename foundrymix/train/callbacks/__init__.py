@@ -92,21 +92,11 @@ def _stream_accounting(opts: StreamAccountingConfig, ctx: CallbackContext) -> An
                             log_interval=opts.log_interval, plot=opts.plot)
 
 
-def _sample_log(opts: SampleLogConfig, ctx: CallbackContext) -> Any:
-    from foundrymix.train.callbacks.sample_log import SampleLog
-    return SampleLog(opts.path, interval=opts.interval)
-
-
-def _stop_at(opts: StopAtConfig, ctx: CallbackContext) -> Any:
-    from foundrymix.train.callbacks.stop_at import StopAt
-    return StopAt(opts.time)
-
-
-def composer_part(kind: str, name: str) -> Callable[..., Any]:
-    """A factory of ``composer.<kind>.<name>`` whose keyword arguments are the options' fields
-    (the options' dataclass names them as Composer does), imported when the trainer is built."""
+def part(module: str, name: str) -> Callable[..., Any]:
+    """A factory of ``module.name`` (imported when the trainer is built) whose keyword arguments are
+    the options' fields: the options' dataclass names them as the class does."""
     def build(opts: Any, *_: Any) -> Any:
-        return getattr(importlib.import_module(f'composer.{kind}'), name)(**dataclasses.asdict(opts))
+        return getattr(importlib.import_module(module), name)(**dataclasses.asdict(opts))
     return build
 
 
@@ -114,12 +104,12 @@ def composer_part(kind: str, name: str) -> Callable[..., Any]:
 #: default options when the YAML leaves it out); the others only when named.
 CALLBACKS: dict[str, TableEntry] = {
     'stream_accounting': TableEntry(StreamAccountingConfig, _stream_accounting),
-    'sample_log': TableEntry(SampleLogConfig, _sample_log),
-    'stop_at': TableEntry(StopAtConfig, _stop_at),
-    'speed_monitor': TableEntry(SpeedMonitorConfig, composer_part('callbacks', 'SpeedMonitor')),
-    'lr_monitor': TableEntry(LRMonitorConfig, composer_part('callbacks', 'LRMonitor')),
-    'memory_monitor': TableEntry(MemoryMonitorConfig, composer_part('callbacks', 'MemoryMonitor')),
-    'runtime_estimator': TableEntry(RuntimeEstimatorConfig, composer_part('callbacks', 'RuntimeEstimator')),
+    'sample_log': TableEntry(SampleLogConfig, part('foundrymix.train.callbacks.sample_log', 'SampleLog')),
+    'stop_at': TableEntry(StopAtConfig, part('foundrymix.train.callbacks.stop_at', 'StopAt')),
+    'speed_monitor': TableEntry(SpeedMonitorConfig, part('composer.callbacks', 'SpeedMonitor')),
+    'lr_monitor': TableEntry(LRMonitorConfig, part('composer.callbacks', 'LRMonitor')),
+    'memory_monitor': TableEntry(MemoryMonitorConfig, part('composer.callbacks', 'MemoryMonitor')),
+    'runtime_estimator': TableEntry(RuntimeEstimatorConfig, part('composer.callbacks', 'RuntimeEstimator')),
 }
 ALWAYS_ON = ('stream_accounting',)
 
