@@ -82,8 +82,8 @@ class FoundrymixTrainer(Trainer):
 
 
 def fit_arguments(args: TrainingArguments, loader: Any) -> TrainingArguments:
-    """A copy of ``args`` fitted to ``loader``: its length in optimizer steps, its per-rank batch,
-    no data skip; a setting the loader decides instead is refused naming the YAML key."""
+    """A copy of ``args`` fitted to ``loader`` (its length in optimizer steps, its per-rank batch, no
+    data skip); a setting the loader decides is refused, naming the YAML key."""
     default = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     changed = {name for name in ('num_train_epochs', 'dataloader_num_workers', 'data_seed',
                                  'per_device_train_batch_size', 'max_steps')

@@ -294,11 +294,8 @@ class StreamAccounting(Callback):
                 'stage_loss_targets': self.stage_loss_targets.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the checkpoint's counters and loss sums, by stream name.
-
-        Streams added since the checkpoint come after its own (ids are in order of first use)
-        and start at zero; a checkpoint without loss sums starts them at zero.
-        """
+        """Continue the checkpoint's counters and loss sums, by stream name; streams added since (ids
+        are in order of first use) and a checkpoint's missing loss sums start at zero."""
         old = list(state['stream_names'])
         if self.stream_names[:len(old)] != old:  # streams are numbered in order of first use
             raise UserError(f'checkpoint counts streams {old}, this run has {self.stream_names}: '
