@@ -1,8 +1,6 @@
-"""The run's loader for any training loop: :func:`build_loader`.
-
-Any loop gets the loader the trainer is given, built from the same plan, so stages, exact
-mixtures, repetition and resume behave identically. Imports no trainer: a YAML is read by the
-core's :class:`~foundrymix.plan.data_config.DataConfig`. How to use it: docs/any-trainer.md.
+"""The run's loader for any training loop: :func:`build_loader`, the loader the trainer is given,
+from the same plan (stages, mixtures, repetition and resume behave identically). Imports no
+trainer: a YAML is read by the core's ``DataConfig``. How to use it: docs/any-trainer.md.
 """
 
 from __future__ import annotations
@@ -27,12 +25,10 @@ def build_loader(config: ConfigSource, *, rank: Optional[int] = None,
     """The run's loader for global rank ``rank`` of ``world_size`` ranks (default: the
     launcher's ``RANK`` / ``WORLD_SIZE``, else 0 of 1).
 
-    A plain stateful iterable (not a torch ``DataLoader``: accelerate, Lightning Fabric and the
-    HF Trainer take it unchanged). Iterating it yields this rank's ``global_train_batch_size /
-    world_size`` rows of every global batch from its position to the end of the run;
-    ``state_dict()`` is that position.
-    Data keys the trainer or ``foundrymix plan`` would refuse are refused here with the same
-    one-line :class:`~foundrymix.config.ConfigError` (a YAML's trainer keys are theirs to check).
+    A plain stateful iterable (accelerate, Lightning Fabric and the HF Trainer take it unchanged)
+    yielding this rank's ``global_train_batch_size / world_size`` rows of every global batch from
+    its position (``state_dict()``) to the end of the run. Data keys are refused as the trainer and
+    ``foundrymix plan`` refuse them, in one line (trainer keys are theirs to check).
     """
     from foundrymix.loader.run_loader import build_run_loader
     from foundrymix.plan.topology import Topology

@@ -1,9 +1,8 @@
 """Durations and intervals: one parser for every time a config gives (``100ba``, ``5000sp``,
 ``1000000tok``, ``3ep``, ``0.1dur``, ``10%``) and one rule turning a duration into global batches.
 
-Why one: a plan, a stage switch, an LR schedule and the trainer must read one string as the
-same batch. Values are exact fractions of their text (``0.1dur`` is 1/10, not a float), so
-"whole batches" is decided exactly, never within a tolerance.
+A plan, a stage switch, an LR schedule and the trainer read one string as the same batch; values
+are exact fractions of their text (``0.1dur`` is 1/10), so "whole batches" is never a tolerance.
 """
 
 from __future__ import annotations
@@ -68,13 +67,9 @@ def parse_time(text: Any, where: str, units: Sequence[str] = SPAN_UNITS, positiv
 def to_batches(time: Time, where: str, *, batches_per_epoch: Optional[int] = None,
                samples_per_batch: Optional[int] = None, tokens_per_batch: Optional[int] = None,
                total_batches: Optional[int] = None, round_up: bool = False) -> int:
-    """``time`` as global batches, given the sizes its unit needs (a unit whose size is ``None``
-    is refused: e.g. epochs of a run with stages).
-
-    Exact: a time that is not whole batches is refused with the nearest whole ones, so every
-    rank and every resumed run switches at the same batch. ``round_up``: the batch that
-    reaches it instead (a run stops after the batch in which its samples or tokens are reached).
-    """
+    """``time`` as global batches, given the sizes its unit needs (``None``: refused). Exact: a time
+    that is not whole batches is refused with the nearest whole ones, so every rank and every resume
+    switches at the same batch; ``round_up``: the batch that reaches it instead."""
     per_batch = {'ba': Fraction(1), 'sp': samples_per_batch, 'tok': tokens_per_batch,
                  'ep': batches_per_epoch and Fraction(1, batches_per_epoch),
                  'dur': total_batches and Fraction(1, total_batches),

@@ -12,11 +12,8 @@ from foundrymix.errors import FoundrymixError, UserErrors
 
 
 class ConfigError(FoundrymixError, ValueError):
-    """A config cannot run; the message names the offending key path (and file).
-
-    ``path``: the key path the error is about (default: the message's ``path:`` prefix),
-    so an error can be blamed on the ``key=value`` override that set that key.
-    """
+    """A config cannot run; the message names the key path (and file). ``path``: that key path
+    (default: the message's ``path:`` prefix), to blame the ``key=value`` override that set it."""
 
     def __init__(self, message: str, path: Optional[str] = None) -> None:
         super().__init__(message)
@@ -30,11 +27,8 @@ _PATH_PREFIX = re.compile(r'^([A-Za-z_][\w.\[\]-]*): ')
 
 
 class ConfigErrors(UserErrors, ConfigError):
-    """Every problem of a config found in one reading, one :class:`ConfigError` per line.
-
-    Why: one refusal per run makes a config with many problems take as many runs to fix;
-    the reader goes on past a bad key and reports them all.
-    """
+    """Every problem of a config found in one reading (not one refusal per run), one
+    :class:`ConfigError` per line."""
 
     def __init__(self, errors: Sequence[ConfigError]) -> None:
         self.errors = list(errors)
@@ -48,12 +42,8 @@ def errors_of(e: ConfigError) -> list[ConfigError]:
 
 
 class Gather:
-    """Collect :class:`ConfigError` s over several independent checks, then raise them all.
-
-    ``with gather: ...`` records a ``ConfigError`` raised inside and goes on;
-    :meth:`raise_any` raises the one error unchanged (its class kept: ``ModelConfigError``),
-    or a :class:`ConfigErrors` of all of them.
-    """
+    """``with gather: ...`` records a :class:`ConfigError` raised inside and goes on; :meth:`raise_any`
+    raises the one error unchanged (its class kept) or a :class:`ConfigErrors` of all of them."""
 
     def __init__(self) -> None:
         self.errors: list[ConfigError] = []

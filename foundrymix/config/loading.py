@@ -34,28 +34,18 @@ def _node_limit(load: Any, path: str) -> dict[str, int]:
 
 
 def _omegaconf_load(path: str) -> Any:
-    """``OmegaConf.load(path)`` without omegaconf's absolute node limit on plain YAML.
-
-    Why: omegaconf 2.4 refuses any document that expands to more than 10,000 nodes (a guard
-    against alias bombs), and a plain mix of a few thousand streams -- no alias in it --
-    has more. A file of N bytes spells out at most N nodes, so the limit becomes N + 10,000:
-    what the file writes is never refused, aliases may still add 10,000 nodes, and
-    omegaconf's ratio guard (expanded vs unique nodes) stays on.
-    """
+    """``OmegaConf.load(path)`` with the node limit N bytes + 10,000 instead of 10,000 (a plain mix of
+    thousands of streams has more nodes): what the file spells out is never refused, aliases may
+    still add 10,000 nodes, and omegaconf's ratio guard against alias bombs stays on."""
     from omegaconf import OmegaConf
     return OmegaConf.load(path, **_node_limit(OmegaConf.load, path))
 
 
 def _plain_yaml(path: str) -> Optional[dict[str, Any]]:
-    """The YAML as omegaconf would return it, when omegaconf has nothing to do: a mapping
-    with string keys of only strings without ``$`` (no interpolation, no escape), numbers,
-    booleans, nulls, lists and mappings, and no node shared by aliases. Else ``None`` (then
-    omegaconf reads it).
-
-    Why: ``OmegaConf.create`` wraps every node of the document in node objects that
-    ``to_container`` unwraps again, the bulk of reading a many-stream YAML. The YAML is read
-    with omegaconf's own loader and node limit, so what it parses (and refuses) is the same.
-    """
+    """The YAML as omegaconf would return it when omegaconf has nothing to do (string keys; strings
+    without ``$``, numbers, booleans, nulls, lists, mappings; no node shared by aliases), else None.
+    Skips wrapping every node in omegaconf objects, the bulk of reading a many-stream YAML; read
+    with omegaconf's own loader and node limit, so it parses (and refuses) the same."""
     import yaml
     from omegaconf.omegaconf import get_yaml_loader  # its own loader (2.3: _utils, 2.4: _yaml)
 
@@ -95,14 +85,11 @@ def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
 
 
 def load_yaml_overrides(path: str, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], list[Override]]:
-    """Load ``path`` with omegaconf, apply ``key=value`` overrides, resolve interpolations;
-    also say what each override created (for :func:`blame`).
+    """:func:`load_yaml`, and what each override created (for :func:`blame`).
 
-    A scalar value sets that one key. A mapping or list value (``train_loader.streams={a:
-    {local: /d}}``) *replaces* the YAML's value at that key: whoever types a whole mapping
-    means that mapping; merging it into the YAML's (omegaconf's ``update(merge=True)``) would
-    keep every stream the YAML had besides, silently. Hydra's ``+key=value`` (add a key) is
-    accepted as the plain ``key=value``: the typed reader decides whether the key exists.
+    A mapping or list value (``train_loader.streams={a: {local: /d}}``) *replaces* the YAML's
+    value: merging would keep every stream the YAML had besides, silently. Hydra's ``+key=value``
+    is the plain ``key=value``: the typed reader decides whether the key exists.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -167,14 +154,9 @@ def _normal_path(path: str) -> str:
 
 
 def blame(error: ConfigError, path: str, overrides: Sequence[Override], data: Mapping[str, Any]) -> ConfigError:
-    """``error`` (every line of it) prefixed with what caused it: the ``key=value`` override
-    that set or created its key, else the YAML ``path``.
-
-    Why: an override's typo is the override's, not the YAML's, and a misspelt stream name in
-    an override (``train_loader.streams.wbe.repeat=2`` creates stream ``wbe``, with no
-    location) is named as such, with the streams the YAML has, not as a stream that "needs
-    local and/or remote".
-    """
+    """``error`` (every line) prefixed with its cause: the ``key=value`` override that set or created
+    its key, else the YAML ``path``; an override that creates a stream without a location
+    (``streams.wbe.repeat=2``) is named a misspelt stream, with the streams the YAML has."""
     lines: list[ConfigError] = []
     for e in errors_of(error):
         p = _normal_path(e.path) if e.path else None

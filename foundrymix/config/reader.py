@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
 
 from foundrymix.config.errors import ConfigError, Gather, check_keys, did_you_mean, foundry_advice, join
 from foundrymix.config.loading import to_plain
@@ -183,10 +183,8 @@ class _FieldPlan:
 
 @functools.lru_cache(maxsize=None)
 def _dataclass_plan(cls: type) -> tuple[tuple[_FieldPlan, ...], tuple[str, ...], frozenset[str]]:
-    """``cls``'s fields to read, its settable keys (list and set), once per class.
-
-    Why once: ``typing.get_type_hints`` re-evaluates every annotation on each call, and a
-    many-stream YAML reads the same stream section class thousands of times."""
+    """``cls``'s fields to read, its settable keys (list and set), once per class (a many-stream
+    YAML reads one class thousands of times; ``get_type_hints`` re-evaluates every annotation)."""
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get('derived')]
     plan = tuple(_FieldPlan(f.name, hints[f.name], bool(f.metadata.get('from_key')),
@@ -196,17 +194,11 @@ def _dataclass_plan(cls: type) -> tuple[tuple[_FieldPlan, ...], tuple[str, ...],
     return plan, settable, frozenset(settable)
 
 
-def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = None,
-                   allow_extra: Sequence[str] = ()) -> Any:
-    """Build dataclass ``cls`` from a mapping, checking every key and every value's type.
-
-    Unknown keys (except ``allow_extra``) and missing required fields are errors naming
-    ``where``; every one of them, and every bad field, is reported at once
-    (:class:`ConfigErrors`). A field with ``metadata=FROM_KEY`` takes ``key`` (the mapping
-    key of the section, e.g. a stream's name) instead of a value from ``data``. After
-    building, ``cls.check(self, where)`` runs if defined: checks that need several fields;
-    before anything is read, ``cls.refuse_given(data, where)`` if defined: keys refused as given.
-    """
+def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = None) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking every key and value type; unknown keys,
+    missing required ones and bad fields are reported at once, naming ``where``.
+    A ``FROM_KEY`` field takes ``key`` (the section's mapping key, e.g. a stream's name). Optional
+    hooks: ``cls.refuse_given(data, where)`` before reading, ``obj.check(where)`` after building."""
     data = to_plain(data, where)
     refuse = getattr(cls, 'refuse_given', None)
     if callable(refuse):
@@ -215,7 +207,7 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
     gather = Gather()  # every unknown key and every bad field, not just the first
     if not settable_set.issuperset(data):
         with gather:
-            check_keys(data, list(settable) + [k for k in allow_extra if k not in settable_set], where)
+            check_keys(data, list(settable), where)
     kwargs: dict[str, Any] = {}
     for f in plan:
         if f.from_key:
@@ -234,3 +226,32 @@ def read_dataclass(cls: type, data: Any, where: str = '', key: Optional[str] = N
     if callable(check):
         check(where)
     return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class TableEntry:
+    """One part of a table section: its options' dataclass, what builds it from them, and the
+    optional package it needs with the extra that installs it."""
+
+    config: type
+    factory: Optional[Callable[..., Any]] = None
+    module: Optional[str] = None
+    extra: Optional[str] = None
+
+
+def read_table(cls: type, entries: Mapping[str, Any], value: Any, where: str,
+               check: Optional[Callable[[str, str], None]] = None) -> Any:
+    """``value`` as ``cls`` (a dict): a section of named parts (``callbacks``, ``loggers``, ...),
+    each name's options read as ``entries[name].config``, then ``check(name, where)``; unknown
+    names and bad options are refused all at once."""
+    data, gather, out = to_plain(value, where), Gather(), cls()
+    with gather:
+        check_keys(data, list(entries), where)
+    for name, options in data.items():
+        if name in entries:
+            with gather:
+                out[name] = read_dataclass(entries[name].config, options, join(where, name))
+                if check is not None:
+                    check(name, join(where, name))
+    gather.raise_any()
+    return out

@@ -1,11 +1,9 @@
-"""The Hugging Face ``Trainer`` on a foundrymix loader: :class:`FoundrymixTrainer`.
+"""The Hugging Face ``Trainer`` on a foundrymix loader: :class:`FoundrymixTrainer` (``foundrymix[hf]``).
 
-The loader is the whole run -- its stages, mixture and length come from the YAML -- so the
-Trainer's own data settings either agree with it or are refused before training, naming what
-to set instead. The loader's state travels in every HF checkpoint (``foundrymix_loader.pt``)
-and ``train(resume_from_checkpoint=...)`` resumes it there; the Trainer's own data skip is
-turned off, since a second skip would drop batches. Batch keys the model does not take
-(``sample_id``, ``stream_id``, ...) never reach it. ``pip install 'foundrymix[hf]'``.
+The loader is the whole run (stages, mixture, length from the YAML): the Trainer's data settings
+agree with it or are refused, naming what to set instead. The loader's state travels in every
+checkpoint (``foundrymix_loader.pt``) and resumes with it (the Trainer's own data skip is off: a
+second skip would drop batches). Batch keys the model does not take never reach it.
 """
 
 from __future__ import annotations
@@ -32,10 +30,9 @@ TRAINER_STATE = 'trainer_state.json'
 class FoundrymixTrainer(Trainer):
     """``transformers.Trainer`` that trains ``loader`` (from :func:`foundrymix.build_loader`).
 
-    ``attention``: ``document`` (default, as foundrymix's trainer) gives the model the packed
-    rows' ``position_ids`` and no mask, so a model that builds its mask from them (Llama and
-    most current decoders) attends inside each document; ``causal`` gives the padding
-    ``attention_mask`` instead. Every other argument is the Trainer's.
+    ``attention``: ``document`` (default) gives the model the packed rows' ``position_ids`` and no
+    mask (a model that builds its mask from them attends inside each document); ``causal`` the
+    padding ``attention_mask``. Every other argument is the Trainer's.
     """
 
     def __init__(self, model: Any = None, args: Optional[TrainingArguments] = None, *, loader: Any,
@@ -55,14 +52,12 @@ class FoundrymixTrainer(Trainer):
         self._no_cache = bool(_forward_takes(self.model, {'use_cache'}))
 
     def get_train_dataloader(self) -> Any:
-        """The loader itself: accelerate passes an object that is not a torch DataLoader through
-        unchanged, and each rank's rows of every global batch are already the loader's."""
+        """The loader itself (accelerate passes it through; its rows are already this rank's)."""
         return self.loader
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """What the model is given of a batch: the keys its ``forward`` takes, and no cache (with
-        a cache transformers ignores ``position_ids`` when it builds the mask, so packed
-        documents would attend to each other)."""
+        """The batch keys the model's ``forward`` takes, and no cache (with one, transformers ignores
+        ``position_ids`` building the mask: packed documents would attend to each other)."""
         inputs = {k: v for k, v in batch.items() if k in self._model_keys}
         if self._no_cache:
             inputs['use_cache'] = False
@@ -72,9 +67,8 @@ class FoundrymixTrainer(Trainer):
         return super().compute_loss(model, self.model_inputs(inputs), *args, **kwargs)
 
     def train(self, resume_from_checkpoint: Optional[Union[str, bool]] = None, **kwargs: Any) -> Any:
-        """Train from the loader's position; with ``resume_from_checkpoint`` (a checkpoint
-        directory, or ``True``: the newest in ``output_dir``) the loader resumes where that
-        checkpoint's batches ended, checked against the Trainer's own step."""
+        """Train from the loader's position; with ``resume_from_checkpoint`` (a directory, or ``True``:
+        the newest in ``output_dir``) the loader resumes where it ended, checked against the step."""
         if resume_from_checkpoint is True:
             last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
             if last is None:
@@ -88,8 +82,8 @@ class FoundrymixTrainer(Trainer):
 
 
 def fit_arguments(args: TrainingArguments, loader: Any) -> TrainingArguments:
-    """A copy of ``args`` fitted to ``loader``: its length in optimizer steps, its per-rank batch,
-    no data skip; a setting the loader decides instead is refused naming the YAML key."""
+    """A copy of ``args`` fitted to ``loader`` (its length in optimizer steps, its per-rank batch, no
+    data skip); a setting the loader decides is refused, naming the YAML key."""
     default = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     changed = {name for name in ('num_train_epochs', 'dataloader_num_workers', 'data_seed',
                                  'per_device_train_batch_size', 'max_steps')
@@ -149,8 +143,8 @@ def read_loader_state(checkpoint: str, accumulation: int) -> dict[str, Any]:
 
 
 class _SaveLoaderState(TrainerCallback):
-    """Writes the loader's state into each checkpoint the Trainer has just saved (the main
-    process only: every rank's loader is at the same global batch), beside and then renamed."""
+    """Writes the loader's state into each checkpoint just saved (the main process: every rank's
+    loader is at the same global batch), beside and then renamed."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader

@@ -1,17 +1,15 @@
-"""The ``algorithms`` section of a training YAML: YAML name -> (typed options, factory), as
-LLM-Foundry spells it (``algorithms: {gradient_clipping: {clipping_type: norm,
-clipping_threshold: 1.0}}``).
-
-Why Composer's algorithms and not our own code: ``GradientClipping`` already clips after
-every step's backward, microbatches and FSDP included. Imports neither torch nor composer.
+"""The ``algorithms`` section of a training YAML, as LLM-Foundry spells it (``algorithms:
+{gradient_clipping: {clipping_type: norm, clipping_threshold: 1.0}}``): Composer's algorithms
+(microbatches and FSDP included), typed options read without importing torch or composer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
-from foundrymix.config import ConfigError, Gather, check_keys, join, read_dataclass, to_plain
+from foundrymix.config import ConfigError, TableEntry, read_table
+from foundrymix.train.callbacks import part
 
 
 @dataclass
@@ -27,19 +25,8 @@ class GradientClippingConfig:
             raise ConfigError(f'{where}.clipping_threshold: must be positive, got {self.clipping_threshold}')
 
 
-def _gradient_clipping(o: GradientClippingConfig) -> Any:
-    from composer.algorithms import GradientClipping
-    return GradientClipping(clipping_type=o.clipping_type, clipping_threshold=o.clipping_threshold)
-
-
-@dataclass(frozen=True)
-class AlgorithmEntry:
-    config: type
-    factory: Callable[[Any], Any]
-
-
-ALGORITHMS: dict[str, AlgorithmEntry] = {
-    'gradient_clipping': AlgorithmEntry(GradientClippingConfig, _gradient_clipping),
+ALGORITHMS: dict[str, TableEntry] = {
+    'gradient_clipping': TableEntry(GradientClippingConfig, part('composer.algorithms', 'GradientClipping')),
 }
 
 
@@ -48,16 +35,7 @@ class Algorithms(dict):
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'Algorithms':
-        algorithms = to_plain(value, where)
-        gather, out = Gather(), cls()
-        with gather:
-            check_keys(algorithms, list(ALGORITHMS), where)
-        for name, options in algorithms.items():
-            if name in ALGORITHMS:
-                with gather:
-                    out[name] = read_dataclass(ALGORITHMS[name].config, options, join(where, name))
-        gather.raise_any()
-        return out
+        return read_table(cls, ALGORITHMS, value, where)
 
     def build(self) -> list[Any]:
         """Composer algorithm objects, in YAML order."""

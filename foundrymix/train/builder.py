@@ -1,9 +1,6 @@
-"""Turn a :class:`TrainConfig` into a Composer ``Trainer`` and run it.
-
-Everything that can be refused is refused here, before the first step: a stream the
-mixer rejects, a model that does not fit ``max_seq_len``, a batch size the ranks
-cannot split, a ``load_path`` that does not exist, a ``save_folder`` another live run
-writes, a stream directory a conversion is replacing (:func:`claim_run`).
+"""Turn a :class:`TrainConfig` into a Composer ``Trainer`` and run it; everything that can be
+refused (streams, model fit, batch split, ``load_path``, a ``save_folder`` or stream directory
+another run or conversion holds: :func:`claim_run`) is refused before the first step.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ from foundrymix.train.console import console_kwargs, extension_line, finished_li
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import build_optimizer
-from foundrymix.train.preflight import check_start
+from foundrymix.train.preflight import check_start, local_device
 from foundrymix.train.schedule import WSDScheduler, apply_resume_lr, build_scheduler
 from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
 from foundrymix.train.remote_save import RemoteSave, remote_save
@@ -77,9 +74,7 @@ class TrainRun:
 
 
 def _device(cfg: TrainConfig) -> str:
-    if cfg.device != 'auto':
-        return cfg.device
-    return 'gpu' if torch.cuda.is_available() else 'cpu'
+    return cfg.device if cfg.device != 'auto' else local_device()
 
 
 def _precision(cfg: TrainConfig, device: str) -> str:
@@ -89,9 +84,8 @@ def _precision(cfg: TrainConfig, device: str) -> str:
 
 
 def _share_cpu_threads(device: str) -> None:
-    """Split the CPU cores over the ranks of this node, as ``torchrun`` does: Composer's launcher
-    leaves ``OMP_NUM_THREADS`` unset, so every CPU rank starts a thread per core and each
-    collective waits on descheduled threads. An explicit ``OMP_NUM_THREADS`` is kept."""
+    """Split the CPU cores over this node's CPU ranks, as ``torchrun`` does (Composer's launcher
+    does not: a thread per core per rank, and collectives wait); ``OMP_NUM_THREADS`` set wins."""
     local_ranks = dist.get_local_world_size()
     if device != 'cpu' or local_ranks <= 1 or os.environ.get('OMP_NUM_THREADS'):
         return
@@ -108,8 +102,7 @@ def _print0(*lines: Optional[str]) -> None:
 
 def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
                device_batch: int) -> tuple[Optional[Evaluator], list[str]]:
-    """The ``eval_loader`` as an evaluator (or None) and its stream names; its streams must match
-    the train streams."""
+    """The ``eval_loader`` as an evaluator (or None; rows like the train streams') and its stream names."""
     if cfg.eval_loader is None:
         return None, []
     eval_mixer = check_eval_streams(cfg, cfg.max_seq_len, tokenizer)
@@ -128,8 +121,7 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
 
 @dataclass
 class TrainData:
-    """The train loader (what any loop gets; Composer gets it through :class:`ComposerLoader`)
-    and what the rest of the run needs to know about it."""
+    """The train loader (Composer gets it through :class:`ComposerLoader`) and what the run needs of it."""
 
     loader: StagedDataLoader
     run: RunPlan                  # the run's one plan: the loader is built from it
@@ -144,9 +136,8 @@ class TrainData:
 
     @property
     def planned_share(self) -> list[float]:
-        """Per run-wide stream: its share of the rows the plan trains over the whole run (not an
-        epoch's: a run may end mid-epoch); the first stage's per-epoch share where no rows are
-        known before the run (adaptive stages)."""
+        """Per run-wide stream: its share of the rows the whole run trains (a run may end mid-epoch);
+        adaptive stages, whose rows are not known before: the first stage's per-epoch share."""
         total = sum(self.run.rows_per_stream.values())
         if not total:
             shares = {s.name: s.share for s in self.run.stages[0].plan.streams}
@@ -160,8 +151,7 @@ class TrainData:
 
 @collector_paused()  # the plan record and loader objects: many, all kept (foundrymix/heap.py)
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
-    """The run's plan (once: catalogs read once, weights computed once per stage) and the one
-    loader built from it -- for a single mixture (one stage) as for a staged run."""
+    """The run's plan (catalogs read once) and the one loader built from it, staged or not."""
     from foundrymix.plan.topology import Topology
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
@@ -175,8 +165,7 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
 
 def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: S3RetryCounter,
                since: RetryCounts, eval_streams: list[str]) -> tuple[list[Callback], StreamAccounting]:
-    """``ModelInfo``, ``S3Log`` and ``ResumeRng`` first, then every callback of the table the run
-    uses (accounting always)."""
+    """``ModelInfo``, ``S3Log``, ``ResumeRng`` (and adaptive mixing), then the table's callbacks."""
     ctx = CallbackContext(config=cfg, stream_names=data.loader.stream_names,
                           planned_share=data.planned_share, stage_names=data.stage_names,
                           eval_stream_names=eval_streams)
@@ -203,55 +192,31 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
         saving = remote_save(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
                              cfg.save_num_checkpoints_to_keep)
         callbacks, loggers = [*callbacks, saving.saver], [*loggers, saving.uploader]
+    if cfg.compile_config is not None:  # every recompilation is printed with its reason
+        torch._logging.set_logs(recompiles=True)
     try:
-        return _composer_trainer(cfg, model, train_loader, evaluator, micro, callbacks, max_duration,
-                                 scheduler, device, loggers, resume, saving is None), saving
+        return Trainer(
+            model=model, train_dataloader=train_loader, eval_dataloader=evaluator,
+            eval_interval=cfg.eval_interval if evaluator is not None else 1,
+            eval_subset_num_batches=cfg.eval_subset_num_batches, max_duration=max_duration,
+            optimizers=build_optimizer(cfg, model, device), schedulers=scheduler, step_schedulers_every_batch=True,
+            device=device, precision=_precision(cfg, device), device_train_microbatch_size=micro,
+            parallelism_config=parallelism_config(cfg.fsdp, device),
+            compile_config=cfg.compile_config.as_dict() if cfg.compile_config is not None else None,
+            callbacks=callbacks, algorithms=cfg.algorithms.build(), loggers=loggers, run_name=cfg.run_name,
+            **console_kwargs(cfg), save_folder=cfg.save_folder if saving is None else None,
+            save_interval=cfg.save_interval, save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+            **resume, load_weights_only=cfg.load_weights_only, seed=cfg.seed), saving
     except BaseException:
         if saving is not None:
             saving.close()
         raise
 
 
-def _composer_trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Optional[Evaluator],
-                      micro: Union[int, str], callbacks: list[Callback], max_duration: str, scheduler: Any,
-                      device: str, loggers: list[Any], resume: dict[str, Any], composer_saves: bool) -> Trainer:
-    if cfg.compile_config is not None:  # every recompilation is printed with its reason
-        torch._logging.set_logs(recompiles=True)
-    return Trainer(
-        model=model,
-        train_dataloader=train_loader,
-        eval_dataloader=evaluator,
-        eval_interval=cfg.eval_interval if evaluator is not None else 1,
-        eval_subset_num_batches=cfg.eval_subset_num_batches,
-        max_duration=max_duration,
-        optimizers=build_optimizer(cfg, model, device),
-        schedulers=scheduler,
-        step_schedulers_every_batch=True,
-        device=device,
-        precision=_precision(cfg, device),
-        device_train_microbatch_size=micro,
-        parallelism_config=parallelism_config(cfg.fsdp, device),
-        compile_config=cfg.compile_config.as_dict() if cfg.compile_config is not None else None,
-        callbacks=callbacks,
-        algorithms=cfg.algorithms.build(),
-        loggers=loggers,
-        run_name=cfg.run_name,
-        **console_kwargs(cfg),
-        save_folder=cfg.save_folder if composer_saves else None,
-        save_interval=cfg.save_interval,
-        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        **resume,
-        load_weights_only=cfg.load_weights_only,
-        seed=cfg.seed,
-    )
-
-
 def build_trainer(cfg: TrainConfig) -> TrainRun:
-    """Validate everything, then build model, data, callbacks and the Composer trainer.
-
-    The run's claims (:func:`claim_run`) are held from the start; :func:`train` releases
-    them at the end (a caller that only builds: ``run.claims.release()``).
-    """
+    """Validate everything, then build model, data, callbacks and the Composer trainer. The run's
+    claims are held from the start; :func:`train` releases them (a caller that only builds:
+    ``run.claims.release()``)."""
     device_batch, micro = split_batch(cfg, dist.get_world_size())
     if dist.get_world_size() > 1:  # now, so that the start is agreed (_start_together); Composer reuses it
         dist.initialize_dist(_device(cfg))
@@ -265,10 +230,8 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
 
 @contextlib.contextmanager
 def _start_together() -> Iterator[None]:
-    """Every rank leaves the block together: a rank that fails in it (a stream directory missing on
-    its node, a damaged index, another run holding its save_folder) raises its error and every
-    other rank says which rank failed and why -- not waiting in the trainer's first collective
-    until the timeout."""
+    """Every rank leaves the block together: a rank that fails in it raises its error and every other
+    rank says which rank failed and why, instead of waiting in the first collective until the timeout."""
     together = StopTogether('could not start')
     try:
         yield
@@ -342,8 +305,7 @@ def train(cfg: TrainConfig) -> TrainRun:
 
 
 def _plot_staged(run: TrainRun) -> None:
-    """The planned mixture over the run's batches with the realized one drawn over it, the
-    training loss per stream under it, and a ``wsd`` run's LR under that."""
+    """The planned mixture with the realized one over it, the loss per stream and a ``wsd`` run's LR."""
     from foundrymix.train.picture import plot_run_plan
     history = run.accounting.history
     if not history or not run.accounting.plot:

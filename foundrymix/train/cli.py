@@ -45,10 +45,8 @@ def print_summary(run: Any) -> None:
 
 
 def require_composer() -> None:
-    """Refuse in one line, naming the extra to install, where ``composer`` is not importable.
-
-    An installed Composer that fails to import keeps its traceback, as a bug to report.
-    """
+    """Refuse in one line, naming the extra, where ``composer`` is not installed (one that fails
+    to import keeps its traceback, as a bug to report)."""
     try:
         import composer  # noqa: F401
     except ModuleNotFoundError as e:
@@ -58,10 +56,8 @@ def require_composer() -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Load the YAML with its overrides, build the trainer, fit; rank 0 prints the accounting.
-
-    The YAML is read before Composer is looked for, so a config is checked the same without it.
-    """
+    """Load the YAML (checked before Composer is looked for), build the trainer, fit; rank 0
+    prints the accounting."""
     from foundrymix.train.config import load_config
 
     config = load_config(args.config, args.overrides)

@@ -1,8 +1,5 @@
 """The training YAML as typed objects: the data part's :class:`~foundrymix.plan.data_config.DataConfig`
-extended with the model, the optimizer and the rest of the trainer's keys.
-
-Why not the raw ``DictConfig``: an unknown or misspelt key must be an error that names it
-(LLM-Foundry silently drops typos). Imports neither torch nor composer.
+extended with the trainer's keys, each checked (LLM-Foundry silently drops typos). No torch, no composer.
 """
 
 from __future__ import annotations
@@ -10,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
-from foundrymix.config import ConfigError, Gather, Interval, check_keys, read_dataclass, to_plain
+from foundrymix.config import ConfigError, Gather, Interval, read_table
 from foundrymix.heap import collector_paused
 from foundrymix.plan.data_config import (DataConfig, batch_per_rank, check_data_streams, check_eval_catalog,
                                          read_yaml_config, run_batches)
@@ -20,6 +17,7 @@ from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
 from foundrymix.train.gpu import CompileSettings, FSDPSettings
 from foundrymix.train.loggers import Loggers
 from foundrymix.train.model_spec import ModelSpec
+
 
 @dataclass
 class OptimizerConfig:
@@ -70,26 +68,12 @@ class SchedulerConfig:
         gather.raise_any()
 
 
-def _read_callbacks(value: Any, where: str) -> dict[str, Any]:
-    callbacks = to_plain(value, where)
-    gather, out = Gather(), {}
-    with gather:
-        check_keys(callbacks, list(CALLBACKS), where)
-    for name, v in callbacks.items():
-        if name in CALLBACKS:
-            with gather:
-                out[name] = read_dataclass(CALLBACKS[name].config, v, f'{where}.{name}')
-    gather.raise_any()
-    return out
-
-
 class Callbacks(dict):
-    """``callbacks``: YAML name -> that callback's config (the table in
-    :mod:`foundrymix.train.callbacks`)."""
+    """``callbacks``: YAML name -> that callback's config (the table in :mod:`foundrymix.train.callbacks`)."""
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'Callbacks':
-        return cls(_read_callbacks(value, where))
+        return read_table(cls, CALLBACKS, value, where)
 
 
 @dataclass(kw_only=True)
@@ -168,14 +152,9 @@ class PlanConfig(TrainConfig):
 
 
 def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]]:
-    """(per-rank batch, microbatch) of ``cfg`` on ``world_size`` ranks; refuses a batch the ranks
-    (:func:`~foundrymix.plan.data_config.batch_per_rank`) or the microbatches cannot split.
-
-    Pure, so ``foundrymix plan --world-size N`` refuses what ``composer -n N`` would, before
-    any rank is launched. The microbatch is one for the whole run: it must divide every
-    stage's per-rank batch, and unset it is the largest of them (Composer scales the loss by
-    the rows of each batch, so a smaller stage batch is simply one shorter microbatch).
-    """
+    """(per-rank batch, microbatch) of ``cfg`` on ``world_size`` ranks; refuses a batch the ranks or the
+    microbatches cannot split. Pure: ``plan --world-size N`` refuses what ``composer -n N`` would. The
+    microbatch must divide every stage's per-rank batch; unset it is the largest of them."""
     rows, used = batch_per_rank(cfg, world_size), run_batches(cfg)
     micro = cfg.device_train_microbatch_size
     if micro is None:  # every batch in one microbatch (a smaller stage's: one shorter one)
@@ -188,17 +167,15 @@ def split_batch(cfg: TrainConfig, world_size: int) -> tuple[int, Union[int, str]
 
 
 @collector_paused()  # a large YAML allocates much and frees nothing (foundrymix/heap.py)
-def load_config(path: str, overrides: Sequence[str] = (), max_duration: Optional[str] = None) -> TrainConfig:
-    """A training YAML with ``key=value`` overrides, interpolations resolved, typed: ``train``
-    and ``plan`` both read a run with a model this way, so they refuse alike. ``max_duration``
-    replaces the YAML's."""
-    return read_yaml_config(path, overrides, max_duration, TrainConfig.from_dict)
+def load_config(path: str, overrides: Sequence[str] = ()) -> TrainConfig:
+    """A training YAML with ``key=value`` overrides, typed (``train`` and ``plan`` both read a run with
+    a model this way, so they refuse alike)."""
+    return read_yaml_config(path, overrides, None, TrainConfig.from_dict)
 
 
 def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
-    """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (and the
-    pretrained model's), and LoRA ``target_modules`` must name layers of the model; ``train``
-    and ``plan`` refuse alike. ``tokenizer`` is the streams' ``TokenizerInfo``."""
+    """The train streams' rows must be ``max_seq_len`` long, from ``cfg.tokenizer`` (``tokenizer``: theirs)
+    and the pretrained model's, and LoRA ``target_modules`` must name layers of the model."""
     check_data_streams(cfg, max_seq_len, tokenizer)
     if cfg.model is not None and cfg.model.pretrained is not None:
         from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer

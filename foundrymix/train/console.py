@@ -1,7 +1,5 @@
-"""What a run prints to the terminal: Composer's progress bar, the metric dump, the resume line.
-
-The metric dump is printed only every ``log_interval`` so it does not bury the bar; a
-resumed run says in one line where it continued from, so a log shows nothing restarted.
+"""What a run prints to the terminal: Composer's progress bar, the metric dump (only every
+``log_interval``, not burying the bar), and one line saying where a resumed run continued from.
 """
 
 from __future__ import annotations
@@ -23,10 +21,8 @@ def console_kwargs(cfg: Any) -> dict[str, Any]:
 
 
 def resume_line(state: Any, weights_only: bool = False) -> Optional[str]:
-    """``resumed from PATH at batch B (epoch E, batch b of it[, stage S, batch s of it])``, or None.
-
-    With ``load_weights_only`` the line says that only the weights were taken.
-    """
+    """``resumed from PATH at batch B (epoch E, batch b of it[, stage S, batch s of it])``, or None;
+    with ``load_weights_only`` it says that only the weights were taken."""
     if not getattr(state, 'load_path', None):
         return None
     if weights_only:
@@ -44,11 +40,7 @@ def resume_line(state: Any, weights_only: bool = False) -> Optional[str]:
 
 def finished_line(state: Any) -> Optional[str]:
     """``already finished: ...`` when the checkpoint a run resumed from is at or past its
-    ``max_duration``, else None.
-
-    Why: Composer's ``fit()`` refuses such a run with a traceback; a finished run relaunched
-    with ``autoresume: true`` is done, not failed, so it says so and exits 0.
-    """
+    ``max_duration`` (Composer's ``fit()`` would raise; a finished run is done, not failed), else None."""
     max_duration = getattr(state, 'max_duration', None)
     if not getattr(state, 'load_path', None) or max_duration is None:
         return None
@@ -66,12 +58,8 @@ def _resumed_run(state: Any) -> tuple[Any, Any]:
 
 
 def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
-    """What a resume that changed the run's length does to the LR schedule, or None.
-
-    Why: Composer does not checkpoint ``max_duration`` and a schedule is a function of the
-    elapsed fraction of it, so extending a run silently moves a cosine schedule back up; the
-    line gives the LR at the resume batch under the checkpoint's length and under this run's.
-    """
+    """The LR at the resume batch under the checkpoint's length and this run's, when a resume
+    changed the run's length (Composer's schedules follow the fraction of ``max_duration``), or None."""
     resumed, run = _resumed_run(state)
     if resumed is None or run is None:
         return None
@@ -100,13 +88,8 @@ def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
 
 
 def wsd_resume_line(state: Any, scheduler: Any) -> Optional[str]:
-    """For a ``wsd`` run resumed at batch B: the LR of batch B as the checkpoint's run left it
-    (the optimizer's, set by its own schedule) and under this run's schedule, when they
-    differ or the run's length changed; else None.
-
-    Why: extending the stable phase or branching into an anneal changes the schedule from
-    the resume batch on; the line shows the change where it takes effect.
-    """
+    """For a ``wsd`` run resumed at batch B: B's LR as the checkpoint left it and under this run's
+    schedule (an extended stable phase, an anneal branch), when they differ or the length changed."""
     resumed, run = _resumed_run(state)
     if resumed is None or run is None:
         return None

@@ -1,9 +1,6 @@
-"""``foundrymix export CHECKPOINT --to-hf DIR``: a Composer checkpoint as a transformers model.
-
-Why: a run's checkpoints are Composer full-state files; everything downstream wants a
-``save_pretrained`` directory. The model is rebuilt from the config the checkpoint recorded
-(the ``ModelInfo`` callback), its weights loaded strictly, and the streams' tokenizer saved
-beside it after its fingerprint is checked (docs/train.md).
+"""``foundrymix export CHECKPOINT --to-hf DIR``: a Composer checkpoint as a ``save_pretrained``
+directory: the model rebuilt from the config the checkpoint recorded (``ModelInfo``), its weights
+loaded strictly, the streams' tokenizer saved beside it after its fingerprint is checked (docs/train.md).
 """
 
 from __future__ import annotations
@@ -85,11 +82,6 @@ def dataset_files(directory: str) -> list[str]:
     return [n for n in (MANIFEST_NAME, INDEX_NAME) if os.path.isfile(os.path.join(directory, n))]
 
 
-def load_checkpoint_state(path: str) -> dict[str, Any]:
-    """The ``state`` of a (rank 0, unsharded) Composer checkpoint file."""
-    return load_checkpoint(path)['state']
-
-
 def load_checkpoint(path: str) -> dict[str, Any]:
     """A (rank 0, unsharded) Composer checkpoint file: ``state`` and ``rng`` (one per rank)."""
     import torch
@@ -164,12 +156,9 @@ def _require_peft() -> Any:
 
 
 def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bool = False) -> str:
-    """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``.
-
-    A LoRA run is written merged, or with ``adapter`` as the adapter alone, only while the
-    base directory still holds, bitwise, the checkpoint's base weights. A dataset directory
-    is refused even with ``overwrite`` (it would become neither a dataset nor a model).
-    """
+    """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``. A LoRA run is
+    written merged, or with ``adapter`` alone, only while the base directory holds, bitwise, the
+    checkpoint's base weights. A dataset directory is refused even with ``overwrite``."""
     held = dataset_files(out) if os.path.isdir(out) else []
     if held:
         raise ExistsError(f'{out}: holds a dataset ({", ".join(held)}, {len(os.listdir(out))} entries); '
@@ -177,7 +166,7 @@ def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bo
                           f'choose another --to-hf directory')
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise ExistsError(f'{out}: exists and is not empty (use --overwrite)')
-    state = load_checkpoint_state(checkpoint)
+    state = load_checkpoint(checkpoint)['state']
     info = model_info(state, checkpoint)
     if adapter:
         _check_adapter_export(info, checkpoint)

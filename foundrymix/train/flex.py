@@ -1,10 +1,7 @@
-"""``attn_implementation: flex_attention``: document attention with PyTorch's FlexAttention, no dense mask.
-
-transformers builds the ``BlockMask`` from restarting ``position_ids``. Why our own attention
-function rather than transformers' ``flex_attention``: that one always ``torch.compile``s the
-kernel, which fails on CPU with torch 2.7's inductor; ours compiles on CUDA only and runs the
-eager reference on CPU, so the same path is tested on CPU and used on GPUs. Attention
-dropout, head masks, soft-capping and attention sinks are refused, not dropped.
+"""``attn_implementation: flex_attention``: document attention with PyTorch's FlexAttention, no dense
+mask (transformers builds the ``BlockMask`` from restarting ``position_ids``). Our own attention
+function compiles on CUDA only (transformers' always compiles, which fails on CPU), so the same path
+is tested on CPU. Attention dropout, head masks, soft-capping and sinks are refused, not dropped.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""``model.fused_loss: true``: the output layer and cross-entropy in chunks, never the full-vocabulary logits.
-
-Why: the model's own path materialises ``tokens x vocab`` float32 logits. Here each chunk's
-logits live only inside :class:`LinearCrossEntropy`'s forward, which computes the loss *and*
-the gradients there (liger-kernel's approach, in plain torch), so backward only scales them;
-the loss is the full path's up to float rounding. Only for :data:`FUSED_TYPES`, whose head
-is a plain ``lm_head(hidden)``; refused with FSDP and with LoRA (docs/gpu.md).
+"""``model.fused_loss: true``: the output layer and cross-entropy in chunks, never the ``tokens x vocab``
+logits. Each chunk's logits live only inside :class:`LinearCrossEntropy`'s forward, which computes
+the loss and the gradients (liger-kernel's approach, in plain torch); the loss is the full path's up
+to float rounding. Only for ``model_spec.FUSED_TYPES`` (a plain ``lm_head``); not with FSDP or LoRA.
 """
 
 from __future__ import annotations
@@ -13,12 +10,10 @@ from typing import Any
 
 import torch
 
-from foundrymix.train.model_spec import FUSED_TYPES  # noqa: F401 (the types it is checked for)
+from foundrymix.format.schema import IGNORE_INDEX
 
 #: logits held at once, per chunk (float32: 256 MiB)
 CHUNK_ELEMENTS = 1 << 26
-
-IGNORE_INDEX = -100
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -29,11 +24,8 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """``sum over scored tokens of -log softmax(hidden @ weight.T)[target]``; gradients computed in forward.
-
-    Returns ``(loss_sum, per_token)``: the float32 sum (differentiable) and each token's
-    loss (0 where ``target`` is ignored; not differentiable).
-    """
+    """``sum over scored tokens of -log softmax(hidden @ weight.T)[target]``, gradients computed in
+    forward; returns the float32 sum (differentiable) and each token's loss (0 where ignored)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor

@@ -1,7 +1,5 @@
-"""GPU settings of a training YAML: the ``fsdp`` section, handed to Composer as ``parallelism_config``.
-
-Why our own typed copy of Composer's ``FSDPConfig``: every key and value is checked without
-importing torch; only the keys the YAML sets reach Composer.
+"""GPU settings of a training YAML: ``fsdp`` (a typed copy of Composer's ``FSDPConfig``, checked
+without importing torch; only the keys the YAML sets reach Composer) and ``compile_config``.
 """
 
 from __future__ import annotations
@@ -43,11 +41,8 @@ class FSDPSettings:
 
 @dataclass
 class CompileSettings:
-    """``compile_config:`` -- ``torch.compile`` of the model through Composer (LLM-Foundry's key).
-
-    ``dynamic`` defaults to false: a training run has one shape (device batch x ``max_seq_len``),
-    so the model compiles once (an evaluation batch of another size once more).
-    """
+    """``compile_config:`` -- ``torch.compile`` of the model through Composer (LLM-Foundry's key);
+    ``dynamic`` false: a run has one shape, compiled once (an eval batch of another size once more)."""
 
     mode: Optional[Literal['default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs']] = None
     dynamic: Optional[bool] = False

@@ -1,8 +1,6 @@
-"""The ``loggers`` section of a training YAML: one table, YAML name -> (options, extra, factory).
-
-Each logger's options are a typed dataclass (unknown keys refused when read); the factory
-imports Composer's logger only when the trainer is built, so reading a config stays
-torch-free. A logger whose optional package is missing is refused when the YAML is read.
+"""The ``loggers`` section of a training YAML: one table, YAML name -> typed options and factory
+(Composer's logger is imported when the trainer is built); a logger whose optional package is
+missing is refused when the YAML is read.
 """
 
 from __future__ import annotations
@@ -10,9 +8,10 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
-from foundrymix.config import ConfigError, Gather, check_keys, join, read_dataclass, to_plain
+from foundrymix.config import ConfigError, TableEntry, read_table
+from foundrymix.train.callbacks import part
 
 
 @dataclass
@@ -74,12 +73,6 @@ class WandbLoggerConfig:
     rank_zero_only: bool = True
 
 
-def _file(o: FileLoggerConfig, run_name: str) -> Any:
-    from composer.loggers import FileLogger
-    return FileLogger(filename=o.filename, capture_stdout=o.capture_stdout, capture_stderr=o.capture_stderr,
-                      buffer_size=o.buffer_size, flush_interval=o.flush_interval, overwrite=o.overwrite)
-
-
 def _tensorboard(o: TensorboardLoggerConfig, run_name: str) -> Any:
     from composer.loggers import TensorboardLogger
     return TensorboardLogger(log_dir=o.log_dir or os.path.join('runs', run_name, 'tensorboard'),
@@ -115,23 +108,13 @@ def _wandb(o: WandbLoggerConfig, run_name: str) -> Any:
                        tags=list(o.tags) or None, rank_zero_only=o.rank_zero_only, init_kwargs=init_kwargs)
 
 
-@dataclass(frozen=True)
-class LoggerEntry:
-    """One row: the options' dataclass, the factory (``None`` for ``console``, which Composer
-    builds itself), and the package it needs with the extra that installs it."""
-
-    config: type
-    factory: Optional[Callable[[Any, str], Any]] = None
-    module: Optional[str] = None
-    extra: Optional[str] = None
-
-
-LOGGERS: dict[str, LoggerEntry] = {
-    'console': LoggerEntry(ConsoleLoggerConfig),
-    'file': LoggerEntry(FileLoggerConfig, _file),
-    'tensorboard': LoggerEntry(TensorboardLoggerConfig, _tensorboard, 'tensorboard', 'tensorboard'),
-    'mlflow': LoggerEntry(MLFlowLoggerConfig, _mlflow, 'mlflow', 'mlflow'),
-    'wandb': LoggerEntry(WandbLoggerConfig, _wandb, 'wandb', 'wandb'),
+#: YAML name -> (options, factory; ``console`` has none, Composer builds it, the package it needs, its extra)
+LOGGERS: dict[str, TableEntry] = {
+    'console': TableEntry(ConsoleLoggerConfig),
+    'file': TableEntry(FileLoggerConfig, part('composer.loggers', 'FileLogger')),
+    'tensorboard': TableEntry(TensorboardLoggerConfig, _tensorboard, 'tensorboard', 'tensorboard'),
+    'mlflow': TableEntry(MLFlowLoggerConfig, _mlflow, 'mlflow', 'mlflow'),
+    'wandb': TableEntry(WandbLoggerConfig, _wandb, 'wandb', 'wandb'),
 }
 
 
@@ -148,17 +131,7 @@ class Loggers(dict):
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'Loggers':
-        loggers = to_plain(value, where)
-        gather, out = Gather(), cls()
-        with gather:
-            check_keys(loggers, list(LOGGERS), where)
-        for name, options in loggers.items():
-            if name in LOGGERS:
-                with gather:
-                    out[name] = read_dataclass(LOGGERS[name].config, options, join(where, name))
-                    check_installed(name, join(where, name))
-        gather.raise_any()
-        return out
+        return read_table(cls, LOGGERS, value, where, check_installed)
 
     @classmethod
     def default(cls) -> 'Loggers':

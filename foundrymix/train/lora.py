@@ -1,10 +1,7 @@
-"""LoRA finetuning through the ``peft`` library: ``model.peft_config`` as LLM-Foundry reads it.
-
-The base weights are frozen; only the adapter (and any ``modules_to_save``) trains.
-Why checked here rather than left to peft: peft accepts a ``target_modules`` entry that
-matches nothing as long as another one matches (a misspelt ``q_prj`` beside ``v_proj``
-trains only ``v_proj``, in silence), and an unknown key is a ``TypeError`` traceback.
-peft is optional and imported only when a YAML has ``peft_config``.
+"""LoRA finetuning through the optional ``peft`` library: ``model.peft_config`` as LLM-Foundry reads
+it; only the adapter (and any ``modules_to_save``) trains. Checked here: peft accepts a
+``target_modules`` entry that matches nothing beside one that does (a misspelt ``q_prj`` trains
+only ``v_proj``, in silence), and an unknown key is a ``TypeError`` traceback.
 """
 
 from __future__ import annotations
@@ -111,13 +108,13 @@ def _short_names(names: list[str]) -> str:
     return ', '.join(dict.fromkeys(n.rsplit('.', 1)[-1] for n in names if not n.rsplit('.', 1)[-1].isdigit()))
 
 
-def check_targets(model: Any, peft: Mapping[str, Any], where: str = 'model.peft_config') -> None:
+def check_targets(model: Any, peft: Mapping[str, Any]) -> None:
     """Every ``target_modules`` entry (or the regex) matches a module LoRA can adapt, and every
     ``modules_to_save`` entry a module of ``model``; a refusal lists the names to choose from."""
     adaptable = [n for n, m in model.named_modules() if n and isinstance(m, _adaptable())]
     every = [n for n, _ in model.named_modules() if n]
     kind = getattr(getattr(model, 'config', None), 'model_type', 'this')
-    gather = Gather()
+    gather, where = Gather(), 'model.peft_config'
     targets = peft.get('target_modules')
     if isinstance(targets, str) and targets != 'all-linear':
         if not any(re.fullmatch(targets, n) for n in adaptable):
@@ -139,8 +136,8 @@ def check_targets(model: Any, peft: Mapping[str, Any], where: str = 'model.peft_
 
 
 def check_spec_targets(spec: Any, tokenizer: Any) -> None:
-    """:func:`check_targets` on the model ``spec`` describes, built on the ``meta`` device, so
-    ``plan`` refuses what ``train`` would; a model that cannot be built is left to ``train``."""
+    """:func:`check_targets` on ``spec``'s model built on the ``meta`` device (``plan`` refuses what
+    ``train`` would); a model that cannot be built is left to ``train``."""
     import copy
 
     import torch
@@ -158,10 +155,8 @@ def check_spec_targets(spec: Any, tokenizer: Any) -> None:
 
 
 def wrap(model: Any, peft: Mapping[str, Any]) -> Any:
-    """``model`` as a peft LoRA model: base frozen, adapter initialised from torch's RNG.
-
-    Carries :func:`trainable_line` as ``foundrymix_lora`` (rank 0 prints it).
-    """
+    """``model`` as a peft LoRA model (base frozen, adapter from torch's RNG) carrying
+    :func:`trainable_line` as ``foundrymix_lora``."""
     from peft import get_peft_model
 
     check_targets(model, peft)
@@ -195,9 +190,8 @@ def trainable_line(model: Any, peft: Mapping[str, Any]) -> str:
 
 def peft_model_from_state(base: Any, peft: Mapping[str, Any], weights: Mapping[str, Any],
                           pretrained: Optional[str]) -> tuple[Any, list[str], list[str]]:
-    """The LoRA model over ``base`` with a checkpoint's ``weights`` (the wrapper's keys);
-    (model, missing keys, unexpected keys). ``pretrained``: the base directory, recorded in the
-    adapter's config."""
+    """(LoRA model over ``base`` with a checkpoint's ``weights``, missing keys, unexpected keys);
+    ``pretrained``: the base directory the adapter's config records."""
     from peft import get_peft_model
 
     config = lora_config(peft)
@@ -219,9 +213,8 @@ def base_tensors(model: Any) -> dict[str, Any]:
 
 
 def changed_base_tensor(model: Any, directory: str) -> Optional[str]:
-    """The first base tensor of ``model`` that differs from ``directory``'s safetensors weights
-    (``FILE: TENSOR``), or None when all of them are bitwise equal; a directory without
-    safetensors weights gives ``ValueError``."""
+    """``FILE: TENSOR`` of the first base tensor of ``model`` not bitwise equal to ``directory``'s
+    safetensors weights, or None; ``ValueError`` for a directory without safetensors weights."""
     import torch
     from safetensors import safe_open
 

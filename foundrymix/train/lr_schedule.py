@@ -1,10 +1,7 @@
-"""The warmup-stable-decay LR schedule (``scheduler: {name: wsd, ...}``) as arithmetic over
-global batches, resolved against the run's stages.
-
-Pure (no Composer, no torch): ``foundrymix plan`` prints and draws the LR the run will train
-with, and the trainer's scheduler (:mod:`foundrymix.train.schedule`) must give exactly those
-numbers, so both evaluate :meth:`WSDSchedule.multiplier` over spans resolved once to whole
-batches. The LR of a batch is the schedule at its *end* (formulas: docs/schedules.md).
+"""The warmup-stable-decay LR schedule (``scheduler: {name: wsd, ...}``) as arithmetic over global
+batches, resolved against the run's stages. Pure (no Composer, no torch): ``foundrymix plan`` and the
+trainer's scheduler both evaluate :meth:`WSDSchedule.multiplier`, so the run trains at the LR the plan
+printed. A batch's LR is the schedule at its *end* (formulas: docs/schedules.md).
 """
 
 from __future__ import annotations
@@ -173,14 +170,10 @@ class WSDSchedule:
                            for n, b in self.stage_starts]}
 
 
-def resolve_wsd(warmup: Optional[Span], decay: Decay, timeline: Timeline,
-                where: str = 'scheduler') -> WSDSchedule:
-    """The schedule's spans in batches of ``timeline``; every problem at once.
-
-    The warmup runs from batch 0 (a stage: to that stage's end); the decay ends at the run's
-    end (a duration) or spans the named stage.
-    """
-    gather = Gather()
+def resolve_wsd(warmup: Optional[Span], decay: Decay, timeline: Timeline) -> WSDSchedule:
+    """The schedule's spans in batches of ``timeline`` (every problem at once): the warmup from batch 0
+    (a stage: to its end), the decay to the run's end (a duration) or over the named stage."""
+    gather, where = Gather(), 'scheduler'
     W, start, end = 0, timeline.total_batches, timeline.total_batches
     if warmup is not None:
         with gather:

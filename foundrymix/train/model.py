@@ -1,12 +1,9 @@
 """A ``transformers`` causal LM (random init or a local pretrained directory) as a Composer model.
 
-Why not ``composer.models.HuggingFaceModel``: foundrymix batches carry bookkeeping keys
-(``stream_id``, ``sample_id``, ``sequence_id``) a Hugging Face model would reject, and
-``model.attention`` decides what the model gets: ``document`` (default) the per-segment
-``position_ids`` and no mask, so tokens attend only inside their own document and padding
-tokens only to themselves (docs/gpu.md); ``causal`` the padding ``attention_mask``.
-Loss is the model's own cross-entropy on ``labels`` (``-100`` ignored), computed once per
-token together with the per-row sums per-stream loss needs (:class:`RowLoss`).
+Why not Composer's ``HuggingFaceModel``: batches carry bookkeeping keys (``stream_id``, ...) a
+model would reject, and ``model.attention`` picks the inputs: ``document`` the per-segment
+``position_ids`` and no mask (tokens attend inside their document, docs/gpu.md), ``causal`` the
+padding ``attention_mask``. The loss is computed once per token with the per-row sums (:class:`RowLoss`).
 """
 
 from __future__ import annotations
@@ -42,12 +39,9 @@ def _check_fits(config: Any, tokenizer: TokenizerInfo, max_seq_len: int) -> None
 
 
 def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) -> torch.nn.Module:
-    """The causal LM: random init from a config, or a local pretrained directory's weights.
-
-    Refuses, before any weight loads, one that cannot hold the data (vocabulary, positions)
-    and a directory without weights or with weights of other sizes. A loaded model carries
-    :func:`loading_line` as ``foundrymix_loading``; with ``peft_config`` it is wrapped in LoRA.
-    """
+    """The causal LM: random init, or a local pretrained directory's weights (then it carries
+    :func:`loading_line` as ``foundrymix_loading``); LoRA-wrapped with ``peft_config``. Refuses,
+    before any weight loads, a model that cannot hold the data and weights missing or of other sizes."""
     from transformers import AutoModelForCausalLM
 
     config = hf_config(spec, tokenizer)
@@ -81,12 +75,8 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
 
 
 def _unreadable_weights(directory: str, error: BaseException) -> str:
-    """``FILE: what is wrong`` for the first ``*.safetensors`` file in ``directory`` that
-    safetensors cannot open (a truncated or damaged copy), else the directory and ``error``.
-
-    Why: transformers lets safetensors' ``SafetensorError`` through as a traceback naming no
-    file. Opening a file reads only its header and checks the data it lists is all there.
-    """
+    """``FILE: what is wrong`` for the first ``*.safetensors`` file safetensors cannot open (a
+    truncated copy), else ``directory`` and ``error``: transformers' own error names no file."""
     from safetensors import safe_open
 
     for name in sorted(os.listdir(directory)):
@@ -106,12 +96,9 @@ MAX_NAMED_AT_INIT = 5
 
 
 def loading_line(model: torch.nn.Module, directory: str, missing: list[str]) -> str:
-    """``model: loaded N tensors from DIR (M left at init: names...)``.
-
-    Why: transformers only logs a warning, buried in a run's log, for weights missing from a
-    checkpoint. ``missing`` is its ``output_loading_info`` list; N counts the model's own
-    tensors (tied ones once, persistent buffers) less those.
-    """
+    """``model: loaded N tensors from DIR (M left at init: names...)``, since transformers only
+    logs missing weights. ``missing``: its ``output_loading_info`` list; N counts the model's
+    own tensors (tied ones once, persistent buffers) less those."""
     own = [n for n, _ in model.named_parameters()]
     own += [n for n, _ in model.named_buffers()
             if n in model.state_dict(keep_vars=True)]  # persistent buffers only
@@ -126,11 +113,8 @@ def loading_line(model: torch.nn.Module, directory: str, missing: list[str]) -> 
 
 
 def add_fsdp_hooks(model: torch.nn.Module) -> None:
-    """Tell Composer's FSDP to shard (and, with ``activation_checkpointing``, checkpoint) per
-    transformer block: the classes transformers lists in ``_no_split_modules``.
-
-    Why: without ``fsdp_wrap_fn`` Composer wraps only the whole model, which defeats sharding.
-    """
+    """Make Composer's FSDP shard (and activation-checkpoint) per transformer block, the classes of
+    ``_no_split_modules``: without ``fsdp_wrap_fn`` it wraps only the whole model."""
     blocks = frozenset(getattr(model, '_no_split_modules', None) or ())
 
     def is_block(module: torch.nn.Module) -> bool:
@@ -142,23 +126,16 @@ def add_fsdp_hooks(model: torch.nn.Module) -> None:
 
 @dataclass(frozen=True)
 class RowLoss:
-    """Per row of a (micro)batch: the summed cross-entropy of its loss targets, and their count.
-
-    Detached float32 sums and int64 counts on the model's device; ``targets`` counts
-    ``labels[1:] != -100`` (position 0's label has no token before it).
-    """
+    """Per row of a (micro)batch: the summed cross-entropy of its loss targets (detached float32)
+    and their count (int64, ``labels[1:] != -100``), on the model's device."""
 
     loss_sum: torch.Tensor
     targets: torch.Tensor
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, RowLoss]:
-    """The mean cross-entropy over loss targets, as transformers computes it, and the :class:`RowLoss`.
-
-    The same float32 ``nll_loss(log_softmax(x))`` on shifted labels as transformers'
-    ``ForCausalLMLoss`` (bitwise equal to the model's own loss); the per-row sums are gathered
-    from that one ``log_softmax`` without grad, so there is no second softmax over the vocabulary.
-    """
+    """The mean cross-entropy over loss targets, bitwise equal to transformers' ``ForCausalLMLoss``,
+    and the :class:`RowLoss`, gathered without grad from the same ``log_softmax`` (no second one)."""
     logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
     target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(logp.device)
     loss = F.nll_loss(logp, target, ignore_index=IGNORE_INDEX, reduction='mean')
@@ -171,13 +148,9 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
 
 
 class RowLossMean(Metric):
-    """The training loss as a metric (Composer's train ``LanguageCrossEntropy``), from the
-    :class:`RowLoss` sums :meth:`CausalLM.loss` already computed.
-
-    Why: Composer updates train metrics after every microbatch, and ``LanguageCrossEntropy``
-    takes a second cross-entropy over (a copy of) the whole logits; with ``fused_loss`` there
-    are no logits at all. Same value: the mean cross-entropy over loss targets.
-    """
+    """The train ``LanguageCrossEntropy`` from the :class:`RowLoss` sums :meth:`CausalLM.loss`
+    computed: Composer's metric would take a second cross-entropy over the whole logits (and
+    ``fused_loss`` has none). Same value: the mean cross-entropy over loss targets."""
 
     full_state_update = False
 
@@ -203,13 +176,10 @@ class HiddenStates:
 
 
 class CausalLM(ComposerModel):
-    """Composer wrapper: forward on foundrymix batches, loss = the model's cross-entropy on ``labels``.
-
-    The model is called without ``labels`` (it would compute the loss twice); :meth:`loss` and
-    :meth:`eval_forward` leave the per-row sums as ``outputs.row_loss``, which stream accounting
-    reads at ``after_loss``. With ``fused_loss`` a training forward stops at the hidden states
-    and :meth:`loss` runs the output layer in chunks; evaluation keeps the logits for its metrics.
-    """
+    """Composer wrapper: forward on foundrymix batches (without ``labels``: no second loss), loss
+    = the model's cross-entropy; :meth:`loss` and :meth:`eval_forward` leave ``outputs.row_loss``
+    for stream accounting. With ``fused_loss`` a training forward stops at the hidden states and
+    :meth:`loss` runs the output layer in chunks; evaluation keeps the logits."""
 
     def __init__(self, model: torch.nn.Module, attention: AttentionMode = 'document',
                  fused_loss: bool = False) -> None:

@@ -1,9 +1,8 @@
 """The ``model`` section of a training YAML, read without building a model.
 
-Why strict: ``AutoConfig`` silently ignores a misspelt key (``hiden_size: 64``), so a run
-would train a model of the wrong size; every key that is not ours is checked against the
-transformers config class of the chosen ``type``. transformers (and torch) is imported
-only when a ``model`` section is read.
+Every key that is not ours is checked against the transformers config class of ``type``:
+``AutoConfig`` silently ignores a misspelt key (``hiden_size``), training a model of the wrong
+size. transformers is imported only when a ``model`` section is read.
 """
 
 from __future__ import annotations
@@ -71,12 +70,8 @@ class ModelConfigError(ConfigError):
 
 @dataclass
 class ModelSpec:
-    """The ``model`` section: a transformers ``model_type`` plus its config fields.
-
-    Our keys are :data:`OWN_KEYS` (``pretrained``: a local Hugging Face model directory, also
-    in LLM-Foundry's spelling); every other key (and ``config_overrides``) overrides the
-    transformers config.
-    """
+    """The ``model`` section: a transformers ``model_type`` plus its config fields (every key not
+    in :data:`OWN_KEYS`, and ``config_overrides``, overrides the transformers config)."""
 
     model_type: str
     attention: AttentionMode
@@ -179,9 +174,8 @@ DOCUMENT_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'phi3
 
 
 def _modeling_source(model_type: str) -> str:
-    """The source text of transformers' causal-LM module for ``model_type`` ('' when it has none).
-
-    Read, not imported: importing a modeling module is slow, and ``plan`` reads the model section too."""
+    """The source text of transformers' causal-LM module for ``model_type`` ('' when it has none);
+    read, not imported (slow), since ``plan`` reads the model section too."""
     import importlib.util
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -197,19 +191,16 @@ def _modeling_source(model_type: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def reads_position_ids(model_type: str) -> bool:
-    """Does ``model_type``'s causal LM turn restarting ``position_ids`` into a per-document mask?
-
-    transformers derives the mask in ``masking_utils.create_causal_mask``; a model whose module
-    does not call it (MPT, Bloom, OPT, Falcon, GPT-Neo) attends across documents."""
+    """Does ``model_type``'s causal LM turn restarting ``position_ids`` into a per-document mask
+    (``create_causal_mask``)? MPT, Bloom, OPT, Falcon, GPT-Neo do not: they attend across documents."""
     source = _modeling_source(model_type)
     return 'create_causal_mask' in source and 'position_ids' in source
 
 
 @functools.lru_cache(maxsize=32)
 def has_sdpa(model_type: str) -> bool:
-    """Does ``model_type``'s causal LM declare sdpa attention? Without it (GPT-Neo, MPT, GPT-J,
-    Bloom) transformers refuses ``attn_implementation='sdpa'`` when the model is built, so a run
-    must use eager; the declaration is read from the modeling source, as transformers writes it."""
+    """Does ``model_type``'s causal LM declare sdpa attention (read from its modeling source)? Without
+    it (GPT-Neo, MPT, GPT-J, Bloom) building it with sdpa raises, so a run uses eager."""
     return '_supports_sdpa = True' in _modeling_source(model_type)
 
 
@@ -281,10 +272,7 @@ def config_keys(model_type: str) -> frozenset[str]:
     """Every key the transformers config class of ``model_type`` understands."""
     from transformers import CONFIG_MAPPING
 
-    try:
-        config_cls = CONFIG_MAPPING[model_type]
-    except KeyError:
-        raise KeyError(model_type) from None
+    config_cls = CONFIG_MAPPING[model_type]
     params = [p.name for p in inspect.signature(config_cls.__init__).parameters.values()
               if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != 'self']
     attrs = [k for k in vars(config_cls()) if not k.startswith('_')]
@@ -312,9 +300,8 @@ def check_config_keys(model_type: str, kwargs: Mapping[str, Any], where: str) ->
 
 
 def hf_config(spec: ModelSpec, tokenizer: Any) -> Any:
-    """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides.
-
-    Here, not with the model (which imports Composer): ``plan`` builds it too (LoRA targets)."""
+    """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides
+    (here, not with the model, which imports Composer: ``plan`` builds it too)."""
     from transformers import AutoConfig
 
     kwargs = dict(spec.config_kwargs)

@@ -3,8 +3,7 @@ on torch's fused kernel (``decoupled_adamw`` on a GPU).
 
 ``decoupled_lionw``: LLM-Foundry's Lion with decoupled weight decay.
 
-Why here: Composer 0.32 has no Lion, and LLM-Foundry's ``DecoupledLionW`` comes with all of
-Foundry. The same update rule (Chen et al. 2023), written from that rule:
+Composer has no Lion (Foundry's comes with all of Foundry); the same rule (Chen et al. 2023):
 
 * weight decay, decoupled and scaled by the schedule: ``p *= 1 - (lr / initial_lr) * wd``
   (``initial_lr``: the group's lr when the optimizer was built, before any schedule);

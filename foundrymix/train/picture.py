@@ -8,11 +8,9 @@ from typing import Any
 
 def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
                   lr: Any = None) -> None:
-    """One band per stream (its share of each global batch), stage boundaries marked, with
-    ``realized`` (batches, cumulative rows per stream) drawn over it. Panels below on the same
-    axis: ``losses`` (batches, cumulative loss sums and targets per stream) as each stream's
-    mean loss per interval, and ``lr`` (a ``WSDSchedule`` and the base LR) per batch.
-    """
+    """One band per stream (its share of each global batch), stages marked, ``realized`` (batches,
+    cumulative rows per stream) over it; panels below: ``losses`` (batches, cumulative loss sums and
+    targets) as each stream's mean loss per interval, ``lr`` (a ``WSDSchedule``, the base LR)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt

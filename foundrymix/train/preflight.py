@@ -1,9 +1,6 @@
-"""What Composer would refuse when a run starts, refused first -- by ``train`` and ``plan`` alike.
-
-Why: Composer checks these only inside ``Trainer(...)`` or at the first batch, after the
-model and loader were built, as a traceback naming no key of the YAML. :func:`check_start`
-is the one check both commands call. Imports neither torch nor composer; the device is
-asked for only when a GPU-only setting is used (``plan`` stays fast).
+"""What Composer would refuse when a run starts (inside ``Trainer(...)`` or at the first batch, as a
+traceback naming no YAML key), refused first by :func:`check_start`, which ``train`` and ``plan`` both
+call. Imports neither torch nor composer; the device is asked for only for GPU-only settings.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ LOAD_SCHEMES = ('s3',)
 WARMUP_SCHEDULERS = ('cosine_with_warmup', 'linear_decay_with_warmup', 'constant_with_warmup')
 
 
-
 def local_device() -> str:
     """``gpu`` when this machine has a CUDA device (as ``device: auto`` picks), else ``cpu``."""
     import torch
@@ -30,11 +26,8 @@ def local_device() -> str:
 
 
 def composer_max_duration(cfg: Any, run: Any) -> str:
-    """The ``max_duration`` Composer is given for ``cfg`` planned as ``run``.
-
-    A single mixture keeps the YAML's; stages and adaptive segments are batches, or samples
-    when the stages' batches differ.
-    """
+    """The ``max_duration`` Composer is given for ``cfg`` planned as ``run``: a single mixture keeps
+    the YAML's; stages and adaptive segments are :func:`composer_duration`."""
     adaptive = any(s.config is not None and s.config.adaptive for s in run.stages)
     return composer_duration(run) if run.explicit or adaptive else str(cfg.max_duration)
 
@@ -55,12 +48,9 @@ def _composer_unit(unit: str, max_unit: str) -> str:
 
 
 def composer_warmup(cfg: Any, max_duration: str, run: Any) -> str:
-    """``scheduler.t_warmup`` as Composer is to be given it next to ``max_duration``.
-
-    Composer 0.32's warmup schedulers refuse, at the first batch, a ``t_warmup`` in another
-    unit than the run's. It is converted where exact (a zero warmup, a run in samples);
-    otherwise refused, naming the same point in the run's unit where one exists.
-    """
+    """``scheduler.t_warmup`` as Composer is to be given it next to ``max_duration``: its warmup
+    schedulers refuse, at the first batch, another unit than the run's. Converted where exact (a
+    zero warmup, a run in samples); else refused, naming the same point in the run's unit."""
     t_warmup = str(cfg.scheduler.t_warmup)
     warmup = parse_time(t_warmup, 'scheduler.t_warmup', INTERVAL_UNITS)
     value, unit = warmup.value, warmup.unit
@@ -89,12 +79,9 @@ def composer_warmup(cfg: Any, max_duration: str, run: Any) -> str:
 
 
 def warmup_in_samples(t_warmup: str, run: Any) -> str:
-    """``t_warmup`` for a run that Composer counts in samples.
-
-    Converted where it is the same point: a ``ba`` warmup ending inside the first stage (one
-    batch size there), a ``tok`` warmup of whole rows (Composer counts a batch's tokens as
-    rows x ``max_seq_len``). A later ``ba`` warmup is refused, naming its value in samples.
-    """
+    """``t_warmup`` for a run Composer counts in samples, where it is the same point: a ``ba`` warmup
+    inside the first stage, a ``tok`` warmup of whole rows (Composer's tok: rows x ``max_seq_len``).
+    Else refused, naming its value in samples."""
     warmup = parse_time(t_warmup, 'scheduler.t_warmup', INTERVAL_UNITS)
     unit = warmup.unit
     if unit in ('sp', 'dur'):
@@ -128,11 +115,9 @@ def _samples_before(run: Any, batch: int) -> int:
 
 
 def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) -> tuple[str, str]:
-    """Refuse, one :class:`ConfigError` per key (all at once), what Composer refuses at start
-    (GPU-only settings off a GPU, an unknown precision, a ``load_path`` scheme, a ``t_warmup``
-    unit); return ``max_duration`` and ``t_warmup`` as Composer is to be given them.
-    ``device()`` is called only when a device-bound setting is used.
-    """
+    """Refuse, one :class:`ConfigError` per key (all at once), what Composer refuses at start (GPU-only
+    settings off a GPU, a precision, a ``load_path`` scheme, a ``t_warmup`` unit); return ``max_duration``
+    and ``t_warmup`` as Composer is to be given them. ``device()`` is called only when needed."""
     gather = Gather()
     gpu_only, not_cpu = [], []
     if cfg.device_train_microbatch_size == 'auto':

@@ -50,11 +50,8 @@ def write_report(summary: dict[str, Any], out_dir: str, plot: bool = True) -> No
 
 
 def write_plot(summary: dict[str, Any], path: str) -> None:
-    """Cumulative tokens per stream against batches, realized (solid) and planned (dashed).
-
-    The plan is a share of *rows*: its line is that share of the rows trained so far times
-    the stream's realized tokens per row, and the legend says so.
-    """
+    """Cumulative tokens per stream against batches, realized (solid) and planned (dashed: the planned
+    share of the rows trained so far times the stream's realized tokens per row, as the legend says)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt

@@ -21,14 +21,10 @@ def _take(held: claims.ClaimSet, path: str, mode: str, message: Any) -> None:
 
 
 def claim_run(cfg: TrainConfig, held: claims.ClaimSet) -> None:
-    """Claim what this run must not share: ``save_folder`` exclusively, every local stream
-    directory (of every stage, and of ``eval_loader``) as a reader.
-
-    Why: two runs into one ``save_folder`` would both succeed with one run's checkpoints left,
-    and a ``convert --overwrite`` of a directory a run reads would train a mix of old and new
-    rows. Taken before anything is written, so a refused start changes nothing. An ``s3://``
-    save_folder is claimed by its URL, on this machine only. The claims go into ``held``, which
-    the caller releases (also when one is refused).
+    """Claim, into ``held`` (the caller releases it, also on a refusal), what this run must not
+    share: ``save_folder`` exclusively (an ``s3://`` one by its URL, on this machine), every local
+    stream directory of every stage and of ``eval_loader`` as a reader (a ``convert --overwrite``
+    would mix old and new rows). Taken before anything is written: a refused start changes nothing.
     """
     if cfg.save_folder:
         folder = format_name_with_dist(cfg.save_folder, cfg.run_name)  # as Composer names it

@@ -1,13 +1,9 @@
 """The ``wsd`` schedule as a Composer scheduler: :class:`WSDScheduler`.
 
-Why its own call convention: Composer 0.32 steps a scheduler at the end of batch ``b``
-*before* it advances the timestamp, so a call during training sets batch ``b + 1``'s LR while
-``state.timestamp.batch`` reads ``b`` (the one call before training, ``state.batch`` None,
-sets batch 0's). This one returns the multiplier of the batch it sets, so every batch trains
-at exactly :meth:`~foundrymix.train.lr_schedule.WSDSchedule.multiplier`, what ``plan`` prints.
-
-A resumed optimizer holds the LR under the checkpoint's run's schedule; :func:`apply_resume_lr`
-sets the resume batch's LR under this run's (an extended or branched run).
+Composer steps a scheduler at the end of batch ``b`` *before* advancing the timestamp, so a call
+in training sets batch ``b + 1``'s LR (the call before training, ``state.batch`` None, batch 0's);
+it returns the multiplier of the batch it sets: every batch trains at what ``plan`` prints.
+:func:`apply_resume_lr` sets a resume batch's LR under this run's schedule, not the checkpoint's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""A pretrained directory checked against the model and the streams before it loads.
-
-Why: transformers stops a directory without weights, or with weights of another size than
-the config, with tracebacks naming neither ``model.pretrained`` nor what to change. Shapes
-come from safetensors headers and a model on the ``meta`` device, so a large model is
-checked in moments. Nothing here imports Composer (``foundrymix plan`` runs these checks).
+"""A pretrained directory checked against the model and the streams before it loads (transformers'
+tracebacks name neither ``model.pretrained`` nor the fix). Shapes come from safetensors headers and
+a ``meta`` model, so it takes moments; no Composer (``foundrymix plan`` runs these checks too).
 """
 
 from __future__ import annotations
@@ -103,11 +100,8 @@ def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
 
 
 def check_pretrained_tokenizer(spec: ModelSpec, streams: Any) -> None:
-    """Refuse streams tokenized with another vocabulary than the pretrained model's.
-
-    With a tokenizer in the model directory the fingerprints must be equal; without one,
-    the model's ``vocab_size`` must be the streams' vocabulary (padded by < ``VOCAB_PAD``).
-    """
+    """Refuse streams tokenized with another vocabulary than the pretrained model's: equal fingerprints
+    with the directory's tokenizer; without one, its ``vocab_size`` padded by < ``VOCAB_PAD``."""
     if spec.pretrained is None:
         return
     from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info

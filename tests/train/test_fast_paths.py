@@ -19,7 +19,7 @@ from foundrymix.config import ConfigError
 from foundrymix.format.schema import TokenizerInfo
 from foundrymix.train.config import TrainConfig
 from foundrymix.train.flex import trains_on_cpu
-from foundrymix.train.fused_loss import FUSED_TYPES
+from foundrymix.train.model_spec import FUSED_TYPES
 from foundrymix.train.model import CausalLM, ModelSpec, build_hf_model
 
 TOK = TokenizerInfo(name='t', vocab_size=64, fingerprint='f', bos_id=None, eos_id=0, pad_id=1, add_bos=False)

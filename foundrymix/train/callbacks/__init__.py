@@ -1,17 +1,17 @@
-"""The ``callbacks`` section of a training YAML: one table, YAML name -> (config, factory).
-
-Adding a callback is one entry in :data:`CALLBACKS`. This module imports neither torch nor
-composer, so reading a config stays fast; each factory imports its callback when the
-trainer is built. The callbacks live beside this file, one per module.
+"""The ``callbacks`` section of a training YAML: one table, :data:`CALLBACKS`, YAML name -> (config,
+factory); each factory imports its callback (beside this file, or Composer's) when the trainer is
+built, so reading a config imports neither torch nor composer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Sequence
 
-from foundrymix.config import Interval
+from foundrymix.config import Interval, TableEntry
 
 
 @dataclass
@@ -92,55 +92,24 @@ def _stream_accounting(opts: StreamAccountingConfig, ctx: CallbackContext) -> An
                             log_interval=opts.log_interval, plot=opts.plot)
 
 
-def _sample_log(opts: SampleLogConfig, ctx: CallbackContext) -> Any:
-    from foundrymix.train.callbacks.sample_log import SampleLog
-    return SampleLog(opts.path, interval=opts.interval)
-
-
-def _stop_at(opts: StopAtConfig, ctx: CallbackContext) -> Any:
-    from foundrymix.train.callbacks.stop_at import StopAt
-    return StopAt(opts.time)
-
-
-def _speed_monitor(opts: SpeedMonitorConfig, ctx: CallbackContext) -> Any:
-    from composer.callbacks import SpeedMonitor
-    return SpeedMonitor(window_size=opts.window_size, gpu_flops_available=opts.gpu_flops_available,
-                        time_unit=opts.time_unit)
-
-
-def _lr_monitor(opts: LRMonitorConfig, ctx: CallbackContext) -> Any:
-    from composer.callbacks import LRMonitor
-    return LRMonitor()
-
-
-def _memory_monitor(opts: MemoryMonitorConfig, ctx: CallbackContext) -> Any:
-    from composer.callbacks import MemoryMonitor
-    return MemoryMonitor()
-
-
-def _runtime_estimator(opts: RuntimeEstimatorConfig, ctx: CallbackContext) -> Any:
-    from composer.callbacks import RuntimeEstimator
-    return RuntimeEstimator(skip_batches=opts.skip_batches, time_unit=opts.time_unit)
-
-
-@dataclass(frozen=True)
-class CallbackEntry:
-    """One row of the table: the YAML options' dataclass and what builds the callback."""
-
-    config: type
-    factory: Callable[[Any, CallbackContext], Any]
+def part(module: str, name: str) -> Callable[..., Any]:
+    """A factory of ``module.name`` (imported when the trainer is built) whose keyword arguments are
+    the options' fields: the options' dataclass names them as the class does."""
+    def build(opts: Any, *_: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(**dataclasses.asdict(opts))
+    return build
 
 
 #: YAML name -> (config dataclass, factory). ``stream_accounting`` is always built (with
 #: default options when the YAML leaves it out); the others only when named.
-CALLBACKS: dict[str, CallbackEntry] = {
-    'stream_accounting': CallbackEntry(StreamAccountingConfig, _stream_accounting),
-    'sample_log': CallbackEntry(SampleLogConfig, _sample_log),
-    'stop_at': CallbackEntry(StopAtConfig, _stop_at),
-    'speed_monitor': CallbackEntry(SpeedMonitorConfig, _speed_monitor),
-    'lr_monitor': CallbackEntry(LRMonitorConfig, _lr_monitor),
-    'memory_monitor': CallbackEntry(MemoryMonitorConfig, _memory_monitor),
-    'runtime_estimator': CallbackEntry(RuntimeEstimatorConfig, _runtime_estimator),
+CALLBACKS: dict[str, TableEntry] = {
+    'stream_accounting': TableEntry(StreamAccountingConfig, _stream_accounting),
+    'sample_log': TableEntry(SampleLogConfig, part('foundrymix.train.callbacks.sample_log', 'SampleLog')),
+    'stop_at': TableEntry(StopAtConfig, part('foundrymix.train.callbacks.stop_at', 'StopAt')),
+    'speed_monitor': TableEntry(SpeedMonitorConfig, part('composer.callbacks', 'SpeedMonitor')),
+    'lr_monitor': TableEntry(LRMonitorConfig, part('composer.callbacks', 'LRMonitor')),
+    'memory_monitor': TableEntry(MemoryMonitorConfig, part('composer.callbacks', 'MemoryMonitor')),
+    'runtime_estimator': TableEntry(RuntimeEstimatorConfig, part('composer.callbacks', 'RuntimeEstimator')),
 }
 ALWAYS_ON = ('stream_accounting',)
 

@@ -1,13 +1,9 @@
 """``StreamAccounting``: samples, tokens, loss tokens and training loss per stream, against the plan.
 
-The counters live in Composer checkpoints, so a resumed run continues them; the files are
-written by :mod:`foundrymix.train.report`. Each rank counts its own batches, and the ranks'
-counts are summed with one ``all_reduce`` only where a sum is read (``log_interval``, the
-end, a checkpoint save), on ``state.device`` (``nccl`` takes CUDA tensors only).
-
-Per-stream loss is exact, not a mean of batch means: each row's summed cross-entropy and
-targets are added per stream on the device at ``after_loss`` (no host sync, before Composer
-scales the loss) and ride in the same float64 ``all_reduce`` (exact below 2**53).
+The counters live in Composer checkpoints (a resumed run continues them). Each rank counts its
+own batches; one float64 ``all_reduce`` on ``state.device`` sums them only where a sum is read
+(``log_interval``, the end, a checkpoint save). Per-stream loss is exact, not a mean of batch
+means: row sums are added per stream on the device at ``after_loss`` (no host sync).
 """
 
 from __future__ import annotations
@@ -31,11 +27,8 @@ COUNTERS = ('samples', 'tokens', 'loss_tokens')
 
 @dataclass(frozen=True)
 class LossReduction:
-    """One reduction's per-stream training loss, summed over every rank (the same on each).
-
-    ``loss_sum`` (float64) and ``loss_targets`` (int64), indexed like ``stream_names``, hold
-    only the batches since the previous reduction; ``batch`` is the batches trained when it ran.
-    """
+    """One reduction's per-stream loss sums (float64) and targets (int64), summed over every rank,
+    of the batches since the previous one; ``batch``: the batches trained when it ran."""
 
     batch: int
     loss_sum: np.ndarray
@@ -51,11 +44,8 @@ def interval_hit(timestamp: Any, interval: Time) -> bool:
 
 
 def count(batch: Mapping[str, torch.Tensor], n_streams: int) -> np.ndarray:
-    """This rank's batch as a ``(3, n_streams)`` int64 array: samples, real tokens, loss tokens.
-
-    Why numpy: torch's CPU reductions wake its OpenMP pool, which competes with the loader
-    workers; numpy sums on the calling thread.
-    """
+    """This rank's batch as a ``(3, n_streams)`` int64 array: samples, real tokens, loss tokens
+    (numpy: torch's CPU reductions would wake its OpenMP pool, competing with the loader workers)."""
     def host(name: str) -> np.ndarray:
         return batch[name].detach().cpu().numpy()
 
@@ -70,11 +60,8 @@ def count(batch: Mapping[str, torch.Tensor], n_streams: int) -> np.ndarray:
 
 
 class StreamAccounting(Callback):
-    """Count samples, tokens and loss tokens consumed per stream; compare with the plan.
-
-    Every ``log_interval`` it records a history point and logs the per-stream counts and
-    shares; at the end rank 0 writes ``stream_accounting.json`` (and ``.png``) into ``out_dir``.
-    """
+    """Count samples, tokens and loss tokens per stream; every ``log_interval`` record and log a
+    history point; at the end rank 0 writes ``stream_accounting.json`` (and ``.png``) into ``out_dir``."""
 
     def __init__(self, stream_names: Sequence[str], planned_share: Sequence[float],
                  out_dir: str, log_interval: str = '10ba', plot: bool = True,
@@ -128,16 +115,13 @@ class StreamAccounting(Callback):
         self._device = state.device
 
     def before_train_batch(self, state: State, logger: Logger) -> None:
-        """Start the batch's loss over: Composer 0.32 (``device_train_microbatch_size: auto``)
-        reruns a batch whose microbatch ran out of memory, from this event, so the microbatches
-        of a failed try must not count. They join the pending sums at ``after_train_batch``,
-        which only a batch that went through reaches."""
+        """Start the batch's loss over: Composer (microbatch ``auto``) reruns a batch that ran out of
+        memory from here; only ``after_train_batch`` adds a batch's loss to the pending sums."""
         if self._loss_batch is not None:
             self._loss_batch.zero_()
 
     def after_train_batch(self, state: State, logger: Logger) -> None:
-        """Count the batch and add its loss: here, not at ``after_dataloader``, so counting runs
-        while the GPU works on the batch."""
+        """Count the batch and add its loss (here, so counting runs while the GPU works)."""
         counts = count(state.batch, len(self.stream_names))
         self._pending += counts
         if self.stage_names is not None:  # a batch never straddles two stages
@@ -294,14 +278,6 @@ class StreamAccounting(Callback):
             out['epoch'] = int(state.timestamp.epoch)
         return out
 
-    @property
-    def summary_path(self) -> str:
-        return report.summary_path(self.out_dir)
-
-    @property
-    def plot_path(self) -> str:
-        return report.plot_path(self.out_dir)
-
     def write_summary(self, state: Optional[State] = None) -> None:
         report.write_report({**self.summary(state), 'history': self.history}, self.out_dir, plot=self.plot)
 
@@ -318,11 +294,8 @@ class StreamAccounting(Callback):
                 'stage_loss_targets': self.stage_loss_targets.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the checkpoint's counters and loss sums, by stream name.
-
-        Streams added since the checkpoint come after its own (ids are in order of first use)
-        and start at zero; a checkpoint without loss sums starts them at zero.
-        """
+        """Continue the checkpoint's counters and loss sums, by stream name; streams added since (ids
+        are in order of first use) and a checkpoint's missing loss sums start at zero."""
         old = list(state['stream_names'])
         if self.stream_names[:len(old)] != old:  # streams are numbered in order of first use
             raise UserError(f'checkpoint counts streams {old}, this run has {self.stream_names}: '

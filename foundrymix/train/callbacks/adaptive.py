@@ -1,20 +1,16 @@
 """``AdaptiveMixing``: feeds each adaptive stage's controller the per-stream training loss.
 
-Per microbatch (``after_loss``) this rank keeps the rows' ``row_loss`` with their stream
-ids on the device; at each segment boundary (``batch_end``, before Composer's checkpoint
-event) they are summed per batch and stream, all-reduced, and the controller decides the
-next segment, so every rank decides from the same numbers.
-
-Why per-batch sums added in order on the CPU, not the accounting's running sums: a resumed
-run must decide bitwise as the straight run did, and a running sum split at a checkpoint
-(or ``index_add_`` with GPU atomics) adds in another order (docs/adaptive.md).
+Each microbatch's ``row_loss`` stays on the device with its stream ids; at each segment boundary
+(``batch_end``, before the checkpoint event) it is summed per batch and stream on the CPU, in
+order, and all-reduced, so every rank decides alike and a resumed run bitwise as the straight one
+(a running sum split at a checkpoint, or GPU atomics, add in another order; docs/adaptive.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,16 +36,11 @@ class AdaptiveMixing(Callback):
         self._reduced: list[np.ndarray] = []    # all ranks' rows since the last update
         self._device: Any = None
 
-    @property
-    def mixture_path(self) -> str:
-        return os.path.join(self.out_dir, 'mixture.json')
-
     def fit_start(self, state: State, logger: Logger) -> None:
         self._device = state.device
 
     def before_train_batch(self, state: State, logger: Logger) -> None:
-        """Start the batch's rows over: Composer reruns a batch from this event after an
-        out-of-memory microbatch (``device_train_microbatch_size: auto``); a failed try must not count."""
+        """Start the batch's rows over: Composer reruns a batch from here after running out of memory."""
         self._batch = []
 
     def after_loss(self, state: State, logger: Logger) -> None:
@@ -107,12 +98,8 @@ class AdaptiveMixing(Callback):
             self.write_report()
 
     def planned_share(self) -> list[float]:
-        """Per run-wide stream, its share of the rows planned for the run: a fixed stage's
-        planned rows, an adaptive stage's decided rows (every segment decided so far).
-
-        Why: before the run the accounting knows only an adaptive stage's configured start;
-        the decisions are the rows the loader trains exactly, so the table compares with them.
-        """
+        """Per run-wide stream, its share of the run's rows: a fixed stage's planned rows, an adaptive
+        stage's decided ones (the rows the loader trains, where the accounting knew only the start)."""
         names = list(self.loader.stream_names)
         rows = np.zeros(len(names))
         for stage in self.position.run.stages:
@@ -131,8 +118,8 @@ class AdaptiveMixing(Callback):
         return {'stages': {self.position.run.stages[i].name: c.report()
                            for i, c in self.position.adaptive.items()}}
 
-    def write_report(self, path: Optional[str] = None) -> None:
-        path = path or self.mixture_path
+    def write_report(self) -> None:
+        path = os.path.join(self.out_dir, 'mixture.json')
         os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
         tmp = path + '.tmp'
         with open(tmp, 'w', encoding='utf-8') as f:

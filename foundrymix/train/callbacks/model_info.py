@@ -1,8 +1,6 @@
-"""``ModelInfo``: what ``foundrymix export`` needs to rebuild the model, kept in every checkpoint.
-
-Why a callback: Composer checkpoints hold neither the transformers config nor the tokenizer;
-a callback's ``state_dict`` is saved in every checkpoint, so an export never has to guess
-the architecture from a YAML that may have changed since.
+"""``ModelInfo``: what ``foundrymix export`` needs to rebuild the model, in every checkpoint (as a
+callback's ``state_dict``: Composer saves neither the transformers config nor the tokenizer), so an
+export never guesses the architecture from a YAML that may have changed since.
 """
 
 from __future__ import annotations

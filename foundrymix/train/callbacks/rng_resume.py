@@ -1,11 +1,9 @@
 """``ResumeRng``: a run resumed mid-epoch continues the random streams where the checkpoint left them.
 
-Why: Composer (0.32) restores a checkpoint's RNG states only at an epoch's first batch or
-while it spins a dataloader forward; a dataloader that resumes itself (as foundrymix's does)
-skips both, so dropout masks would come from the seed, not where the interrupted run was.
-The states are restored right after the resume's first batch is read, before it reaches the
-model (reading draws nothing from the main process's RNGs). Nothing is done at an epoch
-boundary (Composer restores them) or on another number of ranks (each rank had its own).
+Composer restores them only at an epoch's first batch or while spinning a dataloader forward,
+which a loader that resumes itself skips: dropout would restart from the seed. They are restored
+after the resume's first batch is read, before the model sees it; not at an epoch boundary
+(Composer does) nor on another number of ranks (each rank had its own).
 """
 
 from __future__ import annotations

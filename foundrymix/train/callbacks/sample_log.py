@@ -31,10 +31,8 @@ TOKENS_ORDER = 'sorted'
 
 
 def batch_digest(rows: list[str]) -> str:
-    """A global batch's ``tokens`` digest: ``xxh3_64`` over its rows' digests, sorted.
-
-    Order-free: a global batch is one step on a set of rows, so the digest does not depend on
-    how its rows are listed by rank (as ``foundrymix compare`` matches ids)."""
+    """A global batch's ``tokens`` digest: ``xxh3_64`` over its rows' digests, sorted (a batch is one
+    step on a set of rows: the digest does not depend on how the ranks list them)."""
     import xxhash
     return xxhash.xxh3_64_hexdigest(''.join(sorted(rows)).encode())
 
@@ -42,16 +40,11 @@ def batch_digest(rows: list[str]) -> str:
 class SampleLog(Callback):
     """Append each global batch's sample ids and streams to a JSONL file (rank 0).
 
-    One line per batch: ``{"batch": b, "epoch": e, "sample_ids": [...], "stream_ids":
-    [...], "tokens": "<16 hex digits>", "tokens_order": "sorted"}``, ids in rank order
-    (``tokens``: :func:`batch_digest`, so ``foundrymix compare`` sees data that changed under
-    equal ids). On resume, lines for batches at or after the checkpoint are dropped first, so
-    the file describes exactly what the weights saw -- at the first batch, not ``fit_start``,
-    so that a start refused after ``fit_start`` leaves an earlier run's log as it was.
-
-    Rank 0 gathers and writes every ``interval``, at the end and when a checkpoint is saved,
-    not every batch (``all_gather_object`` through NCCL is a sync): a checkpoint never covers
-    a batch the file lacks.
+    One line per batch: ``{"batch", "epoch", "sample_ids", "stream_ids", "tokens":
+    <batch_digest>, "tokens_order": "sorted"}``, ids in rank order. On resume, lines at or after
+    the checkpoint's batch are dropped at the first batch (a start refused earlier leaves the log
+    as it was), so the file is what the weights saw. Rank 0 gathers and writes every ``interval``,
+    at the end and at each checkpoint save: a checkpoint never covers a batch the file lacks.
     """
 
     def __init__(self, path: str, interval: str = '10ba') -> None:

@@ -9,11 +9,8 @@ from foundrymix.errors import UserError
 
 
 class StopAt(Callback):
-    """Stop training gracefully at a given time (``'40ba'`` or ``'1ep'``), keeping ``max_duration``.
-
-    Why: a run cut into jobs shorter than a cluster's time limit must keep the *whole* run's
-    LR schedule, so it is stopped rather than shortened; ``autoresume`` continues it.
-    """
+    """Stop training gracefully at a given time (``'40ba'`` or ``'1ep'``), keeping ``max_duration`` and
+    so the whole run's LR schedule (a job cut to a cluster's time limit; ``autoresume`` continues it)."""
 
     def __init__(self, time: str) -> None:
         self.time = Time.from_timestring(time)
