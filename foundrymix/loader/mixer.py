@@ -84,7 +84,7 @@ class StreamMixer:
             raise ConfigError(f'world_size ({world_size}) must be a positive multiple of the '
                               f'number of nodes ({nodes})')
         return build_plan(self.config, self.catalog.infos(), batch_size, max_duration,
-                          Topology(nodes=nodes, ranks_per_node=world_size // nodes))
+                          Topology(nodes=nodes, ranks_per_node=world_size // nodes))[0]
 
 
 @collector_paused()  # at each start and stage switch: per-stream objects (heap.py)

@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from foundrymix.config import ConfigError
-from foundrymix.plan.adaptive import AdaptiveController, build_controller
-from foundrymix.plan.stages import RunPlan, fingerprint_changes
+from foundrymix.plan.adaptive import AdaptiveController
+from foundrymix.plan.stages import RunPlan, StagePlan, fingerprint_changes
 
 
 #: version of :meth:`StagedPosition.state_dict`; 4: seed-free whole rows, passes across stages
@@ -27,8 +29,8 @@ class Resumed:
 
 
 class StagedPosition:
-    """The next global batch to yield, and each adaptive stage's controller (built here once
-    per loader: its decisions are state a checkpoint keeps)."""
+    """The next global batch to yield, and each adaptive stage's controller (its run state,
+    made here per loader from the plan's spec: its decisions are state a checkpoint keeps)."""
 
     def __init__(self, run: RunPlan) -> None:
         self.run = run
@@ -36,7 +38,18 @@ class StagedPosition:
         self.resumed: Optional[Resumed] = None
         #: stage index -> its adaptive controller (stages with ``adaptive:``)
         self.adaptive: dict[int, AdaptiveController] = {
-            stage.index: c for stage in run.stages if (c := build_controller(stage)) is not None}
+            stage.index: AdaptiveController(stage.adaptive) for stage in run.stages if stage.adaptive}
+
+    def start(self, stage: StagePlan) -> np.ndarray:
+        """Draws of each of ``stage``'s streams that earlier stages took: the plan's, plus the
+        rows earlier adaptive stages decided during the run (all decided before ``stage``'s first
+        batch), so a stream's pass goes on after an adaptive stage too."""
+        assert stage.order is not None
+        start = stage.order.start.copy()
+        for k, j, m in stage.after_adaptive:
+            c = self.adaptive[j]
+            start[k] += c.consumed_before(c.spec.segments)[m]
+        return start
 
     def state_dict(self) -> dict[str, Any]:
         """The batch, each trained stage's fingerprint and the adaptive decisions: plain values."""

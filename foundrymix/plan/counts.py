@@ -22,14 +22,15 @@ def rows_before(run: RunPlan, batch: int,
         done = min(batch, stage.end_batch) - stage.start_batch
         controller = (adaptive or {}).get(stage.index)
         if controller is None:
-            counts = stage.plan.order.trained(done)
+            assert stage.order is not None
+            counts = stage.order.trained(done)
         else:  # the decided segments' rows, and the current segment's batches so far
-            k = controller.segment_of(stage.start_batch + done)
-            into = stage.start_batch + done - controller.segment_start(k)
-            counts = controller.consumed_before(min(k, controller.segments)).copy()
-            if into and k < controller.segments:
-                ids = controller.segment_ids(k)[:into * controller.global_batch]
-                counts += np.bincount(controller.stream_of(ids), minlength=len(counts))
+            spec = controller.spec
+            k = spec.segment_of(stage.start_batch + done)
+            into = stage.start_batch + done - spec.segment_start(k)
+            counts = controller.consumed_before(min(k, spec.segments))
+            if into and k < spec.segments:
+                counts = counts + controller.block(k, np.zeros_like(counts)).prefix_counts(into * spec.global_batch)
         for name, n in zip(stage.stream_names, np.asarray(counts).tolist()):
             out[name] += int(n)
     return out
