@@ -82,7 +82,7 @@ def plain_batch(G: int, seq: int, rounds: int) -> list[float]:
     it = iter(loader)
     next(it)  # the dataset is built; shards opened
     dataset = loader.storage
-    streams, rows = loader.position.adaptive[0].segment_rows(0, loader.position.start(run.stages[0]))
+    streams, rows = loader.position.adaptive[0].segment_rows(0, loader.position.order(run.stages[0]).start)
     ids = (dataset.sample_offset_per_stream[streams] + rows).reshape(-1, G)
     out = []
     for r in range(rounds):

@@ -12,6 +12,7 @@ import numpy as np
 
 from foundrymix.config import ConfigError
 from foundrymix.plan.adaptive import AdaptiveController
+from foundrymix.plan.order import StageOrder
 from foundrymix.plan.stages import RunPlan, StagePlan, fingerprint_changes
 
 
@@ -40,16 +41,40 @@ class StagedPosition:
         self.adaptive: dict[int, AdaptiveController] = {
             stage.index: AdaptiveController(stage.adaptive) for stage in run.stages if stage.adaptive}
 
-    def start(self, stage: StagePlan) -> np.ndarray:
-        """Draws of each of ``stage``'s streams that earlier stages took: the plan's, plus the
-        rows earlier adaptive stages decided during the run (all decided before ``stage``'s first
-        batch), so a stream's pass goes on after an adaptive stage too."""
-        assert stage.order is not None
-        start = stage.order.start.copy()
+    def order(self, stage: StagePlan) -> StageOrder:
+        """The stage's order, its streams' draws taken from where earlier stages left them: the
+        plan's start plus the rows earlier adaptive stages decided during the run (all decided
+        before ``stage``'s first batch), so a stream's pass goes on after an adaptive stage too."""
+        o = stage.order
+        if not stage.after_adaptive:
+            return o
+        start = o.start.copy()
         for k, j, m in stage.after_adaptive:
-            c = self.adaptive[j]
-            start[k] += c.consumed_before(c.spec.segments)[m]
-        return start
+            start[k] += self.adaptive[j].consumed_before(self.adaptive[j].spec.segments)[m]
+        return StageOrder(o.draws, o.counts, o.global_batch, o.key, o.shuffle, start)
+
+    def rows_per_stream(self) -> dict[str, int]:
+        """Run-wide stream name -> rows of it in global batches before the position (all ranks),
+        by arithmetic on the plan and the adaptive stages' decisions: a resumed loader, on any
+        number of ranks, reports every rank's rows trained before it."""
+        out = dict.fromkeys(self.run.stream_names, 0)
+        for stage in self.run.stages:
+            if stage.start_batch >= self.batch:
+                break
+            done = min(self.batch, stage.end_batch) - stage.start_batch
+            controller = self.adaptive.get(stage.index)
+            if controller is None:
+                counts = self.order(stage).trained(done)
+            else:  # the decided segments' rows, and the current segment's batches so far
+                spec = controller.spec
+                k = spec.segment_of(stage.start_batch + done)
+                into = stage.start_batch + done - spec.segment_start(k)
+                counts = controller.consumed_before(min(k, spec.segments))
+                if into and k < spec.segments:
+                    counts = counts + controller.block(k, np.zeros_like(counts)).prefix_counts(into * spec.global_batch)
+            for name, n in zip(stage.stream_names, np.asarray(counts).tolist()):
+                out[name] += int(n)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The batch, each trained stage's fingerprint and the adaptive decisions: plain values."""

@@ -66,8 +66,7 @@ class StagedDataLoader:
 
     def samples_per_stream(self) -> dict[str, int]:
         """Stream name -> rows of it in all ranks' global batches before the position."""
-        from foundrymix.plan.counts import rows_before
-        return rows_before(self.run, self.position.batch, self.position.adaptive)
+        return self.position.rows_per_stream()
 
     @property
     def storage(self) -> Any:
@@ -145,10 +144,8 @@ class StagedDataLoader:
         config = stage.config
         assert config is not None
         controller = position.adaptive.get(stage.index)
-        start = position.start(stage)
-        assert stage.order is not None
-        batch_rows = (stage.order.starting_at(start).batch if controller is None
-                      else _segment_rows(controller, position.batch, start))
+        order = position.order(stage)
+        batch_rows = order.batch if controller is None else _segment_rows(controller, position.batch, order.start)
         rank = env_rank() if self.rank is None else self.rank
         span = Span(active.store, batch_rows, position.batch - stage.start_batch,
                     end - stage.start_batch, rank, stage.batch_size)

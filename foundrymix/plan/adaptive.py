@@ -104,21 +104,6 @@ class AdaptiveSpec:
         return None
 
 
-def _check_replay(spec: AdaptiveSpec, where: str) -> None:
-    assert spec.replay is not None
-    want = [(spec.segment_start(k), spec.segment_batches(k) * spec.global_batch)
-            for k in range(spec.segments)]
-    got = [(d.batch, sum(d.rows)) for d in spec.replay]
-    if got[:len(want)] != want or len(got) < len(want) or \
-            any(len(d.rows) != len(spec.rows) for d in spec.replay):
-        raise ConfigError(
-            f'{where}.from: the recorded decisions do not fit this run: they start segments '
-            f'at batches {[b for b, _ in got][:5]}... with {[r for _, r in got][:5]}... rows over '
-            f'{len(spec.replay[0].rows)} streams; this run needs {len(want)} segments at '
-            f'{[b for b, _ in want][:5]}... with {[r for _, r in want][:5]}... rows over '
-            f'{len(spec.rows)} streams (same streams, every, batch size and duration)')
-
-
 class AdaptiveController:
     """A run's state of one adaptive stage: the policy, every decision, and the per-stream
     cursors that turn one into rows; made per loader from the stage's :class:`AdaptiveSpec`."""
@@ -258,8 +243,16 @@ def adaptive_spec(config: Any, where: str, stage: str, plan: Plan, draws: Sequen
         warmup=a.batches('warmup', where), min_share=a.min_share,
         seed=config.shuffle_seed if a.seed is None else a.seed, start_batch=start_batch,
         batches=batches, options=options, replay=replay, draws=tuple(draws))
-    if replay is not None:
-        _check_replay(spec, where)
+    want = [(spec.segment_start(k), spec.segment_batches(k) * spec.global_batch) for k in range(spec.segments)]
+    got = [(d.batch, sum(d.rows)) for d in replay or ()]
+    if replay is not None and (got[:len(want)] != want or len(got) < len(want)
+                               or any(len(d.rows) != len(spec.rows) for d in replay)):
+        raise ConfigError(
+            f'{where}.from: the recorded decisions do not fit this run: they start segments '
+            f'at batches {[b for b, _ in got][:5]}... with {[r for _, r in got][:5]}... rows over '
+            f'{len(replay[0].rows)} streams; this run needs {len(want)} segments at '
+            f'{[b for b, _ in want][:5]}... with {[r for _, r in want][:5]}... rows over '
+            f'{len(spec.rows)} streams (same streams, every, batch size and duration)')
     return spec
 
 
@@ -268,29 +261,20 @@ def adaptive_plan(plan: Plan, c: AdaptiveSpec) -> Plan:
     restated as the segments it trains. Its rows are exact (``duration.rows_per_stream``) when
     every segment's are known at plan time (:meth:`AdaptiveSpec.known`); else the rest have
     only the ``min_share`` floors, and ``rows_per_stream`` is None."""
-    known = np.zeros(len(c.names), np.int64)
-    at_least = np.zeros(len(c.names), np.int64)
-    undecided = [0, 0]   # batches, rows
-    first = c.start_batch + c.batches  # the first batch decided during the run
-    for k in range(c.segments):
-        rows = c.known(k)
-        if rows is not None:
-            known += rows
-            continue
-        first = min(first, c.segment_start(k))
-        undecided[0] += c.segment_batches(k)
-        undecided[1] += c.segment_batches(k) * c.global_batch
-        at_least += int(c.min_share * c.segment_batches(k) * c.global_batch)
-    exact = undecided[0] == 0
+    segments = [(k, c.known(k)) for k in range(c.segments)]
+    known = sum((r for _, r in segments if r is not None), np.zeros(len(c.names), np.int64))
+    undecided = [c.segment_batches(k) * c.global_batch for k, r in segments if r is None]  # rows
+    first = next((c.segment_start(k) for k, r in segments if r is None), 0)  # decided during the run
+    exact = not undecided
     text = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, known))
     if exact:
         how = 'the recorded decisions' if c.replay is not None else 'the configured weights'
         counted = f'adaptive ({c.method}): every segment\'s whole rows from {how}'
     else:
-        floors = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least))
+        floors = ', '.join(f'{n} {sum(int(c.min_share * r) for r in undecided):,}' for n in c.names)
         decided = (f'batches {c.start_batch:,}-{first - 1:,} exact at the configured weights ({text}); '
-                   f'batches {first:,}-{c.start_batch + c.batches - 1:,} ({undecided[1]:,} rows)'
-                   if first > c.start_batch else f'all {undecided[1]:,} rows')
+                   f'batches {first:,}-{c.start_batch + c.batches - 1:,} ({sum(undecided):,} rows)'
+                   if first > c.start_batch else f'all {sum(undecided):,} rows')
         counted = (f'adaptive ({c.method}): {decided} decided during the run from the per-stream '
                    f'loss, each stream at least {floors}')
     trained = {n: int(r) for n, r in zip(c.names, known)} if exact else None

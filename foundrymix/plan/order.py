@@ -229,10 +229,6 @@ class StageOrder:
         if self.block_size <= 0:
             raise ValueError('a block holds no row')
 
-    def starting_at(self, start: np.ndarray) -> 'StageOrder':
-        """This order with its streams' draws taken from ``start`` on (which rows, not where)."""
-        return StageOrder(self.draws, self.counts, self.global_batch, self.key, self.shuffle, start)
-
     def block(self, e: int) -> Block:
         return Block(self.counts, self.start + e * self.counts, (*self.key, e) if self.shuffle else ())
 

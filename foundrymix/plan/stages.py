@@ -35,13 +35,13 @@ class StagePlan:
     start_batch: int            # first global batch of the stage (0-based)
     batches: int
     plan: Plan                  # the stage's per-epoch mixture and its duration
+    #: the stage's order: each stream's draws go on from where earlier stages left them (``start``)
+    order: StageOrder = field(repr=False, compare=False)
     config: Optional[LoaderConfig] = field(default=None, repr=False, compare=False)
     infos: list[StreamInfo] = field(default_factory=list, repr=False, compare=False)
     fingerprint: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     where: str = 'train_loader'
     start_sample: int = 0       # rows trained before the stage (earlier stages' samples)
-    #: the stage's order: each stream's draws go on from where earlier stages left them (``start``)
-    order: Optional[StageOrder] = field(default=None, repr=False, compare=False)
     adaptive: Optional[AdaptiveSpec] = field(default=None, repr=False, compare=False)
     #: (stream here, earlier adaptive stage, its stream there): draws decided during the run,
     #: which the loader adds to ``order.start`` (:meth:`~foundrymix.loader.position.StagedPosition.start`)
@@ -222,8 +222,7 @@ def stream_location(info: StreamInfo) -> str:
     return info.remote_dir or info.directory
 
 
-#: a stream's draws as the stages so far left them: (its draws, how many are known taken, the
-#: (adaptive stage, stream) whose draws, decided during the run, are taken too)
+#: a stream's draws, how many are known taken, and the (adaptive stage, stream)s that took more
 _Carried = tuple[StreamDraws, int, tuple[tuple[int, int], ...]]
 
 
