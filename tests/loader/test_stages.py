@@ -278,3 +278,10 @@ def test_passes_go_on_through_an_adaptive_stage(dirs):
         resumed = loader(adaptive_between(dirs))
         resumed.load_state_dict(states[at])
         assert fed_run(resumed) == batches[at:]
+    from rich.console import Console
+
+    from foundrymix.tools.render import render_run_plan
+    console = Console(record=True, width=400)
+    render_run_plan(staged.run, console)
+    assert ('note: arxiv, wiki come back in a later stage and go on with their passes (as their first '
+            'stage shuffles them), after an adaptive stage too') in console.export_text()
