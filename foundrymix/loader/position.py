@@ -45,13 +45,10 @@ class StagedPosition:
         """The stage's order, its streams' draws taken from where earlier stages left them: the
         plan's start plus the rows earlier adaptive stages decided during the run (all decided
         before ``stage``'s first batch), so a stream's pass goes on after an adaptive stage too."""
-        o = stage.order
-        if not stage.after_adaptive:
-            return o
-        start = o.start.copy()
+        o, start = stage.order, stage.order.start.copy()
         for k, j, m in stage.after_adaptive:
             start[k] += self.adaptive[j].consumed_before(self.adaptive[j].spec.segments)[m]
-        return StageOrder(o.draws, o.counts, o.global_batch, o.key, o.shuffle, start)
+        return StageOrder(o.draws, o.counts, o.global_batch, o.key, o.shuffle, start) if stage.after_adaptive else o
 
     def rows_per_stream(self) -> dict[str, int]:
         """Run-wide stream name -> rows of it in global batches before the position (all ranks),

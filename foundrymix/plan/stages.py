@@ -241,8 +241,7 @@ def _stage(index: int, name: str, duration: str, where: str, config: LoaderConfi
             after += [(k, j, m) for j, m in deps]
     # the same positions and counts: only which rows fill them changes
     order = StageOrder(draws, order.counts, order.global_batch, order.key, order.shuffle, start)
-    batches = plan.duration.total_batches
-    spec = adaptive_spec(config, where, name, plan, draws, start_batch, batches)
+    spec = adaptive_spec(config, where, name, plan, draws, start_batch, plan.duration.total_batches)
     if spec is not None:
         plan = adaptive_plan(plan, spec)
     rows = plan.duration.rows_per_stream
@@ -251,7 +250,7 @@ def _stage(index: int, name: str, duration: str, where: str, config: LoaderConfi
         carried[loc] = ((draws[k], int(start[k]) + rows[infos[k].name], deps) if rows is not None
                         else (draws[k], int(start[k]), deps + ((index, k),)))
     return StagePlan(index=index, name=name, duration=duration, start_batch=start_batch,
-                     batches=batches, plan=plan, config=config, infos=infos, where=where,
+                     batches=plan.duration.total_batches, plan=plan, config=config, infos=infos, where=where,
                      start_sample=start_sample, order=order, adaptive=spec,
                      after_adaptive=tuple(after),
                      fingerprint=stage_fingerprint(config, infos, G))
