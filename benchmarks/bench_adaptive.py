@@ -2,7 +2,7 @@
 
 An update is what happens at a segment boundary: the policy's update from the summed
 per-stream loss and the next segment's sample ids from the per-stream cursors
-(:meth:`AdaptiveController.update` + :meth:`~AdaptiveController.segment_ids`); no dataset
+(:meth:`AdaptiveController.update` + :meth:`~AdaptiveController.segment_rows`); no dataset
 is rebuilt. Measured for 10 and 1,000 streams (``--rows`` rows each), a global batch of
 ``--global-batch`` rows and segments of ``--every`` batches, ``--rounds`` times:
 
@@ -45,18 +45,20 @@ sys.path.insert(0, str(ROOT / 'tests'))
 
 
 def controller(streams: int, rows: int, G: int, every: int, method: str = 'odm'):
-    from foundrymix.plan.adaptive import AdaptiveController
-    return AdaptiveController(method=method, names=[f's{i}' for i in range(streams)],
-                              rows=[rows] * streams, initial=[1 / streams] * streams,
-                              global_batch=G, every=every, warmup=0, min_share=0.5 / streams,
-                              seed=7, start_batch=0, batches=every * 1000)
+    from foundrymix.plan.adaptive import AdaptiveController, AdaptiveSpec
+    from foundrymix.plan.order import stream_draws
+    names = tuple(f's{i}' for i in range(streams))
+    return AdaptiveController(AdaptiveSpec(
+        method=method, names=names, rows=(rows,) * streams, initial=(1 / streams,) * streams,
+        global_batch=G, every=every, warmup=0, min_share=0.5 / streams, seed=7, start_batch=0,
+        batches=every * 1000, draws=tuple(stream_draws([[rows]] * streams, names, 7, 'main'))))
 
 
 def time_update(c, k: int, rng) -> float:
-    loss = rng.uniform(2, 4, len(c.rows)) * 1000
+    loss = rng.uniform(2, 4, len(c.spec.rows)) * 1000
     t = time.perf_counter()
-    c.update(loss, np.full(len(c.rows), 1000.0))
-    c.segment_ids(k)
+    c.update(loss, np.full(len(c.spec.rows), 1000.0))
+    c.segment_rows(k, np.zeros(len(c.spec.rows), np.int64))
     return time.perf_counter() - t
 
 
@@ -80,8 +82,8 @@ def plain_batch(G: int, seq: int, rounds: int) -> list[float]:
     it = iter(loader)
     next(it)  # the dataset is built; shards opened
     dataset = loader.storage
-    c = loader.position.adaptive[0]
-    ids = c.segment_ids(0).reshape(-1, G)
+    streams, rows = loader.position.adaptive[0].segment_rows(0, loader.position.order(run.stages[0]).start)
+    ids = (dataset.sample_offset_per_stream[streams] + rows).reshape(-1, G)
     out = []
     for r in range(rounds):
         t = time.perf_counter()

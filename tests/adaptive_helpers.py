@@ -50,7 +50,7 @@ class Feeder:
         position = self.loader.position
         c = position.adaptive[0]
         done = position.batch
-        if done < BATCHES and done % c.every == 0:
+        if done < BATCHES and done % c.spec.every == 0:
             total = np.sum(np.stack(self.rows), axis=0)
             self.rows = []
             c.update(total[0], total[1])

@@ -77,14 +77,18 @@ class StreamMixer:
     def plan(self, batch_size: int, max_duration: Optional[Any] = None, world_size: int = 1,
              nodes: int = 1) -> 'Plan':
         """The exact per-epoch mixture and where ``max_duration`` ends (reads no shards), for
-        ``world_size`` ranks over ``nodes`` nodes."""
+        ``world_size`` ranks over ``nodes`` nodes; with ``max_duration``, the run's (an adaptive
+        stage's segments stated), without it the configured mixture's epochs."""
         from foundrymix.plan.mixture import build_plan
+        from foundrymix.plan.stages import build_run_plan
         from foundrymix.plan.topology import Topology
         if world_size <= 0 or world_size % nodes:
             raise ConfigError(f'world_size ({world_size}) must be a positive multiple of the '
                               f'number of nodes ({nodes})')
-        return build_plan(self.config, self.catalog.infos(), batch_size, max_duration,
-                          Topology(nodes=nodes, ranks_per_node=world_size // nodes))
+        topology, infos = Topology(nodes=nodes, ranks_per_node=world_size // nodes), self.catalog.infos()
+        if max_duration is not None and self.config.stages is None:
+            return build_run_plan(self.config, [infos], batch_size, max_duration, topology).stages[0].plan
+        return build_plan(self.config, infos, batch_size, max_duration, topology)[0]
 
 
 @collector_paused()  # at each start and stage switch: per-stream objects (heap.py)

@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from foundrymix.config import ConfigError
-from foundrymix.plan.adaptive import AdaptiveController, build_controller
-from foundrymix.plan.stages import RunPlan, fingerprint_changes
+from foundrymix.plan.adaptive import AdaptiveController
+from foundrymix.plan.order import StageOrder
+from foundrymix.plan.stages import RunPlan, StagePlan, fingerprint_changes
 
 
 #: version of :meth:`StagedPosition.state_dict`; 4: seed-free whole rows, passes across stages
@@ -27,8 +30,8 @@ class Resumed:
 
 
 class StagedPosition:
-    """The next global batch to yield, and each adaptive stage's controller (built here once
-    per loader: its decisions are state a checkpoint keeps)."""
+    """The next global batch to yield, and each adaptive stage's controller (its run state,
+    made here per loader from the plan's spec: its decisions are state a checkpoint keeps)."""
 
     def __init__(self, run: RunPlan) -> None:
         self.run = run
@@ -36,7 +39,39 @@ class StagedPosition:
         self.resumed: Optional[Resumed] = None
         #: stage index -> its adaptive controller (stages with ``adaptive:``)
         self.adaptive: dict[int, AdaptiveController] = {
-            stage.index: c for stage in run.stages if (c := build_controller(stage)) is not None}
+            stage.index: AdaptiveController(stage.adaptive) for stage in run.stages if stage.adaptive}
+
+    def order(self, stage: StagePlan) -> StageOrder:
+        """The stage's order, its streams' draws taken from where earlier stages left them: the
+        plan's start plus the rows earlier adaptive stages decided during the run (all decided
+        before ``stage``'s first batch), so a stream's pass goes on after an adaptive stage too."""
+        o, start = stage.order, stage.order.start.copy()
+        for k, j, m in stage.after_adaptive:
+            start[k] += self.adaptive[j].consumed_before(self.adaptive[j].spec.segments)[m]
+        return StageOrder(o.draws, o.counts, o.global_batch, o.key, o.shuffle, start) if stage.after_adaptive else o
+
+    def rows_per_stream(self) -> dict[str, int]:
+        """Run-wide stream name -> rows of it in global batches before the position (all ranks),
+        by arithmetic on the plan and the adaptive stages' decisions: a resumed loader, on any
+        number of ranks, reports every rank's rows trained before it."""
+        out = dict.fromkeys(self.run.stream_names, 0)
+        for stage in self.run.stages:
+            if stage.start_batch >= self.batch:
+                break
+            done = min(self.batch, stage.end_batch) - stage.start_batch
+            controller = self.adaptive.get(stage.index)
+            if controller is None:
+                counts = self.order(stage).trained(done)
+            else:  # the decided segments' rows, and the current segment's batches so far
+                spec = controller.spec
+                k = spec.segment_of(stage.start_batch + done)
+                into = stage.start_batch + done - spec.segment_start(k)
+                counts = controller.consumed_before(min(k, spec.segments))
+                if into and k < spec.segments:
+                    counts = counts + controller.block(k, np.zeros_like(counts)).prefix_counts(into * spec.global_batch)
+            for name, n in zip(stage.stream_names, np.asarray(counts).tolist()):
+                out[name] += int(n)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The batch, each trained stage's fingerprint and the adaptive decisions: plain values."""

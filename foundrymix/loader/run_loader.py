@@ -66,8 +66,7 @@ class StagedDataLoader:
 
     def samples_per_stream(self) -> dict[str, int]:
         """Stream name -> rows of it in all ranks' global batches before the position."""
-        from foundrymix.plan.counts import rows_before
-        return rows_before(self.run, self.position.batch, self.position.adaptive)
+        return self.position.rows_per_stream()
 
     @property
     def storage(self) -> Any:
@@ -122,8 +121,8 @@ class StagedDataLoader:
         end = stage.end_batch
         controller = position.adaptive.get(stage.index)
         if controller is not None:
-            k = controller.segment_of(position.batch)
-            end = min(end, controller.segment_start(k) + controller.segment_batches(k))
+            k = controller.spec.segment_of(position.batch)
+            end = min(end, controller.spec.segment_start(k) + controller.spec.segment_batches(k))
         return end
 
     def _span(self, stage: StagePlan, position: StagedPosition, end: int) -> Iterator[Any]:
@@ -145,8 +144,8 @@ class StagedDataLoader:
         config = stage.config
         assert config is not None
         controller = position.adaptive.get(stage.index)
-        batch_rows = (stage.plan.order.batch if controller is None
-                      else _segment_rows(controller, position.batch))
+        order = position.order(stage)
+        batch_rows = order.batch if controller is None else _segment_rows(controller, position.batch, order.start)
         rank = env_rank() if self.rank is None else self.rank
         span = Span(active.store, batch_rows, position.batch - stage.start_batch,
                     end - stage.start_batch, rank, stage.batch_size)
@@ -197,20 +196,16 @@ def build_run_loader(config: 'LoaderConfig', batch_size: int, max_duration: Opti
     return StagedDataLoader(run, rank, rewind), catalogs
 
 
-def _segment_rows(controller: AdaptiveController, batch: int) -> Any:
-    """An adaptive segment's batches as (stream, row), decided before its first batch is read.
-    The controller's ids are its own numbering, turned back into (stream, row) by it; the store
-    numbers those rows itself (:class:`~foundrymix.loader.span.Span`), so no two numberings meet."""
-    k = controller.segment_of(batch)
-    ids = controller.segment_ids(k).reshape(-1, controller.global_batch)
+def _segment_rows(controller: AdaptiveController, batch: int, start: np.ndarray) -> Any:
+    """An adaptive segment's batches as (stream, row), decided before its first batch is read
+    (``start``: the streams' draws earlier stages took); the store alone turns them into sample
+    ids (:class:`~foundrymix.loader.span.Span`)."""
+    spec = controller.spec
+    k = spec.segment_of(batch)
+    streams, rows = (a.reshape(-1, spec.global_batch) for a in controller.segment_rows(k, start))
     _warn_repeats(controller, k)
-    start = controller.segment_start(k) - controller.start_batch
-
-    def rows(b: int) -> tuple[np.ndarray, np.ndarray]:
-        got = ids[b - start]
-        streams = controller.stream_of(got)
-        return streams, got - controller.offsets[streams]
-    return rows
+    first = spec.segment_start(k) - spec.start_batch
+    return lambda b: (streams[b - first], rows[b - first])
 
 
 #: an adaptive stream read this many times over is warned about (then at each doubling)
@@ -220,9 +215,10 @@ REPEAT_WARNING = 10
 def _warn_repeats(controller: AdaptiveController, k: int) -> None:
     """Warn when the policy's weights have read a stream :data:`REPEAT_WARNING` times over (then
     2x, 4x that, ...) by the end of segment ``k``: a small favoured stream repeats without end."""
+    spec = controller.spec
     done = controller.consumed_before(k) + np.asarray(controller.decision(k).rows, np.int64)
-    warned = controller.__dict__.setdefault('_repeat_warned', {})
-    for name, n, rows in zip(controller.names, done.tolist(), controller.rows):
+    warned = controller.repeat_warned
+    for name, n, rows in zip(spec.names, done.tolist(), spec.rows):
         passes = n / max(int(rows), 1)
         level = REPEAT_WARNING
         while level * 2 <= passes:
@@ -230,7 +226,7 @@ def _warn_repeats(controller: AdaptiveController, k: int) -> None:
         if passes >= REPEAT_WARNING and warned.get(name, 0) < level:
             warned[name] = level
             log.warning(f"adaptive: stream '{name}' ({rows:,} rows) has been read {passes:.1f} "
-                        f'times over in the run\'s first {controller.segment_start(k + 1)} batches (the policy\'s '
+                        f'times over in the run\'s first {spec.segment_start(k + 1)} batches (the policy\'s '
                         f'weights; the plan\'s passes hold for the configured start only). If that '
                         f'is not wanted, add rows to it or leave it out of the adaptive stage')
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from foundrymix.config import ConfigError
 from foundrymix.plan.exact import apportion
 from foundrymix.plan.order import Block, StreamDraws, rows_of
+from foundrymix.plan.plans import Plan
 from foundrymix.plan.policies import ADOPolicy, FixedPolicy, ODMPolicy, Policy
 
 
@@ -57,15 +58,18 @@ class AdaptiveError(RuntimeError):
     """The loader reached a segment whose weights nobody decided (no loss was fed)."""
 
 
-@dataclass
-class AdaptiveController:
-    """One adaptive stage: segments of ``every`` batches, the policy (or ``replay``'s recorded
-    decisions), every decision, and the per-stream cursors that turn one into sample ids."""
+# -------------------------------------------------------------------- the stage, as planned
+@dataclass(frozen=True)
+class AdaptiveSpec:
+    """One adaptive stage as planned, built once (:func:`adaptive_spec`, at plan time, where a
+    bad config is refused) and kept by its :class:`~foundrymix.plan.stages.StagePlan`: segments
+    of ``every`` batches, the starting shares (floored), the policy's options or ``replay``'s
+    recorded decisions, and each stream's draws. The run's state lives in its controller."""
 
     method: str
-    names: list[str]
-    rows: list[int]
-    initial: list[float]
+    names: tuple[str, ...]
+    rows: tuple[int, ...]
+    initial: tuple[float, ...]
     global_batch: int
     every: int
     warmup: int
@@ -74,38 +78,9 @@ class AdaptiveController:
     start_batch: int
     batches: int
     options: dict[str, float] = field(default_factory=dict)
-    replay: Optional[list[Decision]] = None
-    decisions: list[Decision] = field(default_factory=list)
-    #: each stream's draws, and those earlier stages took: the stage order's (its passes go on)
-    draws: Optional[list[StreamDraws]] = None
-    draws_before: Optional[np.ndarray] = None
+    replay: Optional[tuple[Decision, ...]] = None
+    draws: tuple[StreamDraws, ...] = field(default=(), repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        initial = floor_shares(np.array(self.initial), self.min_share)
-        self.initial = initial.tolist()
-        policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(self.method)
-        self.policy: Policy = FixedPolicy(initial) if policy is None else policy(initial, **self.options)
-        self.offsets = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
-        if self.replay is not None:
-            self._check_replay()
-        if not self.decisions:
-            self.decisions.append(self._decision(0, initial, None))
-
-    def _check_replay(self) -> None:
-        assert self.replay is not None
-        want = [(self.segment_start(k), self.segment_batches(k) * self.global_batch)
-                for k in range(self.segments)]
-        got = [(d.batch, sum(d.rows)) for d in self.replay]
-        if got[:len(want)] != want or len(got) < len(want) or \
-                any(len(d.rows) != len(self.rows) for d in self.replay):
-            raise ConfigError(
-                f'adaptive.from: the recorded decisions do not fit this run: they start segments '
-                f'at batches {[b for b, _ in got][:5]}... with {[r for _, r in got][:5]}... rows over '
-                f'{len(self.replay[0].rows)} streams; this run needs {len(want)} segments at '
-                f'{[b for b, _ in want][:5]}... with {[r for _, r in want][:5]}... rows over '
-                f'{len(self.rows)} streams (same streams, every, batch size and duration)')
-
-    # -- segments
     @property
     def segments(self) -> int:
         return -(-self.batches // self.every)
@@ -119,39 +94,62 @@ class AdaptiveController:
     def segment_batches(self, k: int) -> int:
         return min(self.every, self.batches - k * self.every)
 
-    def _decision(self, k: int, weights: np.ndarray, loss: Optional[np.ndarray]) -> Decision:
+    def known(self, k: int) -> Optional[np.ndarray]:
+        """Segment ``k``'s rows per stream if they are known before the run (replayed, ``fixed``,
+        warmup), else None (decided from the loss)."""
         if self.replay is not None:
-            return self.replay[k]
-        rows = apportion(weights, self.segment_batches(k) * self.global_batch).tolist()
+            return np.asarray(self.replay[k].rows, np.int64)
+        if self.method == 'fixed' or self.segment_start(k) < self.start_batch + self.warmup:
+            return apportion(self.initial, self.segment_batches(k) * self.global_batch)
+        return None
+
+
+class AdaptiveController:
+    """A run's state of one adaptive stage: the policy, every decision, and the per-stream
+    cursors that turn one into rows; made per loader from the stage's :class:`AdaptiveSpec`."""
+
+    def __init__(self, spec: AdaptiveSpec) -> None:
+        self.spec = spec
+        initial = np.array(spec.initial)
+        policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(spec.method)
+        self.policy: Policy = FixedPolicy(initial) if policy is None else policy(initial, **spec.options)
+        self.decisions: list[Decision] = [self._decision(0, initial, None)]
+        self._cursor = (0, np.zeros(len(spec.rows), np.int64))
+        self.repeat_warned: dict[str, float] = {}  # stream -> the passes last warned about
+
+    def _decision(self, k: int, weights: np.ndarray, loss: Optional[np.ndarray]) -> Decision:
+        s = self.spec
+        if s.replay is not None:
+            return s.replay[k]
+        rows = apportion(weights, s.segment_batches(k) * s.global_batch).tolist()
         lost = None if loss is None else [None if math.isnan(x) else float(x) for x in loss]
-        return Decision(self.segment_start(k), [float(w) for w in weights], rows, lost)
+        return Decision(s.segment_start(k), [float(w) for w in weights], rows, lost)
 
     def update(self, loss_sum: np.ndarray, loss_tokens: np.ndarray) -> Decision:
         """The interval that just ended: its per-stream loss (summed over all ranks) -> the
         next segment's decision. Called once per segment boundary, in order."""
-        k = len(self.decisions)
-        if k >= self.segments:
-            raise AdaptiveError(f'adaptive: all {self.segments} segments are decided')
+        s, k = self.spec, len(self.decisions)
+        if k >= s.segments:
+            raise AdaptiveError(f'adaptive: all {s.segments} segments are decided')
         loss_sum = np.asarray(loss_sum, np.float64)
         tokens = np.asarray(loss_tokens, np.float64)
         with np.errstate(invalid='ignore', divide='ignore'):
             loss = np.where(tokens > 0, loss_sum / np.maximum(tokens, 1), np.nan)
-        current = np.array(self.decisions[-1].weights)
-        weights = self.policy.update(loss, current)
-        if self.segment_start(k) < self.start_batch + self.warmup:
-            weights = np.array(self.initial)
-        weights = floor_shares(weights, self.min_share)
-        decision = self._decision(k, weights, loss)
+        weights = self.policy.update(loss, np.array(self.decisions[-1].weights))
+        if s.segment_start(k) < s.start_batch + s.warmup:
+            weights = np.array(s.initial)
+        decision = self._decision(k, floor_shares(weights, s.min_share), loss)
         self.decisions.append(decision)
         return decision
 
     def decision(self, k: int) -> Decision:
-        if self.replay is not None:
+        s = self.spec
+        if s.replay is not None:
             while len(self.decisions) <= k:
-                self.decisions.append(self.replay[len(self.decisions)])
+                self.decisions.append(s.replay[len(self.decisions)])
         if k >= len(self.decisions):
             raise AdaptiveError(
-                f'adaptive: segment {k} (batch {self.segment_start(k)}) has no decision: the '
+                f'adaptive: segment {k} (batch {s.segment_start(k)}) has no decision: the '
                 f'per-stream loss of the segment before was not fed (the trainer\'s adaptive '
                 f'callback does so; a loader used alone calls controller.update)')
         return self.decisions[k]
@@ -160,52 +158,51 @@ class AdaptiveController:
     def consumed_before(self, k: int) -> np.ndarray:
         """Rows each stream trained in segments ``0..k-1`` (its cursor at segment ``k``);
         the last answer is kept, so a run's next segment adds one decision's rows."""
-        done, cursor = getattr(self, '_cursor', (0, np.zeros(len(self.rows), np.int64)))
+        done, cursor = self._cursor
         if done > k:
-            done, cursor = 0, np.zeros(len(self.rows), np.int64)
-        cursor = cursor.copy()
-        for d in self.decisions[done:k]:
-            cursor += np.asarray(d.rows, np.int64)
+            done, cursor = 0, np.zeros(len(self.spec.rows), np.int64)
+        cursor = cursor + sum((np.asarray(self.decision(j).rows, np.int64) for j in range(done, k)),
+                              np.zeros(len(cursor), np.int64))
         self._cursor = (k, cursor)
         return cursor
 
-    def segment_ids(self, k: int) -> np.ndarray:
-        """Segment ``k``'s global sample ids, in training order: a block of the decided rows
-        per stream from the streams' cursors, so a pass is finished before the next starts."""
-        decision = self.decision(k)
-        assert self.draws is not None and self.draws_before is not None
-        block = Block(np.asarray(decision.rows, np.int64), self.draws_before + self.consumed_before(k),
-                      (self.seed, len(self.rows), 1_000_003, k))
-        streams, rows = rows_of(self.draws, *block.draws(0, block.size))
-        return self.offsets[streams] + rows
+    def block(self, k: int, start: np.ndarray) -> Block:
+        """Segment ``k``: the decided rows per stream from the streams' cursors (``start``: the
+        draws earlier stages took), laid out as a stage's block is."""
+        return Block(np.asarray(self.decision(k).rows, np.int64), start + self.consumed_before(k),
+                     (self.spec.seed, len(self.spec.rows), 1_000_003, k))
 
-    def stream_of(self, ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.offsets, ids, side='right') - 1
+    def segment_rows(self, k: int, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Segment ``k``'s (stream, row) in training order: a pass is finished before the next starts."""
+        block = self.block(k, start)
+        return rows_of(self.spec.draws, *block.draws(0, block.size))
 
     # -- state
     def state_dict(self) -> dict[str, Any]:
-        return {'method': self.method, 'streams': list(self.names), 'every': self.every,
-                'global_batch': self.global_batch, 'policy': self.policy.state_dict(),
+        s = self.spec
+        return {'method': s.method, 'streams': list(s.names), 'every': s.every,
+                'global_batch': s.global_batch, 'policy': self.policy.state_dict(),
                 'decisions': [d.to_dict() for d in self.decisions]}
 
     def load_state_dict(self, state: dict[str, Any], batch: int) -> None:
         """Restore the policy and the decisions made up to ``batch`` (the resume position):
         a decision for a later segment cannot exist in a consistent checkpoint."""
-        if list(state['streams']) != self.names or int(state['every']) != self.every \
-                or int(state['global_batch']) != self.global_batch:
+        s = self.spec
+        if list(state['streams']) != list(s.names) or int(state['every']) != s.every \
+                or int(state['global_batch']) != s.global_batch:
             raise AdaptiveError(
                 f'adaptive: the checkpoint decided segments of {state["every"]} batches of '
                 f'{state["global_batch"]} rows over streams {state["streams"]}; this run has '
-                f'{self.every} x {self.global_batch} over {self.names}')
+                f'{s.every} x {s.global_batch} over {list(s.names)}')
         self.policy.load_state_dict(state['policy'])
         self.decisions = [Decision.from_dict(d) for d in state['decisions']]
-        self._cursor = (0, np.zeros(len(self.rows), np.int64))
+        self._cursor = (0, np.zeros(len(s.rows), np.int64))
 
     def report(self) -> dict[str, Any]:
         """``report/mixture.json``'s section of this stage (also what ``replay`` reads)."""
-        return {**self.state_dict(), 'warmup': self.warmup, 'min_share': self.min_share,
-                'seed': self.seed, 'start_batch': self.start_batch, 'batches': self.batches,
-                'initial': list(self.initial)}
+        s = self.spec
+        return {**self.state_dict(), 'warmup': s.warmup, 'min_share': s.min_share, 'seed': s.seed,
+                'start_batch': s.start_batch, 'batches': s.batches, 'initial': list(s.initial)}
 
 
 def read_replay(path: str, stage: str, where: str) -> list[Decision]:
@@ -225,77 +222,71 @@ def read_replay(path: str, stage: str, where: str) -> list[Decision]:
     return [Decision.from_dict(d) for d in stages[stage]['decisions']]
 
 
-def build_controller(stage: Any) -> Optional[AdaptiveController]:
-    """The controller of a planned adaptive stage (else None), starting from its planned
-    shares; refused here, at plan time, when it cannot be met."""
-    config = stage.config
-    a = config.adaptive if config is not None else None
+def adaptive_spec(config: Any, where: str, stage: str, plan: Plan, draws: Sequence[StreamDraws],
+                  start_batch: int, batches: int) -> Optional[AdaptiveSpec]:
+    """The stage's :class:`AdaptiveSpec` (None without ``adaptive:``), starting from its
+    planned shares; refused here, at plan time, when it cannot be met."""
+    a = config.adaptive
     if a is None:
         return None
-    where = f'{stage.where}.adaptive'
-    streams = stage.plan.streams
+    where, streams = f'{where}.adaptive', plan.streams
     if a.min_share * len(streams) > 1:
         raise ConfigError(f'{where}.min_share: {a.min_share} x {len(streams)} streams exceeds 1; '
                           f'give at most {1 / len(streams):.4g}')
-    replay = read_replay(a.replay_from, stage.name, where) if a.replay_from else None
+    replay = tuple(read_replay(a.replay_from, stage, where)) if a.replay_from else None
     options: dict[str, float] = ({'alpha': a.alpha, 'lr': a.lr} if a.method == 'odm' else
                                  {'alpha': a.alpha, 'beta': a.beta} if a.method == 'ado' else {})
-    seed = config.shuffle_seed if a.seed is None else a.seed
-    return AdaptiveController(
-        method=a.method, names=[s.name for s in streams], rows=[s.rows for s in streams],
-        initial=[s.share for s in streams], global_batch=stage.plan.global_batch_size,
-        every=a.batches('every', where), warmup=a.batches('warmup', where),
-        min_share=a.min_share, seed=seed,
-        start_batch=stage.start_batch, batches=stage.batches, options=options, replay=replay,
-        draws=stage.plan.order.draws, draws_before=stage.plan.order.start)
+    spec = AdaptiveSpec(
+        method=a.method, names=tuple(s.name for s in streams), rows=tuple(s.rows for s in streams),
+        initial=tuple(floor_shares(np.array([s.share for s in streams]), a.min_share).tolist()),
+        global_batch=plan.global_batch_size, every=a.batches('every', where),
+        warmup=a.batches('warmup', where), min_share=a.min_share,
+        seed=config.shuffle_seed if a.seed is None else a.seed, start_batch=start_batch,
+        batches=batches, options=options, replay=replay, draws=tuple(draws))
+    want = [(spec.segment_start(k), spec.segment_batches(k) * spec.global_batch) for k in range(spec.segments)]
+    got = [(d.batch, sum(d.rows)) for d in replay or ()]
+    if replay is not None and (got[:len(want)] != want or len(got) < len(want)
+                               or any(len(d.rows) != len(spec.rows) for d in replay)):
+        raise ConfigError(
+            f'{where}.from: the recorded decisions do not fit this run: they start segments '
+            f'at batches {[b for b, _ in got][:5]}... with {[r for _, r in got][:5]}... rows over '
+            f'{len(replay[0].rows)} streams; this run needs {len(want)} segments at '
+            f'{[b for b, _ in want][:5]}... with {[r for _, r in want][:5]}... rows over '
+            f'{len(spec.rows)} streams (same streams, every, batch size and duration)')
+    return spec
 
 
-def plan_adaptive(plan: Any, controller: AdaptiveController) -> bool:
-    """Restate an adaptive stage's plan (planned as epochs of its configured weights) as the
-    segments it trains; True if its rows are exact. Exact at plan time: the segments whose
-    weights are known (warmup, ``fixed``, ``replay``); the rest only have ``min_share`` floors."""
-    c, d = controller, plan.duration
-    known = np.zeros(len(c.names), np.int64)
-    at_least = np.zeros(len(c.names), np.int64)
-    undecided = [0, 0]   # batches, rows
-    first = c.start_batch + c.batches  # the first batch decided during the run
-    for k in range(c.segments):
-        rows = c.segment_batches(k) * c.global_batch
-        if c.replay is not None:
-            known += c.replay[k].rows
-        elif c.method == 'fixed' or c.segment_start(k) < c.start_batch + c.warmup:
-            known += apportion(c.initial, rows)
-        else:
-            first = min(first, c.segment_start(k))
-            undecided[0] += c.segment_batches(k)
-            undecided[1] += rows
-            at_least += int(c.min_share * rows)
-    exact = undecided[0] == 0
-    n_rows = dict(zip(c.names, c.rows))
+def adaptive_plan(plan: Plan, c: AdaptiveSpec) -> Plan:
+    """An adaptive stage's plan: the configured start's epochs (built without their epoch notes)
+    restated as the segments it trains. Its rows are exact (``duration.rows_per_stream``) when
+    every segment's are known at plan time (:meth:`AdaptiveSpec.known`); else the rest have
+    only the ``min_share`` floors, and ``rows_per_stream`` is None."""
+    segments = [(k, c.known(k)) for k in range(c.segments)]
+    known = sum((r for _, r in segments if r is not None), np.zeros(len(c.names), np.int64))
+    undecided = [c.segment_batches(k) * c.global_batch for k, r in segments if r is None]  # rows
+    first = next((c.segment_start(k) for k, r in segments if r is None), 0)  # decided during the run
+    exact = not undecided
     text = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, known))
     if exact:
         how = 'the recorded decisions' if c.replay is not None else 'the configured weights'
-        plan.counted = {'run': f'adaptive ({c.method}): every segment\'s whole rows from {how}'}
+        counted = f'adaptive ({c.method}): every segment\'s whole rows from {how}'
     else:
-        floors = ', '.join(f'{n} {int(r):,}' for n, r in zip(c.names, at_least))
+        floors = ', '.join(f'{n} {sum(int(c.min_share * r) for r in undecided):,}' for n in c.names)
         decided = (f'batches {c.start_batch:,}-{first - 1:,} exact at the configured weights ({text}); '
-                   f'batches {first:,}-{c.start_batch + c.batches - 1:,} ({undecided[1]:,} rows)'
-                   if first > c.start_batch else f'all {undecided[1]:,} rows')
-        plan.counted = {'run': f'adaptive ({c.method}): {decided} decided during the run from the '
-                               f'per-stream loss, each stream at least {floors}'}
-    if d is not None:
-        d.rows_per_stream = {n: int(r) for n, r in zip(c.names, known)} if exact else None
-        d.passes_per_stream = {n: int(r) / n_rows[n] for n, r in zip(c.names, known)} if exact else None
-    plan.adaptive = True
-    plan.warnings = [w for w in plan.warnings if w.startswith('proportions sum to')]
-    plan.notes = [n for n in plan.notes if not n.startswith(('exact epoch:', '~ marks'))]
-    if exact:
-        plan.warnings += [f'{n}: under one pass: {n_rows[n] - int(r):,} of {n_rows[n]:,} rows are '
-                          f'not trained' for n, r in zip(c.names, known) if r < n_rows[n]]
-    plan.notes.append(
-        f'adaptive ({c.method}, every {c.every}ba from batch {c.start_batch + c.warmup:,}, '
-        f'min_share {c.min_share}): the table shows the configured start (its per-epoch columns '
-        f'are the configured mixture\'s epochs); the stage trains segments of whole rows per stream '
-        f'read by per-stream cursors, no row repeated before its stream\'s pass is complete '
-        f'(report/mixture.json, docs/adaptive.md)')
-    return exact
+                   f'batches {first:,}-{c.start_batch + c.batches - 1:,} ({sum(undecided):,} rows)'
+                   if first > c.start_batch else f'all {sum(undecided):,} rows')
+        counted = (f'adaptive ({c.method}): {decided} decided during the run from the per-stream '
+                   f'loss, each stream at least {floors}')
+    trained = {n: int(r) for n, r in zip(c.names, known)} if exact else None
+    passes = {n: r / rows for (n, r), rows in zip(trained.items(), c.rows)} if trained else None
+    under = [f'{n}: under one pass: {rows - r:,} of {rows:,} rows are not trained'
+             for (n, r), rows in zip((trained or {}).items(), c.rows) if r < rows]
+    note = (f'adaptive ({c.method}, every {c.every}ba from batch {c.start_batch + c.warmup:,}, '
+            f'min_share {c.min_share}): the table shows the configured start (its per-epoch columns '
+            f'are the configured mixture\'s epochs); the stage trains segments of whole rows per stream '
+            f'read by per-stream cursors, no row repeated before its stream\'s pass is complete '
+            f'(report/mixture.json, docs/adaptive.md)')
+    assert plan.duration is not None, 'a stage is planned with its duration'
+    return replace(plan, adaptive=True, counted={'run': counted},
+                   warnings=plan.warnings + under, notes=plan.notes + [note],
+                   duration=replace(plan.duration, rows_per_stream=trained, passes_per_stream=passes))

@@ -6,7 +6,7 @@ passes or uniform rows make them exact (``tokens_exact``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -61,9 +61,12 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                max_duration: Optional[Any] = None, topology: Topology = Topology(),
                duration_name: str = 'max_duration',
                duration_batches: Optional[Callable[['Plan'], int]] = None,
-               stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> Plan:
-    """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size.
-    ``duration_batches`` (instead of ``max_duration``) gives a stage's batches from its plan."""
+               stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT
+               ) -> tuple[Plan, StageOrder]:
+    """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size,
+    and the order it counts. ``duration_batches`` (instead of ``max_duration``) gives a stage's
+    batches from its plan. An adaptive stage's plan states no epoch's notes or warnings: it
+    trains segments (:func:`foundrymix.plan.adaptive.adaptive_plan` states those)."""
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
                           f'node ({topology.ranks_per_node}) must be positive')
@@ -72,10 +75,12 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
     L = infos[0].manifest.max_seq_len
     G = batch_size * topology.world_size
     epoch = _plan_epoch(config, infos, batch_size, topology, stage)
-    _warn_epoch(config, epoch, G, warnings)
-    _note_exact(config, epoch, G, warnings, notes)
+    epochs = config.adaptive is None
+    _warn_epoch(config, epoch, G, warnings, epochs)
+    if epochs:
+        _note_exact(config, epoch, G, warnings, notes)
     names = [i.name for i in infos]
-    stream_plans = _stream_plans(infos, epoch, L, warnings, notes)
+    stream_plans = _stream_plans(infos, epoch, L, warnings if epochs else [], notes if epochs else [])
     if config.weights_in != 'rows':
         notes.append(weights_in_note(config.weights_in, stream_plans, L))
     anchor = anchored_epoch(infos, config.weights_in)
@@ -99,22 +104,18 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
                 per_rank=per_rank, weights=epoch.weights,
-                groups=stream_groups(config))
-    plan.order = epoch.order
-    plan.counted = {'epoch': 'arithmetic', 'per_rank': how_ranks}
+                groups=stream_groups(config), counted={'epoch': 'arithmetic', 'per_rank': how_ranks})
     if duration_batches is not None:
         max_duration = f'{duration_batches(plan)}ba'
-    if max_duration is not None:
-        plan.duration = plan_duration(plan, max_duration, names, epoch)
-        d = plan.duration
-        plan.counted['run'] = 'arithmetic'
-        if d.ends_mid_epoch:
-            warnings.append(
-                f'{duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
-                f'{d.last_batch_in_epoch:,} of {epoch.batches:,} batches (sample '
-                f'{d.last_sample_in_epoch:,} of {plan.samples_per_epoch:,}); the rest of that '
-                f'epoch\'s rows are not trained')
-    return plan
+    if max_duration is None:
+        return plan, epoch.order
+    d = plan_duration(plan, max_duration, names, epoch)
+    mid = [f'{duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
+           f'{d.last_batch_in_epoch:,} of {epoch.batches:,} batches (sample '
+           f'{d.last_sample_in_epoch:,} of {plan.samples_per_epoch:,}); the rest of that '
+           f'epoch\'s rows are not trained'] if d.ends_mid_epoch and epochs else []
+    return replace(plan, duration=d, counted={**plan.counted, 'run': 'arithmetic'},
+                   warnings=warnings + mid), epoch.order
 
 
 def share_rounding(plans: list[StreamPlan], weights_in: str, L: int) -> float:
@@ -203,8 +204,9 @@ def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
     return out, 'arithmetic' if W == 1 else 'counted'
 
 
-def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]) -> None:
-    """Warnings: proportions that do not sum to 1, rows an epoch samples but does not train."""
+def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str], epochs: bool) -> None:
+    """Warnings: proportions that do not sum to 1, rows an epoch samples but does not train
+    (where the stage trains ``epochs``)."""
     given = list(config.given_proportions.values())
     total = None if None in given else float(sum(given))
     if total is not None and abs(total - 1.0) > 1e-9:
@@ -214,7 +216,7 @@ def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str]
         warnings.append(f'proportions sum to {total:g} ({listed}), not 1: they are normalised to '
                         f'{shares} of the epoch')
     samples, size = int(epoch.trained.sum()), epoch.epoch_size
-    if samples < size:
+    if samples < size and epochs:
         why = ('stratified batching keeps only whole batches of the exact composition'
                if config.batching_method == 'stratified' else
                f'epoch size {size:,} is not a multiple of the global batch {G}')

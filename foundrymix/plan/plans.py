@@ -77,9 +77,10 @@ class GroupPlan:
     value: float               # as given in the YAML (the group's, not a member's)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """The mixture per epoch and, given ``max_duration``, how long the run is."""
+    """The mixture per epoch and, given ``max_duration``, how long the run is: every field set
+    at construction (a stage's duration and an adaptive restatement make a new one)."""
 
     streams: list[StreamPlan]
     epoch_size: int

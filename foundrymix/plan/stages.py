@@ -12,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from foundrymix.config import DURATION_UNITS, ConfigError, parse_time, to_batches
+from foundrymix.plan.adaptive import AdaptiveSpec, adaptive_plan, adaptive_spec
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
@@ -35,11 +36,17 @@ class StagePlan:
     start_batch: int            # first global batch of the stage (0-based)
     batches: int
     plan: Plan                  # the stage's per-epoch mixture and its duration
+    #: the stage's order: each stream's draws go on from where earlier stages left them (``start``)
+    order: StageOrder = field(repr=False, compare=False)
     config: Optional[LoaderConfig] = field(default=None, repr=False, compare=False)
     infos: list[StreamInfo] = field(default_factory=list, repr=False, compare=False)
     fingerprint: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     where: str = 'train_loader'
     start_sample: int = 0       # rows trained before the stage (earlier stages' samples)
+    adaptive: Optional[AdaptiveSpec] = field(default=None, repr=False, compare=False)
+    #: (stream here, earlier adaptive stage, its stream there): draws decided during the run,
+    #: which the loader adds to ``order.start`` (:meth:`~foundrymix.loader.position.StagedPosition.start`)
+    after_adaptive: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def end_batch(self) -> int:
@@ -170,18 +177,15 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
     stages: list[StagePlan] = []
+    carried: dict[str, _Carried] = {}
     if config.stages is None:
         if max_duration is None:
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")
-        plan = build_plan(configs[0], infos[0], batch_size, max_duration, topology,
-                          stage=MAIN_STAGE, rank_count_limit=rank_count_limit)
-        assert plan.duration is not None
-        batches = plan.duration.total_batches
-        stages.append(StagePlan(index=0, name=MAIN_STAGE, duration=str(max_duration),
-                                start_batch=0, batches=batches, plan=plan, config=configs[0],
-                                infos=infos[0], where=where,
-                                fingerprint=stage_fingerprint(configs[0], infos[0], G)))
+        plan, order = build_plan(configs[0], infos[0], batch_size, max_duration, topology,
+                                 stage=MAIN_STAGE, rank_count_limit=rank_count_limit)
+        stages.append(_stage(0, MAIN_STAGE, str(max_duration), where, configs[0], infos[0], plan,
+                             order, 0, 0, G, carried))
     else:
         start = sample = 0
         for i, (spec, cfg, stage_infos) in enumerate(zip(config.stages, configs, infos)):
@@ -194,41 +198,23 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
             if stage_G % topology.world_size:  # the words of plan.data_config.batch_per_rank
                 raise ConfigError(f'{spec.where}.global_train_batch_size={stage_G} is not divisible by '
                                   f'the {topology.world_size} ranks')
-            stage_batch = stage_G // topology.world_size
-            plan = build_plan(cfg, stage_infos, stage_batch, None, topology, 'stage duration',
-                              duration_batches=resolve, stage=spec.name,
-                              rank_count_limit=rank_count_limit)
-            assert plan.duration is not None
-            batches = plan.duration.total_batches
-            stages.append(StagePlan(index=i, name=spec.name, duration=spec.duration,
-                                    start_batch=start, batches=batches, plan=plan, config=cfg,
-                                    infos=stage_infos, where=spec.where, start_sample=sample,
-                                    fingerprint=stage_fingerprint(cfg, stage_infos, stage_G)))
-            start += batches
-            sample += plan.duration.total_samples
-    L = stages[0].plan.max_seq_len
+            plan, order = build_plan(cfg, stage_infos, stage_G // topology.world_size, None, topology,
+                                     'stage duration', duration_batches=resolve, stage=spec.name,
+                                     rank_count_limit=rank_count_limit)
+            stages.append(_stage(i, spec.name, spec.duration, spec.where, cfg, stage_infos, plan,
+                                 order, start, sample, stage_G, carried))
+            start += stages[-1].batches
+            sample += stages[-1].samples
     run = RunPlan(stages=stages, global_batch_size=stages[0].plan.global_batch_size,
-                  max_seq_len=L, total_batches=sum(s.batches for s in stages),
-                  explicit=config.stages is not None)
+                  max_seq_len=stages[0].plan.max_seq_len, total_batches=sum(s.batches for s in stages),
+                  explicit=config.stages is not None,
+                  decided_during_run=[s.name for s in stages if s.plan.duration.rows_per_stream is None])
     if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
-    from foundrymix.plan.adaptive import build_controller, plan_adaptive
-    carried: dict[str, Optional[tuple[StreamDraws, int]]] = {}
     for stage in stages:
-        places = _continue_passes(stage, carried)
-        controller = build_controller(stage)  # refused now, not at the stage's first batch
-        if controller is not None and not plan_adaptive(stage.plan, controller):
-            run.decided_during_run.append(stage.name)
-        rows = stage.plan.duration.rows_per_stream if stage.plan.duration else None
-        order = stage.plan.order  # rows decided during the run (None): later, a fresh pass
-        carried.update({w: (order.draws[k], int(order.start[k]) + rows[stage.infos[k].name])
-                        if rows is not None else None for w, k in places.items()})
-        for name, n in (rows or {}).items():
+        for name, n in (stage.plan.duration.rows_per_stream or {}).items():
             run.rows_per_stream[name] = run.rows_per_stream.get(name, 0) + n
-        if run.explicit:
-            run.warnings += [f'stage {stage.name}: {w}' for w in stage.plan.warnings]
-        else:
-            run.warnings += stage.plan.warnings
+        run.warnings += [f'stage {stage.name}: {w}' if run.explicit else w for w in stage.plan.warnings]
     return run
 
 
@@ -237,18 +223,38 @@ def stream_location(info: StreamInfo) -> str:
     return info.remote_dir or info.directory
 
 
-def _continue_passes(stage: StagePlan, carried: dict[str, Optional[tuple[StreamDraws, int]]]
-                     ) -> dict[str, int]:
-    """The stage reads each stream from where earlier stages left its draws (``carried``); a
-    stream's first stage fixes its passes. Returns location -> the stage's stream there."""
-    order = stage.plan.order
-    places = {stream_location(i): k for k, i in reversed(list(enumerate(stage.infos)))}
-    draws, start = list(order.draws), np.zeros(len(order.draws), np.int64)
-    for where, k in places.items():
-        draws[k], start[k] = carried.get(where) or (draws[k], 0)
+#: a stream's draws, how many are known taken, and the (adaptive stage, stream)s that took more
+_Carried = tuple[StreamDraws, int, tuple[tuple[int, int], ...]]
+
+
+def _stage(index: int, name: str, duration: str, where: str, config: LoaderConfig,
+           infos: list[StreamInfo], plan: Plan, order: StageOrder, start_batch: int,
+           start_sample: int, G: int, carried: dict[str, _Carried]) -> StagePlan:
+    """The stage, reading each stream from where earlier stages left its draws (``carried``,
+    updated with this stage's): a stream's first stage fixes its passes; an adaptive stage's
+    controller spec is built (and refused) here, once."""
+    assert plan.duration is not None
+    places = {stream_location(i): k for k, i in reversed(list(enumerate(infos)))}
+    draws, start, after = list(order.draws), np.zeros(len(order.draws), np.int64), []
+    for loc, k in places.items():
+        if loc in carried:
+            draws[k], start[k], deps = carried[loc]
+            after += [(k, j, m) for j, m in deps]
     # the same positions and counts: only which rows fill them changes
-    stage.plan.order = StageOrder(draws, order.counts, order.global_batch, order.key, order.shuffle, start)
-    return places
+    order = StageOrder(draws, order.counts, order.global_batch, order.key, order.shuffle, start)
+    spec = adaptive_spec(config, where, name, plan, draws, start_batch, plan.duration.total_batches)
+    if spec is not None:
+        plan = adaptive_plan(plan, spec)
+    rows = plan.duration.rows_per_stream
+    for loc, k in places.items():
+        deps = tuple((j, m) for here, j, m in after if here == k)
+        carried[loc] = ((draws[k], int(start[k]) + rows[infos[k].name], deps) if rows is not None
+                        else (draws[k], int(start[k]), deps + ((index, k),)))
+    return StagePlan(index=index, name=name, duration=duration, start_batch=start_batch,
+                     batches=plan.duration.total_batches, plan=plan, config=config, infos=infos, where=where,
+                     start_sample=start_sample, order=order, adaptive=spec,
+                     after_adaptive=tuple(after),
+                     fingerprint=stage_fingerprint(config, infos, G))
 
 
 def _check_max_duration(max_duration: str, run: RunPlan) -> None:

@@ -237,11 +237,9 @@ def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) ->
     at = Counter(stream_location(i) for s in run.stages for i in s.infos)
     reused = sorted({i.name for s in run.stages for i in s.infos if at[stream_location(i)] > 1})
     if reused:
-        after = ', '.join(run.decided_during_run)
         console.print(f'note: {", ".join(reused)} come back in a later stage and go on with their '
-                      f'passes (as their first stage shuffles them): no row is trained k+1 times before '
-                      f'every row of its stream k times'
-                      + (f' (after adaptive {after}: a fresh pass)' if after else ''))
+                      f'passes (as their first stage shuffles them), after an adaptive stage too: no '
+                      f'row is trained k+1 times before every row of its stream k times')
     console.rule('whole run')
     if run.decided_during_run:
         console.print(f'rows trained per stream over the run: decided during the run (adaptive '

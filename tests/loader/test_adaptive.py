@@ -193,6 +193,9 @@ def test_the_plan_states_what_an_adaptive_run_trains(dirs):
     run, _ = plan_run(LoaderConfig.from_dict(config(dirs, warmup=f'{2 * EVERY}ba')), BATCH,
                       f'{BATCHES}ba')
     plan = run.stages[0].plan
+    from foundrymix.loader.mixer import StreamMixer  # StreamMixer.plan states the same
+    mixed = StreamMixer.from_dict(config(dirs, warmup=f'{2 * EVERY}ba')).plan(BATCH, f'{BATCHES}ba')
+    assert (mixed.adaptive, mixed.counted, mixed.notes, mixed.warnings) == (True, plan.counted, plan.notes, [])
     assert plan.duration.rows_per_stream is None and run.decided_during_run == ['main']
     assert plan.warnings == []
     assert plan.counted['run'].startswith(

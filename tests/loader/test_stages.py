@@ -228,27 +228,60 @@ def test_max_duration_must_equal_the_sum(dirs):
         loader(three_stages(dirs), '2ep')
 
 
-def test_an_adaptive_stage_goes_on_with_a_plain_stages_passes(dirs):
-    """A plain stage leaves wiki mid-pass; the adaptive stage after it (its rows decided from a
-    fed loss) takes wiki's next draws: over the run no wiki row is trained twice before every
-    wiki row once (brute force over the rows' own tags)."""
-    cfg = {'streams': {n: {'local': d} for n, d in dirs.items()}, 'stages': [
+def adaptive_between(dirs):
+    """a (plain) leaves wiki mid-pass -> b (adaptive, its rows decided from a fed loss) -> c
+    (plain) reuses wiki, and arxiv from a."""
+    return {'streams': {n: {'local': d} for n, d in dirs.items()}, 'stages': [
         {'name': 'a', 'duration': '15ba', 'streams': {'arxiv': {'repeat': 1}, 'wiki': {'repeat': 1}}},
         {'name': 'b', 'duration': '30ba', 'epoch_size': 200,
          'streams': {'wiki': {'proportion': 0.5}, 'dolly': {'proportion': 0.5}},
-         'adaptive': {'method': 'odm', 'every': '5ba', 'min_share': 0.05}}]}
-    staged = loader(cfg)
-    assert staged.run.stages[0].plan.duration.rows_per_stream['wiki'] % 80  # left mid-pass
+         'adaptive': {'method': 'odm', 'every': '5ba', 'min_share': 0.05}},
+        {'name': 'c', 'duration': '20ba', 'streams': {'wiki': {'repeat': 1}, 'arxiv': {'repeat': 0.5}}}]}
+
+
+def fed_run(staged, states=None):
+    """Every batch's (tag, row)s, stage b's loss fed at its segment boundaries (wiki higher),
+    and the position before each batch in ``states``."""
     c = staged.position.adaptive[1]
-    wiki = []
+    out, states = [], [] if states is None else states
+    states.append(copy.deepcopy(staged.state_dict()))
     for b in staged:
-        wiki += [row for tag, row in (identity(ids) for ids in b['input_ids'].numpy()) if tag == 1]
+        out.append([identity(ids) for ids in b['input_ids'].numpy()])
         done = staged.position.batch
         if 15 < done < 45 and (done - 15) % 5 == 0:
-            c.update(np.array([6.0, 2.0]) * 100, np.array([100.0, 100.0]))  # wiki: higher loss
-    assert len(wiki) > 80  # past a whole pass
-    seen = np.zeros(80, np.int64)
-    for t, row in enumerate(wiki):
-        seen[row] += 1
-        k = (t + 1) // 80
-        assert ((seen == k) | (seen == k + 1)).all(), t
+            c.update(np.array([6.0, 2.0]) * 100, np.array([100.0, 100.0]))
+        states.append(copy.deepcopy(staged.state_dict()))
+    return out
+
+
+def test_passes_go_on_through_an_adaptive_stage(dirs):
+    """A stream's pass goes on into an adaptive stage and out of it, though the adaptive
+    stage's rows are decided during the run: over the run no wiki row is trained k+1 times
+    before every wiki row k times (brute force over the rows' own tags); a resume in the stage
+    after it (its start from the checkpoint's decisions) trains the same rows."""
+    staged = loader(adaptive_between(dirs))
+    assert staged.run.stages[0].plan.duration.rows_per_stream['wiki'] % 80  # left mid-pass
+    assert staged.run.decided_during_run == ['b'] and staged.run.stages[2].after_adaptive == ((0, 1, 0),)
+    states = []
+    batches = fed_run(staged, states)
+    wiki = [row for b in batches for tag, row in b if tag == 1]
+    through_b = sum(tag == 1 for b in batches[:45] for tag, _ in b)
+    assert through_b % 80 and len(wiki) > through_b  # c takes wiki mid-pass (a fresh pass: rows 3x)
+    for tag, n in ((1, 80), (0, 120)):
+        rows = [row for b in batches for t, row in b if t == tag]
+        seen = np.zeros(n, np.int64)
+        for t, row in enumerate(rows):
+            seen[row] += 1
+            k = (t + 1) // n
+            assert ((seen == k) | (seen == k + 1)).all(), (tag, t)
+    for at in (45, 52):
+        resumed = loader(adaptive_between(dirs))
+        resumed.load_state_dict(states[at])
+        assert fed_run(resumed) == batches[at:]
+    from rich.console import Console
+
+    from foundrymix.tools.render import render_run_plan
+    console = Console(record=True, width=400)
+    render_run_plan(staged.run, console)
+    assert ('note: arxiv, wiki come back in a later stage and go on with their passes (as their first '
+            'stage shuffles them), after an adaptive stage too') in console.export_text()

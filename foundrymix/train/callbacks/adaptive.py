@@ -80,16 +80,16 @@ class AdaptiveMixing(Callback):
             return
         self._pending.append(self._batch)  # stays on the device until the boundary
         self._batch = []
-        if done >= stage.end_batch or (done - stage.start_batch) % controller.every:
+        if done >= stage.end_batch or (done - stage.start_batch) % controller.spec.every:
             if done >= stage.end_batch:
                 self._pending, self._reduced = [], []
             return
         self._reduce()
         total = np.sum(np.stack(self._reduced), axis=0)
         self._reduced = []
-        cols = [self.loader.stream_names.index(n) for n in controller.names]
+        cols = [self.loader.stream_names.index(n) for n in controller.spec.names]
         decision = controller.update(total[0, cols], total[1, cols])
-        logger.log_metrics({f'adaptive/{n}/weight': w for n, w in zip(controller.names, decision.weights)})
+        logger.log_metrics({f'adaptive/{n}/weight': w for n, w in zip(controller.spec.names, decision.weights)})
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self.accounting is not None:  # before the accounting's own fit_end writes its table
@@ -106,7 +106,7 @@ class AdaptiveMixing(Callback):
             controller = self.position.adaptive.get(stage.index)
             if controller is not None:
                 for d in controller.decisions:
-                    for n, r in zip(controller.names, d.rows):
+                    for n, r in zip(controller.spec.names, d.rows):
                         rows[names.index(n)] += r
             elif stage.plan.duration and stage.plan.duration.rows_per_stream:
                 for n, r in stage.plan.duration.rows_per_stream.items():
