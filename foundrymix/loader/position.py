@@ -179,6 +179,12 @@ class StagedPosition:
                               f'trained {trained} of it; what is trained cannot be undone')
         changes = fingerprint_changes(old['fingerprint'], new.fingerprint)
         if changes:
+            if any(c.startswith('passes_after_adaptive') for c in changes):
+                raise ConfigError(
+                    f'{where}: the checkpoint is from a foundrymix that started a fresh pass of a '
+                    f'stream after an adaptive stage; this one goes on with the pass, so this stage '
+                    f'would train other rows. Resume it with the foundrymix that wrote it, or start '
+                    f'the run afresh into a new save_folder (without load_path or autoresume)')
             if finished:
                 advice = ('a finished stage is what the model was trained on; to train other data '
                           'from here, append a stage')

@@ -254,7 +254,7 @@ def _stage(index: int, name: str, duration: str, where: str, config: LoaderConfi
                      batches=plan.duration.total_batches, plan=plan, config=config, infos=infos, where=where,
                      start_sample=start_sample, order=order, adaptive=spec,
                      after_adaptive=tuple(after),
-                     fingerprint=stage_fingerprint(config, infos, G))
+                     fingerprint=stage_fingerprint(config, infos, G, bool(after)))
 
 
 def _check_max_duration(max_duration: str, run: RunPlan) -> None:
@@ -286,10 +286,12 @@ def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] 
             catalogs)
 
 
-def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
-                      global_batch_size: int) -> dict[str, Any]:
+def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], global_batch_size: int,
+                      after_adaptive: bool = False) -> dict[str, Any]:
     """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes
-    (compared field by field, so a refusal can name the stage, the stream and the field)."""
+    (compared field by field, so a refusal can name the stage, the stream and the field).
+    ``after_adaptive``: a stream of this stage continues a pass an adaptive stage decided at run
+    time (position version 4 started a fresh pass there, so such a checkpoint is refused)."""
     knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_block_size',
                                              'batching_method', 'epoch_size')}
     if not config.shuffle_block_size and (window := cache_window(config, infos)) != WINDOW_ROWS:
@@ -298,6 +300,8 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
         knobs['weights_in'] = config.weights_in
     if config.adaptive is not None:
         knobs['adaptive'] = config.adaptive.fingerprint()
+    if after_adaptive:
+        knobs['passes_after_adaptive'] = 'continue'
     streams = {}
     for info in infos:
         index = json.dumps(info.index.get('shards', []), sort_keys=True).encode('utf-8')
@@ -312,7 +316,7 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo],
 
 
 #: knobs a fingerprint records only when not at their default (so older checkpoints match)
-_OPTIONAL_KNOBS = {'weights_in': 'rows', 'adaptive': None}
+_OPTIONAL_KNOBS = {'weights_in': 'rows', 'adaptive': None, 'passes_after_adaptive': 'fresh'}
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -278,6 +278,12 @@ def test_passes_go_on_through_an_adaptive_stage(dirs):
         resumed = loader(adaptive_between(dirs))
         resumed.load_state_dict(states[at])
         assert fed_run(resumed) == batches[at:]
+    # a checkpoint written before passes went on after an adaptive stage (its fingerprint lacks
+    # the knob) would train other rows in stage c: refused, naming the change
+    old = copy.deepcopy(states[52])
+    del old['stages'][2]['fingerprint']['knobs']['passes_after_adaptive']
+    with pytest.raises(ConfigError, match=r"stages \(c\): the checkpoint is from a foundrymix that started a fresh pass"):
+        loader(adaptive_between(dirs)).load_state_dict(old)
     from rich.console import Console
 
     from foundrymix.tools.render import render_run_plan
