@@ -132,7 +132,7 @@ def classify(error: BaseException, url: str, timeout: Optional[float] = None,
         return RemoteError(url, 'unreachable', type(error).__name__,
                            f'cannot connect to {endpoint()}{tried} ({error}); check S3_ENDPOINT_URL '
                            f'and that the store is running and reachable from this machine')
-    if code in _TRANSIENT or _is_transient(error):
+    if code in _TRANSIENT or is_transient(error):
         return RemoteError(url, 'transient', code or type(error).__name__,
                            f'{code or type(error).__name__} from {endpoint()}{tried}: the store is '
                            f'failing or overloaded ({error}); try again later or raise '
@@ -141,7 +141,7 @@ def classify(error: BaseException, url: str, timeout: Optional[float] = None,
                        f'cannot download: {type(error).__name__}: {error}')
 
 
-def _is_transient(error: BaseException) -> bool:
+def is_transient(error: BaseException) -> bool:
     """A failure another attempt may not meet: 5xx, throttling, a dropped or stalled connection."""
     from botocore.exceptions import (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError,
                                      HTTPClientError, IncompleteReadError, ReadTimeoutError,
@@ -221,7 +221,7 @@ class BoundedS3Downloader:
                 error = e
             left = deadline - time.monotonic()
             backoff = BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random() / 2)
-            if not _is_transient(error) or attempt >= MAX_ATTEMPTS or left <= backoff:
+            if not is_transient(error) or attempt >= MAX_ATTEMPTS or left <= backoff:
                 raise classify(error, remote, timeout, attempt) from error
             logger.warning('%s: attempt %d of %d failed (%s); retrying in %.1f s', remote, attempt,
                            MAX_ATTEMPTS, s3_code(error) or f'{type(error).__name__}: {error}', backoff)
@@ -238,7 +238,7 @@ class BoundedS3Downloader:
                     for chunk in response['Body'].iter_chunks(1 << 20):
                         f.write(chunk)
                 except Exception as e:  # a body cut mid-read: no hook saw this attempt fail
-                    if _is_transient(e) and installed() is not None:
+                    if is_transient(e) and installed() is not None:
                         installed().failed(failure_reason(error=e))
                     raise
             os.replace(tmp, local)

@@ -200,8 +200,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
     resume = {'save_overwrite': cfg.save_overwrite, **resume_kwargs(cfg, device)}
     loggers, saving = cfg.loggers.build(cfg.run_name), None
     if is_remote(cfg.save_folder) and not sharded(cfg):
-        saving = remote_save(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
-                             cfg.save_num_checkpoints_to_keep)
+        saving = remote_save(cfg, resume.pop('save_overwrite'))
         callbacks, loggers = [*callbacks, saving.saver], [*loggers, saving.uploader]
     try:
         return _composer_trainer(cfg, model, train_loader, evaluator, micro, callbacks, max_duration,
