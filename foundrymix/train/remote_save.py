@@ -33,7 +33,7 @@ from composer.loggers import LoggerDestination
 from composer.utils import parse_uri
 
 from foundrymix.errors import ExistsError, FoundrymixError
-from foundrymix.s3.client import S3Url, make_client, within
+from foundrymix.s3.client import S3Url, attempts, make_client, within
 from foundrymix.s3.remote import classify
 
 FILENAME = 'ep{epoch}-ba{batch}-rank{rank}.pt'  # Composer's default save_filename
@@ -74,7 +74,7 @@ class CheckpointUploader(LoggerDestination):
                     shutil.rmtree(os.path.dirname(staged))
             except Exception as e:  # S3, credentials, the network: named with the local copy
                 uri = f's3://{self.url.bucket}/{key}'
-                why = str(e) if isinstance(e, ExistsError) else classify(e, uri).text
+                why = str(e) if isinstance(e, ExistsError) else classify(e, uri, attempts=attempts()).text
                 self.failure = (f'checkpoint upload failed, the run stopped: {uri}: {why}. Its local '
                                 f'copy is kept: {staged} (upload it there, or resume from it with '
                                 f'load_path={staged})')

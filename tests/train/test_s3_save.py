@@ -118,13 +118,14 @@ def test_an_upload_that_fails_for_good_stops_the_run_in_one_line(tmp_path, s3, s
     with FaultProxy(s3['endpoint'], error_rate=1.0, max_faults_per_request=10 ** 6,
                     should_fault=lambda method, path: path.split('?')[0].endswith(refused)) as proxy:
         # 3 attempts per request (AWS_MAX_ATTEMPTS): each is answered 503 SlowDown
-        proc = train(tmp_path, cfg, {**s3['env'], 'S3_ENDPOINT_URL': proxy.endpoint, 'AWS_MAX_ATTEMPTS': '3'})
+        endpoint = proxy.endpoint
+        proc = train(tmp_path, cfg, {**s3['env'], 'S3_ENDPOINT_URL': endpoint, 'AWS_MAX_ATTEMPTS': '3'})
     assert proc.returncode == 2, f'{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
     assert 'Traceback' not in proc.stderr, proc.stderr[-5000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith('foundrymix train: error:')]
     assert len(lines) == 1, proc.stderr[-5000:]
     m = re.fullmatch(rf'foundrymix train: error: checkpoint upload failed, the run stopped: '
-                     rf's3://{BUCKET}/{prefix}{refused}: SlowDown from {re.escape(proxy.endpoint)} \(3 attempts\)'
+                     rf's3://{BUCKET}/{prefix}{refused}: SlowDown from {re.escape(endpoint)} \(3 attempts\)'
                      rf'.*Its local copy is kept: (\S+/{refused}) \(upload it there, or resume from it with '
                      rf'load_path=\1\)', lines[0])
     assert m, lines[0]
