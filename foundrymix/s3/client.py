@@ -11,12 +11,10 @@ Credentials and endpoint are boto3's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_A
 from __future__ import annotations
 
 import os
-import random
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional
 
-from foundrymix.s3.remote import BACKOFF_S, is_transient, classify, s3_code
+from foundrymix.s3.remote import s3_code
 from foundrymix.s3.retries import S3RetryCounter, watch
 
 #: attempts per request unless ``AWS_MAX_ATTEMPTS`` says otherwise
@@ -83,32 +81,9 @@ def make_client(retries: Optional[S3RetryCounter] = None, max_attempts: Optional
     return watch(client, retries)
 
 
-T = TypeVar('T')
-
-
 def attempts() -> int:
+    """Attempts per request: ``AWS_MAX_ATTEMPTS``, else :data:`DEFAULT_ATTEMPTS`."""
     return int(os.environ.get('AWS_MAX_ATTEMPTS') or DEFAULT_ATTEMPTS)
-
-
-def within(call: Callable[[], T], url: str, timeout: float) -> T:
-    """``call()`` (requests of a client made with ``max_attempts=1`` and ``timeout`` as its
-    connect and read timeouts), retried on transient failures with backoff and jitter, no retry
-    started past ``timeout`` s after the first attempt began (at most :func:`attempts`).
-
-    The reads' rule (:mod:`foundrymix.s3.remote`): a store that never answers is named after
-    ``timeout`` s, throttling is retried within it. Failures raise
-    :class:`~foundrymix.s3.remote.RemoteError` naming ``url``.
-    """
-    deadline, attempt = time.monotonic() + timeout, 0
-    while True:
-        attempt += 1
-        try:
-            return call()
-        except Exception as e:  # botocore/urllib3/socket errors
-            backoff = BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random() / 2)
-            if not is_transient(e) or attempt >= attempts() or deadline - time.monotonic() <= backoff:
-                raise classify(e, url, timeout, attempt) from e
-            time.sleep(backoff)
 
 
 def list_keys(client: Any, url: S3Url) -> list[str]:

@@ -158,10 +158,11 @@ class _RangedObject(io.RawIOBase):
         if self.pos >= self.size or not len(buffer):
             return 0
         end = min(self.size, self.pos + len(buffer)) - 1
-        from foundrymix.s3.client import within
+        from foundrymix.s3.client import attempts
+        from foundrymix.s3.remote import within
         data = within(lambda: self.client.get_object(Bucket=self.bucket, Key=self.key,
                                                      Range=f'bytes={self.pos}-{end}')['Body'].read(),
-                      f's3://{self.bucket}/{self.key}', self.timeout)
+                      f's3://{self.bucket}/{self.key}', self.timeout, attempts())
         buffer[:len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -193,7 +194,7 @@ def _listed(store: Any, prefix: str) -> dict[str, int]:
 def _object_store(save_folder: str, timeout: float) -> tuple[Any, str]:
     """Composer's object store for the remote ``save_folder`` and the key prefix of its objects
     (``''`` or ending in ``/``); refused when Composer cannot write there. On S3 its client
-    makes one attempt per call, waiting at most ``timeout`` s (:func:`within` retries)."""
+    makes one attempt per call, waiting at most ``timeout`` s (:func:`foundrymix.s3.remote.within` retries)."""
     from composer.utils import maybe_create_object_store_from_uri, parse_uri
     from composer.utils.object_store import S3ObjectStore
 
@@ -222,12 +223,12 @@ def remote_checkpoint(save_folder: str, timeout: float = 60) -> Optional[RemoteR
     """
     from composer.utils.object_store import S3ObjectStore
 
-    from foundrymix.s3.client import within
-    from foundrymix.s3.remote import classify
+    from foundrymix.s3.client import attempts
+    from foundrymix.s3.remote import classify, within
 
     store, prefix = _object_store(save_folder, timeout)
     try:
-        listed = within(lambda: _listed(store, prefix), save_folder, timeout)
+        listed = within(lambda: _listed(store, prefix), save_folder, timeout, attempts())
         found = sorted(((int(m[2]), key, size) for key, size in listed.items()
                         if (m := CHECKPOINT.match(key[len(prefix):]))), reverse=True)
         skipped: list[tuple[str, str]] = []
@@ -280,14 +281,15 @@ def latest_checkpoint(save_folder: str, timeout: float = 60) -> Optional[str]:
     None when there is none (sharded checkpoints: Composer uploads that symlink only after every
     rank's shard is in the bucket).
     """
-    from foundrymix.s3.client import within
-    from foundrymix.s3.remote import RemoteError
+    from foundrymix.s3.client import attempts
+    from foundrymix.s3.remote import RemoteError, within
     store, prefix = _object_store(save_folder, timeout)
     key = prefix + LATEST
     with tempfile.TemporaryDirectory(prefix='fmx-autoresume-') as tmp:
         local = os.path.join(tmp, LATEST)
         try:
-            within(lambda: store.download_object(key, local, overwrite=True), store.get_uri(key), timeout)
+            within(lambda: store.download_object(key, local, overwrite=True), store.get_uri(key), timeout,
+                   attempts())
         except RemoteError as e:
             if e.kind == 'not_found':
                 return None

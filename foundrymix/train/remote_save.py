@@ -33,8 +33,8 @@ from composer.loggers import LoggerDestination
 from composer.utils import parse_uri
 
 from foundrymix.errors import ExistsError, FoundrymixError
-from foundrymix.s3.client import S3Url, attempts, make_client, within
-from foundrymix.s3.remote import classify
+from foundrymix.s3.client import S3Url, attempts, make_client
+from foundrymix.s3.remote import classify, within
 
 FILENAME = 'ep{epoch}-ba{batch}-rank{rank}.pt'  # Composer's default save_filename
 LATEST = 'latest-rank{rank}.pt'                 # Composer's default save_latest_filename
@@ -126,7 +126,7 @@ class RemoteSave:
 def abort_unfinished(url: S3Url, timeout: float) -> list[str]:
     """Abort the unfinished multipart uploads of our file names directly under ``url`` (a run
     killed mid-upload leaves them, billed until aborted); returns their keys. The listing is
-    bounded by ``timeout`` as every start-up request is (:func:`foundrymix.s3.client.within`)."""
+    bounded by ``timeout`` as every start-up request is (:func:`foundrymix.s3.remote.within`)."""
     client = make_client(max_attempts=1, connect_timeout=timeout, read_timeout=timeout)
     start = f'{url.prefix}/' if url.prefix else ''
 
@@ -135,10 +135,10 @@ def abort_unfinished(url: S3Url, timeout: float) -> list[str]:
         return [(u['Key'], u['UploadId']) for page in pages for u in page.get('Uploads', [])]
 
     aborted = []
-    for key, upload_id in within(listed, url.url(), timeout):
+    for key, upload_id in within(listed, url.url(), timeout, attempts()):
         if OURS.match(key[len(start):]):
             within(lambda: client.abort_multipart_upload(Bucket=url.bucket, Key=key, UploadId=upload_id),
-                   f's3://{url.bucket}/{key}', timeout)
+                   f's3://{url.bucket}/{key}', timeout, attempts())
             aborted.append(key)
     return aborted
 
