@@ -1,20 +1,14 @@
 """Checkpoints to a remote ``save_folder`` (``s3://...``): Composer's ``CheckpointSaver`` writes
-them to a local scratch folder and :class:`CheckpointUploader` uploads them from one thread of
-the trainer (a killed run leaves nothing running).
+them to a local scratch folder and :class:`CheckpointUploader` uploads them, in order, from a
+thread of the trainer (a killed run leaves nothing running).
 
-Why not Composer's uploader (0.32.1 ``RemoteUploaderDownloader``): its S3 client makes 3
-attempts, and a failed upload kills its thread with a traceback while the pointer and later
-checkpoints are lost. Here every request goes through :func:`foundrymix.s3.client.make_client`
-(botocore's standard retries: backoff with jitter on 503 SlowDown, 5xx, resets and timeouts;
-``DEFAULT_ATTEMPTS`` attempts or ``AWS_MAX_ATTEMPTS``; each attempt waits at most
-``download_timeout`` for an answer, at most 20 s between attempts; counted in the run's S3
-line). Files go up in the order the saver hands them over, ``latest-rank0.pt.symlink`` after
-its checkpoint; S3 shows an object only once its upload completes, so nothing partial looks
-complete. A file that still cannot be uploaded stops the run (next batch end, or fit end) in
-one line naming it and its local copy, which is kept; nothing after it is uploaded, so the
-pointer never names a missing checkpoint. At start, unfinished multipart uploads of our file
-names under the prefix (a run killed mid-upload) are aborted. A sharded run keeps Composer's
-own uploader, whose symlink autoresume reads (uploaded after every rank's shard).
+Why not Composer's uploader (0.32.1): its client makes 3 attempts, and a failed upload kills
+its thread with a traceback while later checkpoints are lost. Here every request is retried
+(:func:`foundrymix.s3.client.make_client`: ``AWS_MAX_ATTEMPTS`` or 8 attempts, each waiting at
+most ``download_timeout``; counted in the S3 line). The pointer goes up after its checkpoint;
+an object appears only once whole. A file that still fails stops the run in one line naming
+it and its kept local copy, and nothing after it goes up. At start, unfinished multipart
+uploads of our names (a killed run's) are aborted. A sharded run keeps Composer's uploader.
 """
 
 from __future__ import annotations
@@ -66,9 +60,12 @@ class CheckpointUploader(LoggerDestination):
         self._queue.put((remote_file_name.lstrip('/'), staged, overwrite))
 
     def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            key, staged, overwrite = item
+        while True:
+            item = self._queue.get()
             try:
+                if item is None:
+                    return
+                key, staged, overwrite = item
                 if self.failure is None:
                     self._upload(key, staged, overwrite)
                     shutil.rmtree(os.path.dirname(staged))
@@ -106,8 +103,9 @@ class CheckpointUploader(LoggerDestination):
         self.check()
 
     def post_close(self) -> None:
-        self._queue.join()  # a run stopped by SIGTERM lets the upload in flight finish
-        self._queue.put(None)
+        if self._thread.is_alive():
+            self._queue.join()  # a run stopped by SIGTERM lets the upload in flight finish
+            self._queue.put(None)
 
 
 @dataclass
@@ -119,6 +117,7 @@ class RemoteSave:
     scratch: str  # local copies before upload; removed when the run ends unless an upload failed
 
     def close(self) -> None:
+        self.uploader.post_close()
         if self.uploader.failure is None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
