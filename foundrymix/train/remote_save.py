@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from boto3.exceptions import S3UploadFailedError
 from composer.callbacks import CheckpointSaver
 from composer.loggers import LoggerDestination
 from composer.utils import parse_uri
@@ -71,6 +72,8 @@ class CheckpointUploader(LoggerDestination):
                     shutil.rmtree(os.path.dirname(staged))
             except Exception as e:  # S3, credentials, the network: named with the local copy
                 uri = f's3://{self.url.bucket}/{key}'
+                if isinstance(e, S3UploadFailedError):  # boto3 wraps S3's answer (its code) in it
+                    e = e.__context__ or e
                 why = str(e) if isinstance(e, ExistsError) else classify(e, uri, attempts=attempts()).text
                 self.failure = (f'checkpoint upload failed, the run stopped: {uri}: {why}. Its local '
                                 f'copy is kept: {staged} (upload it there, or resume from it with '

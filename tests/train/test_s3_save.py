@@ -116,7 +116,7 @@ def test_an_upload_that_fails_for_good_stops_the_run_in_one_line(tmp_path, s3, s
     refused = 'ep0-ba8-rank0.pt'
     cfg = run_cfg(tmp_path, small_streams, run_name='dead', save_folder=f's3://{BUCKET}/{prefix}')
     with FaultProxy(s3['endpoint'], error_rate=1.0, max_faults_per_request=10 ** 6,
-                    should_fault=lambda method, path: path.split('?')[0].endswith(refused)) as proxy:
+                    should_fault=lambda method, path: method == 'PUT' and refused in path) as proxy:
         # 3 attempts per request (AWS_MAX_ATTEMPTS): each is answered 503 SlowDown
         endpoint = proxy.endpoint
         proc = train(tmp_path, cfg, {**s3['env'], 'S3_ENDPOINT_URL': endpoint, 'AWS_MAX_ATTEMPTS': '3'})
