@@ -72,13 +72,18 @@ def make_client(retries: Optional[S3RetryCounter] = None, max_attempts: Optional
     from botocore.config import Config
 
     if max_attempts is None:
-        max_attempts = int(os.environ.get('AWS_MAX_ATTEMPTS') or DEFAULT_ATTEMPTS)
+        max_attempts = attempts()
     config = Config(retries={'mode': 'standard', 'total_max_attempts': max_attempts},
                     connect_timeout=connect_timeout, read_timeout=read_timeout,
                     max_pool_connections=threads + 4)
     client = boto3.session.Session().client('s3', config=config,
                                             endpoint_url=os.environ.get('S3_ENDPOINT_URL') or None)
     return watch(client, retries)
+
+
+def attempts() -> int:
+    """Attempts per request: ``AWS_MAX_ATTEMPTS``, else :data:`DEFAULT_ATTEMPTS`."""
+    return int(os.environ.get('AWS_MAX_ATTEMPTS') or DEFAULT_ATTEMPTS)
 
 
 def list_keys(client: Any, url: S3Url) -> list[str]:

@@ -31,12 +31,13 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from foundrymix.errors import FoundrymixError
 from foundrymix.s3.retries import failure_reason, installed, watch
 
 logger = logging.getLogger(__name__)
+T = TypeVar('T')
 
 #: attempts per file at most (each also bounded by the file's deadline)
 MAX_ATTEMPTS = 5
@@ -132,7 +133,7 @@ def classify(error: BaseException, url: str, timeout: Optional[float] = None,
         return RemoteError(url, 'unreachable', type(error).__name__,
                            f'cannot connect to {endpoint()}{tried} ({error}); check S3_ENDPOINT_URL '
                            f'and that the store is running and reachable from this machine')
-    if code in _TRANSIENT or _is_transient(error):
+    if code in _TRANSIENT or is_transient(error):
         return RemoteError(url, 'transient', code or type(error).__name__,
                            f'{code or type(error).__name__} from {endpoint()}{tried}: the store is '
                            f'failing or overloaded ({error}); try again later or raise '
@@ -141,7 +142,7 @@ def classify(error: BaseException, url: str, timeout: Optional[float] = None,
                        f'cannot download: {type(error).__name__}: {error}')
 
 
-def _is_transient(error: BaseException) -> bool:
+def is_transient(error: BaseException) -> bool:
     """A failure another attempt may not meet: 5xx, throttling, a dropped or stalled connection."""
     from botocore.exceptions import (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError,
                                      HTTPClientError, IncompleteReadError, ReadTimeoutError,
@@ -191,41 +192,25 @@ class BoundedS3Downloader:
 
     def _download_file_impl(self, remote: str, local: str, timeout: float) -> None:
         from botocore.exceptions import ClientError, NoCredentialsError
-        start = time.monotonic()
-        deadline = start + timeout
-        attempt = 0
-        while True:
-            attempt += 1
-            remaining = max(deadline - time.monotonic(), 0.05)
+        deadline, tried = time.monotonic() + timeout, []
+
+        def attempt() -> None:
             # Socket timeouts of this attempt: the whole timeout for a first attempt, what is
             # left of it for a retry (so no attempt outlives the deadline).
-            wanted = timeout if attempt == 1 else min(timeout, remaining)
+            wanted = min(timeout, max(deadline - time.monotonic(), 0.05)) if tried else timeout
+            tried.append(wanted)
+            if self._s3_client is None or abs(getattr(self, '_client_timeout', wanted) - wanted) > 0.5:
+                self._create_s3_client(unsigned=getattr(self, '_unsigned', False), timeout=wanted)
             try:
-                if (self._s3_client is None
-                        or abs(getattr(self, '_client_timeout', wanted) - wanted) > 0.5):
-                    self._create_s3_client(unsigned=getattr(self, '_unsigned', False),
-                                           timeout=wanted)
-                try:
-                    self._get(remote, local)
-                except NoCredentialsError:
-                    self._create_s3_client(unsigned=True, timeout=min(timeout, remaining))
-                    self._get(remote, local)
-                return
-            except ClientError as e:
-                if s3_code(e) == '400' and not getattr(self, '_unsigned', False):
-                    # streaming's fallback for public buckets: try once unsigned
-                    self._create_s3_client(unsigned=True, timeout=min(timeout, remaining))
-                    continue
-                error: BaseException = e
-            except Exception as e:  # botocore/urllib3/socket errors
-                error = e
-            left = deadline - time.monotonic()
-            backoff = BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random() / 2)
-            if not _is_transient(error) or attempt >= MAX_ATTEMPTS or left <= backoff:
-                raise classify(error, remote, timeout, attempt) from error
-            logger.warning('%s: attempt %d of %d failed (%s); retrying in %.1f s', remote, attempt,
-                           MAX_ATTEMPTS, s3_code(error) or f'{type(error).__name__}: {error}', backoff)
-            time.sleep(backoff)
+                self._get(remote, local)
+            except (ClientError, NoCredentialsError) as e:
+                if getattr(self, '_unsigned', False) or not (isinstance(e, NoCredentialsError) or s3_code(e) == '400'):
+                    raise
+                # streaming's fallback for public buckets: try once unsigned
+                self._create_s3_client(unsigned=True, timeout=wanted)
+                self._get(remote, local)
+
+        within(attempt, remote, timeout, MAX_ATTEMPTS)
 
     def _get(self, remote: str, local: str) -> None:
         obj = urllib.parse.urlparse(remote)
@@ -238,13 +223,34 @@ class BoundedS3Downloader:
                     for chunk in response['Body'].iter_chunks(1 << 20):
                         f.write(chunk)
                 except Exception as e:  # a body cut mid-read: no hook saw this attempt fail
-                    if _is_transient(e) and installed() is not None:
+                    if is_transient(e) and installed() is not None:
                         installed().failed(failure_reason(error=e))
                     raise
             os.replace(tmp, local)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+def within(call: Callable[[], T], url: str, timeout: float, max_attempts: int) -> T:
+    """``call()`` (requests whose connect and read timeouts are at most ``timeout``, botocore's
+    retries off), retried on transient failures with backoff and jitter, at most
+    ``max_attempts`` times and no retry started past ``timeout`` s after the first attempt
+    began: a store that never answers is named after ``timeout`` s, throttling is retried
+    within it. Retries are logged (WARNING); failures raise :class:`RemoteError` naming ``url``.
+    """
+    deadline, attempt = time.monotonic() + timeout, 0
+    while True:
+        attempt += 1
+        try:
+            return call()
+        except Exception as e:  # botocore/urllib3/socket errors
+            backoff = BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random() / 2)
+            if not is_transient(e) or attempt >= max_attempts or deadline - time.monotonic() <= backoff:
+                raise classify(e, url, timeout, attempt) from e
+            logger.warning('%s: attempt %d of %d failed (%s); retrying in %.1f s', url, attempt,
+                           max_attempts, s3_code(e) or f'{type(e).__name__}: {e}', backoff)
+            time.sleep(backoff)
 
 
 _local = threading.local()

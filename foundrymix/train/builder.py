@@ -189,8 +189,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
     resume = {'save_overwrite': cfg.save_overwrite, **resume_kwargs(cfg, device)}
     loggers, saving = cfg.loggers.build(cfg.run_name), None
     if is_remote(cfg.save_folder) and not sharded(cfg):
-        saving = remote_save(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
-                             cfg.save_num_checkpoints_to_keep)
+        saving = remote_save(cfg, resume.pop('save_overwrite'))
         callbacks, loggers = [*callbacks, saving.saver], [*loggers, saving.uploader]
     if cfg.compile_config is not None:  # every recompilation is printed with its reason
         torch._logging.set_logs(recompiles=True)

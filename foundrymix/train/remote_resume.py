@@ -91,10 +91,11 @@ def resume_kwargs(cfg: Any, device: str) -> dict[str, Any]:
     from composer.utils import dist, format_name_with_dist
     if cfg.autoresume and is_remote(cfg.save_folder):
         folder = format_name_with_dist(cfg.save_folder, cfg.run_name)
+        timeout = float(cfg.train_loader.download_timeout)
         if sharded(cfg):
-            latest = agreed(lambda: latest_checkpoint(folder), device)
+            latest = agreed(lambda: latest_checkpoint(folder, timeout), device)
             return {'autoresume': False, 'load_path': latest or cfg.load_path}
-        remote = agreed(lambda: remote_checkpoint(folder), device)
+        remote = agreed(lambda: remote_checkpoint(folder, timeout), device)
         if remote is None:
             return {'autoresume': False, 'load_path': cfg.load_path}
         if remote.skipped and dist.get_global_rank() == 0:
@@ -136,8 +137,9 @@ class RemoteResume:
 class _RangedObject(io.RawIOBase):
     """A read-only, seekable view of one S3 object: each read is one ranged GET."""
 
-    def __init__(self, client: Any, bucket: str, key: str, size: int) -> None:
+    def __init__(self, client: Any, bucket: str, key: str, size: int, timeout: float) -> None:
         self.client, self.bucket, self.key, self.size, self.pos = client, bucket, key, size, 0
+        self.timeout = timeout
 
     def readable(self) -> bool:
         return True
@@ -156,7 +158,11 @@ class _RangedObject(io.RawIOBase):
         if self.pos >= self.size or not len(buffer):
             return 0
         end = min(self.size, self.pos + len(buffer)) - 1
-        data = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f'bytes={self.pos}-{end}')['Body'].read()
+        from foundrymix.s3.client import attempts
+        from foundrymix.s3.remote import within
+        data = within(lambda: self.client.get_object(Bucket=self.bucket, Key=self.key,
+                                                     Range=f'bytes={self.pos}-{end}')['Body'].read(),
+                      f's3://{self.bucket}/{self.key}', self.timeout, attempts())
         buffer[:len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -185,36 +191,51 @@ def _listed(store: Any, prefix: str) -> dict[str, int]:
     return {key: -1 for key in store.list_objects(prefix)}
 
 
-def _object_store(save_folder: str) -> tuple[Any, str]:
+def _object_store(save_folder: str, timeout: float) -> tuple[Any, str]:
     """Composer's object store for the remote ``save_folder`` and the key prefix of its objects
-    (``''`` or ending in ``/``); refused when Composer cannot write there."""
+    (``''`` or ending in ``/``); refused when Composer cannot write there. On S3 its client
+    makes one attempt per call, waiting at most ``timeout`` s (:func:`foundrymix.s3.remote.within` retries)."""
     from composer.utils import maybe_create_object_store_from_uri, parse_uri
-    store = maybe_create_object_store_from_uri(save_folder)
+    from composer.utils.object_store import S3ObjectStore
+
+    from foundrymix.s3.retries import watch
+    backend, bucket, _ = parse_uri(save_folder)
+    if backend == 's3':
+        store = S3ObjectStore(bucket, client_config={
+            'retries': {'mode': 'standard', 'total_max_attempts': 1},
+            'connect_timeout': timeout, 'read_timeout': timeout})
+        watch(store.client)
+    else:
+        store = maybe_create_object_store_from_uri(save_folder)
     if store is None:
         raise UserError(f'save_folder {save_folder!r}: not an object store URI Composer can write to')
     path = parse_uri(save_folder)[2].strip('/')
     return store, f'{path}/' if path else ''
 
 
-def remote_checkpoint(save_folder: str) -> Optional[RemoteResume]:
+def remote_checkpoint(save_folder: str, timeout: float = 60) -> Optional[RemoteResume]:
     """The newest complete checkpoint under the remote ``save_folder``, or None when it holds none.
 
     Refused (naming them) when every checkpoint object there is incomplete: starting over
-    would overwrite them. Read errors name the URL and S3's error code.
+    would overwrite them. Read errors name the URL and S3's error code; each request is
+    retried within ``timeout`` s (download_timeout) as the reads are, so a store that never
+    answers is named after it.
     """
     from composer.utils.object_store import S3ObjectStore
 
-    from foundrymix.s3.remote import classify
+    from foundrymix.s3.client import attempts
+    from foundrymix.s3.remote import classify, within
 
-    store, prefix = _object_store(save_folder)
+    store, prefix = _object_store(save_folder, timeout)
     try:
-        found = sorted(((int(m[2]), key, size) for key, size in _listed(store, prefix).items()
+        listed = within(lambda: _listed(store, prefix), save_folder, timeout, attempts())
+        found = sorted(((int(m[2]), key, size) for key, size in listed.items()
                         if (m := CHECKPOINT.match(key[len(prefix):]))), reverse=True)
         skipped: list[tuple[str, str]] = []
         for _, key, size in found:
             reason = None
             if isinstance(store, S3ObjectStore):
-                raw = _RangedObject(store.client, store.bucket, key, size)
+                raw = _RangedObject(store.client, store.bucket, key, size, timeout)
                 reason = _zip_incomplete(io.BufferedReader(raw, buffer_size=1 << 16), size)
             if reason is None:
                 return RemoteResume(uri=store.get_uri(key), skipped=skipped)
@@ -255,23 +276,24 @@ def agreed(find: Callable[[], Any], device: str) -> Any:
     return value
 
 
-def latest_checkpoint(save_folder: str) -> Optional[str]:
+def latest_checkpoint(save_folder: str, timeout: float = 60) -> Optional[str]:
     """URI of the checkpoint the remote ``save_folder``'s ``latest-rank0.pt.symlink`` names, or
     None when there is none (sharded checkpoints: Composer uploads that symlink only after every
     rank's shard is in the bucket).
     """
-    store, prefix = _object_store(save_folder)
+    from foundrymix.s3.client import attempts
+    from foundrymix.s3.remote import RemoteError, within
+    store, prefix = _object_store(save_folder, timeout)
     key = prefix + LATEST
     with tempfile.TemporaryDirectory(prefix='fmx-autoresume-') as tmp:
         local = os.path.join(tmp, LATEST)
         try:
-            store.download_object(key, local)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # credentials, endpoint, permissions: say where and what
-            raise UserError(f'autoresume: cannot read {store.get_uri(key)}: {type(e).__name__}: {e}. '
-                               f'Check the credentials and S3_ENDPOINT_URL, and that save_folder '
-                               f'{save_folder!r} is right') from e
+            within(lambda: store.download_object(key, local, overwrite=True), store.get_uri(key), timeout,
+                   attempts())
+        except RemoteError as e:
+            if e.kind == 'not_found':
+                return None
+            raise UserError(f'autoresume: cannot read {e} (and that save_folder {save_folder!r} is right)') from None
         with open(local, encoding='utf-8') as f:
             target = f.read().strip()
     if not target:

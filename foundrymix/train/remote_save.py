@@ -1,25 +1,114 @@
-"""Checkpoints to a remote ``save_folder`` (``s3://...``), uploaded by threads of the trainer.
+"""Checkpoints to a remote ``save_folder`` (``s3://...``): Composer's ``CheckpointSaver`` writes
+them to a local scratch folder and :class:`CheckpointUploader` uploads them, in order, from a
+thread of the trainer (a killed run leaves nothing running).
 
-Why not Composer's default (0.32.1): its ``RemoteUploader`` uploads from spawned worker
-processes that outlive a killed trainer, landing uploads after the job is gone.
-``RemoteUploaderDownloader`` with ``use_procs=False`` uploads from threads of the trainer, so
-a killed run leaves nothing running. The ``CheckpointSaver`` is the one Composer's trainer
-would build, writing to a local scratch folder. A sharded run keeps Composer's own uploader,
-whose symlink autoresume reads (it is uploaded after every rank's shard).
+Why not Composer's uploader (0.32.1): its client makes 3 attempts, and a failed upload kills
+its thread with a traceback while later checkpoints are lost. Here every request is retried
+(:func:`foundrymix.s3.client.make_client`: ``AWS_MAX_ATTEMPTS`` or 8 attempts, each waiting at
+most ``download_timeout``; counted in the S3 line). The pointer goes up after its checkpoint;
+an object appears only once whole. A file that still fails stops the run in one line naming
+it and its kept local copy, and nothing after it goes up. At start, unfinished multipart
+uploads of our names (a killed run's) are aborted. A sharded run keeps Composer's uploader.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import re
+import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from boto3.exceptions import S3UploadFailedError
 from composer.callbacks import CheckpointSaver
-from composer.loggers import RemoteUploaderDownloader
+from composer.loggers import LoggerDestination
 from composer.utils import parse_uri
+
+from foundrymix.errors import ExistsError, FoundrymixError
+from foundrymix.s3.client import S3Url, attempts, make_client
+from foundrymix.s3.remote import classify, within
 
 FILENAME = 'ep{epoch}-ba{batch}-rank{rank}.pt'  # Composer's default save_filename
 LATEST = 'latest-rank{rank}.pt'                 # Composer's default save_latest_filename
+#: the names this module uploads (a checkpoint of any rank, the latest pointer)
+OURS = re.compile(r'^(ep\d+-ba\d+-rank\d+\.pt|latest-rank\d+\.pt\.symlink)$')
+
+
+class CheckpointUploader(LoggerDestination):
+    """Uploads the files the saver hands over (``Logger.upload_file``), in order, on one thread."""
+
+    def __init__(self, url: S3Url, scratch: str, timeout: float) -> None:
+        self.url, self.unsent = url, os.path.join(scratch, 'unsent')
+        self.client = make_client(connect_timeout=timeout, read_timeout=timeout, threads=10)
+        self.failure: Optional[str] = None  # the one line, once a file could not be uploaded
+        self._queue: queue.Queue = queue.Queue()
+        self._staged = 0
+        self._thread = threading.Thread(target=self._work, name='fmx-ckpt-upload', daemon=True)
+        self._thread.start()
+
+    def upload_file(self, state: Any, remote_file_name: str, file_path: Any, *, overwrite: bool) -> None:
+        # A link (a copy across file systems): the saver may delete its file before the upload.
+        self._staged += 1  # a folder each: the pointer is handed over again before it went up
+        staged = os.path.join(self.unsent, str(self._staged), os.path.basename(remote_file_name))
+        os.makedirs(os.path.dirname(staged))
+        try:
+            os.link(file_path, staged)
+        except OSError:
+            shutil.copyfile(file_path, staged)
+        self._queue.put((remote_file_name.lstrip('/'), staged, overwrite))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, staged, overwrite = item
+                if self.failure is None:
+                    self._upload(key, staged, overwrite)
+                    shutil.rmtree(os.path.dirname(staged))
+            except Exception as e:  # S3, credentials, the network: named with the local copy
+                uri = f's3://{self.url.bucket}/{key}'
+                if isinstance(e, S3UploadFailedError):  # boto3 wraps S3's answer (its code) in it
+                    e = e.__context__ or e
+                why = str(e) if isinstance(e, ExistsError) else classify(e, uri, attempts=attempts()).text
+                self.failure = (f'checkpoint upload failed, the run stopped: {uri}: {why}. Its local '
+                                f'copy is kept: {staged} (upload it there, or resume from it with '
+                                f'load_path={staged})')
+            finally:
+                self._queue.task_done()
+
+    def _upload(self, key: str, path: str, overwrite: bool) -> None:
+        from botocore.exceptions import ClientError
+        if not overwrite:
+            try:
+                self.client.head_object(Bucket=self.url.bucket, Key=key)
+                raise ExistsError(f'it already exists (an earlier run\'s checkpoint: save_overwrite=true '
+                                  f'replaces it, autoresume=true continues that run)')
+            except ClientError as e:
+                if e.response.get('Error', {}).get('Code') not in ('404', 'NoSuchKey', 'NotFound'):
+                    raise
+        # s3transfer: multipart above 8 MB, each part retried; a failed one aborts the upload
+        self.client.upload_file(path, self.url.bucket, key)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise FoundrymixError(self.failure)
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.check()
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        self._queue.join()  # the last checkpoint and its pointer are in the bucket, or named
+        self.check()
+
+    def post_close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.join()  # a run stopped by SIGTERM lets the upload in flight finish
+            self._queue.put(None)
 
 
 @dataclass
@@ -27,24 +116,50 @@ class RemoteSave:
     """The saver and uploader a run with a remote ``save_folder`` is given, and its scratch folder."""
 
     saver: CheckpointSaver
-    uploader: RemoteUploaderDownloader
-    scratch: tempfile.TemporaryDirectory  # local copies before upload; removed when the run ends
+    uploader: CheckpointUploader
+    scratch: str  # local copies before upload; removed when the run ends unless an upload failed
 
     def close(self) -> None:
-        self.scratch.cleanup()
+        self.uploader.post_close()
+        if self.uploader.failure is None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def remote_save(save_folder: str, save_interval: Any, overwrite: bool, keep: int) -> RemoteSave:
-    """A ``CheckpointSaver`` writing under ``save_folder`` (an object store URI, ``{run_name}``
-    allowed) through a thread-based ``RemoteUploaderDownloader``."""
-    backend, bucket, path = parse_uri(save_folder)
-    prefix = path.strip('/')
+def abort_unfinished(url: S3Url, timeout: float) -> list[str]:
+    """Abort the unfinished multipart uploads of our file names directly under ``url`` (a run
+    killed mid-upload leaves them, billed until aborted); returns their keys. The listing is
+    bounded by ``timeout`` as every start-up request is (:func:`foundrymix.s3.remote.within`)."""
+    client = make_client(max_attempts=1, connect_timeout=timeout, read_timeout=timeout)
+    start = f'{url.prefix}/' if url.prefix else ''
+
+    def listed() -> list[tuple[str, str]]:
+        pages = client.get_paginator('list_multipart_uploads').paginate(Bucket=url.bucket, Prefix=start)
+        return [(u['Key'], u['UploadId']) for page in pages for u in page.get('Uploads', [])]
+
+    aborted = []
+    for key, upload_id in within(listed, url.url(), timeout, attempts()):
+        if OURS.match(key[len(start):]):
+            within(lambda: client.abort_multipart_upload(Bucket=url.bucket, Key=key, UploadId=upload_id),
+                   f's3://{url.bucket}/{key}', timeout, attempts())
+            aborted.append(key)
+    return aborted
+
+
+def remote_save(cfg: Any, overwrite: bool) -> RemoteSave:
+    """A ``CheckpointSaver`` writing under ``cfg.save_folder`` (an ``s3://`` URI, ``{run_name}``
+    allowed) through a :class:`CheckpointUploader` whose requests wait at most the loader's
+    ``download_timeout``; rank 0 first aborts the unfinished uploads a killed run left there."""
+    from composer.utils import dist, format_name_with_dist
+    _, bucket, path = parse_uri(cfg.save_folder)
+    prefix, timeout = path.strip('/'), float(cfg.train_loader.download_timeout)
+    if dist.get_global_rank() == 0:
+        abort_unfinished(S3Url(bucket, format_name_with_dist(prefix, cfg.run_name)), timeout)
     remote = f'{prefix}/{FILENAME}' if prefix else FILENAME
     latest = f'{prefix}/{LATEST}' if prefix else LATEST
-    scratch = tempfile.TemporaryDirectory(prefix='fmx-ckpt-')
-    uploader = RemoteUploaderDownloader(bucket_uri=f'{backend}://{bucket}', num_concurrent_uploads=1,
-                                        use_procs=False, upload_staging_folder=None)
-    saver = CheckpointSaver(folder=scratch.name, filename=FILENAME, remote_file_name=remote,
+    scratch = tempfile.mkdtemp(prefix='fmx-ckpt-')
+    uploader = CheckpointUploader(S3Url(bucket, prefix), scratch, timeout)
+    saver = CheckpointSaver(folder=scratch, filename=FILENAME, remote_file_name=remote,
                             latest_filename=LATEST, latest_remote_file_name=latest,
-                            save_interval=save_interval, overwrite=overwrite, num_checkpoints_to_keep=keep)
+                            save_interval=cfg.save_interval, overwrite=overwrite,
+                            num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep)
     return RemoteSave(saver=saver, uploader=uploader, scratch=scratch)
