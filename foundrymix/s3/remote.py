@@ -90,8 +90,9 @@ def s3_code(error: BaseException) -> Optional[str]:
 
 
 def classify(error: BaseException, url: str, timeout: Optional[float] = None,
-             attempts: int = 1) -> RemoteError:
-    """The :class:`RemoteError` for ``error`` raised while reading ``url``."""
+             attempts: int = 1, more: str = 'raise download_timeout') -> RemoteError:
+    """The :class:`RemoteError` for ``error`` raised while reading ``url`` (``more``: how to give
+    a failing store more time, named by a transient error's advice)."""
     if isinstance(error, RemoteError):
         return error
     from botocore.exceptions import (ConnectTimeoutError, EndpointConnectionError, NoCredentialsError,
@@ -136,8 +137,7 @@ def classify(error: BaseException, url: str, timeout: Optional[float] = None,
     if code in _TRANSIENT or is_transient(error):
         return RemoteError(url, 'transient', code or type(error).__name__,
                            f'{code or type(error).__name__} from {endpoint()}{tried}: the store is '
-                           f'failing or overloaded ({error}); try again later or raise '
-                           f'download_timeout')
+                           f'failing or overloaded ({error}); try again later or {more}')
     return RemoteError(url, 'other', code or type(error).__name__,
                        f'cannot download: {type(error).__name__}: {error}')
 

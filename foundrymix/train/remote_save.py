@@ -74,7 +74,8 @@ class CheckpointUploader(LoggerDestination):
                 uri = f's3://{self.url.bucket}/{key}'
                 if isinstance(e, S3UploadFailedError):  # boto3 wraps S3's answer (its code) in it
                     e = e.__context__ or e
-                why = str(e) if isinstance(e, ExistsError) else classify(e, uri, attempts=attempts()).text
+                why = str(e) if isinstance(e, ExistsError) else classify(
+                    e, uri, attempts=attempts(), more=f'raise AWS_MAX_ATTEMPTS (now {attempts()})').text
                 self.failure = (f'checkpoint upload failed, the run stopped: {uri}: {why}. Its local '
                                 f'copy is kept: {staged} (upload it there, or resume from it with '
                                 f'load_path={staged})')

@@ -126,7 +126,7 @@ def test_an_upload_that_fails_for_good_stops_the_run_in_one_line(tmp_path, s3, s
     assert len(lines) == 1, proc.stderr[-5000:]
     m = re.fullmatch(rf'foundrymix train: error: checkpoint upload failed, the run stopped: '
                      rf's3://{BUCKET}/{prefix}{refused}: SlowDown from {re.escape(endpoint)} \(3 attempts\)'
-                     rf'.*Its local copy is kept: (\S+/{refused}) \(upload it there, or resume from it with '
+                     rf'.*try again later or raise AWS_MAX_ATTEMPTS \(now 3\)\. Its local copy is kept: (\S+/{refused}) \(upload it there, or resume from it with '
                      rf'load_path=\1\)', lines[0])
     assert m, lines[0]
     assert proxy.counts['503'] == 3  # one request (the PutObject), 3 attempts
