@@ -155,12 +155,8 @@ _held: dict[tuple[str, str], int] = {}
 _mine: Optional[FileLock] = None
 
 
-def _forget_in_child() -> None:
-    global _held, _mine
-    _held, _mine = {}, None  # the inherited descriptor stays open: the parent's lock, not ours
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+# a forked child keeps the inherited descriptor open (the parent's lock), with no claims of its own
+os.register_at_fork(after_in_child=lambda: globals().update(_held={}, _mine=None))
 
 
 @dataclass
@@ -214,12 +210,9 @@ def _deciding() -> Iterator[str]:
         yield root
 
 
-def _remove(*names: str) -> None:
-    for name in names:
-        try:
-            os.unlink(name)
-        except FileNotFoundError:
-            pass
+def _remove(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)
 
 
 def _live(root: str) -> Iterator[tuple[Holder, list[list[str]]]]:

@@ -77,8 +77,8 @@ class RemoteError(FoundrymixError, ConnectionError):
 
 
 class LocalWriteError(FoundrymixError, PermissionError):
-    """The file a download goes to cannot be written (the cache directory is read-only or
-    another user's): not the remote's fault, so never retried or reported as one."""
+    """A download's file may not be written here (a read-only cache): never retried or
+    reported as the remote's fault."""
 
 
 def local_denied(error: BaseException, local: str) -> Optional[LocalWriteError]:

@@ -69,7 +69,8 @@ def run_with(tmp_path: Path, src: Path, n: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # two train.py-like processes over 200 and 2,000 streams
+@pytest.mark.slow  # two train.py-like processes over 200 and 2,000 streams (about 1 min each on a quiet machine)
+@pytest.mark.timeout(1500)
 def test_two_thousand_streams_train_under_ulimit_1024_holding_no_descriptor_per_stream(tmp_path, small_streams):
     few = run_with(tmp_path, small_streams['arxiv'], 200)
     many = run_with(tmp_path, small_streams['arxiv'], 2000)
