@@ -1,28 +1,40 @@
 """Claims on the paths live runs use, so that concurrent runs cannot destroy each other's files.
 
-``EXCLUSIVE``: one run (all processes of one job), e.g. a ``save_folder`` or a conversion's output;
-``SHARED``: any number of readers, e.g. the stream directories a run reads. Each is refused while
-the other is held by another run.
+``EXCLUSIVE``: one run (all processes of one job) -- a ``save_folder``, a conversion's output, a
+cache directory the user named; ``SHARED``: any number of readers -- the stream directories a run
+reads. Each is refused while the other is held by another run.
 
-Per path, files in ``<tmp>/foundrymix-claims`` named by its hash (never in the user's directory)
-carry ``flock`` locks, which the kernel drops when a holder dies (even SIGKILL), so a claim never
-goes stale; record files only name holders. A job's processes share the run id
-``MASTER_ADDR:MASTER_PORT`` (else the pid). Claims are per machine.
+How: a process holding claims keeps one file in ``<tmp>/foundrymix-claims`` (never in the
+user's directory), ``<pid>-<nonce>.run``, locked (``flock``) for as long as it holds any,
+listing who it is and every path it claims -- one open file however many paths (a run of
+thousands of streams fits a default ``ulimit -n``). ``flock`` is released by the kernel
+when a process dies, even by SIGKILL, so a claim never goes stale: a run file nobody locks
+is a dead process's, removed by the next claimer. ``decide.lock`` is held for the
+milliseconds a claim is decided or released, so two processes never decide at once and a
+run file is only written or read under it.
+
+The processes of one job share the run id ``MASTER_ADDR:MASTER_PORT`` (the launcher's
+rendezvous; two live jobs on a node cannot share it) and so one exclusive claim, as the
+ranks writing one ``save_folder`` or reading one cache directory must; a single
+process's run id is its pid. Claims are per machine: the claims directory is local, so
+runs on different nodes over a shared file system do not see each other's claims. A forked
+child inherits its parent's locked file (its claims live while the child does) but starts
+with no claims of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import hashlib
 import json
 import os
+import secrets
 import shlex
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from foundrymix.errors import FoundrymixError
 
@@ -103,7 +115,7 @@ class FileLock:
 
 @dataclass
 class Holder:
-    """A process holding a claim, as recorded in its ``.owner`` / ``.reader-<pid>`` file."""
+    """A process holding claims, as its run file records it."""
 
     run: str
     pid: int
@@ -128,14 +140,14 @@ def describe(holders: list[Holder]) -> str:
     return '; '.join(h.describe() for h in holders) or 'a run that could not be named'
 
 
-@dataclass
-class _Held:
-    locks: list[FileLock]
-    count: int = 1
+#: this process's claims: (path, mode) -> how many users share it
+_held: dict[tuple[str, str], int] = {}
+#: this process's run file, open and locked while ``_held`` is not empty
+_mine: Optional[FileLock] = None
 
 
-#: claims this process holds: (path, mode) -> open lock files and reference count
-_held: dict[tuple[str, str], _Held] = {}
+# a forked child keeps the inherited descriptor open (the parent's lock), with no claims of its own
+os.register_at_fork(after_in_child=lambda: globals().update(_held={}, _mine=None))
 
 
 @dataclass
@@ -148,9 +160,7 @@ class Claim:
     released: bool = False
 
     def release(self) -> None:
-        if not self.released:
-            self.released = True
-            _release(self.path, self.mode)
+        release_all([self])
 
 
 def _me() -> Holder:
@@ -160,8 +170,8 @@ def _me() -> Holder:
 
 @contextlib.contextmanager
 def guard(path: str, suffix: str = '.guard') -> Iterator[None]:
-    """Hold ``path``'s guard lock (``suffix`` ``.group``: a caller's lock over several claims),
-    removing its file when no claim of ``path`` is left (safe: a locker re-checks the file it locked)."""
+    """Hold a lock named by ``path`` (a caller's lock over several claims of it), removing its
+    file on the way out (safe: a locker re-checks that the file it locked is still the one at the path)."""
     root = claims_dir()
     os.makedirs(root, exist_ok=True)
     name = os.path.join(root, key(path) + suffix)
@@ -174,132 +184,142 @@ def guard(path: str, suffix: str = '.guard') -> Iterator[None]:
     try:
         yield
     finally:
-        stem = name[:-len(suffix)]
-        if suffix != '.guard' or not _any_claim_file(stem):
-            _remove(name)
+        _remove(name)
         lock.close()
 
 
-def _any_claim_file(h: str) -> bool:
-    return (any(os.path.exists(h + s) for s in ('.inuse', '.excl', '.owner'))
-            or bool(glob.glob(glob.escape(h) + '.reader-*')))
+@contextlib.contextmanager
+def _deciding() -> Iterator[str]:
+    """The claims directory, held against every other process deciding or releasing a claim."""
+    root = claims_dir()
+    os.makedirs(root, exist_ok=True)
+    with FileLock(os.path.join(root, 'decide.lock')):
+        yield root
 
 
-def _open_existing(name: str) -> Optional[FileLock]:
-    try:
-        return FileLock(name, create=False)
-    except FileNotFoundError:
-        return None
+def _remove(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)
 
 
-def _read(name: str) -> Optional[Holder]:
-    try:
-        with open(name, encoding='utf-8') as f:
-            d = json.load(f)
-        return Holder(run=str(d['run']), pid=int(d['pid']), cmd=str(d.get('cmd', '')))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write(name: str, holder: Holder) -> None:
-    tmp = f'{name}.part-{os.getpid()}'
-    with open(tmp, 'w', encoding='utf-8') as f:
-        json.dump(asdict(holder), f)
-    os.replace(tmp, name)
-
-
-def _remove(*names: str) -> None:
-    for name in names:
+def _live(root: str) -> Iterator[tuple[Holder, list[list[str]]]]:
+    """Every live process's claims but this one's (call while deciding); removes dead ones' files."""
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.endswith('.run') or (_mine is not None and path == _mine.path):
+            continue
         try:
-            os.unlink(name)
+            lock = FileLock(path, create=False)
         except FileNotFoundError:
-            pass
+            continue
+        try:
+            if lock.lock(shared=True, wait=False):  # nobody holds it: its process is gone
+                _remove(path)
+                continue
+            d = json.loads(os.pread(lock.fd, os.fstat(lock.fd).st_size, 0))
+            yield Holder(run=str(d['run']), pid=int(d['pid']), cmd=str(d.get('cmd', ''))), d['claims']
+        except (ValueError, KeyError, TypeError):
+            continue  # not a run file of this version: names nothing
+        finally:
+            lock.close()
 
 
-def _readers(h: str) -> list[Holder]:
-    found = (_read(n) for n in sorted(glob.glob(glob.escape(h) + '.reader-*')))
-    return [r for r in found if r is not None and pid_alive(r.pid)]
+def _holders(root: str) -> dict[str, list[tuple[Holder, str]]]:
+    """path -> the live processes holding it and how (this one included; call while deciding)."""
+    index: dict[str, list[tuple[Holder, str]]] = {}
+    for holder, held in _live(root):
+        for path, mode in held:
+            index.setdefault(path, []).append((holder, mode))
+    me = _me()
+    for path, mode in _held:
+        index.setdefault(path, []).append((me, mode))
+    return index
 
 
-def _state(h: str) -> tuple[bool, Optional[Holder]]:
-    """(anyone holds the path, its live exclusive owner); call under the guard. Creates no
-    file: a holder keeps ``.inuse`` open (and ``.excl``, if exclusive), so a missing one is
-    not held."""
-    lock = _open_existing(h + '.inuse')
-    if lock is None:
-        return False, None
-    try:
-        if lock.lock(wait=False):
-            return False, None
-    finally:
-        lock.close()
-    lock = _open_existing(h + '.excl')
-    if lock is None:
-        return True, None
-    try:
-        if lock.lock(wait=False):
-            return True, None
-        return True, _read(h + '.owner') or Holder(run='unknown', pid=0)
-    finally:
-        lock.close()
+def _owner(held: list[tuple[Holder, str]]) -> Optional[Holder]:
+    return next((h for h, mode in held if mode == EXCLUSIVE), None)
+
+
+def _save(root: str) -> None:
+    """Write this process's claims into its run file (made and locked at the first), or remove
+    the file when none is left (call while deciding)."""
+    global _mine
+    if not _held:
+        if _mine is not None:
+            _remove(_mine.path)
+            _mine.close()
+            _mine = None
+        return
+    if _mine is None:
+        _mine = FileLock(os.path.join(root, f'{os.getpid()}-{secrets.token_hex(4)}.run'))
+        _mine.lock()
+    data = json.dumps({**asdict(_me()), 'claims': [list(k) for k in _held]}).encode('utf-8')
+    os.ftruncate(_mine.fd, 0)
+    os.pwrite(_mine.fd, data, 0)
 
 
 def exclusive_owner(path: str) -> Optional[Holder]:
     """The live run holding ``path`` exclusively, if any (``path`` normalized)."""
-    with guard(path):
-        return _state(os.path.join(claims_dir(), key(path)))[1]
+    with _deciding() as root:
+        return _owner(_holders(root).get(path, []))
 
 
 def try_claim(path: str, mode: str) -> Claim:
-    """Claim ``path`` (normalized) for this run, or raise :class:`Busy` naming who holds it.
+    """Claim ``path`` (normalized) for this run, or raise :class:`Busy` naming who holds it."""
+    return claim_all([(path, mode)])[0]
+
+
+def claim_all(wanted: Iterable[tuple[str, str]]) -> list[Claim]:
+    """Claim every ``(path, mode)`` (paths normalized) for this run, all or none: the first
+    refused raises :class:`Busy` naming who holds it, and nothing is claimed.
 
     ``EXCLUSIVE`` is granted when nobody holds the path or this run holds it exclusively
     (another rank of the job joins); ``SHARED`` unless another run holds it exclusively.
+    A path this process holds already is shared by its users (counted, released by the last).
     """
-    held = _held.get((path, mode))
-    if held is not None:  # this process holds it already: its users share the claim
-        held.count += 1
-        return Claim(path, mode, fresh=False)
-    me = _me()
-    h = os.path.join(claims_dir(), key(path))
-    with guard(path):
-        busy, owner = _state(h)
-        if not busy:  # records left by dead holders
-            _remove(h + '.owner', h + '.inuse', h + '.excl', *glob.glob(glob.escape(h) + '.reader-*'))
-        mine = owner is not None and owner.run == me.run
-        if mode == EXCLUSIVE and busy and not mine:
-            raise Busy(path, mode, [owner] if owner is not None else _readers(h))
-        if mode == SHARED and owner is not None and not mine:
-            raise Busy(path, mode, [owner])
-        locks = [FileLock(h + '.inuse')]
-        if mode == EXCLUSIVE:
-            locks.append(FileLock(h + '.excl'))
-            if not busy:
-                _write(h + '.owner', me)
-        else:
-            _write(f'{h}.reader-{me.pid}', me)
-        for lock in locks:
-            lock.lock(shared=True)
-        _held[(path, mode)] = _Held(locks)
-        return Claim(path, mode, fresh=not busy)
+    wanted = list(wanted)
+    new = [k for k in dict.fromkeys(wanted) if k not in _held]
+    fresh: dict[tuple[str, str], bool] = {}
+    if new:
+        me = _me()
+        with _deciding() as root:
+            index = _holders(root)
+            for path, mode in new:
+                held = index.setdefault(path, [])
+                owner = _owner(held)
+                mine = owner is not None and owner.run == me.run
+                if mode == EXCLUSIVE and held and not mine:
+                    raise Busy(path, mode, [owner] if owner is not None else
+                               list({h.pid: h for h, _ in held}.values()))
+                if mode == SHARED and owner is not None and not mine:
+                    raise Busy(path, mode, [owner])
+                fresh[(path, mode)] = not held
+                held.append((me, mode))
+            for k in new:
+                _held[k] = 0
+            _save(root)
+    out = []
+    for k in wanted:
+        _held[k] += 1
+        out.append(Claim(*k, fresh=fresh.pop(k, False)))
+    return out
 
 
-def _release(path: str, mode: str) -> None:
-    held = _held.get((path, mode))
-    if held is None:
-        return
-    held.count -= 1
-    if held.count > 0:
-        return
-    del _held[(path, mode)]
-    h = os.path.join(claims_dir(), key(path))
-    with guard(path):
-        if mode == SHARED:
-            _remove(f'{h}.reader-{os.getpid()}')
-        for lock in held.locks:
-            lock.close()
-        if not _state(h)[0]:  # nobody else holds it: its files go (claimers open them under the guard)
-            _remove(h + '.owner', h + '.inuse', h + '.excl', *glob.glob(glob.escape(h) + '.reader-*'))
+def release_all(done: Iterable[Claim]) -> None:
+    """Release claims of this process (each once; a path goes when its last user releases it)."""
+    gone = False
+    for claim in done:
+        k = (claim.path, claim.mode)
+        if claim.released or k not in _held:
+            continue
+        claim.released = True
+        _held[k] -= 1
+        if _held[k] <= 0:
+            del _held[k]
+            gone = True
+    if gone:
+        with _deciding() as root:
+            _save(root)
 
 
 @dataclass
@@ -309,5 +329,5 @@ class ClaimSet:
     held: list[Claim] = field(default_factory=list)
 
     def release(self) -> None:
-        while self.held:
-            self.held.pop().release()
+        done, self.held = self.held, []
+        release_all(done)

@@ -19,6 +19,9 @@ DEMO_TOKENIZER = 'foundrymix-bpe-8k'
 #: rows of the ``small_streams`` fixture (tokens per row)
 SMALL_SEQ = 128
 
+#: what ``setpriv`` drops so that root obeys file modes like any user
+NO_DAC = ['setpriv', '--bounding-set', '-dac_override,-dac_read_search']
+
 #: LLM-Foundry's own YAMLs (tests/data/foundry/README.md: source, commit and license)
 FOUNDRY_DIR = ROOT / 'tests' / 'data' / 'foundry'
 
@@ -249,3 +252,20 @@ def tiny_dbrx(path: Path) -> Path:
                     ).save_pretrained(path)
     load_tokenizer(DEMO_TOKENIZER).save_pretrained(path)
     return path
+
+
+def mode_prefix():
+    """How to run a command that must obey file modes: as is (not root), under ``setpriv``
+    without root's file-access capabilities, or ``None`` (not possible here)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+    if os.geteuid() != 0:
+        return []
+    if shutil.which('setpriv') is None:
+        return None
+    with tempfile.NamedTemporaryFile() as f:
+        os.chmod(f.name, 0)
+        probe = subprocess.run([*NO_DAC, 'test', '-r', f.name], capture_output=True)
+    return NO_DAC if probe.returncode == 1 else None

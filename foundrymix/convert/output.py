@@ -87,7 +87,7 @@ def check_output_dir(out: str, overwrite: bool) -> None:
                 f'{out}: output directory is not empty; pass --overwrite to replace it')
 
 
-def check_can_create(out: str) -> None:
+def check_can_create(out: str, flag: str = '--out') -> None:
     """Refuse an ``out`` whose nearest existing ancestor is a file or not writable, before any
     work (later, the error would name the hidden work directory made beside ``out``)."""
     parent = os.path.dirname(os.path.abspath(out))
@@ -97,7 +97,7 @@ def check_can_create(out: str) -> None:
         raise UserError(f'{out}: cannot be created, {parent} is a file, not a directory')
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f'{out}: cannot be created, no permission to write in {parent}; choose '
-                         f'another --out, or make {parent} writable')
+                         f'another {flag}, or make {parent} writable')
 
 
 def remove_output(out: str) -> list[str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from foundrymix.convert.output import check_can_create
 from foundrymix.errors import ExistsError, UserError
 from foundrymix.format.schema import Manifest
 from foundrymix.format.shards import INDEX_NAME, iter_shard_rows, read_index, shard_raw_bytes, stored_name
@@ -40,6 +41,7 @@ def export_to_foundry(dataset: str, out: str, size_limit: int = 1 << 26) -> Foun
     if os.path.lexists(out):
         raise ExistsError(f'{out}: exists; give a new directory (an export never writes into or replaces '
                           f'an existing one)')
+    check_can_create(out, '--to-foundry')  # else streaming's uploader fails in a traceback
     index = read_index(os.path.join(dataset, INDEX_NAME))
     partial = f'{out.rstrip(os.sep)}.partial-{os.getpid()}'
     rows = tokens = 0

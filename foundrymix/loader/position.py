@@ -206,36 +206,61 @@ class StagedPosition:
 
 def check_state(obj: Any) -> int:
     """The version of a loader state, after refusing in one line anything that is not one this
-    version can read: not a dict, a key missing or of the wrong type, a future version, a batch
-    that is negative or disagrees with its place in its stage."""
+    version can read: not a dict, a key missing or of the wrong type, a future version, trained
+    stages that do not follow each other from batch 0, a batch that disagrees with its place in
+    the last of them (what ``state_dict`` writes always agrees: an edit or another program's
+    state does not)."""
     def fail(what: str) -> ConfigError:
         return ConfigError(f'loader state: {what}; pass what a foundrymix loader\'s state_dict() returned '
                            f'(checkpoint[...] as saved), unedited')
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
     if not isinstance(obj, dict):
         raise fail(f'a dict is needed, got {type(obj).__name__}')
     version = obj.get('version', 0 if 'sample_in_epoch' in obj else None)  # 0: streaming's own state
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not whole(version):
         raise fail(f"'version' must be an integer, got {version!r}")
     if version > POSITION_VERSION:
         raise ConfigError(f'loader state: written by a newer foundrymix (data position version {version}; '
                           f'this one reads {POSITION_VERSION}): resume with the version that wrote it')
     if version < POSITION_VERSION:
         return version
-    for key, kind in (('batch', int), ('batch_in_stage', int), ('stages', list)):
+    for key in ('batch', 'batch_in_stage', 'stages'):
         if key not in obj:
             raise fail(f'no {key!r} (keys: {", ".join(map(str, obj))})')
-        if not isinstance(obj[key], kind) or isinstance(obj[key], bool):
-            raise fail(f'{key!r} must be {"an integer" if kind is int else "a list"}, got {obj[key]!r}')
-    batch, inside = obj['batch'], obj['batch_in_stage']
+    for key in ('batch', 'batch_in_stage', 'total_batches', 'total_samples', 'global_batch_size'):
+        if not whole(obj.get(key)) and not (key.startswith(('total', 'global')) and obj.get(key) is None):
+            raise fail(f'{key!r} must be an integer, got {obj.get(key)!r}')
+    for key, kind in (('stages', list), ('adaptive', dict)):
+        if not isinstance(obj.get(key, kind()), kind):
+            raise fail(f'{key!r} must be a {kind.__name__}, got {obj[key]!r}')
+    batch, inside, stages = obj['batch'], obj['batch_in_stage'], obj['stages']
     if batch < 0 or not 0 <= inside <= batch:
         raise fail(f'batch {batch} with batch_in_stage {inside}: both must be >= 0, the second at most the first')
-    for k, stage in enumerate(obj['stages']):
-        if not (isinstance(stage, dict) and isinstance(stage.get('name'), str) and isinstance(stage.get('fingerprint'), dict)
-                and all(isinstance(stage.get(key), int) for key in ('start_batch', 'batches'))):
+    end = 0  # trained stages follow each other from batch 0, each of at least one batch
+    for k, stage in enumerate(stages):
+        fp = stage.get('fingerprint') if isinstance(stage, dict) else None
+        if not (isinstance(fp, dict) and isinstance(stage.get('name'), str)
+                and (whole(fp.get('global_batch_size')) or fp.get('global_batch_size', 0) is None)
+                and isinstance(fp.get('knobs'), dict) and isinstance(fp.get('streams'), dict)
+                and all(isinstance(v, dict) for v in fp['streams'].values())
+                and all(whole(stage.get(key)) for key in ('start_batch', 'batches'))):
             raise fail(f'stages[{k}] must hold name, start_batch, batches and fingerprint')
-    if inside and batch - inside not in {s['start_batch'] for s in obj['stages']}:
-        raise fail(f'batch {batch} is batch {inside} of a stage starting at {batch - inside}, which no '
+        if stage['start_batch'] != end or stage['batches'] < 1 or stage['start_batch'] >= batch:
+            raise fail(f'stages[{k}] ({stage["name"]!r}) starts at batch {stage["start_batch"]} with '
+                       f'{stage["batches"]} batches: trained stages start where the one before ends (at '
+                       f'{end}), each before the batch ({batch}) and with at least one batch')
+        end += stage['batches']
+    start = batch - inside  # of the stage at the position: the last trained one, or the next
+    if inside and start not in {s['start_batch'] for s in stages}:
+        raise fail(f'batch {batch} is batch {inside} of a stage starting at {start}, which no '
                    f'trained stage does')
+    if inside and (start != stages[-1]['start_batch'] or inside > stages[-1]['batches']):
+        raise fail(f'batch {batch} is batch {inside} of the stage starting at {start}, but the last trained '
+                   f'stage, {stages[-1]["name"]!r}, is batches {stages[-1]["start_batch"]} to {end - 1}')
+    if not inside and batch != end:
+        raise fail(f'batch {batch} starts a stage, but the trained stages end at batch {end}')
     return version
 
 

@@ -299,15 +299,22 @@ class RowStore:
 
 
 def _remote_damaged(src: Source, info: dict[str, Any], removed: list[str]) -> CorruptShardError:
+    """A compressed file that fails its hash: where it is damaged (the user's local stream, or
+    the remote) and the fix there -- re-converting, restoring or re-uploading it."""
     remote = src.remote.rstrip('/') if src.remote else src.directory
     name = (info.get('zip_data') or info['raw_data'])['basename']
+    convert = f'`foundrymix convert` on the same inputs with `--out {remote} --overwrite`'
+    if src.local:
+        what, done = 'local stream', ('Nothing of it was unpacked or used (the file is left as it is). Restore '
+                                     f'the file from a good copy of the stream, or re-convert: re-run {convert}')
+    else:
+        what, done = 'remote', (f'Removed it from the cache ({", ".join(removed) or "nothing left"}). '
+                                f'Re-upload the shard: re-run {convert}')
     return CorruptShardError(
         f"stream '{src.name}' ({src.directory}), shard {info['raw_data']['basename']}: {remote}/{name} "
-        f'does not match the {src.algorithm} hash its index.json records: the shard in the remote '
-        f'is damaged (or was replaced without its index.json). Removed it from the cache '
-        f'({", ".join(removed) or "nothing left"}). Re-upload the shard: re-run `foundrymix '
-        f'convert` on the same inputs with `--out {remote} --overwrite`; `foundrymix verify '
-        f'{remote}` checks every shard of the remote')
+        f'does not match the {src.algorithm} hash its index.json records: the shard in the {what} '
+        f'is damaged (or was replaced without its index.json). {done}; `foundrymix verify {remote}` '
+        f'checks every shard of the {what}')
 
 
 def _has(path: str, size: Any) -> bool:

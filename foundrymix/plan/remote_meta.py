@@ -33,11 +33,14 @@ def sync_remote(config: LoaderConfig, name: str, where: str) -> None:
     changed, foundrymix's own cache drops the old index's shards (warning), a ``local:`` the
     user named is refused. An unreachable remote raises even with a cached copy, which might
     be stale. Each rank downloads into files of its own and renames them into place."""
-    from foundrymix.s3.remote import RemoteError, download
+    from foundrymix.s3.remote import RemoteError, download, local_denied
     remote_dir = config.stream_remote_dir(name)
     assert remote_dir is not None
     directory = config.stream_dir(name)
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise local_denied(e, os.path.join(directory, INDEX_NAME)) or e from None
     # a stream given a tokenizer is LLM-Foundry token shards: no manifest to fetch
     wanted = (INDEX_NAME,) if config.streams[name].tokenizer else (MANIFEST_NAME, INDEX_NAME)
     fresh = {b: os.path.join(directory, f'{b}.part-{os.getpid()}') for b in wanted}

@@ -23,6 +23,7 @@ Remotes are ``s3://`` URLs or local paths (a mounted file system): a remote path
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -74,6 +75,25 @@ class RemoteError(FoundrymixError, ConnectionError):
 
     def __reduce__(self) -> Any:  # picklable across processes (DataLoader workers)
         return (type(self), (self.url, self.kind, self.code, self.text))
+
+
+class LocalWriteError(FoundrymixError, PermissionError):
+    """A download's file may not be written here (a read-only cache): never retried or
+    reported as the remote's fault."""
+
+
+def local_denied(error: BaseException, local: str) -> Optional[LocalWriteError]:
+    """The one-line error for a download refused on this machine's side: writing ``local`` or
+    making its directory was denied (``error`` or its cause); None for any other failure."""
+    e = error.__cause__ if isinstance(error, RemoteError) else error
+    if not (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename):
+        return None
+    failed, where = os.path.abspath(os.fsdecode(e.filename)), os.path.dirname(os.path.abspath(local))
+    if os.path.dirname(failed) != where and not (where + os.sep).startswith(failed + os.sep):
+        return None  # e.g. the source of a local remote: the remote's
+    return LocalWriteError(f'cache directory {where}: {e.strerror.lower()} writing {failed} (the remote was not '
+                           f'the problem): make it writable by this user, or point cache_root (or the '
+                           f"stream's local:) at a directory this user can write")
 
 
 def s3_code(error: BaseException) -> Optional[str]:
@@ -273,7 +293,8 @@ def download(url: str, local: str, timeout: float) -> None:
     """Fetch ``url`` (``s3://`` or a local path) to ``local``, replacing it, within the bound
     above; written under a temporary name and renamed, so no reader sees a partial file.
 
-    Raises :class:`RemoteError` for every failure.
+    Raises :class:`RemoteError` for every failure of the remote, :class:`LocalWriteError`
+    when ``local`` may not be written.
     """
     try:
         if url.startswith('s3://'):
@@ -290,7 +311,10 @@ def download(url: str, local: str, timeout: float) -> None:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-    except RemoteError:
-        raise
     except Exception as e:  # boto3, botocore and OS errors
+        denied = local_denied(e, local)
+        if denied is not None:
+            raise denied from None
+        if isinstance(e, RemoteError):
+            raise
         raise classify(e, url, timeout) from e

@@ -49,9 +49,14 @@ def write_report(summary: dict[str, Any], out_dir: str, plot: bool = True) -> No
         write_plot(summary, plot_path(out_dir))
 
 
+#: streams the plot's legend names one by one
+LEGEND_STREAMS = 40
+
+
 def write_plot(summary: dict[str, Any], path: str) -> None:
     """Cumulative tokens per stream against batches, realized (solid) and planned (dashed: the planned
-    share of the rows trained so far times the stream's realized tokens per row, as the legend says)."""
+    share of the rows trained so far times the stream's realized tokens per row, as the legend says --
+    up to LEGEND_STREAMS streams; beyond, only the total is labelled)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -66,13 +71,15 @@ def write_plot(summary: dict[str, Any], path: str) -> None:
     samples = np.array([zero] + [p['samples'] for p in history], dtype=np.float64)
     total_tokens = tokens.sum(axis=1)
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    labelled = len(names) <= LEGEND_STREAMS
     for i, name in enumerate(names):
-        line, = ax.plot(steps, tokens[:, i], label=f'{name} (realized)')
+        line, = ax.plot(steps, tokens[:, i], label=f'{name} (realized)' if labelled else '_')
         per_sample = tokens[-1, i] / max(samples[-1, i], 1)
         planned = np.array([planned_share[i] * s.sum() * per_sample for s in samples])
         ax.plot(steps, planned, linestyle='--', color=line.get_color(), alpha=0.6,
-                label=f'{name} (plan: {planned_share[i]:.1%} of rows x its tokens/row)')
-    ax.plot(steps, total_tokens, color='black', linewidth=0.8, label='all streams')
+                label=f'{name} (plan: {planned_share[i]:.1%} of rows x its tokens/row)' if labelled else '_')
+    ax.plot(steps, total_tokens, color='black', linewidth=0.8,
+            label='all streams' if labelled else f'all {len(names):,} streams (one line each, unlabelled)')
     ax.set_xlabel('batch')
     ax.set_ylabel('cumulative tokens (non-padding)')
     ax.set_title('Tokens per stream: realized vs planned (planned row share, realized tokens/row)')

@@ -14,10 +14,8 @@ import gzip
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +25,12 @@ import numpy as np
 import pytest
 
 from convert_helpers import read_rows
+from helpers import mode_prefix
 from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.convert.readers import InputError, plan_chunks, read_records
 
 REPO = Path(__file__).resolve().parents[2]
-#: what ``setpriv`` drops so that root obeys file modes like any user
-NO_DAC = ['setpriv', '--bounding-set', '-dac_override,-dac_read_search']
 DOC = 'Document {i} about cats and dogs: {h}.'  # a hash each: data that compresses little
 N_DOCS = 3000
 
@@ -209,19 +206,6 @@ CASES = [
 ]
 
 
-def _mode_prefix() -> Optional[list[str]]:
-    """How to run a command that must obey file modes: as is (not root), under ``setpriv``
-    without root's file-access capabilities, or ``None`` (not possible here)."""
-    if os.geteuid() != 0:
-        return []
-    if shutil.which('setpriv') is None:
-        return None
-    with tempfile.NamedTemporaryFile() as f:
-        os.chmod(f.name, 0)
-        probe = subprocess.run([*NO_DAC, 'test', '-r', f.name], capture_output=True)
-    return NO_DAC if probe.returncode == 1 else None
-
-
 def cli(argv: list[str], prefix: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, 'PYTHONPATH': str(REPO), 'HF_HUB_OFFLINE': '1', 'TRANSFORMERS_OFFLINE': '1',
            'TOKENIZERS_PARALLELISM': 'false'}
@@ -237,7 +221,7 @@ def fill(text: str, made: Path, d: Path) -> str:
 
 @pytest.mark.parametrize('case', CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_located_line_exit_2(tmp_path, case):
-    prefix = _mode_prefix() if case.obeys_modes else []
+    prefix = mode_prefix() if case.obeys_modes else []
     if prefix is None:
         pytest.skip('root without setpriv: file modes are not enforced')
     good(tmp_path).rename(tmp_path / 'input.jsonl')

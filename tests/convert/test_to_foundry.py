@@ -9,10 +9,14 @@ document with (less the partial last row the converter does not write). A finetu
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
-from helpers import DEMO_TOKENIZER, SAMPLES
+import pytest
+from helpers import DEMO_TOKENIZER, ROOT, SAMPLES, mode_prefix
 
 from foundrymix.cli import main
 
@@ -57,3 +61,24 @@ def test_export_to_foundry_refuses_finetune_data_an_existing_out_and_a_damaged_s
     err = capsys.readouterr().err
     assert f'{shard}: row ' in err and 'Traceback' not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ['b', 'damaged']  # nothing partial left
+
+
+def test_export_to_foundry_into_a_read_only_folder_is_one_line_naming_it(small_streams, tmp_path):
+    """The real command line obeying file modes (root: under ``setpriv`` without its file-access
+    capabilities): one line naming the folder and what to do, not streaming's uploader's traceback."""
+    prefix = mode_prefix()
+    if prefix is None:
+        pytest.skip('root without setpriv: file modes are not enforced')
+    ro = tmp_path / 'ro'
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        r = subprocess.run([*prefix, sys.executable, '-m', 'foundrymix.cli', 'export', str(small_streams['arxiv']),
+                            '--to-foundry', str(ro / 'out')], capture_output=True, text=True, timeout=120,
+                           cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT)})
+    finally:
+        ro.chmod(0o755)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f'foundrymix export: error: {ro}/out: cannot be created, no permission to write in '
+                        f'{ro}; choose another --to-foundry, or make {ro} writable\n')
+    assert os.listdir(ro) == []

@@ -176,6 +176,26 @@ def test_compressed_shard_damaged_in_the_remote_is_named_from_a_worker(tmp_path,
     assert 'shard.00001.mds' not in listing(stream_dir) and zip_name not in listing(stream_dir)
 
 
+def test_compressed_shard_damaged_in_a_local_stream_is_named_as_local_and_left_in_place(tmp_path, good_zstd):
+    """A local zstd stream's damaged file is the user's: named as the local stream's (not a
+    remote to re-upload to), with the local fixes, and not removed."""
+    bad = shutil.copytree(good_zstd, tmp_path / 'bad')
+    zip_name = index_of(bad)['shards'][1]['zip_data']['basename']
+    data = bytearray((bad / zip_name).read_bytes())
+    data[100] ^= 0x10
+    (bad / zip_name).write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError) as err:
+        read(cfg({'local': str(bad)}, cache_root=str(tmp_path / 'cache'), validate_hash='xxh3_64'))
+    assert f'shard shard.00001.mds: {bad}/{zip_name} does not match the xxh3_64 hash its index.json ' \
+           f'records: the shard in the local stream is damaged (or was replaced without its index.json). ' \
+           f'Nothing of it was unpacked or used (the file is left as it is). Restore the file from a ' \
+           f'good copy of the stream, or re-convert: re-run `foundrymix convert` on the same inputs ' \
+           f'with `--out {bad} --overwrite`; `foundrymix verify {bad}` checks every shard of the local ' \
+           f'stream' in str(err.value)
+    assert 'remote' not in str(err.value) and 'upload' not in str(err.value)
+    assert (bad / zip_name).read_bytes() == bytes(data)
+
+
 @pytest.mark.parametrize('knobs', [{'validate_hash': 'xxh3_64'}, {}])
 def test_cached_shard_changed_in_place_is_hashed_removed_and_downloaded_again(
         tmp_path, s3, good, caplog, knobs):

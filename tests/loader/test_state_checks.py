@@ -25,6 +25,13 @@ def state(small_streams):
     return got
 
 
+def stage(state, k, **edit):
+    """``state`` with ``edit`` applied to its ``k``-th trained stage."""
+    stages = [dict(s) for s in state['stages']]
+    stages[k].update(edit)
+    return {**state, 'stages': stages}
+
+
 def without(state, key):
     return {k: v for k, v in state.items() if k != key}
 
@@ -40,6 +47,15 @@ def without(state, key):
     (lambda s: {**s, 'version': '4'}, "loader state: 'version' must be an integer, got '4'"),
     (lambda s: {**s, 'batch': 8}, 'loader state: batch 8 is batch 2 of a stage starting at 6, which no trained stage does'),
     (lambda s: {**s, 'stages': [{'name': 'text'}]}, 'loader state: stages[0] must hold name, start_batch, batches and fingerprint'),
+    # issue 55: what still escaped (a bare ValueError/TypeError/KeyError) or was accepted
+    (lambda s: {**s, 'total_batches': 'x'}, "loader state: 'total_batches' must be an integer, got 'x'"),
+    (lambda s: {**s, 'total_samples': [1]}, "loader state: 'total_samples' must be an integer, got [1]"),
+    (lambda s: {**s, 'adaptive': 'x'}, "loader state: 'adaptive' must be a dict, got 'x'"),
+    (lambda s: stage(s, 1, fingerprint={}), 'loader state: stages[1] must hold name, start_batch, batches and fingerprint'),
+    (lambda s: stage(s, 1, batches=0), "loader state: stages[1] ('mix') starts at batch 5 with 0 batches: trained stages start where"),
+    (lambda s: {**s, 'stages': s['stages'] * 2}, "loader state: stages[2] ('text') starts at batch 0 with 5 batches"),
+    (lambda s: {**s, 'batch_in_stage': 7}, "loader state: batch 7 is batch 7 of the stage starting at 0, but the last trained stage, 'mix', is batches 5 to 13"),
+    (lambda s: {**s, 'batch_in_stage': 0}, 'loader state: batch 7 starts a stage, but the trained stages end at batch 14'),
 ])
 def test_a_malformed_state_is_refused_in_one_line_naming_it(small_streams, state, edit, said):
     loader = foundrymix.build_loader(config(small_streams), rank=0, world_size=1)

@@ -147,20 +147,21 @@ def test_claims_are_shared_by_readers_exclusive_otherwise_and_leave_no_files(tmp
     r1 = claims.try_claim(path, claims.SHARED)
     r2 = claims.try_claim(path, claims.SHARED)  # same process: one claim, counted
     assert r1.fresh and not r2.fresh
-    stem = os.path.join(claims.claims_dir(), claims.key(path))
-    assert os.path.exists(f'{stem}.reader-{os.getpid()}')
+    mine = [n for n in os.listdir(claims.claims_dir()) if n.startswith(f'{os.getpid()}-')]
+    assert len(mine) == 1 and path in (Path(claims.claims_dir()) / mine[0]).read_text()  # one file
     with pytest.raises(claims.Busy, match=f'{path} is in use by another live run, pid {os.getpid()}'):
         claims.try_claim(path, claims.EXCLUSIVE)
     r1.release()
     r2.release()
-    assert sorted(os.path.basename(p) for p in os.listdir(claims.claims_dir())
-                  if p.startswith(claims.key(path))) == []  # nothing left: not even the guard
+    assert [n for n in os.listdir(claims.claims_dir())
+            if n.startswith((claims.key(path), f'{os.getpid()}-'))] == []  # nothing left
     ex = claims.try_claim(path, claims.EXCLUSIVE)
     assert ex.fresh
     assert claims.exclusive_owner(path).pid == os.getpid()
     ex.release()
     assert claims.exclusive_owner(path) is None  # asking creates nothing either
-    assert [p for p in os.listdir(claims.claims_dir()) if p.startswith(claims.key(path))] == []
+    assert [n for n in os.listdir(claims.claims_dir())
+            if n.startswith((claims.key(path), f'{os.getpid()}-'))] == []
     assert not (tmp_path / 'd').exists()  # nothing is written into the claimed path
 
 
@@ -191,3 +192,44 @@ def test_the_guard_excludes_while_its_lock_file_comes_and_goes(tmp_path):
         assert p.exitcode == 0
     assert counter.read_text() == '200'
     assert [p for p in os.listdir(claims.claims_dir()) if p.startswith(claims.key(path))] == []
+
+
+HOLD = """
+import sys, time
+from foundrymix import claims
+held = claims.claim_all([(p, claims.SHARED) for p in sys.argv[2:]])
+open(sys.argv[1], 'w').close()
+time.sleep(600)
+"""
+
+
+def test_another_process_claims_are_seen_while_it_lives_and_cleaned_once_it_is_killed(tmp_path):
+    """A real process holds shared claims on 300 paths in one open file: an exclusive claim of
+    any of them is refused naming it, the same claim succeeds once it is SIGKILLed, and its
+    run file is gone (removed by that claimer)."""
+    from foundrymix import claims
+    paths = [claims.normalize(str(tmp_path / f'd{k}')) for k in range(300)]
+    ready = tmp_path / 'ready'
+    proc = subprocess.Popen([sys.executable, '-c', HOLD, str(ready), *paths], env=ENV)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert ready.exists()
+        fds = os.listdir(f'/proc/{proc.pid}/fd')
+        run_files = [n for n in os.listdir(claims.claims_dir()) if n.startswith(f'{proc.pid}-')]
+        assert len(run_files) == 1
+        assert sum(os.readlink(f'/proc/{proc.pid}/fd/{fd}').startswith(claims.claims_dir()) for fd in fds) == 1
+        for path in (paths[0], paths[-1]):
+            with pytest.raises(claims.Busy, match=f'{path} is in use by another live run, pid {proc.pid}: '):
+                claims.try_claim(path, claims.EXCLUSIVE)
+        reader = claims.try_claim(paths[5], claims.SHARED)
+        assert not reader.fresh  # readers share
+        reader.release()
+    finally:
+        proc.kill()
+        proc.wait()
+    got = claims.try_claim(paths[0], claims.EXCLUSIVE)
+    assert got.fresh  # the killed process holds nothing
+    assert run_files[0] not in os.listdir(claims.claims_dir())  # and its file was cleaned
+    got.release()

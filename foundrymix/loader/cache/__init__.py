@@ -13,16 +13,16 @@ import os
 from typing import Any, Optional
 
 from foundrymix import claims
-from foundrymix.loader.cache.directories import Claims, claim
+from foundrymix.loader.cache.directories import claim
 from foundrymix.loader.cache.hashes import CorruptLocalShardError  # noqa: F401 (re-exported)
 from foundrymix.loader.cache.space import check_space, disk_full_hint  # noqa: F401 (re-exported)
 from foundrymix.loader.cache.stale import clean_stale
 
 
-def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claims]:
+def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], claims.ClaimSet]:
     """Claim, clean and check the cache directory of every remote stream: the infos to build the
     store from (``local`` may now be a sibling of the configured one) and the claims."""
-    held = Claims()
+    held = claims.ClaimSet()
     out = []
     try:
         for info in infos:

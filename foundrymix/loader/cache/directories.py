@@ -5,7 +5,6 @@ default cache and of a named ``local:``, so that two live runs never evict each 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from foundrymix import claims
 from foundrymix.claims import Claim
@@ -15,17 +14,6 @@ log = logging.getLogger(__name__)
 
 #: candidate directories tried for one default-cache directory before giving up
 MAX_CANDIDATES = 64
-
-
-@dataclass
-class Claims:
-    """Directories one dataset claimed; :meth:`release` when the dataset is done."""
-
-    held: list[Claim] = field(default_factory=list)
-
-    def release(self) -> None:
-        while self.held:
-            self.held.pop().release()
 
 
 def claim(home: str, shared_default: bool, where: str) -> Claim:

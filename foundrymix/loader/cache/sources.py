@@ -24,6 +24,8 @@ class Source:
     #: LLM-Foundry token rows read in place: (file dtype, document rule, separator id, row length,
     #: token dtype of the rows made of them)
     foundry: Optional[tuple[str, str, Optional[int], int, str]] = None
+    #: ``remote`` is the user's own compressed local stream (damage there is fixed there, not uploaded)
+    local: bool = False
 
 
 def sources_of(infos: list[Any], config: Any) -> list[Source]:
@@ -36,7 +38,7 @@ def sources_of(infos: list[Any], config: Any) -> list[Source]:
             out.append(Source(info.name, info.directory, info.remote_dir, shards, algo))
         elif any(s.get('zip_data') for s in shards):
             unpacked = cache_file(config.cache_root, 'unpacked', info.directory)
-            out.append(Source(info.name, unpacked, info.directory, shards, algo))
+            out.append(Source(info.name, unpacked, info.directory, shards, algo, local=True))
         else:
             out.append(Source(info.name, info.directory, None, shards, algo))
         m = info.manifest
