@@ -18,8 +18,8 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from foundrymix.convert.common import ConvertOptions, Setup
-from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records, worker_state
+from foundrymix.convert.common import ConvertOptions, Setup, worker_state
+from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
 from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
                                          read_column_arrays)
@@ -198,15 +198,6 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
         previous = int(stream[-1])
     return 'none', None, window, (f'neither EOS (id {info.eos_id}) nor BOS between tokens: the '
                                   f'stream is taken as one document (doc_lens only mark row ends)')
-
-
-def no_separator_warning(inferred: str, tokenizer: str) -> str:
-    """The warning for a stream with no separator of ``tokenizer``: a wrong tokenizer or a
-    separator of several ids looks the same as one long document."""
-    return (f'warning: {inferred.split(":")[0]} of tokenizer {tokenizer!r} in the shards, so every row is '
-            f'one document. If the documents had separators, they were not its single EOS/BOS ids: '
-            f'the shards were made with another tokenizer (pass it with --tokenizer) or with an '
-            f'--eos_text/--bos_text of several ids (adopt finds single ids only).')
 
 
 def _split_out(out: str, split: MdsSplit, several: bool) -> str:

@@ -159,3 +159,38 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     return Setup(inputs=resolved, tokenizer=tok, info=info, token_dtype=token_dtype_for(info.vocab_size),
                  bos_id=bos_id, eos_id=eos_id, workers=options.workers or default_workers(),
                  output=output, remote=remote)
+
+
+@dataclass
+class WorkerState:
+    """What an encode step needs, set up once per worker (thread pool or process)."""
+
+    options: Any  # the converter's ConvertOptions subclass
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    token_dtype: str
+
+    @property
+    def tok(self) -> Any:
+        """The tokenizer, loaded on first use (cached per process by ``load_tokenizer``):
+        encode steps that only check ids (adopt's) never import transformers."""
+        return load_tokenizer(self.options.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return describe_tokenizer(self.options.tokenizer).vocab_size
+
+
+_state: Optional[WorkerState] = None
+
+
+def init_worker(options: ConvertOptions, bos_id: Optional[int], eos_id: Optional[int],
+                token_dtype: str) -> None:
+    """Set up this worker (in the calling process for thread workers)."""
+    global _state
+    _state = WorkerState(options=options, bos_id=bos_id, eos_id=eos_id, token_dtype=token_dtype)
+
+
+def worker_state() -> WorkerState:
+    assert _state is not None, 'init_worker was not called in this worker'
+    return _state

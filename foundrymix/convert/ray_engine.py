@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
-from foundrymix.convert.common import ConvertOptions, Setup
+from foundrymix.convert.common import ConvertOptions, Setup, init_worker
 from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, importing
 from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
@@ -92,11 +92,10 @@ def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
 
 def _init_task_worker(options: ConvertOptions, setup: Setup) -> None:
     """Load the tokenizer once per Ray worker process (re-used by later tasks)."""
-    from foundrymix.convert import driver
     os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one task = one core
     key = (options, setup.bos_id, setup.eos_id, setup.token_dtype)
     if getattr(_init_task_worker, 'key', None) != key:
-        driver.init_worker(*key)
+        init_worker(*key)
         _init_task_worker.key = key  # type: ignore[attr-defined]
 
 

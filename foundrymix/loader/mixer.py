@@ -8,13 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from foundrymix.config import ConfigError
-from foundrymix.heap import collector_paused
 from foundrymix.plan.catalog import Catalog
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.format.schema import Manifest, TokenizerInfo
+from foundrymix.loader.storage import build_store
 
 if TYPE_CHECKING:  # torch/streaming are imported lazily
-    from foundrymix.plan.catalog import StreamInfo
     from foundrymix.loader.storage import RowStore
     from foundrymix.plan.mixture import Plan
 
@@ -85,20 +84,3 @@ class StreamMixer:
                               f'number of nodes ({nodes})')
         return build_plan(self.config, self.catalog.infos(), batch_size, max_duration,
                           Topology(nodes=nodes, ranks_per_node=world_size // nodes))
-
-
-@collector_paused()  # at each start and stage switch: per-stream objects (heap.py)
-def build_store(config: LoaderConfig, infos: list['StreamInfo'], where: str = 'train_loader') -> 'RowStore':
-    """The store of one stage's streams; claims, cleans and checks the cache directories first."""
-    from foundrymix.loader import cache
-    from foundrymix.loader.storage import RowStore, sources_of
-    infos, claims = cache.prepare(config, infos, where)
-    manifest = infos[0].manifest
-    try:
-        store = RowStore(sources_of(infos, config), config, vocab_size=manifest.tokenizer.vocab_size,
-                         max_seq_len=manifest.max_seq_len, budget=cache.budget_for(config, infos, where))
-    except BaseException:
-        claims.release()
-        raise
-    store.cache_claims = claims
-    return store

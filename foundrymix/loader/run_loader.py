@@ -17,6 +17,7 @@ import torch
 
 from foundrymix.config import ConfigError
 from foundrymix.loader.position import StagedPosition
+from foundrymix.loader.storage import build_store
 from foundrymix.plan.adaptive import AdaptiveController
 from foundrymix.plan.stages import RunPlan, StagePlan
 
@@ -155,7 +156,6 @@ class StagedDataLoader:
 
     def _activate(self, stage: StagePlan) -> _Active:
         """The stage's storage, built from its plan once per stage."""
-        from foundrymix.loader.mixer import build_store
         if self._active is not None and self._active.stage.index == stage.index:
             return self._active
         self.release()

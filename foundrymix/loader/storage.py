@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -18,8 +18,14 @@ from foundrymix.errors import WorkerError
 from foundrymix.format.foundry_tokens import foundry_row
 from foundrymix.format.row_errors import CorruptRowError
 from foundrymix.format.schema import check_row, decode_row
+from foundrymix.heap import collector_paused
+from foundrymix.loader import cache
 from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes, cache_file
 from foundrymix.loader.cache.sources import Source, sources_of  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from foundrymix.plan.catalog import StreamInfo
+    from foundrymix.plan.config import LoaderConfig
 
 log = logging.getLogger(__name__)
 
@@ -315,3 +321,18 @@ def _has(path: str, size: Any) -> bool:
         return os.stat(path).st_size == int(size)
     except FileNotFoundError:
         return False
+
+
+@collector_paused()  # at each start and stage switch: per-stream objects (heap.py)
+def build_store(config: LoaderConfig, infos: list['StreamInfo'], where: str = 'train_loader') -> 'RowStore':
+    """The store of one stage's streams; claims, cleans and checks the cache directories first."""
+    infos, claims = cache.prepare(config, infos, where)
+    manifest = infos[0].manifest
+    try:
+        store = RowStore(sources_of(infos, config), config, vocab_size=manifest.tokenizer.vocab_size,
+                         max_seq_len=manifest.max_seq_len, budget=cache.budget_for(config, infos, where))
+    except BaseException:
+        claims.release()
+        raise
+    store.cache_claims = claims
+    return store

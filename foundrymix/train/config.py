@@ -203,7 +203,7 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
         check_has_weights(cfg.model)
         check_pretrained_tokenizer(cfg.model, tokenizer)
     if cfg.model is not None and cfg.model.peft is not None:
-        from foundrymix.train.lora import check_spec_targets
+        from foundrymix.train.weights import check_spec_targets
         check_spec_targets(cfg.model, tokenizer)
 
 

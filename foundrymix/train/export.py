@@ -206,7 +206,7 @@ def _check_adapter_export(info: dict[str, Any], checkpoint: str) -> None:
 
 def _check_base(model: Any, directory: str) -> None:
     """The adapter is only right over the base it was trained on: ``directory`` must hold it."""
-    from foundrymix.train.lora import changed_base_tensor
+    from foundrymix.train.weights import changed_base_tensor
 
     if not os.path.isdir(directory):
         raise ExportError(f'--adapter: the base directory the run started from, {directory}, is gone: export '

@@ -138,25 +138,6 @@ def check_targets(model: Any, peft: Mapping[str, Any], where: str = 'model.peft_
     gather.raise_any()
 
 
-def check_spec_targets(spec: Any, tokenizer: Any) -> None:
-    """:func:`check_targets` on the model ``spec`` describes, built on the ``meta`` device, so
-    ``plan`` refuses what ``train`` would; a model that cannot be built is left to ``train``."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from foundrymix.train.model_spec import hf_config
-
-    try:
-        config = copy.deepcopy(hf_config(spec, tokenizer))
-        with torch.device('meta'):
-            model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, ImportError, ConfigError):
-        return
-    check_targets(model, spec.peft)
-
-
 def wrap(model: Any, peft: Mapping[str, Any]) -> Any:
     """``model`` as a peft LoRA model: base frozen, adapter initialised from torch's RNG.
 
@@ -216,27 +197,3 @@ def base_tensors(model: Any) -> dict[str, Any]:
         name = key.removeprefix('base_model.model.').replace('.base_layer.', '.').replace('.original_module.', '.')
         out[name] = value
     return out
-
-
-def changed_base_tensor(model: Any, directory: str) -> Optional[str]:
-    """The first base tensor of ``model`` that differs from ``directory``'s safetensors weights
-    (``FILE: TENSOR``), or None when all of them are bitwise equal; a directory without
-    safetensors weights gives ``ValueError``."""
-    import torch
-    from safetensors import safe_open
-
-    from foundrymix.train.weights import safetensors_files
-
-    files = safetensors_files(directory)
-    if not files:
-        raise ValueError(f'{directory}: no safetensors weights to compare the base with')
-    mine = base_tensors(model)
-    for path in files:
-        with safe_open(path, 'pt') as h:
-            for key in h.keys():
-                name = key if key in mine else f'{model.get_base_model().base_model_prefix}.{key}'
-                if name not in mine:
-                    return f'{path}: {key} (not in the model the adapter was trained on)'
-                if not torch.equal(h.get_tensor(key), mine[name]):
-                    return f'{path}: {key}'
-    return None

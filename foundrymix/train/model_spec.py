@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
 from foundrymix.config import ConfigError, Gather, foundry_advice, to_plain
+from foundrymix.train.lora import read_peft_config
 
 AttentionMode = Literal['document', 'causal']
 AttnImplementation = Literal['sdpa', 'eager', 'flash_attention_2', 'flex_attention']
@@ -123,7 +124,6 @@ class ModelSpec:
                 raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
         peft = None
         if d.get('peft_config') is not None:
-            from foundrymix.train.lora import read_peft_config
             with gather:
                 peft = read_peft_config(d.get('peft_config'), f'{where}.peft_config')
         d.pop('peft_config', None)
