@@ -13,6 +13,7 @@ summary are the shared driver's; several splits give ``<out>/<split>`` each. doc
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
 
@@ -31,6 +32,7 @@ from foundrymix.convert.writer import check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest, RowBatch
 from foundrymix.tokenizer import describe_tokenizer
+from foundrymix.convert.mds_input import shard_count
 
 #: the column sets adopt reads, and what they are
 KINDS = {
@@ -171,7 +173,6 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
     document can fill many shards): an EOS means documents end after each EOS; a BOS not
     right after an EOS means documents start at each BOS.
     """
-    from foundrymix.convert.mds_input import shard_count
     info = describe_tokenizer(tokenizer)
     window: Optional[int] = None
     previous: Optional[int] = None  # the last token of the shards read so far
@@ -216,7 +217,6 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
         if not args.source.startswith('s3://'):
             raise UserError(f'{args.source}: adopt reads a local MDS folder or s3://bucket/prefix; copy '
                             f'it to a local folder first')
-        import tempfile
         with tempfile.TemporaryDirectory(prefix='foundrymix-adopt-') as staging:
             if progress:
                 print(f'adopt {args.source}: copying its MDS datasets to {staging} first')

@@ -20,6 +20,7 @@ from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_has
 from foundrymix.errors import UserError
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info
+from foundrymix.convert.upload import check_remote
 
 ON_ERROR = ('raise', 'skip')
 #: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py)
@@ -141,7 +142,6 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     check_compression(options.compression)
     remote = None
     if output.remote is not None:  # reaches the endpoint: after the free checks, before any work
-        from foundrymix.convert.upload import check_remote
         remote = check_remote(output.remote, options.overwrite)
     with importing('transformers'):
         tok = load_tokenizer(options.tokenizer) if load else None
@@ -194,3 +194,8 @@ def init_worker(options: ConvertOptions, bos_id: Optional[int], eos_id: Optional
 def worker_state() -> WorkerState:
     assert _state is not None, 'init_worker was not called in this worker'
     return _state
+
+
+def worker_options() -> Any:
+    """This worker's options; None before :func:`init_worker` (records parsed outside a conversion)."""
+    return _state.options if _state is not None else None

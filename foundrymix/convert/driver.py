@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from foundrymix import claims
 from foundrymix.convert import holdout as held, ray_engine
-from foundrymix.convert.common import ConvertOptions, Setup, init_worker, prepare
+from foundrymix.convert.common import ConvertOptions, Setup, init_worker, prepare, worker_options
 from foundrymix.convert.paths import OutSpec, split_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
@@ -50,7 +50,7 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
     counted in ``dropped``. ``fields=None`` reads every column. With ``--holdout`` only the
     records of this run's side are read (:func:`foundrymix.convert.holdout.side_records`).
     """
-    holdout = getattr(_state.options, 'holdout', None) if _state is not None else None
+    holdout = getattr(worker_options(), 'holdout', None)
     n_lines, records = (read_records(chunk, fields) if holdout is None
                         else held.side_records(chunk, fields, holdout, on_error))
     errors = ChunkErrors()

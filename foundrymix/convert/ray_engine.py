@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.common import ConvertOptions, Setup, init_worker
-from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, importing
+from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, default_workers, importing
 from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
 from foundrymix.convert.writer import _FINISH, ShardWriter
@@ -230,7 +230,6 @@ def _connect(options: ConvertOptions) -> bool:
     if options.ray_address:
         ray.init(address=options.ray_address, log_to_driver=True)
     else:
-        from foundrymix.convert.pipeline import default_workers
         ray.init(num_cpus=options.workers or default_workers(), include_dashboard=False)
     return True
 

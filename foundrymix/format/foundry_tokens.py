@@ -17,6 +17,9 @@ import numpy as np
 
 from foundrymix.format.advice import COLUMN, shard_dtype
 from foundrymix.format.schema import SCHEMA_VERSION, Counts, Manifest, TokenizerInfo, token_dtype_for
+from foundrymix.format.mds import ndarray_rows
+from foundrymix.format.streaming_format import ShardRows
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -31,8 +34,6 @@ class Layout:
 def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> tuple[Layout, np.ndarray]:
     """The rows' layout and the tokens (``[rows, length]``) of shard 0 from its raw bytes;
     refuses rows of several lengths."""
-    from foundrymix.format.mds import ndarray_rows
-
     n = int(shard['samples'])
     offsets = np.frombuffer(data[4:4 + 4 * (n + 1)], np.uint32).astype(np.int64)
     sizes = np.diff(offsets)
@@ -42,7 +43,6 @@ def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> tuple[Layou
     dtype = str(shard_dtype(shard))
     tokens = ndarray_rows(data, shard)  # one view of every row (ndarray encodings)
     if tokens is None:  # LLM-Foundry's older bytes column: int64 values as raw bytes
-        from foundrymix.format.streaming_format import ShardRows
         rows = ShardRows(shard, data)
         tokens = np.stack([np.frombuffer(rows[r][COLUMN], dtype) for r in range(n)])
     layout = Layout(length=int(tokens.shape[1]), dtype=dtype, row_bytes=int(sizes[0]),

@@ -28,6 +28,8 @@ from typing import Any, Iterator, Literal, Optional, Sequence
 import numpy as np
 
 from foundrymix.errors import FoundrymixError
+from foundrymix.format.schema import check_row
+from foundrymix.format.streaming_format import RowBoundsError, ShardRows, decompress, get_hash, is_hash
 
 INDEX_NAME = 'index.json'
 #: the only streaming index version (streaming 0.13 reads only this one)
@@ -253,7 +255,6 @@ def validate_hash_problem(stream: str, index: dict[str, Any], algorithm: Optiona
     """
     if not algorithm:
         return None
-    from foundrymix.format.streaming_format import is_hash
     if not is_hash(algorithm):
         return f'validate_hash {algorithm!r} is not a hash algorithm streaming knows'
     have = hashes_in_index(index)
@@ -281,7 +282,6 @@ class HashCheck:
 
 def shard_hash_checks(info: dict[str, Any], data: bytes) -> list[HashCheck]:
     """Every hash recorded in ``info`` (an index ``raw_data``/``zip_data``) against ``data``."""
-    from foundrymix.format.streaming_format import get_hash, is_hash
     out = []
     for algo, expected in sorted((info.get('hashes') or {}).items()):
         found = get_hash(algo, data) if is_hash(algo) else '(unknown algorithm)'
@@ -326,8 +326,6 @@ def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int
     a row that cannot be read is reported, not raised; each row is then checked with
     :func:`check_row`.
     """
-    from foundrymix.format.schema import check_row
-    from foundrymix.format.streaming_format import RowBoundsError, ShardRows
     rows = ShardRows(shard, data)
     for r in range(len(rows)):
         try:
@@ -343,7 +341,6 @@ def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int
 
 def decompress_shard(shard: dict[str, Any], data: bytes) -> bytes:
     """Raw bytes of a shard from the bytes of its compressed file (streaming's codecs)."""
-    from foundrymix.format.streaming_format import decompress
     return decompress(shard['compression'], data)
 
 

@@ -12,6 +12,8 @@ from foundrymix.plan.catalog import Catalog
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.format.schema import Manifest, TokenizerInfo
 from foundrymix.loader.storage import build_store
+from foundrymix.plan.mixture import build_plan
+from foundrymix.plan.topology import Topology, env_world_size
 
 if TYPE_CHECKING:  # torch/streaming are imported lazily
     from foundrymix.loader.storage import RowStore
@@ -63,7 +65,6 @@ class StreamMixer:
         global batch of ``world_size`` ranks (default: the launcher's), resumable at any batch.
         ``rewind``: every iteration starts at the first batch (an evaluation set)."""
         from foundrymix.loader.run_loader import build_run_loader
-        from foundrymix.plan.topology import Topology, env_world_size
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
         topology = Topology(1, world_size or env_world_size())
@@ -77,8 +78,6 @@ class StreamMixer:
              nodes: int = 1) -> 'Plan':
         """The exact per-epoch mixture and where ``max_duration`` ends (reads no shards), for
         ``world_size`` ranks over ``nodes`` nodes."""
-        from foundrymix.plan.mixture import build_plan
-        from foundrymix.plan.topology import Topology
         if world_size <= 0 or world_size % nodes:
             raise ConfigError(f'world_size ({world_size}) must be a positive multiple of the '
                               f'number of nodes ({nodes})')

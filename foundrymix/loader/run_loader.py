@@ -19,7 +19,10 @@ from foundrymix.config import ConfigError
 from foundrymix.loader.position import StagedPosition
 from foundrymix.loader.storage import build_store
 from foundrymix.plan.adaptive import AdaptiveController
-from foundrymix.plan.stages import RunPlan, StagePlan
+from foundrymix.plan.stages import RunPlan, StagePlan, build_run_plan, plan_run
+from foundrymix.loader.span import Span, span_loader
+from foundrymix.plan.counts import rows_before
+from foundrymix.plan.topology import Topology, env_rank
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -67,7 +70,6 @@ class StagedDataLoader:
 
     def samples_per_stream(self) -> dict[str, int]:
         """Stream name -> rows of it in all ranks' global batches before the position."""
-        from foundrymix.plan.counts import rows_before
         return rows_before(self.run, self.position.batch, self.position.adaptive)
 
     @property
@@ -140,8 +142,6 @@ class StagedDataLoader:
 
     def _span_loader(self, stage: StagePlan, position: StagedPosition, end: int) -> 'DataLoader':
         """The DataLoader of batches ``[position, end)`` of ``stage`` (its storage built if new)."""
-        from foundrymix.loader.span import Span, span_loader
-        from foundrymix.plan.topology import env_rank
         active = self._activate(stage)
         config = stage.config
         assert config is not None
@@ -184,8 +184,6 @@ def build_run_loader(config: 'LoaderConfig', batch_size: int, max_duration: Opti
     run's loader (``build_loader``, ``StreamMixer``, the trainer) comes here, so one config gives
     one plan and one order. ``catalogs``: a run without stages' catalog, already read (its
     metadata is not read again). Reads no rows: the first batch (or :meth:`prepare`) does."""
-    from foundrymix.plan.stages import build_run_plan, plan_run
-    from foundrymix.plan.topology import Topology
     topology = topology or Topology()
     if catalogs is None:
         run, catalogs = plan_run(config, batch_size, max_duration, topology, where, rank_count_limit=0)

@@ -22,6 +22,9 @@ from foundrymix.heap import collector_paused
 from foundrymix.loader import cache
 from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes, cache_file
 from foundrymix.loader.cache.sources import Source, sources_of  # noqa: F401 (re-exported)
+from foundrymix.format.streaming_format import ShardRows, decompress, get_hash
+from foundrymix.loader.cache import disk_full_hint
+from foundrymix.s3.remote import RemoteError, download
 
 if TYPE_CHECKING:
     from foundrymix.plan.catalog import StreamInfo
@@ -108,7 +111,6 @@ class RowStore:
                 if attempt:
                     raise self._shard_error(shard, 'its file vanished twice while being read')
             except Exception as e:
-                from foundrymix.loader.cache import disk_full_hint
                 hint = disk_full_hint(str(e), self.sources[self._where[shard][0]].directory)
                 raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}{hint}') from e
         foundry = self.sources[self._where[shard][0]].foundry
@@ -161,7 +163,6 @@ class RowStore:
             return reader if reader is not None else self._open_now(shard)
 
     def _open_now(self, shard: int) -> Any:
-        from foundrymix.format.streaming_format import ShardRows
         k, j = self._where[shard]
         src = self.sources[k]
         info = src.shards[j]
@@ -245,14 +246,11 @@ class RowStore:
             except ShardPrepareError:
                 raise
             except Exception as e:
-                from foundrymix.loader.cache import disk_full_hint
                 raise ShardPrepareError(
                     f"stream '{src.name}' ({src.directory}), shard {raw['basename']}: could not "
                     f'fetch the shard: {type(e).__name__}: {e}{disk_full_hint(str(e), src.directory)}') from e
 
     def _get(self, src: Source, info: dict[str, Any]) -> None:
-        from foundrymix.format.streaming_format import decompress, get_hash
-        from foundrymix.s3.remote import RemoteError, download
         os.makedirs(src.directory, exist_ok=True)
         raw, zip_ = info['raw_data'], info.get('zip_data')
         name = (zip_ or raw)['basename']

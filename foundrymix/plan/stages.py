@@ -17,6 +17,7 @@ from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.mixture import RANK_COUNT_LIMIT, Plan, build_plan
 from foundrymix.plan.order import StageOrder, StreamDraws
 from foundrymix.plan.topology import Topology
+from foundrymix.plan.adaptive import build_controller, plan_adaptive
 
 
 #: the name of the one stage of a run without ``stages:`` (name it so to append stages to it)
@@ -211,7 +212,6 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                   explicit=config.stages is not None)
     if max_duration is not None and run.explicit:
         _check_max_duration(max_duration, run)
-    from foundrymix.plan.adaptive import build_controller, plan_adaptive
     carried: dict[str, Optional[tuple[StreamDraws, int]]] = {}
     for stage in stages:
         places = _continue_passes(stage, carried)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import os
@@ -182,8 +183,6 @@ def _modeling_source(model_type: str) -> str:
     """The source text of transformers' causal-LM module for ``model_type`` ('' when it has none).
 
     Read, not imported: importing a modeling module is slow, and ``plan`` reads the model section too."""
-    import importlib.util
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     spec = None
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from foundrymix.errors import UserError
+from foundrymix.s3.remote import classify
 
 LATEST = 'latest-rank0.pt.symlink'  # Composer's save_latest_filename for rank 0, plus '.symlink'
 
@@ -203,8 +204,6 @@ def remote_checkpoint(save_folder: str) -> Optional[RemoteResume]:
     would overwrite them. Read errors name the URL and S3's error code.
     """
     from composer.utils.object_store import S3ObjectStore
-
-    from foundrymix.s3.remote import classify
 
     store, prefix = _object_store(save_folder)
     try:

@@ -16,6 +16,8 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError
 from foundrymix.train.lora import base_tensors, check_targets
 from foundrymix.train.model_spec import ModelConfigError, ModelSpec, hf_config
+from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
+from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
 
 #: the files transformers loads PyTorch weights from (``transformers.utils`` names them alike)
 WEIGHT_FILES = ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin',
@@ -112,7 +114,6 @@ def check_pretrained_tokenizer(spec: ModelSpec, streams: Any) -> None:
     """
     if spec.pretrained is None:
         return
-    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
 
     try:
         model_tok = tokenizer_info(load_tokenizer(spec.pretrained))
@@ -120,7 +121,6 @@ def check_pretrained_tokenizer(spec: ModelSpec, streams: Any) -> None:
         model_tok = None
     if model_tok is not None:
         if model_tok.fingerprint != streams.fingerprint:
-            from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
             raise ModelConfigError(
                 f'model.pretrained: {spec.pretrained} has another tokenizer than the streams ({streams.name}): '
                 f"{tokenizer_differences(model_tok, streams)} (the directory's vs the streams')"

@@ -17,6 +17,9 @@ from foundrymix.loader.cache.directories import Claims, claim
 from foundrymix.loader.cache.hashes import CorruptLocalShardError  # noqa: F401 (re-exported)
 from foundrymix.loader.cache.space import check_space, disk_full_hint  # noqa: F401 (re-exported)
 from foundrymix.loader.cache.stale import clean_stale
+from foundrymix.format.mds import size_limit_bytes
+from foundrymix.loader.cache.budget import CacheBudget
+from foundrymix.plan.config import cache_base
 
 
 def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claims]:
@@ -49,9 +52,6 @@ def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], Claim
 def budget_for(config: Any, infos: list[Any], where: str) -> Optional[Any]:
     """The remote streams' :class:`~.budget.CacheBudget` (None without ``cache_limit``), its lock
     named by the directories it covers."""
-    from foundrymix.format.mds import size_limit_bytes
-    from foundrymix.loader.cache.budget import CacheBudget
-    from foundrymix.plan.config import cache_base
     if not config.cache_limit:
         return None
     remote = [i for i in infos if i.remote_dir]

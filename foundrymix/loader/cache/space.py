@@ -11,6 +11,7 @@ import shutil
 from typing import Any
 
 from foundrymix.config import ConfigError
+from foundrymix.format.mds import size_limit_bytes
 
 
 def _shard_sizes(shard: dict[str, Any]) -> tuple[str, int, int]:
@@ -60,7 +61,6 @@ def check_space(config: Any, infos: list[Any], where: str) -> None:
     """Refuse a ``cache_limit`` the loader cannot work with, and a filesystem without room for
     the shards not cached yet (raw, compressed too with ``keep_zip``, one being unpacked),
     capped by ``cache_limit`` (the loader then evicts)."""
-    from foundrymix.format.mds import size_limit_bytes
     limit = config.cache_limit
     if isinstance(limit, str):
         try:
