@@ -22,10 +22,6 @@ from foundrymix.plan.data_config import (DATA_KEYS, DataConfig, batch_per_rank, 
 from foundrymix.plan.stages import RANK_COUNT_LIMIT, Topology, plan_run
 from foundrymix.tools.plan_eval import eval_json, print_eval
 from foundrymix.tools.render import console_for_output, render_lr_schedule, render_plan, render_run_plan
-from foundrymix.train.config import PlanConfig, TrainConfig, check_streams, split_batch
-from foundrymix.train.lr_schedule import Timeline, resolve_wsd
-from foundrymix.train.picture import plot_run_plan
-from foundrymix.train.preflight import check_start
 
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
@@ -45,6 +41,7 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
     refuses it."""
     if getattr(cfg, 'scheduler', None) is None or cfg.scheduler.name != 'wsd':
         return None
+    from foundrymix.train.lr_schedule import Timeline, resolve_wsd  # trainer only: see _read
     return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
 
 
@@ -55,6 +52,8 @@ def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Op
     cfg = read_yaml_config(path, overrides, max_duration, _read)
     trainer = type(cfg) is not DataConfig
     if trainer:
+        from foundrymix.train.config import check_streams, split_batch
+        from foundrymix.train.preflight import check_start
         device_batch, _ = split_batch(cfg, world_size)
     else:
         device_batch = batch_per_rank(cfg, world_size)
@@ -79,6 +78,7 @@ def _read(data: dict[str, Any]) -> Any:
     checked as ``train`` would, the model left out)."""
     if DATA_KEYS.issuperset(data):
         return DataConfig.from_dict(data)
+    from foundrymix.train.config import PlanConfig, TrainConfig  # a data-only plan loads no trainer module
     return (TrainConfig if 'model' in data else PlanConfig).from_dict(data)
 
 
@@ -119,6 +119,7 @@ def _run(args: argparse.Namespace) -> int:
             render_lr_schedule(schedule, lr, console)
         print_eval(cfg, world, nodes, console)
     if args.png:
+        from foundrymix.train.picture import plot_run_plan
         plot_run_plan(run, args.png, lr=(schedule, lr) if schedule is not None else None)
         if not args.json:
             print(f'picture: {args.png}')
