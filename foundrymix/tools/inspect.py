@@ -25,7 +25,6 @@ import numpy as np
 from foundrymix.errors import MissingError
 from foundrymix.format.row_errors import CorruptRowError
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, decode_row
-from foundrymix.convert.report import manifest_table
 from foundrymix.format.shards import (INDEX_NAME, check_shard_files, decompress_shard, is_not_found,
                                       iter_shard_rows, read_index, shard_files_error, shard_name)
 from foundrymix.s3.remote import download
@@ -141,6 +140,7 @@ def _show(directory: str, title: str, args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
+        from foundrymix.convert.report import manifest_table  # rich, as above
         Console(file=sys.stdout).print(manifest_table(manifest, title))
         print('inputs:', *manifest.inputs, sep='\n  ')
         print('options:', json.dumps(manifest.options, sort_keys=True))
