@@ -17,7 +17,6 @@ from foundrymix.convert.pipeline import PARALLEL_MODES
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.errors import UserError
 from foundrymix.tokenizer import DEMO_TOKENIZER
-from foundrymix.convert.adopt import AdoptArgs, adopt
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -202,6 +201,7 @@ def _run_finetune(args: argparse.Namespace) -> int:
 
 
 def _run_adopt(args: argparse.Namespace, kinds: tuple[str, ...] = ()) -> int:
+    from foundrymix.convert.adopt import AdoptArgs, adopt
     common = {k: getattr(args, k) for k in ('workers', 'overwrite', 'on_error', 'bos', 'eos',
                                             'compression', 'size_limit')}
     common['hash'] = tuple(args.hash)

@@ -20,11 +20,6 @@ from typing import Any
 from foundrymix.config import ConfigError, foundry_advice
 from foundrymix.errors import ExistsError, MissingError
 from foundrymix.tools.migrate_keys import DATASET_KEYS, cpu_overrides, kept, model_keys, read_back, show
-from foundrymix.plan.config import LoaderConfig
-from foundrymix.plan.specs import REPLACED_KNOBS, replaced_knob
-from foundrymix.train.algorithms import ALGORITHMS
-from foundrymix.train.callbacks import CALLBACKS
-from foundrymix.train.config import TrainConfig
 
 #: top-level keys renamed one to one
 TOP_RENAMES = {'fsdp_config': 'fsdp', 'console_log_interval': 'log_interval', 'global_seed': 'seed'}
@@ -83,6 +78,10 @@ def _replace_refs(node: Any, old: str, new: str) -> Any:
 def migrate(data: dict[str, Any], name: str = 'foundrymix') -> Migration:
     """``data`` (a Foundry YAML, interpolations unresolved) in foundrymix's keys; ``name`` (the
     file's) names the run when the YAML leaves ``run_name`` empty."""
+    from foundrymix.train.algorithms import ALGORITHMS
+    from foundrymix.train.callbacks import CALLBACKS
+    from foundrymix.train.config import TrainConfig
+
     m = Migration(dict(data), original=dict(data))
     d = m.data
     known = {f.name for f in dataclasses.fields(TrainConfig)} | {'variables'}
@@ -174,6 +173,7 @@ def _merged_into(value: Any, loader: Any) -> bool:
 
 
 def _loader(m: Migration, name: str) -> None:
+    from foundrymix.plan.config import LoaderConfig
     loader = m.data.get(name)
     if isinstance(loader, list):
         m.todo.append(f'{name}: a list of eval loaders; give one eval_loader (streams may be several)')
@@ -207,6 +207,7 @@ def _loader(m: Migration, name: str) -> None:
     if stream:
         loader.setdefault('streams', {})[name.split('_')[0]] = stream
         m.changes.append(f'{name}.dataset.{{{", ".join(stream)}}} -> {name}.streams.{name.split("_")[0]}')
+    from foundrymix.plan.specs import REPLACED_KNOBS, replaced_knob
     for key in [k for k in (*dataset, *loader) if k in REPLACED_KNOBS]:
         value = dataset.pop(key) if key in dataset else loader.pop(key)
         m.dropped.append(f'{name}.{key}: {show(value)}: {replaced_knob(key)}, replaced by '

@@ -15,11 +15,6 @@ import os
 import re
 from typing import Any, Optional
 
-from foundrymix.config import ConfigError, errors_of
-from foundrymix.train.config import TrainConfig
-from foundrymix.train.model_spec import (OWN_KEYS, check_model_type, config_keys, foundry_model_advice,
-                                         has_sdpa, mpt_attention_line, reads_position_ids)
-
 #: LLM-Foundry loader ``dataset`` keys with no equivalent: why, and what decides it here
 DATASET_KEYS = {
     'decoder_only_format': 'finetune streams are decoder-only: prompt then response, loss on the response',
@@ -59,6 +54,7 @@ def model_type(model: dict[str, Any]) -> Optional[str]:
 
 
 def _advice(key: str, mtype: Optional[str]) -> str:
+    from foundrymix.train.model_spec import foundry_model_advice
     text = foundry_model_advice(key, mtype or 'this') or ''
     return text.split('; delete it')[0]
 
@@ -67,6 +63,8 @@ def model_keys(m: Any) -> None:
     """The model section's keys beyond ``name``/``init_device``/``loss_fn``: LLM-Foundry's own
     ones rewritten or removed with their reason, every other key checked against the
     transformers config of the model's type (or left to do when the type is not known yet)."""
+    from foundrymix.train.model_spec import OWN_KEYS, config_keys, mpt_attention_line
+
     model = m.data.get('model')
     if not isinstance(model, dict):
         return
@@ -144,6 +142,8 @@ def _attention(m: Any, model: dict[str, Any], mtype: str) -> None:
     """``attention`` and ``attn_implementation`` as ``plan`` accepts them for ``mtype``: causal for a
     model that ignores position_ids, eager for one without sdpa; an explicit value stays, and the
     read-back turns a refused one into a to-do."""
+    from foundrymix.train.model_spec import check_model_type, has_sdpa, reads_position_ids
+
     check_model_type(mtype, 'model')  # an encoder-decoder model: refused here, in one line
     who = 'MPT' if mtype == 'mpt' else repr(mtype)
     if 'attention' not in model and not reads_position_ids(mtype):
@@ -158,6 +158,9 @@ def _attention(m: Any, model: dict[str, Any], mtype: str) -> None:
 def read_back(m: Any) -> None:
     """Read the migrated YAML as ``train`` reads it; each refusal not already to do is one."""
     from omegaconf import OmegaConf
+
+    from foundrymix.config import ConfigError, errors_of
+    from foundrymix.train.config import TrainConfig
 
     todo = {head(line) for line in m.todo}
 
@@ -224,6 +227,7 @@ def cpu_overrides(data: dict[str, Any]) -> list[str]:
         out.append('device_train_microbatch_size=null')
     model = data.get('model')
     if isinstance(model, dict) and model.get('attn_implementation') == 'flash_attention_2':
+        from foundrymix.train.model_spec import has_sdpa
         mtype = model_type(model)
         out.append(f"model.attn_implementation={'eager' if mtype and not has_sdpa(mtype) else 'sdpa'}")
     if data.get('eval_loader') and data.get('eval_subset_num_batches', -1) == -1:

@@ -16,12 +16,6 @@ from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP, ConfigError
 from foundrymix.heap import collector_paused
-from foundrymix.plan.catalog import Catalog
-from foundrymix.plan.data_config import (DATA_KEYS, DataConfig, batch_per_rank, check_data_streams,
-                                         check_eval_catalog, read_yaml_config)
-from foundrymix.plan.stages import RANK_COUNT_LIMIT, Topology, plan_run
-from foundrymix.tools.plan_eval import eval_json, print_eval
-from foundrymix.tools.render import console_for_output, render_lr_schedule, render_plan, render_run_plan
 
 
 def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
@@ -41,7 +35,7 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
     refuses it."""
     if getattr(cfg, 'scheduler', None) is None or cfg.scheduler.name != 'wsd':
         return None
-    from foundrymix.train.lr_schedule import Timeline, resolve_wsd  # trainer only: see _read
+    from foundrymix.train.lr_schedule import Timeline, resolve_wsd
     return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
 
 
@@ -49,6 +43,11 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
 def _plan(path: str, overrides: Sequence[str], world_size: int, max_duration: Optional[str],
           nodes: int, rank_counts: bool = False) -> tuple[Any, Any]:
     """(the RunPlan, the config) of a YAML (:func:`_read`), refused as ``train`` refuses it."""
+    from foundrymix.plan.catalog import Catalog
+    from foundrymix.plan.data_config import (DataConfig, batch_per_rank, check_data_streams, check_eval_catalog,
+                                             read_yaml_config)
+    from foundrymix.plan.stages import RANK_COUNT_LIMIT, Topology, plan_run
+
     cfg = read_yaml_config(path, overrides, max_duration, _read)
     trainer = type(cfg) is not DataConfig
     if trainer:
@@ -76,9 +75,10 @@ def _read(data: dict[str, Any]) -> Any:
     """A data-only YAML as the core's ``DataConfig``; one with ``model:`` as ``train`` reads it
     (``TrainConfig``); one with other trainer keys but no model as a ``PlanConfig`` (every key
     checked as ``train`` would, the model left out)."""
+    from foundrymix.plan.data_config import DATA_KEYS, DataConfig
     if DATA_KEYS.issuperset(data):
         return DataConfig.from_dict(data)
-    from foundrymix.train.config import PlanConfig, TrainConfig  # a data-only plan loads no trainer module
+    from foundrymix.train.config import PlanConfig, TrainConfig
     return (TrainConfig if 'model' in data else PlanConfig).from_dict(data)
 
 
@@ -102,12 +102,14 @@ def _run(args: argparse.Namespace) -> int:
     plan = run if run.explicit else run.stages[0].plan
     schedule = lr_schedule(cfg, run)
     lr = cfg.optimizer.lr if schedule is not None else None
+    from foundrymix.tools.plan_eval import eval_json, print_eval
     if args.json:
         out = {**plan.to_dict(), **eval_json(cfg, world, nodes)}
         if schedule is not None:
             out['lr_schedule'] = schedule.to_dict(lr)
         print(json.dumps(out, indent=2))
     else:
+        from foundrymix.tools.render import console_for_output, render_lr_schedule, render_plan, render_run_plan
         console = console_for_output()
         if getattr(cfg, 'model', None) is None:
             print('no model section: the data is planned; `foundrymix train` needs a model (and max_seq_len)')

@@ -10,9 +10,7 @@ import argparse
 from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP
-from foundrymix.errors import UserError, run_command as run
-from foundrymix.train.config import load_config
-from foundrymix.train.report import print_report
+from foundrymix.errors import UserError
 
 #: the one line ``foundrymix train`` prints where Composer is not installed (the core installs none)
 COMPOSER_MISSING = ("training needs Composer, which is not installed here: pip install 'foundrymix[composer]' "
@@ -38,6 +36,8 @@ def print_summary(run: Any) -> None:
     """Per-stream table of what was consumed against the plan, and where the report is."""
     from rich.console import Console
 
+    from foundrymix.train.report import print_report
+
     console = Console()
     print_report(run.accounting.summary(run.trainer.state), run.accounting.out_dir, run.accounting.plot, console)
     if run.config.save_folder:
@@ -62,6 +62,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
     The YAML is read before Composer is looked for, so a config is checked the same without it.
     """
+    from foundrymix.train.config import load_config
+
     config = load_config(args.config, args.overrides)
     require_composer()
     from composer.utils import dist
@@ -78,4 +80,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python train.py CONFIG [key=value ...]``: config errors exit 2 with one line, no traceback."""
     parser = argparse.ArgumentParser(prog='train.py', description=DESCRIPTION)
     add_arguments(parser)
+    from foundrymix.errors import run_command as run
     return run(parser.parse_args(argv))

@@ -15,11 +15,6 @@ from typing import Any
 from foundrymix.errors import ExistsError, FoundrymixError, MissingError
 from foundrymix.format.schema import MANIFEST_NAME
 from foundrymix.format.shards import INDEX_NAME
-from foundrymix.convert.to_foundry import export_to_foundry
-from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
-from foundrymix.train import lora
-from foundrymix.train.remote_resume import local_checkpoint
-from foundrymix.train.weights import changed_base_tensor
 
 PREFIX = 'model.'  # the CausalLM wrapper's attribute holding the transformers model
 
@@ -52,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     if args.to_foundry is not None:
+        from foundrymix.convert.to_foundry import export_to_foundry
         done = export_to_foundry(args.checkpoint, args.to_foundry)
         print(f'exported {args.checkpoint} -> {done.out}: {done.rows:,} rows, {done.tokens:,} tokens in '
               f"{done.shards} shard(s), one tokens column (LLM-Foundry's StreamingTextDataset)")
@@ -67,6 +63,7 @@ def checkpoint_file(path: str, say: Any = None) -> str:
     through ``say``; a folder with no checkpoint is refused, naming it."""
     if not os.path.isdir(path):
         return path
+    from foundrymix.train.remote_resume import local_checkpoint
 
     try:
         found = local_checkpoint(path)
@@ -140,6 +137,8 @@ def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
 def find_tokenizer(info: dict[str, Any]) -> Any:
     """The streams' tokenizer (by its manifest name, else the pretrained model's directory);
     refuses one whose fingerprint differs from the one recorded at training."""
+    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
+
     tried = []
     for name in (info['tokenizer'], info.get('pretrained')):
         if not name:
@@ -157,6 +156,7 @@ def find_tokenizer(info: dict[str, Any]) -> Any:
 
 
 def _require_peft() -> Any:
+    from foundrymix.train import lora
     if not lora.peft_available():
         raise ExportError(f'the checkpoint is of a LoRA run (model.peft_config): exporting it needs the '
                           f'peft library, which is not installed: {lora.INSTALL}')
@@ -206,6 +206,8 @@ def _check_adapter_export(info: dict[str, Any], checkpoint: str) -> None:
 
 def _check_base(model: Any, directory: str) -> None:
     """The adapter is only right over the base it was trained on: ``directory`` must hold it."""
+    from foundrymix.train.weights import changed_base_tensor
+
     if not os.path.isdir(directory):
         raise ExportError(f'--adapter: the base directory the run started from, {directory}, is gone: export '
                           f'without --adapter (the merged model), or restore the directory')
