@@ -15,6 +15,7 @@ from typing import Any
 from foundrymix.errors import ExistsError, FoundrymixError, MissingError
 from foundrymix.format.schema import MANIFEST_NAME
 from foundrymix.format.shards import INDEX_NAME
+from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
 
 PREFIX = 'model.'  # the CausalLM wrapper's attribute holding the transformers model
 
@@ -137,8 +138,6 @@ def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
 def find_tokenizer(info: dict[str, Any]) -> Any:
     """The streams' tokenizer (by its manifest name, else the pretrained model's directory);
     refuses one whose fingerprint differs from the one recorded at training."""
-    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
-
     tried = []
     for name in (info['tokenizer'], info.get('pretrained')):
         if not name:
