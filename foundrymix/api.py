@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from foundrymix.config import ConfigError
 from foundrymix.heap import collector_paused
+from foundrymix.plan.data_config import DataConfig, batch_per_rank, check_data_streams, read_yaml_config
+from foundrymix.plan.topology import Topology
 
 if TYPE_CHECKING:
     from foundrymix.loader.run_loader import StagedDataLoader
@@ -31,8 +33,6 @@ def build_loader(config: ConfigSource, *, rank: Optional[int] = None,
     ``foundrymix plan`` refuse them, in one line (trainer keys are theirs to check).
     """
     from foundrymix.loader.run_loader import build_run_loader
-    from foundrymix.plan.topology import Topology
-    from foundrymix.plan.data_config import batch_per_rank, check_data_streams
 
     rank, world_size = _ranks(rank, world_size)
     cfg = _read(config, overrides, max_duration)
@@ -65,7 +65,6 @@ def _ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
 def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional[str]) -> 'DataConfig':
     """The data part of the config (:meth:`~foundrymix.plan.data_config.DataConfig.from_run`:
     a YAML without ``model`` is data-only, every key checked)."""
-    from foundrymix.plan.data_config import DataConfig, read_yaml_config
     if isinstance(config, (str, os.PathLike)):
         return read_yaml_config(os.fspath(config), overrides, max_duration, DataConfig.from_run)
     if not isinstance(config, Mapping):

@@ -5,6 +5,8 @@ class keeps the builtin base callers catch (``ValueError``, ``FileNotFoundError`
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 from typing import Any, Sequence
 
@@ -70,8 +72,6 @@ def run_command(args: Any) -> int:
 def _stdout_closed() -> bool:
     """Whether standard output is a pipe whose reader has gone (``poll`` reports an error on
     it); if so it is pointed at ``/dev/null``, so Python's flush at exit does not fail too."""
-    import os
-    import select
     try:
         fd = sys.stdout.fileno()
         poller = select.poll()

@@ -6,10 +6,13 @@ SentencePiece ``.model`` file (adds BOS), or a name already in the local Hugging
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -255,7 +258,6 @@ def _read_memo(path: str) -> Optional[TokenizerInfo]:
             got = json.load(f)
         info = got['info']
         if got.get('sha256') != _digest(info):
-            import logging
             logging.getLogger(__name__).warning('tokenizer memo %s is damaged (its digest does not '
                                                 'match); reading the tokenizer again', path)
             return None
@@ -265,8 +267,6 @@ def _read_memo(path: str) -> Optional[TokenizerInfo]:
 
 
 def _write_memo(path: str, info: TokenizerInfo) -> None:
-    import dataclasses
-    import tempfile
     folder = os.path.dirname(path)
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)

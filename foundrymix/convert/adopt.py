@@ -9,13 +9,14 @@ equal ``convert pretrain`` of the raw corpus. docs/convert.md ("Adopting existin
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from foundrymix.convert.common import ConvertOptions, Setup
-from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records, worker_state
+from foundrymix.convert.common import ConvertOptions, Setup, worker_state
+from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
 from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
                                          read_column_arrays)
@@ -28,6 +29,7 @@ from foundrymix.errors import UserError
 from foundrymix.format.foundry_tokens import document_rule
 from foundrymix.format.schema import Manifest, RowBatch
 from foundrymix.tokenizer import describe_tokenizer
+from foundrymix.convert.mds_input import shard_count
 
 #: the column sets adopt reads, and what they are
 KINDS = {
@@ -164,7 +166,6 @@ class AdoptArgs:
 def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], Optional[int], str]:
     """Where documents end: ``(boundary, id, window length of shard 0, statement)``, from the first
     separator in shard order: documents end after each EOS, or start at each BOS not after one."""
-    from foundrymix.convert.mds_input import shard_count
     info = describe_tokenizer(tokenizer)
     window: Optional[int] = None
     previous: Optional[int] = None  # the last token of the shards read so far
@@ -191,15 +192,6 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
                                   f'stream is taken as one document (doc_lens only mark row ends)')
 
 
-def no_separator_warning(inferred: str, tokenizer: str) -> str:
-    """The warning for a stream with no separator of ``tokenizer``: a wrong tokenizer or a
-    separator of several ids looks the same as one long document."""
-    return (f'warning: {inferred.split(":")[0]} of tokenizer {tokenizer!r} in the shards, so every row is '
-            f'one document. If the documents had separators, they were not its single EOS/BOS ids: '
-            f'the shards were made with another tokenizer (pass it with --tokenizer) or with an '
-            f'--eos_text/--bos_text of several ids (adopt finds single ids only).')
-
-
 def _split_out(out: str, split: MdsSplit, several: bool) -> str:
     if not several:
         return out
@@ -216,7 +208,6 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
         if not args.source.startswith('s3://'):
             raise UserError(f'{args.source}: adopt reads a local MDS folder or s3://bucket/prefix; copy '
                             f'it to a local folder first')
-        import tempfile
         with tempfile.TemporaryDirectory(prefix='foundrymix-adopt-') as staging:
             if progress:
                 print(f'adopt {args.source}: copying its MDS datasets to {staging} first')

@@ -16,6 +16,7 @@ from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_has
 from foundrymix.errors import UserError
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info
+from foundrymix.convert.upload import check_remote
 
 ON_ERROR = ('raise', 'skip')
 #: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py)
@@ -124,7 +125,6 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     check_compression(options.compression)
     remote = None
     if output.remote is not None:  # reaches the endpoint: after the free checks, before any work
-        from foundrymix.convert.upload import check_remote
         remote = check_remote(output.remote, options.overwrite)
     with importing('transformers'):
         tok = load_tokenizer(options.tokenizer) if load else None
@@ -142,3 +142,43 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     return Setup(inputs=resolved, tokenizer=tok, info=info, token_dtype=token_dtype_for(info.vocab_size),
                  bos_id=bos_id, eos_id=eos_id, workers=options.workers or default_workers(),
                  output=output, remote=remote)
+
+
+@dataclass
+class WorkerState:
+    """What an encode step needs, set up once per worker (thread pool or process)."""
+
+    options: Any  # the converter's ConvertOptions subclass
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    token_dtype: str
+
+    @property
+    def tok(self) -> Any:
+        """The tokenizer, loaded on first use (cached per process by ``load_tokenizer``):
+        encode steps that only check ids (adopt's) never import transformers."""
+        return load_tokenizer(self.options.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return describe_tokenizer(self.options.tokenizer).vocab_size
+
+
+_state: Optional[WorkerState] = None
+
+
+def init_worker(options: ConvertOptions, bos_id: Optional[int], eos_id: Optional[int],
+                token_dtype: str) -> None:
+    """Set up this worker (in the calling process for thread workers)."""
+    global _state
+    _state = WorkerState(options=options, bos_id=bos_id, eos_id=eos_id, token_dtype=token_dtype)
+
+
+def worker_state() -> WorkerState:
+    assert _state is not None, 'init_worker was not called in this worker'
+    return _state
+
+
+def worker_options() -> Any:
+    """This worker's options; None before :func:`init_worker` (records parsed outside a conversion)."""
+    return _state.options if _state is not None else None

@@ -1,8 +1,8 @@
 """The one conversion driver: chunks -> workers -> rows -> shards, for every converter.
 
 A :class:`Converter` supplies only its encode step (in the workers, which reach options through
-:class:`WorkerState`) and row builder (in the calling thread); checks, error policy, counts,
-progress, atomic writing and the summary are shared here.
+:class:`~foundrymix.convert.common.WorkerState`) and row builder (in the calling thread); checks, error policy,
+counts, progress, atomic writing and the summary are shared here.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from foundrymix import claims
-from foundrymix.convert import holdout as held
-from foundrymix.convert.common import ConvertOptions, Setup, prepare
+from foundrymix.convert import holdout as held, ray_engine
+from foundrymix.convert.common import ConvertOptions, Setup, init_worker, prepare, worker_options
 from foundrymix.convert.paths import OutSpec, split_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
@@ -25,41 +25,6 @@ from foundrymix.convert.report import check_rows, print_summary
 from foundrymix.convert.writer import ShardWriter
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest
-from foundrymix.tokenizer import describe_tokenizer, load_tokenizer
-
-
-@dataclass
-class WorkerState:
-    """What an encode step needs, set up once per worker (thread pool or process)."""
-
-    options: Any  # the converter's ConvertOptions subclass
-    bos_id: Optional[int]
-    eos_id: Optional[int]
-    token_dtype: str
-
-    @property
-    def tok(self) -> Any:
-        """The tokenizer, loaded on first use: steps that only check ids never import transformers."""
-        return load_tokenizer(self.options.tokenizer)
-
-    @property
-    def vocab_size(self) -> int:
-        return describe_tokenizer(self.options.tokenizer).vocab_size
-
-
-_state: Optional[WorkerState] = None
-
-
-def init_worker(options: ConvertOptions, bos_id: Optional[int], eos_id: Optional[int],
-                token_dtype: str) -> None:
-    """Set up this worker (in the calling process for thread workers)."""
-    global _state
-    _state = WorkerState(options=options, bos_id=bos_id, eos_id=eos_id, token_dtype=token_dtype)
-
-
-def worker_state() -> WorkerState:
-    assert _state is not None, 'init_worker was not called in this worker'
-    return _state
 
 
 @dataclass
@@ -80,7 +45,7 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
     ``parse`` returns the usable form or a :class:`BadRecord`; ``on_error='raise'`` stops at the
     first. ``preprocess`` runs first (its ``None`` counted in ``dropped``); with ``--holdout`` only
     this run's side is read."""
-    holdout = getattr(_state.options, 'holdout', None) if _state is not None else None
+    holdout = getattr(worker_options(), 'holdout', None)
     n_lines, records = (read_records(chunk, fields) if holdout is None
                         else held.side_records(chunk, fields, holdout, on_error))
     errors = ChunkErrors()
@@ -222,7 +187,6 @@ def _convert(converter: Converter, inputs: list[str], out: OutSpec, options: Con
                         tokenizer=setup.info, inputs=setup.inputs,
                         options=converter.manifest_options(options, setup))
     if options.engine == 'ray':  # tasks on a Ray cluster; the rest of this module is reused
-        from foundrymix.convert import ray_engine
         (seconds, uploaded), builder = ray_engine.run(converter, setup, setup.output.local, options,
                                                       manifest), None
     else:

@@ -12,10 +12,16 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
+import zstandard
 
 from foundrymix.errors import UserError
 from foundrymix.format.shards import (INDEX_NAME, IndexFileError, check_shard_files, read_index,
                                      shard_header_problems)
+from foundrymix.convert.upload import parse_s3_url
+from foundrymix.format.mds import ndarray_rows
+from foundrymix.format.shards import index_files, shard_raw_bytes
+from foundrymix.format.streaming_format import ShardRows
+from foundrymix.s3.client import describe, list_keys, make_client
 
 #: how many splits a root may hold before it is taken as a mistake (e.g. a home directory)
 MAX_SPLITS = 1000
@@ -144,9 +150,7 @@ def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
         raise UserError(f'{name}: missing; {os.path.join(path, INDEX_NAME)} lists it '
                         f'(an incomplete copy?)') from None
     if shard['compression'].split(':')[0] == 'zstd':  # streaming's codec is zstandard's, without torch
-        import zstandard
         return name, _checked(name, shard, zstandard.decompress(data))
-    from foundrymix.format.shards import shard_raw_bytes
     return name, _checked(name, shard, shard_raw_bytes(shard, data))
 
 
@@ -163,7 +167,6 @@ def _checked(name: str, shard: dict[str, Any], data: Any) -> Any:
 def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
     """``(file, rows)`` of shard ``number``: each row a dict of its columns, read by
     :class:`foundrymix.format.streaming_format.ShardRows` (the reader training uses)."""
-    from foundrymix.format.streaming_format import ShardRows
     shard = _index(path)['shards'][number]
     name, data = shard_bytes(path, number)
     reader = ShardRows(shard, data)
@@ -201,7 +204,6 @@ def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str]
     """``(file, values, row_lengths)``: one ndarray column of every row of a shard, back to back,
     as ``dtype``; with ``below``, a stored value outside ``[0, below)`` raises :class:`OutOfRange`
     (checked before narrowing)."""
-    from foundrymix.format.mds import ndarray_rows
     shard = _index(path)['shards'][number]
     name, data = shard_bytes(path, number)
     rows = ndarray_rows(data, shard) if shard['column_names'] == [column] else None
@@ -225,9 +227,6 @@ def download_datasets(url: str, into: str, progress: bool = False) -> int:
     files it lists, nothing else) into the local folder ``into``, keeping the layout; returns
     the bytes copied. The readers here map or read whole local shard files.
     """
-    from foundrymix.convert.upload import parse_s3_url
-    from foundrymix.format.shards import index_files
-    from foundrymix.s3.client import describe, list_keys, make_client
     s3 = parse_s3_url(url, 'adopt')
     client = make_client()
     try:

@@ -13,9 +13,9 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from foundrymix.convert.common import ConvertOptions, Setup
+from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.paths import OutSpec
-from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records, worker_state
+from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records
 from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.readers import BadRecord, Chunk, get_string

@@ -14,8 +14,8 @@ import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
-from foundrymix.convert.common import ConvertOptions, Setup
-from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, importing
+from foundrymix.convert.common import ConvertOptions, Setup, init_worker
+from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, default_workers, importing
 from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
 from foundrymix.convert.writer import _FINISH, ShardWriter
@@ -84,11 +84,10 @@ def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
 
 def _init_task_worker(options: ConvertOptions, setup: Setup) -> None:
     """Load the tokenizer once per Ray worker process (re-used by later tasks)."""
-    from foundrymix.convert import driver
     os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one task = one core
     key = (options, setup.bos_id, setup.eos_id, setup.token_dtype)
     if getattr(_init_task_worker, 'key', None) != key:
-        driver.init_worker(*key)
+        init_worker(*key)
         _init_task_worker.key = key  # type: ignore[attr-defined]
 
 
@@ -223,7 +222,6 @@ def _connect(options: ConvertOptions) -> bool:
     if options.ray_address:
         ray.init(address=options.ray_address, log_to_driver=True)
     else:
-        from foundrymix.convert.pipeline import default_workers
         ray.init(num_cpus=options.workers or default_workers(), include_dashboard=False)
     return True
 

@@ -15,8 +15,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
+import zstandard
+
 from foundrymix.convert.discover import input_format
 from foundrymix.errors import FoundrymixError, UserError
+from foundrymix.convert.mds_input import chunks_of, read_shard
 
 #: how many .txt documents one chunk holds (one document per file)
 TXT_FILES_PER_CHUNK = 64
@@ -81,7 +84,6 @@ def plan_chunks(inputs: Sequence[str], chunk_bytes: int) -> Iterator[Chunk]:
                 yield Chunk('parquet', path, start=g, end=g + 1, first_line=row)
                 row += meta.row_group(g).num_rows
         elif fmt == 'mds':  # an existing MDS dataset (foundrymix adopt): one chunk per shard
-            from foundrymix.convert.mds_input import chunks_of
             for shard, row in chunks_of(path):
                 yield Chunk('mds', path, start=shard, end=shard + 1, first_line=row)
         else:  # hf
@@ -122,7 +124,6 @@ def _decompressed(path: str) -> Iterator[bytes]:
             except (gzip.BadGzipFile, zlib.error) as e:
                 raise _StreamEnded('corrupt_file', f'not valid gzip data ({e})') from None
         return
-    import zstandard
     with open(path, 'rb') as raw:
         frame, fed = zstandard.ZstdDecompressor().decompressobj(), False
         try:
@@ -228,7 +229,6 @@ def read_records(chunk: Chunk, fields: Optional[Sequence[str]]
                 f'the file, or pass --on-error skip to convert the other row groups')))]
         return len(rows), [(chunk.path, i, rec) for i, rec in enumerate(rows)]
     if chunk.fmt == 'mds':
-        from foundrymix.convert.mds_input import read_shard
         name, rows = read_shard(chunk.path, chunk.start)
         return len(rows), [(name, i, rec if fields is None else {c: rec[c] for c in fields if c in rec})
                            for i, rec in enumerate(rows)]

@@ -170,12 +170,20 @@ def check_rows(manifest: Manifest) -> None:
                            f'{noun} read; {what}.{f" {todo}" if todo else ""}')
 
 
+def no_separator_warning(inferred: str, tokenizer: str) -> str:
+    """The warning for a stream with no separator of ``tokenizer``: a wrong tokenizer or a
+    separator of several ids looks the same as one long document."""
+    return (f'warning: {inferred.split(":")[0]} of tokenizer {tokenizer!r} in the shards, so every row is '
+            f'one document. If the documents had separators, they were not its single EOS/BOS ids: '
+            f'the shards were made with another tokenizer (pass it with --tokenizer) or with an '
+            f'--eos_text/--bos_text of several ids (adopt finds single ids only).')
+
+
 def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]:
     """The plain sentences printed under the summary table; warnings start with ``warning:``."""
     notes = [separators_note(manifest), documents_note(manifest)]
     inferred = manifest.options.get('source', {}).get('inferred', '')
     if inferred.startswith('neither EOS'):  # adopt found no separator (convert/adopt.py)
-        from foundrymix.convert.adopt import no_separator_warning
         notes.append(no_separator_warning(inferred, manifest.tokenizer.name))
     warning = too_long_warning(manifest, fit_95)
     return notes + ([warning] if warning else [])

@@ -20,6 +20,7 @@ import threading
 from typing import Any, Optional
 
 import numpy as np
+import xxhash
 
 from foundrymix.format.mds import LeanMDSWriter
 from foundrymix.convert.paths import check_out_url
@@ -42,7 +43,6 @@ DEFAULT_HASH = 'xxh3_64'
 def supported_hashes() -> set[str]:
     """The algorithms ``streaming.base.hashing`` supports (same rule: hashlib's, except
     ``shake_*``, plus xxhash's), computed without importing streaming (and torch)."""
-    import xxhash
     algos = {a for a in hashlib.algorithms_available if hasattr(hashlib, a) and not a.startswith('shake_')}
     return algos | set(xxhash.algorithms_available)
 

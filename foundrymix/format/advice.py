@@ -1,6 +1,8 @@
 """What to say about a directory that is not a foundrymix dataset: a folder of splits, or MDS
 written by another tool (LLM-Foundry token shards can be trained in place; anything else is
-adopted first). Every suggestion here is a command or key that works as written."""
+adopted first). Every suggestion here is a command or key that works as written. It is the bottom
+of ``format``: it recognises a directory by its files (manifest name, token shards) and imports no
+other module of the package, so ``schema`` can advise when a manifest is missing."""
 
 from __future__ import annotations
 
@@ -8,8 +10,29 @@ import json
 import os
 from typing import Any, Optional
 
-from foundrymix.format.foundry_tokens import is_foundry_tokens
-from foundrymix.format.schema import MANIFEST_NAME
+#: the file that makes a directory a foundrymix dataset (format/schema.py reads it)
+MANIFEST_NAME = 'foundrymix.json'
+#: LLM-Foundry's pretraining column
+COLUMN = 'tokens'
+_INT_DTYPES = ('int8', 'int16', 'int32', 'int64', 'uint8', 'uint16', 'uint32', 'uint64')
+
+
+def is_foundry_tokens(index: dict[str, Any]) -> bool:
+    """Every shard of ``index`` holds exactly one ``tokens`` column of integers (or bytes)."""
+    shards = index.get('shards') or []
+    return bool(shards) and all(s.get('column_names') == [COLUMN] and shard_dtype(s) is not None for s in shards)
+
+
+def shard_dtype(shard: dict[str, Any]) -> Optional[str]:
+    """The integer dtype of a token shard's one column, None if it is not integers."""
+    encoding = (shard.get('column_encodings') or [''])[0]
+    if encoding == 'bytes':
+        return 'int64'  # LLM-Foundry's older writer: np.int64 tokens as raw bytes
+    parts = encoding.split(':')
+    if parts[0] == 'ndarray' and len(parts) >= 2 and parts[1] in _INT_DTYPES:
+        return parts[1]
+    return None
+
 
 #: where the tokenizer of LLM-Foundry token shards read in place is given (plan/catalog reads them)
 IN_PLACE_TOKENIZER = ('the tokenizer they were made with (stream key tokenizer: NAME_OR_DIR, or '

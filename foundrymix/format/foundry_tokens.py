@@ -11,27 +11,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from foundrymix.format.advice import COLUMN, shard_dtype
 from foundrymix.format.schema import SCHEMA_VERSION, Counts, Manifest, TokenizerInfo, token_dtype_for
-
-#: LLM-Foundry's pretraining column
-COLUMN = 'tokens'
-_INT_DTYPES = ('int8', 'int16', 'int32', 'int64', 'uint8', 'uint16', 'uint32', 'uint64')
-
-
-def is_foundry_tokens(index: dict[str, Any]) -> bool:
-    """Every shard of ``index`` holds exactly one ``tokens`` column of integers (or bytes)."""
-    shards = index.get('shards') or []
-    return bool(shards) and all(s.get('column_names') == [COLUMN] and _dtype(s) is not None for s in shards)
-
-
-def _dtype(shard: dict[str, Any]) -> Optional[str]:
-    encoding = (shard.get('column_encodings') or [''])[0]
-    if encoding == 'bytes':
-        return 'int64'  # LLM-Foundry's older writer: np.int64 tokens as raw bytes
-    parts = encoding.split(':')
-    if parts[0] == 'ndarray' and len(parts) >= 2 and parts[1] in _INT_DTYPES:
-        return parts[1]
-    return None
+from foundrymix.format.mds import ndarray_rows
+from foundrymix.format.streaming_format import ShardRows
 
 
 @dataclass(frozen=True)
@@ -47,18 +30,15 @@ class Layout:
 def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> tuple[Layout, np.ndarray]:
     """The rows' layout and the tokens (``[rows, length]``) of shard 0 from its raw bytes;
     refuses rows of several lengths."""
-    from foundrymix.format.mds import ndarray_rows
-
     n = int(shard['samples'])
     offsets = np.frombuffer(data[4:4 + 4 * (n + 1)], np.uint32).astype(np.int64)
     sizes = np.diff(offsets)
     if n == 0 or len(set(sizes.tolist())) != 1:
         raise ValueError(f'{where}: rows of {len(set(sizes.tolist()))} sizes in its first shard; LLM-Foundry '
                          f'token rows used in place must all be one length: adopt it (`foundrymix adopt`)')
-    dtype = str(_dtype(shard))
+    dtype = str(shard_dtype(shard))
     tokens = ndarray_rows(data, shard)  # one view of every row (ndarray encodings)
     if tokens is None:  # LLM-Foundry's older bytes column: int64 values as raw bytes
-        from foundrymix.format.streaming_format import ShardRows
         rows = ShardRows(shard, data)
         tokens = np.stack([np.frombuffer(rows[r][COLUMN], dtype) for r in range(n)])
     layout = Layout(length=int(tokens.shape[1]), dtype=dtype, row_bytes=int(sizes[0]),
@@ -72,7 +52,7 @@ def uneven_shards(index: dict[str, Any], layout: Layout) -> list[str]:
     for shard in index['shards']:
         n = int(shard['samples'])
         want = layout.header + 4 * (n + 1) + n * layout.row_bytes
-        if int(shard['raw_data']['bytes']) != want or _dtype(shard) != layout.dtype:
+        if int(shard['raw_data']['bytes']) != want or shard_dtype(shard) != layout.dtype:
             out.append(shard['raw_data']['basename'])
     return out
 

@@ -12,6 +12,7 @@ import os
 from typing import Any, Optional
 
 import numpy as np
+import xxhash
 
 from foundrymix.errors import UserError
 
@@ -47,7 +48,6 @@ def hash_function(algo: str) -> Any:
     """The function streaming's ``get_hash`` uses for ``algo`` (hashlib's, then xxhash's)."""
     if hasattr(hashlib, algo) and algo in hashlib.algorithms_available and not algo.startswith('shake_'):
         return getattr(hashlib, algo)
-    import xxhash
     if algo in xxhash.algorithms_available:
         return getattr(xxhash, algo)
     raise ValueError(f'{algo} is not a supported hash algorithm.')

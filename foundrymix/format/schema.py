@@ -26,9 +26,9 @@ from typing import Any, Literal, Optional
 import numpy as np
 
 from foundrymix.errors import MissingError, UserError
+from foundrymix.format.advice import MANIFEST_NAME, adopt_advice, read_index_or_none, splits_advice
 
 SCHEMA_VERSION = 1
-MANIFEST_NAME = 'foundrymix.json'
 IGNORE_INDEX = -100
 #: how many skipped-record locations a manifest keeps per reason
 SKIP_LOCATIONS = 10
@@ -160,7 +160,6 @@ class Manifest:
         """Read the manifest of a local shard directory; a clear error if it is missing."""
         path = os.path.join(directory, MANIFEST_NAME)
         if not os.path.isfile(path):
-            from foundrymix.format.advice import adopt_advice, read_index_or_none, splits_advice
             index = read_index_or_none(os.path.join(directory, 'index.json'))
             if index is not None:  # MDS from another tool
                 raise MissingError(f'{path}: no foundrymix manifest; {adopt_advice(directory, index)}')

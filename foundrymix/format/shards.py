@@ -19,6 +19,8 @@ from typing import Any, Iterator, Literal, Optional, Sequence
 import numpy as np
 
 from foundrymix.errors import FoundrymixError
+from foundrymix.format.schema import check_row
+from foundrymix.format.streaming_format import RowBoundsError, ShardRows, decompress, get_hash, is_hash
 
 INDEX_NAME = 'index.json'
 #: the only streaming index version (streaming 0.13 reads only this one)
@@ -223,7 +225,6 @@ def validate_hash_problem(stream: str, index: dict[str, Any], algorithm: Optiona
     """Why ``validate_hash: algorithm`` cannot work for ``stream``, or ``None`` if it can."""
     if not algorithm:
         return None
-    from foundrymix.format.streaming_format import is_hash
     if not is_hash(algorithm):
         return f'validate_hash {algorithm!r} is not a hash algorithm streaming knows'
     have = hashes_in_index(index)
@@ -251,7 +252,6 @@ class HashCheck:
 
 def shard_hash_checks(info: dict[str, Any], data: bytes) -> list[HashCheck]:
     """Every hash recorded in ``info`` (an index ``raw_data``/``zip_data``) against ``data``."""
-    from foundrymix.format.streaming_format import get_hash, is_hash
     out = []
     for algo, expected in sorted((info.get('hashes') or {}).items()):
         found = get_hash(algo, data) if is_hash(algo) else '(unknown algorithm)'
@@ -291,8 +291,6 @@ def iter_shard_rows(data: bytes, shard: dict[str, Any], vocab_size: Optional[int
                     max_seq_len: Optional[int] = None) -> Iterator[RowResult]:
     """Each of the rows ``index.json`` records for a shard, read from its raw bytes and checked
     with :func:`check_row`; a row that cannot be read is reported, not raised."""
-    from foundrymix.format.schema import check_row
-    from foundrymix.format.streaming_format import RowBoundsError, ShardRows
     rows = ShardRows(shard, data)
     for r in range(len(rows)):
         try:
@@ -320,7 +318,6 @@ def shard_raw_bytes(shard: dict[str, Any], stored: bytes) -> bytes:
     """A shard's raw bytes from the bytes of its stored file (decompressed with streaming's codec)."""
     if not shard.get('zip_data'):
         return stored
-    from foundrymix.format.streaming_format import decompress
     return decompress(shard['compression'], stored)
 
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from foundrymix.config import ConfigError
-from foundrymix.heap import collector_paused
 from foundrymix.plan.catalog import Catalog
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.format.schema import Manifest, TokenizerInfo
+from foundrymix.loader.storage import build_store
+from foundrymix.plan.mixture import build_plan
+from foundrymix.plan.stages import build_run_plan
+from foundrymix.plan.topology import Topology, env_world_size
 
 if TYPE_CHECKING:  # torch/streaming are imported lazily
-    from foundrymix.plan.catalog import StreamInfo
     from foundrymix.loader.storage import RowStore
     from foundrymix.plan.mixture import Plan
 
@@ -64,7 +66,6 @@ class StreamMixer:
         global batch of ``world_size`` ranks (default: the launcher's), resumable at any batch.
         ``rewind``: every iteration starts at the first batch (an evaluation set)."""
         from foundrymix.loader.run_loader import build_run_loader
-        from foundrymix.plan.topology import Topology, env_world_size
         if batch_size <= 0:
             raise ConfigError(f'batch_size must be positive, got {batch_size}')
         topology = Topology(1, world_size or env_world_size())
@@ -79,9 +80,6 @@ class StreamMixer:
         """The exact per-epoch mixture and where ``max_duration`` ends (reads no shards), for
         ``world_size`` ranks over ``nodes`` nodes; with ``max_duration``, the run's (an adaptive
         stage's segments stated), without it the configured mixture's epochs."""
-        from foundrymix.plan.mixture import build_plan
-        from foundrymix.plan.stages import build_run_plan
-        from foundrymix.plan.topology import Topology
         if world_size <= 0 or world_size % nodes:
             raise ConfigError(f'world_size ({world_size}) must be a positive multiple of the '
                               f'number of nodes ({nodes})')
@@ -89,20 +87,3 @@ class StreamMixer:
         if max_duration is not None and self.config.stages is None:
             return build_run_plan(self.config, [infos], batch_size, max_duration, topology).stages[0].plan
         return build_plan(self.config, infos, batch_size, max_duration, topology)[0]
-
-
-@collector_paused()  # at each start and stage switch: per-stream objects (heap.py)
-def build_store(config: LoaderConfig, infos: list['StreamInfo'], where: str = 'train_loader') -> 'RowStore':
-    """The store of one stage's streams; claims, cleans and checks the cache directories first."""
-    from foundrymix.loader import cache
-    from foundrymix.loader.storage import RowStore, sources_of
-    infos, claims = cache.prepare(config, infos, where)
-    manifest = infos[0].manifest
-    try:
-        store = RowStore(sources_of(infos, config), config, vocab_size=manifest.tokenizer.vocab_size,
-                         max_seq_len=manifest.max_seq_len, budget=cache.budget_for(config, infos, where))
-    except BaseException:
-        claims.release()
-        raise
-    store.cache_claims = claims
-    return store

@@ -17,8 +17,11 @@ import torch
 
 from foundrymix.config import ConfigError
 from foundrymix.loader.position import StagedPosition
+from foundrymix.loader.storage import build_store
 from foundrymix.plan.adaptive import AdaptiveController
-from foundrymix.plan.stages import RunPlan, StagePlan
+from foundrymix.plan.stages import RunPlan, StagePlan, build_run_plan, plan_run
+from foundrymix.loader.span import Span, span_loader
+from foundrymix.plan.topology import Topology, env_rank
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -138,8 +141,6 @@ class StagedDataLoader:
 
     def _span_loader(self, stage: StagePlan, position: StagedPosition, end: int) -> 'DataLoader':
         """The DataLoader of batches ``[position, end)`` of ``stage`` (its storage built if new)."""
-        from foundrymix.loader.span import Span, span_loader
-        from foundrymix.plan.topology import env_rank
         active = self._activate(stage)
         config = stage.config
         assert config is not None
@@ -154,7 +155,6 @@ class StagedDataLoader:
 
     def _activate(self, stage: StagePlan) -> _Active:
         """The stage's storage, built from its plan once per stage."""
-        from foundrymix.loader.mixer import build_store
         if self._active is not None and self._active.stage.index == stage.index:
             return self._active
         self.release()
@@ -183,8 +183,6 @@ def build_run_loader(config: 'LoaderConfig', batch_size: int, max_duration: Opti
     run's loader (``build_loader``, ``StreamMixer``, the trainer) comes here, so one config gives
     one plan and one order. ``catalogs``: a run without stages' catalog, already read (its
     metadata is not read again). Reads no rows: the first batch (or :meth:`prepare`) does."""
-    from foundrymix.plan.stages import build_run_plan, plan_run
-    from foundrymix.plan.topology import Topology
     topology = topology or Topology()
     if catalogs is None:
         run, catalogs = plan_run(config, batch_size, max_duration, topology, where, rank_count_limit=0)

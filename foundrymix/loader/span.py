@@ -5,6 +5,7 @@ iteration ends. Worker ``w`` of ``W`` reads batches ``first + w, first + w + W, 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -42,7 +43,6 @@ class Span(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         """This worker's batches, the shards of the next ones opened in threads meanwhile."""
-        from concurrent.futures import ThreadPoolExecutor
         info = get_worker_info()
         w, W = (info.id, info.num_workers) if info is not None else (0, 1)
         mine = range(self.first + w, self.end, W)

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -18,8 +18,17 @@ from foundrymix.errors import WorkerError
 from foundrymix.format.foundry_tokens import foundry_row
 from foundrymix.format.row_errors import CorruptRowError
 from foundrymix.format.schema import check_row, decode_row
+from foundrymix.heap import collector_paused
+from foundrymix.loader import cache
 from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes, cache_file
 from foundrymix.loader.cache.sources import Source, sources_of  # noqa: F401 (re-exported)
+from foundrymix.format.streaming_format import ShardRows, decompress, get_hash
+from foundrymix.loader.cache import disk_full_hint
+from foundrymix.s3.remote import RemoteError, download
+
+if TYPE_CHECKING:
+    from foundrymix.plan.catalog import StreamInfo
+    from foundrymix.plan.config import LoaderConfig
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +111,6 @@ class RowStore:
                 if attempt:
                     raise self._shard_error(shard, 'its file vanished twice while being read')
             except Exception as e:
-                from foundrymix.loader.cache import disk_full_hint
                 hint = disk_full_hint(str(e), self.sources[self._where[shard][0]].directory)
                 raise self._row_error(idx, f'cannot read the row: {type(e).__name__}: {e}{hint}') from e
         foundry = self.sources[self._where[shard][0]].foundry
@@ -155,7 +163,6 @@ class RowStore:
             return reader if reader is not None else self._open_now(shard)
 
     def _open_now(self, shard: int) -> Any:
-        from foundrymix.format.streaming_format import ShardRows
         k, j = self._where[shard]
         src = self.sources[k]
         info = src.shards[j]
@@ -239,14 +246,11 @@ class RowStore:
             except ShardPrepareError:
                 raise
             except Exception as e:
-                from foundrymix.loader.cache import disk_full_hint
                 raise ShardPrepareError(
                     f"stream '{src.name}' ({src.directory}), shard {raw['basename']}: could not "
                     f'fetch the shard: {type(e).__name__}: {e}{disk_full_hint(str(e), src.directory)}') from e
 
     def _get(self, src: Source, info: dict[str, Any]) -> None:
-        from foundrymix.format.streaming_format import decompress, get_hash
-        from foundrymix.s3.remote import RemoteError, download
         os.makedirs(src.directory, exist_ok=True)
         raw, zip_ = info['raw_data'], info.get('zip_data')
         name = (zip_ or raw)['basename']
@@ -322,3 +326,18 @@ def _has(path: str, size: Any) -> bool:
         return os.stat(path).st_size == int(size)
     except FileNotFoundError:
         return False
+
+
+@collector_paused()  # at each start and stage switch: per-stream objects (heap.py)
+def build_store(config: LoaderConfig, infos: list['StreamInfo'], where: str = 'train_loader') -> 'RowStore':
+    """The store of one stage's streams; claims, cleans and checks the cache directories first."""
+    infos, claims = cache.prepare(config, infos, where)
+    manifest = infos[0].manifest
+    try:
+        store = RowStore(sources_of(infos, config), config, vocab_size=manifest.tokenizer.vocab_size,
+                         max_seq_len=manifest.max_seq_len, budget=cache.budget_for(config, infos, where))
+    except BaseException:
+        claims.release()
+        raise
+    store.cache_claims = claims
+    return store

@@ -12,13 +12,18 @@ from typing import Any, Optional
 from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig, StreamSpec, cache_base
 from foundrymix.plan.exact import resolve_groups
-from foundrymix.format.advice import adopt_advice, splits_advice
+from foundrymix.format.advice import adopt_advice, is_foundry_tokens, splits_advice
 from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
-from foundrymix.format.shards import INDEX_NAME
+from foundrymix.format.shards import (INDEX_NAME, check_shard_files, hashes_dropped_problem, read_index,
+                                      row_count_problem, shard_files_error, shard_raw_bytes, stored_name,
+                                      validate_hash_problem)
+from foundrymix.format.foundry_tokens import in_place_manifest
+from foundrymix.plan.remote_meta import sync_remote
+from foundrymix.s3.remote import RemoteError, download
+from foundrymix.tokenizer import describe_tokenizer
 
 
 def _read_index(path: str, where: str) -> dict[str, Any]:
-    from foundrymix.format.shards import read_index
     try:
         return read_index(path)
     except ValueError as e:
@@ -79,7 +84,6 @@ class Catalog:
         """Local path of a stream's small metadata file; a remote's manifest and index are
         fetched afresh first, once per catalog."""
         if self.config.stream_remote_dir(name) is not None and name not in self._synced:
-            from foundrymix.plan.remote_meta import sync_remote
             sync_remote(self.config, name, self._where(name))
             self._synced.add(name)
         return os.path.join(self.config.stream_dir(name), basename)
@@ -103,7 +107,6 @@ class Catalog:
         if not os.path.isfile(path):
             index_path = self.fetch(name, INDEX_NAME)
             if os.path.isfile(index_path):
-                from foundrymix.format.foundry_tokens import is_foundry_tokens
                 index = _read_index(index_path, where)
                 if is_foundry_tokens(index):
                     return self._foundry_tokens(name, index, os.path.dirname(index_path))
@@ -135,10 +138,6 @@ class Catalog:
     def _foundry_tokens(self, name: str, index: dict[str, Any], directory: str) -> StreamInfo:
         """LLM-Foundry token shards used in place: a manifest made in memory from ``index.json``,
         shard 0 (its row length and document rule) and the stream's ``tokenizer``."""
-        from foundrymix.format.foundry_tokens import in_place_manifest
-        from foundrymix.format.shards import shard_raw_bytes, stored_name
-        from foundrymix.tokenizer import describe_tokenizer
-
         where, spec = self._where(name), self.config.streams[name]
         name_or_dir = spec.tokenizer or self.config.tokenizer
         if not name_or_dir:
@@ -167,7 +166,6 @@ class Catalog:
         if remote_dir is None or os.path.isfile(path):
             with open(path, 'rb') as f:
                 return f.read()
-        from foundrymix.s3.remote import RemoteError, download
         part = f'{path}.part-{os.getpid()}'
         try:
             download(f'{remote_dir.rstrip("/")}/{basename}', part, self.config.download_timeout)
@@ -225,8 +223,6 @@ class Catalog:
             raise ConfigError(f'{where}: unknown manifest kind {m.kind!r}')
         if m.counts.rows <= 0:
             raise ConfigError(f'{where}: stream has no rows')
-        from foundrymix.format.shards import (check_shard_files, hashes_dropped_problem, row_count_problem,
-                                              shard_files_error, validate_hash_problem)
         location = info.remote_dir or info.directory
         problem = row_count_problem(_file(location, INDEX_NAME), _file(location, MANIFEST_NAME),
                                     info.rows, m.counts.rows, location)

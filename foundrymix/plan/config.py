@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional, Union
 
-from foundrymix.config import DERIVED, ConfigError, read_dataclass, to_plain
+from foundrymix.config import ConfigError, DERIVED, Duration, check_keys, read_dataclass, read_value, to_plain
 from foundrymix.plan.specs import AdaptiveConfig, StreamSpec, is_pattern, refuse_replaced_knobs
 
 __all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'AdaptiveConfig', 'CACHE_ROOT_ENV']
@@ -54,7 +54,6 @@ class StageSpec:
 
     @classmethod
     def from_config(cls, value: Any, where: str) -> 'StageSpec':
-        from foundrymix.config import Duration, check_keys, read_value
         d = to_plain(value, where)
         refuse_replaced_knobs(d, where)
         knobs = [k for k in LoaderConfig.__dataclass_fields__ if k not in ('streams', 'stages', 'groups')]

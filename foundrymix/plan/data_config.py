@@ -16,6 +16,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from foundrymix.config import ConfigError, Duration, blame, load_yaml_overrides, read_dataclass, read_value
 from foundrymix.plan.config import LoaderConfig, cache_base
+from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
+from foundrymix.tokenizer import describe_tokenizer
 
 
 class TokenizerName(str):
@@ -121,11 +123,9 @@ def check_data_streams(cfg: DataConfig, max_seq_len: int, tokenizer: Any) -> Non
         raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
                           f'{max_seq_len} tokens')
     if cfg.tokenizer is not None:
-        from foundrymix.tokenizer import describe_tokenizer
         memo = os.path.join(cache_base(cfg.train_loader.cache_root), 'tokenizers')
         have = describe_tokenizer(cfg.tokenizer, memo)
         if have.fingerprint != tokenizer.fingerprint:
-            from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
             raise ConfigError(f'tokenizer {cfg.tokenizer!r} differs from the one the streams were '
                               f'converted with ({tokenizer.name}): {tokenizer_differences(have, tokenizer)} '
                               f"(this one vs the streams'){changed_tokenizer_note(cfg.tokenizer, tokenizer)}")

@@ -11,8 +11,9 @@ from typing import Any
 
 from foundrymix.config import ConfigError
 from foundrymix.format.schema import MANIFEST_NAME
-from foundrymix.format.shards import INDEX_NAME
+from foundrymix.format.shards import INDEX_NAME, read_index
 from foundrymix.plan.config import LoaderConfig
+from foundrymix.s3.remote import RemoteError, download, local_denied
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ def sync_remote(config: LoaderConfig, name: str, where: str) -> None:
     changed, foundrymix's own cache drops the old index's shards (warning), a ``local:`` the
     user named is refused. An unreachable remote raises even with a cached copy, which might
     be stale. Each rank downloads into files of its own and renames them into place."""
-    from foundrymix.s3.remote import RemoteError, download, local_denied
     remote_dir = config.stream_remote_dir(name)
     assert remote_dir is not None
     directory = config.stream_dir(name)
@@ -96,7 +96,6 @@ def _remote_changed(config: LoaderConfig, name: str, where: str, directory: str,
             f'delete {directory} (to download the new dataset there), point local: at an '
             f"empty directory, or leave local: out to use foundrymix's cache (refreshed "
             f'when its remote changes)')
-    from foundrymix.format.shards import read_index
     removed = 0
     try:
         old = read_index(os.path.join(directory, INDEX_NAME))

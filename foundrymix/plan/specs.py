@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from foundrymix.config import FROM_KEY, ConfigError, parse_time, read_dataclass, to_plain
+from foundrymix.config import ConfigError, FROM_KEY, Gather, parse_time, read_dataclass, to_plain
 
 _SCHEME = re.compile(r'^[A-Za-z][A-Za-z0-9+.-]*://')
 _GLOB = re.compile(r'[*?\[]')
@@ -112,7 +112,6 @@ class AdaptiveConfig:
         return int(parse_time(getattr(self, key), f'{where}.{key}', ('ba',)).value)
 
     def check(self, where: str) -> None:
-        from foundrymix.config import Gather
         gather = Gather()
         with gather:
             parse_time(self.every, f'{where}.every', ('ba',), positive=True)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from foundrymix.config import ConfigError
+from foundrymix.format.mds import size_limit_bytes
 from foundrymix.plan.order import WINDOW_ROWS
 
 #: room to fetch: this many of the largest shard (raw + compressed) beside the windows
@@ -23,7 +24,6 @@ RECORD_SLACK = 32
 
 def limit_bytes(config: Any, where: str) -> int:
     """``cache_limit`` in bytes (0: none); a value that is not a size is refused."""
-    from foundrymix.format.mds import size_limit_bytes
     try:
         return size_limit_bytes(config.cache_limit) if config.cache_limit else 0
     except (ValueError, KeyError) as e:

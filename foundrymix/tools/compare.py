@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from foundrymix.errors import MissingError, UserError
+from foundrymix.train.export import load_checkpoint
+from foundrymix.train.report import SUMMARY_NAME, load_summary
 
 PARTS = ('samples', 'accounting', 'weights')
 SAMPLE_LOG_KEYS = ('batch', 'sample_ids', 'stream_ids')
@@ -72,7 +74,6 @@ def find_sample_log(run: str) -> str:
 
 
 def find_summary(run: str) -> str:
-    from foundrymix.train.report import SUMMARY_NAME
     return _only(run, _files(run, SUMMARY_NAME), SUMMARY_NAME, 'leave accounting out with --parts')
 
 
@@ -191,7 +192,6 @@ def compare_samples(a: str, b: str, names: Optional[list[str]] = None,
 
 def compare_accounting(a: str, b: str) -> Result:
     """The first stream (run-wide order) whose samples, tokens or loss tokens differ."""
-    from foundrymix.train.report import load_summary
     sa, sb = load_summary(a)[0]['streams'], load_summary(b)[0]['streams']
     if list(sa) != list(sb):
         return Result('accounting', f'streams A {", ".join(sa)}; B {", ".join(sb)}', '')
@@ -249,13 +249,11 @@ def compare_runs(run_a: str, run_b: str, parts: tuple[str, ...] = PARTS,
                             checkpoint_b or find_checkpoint(runs[1]))
     ckpts: list[dict[str, Any]] = []
     if 'weights' in found:
-        from foundrymix.train.export import load_checkpoint
         ckpts = [load_checkpoint(p) for p in found['weights']]
     out = []
     if 'samples' in parts:
         names = None  # stream names, for the message: the accounting's run-wide order
         if 'accounting' in found:
-            from foundrymix.train.report import load_summary
             names = list(load_summary(found['accounting'][0])[0]['streams'])
         # ranks, for the message: run A's checkpoint holds one RNG state per rank
         rng = ckpts[0].get('rng') if ckpts else None

@@ -12,12 +12,18 @@ import json
 import os
 import sys
 from typing import Any, Iterator
+import tempfile
 
 import numpy as np
 
 from foundrymix.errors import MissingError
 from foundrymix.format.row_errors import CorruptRowError
-from foundrymix.format.schema import Manifest, decode_row
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, decode_row
+from foundrymix.format.shards import (INDEX_NAME, check_shard_files, is_not_found, iter_shard_rows, read_index,
+                                     shard_files_error, shard_name, shard_raw_bytes, stored_name)
+from foundrymix.s3.remote import download
+from foundrymix.tokenizer import load_tokenizer
+from foundrymix.tools.verify import is_remote
 
 NO_LOSS_OPEN, NO_LOSS_CLOSE = '⟦', '⟧'
 
@@ -43,8 +49,6 @@ def render_row(row: dict[str, Any], tok: Any) -> list[str]:
 def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str, int, dict[str, Any]]]:
     """(shard file, row within the shard, stored row) of a local directory, in order, each checked
     as the loader checks it: a damaged shard or row raises naming the shard file and row."""
-    from foundrymix.format.shards import (check_shard_files, shard_raw_bytes, iter_shard_rows, read_index,
-                                   shard_files_error, shard_name, stored_name)
     index = read_index(directory)
     sample = 0
     for shard in index['shards']:
@@ -63,7 +67,6 @@ def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str,
 
 
 def _decode(directory: str, manifest: Manifest, k: int) -> None:
-    from foundrymix.tokenizer import load_tokenizer
     tok = load_tokenizer(manifest.tokenizer.name)
     print(f'no loss on text in {NO_LOSS_OPEN}...{NO_LOSS_CLOSE}')
     rows = iter_checked_rows(directory, manifest)
@@ -78,9 +81,6 @@ def _decode(directory: str, manifest: Manifest, k: int) -> None:
 def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None:
     """Download what ``inspect`` shows of remote ``url`` into ``directory``: the manifest, and
     for ``--decode`` the index and the shards holding the first ``decode`` rows."""
-    from foundrymix.s3.remote import download
-    from foundrymix.format.schema import MANIFEST_NAME
-    from foundrymix.format.shards import INDEX_NAME, is_not_found, read_index, stored_name
     url = url.rstrip('/')
 
     def get(basename: str, what: str) -> None:
@@ -105,10 +105,8 @@ def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None
 
 
 def _run(args: argparse.Namespace) -> int:
-    from foundrymix.tools.verify import is_remote
     if not is_remote(args.dir):
         return _show(args.dir, args.dir, args)
-    import tempfile
     with tempfile.TemporaryDirectory(prefix='foundrymix-inspect-') as tmp:
         try:
             _fetch_remote(args.dir, tmp, args.decode, args.timeout)

@@ -10,6 +10,8 @@ import os
 import re
 from typing import Any, Optional
 
+from foundrymix.config import ConfigError, errors_of
+
 #: LLM-Foundry loader ``dataset`` keys with no equivalent: why, and what decides it here
 DATASET_KEYS = {
     'decoder_only_format': 'finetune streams are decoder-only: prompt then response, loss on the response',
@@ -154,7 +156,6 @@ def read_back(m: Any) -> None:
     """Read the migrated YAML as ``train`` reads it; each refusal not already to do is one."""
     from omegaconf import OmegaConf
 
-    from foundrymix.config import ConfigError, errors_of
     from foundrymix.train.config import TrainConfig
 
     todo = {head(line) for line in m.todo}

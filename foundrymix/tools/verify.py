@@ -24,6 +24,7 @@ from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
 from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, ShardProblem, shard_raw_bytes, iter_shard_rows,
                                hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
                                validate_index)
+from foundrymix.s3.remote import download
 
 #: row problems listed per shard (all are counted)
 MAX_ROW_PROBLEMS = 20
@@ -115,7 +116,6 @@ class _Source:
         local = self.path(basename)
         if not self.remote:
             return local if os.path.isfile(local) else None
-        from foundrymix.s3.remote import download
         try:
             download(f'{self.location}/{basename}', local, self.timeout)
         except ConnectionError as e:  # foundrymix.s3.remote.RemoteError: names URL, S3 code, what to check

@@ -50,6 +50,9 @@ import omegaconf  # noqa: E402 (load_config's YAML reader)
 from foundrymix import tokenizer as _tokenizer  # noqa: E402
 from foundrymix.loader import cache as _cache, collate as _collate, storage as _storage  # noqa: E402
 from foundrymix.s3 import remote as _remote  # noqa: E402
+from foundrymix.plan.topology import Topology
+from foundrymix.train.callbacks.adaptive import AdaptiveMixing
+from foundrymix.train.picture import plot_run_plan
 
 PRELOADED = (omegaconf, _tokenizer, _cache, _collate, _storage, _remote)
 
@@ -152,7 +155,6 @@ class TrainData:
 @collector_paused()  # the plan record and loader objects: many, all kept (foundrymix/heap.py)
 def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
     """The run's plan (catalogs read once) and the one loader built from it, staged or not."""
-    from foundrymix.plan.topology import Topology
     ranks_per_node = dist.get_local_world_size()
     topology = Topology(nodes=dist.get_world_size() // ranks_per_node, ranks_per_node=ranks_per_node)
     loader, catalogs = build_run_loader(cfg.train_loader, device_batch, cfg.max_duration, topology)
@@ -174,7 +176,6 @@ def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: 
     accounting = built['stream_accounting']
     adaptive: list[Callback] = []
     if data.loader.position.adaptive:  # the per-stream loss -> the adaptive stages' weights
-        from foundrymix.train.callbacks.adaptive import AdaptiveMixing
         adaptive.append(AdaptiveMixing(data.loader, accounting.out_dir, accounting))
     return [info, S3Log(retry_counter, since), ResumeRng(), *adaptive, *built.values()], accounting
 
@@ -305,7 +306,6 @@ def train(cfg: TrainConfig) -> TrainRun:
 
 def _plot_staged(run: TrainRun) -> None:
     """The planned mixture with the realized one over it, the loss per stream and a ``wsd`` run's LR."""
-    from foundrymix.train.picture import plot_run_plan
     history = run.accounting.history
     if not history or not run.accounting.plot:
         return

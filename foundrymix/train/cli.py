@@ -10,7 +10,8 @@ import argparse
 from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP
-from foundrymix.errors import UserError
+from foundrymix.errors import UserError, run_command as run
+from foundrymix.train.report import print_report
 
 #: the one line ``foundrymix train`` prints where Composer is not installed (the core installs none)
 COMPOSER_MISSING = ("training needs Composer, which is not installed here: pip install 'foundrymix[composer]' "
@@ -35,8 +36,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def print_summary(run: Any) -> None:
     """Per-stream table of what was consumed against the plan, and where the report is."""
     from rich.console import Console
-
-    from foundrymix.train.report import print_report
 
     console = Console()
     print_report(run.accounting.summary(run.trainer.state), run.accounting.out_dir, run.accounting.plot, console)
@@ -76,5 +75,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python train.py CONFIG [key=value ...]``: config errors exit 2 with one line, no traceback."""
     parser = argparse.ArgumentParser(prog='train.py', description=DESCRIPTION)
     add_arguments(parser)
-    from foundrymix.errors import run_command as run
     return run(parser.parse_args(argv))

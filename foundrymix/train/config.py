@@ -17,6 +17,8 @@ from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
 from foundrymix.train.gpu import CompileSettings, FSDPSettings
 from foundrymix.train.loggers import Loggers
 from foundrymix.train.model_spec import ModelSpec
+from foundrymix.loader.mixer import StreamMixer
+from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer, check_spec_targets
 
 
 @dataclass
@@ -178,19 +180,15 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
     and the pretrained model's, and LoRA ``target_modules`` must name layers of the model."""
     check_data_streams(cfg, max_seq_len, tokenizer)
     if cfg.model is not None and cfg.model.pretrained is not None:
-        from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer
         check_has_weights(cfg.model)
         check_pretrained_tokenizer(cfg.model, tokenizer)
     if cfg.model is not None and cfg.model.peft is not None:
-        from foundrymix.train.lora import check_spec_targets
         check_spec_targets(cfg.model, tokenizer)
 
 
 def check_eval_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> Any:
     """The ``eval_loader``'s :class:`~foundrymix.loader.mixer.StreamMixer`, checked to hold rows
     like the train streams' (:func:`~foundrymix.plan.data_config.check_eval_catalog`)."""
-    from foundrymix.loader.mixer import StreamMixer
-
     eval_mixer = StreamMixer(cfg.eval_loader, 'eval_loader')
     check_eval_catalog(eval_mixer.catalog, max_seq_len, tokenizer)
     return eval_mixer

@@ -12,6 +12,7 @@ from typing import Any
 from foundrymix.errors import ExistsError, FoundrymixError, MissingError
 from foundrymix.format.schema import MANIFEST_NAME
 from foundrymix.format.shards import INDEX_NAME
+from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
 
 PREFIX = 'model.'  # the CausalLM wrapper's attribute holding the transformers model
 
@@ -129,8 +130,6 @@ def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
 def find_tokenizer(info: dict[str, Any]) -> Any:
     """The streams' tokenizer (by its manifest name, else the pretrained model's directory);
     refuses one whose fingerprint differs from the one recorded at training."""
-    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
-
     tried = []
     for name in (info['tokenizer'], info.get('pretrained')):
         if not name:
@@ -195,7 +194,7 @@ def _check_adapter_export(info: dict[str, Any], checkpoint: str) -> None:
 
 def _check_base(model: Any, directory: str) -> None:
     """The adapter is only right over the base it was trained on: ``directory`` must hold it."""
-    from foundrymix.train.lora import changed_base_tensor
+    from foundrymix.train.weights import changed_base_tensor
 
     if not os.path.isdir(directory):
         raise ExportError(f'--adapter: the base directory the run started from, {directory}, is gone: export '

@@ -135,25 +135,6 @@ def check_targets(model: Any, peft: Mapping[str, Any]) -> None:
     gather.raise_any()
 
 
-def check_spec_targets(spec: Any, tokenizer: Any) -> None:
-    """:func:`check_targets` on ``spec``'s model built on the ``meta`` device (``plan`` refuses what
-    ``train`` would); a model that cannot be built is left to ``train``."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from foundrymix.train.model_spec import hf_config
-
-    try:
-        config = copy.deepcopy(hf_config(spec, tokenizer))
-        with torch.device('meta'):
-            model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, ImportError, ConfigError):
-        return
-    check_targets(model, spec.peft)
-
-
 def wrap(model: Any, peft: Mapping[str, Any]) -> Any:
     """``model`` as a peft LoRA model (base frozen, adapter from torch's RNG) carrying
     :func:`trainable_line` as ``foundrymix_lora``."""
@@ -210,26 +191,3 @@ def base_tensors(model: Any) -> dict[str, Any]:
         name = key.removeprefix('base_model.model.').replace('.base_layer.', '.').replace('.original_module.', '.')
         out[name] = value
     return out
-
-
-def changed_base_tensor(model: Any, directory: str) -> Optional[str]:
-    """``FILE: TENSOR`` of the first base tensor of ``model`` not bitwise equal to ``directory``'s
-    safetensors weights, or None; ``ValueError`` for a directory without safetensors weights."""
-    import torch
-    from safetensors import safe_open
-
-    from foundrymix.train.weights import safetensors_files
-
-    files = safetensors_files(directory)
-    if not files:
-        raise ValueError(f'{directory}: no safetensors weights to compare the base with')
-    mine = base_tensors(model)
-    for path in files:
-        with safe_open(path, 'pt') as h:
-            for key in h.keys():
-                name = key if key in mine else f'{model.get_base_model().base_model_prefix}.{key}'
-                if name not in mine:
-                    return f'{path}: {key} (not in the model the adapter was trained on)'
-                if not torch.equal(h.get_tensor(key), mine[name]):
-                    return f'{path}: {key}'
-    return None

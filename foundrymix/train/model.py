@@ -21,6 +21,9 @@ from torchmetrics import Metric
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec, hf_config
 from foundrymix.train.weights import VOCAB_PAD, check_has_weights, check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
+from foundrymix.train.flex import register
+from foundrymix.train.fused_loss import fused_token_loss
+from foundrymix.train.lora import wrap
 
 __all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLoss', 'build_hf_model',
            'check_pretrained_tokenizer', 'token_loss']
@@ -48,7 +51,6 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     _check_fits(config, tokenizer, max_seq_len)
     attn = spec.attn_implementation or 'sdpa'
     if attn == 'flex_attention':
-        from foundrymix.train.flex import register
         attn = register()
     if spec.pretrained is not None and spec.load_weights:
         check_has_weights(spec)
@@ -68,7 +70,6 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
             raise
         raise ModelConfigError(f'model.pretrained: {_unreadable_weights(spec.pretrained, e)}') from None
     if spec.peft is not None:
-        from foundrymix.train.lora import wrap
         model = wrap(model, spec.peft)
     add_fsdp_hooks(model)
     return model
@@ -205,7 +206,6 @@ class CausalLM(ComposerModel):
 
     def loss(self, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(outputs, HiddenStates):
-            from foundrymix.train.fused_loss import fused_token_loss
             weight = self.model.get_output_embeddings().weight
             loss, sums, counts = fused_token_loss(outputs.hidden, weight, batch['labels'])
             outputs.row_loss = RowLoss(loss_sum=sums.detach(), targets=counts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import os
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
 from foundrymix.config import ConfigError, Gather, foundry_advice, to_plain
+from foundrymix.train.lora import read_peft_config
 
 AttentionMode = Literal['document', 'causal']
 AttnImplementation = Literal['sdpa', 'eager', 'flash_attention_2', 'flex_attention']
@@ -118,7 +120,6 @@ class ModelSpec:
                 raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
         peft = None
         if d.get('peft_config') is not None:
-            from foundrymix.train.lora import read_peft_config
             with gather:
                 peft = read_peft_config(d.get('peft_config'), f'{where}.peft_config')
         d.pop('peft_config', None)
@@ -176,7 +177,6 @@ DOCUMENT_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'phi3
 def _modeling_source(model_type: str) -> str:
     """The source text of transformers' causal-LM module for ``model_type`` ('' when it has none);
     read, not imported (slow), since ``plan`` reads the model section too."""
-    import importlib.util
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     spec = None

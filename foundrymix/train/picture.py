@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 
 def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
                   lr: Any = None) -> None:
@@ -14,7 +16,6 @@ def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    import numpy as np
 
     names: list[str] = []
     for s in run.stages:
@@ -61,8 +62,6 @@ def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
 def _draw_losses(ax: Any, names: list[str], losses: Any, colors: list[Any]) -> None:
     """Per stream, the mean loss per loss target between consecutive history points, as steps
     (a stream with no targets in an interval leaves a gap)."""
-    import numpy as np
-
     batches = np.concatenate(([0], np.asarray(losses[0])))
     sums = np.diff(np.vstack([np.zeros(len(names)), np.asarray(losses[1], dtype=np.float64)]), axis=0)
     targets = np.diff(np.vstack([np.zeros(len(names)), np.asarray(losses[2], dtype=np.float64)]), axis=0)
@@ -78,8 +77,6 @@ def _draw_losses(ax: Any, names: list[str], losses: Any, colors: list[Any]) -> N
 
 def _draw_realized(ax: Any, run: Any, names: list[str], realized: Any, colors: list[Any]) -> None:
     """Stacked realized shares, each stage counted from its own start, as step lines."""
-    import numpy as np
-
     batches = np.asarray(realized[0])
     rows = np.asarray(realized[1], dtype=np.float64)
     for stage in run.stages:
@@ -100,8 +97,6 @@ def _draw_realized(ax: Any, run: Any, names: list[str], realized: Any, colors: l
 def _draw_lr(ax: Any, run: Any, schedule: Any, lr: float) -> None:
     """The LR of every batch (a step per batch, batch ``b`` over ``[b, b + 1)``), stage
     boundaries marked as above."""
-    import numpy as np
-
     lrs = schedule.lrs(lr)
     xs = np.arange(len(lrs) + 1)
     ax.step(xs, lrs + lrs[-1:], where='post', color='black', linewidth=1.2)

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from foundrymix.errors import UserError
+from foundrymix.s3.client import attempts
+from foundrymix.s3.remote import RemoteError, classify, within
+from foundrymix.s3.retries import watch
 
 LATEST = 'latest-rank0.pt.symlink'  # Composer's save_latest_filename for rank 0, plus '.symlink'
 
@@ -158,8 +161,6 @@ class _RangedObject(io.RawIOBase):
         if self.pos >= self.size or not len(buffer):
             return 0
         end = min(self.size, self.pos + len(buffer)) - 1
-        from foundrymix.s3.client import attempts
-        from foundrymix.s3.remote import within
         data = within(lambda: self.client.get_object(Bucket=self.bucket, Key=self.key,
                                                      Range=f'bytes={self.pos}-{end}')['Body'].read(),
                       f's3://{self.bucket}/{self.key}', self.timeout, attempts())
@@ -198,7 +199,6 @@ def _object_store(save_folder: str, timeout: float) -> tuple[Any, str]:
     from composer.utils import maybe_create_object_store_from_uri, parse_uri
     from composer.utils.object_store import S3ObjectStore
 
-    from foundrymix.s3.retries import watch
     backend, bucket, _ = parse_uri(save_folder)
     if backend == 's3':
         store = S3ObjectStore(bucket, client_config={
@@ -223,8 +223,6 @@ def remote_checkpoint(save_folder: str, timeout: float = 60) -> Optional[RemoteR
     """
     from composer.utils.object_store import S3ObjectStore
 
-    from foundrymix.s3.client import attempts
-    from foundrymix.s3.remote import classify, within
 
     store, prefix = _object_store(save_folder, timeout)
     try:
@@ -281,8 +279,6 @@ def latest_checkpoint(save_folder: str, timeout: float = 60) -> Optional[str]:
     None when there is none (sharded checkpoints: Composer uploads that symlink only after every
     rank's shard is in the bucket).
     """
-    from foundrymix.s3.client import attempts
-    from foundrymix.s3.remote import RemoteError, within
     store, prefix = _object_store(save_folder, timeout)
     key = prefix + LATEST
     with tempfile.TemporaryDirectory(prefix='fmx-autoresume-') as tmp:

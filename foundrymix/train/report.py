@@ -60,7 +60,6 @@ def write_plot(summary: dict[str, Any], path: str) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    import numpy as np
 
     names = list(summary['streams'])
     planned_share = [summary['streams'][n]['planned_share'] for n in names]

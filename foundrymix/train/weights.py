@@ -8,9 +8,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
-from foundrymix.train.model_spec import ModelConfigError, ModelSpec
+from foundrymix.config import ConfigError
+from foundrymix.train.lora import base_tensors, check_targets
+from foundrymix.train.model_spec import ModelConfigError, ModelSpec, hf_config
+from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
+from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
 
 #: the files transformers loads PyTorch weights from (``transformers.utils`` names them alike)
 WEIGHT_FILES = ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin',
@@ -104,7 +108,6 @@ def check_pretrained_tokenizer(spec: ModelSpec, streams: Any) -> None:
     with the directory's tokenizer; without one, its ``vocab_size`` padded by < ``VOCAB_PAD``."""
     if spec.pretrained is None:
         return
-    from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
 
     try:
         model_tok = tokenizer_info(load_tokenizer(spec.pretrained))
@@ -112,7 +115,6 @@ def check_pretrained_tokenizer(spec: ModelSpec, streams: Any) -> None:
         model_tok = None
     if model_tok is not None:
         if model_tok.fingerprint != streams.fingerprint:
-            from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
             raise ModelConfigError(
                 f'model.pretrained: {spec.pretrained} has another tokenizer than the streams ({streams.name}): '
                 f"{tokenizer_differences(model_tok, streams)} (the directory's vs the streams')"
@@ -125,3 +127,39 @@ def check_pretrained_tokenizer(spec: ModelSpec, streams: Any) -> None:
             f'model.pretrained: {spec.pretrained} (no tokenizer) has vocab_size={vocab}, the streams\' '
             f'tokenizer {streams.name} has {streams.vocab_size} tokens: another vocabulary')
 
+
+def check_spec_targets(spec: Any, tokenizer: Any) -> None:
+    """:func:`~foundrymix.train.lora.check_targets` on the model ``spec`` describes, built on the ``meta`` device, so
+    ``plan`` refuses what ``train`` would; a model that cannot be built is left to ``train``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        config = copy.deepcopy(hf_config(spec, tokenizer))
+        with torch.device('meta'):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, ImportError, ConfigError):
+        return
+    check_targets(model, spec.peft)
+
+
+def changed_base_tensor(model: Any, directory: str) -> Optional[str]:
+    """The first base tensor of ``model`` that differs from ``directory``'s safetensors weights
+    (``FILE: TENSOR``), or None when all of them are bitwise equal; a directory without
+    safetensors weights gives ``ValueError``."""
+    import torch
+    from safetensors import safe_open
+
+    files = safetensors_files(directory)
+    if not files:
+        raise ValueError(f'{directory}: no safetensors weights to compare the base with')
+    mine = base_tensors(model)
+    for path in files:
+        with safe_open(path, 'pt') as h:
+            for key in h.keys():
+                name = key if key in mine else f'{model.get_base_model().base_model_prefix}.{key}'
+                if name not in mine:
+                    return f'{path}: {key} (not in the model the adapter was trained on)'
+                if not torch.equal(h.get_tensor(key), mine[name]):
+                    return f'{path}: {key}'
+    return None

@@ -60,7 +60,7 @@ def _count_calls(monkeypatch) -> dict[str, int]:
 
 @pytest.mark.parametrize('staged', [True, False], ids=['three-stages', 'no-stages'])
 def test_plan_and_loader_share_one_plan(data, monkeypatch, staged):
-    from foundrymix.loader import mixer
+    from foundrymix.loader import run_loader
     from foundrymix.plan.config import LoaderConfig
     from foundrymix.loader.run_loader import StagedDataLoader
     from foundrymix.plan.stages import plan_run
@@ -81,12 +81,12 @@ def test_plan_and_loader_share_one_plan(data, monkeypatch, staged):
     n_stages = 3 if staged else 1
     assert calls == {'weights': n_stages, 'reads': 2}  # once per stage; each stream's files once
     built = []
-    real_build = mixer.build_store
+    real_build = run_loader.build_store
 
     def spy(config, infos, *a, **k):
         built.append((config, infos))
         return real_build(config, infos, *a, **k)
-    monkeypatch.setattr(mixer, 'build_store', spy)
+    monkeypatch.setattr(run_loader, 'build_store', spy)  # what the loader builds each stage with
     loader = StagedDataLoader(run)
     batches = list(loader)
     assert calls == {'weights': n_stages, 'reads': 2}  # the loader recomputed and re-read nothing

@@ -33,15 +33,15 @@ CHILD = textwrap.dedent('''
     dist.init_process_group('gloo')
     fail = job.get('fail_build')  # [rank, n]: that rank's n-th stage storage build fails
     if fail and dist.get_rank() == fail[0]:
-        import foundrymix.loader.mixer as mixer
+        import foundrymix.loader.run_loader as run_loader
         from foundrymix.errors import UserError
-        built, real = [], mixer.build_store
+        built, real = [], run_loader.build_store
         def build_store(*args, **kwargs):
             built.append(1)
             if len(built) == fail[1]:
                 raise UserError("injected: this stage's storage could not be built here")
             return real(*args, **kwargs)
-        mixer.build_store = build_store
+        run_loader.build_store = build_store
     batch = job['global_batch'] // dist.get_world_size()
     run, _ = plan_run(LoaderConfig.from_dict(job['config']), batch, job.get('duration', '1ep'),
                       Topology(nodes=1, ranks_per_node=dist.get_world_size()))

@@ -17,6 +17,9 @@ from foundrymix.loader.cache.directories import claim
 from foundrymix.loader.cache.hashes import CorruptLocalShardError  # noqa: F401 (re-exported)
 from foundrymix.loader.cache.space import check_space, disk_full_hint  # noqa: F401 (re-exported)
 from foundrymix.loader.cache.stale import clean_stale
+from foundrymix.loader.cache.budget import CacheBudget
+from foundrymix.plan.config import cache_base
+from foundrymix.plan.window import cache_window, limit_bytes, record_bytes, window_bytes
 
 
 def prepare(config: Any, infos: list[Any], where: str) -> tuple[list[Any], claims.ClaimSet]:
@@ -50,9 +53,6 @@ def budget_for(config: Any, infos: list[Any], where: str) -> Optional[Any]:
     """The remote streams' :class:`~.budget.CacheBudget` (None without ``cache_limit``): each
     stream may keep its shuffle window, the files kept beside the shards counted; its lock named
     by the directories it covers."""
-    from foundrymix.loader.cache.budget import CacheBudget
-    from foundrymix.plan.config import cache_base
-    from foundrymix.plan.window import cache_window, limit_bytes, record_bytes, window_bytes
     if not config.cache_limit:
         return None
     remote = [i for i in infos if i.remote_dir]

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import mmap
 import os
 import time
 from typing import Any, Iterator, Optional
@@ -18,6 +19,8 @@ from foundrymix.claims import FileLock
 from foundrymix.errors import WorkerError
 from foundrymix.format.shards import hashes_in_index
 from foundrymix.plan.window import RECORD_SLACK
+from foundrymix.format.streaming_format import get_hash
+from foundrymix.plan.config import cache_base
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,6 @@ def hash_algorithm(config: Any, index: dict[str, Any]) -> Optional[str]:
 
 def cache_file(cache_root: Optional[str], kind: str, directory: str, ext: str = '') -> str:
     """``<cache base>/<kind>/<key><ext>``, the key a hash of ``directory``'s real path."""
-    from foundrymix.plan.config import cache_base
     key = hashlib.blake2s(os.path.realpath(directory).encode('utf-8'), digest_size=10).hexdigest()
     return os.path.join(cache_base(cache_root), kind, key + ext)
 
@@ -61,9 +63,6 @@ def _identity(st: os.stat_result) -> list[int]:
 
 def file_hash(path: str, size: int, algorithm: str) -> str:
     """streaming's hash of a file, read through ``mmap`` (no copy of the file in memory)."""
-    import mmap
-
-    from foundrymix.format.streaming_format import get_hash
     if size == 0:
         return get_hash(algorithm, b'')
     with open(path, 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:

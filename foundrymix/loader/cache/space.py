@@ -10,6 +10,7 @@ import shutil
 from typing import Any
 
 from foundrymix.config import ConfigError
+from foundrymix.plan.window import cache_need, cache_window, limit_bytes
 
 
 def _shard_sizes(shard: dict[str, Any]) -> tuple[str, int, int]:
@@ -41,7 +42,6 @@ def check_space(config: Any, infos: list[Any], where: str) -> None:
     """Refuse a ``cache_limit`` the loader cannot work with, and a filesystem without room for
     the shards not cached yet (raw, compressed too with ``keep_zip``, one being unpacked),
     capped by ``cache_limit`` (the loader then evicts)."""
-    from foundrymix.plan.window import cache_need, cache_window, limit_bytes
     limit = limit_bytes(config, where)
     local_only = [i.name for i in infos if not i.remote_dir]
     if limit and local_only:

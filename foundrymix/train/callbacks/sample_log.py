@@ -11,6 +11,7 @@ import torch
 from composer.core import Callback, State, Time
 from composer.loggers import Logger
 from composer.utils import dist
+import xxhash
 
 from foundrymix.format.schema import DECODED_KEYS
 from foundrymix.train.callbacks.accounting import interval_hit
@@ -20,7 +21,6 @@ def row_digests(batch: Any) -> list[str]:
     """Each row's ``xxh3_64`` hex digest over what the model is given of it (the
     :data:`~foundrymix.format.schema.DECODED_KEYS` tensors as ``int64``, in that order): equal
     digests mean equal tokens, labels, masks and positions."""
-    import xxhash
     rows = torch.stack([batch[k].to(torch.int64) for k in DECODED_KEYS], dim=1).cpu().numpy()
     return [xxhash.xxh3_64_hexdigest(row) for row in rows]  # (n, keys, seq): each row contiguous
 
@@ -33,7 +33,6 @@ TOKENS_ORDER = 'sorted'
 def batch_digest(rows: list[str]) -> str:
     """A global batch's ``tokens`` digest: ``xxh3_64`` over its rows' digests, sorted (a batch is one
     step on a set of rows: the digest does not depend on how the ranks list them)."""
-    import xxhash
     return xxhash.xxh3_64_hexdigest(''.join(sorted(rows)).encode())
 
 
