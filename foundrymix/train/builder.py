@@ -37,12 +37,14 @@ from foundrymix.train.config import TrainConfig, check_eval_streams, check_strea
 from foundrymix.train.data_adapter import ComposerLoader
 from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
+from foundrymix.train import interrupt
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import build_optimizer
 from foundrymix.train.preflight import check_start
 from foundrymix.train.schedule import WSDScheduler, apply_resume_lr, build_scheduler
 from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
+from foundrymix.train.local_save import LocalSave
 from foundrymix.train.remote_save import RemoteSave, remote_save
 from foundrymix.train.run_claims import claim_run
 from foundrymix.train.together import StopTogether
@@ -194,18 +196,23 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
              micro: Union[int, str], callbacks: list[Callback], max_duration: str,
              scheduler: Any) -> tuple[Trainer, Optional[RemoteSave]]:
     """The Composer trainer, and for a remote ``save_folder`` (not sharded) the saver and
-    uploader it is given in place of Composer's own (:mod:`foundrymix.train.remote_save`)."""
+    uploader it is given in place of Composer's own (:mod:`foundrymix.train.remote_save`); a
+    local one (not sharded) gets :class:`~foundrymix.train.local_save.LocalSave`."""
     device = _device(cfg)
     _share_cpu_threads(device)
     resume = {'save_overwrite': cfg.save_overwrite, **resume_kwargs(cfg, device)}
     loggers, saving = cfg.loggers.build(cfg.run_name), None
+    local = cfg.save_folder and not is_remote(cfg.save_folder) and not sharded(cfg)
     if is_remote(cfg.save_folder) and not sharded(cfg):
         saving = remote_save(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
                              cfg.save_num_checkpoints_to_keep)
         callbacks, loggers = [*callbacks, saving.saver], [*loggers, saving.uploader]
+    elif local:  # write-then-rename (:mod:`foundrymix.train.local_save`)
+        callbacks = [*callbacks, LocalSave(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
+                                           cfg.save_num_checkpoints_to_keep)]
     try:
         return _composer_trainer(cfg, model, train_loader, evaluator, micro, callbacks, max_duration,
-                                 scheduler, device, loggers, resume, saving is None), saving
+                                 scheduler, device, loggers, resume, saving is None and not local), saving
     except BaseException:
         if saving is not None:
             saving.close()
@@ -334,6 +341,10 @@ def train(cfg: TrainConfig) -> TrainRun:
         adaptive = any(s.config is not None and s.config.adaptive for s in run.run_plan.stages)
         if dist.get_global_rank() == 0 and (run.run_plan.explicit or adaptive):
             _plot_staged(run)  # (adaptive: the configured start, the realized shares over it)
+    except BaseException:
+        if interrupt.received is None:
+            raise
+        raise interrupt.stopped(cfg, int(run.trainer.state.timestamp.batch), dist.get_global_rank()) from None
     finally:
         run.claims.release()
         if run.remote_save is not None:

@@ -68,9 +68,17 @@ def run_cli(args: argparse.Namespace) -> int:
     require_composer()
     from composer.utils import dist
 
+    from foundrymix.errors import Interrupted
+    from foundrymix.train import interrupt
     from foundrymix.train.builder import train
 
-    run = train(config)
+    interrupt.install()  # after Composer's engine module installed its own handler
+    try:
+        run = train(config)
+    except BaseException as e:
+        if interrupt.received is None or isinstance(e, Interrupted):
+            raise
+        raise interrupt.stopped(config, None, dist.get_global_rank()) from None
     if dist.get_global_rank() == 0 and not run.finished:
         print_summary(run)
     return 0
