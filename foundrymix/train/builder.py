@@ -247,8 +247,7 @@ def _composer_trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, eval
         save_folder=cfg.save_folder if composer_saves else None,
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        **resume,
-        load_weights_only=cfg.load_weights_only,
+        **{'load_weights_only': cfg.load_weights_only, **resume},
         seed=cfg.seed,
     )
 
@@ -263,11 +262,27 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     if dist.get_world_size() > 1:  # now, so that the start is agreed (_start_together); Composer reuses it
         dist.initialize_dist(_device(cfg))
     held = claims.ClaimSet()
+    made = _missing_dirs(cfg)
     try:
         return _build(cfg, device_batch, micro, held)
     except BaseException:
         held.release()
+        for path in made:  # a refused start leaves no folder behind (Composer makes save_folder at init)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)  # only if empty: nothing anyone wrote is removed
         raise
+
+
+def _missing_dirs(cfg: TrainConfig) -> list[str]:
+    """A local ``save_folder`` and its ancestors that do not exist yet, deepest first."""
+    if not cfg.save_folder or is_remote(cfg.save_folder):
+        return []
+    from composer.utils import format_name_with_dist
+    path, missing = os.path.abspath(format_name_with_dist(cfg.save_folder, cfg.run_name)), []
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 @contextlib.contextmanager

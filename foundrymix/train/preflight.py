@@ -176,6 +176,12 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
     gather.raise_any()
     if cfg.load_path and '://' not in cfg.load_path and not os.path.exists(cfg.load_path):
         raise MissingError(f'load_path: {cfg.load_path}: no such checkpoint')
+    if cfg.load_path and cfg.load_path.endswith('.pt') and os.path.isfile(cfg.load_path):
+        from foundrymix.train.remote_resume import incomplete
+        why = incomplete(cfg.load_path)
+        if why:
+            raise ConfigError(f'load_path: {cfg.load_path} is not a whole checkpoint ({why}): give a '
+                              f'checkpoint a run saved whole (ep*-ba*-rank0.pt)')
     return max_duration, t_warmup
 
 
