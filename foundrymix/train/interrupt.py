@@ -7,13 +7,15 @@ Why: Composer installs a handler that calls ``sys.exit`` wherever the main threa
 the signal and raises ``KeyboardInterrupt``; whatever exception then leaves the run is reported as
 the stop. A checkpoint being written is abandoned (its ``.part`` removed,
 :mod:`foundrymix.train.local_save`), so the one named is whole. DataLoader workers (forked with the
-handler) raise ``KeyboardInterrupt``, which torch's worker loop leaves quietly.
+handler) raise ``KeyboardInterrupt``, which torch's worker loop leaves quietly; what the
+DataLoader's ``__del__`` then reports of its stopped workers ("Exception ignored") is dropped.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import Any, Optional
 
 from foundrymix.errors import Interrupted, UserError
@@ -34,6 +36,12 @@ def install() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    before = sys.unraisablehook
+
+    def quiet(unraisable: Any) -> None:
+        if received is None:  # after a stop: a DataLoader's __del__ finding its workers stopped too
+            before(unraisable)
+    sys.unraisablehook = quiet
 
 
 def stopped(cfg: Any, batch: Optional[int], rank: int = 0) -> Interrupted:
