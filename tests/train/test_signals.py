@@ -88,7 +88,7 @@ def test_ctrl_c_mid_save_says_one_line_keeps_whole_checkpoints_and_resumes(tmp_p
                               f'max_duration={batch + 2}ba'], cwd=tmp_path, capture_output=True, text=True,
                              timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f'resumed from {newest} at batch {batch} ' in resumed.stdout
+    assert f'resumed from {tmp_path / "ckpt" / "latest-rank0.pt"} at batch {batch} ' in resumed.stdout
     last = torch.load(tmp_path / 'ckpt' / 'latest-rank0.pt', map_location='cpu', weights_only=False)
     assert last['state']['timestamp']['Timestamp']['batch'] == batch + 2
 
