@@ -49,11 +49,24 @@ class ExistsError(FoundrymixError, FileExistsError):
     """Something the user owns is in the way; the message says how to proceed."""
 
 
+class Interrupted(FoundrymixError):
+    """A run stopped by a signal: the message says where and how to resume (empty: nothing to
+    say, another rank says it); the command exits ``128 + signal``, as a shell reports one."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.code = 128 + signum
+
+
 def run_command(args: Any) -> int:
     """Run a parsed subcommand (``args.func``); a user-facing error becomes one line per problem,
     exit 2. Here, not in ``cli.py``, because ``train.py`` runs through it too."""
     try:
         return int(args.func(args) or 0)
+    except Interrupted as e:
+        if str(e):
+            print(f'foundrymix {args.command}: {e}', file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         print('interrupted', file=sys.stderr)
         return 130

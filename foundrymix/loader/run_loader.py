@@ -7,8 +7,10 @@ ranks with the same global batch, replays nothing."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -107,7 +109,12 @@ class StagedDataLoader:
 
     def batches(self, end: Optional[int] = None) -> Iterator[Any]:
         """This rank's batches from the position up to global batch ``end`` (default: the run's
-        end); the position counts each batch as it is yielded."""
+        end); the position counts each batch as it is yielded. One left open is closed at exit."""
+        batches = self._batches(end)
+        _OPEN.add(batches)
+        return batches
+
+    def _batches(self, end: Optional[int]) -> Iterator[Any]:
         position = self.position
         end = self.run.total_batches if end is None else min(end, self.run.total_batches)
         self._open += 1
@@ -171,6 +178,18 @@ class StagedDataLoader:
         store = active.store
         del active
         store.release()
+
+
+#: the iterators not yet finished or closed, closed at exit while every module is whole: closed
+#: later, in the interpreter's teardown, their prefetch threads' shutdown met ``queue`` gone
+#: (``AttributeError: 'NoneType' object has no attribute 'Empty'``)
+_OPEN: 'weakref.WeakSet[Iterator[Any]]' = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open() -> None:
+    for batches in list(_OPEN):
+        batches.close()
 
 
 def build_run_loader(config: 'LoaderConfig', batch_size: int, max_duration: Optional[str] = None,

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from composer import Trainer
 from composer.core import Callback, Evaluator
-from composer.utils import dist, reproducibility
+from composer.utils import dist, format_name_with_dist, reproducibility
 
 from foundrymix import claims
 from foundrymix.s3 import retries as s3_retries
@@ -34,12 +34,14 @@ from foundrymix.train.config import TrainConfig, check_eval_streams, check_strea
 from foundrymix.train.data_adapter import ComposerLoader
 from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
+from foundrymix.train import interrupt
 from foundrymix.train.gpu import parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import build_optimizer
 from foundrymix.train.preflight import check_start, local_device
 from foundrymix.train.schedule import WSDScheduler, apply_resume_lr, build_scheduler
 from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
+from foundrymix.train.local_save import LocalSave
 from foundrymix.train.remote_save import RemoteSave, remote_save
 from foundrymix.train.run_claims import claim_run
 from foundrymix.train.together import StopTogether
@@ -184,14 +186,19 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
              micro: Union[int, str], callbacks: list[Callback], max_duration: str,
              scheduler: Any) -> tuple[Trainer, Optional[RemoteSave]]:
     """The Composer trainer, and for a remote ``save_folder`` (not sharded) the saver and
-    uploader it is given in place of Composer's own (:mod:`foundrymix.train.remote_save`)."""
+    uploader it is given in place of Composer's own (:mod:`foundrymix.train.remote_save`); a
+    local one (not sharded) gets :class:`~foundrymix.train.local_save.LocalSave`."""
     device = _device(cfg)
     _share_cpu_threads(device)
     resume = {'save_overwrite': cfg.save_overwrite, **resume_kwargs(cfg, device)}
     loggers, saving = cfg.loggers.build(cfg.run_name), None
+    local = cfg.save_folder and not is_remote(cfg.save_folder) and not sharded(cfg)
     if is_remote(cfg.save_folder) and not sharded(cfg):
         saving = remote_save(cfg, resume.pop('save_overwrite'))
         callbacks, loggers = [*callbacks, saving.saver], [*loggers, saving.uploader]
+    elif local:  # write-then-rename (:mod:`foundrymix.train.local_save`)
+        callbacks = [*callbacks, LocalSave(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
+                                           cfg.save_num_checkpoints_to_keep)]
     if cfg.compile_config is not None:  # every recompilation is printed with its reason
         torch._logging.set_logs(recompiles=True)
     try:
@@ -204,9 +211,9 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
             parallelism_config=parallelism_config(cfg.fsdp, device),
             compile_config=cfg.compile_config.as_dict() if cfg.compile_config is not None else None,
             callbacks=callbacks, algorithms=cfg.algorithms.build(), loggers=loggers, run_name=cfg.run_name,
-            **console_kwargs(cfg), save_folder=cfg.save_folder if saving is None else None,
+            **console_kwargs(cfg), save_folder=cfg.save_folder if saving is None and not local else None,
             save_interval=cfg.save_interval, save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-            **resume, load_weights_only=cfg.load_weights_only, seed=cfg.seed), saving
+            **{'load_weights_only': cfg.load_weights_only, **resume}, seed=cfg.seed), saving
     except BaseException:
         if saving is not None:
             saving.close()
@@ -221,11 +228,26 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     if dist.get_world_size() > 1:  # now, so that the start is agreed (_start_together); Composer reuses it
         dist.initialize_dist(_device(cfg))
     held = claims.ClaimSet()
+    made = _missing_dirs(cfg)
     try:
         return _build(cfg, device_batch, micro, held)
     except BaseException:
         held.release()
+        for path in made:  # a refused start leaves no folder behind (Composer makes save_folder at init)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)  # only if empty: nothing anyone wrote is removed
         raise
+
+
+def _missing_dirs(cfg: TrainConfig) -> list[str]:
+    """A local ``save_folder`` and its ancestors that do not exist yet, deepest first."""
+    if not cfg.save_folder or is_remote(cfg.save_folder):
+        return []
+    path, missing = os.path.abspath(format_name_with_dist(cfg.save_folder, cfg.run_name)), []
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 @contextlib.contextmanager
@@ -297,6 +319,10 @@ def train(cfg: TrainConfig) -> TrainRun:
         adaptive = any(s.config is not None and s.config.adaptive for s in run.run_plan.stages)
         if dist.get_global_rank() == 0 and (run.run_plan.explicit or adaptive):
             _plot_staged(run)  # (adaptive: the configured start, the realized shares over it)
+    except BaseException:
+        if interrupt.received is None:
+            raise
+        raise interrupt.stopped(cfg, int(run.trainer.state.timestamp.batch), dist.get_global_rank()) from None
     finally:
         run.claims.release()
         if run.remote_save is not None:

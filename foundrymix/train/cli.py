@@ -10,7 +10,7 @@ import argparse
 from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP
-from foundrymix.errors import UserError, run_command as run
+from foundrymix.errors import Interrupted, UserError, run_command as run
 from foundrymix.train.report import print_report
 
 #: the one line ``foundrymix train`` prints where Composer is not installed (the core installs none)
@@ -63,9 +63,16 @@ def run_cli(args: argparse.Namespace) -> int:
     require_composer()
     from composer.utils import dist
 
+    from foundrymix.train import interrupt
     from foundrymix.train.builder import train
 
-    run = train(config)
+    interrupt.install()  # after Composer's engine module installed its own handler
+    try:
+        run = train(config)
+    except BaseException as e:
+        if interrupt.received is None or isinstance(e, Interrupted):
+            raise
+        raise interrupt.stopped(config, None, dist.get_global_rank()) from None
     if dist.get_global_rank() == 0 and not run.finished:
         print_summary(run)
     return 0

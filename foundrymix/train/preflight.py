@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from foundrymix.config import DURATION_UNITS, INTERVAL_UNITS, UNIT_WORDS, ConfigError, Gather, parse_time
 from foundrymix.errors import MissingError
+from foundrymix.train.remote_resume import incomplete
 
 #: Composer 0.32's precisions (``composer.core.Precision``) and ours (``auto``)
 PRECISIONS = ('auto', 'fp32', 'amp_fp16', 'amp_bf16', 'amp_fp8')
@@ -161,6 +162,11 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
     gather.raise_any()
     if cfg.load_path and '://' not in cfg.load_path and not os.path.exists(cfg.load_path):
         raise MissingError(f'load_path: {cfg.load_path}: no such checkpoint')
+    if cfg.load_path and cfg.load_path.endswith('.pt') and os.path.isfile(cfg.load_path):
+        why = incomplete(cfg.load_path)
+        if why:
+            raise ConfigError(f'load_path: {cfg.load_path} is not a whole checkpoint ({why}): give a '
+                              f'checkpoint a run saved whole (ep*-ba*-rank0.pt)')
     return max_duration, t_warmup
 
 

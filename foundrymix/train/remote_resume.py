@@ -107,13 +107,18 @@ def resume_kwargs(cfg: Any, device: str) -> dict[str, Any]:
         return {'autoresume': False, 'load_path': remote.uri,
                 'save_overwrite': cfg.save_overwrite or bool(remote.skipped)}
     if cfg.autoresume and cfg.save_folder:
-        found = local_checkpoint(format_name_with_dist(cfg.save_folder, cfg.run_name))
-        if found is not None and (found.skipped or not found.is_latest):
-            # Not what latest-rank0.pt names: load it ourselves; overwriting lets Composer's
-            # start-of-fit check pass the newer, incomplete files and the run rewrite them.
+        folder = format_name_with_dist(cfg.save_folder, cfg.run_name)
+        found = local_checkpoint(folder)
+        if found is None and not sharded(cfg):  # (LocalSave's folder: Composer's autoresume wants a remote name)
+            return {'autoresume': False, 'load_path': cfg.load_path}
+        if found is not None and (found.skipped or not found.is_latest or not sharded(cfg)):
+            # Loaded here: overwriting lets Composer's start-of-fit check pass the newer,
+            # incomplete files and the run rewrite them; all of it, as Composer's autoresume does.
             if found.skipped and dist.get_global_rank() == 0:
                 print(found.line(), flush=True)
-            return {'autoresume': False, 'load_path': found.path,
+            # named as Composer's autoresume names it
+            path = os.path.join(folder, LOCAL_LATEST) if found.is_latest and not found.skipped else found.path
+            return {'autoresume': False, 'load_path': path, 'load_weights_only': False,
                     'save_overwrite': cfg.save_overwrite or bool(found.skipped)}
     return {'autoresume': cfg.autoresume,
             'load_path': None if cfg.autoresume and not cfg.load_path else cfg.load_path}
