@@ -18,6 +18,7 @@ from composer.core import Callback, Evaluator
 from composer.utils import dist, format_name_with_dist, reproducibility
 
 from foundrymix import claims
+from foundrymix.config import ConfigError
 from foundrymix.s3 import retries as s3_retries
 from foundrymix.errors import ExistsError
 from foundrymix.heap import collector_paused
@@ -214,9 +215,14 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
             **console_kwargs(cfg), save_folder=cfg.save_folder if saving is None and not local else None,
             save_interval=cfg.save_interval, save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
             **{'load_weights_only': cfg.load_weights_only, **resume}, seed=cfg.seed), saving
-    except BaseException:
+    except BaseException as e:
         if saving is not None:
             saving.close()
+        if isinstance(e, RuntimeError) and 'size mismatch' in str(e) and resume.get('load_path'):
+            # torch's load_state_dict, inside Composer's load: a checkpoint of another model
+            first = next(line.strip() for line in str(e).splitlines() if 'size mismatch' in line)
+            raise ConfigError(f"{resume['load_path']}: the checkpoint is of another model ({first}); "
+                              f'give the model section it was trained with, or another checkpoint') from None
         raise
 
 

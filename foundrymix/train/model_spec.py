@@ -302,6 +302,7 @@ def check_config_keys(model_type: str, kwargs: Mapping[str, Any], where: str) ->
 def hf_config(spec: ModelSpec, tokenizer: Any) -> Any:
     """The transformers config: the pretrained directory's, or ``type``'s defaults, plus overrides
     (here, not with the model, which imports Composer: ``plan`` builds it too)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     kwargs = dict(spec.config_kwargs)
@@ -316,5 +317,8 @@ def hf_config(spec: ModelSpec, tokenizer: Any) -> Any:
         if spec.pretrained is not None:
             return AutoConfig.from_pretrained(spec.pretrained, local_files_only=True, **kwargs)
         return AutoConfig.for_model(spec.model_type, **kwargs)
-    except (ValueError, TypeError, OSError) as e:
-        raise ModelConfigError(f'model: {e}') from None
+    except (ValueError, TypeError, OSError, StrictDataclassError) as e:
+        # transformers 5 validates a config when it is built (huggingface_hub's strict dataclasses): the
+        # last line of its message is the reason
+        raise ModelConfigError(f"model: {str(e).strip().splitlines()[-1].strip().removeprefix('ValueError: ')}"
+                               ) from None

@@ -41,6 +41,9 @@ CASES = [
      'from scratch'),
     (['fsdp={sharding_strategy: FULL_SHARD}'],
      f'fsdp: FSDP runs on GPUs, and this run is on {WHERE}: leave fsdp out'),
+    (['device=gpu'],
+     'device: gpu, and this machine has no CUDA GPU that torch can use (torch.cuda.is_available() is false): '
+     'give device: cpu, or auto'),
 ]
 
 
@@ -62,7 +65,7 @@ def cli(*argv: str, cwd) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize('overrides, line', CASES, ids=['microbatch-auto', 'warmup-unit', 'amp-bf16',
-                                                          'oci-load-path', 'fsdp'])
+                                                          'oci-load-path', 'fsdp', 'device-gpu'])
 def test_plan_and_train_refuse_what_composer_would_in_one_line(run_yaml, tmp_path, overrides, line):
     """The same line from ``foundrymix plan`` and ``python train.py``; nothing written."""
     for command, argv in (('plan', ['-m', 'foundrymix.cli', 'plan']), ('train', [str(ROOT / 'train.py')])):
@@ -71,6 +74,36 @@ def test_plan_and_train_refuse_what_composer_would_in_one_line(run_yaml, tmp_pat
             proc.stderr
         assert 'Traceback' not in proc.stderr and proc.stdout == ''
     assert sorted(p.name for p in tmp_path.iterdir()) == ['run.yaml']  # no checkpoint, report or run dir
+
+
+@pytest.mark.slow  # two train.py runs
+def test_a_checkpoint_of_another_model_is_one_line(run_yaml, tmp_path):
+    """``load_path`` of a checkpoint whose tensors have other shapes: one line naming it and the first
+    mismatch (torch's words), not Composer's traceback."""
+    first = cli(str(ROOT / 'train.py'), str(run_yaml), 'max_duration=1ba', 'save_interval=1ba', cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = tmp_path / 'ckpt' / 'ep0-ba1-rank0.pt'
+    proc = cli(str(ROOT / 'train.py'), str(run_yaml), 'model.intermediate_size=96', f'load_path={ckpt}',
+               f'save_folder={tmp_path / "other"}', cwd=tmp_path)
+    assert proc.returncode == 2 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.splitlines()[-1]
+    assert line.startswith(f'foundrymix train: error: {ckpt}: the checkpoint is of another model (size mismatch '
+                           f'for '), line
+    assert 'torch.Size([64, 32])' in line and 'torch.Size([96, 32])' in line, line
+    assert line.endswith('give the model section it was trained with, or another checkpoint'), line
+    assert not (tmp_path / 'other').exists()
+
+
+@pytest.mark.skipif(int(__import__('transformers').__version__.split('.')[0]) < 5,
+                    reason='transformers 4.x builds such a config')
+def test_a_model_transformers_refuses_is_one_line(run_yaml, tmp_path):
+    """transformers 5 validates the config as it is built: its reason, in one line; nothing written."""
+    proc = cli(str(ROOT / 'train.py'), str(run_yaml), 'model.hidden_size=33', cwd=tmp_path)
+    assert (proc.returncode, proc.stderr.splitlines()[-1:]) == (2, [
+        'foundrymix train: error: model: The hidden size (33) is not a multiple of the number of attention '
+        'heads (2).']), proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run.yaml']
 
 
 @pytest.mark.slow
