@@ -287,6 +287,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     composer_loader = ComposerLoader(data.loader, epochs=True, together=StopTogether())
     trainer, saving = _trainer(cfg, model, composer_loader, evaluator, micro, callbacks, data.max_duration,
                                scheduler)
+    if saving is not None:  # a failed checkpoint upload stops every rank at the next batch
+        composer_loader.together.probes.append(saving.uploader.failed)
     finished = None if cfg.load_weights_only else finished_line(trainer.state)
     line = None if finished else resume_line(trainer.state, cfg.load_weights_only)
     extended = None

@@ -95,12 +95,14 @@ class CheckpointUploader(LoggerDestination):
         # s3transfer: multipart above 8 MB, each part retried; a failed one aborts the upload
         self.client.upload_file(path, self.url.bucket, key)
 
+    def failed(self) -> Optional[FoundrymixError]:
+        """The failed upload's error, or None: the run's ``StopTogether`` asks before each batch, so
+        every rank stops at the same batch (one rank raising alone would leave the others waiting)."""
+        return None if self.failure is None else FoundrymixError(self.failure)
+
     def check(self) -> None:
         if self.failure is not None:
             raise FoundrymixError(self.failure)
-
-    def batch_end(self, state: Any, logger: Any) -> None:
-        self.check()
 
     def fit_end(self, state: Any, logger: Any) -> None:
         self._queue.join()  # the last checkpoint and its pointer are in the bucket, or named

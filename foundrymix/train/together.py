@@ -4,7 +4,7 @@ that reads the ranks' loaders unevenly would wait in the agreement."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 from foundrymix.errors import WorkerError
 
@@ -19,13 +19,20 @@ class OtherRankFailed(WorkerError):
 class StopTogether:
     """Called with this rank's failure (or None) before each batch, on every rank: agrees by one
     integer summed over its own gloo group (CPU, apart from the GPU's collectives); when any
-    rank failed, the failing rank raises its error and the others :class:`OtherRankFailed`."""
+    rank failed, the failing rank raises its error and the others :class:`OtherRankFailed`.
+    ``probes``: other failures of this rank to stop every rank at the next batch (a checkpoint
+    upload that failed on rank 0), asked when the read did not fail."""
 
     def __init__(self, doing: str = 'could not read its rows of this batch') -> None:
         self._group: Any = None
         self.doing = doing  # what the failing rank could not do, as the others say it
+        self.probes: list[Callable[[], Optional[BaseException]]] = []
 
     def __call__(self, failure: Optional[BaseException]) -> None:
+        doing = self.doing
+        if failure is None:
+            failure, doing = next((e for e in (probe() for probe in self.probes) if e is not None), None), 'stopped'
+
         import torch
         import torch.distributed as tdist
         if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
@@ -39,12 +46,12 @@ class StopTogether:
         if int(failed.item()) == 0:
             return
         said: list[Any] = [None] * tdist.get_world_size()
-        mine = None if failure is None else f'{type(failure).__name__}: {failure}'
+        mine = None if failure is None else (doing, f'{type(failure).__name__}: {failure}')
         tdist.all_gather_object(said, mine, group=self._group)
         if failure is not None:
             raise failure
-        rank, message = next((r, m) for r, m in enumerate(said) if m is not None)
-        raise OtherRankFailed(f'rank {rank} {self.doing}, so every rank stops here: {message}')
+        rank, (did, message) = next((r, m) for r, m in enumerate(said) if m is not None)
+        raise OtherRankFailed(f'rank {rank} {did}, so every rank stops here: {message}')
 
 
 def read_together(batches: Iterable[T], together: StopTogether) -> Iterator[T]:

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from fault_proxy import FaultProxy
-from helpers import ROOT, moto_s3, silent_server, tiny_run_config
+from helpers import ROOT, free_port, moto_s3, silent_server, tiny_run_config
 
 BUCKET = 'fmx-save'
 BATCH = 6
@@ -107,6 +107,43 @@ def test_checkpoints_through_503s_and_resets_are_the_straight_runs(tmp_path, s3,
         assert same_weights(tmp_path / name, straight / 'ckpt' / name), name
     assert (tmp_path / 'samples.jsonl').read_text() == (straight / 'samples.jsonl').read_text()
     assert unfinished(s3, prefix) == []
+
+
+@pytest.mark.slow  # two train.py ranks on gloo
+@pytest.mark.timeout(1800)
+def test_an_upload_that_fails_on_rank_0_stops_both_ranks_each_in_one_line(tmp_path, s3, small_streams):
+    """Rank 0 alone uploads; when its upload fails for good, every rank stops at one batch (the
+    loader's agreement), rank 0 naming the checkpoint and rank 1 naming rank 0 -- neither waits in
+    the next gradient all-reduce. Started as ``composer -n 2`` starts ranks, without its launcher
+    (which would kill the other rank as soon as one exits)."""
+    prefix = 'runs/dead2/ckpts/'
+    cfg = {**run_cfg(tmp_path, small_streams, run_name='dead2', save_folder=f's3://{BUCKET}/{prefix}'),
+           'max_duration': '60ba'}  # far past the batch the failure is seen at
+    (tmp_path / 'c.yaml').write_text(yaml.safe_dump(cfg), encoding='utf-8')
+    port = str(free_port())
+    with FaultProxy(s3['endpoint'], error_rate=1.0, max_faults_per_request=10 ** 6,
+                    should_fault=lambda method, path: method == 'PUT' and 'ep0-ba4-rank0.pt' in path) as proxy:
+        base = {k: v for k, v in os.environ.items() if not k.startswith('AWS_') and k != 'S3_ENDPOINT_URL'}
+        procs = [subprocess.Popen(
+            [sys.executable, str(ROOT / 'train.py'), 'c.yaml'], cwd=tmp_path, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**base, **s3['env'], 'S3_ENDPOINT_URL': proxy.endpoint, 'AWS_MAX_ATTEMPTS': '2',
+                 'RANK': str(rank), 'LOCAL_RANK': str(rank), 'NODE_RANK': '0', 'WORLD_SIZE': '2',
+                 'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': port})
+            for rank in range(2)]
+        try:
+            ends = [p.communicate(timeout=900) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    assert [p.returncode for p in procs] == [2, 2], [err[-3000:] for _, err in ends]
+    lines = [[line for line in err.splitlines() if line.startswith('foundrymix train: error:')] for _, err in ends]
+    assert all('Traceback' not in err for _, err in ends), [err[-3000:] for _, err in ends]
+    assert len(lines[0]) == 1 and lines[0][0].startswith(
+        f'foundrymix train: error: checkpoint upload failed, the run stopped: s3://{BUCKET}/{prefix}ep0-ba4-rank0.pt: '
+        f'SlowDown'), lines[0]
+    said = lines[0][0].removeprefix('foundrymix train: error: ')
+    assert lines[1] == [f'foundrymix train: error: rank 0 stopped, so every rank stops here: FoundrymixError: {said}']
 
 
 @pytest.mark.slow  # a whole train.py run
