@@ -15,7 +15,7 @@ from foundrymix.config import DURATION_UNITS, UNIT_WORDS, ConfigError, parse_tim
 from foundrymix.plan.catalog import StreamInfo
 from foundrymix.plan.config import LoaderConfig
 from foundrymix.plan.exact import EpochWeights, anchored_epoch, apportion, epoch_weights, weighted
-from foundrymix.plan.order import StageOrder, name_key, rank_counts, stream_draws
+from foundrymix.plan.order import WINDOW_ROWS, StageOrder, name_key, rank_counts, stream_draws
 from foundrymix.plan.plans import DurationPlan, GroupPlan, Plan, RankPlan, StreamPlan
 from foundrymix.plan.topology import Topology
 from foundrymix.plan.window import cache_window
@@ -91,6 +91,10 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                      f'its share of an epoch of {anchor.epoch_size:,} rows; whole passes are kept when the '
                      f'epoch is cut to whole global batches')
     notes.extend(foundry_note(i) for i in infos if i.manifest.options.get('format') == 'llm-foundry-tokens')
+    window = cache_window(config, infos)
+    if config.shuffle and not config.shuffle_block_size and window != WINDOW_ROWS:
+        notes.append(f'shuffle window: {window:,} rows (the default, {WINDOW_ROWS:,}, does not fit '
+                     f'cache_limit {config.cache_limit}): each shard is fetched about once per pass')
     per_rank, how_ranks = _rank_plans(epoch, topology, names, rank_count_limit)
     plan = Plan(streams=stream_plans,
                 epoch_size=epoch.epoch_size, batch_size=batch_size,

@@ -90,6 +90,9 @@ def test_a_tight_cache_fetches_each_shard_once_a_pass_and_never_overflows(tmp_pa
            'cache_limit': limit, 'cache_root': str(cache)}
     window = cache_window(StreamMixer.from_dict(cfg).config, StreamMixer.from_dict(cfg).catalog.infos())
     assert 1 < window < 540 < WINDOW_ROWS  # the default window holds every shard: it would not fit
+    # the plan says so (the batch size does not change the window)
+    assert (f'shuffle window: {window:,} rows (the default, {WINDOW_ROWS:,}, does not fit cache_limit {limit}): '
+            f'each shard is fetched about once per pass') in StreamMixer.from_dict(cfg).plan(4).notes
     del proxy.log[:]
     got, peak = read(cfg, 3, cache, workers)
     fetched = Counter(path.split(f'/{BUCKET}/', 1)[1] for method, path, _ in proxy.log
