@@ -99,23 +99,17 @@ def convert_to_fp8(model: Any) -> None:
 def cuda_capability() -> tuple[str, tuple[int, int]]:
     """This machine's first GPU: its name and CUDA compute capability."""
     import torch
-
     return torch.cuda.get_device_name(), torch.cuda.get_device_capability()
 
 
 def fp8_problem(gpu: bool) -> Optional[str]:
-    """Why ``precision: amp_fp8`` cannot run here, or None: torchao's float8 module must import, and
-    on a GPU FP8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper); a CPU is refused apart."""
-    if gpu:
-        name, capability = cuda_capability()
-        if capability < (8, 9):
-            return (f'precision: amp_fp8 needs FP8 tensor cores (CUDA compute capability >= 8.9: H100, H200, '
-                    f'L4), and this GPU ({name}) is {capability[0]}.{capability[1]}: give precision: amp_bf16')
-    return torchao_problem()
-
-
-def torchao_problem() -> Optional[str]:
-    """Why torchao's float8 training does not import here (missing, or built for another torch), or None."""
+    """Why ``precision: amp_fp8`` cannot run here, or None: on a GPU FP8 matmuls need CUDA compute
+    capability >= 8.9 (Ada, Hopper); torchao's float8 module must import (missing, or built for
+    another torch). A CPU is refused apart."""
+    name, capability = cuda_capability() if gpu else ('', (9, 0))
+    if capability < (8, 9):
+        return (f'precision: amp_fp8 needs FP8 tensor cores (CUDA compute capability >= 8.9: H100, H200, '
+                f'L4), and this GPU ({name}) is {capability[0]}.{capability[1]}: give precision: amp_bf16')
     try:
         import torchao.float8  # noqa: F401
     except ImportError as e:
