@@ -524,21 +524,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         dirs = {n: os.path.join(data, n) for n in ('web', 'code', 'chat')}
         if args.data is None:
             dirs = build_streams(data, args.seq, n_rows // 7 + 1)
+        device = torch.cuda.get_device_name() if args.device == 'gpu' else 'cpu'
         for row in rows:
             results.append(run_row(args, dirs, row, work))
             if args.isolate:  # the table so far, for a run cut short
-                print(f'bench_gpu: {row}: {results[-1].status} {results[-1].positions_per_s:,.0f} tok/s', flush=True)
+                r = results[-1]
+                print(f'bench_gpu: {row}: {r.status} {r.positions_per_s:,.0f} positions/s, {r.real_tokens_per_s:,.0f} '
+                      f'real tokens/s, runs {r.runs_positions_per_s}', flush=True)
+            if args.json and dist.get_global_rank() == 0:  # rewritten after each row: a run cut short keeps its rows
+                with open(args.json, 'w', encoding='utf-8') as f:
+                    json.dump({'device': device, 'world_size': dist.get_world_size(), 'seq': args.seq,
+                               'torch': torch.__version__, 'cuda': torch.version.cuda,
+                               'results': [asdict(r) for r in results]}, f, indent=2)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if dist.get_global_rank() != 0:
         return 0
-    device = torch.cuda.get_device_name() if args.device == 'gpu' else 'cpu'
     print_table(results, device, args)
-    if args.json:
-        with open(args.json, 'w', encoding='utf-8') as f:
-            json.dump({'device': device, 'world_size': dist.get_world_size(), 'seq': args.seq,
-                       'torch': torch.__version__, 'cuda': torch.version.cuda,
-                       'results': [asdict(r) for r in results]}, f, indent=2)
     return 1 if any(r.status.startswith('error') for r in results) else 0
 
 

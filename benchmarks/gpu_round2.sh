@@ -7,7 +7,7 @@
 #      amp_fp8's loss curve vs bf16, the fused optimizer), cut off after ROUND2_TEST_TIMEOUT s (240);
 #   3. benchmarks/bench_gpu.py on ROUND2_ROWS (default: its GPU table -- 125M/64, 1.3B bf16 and fp8,
 #      3B FSDP2 with activation checkpointing), --steps 15 --warmup 5 --repeats 3, each row cut off
-#      after ROUND2_ROW_TIMEOUT s (300).
+#      after ROUND2_ROW_TIMEOUT s (300), the whole script after ROUND2_BUDGET s (560).
 # Logs and bench_gpu.json go to OUT (default $OUT of the device run, else runs/gpu_round2).
 # Here, before the device call: bash scripts/gpu_wheels.sh 3.12 gpu-wheels; then run with
 # carry ["gpu-wheels"]: bash benchmarks/gpu_round2.sh
@@ -43,7 +43,10 @@ timeout "${ROUND2_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -rs -p no:cacheprovider
   tests/train/test_gpu_round2.py tests/train/test_optim.py 2>&1 | tee "$OUT/tests.log" | tail -30 || status=1
 echo "gpu_round2: benchmarks/bench_gpu.py ..."
 # shellcheck disable=SC2086
-"$PY" benchmarks/bench_gpu.py --device gpu --steps 15 --warmup 5 --repeats 3 \
+# what is left of ROUND2_BUDGET s (default 560: the device call's 600 less the transfers) after
+# the tests; bench_gpu.json is rewritten after each row, so a cut-off run keeps its finished rows
+LEFT=$(( ${ROUND2_BUDGET:-560} - SECONDS ))
+timeout "$LEFT" "$PY" benchmarks/bench_gpu.py --device gpu --steps 15 --warmup 5 --repeats 3 \
   --row-timeout "${ROUND2_ROW_TIMEOUT:-300}" ${ROUND2_ROWS:+--rows $ROUND2_ROWS} --json "$OUT/bench_gpu.json" \
   2>"$OUT/bench_gpu.err" | tee "$OUT/bench_gpu.txt" || status=1
 echo "gpu_round2: $([ $status = 0 ] && echo 'all passed' || echo 'FAILED (logs in '"$OUT"')')"
