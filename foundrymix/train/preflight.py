@@ -128,6 +128,10 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
                         'or give a whole number that divides the per-rank batch')
     if cfg.fsdp is not None:
         gpu_only.append('fsdp: FSDP runs on GPUs, and this run is on {where}: leave fsdp out')
+        if cfg.fsdp.version == 2 and cfg.device_train_microbatch_size == 'auto':
+            gather.add(ConfigError("device_train_microbatch_size: auto is not with fsdp.version: 2 (Composer's "
+                                   'FSDP2 does not fit the microbatch): give a whole number that divides the '
+                                   'per-rank batch'))
         if getattr(cfg.model, 'fused_loss', False) and cfg.fsdp.version != 2:
             gather.add(ConfigError('model.fused_loss: not with FSDP1 (the output layer would run outside '
                                    "FSDP's forward): give fsdp.version: 2 (fully_shard), or leave fused_loss out"))

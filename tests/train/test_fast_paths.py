@@ -213,6 +213,12 @@ def test_fused_loss_with_fsdp_and_a_bad_compile_mode_are_refused():
                                                model={**LLAMA, 'fused_loss': True}, device='gpu',
                                                fsdp={'version': 2}))
     assert check_start(v2, FakeRun()) == ('1ba', '0ba')
+    auto = TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=2, max_duration='1ba', device='gpu',
+                                                 fsdp={'version': 2}, device_train_microbatch_size='auto'))
+    with pytest.raises(ConfigError) as err:
+        check_start(auto, FakeRun())
+    assert str(err.value) == ("device_train_microbatch_size: auto is not with fsdp.version: 2 (Composer's FSDP2 "
+                              "does not fit the microbatch): give a whole number that divides the per-rank batch")
     with pytest.raises(ConfigError, match="compile_config.mode: 'max_autotune' is not one of"):
         TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=2, max_duration='1ba',
                                               compile_config={'mode': 'max_autotune'}))
