@@ -2,9 +2,10 @@
 
 Llamas of :data:`MODELS` (125M: hidden 768, 12 layers; 1.3B: LLM-Foundry's MPT-1B shape;
 ``attention: document``, ``amp_bf16``, ``max_seq_len 2048``) trained through
-``foundrymix.train.builder.build_trainer`` on the mixed loader: two pretrain streams and
-one finetune stream of synthetic MDS rows (``tests/mix_helpers.build_stream``: pretrain
-rows hold two documents each, finetune rows two short examples and padding). One trainer
+``foundrymix.train.builder.build_trainer`` on the mixed loader: two pretrain streams of synthetic
+MDS rows (``tests/mix_helpers.build_stream``: two documents each) and one finetune stream packed
+by the real converter (``convert_finetune``, as ``foundrymix convert finetune`` packs it) from the
+bundled Dolly sample (``data/samples``), repeated until it outlasts the run. One trainer
 per row ``MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH[/pin|nopin]`` (the last: the loader's
 ``pin_memory``, default the loader's own), each in its own process on a GPU; a row that
 cannot run here (FSDP without CUDA, flash-attn not installed) is reported as skipped with
@@ -29,11 +30,14 @@ Measured per step after ``--warmup`` steps, by a callback appended to the traine
   step while the GPU works, not in the wait);
 * tokens/s per GPU: positions computed (device batch x ``max_seq_len``) / step time, and
   the real (non-pad) tokens / step time;
-* MFU: ``(6 N + 12 L d S) * positions/s / peak`` (the PaLM appendix B estimate, N = the
-  non-embedding parameters plus the output layer, L layers, d hidden, S sequence); peak
-  bf16 dense FLOP/s from the device name (H100/H200 989e12, A100 312e12) or ``--peak-flops``.
-  Document attention computes less than the dense ``12 L d S`` term, so this MFU is an
-  upper bound on what the attention part achieves.
+* MFU: ``(6 N + 12 L d S) * positions/s / peak`` (LLM-Foundry's formula, N = the
+  non-embedding parameters plus the output layer, L layers, d hidden, S sequence), and MFU per
+  real token: the same over real (non-pad) tokens/s; peak bf16 dense FLOP/s from the device
+  name (H100/H200 989e12, A100 312e12) or ``--peak-flops``. Document attention computes less
+  than the dense ``12 L d S`` term, so this MFU is an upper bound on what the attention part
+  achieves;
+* each row is run ``--repeats`` times (3 on a GPU): the run of median positions/s is reported,
+  with every run's positions/s and the spread (max - min) / median.
 
 Composer's ``speed_monitor`` logs similar throughput numbers; this script computes its own so
 that the loader share and the configurations come out in one table (and as JSON).
@@ -75,14 +79,20 @@ MODELS = {
     '1.3b': {'type': 'llama', 'hidden_size': 2048, 'intermediate_size': 5504, 'num_hidden_layers': 24,
              'num_attention_heads': 16, 'num_key_value_heads': 16, 'vocab_size': 32000,
              'max_position_embeddings': 2048},
+    # a 3B-class Llama (OpenLLaMA-3B's shape): needs FSDP's activation checkpointing on one GPU
+    '3b': {'type': 'llama', 'hidden_size': 3200, 'intermediate_size': 8640, 'num_hidden_layers': 26,
+           'num_attention_heads': 32, 'num_key_value_heads': 32, 'vocab_size': 32000,
+           'max_position_embeddings': 2048},
 }
+#: FSDP fields beyond Composer's FSDP1 sharding strategies: FSDP2 (``fully_shard``), with activation checkpointing
+FSDP2 = {'FSDP2': {'version': 2}, 'FSDP2-AC': {'version': 2, 'activation_checkpointing': True}}
 PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}
 ATTN = {'sdpa': 'sdpa', 'flex': 'flex_attention', 'flash': 'flash_attention_2'}
 #: one row each: MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH (the device batch is one microbatch)
-GPU_ROWS = ['125m/sdpa/eager/full/none/8', '125m/flex/compile/fused/none/8', '125m/flex/compile/fused/none/16',
-            '125m/flex/compile/fused/none/32', '1.3b/sdpa/eager/full/none/8', '1.3b/flex/compile/fused/none/8']
+GPU_ROWS = ['125m/flex/compile/fused/none/64', '1.3b/flex/compile/fused/none/8', '1.3b/flex/compile/fused/none/8/fp8',
+            '3b/flex/compile/fused/FSDP2-AC/8']
 TINY_ROWS = ['tiny/sdpa/eager/full/none/4', 'tiny/flex/eager/fused/none/4', 'tiny/sdpa/eager/full/FULL_SHARD/4',
-             'tiny/flash/eager/full/none/4']
+             'tiny/flash/eager/full/none/4', 'tiny/sdpa/eager/full/none/4/fp8']
 
 
 @dataclass(frozen=True)
@@ -96,25 +106,27 @@ class Row:
     fsdp: Optional[str]
     batch: int
     pin: Optional[bool] = None  # train_loader.pin_memory; None: the loader's default
+    fp8: bool = False  # precision: amp_fp8 (torchao's float8 linears)
 
     @classmethod
     def parse(cls, text: str) -> 'Row':
         try:
-            model, attn, comp, loss, fsdp, batch, *pin = text.split('/')
+            model, attn, comp, loss, fsdp, batch, *tail = text.split('/')
             assert model in MODELS and attn in ATTN and comp in ('eager', 'compile') and loss in ('full', 'fused')
-            assert len(pin) <= 1 and set(pin) <= {'pin', 'nopin'}
+            pin = [t for t in tail if t in ('pin', 'nopin')]
+            assert len(pin) <= 1 and len(set(tail)) == len(tail) and set(tail) <= {'pin', 'nopin', 'fp8'}
             return cls(model, attn, comp == 'compile', loss == 'fused', None if fsdp == 'none' else fsdp, int(batch),
-                       pin[0] == 'pin' if pin else None)
+                       pin[0] == 'pin' if pin else None, 'fp8' in tail)
         except (ValueError, AssertionError):
             raise SystemExit(f'bench_gpu: row {text!r}: write MODEL/ATTENTION/COMPILE/LOSS/FSDP/MICROBATCH[/PIN] with '
                              f'MODEL in {sorted(MODELS)}, ATTENTION in {sorted(ATTN)}, COMPILE eager|compile, '
-                             f'LOSS full|fused, FSDP none|FULL_SHARD|..., PIN pin|nopin (default: the loader\'s), '
-                             f'e.g. 125m/flex/compile/fused/none/16') from None
+                             f'LOSS full|fused, FSDP none|FULL_SHARD|...|FSDP2|FSDP2-AC, then /pin or /nopin (default: '
+                             f'the loader\'s) and /fp8 (amp_fp8), e.g. 125m/flex/compile/fused/none/16/fp8') from None
 
     def __str__(self) -> str:
         return (f"{self.model}/{self.attn}/{'compile' if self.compile else 'eager'}/"
                 f"{'fused' if self.fused else 'full'}/{self.fsdp or 'none'}/{self.batch}"
-                f"{'' if self.pin is None else '/pin' if self.pin else '/nopin'}")
+                f"{'' if self.pin is None else '/pin' if self.pin else '/nopin'}{'/fp8' if self.fp8 else ''}")
 
 
 @contextlib.contextmanager
@@ -196,6 +208,10 @@ class Result:
     positions_per_s: float = 0.0          # per GPU
     real_tokens_per_s: float = 0.0        # per GPU
     mfu: Optional[float] = None
+    mfu_real: Optional[float] = None      # the same formula per real (non-pad) token
+    device: str = ''                      # the GPU's name, or cpu
+    runs_positions_per_s: list = field(default_factory=list)  # every repeat's positions/s
+    spread: float = 0.0                   # (max - min) / median of those
     peak_mem_gb: Optional[float] = None   # torch.cuda.max_memory_allocated
     graphs: Optional[int] = None          # graphs dynamo compiled (compile rows)
     recompiles: Optional[int] = None
@@ -219,14 +235,41 @@ class Result:
     stream_samples: dict = field(default_factory=dict)  # StreamAccounting's rows per stream
 
 
+SAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'samples')
+
+
 def build_streams(root: str, seq: int, rows: int) -> dict[str, str]:
-    """Two pretrain streams and a finetune stream (4 : 2 : 1 rows) of synthetic MDS rows."""
+    """Two synthetic pretrain streams (4 : 2 rows) and the converted finetune stream (>= 1 share)."""
     dirs = {}
-    for tag, (name, kind, share) in enumerate((('web', 'pretrain', 4), ('code', 'pretrain', 2),
-                                               ('chat', 'finetune', 1))):
+    for tag, (name, share) in enumerate((('web', 4), ('code', 2))):
         dirs[name] = os.path.join(root, name)
-        build_stream(dirs[name], kind, rows * share, tag, max_seq_len=seq, size_limit=1 << 24)
+        build_stream(dirs[name], 'pretrain', rows * share, tag, max_seq_len=seq, size_limit=1 << 24)
+    dirs['chat'] = os.path.join(root, 'chat')
+    convert_chat(dirs['chat'], seq, rows)
     return dirs
+
+
+def convert_chat(out: str, seq: int, rows: int) -> None:
+    """The finetune stream as ``convert finetune`` packs it: the bundled Dolly sample (1,000 examples),
+    repeated until it packs into at least ``rows`` rows of ``seq``."""
+    import shutil
+
+    from foundrymix.convert.finetune import FinetuneOptions, convert_finetune
+
+    with open(os.path.join(SAMPLES, 'dolly_hhrlhf_sample.jsonl'), encoding='utf-8') as f:
+        examples = f.read()
+    copies, src = 1, out + '.jsonl'
+    while True:
+        with open(src, 'w', encoding='utf-8') as f:
+            f.write(examples * copies)
+        got = convert_finetune([src], out, FinetuneOptions(max_seq_len=seq, workers=min(8, os.cpu_count() or 1),
+                                                           size_limit='16mb')).counts
+        if got.rows >= rows:
+            print(f'bench_gpu: finetune stream: {got.rows} rows packed from {copies} x 1,000 Dolly examples, '
+                  f'{got.pad_tokens / (got.rows * seq):.1%} padding', file=sys.stderr)
+            return
+        shutil.rmtree(out)
+        copies = -(-rows * copies // max(got.rows, 1))
 
 
 def flops_per_position(cfg: dict, seq: int) -> tuple[float, int]:
@@ -251,6 +294,8 @@ def peak_flops(override: Optional[float]) -> Optional[float]:
 def skip_reason(row: Row, device: str) -> Optional[str]:
     if row.fsdp and device != 'gpu':
         return 'skipped: FSDP needs CUDA'
+    if row.fp8 and device != 'gpu':
+        return 'skipped: amp_fp8 needs a GPU with FP8'
     if row.attn == 'flash':
         if device != 'gpu':
             return 'skipped: flash_attention_2 needs CUDA'
@@ -267,10 +312,11 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
     from foundrymix.train.builder import build_trainer
     from foundrymix.train.config import TrainConfig
 
-    precision = 'amp_bf16' if args.device == 'gpu' else 'fp32'
+    precision = ('amp_fp8' if row.fp8 else 'amp_bf16') if args.device == 'gpu' else 'fp32'
     result = Result(row=str(row), model=row.model, attn=row.attn, compile=row.compile,
                     loss='fused' if row.fused else 'full', fsdp=row.fsdp or 'none', batch=row.batch,
-                    precision=precision, attention=args.attention)
+                    precision=precision, attention=args.attention,
+                    device=torch.cuda.get_device_name() if args.device == 'gpu' else 'cpu')
     reason = skip_reason(row, args.device)
     if reason:
         result.status = reason
@@ -291,7 +337,7 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
         'callbacks': {'stream_accounting': {'out_dir': os.path.join(work, name), 'plot': False,
                                             'log_interval': '100000ba'}}}
     if row.fsdp:
-        top['fsdp'] = {'sharding_strategy': row.fsdp, 'mixed_precision': 'DEFAULT'}
+        top['fsdp'] = FSDP2.get(row.fsdp, {'sharding_strategy': row.fsdp, 'mixed_precision': 'DEFAULT'})
     if row.compile:
         top['compile_config'] = {}
     if torch.cuda.is_available():
@@ -356,6 +402,7 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
     peak = peak_flops(args.peak_flops)
     if peak:
         result.mfu = per_position * result.positions_per_s / peak
+        result.mfu_real = per_position * result.real_tokens_per_s / peak
     result.batches, result.real_tokens = len(timer.real_tokens), sum(timer.real_tokens)
     result.accounting_tokens = int(run.accounting.tokens.sum())
     result.stream_samples = {n: s['samples'] for n, s in run.accounting.streams().items()}
@@ -363,6 +410,20 @@ def run_one(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
 
 
 def run_row(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str) -> Result:
+    """``row`` measured ``--repeats`` times: the run of median positions/s, every run's figure and
+    their spread."""
+    runs = [run_once(args, dirs, row, work) for _ in range(args.repeats)]
+    ok = sorted((r for r in runs if r.status == 'ok'), key=lambda r: r.positions_per_s)
+    if not ok:
+        return runs[0]
+    best = ok[(len(ok) - 1) // 2]
+    best.runs_positions_per_s = [round(r.positions_per_s, 1) for r in runs if r.status == 'ok']
+    figures = best.runs_positions_per_s
+    best.spread = (max(figures) - min(figures)) / statistics.median(figures)
+    return best
+
+
+def run_once(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str) -> Result:
     """``row`` measured here, or (``--isolate``) in a fresh process: a compiled graph, an
     out-of-memory or a fragmented allocator must not carry over into the next row."""
     if not args.isolate:
@@ -375,6 +436,7 @@ def run_row(args: argparse.Namespace, dirs: dict[str, str], row: Row, work: str)
                           status=f'error: {type(e).__name__}: {str(e).splitlines()[0][:200]}')
     out = os.path.join(work, f'{str(row).replace("/", "-")}.json')
     cmd = [sys.executable, os.path.abspath(__file__), '--device', args.device, '--rows', str(row), '--no-isolate',
+           '--repeats', '1',
            '--steps', str(args.steps), '--warmup', str(args.warmup), '--workers', str(args.workers),
            '--attention', args.attention, '--seq', str(args.seq), '--data', os.path.dirname(dirs['web']), '--json', out]
     if args.peak_flops:
@@ -398,19 +460,21 @@ def print_table(results: list[Result], device: str, args: argparse.Namespace) ->
     from composer.utils import dist
     print(f'bench_gpu: {device}, {dist.get_world_size()} rank(s), seq {args.seq}, {args.attention} attention, '
           f'{args.workers} workers, {args.steps} steps after '
-          f'{args.warmup}; torch {torch.__version__}'
+          f'{args.warmup}, median of {args.repeats} run(s) per row; torch {torch.__version__}'
           f'{", CUDA " + str(torch.version.cuda) if torch.cuda.is_available() else ""}')
-    print(f'{"model":<6} {"N":>6} {"attn":<6} {"compile":<8} {"loss":<6} {"prec":<9} {"fsdp":<10} {"micro":>5} '
-          f'{"pin":>3} {"tok/s/GPU":>10} {"MFU":>6} {"mem GB":>6} {"step ms":>8} {"loader":>7} {"next ms":>7} '
-          f'{"max ms":>7} {"graphs":>6}  status')
+    print(f'{"device":<22} {"model":<6} {"N":>6} {"attn":<6} {"compile":<8} {"loss":<6} {"prec":<9} {"fsdp":<10} '
+          f'{"micro":>5} {"pin":>3} {"pos/s/GPU":>10} {"real/s":>10} {"spread":>6} {"MFU":>6} {"MFUreal":>7} '
+          f'{"mem GB":>6} {"step ms":>8} {"loader":>7} {"next ms":>7} {"max ms":>7} {"graphs":>6}  status')
     for r in results:
         mfu = f'{r.mfu:6.1%}' if r.mfu is not None else '     -'
+        mfu_real = f'{r.mfu_real:7.1%}' if r.mfu_real is not None else '      -'
         mem = f'{r.peak_mem_gb:6.1f}' if r.peak_mem_gb is not None else '     -'
         graphs = f'{r.graphs}+{r.recompiles}' if r.graphs is not None else '-'
         pin = '-' if r.pin is None else 'yes' if r.pin else 'no'
         params = (f'{r.params / 1e6:.0f}M' if r.params >= 1e7 else f'{r.params / 1e6:.2f}M') if r.params else '-'
-        print(f'{r.model:<6} {params:>6} {r.attn:<6} {"compile" if r.compile else "eager":<8} {r.loss:<6} '
-              f'{r.precision:<9} {r.fsdp:<10} {r.batch:>5} {pin:>3} {r.positions_per_s:>10,.0f} {mfu} {mem} '
+        print(f'{r.device[:22]:<22} {r.model:<6} {params:>6} {r.attn:<6} {"compile" if r.compile else "eager":<8} '
+              f'{r.loss:<6} {r.precision:<9} {r.fsdp:<10} {r.batch:>5} {pin:>3} {r.positions_per_s:>10,.0f} '
+              f'{r.real_tokens_per_s:>10,.0f} {r.spread:>6.1%} {mfu} {mfu_real} {mem} '
               f'{r.step_s * 1e3:>8.1f} {r.loader_share:>7.2%} {r.next_ms:>7.2f} {r.next_max_ms:>7.1f} '
               f'{graphs:>6}  {r.status}')
 
@@ -429,6 +493,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument('--pin-memory', choices=('pin', 'nopin'), default=None,
                    help='train_loader.pin_memory in every row that does not set it (default: the loader\'s)')
     p.add_argument('--seq', type=int, default=None, help='max_seq_len (default 2048; --tiny 64)')
+    p.add_argument('--repeats', type=int, default=None, help='runs per row, the median reported (default 3 on a '
+                                                                 'GPU, 1 on the CPU)')
     p.add_argument('--peak-flops', type=float, default=None, help='peak bf16 FLOP/s of one GPU, for MFU')
     p.add_argument('--isolate', action=argparse.BooleanOptionalAction, default=None,
                    help='each row in its own process (default on a GPU)')
@@ -443,6 +509,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             setattr(args, name, tiny if args.tiny else full)
     if args.isolate is None:
         args.isolate = args.device == 'gpu'
+    if args.repeats is None:
+        args.repeats = 3 if args.device == 'gpu' else 1
     rows = [Row.parse(r) for r in (args.rows.split(',') if args.rows else TINY_ROWS if args.tiny else GPU_ROWS)]
     if args.pin_memory:
         rows = [r if r.pin is not None else replace(r, pin=args.pin_memory == 'pin') for r in rows]
@@ -456,21 +524,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         dirs = {n: os.path.join(data, n) for n in ('web', 'code', 'chat')}
         if args.data is None:
             dirs = build_streams(data, args.seq, n_rows // 7 + 1)
+        device = torch.cuda.get_device_name() if args.device == 'gpu' else 'cpu'
         for row in rows:
             results.append(run_row(args, dirs, row, work))
             if args.isolate:  # the table so far, for a run cut short
-                print(f'bench_gpu: {row}: {results[-1].status} {results[-1].positions_per_s:,.0f} tok/s', flush=True)
+                r = results[-1]
+                print(f'bench_gpu: {row}: {r.status} {r.positions_per_s:,.0f} positions/s, {r.real_tokens_per_s:,.0f} '
+                      f'real tokens/s, runs {r.runs_positions_per_s}', flush=True)
+            if args.json and dist.get_global_rank() == 0:  # rewritten after each row: a run cut short keeps its rows
+                with open(args.json, 'w', encoding='utf-8') as f:
+                    json.dump({'device': device, 'world_size': dist.get_world_size(), 'seq': args.seq,
+                               'torch': torch.__version__, 'cuda': torch.version.cuda,
+                               'results': [asdict(r) for r in results]}, f, indent=2)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if dist.get_global_rank() != 0:
         return 0
-    device = torch.cuda.get_device_name() if args.device == 'gpu' else 'cpu'
     print_table(results, device, args)
-    if args.json:
-        with open(args.json, 'w', encoding='utf-8') as f:
-            json.dump({'device': device, 'world_size': dist.get_world_size(), 'seq': args.seq,
-                       'torch': torch.__version__, 'cuda': torch.version.cuda,
-                       'results': [asdict(r) for r in results]}, f, indent=2)
     return 1 if any(r.status.startswith('error') for r in results) else 0
 
 

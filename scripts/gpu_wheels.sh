@@ -38,4 +38,11 @@ done
 # streaming imports zstd (python-zstd), whose 1.5.7.x has no wheel for every Python
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$TARGET" --implementation cp \
     $PLATFORMS -d "$DIR" zstd
+# precision: amp_fp8: torchao for composer's torch 2.7 (0.11) and the newest (for an image's newer torch);
+# benchmarks/gpu_round2.sh installs the first whose float8 module imports on the image's torch
+mkdir -p "$DIR/torchao"
+for spec in torchao==0.11.0 torchao; do
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$TARGET" --implementation cp \
+      $PLATFORMS --platform any -d "$DIR/torchao" "$spec"
+done
 echo "gpu_wheels: $(ls "$DIR" | wc -l) wheels, $(du -sh "$DIR" | cut -f1) in $DIR"

@@ -125,7 +125,8 @@ def test_test_modules_import_no_test_module():
 #: matplotlib: output of a few commands). Every other import is at module level.
 DEFERRED = {'torch', 'transformers', 'tokenizers', 'sentencepiece', 'safetensors', 'composer', 'peft',
             'accelerate', 'ray', 'boto3', 'botocore', 'datasets', 'pyarrow', 'streaming', 'matplotlib',
-            'wandb', 'mlflow', 'tensorboard', 'huggingface_hub', 'jinja2', 'omegaconf', 'yaml', 'rich', 'tqdm'}
+            'wandb', 'mlflow', 'tensorboard', 'huggingface_hub', 'jinja2', 'omegaconf', 'yaml', 'rich', 'tqdm',
+            'torchao'}  # torchao: the optional fp8 extra, imported only for precision: amp_fp8
 #: function-level imports of foundrymix modules that defer none of DEFERRED: (importer, imported) -> why
 LATE_ALLOWED = {
     ('foundrymix', 'foundrymix.loader.mixer'): 'the facade: every module imports the package first',

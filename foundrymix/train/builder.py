@@ -36,7 +36,7 @@ from foundrymix.train.data_adapter import ComposerLoader
 from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
 from foundrymix.train import interrupt
-from foundrymix.train.gpu import parallelism_config
+from foundrymix.train.gpu import convert_to_fp8, parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import build_optimizer
 from foundrymix.train.preflight import check_start, local_device
@@ -84,8 +84,8 @@ def _device(cfg: TrainConfig) -> str:
 
 
 def _precision(cfg: TrainConfig, device: str) -> str:
-    if cfg.precision != 'auto':
-        return cfg.precision
+    if cfg.precision != 'auto':  # amp_fp8: float8 linears (gpu.convert_to_fp8) in amp_bf16
+        return 'amp_bf16' if cfg.precision == 'amp_fp8' else cfg.precision
     return 'amp_bf16' if device == 'gpu' else 'fp32'
 
 
@@ -280,6 +280,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
         hf_model = build_hf_model(cfg.model, data.tokenizer, cfg.max_seq_len)
         _print0(getattr(hf_model, 'foundrymix_loading', None), getattr(hf_model, 'foundrymix_lora', None),
                 mpt_attention_line(cfg.model.model_type, cfg.model.config_kwargs))
+        if cfg.precision == 'amp_fp8':
+            convert_to_fp8(hf_model)
         model = CausalLM(hf_model, attention=cfg.model.attention, fused_loss=cfg.model.fused_loss)
         evaluator, eval_streams = _evaluator(cfg, data.tokenizer, device_batch)
     callbacks, accounting = _callbacks(cfg, data, hf_model, retry_counter, retries_before, eval_streams)

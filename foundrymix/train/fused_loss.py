@@ -1,7 +1,7 @@
 """``model.fused_loss: true``: the output layer and cross-entropy in chunks, never the ``tokens x vocab``
 logits. Each chunk's logits live only inside :class:`LinearCrossEntropy`'s forward, which computes
 the loss and the gradients (liger-kernel's approach, in plain torch); the loss is the full path's up
-to float rounding. Only for ``model_spec.FUSED_TYPES`` (a plain ``lm_head``); not with FSDP or LoRA.
+to float rounding. Only for ``model_spec.FUSED_TYPES`` (a plain ``lm_head``); not with FSDP1 or LoRA.
 """
 
 from __future__ import annotations

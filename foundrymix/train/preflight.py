@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from foundrymix.config import DURATION_UNITS, INTERVAL_UNITS, UNIT_WORDS, ConfigError, Gather, parse_time
 from foundrymix.errors import MissingError
+from foundrymix.train import gpu as gpu_settings
 from foundrymix.train.remote_resume import incomplete
 
 #: Composer 0.32's precisions (``composer.core.Precision``) and ours (``auto``)
@@ -127,9 +128,13 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
                         'or give a whole number that divides the per-rank batch')
     if cfg.fsdp is not None:
         gpu_only.append('fsdp: FSDP runs on GPUs, and this run is on {where}: leave fsdp out')
-        if getattr(cfg.model, 'fused_loss', False):
-            gather.add(ConfigError('model.fused_loss: not with fsdp (the output layer would run outside '
-                                   "FSDP's forward); on one GPU leave fsdp out, or leave fused_loss out"))
+        if cfg.fsdp.version == 2 and cfg.device_train_microbatch_size == 'auto':
+            gather.add(ConfigError("device_train_microbatch_size: auto is not with fsdp.version: 2 (Composer's "
+                                   'FSDP2 does not fit the microbatch): give a whole number that divides the '
+                                   'per-rank batch'))
+        if getattr(cfg.model, 'fused_loss', False) and cfg.fsdp.version != 2:
+            gather.add(ConfigError('model.fused_loss: not with FSDP1 (the output layer would run outside '
+                                   "FSDP's forward): give fsdp.version: 2 (fully_shard), or leave fused_loss out"))
     if cfg.precision not in PRECISIONS:
         gather.add(ConfigError(f"precision: {cfg.precision!r} is not one of {', '.join(PRECISIONS)} "
                                f"(auto: fp32 on CPU, amp_bf16 on GPU)"))
@@ -152,6 +157,10 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
                 gather.add(ConfigError(f'model.attn_implementation: flex_attention has no backward on the CPU in '
                                        f'torch {torch.__version__}, and this run is on {where}: give '
                                        f'attn_implementation: sdpa for a CPU run (flex_attention on a GPU)'))
+        if cfg.precision == 'amp_fp8':
+            problem = gpu_settings.fp8_problem(resolved == 'gpu')
+            if problem:
+                gather.add(ConfigError(problem))
         for message in gpu_only if resolved != 'gpu' else []:
             gather.add(ConfigError(message.format(where=where)))
         for message in not_cpu if resolved == 'cpu' else []:

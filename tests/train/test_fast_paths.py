@@ -204,11 +204,32 @@ def test_fused_loss_with_fsdp_and_a_bad_compile_mode_are_refused():
     cfg = TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=2, max_duration='1ba',
                                                 model={**LLAMA, 'fused_loss': True}, device='gpu',
                                                 fsdp={'sharding_strategy': 'FULL_SHARD'}))
-    with pytest.raises(ConfigError, match='model.fused_loss: not with fsdp'):
+    with pytest.raises(ConfigError) as err:
         check_start(cfg, FakeRun())
+    assert str(err.value) == ("model.fused_loss: not with FSDP1 (the output layer would run outside FSDP's "
+                              "forward): give fsdp.version: 2 (fully_shard), or leave fused_loss out")
+    # FSDP2 (fully_shard) takes the fused loss
+    v2 = TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=2, max_duration='1ba',
+                                               model={**LLAMA, 'fused_loss': True}, device='gpu',
+                                               fsdp={'version': 2}))
+    assert check_start(v2, FakeRun()) == ('1ba', '0ba')
+    auto = TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=2, max_duration='1ba', device='gpu',
+                                                 fsdp={'version': 2}, device_train_microbatch_size='auto'))
+    with pytest.raises(ConfigError) as err:
+        check_start(auto, FakeRun())
+    assert str(err.value) == ("device_train_microbatch_size: auto is not with fsdp.version: 2 (Composer's FSDP2 "
+                              "does not fit the microbatch): give a whole number that divides the per-rank batch")
     with pytest.raises(ConfigError, match="compile_config.mode: 'max_autotune' is not one of"):
         TrainConfig.from_dict(tiny_run_config(loader, global_train_batch_size=2, max_duration='1ba',
                                               compile_config={'mode': 'max_autotune'}))
+
+
+def test_compile_mode_reduce_overhead_is_handed_to_composer_as_given():
+    """CUDA graphs for small models: the mode is handed to Composer's ``compile_config`` as given."""
+    cfg = TrainConfig.from_dict(tiny_run_config({'streams': {'a': {'local': '/x'}}}, global_train_batch_size=2,
+                                                max_duration='1ba', compile_config={'mode': 'reduce-overhead'}))
+    assert cfg.compile_config.as_dict() == {'dynamic': False, 'fullgraph': False, 'backend': 'inductor',
+                                            'mode': 'reduce-overhead'}
 
 
 @pytest.mark.slow

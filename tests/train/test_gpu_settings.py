@@ -8,6 +8,7 @@ for the varlen test) and are skipped without it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 
 import pytest
@@ -32,11 +33,13 @@ def cfg_with(**top) -> TrainConfig:
 
 
 def test_every_fsdp_key_is_a_composer_fsdp_config_field_and_its_default_a_choice():
-    from composer.utils.parallelism import FSDPConfig
+    from composer.utils.parallelism import FSDP2Config, FSDPConfig
 
-    composer = {f.name: f for f in dataclasses.fields(FSDPConfig)}
+    composer = {f.name: f for cls in (FSDP2Config, FSDPConfig) for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(FSDPSettings)
     for f in dataclasses.fields(FSDPSettings):
+        if f.name == 'version':
+            continue
         assert f.name in composer, f.name
         choices = [a for arg in typing.get_args(hints[f.name]) for a in typing.get_args(arg)]
         if choices:  # a Literal: Composer's own default must be one of ours
@@ -68,6 +71,72 @@ def test_fsdp_on_cpu_is_refused_before_training():
         parallelism_config(FSDPSettings(), 'cpu')
     assert str(err.value) == ("fsdp: FSDP runs on GPUs; this run is on device 'cpu' "
                               "(leave fsdp out, or set device: gpu)")
+
+
+def test_fsdp_version_2_hands_composer_an_fsdp2_config_of_the_set_keys():
+    from composer.utils.parallelism import FSDP2Config
+
+    cfg = cfg_with(fsdp={'version': 2, 'activation_checkpointing': True, 'reshard_after_forward': False})
+    got = parallelism_config(cfg.fsdp, 'gpu')['fsdp']
+    assert got == FSDP2Config(activation_checkpointing=True, reshard_after_forward=False, state_dict_type='full')
+    sharded = parallelism_config(cfg_with(fsdp={'version': 2, 'state_dict_type': 'sharded'}).fsdp, 'gpu')
+    assert sharded['fsdp'] == FSDP2Config(state_dict_type='sharded')
+    assert parallelism_config(cfg_with(fsdp={'version': 1}).fsdp, 'gpu') == {'fsdp': {}}
+
+
+@pytest.mark.parametrize('fsdp, message', [
+    ({'version': 2, 'sharding_strategy': 'FULL_SHARD', 'use_orig_params': True},
+     "fsdp.sharding_strategy: an FSDP1 key, not one of FSDP2's (fsdp.version: 2): leave sharding_strategy, "
+     "use_orig_params out (FSDP2 always shards fully; reshard_after_forward: false keeps the parameters "
+     "gathered between forward and backward)"),
+    ({'reshard_after_forward': False},
+     'fsdp.reshard_after_forward: an FSDP2 key; add fsdp.version: 2, or give sharding_strategy: SHARD_GRAD_OP '
+     '(FSDP1)'),
+])
+def test_keys_of_the_other_fsdp_version_are_refused_in_one_line(fsdp, message):
+    with pytest.raises(ConfigError) as err:
+        parallelism_config(cfg_with(fsdp=fsdp).fsdp, 'gpu')
+    assert str(err.value) == message
+    with pytest.raises(ConfigError, match=r"^fsdp.version: 3 is not one of 1, 2"):
+        cfg_with(fsdp={'version': 3})
+    with pytest.raises(ConfigError, match='^fsdp: FSDP runs on GPUs'):
+        parallelism_config(cfg_with(fsdp={'version': 2}).fsdp, 'cpu')
+
+
+def test_amp_fp8_is_refused_without_fp8_hardware_or_torchao(monkeypatch):
+    """Each refusal one line naming the key and what to do: a GPU below capability 8.9 (the probe
+    answering an A100), torchao not importable (blocked the way Python blocks an import); on an
+    H100 with torchao importable the check passes."""
+    from foundrymix.train import gpu as gpu_settings
+    from foundrymix.train.gpu import fp8_problem
+
+    monkeypatch.setattr(gpu_settings, 'cuda_capability', lambda: ('NVIDIA A100-SXM4-80GB', (8, 0)))
+    assert fp8_problem(True) == ('precision: amp_fp8 needs FP8 tensor cores (CUDA compute capability >= 8.9: '
+                                 'H100, H200, L4), and this GPU (NVIDIA A100-SXM4-80GB) is 8.0: give precision: '
+                                 'amp_bf16')
+    monkeypatch.setattr(gpu_settings, 'cuda_capability', lambda: ('NVIDIA H100 80GB HBM3', (9, 0)))
+    if fp8_problem(True) is not None:
+        pytest.skip(f'torchao does not import here: {fp8_problem(True)}')
+    monkeypatch.setitem(sys.modules, 'torchao.float8', None)
+    line = fp8_problem(True)
+    assert line.startswith("precision: amp_fp8 trains through torchao's float8 linears, and torchao does not "
+                           "import here (") and line.endswith("): pip install 'foundrymix[fp8]' (or give "
+                                                             "precision: amp_bf16)")
+    assert fp8_problem(False) == line and '\n' not in line
+
+
+def test_amp_fp8_converts_the_decoder_linears_and_keeps_the_output_layer():
+    pytest.importorskip('torchao.float8')
+    from torchao.float8.float8_linear import Float8Linear
+
+    from foundrymix.train.gpu import convert_to_fp8
+
+    hf = build_hf_model(ModelSpec.from_dict(LLAMA), TOK, 16)
+    linears = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)]
+    convert_to_fp8(hf)
+    fp8 = [n for n, m in hf.named_modules() if isinstance(m, Float8Linear)]
+    assert fp8 == [n for n in linears if n != 'lm_head'] and len(fp8) == 3 * 7
+    assert type(hf.lm_head) is torch.nn.Linear
 
 
 def test_fsdp_wraps_and_checkpoints_each_transformer_block():

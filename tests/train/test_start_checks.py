@@ -35,6 +35,9 @@ CASES = [
     (['precision=amp_bf16'],
      f'precision: amp_bf16 needs a GPU, and this run is on {WHERE}: give precision: fp32 (or auto: '
      f'fp32 on CPU, amp_bf16 on GPU)'),
+    (['precision=amp_fp8'],
+     f'precision: amp_fp8 needs a GPU, and this run is on {WHERE}: give precision: fp32 (or auto: '
+     f'fp32 on CPU, amp_bf16 on GPU)'),
     (['load_path=oci://my-bucket/checkpoints/ep0-ba100-rank0.pt'],
      'load_path: oci://my-bucket/checkpoints/ep0-ba100-rank0.pt: foundrymix loads checkpoints from a '
      'local path or s3://bucket/key, not oci://; give one of those, or leave load_path out to start '
@@ -64,7 +67,7 @@ def cli(*argv: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
-@pytest.mark.parametrize('overrides, line', CASES, ids=['microbatch-auto', 'warmup-unit', 'amp-bf16',
+@pytest.mark.parametrize('overrides, line', CASES, ids=['microbatch-auto', 'warmup-unit', 'amp-bf16', 'amp-fp8',
                                                           'oci-load-path', 'fsdp', 'device-gpu'])
 def test_plan_and_train_refuse_what_composer_would_in_one_line(run_yaml, tmp_path, overrides, line):
     """The same line from ``foundrymix plan`` and ``python train.py``; nothing written."""
