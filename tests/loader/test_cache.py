@@ -26,7 +26,7 @@ import pytest
 from cache_reader import summary
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
-from foundrymix.plan.window import cache_window
+from foundrymix.plan.window import cache_need, cache_window
 from helpers import moto_s3
 from mix_helpers import build_stream
 
@@ -274,7 +274,9 @@ def test_cache_limit_reads_through_evictions_in_process(tmp_path, big):
 def test_cache_limit_keeps_the_cache_bounded_through_an_epoch(tmp_path, big):
     streams = {'big': big}
     total = sum(f.stat().st_size for f in Path(big['local']).glob('shard.*'))
-    limit = total // 3
+    infos = StreamMixer.from_dict(loader(streams, 'remote', cache_root=str(tmp_path / 'c'))).catalog.infos()
+    limit = max(total // 3, cache_need(infos, 1))  # a third of the shards, or the least the loader needs
+    assert limit < total // 2  # evictions, many
     cfg = loader(streams, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
     window = cache_window(StreamMixer.from_dict(cfg).config, StreamMixer.from_dict(cfg).catalog.infos())
     want = local_summary(streams, batch=16, shuffle_block_size=window)  # the order in that window

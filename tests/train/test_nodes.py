@@ -69,13 +69,17 @@ def loader(remote: dict[str, str], cache: Path, **knobs) -> dict:
 
 
 @pytest.fixture(scope='module')
-def plan(remote, tmp_path_factory):
-    """The plan for 2 nodes x 2 ranks (and the run length: one epoch and 2 batches more)."""
+def mixer(remote, tmp_path_factory):
+    """The mixer of the runs' streams (for the plan, and for replaying the epoch's order)."""
     from foundrymix.loader.mixer import StreamMixer
-    mixer = StreamMixer.from_dict(loader(remote, tmp_path_factory.mktemp('plan-cache')))
+    return StreamMixer.from_dict(loader(remote, tmp_path_factory.mktemp('plan-cache')))
+
+
+@pytest.fixture(scope='module')
+def plan(mixer):
+    """The plan for 2 nodes x 2 ranks (and the run length: one epoch and 2 batches more)."""
     p = mixer.plan(BATCH // 4, '1ep', world_size=4, nodes=2)
     assert p.epoch_size % BATCH == 0 and p.batches_per_epoch > STOP + 2
-    p.mixer = mixer  # for replaying the epoch's order
     return p
 
 
@@ -187,14 +191,13 @@ def epoch_order(config, infos, batch_size: int, topology) -> list:
 
 
 @pytest.mark.slow  # 1 rank and 2 nodes x 2 ranks
-def test_four_ranks_on_two_nodes_train_the_plan_once(plan, one_rank, four_ranks):
+def test_four_ranks_on_two_nodes_train_the_plan_once(plan, mixer, one_rank, four_ranks):
     from foundrymix.plan.mixture import Topology
     log4, log1 = four_ranks['log'], one_rank['log']
     epoch = [b for b in log4 if b['epoch'] == 0]
     assert len(epoch) == plan.batches_per_epoch and len(log4) == plan.batches_per_epoch + 2
     ids = [i for b in epoch for i in b['sample_ids']]
     assert len(ids) == len(set(ids)) == plan.epoch_size        # no sample id twice
-    mixer = plan.mixer
     sim = epoch_order(mixer.config, mixer.catalog.infos(), BATCH // 4, Topology(2, 2))
     assert [b['sample_ids'] for b in epoch] == [b.tolist() for b in sim]
     per_stream = Counter(b for batch in epoch for b in batch['stream_ids'])
