@@ -80,6 +80,9 @@ class TrainRun:
 
 
 def _device(cfg: TrainConfig) -> str:
+    if cfg.device == 'gpu' and local_device() != 'gpu':  # train only: plan a GPU run on any machine
+        raise ConfigError('device: gpu, and this machine has no CUDA GPU that torch can use '
+                          '(torch.cuda.is_available() is false): give device: cpu, or auto')
     return cfg.device if cfg.device != 'auto' else local_device()
 
 

@@ -142,9 +142,6 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
         not_cpu.append(f'precision: {cfg.precision} needs a GPU, and this run is on {{where}}: give '
                        f'precision: fp32 (or auto: fp32 on CPU, amp_bf16 on GPU)')
     flex = getattr(cfg.model, 'attn_implementation', None) == 'flex_attention'
-    if cfg.device == 'gpu' and device() != 'gpu':
-        gather.add(ConfigError('device: gpu, and this machine has no CUDA GPU that torch can use '
-                               '(torch.cuda.is_available() is false): give device: cpu, or auto'))
     if gpu_only or not_cpu or flex:
         resolved = cfg.device if cfg.device != 'auto' else device()
         where = ('the CPU (device: auto, and this machine has no GPU)' if cfg.device == 'auto'

@@ -122,7 +122,7 @@ def test_a_refused_start_leaves_the_folder_tree_as_it_was(tmp_path, small_stream
     other = load_config(str(cfg), ['max_duration=3ba', f'save_folder={tmp_path}/other'])
     train(other)
     before = listing(tmp_path)
-    with pytest.raises(RuntimeError, match='size mismatch'):
+    with pytest.raises(ConfigError, match='the checkpoint is of another model \\(size mismatch'):
         build_trainer(load_config(str(cfg), [f'load_path={tmp_path}/other/ep0-ba1-rank0.pt',
                                              'model.hidden_size=64']))
     assert listing(tmp_path) == before

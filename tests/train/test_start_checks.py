@@ -44,9 +44,6 @@ CASES = [
      'from scratch'),
     (['fsdp={sharding_strategy: FULL_SHARD}'],
      f'fsdp: FSDP runs on GPUs, and this run is on {WHERE}: leave fsdp out'),
-    (['device=gpu'],
-     'device: gpu, and this machine has no CUDA GPU that torch can use (torch.cuda.is_available() is false): '
-     'give device: cpu, or auto'),
 ]
 
 
@@ -68,7 +65,7 @@ def cli(*argv: str, cwd) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize('overrides, line', CASES, ids=['microbatch-auto', 'warmup-unit', 'amp-bf16', 'amp-fp8',
-                                                          'oci-load-path', 'fsdp', 'device-gpu'])
+                                                          'oci-load-path', 'fsdp'])
 def test_plan_and_train_refuse_what_composer_would_in_one_line(run_yaml, tmp_path, overrides, line):
     """The same line from ``foundrymix plan`` and ``python train.py``; nothing written."""
     for command, argv in (('plan', ['-m', 'foundrymix.cli', 'plan']), ('train', [str(ROOT / 'train.py')])):
@@ -95,6 +92,16 @@ def test_a_checkpoint_of_another_model_is_one_line(run_yaml, tmp_path):
     assert 'torch.Size([64, 32])' in line and 'torch.Size([96, 32])' in line, line
     assert line.endswith('give the model section it was trained with, or another checkpoint'), line
     assert not (tmp_path / 'other').exists()
+
+
+def test_device_gpu_without_cuda_is_refused_by_train_in_one_line(run_yaml, tmp_path):
+    """``train`` refuses it (``plan`` plans a GPU run on any machine); nothing written."""
+    proc = cli(str(ROOT / 'train.py'), str(run_yaml), 'device=gpu', cwd=tmp_path)
+    assert (proc.returncode, proc.stderr.splitlines()[-1:]) == (2, [
+        'foundrymix train: error: device: gpu, and this machine has no CUDA GPU that torch can use '
+        '(torch.cuda.is_available() is false): give device: cpu, or auto']), proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run.yaml']
 
 
 @pytest.mark.skipif(int(__import__('transformers').__version__.split('.')[0]) < 5,
