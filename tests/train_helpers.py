@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers import ROOT
+from helpers import ROOT, tiny_run_config
 
 
 def train(config: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -38,3 +38,30 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), f'weights differ at {k}'
+
+
+def fit_in_process(streams: dict, d: Path, batches: int = 8, stop: str | None = None, log: str = '3ba',
+                   device: str = 'gpu', **top) -> dict:
+    """``batches`` batches of 4 in this process (checkpoints every 2 under ``d/ckpt``, the sample log
+    ``d/s.jsonl``); returns the stream report. The CUDA tests' run."""
+    from foundrymix.train.builder import build_trainer
+    from foundrymix.train.config import TrainConfig
+
+    loader = {'streams': {n: {'local': str(p)} for n, p in streams.items()}, 'num_workers': 0}
+    callbacks = {'stream_accounting': {'out_dir': str(d / 'report'), 'log_interval': log, 'plot': False},
+                 'sample_log': {'path': str(d / 's.jsonl'), 'interval': '3ba'}}
+    if stop:
+        callbacks['stop_at'] = {'time': stop}
+    run = build_trainer(TrainConfig.from_dict(tiny_run_config(
+        loader, global_train_batch_size=4, max_duration=f'{batches}ba', device=device, save_folder=str(d / 'ckpt'),
+        save_interval='2ba', callbacks=callbacks, **top)))
+    try:
+        run.trainer.fit()
+    finally:
+        run.trainer.close()
+        run.claims.release()
+    return json.loads((d / 'report' / 'stream_accounting.json').read_text())
+
+
+def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt, map_location='cpu', weights_only=False)['state']['model']

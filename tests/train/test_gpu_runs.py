@@ -1,6 +1,7 @@
 """Training runs on a CUDA GPU (skipped without one; ``scripts/gpu_check.sh`` runs them).
 
-* FSDP (``FULL_SHARD`` on one GPU, ``state_dict_type: full``): a run stopped at a checkpoint
+* FSDP (``FULL_SHARD`` on one GPU, ``state_dict_type: full``) and FSDP2 (``fsdp.version: 2``,
+  ``fully_shard``): a run stopped at a checkpoint
   and resumed ends with the weights, counters and sample log of the straight run, bitwise;
   ``foundrymix export --to-hf`` of its checkpoint holds those weights.
 * ``amp_bf16`` on the GPU counts exactly what the CPU run of the same config counts.
@@ -11,43 +12,18 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_run_config
+from train_helpers import checkpoint_weights as weights
+from train_helpers import fit_in_process as fit
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason='needs 2 GPUs (NCCL refuses two ranks on one GPU)')
 pytestmark = [gpu, pytest.mark.slow]
 FSDP = {'sharding_strategy': 'FULL_SHARD', 'state_dict_type': 'full'}
-
-
-def fit(streams: dict, d: Path, device: str = 'gpu', stop: str | None = None, **top) -> dict:
-    """8 batches (log interval 3, checkpoints every 2); returns the report."""
-    from foundrymix.train.builder import build_trainer
-    from foundrymix.train.config import TrainConfig
-
-    loader = {'streams': {n: {'local': str(p)} for n, p in streams.items()}, 'num_workers': 0}
-    callbacks = {'stream_accounting': {'out_dir': str(d / 'report'), 'log_interval': '3ba', 'plot': False},
-                 'sample_log': {'path': str(d / 's.jsonl'), 'interval': '3ba'}}
-    if stop:
-        callbacks['stop_at'] = {'time': stop}
-    run = build_trainer(TrainConfig.from_dict(tiny_run_config(
-        loader, global_train_batch_size=4, max_duration='8ba', device=device, save_folder=str(d / 'ckpt'),
-        save_interval='2ba', callbacks=callbacks, **top)))
-    try:
-        run.trainer.fit()
-    finally:
-        run.trainer.close()
-        run.claims.release()
-    return json.loads((d / 'report' / 'stream_accounting.json').read_text())
-
-
-def weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    return torch.load(ckpt, map_location='cpu', weights_only=False)['state']['model']
+FSDP2 = {'version': 2}  # fully_shard
 
 
 def split_loss(report: object, path: str = '') -> tuple[object, dict[str, float]]:
@@ -98,15 +74,16 @@ def test_two_gpu_ranks_count_what_one_rank_counts(small_streams, tmp_path):
         sorted(b['sample_ids']) for b in sample_log(one / 'samples.jsonl')]
 
 
-def test_fsdp_stop_resume_is_bitwise_and_exports(small_streams, tmp_path, process_group_ends):
+@pytest.mark.parametrize('fsdp', [FSDP, FSDP2], ids=['fsdp1', 'fsdp2'])
+def test_fsdp_stop_resume_is_bitwise_and_exports(small_streams, tmp_path, process_group_ends, fsdp):
     from safetensors.torch import load_file
 
     from foundrymix.cli import main as cli
 
-    straight = fit(small_streams, tmp_path / 'straight', fsdp=FSDP, precision='amp_bf16')
+    straight = fit(small_streams, tmp_path / 'straight', fsdp=fsdp, precision='amp_bf16')
     stopped = tmp_path / 'stopped'
-    fit(small_streams, stopped, fsdp=FSDP, precision='amp_bf16', stop='4ba')
-    resumed = fit(small_streams, stopped, fsdp=FSDP, precision='amp_bf16',
+    fit(small_streams, stopped, fsdp=fsdp, precision='amp_bf16', stop='4ba')
+    resumed = fit(small_streams, stopped, fsdp=fsdp, precision='amp_bf16',
                   load_path=str(stopped / 'ckpt' / 'ep0-ba4-rank0.pt'))
     a, b = weights(tmp_path / 'straight' / 'ckpt' / 'latest-rank0.pt'), weights(stopped / 'ckpt' / 'latest-rank0.pt')
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
