@@ -7,7 +7,7 @@ passes or uniform rows make them exact (``tokens_exact``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -59,14 +59,13 @@ class _Epoch:
 
 def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                max_duration: Optional[Any] = None, topology: Topology = Topology(),
-               duration_name: str = 'max_duration',
-               duration_batches: Optional[Callable[['Plan'], int]] = None,
-               stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT
-               ) -> tuple[Plan, StageOrder]:
+               stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT,
+               stage_key: Optional[str] = None) -> tuple[Plan, StageOrder]:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size,
-    and the order it counts. ``duration_batches`` (instead of ``max_duration``) gives a stage's
-    batches from its plan. An adaptive stage's plan states no epoch's notes or warnings: it
-    trains segments (:func:`foundrymix.plan.adaptive.adaptive_plan` states those)."""
+    and the order it counts. ``stage_key``: ``max_duration`` is that stage's duration, refused
+    unless whole batches (a run's is rounded up to the batch that reaches it). An adaptive
+    stage's plan states no epoch's notes or warnings: it trains segments
+    (:func:`foundrymix.plan.adaptive.adaptive_plan` states those)."""
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
                           f'node ({topology.ranks_per_node}) must be positive')
@@ -102,19 +101,17 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 batches_per_epoch=epoch.batches, samples_per_epoch=int(epoch.trained.sum()),
                 max_seq_len=L, batching_method=config.batching_method,
                 shuffle_seed=config.shuffle_seed, warnings=warnings, notes=notes,
-                duration_name=duration_name, nodes=topology.nodes,
+                duration_name='stage duration' if stage_key else 'max_duration', nodes=topology.nodes,
                 ranks_per_node=topology.ranks_per_node,
                 exact=config.exact,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
                 per_rank=per_rank, weights=epoch.weights,
                 groups=stream_groups(config), counted={'epoch': 'arithmetic', 'per_rank': how_ranks})
-    if duration_batches is not None:
-        max_duration = f'{duration_batches(plan)}ba'
     if max_duration is None:
         return plan, epoch.order
-    d = plan_duration(plan, max_duration, names, epoch)
-    mid = [f'{duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
+    d = plan_duration(plan, max_duration, names, epoch, stage_key)
+    mid = [f'{plan.duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
            f'{d.last_batch_in_epoch:,} of {epoch.batches:,} batches (sample '
            f'{d.last_sample_in_epoch:,} of {plan.samples_per_epoch:,}); the rest of that '
            f'epoch\'s rows are not trained'] if d.ends_mid_epoch and epochs else []
@@ -310,15 +307,21 @@ def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list
     return plans
 
 
-def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch) -> DurationPlan:
-    """Where ``max_duration`` ends, and exactly how many rows of each stream it trains."""
-    time = parse_time(max_duration, 'max_duration', DURATION_UNITS, positive=True)
+def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch,
+                  stage_key: Optional[str] = None) -> DurationPlan:
+    """Where ``max_duration`` ends, and exactly how many rows of each stream it trains: the one
+    conversion of a duration to global batches (a stage's, at ``stage_key``, must be whole)."""
+    key = stage_key or 'max_duration'
+    time = parse_time(max_duration, key, DURATION_UNITS, positive=True)
     G, L, bpe = plan.global_batch_size, plan.max_seq_len, plan.batches_per_epoch
     if bpe <= 0:
-        raise ConfigError(f'an epoch has no full global batch of {G} rows (epoch size '
-                          f'{plan.epoch_size}); lower the batch size or add rows')
-    total_batches = to_batches(time, 'max_duration', batches_per_epoch=bpe, samples_per_batch=G,
-                               tokens_per_batch=G * L, round_up=True)
+        epoch_of = "the stage's epoch" if stage_key else 'the epoch'
+        raise ConfigError(f'{key}: {epoch_of} ({plan.epoch_size:,} rows) holds no full global batch of {G} '
+                          f'rows; add rows, raise the weights or lower the batch size')
+    total_batches = to_batches(time, key, batches_per_epoch=bpe, samples_per_batch=G,
+                               tokens_per_batch=G * L, round_up=stage_key is None)
+    if stage_key:  # a stage states its length in batches
+        time = parse_time(f'{total_batches}ba', key, DURATION_UNITS)
     full_epochs, rem = divmod(total_batches, bpe)
     totals = epoch.order.trained(total_batches)
     rows_trained = {n: int(v) for n, v in zip(names, totals)}

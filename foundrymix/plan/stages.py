@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from foundrymix.config import DURATION_UNITS, ConfigError, parse_time, to_batches
+from foundrymix.config import DURATION_UNITS, ConfigError, parse_time
 from foundrymix.plan.adaptive import AdaptiveSpec, adaptive_plan, adaptive_spec
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
@@ -137,17 +137,6 @@ class RunPlan:
                 'warnings': list(self.warnings), 'explicit': self.explicit}
 
 
-def stage_batches(duration: str, plan: Plan, where: str) -> int:
-    """A stage duration as an exact number of global batches; refused unless whole."""
-    G, bpe = plan.global_batch_size, plan.batches_per_epoch
-    if bpe <= 0:
-        raise ConfigError(f'{where}: the stage\'s epoch ({plan.epoch_size:,} rows) holds no full '
-                          f'global batch of {G} rows; add rows, raise the weights or lower the '
-                          f'batch size')
-    return to_batches(parse_time(duration, where, DURATION_UNITS, positive=True), where,
-                      batches_per_epoch=bpe, samples_per_batch=G, tokens_per_batch=G * plan.max_seq_len)
-
-
 def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
     """One validated catalog per stage, sharing one metadata cache: a stream that several
     stages use has its manifest and index read (downloaded, for a remote) once."""
@@ -176,35 +165,27 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     :data:`MAIN_STAGE`, as long as ``max_duration`` (rounded up to the batch that reaches it)."""
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
-    stages: list[StagePlan] = []
-    carried: dict[str, _Carried] = {}
     if config.stages is None:
         if max_duration is None:
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")
-        plan, order = build_plan(configs[0], infos[0], batch_size, max_duration, topology,
-                                 stage=MAIN_STAGE, rank_count_limit=rank_count_limit)
-        stages.append(_stage(0, MAIN_STAGE, str(max_duration), where, configs[0], infos[0], plan,
-                             order, 0, 0, G, carried))
+        specs = [(MAIN_STAGE, str(max_duration), where, G, None)]
     else:
-        start = sample = 0
-        for i, (spec, cfg, stage_infos) in enumerate(zip(config.stages, configs, infos)):
-            def resolve(probe: Plan, spec: Any = spec) -> int:
-                batches = stage_batches(spec.duration, probe, f'{spec.where}.duration')
-                if batches <= 0:
-                    raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
-                return batches
-            stage_G = spec.global_train_batch_size or G
-            if stage_G % topology.world_size:  # the words of plan.data_config.batch_per_rank
-                raise ConfigError(f'{spec.where}.global_train_batch_size={stage_G} is not divisible by '
-                                  f'the {topology.world_size} ranks')
-            plan, order = build_plan(cfg, stage_infos, stage_G // topology.world_size, None, topology,
-                                     'stage duration', duration_batches=resolve, stage=spec.name,
-                                     rank_count_limit=rank_count_limit)
-            stages.append(_stage(i, spec.name, spec.duration, spec.where, cfg, stage_infos, plan,
-                                 order, start, sample, stage_G, carried))
-            start += stages[-1].batches
-            sample += stages[-1].samples
+        specs = [(s.name, s.duration, s.where, s.global_train_batch_size or G, f'{s.where}.duration')
+                 for s in config.stages]
+    stages: list[StagePlan] = []
+    carried: dict[str, _Carried] = {}
+    start = sample = 0
+    for i, ((name, duration, at, stage_G, key), cfg, stage_infos) in enumerate(zip(specs, configs, infos)):
+        if stage_G % topology.world_size:  # the words of plan.data_config.batch_per_rank
+            raise ConfigError(f'{at}.global_train_batch_size={stage_G} is not divisible by '
+                              f'the {topology.world_size} ranks')
+        plan, order = build_plan(cfg, stage_infos, stage_G // topology.world_size, duration, topology,
+                                 stage=name, rank_count_limit=rank_count_limit, stage_key=key)
+        stages.append(_stage(i, name, duration, at, cfg, stage_infos, plan, order, start, sample, stage_G,
+                             carried))
+        start += stages[-1].batches
+        sample += stages[-1].samples
     run = RunPlan(stages=stages, global_batch_size=stages[0].plan.global_batch_size,
                   max_seq_len=stages[0].plan.max_seq_len, total_batches=sum(s.batches for s in stages),
                   explicit=config.stages is not None,
