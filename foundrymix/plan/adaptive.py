@@ -16,7 +16,7 @@ from foundrymix.config import ConfigError
 from foundrymix.plan.exact import apportion
 from foundrymix.plan.order import Block, StreamDraws, rows_of
 from foundrymix.plan.plans import Plan
-from foundrymix.plan.policies import ADOPolicy, FixedPolicy, ODMPolicy, Policy
+from foundrymix.plan.policies import ADOPolicy, ODMPolicy, Policy
 
 
 def floor_shares(weights: np.ndarray, min_share: float) -> np.ndarray:
@@ -111,8 +111,8 @@ class AdaptiveController:
     def __init__(self, spec: AdaptiveSpec) -> None:
         self.spec = spec
         initial = np.array(spec.initial)
-        policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(spec.method)
-        self.policy: Policy = FixedPolicy(initial) if policy is None else policy(initial, **spec.options)
+        policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(spec.method, Policy)
+        self.policy: Policy = policy(initial, **spec.options)
         self.decisions: list[Decision] = [self._decision(0, initial, None)]
         self._cursor = (0, np.zeros(len(spec.rows), np.int64))
         self.repeat_warned: dict[str, float] = {}  # stream -> the passes last warned about

@@ -11,26 +11,20 @@ import numpy as np
 
 class Policy:
     """Maps the last interval's per-stream mean loss (NaN: no loss tokens) to the next
-    interval's weights; its state is plain floats, restored bitwise."""
+    interval's weights; its state is plain floats, restored bitwise. This base keeps the
+    configured weights throughout (``fixed``: the baseline an adaptive run is compared with)."""
 
     def __init__(self, initial: np.ndarray) -> None:
         self.initial = np.asarray(initial, np.float64)
 
     def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        return self.initial.copy()
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
-
-
-class FixedPolicy(Policy):
-    """The configured weights throughout: the baseline an adaptive run is compared with."""
-
-    def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        return self.initial.copy()
 
 
 class ODMPolicy(Policy):

@@ -5,6 +5,7 @@ stale cached shards."""
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import logging
 import os
 from typing import Any
@@ -16,17 +17,6 @@ from foundrymix.plan.config import LoaderConfig
 from foundrymix.s3.remote import RemoteError, download, local_denied
 
 logger = logging.getLogger(__name__)
-
-
-def _same_bytes(a: str, b: str) -> bool:
-    """True if files ``a`` and ``b`` both exist with the same bytes."""
-    try:
-        if os.path.getsize(a) != os.path.getsize(b):
-            return False
-        with open(a, 'rb') as fa, open(b, 'rb') as fb:
-            return fa.read() == fb.read()
-    except FileNotFoundError:
-        return False
 
 
 def sync_remote(config: LoaderConfig, name: str, where: str) -> None:
@@ -54,9 +44,10 @@ def sync_remote(config: LoaderConfig, name: str, where: str) -> None:
                     del fresh[basename]  # perhaps LLM-Foundry token shards: the index says
                     continue
                 raise _remote_error(config, name, where, basename, e) from e
-        changed = [b for b, part in fresh.items()
-                   if not _same_bytes(part, os.path.join(directory, b))]
         cached = [b for b in fresh if os.path.isfile(os.path.join(directory, b))]
+        filecmp.clear_cache()  # its memo keys on (size, mtime): never trusted for a safety check
+        changed = [b for b, part in fresh.items()
+                   if b not in cached or not filecmp.cmp(part, os.path.join(directory, b), shallow=False)]
         if cached and changed:
             _remote_changed(config, name, where, directory, remote_dir, changed)
         for basename, part in fresh.items():  # the index last: it names the shards
