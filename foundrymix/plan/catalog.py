@@ -10,7 +10,7 @@ import contextlib
 import filecmp
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from foundrymix.config import ConfigError
@@ -18,9 +18,9 @@ from foundrymix.plan.config import LoaderConfig, StreamSpec, cache_base
 from foundrymix.plan.exact import resolve_groups
 from foundrymix.format.advice import adopt_advice, is_foundry_tokens, splits_advice
 from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
-from foundrymix.format.shards import (INDEX_NAME, check_shard_files, hashes_dropped_problem, read_index,
-                                      row_count_problem, shard_files_error, shard_raw_bytes, stored_name,
-                                      validate_hash_problem)
+from foundrymix.format.shards import (INDEX_NAME, check_shard_files, hashes_dropped_problem, index_files,
+                                      read_index, row_count_problem, shard_files_error, shard_raw_bytes,
+                                      stored_name, validate_hash_problem)
 from foundrymix.format.foundry_tokens import in_place_manifest
 from foundrymix.s3.remote import RemoteError, download, local_denied
 from foundrymix.tokenizer import describe_tokenizer
@@ -101,8 +101,7 @@ class Catalog:
             if known is None:
                 known = self._shared[key] = self._read(name)
             else:  # the same files under this catalog's name, weights and key path
-                known = replace(known, name=name, spec=self.config.streams[name],
-                                local=self.config.stream_local(name), where=self._where(name))
+                known = self._stream_info(name, known.manifest, known.index, known.directory)
             self._infos[name] = known
         return self._infos[name]
 
@@ -133,12 +132,12 @@ class Catalog:
         if not os.path.isfile(index_path):
             raise ConfigError(f'{where}: manifest but no {INDEX_NAME} in '
                               f'{os.path.dirname(index_path)} (an incomplete conversion?)')
-        index = _read_index(index_path, where)
-        return StreamInfo(name=name, spec=self.config.streams[name],
-                          local=self.config.stream_local(name),
-                          directory=os.path.dirname(index_path),
-                          remote_dir=self.config.stream_remote_dir(name), manifest=manifest,
-                          index=index, where=where)
+        return self._stream_info(name, manifest, _read_index(index_path, where), os.path.dirname(index_path))
+
+    def _stream_info(self, name: str, manifest: Manifest, index: dict[str, Any], directory: str) -> StreamInfo:
+        return StreamInfo(name=name, spec=self.config.streams[name], local=self.config.stream_local(name),
+                          directory=directory, remote_dir=self.config.stream_remote_dir(name),
+                          manifest=manifest, index=index, where=self._where(name))
 
     def _foundry_tokens(self, name: str, index: dict[str, Any], directory: str) -> StreamInfo:
         """LLM-Foundry token shards used in place: a manifest made in memory from ``index.json``,
@@ -159,9 +158,7 @@ class Catalog:
             manifest = in_place_manifest(index, data, tokenizer, where)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return StreamInfo(name=name, spec=spec, local=self.config.stream_local(name), directory=directory,
-                          remote_dir=self.config.stream_remote_dir(name), manifest=manifest, index=index,
-                          where=where)
+        return self._stream_info(name, manifest, index, directory)
 
     def _shard_bytes(self, name: str, basename: str) -> bytes:
         """A shard file's bytes: the local copy, else fetched from the remote into a file of
@@ -350,17 +347,12 @@ def _remote_changed(config: LoaderConfig, name: str, where: str, directory: str,
     try:
         old = read_index(os.path.join(directory, INDEX_NAME))
     except ValueError:
-        old = {'shards': []}  # no readable old index: nothing it named can be trusted
-    for shard in old['shards']:
-        for key in ('raw_data', 'zip_data'):
-            info = shard.get(key)
-            if not info:
-                continue
-            base = os.path.join(directory, info['basename'])
-            for path in (base, base + '.tmp'):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-                    removed += 1
+        old = {}  # no readable old index: nothing it named can be trusted
+    for base in sorted(index_files(old)):
+        for path in (os.path.join(directory, base), os.path.join(directory, base + '.tmp')):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+                removed += 1
     logger.warning('%s: remote %s changed since the cache %s was filled (%s differ): '
                    'fetched the new metadata and removed %d stale cached shard file(s)',
                    where, remote_dir, directory, what, removed)

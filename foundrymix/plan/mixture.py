@@ -1,5 +1,4 @@
 """The exact plan of a mixture: rows, passes, shares and tokens per epoch; where a run ends.
-
 Every number is the arithmetic of the order the loader reads (:mod:`foundrymix.plan.order`):
 nothing is replayed, no shard is read. Real and loss tokens are expected values unless whole
 passes or uniform rows make them exact (``tokens_exact``)."""
@@ -45,9 +44,8 @@ def stream_groups(config: LoaderConfig) -> list[GroupPlan]:
 
 @dataclass
 class _Epoch:
-    """One epoch's numbers, before they are dressed up as :class:`StreamPlan` rows."""
+    """One epoch's numbers, for the :class:`StreamPlan` rows."""
 
-    rows: np.ndarray            # underlying rows per stream
     chooses: np.ndarray         # rows sampled per stream per epoch
     epoch_size: int
     trained: np.ndarray         # rows trained per stream per epoch (whole batches)
@@ -154,13 +152,12 @@ def weights_in_note(weights_in: str, plans: list[StreamPlan], L: int) -> str:
 
 def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 topology: Topology, stage: str) -> _Epoch:
-    """Rows per stream per epoch (trimmed to whole global batches) and the stage's order: an
-    epoch is one block, or under stratified batching every global batch is one."""
+    """Rows per stream per epoch and the stage's order: an epoch is one block, or under
+    stratified batching every global batch is one."""
     G = batch_size * topology.world_size
     weights = epoch_weights(config, infos, G)
     w = weighted(infos, weights, config.weights_in)
     epoch_size, chooses = w.epoch_size, w.chooses
-    rows = np.array([i.rows for i in infos], np.int64)
     if config.batching_method == 'stratified':
         portions = apportion(w.weights, G)
         fits = [int(c) // int(p) for c, p in zip(chooses, portions) if p > 0]
@@ -175,7 +172,7 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                          stage, cache_window(config, infos), config.shuffle)
     order = StageOrder(draws, block if block.sum() else np.ones(1, np.int64), G,
                        (config.shuffle_seed, name_key(stage)), config.shuffle)
-    return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
+    return _Epoch(chooses=chooses, epoch_size=epoch_size, trained=trained,
                   shares=shares, weights=weights, batches=batches, order=order)
 
 
@@ -279,11 +276,11 @@ def under_one_pass_warnings(plans: list[StreamPlan],
 
 def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list[str],
                   notes: list[str]) -> list[StreamPlan]:
-    """Per-stream rows: passes, which rows repeat, token and loss-token figures and shares."""
+    """Per-stream rows: passes, which rows repeat, tokens and shares."""
     plans = []
     for i, info in enumerate(infos):
         m = info.manifest
-        n, choose = int(epoch.rows[i]), int(epoch.chooses[i])
+        n, choose = info.rows, int(epoch.chooses[i])
         full, extra = divmod(choose, n)
         uniform = m.counts.tokens == n * L and m.counts.loss_tokens == n * L
         ratio = choose / n

@@ -54,23 +54,20 @@ class StagePlan:
 
     @property
     def global_batch_size(self) -> int:
-        """The stage's own global batch (``stages[i].global_train_batch_size``, else the run's)."""
         return self.plan.global_batch_size
 
     @property
     def batch_size(self) -> int:
-        """Rows per rank in each of the stage's batches (what its DataLoader yields)."""
         return self.plan.batch_size
 
     @property
     def samples(self) -> int:
-        """Rows the stage trains (its batches' rows: short batches counted as they are)."""
         assert self.plan.duration is not None, 'a stage is planned with its duration'
         return self.plan.duration.total_samples
 
     @property
     def tokens(self) -> int:
-        """Slot tokens the stage trains (what a ``tok`` duration counts): samples x max_seq_len."""
+        """Slot tokens (what a ``tok`` duration counts): samples x max_seq_len."""
         return self.samples * self.plan.max_seq_len
 
     @property
@@ -107,12 +104,10 @@ class RunPlan:
 
     @property
     def total_samples(self) -> int:
-        """Rows the run trains: the sum of its stages' (each with its own batch)."""
         return sum(s.samples for s in self.stages)
 
     @property
     def total_tokens(self) -> int:
-        """Slot tokens the run trains (what a ``tok`` duration counts): total samples x max_seq_len."""
         return self.total_samples * self.max_seq_len
 
     @property
@@ -140,12 +135,9 @@ class RunPlan:
 def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
     """One validated catalog per stage, sharing one metadata cache: a stream that several
     stages use has its manifest and index read (downloaded, for a remote) once."""
-    configs = config.stage_configs(where)
+    wheres = [where] if config.stages is None else [s.where for s in config.stages]
     shared: dict[Any, Any] = {}
-    if config.stages is None:
-        catalogs = [Catalog(configs[0], where, shared)]
-    else:
-        catalogs = [Catalog(c, s.where, shared) for c, s in zip(configs, config.stages)]
+    catalogs = [Catalog(c, w, shared) for c, w in zip(config.stage_configs(where), wheres)]
     for catalog in catalogs:
         catalog.validate()
     lens = {c.where: c.max_seq_len for c in catalogs}
@@ -212,8 +204,7 @@ def _stage(index: int, name: str, duration: str, where: str, config: LoaderConfi
            infos: list[StreamInfo], plan: Plan, order: StageOrder, start_batch: int,
            start_sample: int, G: int, carried: dict[str, _Carried]) -> StagePlan:
     """The stage, reading each stream from where earlier stages left its draws (``carried``,
-    updated with this stage's): a stream's first stage fixes its passes; an adaptive stage's
-    controller spec is built (and refused) here, once."""
+    updated with this stage's); an adaptive stage's spec is built (and refused) here, once."""
     assert plan.duration is not None
     places = {stream_location(i): k for k, i in reversed(list(enumerate(infos)))}
     draws, start, after = list(order.draws), np.zeros(len(order.draws), np.int64), []
@@ -258,21 +249,17 @@ def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] 
              topology: Optional[Topology] = None,
              where: str = 'train_loader', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT
              ) -> tuple[RunPlan, list[Catalog]]:
-    """Validate every stage and plan the run; returns the plan and each stage's catalog
-    (``rank_count_limit``: :func:`foundrymix.plan.mixture.build_plan`'s)."""
-    topology = topology or Topology()
+    """Validate every stage and plan the run; returns the plan and each stage's catalog."""
     catalogs = stage_catalogs(config, where)
-    infos = [c.infos() for c in catalogs]
-    return (build_run_plan(config, infos, batch_size, max_duration, topology, where, rank_count_limit),
-            catalogs)
+    return (build_run_plan(config, [c.infos() for c in catalogs], batch_size, max_duration,
+                           topology or Topology(), where, rank_count_limit), catalogs)
 
 
 def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], global_batch_size: int,
                       after_adaptive: bool = False) -> dict[str, Any]:
     """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes
     (compared field by field, so a refusal can name the stage, the stream and the field).
-    ``after_adaptive``: a stream of this stage continues a pass an adaptive stage decided at run
-    time (position version 4 started a fresh pass there, so such a checkpoint is refused)."""
+    ``after_adaptive``: a stream here continues a pass an adaptive stage decided at run time."""
     knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_block_size',
                                              'batching_method', 'epoch_size')}
     if not config.shuffle_block_size and (window := cache_window(config, infos)) != WINDOW_ROWS:
@@ -286,12 +273,9 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], global_batc
     streams = {}
     for info in infos:
         index = json.dumps(info.index.get('shards', []), sort_keys=True).encode('utf-8')
-        streams[info.name] = {
-            'directory': info.remote_dir or info.directory,
-            'repeat': info.spec.repeat, 'proportion': info.spec.proportion,
-            'choose': info.spec.choose,
-            'index': hashlib.sha256(index).hexdigest()[:16],
-        }
+        streams[info.name] = {'directory': stream_location(info), 'repeat': info.spec.repeat,
+                              'proportion': info.spec.proportion, 'choose': info.spec.choose,
+                              'index': hashlib.sha256(index).hexdigest()[:16]}
     # the global batch, not the per-rank one: a resize keeps it and changes nothing trained
     return {'global_batch_size': global_batch_size, 'knobs': knobs, 'streams': streams}
 
@@ -319,11 +303,8 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         out.append(f'stream order {", ".join(common)} -> '
                    f'{", ".join(n for n in new["streams"] if n in old["streams"])}')
     for name in sorted(set(old['streams']) | set(new['streams'])):
-        if name not in new['streams']:
-            out.append(f'stream {name} removed')
-            continue
-        if name not in old['streams']:
-            out.append(f'stream {name} added')
+        if name not in new['streams'] or name not in old['streams']:
+            out.append(f'stream {name} {"removed" if name in old["streams"] else "added"}')
             continue
         for key, value in old['streams'][name].items():
             if new['streams'][name].get(key) != value:
