@@ -113,14 +113,10 @@ class AdaptiveConfig:
 
     def check(self, where: str) -> None:
         gather = Gather()
-        with gather:
-            parse_time(self.every, f'{where}.every', ('ba',), positive=True)
-        with gather:
-            self.batches('warmup', where)
-        with gather:
-            if not 0 <= self.min_share < 1:
-                raise ConfigError(f'{where}.min_share: must be in [0, 1), got {self.min_share}')
-        for key in ('alpha', 'beta'):
+        for key in ('every', 'warmup'):
+            with gather:
+                parse_time(getattr(self, key), f'{where}.{key}', ('ba',), positive=key == 'every')
+        for key in ('min_share', 'alpha', 'beta'):
             with gather:
                 if not 0 <= getattr(self, key) < 1:
                     raise ConfigError(f'{where}.{key}: must be in [0, 1), got {getattr(self, key)}')
