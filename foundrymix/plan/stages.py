@@ -291,22 +291,19 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         out.append(f'global batch size {old.get("global_batch_size")} -> '
                    f'{new["global_batch_size"]} (a trained stage\'s global_train_batch_size '
                    f'must stay fixed)')
-    knob_keys = list(old['knobs']) + [k for k in new['knobs'] if k not in old['knobs']]
-    for key in knob_keys:
-        value = old['knobs'].get(key, _OPTIONAL_KNOBS.get(key))
-        now = new['knobs'].get(key, _OPTIONAL_KNOBS.get(key))
+    for key in dict.fromkeys([*old['knobs'], *new['knobs']]):
+        value, now = (f['knobs'].get(key, _OPTIONAL_KNOBS.get(key)) for f in (old, new))
         if now != value:
             out.append(f'{key} {value!r} -> {now!r}')
-    common = [n for n in old['streams'] if n in new['streams']]
-    if common != [n for n in new['streams'] if n in old['streams']]:
+    olds, news = old['streams'], new['streams']
+    common = [n for n in olds if n in news]
+    if common != [n for n in news if n in olds]:
         # streaming numbers samples stream by stream in config order: a new order is new data
-        out.append(f'stream order {", ".join(common)} -> '
-                   f'{", ".join(n for n in new["streams"] if n in old["streams"])}')
-    for name in sorted(set(old['streams']) | set(new['streams'])):
-        if name not in new['streams'] or name not in old['streams']:
-            out.append(f'stream {name} {"removed" if name in old["streams"] else "added"}')
+        out.append(f'stream order {", ".join(common)} -> {", ".join(n for n in news if n in olds)}')
+    for name in sorted(set(olds) | set(news)):
+        if name not in news or name not in olds:
+            out.append(f'stream {name} {"removed" if name in olds else "added"}')
             continue
-        for key, value in old['streams'][name].items():
-            if new['streams'][name].get(key) != value:
-                out.append(f'stream {name}: {key} {value!r} -> {new["streams"][name].get(key)!r}')
+        out += [f'stream {name}: {key} {value!r} -> {news[name].get(key)!r}'
+                for key, value in olds[name].items() if news[name].get(key) != value]
     return out
