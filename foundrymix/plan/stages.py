@@ -132,22 +132,6 @@ class RunPlan:
                 'warnings': list(self.warnings), 'explicit': self.explicit}
 
 
-def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
-    """One validated catalog per stage, sharing one metadata cache: a stream that several
-    stages use has its manifest and index read (downloaded, for a remote) once."""
-    wheres = [where] if config.stages is None else [s.where for s in config.stages]
-    shared: dict[Any, Any] = {}
-    catalogs = [Catalog(c, w, shared) for c, w in zip(config.stage_configs(where), wheres)]
-    for catalog in catalogs:
-        catalog.validate()
-    lens = {c.where: c.max_seq_len for c in catalogs}
-    prints = {c.where: c.tokenizer.fingerprint for c in catalogs}
-    if len(set(lens.values())) > 1 or len(set(prints.values())) > 1:
-        listing = ', '.join(f'{w}: max_seq_len {lens[w]}, tokenizer {prints[w][:12]}' for w in lens)
-        raise ConfigError(f'{where}.stages: stages disagree on max_seq_len or tokenizer ({listing})')
-    return catalogs
-
-
 def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_size: int,
                    max_duration: Optional[str], topology: Topology = Topology(),
                    where: str = 'train_loader',
@@ -249,8 +233,16 @@ def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] 
              topology: Optional[Topology] = None,
              where: str = 'train_loader', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT
              ) -> tuple[RunPlan, list[Catalog]]:
-    """Validate every stage and plan the run; returns the plan and each stage's catalog."""
-    catalogs = stage_catalogs(config, where)
+    """Validate every stage and plan the run; returns the plan and each stage's catalog. The
+    catalogs share one metadata cache: a stream several stages use is read (downloaded) once."""
+    wheres = [where] if config.stages is None else [s.where for s in config.stages]
+    shared: dict[Any, Any] = {}
+    catalogs = [Catalog(c, w, shared) for c, w in zip(config.stage_configs(where), wheres)]
+    lens = {c.where: c.max_seq_len for c in catalogs}  # each catalog validated, in order
+    prints = {c.where: c.tokenizer.fingerprint for c in catalogs}
+    if len(set(lens.values())) > 1 or len(set(prints.values())) > 1:
+        listing = ', '.join(f'{w}: max_seq_len {lens[w]}, tokenizer {prints[w][:12]}' for w in lens)
+        raise ConfigError(f'{where}.stages: stages disagree on max_seq_len or tokenizer ({listing})')
     return (build_run_plan(config, [c.infos() for c in catalogs], batch_size, max_duration,
                            topology or Topology(), where, rank_count_limit), catalogs)
 
