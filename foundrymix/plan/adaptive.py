@@ -145,9 +145,8 @@ class AdaptiveError(RuntimeError):
 # -------------------------------------------------------------------- the stage, as planned
 @dataclass(frozen=True)
 class AdaptiveSpec:
-    """One adaptive stage as planned, built once (:func:`adaptive_spec`, at plan time, where a
-    bad config is refused) and kept by its :class:`~foundrymix.plan.stages.StagePlan`: segments
-    of ``every`` batches, the starting shares (floored), the policy's options or ``replay``'s
+    """One adaptive stage as planned, once (:func:`adaptive_spec`, where a bad config is refused):
+    segments of ``every`` batches, the starting shares (floored), the policy's options or the
     recorded decisions, and each stream's draws. The run's state lives in its controller."""
 
     method: str
@@ -341,10 +340,9 @@ def adaptive_spec(config: Any, where: str, stage: str, plan: Plan, draws: Sequen
 
 
 def adaptive_plan(plan: Plan, c: AdaptiveSpec) -> Plan:
-    """An adaptive stage's plan: the configured start's epochs (built without their epoch notes)
-    restated as the segments it trains. Its rows are exact (``duration.rows_per_stream``) when
-    every segment's are known at plan time (:meth:`AdaptiveSpec.known`); else the rest have
-    only the ``min_share`` floors, and ``rows_per_stream`` is None."""
+    """An adaptive stage's plan restated as the segments it trains: its rows are exact when every
+    segment's are known at plan time (:meth:`AdaptiveSpec.known`), else ``rows_per_stream`` is
+    None and the rest have only the ``min_share`` floors."""
     segments = [(k, c.known(k)) for k in range(c.segments)]
     known = sum((r for _, r in segments if r is not None), np.zeros(len(c.names), np.int64))
     undecided = [c.segment_batches(k) * c.global_batch for k, r in segments if r is None]  # rows

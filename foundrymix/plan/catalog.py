@@ -1,8 +1,7 @@
 """The catalog: each stream's location and small metadata (manifest, index), read once per run;
-a remote's fetched afresh on every start (:func:`sync_remote`), so a dataset re-uploaded to the
-same prefix is never read through stale cached shards.
-:meth:`Catalog.validate` refuses streams that cannot share a batch or are not whole before any
-row is read: reading rows would notice late, or never, if the columns happen to decode."""
+a remote's fetched afresh on every start (:func:`sync_remote`), so a re-uploaded dataset is never
+read through stale cached shards. Streams that cannot share a batch or are not whole are refused
+before any row is read (:meth:`Catalog.validate`)."""
 
 from __future__ import annotations
 
@@ -274,10 +273,9 @@ class Catalog:
 
 # ------------------------------------------------------------ remote metadata
 def sync_remote(config: LoaderConfig, name: str, where: str) -> None:
-    """Fetch a remote stream's manifest and index afresh, so no stale shard is read: if they
-    changed, foundrymix's own cache drops the old index's shards (warning), a ``local:`` the
-    user named is refused. An unreachable remote raises even with a cached copy, which might
-    be stale. Each rank downloads into files of its own and renames them into place."""
+    """Fetch a remote stream's manifest and index afresh: if they changed, foundrymix's own cache
+    drops the old index's shards (warning), a ``local:`` the user named is refused. An unreachable
+    remote raises even with a cached copy, which might be stale."""
     remote_dir = config.stream_remote_dir(name)
     assert remote_dir is not None
     directory = config.stream_dir(name)

@@ -61,9 +61,7 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                stage_key: Optional[str] = None) -> tuple[Plan, StageOrder]:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size,
     and the order it counts. ``stage_key``: ``max_duration`` is that stage's duration, refused
-    unless whole batches (a run's is rounded up to the batch that reaches it). An adaptive
-    stage's plan states no epoch's notes or warnings: it trains segments
-    (:func:`foundrymix.plan.adaptive.adaptive_plan` states those)."""
+    unless whole batches (a run's is rounded up). An adaptive stage's plan states no epoch notes."""
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
                           f'node ({topology.ranks_per_node}) must be positive')

@@ -1,6 +1,5 @@
-"""The sample order: a pure function of (stage counts, seed) from a global position to (stream, row).
-
-Blocks of exact per-stream counts halved down to shuffled leaves; pass-complete draws per stream, a
+"""The sample order: a pure function of (stage counts, seed) from a global position to (stream, row):
+blocks of exact per-stream counts halved down to shuffled leaves; pass-complete draws per stream, a
 window of shards at a time; O(1) seek on any topology; integer seeds only (docs/mixing-and-plan.md)."""
 
 from __future__ import annotations

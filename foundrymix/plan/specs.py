@@ -23,9 +23,7 @@ def is_pattern(name: str) -> bool:
 class StreamSpec:
     """One entry of ``train_loader.streams``: where a stream lives and how much of it to use
     (one of ``repeat``, ``proportion``, ``choose``, or ``proportion`` and ``repeat``: the share,
-    and the passes that size the epoch). ``local`` is a directory on this
-    machine; a URL there is refused, as it would be read as a relative path. A name with a
-    glob is a group (:func:`is_pattern`): exactly one weight and no location."""
+    and the passes that size the epoch). A glob name is a group: one weight, no location."""
 
     name: str = field(default='', metadata=FROM_KEY)
     local: Optional[str] = None

@@ -136,9 +136,8 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
                    max_duration: Optional[str], topology: Topology = Topology(),
                    where: str = 'train_loader',
                    rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> RunPlan:
-    """The plan of a run: each stage's mixture, weights and exact batches (each planned once,
-    with its own global batch), and the run totals. Without ``stages:`` the run is one stage,
-    :data:`MAIN_STAGE`, as long as ``max_duration`` (rounded up to the batch that reaches it)."""
+    """The plan of a run: each stage planned once, with its own global batch, and the run totals.
+    Without ``stages:`` the run is one stage, :data:`MAIN_STAGE`, as long as ``max_duration``."""
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
     if config.stages is None:
