@@ -32,14 +32,9 @@ EVERY_STREAM_HINT = '(every stream: plan --streams all, or --json)'
 
 def stream_groups(config: LoaderConfig) -> list[GroupPlan]:
     """The config's groups with their members, for the plan (empty without patterns)."""
-    out = []
-    for pattern, members in config.group_members().items():
-        g = config.groups[pattern]
-        kind = g.weight_kind
-        assert kind is not None, 'a pattern gives a weight (StreamSpec.check)'
-        out.append(GroupPlan(pattern=pattern, members=members, weight=kind,
-                             value=getattr(g, kind)))
-    return out
+    kinds = {p: str(g.weight_kind) for p, g in config.groups.items()}  # one each: StreamSpec.check
+    return [GroupPlan(pattern=p, members=members, weight=kinds[p], value=getattr(config.groups[p], kinds[p]))
+            for p, members in config.group_members().items()]
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from foundrymix.plan.exact import EpochWeights
 
+
 @dataclass
 class StreamPlan:
     """One stream's share of every epoch."""

@@ -4,6 +4,7 @@ every rank and in a resumed run; a duration that is not whole batches is refused
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -75,11 +76,9 @@ class StagePlan:
         return [s.name for s in self.plan.streams]
 
     def to_dict(self) -> dict[str, Any]:
-        return {'index': self.index, 'name': self.name, 'duration': self.duration,
-                'start_batch': self.start_batch, 'batches': self.batches,
-                'end_batch': self.end_batch, 'global_batch_size': self.global_batch_size,
-                'start_sample': self.start_sample, 'samples': self.samples,
-                'tokens': self.tokens, 'plan': self.plan.to_dict()}
+        keys = ('index', 'name', 'duration', 'start_batch', 'batches', 'end_batch', 'global_batch_size',
+                'start_sample', 'samples', 'tokens')
+        return {**{k: getattr(self, k) for k in keys}, 'plan': self.plan.to_dict()}
 
 
 @dataclass
@@ -124,12 +123,9 @@ class RunPlan:
         return next((s for s in self.stages if batch < s.end_batch), self.stages[-1])
 
     def to_dict(self) -> dict[str, Any]:
-        return {'stages': [s.to_dict() for s in self.stages],
-                'global_batch_size': self.global_batch_size, 'max_seq_len': self.max_seq_len,
-                'total_batches': self.total_batches, 'total_samples': self.total_samples,
-                'total_tokens': self.total_tokens, 'batch_sizes': self.batch_sizes,
-                'rows_per_stream': dict(self.rows_per_stream),
-                'warnings': list(self.warnings), 'explicit': self.explicit}
+        keys = ('global_batch_size', 'max_seq_len', 'total_batches', 'total_samples', 'total_tokens',
+                'batch_sizes', 'rows_per_stream', 'warnings', 'explicit')
+        return {'stages': [s.to_dict() for s in self.stages], **{k: copy.copy(getattr(self, k)) for k in keys}}
 
 
 def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_size: int,
