@@ -279,13 +279,6 @@ class LoaderConfig:
             out.append(config)
         return out
 
-    @property
-    def given_proportions(self) -> dict[str, Optional[float]]:
-        """The proportions as written: each group's (by pattern) and each other stream's."""
-        members = {n for ms in self.group_members().values() for n in ms}
-        out = {n: s.proportion for n, s in self.streams.items() if n not in members}
-        return {**out, **{p: g.proportion for p, g in self.groups.items()}}
-
     # ------------------------------------------------------------------ paths
     def stream_local(self, name: str) -> str:
         """The configured local directory of stream ``name`` (without split). A remote-only

@@ -198,7 +198,9 @@ def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
 def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str], epochs: bool) -> None:
     """Warnings: proportions that do not sum to 1, rows an epoch samples but does not train
     (where the stage trains ``epochs``)."""
-    given = list(config.given_proportions.values())
+    members = {n for ms in config.group_members().values() for n in ms}  # as written: a group's once
+    given = ([s.proportion for n, s in config.streams.items() if n not in members]
+             + [g.proportion for g in config.groups.values()])
     total = None if None in given else float(sum(given))
     if total is not None and abs(total - 1.0) > 1e-9:
         listed = ' + '.join(f'{p:g}' for p in given)
