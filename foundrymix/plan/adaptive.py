@@ -1,7 +1,8 @@
 """Adaptive mixing: each segment's exact rows, decided from the all-reduced per-stream loss (or
 replayed), drawn through per-stream cursors so no row repeats before its stream's pass is complete,
-and the plan of an adaptive stage. A decision is a function of (state, summed loss) only, so it
-is identical on every rank and on a resumed run (docs/adaptive.md)."""
+and the plan of an adaptive stage. A decision (a policy's) is a function of (state, summed loss)
+only, and the state plain floats, so it is identical on every rank and on a resumed run
+(docs/adaptive.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,90 @@ from foundrymix.config import ConfigError
 from foundrymix.plan.exact import apportion
 from foundrymix.plan.order import Block, StreamDraws, rows_of
 from foundrymix.plan.plans import Plan
-from foundrymix.plan.policies import ADOPolicy, FixedPolicy, ODMPolicy, Policy
+
+
+# -------------------------------------------------------------------- policies
+class Policy:
+    """Maps the last interval's per-stream mean loss (NaN: no loss tokens) to the next
+    interval's weights; its state is plain floats, restored bitwise. This base keeps the
+    configured weights throughout (``fixed``: the baseline an adaptive run is compared with)."""
+
+    def __init__(self, initial: np.ndarray) -> None:
+        self.initial = np.asarray(initial, np.float64)
+
+    def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        return self.initial.copy()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class ODMPolicy(Policy):
+    """ODM (Albalak et al. 2023): EXP3 over streams, rewarded by training loss; a mixed interval
+    observes every stream, so every estimate is updated each time (docs/adaptive.md)."""
+
+    def __init__(self, initial: np.ndarray, alpha: float = 0.9, lr: float = 1.0) -> None:
+        super().__init__(initial)
+        self.alpha, self.lr = alpha, lr
+        self.t = 0
+        self.rewards = np.zeros(len(initial), np.float64)
+
+    def epsilon(self, t: int) -> float:
+        K = len(self.rewards)
+        if t == 0 or K == 1:
+            return 1.0 / K
+        return min(1.0 / K, math.sqrt(math.log(K) / (K * t)))
+
+    def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        K = len(self.rewards)
+        seen = ~np.isnan(loss)
+        self.rewards[seen] = (self.alpha * self.rewards[seen]
+                              + (1 - self.alpha) * loss[seen] / weights[seen])
+        self.t += 1
+        logits = self.epsilon(self.t - 1) * self.lr * self.rewards
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        eps = self.epsilon(self.t)
+        return (1 - K * eps) * p + eps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'t': self.t, 'rewards': self.rewards.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.t = int(state['t'])
+        self.rewards = np.array(state['rewards'], np.float64)
+
+
+class ADOPolicy(Policy):
+    """ADO-style learning progress (Jiang et al. 2025): weights follow how fast each stream's
+    smoothed loss falls, times the configured mixture; no progress keeps them (docs/adaptive.md)."""
+
+    def __init__(self, initial: np.ndarray, alpha: float = 0.9, beta: float = 0.5) -> None:
+        super().__init__(initial)
+        self.alpha, self.beta = alpha, beta
+        self.ema = np.full(len(initial), np.nan)
+
+    def update(self, loss: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        seen = ~np.isnan(loss)
+        fresh = seen & np.isnan(self.ema)
+        old = self.ema.copy()
+        self.ema[fresh] = loss[fresh]
+        both = seen & ~fresh
+        self.ema[both] = self.alpha * self.ema[both] + (1 - self.alpha) * loss[both]
+        progress = np.where(both, np.maximum(old - self.ema, 0.0), 0.0)
+        score = np.nan_to_num(progress) * self.initial
+        if score.sum() <= 0:
+            return np.asarray(weights, np.float64).copy()
+        return self.beta * weights + (1 - self.beta) * score / score.sum()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'ema': [None if math.isnan(x) else float(x) for x in self.ema]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ema = np.array([np.nan if x is None else x for x in state['ema']], np.float64)
 
 
 def floor_shares(weights: np.ndarray, min_share: float) -> np.ndarray:
@@ -61,9 +145,8 @@ class AdaptiveError(RuntimeError):
 # -------------------------------------------------------------------- the stage, as planned
 @dataclass(frozen=True)
 class AdaptiveSpec:
-    """One adaptive stage as planned, built once (:func:`adaptive_spec`, at plan time, where a
-    bad config is refused) and kept by its :class:`~foundrymix.plan.stages.StagePlan`: segments
-    of ``every`` batches, the starting shares (floored), the policy's options or ``replay``'s
+    """One adaptive stage as planned, once (:func:`adaptive_spec`, where a bad config is refused):
+    segments of ``every`` batches, the starting shares (floored), the policy's options or the
     recorded decisions, and each stream's draws. The run's state lives in its controller."""
 
     method: str
@@ -111,8 +194,8 @@ class AdaptiveController:
     def __init__(self, spec: AdaptiveSpec) -> None:
         self.spec = spec
         initial = np.array(spec.initial)
-        policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(spec.method)
-        self.policy: Policy = FixedPolicy(initial) if policy is None else policy(initial, **spec.options)
+        policy = {'odm': ODMPolicy, 'ado': ADOPolicy}.get(spec.method, Policy)
+        self.policy: Policy = policy(initial, **spec.options)
         self.decisions: list[Decision] = [self._decision(0, initial, None)]
         self._cursor = (0, np.zeros(len(spec.rows), np.int64))
         self.repeat_warned: dict[str, float] = {}  # stream -> the passes last warned about
@@ -257,10 +340,9 @@ def adaptive_spec(config: Any, where: str, stage: str, plan: Plan, draws: Sequen
 
 
 def adaptive_plan(plan: Plan, c: AdaptiveSpec) -> Plan:
-    """An adaptive stage's plan: the configured start's epochs (built without their epoch notes)
-    restated as the segments it trains. Its rows are exact (``duration.rows_per_stream``) when
-    every segment's are known at plan time (:meth:`AdaptiveSpec.known`); else the rest have
-    only the ``min_share`` floors, and ``rows_per_stream`` is None."""
+    """An adaptive stage's plan restated as the segments it trains: its rows are exact when every
+    segment's are known at plan time (:meth:`AdaptiveSpec.known`), else ``rows_per_stream`` is
+    None and the rest have only the ``min_share`` floors."""
     segments = [(k, c.known(k)) for k in range(c.segments)]
     known = sum((r for _, r in segments if r is not None), np.zeros(len(c.names), np.int64))
     undecided = [c.segment_batches(k) * c.global_batch for k, r in segments if r is None]  # rows

@@ -1,12 +1,15 @@
 """The catalog: each stream's location and small metadata (manifest, index), read once per run;
-remote metadata checked against the remote on every start (:mod:`foundrymix.plan.remote_meta`).
-:meth:`Catalog.validate` refuses streams that cannot share a batch or are not whole before any
-row is read: reading rows would notice late, or never, if the columns happen to decode."""
+a remote's fetched afresh on every start (:func:`sync_remote`), so a re-uploaded dataset is never
+read through stale cached shards. Streams that cannot share a batch or are not whole are refused
+before any row is read (:meth:`Catalog.validate`)."""
 
 from __future__ import annotations
 
+import contextlib
+import filecmp
+import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from foundrymix.config import ConfigError
@@ -14,13 +17,14 @@ from foundrymix.plan.config import LoaderConfig, StreamSpec, cache_base
 from foundrymix.plan.exact import resolve_groups
 from foundrymix.format.advice import adopt_advice, is_foundry_tokens, splits_advice
 from foundrymix.format.schema import MANIFEST_NAME, SCHEMA_VERSION, Manifest, TokenizerInfo
-from foundrymix.format.shards import (INDEX_NAME, check_shard_files, hashes_dropped_problem, read_index,
-                                      row_count_problem, shard_files_error, shard_raw_bytes, stored_name,
-                                      validate_hash_problem)
+from foundrymix.format.shards import (INDEX_NAME, check_shard_files, hashes_dropped_problem, index_files,
+                                      read_index, row_count_problem, shard_files_error, shard_raw_bytes,
+                                      stored_name, validate_hash_problem)
 from foundrymix.format.foundry_tokens import in_place_manifest
-from foundrymix.plan.remote_meta import sync_remote
-from foundrymix.s3.remote import RemoteError, download
+from foundrymix.s3.remote import RemoteError, download, local_denied
 from foundrymix.tokenizer import describe_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def _read_index(path: str, where: str) -> dict[str, Any]:
@@ -96,8 +100,7 @@ class Catalog:
             if known is None:
                 known = self._shared[key] = self._read(name)
             else:  # the same files under this catalog's name, weights and key path
-                known = replace(known, name=name, spec=self.config.streams[name],
-                                local=self.config.stream_local(name), where=self._where(name))
+                known = self._stream_info(name, known.manifest, known.index, known.directory)
             self._infos[name] = known
         return self._infos[name]
 
@@ -128,12 +131,12 @@ class Catalog:
         if not os.path.isfile(index_path):
             raise ConfigError(f'{where}: manifest but no {INDEX_NAME} in '
                               f'{os.path.dirname(index_path)} (an incomplete conversion?)')
-        index = _read_index(index_path, where)
-        return StreamInfo(name=name, spec=self.config.streams[name],
-                          local=self.config.stream_local(name),
-                          directory=os.path.dirname(index_path),
-                          remote_dir=self.config.stream_remote_dir(name), manifest=manifest,
-                          index=index, where=where)
+        return self._stream_info(name, manifest, _read_index(index_path, where), os.path.dirname(index_path))
+
+    def _stream_info(self, name: str, manifest: Manifest, index: dict[str, Any], directory: str) -> StreamInfo:
+        return StreamInfo(name=name, spec=self.config.streams[name], local=self.config.stream_local(name),
+                          directory=directory, remote_dir=self.config.stream_remote_dir(name),
+                          manifest=manifest, index=index, where=self._where(name))
 
     def _foundry_tokens(self, name: str, index: dict[str, Any], directory: str) -> StreamInfo:
         """LLM-Foundry token shards used in place: a manifest made in memory from ``index.json``,
@@ -154,9 +157,7 @@ class Catalog:
             manifest = in_place_manifest(index, data, tokenizer, where)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return StreamInfo(name=name, spec=spec, local=self.config.stream_local(name), directory=directory,
-                          remote_dir=self.config.stream_remote_dir(name), manifest=manifest, index=index,
-                          where=where)
+        return self._stream_info(name, manifest, index, directory)
 
     def _shard_bytes(self, name: str, basename: str) -> bytes:
         """A shard file's bytes: the local copy, else fetched from the remote into a file of
@@ -268,3 +269,88 @@ class Catalog:
     def tokenizer(self) -> TokenizerInfo:
         self.validate()
         return self.info(self.names[0]).manifest.tokenizer
+
+
+# ------------------------------------------------------------ remote metadata
+def sync_remote(config: LoaderConfig, name: str, where: str) -> None:
+    """Fetch a remote stream's manifest and index afresh: if they changed, foundrymix's own cache
+    drops the old index's shards (warning), a ``local:`` the user named is refused. An unreachable
+    remote raises even with a cached copy, which might be stale."""
+    remote_dir = config.stream_remote_dir(name)
+    assert remote_dir is not None
+    directory = config.stream_dir(name)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise local_denied(e, os.path.join(directory, INDEX_NAME)) or e from None
+    # a stream given a tokenizer is LLM-Foundry token shards: no manifest to fetch
+    wanted = (INDEX_NAME,) if config.streams[name].tokenizer else (MANIFEST_NAME, INDEX_NAME)
+    fresh = {b: os.path.join(directory, f'{b}.part-{os.getpid()}') for b in wanted}
+    try:
+        for basename, part in list(fresh.items()):
+            url = f'{remote_dir.rstrip("/")}/{basename}'
+            try:
+                download(url, part, config.download_timeout)
+            except RemoteError as e:
+                if e.kind == 'not_found' and basename == MANIFEST_NAME and config.tokenizer:
+                    del fresh[basename]  # perhaps LLM-Foundry token shards: the index says
+                    continue
+                raise _remote_error(config, name, where, basename, e) from e
+        cached = [b for b in fresh if os.path.isfile(os.path.join(directory, b))]
+        filecmp.clear_cache()  # its memo keys on (size, mtime): never trusted for a safety check
+        changed = [b for b, part in fresh.items()
+                   if b not in cached or not filecmp.cmp(part, os.path.join(directory, b), shallow=False)]
+        if cached and changed:
+            _remote_changed(config, name, where, directory, remote_dir, changed)
+        for basename, part in fresh.items():  # the index last: it names the shards
+            os.replace(part, os.path.join(directory, basename))
+    finally:
+        for part in fresh.values():
+            if os.path.exists(part):
+                os.remove(part)
+
+
+def _remote_error(config: LoaderConfig, name: str, where: str, basename: str, e: Any) -> ConfigError:
+    remote_dir, directory = config.stream_remote_dir(name), config.stream_dir(name)
+    if e.kind == 'not_found' and basename == MANIFEST_NAME:
+        return ConfigError(
+            f'{where}: no foundrymix manifest at {e.url} ({e.code}: no such object). Check '
+            f'that remote {remote_dir!r} (bucket and path) is right and holds a whole '
+            f'directory made by `foundrymix convert` ({MANIFEST_NAME}, {INDEX_NAME} and shards)')
+    if e.kind == 'not_found':
+        return ConfigError(
+            f'{where}: no {INDEX_NAME} at {e.url} ({e.code}: no such object), though '
+            f'{MANIFEST_NAME} is there: an incomplete conversion or upload? Re-run '
+            f'`foundrymix convert` into {remote_dir!r} (it uploads {INDEX_NAME} last)')
+    cached = os.path.isfile(os.path.join(directory, INDEX_NAME))
+    note = (f' (a copy is cached in {directory}, but without the remote nothing tells '
+            f'whether it is current, so it is not used)' if cached else '')
+    return ConfigError(f'{where}: cannot read {e}{note}')
+
+
+def _remote_changed(config: LoaderConfig, name: str, where: str, directory: str, remote_dir: str,
+                    changed: list[str]) -> None:
+    """The remote's metadata differs from the local copy: refresh our cache, or refuse."""
+    spec = config.streams[name]
+    what = ' and '.join(changed)
+    if spec.local:
+        raise ConfigError(
+            f'{where}: remote {remote_dir} changed since local {directory} was filled ({what} '
+            f'differ): its shard files are stale, and streaming would read them as the new '
+            f"dataset's. foundrymix never deletes files in a directory you named in local:; "
+            f'delete {directory} (to download the new dataset there), point local: at an '
+            f"empty directory, or leave local: out to use foundrymix's cache (refreshed "
+            f'when its remote changes)')
+    removed = 0
+    try:
+        old = read_index(os.path.join(directory, INDEX_NAME))
+    except ValueError:
+        old = {}  # no readable old index: nothing it named can be trusted
+    for base in sorted(index_files(old)):
+        for path in (os.path.join(directory, base), os.path.join(directory, base + '.tmp')):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+                removed += 1
+    logger.warning('%s: remote %s changed since the cache %s was filled (%s differ): '
+                   'fetched the new metadata and removed %d stale cached shard file(s)',
+                   where, remote_dir, directory, what, removed)

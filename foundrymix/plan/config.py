@@ -14,8 +14,6 @@ from typing import Any, Literal, Optional, Union
 from foundrymix.config import ConfigError, DERIVED, Duration, check_keys, read_dataclass, read_value, to_plain
 from foundrymix.plan.specs import AdaptiveConfig, StreamSpec, is_pattern, refuse_replaced_knobs
 
-__all__ = ['ConfigError', 'LoaderConfig', 'StreamSpec', 'AdaptiveConfig', 'CACHE_ROOT_ENV']
-
 BatchingMethod = Literal['random', 'stratified']
 WeightsIn = Literal['rows', 'tokens', 'loss_tokens']
 HashAlgo = Literal['sha1', 'sha224', 'sha256', 'sha384', 'sha512', 'sha3_224', 'sha3_256',
@@ -131,15 +129,12 @@ class LoaderConfig:
             self.streams = {n: s for n, s in self.streams.items() if not is_pattern(n)}
 
     # ------------------------------------------------------------------ parsing
-    @staticmethod
-    def refuse_given(data: dict[str, Any], where: str) -> None:
-        """Keys refused as given, whatever their value (:func:`refuse_replaced_knobs`)."""
-        refuse_replaced_knobs(data, where)
+    #: keys refused as given, whatever their value (read_dataclass's hook)
+    refuse_given = staticmethod(refuse_replaced_knobs)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = 'train_loader') -> 'LoaderConfig':
-        """Build and check a config from a mapping or an omegaconf ``DictConfig`` (errors name
-        ``where.key``)."""
+        """Build and check a config from a mapping or an omegaconf ``DictConfig``."""
         data = to_plain(d, where)
         refuse_replaced_knobs(data, where)  # before the required-key check below
         if data.get('streams') is None and data.get('stages') is None:
@@ -283,13 +278,6 @@ class LoaderConfig:
             config.check(stage.where)
             out.append(config)
         return out
-
-    @property
-    def given_proportions(self) -> dict[str, Optional[float]]:
-        """The proportions as written: each group's (by pattern) and each other stream's."""
-        members = {n for ms in self.group_members().values() for n in ms}
-        out = {n: s.proportion for n, s in self.streams.items() if n not in members}
-        return {**out, **{p: g.proportion for p, g in self.groups.items()}}
 
     # ------------------------------------------------------------------ paths
     def stream_local(self, name: str) -> str:

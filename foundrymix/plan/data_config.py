@@ -1,11 +1,6 @@
-"""The data part of a run's YAML -- what a loader needs -- read and checked without the trainer.
-
-Why here: it holds :class:`~foundrymix.plan.config.LoaderConfig` sections, so it sits in the
-plan layer, above the generic reader of :mod:`foundrymix.config`. A data-only YAML
-(``foundrymix plan``, :func:`foundrymix.build_loader`) is a :class:`DataConfig`; the trainer's
-``TrainConfig`` extends it (model, optimizer, ...), so the data keys of every YAML are read by
-one class and refused alike. Imports no torch and no trainer.
-"""
+"""The data part of a run's YAML -- what a loader needs -- read and checked without the trainer
+(no torch imported). The trainer's ``TrainConfig`` extends :class:`DataConfig`, so the data keys
+of every YAML are read by one class and refused alike."""
 
 from __future__ import annotations
 
@@ -62,9 +57,8 @@ class DataConfig:
 
     @classmethod
     def from_run(cls, d: Mapping[str, Any]) -> 'DataConfig':
-        """A YAML with ``model:`` is a whole training YAML: its data keys are read here and the
-        others are left to the trainer (``foundrymix train`` and ``plan`` check them); any
-        other YAML is data-only, every key checked."""
+        """A YAML with ``model:`` is a training YAML: its data keys are read here, the others
+        left to the trainer; any other YAML is data-only, every key checked."""
         if 'model' not in d:
             return cls.from_dict(d)
         return cls.from_dict({k: v for k, v in d.items() if k in DATA_KEYS})
@@ -83,9 +77,8 @@ DATA_KEYS = frozenset(f.name for f in dataclasses.fields(DataConfig)) | {'variab
 
 def read_yaml_config(path: str, overrides: Sequence[str], max_duration: Optional[str],
                      read: Callable[[dict[str, Any]], Any]) -> Any:
-    """Load a YAML, apply ``key=value`` overrides and ``max_duration`` (replacing the YAML's),
-    resolve interpolations and type it with ``read``; every problem is blamed on its override
-    or on the file, so ``plan``, ``train`` and ``build_loader`` refuse a YAML alike."""
+    """Load a YAML, apply ``key=value`` overrides and ``max_duration``, and type it with ``read``;
+    a problem is blamed on its override or the file, so every command refuses a YAML alike."""
     data, applied = load_yaml_overrides(path, overrides)
     if max_duration is not None:
         data['max_duration'] = max_duration
@@ -117,8 +110,7 @@ def batch_per_rank(cfg: DataConfig, world_size: int) -> int:
 
 def check_data_streams(cfg: DataConfig, max_seq_len: int, tokenizer: Any) -> None:
     """The train streams' rows must be ``max_seq_len`` long and from ``cfg.tokenizer``
-    (``tokenizer``: the streams' ``TokenizerInfo``). A tokenizer directory the ``tokenizers``
-    library reads alone is checked without importing transformers."""
+    (``tokenizer``: the streams' ``TokenizerInfo``)."""
     if cfg.max_seq_len is not None and cfg.max_seq_len != max_seq_len:  # data-only: may be left out
         raise ConfigError(f'max_seq_len={cfg.max_seq_len}, but the train streams hold rows of '
                           f'{max_seq_len} tokens')

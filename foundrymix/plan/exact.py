@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
-from foundrymix.config import ConfigError, number_abbrev_to_int
+from foundrymix.config import ConfigError
 from foundrymix.plan.config import LoaderConfig
 
 if TYPE_CHECKING:  # the catalog imports this module (resolve_groups)
@@ -53,7 +53,6 @@ class EpochWeights:
     chooses: Optional[tuple[int, ...]]   # per-stream ``choose`` replacing repeat/choose, if trimmed
     nominal: tuple[int, ...]             # rows per stream per epoch the weights ask for
     rows: tuple[int, ...]                # rows per stream per epoch actually sampled
-    unit: int                            # the epoch is a multiple of this (1 if not exact)
 
     @property
     def left_out(self) -> tuple[int, ...]:
@@ -90,13 +89,11 @@ def weighted(infos: list[StreamInfo], weights: EpochWeights, weights_in: str = '
         given = [('proportion', p) if p is not None else ('repeat', i.spec.repeat)
                  if i.spec.repeat is not None else ('choose', i.spec.choose)
                  if i.spec.choose is not None else (None, None) for p, i in zip(props, infos)]
-    kinds = {k for k, _ in given}
+    kinds = {k for k, _ in given}  # one kind, or no epoch_size: LoaderConfig.check refuses the rest
     if kinds == {'proportion'} or (kinds == {None} and size):
         exact = tuple(v for _, v in given) if kinds == {'proportion'} else tuple(rows.tolist())
         total = size or int(rows.sum())
         return Weighted(apportion(exact, total), int(total), exact)
-    if 'proportion' in kinds or size:  # LoaderConfig refuses both before a plan is made
-        raise ConfigError('relative and absolute weights mixed, or an epoch_size with absolute weights')
     chooses = np.array([int(v * r) if k == 'repeat' else int(v) if k == 'choose' else int(r)
                         for (k, v), r in zip(given, rows)], np.int64)
     return Weighted(chooses, int(chooses.sum()), tuple(chooses.tolist()))
@@ -106,28 +103,23 @@ def epoch_weights(config: LoaderConfig, infos: list[StreamInfo], global_batch: i
                   where: str = 'train_loader') -> EpochWeights:
     """The epoch's weights for ``global_batch`` rows per step: trimmed to whole global batches;
     stratified shares checked unless ``exact: false`` (which trains the rounded shares)."""
-    requested = number_abbrev_to_int(str(config.epoch_size)) if config.epoch_size else None
     anchored = anchored_epoch(infos, config.weights_in)
-    requested = anchored.epoch_size if anchored is not None else requested
-    base = EpochWeights(requested, None, (), (), 1)
-    w = weighted(infos, base, config.weights_in)
+    requested = anchored.epoch_size if anchored is not None else config.epoch_size or None
+    w = weighted(infos, EpochWeights(requested, None, (), ()), config.weights_in)
     size, nominal = w.epoch_size, tuple(int(c) for c in w.chooses)
-    base = EpochWeights(requested, None, nominal, nominal, 1)
+    base = EpochWeights(requested, None, nominal, nominal)
     if config.batching_method == 'stratified':  # every batch is a block of whole rows
         if config.exact:
             check_stratified([i.name for i in infos], w.weights, global_batch, where)
         return base
-    unit = global_batch
-    cut = size % unit
+    cut = size % global_batch
     if cut == 0 or size - cut <= 0:  # (no whole batch at all: the plan refuses it, naming why)
-        return EpochWeights(requested, None, nominal, nominal, unit)
+        return base
     if anchored is None and all(i.spec.weight_kind in (None, 'proportion') for i in infos):
-        trimmed = EpochWeights(size - cut, None, nominal, (), unit)
+        trimmed = EpochWeights(size - cut, None, nominal, ())
     else:
-        rows = tuple(i.rows for i in infos)
-        trimmed = EpochWeights(None, trim_chooses(nominal, cut, rows), nominal, (), unit)
-    rows = tuple(int(c) for c in weighted(infos, trimmed, config.weights_in).chooses)
-    return EpochWeights(trimmed.epoch_size, trimmed.chooses, nominal, rows, unit)
+        trimmed = EpochWeights(None, trim_chooses(nominal, cut, tuple(i.rows for i in infos)), nominal, ())
+    return replace(trimmed, rows=tuple(int(c) for c in weighted(infos, trimmed, config.weights_in).chooses))
 
 
 @dataclass(frozen=True)

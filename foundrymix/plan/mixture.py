@@ -1,5 +1,4 @@
 """The exact plan of a mixture: rows, passes, shares and tokens per epoch; where a run ends.
-
 Every number is the arithmetic of the order the loader reads (:mod:`foundrymix.plan.order`):
 nothing is replayed, no shard is read. Real and loss tokens are expected values unless whole
 passes or uniform rows make them exact (``tokens_exact``)."""
@@ -7,7 +6,7 @@ passes or uniform rows make them exact (``tokens_exact``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -33,21 +32,15 @@ EVERY_STREAM_HINT = '(every stream: plan --streams all, or --json)'
 
 def stream_groups(config: LoaderConfig) -> list[GroupPlan]:
     """The config's groups with their members, for the plan (empty without patterns)."""
-    out = []
-    for pattern, members in config.group_members().items():
-        g = config.groups[pattern]
-        kind = g.weight_kind
-        assert kind is not None, 'a pattern gives a weight (StreamSpec.check)'
-        out.append(GroupPlan(pattern=pattern, members=members, weight=kind,
-                             value=getattr(g, kind)))
-    return out
+    kinds = {p: str(g.weight_kind) for p, g in config.groups.items()}  # one each: StreamSpec.check
+    return [GroupPlan(pattern=p, members=members, weight=kinds[p], value=getattr(config.groups[p], kinds[p]))
+            for p, members in config.group_members().items()]
 
 
 @dataclass
 class _Epoch:
-    """One epoch's numbers, before they are dressed up as :class:`StreamPlan` rows."""
+    """One epoch's numbers, for the :class:`StreamPlan` rows."""
 
-    rows: np.ndarray            # underlying rows per stream
     chooses: np.ndarray         # rows sampled per stream per epoch
     epoch_size: int
     trained: np.ndarray         # rows trained per stream per epoch (whole batches)
@@ -59,14 +52,11 @@ class _Epoch:
 
 def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                max_duration: Optional[Any] = None, topology: Topology = Topology(),
-               duration_name: str = 'max_duration',
-               duration_batches: Optional[Callable[['Plan'], int]] = None,
-               stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT
-               ) -> tuple[Plan, StageOrder]:
+               stage: str = 'main', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT,
+               stage_key: Optional[str] = None) -> tuple[Plan, StageOrder]:
     """The :class:`Plan` of a loader config over validated streams, for a per-rank batch size,
-    and the order it counts. ``duration_batches`` (instead of ``max_duration``) gives a stage's
-    batches from its plan. An adaptive stage's plan states no epoch's notes or warnings: it
-    trains segments (:func:`foundrymix.plan.adaptive.adaptive_plan` states those)."""
+    and the order it counts. ``stage_key``: ``max_duration`` is that stage's duration, refused
+    unless whole batches (a run's is rounded up). An adaptive stage's plan states no epoch notes."""
     if batch_size <= 0 or topology.nodes <= 0 or topology.ranks_per_node <= 0:
         raise ConfigError(f'batch_size ({batch_size}), nodes ({topology.nodes}) and ranks per '
                           f'node ({topology.ranks_per_node}) must be positive')
@@ -102,19 +92,17 @@ def build_plan(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 batches_per_epoch=epoch.batches, samples_per_epoch=int(epoch.trained.sum()),
                 max_seq_len=L, batching_method=config.batching_method,
                 shuffle_seed=config.shuffle_seed, warnings=warnings, notes=notes,
-                duration_name=duration_name, nodes=topology.nodes,
+                duration_name='stage duration' if stage_key else 'max_duration', nodes=topology.nodes,
                 ranks_per_node=topology.ranks_per_node,
                 exact=config.exact,
                 nominal_rows_per_epoch=dict(zip(names, epoch.weights.nominal)),
                 left_out_per_epoch=dict(zip(names, epoch.weights.left_out)),
                 per_rank=per_rank, weights=epoch.weights,
                 groups=stream_groups(config), counted={'epoch': 'arithmetic', 'per_rank': how_ranks})
-    if duration_batches is not None:
-        max_duration = f'{duration_batches(plan)}ba'
     if max_duration is None:
         return plan, epoch.order
-    d = plan_duration(plan, max_duration, names, epoch)
-    mid = [f'{duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
+    d = plan_duration(plan, max_duration, names, epoch, stage_key)
+    mid = [f'{plan.duration_name} {d.max_duration} ends mid-epoch: epoch {d.last_epoch} stops after '
            f'{d.last_batch_in_epoch:,} of {epoch.batches:,} batches (sample '
            f'{d.last_sample_in_epoch:,} of {plan.samples_per_epoch:,}); the rest of that '
            f'epoch\'s rows are not trained'] if d.ends_mid_epoch and epochs else []
@@ -157,13 +145,12 @@ def weights_in_note(weights_in: str, plans: list[StreamPlan], L: int) -> str:
 
 def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                 topology: Topology, stage: str) -> _Epoch:
-    """Rows per stream per epoch (trimmed to whole global batches) and the stage's order: an
-    epoch is one block, or under stratified batching every global batch is one."""
+    """Rows per stream per epoch and the stage's order: an epoch is one block, or under
+    stratified batching every global batch is one."""
     G = batch_size * topology.world_size
     weights = epoch_weights(config, infos, G)
     w = weighted(infos, weights, config.weights_in)
     epoch_size, chooses = w.epoch_size, w.chooses
-    rows = np.array([i.rows for i in infos], np.int64)
     if config.batching_method == 'stratified':
         portions = apportion(w.weights, G)
         fits = [int(c) // int(p) for c, p in zip(chooses, portions) if p > 0]
@@ -178,7 +165,7 @@ def _plan_epoch(config: LoaderConfig, infos: list[StreamInfo], batch_size: int,
                          stage, cache_window(config, infos), config.shuffle)
     order = StageOrder(draws, block if block.sum() else np.ones(1, np.int64), G,
                        (config.shuffle_seed, name_key(stage)), config.shuffle)
-    return _Epoch(rows=rows, chooses=chooses, epoch_size=epoch_size, trained=trained,
+    return _Epoch(chooses=chooses, epoch_size=epoch_size, trained=trained,
                   shares=shares, weights=weights, batches=batches, order=order)
 
 
@@ -211,7 +198,9 @@ def _rank_plans(epoch: _Epoch, topology: Topology, names: list[str],
 def _warn_epoch(config: LoaderConfig, epoch: _Epoch, G: int, warnings: list[str], epochs: bool) -> None:
     """Warnings: proportions that do not sum to 1, rows an epoch samples but does not train
     (where the stage trains ``epochs``)."""
-    given = list(config.given_proportions.values())
+    members = {n for ms in config.group_members().values() for n in ms}  # as written: a group's once
+    given = ([s.proportion for n, s in config.streams.items() if n not in members]
+             + [g.proportion for g in config.groups.values()])
     total = None if None in given else float(sum(given))
     if total is not None and abs(total - 1.0) > 1e-9:
         listed = ' + '.join(f'{p:g}' for p in given)
@@ -282,11 +271,11 @@ def under_one_pass_warnings(plans: list[StreamPlan],
 
 def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list[str],
                   notes: list[str]) -> list[StreamPlan]:
-    """Per-stream rows: passes, which rows repeat, token and loss-token figures and shares."""
+    """Per-stream rows: passes, which rows repeat, tokens and shares."""
     plans = []
     for i, info in enumerate(infos):
         m = info.manifest
-        n, choose = int(epoch.rows[i]), int(epoch.chooses[i])
+        n, choose = info.rows, int(epoch.chooses[i])
         full, extra = divmod(choose, n)
         uniform = m.counts.tokens == n * L and m.counts.loss_tokens == n * L
         ratio = choose / n
@@ -310,15 +299,21 @@ def _stream_plans(infos: list[StreamInfo], epoch: _Epoch, L: int, warnings: list
     return plans
 
 
-def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch) -> DurationPlan:
-    """Where ``max_duration`` ends, and exactly how many rows of each stream it trains."""
-    time = parse_time(max_duration, 'max_duration', DURATION_UNITS, positive=True)
+def plan_duration(plan: Plan, max_duration: Any, names: list[str], epoch: _Epoch,
+                  stage_key: Optional[str] = None) -> DurationPlan:
+    """Where ``max_duration`` ends, and exactly how many rows of each stream it trains: the one
+    conversion of a duration to global batches (a stage's, at ``stage_key``, must be whole)."""
+    key = stage_key or 'max_duration'
+    time = parse_time(max_duration, key, DURATION_UNITS, positive=True)
     G, L, bpe = plan.global_batch_size, plan.max_seq_len, plan.batches_per_epoch
     if bpe <= 0:
-        raise ConfigError(f'an epoch has no full global batch of {G} rows (epoch size '
-                          f'{plan.epoch_size}); lower the batch size or add rows')
-    total_batches = to_batches(time, 'max_duration', batches_per_epoch=bpe, samples_per_batch=G,
-                               tokens_per_batch=G * L, round_up=True)
+        epoch_of = "the stage's epoch" if stage_key else 'the epoch'
+        raise ConfigError(f'{key}: {epoch_of} ({plan.epoch_size:,} rows) holds no full global batch of {G} '
+                          f'rows; add rows, raise the weights or lower the batch size')
+    total_batches = to_batches(time, key, batches_per_epoch=bpe, samples_per_batch=G,
+                               tokens_per_batch=G * L, round_up=stage_key is None)
+    if stage_key:  # a stage states its length in batches
+        time = parse_time(f'{total_batches}ba', key, DURATION_UNITS)
     full_epochs, rem = divmod(total_batches, bpe)
     totals = epoch.order.trained(total_batches)
     rows_trained = {n: int(v) for n, v in zip(names, totals)}

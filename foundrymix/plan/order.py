@@ -1,6 +1,5 @@
-"""The sample order: a pure function of (stage counts, seed) from a global position to (stream, row).
-
-Blocks of exact per-stream counts halved down to shuffled leaves; pass-complete draws per stream, a
+"""The sample order: a pure function of (stage counts, seed) from a global position to (stream, row):
+blocks of exact per-stream counts halved down to shuffled leaves; pass-complete draws per stream, a
 window of shards at a time; O(1) seek on any topology; integer seeds only (docs/mixing-and-plan.md)."""
 
 from __future__ import annotations
@@ -232,14 +231,11 @@ class StageOrder:
     def block(self, e: int) -> Block:
         return Block(self.counts, self.start + e * self.counts, (*self.key, e) if self.shuffle else ())
 
-    def positions(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """(stream, draw) of the stage's positions ``[begin, end)``."""
-        return _pieces(begin, end, self.block_size, lambda e, lo, hi: self.block(e).draws(lo, hi))
-
     def batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream, row) of each of global batch ``b``'s rows (0-based within the stage)."""
         G = self.global_batch
-        return rows_of(self.draws, *self.positions(b * G, (b + 1) * G))
+        return rows_of(self.draws, *_pieces(b * G, (b + 1) * G, self.block_size,
+                                             lambda e, lo, hi: self.block(e).draws(lo, hi)))
 
     def trained(self, batches: int) -> np.ndarray:
         """Rows of each stream in the stage's first ``batches`` global batches (arithmetic)."""

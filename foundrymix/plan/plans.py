@@ -3,11 +3,13 @@ Their fields are the JSON of ``foundrymix plan --json``; :mod:`foundrymix.plan.m
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from foundrymix.plan.exact import EpochWeights
+
 
 @dataclass
 class StreamPlan:
@@ -127,8 +129,8 @@ class Plan:
 
 
 def _plain(obj: Any) -> Any:
-    """:func:`dataclasses.asdict`'s result: containers rebuilt, immutable scalars kept,
-    anything else as ``asdict`` makes it."""
+    """:func:`dataclasses.asdict`'s result for a plan: its dataclasses, lists, tuples and dicts
+    rebuilt, immutable scalars kept, any other leaf deep-copied."""
     kind = type(obj)
     if kind in _SCALARS:
         return obj
@@ -148,12 +150,7 @@ def _plain(obj: Any) -> Any:
         return tuple(x if type(x) in scalars else _plain(x) for x in obj)
     if kind is dict:
         return {_plain(k): v if type(v) in scalars else _plain(v) for k, v in obj.items()}
-    return asdict(_Holder(obj))['value']  # a namedtuple, a dict subclass, an array
-
-
-@dataclass
-class _Holder:
-    value: Any
+    return copy.deepcopy(obj)  # what asdict makes of any other leaf (a numpy scalar, an array)
 
 
 _SCALARS = frozenset((int, float, str, bool, type(None)))

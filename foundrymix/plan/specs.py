@@ -23,9 +23,7 @@ def is_pattern(name: str) -> bool:
 class StreamSpec:
     """One entry of ``train_loader.streams``: where a stream lives and how much of it to use
     (one of ``repeat``, ``proportion``, ``choose``, or ``proportion`` and ``repeat``: the share,
-    and the passes that size the epoch). ``local`` is a directory on this
-    machine; a URL there is refused, as it would be read as a relative path. A name with a
-    glob is a group (:func:`is_pattern`): exactly one weight and no location."""
+    and the passes that size the epoch). A glob name is a group: one weight, no location."""
 
     name: str = field(default='', metadata=FROM_KEY)
     local: Optional[str] = None
@@ -113,14 +111,10 @@ class AdaptiveConfig:
 
     def check(self, where: str) -> None:
         gather = Gather()
-        with gather:
-            parse_time(self.every, f'{where}.every', ('ba',), positive=True)
-        with gather:
-            self.batches('warmup', where)
-        with gather:
-            if not 0 <= self.min_share < 1:
-                raise ConfigError(f'{where}.min_share: must be in [0, 1), got {self.min_share}')
-        for key in ('alpha', 'beta'):
+        for key in ('every', 'warmup'):
+            with gather:
+                parse_time(getattr(self, key), f'{where}.{key}', ('ba',), positive=key == 'every')
+        for key in ('min_share', 'alpha', 'beta'):
             with gather:
                 if not 0 <= getattr(self, key) < 1:
                     raise ConfigError(f'{where}.{key}: must be in [0, 1), got {getattr(self, key)}')

@@ -4,6 +4,7 @@ every rank and in a resumed run; a duration that is not whole batches is refused
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from foundrymix.config import DURATION_UNITS, ConfigError, parse_time, to_batches
+from foundrymix.config import DURATION_UNITS, ConfigError, parse_time
 from foundrymix.plan.adaptive import AdaptiveSpec, adaptive_plan, adaptive_spec
 from foundrymix.plan.catalog import Catalog, StreamInfo
 from foundrymix.plan.config import LoaderConfig
@@ -54,23 +55,20 @@ class StagePlan:
 
     @property
     def global_batch_size(self) -> int:
-        """The stage's own global batch (``stages[i].global_train_batch_size``, else the run's)."""
         return self.plan.global_batch_size
 
     @property
     def batch_size(self) -> int:
-        """Rows per rank in each of the stage's batches (what its DataLoader yields)."""
         return self.plan.batch_size
 
     @property
     def samples(self) -> int:
-        """Rows the stage trains (its batches' rows: short batches counted as they are)."""
         assert self.plan.duration is not None, 'a stage is planned with its duration'
         return self.plan.duration.total_samples
 
     @property
     def tokens(self) -> int:
-        """Slot tokens the stage trains (what a ``tok`` duration counts): samples x max_seq_len."""
+        """Slot tokens (what a ``tok`` duration counts): samples x max_seq_len."""
         return self.samples * self.plan.max_seq_len
 
     @property
@@ -78,11 +76,9 @@ class StagePlan:
         return [s.name for s in self.plan.streams]
 
     def to_dict(self) -> dict[str, Any]:
-        return {'index': self.index, 'name': self.name, 'duration': self.duration,
-                'start_batch': self.start_batch, 'batches': self.batches,
-                'end_batch': self.end_batch, 'global_batch_size': self.global_batch_size,
-                'start_sample': self.start_sample, 'samples': self.samples,
-                'tokens': self.tokens, 'plan': self.plan.to_dict()}
+        keys = ('index', 'name', 'duration', 'start_batch', 'batches', 'end_batch', 'global_batch_size',
+                'start_sample', 'samples', 'tokens')
+        return {**{k: getattr(self, k) for k in keys}, 'plan': self.plan.to_dict()}
 
 
 @dataclass
@@ -107,12 +103,10 @@ class RunPlan:
 
     @property
     def total_samples(self) -> int:
-        """Rows the run trains: the sum of its stages' (each with its own batch)."""
         return sum(s.samples for s in self.stages)
 
     @property
     def total_tokens(self) -> int:
-        """Slot tokens the run trains (what a ``tok`` duration counts): total samples x max_seq_len."""
         return self.total_samples * self.max_seq_len
 
     @property
@@ -129,82 +123,40 @@ class RunPlan:
         return next((s for s in self.stages if batch < s.end_batch), self.stages[-1])
 
     def to_dict(self) -> dict[str, Any]:
-        return {'stages': [s.to_dict() for s in self.stages],
-                'global_batch_size': self.global_batch_size, 'max_seq_len': self.max_seq_len,
-                'total_batches': self.total_batches, 'total_samples': self.total_samples,
-                'total_tokens': self.total_tokens, 'batch_sizes': self.batch_sizes,
-                'rows_per_stream': dict(self.rows_per_stream),
-                'warnings': list(self.warnings), 'explicit': self.explicit}
-
-
-def stage_batches(duration: str, plan: Plan, where: str) -> int:
-    """A stage duration as an exact number of global batches; refused unless whole."""
-    G, bpe = plan.global_batch_size, plan.batches_per_epoch
-    if bpe <= 0:
-        raise ConfigError(f'{where}: the stage\'s epoch ({plan.epoch_size:,} rows) holds no full '
-                          f'global batch of {G} rows; add rows, raise the weights or lower the '
-                          f'batch size')
-    return to_batches(parse_time(duration, where, DURATION_UNITS, positive=True), where,
-                      batches_per_epoch=bpe, samples_per_batch=G, tokens_per_batch=G * plan.max_seq_len)
-
-
-def stage_catalogs(config: LoaderConfig, where: str = 'train_loader') -> list[Catalog]:
-    """One validated catalog per stage, sharing one metadata cache: a stream that several
-    stages use has its manifest and index read (downloaded, for a remote) once."""
-    configs = config.stage_configs(where)
-    shared: dict[Any, Any] = {}
-    if config.stages is None:
-        catalogs = [Catalog(configs[0], where, shared)]
-    else:
-        catalogs = [Catalog(c, s.where, shared) for c, s in zip(configs, config.stages)]
-    for catalog in catalogs:
-        catalog.validate()
-    lens = {c.where: c.max_seq_len for c in catalogs}
-    prints = {c.where: c.tokenizer.fingerprint for c in catalogs}
-    if len(set(lens.values())) > 1 or len(set(prints.values())) > 1:
-        listing = ', '.join(f'{w}: max_seq_len {lens[w]}, tokenizer {prints[w][:12]}' for w in lens)
-        raise ConfigError(f'{where}.stages: stages disagree on max_seq_len or tokenizer ({listing})')
-    return catalogs
+        keys = ('global_batch_size', 'max_seq_len', 'total_batches', 'total_samples', 'total_tokens',
+                'batch_sizes', 'rows_per_stream', 'warnings', 'explicit')
+        return {'stages': [s.to_dict() for s in self.stages], **{k: copy.copy(getattr(self, k)) for k in keys}}
 
 
 def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_size: int,
                    max_duration: Optional[str], topology: Topology = Topology(),
                    where: str = 'train_loader',
                    rank_count_limit: Optional[int] = RANK_COUNT_LIMIT) -> RunPlan:
-    """The plan of a run: each stage's mixture, weights and exact batches (each planned once,
-    with its own global batch), and the run totals. Without ``stages:`` the run is one stage,
-    :data:`MAIN_STAGE`, as long as ``max_duration`` (rounded up to the batch that reaches it)."""
+    """The plan of a run: each stage planned once, with its own global batch, and the run totals.
+    Without ``stages:`` the run is one stage, :data:`MAIN_STAGE`, as long as ``max_duration``."""
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
-    stages: list[StagePlan] = []
-    carried: dict[str, _Carried] = {}
     if config.stages is None:
         if max_duration is None:
             raise ConfigError("config: missing required key 'max_duration' (it may be left out "
                               "only with train_loader.stages: the run is then the sum of the stages)")
-        plan, order = build_plan(configs[0], infos[0], batch_size, max_duration, topology,
-                                 stage=MAIN_STAGE, rank_count_limit=rank_count_limit)
-        stages.append(_stage(0, MAIN_STAGE, str(max_duration), where, configs[0], infos[0], plan,
-                             order, 0, 0, G, carried))
+        specs = [(MAIN_STAGE, str(max_duration), where, G, None)]
     else:
-        start = sample = 0
-        for i, (spec, cfg, stage_infos) in enumerate(zip(config.stages, configs, infos)):
-            def resolve(probe: Plan, spec: Any = spec) -> int:
-                batches = stage_batches(spec.duration, probe, f'{spec.where}.duration')
-                if batches <= 0:
-                    raise ConfigError(f'{spec.where}.duration: {spec.duration} is zero batches')
-                return batches
-            stage_G = spec.global_train_batch_size or G
-            if stage_G % topology.world_size:  # the words of plan.data_config.batch_per_rank
-                raise ConfigError(f'{spec.where}.global_train_batch_size={stage_G} is not divisible by '
-                                  f'the {topology.world_size} ranks')
-            plan, order = build_plan(cfg, stage_infos, stage_G // topology.world_size, None, topology,
-                                     'stage duration', duration_batches=resolve, stage=spec.name,
-                                     rank_count_limit=rank_count_limit)
-            stages.append(_stage(i, spec.name, spec.duration, spec.where, cfg, stage_infos, plan,
-                                 order, start, sample, stage_G, carried))
-            start += stages[-1].batches
-            sample += stages[-1].samples
+        specs = [(s.name, s.duration, s.where, s.global_train_batch_size or G, f'{s.where}.duration')
+                 for s in config.stages]
+    stages: list[StagePlan] = []
+    carried: dict[str, _Carried] = {}
+    start = sample = 0
+    for i, ((name, duration, at, stage_G, key), cfg, stage_infos) in enumerate(zip(specs, configs, infos)):
+        if stage_G % topology.world_size:  # the words of plan.data_config.batch_per_rank
+            raise ConfigError(f'{at}.global_train_batch_size={stage_G} is not divisible by '
+                              f'the {topology.world_size} ranks')
+        plan, order = build_plan(cfg, stage_infos, stage_G // topology.world_size, duration, topology,
+                                 stage=name, rank_count_limit=rank_count_limit, stage_key=key)
+        stages.append(_stage(i, name, duration, at, cfg, stage_infos, plan, order, start, sample, stage_G,
+                             carried))
+        start += stages[-1].batches
+        sample += stages[-1].samples
     run = RunPlan(stages=stages, global_batch_size=stages[0].plan.global_batch_size,
                   max_seq_len=stages[0].plan.max_seq_len, total_batches=sum(s.batches for s in stages),
                   explicit=config.stages is not None,
@@ -231,8 +183,7 @@ def _stage(index: int, name: str, duration: str, where: str, config: LoaderConfi
            infos: list[StreamInfo], plan: Plan, order: StageOrder, start_batch: int,
            start_sample: int, G: int, carried: dict[str, _Carried]) -> StagePlan:
     """The stage, reading each stream from where earlier stages left its draws (``carried``,
-    updated with this stage's): a stream's first stage fixes its passes; an adaptive stage's
-    controller spec is built (and refused) here, once."""
+    updated with this stage's); an adaptive stage's spec is built (and refused) here, once."""
     assert plan.duration is not None
     places = {stream_location(i): k for k, i in reversed(list(enumerate(infos)))}
     draws, start, after = list(order.draws), np.zeros(len(order.draws), np.int64), []
@@ -277,21 +228,25 @@ def plan_run(config: LoaderConfig, batch_size: int, max_duration: Optional[str] 
              topology: Optional[Topology] = None,
              where: str = 'train_loader', rank_count_limit: Optional[int] = RANK_COUNT_LIMIT
              ) -> tuple[RunPlan, list[Catalog]]:
-    """Validate every stage and plan the run; returns the plan and each stage's catalog
-    (``rank_count_limit``: :func:`foundrymix.plan.mixture.build_plan`'s)."""
-    topology = topology or Topology()
-    catalogs = stage_catalogs(config, where)
-    infos = [c.infos() for c in catalogs]
-    return (build_run_plan(config, infos, batch_size, max_duration, topology, where, rank_count_limit),
-            catalogs)
+    """Validate every stage and plan the run; returns the plan and each stage's catalog. The
+    catalogs share one metadata cache: a stream several stages use is read (downloaded) once."""
+    wheres = [where] if config.stages is None else [s.where for s in config.stages]
+    shared: dict[Any, Any] = {}
+    catalogs = [Catalog(c, w, shared) for c, w in zip(config.stage_configs(where), wheres)]
+    lens = {c.where: c.max_seq_len for c in catalogs}  # each catalog validated, in order
+    prints = {c.where: c.tokenizer.fingerprint for c in catalogs}
+    if len(set(lens.values())) > 1 or len(set(prints.values())) > 1:
+        listing = ', '.join(f'{w}: max_seq_len {lens[w]}, tokenizer {prints[w][:12]}' for w in lens)
+        raise ConfigError(f'{where}.stages: stages disagree on max_seq_len or tokenizer ({listing})')
+    return (build_run_plan(config, [c.infos() for c in catalogs], batch_size, max_duration,
+                           topology or Topology(), where, rank_count_limit), catalogs)
 
 
 def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], global_batch_size: int,
                       after_adaptive: bool = False) -> dict[str, Any]:
     """What defines a stage's data, for the resume rules: streams, weights, knobs, indexes
     (compared field by field, so a refusal can name the stage, the stream and the field).
-    ``after_adaptive``: a stream of this stage continues a pass an adaptive stage decided at run
-    time (position version 4 started a fresh pass there, so such a checkpoint is refused)."""
+    ``after_adaptive``: a stream here continues a pass an adaptive stage decided at run time."""
     knobs = {k: getattr(config, k) for k in ('shuffle', 'shuffle_seed', 'shuffle_block_size',
                                              'batching_method', 'epoch_size')}
     if not config.shuffle_block_size and (window := cache_window(config, infos)) != WINDOW_ROWS:
@@ -305,12 +260,9 @@ def stage_fingerprint(config: LoaderConfig, infos: list[StreamInfo], global_batc
     streams = {}
     for info in infos:
         index = json.dumps(info.index.get('shards', []), sort_keys=True).encode('utf-8')
-        streams[info.name] = {
-            'directory': info.remote_dir or info.directory,
-            'repeat': info.spec.repeat, 'proportion': info.spec.proportion,
-            'choose': info.spec.choose,
-            'index': hashlib.sha256(index).hexdigest()[:16],
-        }
+        streams[info.name] = {'directory': stream_location(info), 'repeat': info.spec.repeat,
+                              'proportion': info.spec.proportion, 'choose': info.spec.choose,
+                              'index': hashlib.sha256(index).hexdigest()[:16]}
     # the global batch, not the per-rank one: a resize keeps it and changes nothing trained
     return {'global_batch_size': global_batch_size, 'knobs': knobs, 'streams': streams}
 
@@ -326,25 +278,19 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         out.append(f'global batch size {old.get("global_batch_size")} -> '
                    f'{new["global_batch_size"]} (a trained stage\'s global_train_batch_size '
                    f'must stay fixed)')
-    knob_keys = list(old['knobs']) + [k for k in new['knobs'] if k not in old['knobs']]
-    for key in knob_keys:
-        value = old['knobs'].get(key, _OPTIONAL_KNOBS.get(key))
-        now = new['knobs'].get(key, _OPTIONAL_KNOBS.get(key))
+    for key in dict.fromkeys([*old['knobs'], *new['knobs']]):
+        value, now = (f['knobs'].get(key, _OPTIONAL_KNOBS.get(key)) for f in (old, new))
         if now != value:
             out.append(f'{key} {value!r} -> {now!r}')
-    common = [n for n in old['streams'] if n in new['streams']]
-    if common != [n for n in new['streams'] if n in old['streams']]:
+    olds, news = old['streams'], new['streams']
+    common = [n for n in olds if n in news]
+    if common != [n for n in news if n in olds]:
         # streaming numbers samples stream by stream in config order: a new order is new data
-        out.append(f'stream order {", ".join(common)} -> '
-                   f'{", ".join(n for n in new["streams"] if n in old["streams"])}')
-    for name in sorted(set(old['streams']) | set(new['streams'])):
-        if name not in new['streams']:
-            out.append(f'stream {name} removed')
+        out.append(f'stream order {", ".join(common)} -> {", ".join(n for n in news if n in olds)}')
+    for name in sorted(set(olds) | set(news)):
+        if name not in news or name not in olds:
+            out.append(f'stream {name} {"removed" if name in olds else "added"}')
             continue
-        if name not in old['streams']:
-            out.append(f'stream {name} added')
-            continue
-        for key, value in old['streams'][name].items():
-            if new['streams'][name].get(key) != value:
-                out.append(f'stream {name}: {key} {value!r} -> {new["streams"][name].get(key)!r}')
+        out += [f'stream {name}: {key} {value!r} -> {news[name].get(key)!r}'
+                for key, value in olds[name].items() if news[name].get(key) != value]
     return out

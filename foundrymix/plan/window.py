@@ -1,9 +1,7 @@
-"""The shuffle window under ``cache_limit`` (docs/s3.md). A stream's window is read in a random
-order of its rows, so every shard of it stays in use until the window ends, and every stream's
-window is in use at once: the cache must hold them all, plus room to fetch and what it keeps
-beside the shards, or shards are fetched again and again. A window that does not fit is
-refused; without ``shuffle_block_size`` the largest one that fits (at most the default) is used.
-"""
+"""The shuffle window under ``cache_limit`` (docs/s3.md): every stream's window is in use at
+once, so the cache must hold them all, plus room to fetch and what it keeps beside the shards,
+or shards are fetched again and again. A window that does not fit is refused; without
+``shuffle_block_size`` the largest one that fits (at most the default) is used."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ def shard_bytes(shard: dict[str, Any]) -> int:
 
 
 def record_bytes(shards: Sequence[dict[str, Any]]) -> int:
-    """The most a stream's shard-hash record (with the copy written while it is compacted) holds:
-    a line per cached shard plus :data:`RECORD_SLACK`, twice; each line at most the longest name
-    and hash, the algorithm and five integers of up to 20 digits, with JSON's punctuation."""
+    """The most a stream's shard-hash record (and its copy while compacted) holds: a line per
+    cached shard plus :data:`RECORD_SLACK`, each at most its longest name and hash plus 160."""
     if not shards:
         return 0
     line = 160 + max(len(s['raw_data']['basename']) + max(map(len, (s['raw_data'].get('hashes') or {'': ''}).values()))
@@ -48,15 +45,13 @@ def record_bytes(shards: Sequence[dict[str, Any]]) -> int:
 
 def fixed_bytes(info: Any) -> int:
     """What the cache keeps of a stream beside its shards, from its index alone (so the window
-    chosen is the same at every start): the shard-hash record's bound, ``index.json`` and
-    ``foundrymix.json`` as twice the compact index plus 8 KiB (the budget counts the real files)."""
+    chosen is the same at every start): the hash record's bound, twice the index, plus 8 KiB."""
     return record_bytes(info.index['shards']) + 2 * len(json.dumps(info.index)) + 8192
 
 
 def window_bytes(shards: Sequence[dict[str, Any]], rows: int) -> int:
-    """The most bytes one window of ``rows`` rows can span (:class:`~foundrymix.plan.order.StreamDraws`:
-    the shards whose first row falls in one span of ``rows`` draws): one shard plus the most whose
-    rows sum to under ``rows``, counted as the largest shards."""
+    """The most bytes one window of ``rows`` rows can span: one shard plus the most whose rows
+    sum to under ``rows``, counted as the largest shards."""
     counts = np.sort(np.array([int(s['samples']) for s in shards], np.int64))
     m = 1 + int(np.searchsorted(np.cumsum(counts), max(rows, 1) - 1, side='right'))
     sizes = sorted((shard_bytes(s) for s in shards), reverse=True)
@@ -83,8 +78,7 @@ def _need(infos: Sequence[Any]) -> Callable[[int], int]:
 def cache_window(config: Any, infos: Sequence[Any]) -> int:
     """The stage's shuffle window in rows: ``shuffle_block_size`` or the default, or under
     ``cache_limit`` the largest up to the default whose windows of every remote stream fit beside
-    the fetch room and fixed files; a ``shuffle_block_size`` or limit that cannot fit is refused.
-    (Unshuffled, every window size gives one order, read a shard of each stream at a time.)"""
+    the fetch room and fixed files; a ``shuffle_block_size`` or limit that cannot fit is refused."""
     asked = config.shuffle_block_size or WINDOW_ROWS
     remote = [i for i in infos if i.remote_dir]
     where = infos[0].where.rsplit('.streams.', 1)[0] if infos else 'train_loader'

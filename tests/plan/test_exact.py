@@ -261,7 +261,7 @@ def test_weights_are_streamings_apply_weights_but_relative_ones_whole_by_largest
         infos = [SimpleNamespace(rows=int(r), spec=SimpleNamespace(**{'proportion': None, 'repeat': None,
                                                                       'choose': None, **s}))
                  for r, s in zip(rows, specs)]
-        ours = weighted(infos, EpochWeights(size, chooses, (), (), 1))
+        ours = weighted(infos, EpochWeights(size, chooses, (), ()))
         streams = [Stream(local=f'/nonexistent/{i}', **({'choose': chooses[i]} if chooses else s))
                    for i, s in enumerate(specs)]
         theirs = Stream.apply_weights(streams, rows.astype(np.int64), size, seed)
