@@ -12,18 +12,16 @@ import json
 import os
 import sys
 from typing import Any, Iterator
-import tempfile
 
 import numpy as np
 
 from foundrymix.errors import MissingError
 from foundrymix.format.row_errors import CorruptRowError
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, decode_row
-from foundrymix.format.shards import (INDEX_NAME, check_shard_files, is_not_found, iter_shard_rows, read_index,
-                                     shard_files_error, shard_name, shard_raw_bytes, stored_name)
-from foundrymix.s3.remote import download
+from foundrymix.format.schema import Manifest, decode_row
+from foundrymix.format.shards import (INDEX_NAME, check_shard_files, iter_shard_rows, read_index, shard_files_error,
+                                     shard_name, shard_raw_bytes, stored_name)
 from foundrymix.tokenizer import load_tokenizer
-from foundrymix.tools.verify import is_remote
+from foundrymix.tools.verify import Source
 
 NO_LOSS_OPEN, NO_LOSS_CLOSE = '⟦', '⟧'
 
@@ -78,26 +76,16 @@ def _decode(directory: str, manifest: Manifest, k: int) -> None:
         print(f'--- row {r}: {manifest.max_seq_len - n_real} padding tokens ---')
 
 
-def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None:
-    """Download what ``inspect`` shows of remote ``url`` into ``directory``: the manifest, and
-    for ``--decode`` the index and the shards holding the first ``decode`` rows."""
-    url = url.rstrip('/')
-
+def _fetch_rows(source: Source, decode: int) -> None:
+    """Download a remote directory's index and the shards holding its first ``decode`` rows."""
     def get(basename: str, what: str) -> None:
-        try:
-            download(f'{url}/{basename}', os.path.join(directory, basename), timeout)
-        except ConnectionError as e:
-            if is_not_found(e):
-                raise MissingError(f'{url}/{basename}: no {what} ({e}). Is {url!r} a directory '
-                                        f'made by `foundrymix convert`?') from e
-            raise
+        if source.fetch(basename) is None:
+            raise MissingError(f'{source.name(basename)}: no {what}. Is {source.location!r} a directory '
+                               f'made by `foundrymix convert`?')
 
-    get(MANIFEST_NAME, 'foundrymix manifest')
-    if not decode:
-        return
     get(INDEX_NAME, INDEX_NAME)
     rows = 0
-    for shard in read_index(directory)['shards']:
+    for shard in read_index(source.dir)['shards']:
         if rows >= decode:
             break
         get(stored_name(shard), 'shard file listed in index.json')
@@ -105,30 +93,21 @@ def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not is_remote(args.dir):
-        return _show(args.dir, args.dir, args)
-    with tempfile.TemporaryDirectory(prefix='foundrymix-inspect-') as tmp:
-        try:
-            _fetch_remote(args.dir, tmp, args.decode, args.timeout)
-        except ConnectionError as e:  # foundrymix.s3.remote.RemoteError: URL, S3 code, what to check
-            print(f'foundrymix inspect: error: {e}', file=sys.stderr)
-            return 2
-        return _show(tmp, args.dir.rstrip('/'), args)
+    with Source(args.dir, args.timeout) as source:  # a remote one: only the files shown are fetched
+        manifest = source.manifest()
+        if args.json:
+            print(manifest.to_json(), end='')
+        else:
+            from rich.console import Console
 
-
-def _show(directory: str, title: str, args: argparse.Namespace) -> int:
-    manifest = Manifest.read(directory)
-    if args.json:
-        print(manifest.to_json(), end='')
-    else:
-        from rich.console import Console
-
-        from foundrymix.convert.report import manifest_table
-        Console(file=sys.stdout).print(manifest_table(manifest, title))
-        print('inputs:', *manifest.inputs, sep='\n  ')
-        print('options:', json.dumps(manifest.options, sort_keys=True))
-    if args.decode:
-        _decode(directory, manifest, args.decode)
+            from foundrymix.convert.report import manifest_table
+            Console(file=sys.stdout).print(manifest_table(manifest, source.location))
+            print('inputs:', *manifest.inputs, sep='\n  ')
+            print('options:', json.dumps(manifest.options, sort_keys=True))
+        if args.decode:
+            if source.remote:
+                _fetch_rows(source, args.decode)
+            _decode(source.dir, manifest, args.decode)
     return 0
 
 

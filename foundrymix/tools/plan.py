@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP, ConfigError
@@ -33,6 +34,50 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
         return None
     from foundrymix.train.lr_schedule import Timeline, resolve_wsd
     return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """One evaluation of the ``eval_loader``, as the trainer's evaluator reads it (whole global
+    batches, at most ``eval_subset_num_batches``): the rows, the batches and the rows left out."""
+
+    rows: int                  # rows in the eval set (after each stream's choose/proportion)
+    rows_per_stream: dict[str, int]
+    global_batch_size: int     # eval rows per batch over all ranks
+    batches: int               # batches per evaluation
+    rows_evaluated: int
+    left_out_by_batches: int   # rows past the last whole global batch
+    left_out_by_subset: int    # whole batches past eval_subset_num_batches
+
+    def text(self) -> str:
+        per_stream = ', '.join(f'{k} {v:,}' for k, v in self.rows_per_stream.items())
+        line = (f'eval: {self.rows:,} rows ({per_stream}) in global batches of {self.global_batch_size:,}: '
+                f'{self.batches:,} batches per evaluation, {self.rows_evaluated:,} rows evaluated; '
+                f'{self.left_out_by_batches:,} left out by whole batches')
+        if self.left_out_by_subset:
+            line += f', {self.left_out_by_subset:,} more past eval_subset_num_batches'
+        return line
+
+
+def eval_plan(cfg: Any, world_size: int = 1, nodes: int = 1) -> Optional[EvalPlan]:
+    """The eval set of a checked config on ``world_size`` ranks (None without ``eval_loader``)."""
+    if cfg.eval_loader is None:
+        return None
+    from foundrymix.loader.mixer import StreamMixer
+    from foundrymix.plan.data_config import batch_per_rank
+
+    # a data-only YAML has no trainer keys: the trainer's defaults (the per-rank train batch, every batch)
+    eval_batch = getattr(cfg, 'device_eval_batch_size', None) or batch_per_rank(cfg, world_size)
+    plan = StreamMixer(cfg.eval_loader, 'eval_loader').plan(eval_batch, None, world_size, nodes)
+    per_stream = dict(plan.nominal_rows_per_epoch)  # what the weights ask for, before whole batches
+    whole = plan.batches_per_epoch
+    subset = getattr(cfg, 'eval_subset_num_batches', -1)
+    batches = whole if subset < 0 else min(whole, subset)
+    gbs = plan.global_batch_size
+    return EvalPlan(rows=sum(per_stream.values()), rows_per_stream=per_stream, global_batch_size=gbs,
+                    batches=batches, rows_evaluated=batches * gbs,
+                    left_out_by_batches=sum(plan.left_out_per_epoch.values()),
+                    left_out_by_subset=(whole - batches) * gbs)
 
 
 @collector_paused()  # as the trainer reads and plans a run (foundrymix/heap.py)
@@ -98,9 +143,9 @@ def _run(args: argparse.Namespace) -> int:
     plan = run if run.explicit else run.stages[0].plan
     schedule = lr_schedule(cfg, run)
     lr = cfg.optimizer.lr if schedule is not None else None
-    from foundrymix.tools.plan_eval import eval_json, print_eval
+    evals = eval_plan(cfg, world, nodes)
     if args.json:
-        out = {**plan.to_dict(), **eval_json(cfg, world, nodes)}
+        out = {**plan.to_dict(), **({} if evals is None else {'eval': asdict(evals)})}
         if schedule is not None:
             out['lr_schedule'] = schedule.to_dict(lr)
         print(json.dumps(out, indent=2))
@@ -115,7 +160,8 @@ def _run(args: argparse.Namespace) -> int:
             render_plan(plan, console, all_streams=args.streams == 'all')
         if schedule is not None:
             render_lr_schedule(schedule, lr, console)
-        print_eval(cfg, world, nodes, console)
+        if evals is not None:
+            console.print(evals.text(), markup=False)
     if args.png:
         from foundrymix.train.picture import plot_run_plan
         plot_run_plan(run, args.png, lr=(schedule, lr) if schedule is not None else None)

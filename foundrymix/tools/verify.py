@@ -9,6 +9,7 @@ tokens equal the manifest's. One line per shard and a verdict; exit 0 iff intact
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -17,8 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from foundrymix.errors import MissingError
-from foundrymix.format.advice import adopt_advice, read_index_or_none, splits_advice
+from foundrymix.errors import MissingError, UserError
 from foundrymix.format.row_errors import format_row_error
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
 from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, ShardProblem, shard_raw_bytes, iter_shard_rows,
@@ -95,17 +95,22 @@ def is_remote(location: str) -> bool:
     return '://' in location and not location.startswith('file://')
 
 
-class _Source:
-    """Where shard files come from: a local directory, or a remote one fetched into a temp dir."""
+class Source:
+    """A directory's files by basename: a local directory's own, or a remote one's fetched into a
+    temporary directory, removed on exit."""
 
     def __init__(self, location: str, timeout: float) -> None:
-        self.location = location.rstrip('/') if is_remote(location) else location
-        self.timeout = timeout
         self.remote = is_remote(location)
-        self.dir = tempfile.mkdtemp(prefix='foundrymix-verify-') if self.remote else location
+        self.location = location.rstrip('/') if self.remote else location
+        self.timeout = timeout
+        self.dir = tempfile.mkdtemp(prefix='foundrymix-remote-') if self.remote else location
 
-    def path(self, basename: str) -> str:
-        return os.path.join(self.dir, basename)
+    def __enter__(self) -> 'Source':
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.remote:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def name(self, basename: str) -> str:
         """How to name a file in messages: its remote URL or local path."""
@@ -113,7 +118,7 @@ class _Source:
 
     def fetch(self, basename: str) -> Optional[str]:
         """Local path of a file of the directory, ``None`` if it does not exist."""
-        local = self.path(basename)
+        local = os.path.join(self.dir, basename)
         if not self.remote:
             return local if os.path.isfile(local) else None
         try:
@@ -126,14 +131,21 @@ class _Source:
 
     def release(self, basename: str) -> None:
         if self.remote:
-            try:
-                os.remove(self.path(basename))
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.dir, basename))
 
-    def close(self) -> None:
-        if self.remote:
-            shutil.rmtree(self.dir, ignore_errors=True)
+    def manifest(self) -> Manifest:
+        """The directory's manifest, refused as :meth:`Manifest.read` refuses it (a missing one
+        with what the directory holds instead), naming the remote location, not the download."""
+        if self.fetch(MANIFEST_NAME) is None and self.remote:
+            self.fetch(INDEX_NAME)  # MDS written by another tool: the refusal says to adopt it
+        try:
+            return Manifest.read(self.dir)
+        except (MissingError, ValueError) as e:
+            if not self.remote:
+                raise
+            error = MissingError if isinstance(e, MissingError) else UserError
+            raise error(str(e).replace(self.dir, self.location)) from None
 
 
 def verify(location: str, timeout: float = DEFAULT_TIMEOUT,
@@ -142,28 +154,16 @@ def verify(location: str, timeout: float = DEFAULT_TIMEOUT,
     ``FileNotFoundError`` if it is not one, ``ConnectionError`` if a remote cannot be read."""
     if not is_remote(location) and not os.path.isdir(location):
         raise MissingError(f'{location}: no such directory')
-    source = _Source(location, timeout)
-    try:
+    with Source(location, timeout) as source:
         return _verify(source, on_shard)
-    finally:
-        source.close()
 
 
-def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) -> VerifyReport:
+def _verify(source: Source, on_shard: Optional[Callable[[ShardReport], None]]) -> VerifyReport:
     report = VerifyReport(location=source.location)
-    manifest_path = source.fetch(MANIFEST_NAME)
-    if manifest_path is None:
-        index_path = source.fetch(INDEX_NAME)
-        if index_path is not None:
-            raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; '
-                               f'{adopt_advice(source.location, read_index_or_none(index_path))}')
-        splits = splits_advice(source.location) if '://' not in source.location else None
-        raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; ' + (splits or (
-            f'is {source.location!r} a directory made by `foundrymix convert`?')))
     try:
-        manifest = Manifest.read(os.path.dirname(manifest_path))
-    except ValueError as e:
-        report.problems.append(str(e).replace(manifest_path, source.name(MANIFEST_NAME)))
+        manifest: Optional[Manifest] = source.manifest()
+    except ValueError as e:  # a damaged manifest (a missing one raises)
+        report.problems.append(str(e))
         manifest = None
     index_path = source.fetch(INDEX_NAME)
     index = None
@@ -215,7 +215,7 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
     return report
 
 
-def _verify_shard(source: _Source, shard: dict[str, Any], vocab: Optional[int], seq: Optional[int],
+def _verify_shard(source: Source, shard: dict[str, Any], vocab: Optional[int], seq: Optional[int],
                   columns: Optional[dict[str, str]], first_row: int) -> ShardReport:
     """Every check of one shard, in order, into one report line: fetch, size, hashes,
     decompression, header, rows. Kept as one sequence because each step reads
@@ -353,11 +353,7 @@ def print_report(report: VerifyReport, file: Any = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        report = verify(args.location, timeout=args.timeout)
-    except ConnectionError as e:
-        print(f'foundrymix verify: error: {e}', file=sys.stderr)
-        return 2
+    report = verify(args.location, timeout=args.timeout)  # a RemoteError: one line, exit 2
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
