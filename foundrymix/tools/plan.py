@@ -15,25 +15,12 @@ from foundrymix.config import OVERRIDES_HELP, ConfigError
 from foundrymix.heap import collector_paused
 
 
-def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
-                   max_duration: Optional[str] = None, nodes: int = 1,
-                   rank_counts: bool = False) -> Any:
-    """Build the plan of a training YAML: a single mixture's :class:`~foundrymix.plan.mixture.Plan`,
-    or a staged run's ``RunPlan`` -- from :func:`~foundrymix.plan.stages.plan_run`, the same
-    function the trainer builds its loader from, so what is printed is what trains.
-    ``rank_counts``: count every rank's rows per stream at any epoch size."""
-    run, _ = _plan(path, overrides, world_size, max_duration, nodes, rank_counts)
+def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1) -> Any:
+    """The plan of a training YAML: a single mixture's :class:`~foundrymix.plan.mixture.Plan`, or a
+    staged run's ``RunPlan`` -- from :func:`~foundrymix.plan.stages.plan_run`, the same function the
+    trainer builds its loader from, so what is printed is what trains."""
+    run, _ = _plan(path, overrides, world_size, None, 1)
     return run if run.explicit else run.stages[0].plan
-
-
-def lr_schedule(cfg: Any, run: Any) -> Any:
-    """The run's ``wsd`` schedule resolved against its plan (what the trainer's scheduler
-    evaluates), or None for Composer's schedulers and a data-only YAML; refused as ``train``
-    refuses it."""
-    if getattr(cfg, 'scheduler', None) is None or cfg.scheduler.name != 'wsd':
-        return None
-    from foundrymix.train.lr_schedule import Timeline, resolve_wsd
-    return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
 
 
 @dataclass(frozen=True)
@@ -141,8 +128,10 @@ def _run(args: argparse.Namespace) -> int:
     world, nodes = _topology(args)
     run, cfg = _plan(args.config, args.overrides, world, args.max_duration, nodes, args.rank_counts)
     plan = run if run.explicit else run.stages[0].plan
-    schedule = lr_schedule(cfg, run)
-    lr = cfg.optimizer.lr if schedule is not None else None
+    schedule = lr = None  # the run's wsd schedule as the trainer's scheduler evaluates it (not Composer's)
+    if getattr(cfg, 'scheduler', None) is not None and cfg.scheduler.name == 'wsd':
+        from foundrymix.train.lr_schedule import Timeline, resolve_wsd
+        schedule, lr = resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run)), cfg.optimizer.lr
     evals = eval_plan(cfg, world, nodes)
     if args.json:
         out = {**plan.to_dict(), **({} if evals is None else {'eval': asdict(evals)})}

@@ -28,16 +28,20 @@ def groups(names: Any) -> dict[str, list[str]]:
     return out if any(len(m) > 1 and g != '(no group)' for g, m in out.items()) else {}
 
 
+def _most_least(values: Mapping[str, Any], spec: str) -> str:
+    """``most: a 9, b 8; least: z 0, y 1``: the :data:`EXTREME_ROWS` largest and smallest."""
+    order = sorted(values, key=lambda k: values[k])
+    most = ', '.join(f'{k} {values[k]:{spec}}' for k in reversed(order[-EXTREME_ROWS:]))
+    least = ', '.join(f'{k} {values[k]:{spec}}' for k in order[:EXTREME_ROWS])
+    return f'most: {most}; least: {least}'
+
+
 def counts_text(counts: Mapping[str, int], all_streams: bool = False) -> str:
     """``a 1, b 2`` for up to :data:`MAX_STREAM_ROWS` streams; beyond, the total, the
     extremes and the groups (one line of 1,000 streams read as noise)."""
     if all_streams or len(counts) <= MAX_STREAM_ROWS:
         return ', '.join(f'{k} {v:,}' for k, v in counts.items())
-    order = sorted(counts, key=lambda k: counts[k])
-    most = ', '.join(f'{k} {counts[k]:,}' for k in reversed(order[-EXTREME_ROWS:]))
-    least = ', '.join(f'{k} {counts[k]:,}' for k in order[:EXTREME_ROWS])
-    text = (f'{len(counts):,} streams, {sum(counts.values()):,} in all; most: {most}; '
-            f'least: {least}')
+    text = f'{len(counts):,} streams, {sum(counts.values()):,} in all; {_most_least(counts, ",")}'
     grouped = groups(counts)
     if grouped:
         text += '; by group: ' + ', '.join(
@@ -85,14 +89,13 @@ def render_ranks(plan: Plan, console: Any, all_streams: bool = False) -> None:
         console.print(f'  {n}: {min(counts):,}..{max(counts):,} rows per rank per epoch')
 
 
-def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> None:
+def render_plan(plan: Plan, console: Any, all_streams: bool = False) -> None:
     """Print ``plan``: the per-epoch mixture table, the run length, notes and warnings.
 
     Beyond :data:`MAX_STREAM_ROWS` streams (unless ``all_streams``) the table shows the
     largest and smallest streams by share and the totals, then a table per group."""
     from rich.table import Table
 
-    console = console or console_for_output()
     table = Table(title=f'Mixture per epoch ({plan.epoch_size:,} rows of {plan.max_seq_len} '
                         f'tokens; batching {plan.batching_method}, seed {plan.shuffle_seed})')
     for col in ('stream', 'kind', 'rows', 'rows/epoch', 'passes', 'seen', 'share',
@@ -187,14 +190,10 @@ def render_groups(plan: Plan, console: Any) -> None:
 
 def passes_line(passes: dict[str, float], scope: str, all_streams: bool = False) -> str:
     """``passes over the run: web 2.00, code 0.87`` -- how many times each stream's rows are
-    trained in all (rows trained / rows), the question a mixture by shares leaves open.
-    Beyond :data:`MAX_STREAM_ROWS` streams: the most and least passed over."""
+    trained in all (rows trained / rows); beyond :data:`MAX_STREAM_ROWS` streams, the extremes."""
     if all_streams or len(passes) <= MAX_STREAM_ROWS:
         return f'passes over {scope}: ' + ', '.join(f'{k} {v:.2f}' for k, v in passes.items())
-    order = sorted(passes, key=lambda k: passes[k])
-    most = ', '.join(f'{k} {passes[k]:.2f}' for k in reversed(order[-EXTREME_ROWS:]))
-    least = ', '.join(f'{k} {passes[k]:.2f}' for k in order[:EXTREME_ROWS])
-    return f'passes over {scope} ({len(passes):,} streams): most: {most}; least: {least}'
+    return f'passes over {scope} ({len(passes):,} streams): {_most_least(passes, ".2f")}'
 
 
 def seen_text(s: StreamPlan) -> str:
@@ -207,11 +206,10 @@ def seen_text(s: StreamPlan) -> str:
             f'{s.rows_seen_extra:,} rows {s.full_passes + 1}x')
 
 
-def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) -> None:
+def render_run_plan(run: Any, console: Any, all_streams: bool = False) -> None:
     """Print a staged run: the stages and where they fall, each stage's mixture, the totals."""
     from rich.table import Table
 
-    console = console or console_for_output()
     rows = (f'{run.global_batch_size} rows' if not run.batch_varies else
             f'{min(run.batch_sizes)}-{max(run.batch_sizes)} rows')
     # batch: the stage's global batch (rows); first/last: its global batches; epochs: of

@@ -16,14 +16,14 @@ import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from foundrymix.errors import MissingError, UserError
 from foundrymix.format.row_errors import format_row_error
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
-from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, ShardProblem, shard_raw_bytes, iter_shard_rows,
-                               hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
-                               validate_index)
+from foundrymix.format.shards import (INDEX_NAME, IndexFileError, ShardProblem, hashes_dropped_problem, is_not_found,
+                                     iter_shard_rows, read_index, row_count_problem, shard_hash_checks,
+                                     shard_header_problems, shard_name, shard_raw_bytes)
 from foundrymix.s3.remote import download
 
 #: row problems listed per shard (all are counted)
@@ -148,52 +148,38 @@ class Source:
             raise error(str(e).replace(self.dir, self.location)) from None
 
 
-def verify(location: str, timeout: float = DEFAULT_TIMEOUT,
-           on_shard: Optional[Callable[[ShardReport], None]] = None) -> VerifyReport:
+def verify(location: str, timeout: float = DEFAULT_TIMEOUT) -> VerifyReport:
     """Verify a foundrymix directory (local path or remote URL): damage goes in the report;
     ``FileNotFoundError`` if it is not one, ``ConnectionError`` if a remote cannot be read."""
     if not is_remote(location) and not os.path.isdir(location):
         raise MissingError(f'{location}: no such directory')
     with Source(location, timeout) as source:
-        return _verify(source, on_shard)
+        return _verify(source)
 
 
-def _verify(source: Source, on_shard: Optional[Callable[[ShardReport], None]]) -> VerifyReport:
+def _verify(source: Source) -> VerifyReport:
     report = VerifyReport(location=source.location)
     try:
         manifest: Optional[Manifest] = source.manifest()
     except ValueError as e:  # a damaged manifest (a missing one raises)
         report.problems.append(str(e))
         manifest = None
-    index_path = source.fetch(INDEX_NAME)
-    index = None
-    if index_path is None:
+    if source.fetch(INDEX_NAME) is None:
         report.problems.append(f'{source.name(INDEX_NAME)}: missing (an incomplete conversion or copy?)')
-    else:
-        try:
-            with open(index_path, encoding='utf-8') as f:
-                index = validate_index(json.load(f), source.name(INDEX_NAME))
-        except json.JSONDecodeError as e:
-            report.problems.append(f'{source.name(INDEX_NAME)}: not valid JSON ({e}); the index is damaged')
-        except (IndexFileError, UnicodeDecodeError) as e:
-            report.problems.append(str(e))
-    if index is None:
+        return report
+    try:
+        index = read_index(source.dir)
+    except IndexFileError as e:
+        report.problems.append(str(e).replace(source.dir, source.location))
         return report
 
-    vocab = manifest.tokenizer.vocab_size if manifest else None
-    seq = manifest.max_seq_len if manifest else None
-    columns = mds_columns(manifest.max_seq_len, manifest.token_dtype) if manifest else None
     first_row = 0
     for shard in index['shards']:
-        shard_report = _verify_shard(source, shard, vocab, seq, columns, first_row)
+        report.shards.append(_verify_shard(source, shard, manifest, first_row))
         first_row += int(shard['samples'])
-        report.shards.append(shard_report)
-        if on_shard is not None:
-            on_shard(shard_report)
 
-    report.found = {'rows': sum(s.rows_ok for s in report.shards),
-                    'tokens': sum(s.tokens for s in report.shards),
-                    'loss_tokens': sum(s.loss_tokens for s in report.shards)}
+    report.found = {key: sum(getattr(s, attr) for s in report.shards)
+                    for key, attr in (('rows', 'rows_ok'), ('tokens', 'tokens'), ('loss_tokens', 'loss_tokens'))}
     if manifest is not None:
         c = manifest.counts
         report.expected = {'rows': c.rows, 'tokens': c.tokens, 'loss_tokens': c.loss_tokens}
@@ -215,48 +201,40 @@ def _verify(source: Source, on_shard: Optional[Callable[[ShardReport], None]]) -
     return report
 
 
-def _verify_shard(source: Source, shard: dict[str, Any], vocab: Optional[int], seq: Optional[int],
-                  columns: Optional[dict[str, str]], first_row: int) -> ShardReport:
-    """Every check of one shard, in order, into one report line: fetch, size, hashes,
-    decompression, header, rows. Kept as one sequence because each step reads
-    what the previous produced and a failure ends the later ones with a named reason."""
+def _verify_shard(source: Source, shard: dict[str, Any], manifest: Optional[Manifest], first_row: int) -> ShardReport:
+    """Every check of one shard, in order (fetch, size, hashes, decompression, header, rows), into
+    its report: each step reads what the previous produced, and a failure ends the later ones."""
     name = shard_name(shard)
     raw_info, zip_info = shard['raw_data'], shard.get('zip_data')
     stored = zip_info or raw_info  # what a conversion writes
     rep = ShardReport(file=name, rows_expected=int(shard['samples']), bytes_expected=int(stored['bytes']))
-    if columns is not None:
+    if manifest is not None:
+        columns = mds_columns(manifest.max_seq_len, manifest.token_dtype)
         found_columns = dict(zip(shard['column_names'], shard['column_encodings']))
         if found_columns != columns:
             rep.problems.append(f'{source.name(name)}: columns {found_columns} are not the foundrymix '
                                 f'schema of the manifest {columns}')
 
     # Files present: locally the raw and/or the compressed one; remotely the stored one.
-    candidates = [stored] if source.remote else [i for i in (raw_info, zip_info) if i]
     files: dict[str, bytes] = {}
-    for info in candidates:
+    checks = []
+    for info in [stored] if source.remote else [i for i in (raw_info, zip_info) if i]:
         path = source.fetch(info['basename'])
         if path is None:
             continue
-        try:
-            with open(path, 'rb') as f:
-                files[info['basename']] = f.read()
-        finally:
-            source.release(info['basename'])
+        with open(path, 'rb') as f:
+            data = files[info['basename']] = f.read()
+        source.release(info['basename'])
+        if len(data) != int(info['bytes']):
+            rep.problems.append(ShardProblem(name, source.name(info['basename']), 'size',
+                                             int(info['bytes']), len(data)).describe())
+        checks += shard_hash_checks(info, data)
     if not files:
         rep.problems.append(ShardProblem(name, source.name(stored['basename']), 'missing',
                                          int(stored['bytes']), None).describe())
         rep.bad_rows = rep.rows_expected
         return rep
     rep.bytes_found = len(files.get(stored['basename'], next(iter(files.values()))))
-
-    checks = []
-    for info in (raw_info, zip_info):
-        if info and info['basename'] in files:
-            data = files[info['basename']]
-            if len(data) != int(info['bytes']):
-                rep.problems.append(ShardProblem(name, source.name(info['basename']), 'size',
-                                                 int(info['bytes']), len(data)).describe())
-            checks += shard_hash_checks(info, data)
 
     raw = files.get(raw_info['basename'])
     if raw is None:  # only the compressed file
@@ -287,7 +265,8 @@ def _verify_shard(source: Source, shard: dict[str, Any], vocab: Optional[int], s
 
     rep.problems += [f'{source.name(name)}: {p}' for p in shard_header_problems(raw, shard)]
     listed = 0
-    for result in iter_shard_rows(raw, shard, vocab, seq):
+    for result in iter_shard_rows(raw, shard, manifest and manifest.tokenizer.vocab_size,
+                                  manifest and manifest.max_seq_len):
         if result.problem is None:
             rep.rows_ok += 1
             rep.tokens += int(result.value['doc_lens'].sum())
