@@ -1,9 +1,6 @@
-"""``foundrymix compare RUN_A RUN_B``: is a resumed run the straight run? Part by part.
-
-Checks exact resume on what runs leave (docs/resume.md): sample logs (a global batch as a set of
-rows, then its tokens digest), per-stream counts, final weights. Prints ``equal`` or the first
-difference per part; exit 0 if all equal, 1 if one differs, 2 on bad input. Reads only.
-"""
+"""``foundrymix compare RUN_A RUN_B``: is a resumed run the straight run (docs/resume.md)? Part by
+part, reading only: sample logs (a global batch as a set of rows, then its tokens digest),
+per-stream counts, final weights."""
 
 from __future__ import annotations
 

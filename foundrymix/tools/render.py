@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from foundrymix.plan.mixture import EVERY_STREAM_HINT, Plan, StreamPlan, under_one_pass_warnings
 from foundrymix.plan.stages import stream_location
@@ -15,16 +15,12 @@ MAX_STREAM_ROWS = 20
 EXTREME_ROWS = 5
 
 
-def group_of(name: str) -> Optional[str]:
-    """A stream's group: its name up to the first ``/`` (``web/en`` -> ``web/``), if any."""
-    return name.split('/', 1)[0] + '/' if '/' in name else None
-
-
 def groups(names: Any) -> dict[str, list[str]]:
-    """Group -> member names, in first-seen order; only when some group has 2+ members."""
+    """Group (a name up to its first ``/``: ``web/en`` -> ``web/``) -> member names, in first-seen
+    order; only when some group has 2+ members."""
     out: dict[str, list[str]] = {}
     for n in names:
-        out.setdefault(group_of(n) or '(no group)', []).append(n)
+        out.setdefault(n.split('/', 1)[0] + '/' if '/' in n else '(no group)', []).append(n)
     return out if any(len(m) > 1 and g != '(no group)' for g, m in out.items()) else {}
 
 
@@ -90,10 +86,9 @@ def render_ranks(plan: Plan, console: Any, all_streams: bool = False) -> None:
 
 
 def render_plan(plan: Plan, console: Any, all_streams: bool = False) -> None:
-    """Print ``plan``: the per-epoch mixture table, the run length, notes and warnings.
-
-    Beyond :data:`MAX_STREAM_ROWS` streams (unless ``all_streams``) the table shows the
-    largest and smallest streams by share and the totals, then a table per group."""
+    """Print ``plan``: the per-epoch mixture table (beyond :data:`MAX_STREAM_ROWS` streams, unless
+    ``all_streams``, the largest and smallest by share and the totals), the groups, the run length,
+    notes and warnings."""
     from rich.table import Table
 
     table = Table(title=f'Mixture per epoch ({plan.epoch_size:,} rows of {plan.max_seq_len} '
@@ -131,17 +126,15 @@ def render_plan(plan: Plan, console: Any, all_streams: bool = False) -> None:
     render_ranks(plan, console, all_streams)
     if plan.duration:
         d = plan.duration
-        where = (f'stops in epoch {d.last_epoch} after batch {d.last_batch_in_epoch:,} '
-                 f'(sample {d.last_sample_in_epoch:,} of the epoch)' if d.ends_mid_epoch
-                 else f'ends exactly at the end of epoch {d.last_epoch}')
         if plan.adaptive:  # segments read by cursors: the configured epochs do not apply
-            where = ('in adaptive segments (the per-epoch figures above are the configured '
-                     'start\'s epochs)')
+            where = 'in adaptive segments (the per-epoch figures above are the configured start\'s epochs)'
+        elif d.ends_mid_epoch:
+            where = (f'= {d.epochs:.4g} epochs ({d.full_epochs} full); stops in epoch {d.last_epoch} after '
+                     f'batch {d.last_batch_in_epoch:,} (sample {d.last_sample_in_epoch:,} of the epoch)')
         else:
-            where = f'= {d.epochs:.4g} epochs ({d.full_epochs} full); {where}'
+            where = f'= {d.epochs:.4g} epochs ({d.full_epochs} full); ends exactly at the end of epoch {d.last_epoch}'
         console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '
-                      f'{d.total_samples:,} samples, {d.total_tokens:,} tokens '
-                      f'{where}')
+                      f'{d.total_samples:,} samples, {d.total_tokens:,} tokens {where}')
         scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
         if d.rows_per_stream is not None:
             console.print(f'rows trained per stream over {scope}: '

@@ -1,10 +1,5 @@
-"""``foundrymix verify DIR|REMOTE``: check every shard of a converted directory, byte for byte.
-
-Local or ``s3://``: manifest and index parse with the schema's columns; every shard file has its
-recorded size and hashes; every row passes :func:`~foundrymix.format.schema.check_row`; rows and
-tokens equal the manifest's. One line per shard and a verdict; exit 0 iff intact, 1 if damaged,
-2 for usage errors. The checks live in :mod:`foundrymix.format.shards`.
-"""
+"""``foundrymix verify DIR|REMOTE``: check every shard of a converted directory, local or remote,
+byte for byte, with :mod:`foundrymix.format.shards`' checks; exit 0 iff intact, 1 if damaged."""
 
 from __future__ import annotations
 
