@@ -44,52 +44,46 @@ def render_row(row: dict[str, Any], tok: Any) -> list[str]:
     return out
 
 
-def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """(shard file, row within the shard, stored row) of a local directory, in order, each checked
-    as the loader checks it: a damaged shard or row raises naming the shard file and row."""
-    index = read_index(directory)
+def _fetch(source: Source, basename: str, what: str) -> None:
+    """A remote directory's file, downloaded when first needed (a local one's is in place)."""
+    if source.remote and source.fetch(basename) is None:
+        raise MissingError(f'{source.name(basename)}: no {what}. Is {source.location!r} a directory '
+                           f'made by `foundrymix convert`?')
+
+
+def iter_checked_rows(source: Source, manifest: Manifest) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(shard file, row within the shard, stored row) of a directory, in order, each checked as the
+    loader checks it: a damaged shard or row raises naming the shard file and row. A remote
+    directory's index and shards are downloaded as the rows reach them."""
+    _fetch(source, INDEX_NAME, INDEX_NAME)
+    index = read_index(source.dir)
     sample = 0
     for shard in index['shards']:
         name = shard_name(shard)
-        problems = check_shard_files(directory, {'shards': [shard]})
+        _fetch(source, stored_name(shard), 'shard file listed in index.json')
+        problems = check_shard_files(source.dir, {'shards': [shard]})
         if problems:
-            raise shard_files_error(os.path.basename(os.path.normpath(directory)), directory, problems)
-        with open(os.path.join(directory, stored_name(shard)), 'rb') as f:  # what the loader reads
+            raise shard_files_error(os.path.basename(os.path.normpath(source.dir)), source.dir, problems)
+        with open(os.path.join(source.dir, stored_name(shard)), 'rb') as f:  # what the loader reads
             data = shard_raw_bytes(shard, f.read())
         for result in iter_shard_rows(data, shard, manifest.tokenizer.vocab_size, manifest.max_seq_len):
             if result.problem is not None:
                 raise CorruptRowError(shard=name, row=result.row, sample_id=sample + result.row,
-                                      problem=result.problem, directory=directory)
+                                      problem=result.problem, directory=source.location)
             yield name, result.row, result.value
         sample += int(shard['samples'])
 
 
-def _decode(directory: str, manifest: Manifest, k: int) -> None:
+def _decode(source: Source, manifest: Manifest, k: int) -> None:
     tok = load_tokenizer(manifest.tokenizer.name)
     print(f'no loss on text in {NO_LOSS_OPEN}...{NO_LOSS_CLOSE}')
-    rows = iter_checked_rows(directory, manifest)
+    rows = iter_checked_rows(source, manifest)
     for r, (_, _, row) in zip(range(k), rows):
         n_real = int(np.sum(row['doc_lens']))
         for s, text in enumerate(render_row(row, tok)):
             print(f'--- row {r}, segment {s} ---')
             print(text)
         print(f'--- row {r}: {manifest.max_seq_len - n_real} padding tokens ---')
-
-
-def _fetch_rows(source: Source, decode: int) -> None:
-    """Download a remote directory's index and the shards holding its first ``decode`` rows."""
-    def get(basename: str, what: str) -> None:
-        if source.fetch(basename) is None:
-            raise MissingError(f'{source.name(basename)}: no {what}. Is {source.location!r} a directory '
-                               f'made by `foundrymix convert`?')
-
-    get(INDEX_NAME, INDEX_NAME)
-    rows = 0
-    for shard in read_index(source.dir)['shards']:
-        if rows >= decode:
-            break
-        get(stored_name(shard), 'shard file listed in index.json')
-        rows += int(shard['samples'])
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -105,9 +99,7 @@ def _run(args: argparse.Namespace) -> int:
             print('inputs:', *manifest.inputs, sep='\n  ')
             print('options:', json.dumps(manifest.options, sort_keys=True))
         if args.decode:
-            if source.remote:
-                _fetch_rows(source, args.decode)
-            _decode(source.dir, manifest, args.decode)
+            _decode(source, manifest, args.decode)
     return 0
 
 
