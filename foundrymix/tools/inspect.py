@@ -19,7 +19,7 @@ from foundrymix.errors import MissingError
 from foundrymix.format.row_errors import CorruptRowError
 from foundrymix.format.schema import Manifest, decode_row
 from foundrymix.format.shards import (INDEX_NAME, check_shard_files, iter_shard_rows, read_index, shard_files_error,
-                                     shard_name, shard_raw_bytes, stored_name)
+                                      shard_name, shard_raw_bytes, stored_name)
 from foundrymix.tokenizer import load_tokenizer
 from foundrymix.tools.verify import Source
 

@@ -23,6 +23,7 @@ DATASET_KEYS = {
     'target_prompts': '`foundrymix convert finetune --loss-on-prompt` decides it when converting',
 }
 
+
 def show(value: Any) -> str:
     """A value as the YAML writes it (true, null), not as Python prints it."""
     return json.dumps(value) if isinstance(value, bool) or value is None else str(value)

@@ -143,7 +143,7 @@ def render_plan(plan: Plan, console: Any, all_streams: bool = False) -> None:
             console.print(passes_line(d.passes_per_stream, scope, all_streams))
     if plan.counted:
         console.print('counted: ' + '; '.join(f'{k.replace("_", " ")} {v}'
-                                               for k, v in plan.counted.items()))
+                                              for k, v in plan.counted.items()))
     for note in plan.notes:
         console.print(f'note: {note}')
     for warning in plan.warnings:

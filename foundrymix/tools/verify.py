@@ -17,8 +17,8 @@ from foundrymix.errors import MissingError, UserError
 from foundrymix.format.row_errors import format_row_error
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
 from foundrymix.format.shards import (INDEX_NAME, IndexFileError, ShardProblem, hashes_dropped_problem, is_not_found,
-                                     iter_shard_rows, read_index, row_count_problem, shard_hash_checks,
-                                     shard_header_problems, shard_name, shard_raw_bytes)
+                                      iter_shard_rows, read_index, row_count_problem, shard_hash_checks,
+                                      shard_header_problems, shard_name, shard_raw_bytes)
 from foundrymix.s3.remote import download
 
 #: row problems listed per shard (all are counted)
