@@ -1,9 +1,6 @@
-"""``foundrymix compare RUN_A RUN_B``: is a resumed run the straight run? Part by part.
-
-Checks exact resume on what runs leave (docs/resume.md): sample logs (a global batch as a set of
-rows, then its tokens digest), per-stream counts, final weights. Prints ``equal`` or the first
-difference per part; exit 0 if all equal, 1 if one differs, 2 on bad input. Reads only.
-"""
+"""``foundrymix compare RUN_A RUN_B``: is a resumed run the straight run (docs/resume.md)? Part by
+part, reading only: sample logs (a global batch as a set of rows, then its tokens digest),
+per-stream counts, final weights."""
 
 from __future__ import annotations
 
@@ -39,12 +36,6 @@ class Result:
 
 
 # ------------------------------------------------------------------ finding the files
-def _run_dir(path: str) -> str:
-    if not os.path.isdir(path):
-        raise MissingError(f'{path}: no such run directory')
-    return path
-
-
 def _files(run: str, pattern: str) -> list[str]:
     return sorted(glob.glob(os.path.join(glob.escape(run), '**', pattern), recursive=True))
 
@@ -231,38 +222,31 @@ def compare_runs(run_a: str, run_b: str, parts: tuple[str, ...] = PARTS,
                  checkpoint_a: Optional[str] = None,
                  checkpoint_b: Optional[str] = None) -> list[Result]:
     """Every requested part of two runs (all inputs found before anything is compared)."""
-    runs = (_run_dir(run_a), _run_dir(run_b))
+    for run in (run_a, run_b):
+        if not os.path.isdir(run):
+            raise MissingError(f'{run}: no such run directory')
     for c in (checkpoint_a, checkpoint_b):
         if c is not None and not os.path.isfile(c):
             raise MissingError(f'{c}: no such checkpoint file')
-    found: dict[str, tuple[str, str]] = {}
-    if 'samples' in parts:
-        found['samples'] = (find_sample_log(runs[0]), find_sample_log(runs[1]))
-    if 'accounting' in parts or 'samples' in parts:
-        try:
-            found['accounting'] = (find_summary(runs[0]), find_summary(runs[1]))
-        except MissingError:
-            if 'accounting' in parts:
-                raise
-    if 'weights' in parts:
-        found['weights'] = (checkpoint_a or find_checkpoint(runs[0]),
-                            checkpoint_b or find_checkpoint(runs[1]))
-    ckpts: list[dict[str, Any]] = []
-    if 'weights' in found:
-        ckpts = [load_checkpoint(p) for p in found['weights']]
+    logs = (find_sample_log(run_a), find_sample_log(run_b)) if 'samples' in parts else None
+    try:  # also for the samples' message: stream names in the accounting's run-wide order
+        summaries: Optional[tuple[str, str]] = (find_summary(run_a), find_summary(run_b))
+    except MissingError:
+        if 'accounting' in parts:
+            raise
+        summaries = None
+    weights = ((checkpoint_a or find_checkpoint(run_a), checkpoint_b or find_checkpoint(run_b))
+               if 'weights' in parts else ())
+    ckpts = [load_checkpoint(p) for p in weights]
     out = []
-    if 'samples' in parts:
-        names = None  # stream names, for the message: the accounting's run-wide order
-        if 'accounting' in found:
-            names = list(load_summary(found['accounting'][0])[0]['streams'])
-        # ranks, for the message: run A's checkpoint holds one RNG state per rank
-        rng = ckpts[0].get('rng') if ckpts else None
-        ranks = len(rng) if isinstance(rng, list) and rng else None
-        out.append(compare_samples(*found['samples'], names=names, ranks=ranks))
+    if logs:
+        names = list(load_summary(summaries[0])[0]['streams']) if summaries else None
+        rng = ckpts[0].get('rng') if ckpts else None  # one RNG state per rank: the ranks, for the message
+        out.append(compare_samples(*logs, names=names, ranks=len(rng) if isinstance(rng, list) and rng else None))
     if 'accounting' in parts:
-        out.append(compare_accounting(*found['accounting']))
-    if 'weights' in parts:
-        out.append(compare_weights(*found['weights'], *ckpts))
+        out.append(compare_accounting(*summaries))
+    if weights:
+        out.append(compare_weights(*weights, *ckpts))
     return out
 
 

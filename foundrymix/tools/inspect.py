@@ -12,18 +12,16 @@ import json
 import os
 import sys
 from typing import Any, Iterator
-import tempfile
 
 import numpy as np
 
 from foundrymix.errors import MissingError
 from foundrymix.format.row_errors import CorruptRowError
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, decode_row
-from foundrymix.format.shards import (INDEX_NAME, check_shard_files, is_not_found, iter_shard_rows, read_index,
-                                     shard_files_error, shard_name, shard_raw_bytes, stored_name)
-from foundrymix.s3.remote import download
+from foundrymix.format.schema import Manifest, decode_row
+from foundrymix.format.shards import (INDEX_NAME, check_shard_files, iter_shard_rows, read_index, shard_files_error,
+                                      shard_name, shard_raw_bytes, stored_name)
 from foundrymix.tokenizer import load_tokenizer
-from foundrymix.tools.verify import is_remote
+from foundrymix.tools.verify import Source
 
 NO_LOSS_OPEN, NO_LOSS_CLOSE = '⟦', '⟧'
 
@@ -46,30 +44,40 @@ def render_row(row: dict[str, Any], tok: Any) -> list[str]:
     return out
 
 
-def iter_checked_rows(directory: str, manifest: Manifest) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """(shard file, row within the shard, stored row) of a local directory, in order, each checked
-    as the loader checks it: a damaged shard or row raises naming the shard file and row."""
-    index = read_index(directory)
+def _fetch(source: Source, basename: str, what: str) -> None:
+    """A remote directory's file, downloaded when first needed (a local one's is in place)."""
+    if source.remote and source.fetch(basename) is None:
+        raise MissingError(f'{source.name(basename)}: no {what}. Is {source.location!r} a directory '
+                           f'made by `foundrymix convert`?')
+
+
+def iter_checked_rows(source: Source, manifest: Manifest) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(shard file, row within the shard, stored row) of a directory, in order, each checked as the
+    loader checks it: a damaged shard or row raises naming the shard file and row. A remote
+    directory's index and shards are downloaded as the rows reach them."""
+    _fetch(source, INDEX_NAME, INDEX_NAME)
+    index = read_index(source.dir)
     sample = 0
     for shard in index['shards']:
         name = shard_name(shard)
-        problems = check_shard_files(directory, {'shards': [shard]})
+        _fetch(source, stored_name(shard), 'shard file listed in index.json')
+        problems = check_shard_files(source.dir, {'shards': [shard]})
         if problems:
-            raise shard_files_error(os.path.basename(os.path.normpath(directory)), directory, problems)
-        with open(os.path.join(directory, stored_name(shard)), 'rb') as f:  # what the loader reads
+            raise shard_files_error(os.path.basename(os.path.normpath(source.dir)), source.dir, problems)
+        with open(os.path.join(source.dir, stored_name(shard)), 'rb') as f:  # what the loader reads
             data = shard_raw_bytes(shard, f.read())
         for result in iter_shard_rows(data, shard, manifest.tokenizer.vocab_size, manifest.max_seq_len):
             if result.problem is not None:
                 raise CorruptRowError(shard=name, row=result.row, sample_id=sample + result.row,
-                                      problem=result.problem, directory=directory)
+                                      problem=result.problem, directory=source.location)
             yield name, result.row, result.value
         sample += int(shard['samples'])
 
 
-def _decode(directory: str, manifest: Manifest, k: int) -> None:
+def _decode(source: Source, manifest: Manifest, k: int) -> None:
     tok = load_tokenizer(manifest.tokenizer.name)
     print(f'no loss on text in {NO_LOSS_OPEN}...{NO_LOSS_CLOSE}')
-    rows = iter_checked_rows(directory, manifest)
+    rows = iter_checked_rows(source, manifest)
     for r, (_, _, row) in zip(range(k), rows):
         n_real = int(np.sum(row['doc_lens']))
         for s, text in enumerate(render_row(row, tok)):
@@ -78,57 +86,20 @@ def _decode(directory: str, manifest: Manifest, k: int) -> None:
         print(f'--- row {r}: {manifest.max_seq_len - n_real} padding tokens ---')
 
 
-def _fetch_remote(url: str, directory: str, decode: int, timeout: float) -> None:
-    """Download what ``inspect`` shows of remote ``url`` into ``directory``: the manifest, and
-    for ``--decode`` the index and the shards holding the first ``decode`` rows."""
-    url = url.rstrip('/')
-
-    def get(basename: str, what: str) -> None:
-        try:
-            download(f'{url}/{basename}', os.path.join(directory, basename), timeout)
-        except ConnectionError as e:
-            if is_not_found(e):
-                raise MissingError(f'{url}/{basename}: no {what} ({e}). Is {url!r} a directory '
-                                        f'made by `foundrymix convert`?') from e
-            raise
-
-    get(MANIFEST_NAME, 'foundrymix manifest')
-    if not decode:
-        return
-    get(INDEX_NAME, INDEX_NAME)
-    rows = 0
-    for shard in read_index(directory)['shards']:
-        if rows >= decode:
-            break
-        get(stored_name(shard), 'shard file listed in index.json')
-        rows += int(shard['samples'])
-
-
 def _run(args: argparse.Namespace) -> int:
-    if not is_remote(args.dir):
-        return _show(args.dir, args.dir, args)
-    with tempfile.TemporaryDirectory(prefix='foundrymix-inspect-') as tmp:
-        try:
-            _fetch_remote(args.dir, tmp, args.decode, args.timeout)
-        except ConnectionError as e:  # foundrymix.s3.remote.RemoteError: URL, S3 code, what to check
-            print(f'foundrymix inspect: error: {e}', file=sys.stderr)
-            return 2
-        return _show(tmp, args.dir.rstrip('/'), args)
+    with Source(args.dir, args.timeout) as source:  # a remote one: only the files shown are fetched
+        manifest = source.manifest()
+        if args.json:
+            print(manifest.to_json(), end='')
+        else:
+            from rich.console import Console
 
-
-def _show(directory: str, title: str, args: argparse.Namespace) -> int:
-    manifest = Manifest.read(directory)
-    if args.json:
-        print(manifest.to_json(), end='')
-    else:
-        from rich.console import Console
-
-        from foundrymix.convert.report import manifest_table
-        Console(file=sys.stdout).print(manifest_table(manifest, title))
-        print('inputs:', *manifest.inputs, sep='\n  ')
-        print('options:', json.dumps(manifest.options, sort_keys=True))
-    if args.decode:
-        _decode(directory, manifest, args.decode)
+            from foundrymix.convert.report import manifest_table
+            Console(file=sys.stdout).print(manifest_table(manifest, source.location))
+            print('inputs:', *manifest.inputs, sep='\n  ')
+            print('options:', json.dumps(manifest.options, sort_keys=True))
+        if args.decode:
+            _decode(source, manifest, args.decode)
     return 0
 
 

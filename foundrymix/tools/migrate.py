@@ -1,14 +1,12 @@
-"""``foundrymix migrate FOUNDRY.yaml [--out NEW.yaml]``: an LLM-Foundry training YAML rewritten
-in foundrymix's keys, printing every change and every setting that has no equivalent.
-
-The renames are the config reader's (:data:`foundrymix.config.FOUNDRY_RENAMES`); what has no
-equivalent is removed and listed, never guessed. The input is only read; ``--out`` never replaces a file.
-"""
+"""``foundrymix migrate FOUNDRY.yaml [--out NEW.yaml]``: an LLM-Foundry training YAML rewritten in
+foundrymix's keys; what has no equivalent is removed and listed, never guessed. The input is only
+read; ``--out`` never replaces a file."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -57,14 +55,6 @@ class Migration:
         return lines
 
 
-def _strings(node: Any) -> list[str]:
-    if isinstance(node, dict):
-        return [s for v in node.values() for s in _strings(v)]
-    if isinstance(node, list):
-        return [s for v in node for s in _strings(v)]
-    return [node] if isinstance(node, str) else []
-
-
 def _replace_refs(node: Any, old: str, new: str) -> Any:
     if isinstance(node, dict):
         return {k: _replace_refs(v, old, new) for k, v in node.items()}
@@ -84,7 +74,7 @@ def migrate(data: dict[str, Any], name: str = 'foundrymix') -> Migration:
     d = m.data
     known = {f.name for f in dataclasses.fields(TrainConfig)} | {'variables'}
     # old Foundry: top-level values referenced as ${name} are variables here
-    referenced = {r for s in _strings(d) for r in _REF.findall(s)}
+    referenced = set(_REF.findall(json.dumps(d)))
     for key in [k for k in d if k not in known and k in referenced]:
         d.setdefault('variables', {})[key] = d.pop(key)
         d.update(_replace_refs(d, key, f'variables.{key}'))
@@ -134,7 +124,6 @@ def migrate(data: dict[str, Any], name: str = 'foundrymix') -> Migration:
                              f'hands it to)')
         elif isinstance(value, float):
             m.todo.append(f'{key}: {value} has no unit: give one (e.g. {value}ep; Composer reads an int as epochs)')
-    _pretrained(m)
     if d.get('load_weights_only') is True and not d.get('load_path'):
         d.pop('load_weights_only')
         m.dropped.append('load_weights_only: true: no load_path, so no weights to load (LLM-Foundry ignored it)')
@@ -230,20 +219,6 @@ def _loader(m: Migration, name: str) -> None:
         else:
             m.todo.append(f'{name}.dataset.{key}: {show(value)}: no equivalent; removed: check the streams hold '
                           f'what it meant')
-
-
-def _pretrained(m: Migration) -> None:
-    """A hub name is never downloaded here: the model must be a local directory."""
-    model = m.data.get('model')
-    name = model.get('pretrained_model_name_or_path') if isinstance(model, dict) else None
-    if isinstance(model, dict) and isinstance(model.get('pretrained'), bool):
-        m.carried.append(f"model.pretrained: {show(model['pretrained'])}: "
-                         + ('load the weights of the model directory' if model['pretrained'] else
-                            "the model directory's config only, the weights initialised at random")
-                         + ', as in LLM-Foundry')
-    if isinstance(name, str) and not os.path.isdir(name):
-        m.todo.append(f'model.pretrained_model_name_or_path: {name}: give a local Hugging Face model '
-                      f'directory (models are never downloaded; e.g. save_pretrained() it once)')
 
 
 def _model(m: Migration) -> None:

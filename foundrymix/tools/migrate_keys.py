@@ -23,6 +23,7 @@ DATASET_KEYS = {
     'target_prompts': '`foundrymix convert finetune --loss-on-prompt` decides it when converting',
 }
 
+
 def show(value: Any) -> str:
     """A value as the YAML writes it (true, null), not as Python prints it."""
     return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
@@ -57,14 +58,23 @@ def _advice(key: str, mtype: Optional[str]) -> str:
 
 
 def model_keys(m: Any) -> None:
-    """The model section's keys beyond ``name``/``init_device``/``loss_fn``: LLM-Foundry's own
-    ones rewritten or removed with their reason, every other key checked against the
-    transformers config of the model's type (or left to do when the type is not known yet)."""
+    """The model section's keys beyond ``name``/``init_device``/``loss_fn``: the pretrained model a
+    local directory, LLM-Foundry's own keys rewritten or removed with their reason, every other key
+    checked against the transformers config of the model's type (or left to do while it is unknown)."""
     from foundrymix.train.model_spec import OWN_KEYS, config_keys, mpt_attention_line
 
     model = m.data.get('model')
     if not isinstance(model, dict):
         return
+    if isinstance(model.get('pretrained'), bool):
+        m.carried.append(f"model.pretrained: {show(model['pretrained'])}: "
+                         + ('load the weights of the model directory' if model['pretrained'] else
+                            "the model directory's config only, the weights initialised at random")
+                         + ', as in LLM-Foundry')
+    name = model.get('pretrained_model_name_or_path')
+    if isinstance(name, str) and not os.path.isdir(name):  # a hub name: models are never downloaded
+        m.todo.append(f'model.pretrained_model_name_or_path: {name}: give a local Hugging Face model '
+                      f'directory (models are never downloaded; e.g. save_pretrained() it once)')
     mtype = model_type(model)
     if 'use_flash_attention_2' in model:
         value = model.pop('use_flash_attention_2')

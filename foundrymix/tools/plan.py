@@ -8,31 +8,63 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP, ConfigError
 from foundrymix.heap import collector_paused
 
 
-def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1,
-                   max_duration: Optional[str] = None, nodes: int = 1,
-                   rank_counts: bool = False) -> Any:
-    """Build the plan of a training YAML: a single mixture's :class:`~foundrymix.plan.mixture.Plan`,
-    or a staged run's ``RunPlan`` -- from :func:`~foundrymix.plan.stages.plan_run`, the same
-    function the trainer builds its loader from, so what is printed is what trains.
-    ``rank_counts``: count every rank's rows per stream at any epoch size."""
-    run, _ = _plan(path, overrides, world_size, max_duration, nodes, rank_counts)
+def plan_from_yaml(path: str, overrides: Sequence[str] = (), world_size: int = 1) -> Any:
+    """The plan of a training YAML: a single mixture's :class:`~foundrymix.plan.mixture.Plan`, or a
+    staged run's ``RunPlan`` -- from :func:`~foundrymix.plan.stages.plan_run`, the same function the
+    trainer builds its loader from, so what is printed is what trains."""
+    run, _ = _plan(path, overrides, world_size, None, 1)
     return run if run.explicit else run.stages[0].plan
 
 
-def lr_schedule(cfg: Any, run: Any) -> Any:
-    """The run's ``wsd`` schedule resolved against its plan (what the trainer's scheduler
-    evaluates), or None for Composer's schedulers and a data-only YAML; refused as ``train``
-    refuses it."""
-    if getattr(cfg, 'scheduler', None) is None or cfg.scheduler.name != 'wsd':
+@dataclass(frozen=True)
+class EvalPlan:
+    """One evaluation of the ``eval_loader``, as the trainer's evaluator reads it (whole global
+    batches, at most ``eval_subset_num_batches``): the rows, the batches and the rows left out."""
+
+    rows: int                  # rows in the eval set (after each stream's choose/proportion)
+    rows_per_stream: dict[str, int]
+    global_batch_size: int     # eval rows per batch over all ranks
+    batches: int               # batches per evaluation
+    rows_evaluated: int
+    left_out_by_batches: int   # rows past the last whole global batch
+    left_out_by_subset: int    # whole batches past eval_subset_num_batches
+
+    def text(self) -> str:
+        per_stream = ', '.join(f'{k} {v:,}' for k, v in self.rows_per_stream.items())
+        line = (f'eval: {self.rows:,} rows ({per_stream}) in global batches of {self.global_batch_size:,}: '
+                f'{self.batches:,} batches per evaluation, {self.rows_evaluated:,} rows evaluated; '
+                f'{self.left_out_by_batches:,} left out by whole batches')
+        if self.left_out_by_subset:
+            line += f', {self.left_out_by_subset:,} more past eval_subset_num_batches'
+        return line
+
+
+def eval_plan(cfg: Any, world_size: int = 1, nodes: int = 1) -> Optional[EvalPlan]:
+    """The eval set of a checked config on ``world_size`` ranks (None without ``eval_loader``)."""
+    if cfg.eval_loader is None:
         return None
-    from foundrymix.train.lr_schedule import Timeline, resolve_wsd
-    return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
+    from foundrymix.loader.mixer import StreamMixer
+    from foundrymix.plan.data_config import batch_per_rank
+
+    # a data-only YAML has no trainer keys: the trainer's defaults (the per-rank train batch, every batch)
+    eval_batch = getattr(cfg, 'device_eval_batch_size', None) or batch_per_rank(cfg, world_size)
+    plan = StreamMixer(cfg.eval_loader, 'eval_loader').plan(eval_batch, None, world_size, nodes)
+    per_stream = dict(plan.nominal_rows_per_epoch)  # what the weights ask for, before whole batches
+    whole = plan.batches_per_epoch
+    subset = getattr(cfg, 'eval_subset_num_batches', -1)
+    batches = whole if subset < 0 else min(whole, subset)
+    gbs = plan.global_batch_size
+    return EvalPlan(rows=sum(per_stream.values()), rows_per_stream=per_stream, global_batch_size=gbs,
+                    batches=batches, rows_evaluated=batches * gbs,
+                    left_out_by_batches=sum(plan.left_out_per_epoch.values()),
+                    left_out_by_subset=(whole - batches) * gbs)
 
 
 @collector_paused()  # as the trainer reads and plans a run (foundrymix/heap.py)
@@ -96,11 +128,13 @@ def _run(args: argparse.Namespace) -> int:
     world, nodes = _topology(args)
     run, cfg = _plan(args.config, args.overrides, world, args.max_duration, nodes, args.rank_counts)
     plan = run if run.explicit else run.stages[0].plan
-    schedule = lr_schedule(cfg, run)
-    lr = cfg.optimizer.lr if schedule is not None else None
-    from foundrymix.tools.plan_eval import eval_json, print_eval
+    schedule = lr = None  # the run's wsd schedule as the trainer's scheduler evaluates it (not Composer's)
+    if getattr(cfg, 'scheduler', None) is not None and cfg.scheduler.name == 'wsd':
+        from foundrymix.train.lr_schedule import Timeline, resolve_wsd
+        schedule, lr = resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run)), cfg.optimizer.lr
+    evals = eval_plan(cfg, world, nodes)
     if args.json:
-        out = {**plan.to_dict(), **eval_json(cfg, world, nodes)}
+        out = {**plan.to_dict(), **({} if evals is None else {'eval': asdict(evals)})}
         if schedule is not None:
             out['lr_schedule'] = schedule.to_dict(lr)
         print(json.dumps(out, indent=2))
@@ -115,7 +149,8 @@ def _run(args: argparse.Namespace) -> int:
             render_plan(plan, console, all_streams=args.streams == 'all')
         if schedule is not None:
             render_lr_schedule(schedule, lr, console)
-        print_eval(cfg, world, nodes, console)
+        if evals is not None:
+            console.print(evals.text(), markup=False)
     if args.png:
         from foundrymix.train.picture import plot_run_plan
         plot_run_plan(run, args.png, lr=(schedule, lr) if schedule is not None else None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from foundrymix.plan.mixture import EVERY_STREAM_HINT, Plan, StreamPlan, under_one_pass_warnings
 from foundrymix.plan.stages import stream_location
@@ -15,17 +15,21 @@ MAX_STREAM_ROWS = 20
 EXTREME_ROWS = 5
 
 
-def group_of(name: str) -> Optional[str]:
-    """A stream's group: its name up to the first ``/`` (``web/en`` -> ``web/``), if any."""
-    return name.split('/', 1)[0] + '/' if '/' in name else None
-
-
 def groups(names: Any) -> dict[str, list[str]]:
-    """Group -> member names, in first-seen order; only when some group has 2+ members."""
+    """Group (a name up to its first ``/``: ``web/en`` -> ``web/``) -> member names, in first-seen
+    order; only when some group has 2+ members."""
     out: dict[str, list[str]] = {}
     for n in names:
-        out.setdefault(group_of(n) or '(no group)', []).append(n)
+        out.setdefault(n.split('/', 1)[0] + '/' if '/' in n else '(no group)', []).append(n)
     return out if any(len(m) > 1 and g != '(no group)' for g, m in out.items()) else {}
+
+
+def _most_least(values: Mapping[str, Any], spec: str) -> str:
+    """``most: a 9, b 8; least: z 0, y 1``: the :data:`EXTREME_ROWS` largest and smallest."""
+    order = sorted(values, key=lambda k: values[k])
+    most = ', '.join(f'{k} {values[k]:{spec}}' for k in reversed(order[-EXTREME_ROWS:]))
+    least = ', '.join(f'{k} {values[k]:{spec}}' for k in order[:EXTREME_ROWS])
+    return f'most: {most}; least: {least}'
 
 
 def counts_text(counts: Mapping[str, int], all_streams: bool = False) -> str:
@@ -33,11 +37,7 @@ def counts_text(counts: Mapping[str, int], all_streams: bool = False) -> str:
     extremes and the groups (one line of 1,000 streams read as noise)."""
     if all_streams or len(counts) <= MAX_STREAM_ROWS:
         return ', '.join(f'{k} {v:,}' for k, v in counts.items())
-    order = sorted(counts, key=lambda k: counts[k])
-    most = ', '.join(f'{k} {counts[k]:,}' for k in reversed(order[-EXTREME_ROWS:]))
-    least = ', '.join(f'{k} {counts[k]:,}' for k in order[:EXTREME_ROWS])
-    text = (f'{len(counts):,} streams, {sum(counts.values()):,} in all; most: {most}; '
-            f'least: {least}')
+    text = f'{len(counts):,} streams, {sum(counts.values()):,} in all; {_most_least(counts, ",")}'
     grouped = groups(counts)
     if grouped:
         text += '; by group: ' + ', '.join(
@@ -85,14 +85,12 @@ def render_ranks(plan: Plan, console: Any, all_streams: bool = False) -> None:
         console.print(f'  {n}: {min(counts):,}..{max(counts):,} rows per rank per epoch')
 
 
-def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> None:
-    """Print ``plan``: the per-epoch mixture table, the run length, notes and warnings.
-
-    Beyond :data:`MAX_STREAM_ROWS` streams (unless ``all_streams``) the table shows the
-    largest and smallest streams by share and the totals, then a table per group."""
+def render_plan(plan: Plan, console: Any, all_streams: bool = False) -> None:
+    """Print ``plan``: the per-epoch mixture table (beyond :data:`MAX_STREAM_ROWS` streams, unless
+    ``all_streams``, the largest and smallest by share and the totals), the groups, the run length,
+    notes and warnings."""
     from rich.table import Table
 
-    console = console or console_for_output()
     table = Table(title=f'Mixture per epoch ({plan.epoch_size:,} rows of {plan.max_seq_len} '
                         f'tokens; batching {plan.batching_method}, seed {plan.shuffle_seed})')
     for col in ('stream', 'kind', 'rows', 'rows/epoch', 'passes', 'seen', 'share',
@@ -128,17 +126,15 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
     render_ranks(plan, console, all_streams)
     if plan.duration:
         d = plan.duration
-        where = (f'stops in epoch {d.last_epoch} after batch {d.last_batch_in_epoch:,} '
-                 f'(sample {d.last_sample_in_epoch:,} of the epoch)' if d.ends_mid_epoch
-                 else f'ends exactly at the end of epoch {d.last_epoch}')
         if plan.adaptive:  # segments read by cursors: the configured epochs do not apply
-            where = ('in adaptive segments (the per-epoch figures above are the configured '
-                     'start\'s epochs)')
+            where = 'in adaptive segments (the per-epoch figures above are the configured start\'s epochs)'
+        elif d.ends_mid_epoch:
+            where = (f'= {d.epochs:.4g} epochs ({d.full_epochs} full); stops in epoch {d.last_epoch} after '
+                     f'batch {d.last_batch_in_epoch:,} (sample {d.last_sample_in_epoch:,} of the epoch)')
         else:
-            where = f'= {d.epochs:.4g} epochs ({d.full_epochs} full); {where}'
+            where = f'= {d.epochs:.4g} epochs ({d.full_epochs} full); ends exactly at the end of epoch {d.last_epoch}'
         console.print(f'{plan.duration_name} {d.max_duration}: {d.total_batches:,} batches, '
-                      f'{d.total_samples:,} samples, {d.total_tokens:,} tokens '
-                      f'{where}')
+                      f'{d.total_samples:,} samples, {d.total_tokens:,} tokens {where}')
         scope = 'the run' if plan.duration_name == 'max_duration' else 'the stage'
         if d.rows_per_stream is not None:
             console.print(f'rows trained per stream over {scope}: '
@@ -147,7 +143,7 @@ def render_plan(plan: Plan, console: Any = None, all_streams: bool = False) -> N
             console.print(passes_line(d.passes_per_stream, scope, all_streams))
     if plan.counted:
         console.print('counted: ' + '; '.join(f'{k.replace("_", " ")} {v}'
-                                               for k, v in plan.counted.items()))
+                                              for k, v in plan.counted.items()))
     for note in plan.notes:
         console.print(f'note: {note}')
     for warning in plan.warnings:
@@ -187,14 +183,10 @@ def render_groups(plan: Plan, console: Any) -> None:
 
 def passes_line(passes: dict[str, float], scope: str, all_streams: bool = False) -> str:
     """``passes over the run: web 2.00, code 0.87`` -- how many times each stream's rows are
-    trained in all (rows trained / rows), the question a mixture by shares leaves open.
-    Beyond :data:`MAX_STREAM_ROWS` streams: the most and least passed over."""
+    trained in all (rows trained / rows); beyond :data:`MAX_STREAM_ROWS` streams, the extremes."""
     if all_streams or len(passes) <= MAX_STREAM_ROWS:
         return f'passes over {scope}: ' + ', '.join(f'{k} {v:.2f}' for k, v in passes.items())
-    order = sorted(passes, key=lambda k: passes[k])
-    most = ', '.join(f'{k} {passes[k]:.2f}' for k in reversed(order[-EXTREME_ROWS:]))
-    least = ', '.join(f'{k} {passes[k]:.2f}' for k in order[:EXTREME_ROWS])
-    return f'passes over {scope} ({len(passes):,} streams): most: {most}; least: {least}'
+    return f'passes over {scope} ({len(passes):,} streams): {_most_least(passes, ".2f")}'
 
 
 def seen_text(s: StreamPlan) -> str:
@@ -207,11 +199,10 @@ def seen_text(s: StreamPlan) -> str:
             f'{s.rows_seen_extra:,} rows {s.full_passes + 1}x')
 
 
-def render_run_plan(run: Any, console: Any = None, all_streams: bool = False) -> None:
+def render_run_plan(run: Any, console: Any, all_streams: bool = False) -> None:
     """Print a staged run: the stages and where they fall, each stage's mixture, the totals."""
     from rich.table import Table
 
-    console = console or console_for_output()
     rows = (f'{run.global_batch_size} rows' if not run.batch_varies else
             f'{min(run.batch_sizes)}-{max(run.batch_sizes)} rows')
     # batch: the stage's global batch (rows); first/last: its global batches; epochs: of

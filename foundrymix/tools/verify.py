@@ -1,29 +1,24 @@
-"""``foundrymix verify DIR|REMOTE``: check every shard of a converted directory, byte for byte.
-
-Local or ``s3://``: manifest and index parse with the schema's columns; every shard file has its
-recorded size and hashes; every row passes :func:`~foundrymix.format.schema.check_row`; rows and
-tokens equal the manifest's. One line per shard and a verdict; exit 0 iff intact, 1 if damaged,
-2 for usage errors. The checks live in :mod:`foundrymix.format.shards`.
-"""
+"""``foundrymix verify DIR|REMOTE``: check every shard of a converted directory, local or remote,
+byte for byte, with :mod:`foundrymix.format.shards`' checks; exit 0 iff intact, 1 if damaged."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from foundrymix.errors import MissingError
-from foundrymix.format.advice import adopt_advice, read_index_or_none, splits_advice
+from foundrymix.errors import MissingError, UserError
 from foundrymix.format.row_errors import format_row_error
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
-from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, ShardProblem, shard_raw_bytes, iter_shard_rows,
-                               hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
-                               validate_index)
+from foundrymix.format.shards import (INDEX_NAME, IndexFileError, ShardProblem, hashes_dropped_problem, is_not_found,
+                                      iter_shard_rows, read_index, row_count_problem, shard_hash_checks,
+                                      shard_header_problems, shard_name, shard_raw_bytes)
 from foundrymix.s3.remote import download
 
 #: row problems listed per shard (all are counted)
@@ -95,17 +90,22 @@ def is_remote(location: str) -> bool:
     return '://' in location and not location.startswith('file://')
 
 
-class _Source:
-    """Where shard files come from: a local directory, or a remote one fetched into a temp dir."""
+class Source:
+    """A directory's files by basename: a local directory's own, or a remote one's fetched into a
+    temporary directory, removed on exit."""
 
     def __init__(self, location: str, timeout: float) -> None:
-        self.location = location.rstrip('/') if is_remote(location) else location
-        self.timeout = timeout
         self.remote = is_remote(location)
-        self.dir = tempfile.mkdtemp(prefix='foundrymix-verify-') if self.remote else location
+        self.location = location.rstrip('/') if self.remote else location
+        self.timeout = timeout
+        self.dir = tempfile.mkdtemp(prefix='foundrymix-remote-') if self.remote else location
 
-    def path(self, basename: str) -> str:
-        return os.path.join(self.dir, basename)
+    def __enter__(self) -> 'Source':
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.remote:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def name(self, basename: str) -> str:
         """How to name a file in messages: its remote URL or local path."""
@@ -113,7 +113,7 @@ class _Source:
 
     def fetch(self, basename: str) -> Optional[str]:
         """Local path of a file of the directory, ``None`` if it does not exist."""
-        local = self.path(basename)
+        local = os.path.join(self.dir, basename)
         if not self.remote:
             return local if os.path.isfile(local) else None
         try:
@@ -126,74 +126,55 @@ class _Source:
 
     def release(self, basename: str) -> None:
         if self.remote:
-            try:
-                os.remove(self.path(basename))
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.dir, basename))
 
-    def close(self) -> None:
-        if self.remote:
-            shutil.rmtree(self.dir, ignore_errors=True)
+    def manifest(self) -> Manifest:
+        """The directory's manifest, refused as :meth:`Manifest.read` refuses it (a missing one
+        with what the directory holds instead), naming the remote location, not the download."""
+        if self.fetch(MANIFEST_NAME) is None and self.remote:
+            self.fetch(INDEX_NAME)  # MDS written by another tool: the refusal says to adopt it
+        try:
+            return Manifest.read(self.dir)
+        except (MissingError, ValueError) as e:
+            if not self.remote:
+                raise
+            error = MissingError if isinstance(e, MissingError) else UserError
+            raise error(str(e).replace(self.dir, self.location)) from None
 
 
-def verify(location: str, timeout: float = DEFAULT_TIMEOUT,
-           on_shard: Optional[Callable[[ShardReport], None]] = None) -> VerifyReport:
+def verify(location: str, timeout: float = DEFAULT_TIMEOUT) -> VerifyReport:
     """Verify a foundrymix directory (local path or remote URL): damage goes in the report;
     ``FileNotFoundError`` if it is not one, ``ConnectionError`` if a remote cannot be read."""
     if not is_remote(location) and not os.path.isdir(location):
         raise MissingError(f'{location}: no such directory')
-    source = _Source(location, timeout)
-    try:
-        return _verify(source, on_shard)
-    finally:
-        source.close()
+    with Source(location, timeout) as source:
+        return _verify(source)
 
 
-def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) -> VerifyReport:
+def _verify(source: Source) -> VerifyReport:
     report = VerifyReport(location=source.location)
-    manifest_path = source.fetch(MANIFEST_NAME)
-    if manifest_path is None:
-        index_path = source.fetch(INDEX_NAME)
-        if index_path is not None:
-            raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; '
-                               f'{adopt_advice(source.location, read_index_or_none(index_path))}')
-        splits = splits_advice(source.location) if '://' not in source.location else None
-        raise MissingError(f'{source.name(MANIFEST_NAME)}: no foundrymix manifest; ' + (splits or (
-            f'is {source.location!r} a directory made by `foundrymix convert`?')))
     try:
-        manifest = Manifest.read(os.path.dirname(manifest_path))
-    except ValueError as e:
-        report.problems.append(str(e).replace(manifest_path, source.name(MANIFEST_NAME)))
+        manifest: Optional[Manifest] = source.manifest()
+    except ValueError as e:  # a damaged manifest (a missing one raises)
+        report.problems.append(str(e))
         manifest = None
-    index_path = source.fetch(INDEX_NAME)
-    index = None
-    if index_path is None:
+    if source.fetch(INDEX_NAME) is None:
         report.problems.append(f'{source.name(INDEX_NAME)}: missing (an incomplete conversion or copy?)')
-    else:
-        try:
-            with open(index_path, encoding='utf-8') as f:
-                index = validate_index(json.load(f), source.name(INDEX_NAME))
-        except json.JSONDecodeError as e:
-            report.problems.append(f'{source.name(INDEX_NAME)}: not valid JSON ({e}); the index is damaged')
-        except (IndexFileError, UnicodeDecodeError) as e:
-            report.problems.append(str(e))
-    if index is None:
+        return report
+    try:
+        index = read_index(source.dir)
+    except IndexFileError as e:
+        report.problems.append(str(e).replace(source.dir, source.location))
         return report
 
-    vocab = manifest.tokenizer.vocab_size if manifest else None
-    seq = manifest.max_seq_len if manifest else None
-    columns = mds_columns(manifest.max_seq_len, manifest.token_dtype) if manifest else None
     first_row = 0
     for shard in index['shards']:
-        shard_report = _verify_shard(source, shard, vocab, seq, columns, first_row)
+        report.shards.append(_verify_shard(source, shard, manifest, first_row))
         first_row += int(shard['samples'])
-        report.shards.append(shard_report)
-        if on_shard is not None:
-            on_shard(shard_report)
 
-    report.found = {'rows': sum(s.rows_ok for s in report.shards),
-                    'tokens': sum(s.tokens for s in report.shards),
-                    'loss_tokens': sum(s.loss_tokens for s in report.shards)}
+    report.found = {key: sum(getattr(s, attr) for s in report.shards)
+                    for key, attr in (('rows', 'rows_ok'), ('tokens', 'tokens'), ('loss_tokens', 'loss_tokens'))}
     if manifest is not None:
         c = manifest.counts
         report.expected = {'rows': c.rows, 'tokens': c.tokens, 'loss_tokens': c.loss_tokens}
@@ -215,48 +196,40 @@ def _verify(source: _Source, on_shard: Optional[Callable[[ShardReport], None]]) 
     return report
 
 
-def _verify_shard(source: _Source, shard: dict[str, Any], vocab: Optional[int], seq: Optional[int],
-                  columns: Optional[dict[str, str]], first_row: int) -> ShardReport:
-    """Every check of one shard, in order, into one report line: fetch, size, hashes,
-    decompression, header, rows. Kept as one sequence because each step reads
-    what the previous produced and a failure ends the later ones with a named reason."""
+def _verify_shard(source: Source, shard: dict[str, Any], manifest: Optional[Manifest], first_row: int) -> ShardReport:
+    """Every check of one shard, in order (fetch, size, hashes, decompression, header, rows), into
+    its report: each step reads what the previous produced, and a failure ends the later ones."""
     name = shard_name(shard)
     raw_info, zip_info = shard['raw_data'], shard.get('zip_data')
     stored = zip_info or raw_info  # what a conversion writes
     rep = ShardReport(file=name, rows_expected=int(shard['samples']), bytes_expected=int(stored['bytes']))
-    if columns is not None:
+    if manifest is not None:
+        columns = mds_columns(manifest.max_seq_len, manifest.token_dtype)
         found_columns = dict(zip(shard['column_names'], shard['column_encodings']))
         if found_columns != columns:
             rep.problems.append(f'{source.name(name)}: columns {found_columns} are not the foundrymix '
                                 f'schema of the manifest {columns}')
 
     # Files present: locally the raw and/or the compressed one; remotely the stored one.
-    candidates = [stored] if source.remote else [i for i in (raw_info, zip_info) if i]
     files: dict[str, bytes] = {}
-    for info in candidates:
+    checks = []
+    for info in [stored] if source.remote else [i for i in (raw_info, zip_info) if i]:
         path = source.fetch(info['basename'])
         if path is None:
             continue
-        try:
-            with open(path, 'rb') as f:
-                files[info['basename']] = f.read()
-        finally:
-            source.release(info['basename'])
+        with open(path, 'rb') as f:
+            data = files[info['basename']] = f.read()
+        source.release(info['basename'])
+        if len(data) != int(info['bytes']):
+            rep.problems.append(ShardProblem(name, source.name(info['basename']), 'size',
+                                             int(info['bytes']), len(data)).describe())
+        checks += shard_hash_checks(info, data)
     if not files:
         rep.problems.append(ShardProblem(name, source.name(stored['basename']), 'missing',
                                          int(stored['bytes']), None).describe())
         rep.bad_rows = rep.rows_expected
         return rep
     rep.bytes_found = len(files.get(stored['basename'], next(iter(files.values()))))
-
-    checks = []
-    for info in (raw_info, zip_info):
-        if info and info['basename'] in files:
-            data = files[info['basename']]
-            if len(data) != int(info['bytes']):
-                rep.problems.append(ShardProblem(name, source.name(info['basename']), 'size',
-                                                 int(info['bytes']), len(data)).describe())
-            checks += shard_hash_checks(info, data)
 
     raw = files.get(raw_info['basename'])
     if raw is None:  # only the compressed file
@@ -287,7 +260,8 @@ def _verify_shard(source: _Source, shard: dict[str, Any], vocab: Optional[int], 
 
     rep.problems += [f'{source.name(name)}: {p}' for p in shard_header_problems(raw, shard)]
     listed = 0
-    for result in iter_shard_rows(raw, shard, vocab, seq):
+    for result in iter_shard_rows(raw, shard, manifest and manifest.tokenizer.vocab_size,
+                                  manifest and manifest.max_seq_len):
         if result.problem is None:
             rep.rows_ok += 1
             rep.tokens += int(result.value['doc_lens'].sum())
@@ -353,11 +327,7 @@ def print_report(report: VerifyReport, file: Any = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        report = verify(args.location, timeout=args.timeout)
-    except ConnectionError as e:
-        print(f'foundrymix verify: error: {e}', file=sys.stderr)
-        return 2
+    report = verify(args.location, timeout=args.timeout)  # a RemoteError: one line, exit 2
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
