@@ -16,20 +16,19 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
-from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records
+from foundrymix.convert.driver import Converter, convert, parse_records
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
 from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
-                                         read_column_arrays)
+                                         read_column_arrays, shard_count)
 from foundrymix.convert.paths import check_overlap, is_url
-from foundrymix.convert.pipeline import ChunkErrors
+from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
 from foundrymix.convert.readers import BadRecord, Chunk
-from foundrymix.convert.writer import check_output_dir
+from foundrymix.convert.output import check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.foundry_tokens import document_rule
 from foundrymix.format.schema import Manifest, RowBatch
 from foundrymix.tokenizer import describe_tokenizer
-from foundrymix.convert.mds_input import shard_count
 
 #: the column sets adopt reads, and what they are
 KINDS = {
@@ -38,6 +37,8 @@ KINDS = {
     'prompt_response': 'LLM-Foundry finetune text (prompt, response: str)',
     'turns': 'LLM-Foundry tokenized finetune (turns: json)',
 }
+#: the ``convert KIND --from-mds`` that reads each of :data:`KINDS`
+COMMANDS = {'tokens': 'pretrain', 'text': 'pretrain', 'prompt_response': 'finetune', 'turns': 'finetune'}
 
 
 def source_kind(split: MdsSplit) -> str:
@@ -93,7 +94,7 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
         ends = np.flatnonzero(stream == o.boundary_id)
     else:
         ends = np.zeros(0, dtype=np.int64)
-    return _ChunkIds(len(row_lens), len(ends), ChunkErrors(), {}, stream, ends)
+    return _ChunkIds(len(row_lens), len(ends), [], {}, stream, ends)
 
 
 class _TokenRows(_PretrainRows):
@@ -159,7 +160,7 @@ class AdoptArgs:
     max_seq_len: Optional[int] = None  # default: the source's window (tokens), else 2048
     chat_loss: str = 'all'  # turns: loss on every turn's labels, or the last turn's (Foundry's default)
     common: dict[str, Any] = field(default_factory=dict)  # ConvertOptions fields (workers, ...)
-    kinds: tuple[str, ...] = ()  # only these KINDS (`convert pretrain|finetune --from-mds`); default: any
+    command: Optional[str] = None  # `convert pretrain|finetune --from-mds`: only its COMMANDS; default: any
     origin: Optional[str] = None  # the s3:// URL ``source`` (a local copy) was copied from
 
 
@@ -223,10 +224,8 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
         splits = [s for s in splits if s.name in args.splits]
     kinds = [source_kind(s) for s in splits]
     for s, k in zip(splits, kinds):
-        if args.kinds and k not in args.kinds:
-            other = next(c for c, ks in (('pretrain', ('tokens', 'text')),
-                                         ('finetune', ('prompt_response', 'turns'))) if k in ks)
-            raise UserError(f'{s.path}: holds {KINDS[k]}; that is `foundrymix convert {other} --from-mds` '
+        if args.command and COMMANDS[k] != args.command:
+            raise UserError(f'{s.path}: holds {KINDS[k]}; that is `foundrymix convert {COMMANDS[k]} --from-mds` '
                             f'(or `foundrymix adopt`)')
     if args.tokenizer is None:  # the demo tokenizer would be taken in silence (and 2048 with it)
         s, k = splits[0], kinds[0]
@@ -330,7 +329,7 @@ def _as_source(base: Any) -> Any:
     return options
 
 
-TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads', choose_parallel=None,
+TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads',
                 manifest_options=_as_source(FINETUNE.manifest_options))
 TOKENS = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_tokens, parallel='threads',
                    builder=_TokenRows, manifest_options=_as_source(lambda o, s: o.to_manifest()), tokenizes=False)

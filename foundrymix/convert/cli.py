@@ -156,8 +156,6 @@ def _out(args: argparse.Namespace) -> Any:
 _ADOPT_OPTIONS = ('inputs', 'out', 'tokenizer', 'max_seq_len', 'from_mds', 'split', 'workers', 'overwrite',
                   'on_error', 'bos', 'eos', 'compression', 'size_limit', 'hash', 'progress', 'chat_loss', 'func',
                   'command', 'convert_kind', 'parser')
-#: what each ``convert KIND --from-mds`` accepts (:data:`foundrymix.convert.adopt.KINDS`)
-_FROM_MDS_KINDS = {'pretrain': ('tokens', 'text'), 'finetune': ('prompt_response', 'turns')}
 
 
 def _from_mds(args: argparse.Namespace) -> int:
@@ -170,7 +168,7 @@ def _from_mds(args: argparse.Namespace) -> int:
                             f"as they are; see `foundrymix adopt -h`); leave it out")
     args.source, args.split = args.inputs[0], [args.split] if args.split else None
     args.chat_loss = getattr(args, 'chat_loss', 'all')
-    return _run_adopt(args, kinds=_FROM_MDS_KINDS[args.convert_kind])
+    return _run_adopt(args, command=args.convert_kind)
 
 
 def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
@@ -181,7 +179,7 @@ def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_adopt(args: argparse.Namespace, kinds: tuple[str, ...] = ()) -> int:
+def _run_adopt(args: argparse.Namespace, command: Optional[str] = None) -> int:
     from foundrymix.convert.adopt import AdoptArgs, adopt
     common = {k: getattr(args, k) for k in ('workers', 'overwrite', 'on_error', 'bos', 'eos',
                                             'compression', 'size_limit')}
@@ -189,7 +187,7 @@ def _run_adopt(args: argparse.Namespace, kinds: tuple[str, ...] = ()) -> int:
     with _lean():
         adopt(AdoptArgs(source=args.source, out=args.out, splits=tuple(args.split or ()),
                         tokenizer=args.tokenizer, max_seq_len=args.max_seq_len, chat_loss=args.chat_loss,
-                        common=common, kinds=kinds),
+                        common=common, command=command),
               progress=args.progress)
     return 0
 

@@ -12,7 +12,8 @@ from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importi
 from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, split_out
 from foundrymix.convert.discover import discover_inputs
 from foundrymix.convert.mds_input import is_mds_dir
-from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir
+from foundrymix.convert.output import check_output_dir
+from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
 from foundrymix.errors import UserError
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info

@@ -19,22 +19,12 @@ from foundrymix.convert import holdout as held, ray_engine
 from foundrymix.convert.common import ConvertOptions, Setup, init_worker, prepare, worker_options
 from foundrymix.convert.paths import OutSpec, split_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
-from foundrymix.convert.pipeline import ChunkErrors, LineCounter, Progress, apply_error_policy, ordered_map
+from foundrymix.convert.pipeline import ChunkErrors, ChunkResult, InputTally, Progress, ordered_map
 from foundrymix.convert.readers import BadRecord, Chunk, lone_surrogate, plan_chunks, read_records
 from foundrymix.convert.report import check_rows, print_summary
 from foundrymix.convert.writer import ShardWriter
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest
-
-
-@dataclass
-class ChunkResult:
-    """What every encode step returns besides its arrays: lines and records seen, errors."""
-
-    n_lines: int
-    n_records: int
-    errors: ChunkErrors
-    dropped: dict[str, int]  # records left out on purpose, by reason (manifest.dropped)
 
 
 def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable[[dict], Any],
@@ -48,7 +38,7 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
     holdout = getattr(worker_options(), 'holdout', None)
     n_lines, records = (read_records(chunk, fields) if holdout is None
                         else held.side_records(chunk, fields, holdout, on_error))
-    errors = ChunkErrors()
+    errors: ChunkErrors = []
     parsed: list[Any] = []
     dropped: dict[str, int] = {}
     for path, index, rec in records:
@@ -61,7 +51,7 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
                 rec = lone_surrogate(rec, None) or rec
         item = rec if isinstance(rec, BadRecord) else parse(rec)
         if isinstance(item, BadRecord):
-            errors.add(path, index, item.reason, item.detail)
+            errors.append((path, index, item))
             if on_error == 'raise':
                 break
             continue
@@ -99,20 +89,19 @@ class Converter:
     kind: str  # Manifest.kind
     noun: str  # what a record is, for messages: documents | examples
     encode_chunk: Callable[[Chunk], ChunkResult]
-    parallel: str  # default ConvertOptions.parallel
+    #: the default ConvertOptions.parallel, or what picks it from the inputs and options
+    parallel: str | Callable[[Setup, Any], str]
     builder: Callable[[Setup, Any, Manifest], RowBuilder]
     manifest_options: Callable[[Any, Setup], dict[str, Any]]
     min_content: int = 1
-    #: picks the default parallel mode from the inputs and options instead of ``parallel``
-    choose_parallel: Optional[Callable[[Setup, Any], str]] = None
     #: False: the encode step never tokenizes (only the tokenizer's ids are needed)
     tokenizes: bool = True
 
     def parallel_mode(self, setup: Setup, options: ConvertOptions) -> str:
         """``options.parallel`` if given, else this converter's default for these inputs."""
-        if options.parallel:
-            return options.parallel
-        return self.choose_parallel(setup, options) if self.choose_parallel else self.parallel
+        if options.parallel or isinstance(self.parallel, str):
+            return options.parallel or self.parallel
+        return self.parallel(setup, options)
 
 
 def convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
@@ -202,7 +191,7 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
     """Stream chunks through the workers, build rows, write shards, fill ``manifest``: the output
     appears only if everything succeeded. ``(seconds, row builder, upload summary or None)``."""
     builder = converter.builder(setup, options, manifest)
-    lines = LineCounter()
+    tally = InputTally(options.on_error, manifest)
     progress = Progress(options.progress, f'convert {converter.kind}')
     initargs = (options, setup.bos_id, setup.eos_id, setup.token_dtype)
     chunks = plan_chunks(setup.inputs, options.chunk_bytes)
@@ -214,11 +203,7 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
                         remote=setup.remote) as writer:
         try:
             for chunk, res in results:
-                apply_error_policy(chunk, res.errors, lines.first_line(chunk, res.n_lines),
-                                   options.on_error, manifest)
-                manifest.counts.documents_read += res.n_records
-                for reason, n in res.dropped.items():
-                    manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
+                tally.add(chunk, res)
                 for row in builder.add(res):
                     writer.write(row)
                 progress.update(*builder.progress(res))

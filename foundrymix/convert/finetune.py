@@ -17,16 +17,13 @@ import numpy as np
 from foundrymix.convert.chat import Segments, chat_segments
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.paths import OutSpec
-from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records
+from foundrymix.convert.driver import Converter, RowBuilder, convert, parse_records
 from foundrymix.convert.encode import encode_texts
 from foundrymix.convert.mapping import Template, parse_template, read_fields
-from foundrymix.convert.packing import Packer, build_row
-from foundrymix.convert.pipeline import ChunkErrors
+from foundrymix.convert.pipeline import ChunkErrors, ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
 from foundrymix.errors import UserError
-from foundrymix.format.schema import Manifest
-
-__all__ = ['CHAT_LOSS', 'TOO_LONG', 'FinetuneOptions', 'Packer', 'convert_finetune']
+from foundrymix.format.schema import Manifest, encode_row
 
 TOO_LONG = ('drop', 'truncate')
 CHAT_LOSS = ('all', 'last')
@@ -75,6 +72,53 @@ class _ChunkExamples(ChunkResult):
         for end, span_end in zip(ends, span_ends):
             yield self.tokens[start:end], self.spans[span_start:span_end]
             start, span_start = end, span_end
+
+
+class Packer:
+    """Deterministic first-fit packing: an example goes into the oldest open row with room, else a
+    new one (past ``window`` open rows the oldest is written). Examples are never split; rows
+    depend only on the input order."""
+
+    def __init__(self, max_seq_len: int, window: int) -> None:
+        self.max_seq_len = max_seq_len
+        self.window = window
+        self.open: list[list[tuple[np.ndarray, np.ndarray]]] = []
+        self.used: list[int] = []
+
+    def add(self, ids: np.ndarray, spans: np.ndarray) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """Place one example; return the rows that are finished now."""
+        n = len(ids)
+        for r, used in enumerate(self.used):
+            if used + n <= self.max_seq_len:
+                self.open[r].append((ids, spans))
+                self.used[r] += n
+                return [self._close(r)] if self.used[r] == self.max_seq_len else []
+        self.open.append([(ids, spans)])
+        self.used.append(n)
+        if n == self.max_seq_len:
+            return [self._close(len(self.open) - 1)]
+        return [self._close(0)] if len(self.open) > self.window else []
+
+    def _close(self, r: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        self.used.pop(r)
+        return self.open.pop(r)
+
+    def flush(self) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        rows, self.open, self.used = self.open, [], []
+        return rows
+
+
+def build_row(examples: list[tuple[np.ndarray, np.ndarray]], max_seq_len: int, pad_id: int,
+              token_dtype: str) -> dict[str, np.ndarray]:
+    """One padded MDS row from packed examples (spans shifted to row positions)."""
+    ids = np.full(max_seq_len, pad_id, dtype=token_dtype)
+    spans, lens, pos = [], [], 0
+    for ex_ids, ex_spans in examples:
+        ids[pos:pos + len(ex_ids)] = ex_ids
+        spans.append(ex_spans + pos)
+        lens.append(len(ex_ids))
+        pos += len(ex_ids)
+    return encode_row(ids, np.concatenate(spans), lens, token_dtype)
 
 
 def _templates(o: FinetuneOptions) -> tuple[Optional[Template], Optional[Template]]:
@@ -282,9 +326,8 @@ def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
 
 
 # min_content: room for at least one prompt token and one response token
-FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chunk, parallel=FINETUNE_PARALLEL,
-                     builder=_FinetuneRows, manifest_options=_manifest_options, min_content=2,
-                     choose_parallel=_default_parallel)
+FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chunk, parallel=_default_parallel,
+                     builder=_FinetuneRows, manifest_options=_manifest_options, min_content=2)
 
 
 def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions) -> Manifest:

@@ -8,19 +8,19 @@ the Rust tokenizer (it releases the GIL); forked ``processes`` suit Python-heavy
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import os
 import sys
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from foundrymix.convert.process_pool import PARALLELISM_ENV, ProcessPool, WorkerDied  # noqa: F401 (re-exported)
-from foundrymix.convert.readers import Chunk, InputError, location
-from foundrymix.errors import UserError
+from foundrymix.convert.process_pool import PARALLELISM_ENV, ProcessPool
+from foundrymix.convert.readers import BadRecord, Chunk, InputError, location
 from foundrymix.format.schema import SKIP_LOCATIONS, Manifest
 
 PARALLEL_MODES = ('threads', 'processes')
@@ -48,110 +48,93 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class ordered_map:
-    """Yield ``(chunk, fn(chunk))`` in chunk order, computed by ``workers`` threads or processes.
+@contextlib.contextmanager
+def _set_env(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
 
-    A context manager that starts the first chunks at once; processes fork before the shard
-    writer imports ``streaming``, so they stay small."""
 
-    def __init__(self, fn: Callable[[Chunk], Any], chunks: Iterable[Chunk], workers: int,
-                 initializer: Callable[..., None], initargs: tuple, mode: str = 'threads') -> None:
-        if mode not in PARALLEL_MODES:
-            raise UserError(f"parallel mode must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
-        self.fn = fn
-        self.chunks = iter(chunks)
-        self.pool: Optional[ProcessPool] = None
-        self.threads: Optional[ThreadPoolExecutor] = None
-        self.pending: deque = deque()
-        self._saved_env: Optional[list[Optional[str]]] = None
-        self.depth = 2 * workers
-        if workers <= 1 or mode == 'threads':
+@contextlib.contextmanager
+def ordered_map(fn: Callable[[Chunk], Any], chunks: Iterable[Chunk], workers: int,
+                initializer: Callable[..., None], initargs: tuple,
+                mode: str = 'threads') -> Iterator[Iterator[tuple[Chunk, Any]]]:
+    """Yield an iterator of ``(chunk, fn(chunk))`` in chunk order, computed by ``workers`` threads
+    or processes. The first chunks start on entry: processes fork before the shard writer imports
+    ``streaming``, so they stay small."""
+    chunks = iter(chunks)
+    with contextlib.ExitStack() as stack:
+        if workers > 1 and mode == 'processes':
+            pool = stack.enter_context(contextlib.closing(ProcessPool(fn, workers, initializer, initargs)))
+            submit, result = pool.submit, pool.result
+        else:
             initializer(*initargs)
             # one Rust thread per worker thread: exactly ``workers`` cores tokenize
-            self._saved_env = [os.environ.get(PARALLELISM_ENV)]
-            os.environ[PARALLELISM_ENV] = 'false'
-            if workers > 1:
-                self.threads = ThreadPoolExecutor(workers, thread_name_prefix='foundrymix-encode')
-                self._submit(self.depth)
-            return
-        self.pool = ProcessPool(fn, workers, initializer, initargs)
-        self._submit(self.depth)
+            stack.enter_context(_set_env(PARALLELISM_ENV, 'false'))
+            if workers <= 1:
+                yield ((chunk, fn(chunk)) for chunk in chunks)
+                return
+            threads = ThreadPoolExecutor(workers, thread_name_prefix='foundrymix-encode')
+            # at most one chunk per thread is left to finish
+            stack.callback(threads.shutdown, wait=True, cancel_futures=True)
+            submit, result = functools.partial(threads.submit, fn), Future.result
+        pending = deque((chunk, submit(chunk)) for chunk in itertools.islice(chunks, 2 * workers))
 
-    def _submit(self, n: int) -> None:
-        for chunk in itertools.islice(self.chunks, n):
-            if self.threads is not None:
-                self.pending.append((chunk, self.threads.submit(self.fn, chunk)))
-            else:
-                self.pending.append((chunk, self.pool.submit(chunk)))
+        def ordered() -> Iterator[tuple[Chunk, Any]]:
+            while pending:
+                chunk, handle = pending.popleft()
+                pending.extend((c, submit(c)) for c in itertools.islice(chunks, 1))
+                yield chunk, result(handle)
+        yield ordered()
 
-    def __iter__(self) -> Iterator[tuple[Chunk, Any]]:
-        if self.pool is None and self.threads is None:
-            for chunk in self.chunks:
-                yield chunk, self.fn(chunk)
-            return
-        while self.pending:
-            chunk, res = self.pending.popleft()
-            self._submit(1)
-            yield chunk, res.result() if self.threads is not None else self.pool.result(res)
 
-    def __enter__(self) -> 'ordered_map':
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.threads is not None:
-            for _, fut in self.pending:
-                fut.cancel()
-            self.pending.clear()
-            self.threads.shutdown(wait=True)  # at most one chunk per thread left to finish
-            self.threads = None
-        if self._saved_env is not None:
-            os.environ.pop(PARALLELISM_ENV, None)
-            if self._saved_env[0] is not None:
-                os.environ[PARALLELISM_ENV] = self._saved_env[0]
-            self._saved_env = None
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+#: what a worker could not read in its chunk: ``(path, index in the chunk, why)`` each
+ChunkErrors = list[tuple[str, Optional[int], BadRecord]]
 
 
 @dataclass
-class ChunkErrors:
-    """What a worker could not read in its chunk: ``(path, index, reason, detail)`` each."""
+class ChunkResult:
+    """What every encode step returns besides its arrays: lines and records seen, errors."""
 
-    items: list[tuple[str, Optional[int], str, str]] = field(default_factory=list)
+    n_lines: int
+    n_records: int
+    errors: ChunkErrors
+    dropped: dict[str, int]  # records left out on purpose, by reason (manifest.dropped)
 
-    def add(self, path: str, index: Optional[int], reason: str, detail: str) -> None:
-        self.items.append((path, index, reason, detail))
 
+class InputTally:
+    """Counts each chunk's result into ``manifest`` and applies the error policy, fed the chunks
+    in input order (a byte range of a plain jsonl file does not know its first line)."""
 
-class LineCounter:
-    """Turns a chunk-relative record index into a file line, fed the chunks in order (a byte
-    range of a plain jsonl file does not know its first line)."""
-
-    def __init__(self) -> None:
+    def __init__(self, on_error: str, manifest: Manifest) -> None:
+        self.on_error = on_error
+        self.manifest = manifest
         self._next: dict[str, int] = {}
 
-    def first_line(self, chunk: Chunk, n_lines: int) -> Optional[int]:
-        if chunk.first_line is not None or chunk.fmt == 'txt':
-            return chunk.first_line
-        first = self._next.get(chunk.path, 1)
-        self._next[chunk.path] = first + n_lines
-        return first
-
-
-def apply_error_policy(chunk: Chunk, errors: ChunkErrors, first_line: Optional[int],
-                       on_error: str, manifest: Manifest) -> None:
-    """Raise :class:`InputError` for the first bad record, or count each in ``manifest.skipped``
-    (the first ``SKIP_LOCATIONS`` per reason located in ``manifest.skipped_at``)."""
-    for path, index, reason, detail in errors.items:
-        line = None if index is None or first_line is None else first_line + index
-        where = location(path, line, chunk.fmt)
-        if on_error != 'skip':
-            raise InputError(where, reason, detail)
-        manifest.skipped[reason] = manifest.skipped.get(reason, 0) + 1
-        seen = manifest.skipped_at.setdefault(reason, [])
-        if len(seen) < SKIP_LOCATIONS:
-            seen.append(where)
+    def add(self, chunk: Chunk, res: ChunkResult) -> None:
+        """Raise :class:`InputError` for the first bad record, or count each in ``manifest.skipped``
+        (the first ``SKIP_LOCATIONS`` per reason located in ``manifest.skipped_at``)."""
+        m = self.manifest
+        first = chunk.first_line
+        if first is None and chunk.fmt != 'txt':
+            first = self._next.get(chunk.path, 1)
+            self._next[chunk.path] = first + res.n_lines
+        for path, index, bad in res.errors:
+            where = location(path, None if index is None or first is None else first + index, chunk.fmt)
+            if self.on_error != 'skip':
+                raise InputError(where, bad.reason, bad.detail)
+            m.skipped[bad.reason] = m.skipped.get(bad.reason, 0) + 1
+            seen = m.skipped_at.setdefault(bad.reason, [])
+            if len(seen) < SKIP_LOCATIONS:
+                seen.append(where)
+        m.counts.documents_read += res.n_records
+        for reason, n in res.dropped.items():
+            m.dropped[reason] = m.dropped.get(reason, 0) + n
 
 
 class Progress:

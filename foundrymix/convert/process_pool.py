@@ -1,24 +1,31 @@
 """Forked worker processes that encode chunks; a worker that dies stops the conversion at once,
-named with its chunk and how it died (:class:`WorkerDied`), never waited on forever.
+named with its chunk and how it died (:class:`WorkerDied`), never waited on forever. Workers end
+when the process that forked them dies, even by SIGKILL, so an inherited ``flock`` on ``--out``
+never keeps a rerun out (``PR_SET_PDEATHSIG``, else a polling thread).
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
+import sys
 import threading
+import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional
 
-from foundrymix.convert.lifeline import die_with_parent
 from foundrymix.convert.readers import Chunk, describe
 from foundrymix.errors import FoundrymixError
 
 #: set to ``false`` in each worker, which tokenizes single-threaded
 PARALLELISM_ENV = 'TOKENIZERS_PARALLELISM'
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: how often the fallback thread looks for its parent, in seconds
+POLL_S = 0.2
 
 
 class WorkerDied(FoundrymixError, ValueError):
@@ -36,6 +43,24 @@ def _how(exitcode: Optional[int]) -> str:
             return 'was killed by SIGKILL (out of memory? fewer --workers need less memory)'
         return f'was killed by {name} (a crash in native code, e.g. one a --preprocess function calls?)'
     return f'exited with code {exitcode} (sys.exit or os._exit, e.g. in a --preprocess function?)'
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process (forked by ``parent``, in the thread that lives as long as the
+    pool: ``PR_SET_PDEATHSIG`` follows the forking thread) end when ``parent`` does."""
+    if sys.platform.startswith('linux'):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
+            if os.getppid() != parent:  # died before the setting was made
+                os._exit(1)
+            return
+    threading.Thread(target=_watch, args=(parent,), daemon=True, name='foundrymix-lifeline').start()
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    os._exit(1)
 
 
 def _work(index: int, fn: Callable[[Chunk], Any], initializer: Callable[..., None], initargs: tuple,

@@ -8,6 +8,7 @@ output differs from the local engine's only at task boundaries. docs/convert.md 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -15,12 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.common import ConvertOptions, Setup, init_worker
-from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, default_workers, importing
+from foundrymix.convert.pipeline import ChunkResult, InputTally, Progress, default_workers, importing
 from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
-from foundrymix.convert.writer import _FINISH, ShardWriter
+from foundrymix.convert.writer import _FINISH, ShardWriter, mds_writer, write_rows
 from foundrymix.errors import UserError
-from foundrymix.format.schema import Counts, Manifest, mds_columns, rows_of
+from foundrymix.format.schema import Counts, Manifest, mds_columns
 from foundrymix.format.shards import stored_name
 
 if TYPE_CHECKING:
@@ -41,7 +42,10 @@ def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]
     size = 0
     for chunk in chunks:
         current.append(chunk)
-        size += _chunk_size(chunk, task_bytes)
+        if chunk.payload is not None:
+            size += len(chunk.payload)
+        else:
+            size += chunk.end - chunk.start if chunk.fmt == 'jsonl' else max(1, task_bytes // 16)
         if size >= task_bytes:
             yield current
             current, size = [], 0
@@ -49,35 +53,20 @@ def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]
         yield current
 
 
-def _chunk_size(chunk: Chunk, task_bytes: int) -> int:
-    if chunk.payload is not None:
-        return len(chunk.payload)
-    if chunk.fmt == 'jsonl':
-        return chunk.end - chunk.start
-    return max(1, task_bytes // 16)
-
-
 @dataclass
 class TaskResult:
-    """What a task hands back: per-chunk line counts and bad records, and its counts."""
+    """What a task hands back: each chunk's result without its arrays, and the task's counts."""
 
     index: int
-    chunk_lines: list[int]  # n_lines per chunk, in order
-    chunk_records: list[int]  # n_records per chunk
-    chunk_errors: list[Any]  # ChunkErrors per chunk
+    chunks: list[ChunkResult]
     counts: Counts
-    dropped: dict[str, int]
-    docs: int  # for progress
-    tokens: int
-
-
-def _task_dir(partial: str, index: int) -> str:
-    return os.path.join(partial, f'task-{index:05d}')
+    docs: int = 0  # for progress
+    tokens: int = 0
 
 
 def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
     """A task's folder name (``task-NNNNN``) and the ``index.json`` its writer left there."""
-    sub = os.path.basename(_task_dir(partial, index))
+    sub = f'task-{index:05d}'
     with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
         return sub, json.load(f)
 
@@ -105,36 +94,27 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
              options: ConvertOptions, setup: Setup, fail: Optional[str] = None) -> TaskResult:
     """Encode ``chunks`` in order, build rows and write them as MDS shards (in a Ray worker)."""
     _init_task_worker(options, setup)
-    with importing('streaming'):
-        from streaming import MDSWriter
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len,
                         token_dtype=setup.token_dtype, tokenizer=setup.info)
     builder = converter.builder(setup, options, manifest)
-    out = _task_dir(partial, index)
+    out = os.path.join(partial, f'task-{index:05d}')
     shutil.rmtree(out, ignore_errors=True)  # a previous attempt's rows
-    result = TaskResult(index, [], [], [], manifest.counts, manifest.dropped, 0, 0)
-    writer = MDSWriter(out=out, columns=mds_columns(options.max_seq_len, setup.token_dtype),
-                       compression=options.compression, size_limit=options.size_limit,
-                       hashes=options.hash_algorithms, progress_bar=False, exist_ok=False)
+    result = TaskResult(index, [], manifest.counts)
+    writer = mds_writer(out, mds_columns(options.max_seq_len, setup.token_dtype), options.compression,
+                        options.size_limit, options.hash_algorithms)
     for chunk in chunks:
         res = converter.encode_chunk(chunk)
-        result.chunk_lines.append(res.n_lines)
-        result.chunk_records.append(res.n_records)
-        result.chunk_errors.append(res.errors)
-        if res.errors.items and options.on_error == 'raise':
+        result.chunks.append(ChunkResult(res.n_lines, res.n_records, res.errors, res.dropped))
+        if res.errors and options.on_error == 'raise':
             break  # the driver raises for this record; nothing after it matters
-        for reason, n in res.dropped.items():  # as the default engine's driver counts them
-            manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
         for item in builder.add(res):
-            for row in rows_of(item):
-                writer.write(row)
+            write_rows(writer, item)
         docs, tokens = builder.progress(res)[:2]
         result.docs += docs
         result.tokens += tokens
         _maybe_fail(fail, index, manifest.counts.rows)
     for item in builder.flush():
-        for row in rows_of(item):
-            writer.write(row)
+        write_rows(writer, item)
     writer.finish()
     builder.close()
     return result
@@ -192,24 +172,15 @@ def merge_task_indexes(partial: str, n_tasks: int) -> None:
         os.fsync(f.fileno())
 
 
-def _add_counts(manifest: Manifest, res: TaskResult) -> None:
-    c = manifest.counts
-    for name in ('rows', 'tokens', 'pad_tokens', 'loss_tokens', 'documents_written', 'tail_tokens'):
-        setattr(c, name, getattr(c, name) + getattr(res.counts, name))
-    for reason, n in res.dropped.items():
-        manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
-
-
 def _apply_results(results: list[TaskResult], tasks: list[list[Chunk]], options: ConvertOptions,
                    manifest: Manifest) -> None:
     """Error policy, line numbers and counts, in input order, as the default engine does."""
-    lines = LineCounter()
+    tally = InputTally(options.on_error, manifest)
     for res, chunks in zip(results, tasks):
-        for chunk, n_lines, n_records, errors in zip(chunks, res.chunk_lines, res.chunk_records,
-                                                      res.chunk_errors):
-            apply_error_policy(chunk, errors, lines.first_line(chunk, n_lines), options.on_error, manifest)
-            manifest.counts.documents_read += n_records
-        _add_counts(manifest, res)
+        for chunk, chunk_res in zip(chunks, res.chunks):
+            tally.add(chunk, chunk_res)
+        for f in dataclasses.fields(Counts):
+            setattr(manifest.counts, f.name, getattr(manifest.counts, f.name) + getattr(res.counts, f.name))
 
 
 def _connect(options: ConvertOptions) -> bool:
@@ -227,40 +198,30 @@ def _connect(options: ConvertOptions) -> bool:
 
 
 def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[Chunk]], window: int,
-               progress: Progress, on_done: Callable[[int], None] = lambda index: None,
-               ) -> tuple[list[TaskResult], list[list[Chunk]]]:
+               progress: Progress, on_done: Callable[[int], None]) -> tuple[list[TaskResult], list[list[Chunk]]]:
     """Submit tasks as planned, at most ``window`` in flight: results in task order and each
     task's chunks without payloads; ``on_done(index)`` per task; on failure the rest are cancelled."""
+    import ray
     futures: list[Any] = []
     kept: list[list[Chunk]] = []
     results: dict[int, TaskResult] = {}
     pending: list[Any] = []
     try:
-        for i, chunks in enumerate(tasks):
-            kept.append([dataclasses.replace(c, payload=None) for c in chunks])
-            futures.append(submit(i, chunks))
-            pending.append(futures[-1])
-            while len(pending) >= window:
-                pending = _collect(pending, results, progress, on_done)
-        while pending:
-            pending = _collect(pending, results, progress, on_done)
+        for i, chunks in enumerate(itertools.chain(tasks, [None])):  # None: every task is submitted
+            if chunks is not None:
+                kept.append([dataclasses.replace(c, payload=None) for c in chunks])
+                futures.append(submit(i, chunks))
+                pending.append(futures[-1])
+            while pending and (chunks is None or len(pending) >= window):
+                done, pending = ray.wait(pending, num_returns=1)
+                res = ray.get(done[0])
+                results[res.index] = res
+                progress.update(res.docs, res.tokens)
+                on_done(res.index)
     except BaseException:
         _cancel(futures)  # before the partial directory is removed
         raise
     return [results[i] for i in range(len(futures))], kept
-
-
-def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progress,
-             on_done: Callable[[int], None]) -> list[Any]:
-    """Wait for one more task to finish; record it, update progress, call ``on_done``."""
-    import ray
-    done, pending = ray.wait(pending, num_returns=1)
-    for ref in done:
-        res = ray.get(ref)
-        results[res.index] = res
-        progress.update(res.docs, res.tokens)
-        on_done(res.index)
-    return pending
 
 
 def _cancel(futures: list[Any], timeout: float = 60) -> None:

@@ -23,15 +23,13 @@ import numpy as np
 import xxhash
 
 from foundrymix.format.mds import LeanMDSWriter
-from foundrymix.convert.paths import check_out_url
 from foundrymix.convert.pipeline import importing
 from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader
 from foundrymix.errors import UserError
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns
 from foundrymix.format.shards import stored_name
-from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreign_message,
-                                       _keep_owned_attributes, check_output_dir, foreign_entries,
-                                       remove_output, remove_stale_partials)
+from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreign_message, _keep_owned_attributes,
+                                       foreign_entries, remove_output, remove_stale_partials)
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +72,8 @@ def check_compression(compression: Optional[str]) -> None:
                          f'(choose from {levels})')
 
 
-def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
-                hashes: list[str]) -> Any:
+def mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
+               hashes: list[str]) -> Any:
     """:class:`LeanMDSWriter` (no streaming import) or, compressed, ``streaming.MDSWriter``."""
     if compression is None:
         return LeanMDSWriter(out, columns, hashes=hashes, size_limit=size_limit)
@@ -84,6 +82,17 @@ def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], s
         from streaming import MDSWriter
     return MDSWriter(out=out, columns=columns, compression=compression, size_limit=size_limit,
                      hashes=hashes, progress_bar=False, exist_ok=False)
+
+
+def write_rows(writer: Any, item: dict[str, Any] | RowBatch) -> None:
+    """Write one row, or a :class:`RowBatch` in one go where ``writer`` can (streaming's cannot)."""
+    if not isinstance(item, RowBatch):
+        writer.write(item)
+    elif hasattr(writer, 'write_batch'):
+        writer.write_batch(item.columns())
+    else:
+        for row in item.rows():
+            writer.write(row)
 
 
 #: rows waiting for the writer thread are capped at about this many bytes of tokens
@@ -109,12 +118,9 @@ class ShardWriter:
         assert out is not None or remote is not None, 'no output given'
         self.overwrite = overwrite
         hashes = [DEFAULT_HASH] if hashes is None else sorted(set(hashes))
-        check_hashes(hashes)
-        if out is not None:
-            check_out_url(out)
+        if out is not None:  # checked by prepare(); _publish checks it again
             # a symbolic link to a directory: write beside, and replace, its target
             self.out: Optional[str] = os.path.realpath(out)
-            check_output_dir(self.out, overwrite)
             parent, name = os.path.split(self.out)
             os.makedirs(parent, exist_ok=True)
         else:
@@ -134,9 +140,9 @@ class ShardWriter:
         self._lock = threading.Lock()  # orders creating the MDSWriter against abort()
         row_bytes = max_seq_len * np.dtype(token_dtype).itemsize
         self._capacity = max(64, QUEUE_BYTES // row_bytes)  # rows
-        self._queue: queue.Queue = queue.Queue(maxsize=self._capacity)
-        self._batch_rows = 0  # rows of RowBatch items queued (each takes one slot of the queue)
-        self._batch_room = threading.Condition()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued = 0  # rows in the queue
+        self._room = threading.Condition()
         self._thread = threading.Thread(
             target=self._run, name='foundrymix-shard-writer', daemon=True,
             args=(mds_columns(max_seq_len, token_dtype), compression, size_limit, hashes))
@@ -148,32 +154,19 @@ class ShardWriter:
             with self._lock:
                 if self._closed:
                     return
-                self._writer = _mds_writer(self.partial, columns, compression, size_limit, hashes)
-            while True:
-                row = self._queue.get()
-                if row is _FINISH:
+                self._writer = mds_writer(self.partial, columns, compression, size_limit, hashes)
+            while (item := self._queue.get()) is not None:  # None: abort
+                if item is _FINISH:
                     self._writer.finish()
                     self._upload_new_shards()
                     return
-                if row is None:  # abort
-                    return
-                if isinstance(row, RowBatch):
-                    self._write_batch(row)
-                else:
-                    self._writer.write(row)
+                write_rows(self._writer, item)
+                with self._room:
+                    self._queued -= len(item) if isinstance(item, RowBatch) else 1
+                    self._room.notify_all()
                 self._upload_new_shards()
         except BaseException as e:  # handed to the caller's thread
             self._error = e
-
-    def _write_batch(self, batch: RowBatch) -> None:
-        if hasattr(self._writer, 'write_batch'):
-            self._writer.write_batch(batch.columns())
-        else:  # streaming's MDSWriter (compressed output)
-            for row in batch.rows():
-                self._writer.write(row)
-        with self._batch_room:
-            self._batch_rows -= len(batch)
-            self._batch_room.notify_all()
 
     def _upload_new_shards(self) -> None:
         """Hand the shards closed since the last call to the uploader (blocks while it is too
@@ -185,40 +178,26 @@ class ShardWriter:
             self._uploader.submit(stored_name(shards[self._submitted]))
             self._submitted += 1
 
-    def _put(self, item: Any) -> None:
-        while True:
-            self._raise_error()
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                if not self._thread.is_alive():
-                    self._raise_error()
-                    raise RuntimeError('shard writer thread stopped')
-
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+        if not self._thread.is_alive():
+            raise RuntimeError('shard writer thread stopped')
 
-    def write(self, row: dict[str, Any] | RowBatch) -> None:
-        """Queue one row, or a :class:`~foundrymix.format.schema.RowBatch` (written in one go;
-        waits while the queued batches' rows would pass the queue's capacity)."""
+    def write(self, item: dict[str, Any] | RowBatch) -> None:
+        """Queue one row, or a :class:`~foundrymix.format.schema.RowBatch` (written in one go);
+        waits while the rows queued would pass the queue's capacity."""
         assert not self._closed, 'writer already closed'
-        if not isinstance(row, RowBatch):
-            self._put(row)
-            self.rows += 1
-            return
-        n = len(row)
+        n = len(item) if isinstance(item, RowBatch) else 1
         if not n:
             return
-        with self._batch_room:
-            while self._batch_rows and self._batch_rows + n > self._capacity:
+        with self._room:
+            self._raise_error()
+            while self._queued and self._queued + n > self._capacity:
+                self._room.wait(0.1)
                 self._raise_error()
-                if not self._thread.is_alive():
-                    raise RuntimeError('shard writer thread stopped')
-                self._batch_room.wait(0.1)
-            self._batch_rows += n
-        self._put(row)
+            self._queued += n
+        self._queue.put(item)
         self.rows += n
 
     def finish(self, manifest: Manifest) -> str:
@@ -226,9 +205,11 @@ class ShardWriter:
         assert not self._closed, 'writer already closed'
         if manifest.counts.rows != self.rows:
             raise RuntimeError(f'manifest says {manifest.counts.rows} rows, {self.rows} were written')
-        self._put(_FINISH)
-        self._thread.join()
         self._raise_error()
+        self._queue.put(_FINISH)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
         self._closed = True
         self._writer = None
         with open(os.path.join(self.partial, MANIFEST_NAME), 'w', encoding='utf-8') as f:
