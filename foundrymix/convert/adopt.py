@@ -27,7 +27,7 @@ from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.convert.output import check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.format.foundry_tokens import document_rule
-from foundrymix.format.schema import Manifest, RowBatch
+from foundrymix.format.schema import Manifest
 from foundrymix.tokenizer import describe_tokenizer
 
 #: the column sets adopt reads, and what they are
@@ -103,7 +103,6 @@ class _TokenRows(_PretrainRows):
 
     def __init__(self, setup: Setup, options: TokenOptions, manifest: Manifest) -> None:
         super().__init__(setup, options, manifest)
-        self.manifest = manifest
         self.since_end = 0  # tokens after the last document end so far (the open document)
 
     def _open(self) -> int:
@@ -116,24 +115,15 @@ class _TokenRows(_PretrainRows):
         if len(lens):
             lens[0] += self._open()
         kept = lens[lens > 0]  # a BOS at the very start of the stream ends nothing
-        self.manifest.counts.documents_read -= len(lens) - len(kept)
+        self.counts.documents_read -= len(lens) - len(kept)
         self.since_end = len(result.tokens) - int(ends[-1]) if len(ends) else \
             self.since_end + len(result.tokens)
         yield from self._rows(result.tokens, kept)
 
-    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[RowBatch]:
-        """The rows completed, as one batch (a shard's worth: thousands of rows at once)."""
-        ids, pieces, counts = self.cutter.feed_batch(tokens, lens)
-        n = len(ids)
-        if n:
-            self.counts.rows += n
-            yield RowBatch(ids.astype(self.dtype, copy=False), np.tile(self.full_span, n),
-                           np.full(n, len(self.full_span), dtype=np.int64), pieces, counts)
-
     def flush(self) -> Iterator[dict]:
         """The last document has no end in the data (Foundry cut it): it ends the stream."""
         if self.since_end:
-            self.manifest.counts.documents_read += 1
+            self.counts.documents_read += 1
         rest = self._open()
         if rest:  # its tokens not yet in a row: one more piece for the tail
             yield from self._rows(np.zeros(0, dtype=self.dtype), np.asarray([rest], dtype=np.int64))

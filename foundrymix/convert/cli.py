@@ -58,22 +58,6 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'core while the Rust tokenizer releases the GIL (default for pretrain and '
                         'prompt/response finetuning), or forked processes (default for chats and '
                         '--preprocess, whose Python work holds the GIL)')
-    p.add_argument('--overwrite', action='store_true',
-                   help='replace the foundrymix dataset in --out: only what foundrymix wrote is '
-                        'removed, and a folder holding anything else is refused before any work '
-                        '(docs/safety.md)')
-    p.add_argument('--on-error', choices=ON_ERROR, default='raise',
-                   help='bad records: stop with an error naming file, line and field (raise), or '
-                        'skip them and count each by reason in the manifest (skip)')
-    p.add_argument('--bos', action=argparse.BooleanOptionalAction, default=None,
-                   help='BOS before each document/example (default: iff the tokenizer adds BOS)')
-    p.add_argument('--eos', action=argparse.BooleanOptionalAction, default=True,
-                   help='EOS after each document/example (default: on)')
-    p.add_argument('--compression', default=None, help='MDS shard compression, e.g. zstd')
-    p.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
-    p.add_argument('--hash', action='append', default=[], metavar='ALGO',
-                   help='also write this shard hash to index.json (repeatable; e.g. sha1, sha256, '
-                        'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
     p.add_argument('--engine', choices=ENGINES, default='local',
                    help='local: this machine (default); ray: tasks on a Ray cluster (pip install '
                         "'foundrymix[ray]'), each writing its own shards, merged at the end "
@@ -96,6 +80,27 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'of records (500). A record is held out by the sha256 of its content alone, so '
                         'the split is the same for any --workers or input order and exact duplicates '
                         'land on the same side')
+    _output_options(p)
+
+
+def _output_options(p: argparse.ArgumentParser, text: str = '') -> None:
+    """What ``convert`` and ``adopt`` (for its ``text`` sources) share: the output and its records."""
+    p.add_argument('--overwrite', action='store_true',
+                   help='replace the foundrymix dataset in --out: only what foundrymix wrote is '
+                        'removed, and a folder holding anything else is refused before any work '
+                        '(docs/safety.md)')
+    p.add_argument('--on-error', choices=ON_ERROR, default='raise',
+                   help=f'{text}bad records: stop with an error naming file, line and field (raise), or '
+                        'skip them and count each by reason in the manifest (skip)')
+    p.add_argument('--bos', action=argparse.BooleanOptionalAction, default=None,
+                   help=f'{text}BOS before each document/example (default: iff the tokenizer adds BOS)')
+    p.add_argument('--eos', action=argparse.BooleanOptionalAction, default=True,
+                   help=f'{text}EOS after each document/example (default: on)')
+    p.add_argument('--compression', default=None, help='MDS shard compression of the output, e.g. zstd')
+    p.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
+    p.add_argument('--hash', action='append', default=[], metavar='ALGO',
+                   help='also write this shard hash to index.json (repeatable; e.g. sha1, sha256, '
+                        'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
     p.add_argument('--no-progress', dest='progress', action='store_false',
                    help='no progress bar or summary table')
 
@@ -219,18 +224,7 @@ def _register_adopt(subparsers: Any) -> None:
                         "(all, default) or only the last turn's (last: LLM-Foundry's default "
                         "target_responses)")
     a.add_argument('--workers', type=int, default=0, help='shards read at once (default 0 = all cores)')
-    a.add_argument('--overwrite', action='store_true', help='replace a foundrymix dataset in --out')
-    a.add_argument('--on-error', choices=ON_ERROR, default='raise', help='bad text records: raise or skip')
-    a.add_argument('--bos', action=argparse.BooleanOptionalAction, default=None,
-                   help='text sources: BOS before each document (default: iff the tokenizer adds BOS)')
-    a.add_argument('--eos', action=argparse.BooleanOptionalAction, default=True,
-                   help='text sources: EOS after each document (default: on)')
-    a.add_argument('--compression', default=None, help='MDS shard compression of the output, e.g. zstd')
-    a.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
-    a.add_argument('--hash', action='append', default=[], metavar='ALGO',
-                   help='also write this shard hash to index.json (repeatable)')
-    a.add_argument('--no-progress', dest='progress', action='store_false',
-                   help='no progress bar or summary')
+    _output_options(a, 'text sources: ')
     a.set_defaults(func=_run_adopt)
 
 

@@ -211,10 +211,7 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
                 writer.write(row)
         finally:
             seconds = progress.close()
-        if manifest.counts.documents_read == 0:
-            raise UserError(held.empty_side(options.holdout, converter.noun) if options.holdout is not None
-                            else f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
         builder.close()
-        check_rows(manifest)
+        check_rows(manifest, len(setup.inputs), options.holdout)
         writer.finish(manifest)
     return seconds, builder, writer.upload_summary

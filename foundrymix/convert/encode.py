@@ -30,18 +30,12 @@ def encode_texts(tok: Any, texts: list[str],
                  slice_chars: int = SLICE_CHARS) -> list[list[int] | np.ndarray]:
     """Token ids of each text, without special tokens: lists of ints, or ``uint32`` arrays for
     texts over ``slice_chars`` (encoded in slices)."""
-    if not texts:
-        return []
-    encode = _batch_encoder(tok)
-    long = [i for i, t in enumerate(texts) if len(t) > slice_chars]
-    if not long:
-        return [e.ids for e in encode(texts, add_special_tokens=False)]
-    out: list[Any] = [None] * len(texts)
-    short = [i for i, t in enumerate(texts) if len(t) <= slice_chars]
-    for i, e in zip(short, encode([texts[i] for i in short], add_special_tokens=False)):
+    if not any(len(t) > slice_chars for t in texts):
+        return [e.ids for e in _batch_encoder(tok)(texts, add_special_tokens=False)] if texts else []
+    out: list[Any] = [encode_long(tok, t, slice_chars) if len(t) > slice_chars else None for t in texts]
+    short = [i for i, x in enumerate(out) if x is None]
+    for i, e in zip(short, _batch_encoder(tok)([texts[i] for i in short], add_special_tokens=False)):
         out[i] = e.ids
-    for i in long:
-        out[i] = encode_long(tok, texts[i], slice_chars)
     return out
 
 

@@ -89,7 +89,9 @@ def resolve(holdout: Holdout, inputs: Sequence[str], chunk_bytes: int, noun: str
         return holdout
     n, largest, heap = 0, -1, []  # heap: the count smallest keys, negated (a max-heap)
     for chunk in plan_chunks(inputs, chunk_bytes):
-        for _, _, rec in read_records(chunk, _all_fields(chunk))[1]:
+        # every field: JSON lines are parsed whole either way (``()`` checks no field for lone
+        # surrogates, as the conversion checks only those it reads); other formats all columns
+        for _, _, rec in read_records(chunk, () if chunk.fmt in _JSON_LINES else None)[1]:
             if isinstance(rec, BadRecord):
                 continue
             key = record_key(rec)
@@ -104,12 +106,6 @@ def resolve(holdout: Holdout, inputs: Sequence[str], chunk_bytes: int, noun: str
                         f'{" (the rest are exact duplicates of held-out ones)" if holdout.count < n else ""}, '
                         f'so no {noun} would be left to train on; give fewer, or a fraction such as 2%')
     return dataclasses.replace(holdout, cutoff=f'{cutoff:064x}')
-
-
-def _all_fields(chunk: Chunk) -> Optional[tuple[str, ...]]:
-    """Every field of a record: JSON lines are parsed whole either way (``()`` checks no field for
-    lone surrogates, as the conversion checks only those it reads); other formats all columns."""
-    return () if chunk.fmt in _JSON_LINES else None
 
 
 def side_records(chunk: Chunk, fields: Optional[Sequence[str]], holdout: Holdout, on_error: str
@@ -136,11 +132,3 @@ def _cut(rec: dict, fmt: str, fields: Optional[Sequence[str]]) -> dict:
     if fmt == 'txt':  # read whole under 'text'; the conversion names it by its first field
         return {fields[0] if fields else 'text': rec['text']}
     return {c: rec[c] for c in fields if c in rec}
-
-
-def empty_side(holdout: Holdout, noun: str) -> str:
-    """Why a side came out empty, and what to change."""
-    if holdout.side == 'eval':
-        return (f'--holdout {holdout.spec}: no {noun} fell in the eval split; give a larger fraction, '
-                f'or a number of {noun}')
-    return f'--holdout {holdout.spec}: every {noun} fell in the eval split; give a smaller fraction'

@@ -21,7 +21,7 @@ from foundrymix.convert.mapping import Template, parse_template, read_fields
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string
 from foundrymix.errors import UserError
-from foundrymix.format.schema import Manifest, encode_row
+from foundrymix.format.schema import Manifest, RowBatch
 
 
 @dataclass
@@ -86,12 +86,7 @@ class RowCutter:
         self.rest_pieces = np.zeros(0, dtype=np.int64)
         self.rest_starts_doc = True  # does the leftover begin with a document's first token?
 
-    def feed(self, tokens: np.ndarray, doc_lens: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Append a chunk; return the rows now complete as ``(input_ids, doc_lens)``."""
-        ids, pieces, counts = self.feed_batch(tokens, doc_lens)
-        return list(zip(ids, np.split(pieces, np.cumsum(counts)[:-1]) if len(counts) else []))
-
-    def feed_batch(self, tokens: np.ndarray, doc_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def feed(self, tokens: np.ndarray, doc_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Append a chunk; return the rows now complete at once: ``(input_ids [rows,
         max_seq_len], every row's doc_lens back to back (int32), how many each row has)``."""
         L = self.max_seq_len
@@ -131,11 +126,18 @@ class _PretrainRows(RowBuilder):
         self.cutter = RowCutter(options.max_seq_len, setup.token_dtype)
         self.full_span = np.asarray([0, options.max_seq_len], dtype=np.int32)
 
-    def add(self, result: _ChunkTokens) -> Iterator[dict]:
+    def add(self, result: _ChunkTokens) -> Iterator[RowBatch]:
         self.counts.documents_written += len(result.doc_lens)
-        for ids, pieces in self.cutter.feed(result.tokens, result.doc_lens):
-            self.counts.rows += 1
-            yield encode_row(ids, self.full_span, pieces, self.dtype)
+        yield from self._rows(result.tokens, result.doc_lens)
+
+    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[RowBatch]:
+        """The rows completed, as one batch (a chunk's worth: thousands of rows at once)."""
+        ids, pieces, counts = self.cutter.feed(tokens, lens)
+        n = len(ids)
+        if n:
+            self.counts.rows += n
+            yield RowBatch(ids.astype(self.dtype, copy=False), np.tile(self.full_span, n),
+                           np.full(n, len(self.full_span), dtype=np.int64), pieces, counts)
 
     def progress(self, result: _ChunkTokens) -> tuple[int, int]:
         return len(result.doc_lens), int(result.doc_lens.sum())

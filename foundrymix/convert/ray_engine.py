@@ -19,8 +19,7 @@ from foundrymix.convert.common import ConvertOptions, Setup, init_worker
 from foundrymix.convert.pipeline import ChunkResult, InputTally, Progress, default_workers, importing
 from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
-from foundrymix.convert.writer import _FINISH, ShardWriter, mds_writer, write_rows
-from foundrymix.errors import UserError
+from foundrymix.convert.writer import ShardWriter, mds_writer, write_rows
 from foundrymix.format.schema import Counts, Manifest, mds_columns
 from foundrymix.format.shards import stored_name
 
@@ -120,38 +119,10 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
     return result
 
 
-class _MergedOutput(ShardWriter):
-    """The default engine's atomic output directory (:class:`ShardWriter`'s partial, publish
-    and abort), filled by tasks; its writer thread only creates the directory."""
-
-    def __init__(self, out: Optional[str], options: ConvertOptions, token_dtype: str,
-                 remote: Any = None) -> None:
-        super().__init__(out, options.max_seq_len, token_dtype, overwrite=options.overwrite,
-                         compression=options.compression, size_limit=options.size_limit,
-                         hashes=options.hash_algorithms, remote=remote)
-        os.makedirs(self.partial, exist_ok=True)
-
-    def task_done(self, index: int) -> None:
-        """Upload a finished task's shards now (with an ``s3://`` output), while others run."""
-        if self._uploader is None:
-            return
-        sub, index_json = _task_index(self.partial, index)
-        for shard in index_json['shards']:
-            self._uploader.submit(f'{sub}/{stored_name(shard)}')
-
-    def _run(self, *args: Any) -> None:
-        try:
-            os.makedirs(self.partial, exist_ok=True)
-            while self._queue.get() not in (None, _FINISH):
-                pass
-        except BaseException as e:  # handed to the caller's thread
-            self._error = e
-
-    def publish(self, manifest: Manifest, n_tasks: int) -> None:
-        """Merge the task indexes into ``index.json``, write the manifest, rename into place."""
-        merge_task_indexes(self.partial, n_tasks)
-        self.rows = manifest.counts.rows
-        self.finish(manifest)
+def _task_done(output: ShardWriter, index: int) -> None:
+    """Upload a finished task's shards now (with an ``s3://`` output), while others run."""
+    sub, index_json = _task_index(output.partial, index)
+    output.upload([f'{sub}/{stored_name(shard)}' for shard in index_json['shards']])
 
 
 def merge_task_indexes(partial: str, n_tasks: int) -> None:
@@ -249,18 +220,20 @@ def run(converter: 'Converter', setup: Setup, out: Optional[str], options: Conve
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=True)(run_task)
         window = max(2, 2 * int(ray.cluster_resources().get('CPU', 1)))
         fail = os.environ.get(FAIL_ENV)
-        with _MergedOutput(out, options, setup.token_dtype, remote=setup.remote) as output:
+        # the default engine's atomic output directory (partial, publish, abort), filled by tasks
+        with ShardWriter(out, options.max_seq_len, setup.token_dtype, overwrite=options.overwrite,
+                         remote=setup.remote, tasks=True) as output:
             try:
                 results, kept = _run_tasks(
                     lambda i, chunks: remote.remote(converter, chunks, i, output.partial, options, lean, fail),
-                    tasks, window, progress, output.task_done)
+                    tasks, window, progress, lambda i: _task_done(output, i))
             finally:
                 seconds = progress.close()
             _apply_results(results, kept, options, manifest)
-            if manifest.counts.documents_read == 0:
-                raise UserError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
-            check_rows(manifest)
-            output.publish(manifest, len(kept))
+            check_rows(manifest, len(setup.inputs), options.holdout)
+            merge_task_indexes(output.partial, len(kept))
+            output.rows = manifest.counts.rows
+            output.finish(manifest)
         return seconds, output.upload_summary
     finally:
         if started:

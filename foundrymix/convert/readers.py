@@ -8,6 +8,7 @@ whole lines streamed by the calling thread. An unreadable record is a :class:`Ba
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import re
@@ -62,37 +63,31 @@ class Chunk:
 
 def plan_chunks(inputs: Sequence[str], chunk_bytes: int) -> Iterator[Chunk]:
     """Lazily cut ``inputs`` into chunks of about ``chunk_bytes``, in input order."""
-    txt_group: list[str] = []
-    for path in inputs:
-        fmt = input_format(path)
-        if fmt != 'txt' and txt_group:
-            yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
-            txt_group = []
-        if fmt == 'jsonl':
-            yield from _jsonl_ranges(path, chunk_bytes)
-        elif fmt == 'jsonl_stream':
-            yield from _stream_blocks(path, chunk_bytes)
-        elif fmt == 'txt':
-            txt_group.append(path)
-            if len(txt_group) == TXT_FILES_PER_CHUNK:
-                yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
-                txt_group = []
-        elif fmt == 'parquet':
-            meta = _parquet_file(path).metadata
-            row = 0
-            for g in range(meta.num_row_groups):
-                yield Chunk('parquet', path, start=g, end=g + 1, first_line=row)
-                row += meta.row_group(g).num_rows
-        elif fmt == 'mds':  # an existing MDS dataset (foundrymix adopt): one chunk per shard
-            for shard, row in chunks_of(path):
-                yield Chunk('mds', path, start=shard, end=shard + 1, first_line=row)
-        else:  # hf
-            n = len(_load_hf(path))
-            for start in range(0, n, HF_ROWS_PER_CHUNK):
-                yield Chunk('hf', path, start=start, end=min(n, start + HF_ROWS_PER_CHUNK),
-                            first_line=start)
-    if txt_group:
-        yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
+    for fmt, paths in itertools.groupby(inputs, input_format):
+        if fmt == 'txt':  # consecutive .txt files: up to TXT_FILES_PER_CHUNK a chunk
+            group = tuple(paths)
+            for i in range(0, len(group), TXT_FILES_PER_CHUNK):
+                yield Chunk('txt', group[i], paths=group[i:i + TXT_FILES_PER_CHUNK])
+            continue
+        for path in paths:
+            if fmt == 'jsonl':
+                yield from _jsonl_ranges(path, chunk_bytes)
+            elif fmt == 'jsonl_stream':
+                yield from _stream_blocks(path, chunk_bytes)
+            elif fmt == 'parquet':
+                meta = _parquet_file(path).metadata
+                row = 0
+                for g in range(meta.num_row_groups):
+                    yield Chunk('parquet', path, start=g, end=g + 1, first_line=row)
+                    row += meta.row_group(g).num_rows
+            elif fmt == 'mds':  # an existing MDS dataset (foundrymix adopt): one chunk per shard
+                for shard, row in chunks_of(path):
+                    yield Chunk('mds', path, start=shard, end=shard + 1, first_line=row)
+            else:  # hf
+                n = len(_load_hf(path))
+                for start in range(0, n, HF_ROWS_PER_CHUNK):
+                    yield Chunk('hf', path, start=start, end=min(n, start + HF_ROWS_PER_CHUNK),
+                                first_line=start)
 
 
 def _jsonl_ranges(path: str, chunk_bytes: int) -> Iterator[Chunk]:
@@ -216,7 +211,8 @@ def read_records(chunk: Chunk, fields: Optional[Sequence[str]]
             records.append((chunk.path, None, chunk.bad))
         return count_lines(data), records
     if chunk.fmt == 'txt':
-        return len(chunk.paths), [(path, None, _read_txt(path, fields[0] if fields else 'text')) for path in chunk.paths]
+        field = fields[0] if fields else 'text'
+        return len(chunk.paths), [(path, None, _read_txt(path, field)) for path in chunk.paths]
     if chunk.fmt == 'parquet':
         import pyarrow
         pf = _parquet_file(chunk.path)

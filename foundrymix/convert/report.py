@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
 
-from foundrymix.errors import FoundrymixError
+from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.format.schema import Manifest
 
 
@@ -158,11 +158,19 @@ def _no_rows_reasons(manifest: Manifest) -> list[tuple[str, str]]:
     return reasons
 
 
-def check_rows(manifest: Manifest) -> None:
-    """Refuse to publish a conversion with no rows, saying why by reason and what to do."""
+def check_rows(manifest: Manifest, n_inputs: int, holdout: Any = None) -> None:
+    """Refuse to publish a conversion that read nothing (or nothing on its ``--holdout`` side) or
+    made no rows, saying why by reason and what to do."""
+    noun = 'documents' if manifest.kind == 'pretrain' else 'examples'
+    if not manifest.counts.documents_read:
+        if holdout is None:
+            raise UserError(f'no {noun} found in {n_inputs} input file(s)')
+        if holdout.side == 'eval':
+            raise UserError(f'--holdout {holdout.spec}: no {noun} fell in the eval split; give a larger '
+                            f'fraction, or a number of {noun}')
+        raise UserError(f'--holdout {holdout.spec}: every {noun} fell in the eval split; give a smaller fraction')
     if manifest.counts.rows:
         return
-    noun = 'documents' if manifest.kind == 'pretrain' else 'examples'
     reasons = _no_rows_reasons(manifest)
     what = '; '.join(r for r, _ in reasons) or 'none made a row'
     todo = '; '.join(a for _, a in reasons)

@@ -112,9 +112,10 @@ class ShardWriter:
 
     def __init__(self, out: Optional[str], max_seq_len: int, token_dtype: str, overwrite: bool = False,
                  compression: Optional[str] = None, size_limit: int | str = '64mb',
-                 hashes: Optional[list[str]] = None, remote: Optional[S3Target] = None) -> None:
+                 hashes: Optional[list[str]] = None, remote: Optional[S3Target] = None, tasks: bool = False) -> None:
         """``out``: the local output directory, or None for an upload-only output (then
-        ``remote``, checked by :func:`~foundrymix.convert.upload.check_remote`, is required)."""
+        ``remote``, checked by :func:`~foundrymix.convert.upload.check_remote`, is required).
+        ``tasks``: others (Ray tasks) write the shards into :attr:`partial`; no writer thread."""
         assert out is not None or remote is not None, 'no output given'
         self.overwrite = overwrite
         hashes = [DEFAULT_HASH] if hashes is None else sorted(set(hashes))
@@ -146,7 +147,10 @@ class ShardWriter:
         self._thread = threading.Thread(
             target=self._run, name='foundrymix-shard-writer', daemon=True,
             args=(mds_columns(max_seq_len, token_dtype), compression, size_limit, hashes))
-        self._thread.start()
+        if tasks:
+            os.makedirs(self.partial)
+        else:
+            self._thread.start()
 
     def _run(self, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
              hashes: list[str]) -> None:
@@ -167,6 +171,11 @@ class ShardWriter:
                 self._upload_new_shards()
         except BaseException as e:  # handed to the caller's thread
             self._error = e
+
+    def upload(self, names: list[str]) -> None:
+        """Upload these files that others wrote into :attr:`partial` now (with an ``s3://`` output)."""
+        for name in names if self._uploader is not None else ():
+            self._uploader.submit(name)
 
     def _upload_new_shards(self) -> None:
         """Hand the shards closed since the last call to the uploader (blocks while it is too
@@ -205,9 +214,9 @@ class ShardWriter:
         assert not self._closed, 'writer already closed'
         if manifest.counts.rows != self.rows:
             raise RuntimeError(f'manifest says {manifest.counts.rows} rows, {self.rows} were written')
-        self._raise_error()
-        self._queue.put(_FINISH)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._queue.put(_FINISH)
+            self._thread.join()
         if self._error is not None:
             raise self._error
         self._closed = True
