@@ -254,19 +254,15 @@ def _adopt_one(split: MdsSplit, kind: str, out: str, args: AdoptArgs, progress: 
         if progress:
             print(f'  {split.name or "."}: no tokenizer run; {how}; rows of {L} tokens'
                   + (f' (the source windows are {window})' if window else ''))
-        options = TokenOptions(max_seq_len=L, boundary=boundary, boundary_id=boundary_id,
-                               source_seq_len=window, **common)
-        return convert(_with_source(TOKENS, source), [split.path], out, options)
-    L = args.max_seq_len or 2048
-    if kind == 'text':
-        return convert(_with_source(PRETRAIN, source), [split.path], out,
-                       PretrainOptions(max_seq_len=L, **common))
-    if kind == 'prompt_response':
-        return convert(_with_source(FINETUNE, source), [split.path], out,
-                       FinetuneOptions(max_seq_len=L, **common))
-    # turns: already tokenized, with the special tokens Foundry's tokenizer call put in
-    return convert(_with_source(TURNS, source), [split.path], out,
-                   FinetuneOptions(max_seq_len=L, chat_loss=args.chat_loss, **common))
+        converter, options = TOKENS, TokenOptions(max_seq_len=L, boundary=boundary, boundary_id=boundary_id,
+                                                  source_seq_len=window, **common)
+    else:  # turns: already tokenized, with the special tokens Foundry's tokenizer call put in
+        converter, cls = {'text': (PRETRAIN, PretrainOptions), 'prompt_response': (FINETUNE, FinetuneOptions),
+                          'turns': (TURNS, FinetuneOptions)}[kind]
+        extra = {'chat_loss': args.chat_loss} if kind == 'turns' else {}
+        options = cls(max_seq_len=args.max_seq_len or 2048, **extra, **common)
+    return convert(replace(converter, manifest_options=_adding(converter.manifest_options, source=source)),
+                   [split.path], out, options)
 
 
 def _turns(rec: dict, vocab: int, chat_loss: str, loss_on_prompt: bool
@@ -303,23 +299,17 @@ def _encode_turns(chunk: Chunk) -> _ChunkExamples:
     return _chunk_examples(n_lines, n_records, errors, dropped, laid_out, o, w.token_dtype)
 
 
-def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:
-    """The converter, recording where its input came from in ``manifest.options['source']``."""
-    base = converter.manifest_options
-
+def _adding(base: Any, **extra: Any) -> Any:
+    """Manifest options ``base`` with ``extra`` added (where the input came from, what was inserted)."""
     def options(o: Any, setup: Setup) -> dict[str, Any]:
-        return dict(base(o, setup), source=source)
-    return replace(converter, manifest_options=options)
-
-
-def _as_source(base: Any) -> Any:
-    """Manifest options saying no separator was inserted, whatever ``--bos``/``--eos`` say."""
-    def options(o: Any, setup: Setup) -> dict[str, Any]:
-        return dict(base(o, setup), separators={'bos': False, 'eos': False, 'as_source': True})
+        return dict(base(o, setup), **extra)
     return options
 
 
+# adopted token ids: no separator was inserted, whatever ``--bos``/``--eos`` say
+_AS_SOURCE = {'separators': {'bos': False, 'eos': False, 'as_source': True}}
 TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads',
-                manifest_options=_as_source(FINETUNE.manifest_options))
+                manifest_options=_adding(FINETUNE.manifest_options, **_AS_SOURCE))
 TOKENS = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_tokens, parallel='threads',
-                   builder=_TokenRows, manifest_options=_as_source(lambda o, s: o.to_manifest()), tokenizes=False)
+                   builder=_TokenRows, manifest_options=_adding(lambda o, s: o.to_manifest(), **_AS_SOURCE),
+                   tokenizes=False)

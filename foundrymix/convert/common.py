@@ -9,8 +9,7 @@ from typing import Any, Optional
 
 from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
-from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, split_out
-from foundrymix.convert.discover import discover_inputs
+from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, discover_inputs, split_out
 from foundrymix.convert.mds_input import is_mds_dir
 from foundrymix.convert.output import check_output_dir
 from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
@@ -51,7 +50,7 @@ class ConvertOptions:
     ray_task_bytes: int = 64 << 20
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
-    split: Optional[str] = None  # the split of a saved DatasetDict input (discover.py)
+    split: Optional[str] = None  # the split of a saved DatasetDict input (paths.py)
     #: ``--holdout`` as given ('2%', '0.02', '500'): write OUT/eval and OUT/train (holdout.py);
     #: each run's side is a :class:`~foundrymix.convert.holdout.Holdout` (its manifest records it)
     holdout: Any = None

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import zstandard
 
-from foundrymix.convert.discover import input_format
+from foundrymix.convert.paths import input_format
 from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.convert.mds_input import chunks_of, read_shard
 
