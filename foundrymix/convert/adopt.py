@@ -20,7 +20,7 @@ from foundrymix.convert.driver import Converter, convert, parse_records
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
 from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
                                          read_column_arrays, shard_count)
-from foundrymix.convert.paths import check_overlap, is_url
+from foundrymix.convert.paths import check_overlap, is_url, sub_out
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
 from foundrymix.convert.readers import BadRecord, Chunk
@@ -183,13 +183,6 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
                                   f'stream is taken as one document (doc_lens only mark row ends)')
 
 
-def _split_out(out: str, split: MdsSplit, several: bool) -> str:
-    if not several:
-        return out
-    return (out.rstrip('/') + '/' + split.name.replace(os.sep, '/')) if is_url(out) \
-        else os.path.join(out, split.name)
-
-
 def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manifest]]:
     """Adopt every split of ``args.source`` (or those named) into ``args.out``; one manifest each.
 
@@ -225,21 +218,17 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
                         f'their tokenizer: pass --tokenizer NAME_OR_DIR, the one they were made with (a '
                         f'bundled name, a local tokenizer directory or a cached Hub name)')
     several = len(splits) > 1 or splits[0].name != ''
+    outs = [sub_out(args.out, s.name) if several else args.out for s in splits]
     if progress:
         print(f'adopt {args.origin or args.source}: {len(splits)} MDS dataset(s)')
         for s, k in zip(splits, kinds):
             print(f'  {s.describe()} -> {KINDS[k]}')
-    overwrite = bool(args.common.get('overwrite'))
     if not is_url(args.out):
         check_overlap([args.source], [], args.out)
-    for s in splits:
-        target = _split_out(args.out, s, several)
+    for target in outs:
         if not is_url(target):
-            check_output_dir(os.path.abspath(target), overwrite)
-    done = []
-    for s, kind in zip(splits, kinds):
-        done.append((s, _adopt_one(s, kind, _split_out(args.out, s, several), args, progress)))
-    return done
+            check_output_dir(os.path.abspath(target), bool(args.common.get('overwrite')))
+    return [(s, _adopt_one(s, kind, target, args, progress)) for s, kind, target in zip(splits, kinds, outs)]
 
 
 def _adopt_one(split: MdsSplit, kind: str, out: str, args: AdoptArgs, progress: bool) -> Manifest:

@@ -8,12 +8,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from foundrymix.convert.mapping import load_preprocess
-from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
+from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
 from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, discover_inputs, split_out
 from foundrymix.convert.mds_input import is_mds_dir
 from foundrymix.convert.output import check_output_dir
 from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
 from foundrymix.errors import UserError
+from foundrymix.heap import collector_paused
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info
 from foundrymix.convert.upload import check_remote
@@ -126,7 +127,7 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     remote = None
     if output.remote is not None:  # reaches the endpoint: after the free checks, before any work
         remote = check_remote(output.remote, options.overwrite)
-    with importing('transformers'):
+    with collector_paused():  # importing makes it run over and over, finding nothing
         tok = load_tokenizer(options.tokenizer) if load else None
         info = tokenizer_info(tok) if load else describe_tokenizer(options.tokenizer)
     use_bos = info.add_bos if options.bos is None else options.bos

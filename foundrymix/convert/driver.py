@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from foundrymix import claims
 from foundrymix.convert import holdout as held, ray_engine
 from foundrymix.convert.common import ConvertOptions, Setup, init_worker, prepare, worker_options
-from foundrymix.convert.paths import OutSpec, split_out
+from foundrymix.convert.paths import OutSpec, split_out, sub_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, ChunkResult, InputTally, Progress, ordered_map
 from foundrymix.convert.readers import BadRecord, Chunk, lone_surrogate, plan_chunks, read_records
@@ -112,7 +112,7 @@ def convert(converter: Converter, inputs: list[str], out: OutSpec, options: Conv
     if options.holdout is None:
         return _convert_claimed(converter, inputs, out, options)
     rule = held.parse_holdout(options.holdout)
-    outs = {side: held.side_out(out, side) for side in held.SIDES}
+    outs = {side: sub_out(out, side) for side in held.SIDES}
     setups = [prepare(inputs, outs[side], options, min_content=converter.min_content, load=False)
               for side in held.SIDES]
     rule = held.resolve(rule, setups[0].inputs, options.chunk_bytes, converter.noun)

@@ -29,8 +29,6 @@ TOO_LONG = ('drop', 'truncate')
 CHAT_LOSS = ('all', 'last')
 #: used when the response field is missing (LLM-Foundry's name for the response)
 RESPONSE_ALIAS = 'completion'
-#: default ``parallel`` mode for chats and ``--preprocess`` (see :func:`_default_parallel`)
-FINETUNE_PARALLEL = 'processes'
 #: records of the first chunk looked at to tell chats from prompt/response examples
 _SNIFF_RECORDS = 64
 
@@ -313,7 +311,7 @@ def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
     (Python holding the GIL), told from the first chunk's first records; same output either way."""
     ptemplate, rtemplate = _templates(o)
     if o.preprocess is not None:
-        return FINETUNE_PARALLEL
+        return 'processes'
     if ptemplate is not None or rtemplate is not None:
         return 'threads'  # templates make every record a prompt/response example
     first = next(iter(plan_chunks(setup.inputs, o.chunk_bytes)), None)
@@ -322,7 +320,7 @@ def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
     _, records = read_records(first, (o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field))
     sample = [rec for _, _, rec in records[:_SNIFF_RECORDS] if isinstance(rec, dict)]
     chats = sum(o.messages_field in rec for rec in sample)
-    return FINETUNE_PARALLEL if chats * 2 > len(sample) else 'threads'
+    return 'processes' if chats * 2 > len(sample) else 'threads'
 
 
 # min_content: room for at least one prompt token and one response token

@@ -12,12 +12,10 @@ import dataclasses
 import hashlib
 import heapq
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from foundrymix.convert.paths import OutSpec, is_url
 from foundrymix.convert.readers import BadRecord, Chunk, plan_chunks, read_records
 from foundrymix.errors import UserError
 
@@ -73,13 +71,6 @@ def parse_holdout(spec: Any) -> Holdout:
     if not 0 < fraction < 1:
         raise UserError(bad)
     return Holdout(spec=text, fraction=fraction)
-
-
-def side_out(out: OutSpec, side: str) -> OutSpec:
-    """``OUT/<side>`` for a local folder, an ``s3://`` prefix, or a (local, remote) pair."""
-    if isinstance(out, (tuple, list)):
-        return tuple(side_out(o, side) for o in out)  # type: ignore[return-value]
-    return f"{out.rstrip('/')}/{side}" if is_url(out) else os.path.join(out, side)
 
 
 def resolve(holdout: Holdout, inputs: Sequence[str], chunk_bytes: int, noun: str) -> Holdout:

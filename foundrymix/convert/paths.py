@@ -76,6 +76,13 @@ class Output:
         return self.remote or self.local or ''
 
 
+def sub_out(out: OutSpec, name: str) -> OutSpec:
+    """``OUT/<name>`` for a local folder, an ``s3://`` prefix, or a (local, remote) pair."""
+    if isinstance(out, (tuple, list)):
+        return tuple(sub_out(o, name) for o in out)  # type: ignore[return-value]
+    return f"{out.rstrip('/')}/{name.replace(os.sep, '/')}" if is_url(out) else os.path.join(out, name)
+
+
 def split_out(out: OutSpec) -> Output:
     """``--out`` as given (a string, or a ``(local, remote)`` pair) -> :class:`Output`;
     only ``s3://`` is a remote, a URL in the local slot is refused."""
@@ -241,40 +248,6 @@ def _unlisted(e: OSError) -> None:
     raise UserError(f'{e.filename}: cannot list this directory ({e.strerror.lower()})')
 
 
-def check_readable(path: str) -> None:
-    """Refuse an input file this process cannot open, before any work, saying why."""
-    if os.path.isdir(path):  # a dataset saved to disk: datasets reads it
-        return
-    try:
-        with open(path, 'rb'):
-            pass
-    except OSError as e:
-        raise UserError(f'{path}: cannot read this input ({e.strerror.lower()})') from None
-
-
-#: the first bytes of compressed data: (name, magic, suffix, command that decompresses in place)
-_MAGIC = (('gzip', b'\x1f\x8b', '.gz', 'gunzip'), ('zstd', b'\x28\xb5\x2f\xfd', '.zst', 'unzstd --rm'))
-
-
-def check_not_compressed(path: str) -> None:
-    """Refuse a plain-text input (``.jsonl``, ``.json``, ``.ndjson``, ``.txt``) that holds
-    gzip or zstd data, naming the compression and the rename that makes it readable
-    (rather than one invalid-UTF-8 record per line)."""
-    fmt = input_format(path)
-    if fmt not in ('jsonl', 'txt'):
-        return
-    with open(path, 'rb') as f:
-        head = f.read(4)
-    for name, magic, suffix, command in _MAGIC:
-        if head.startswith(magic):
-            if fmt == 'jsonl':
-                fix = f'rename it to {path}{suffix} (read as compressed JSON Lines)'
-            else:
-                fix = f'rename it to {path}{suffix} and decompress it ({command} {path}{suffix})'
-            raise UserError(f'{path}: holds {name}-compressed data, not text (its name ends in '
-                             f'{os.path.splitext(path)[1]}); {fix}')
-
-
 def _skipped_dir(path: str, exclude: Optional[str]) -> bool:
     return output_marker(path) is not None or (
         exclude is not None and os.path.realpath(path) == exclude)
@@ -291,11 +264,34 @@ def _refuse_output_dir(spec: str, directory: str) -> None:
                          f'not an input; {advice}')
 
 
-def check_json_lines(path: str) -> None:
-    """Refuse a ``.json`` file whose first non-blank line is not a whole JSON object, instead
-    of a malformed record per line."""
-    with open(path, 'rb') as f:
-        for line in f:
+#: the first bytes of compressed data: (name, magic, suffix, command that decompresses in place)
+_MAGIC = (('gzip', b'\x1f\x8b', '.gz', 'gunzip'), ('zstd', b'\x28\xb5\x2f\xfd', '.zst', 'unzstd --rm'))
+
+
+def check_input_file(path: str) -> None:
+    """Refuse, before any work and saying why, an input file this process cannot open; a plain-text
+    input (``.jsonl``, ``.json``, ``.ndjson``, ``.txt``) holding gzip or zstd data, naming the rename
+    that makes it readable; a ``.json`` file whose first non-blank line is not a whole JSON object
+    (rather than one bad record per line)."""
+    if os.path.isdir(path):  # a dataset saved to disk: datasets reads it
+        return
+    fmt = input_format(path)
+    try:
+        f = open(path, 'rb')
+    except OSError as e:
+        raise UserError(f'{path}: cannot read this input ({e.strerror.lower()})') from None
+    with f:
+        head = f.read(4) if fmt in ('jsonl', 'txt') else b''
+        for name, magic, suffix, command in _MAGIC:
+            if head.startswith(magic):
+                if fmt == 'jsonl':
+                    fix = f'rename it to {path}{suffix} (read as compressed JSON Lines)'
+                else:
+                    fix = f'rename it to {path}{suffix} and decompress it ({command} {path}{suffix})'
+                raise UserError(f'{path}: holds {name}-compressed data, not text (its name ends in '
+                                 f'{os.path.splitext(path)[1]}); {fix}')
+        f.seek(0)
+        for line in f if path.lower().endswith('.json') else ():
             if not line.strip():
                 continue
             try:
@@ -335,10 +331,7 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None,
             raise UserError(f'{spec}: no supported input files found (.jsonl[.gz|.zst], .ndjson, .txt, '
                              f'.parquet, datasets saved to disk; .json only when named)')
         for p in paths:
-            check_readable(p)
-            check_not_compressed(p)
-            if p.lower().endswith('.json'):
-                check_json_lines(p)
+            check_input_file(p)
         resolved.extend(os.path.abspath(p) for p in paths)
     if split is not None and not any(os.path.isfile(os.path.join(os.path.dirname(p), DATASET_DICT))
                                      for p in resolved):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -196,20 +195,6 @@ class ProcessPool:
 
 
 PARALLEL_MODES = ('threads', 'processes')
-
-
-@contextlib.contextmanager
-def importing(module: str) -> Iterator[None]:
-    """Pause the cyclic garbage collector while ``module`` is imported for the first time:
-    importing torch or transformers makes the collector run over and over, finding nothing."""
-    if module in sys.modules or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def default_workers() -> int:

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.common import ConvertOptions, Setup, init_worker
-from foundrymix.convert.pipeline import ChunkResult, InputTally, Progress, default_workers, importing
+from foundrymix.convert.pipeline import ChunkResult, InputTally, Progress, default_workers
 from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
 from foundrymix.convert.writer import ShardWriter, mds_writer, write_rows
 from foundrymix.format.schema import Counts, Manifest, mds_columns
 from foundrymix.format.shards import stored_name
+from foundrymix.heap import collector_paused
 
 if TYPE_CHECKING:
     from foundrymix.convert.driver import Converter
@@ -157,7 +158,7 @@ def _apply_results(results: list[TaskResult], tasks: list[list[Chunk]], options:
 def _connect(options: ConvertOptions) -> bool:
     """Use the Ray already initialized, else join ``ray_address`` or start a local one
     (``workers`` CPUs, no dashboard). True if this call started it (the caller shuts it down)."""
-    with importing('ray'):
+    with collector_paused():  # importing makes it run over and over, finding nothing
         import ray
     if ray.is_initialized():
         return False

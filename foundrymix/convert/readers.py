@@ -138,11 +138,7 @@ def _decompressed(path: str) -> Iterator[bytes]:
 
 
 class _StreamEnded(Exception):
-    """A compressed input could not be read to its end: ``reason`` (manifest key), ``detail``."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
+    """A compressed input could not be read to its end: args ``(reason (manifest key), detail)``."""
 
 
 def _stream_blocks(path: str, chunk_bytes: int) -> Iterator[Chunk]:
@@ -166,9 +162,10 @@ def _stream_blocks(path: str, chunk_bytes: int) -> Iterator[Chunk]:
         complete = bytes(buf[:buf.rfind(b'\n') + 1])
         read = f'after line {done:,}: lines 1-{done:,} were read' if done else 'before its first line ends'
         lost = f', the rest of line {done + 1:,} is lost' if len(complete) < len(buf) else ''
+        reason, detail = e.args
         yield Chunk('jsonl_stream', path, first_line=line, payload=complete, bad=BadRecord(
-            e.reason, f'{e.detail} {read}{lost}; replace the file, or pass --on-error skip to convert '
-                      f'the lines before the damage'))
+            reason, f'{detail} {read}{lost}; replace the file, or pass --on-error skip to convert '
+                    f'the lines before the damage'))
         return
     if buf:
         yield Chunk('jsonl_stream', path, first_line=line, payload=bytes(buf))

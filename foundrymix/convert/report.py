@@ -55,10 +55,6 @@ def manifest_table(manifest: Manifest, title: str, seconds: Optional[float] = No
 TOO_LONG_WARN = 0.05
 
 
-def _yes_no(flag: bool) -> str:
-    return 'yes' if flag else 'no'
-
-
 def separators_note(manifest: Manifest) -> str:
     """Whether BOS/EOS were inserted, and why (the tokenizer's default or an override)."""
     sep = manifest.options.get('separators', {})
@@ -76,9 +72,9 @@ def separators_note(manifest: Manifest) -> str:
     else:
         bos_why = 'not inserted'
     eos_why = '' if eos else ' (--no-eos)' if manifest.options.get('eos') is False else ' (not inserted)'
-    return (f'separators: BOS inserted before each {noun}: {_yes_no(bos)}'
+    return (f'separators: BOS inserted before each {noun}: {"yes" if bos else "no"}'
             f'{f" (id {t.bos_id})" if bos else ""} ({bos_why}); EOS inserted after each {noun}: '
-            f'{_yes_no(eos)}{f" (id {t.eos_id})" if eos else eos_why}.')
+            f'{"yes" if eos else "no"}{f" (id {t.eos_id})" if eos else eos_why}.')
 
 
 def _left_out(manifest: Manifest) -> str:

@@ -23,9 +23,9 @@ import numpy as np
 import xxhash
 
 from foundrymix.format.mds import LeanMDSWriter
-from foundrymix.convert.pipeline import importing
 from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader
 from foundrymix.errors import UserError
+from foundrymix.heap import collector_paused
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns
 from foundrymix.format.shards import stored_name
 from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreign_message, _keep_owned_attributes,
@@ -78,7 +78,7 @@ def mds_writer(out: str, columns: dict[str, str], compression: Optional[str], si
     if compression is None:
         return LeanMDSWriter(out, columns, hashes=hashes, size_limit=size_limit)
     # imported here, in the writer thread, after the conversion workers were forked
-    with importing('streaming'):
+    with collector_paused():  # importing makes it run over and over, finding nothing
         from streaming import MDSWriter
     return MDSWriter(out=out, columns=columns, compression=compression, size_limit=size_limit,
                      hashes=hashes, progress_bar=False, exist_ok=False)
