@@ -178,8 +178,3 @@ def init_worker(options: ConvertOptions, bos_id: Optional[int], eos_id: Optional
 def worker_state() -> WorkerState:
     assert _state is not None, 'init_worker was not called in this worker'
     return _state
-
-
-def worker_options() -> Any:
-    """This worker's options; None before :func:`init_worker` (records parsed outside a conversion)."""
-    return _state.options if _state is not None else None

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from foundrymix import claims
 from foundrymix.convert import holdout as held, ray_engine
-from foundrymix.convert.common import ConvertOptions, Setup, init_worker, prepare, worker_options
+from foundrymix.convert.common import ConvertOptions, Setup, init_worker, prepare, worker_state
 from foundrymix.convert.paths import OutSpec, split_out, sub_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
 from foundrymix.convert.pipeline import ChunkErrors, ChunkResult, InputTally, Progress, ordered_map
@@ -35,7 +35,7 @@ def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable
     ``parse`` returns the usable form or a :class:`BadRecord`; ``on_error='raise'`` stops at the
     first. ``preprocess`` runs first (its ``None`` counted in ``dropped``); with ``--holdout`` only
     this run's side is read."""
-    holdout = getattr(worker_options(), 'holdout', None)
+    holdout = worker_state().options.holdout
     n_lines, records = (read_records(chunk, fields) if holdout is None
                         else held.side_records(chunk, fields, holdout, on_error))
     errors: ChunkErrors = []

@@ -34,24 +34,17 @@ class TemplateError(FoundrymixError, ValueError):
 
 
 @dataclass(frozen=True)
-class Step:
-    """One access after the first name: ``kind`` is key (``.k``), index (``[3]``) or field (``[f]``)."""
-
-    kind: str
-    value: Any
-
-
-@dataclass(frozen=True)
 class FieldRef:
-    """A parsed ``{...}``: its text, top-level name and the steps after it."""
+    """A parsed ``{...}``: its text, top-level name and the ``(kind, value)`` steps after it: key
+    (``.k``), index (``[3]``) or field (``[f]``)."""
 
     text: str
     name: str
-    steps: tuple[Step, ...]
+    steps: tuple[tuple[str, Any], ...]
 
     def fields(self) -> set[str]:
         """Top-level fields this reference reads (for columnar inputs)."""
-        return {self.name} | {s.value for s in self.steps if s.kind == 'field'}
+        return {self.name} | {value for kind, value in self.steps if kind == 'field'}
 
 
 def parse_field(text: str, template: str, option: str) -> FieldRef:
@@ -61,7 +54,7 @@ def parse_field(text: str, template: str, option: str) -> FieldRef:
                             f"name[0] or name[other_field]")
     steps = []
     for key, index, field in _STEP.findall(m.group(2)):
-        steps.append(Step('key', key) if key else Step('index', int(index)) if index else Step('field', field))
+        steps.append(('key', key) if key else ('index', int(index)) if index else ('field', field))
     return FieldRef(text, m.group(1), tuple(steps))
 
 
@@ -120,9 +113,8 @@ def resolve(rec: dict, ref: FieldRef) -> str | BadRecord:
     if ref.name not in rec:
         return _missing(ref, f"'{ref.name}'", rec)
     value, path = rec[ref.name], ref.name
-    for step in ref.steps:
-        key: Any = step.value
-        if step.kind == 'field':
+    for kind, key in ref.steps:
+        if kind == 'field':
             if key not in rec:
                 return _missing(ref, f"index field '{key}'", rec)
             key = rec[key]

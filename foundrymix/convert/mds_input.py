@@ -208,11 +208,10 @@ def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str]
     return name, values, lens
 
 
-def download_datasets(url: str, into: str, progress: bool = False) -> int:
+def download_datasets(url: str, into: str, progress: bool = False) -> None:
     """Copy every MDS dataset under ``s3://bucket/prefix`` (each ``index.json`` and the shard
-    files it lists, nothing else) into the local folder ``into``, keeping the layout; returns
-    the bytes copied. The readers here map or read whole local shard files.
-    """
+    files it lists, nothing else) into the local folder ``into``, keeping the layout: the readers
+    here map or read whole local shard files."""
     s3 = parse_s3_url(url, 'adopt')
     client = make_client()
     try:
@@ -223,17 +222,14 @@ def download_datasets(url: str, into: str, progress: bool = False) -> int:
                      and not any(part.startswith('.') for part in k.split('/')))
     if not indexes:
         raise UserError(f'{url}: no MDS dataset there (no {INDEX_NAME} under the prefix)')
-    total = 0
 
     def get(key: str) -> None:
-        nonlocal total
         local = os.path.join(into, *key.split('/'))
         os.makedirs(os.path.dirname(local), exist_ok=True)
         try:
             client.download_file(s3.bucket, s3.key(key), local)
         except Exception as e:
             raise UserError(describe('download', s3.url(key), e)) from None
-        total += os.path.getsize(local)
 
     for index_key in indexes:
         get(index_key)
@@ -250,4 +246,3 @@ def download_datasets(url: str, into: str, progress: bool = False) -> int:
                 get(key)
         if progress:
             print(f'  copied {s3.url(folder.rstrip("/"))} ({len(wanted)} shard file(s))')
-    return total

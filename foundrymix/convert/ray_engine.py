@@ -71,15 +71,6 @@ def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
         return sub, json.load(f)
 
 
-def _init_task_worker(options: ConvertOptions, setup: Setup) -> None:
-    """Load the tokenizer once per Ray worker process (re-used by later tasks)."""
-    os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one task = one core
-    key = (options, setup.bos_id, setup.eos_id, setup.token_dtype)
-    if getattr(_init_task_worker, 'key', None) != key:
-        init_worker(*key)
-        _init_task_worker.key = key  # type: ignore[attr-defined]
-
-
 def _maybe_fail(spec: Optional[str], index: int, rows_written: int) -> None:
     """The :data:`FAIL_ENV` test hook: kill this worker once, mid-task (after some rows)."""
     if not spec or rows_written == 0:
@@ -93,7 +84,8 @@ def _maybe_fail(spec: Optional[str], index: int, rows_written: int) -> None:
 def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: str,
              options: ConvertOptions, setup: Setup, fail: Optional[str] = None) -> TaskResult:
     """Encode ``chunks`` in order, build rows and write them as MDS shards (in a Ray worker)."""
-    _init_task_worker(options, setup)
+    os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one task = one core
+    init_worker(options, setup.bos_id, setup.eos_id, setup.token_dtype)  # the tokenizer is cached per process
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len,
                         token_dtype=setup.token_dtype, tokenizer=setup.info)
     builder = converter.builder(setup, options, manifest)
