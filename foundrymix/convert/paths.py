@@ -139,13 +139,10 @@ def check_overlap(specs: Sequence[str], resolved: Sequence[str], out: str) -> No
 
 
 JSONL_SUFFIXES = ('.jsonl', '.json', '.ndjson')
-#: read only when named (or globbed as ``*.json``), not when a directory is expanded
-NOT_EXPANDED_SUFFIXES = ('.json',)
+#: input formats by the end of a file's name (``.jsonl.gz`` and ``.jsonl.zst``: jsonl_stream)
+_FORMATS = {**dict.fromkeys(JSONL_SUFFIXES, 'jsonl'), '.txt': 'txt', '.parquet': 'parquet'}
 #: a directory holding one of these is conversion output, never an input
 OUTPUT_MARKERS = (MANIFEST_NAME, 'index.json')
-COMPRESSED_SUFFIXES = ('.gz', '.zst')
-TEXT_SUFFIXES = ('.txt',)
-PARQUET_SUFFIXES = ('.parquet',)
 #: what ``DatasetDict.save_to_disk`` writes beside its split directories
 DATASET_DICT = 'dataset_dict.json'
 
@@ -165,17 +162,13 @@ def input_format(path: str) -> str:
         raise UserError(f'{path}: a directory is not a single input (expected a dataset saved '
                          f'with `datasets.save_to_disk`)')
     name = path.lower()
-    if name.endswith(COMPRESSED_SUFFIXES):
-        base = name.rsplit('.', 1)[0]
-        if base.endswith(JSONL_SUFFIXES):
+    if name.endswith(('.gz', '.zst')):
+        if name.rsplit('.', 1)[0].endswith(JSONL_SUFFIXES):
             return 'jsonl_stream'
         raise UserError(f'{path}: only compressed jsonl is supported (.jsonl.gz, .jsonl.zst)')
-    if name.endswith(JSONL_SUFFIXES):
-        return 'jsonl'
-    if name.endswith(TEXT_SUFFIXES):
-        return 'txt'
-    if name.endswith(PARQUET_SUFFIXES):
-        return 'parquet'
+    for suffix, fmt in _FORMATS.items():
+        if name.endswith(suffix):
+            return fmt
     raise UserError(f'{path}: unsupported input type (expected .jsonl[.gz|.zst], .txt, .parquet '
                      f'or a dataset saved to disk)')
 
@@ -186,12 +179,12 @@ def _is_hf_dataset(path: str) -> bool:
 
 def _supported(path: str, expanding: bool = False) -> bool:
     """Whether ``path`` is an input we read; ``expanding``: found by walking a directory or a
-    glob, where a ``.json`` file is not taken as JSON Lines."""
+    glob, where a ``.json`` file is not taken as JSON Lines (read only when named)."""
     try:
         input_format(path)
     except ValueError:
         return False
-    return not (expanding and path.lower().endswith(NOT_EXPANDED_SUFFIXES))
+    return not (expanding and path.lower().endswith('.json'))
 
 
 def output_marker(directory: str) -> Optional[str]:

@@ -159,7 +159,7 @@ class ShardWriter:
                 if self._closed:
                     return
                 self._writer = mds_writer(self.partial, columns, compression, size_limit, hashes)
-            while (item := self._queue.get()) is not None:  # None: abort
+            while (item := self._queue.get()) is not None and not self._closed:  # aborted: no further row
                 if item is _FINISH:
                     self._writer.finish()
                     self._upload_new_shards()
@@ -300,13 +300,7 @@ class ShardWriter:
         with self._lock:
             self._closed = True
             started = self._writer is not None
-        if started and self._thread.is_alive():
-            # stop the thread (it writes no further rows) before removing its directory
-            while True:
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
+        if started and self._thread.is_alive():  # stop the thread before removing its directory
             self._queue.put(None)
             self._thread.join()
         self._writer = None
