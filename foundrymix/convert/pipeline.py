@@ -92,14 +92,8 @@ def _work(index: int, fn: Callable[[Chunk], Any], initializer: Callable[..., Non
         return
     results: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_send_results, args=(out, results), daemon=True).start()
-    while True:
-        try:
-            task = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-            continue
-        seq, chunk = task
+    while True:  # until the parent stops it, or dies (die_with_parent)
+        seq, chunk = tasks.get()
         current[index] = seq
         try:
             result = (seq, True, fn(chunk))
@@ -284,7 +278,7 @@ class InputTally:
         for path, index, bad in res.errors:
             where = location(path, None if index is None or first is None else first + index, chunk.fmt)
             if self.on_error != 'skip':
-                raise InputError(where, bad.reason, bad.detail)
+                raise InputError(f'{where}: {bad.detail}')
             m.skipped[bad.reason] = m.skipped.get(bad.reason, 0) + 1
             seen = m.skipped_at.setdefault(bad.reason, [])
             if len(seen) < SKIP_LOCATIONS:

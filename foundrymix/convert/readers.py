@@ -31,12 +31,6 @@ HF_ROWS_PER_CHUNK = 2048
 class InputError(FoundrymixError, ValueError):
     """An input record is unusable; the message names file, line (or row) and field."""
 
-    def __init__(self, location: str, reason: str, detail: str) -> None:
-        super().__init__(f'{location}: {detail}')
-        self.location = location
-        self.reason = reason
-        self.detail = detail
-
 
 @dataclass(frozen=True)
 class BadRecord:

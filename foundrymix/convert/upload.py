@@ -17,7 +17,7 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -142,7 +142,6 @@ class Uploader:
         self.removed = 0
         self._slots = threading.BoundedSemaphore(MAX_PENDING)
         self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix='foundrymix-upload')
-        self._futures: list[Future] = []
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
@@ -205,15 +204,13 @@ class Uploader:
         self._start()
         while not self._slots.acquire(timeout=0.1):
             self.raise_error()
-        self._futures.append(self._pool.submit(self._upload_shard, name))
+        self._pool.submit(self._upload_shard, name)
 
     def drain(self) -> None:
         """Wait until every submitted shard is uploaded (raises the first upload error)."""
         self._start()
-        for fut in self._futures:
-            fut.result()
-        self.raise_error()
         self._pool.shutdown(wait=True)
+        self.raise_error()
 
     def stop(self) -> None:
         """Make every later :meth:`submit` raise, and queued shards be skipped."""
