@@ -130,9 +130,8 @@ class _TokenRows(_PretrainRows):
 
     def close(self) -> None:
         """Counts: documents written are those with a token in a row (the rest are the tail)."""
+        super().close()
         c = self.counts
-        c.tokens = c.loss_tokens = c.rows * self.cutter.max_seq_len
-        c.tail_tokens = self.cutter.tail_tokens
         c.documents_written = c.documents_read - (self.cutter.tail_documents if c.tail_tokens else 0)
 
     def progress(self, result: _ChunkIds) -> tuple[int, int]:

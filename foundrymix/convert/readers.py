@@ -7,6 +7,7 @@ whole lines streamed by the calling thread. An unreadable record is a :class:`Ba
 
 from __future__ import annotations
 
+import functools
 import gzip
 import itertools
 import json
@@ -285,22 +286,18 @@ def _parse_json_line(line: bytes, fields: Optional[Sequence[str]] = None) -> Any
     return rec
 
 
-_HF_CACHE: dict[str, Any] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _load_hf(path: str) -> Any:
     """A dataset saved to disk, memory-mapped once per process."""
-    if path not in _HF_CACHE:
-        import pyarrow
-        from datasets import load_from_disk
-        try:
-            ds = load_from_disk(path)
-        except (pyarrow.ArrowException, OSError) as e:  # a truncated .arrow file: OSError
-            raise UserError(f'{path}: this saved dataset cannot be read ({e})') from None
-        if not hasattr(ds, 'column_names') or isinstance(ds.column_names, dict):
-            raise UserError(f'{path}: expected a single dataset split, got a DatasetDict')
-        _HF_CACHE[path] = ds
-    return _HF_CACHE[path]
+    import pyarrow
+    from datasets import load_from_disk
+    try:
+        ds = load_from_disk(path)
+    except (pyarrow.ArrowException, OSError) as e:  # a truncated .arrow file: OSError
+        raise UserError(f'{path}: this saved dataset cannot be read ({e})') from None
+    if not hasattr(ds, 'column_names') or isinstance(ds.column_names, dict):
+        raise UserError(f'{path}: expected a single dataset split, got a DatasetDict')
+    return ds
 
 
 def location(path: str, line: Optional[int], fmt: str) -> str:

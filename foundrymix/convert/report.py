@@ -174,34 +174,21 @@ def check_rows(manifest: Manifest, n_inputs: int, holdout: Any = None) -> None:
                            f'{noun} read; {what}.{f" {todo}" if todo else ""}')
 
 
-def no_separator_warning(inferred: str, tokenizer: str) -> str:
-    """The warning for a stream with no separator of ``tokenizer``: a wrong tokenizer or a
-    separator of several ids looks the same as one long document."""
-    return (f'warning: {inferred.split(":")[0]} of tokenizer {tokenizer!r} in the shards, so every row is '
-            f'one document. If the documents had separators, they were not its single EOS/BOS ids: '
-            f'the shards were made with another tokenizer (pass it with --tokenizer) or with an '
-            f'--eos_text/--bos_text of several ids (adopt finds single ids only).')
-
-
-def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]:
-    """The plain sentences printed under the summary table; warnings start with ``warning:``."""
-    notes = [separators_note(manifest), documents_note(manifest)]
-    inferred = manifest.options.get('source', {}).get('inferred', '')
-    if inferred.startswith('neither EOS'):  # adopt found no separator (convert/adopt.py)
-        notes.append(no_separator_warning(inferred, manifest.tokenizer.name))
-    warning = too_long_warning(manifest, fit_95)
-    return notes + ([warning] if warning else [])
-
-
 def print_summary(manifest: Manifest, out: str, seconds: float, fit_95: Optional[int] = None,
                   uploaded: Optional[str] = None) -> None:
-    """The table printed at the end of a conversion (on stderr), then :func:`summary_notes`.
-
-    ``fit_95``: the length 95 % of the examples fit in, if known; ``uploaded``: the upload summary.
-    """
+    """The table printed at the end of a conversion (on stderr), then plain sentences (warnings in
+    yellow). ``fit_95``: the length 95 % of the examples fit in, if known; ``uploaded``: the upload
+    summary."""
     console = Console(file=sys.stderr)
     console.print(manifest_table(manifest, f'foundrymix convert -> {out}', seconds))
-    notes = summary_notes(manifest, fit_95) + ([uploaded[0].upper() + uploaded[1:] + '.'] if uploaded else [])
-    for note in notes:
+    notes = [separators_note(manifest), documents_note(manifest)]
+    inferred = manifest.options.get('source', {}).get('inferred', '')
+    if inferred.startswith('neither EOS'):  # adopt found no separator: a wrong tokenizer looks the same
+        notes.append(f'warning: {inferred.split(":")[0]} of tokenizer {manifest.tokenizer.name!r} in the shards, '
+                     f'so every row is one document. If the documents had separators, they were not its single '
+                     f'EOS/BOS ids: the shards were made with another tokenizer (pass it with --tokenizer) or '
+                     f'with an --eos_text/--bos_text of several ids (adopt finds single ids only).')
+    notes += [too_long_warning(manifest, fit_95)] + ([uploaded[0].upper() + uploaded[1:] + '.'] if uploaded else [])
+    for note in filter(None, notes):
         style = 'yellow' if note.startswith('warning:') else None
         console.print(note, style=style, soft_wrap=True, markup=False, highlight=False)
