@@ -10,7 +10,6 @@ from typing import Any, Optional
 from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
 from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, discover_inputs, split_out
-from foundrymix.convert.mds_input import is_mds_dir
 from foundrymix.convert.output import check_output_dir
 from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
 from foundrymix.errors import UserError
@@ -111,11 +110,8 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     local = output.local
     if local is not None:
         check_overlap(inputs, [], local)  # before discovery: an input equal to --out is named as such
-    if options.from_mds:  # MDS folders, which discovery never reads as inputs
+    if options.from_mds:  # MDS folders found by adopt, which discovery never reads as inputs
         resolved = [os.path.abspath(p) for p in inputs]
-        for p in resolved:
-            if not is_mds_dir(p):
-                raise UserError(f'{p}: not an MDS dataset folder (no index.json)')
     else:
         resolved = discover_inputs(inputs, exclude=os.path.realpath(local) if local is not None else None,
                                    split=options.split)
