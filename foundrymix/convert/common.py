@@ -51,8 +51,8 @@ class ConvertOptions:
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
     split: Optional[str] = None  # the split of a saved DatasetDict input (paths.py)
-    #: ``--holdout`` as given ('2%', '0.02', '500'): write OUT/eval and OUT/train (holdout.py);
-    #: each run's side is a :class:`~foundrymix.convert.holdout.Holdout` (its manifest records it)
+    #: ``--holdout`` as given ('2%', '0.02', '500'): write OUT/eval and OUT/train (driver.py);
+    #: each run's side is a :class:`~foundrymix.convert.driver.Holdout` (its manifest records it)
     holdout: Any = None
 
     @property
