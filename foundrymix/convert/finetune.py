@@ -17,8 +17,8 @@ import numpy as np
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.paths import OutSpec
 from foundrymix.convert.driver import Converter, RowBuilder, convert, parse_records
-from foundrymix.convert.encode import encode_texts
-from foundrymix.convert.mapping import Segments, Template, chat_segments, parse_template, read_fields
+from foundrymix.convert.mapping import (Segments, Template, chat_segments, encode_texts, parse_template,
+                                        read_fields)
 from foundrymix.convert.pipeline import ChunkErrors, ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
 from foundrymix.errors import UserError
