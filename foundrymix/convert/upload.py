@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from foundrymix.errors import FoundrymixError
 from foundrymix.format.schema import MANIFEST_NAME
@@ -73,20 +73,24 @@ class S3Target:
     retries: S3RetryCounter
 
 
+def _call(what: str, url: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, an S3 error raised as :class:`RemoteOutputError` naming ``what``, ``url`` and S3's code."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    try:
+        return fn()
+    except (ClientError, BotoCoreError) as e:
+        raise RemoteOutputError(describe(what, url, e)) from e
+
+
 def check_remote(url: str, overwrite: bool) -> S3Target:
     """Parse ``url``, connect, and check the prefix before any tokenizing; refuse what must not
     be written over."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     s3 = parse_s3_url(url)
     retries = S3RetryCounter()
     client = make_client(retries, threads=UPLOAD_THREADS)
     # the up-front check fails fast: few attempts, short timeouts
     quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10, threads=UPLOAD_THREADS)
-    try:
-        keys = list_keys(quick, s3)  # a LIST, not HEAD: its error body names S3's code
-    except (ClientError, BotoCoreError) as e:
-        raise RemoteOutputError(describe('listing the prefix', str(s3), e)) from e
+    keys = _call('listing the prefix', str(s3), lambda: list_keys(quick, s3))  # a LIST, not HEAD: it names S3's code
     metadata = [n for n in (INDEX_NAME, MANIFEST_NAME) if n in keys]
     if keys and not overwrite:
         what = (f'holds a dataset ({", ".join(metadata)})' if metadata else
@@ -98,11 +102,10 @@ def check_remote(url: str, overwrite: bool) -> S3Target:
     for name in (INDEX_NAME, REPLACING_NAME):  # the old index, and one a failed replacement left
         if name not in keys:
             continue
+        body = _call('reading the old index', s3.url(name),
+                     lambda: quick.get_object(Bucket=s3.bucket, Key=s3.key(name))['Body'].read())
         try:
-            body = quick.get_object(Bucket=s3.bucket, Key=s3.key(name))['Body'].read()
             listed |= index_files(json.loads(body))
-        except (ClientError, BotoCoreError) as e:
-            raise RemoteOutputError(describe('reading the old index', s3.url(name), e)) from e
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise RemoteOutputError(f'{s3.url(name)}: not valid JSON of an MDS index ({e}); remove it '
                                     f'yourself if the prefix may be replaced') from e
@@ -110,10 +113,8 @@ def check_remote(url: str, overwrite: bool) -> S3Target:
     for key in keys:
         if key in listed or key in metadata or key == REPLACING_NAME or not SHARD_NAME.match(key):
             continue
-        try:
-            meta = quick.head_object(Bucket=s3.bucket, Key=s3.key(key)).get('Metadata', {})
-        except (ClientError, BotoCoreError) as e:
-            raise RemoteOutputError(describe('reading object metadata', s3.url(key), e)) from e
+        meta = _call('reading object metadata', s3.url(key),
+                     lambda: quick.head_object(Bucket=s3.bucket, Key=s3.key(key)).get('Metadata', {}))
         if meta.get('foundrymix-writer') != WRITER_META['foundrymix-writer']:
             raise RemoteOutputError(
                 f'--out {s3}: {s3.url(key)} is named like a shard but is neither listed in an '
@@ -165,11 +166,7 @@ class Uploader:
                         ' and '.join(self.target.old_metadata))
 
     def _call(self, action: str, name: str, fn: Any, **kwargs: Any) -> Any:
-        from botocore.exceptions import BotoCoreError, ClientError
-        try:
-            return fn(**kwargs)
-        except (ClientError, BotoCoreError) as e:
-            raise RemoteOutputError(describe(f'{action} {name}', self.url.url(name), e)) from e
+        return _call(f'{action} {name}', self.url.url(name), lambda: fn(**kwargs))
 
     def _put(self, name: str) -> None:
         path = os.path.join(self.local, name)
