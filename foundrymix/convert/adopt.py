@@ -287,11 +287,10 @@ def _encode_turns(chunk: Chunk) -> _ChunkExamples:
     w = worker_state()
     o: FinetuneOptions = w.options
     vocab = w.vocab_size
-    n_lines, n_records, examples, errors, dropped = parse_records(
-        chunk, ('turns',), lambda rec: _turns(rec, vocab, o.chat_loss, o.loss_on_prompt), o.on_error)
+    read, examples = parse_records(chunk, ('turns',), lambda rec: _turns(rec, vocab, o.chat_loss, o.loss_on_prompt))
     laid_out = [(*_layout([len(ids) for ids, _ in segs], [loss for _, loss in segs], 0, False),
                  [ids for ids, _ in segs]) for segs in examples]
-    return _chunk_examples(n_lines, n_records, errors, dropped, laid_out, o, w.token_dtype)
+    return _chunk_examples(read, laid_out, o, w.token_dtype)
 
 
 def _adding(base: Any, **extra: Any) -> Any:

@@ -29,7 +29,7 @@ from foundrymix.convert import ray_engine
 from foundrymix.convert.common import ConvertOptions, Setup, init_worker, prepare, worker_state
 from foundrymix.convert.paths import OutSpec, split_out, sub_out
 from foundrymix.convert.mapping import PREPROCESS_SKIPPED, apply_preprocess
-from foundrymix.convert.pipeline import ChunkErrors, ChunkResult, InputTally, Progress, ordered_map
+from foundrymix.convert.pipeline import ChunkResult, InputTally, Progress, ordered_map
 from foundrymix.convert.readers import BadRecord, Chunk, lone_surrogate, plan_chunks, read_records
 from foundrymix.convert.report import check_rows, print_summary
 from foundrymix.convert.writer import ShardWriter
@@ -37,36 +37,33 @@ from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest
 
 
-def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable[[dict], Any],
-                  on_error: str, preprocess: Optional[str] = None
-                  ) -> tuple[int, int, list[Any], ChunkErrors, dict[str, int]]:
-    """Read a chunk and ``parse`` each record: ``(n_lines, n_records, parsed, errors, dropped)``.
-
-    ``parse`` returns the usable form or a :class:`BadRecord`; ``on_error='raise'`` stops at the
-    first. ``preprocess`` runs first (its ``None`` counted in ``dropped``); with ``--holdout`` only
-    this run's side is read."""
-    holdout = worker_state().options.holdout
-    n_lines, records = (read_records(chunk, fields) if holdout is None
-                        else side_records(chunk, fields, holdout, on_error))
-    errors: ChunkErrors = []
+def parse_records(chunk: Chunk, fields: Optional[Sequence[str]], parse: Callable[[dict], Any]
+                  ) -> tuple[ChunkResult, list[Any]]:
+    """Read a chunk and ``parse`` each record: what was read (lines, records, errors, drops) and the
+    parsed records. ``parse`` returns the usable form or a :class:`BadRecord`; ``--on-error raise``
+    stops at the first. ``--preprocess`` runs first (its ``None`` counted as dropped); with
+    ``--holdout`` only this run's side is read."""
+    o = worker_state().options
+    n_lines, records = (read_records(chunk, fields) if o.holdout is None
+                        else side_records(chunk, fields, o.holdout, o.on_error))
+    read = ChunkResult(n_lines, len(records), [], {})
     parsed: list[Any] = []
-    dropped: dict[str, int] = {}
     for path, index, rec in records:
-        if preprocess is not None and not isinstance(rec, BadRecord):
-            rec = apply_preprocess(preprocess, rec)
+        if o.preprocess is not None and not isinstance(rec, BadRecord):
+            rec = apply_preprocess(o.preprocess, rec)
             if rec is None:
-                dropped[PREPROCESS_SKIPPED] = dropped.get(PREPROCESS_SKIPPED, 0) + 1
+                read.dropped[PREPROCESS_SKIPPED] = read.dropped.get(PREPROCESS_SKIPPED, 0) + 1
                 continue
             if isinstance(rec, dict):  # what the function made must be tokenizable too
                 rec = lone_surrogate(rec, None) or rec
         item = rec if isinstance(rec, BadRecord) else parse(rec)
         if isinstance(item, BadRecord):
-            errors.append((path, index, item))
-            if on_error == 'raise':
+            read.errors.append((path, index, item))
+            if o.on_error == 'raise':
                 break
             continue
         parsed.append(item)
-    return n_lines, len(records), parsed, errors, dropped
+    return read, parsed
 
 
 class RowBuilder:
@@ -133,8 +130,15 @@ def convert(converter: Converter, inputs: list[str], out: OutSpec, options: Conv
 
 
 def _convert_claimed(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
+    """With the local output claimed exclusively: a live run reading it would be fed mixed old and new rows."""
     local = split_out(out).local
-    claim = claim_output(local)
+    path = None if local is None else claims.normalize(local)
+    try:
+        claim = None if path is None else claims.try_claim(path, claims.EXCLUSIVE)
+    except claims.Busy as e:
+        raise UserError(f'--out {local}: {path} is in use by a live run, {claims.describe(e.holders)}; '
+                        f'writing there now would corrupt what it reads. Wait for that run to end, '
+                        f'or choose another --out') from None
     try:
         return _convert(converter, inputs, out, options)
     except OSError as e:
@@ -164,20 +168,6 @@ def no_space(local: Optional[str], error: OSError) -> str:
         free = ''
     return (f'{folder}: {what} on the device that holds it{free}; nothing was published (the partial '
             f'output was removed): {fix}')
-
-
-def claim_output(local: Optional[str]) -> Optional[claims.Claim]:
-    """Claim the local output directory exclusively, or refuse naming the live run reading it
-    (which would be fed mixed old and new rows)."""
-    if local is None:
-        return None
-    path = claims.normalize(local)
-    try:
-        return claims.try_claim(path, claims.EXCLUSIVE)
-    except claims.Busy as e:
-        raise UserError(f'--out {local}: {path} is in use by a live run, {claims.describe(e.holders)}; '
-                         f'writing there now would corrupt what it reads. Wait for that run to end, '
-                         f'or choose another --out') from None
 
 
 def _convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:

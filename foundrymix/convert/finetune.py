@@ -19,7 +19,7 @@ from foundrymix.convert.paths import OutSpec
 from foundrymix.convert.driver import Converter, RowBuilder, convert, parse_records
 from foundrymix.convert.mapping import (Segments, Template, chat_segments, encode_texts, parse_template,
                                         read_fields)
-from foundrymix.convert.pipeline import ChunkErrors, ChunkResult
+from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
 from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest, encode_row
@@ -204,8 +204,7 @@ def _concat(parts: list[list[int] | np.ndarray], total: int, dtype: str) -> np.n
     return np.concatenate(pieces)
 
 
-def _chunk_examples(n_lines: int, n_records: int, errors: ChunkErrors, dropped: dict[str, int],
-                    laid_out: list[tuple[int, list[tuple[int, int]], list[list[int] | np.ndarray]]],
+def _chunk_examples(read: ChunkResult, laid_out: list[tuple[int, list[tuple[int, int]], list[list[int] | np.ndarray]]],
                     o: FinetuneOptions, dtype: str) -> _ChunkExamples:
     """The examples that fit (:func:`_fit`), back to back in one token array (per-example
     arrays would cost more than the packing). ``laid_out``: each example's length, loss
@@ -215,7 +214,7 @@ def _chunk_examples(n_lines: int, n_records: int, errors: ChunkErrors, dropped: 
     kept_spans: list[int] = []
     span_counts: list[int] = []
     for n, spans, pieces in laid_out:
-        fit = _fit(n, spans, o, dropped)
+        fit = _fit(n, spans, o, read.dropped)
         if fit is None:
             continue
         keep, spans = fit
@@ -227,7 +226,7 @@ def _chunk_examples(n_lines: int, n_records: int, errors: ChunkErrors, dropped: 
         kept_spans.extend(x for span in spans for x in span)
         span_counts.append(len(spans))
     total = sum(kept_lens)
-    return _ChunkExamples(n_lines, n_records, errors, dropped,
+    return _ChunkExamples(**vars(read),
                           tokens=_concat(parts, total, dtype) if total else np.zeros(0, dtype=dtype),
                           example_lens=np.asarray(kept_lens, dtype=np.int64),
                           spans=np.asarray(kept_spans, dtype=np.int32),
@@ -241,8 +240,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
     o: FinetuneOptions = w.options
     fields = read_fields((o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field),
                          _templates(o), o.preprocess)
-    n_lines, n_records, examples_segs, errors, dropped = parse_records(
-        chunk, fields, lambda rec: _segments(rec, o, w.tok), o.on_error, o.preprocess)
+    read, examples_segs = parse_records(chunk, fields, lambda rec: _segments(rec, o, w.tok))
     flat = encode_texts(w.tok, [text for segs in examples_segs for text, _ in segs])
     head: list[int] = [] if w.bos_id is None else [w.bos_id]
     tail: list[int] = [] if w.eos_id is None else [w.eos_id]
@@ -253,7 +251,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
         pos += len(segs)
         n, spans = _layout([len(x) for x in seg_ids], [loss for _, loss in segs], len(head), bool(tail))
         laid_out.append((n, spans, [head, *seg_ids, tail]))
-    return _chunk_examples(n_lines, n_records, errors, dropped, laid_out, o, w.token_dtype)
+    return _chunk_examples(read, laid_out, o, w.token_dtype)
 
 
 class _FinetuneRows(RowBuilder):

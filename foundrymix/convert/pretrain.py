@@ -53,8 +53,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
     o: PretrainOptions = w.options
     field, template = o.text_field, parse_template(o.text_template, '--text')
     fields = read_fields((field,), (template,), o.preprocess)
-    n_lines, n_records, texts, errors, dropped = parse_records(
-        chunk, fields, lambda rec: _document(rec, field, template), o.on_error, o.preprocess)
+    read, texts = parse_records(chunk, fields, lambda rec: _document(rec, field, template))
     ids = encode_texts(w.tok, texts)
     head = [] if w.bos_id is None else [w.bos_id]
     tail = [] if w.eos_id is None else [w.eos_id]
@@ -71,7 +70,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
             tokens[pos + len(head):end - len(tail)] = x
             tokens[end - len(tail):end] = tail
         pos = end
-    return _ChunkTokens(n_lines, n_records, errors, dropped, tokens, doc_lens)
+    return _ChunkTokens(**vars(read), tokens=tokens, doc_lens=doc_lens)
 
 
 class RowCutter:
