@@ -118,10 +118,9 @@ def unescape(template: Optional[str]) -> Optional[str]:
 
 def _options(cls: type, args: argparse.Namespace) -> Any:
     values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
-    if values.get('max_seq_len') is None:
-        values.pop('max_seq_len', None)  # the options' default (2048)
-    if values.get('tokenizer') is None:
-        values.pop('tokenizer', None)  # the options' default (the bundled demo tokenizer)
+    for k in ('max_seq_len', 'tokenizer'):  # not given: the options' defaults (2048, the bundled demo tokenizer)
+        if values.get(k) is None:
+            values.pop(k, None)
     for k in ('text_template', 'prompt_template', 'response_template'):
         if k in values:
             values[k] = unescape(values[k])

@@ -260,8 +260,8 @@ class _FinetuneRows(RowBuilder):
     def __init__(self, setup: Setup, options: FinetuneOptions, manifest: Manifest) -> None:
         self.manifest = manifest
         self.L = options.max_seq_len
-        self.pack = options.pack
-        self.packer = Packer(options.max_seq_len, options.pack_window)
+        # without packing, each example is a row of its own: no row is kept open for the next
+        self.packer = Packer(options.max_seq_len, options.pack_window if options.pack else 0)
         self.pad = setup.info.pad_id
         self.dtype = setup.token_dtype
         self.lengths: list[np.ndarray] = []
@@ -269,7 +269,7 @@ class _FinetuneRows(RowBuilder):
     def add(self, result: _ChunkExamples) -> Iterator[dict]:
         self.lengths.append(result.lengths)
         for ids, spans in result.examples():
-            yield from self._rows(self.packer.add(ids, spans) if self.pack else [[(ids, spans)]])
+            yield from self._rows(self.packer.add(ids, spans))
 
     def flush(self) -> Iterator[dict]:
         return self._rows(self.packer.flush())
