@@ -92,7 +92,8 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
     try:
         name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype, vocab)
     except OutOfRange as e:
-        raise UserError(f'{e.file}:row {e.row}: token id {e.value} is outside the vocabulary of '
+        file, row, value = e.args
+        raise UserError(f'{file}:row {row}: token id {value} is outside the vocabulary of '
                         f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
                         f'tokenizer: pass it with --tokenizer') from None
     if o.boundary == 'eos':

@@ -178,11 +178,7 @@ def chunks_of(path: str) -> Iterator[tuple[int, int]]:
 
 
 class OutOfRange(Exception):
-    """A value of a column outside ``[0, below)``: the shard file, the row and the value."""
-
-    def __init__(self, file: str, row: int, value: int) -> None:
-        super().__init__(file, row, value)
-        self.file, self.row, self.value = file, row, value
+    """A value of a column outside ``[0, below)``: args ``(shard file, row, value)``."""
 
 
 def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str] = None,

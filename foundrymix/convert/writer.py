@@ -180,12 +180,9 @@ class ShardWriter:
     def _upload_new_shards(self) -> None:
         """Hand the shards closed since the last call to the uploader (blocks while it is too
         far behind, which in turn holds back :meth:`write`)."""
-        if self._uploader is None:
-            return
         shards = self._writer.shards
-        while self._submitted < len(shards):
-            self._uploader.submit(stored_name(shards[self._submitted]))
-            self._submitted += 1
+        self.upload([stored_name(s) for s in shards[self._submitted:]])
+        self._submitted = len(shards)
 
     def _raise_error(self) -> None:
         if self._error is not None:
