@@ -244,17 +244,13 @@ def ordered_map(fn: Callable[[Chunk], Any], chunks: Iterable[Chunk], workers: in
         yield ordered()
 
 
-#: what a worker could not read in its chunk: ``(path, index in the chunk, why)`` each
-ChunkErrors = list[tuple[str, Optional[int], BadRecord]]
-
-
 @dataclass
 class ChunkResult:
     """What every encode step returns besides its arrays: lines and records seen, errors."""
 
     n_lines: int
     n_records: int
-    errors: ChunkErrors
+    errors: list[tuple[str, Optional[int], BadRecord]]  # (path, index in the chunk, why) it could not read
     dropped: dict[str, int]  # records left out on purpose, by reason (manifest.dropped)
 
 
