@@ -106,10 +106,6 @@ class RowCutter:
         return stream[:cut].reshape(n_rows, L), row_pieces, counts
 
     @property
-    def tail_tokens(self) -> int:
-        return len(self.rest)
-
-    @property
     def tail_documents(self) -> int:
         """Documents that lie wholly in the unwritten tail."""
         return len(self.rest_pieces) - (0 if self.rest_starts_doc else 1)
@@ -143,7 +139,7 @@ class _PretrainRows(RowBuilder):
     def close(self) -> None:
         c = self.counts
         c.tokens = c.loss_tokens = c.rows * self.cutter.max_seq_len
-        c.tail_tokens = self.cutter.tail_tokens
+        c.tail_tokens = len(self.cutter.rest)
         c.documents_written -= self.cutter.tail_documents
 
 

@@ -136,17 +136,6 @@ def merge_task_indexes(partial: str, n_tasks: int) -> None:
         os.fsync(f.fileno())
 
 
-def _apply_results(results: list[TaskResult], tasks: list[list[Chunk]], options: ConvertOptions,
-                   manifest: Manifest) -> None:
-    """Error policy, line numbers and counts, in input order, as the default engine does."""
-    tally = InputTally(options.on_error, manifest)
-    for res, chunks in zip(results, tasks):
-        for chunk, chunk_res in zip(chunks, res.chunks):
-            tally.add(chunk, chunk_res)
-        for f in dataclasses.fields(Counts):
-            setattr(manifest.counts, f.name, getattr(manifest.counts, f.name) + getattr(res.counts, f.name))
-
-
 def _connect(options: ConvertOptions) -> bool:
     """Use the Ray already initialized, else join ``ray_address`` or start a local one
     (``workers`` CPUs, no dashboard). True if this call started it (the caller shuts it down)."""
@@ -222,7 +211,12 @@ def run(converter: 'Converter', setup: Setup, out: Optional[str], options: Conve
                     tasks, window, progress, lambda i: _task_done(output, i))
             finally:
                 seconds = progress.close()
-            _apply_results(results, kept, options, manifest)
+            tally = InputTally(options.on_error, manifest)  # in input order, as the default engine
+            for res, chunks in zip(results, kept):
+                for chunk, chunk_res in zip(chunks, res.chunks):
+                    tally.add(chunk, chunk_res)
+                for f in dataclasses.fields(Counts):
+                    setattr(manifest.counts, f.name, getattr(manifest.counts, f.name) + getattr(res.counts, f.name))
             check_rows(manifest, len(setup.inputs), options.holdout)
             merge_task_indexes(output.partial, len(kept))
             output.rows = manifest.counts.rows
