@@ -26,11 +26,12 @@ from foundrymix.convert.driver import Converter, convert, parse_records
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
 from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
                                          read_column_arrays, shard_count)
+from foundrymix.convert.output import check_can_create, check_output_dir
 from foundrymix.convert.paths import check_overlap, is_url, sub_out
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
 from foundrymix.convert.readers import BadRecord, Chunk
-from foundrymix.convert.output import check_can_create, check_output_dir
+from foundrymix.convert.upload import parse_s3_url
 from foundrymix.errors import ExistsError, UserError
 from foundrymix.format.foundry_tokens import document_rule
 from foundrymix.format.schema import Manifest
@@ -196,9 +197,7 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
     Every split's output is checked before the first is written, so a refusal touches nothing.
     """
     if is_url(args.source):
-        if not args.source.startswith('s3://'):
-            raise UserError(f'{args.source}: adopt reads a local MDS folder or s3://bucket/prefix; copy '
-                            f'it to a local folder first')
+        parse_s3_url(args.source, 'adopt')  # another store is refused before anything is copied
         with tempfile.TemporaryDirectory(prefix='foundrymix-adopt-') as staging:
             if progress:
                 print(f'adopt {args.source}: copying its MDS datasets to {staging} first')
