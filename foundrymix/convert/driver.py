@@ -254,19 +254,13 @@ def parse_holdout(spec: Any) -> Holdout:
     text = str(spec).strip()
     bad = (f'--holdout {spec}: give a fraction of the records held out for eval, as 2% or 0.02 '
            f'(above 0, below 1), or a number of records, as 500')
+    if re.fullmatch(r'\d+', text) and int(text) > 0:
+        return Holdout(spec=text, count=int(text))
     try:
-        if text.endswith('%'):
-            fraction = float(text[:-1]) / 100
-        elif re.fullmatch(r'\d+', text):
-            count = int(text)
-            if count <= 0:
-                raise UserError(bad)
-            return Holdout(spec=text, count=count)
-        else:
-            fraction = float(text)
+        fraction = float(text[:-1]) / 100 if text.endswith('%') else float(text)
     except ValueError:
         raise UserError(bad) from None
-    if not 0 < fraction < 1:
+    if not 0 < fraction < 1:  # also '0', which is no number of records either
         raise UserError(bad)
     return Holdout(spec=text, fraction=fraction)
 
