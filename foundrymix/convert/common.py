@@ -120,9 +120,8 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
         check_output_dir(os.path.abspath(local), options.overwrite)
     check_hashes(options.hash_algorithms)
     check_compression(options.compression)
-    remote = None
-    if output.remote is not None:  # reaches the endpoint: after the free checks, before any work
-        remote = check_remote(output.remote, options.overwrite)
+    # reaches the endpoint: after the free checks, before any work
+    remote = None if output.remote is None else check_remote(output.remote, options.overwrite)
     with collector_paused():  # importing makes it run over and over, finding nothing
         tok = load_tokenizer(options.tokenizer) if load else None
         info = tokenizer_info(tok) if load else describe_tokenizer(options.tokenizer)

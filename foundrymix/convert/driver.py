@@ -175,21 +175,18 @@ def _convert(converter: Converter, inputs: list[str], out: OutSpec, options: Con
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
                         tokenizer=setup.info, inputs=setup.inputs,
                         options=converter.manifest_options(options, setup))
-    if options.engine == 'ray':  # tasks on a Ray cluster; the rest of this module is reused
-        (seconds, uploaded), builder = ray_engine.run(converter, setup, setup.output.local, options,
-                                                      manifest), None
-    else:
-        seconds, builder, uploaded = run(converter, setup, options, manifest)
+    engine = ray_engine.run if options.engine == 'ray' else run  # Ray: tasks on a cluster, this module reused
+    seconds, fit_95, uploaded = engine(converter, setup, options, manifest)
     if options.progress:
-        print_summary(manifest, str(setup.output), seconds,
-                      fit_95=builder.fit_length(0.95) if builder is not None else None, uploaded=uploaded)
+        print_summary(manifest, str(setup.output), seconds, fit_95=fit_95, uploaded=uploaded)
     return manifest
 
 
 def run(converter: Converter, setup: Setup, options: ConvertOptions,
-        manifest: Manifest) -> tuple[float, RowBuilder, Optional[str]]:
+        manifest: Manifest) -> tuple[float, Optional[int], Optional[str]]:
     """Stream chunks through the workers, build rows, write shards, fill ``manifest``: the output
-    appears only if everything succeeded. ``(seconds, row builder, upload summary or None)``."""
+    appears only if everything succeeded. ``(seconds, length 95 % of the examples fit in if known,
+    upload summary or None)``."""
     builder = converter.builder(setup, options, manifest)
     tally = InputTally(options.on_error, manifest)
     progress = Progress(options.progress, f'convert {converter.kind}')
@@ -214,7 +211,7 @@ def run(converter: Converter, setup: Setup, options: ConvertOptions,
         builder.close()
         check_rows(manifest, len(setup.inputs), options.holdout)
         writer.finish(manifest)
-    return seconds, builder, writer.upload_summary
+    return seconds, builder.fit_length(0.95), writer.upload_summary
 
 
 #: how a record is hashed, recorded in each side's manifest

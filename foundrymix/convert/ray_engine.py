@@ -190,8 +190,8 @@ def _cancel(futures: list[Any], timeout: float = 60) -> None:
         ray.wait(running, num_returns=len(running), timeout=timeout)
 
 
-def run(converter: 'Converter', setup: Setup, out: Optional[str], options: ConvertOptions,
-        manifest: Manifest) -> tuple[float, Optional[str]]:
+def run(converter: 'Converter', setup: Setup, options: ConvertOptions,
+        manifest: Manifest) -> tuple[float, None, Optional[str]]:
     """:func:`foundrymix.convert.driver.run` on Ray (same contract)."""
     started = _connect(options)
     import ray
@@ -203,7 +203,7 @@ def run(converter: 'Converter', setup: Setup, out: Optional[str], options: Conve
         window = max(2, 2 * int(ray.cluster_resources().get('CPU', 1)))
         fail = os.environ.get(FAIL_ENV)
         # the default engine's atomic output directory (partial, publish, abort), filled by tasks
-        with ShardWriter(out, options.max_seq_len, setup.token_dtype, overwrite=options.overwrite,
+        with ShardWriter(setup.output.local, options.max_seq_len, setup.token_dtype, overwrite=options.overwrite,
                          remote=setup.remote, tasks=True) as output:
             try:
                 results, kept = _run_tasks(
@@ -221,7 +221,7 @@ def run(converter: 'Converter', setup: Setup, out: Optional[str], options: Conve
             merge_task_indexes(output.partial, len(kept))
             output.rows = manifest.counts.rows
             output.finish(manifest)
-        return seconds, output.upload_summary
+        return seconds, None, output.upload_summary
     finally:
         if started:
             ray.shutdown()
