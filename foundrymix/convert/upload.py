@@ -48,11 +48,10 @@ def parse_s3_url(url: str, flag: str = '--out') -> S3Url:
     """Split ``s3://bucket/prefix``; other schemes are refused (only S3 uploads are supported)."""
     scheme, sep, rest = url.partition('://')
     if not sep or scheme.lower() != 's3':
-        if flag != '--out':  # a source (adopt): read from a local copy instead
-            raise RemoteOutputError(f'{flag} {url}: only s3://bucket/prefix is supported as a remote source '
-                                    f'(for another store, copy it to a local directory first)')
-        raise RemoteOutputError(f'--out {url}: only s3://bucket/prefix is supported as a remote output '
-                                f'(for another store, convert to a local directory and copy it)')
+        what, fix = (('output', 'convert to a local directory and copy it') if flag == '--out' else
+                     ('source', 'copy it to a local directory first'))  # a source (adopt): read a local copy
+        raise RemoteOutputError(f'{flag} {url}: only s3://bucket/prefix is supported as a remote {what} '
+                                f'(for another store, {fix})')
     bucket, _, prefix = rest.partition('/')
     if not bucket:
         raise RemoteOutputError(f'{flag} {url}: no bucket name (expected s3://bucket/prefix)')
@@ -145,7 +144,7 @@ class Uploader:
         self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix='foundrymix-upload')
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
+        self._t0 = 0.0  # the first upload's start (_start)
 
     def _start(self) -> None:
         """Before the first upload: take the old dataset's index and manifest away."""
