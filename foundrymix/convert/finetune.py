@@ -306,10 +306,9 @@ def _manifest_options(options: FinetuneOptions, setup: Setup) -> dict[str, Any]:
 def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
     """``threads`` for prompt/response examples, ``processes`` for chats or ``--preprocess``
     (Python holding the GIL), told from the first chunk's first records; same output either way."""
-    ptemplate, rtemplate = _templates(o)
     if o.preprocess is not None:
         return 'processes'
-    if ptemplate is not None or rtemplate is not None:
+    if any(_templates(o)):
         return 'threads'  # templates make every record a prompt/response example
     first = next(iter(plan_chunks(setup.inputs, o.chunk_bytes)), None)
     if first is None:
