@@ -7,6 +7,7 @@ place (atomic) once on disk; the next run removes a leftover whose process is go
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -102,7 +103,7 @@ QUEUE_BYTES = 64 << 20
 _FINISH = object()
 
 
-class ShardWriter:
+class ShardWriter(contextlib.AbstractContextManager):
     """An ``MDSWriter`` over the foundrymix columns that publishes atomically.
 
     Use as a context manager; :meth:`finish` publishes, leaving without it deletes the
@@ -304,9 +305,6 @@ class ShardWriter:
         if self._uploader is not None:
             self._uploader.abort()
         shutil.rmtree(self.partial, ignore_errors=True)
-
-    def __enter__(self) -> 'ShardWriter':
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.finished:
