@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
-from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, discover_inputs, split_out
+from foundrymix.convert.paths import OutSpec, Output, check_overlap, discover_inputs, split_out
 from foundrymix.convert.output import check_output_dir
 from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
 from foundrymix.errors import UserError
@@ -106,7 +106,6 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     if options.preprocess is not None:
         load_preprocess(options.preprocess)  # fails fast, naming the function
     output = split_out(out)
-    check_input_urls(inputs)
     local = output.local
     if local is not None:
         check_overlap(inputs, [], local)  # before discovery: an input equal to --out is named as such

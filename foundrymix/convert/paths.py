@@ -105,13 +105,6 @@ def split_out(out: OutSpec) -> Output:
     return Output(local=local, remote=remote)
 
 
-def check_input_urls(specs: Sequence[str]) -> None:
-    for spec in specs:
-        if is_url(spec):
-            raise UnsafePathsError(f'{spec}: reading inputs from object stores is not supported; '
-                                   f'download them to a local directory first')
-
-
 def _inside(path: str, directory: str) -> bool:
     """Whether real path ``path`` is ``directory`` or lies below it."""
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
@@ -307,6 +300,9 @@ def discover_inputs(specs: Sequence[str], exclude: Optional[str] = None,
         raise UserError('no inputs given')
     resolved: list[str] = []
     for spec in specs:
+        if is_url(spec):
+            raise UnsafePathsError(f'{spec}: reading inputs from object stores is not supported; '
+                                   f'download them to a local directory first')
         if glob.has_magic(spec):
             paths = _glob_inputs(spec, exclude, split)
         elif os.path.isdir(spec):

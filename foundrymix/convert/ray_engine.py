@@ -12,7 +12,7 @@ import itertools
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.common import ConvertOptions, Setup, init_worker
@@ -55,13 +55,15 @@ def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]
 
 @dataclass
 class TaskResult:
-    """What a task hands back: each chunk's result without its arrays, and the task's counts."""
+    """What a task hands back: each chunk's result without its arrays, the task's counts, and its
+    shard files (relative to the output)."""
 
     index: int
     chunks: list[ChunkResult]
     counts: Counts
     docs: int = 0  # for progress
     tokens: int = 0
+    files: list[str] = field(default_factory=list)
 
 
 def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
@@ -109,13 +111,8 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
         write_rows(writer, item)
     writer.finish()
     builder.close()
+    result.files = [f'task-{index:05d}/{stored_name(shard)}' for shard in writer.shards]
     return result
-
-
-def _task_done(output: ShardWriter, index: int) -> None:
-    """Upload a finished task's shards now (with an ``s3://`` output), while others run."""
-    sub, index_json = _task_index(output.partial, index)
-    output.upload([f'{sub}/{stored_name(shard)}' for shard in index_json['shards']])
 
 
 def merge_task_indexes(partial: str, n_tasks: int) -> None:
@@ -151,9 +148,9 @@ def _connect(options: ConvertOptions) -> bool:
 
 
 def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[Chunk]], window: int,
-               progress: Progress, on_done: Callable[[int], None]) -> tuple[list[TaskResult], list[list[Chunk]]]:
+               progress: Progress, on_done: Callable[[TaskResult], None]) -> tuple[list[TaskResult], list[list[Chunk]]]:
     """Submit tasks as planned, at most ``window`` in flight: results in task order and each
-    task's chunks without payloads; ``on_done(index)`` per task; on failure the rest are cancelled."""
+    task's chunks without payloads; ``on_done(result)`` per task; on failure the rest are cancelled."""
     import ray
     futures: list[Any] = []
     kept: list[list[Chunk]] = []
@@ -170,7 +167,7 @@ def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[C
                 res = ray.get(done[0])
                 results[res.index] = res
                 progress.update(res.docs, res.tokens)
-                on_done(res.index)
+                on_done(res)
     except BaseException:
         _cancel(futures)  # before the partial directory is removed
         raise
@@ -208,7 +205,7 @@ def run(converter: 'Converter', setup: Setup, options: ConvertOptions,
             try:
                 results, kept = _run_tasks(
                     lambda i, chunks: remote.remote(converter, chunks, i, output.partial, options, lean, fail),
-                    tasks, window, progress, lambda i: _task_done(output, i))
+                    tasks, window, progress, lambda res: output.upload(res.files))  # while others run
             finally:
                 seconds = progress.close()
             tally = InputTally(options.on_error, manifest)  # in input order, as the default engine
