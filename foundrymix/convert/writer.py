@@ -27,7 +27,7 @@ from foundrymix.format.mds import LeanMDSWriter
 from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader
 from foundrymix.errors import UserError
 from foundrymix.heap import collector_paused
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns, rows_of
 from foundrymix.format.shards import stored_name
 from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreign_message, _keep_owned_attributes,
                                        foreign_entries, remove_output, remove_stale_partials)
@@ -165,7 +165,12 @@ class ShardWriter(contextlib.AbstractContextManager):
                     self._writer.finish()
                     self._upload_new_shards()
                     return
-                write_rows(self._writer, item)
+                if self._uploader is None:
+                    write_rows(self._writer, item)
+                else:  # row by row: a finished shard goes to the uploader before the next (bounds the disk)
+                    for row in rows_of(item):
+                        self._writer.write(row)
+                        self._upload_new_shards()
                 with self._room:
                     self._queued -= len(item) if isinstance(item, RowBatch) else 1
                     self._room.notify_all()
