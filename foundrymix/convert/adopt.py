@@ -97,12 +97,9 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
         raise UserError(f'{file}:row {row}: token id {value} is outside the vocabulary of '
                         f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
                         f'tokenizer: pass it with --tokenizer') from None
-    if o.boundary == 'eos':
-        ends = np.flatnonzero(stream == o.boundary_id) + 1
-    elif o.boundary == 'bos':
-        ends = np.flatnonzero(stream == o.boundary_id)
-    else:
-        ends = np.zeros(0, dtype=np.int64)
+    # a document ends after each EOS, or just before each BOS; 'none': the stream is one document
+    ends = (np.flatnonzero(stream == o.boundary_id) + (o.boundary == 'eos') if o.boundary != 'none'
+            else np.zeros(0, dtype=np.int64))
     return _ChunkIds(len(row_lens), len(ends), [], {}, stream, ends)
 
 

@@ -183,10 +183,7 @@ def _supported(path: str, expanding: bool = False) -> bool:
 def output_marker(directory: str) -> Optional[str]:
     """The file that marks ``directory`` as conversion output (``foundrymix.json`` or an MDS
     ``index.json``), or ``None``: such directories are never inputs."""
-    for name in OUTPUT_MARKERS:
-        if os.path.isfile(os.path.join(directory, name)):
-            return name
-    return None
+    return next((name for name in OUTPUT_MARKERS if os.path.isfile(os.path.join(directory, name))), None)
 
 
 def _expand_dir(directory: str, exclude: Optional[str] = None, split: Optional[str] = None) -> list[str]:
