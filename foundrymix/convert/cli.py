@@ -58,6 +58,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'core while the Rust tokenizer releases the GIL (default for pretrain and '
                         'prompt/response finetuning), or forked processes (default for chats and '
                         '--preprocess, whose Python work holds the GIL)')
+    _output_options(p)
     p.add_argument('--engine', choices=ENGINES, default='local',
                    help='local: this machine (default); ray: tasks on a Ray cluster (pip install '
                         "'foundrymix[ray]'), each writing its own shards, merged at the end "
@@ -80,7 +81,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'of records (500). A record is held out by the sha256 of its content alone, so '
                         'the split is the same for any --workers or input order and exact duplicates '
                         'land on the same side')
-    _output_options(p)
+    p.add_argument('--no-progress', dest='progress', action='store_false',
+                   help='no progress bar or summary table')
 
 
 def _output_options(p: argparse.ArgumentParser, text: str = '') -> None:
@@ -101,8 +103,6 @@ def _output_options(p: argparse.ArgumentParser, text: str = '') -> None:
     p.add_argument('--hash', action='append', default=[], metavar='ALGO',
                    help='also write this shard hash to index.json (repeatable; e.g. sha1, sha256, '
                         'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
-    p.add_argument('--no-progress', dest='progress', action='store_false',
-                   help='no progress bar or summary table')
 
 
 _ESCAPES = {'n': '\n', 't': '\t', '\\': '\\'}
@@ -224,6 +224,7 @@ def _register_adopt(subparsers: Any) -> None:
                         "target_responses)")
     a.add_argument('--workers', type=int, default=0, help='shards read at once (default 0 = all cores)')
     _output_options(a, 'text sources: ')
+    a.add_argument('--no-progress', dest='progress', action='store_false', help='no progress bar or summary')
     a.set_defaults(func=_run_adopt)
 
 
