@@ -120,9 +120,10 @@ class _PretrainRows(RowBuilder):
         self.cutter = RowCutter(options.max_seq_len, setup.token_dtype)
         self.full_span = np.asarray([0, options.max_seq_len], dtype=np.int32)
 
-    def add(self, result: _ChunkTokens) -> Iterator[RowBatch]:
+    def add(self, result: _ChunkTokens) -> Iterator[dict]:
         self.counts.documents_written += len(result.doc_lens)
-        yield from self._rows(result.tokens, result.doc_lens)
+        for batch in self._rows(result.tokens, result.doc_lens):  # a chunk's rows: few, written one by one
+            yield from batch.rows()
 
     def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[RowBatch]:
         """The rows completed, as one batch (a chunk's worth: thousands of rows at once)."""

@@ -144,7 +144,6 @@ class Uploader:
         self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix='foundrymix-upload')
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
-        self._t0 = 0.0  # the first upload's start (_start)
 
     def _start(self) -> None:
         """Before the first upload: take the old dataset's index and manifest away."""
