@@ -4,11 +4,17 @@ The shards' columns say what a source is (:data:`KINDS`). ``text`` and ``prompt`
 take the pretrain/finetune paths; ``turns`` are packed from their ids; ``tokens`` windows are
 joined in shard order and re-cut at their EOS (else BOS) ids with no tokenizer run, so the rows
 equal ``convert pretrain`` of the raw corpus. docs/convert.md ("Adopting existing MDS").
+
+The way back, ``foundrymix export DATASET --to-foundry OUT`` (:func:`export_to_foundry`): a pretrain
+dataset as one ``tokens`` column, as LLM-Foundry's ``StreamingTextDataset`` reads it: each row's real
+tokens, padding left out. Rows are checked first; OUT is renamed into place, never replaced.
+Finetune datasets are refused (a ``tokens`` column cannot hold their loss spans).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
@@ -16,20 +22,21 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
-from foundrymix.convert.driver import ChunkResult, Converter, convert, parse_records
+from foundrymix.convert.driver import Converter, convert, parse_records
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
 from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
-                                         read_column_arrays)
-from foundrymix.convert.paths import check_overlap, is_url
-from foundrymix.convert.pipeline import ChunkErrors
+                                         read_column_arrays, shard_count)
+from foundrymix.convert.output import check_can_create, check_output_dir
+from foundrymix.convert.paths import check_overlap, is_url, sub_out
+from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
 from foundrymix.convert.readers import BadRecord, Chunk
-from foundrymix.convert.writer import check_output_dir
-from foundrymix.errors import UserError
+from foundrymix.convert.upload import parse_s3_url
+from foundrymix.errors import ExistsError, UserError
 from foundrymix.format.foundry_tokens import document_rule
-from foundrymix.format.schema import Manifest, RowBatch
+from foundrymix.format.schema import Manifest
+from foundrymix.format.shards import INDEX_NAME, iter_shard_rows, read_index, shard_raw_bytes, stored_name
 from foundrymix.tokenizer import describe_tokenizer
-from foundrymix.convert.mds_input import shard_count
 
 #: the column sets adopt reads, and what they are
 KINDS = {
@@ -38,6 +45,8 @@ KINDS = {
     'prompt_response': 'LLM-Foundry finetune text (prompt, response: str)',
     'turns': 'LLM-Foundry tokenized finetune (turns: json)',
 }
+#: the ``convert KIND --from-mds`` that reads each of :data:`KINDS`
+COMMANDS = {'tokens': 'pretrain', 'text': 'pretrain', 'prompt_response': 'finetune', 'turns': 'finetune'}
 
 
 def source_kind(split: MdsSplit) -> str:
@@ -84,16 +93,14 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
     try:
         name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype, vocab)
     except OutOfRange as e:
-        raise UserError(f'{e.file}:row {e.row}: token id {e.value} is outside the vocabulary of '
+        file, row, value = e.args
+        raise UserError(f'{file}:row {row}: token id {value} is outside the vocabulary of '
                         f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
                         f'tokenizer: pass it with --tokenizer') from None
-    if o.boundary == 'eos':
-        ends = np.flatnonzero(stream == o.boundary_id) + 1
-    elif o.boundary == 'bos':
-        ends = np.flatnonzero(stream == o.boundary_id)
-    else:
-        ends = np.zeros(0, dtype=np.int64)
-    return _ChunkIds(len(row_lens), len(ends), ChunkErrors(), {}, stream, ends)
+    # a document ends after each EOS, or just before each BOS; 'none': the stream is one document
+    ends = (np.flatnonzero(stream == o.boundary_id) + (o.boundary == 'eos') if o.boundary != 'none'
+            else np.zeros(0, dtype=np.int64))
+    return _ChunkIds(len(row_lens), len(ends), [], {}, stream, ends)
 
 
 class _TokenRows(_PretrainRows):
@@ -102,7 +109,6 @@ class _TokenRows(_PretrainRows):
 
     def __init__(self, setup: Setup, options: TokenOptions, manifest: Manifest) -> None:
         super().__init__(setup, options, manifest)
-        self.manifest = manifest
         self.since_end = 0  # tokens after the last document end so far (the open document)
 
     def _open(self) -> int:
@@ -115,33 +121,23 @@ class _TokenRows(_PretrainRows):
         if len(lens):
             lens[0] += self._open()
         kept = lens[lens > 0]  # a BOS at the very start of the stream ends nothing
-        self.manifest.counts.documents_read -= len(lens) - len(kept)
+        self.counts.documents_read -= len(lens) - len(kept)
         self.since_end = len(result.tokens) - int(ends[-1]) if len(ends) else \
             self.since_end + len(result.tokens)
         yield from self._rows(result.tokens, kept)
 
-    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[RowBatch]:
-        """The rows completed, as one batch (a shard's worth: thousands of rows at once)."""
-        ids, pieces, counts = self.cutter.feed_batch(tokens, lens)
-        n = len(ids)
-        if n:
-            self.counts.rows += n
-            yield RowBatch(ids.astype(self.dtype, copy=False), np.tile(self.full_span, n),
-                           np.full(n, len(self.full_span), dtype=np.int64), pieces, counts)
-
     def flush(self) -> Iterator[dict]:
         """The last document has no end in the data (Foundry cut it): it ends the stream."""
         if self.since_end:
-            self.manifest.counts.documents_read += 1
+            self.counts.documents_read += 1
         rest = self._open()
         if rest:  # its tokens not yet in a row: one more piece for the tail
             yield from self._rows(np.zeros(0, dtype=self.dtype), np.asarray([rest], dtype=np.int64))
 
     def close(self) -> None:
         """Counts: documents written are those with a token in a row (the rest are the tail)."""
+        super().close()
         c = self.counts
-        c.tokens = c.loss_tokens = c.rows * self.cutter.max_seq_len
-        c.tail_tokens = self.cutter.tail_tokens
         c.documents_written = c.documents_read - (self.cutter.tail_documents if c.tail_tokens else 0)
 
     def progress(self, result: _ChunkIds) -> tuple[int, int]:
@@ -159,7 +155,7 @@ class AdoptArgs:
     max_seq_len: Optional[int] = None  # default: the source's window (tokens), else 2048
     chat_loss: str = 'all'  # turns: loss on every turn's labels, or the last turn's (Foundry's default)
     common: dict[str, Any] = field(default_factory=dict)  # ConvertOptions fields (workers, ...)
-    kinds: tuple[str, ...] = ()  # only these KINDS (`convert pretrain|finetune --from-mds`); default: any
+    command: Optional[str] = None  # `convert pretrain|finetune --from-mds`: only its COMMANDS; default: any
     origin: Optional[str] = None  # the s3:// URL ``source`` (a local copy) was copied from
 
 
@@ -192,22 +188,13 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
                                   f'stream is taken as one document (doc_lens only mark row ends)')
 
 
-def _split_out(out: str, split: MdsSplit, several: bool) -> str:
-    if not several:
-        return out
-    return (out.rstrip('/') + '/' + split.name.replace(os.sep, '/')) if is_url(out) \
-        else os.path.join(out, split.name)
-
-
 def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manifest]]:
     """Adopt every split of ``args.source`` (or those named) into ``args.out``; one manifest each.
 
     Every split's output is checked before the first is written, so a refusal touches nothing.
     """
     if is_url(args.source):
-        if not args.source.startswith('s3://'):
-            raise UserError(f'{args.source}: adopt reads a local MDS folder or s3://bucket/prefix; copy '
-                            f'it to a local folder first')
+        parse_s3_url(args.source, 'adopt')  # another store is refused before anything is copied
         with tempfile.TemporaryDirectory(prefix='foundrymix-adopt-') as staging:
             if progress:
                 print(f'adopt {args.source}: copying its MDS datasets to {staging} first')
@@ -223,10 +210,8 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
         splits = [s for s in splits if s.name in args.splits]
     kinds = [source_kind(s) for s in splits]
     for s, k in zip(splits, kinds):
-        if args.kinds and k not in args.kinds:
-            other = next(c for c, ks in (('pretrain', ('tokens', 'text')),
-                                         ('finetune', ('prompt_response', 'turns'))) if k in ks)
-            raise UserError(f'{s.path}: holds {KINDS[k]}; that is `foundrymix convert {other} --from-mds` '
+        if args.command and COMMANDS[k] != args.command:
+            raise UserError(f'{s.path}: holds {KINDS[k]}; that is `foundrymix convert {COMMANDS[k]} --from-mds` '
                             f'(or `foundrymix adopt`)')
     if args.tokenizer is None:  # the demo tokenizer would be taken in silence (and 2048 with it)
         s, k = splits[0], kinds[0]
@@ -236,21 +221,17 @@ def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manif
                         f'their tokenizer: pass --tokenizer NAME_OR_DIR, the one they were made with (a '
                         f'bundled name, a local tokenizer directory or a cached Hub name)')
     several = len(splits) > 1 or splits[0].name != ''
+    outs = [sub_out(args.out, s.name) if several else args.out for s in splits]
     if progress:
         print(f'adopt {args.origin or args.source}: {len(splits)} MDS dataset(s)')
         for s, k in zip(splits, kinds):
             print(f'  {s.describe()} -> {KINDS[k]}')
-    overwrite = bool(args.common.get('overwrite'))
     if not is_url(args.out):
         check_overlap([args.source], [], args.out)
-    for s in splits:
-        target = _split_out(args.out, s, several)
+    for target in outs:
         if not is_url(target):
-            check_output_dir(os.path.abspath(target), overwrite)
-    done = []
-    for s, kind in zip(splits, kinds):
-        done.append((s, _adopt_one(s, kind, _split_out(args.out, s, several), args, progress)))
-    return done
+            check_output_dir(os.path.abspath(target), bool(args.common.get('overwrite')))
+    return [(s, _adopt_one(s, kind, target, args, progress)) for s, kind, target in zip(splits, kinds, outs)]
 
 
 def _adopt_one(split: MdsSplit, kind: str, out: str, args: AdoptArgs, progress: bool) -> Manifest:
@@ -265,19 +246,15 @@ def _adopt_one(split: MdsSplit, kind: str, out: str, args: AdoptArgs, progress: 
         if progress:
             print(f'  {split.name or "."}: no tokenizer run; {how}; rows of {L} tokens'
                   + (f' (the source windows are {window})' if window else ''))
-        options = TokenOptions(max_seq_len=L, boundary=boundary, boundary_id=boundary_id,
-                               source_seq_len=window, **common)
-        return convert(_with_source(TOKENS, source), [split.path], out, options)
-    L = args.max_seq_len or 2048
-    if kind == 'text':
-        return convert(_with_source(PRETRAIN, source), [split.path], out,
-                       PretrainOptions(max_seq_len=L, **common))
-    if kind == 'prompt_response':
-        return convert(_with_source(FINETUNE, source), [split.path], out,
-                       FinetuneOptions(max_seq_len=L, **common))
-    # turns: already tokenized, with the special tokens Foundry's tokenizer call put in
-    return convert(_with_source(TURNS, source), [split.path], out,
-                   FinetuneOptions(max_seq_len=L, chat_loss=args.chat_loss, **common))
+        converter, options = TOKENS, TokenOptions(max_seq_len=L, boundary=boundary, boundary_id=boundary_id,
+                                                  source_seq_len=window, **common)
+    else:  # turns: already tokenized, with the special tokens Foundry's tokenizer call put in
+        converter, cls = {'text': (PRETRAIN, PretrainOptions), 'prompt_response': (FINETUNE, FinetuneOptions),
+                          'turns': (TURNS, FinetuneOptions)}[kind]
+        extra = {'chat_loss': args.chat_loss} if kind == 'turns' else {}
+        options = cls(max_seq_len=args.max_seq_len or 2048, **extra, **common)
+    return convert(replace(converter, manifest_options=_adding(converter.manifest_options, source=source)),
+                   [split.path], out, options)
 
 
 def _turns(rec: dict, vocab: int, chat_loss: str, loss_on_prompt: bool
@@ -307,30 +284,73 @@ def _encode_turns(chunk: Chunk) -> _ChunkExamples:
     w = worker_state()
     o: FinetuneOptions = w.options
     vocab = w.vocab_size
-    n_lines, n_records, examples, errors, dropped = parse_records(
-        chunk, ('turns',), lambda rec: _turns(rec, vocab, o.chat_loss, o.loss_on_prompt), o.on_error)
+    read, examples = parse_records(chunk, ('turns',), lambda rec: _turns(rec, vocab, o.chat_loss, o.loss_on_prompt))
     laid_out = [(*_layout([len(ids) for ids, _ in segs], [loss for _, loss in segs], 0, False),
                  [ids for ids, _ in segs]) for segs in examples]
-    return _chunk_examples(n_lines, n_records, errors, dropped, laid_out, o, w.token_dtype)
+    return _chunk_examples(read, laid_out, o, w.token_dtype)
 
 
-def _with_source(converter: Converter, source: dict[str, Any]) -> Converter:
-    """The converter, recording where its input came from in ``manifest.options['source']``."""
-    base = converter.manifest_options
-
+def _adding(base: Any, **extra: Any) -> Any:
+    """Manifest options ``base`` with ``extra`` added (where the input came from, what was inserted)."""
     def options(o: Any, setup: Setup) -> dict[str, Any]:
-        return dict(base(o, setup), source=source)
-    return replace(converter, manifest_options=options)
-
-
-def _as_source(base: Any) -> Any:
-    """Manifest options saying no separator was inserted, whatever ``--bos``/``--eos`` say."""
-    def options(o: Any, setup: Setup) -> dict[str, Any]:
-        return dict(base(o, setup), separators={'bos': False, 'eos': False, 'as_source': True})
+        return dict(base(o, setup), **extra)
     return options
 
 
-TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads', choose_parallel=None,
-                manifest_options=_as_source(FINETUNE.manifest_options))
+# adopted token ids: no separator was inserted, whatever ``--bos``/``--eos`` say
+_AS_SOURCE = {'separators': {'bos': False, 'eos': False, 'as_source': True}}
+TURNS = replace(FINETUNE, encode_chunk=_encode_turns, parallel='threads',
+                manifest_options=_adding(FINETUNE.manifest_options, **_AS_SOURCE))
 TOKENS = Converter(kind='pretrain', noun='documents', encode_chunk=_encode_tokens, parallel='threads',
-                   builder=_TokenRows, manifest_options=_as_source(lambda o, s: o.to_manifest()), tokenizes=False)
+                   builder=_TokenRows, manifest_options=_adding(lambda o, s: o.to_manifest(), **_AS_SOURCE),
+                   tokenizes=False)
+
+
+@dataclass(frozen=True)
+class FoundryExport:
+    """What an export wrote."""
+
+    out: str
+    rows: int
+    tokens: int
+    shards: int
+
+
+def export_to_foundry(dataset: str, out: str, size_limit: int = 1 << 26) -> FoundryExport:
+    """Write ``dataset`` (a local foundrymix pretrain dataset) to ``out`` as Foundry ``tokens`` MDS."""
+    from streaming import MDSWriter
+
+    manifest = Manifest.read(dataset)
+    if manifest.kind != 'pretrain':
+        raise UserError(f'{dataset}: a {manifest.kind} dataset: its rows carry loss spans and example '
+                        f"boundaries that LLM-Foundry's tokens column cannot hold; --to-foundry writes "
+                        f'pretrain datasets only (Foundry reads finetune data as prompt/response text)')
+    if os.path.lexists(out):
+        raise ExistsError(f'{out}: exists; give a new directory (an export never writes into or replaces '
+                          f'an existing one)')
+    check_can_create(out, '--to-foundry')  # else streaming's uploader fails in a traceback
+    index = read_index(os.path.join(dataset, INDEX_NAME))
+    partial = f'{out.rstrip(os.sep)}.partial-{os.getpid()}'
+    rows = tokens = 0
+    try:
+        with MDSWriter(out=partial, columns={'tokens': f'ndarray:{manifest.token_dtype}'},
+                       size_limit=size_limit) as writer:
+            for shard in index['shards']:
+                name = stored_name(shard)
+                with open(os.path.join(dataset, name), 'rb') as f:
+                    data = shard_raw_bytes(shard, f.read())
+                for result in iter_shard_rows(data, shard, manifest.tokenizer.vocab_size, manifest.max_seq_len):
+                    if result.problem is not None:
+                        raise UserError(f'{os.path.join(dataset, name)}: row {result.row}: {result.problem}; '
+                                        f'run `foundrymix verify {dataset}`')
+                    real = int(np.asarray(result.value['doc_lens']).sum())  # the rest is padding
+                    ids = np.ascontiguousarray(result.value['input_ids'][:real], dtype=manifest.token_dtype)
+                    writer.write({'tokens': ids})
+                    rows += 1
+                    tokens += real
+        shards = len(read_index(os.path.join(partial, INDEX_NAME))['shards'])
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return FoundryExport(out=out, rows=rows, tokens=tokens, shards=shards)

@@ -58,22 +58,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         'core while the Rust tokenizer releases the GIL (default for pretrain and '
                         'prompt/response finetuning), or forked processes (default for chats and '
                         '--preprocess, whose Python work holds the GIL)')
-    p.add_argument('--overwrite', action='store_true',
-                   help='replace the foundrymix dataset in --out: only what foundrymix wrote is '
-                        'removed, and a folder holding anything else is refused before any work '
-                        '(docs/safety.md)')
-    p.add_argument('--on-error', choices=ON_ERROR, default='raise',
-                   help='bad records: stop with an error naming file, line and field (raise), or '
-                        'skip them and count each by reason in the manifest (skip)')
-    p.add_argument('--bos', action=argparse.BooleanOptionalAction, default=None,
-                   help='BOS before each document/example (default: iff the tokenizer adds BOS)')
-    p.add_argument('--eos', action=argparse.BooleanOptionalAction, default=True,
-                   help='EOS after each document/example (default: on)')
-    p.add_argument('--compression', default=None, help='MDS shard compression, e.g. zstd')
-    p.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
-    p.add_argument('--hash', action='append', default=[], metavar='ALGO',
-                   help='also write this shard hash to index.json (repeatable; e.g. sha1, sha256, '
-                        'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
+    _output_options(p)
     p.add_argument('--engine', choices=ENGINES, default='local',
                    help='local: this machine (default); ray: tasks on a Ray cluster (pip install '
                         "'foundrymix[ray]'), each writing its own shards, merged at the end "
@@ -100,6 +85,26 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help='no progress bar or summary table')
 
 
+def _output_options(p: argparse.ArgumentParser, text: str = '') -> None:
+    """What ``convert`` and ``adopt`` (for its ``text`` sources) share: the output and its records."""
+    p.add_argument('--overwrite', action='store_true',
+                   help='replace the foundrymix dataset in --out: only what foundrymix wrote is '
+                        'removed, and a folder holding anything else is refused before any work '
+                        '(docs/safety.md)')
+    p.add_argument('--on-error', choices=ON_ERROR, default='raise',
+                   help=f'{text}bad records: stop with an error naming file, line and field (raise), or '
+                        'skip them and count each by reason in the manifest (skip)')
+    p.add_argument('--bos', action=argparse.BooleanOptionalAction, default=None,
+                   help=f'{text}BOS before each document/example (default: iff the tokenizer adds BOS)')
+    p.add_argument('--eos', action=argparse.BooleanOptionalAction, default=True,
+                   help=f'{text}EOS after each document/example (default: on)')
+    p.add_argument('--compression', default=None, help='MDS shard compression of the output, e.g. zstd')
+    p.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
+    p.add_argument('--hash', action='append', default=[], metavar='ALGO',
+                   help='also write this shard hash to index.json (repeatable; e.g. sha1, sha256, '
+                        'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
+
+
 _ESCAPES = {'n': '\n', 't': '\t', '\\': '\\'}
 
 
@@ -113,10 +118,9 @@ def unescape(template: Optional[str]) -> Optional[str]:
 
 def _options(cls: type, args: argparse.Namespace) -> Any:
     values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
-    if values.get('max_seq_len') is None:
-        values.pop('max_seq_len', None)  # the options' default (2048)
-    if values.get('tokenizer') is None:
-        values.pop('tokenizer', None)  # the options' default (the bundled demo tokenizer)
+    for k in ('max_seq_len', 'tokenizer'):  # not given: the options' defaults (2048, the bundled demo tokenizer)
+        if values.get(k) is None:
+            values.pop(k, None)
     for k in ('text_template', 'prompt_template', 'response_template'):
         if k in values:
             values[k] = unescape(values[k])
@@ -156,8 +160,6 @@ def _out(args: argparse.Namespace) -> Any:
 _ADOPT_OPTIONS = ('inputs', 'out', 'tokenizer', 'max_seq_len', 'from_mds', 'split', 'workers', 'overwrite',
                   'on_error', 'bos', 'eos', 'compression', 'size_limit', 'hash', 'progress', 'chat_loss', 'func',
                   'command', 'convert_kind', 'parser')
-#: what each ``convert KIND --from-mds`` accepts (:data:`foundrymix.convert.adopt.KINDS`)
-_FROM_MDS_KINDS = {'pretrain': ('tokens', 'text'), 'finetune': ('prompt_response', 'turns')}
 
 
 def _from_mds(args: argparse.Namespace) -> int:
@@ -170,7 +172,7 @@ def _from_mds(args: argparse.Namespace) -> int:
                             f"as they are; see `foundrymix adopt -h`); leave it out")
     args.source, args.split = args.inputs[0], [args.split] if args.split else None
     args.chat_loss = getattr(args, 'chat_loss', 'all')
-    return _run_adopt(args, kinds=_FROM_MDS_KINDS[args.convert_kind])
+    return _run_adopt(args, command=args.convert_kind)
 
 
 def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
@@ -181,7 +183,7 @@ def _run(convert: Any, options_cls: type, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_adopt(args: argparse.Namespace, kinds: tuple[str, ...] = ()) -> int:
+def _run_adopt(args: argparse.Namespace, command: Optional[str] = None) -> int:
     from foundrymix.convert.adopt import AdoptArgs, adopt
     common = {k: getattr(args, k) for k in ('workers', 'overwrite', 'on_error', 'bos', 'eos',
                                             'compression', 'size_limit')}
@@ -189,7 +191,7 @@ def _run_adopt(args: argparse.Namespace, kinds: tuple[str, ...] = ()) -> int:
     with _lean():
         adopt(AdoptArgs(source=args.source, out=args.out, splits=tuple(args.split or ()),
                         tokenizer=args.tokenizer, max_seq_len=args.max_seq_len, chat_loss=args.chat_loss,
-                        common=common, kinds=kinds),
+                        common=common, command=command),
               progress=args.progress)
     return 0
 
@@ -221,18 +223,8 @@ def _register_adopt(subparsers: Any) -> None:
                         "(all, default) or only the last turn's (last: LLM-Foundry's default "
                         "target_responses)")
     a.add_argument('--workers', type=int, default=0, help='shards read at once (default 0 = all cores)')
-    a.add_argument('--overwrite', action='store_true', help='replace a foundrymix dataset in --out')
-    a.add_argument('--on-error', choices=ON_ERROR, default='raise', help='bad text records: raise or skip')
-    a.add_argument('--bos', action=argparse.BooleanOptionalAction, default=None,
-                   help='text sources: BOS before each document (default: iff the tokenizer adds BOS)')
-    a.add_argument('--eos', action=argparse.BooleanOptionalAction, default=True,
-                   help='text sources: EOS after each document (default: on)')
-    a.add_argument('--compression', default=None, help='MDS shard compression of the output, e.g. zstd')
-    a.add_argument('--size-limit', default='64mb', help='MDS shard size limit (default 64mb)')
-    a.add_argument('--hash', action='append', default=[], metavar='ALGO',
-                   help='also write this shard hash to index.json (repeatable)')
-    a.add_argument('--no-progress', dest='progress', action='store_false',
-                   help='no progress bar or summary')
+    _output_options(a, 'text sources: ')
+    a.add_argument('--no-progress', dest='progress', action='store_false', help='no progress bar or summary')
     a.set_defaults(func=_run_adopt)
 
 

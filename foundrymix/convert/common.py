@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from foundrymix.convert.mapping import load_preprocess
-from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers, importing
-from foundrymix.convert.paths import OutSpec, Output, check_input_urls, check_overlap, split_out
-from foundrymix.convert.discover import discover_inputs
-from foundrymix.convert.mds_input import is_mds_dir
-from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir
+from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
+from foundrymix.convert.paths import OutSpec, Output, check_overlap, discover_inputs, split_out
+from foundrymix.convert.output import check_output_dir
+from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
 from foundrymix.errors import UserError
+from foundrymix.heap import collector_paused
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info
 from foundrymix.convert.upload import check_remote
@@ -50,9 +50,9 @@ class ConvertOptions:
     ray_task_bytes: int = 64 << 20
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
-    split: Optional[str] = None  # the split of a saved DatasetDict input (discover.py)
-    #: ``--holdout`` as given ('2%', '0.02', '500'): write OUT/eval and OUT/train (holdout.py);
-    #: each run's side is a :class:`~foundrymix.convert.holdout.Holdout` (its manifest records it)
+    split: Optional[str] = None  # the split of a saved DatasetDict input (paths.py)
+    #: ``--holdout`` as given ('2%', '0.02', '500'): write OUT/eval and OUT/train (driver.py);
+    #: each run's side is a :class:`~foundrymix.convert.driver.Holdout` (its manifest records it)
     holdout: Any = None
 
     @property
@@ -106,15 +106,11 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     if options.preprocess is not None:
         load_preprocess(options.preprocess)  # fails fast, naming the function
     output = split_out(out)
-    check_input_urls(inputs)
     local = output.local
     if local is not None:
         check_overlap(inputs, [], local)  # before discovery: an input equal to --out is named as such
-    if options.from_mds:  # MDS folders, which discovery never reads as inputs
+    if options.from_mds:  # MDS folders found by adopt, which discovery never reads as inputs
         resolved = [os.path.abspath(p) for p in inputs]
-        for p in resolved:
-            if not is_mds_dir(p):
-                raise UserError(f'{p}: not an MDS dataset folder (no index.json)')
     else:
         resolved = discover_inputs(inputs, exclude=os.path.realpath(local) if local is not None else None,
                                    split=options.split)
@@ -123,10 +119,9 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
         check_output_dir(os.path.abspath(local), options.overwrite)
     check_hashes(options.hash_algorithms)
     check_compression(options.compression)
-    remote = None
-    if output.remote is not None:  # reaches the endpoint: after the free checks, before any work
-        remote = check_remote(output.remote, options.overwrite)
-    with importing('transformers'):
+    # reaches the endpoint: after the free checks, before any work
+    remote = None if output.remote is None else check_remote(output.remote, options.overwrite)
+    with collector_paused():  # importing makes it run over and over, finding nothing
         tok = load_tokenizer(options.tokenizer) if load else None
         info = tokenizer_info(tok) if load else describe_tokenizer(options.tokenizer)
     use_bos = info.add_bos if options.bos is None else options.bos
@@ -177,8 +172,3 @@ def init_worker(options: ConvertOptions, bos_id: Optional[int], eos_id: Optional
 def worker_state() -> WorkerState:
     assert _state is not None, 'init_worker was not called in this worker'
     return _state
-
-
-def worker_options() -> Any:
-    """This worker's options; None before :func:`init_worker` (records parsed outside a conversion)."""
-    return _state.options if _state is not None else None

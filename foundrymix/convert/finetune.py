@@ -14,26 +14,20 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from foundrymix.convert.chat import Segments, chat_segments
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.paths import OutSpec
-from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records
-from foundrymix.convert.encode import encode_texts
-from foundrymix.convert.mapping import Template, parse_template, read_fields
-from foundrymix.convert.packing import Packer, build_row
-from foundrymix.convert.pipeline import ChunkErrors
+from foundrymix.convert.driver import Converter, RowBuilder, convert, parse_records
+from foundrymix.convert.mapping import (Segments, Template, chat_segments, encode_texts, parse_template,
+                                        read_fields)
+from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
 from foundrymix.errors import UserError
-from foundrymix.format.schema import Manifest
-
-__all__ = ['CHAT_LOSS', 'TOO_LONG', 'FinetuneOptions', 'Packer', 'convert_finetune']
+from foundrymix.format.schema import Manifest, encode_row
 
 TOO_LONG = ('drop', 'truncate')
 CHAT_LOSS = ('all', 'last')
 #: used when the response field is missing (LLM-Foundry's name for the response)
 RESPONSE_ALIAS = 'completion'
-#: default ``parallel`` mode for chats and ``--preprocess`` (see :func:`_default_parallel`)
-FINETUNE_PARALLEL = 'processes'
 #: records of the first chunk looked at to tell chats from prompt/response examples
 _SNIFF_RECORDS = 64
 
@@ -75,6 +69,53 @@ class _ChunkExamples(ChunkResult):
         for end, span_end in zip(ends, span_ends):
             yield self.tokens[start:end], self.spans[span_start:span_end]
             start, span_start = end, span_end
+
+
+class Packer:
+    """Deterministic first-fit packing: an example goes into the oldest open row with room, else a
+    new one (past ``window`` open rows the oldest is written). Examples are never split; rows
+    depend only on the input order."""
+
+    def __init__(self, max_seq_len: int, window: int) -> None:
+        self.max_seq_len = max_seq_len
+        self.window = window
+        self.open: list[list[tuple[np.ndarray, np.ndarray]]] = []
+        self.used: list[int] = []
+
+    def add(self, ids: np.ndarray, spans: np.ndarray) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """Place one example; return the rows that are finished now."""
+        n = len(ids)
+        for r, used in enumerate(self.used):
+            if used + n <= self.max_seq_len:
+                self.open[r].append((ids, spans))
+                self.used[r] += n
+                return [self._close(r)] if self.used[r] == self.max_seq_len else []
+        self.open.append([(ids, spans)])
+        self.used.append(n)
+        if n == self.max_seq_len:
+            return [self._close(len(self.open) - 1)]
+        return [self._close(0)] if len(self.open) > self.window else []
+
+    def _close(self, r: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        self.used.pop(r)
+        return self.open.pop(r)
+
+    def flush(self) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        rows, self.open, self.used = self.open, [], []
+        return rows
+
+
+def build_row(examples: list[tuple[np.ndarray, np.ndarray]], max_seq_len: int, pad_id: int,
+              token_dtype: str) -> dict[str, np.ndarray]:
+    """One padded MDS row from packed examples (spans shifted to row positions)."""
+    ids = np.full(max_seq_len, pad_id, dtype=token_dtype)
+    spans, lens, pos = [], [], 0
+    for ex_ids, ex_spans in examples:
+        ids[pos:pos + len(ex_ids)] = ex_ids
+        spans.append(ex_spans + pos)
+        lens.append(len(ex_ids))
+        pos += len(ex_ids)
+    return encode_row(ids, np.concatenate(spans), lens, token_dtype)
 
 
 def _templates(o: FinetuneOptions) -> tuple[Optional[Template], Optional[Template]]:
@@ -163,8 +204,7 @@ def _concat(parts: list[list[int] | np.ndarray], total: int, dtype: str) -> np.n
     return np.concatenate(pieces)
 
 
-def _chunk_examples(n_lines: int, n_records: int, errors: ChunkErrors, dropped: dict[str, int],
-                    laid_out: list[tuple[int, list[tuple[int, int]], list[list[int] | np.ndarray]]],
+def _chunk_examples(read: ChunkResult, laid_out: list[tuple[int, list[tuple[int, int]], list[list[int] | np.ndarray]]],
                     o: FinetuneOptions, dtype: str) -> _ChunkExamples:
     """The examples that fit (:func:`_fit`), back to back in one token array (per-example
     arrays would cost more than the packing). ``laid_out``: each example's length, loss
@@ -174,7 +214,7 @@ def _chunk_examples(n_lines: int, n_records: int, errors: ChunkErrors, dropped: 
     kept_spans: list[int] = []
     span_counts: list[int] = []
     for n, spans, pieces in laid_out:
-        fit = _fit(n, spans, o, dropped)
+        fit = _fit(n, spans, o, read.dropped)
         if fit is None:
             continue
         keep, spans = fit
@@ -186,7 +226,7 @@ def _chunk_examples(n_lines: int, n_records: int, errors: ChunkErrors, dropped: 
         kept_spans.extend(x for span in spans for x in span)
         span_counts.append(len(spans))
     total = sum(kept_lens)
-    return _ChunkExamples(n_lines, n_records, errors, dropped,
+    return _ChunkExamples(**vars(read),
                           tokens=_concat(parts, total, dtype) if total else np.zeros(0, dtype=dtype),
                           example_lens=np.asarray(kept_lens, dtype=np.int64),
                           spans=np.asarray(kept_spans, dtype=np.int32),
@@ -200,8 +240,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
     o: FinetuneOptions = w.options
     fields = read_fields((o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field),
                          _templates(o), o.preprocess)
-    n_lines, n_records, examples_segs, errors, dropped = parse_records(
-        chunk, fields, lambda rec: _segments(rec, o, w.tok), o.on_error, o.preprocess)
+    read, examples_segs = parse_records(chunk, fields, lambda rec: _segments(rec, o, w.tok))
     flat = encode_texts(w.tok, [text for segs in examples_segs for text, _ in segs])
     head: list[int] = [] if w.bos_id is None else [w.bos_id]
     tail: list[int] = [] if w.eos_id is None else [w.eos_id]
@@ -212,7 +251,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkExamples:
         pos += len(segs)
         n, spans = _layout([len(x) for x in seg_ids], [loss for _, loss in segs], len(head), bool(tail))
         laid_out.append((n, spans, [head, *seg_ids, tail]))
-    return _chunk_examples(n_lines, n_records, errors, dropped, laid_out, o, w.token_dtype)
+    return _chunk_examples(read, laid_out, o, w.token_dtype)
 
 
 class _FinetuneRows(RowBuilder):
@@ -221,8 +260,8 @@ class _FinetuneRows(RowBuilder):
     def __init__(self, setup: Setup, options: FinetuneOptions, manifest: Manifest) -> None:
         self.manifest = manifest
         self.L = options.max_seq_len
-        self.pack = options.pack
-        self.packer = Packer(options.max_seq_len, options.pack_window)
+        # without packing, each example is a row of its own: no row is kept open for the next
+        self.packer = Packer(options.max_seq_len, options.pack_window if options.pack else 0)
         self.pad = setup.info.pad_id
         self.dtype = setup.token_dtype
         self.lengths: list[np.ndarray] = []
@@ -230,7 +269,7 @@ class _FinetuneRows(RowBuilder):
     def add(self, result: _ChunkExamples) -> Iterator[dict]:
         self.lengths.append(result.lengths)
         for ids, spans in result.examples():
-            yield from self._rows(self.packer.add(ids, spans) if self.pack else [[(ids, spans)]])
+            yield from self._rows(self.packer.add(ids, spans))
 
     def flush(self) -> Iterator[dict]:
         return self._rows(self.packer.flush())
@@ -267,10 +306,9 @@ def _manifest_options(options: FinetuneOptions, setup: Setup) -> dict[str, Any]:
 def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
     """``threads`` for prompt/response examples, ``processes`` for chats or ``--preprocess``
     (Python holding the GIL), told from the first chunk's first records; same output either way."""
-    ptemplate, rtemplate = _templates(o)
     if o.preprocess is not None:
-        return FINETUNE_PARALLEL
-    if ptemplate is not None or rtemplate is not None:
+        return 'processes'
+    if any(_templates(o)):
         return 'threads'  # templates make every record a prompt/response example
     first = next(iter(plan_chunks(setup.inputs, o.chunk_bytes)), None)
     if first is None:
@@ -278,13 +316,12 @@ def _default_parallel(setup: Setup, o: FinetuneOptions) -> str:
     _, records = read_records(first, (o.prompt_field, o.response_field, RESPONSE_ALIAS, o.messages_field))
     sample = [rec for _, _, rec in records[:_SNIFF_RECORDS] if isinstance(rec, dict)]
     chats = sum(o.messages_field in rec for rec in sample)
-    return FINETUNE_PARALLEL if chats * 2 > len(sample) else 'threads'
+    return 'processes' if chats * 2 > len(sample) else 'threads'
 
 
 # min_content: room for at least one prompt token and one response token
-FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chunk, parallel=FINETUNE_PARALLEL,
-                     builder=_FinetuneRows, manifest_options=_manifest_options, min_content=2,
-                     choose_parallel=_default_parallel)
+FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chunk, parallel=_default_parallel,
+                     builder=_FinetuneRows, manifest_options=_manifest_options, min_content=2)
 
 
 def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions) -> Manifest:

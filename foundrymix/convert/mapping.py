@@ -5,6 +5,17 @@ A template builds a field from others: ``--response ' {endings[label]}'``. Insid
 values are strings or numbers; ``{{ }}`` are braces. Resolved here, not by ``str.format``, which
 would reach Python internals (``{x.__class__}``). ``--preprocess module:function`` runs first on
 every record: a dict, or ``None`` (skipped, counted as :data:`PREPROCESS_SKIPPED`).
+
+A chat (a ``messages`` list of ``{role, content}``) becomes text segments with loss flags: an
+assistant turn is what ``messages[:i+1]`` adds to ``messages[:i]`` rendered with the chat
+template's generation prompt: the header is not trained, the end marker is. Without a template a
+message is ``"{role}: "`` (no loss) then ``"{content}\\n"``. Bad records: an unknown role, a chat
+not opening with a system or user message, a chat the template refuses.
+
+Texts are tokenized through the Rust batch encoder, huge texts in slices with bounded memory: a
+text over ``SLICE_CHARS`` is encoded in slices cut before a single space between non-spaces, where
+pre-tokenizers split anyway; how the space is kept is calibrated per tokenizer (:func:`slice_mode`),
+which is never sliced if neither way gives the whole-text tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +29,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Optional
 
-from foundrymix.convert.readers import BadRecord, fields_of, type_name
+import numpy as np
+
+from foundrymix.convert.readers import BadRecord, fields_of, get_string, type_name
 from foundrymix.errors import FoundrymixError, UserError
 
 _NAME = r'[A-Za-z_][A-Za-z0-9_\-]*'
@@ -34,24 +47,17 @@ class TemplateError(FoundrymixError, ValueError):
 
 
 @dataclass(frozen=True)
-class Step:
-    """One access after the first name: ``kind`` is key (``.k``), index (``[3]``) or field (``[f]``)."""
-
-    kind: str
-    value: Any
-
-
-@dataclass(frozen=True)
 class FieldRef:
-    """A parsed ``{...}``: its text, top-level name and the steps after it."""
+    """A parsed ``{...}``: its text, top-level name and the ``(kind, value)`` steps after it: key
+    (``.k``), index (``[3]``) or field (``[f]``)."""
 
     text: str
     name: str
-    steps: tuple[Step, ...]
+    steps: tuple[tuple[str, Any], ...]
 
     def fields(self) -> set[str]:
         """Top-level fields this reference reads (for columnar inputs)."""
-        return {self.name} | {s.value for s in self.steps if s.kind == 'field'}
+        return {self.name} | {value for kind, value in self.steps if kind == 'field'}
 
 
 def parse_field(text: str, template: str, option: str) -> FieldRef:
@@ -61,7 +67,7 @@ def parse_field(text: str, template: str, option: str) -> FieldRef:
                             f"name[0] or name[other_field]")
     steps = []
     for key, index, field in _STEP.findall(m.group(2)):
-        steps.append(Step('key', key) if key else Step('index', int(index)) if index else Step('field', field))
+        steps.append(('key', key) if key else ('index', int(index)) if index else ('field', field))
     return FieldRef(text, m.group(1), tuple(steps))
 
 
@@ -120,9 +126,8 @@ def resolve(rec: dict, ref: FieldRef) -> str | BadRecord:
     if ref.name not in rec:
         return _missing(ref, f"'{ref.name}'", rec)
     value, path = rec[ref.name], ref.name
-    for step in ref.steps:
-        key: Any = step.value
-        if step.kind == 'field':
+    for kind, key in ref.steps:
+        if kind == 'field':
             if key not in rec:
                 return _missing(ref, f"index field '{key}'", rec)
             key = rec[key]
@@ -195,3 +200,161 @@ def apply_preprocess(spec: str, rec: dict) -> dict | None | BadRecord:
         return BadRecord('preprocess_error', f'--preprocess {spec}: returned {type_name(out)}, '
                                              f'expected a dict or None')
     return out
+
+
+#: roles every chat template handles (see :func:`allowed_roles`)
+CHAT_ROLES = ('system', 'user', 'assistant')
+
+Segments = list[tuple[str, bool]]  # (text, has loss)
+
+
+def chat_segments(messages: Any, field: str, chat_loss: str, loss_on_prompt: bool,
+                  tok: Any) -> Segments | BadRecord:
+    """The segments of one chat, or why it is unusable (a :class:`BadRecord`)."""
+    f = field
+    if not isinstance(messages, list) or not messages:
+        return BadRecord('not_string' if not isinstance(messages, list) else 'empty_document',
+                         f"field '{f}': expected a non-empty list of messages, got "
+                         f"{type_name(messages) if not isinstance(messages, list) else 'an empty list'}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return BadRecord('not_string', f"field '{f}[{i}]': expected an object, got {type_name(m)}")
+        for key in ('role', 'content'):
+            value = get_string(m, key)
+            if isinstance(value, BadRecord):
+                return BadRecord(value.reason, f"field '{f}[{i}].{key}': {value.detail.split(': ', 1)[1]}")
+    allowed = allowed_roles(tok)
+    for m in messages:
+        if m['role'] not in allowed:
+            return BadRecord('unknown_role', f"field '{f}': unknown role {m['role']!r} "
+                                             f"(allowed: {', '.join(allowed)})")
+    if messages[0]['role'] == 'assistant':
+        return BadRecord('assistant_first', f"field '{f}[0]': the chat starts with an assistant message; "
+                                            f"a chat starts with a system or user message (the prompt "
+                                            f"its first reply answers)")
+    assistant = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
+    if not assistant:
+        return BadRecord('no_assistant', f"field '{f}': no assistant message")
+    trained = set(assistant if chat_loss == 'all' else assistant[-1:])
+    if tok.chat_template is None:
+        segs: Segments = []
+        for i, m in enumerate(messages):
+            segs += [(f"{m['role']}: ", loss_on_prompt),
+                     (m['content'] + '\n', loss_on_prompt or i in trained)]
+        return segs
+    from jinja2 import TemplateError
+    try:
+        return _template_segments(messages, trained, loss_on_prompt, tok)
+    except TemplateError as e:
+        return BadRecord('template_error', f"field '{f}': the tokenizer's chat template refused this chat: {e}")
+
+
+def allowed_roles(tok: Any) -> tuple[str, ...]:
+    """Roles a chat may use: system, user and assistant, plus tool where the template names
+    it or the plain template is used. A misspelt role (``USER``, ``Assistant``) would render
+    as unintended text or silently drop the turn from the loss.
+    """
+    template = tok.chat_template
+    if template is None or re.search(r"""['"]tool['"]""", str(template)):
+        return CHAT_ROLES + ('tool',)
+    return CHAT_ROLES
+
+
+def _template_segments(messages: list[dict], trained: set[int], loss_on_prompt: bool,
+                       tok: Any) -> Segments:
+    def render(msgs: list[dict], gen: bool) -> str:
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    segs: Segments = []
+    done = ''
+    for i, m in enumerate(messages):
+        if m['role'] == 'assistant':
+            head = render(messages[:i], True)
+            full = render(messages[:i + 1], False)
+            if not head.startswith(done) or not full.startswith(head):
+                raise UserError('chat template is not prefix-stable; cannot locate assistant turns')
+            segs += [(head[len(done):], loss_on_prompt), (full[len(head):], loss_on_prompt or i in trained)]
+        else:
+            full = render(messages[:i + 1], False)
+            if not full.startswith(done):
+                raise UserError('chat template is not prefix-stable; cannot locate assistant turns')
+            segs.append((full[len(done):], loss_on_prompt))
+        done = full
+    return segs
+
+
+#: texts longer than this many characters are tokenized in slices of about this size
+SLICE_CHARS = 1 << 20
+#: a safe cut: just before a single space between two non-whitespace characters
+_CUT = re.compile(r'(?<=\S) (?=\S)')
+#: word pairs that calibrate :func:`slice_mode`
+_PROBES = (('hello', 'world'), ('The', 'cat sat.'), ('x=1,', '(y)'), ('über', 'naïve'))
+
+
+def _batch_encoder(tok: Any) -> Any:
+    """``encode_batch_fast`` (tokenizers >= 0.20) skips offset tracking, which we do not use."""
+    backend = tok.backend_tokenizer
+    return getattr(backend, 'encode_batch_fast', backend.encode_batch)
+
+
+def encode_texts(tok: Any, texts: list[str],
+                 slice_chars: int = SLICE_CHARS) -> list[list[int] | np.ndarray]:
+    """Token ids of each text, without special tokens: lists of ints, or ``uint32`` arrays for
+    texts over ``slice_chars`` (encoded in slices)."""
+    if not any(len(t) > slice_chars for t in texts):
+        return [e.ids for e in _batch_encoder(tok)(texts, add_special_tokens=False)] if texts else []
+    out: list[Any] = [encode_long(tok, t, slice_chars) if len(t) > slice_chars else None for t in texts]
+    short = [i for i, x in enumerate(out) if x is None]
+    for i, e in zip(short, _batch_encoder(tok)([texts[i] for i in short], add_special_tokens=False)):
+        out[i] = e.ids
+    return out
+
+
+def encode_long(tok: Any, text: str, slice_chars: int = SLICE_CHARS) -> np.ndarray:
+    """Ids of one long text as ``uint32``, encoded in slices of about ``slice_chars``."""
+    encode = _batch_encoder(tok)
+    mode = slice_mode(tok)
+    parts: list[np.ndarray] = []
+    start = 0
+    while start < len(text):
+        cut = _next_cut(text, start + slice_chars) if mode is not None else None
+        end = len(text) if cut is None else cut
+        piece = encode([text[start:end]], add_special_tokens=False)[0].ids
+        parts.append(np.asarray(piece, dtype=np.uint32))
+        del piece
+        start = end + (1 if cut is not None and mode == 'drop_space' else 0)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+
+
+def _next_cut(text: str, pos: int) -> Optional[int]:
+    if pos >= len(text):
+        return None
+    m = _CUT.search(text, pos)
+    return None if m is None else m.start()
+
+
+def slice_mode(tok: Any) -> Optional[str]:
+    """How the slice after a cut must start for sliced tokens to equal whole-text tokens:
+    ``'keep_space'`` (``" next..."``), ``'drop_space'`` (``"next..."``), or ``None``
+    (slicing changes tokens: do not slice). Calibrated once per tokenizer object."""
+    cached = getattr(tok, '_foundrymix_slice_mode', 'unset')
+    if cached != 'unset':
+        return cached
+    encode = _batch_encoder(tok)
+
+    def ids(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    mode = None
+    for candidate, space in (('keep_space', ' '), ('drop_space', '')):
+        wholes = ids([f'{a} {b}' for a, b in _PROBES])
+        heads = ids([a for a, _ in _PROBES])
+        tails = ids([space + b for _, b in _PROBES])
+        if all(h + t == w for h, t, w in zip(heads, tails, wholes)):
+            mode = candidate
+            break
+    try:
+        tok._foundrymix_slice_mode = mode
+    except AttributeError:
+        pass
+    return mode

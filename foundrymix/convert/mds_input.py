@@ -15,11 +15,10 @@ import numpy as np
 import zstandard
 
 from foundrymix.errors import UserError
-from foundrymix.format.shards import (INDEX_NAME, IndexFileError, check_shard_files, read_index,
-                                     shard_header_problems)
+from foundrymix.format.shards import (INDEX_NAME, IndexFileError, check_shard_files, index_files, read_index,
+                                     shard_header_problems, shard_raw_bytes)
 from foundrymix.convert.upload import parse_s3_url
 from foundrymix.format.mds import ndarray_rows
-from foundrymix.format.shards import index_files, shard_raw_bytes
 from foundrymix.format.streaming_format import ShardRows
 from foundrymix.s3.client import describe, list_keys, make_client
 
@@ -122,46 +121,33 @@ def shard_count(path: str) -> int:
     return len(_index(path)['shards'])
 
 
-def shard_file(path: str, number: int) -> tuple[str, bool]:
-    """``(file, compressed)``: a shard is read from its uncompressed file if present (streaming
-    keeps both when ``keep_zip``), else from its compressed one."""
-    shard = _index(path)['shards'][number]
-    raw = os.path.join(path, shard['raw_data']['basename'])
-    if os.path.isfile(raw) or not shard.get('zip_data'):
-        return raw, False
-    return os.path.join(path, shard['zip_data']['basename']), True
-
-
 def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
-    """``(file, raw shard bytes)`` of shard ``number`` of the dataset in ``path``.
-
-    An uncompressed shard is memory-mapped: a fresh buffer would pay a page fault per page.
-    """
+    """``(file, raw shard bytes)`` of shard ``number`` of the dataset in ``path``, once its header
+    agrees with ``index.json`` (a wrong index is named here, not met later as a bare numpy
+    ``ValueError``). Read from the uncompressed file if present (streaming keeps both with
+    ``keep_zip``), memory-mapped: a fresh buffer would pay a page fault per page."""
     shard = _index(path)['shards'][number]
-    name, compressed = shard_file(path, number)
+    name = os.path.join(path, shard['raw_data']['basename'])
+    compressed = not os.path.isfile(name) and bool(shard.get('zip_data'))
+    if compressed:
+        name = os.path.join(path, shard['zip_data']['basename'])
     try:
         with open(name, 'rb') as f:
             if not compressed:
-                if os.fstat(f.fileno()).st_size == 0:
-                    return name, _checked(name, shard, b'')
-                return name, _checked(name, shard, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-            data = f.read()
+                size = os.fstat(f.fileno()).st_size
+                data: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b''
+            elif shard['compression'].split(':')[0] == 'zstd':  # streaming's codec is zstandard's, without torch
+                data = zstandard.decompress(f.read())
+            else:
+                data = shard_raw_bytes(shard, f.read())
     except FileNotFoundError:
         raise UserError(f'{name}: missing; {os.path.join(path, INDEX_NAME)} lists it '
                         f'(an incomplete copy?)') from None
-    if shard['compression'].split(':')[0] == 'zstd':  # streaming's codec is zstandard's, without torch
-        return name, _checked(name, shard, zstandard.decompress(data))
-    return name, _checked(name, shard, shard_raw_bytes(shard, data))
-
-
-def _checked(name: str, shard: dict[str, Any], data: Any) -> Any:
-    """``data``, once its header agrees with ``index.json`` (a wrong index is named here, not
-    met later as a bare numpy ``ValueError`` in streaming's reader)."""
     problems = shard_header_problems(data, shard)
     if problems:
         raise UserError(f'{name}: {problems[0]}: {INDEX_NAME} does not describe this shard; '
                         f'copy the dataset again from where it was written, or rewrite it')
-    return data
+    return name, data
 
 
 def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
@@ -192,11 +178,7 @@ def chunks_of(path: str) -> Iterator[tuple[int, int]]:
 
 
 class OutOfRange(Exception):
-    """A value of a column outside ``[0, below)``: the shard file, the row and the value."""
-
-    def __init__(self, file: str, row: int, value: int) -> None:
-        super().__init__(file, row, value)
-        self.file, self.row, self.value = file, row, value
+    """A value of a column outside ``[0, below)``: args ``(shard file, row, value)``."""
 
 
 def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str] = None,
@@ -222,11 +204,10 @@ def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str]
     return name, values, lens
 
 
-def download_datasets(url: str, into: str, progress: bool = False) -> int:
+def download_datasets(url: str, into: str, progress: bool = False) -> None:
     """Copy every MDS dataset under ``s3://bucket/prefix`` (each ``index.json`` and the shard
-    files it lists, nothing else) into the local folder ``into``, keeping the layout; returns
-    the bytes copied. The readers here map or read whole local shard files.
-    """
+    files it lists, nothing else) into the local folder ``into``, keeping the layout: the readers
+    here map or read whole local shard files."""
     s3 = parse_s3_url(url, 'adopt')
     client = make_client()
     try:
@@ -237,17 +218,14 @@ def download_datasets(url: str, into: str, progress: bool = False) -> int:
                      and not any(part.startswith('.') for part in k.split('/')))
     if not indexes:
         raise UserError(f'{url}: no MDS dataset there (no {INDEX_NAME} under the prefix)')
-    total = 0
 
     def get(key: str) -> None:
-        nonlocal total
         local = os.path.join(into, *key.split('/'))
         os.makedirs(os.path.dirname(local), exist_ok=True)
         try:
             client.download_file(s3.bucket, s3.key(key), local)
         except Exception as e:
             raise UserError(describe('download', s3.url(key), e)) from None
-        total += os.path.getsize(local)
 
     for index_key in indexes:
         get(index_key)
@@ -264,4 +242,3 @@ def download_datasets(url: str, into: str, progress: bool = False) -> int:
                 get(key)
         if progress:
             print(f'  copied {s3.url(folder.rstrip("/"))} ({len(wanted)} shard file(s))')
-    return total

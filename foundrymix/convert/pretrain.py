@@ -15,12 +15,12 @@ import numpy as np
 
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.paths import OutSpec
-from foundrymix.convert.driver import ChunkResult, Converter, RowBuilder, convert, parse_records
-from foundrymix.convert.encode import encode_texts
-from foundrymix.convert.mapping import Template, parse_template, read_fields
+from foundrymix.convert.driver import Converter, RowBuilder, convert, parse_records
+from foundrymix.convert.mapping import Template, encode_texts, parse_template, read_fields
+from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string
 from foundrymix.errors import UserError
-from foundrymix.format.schema import Manifest, encode_row
+from foundrymix.format.schema import Manifest, RowBatch
 
 
 @dataclass
@@ -53,8 +53,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
     o: PretrainOptions = w.options
     field, template = o.text_field, parse_template(o.text_template, '--text')
     fields = read_fields((field,), (template,), o.preprocess)
-    n_lines, n_records, texts, errors, dropped = parse_records(
-        chunk, fields, lambda rec: _document(rec, field, template), o.on_error, o.preprocess)
+    read, texts = parse_records(chunk, fields, lambda rec: _document(rec, field, template))
     ids = encode_texts(w.tok, texts)
     head = [] if w.bos_id is None else [w.bos_id]
     tail = [] if w.eos_id is None else [w.eos_id]
@@ -71,7 +70,7 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
             tokens[pos + len(head):end - len(tail)] = x
             tokens[end - len(tail):end] = tail
         pos = end
-    return _ChunkTokens(n_lines, n_records, errors, dropped, tokens, doc_lens)
+    return _ChunkTokens(**vars(read), tokens=tokens, doc_lens=doc_lens)
 
 
 class RowCutter:
@@ -85,12 +84,7 @@ class RowCutter:
         self.rest_pieces = np.zeros(0, dtype=np.int64)
         self.rest_starts_doc = True  # does the leftover begin with a document's first token?
 
-    def feed(self, tokens: np.ndarray, doc_lens: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Append a chunk; return the rows now complete as ``(input_ids, doc_lens)``."""
-        ids, pieces, counts = self.feed_batch(tokens, doc_lens)
-        return list(zip(ids, np.split(pieces, np.cumsum(counts)[:-1]) if len(counts) else []))
-
-    def feed_batch(self, tokens: np.ndarray, doc_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def feed(self, tokens: np.ndarray, doc_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Append a chunk; return the rows now complete at once: ``(input_ids [rows,
         max_seq_len], every row's doc_lens back to back (int32), how many each row has)``."""
         L = self.max_seq_len
@@ -112,10 +106,6 @@ class RowCutter:
         return stream[:cut].reshape(n_rows, L), row_pieces, counts
 
     @property
-    def tail_tokens(self) -> int:
-        return len(self.rest)
-
-    @property
     def tail_documents(self) -> int:
         """Documents that lie wholly in the unwritten tail."""
         return len(self.rest_pieces) - (0 if self.rest_starts_doc else 1)
@@ -132,9 +122,17 @@ class _PretrainRows(RowBuilder):
 
     def add(self, result: _ChunkTokens) -> Iterator[dict]:
         self.counts.documents_written += len(result.doc_lens)
-        for ids, pieces in self.cutter.feed(result.tokens, result.doc_lens):
-            self.counts.rows += 1
-            yield encode_row(ids, self.full_span, pieces, self.dtype)
+        for batch in self._rows(result.tokens, result.doc_lens):  # a chunk's rows: few, written one by one
+            yield from batch.rows()
+
+    def _rows(self, tokens: np.ndarray, lens: np.ndarray) -> Iterator[RowBatch]:
+        """The rows completed, as one batch (a chunk's worth: thousands of rows at once)."""
+        ids, pieces, counts = self.cutter.feed(tokens, lens)
+        n = len(ids)
+        if n:
+            self.counts.rows += n
+            yield RowBatch(ids.astype(self.dtype, copy=False), np.tile(self.full_span, n),
+                           np.full(n, len(self.full_span), dtype=np.int64), pieces, counts)
 
     def progress(self, result: _ChunkTokens) -> tuple[int, int]:
         return len(result.doc_lens), int(result.doc_lens.sum())
@@ -142,7 +140,7 @@ class _PretrainRows(RowBuilder):
     def close(self) -> None:
         c = self.counts
         c.tokens = c.loss_tokens = c.rows * self.cutter.max_seq_len
-        c.tail_tokens = self.cutter.tail_tokens
+        c.tail_tokens = len(self.cutter.rest)
         c.documents_written -= self.cutter.tail_documents
 
 

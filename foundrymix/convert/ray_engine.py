@@ -8,20 +8,21 @@ output differs from the local engine's only at task boundaries. docs/convert.md 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 from foundrymix.convert.common import ConvertOptions, Setup, init_worker
-from foundrymix.convert.pipeline import LineCounter, Progress, apply_error_policy, default_workers, importing
+from foundrymix.convert.pipeline import ChunkResult, InputTally, Progress, default_workers
 from foundrymix.convert.readers import Chunk, plan_chunks
 from foundrymix.convert.report import check_rows
-from foundrymix.convert.writer import _FINISH, ShardWriter
-from foundrymix.errors import UserError
-from foundrymix.format.schema import Counts, Manifest, mds_columns, rows_of
+from foundrymix.convert.writer import ShardWriter, mds_writer, write_rows
+from foundrymix.format.schema import Counts, Manifest, mds_columns
 from foundrymix.format.shards import stored_name
+from foundrymix.heap import collector_paused
 
 if TYPE_CHECKING:
     from foundrymix.convert.driver import Converter
@@ -41,7 +42,10 @@ def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]
     size = 0
     for chunk in chunks:
         current.append(chunk)
-        size += _chunk_size(chunk, task_bytes)
+        if chunk.payload is not None:
+            size += len(chunk.payload)
+        else:
+            size += chunk.end - chunk.start if chunk.fmt == 'jsonl' else max(1, task_bytes // 16)
         if size >= task_bytes:
             yield current
             current, size = [], 0
@@ -49,46 +53,24 @@ def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]
         yield current
 
 
-def _chunk_size(chunk: Chunk, task_bytes: int) -> int:
-    if chunk.payload is not None:
-        return len(chunk.payload)
-    if chunk.fmt == 'jsonl':
-        return chunk.end - chunk.start
-    return max(1, task_bytes // 16)
-
-
 @dataclass
 class TaskResult:
-    """What a task hands back: per-chunk line counts and bad records, and its counts."""
+    """What a task hands back: each chunk's result without its arrays, the task's counts, and its
+    shard files (relative to the output)."""
 
     index: int
-    chunk_lines: list[int]  # n_lines per chunk, in order
-    chunk_records: list[int]  # n_records per chunk
-    chunk_errors: list[Any]  # ChunkErrors per chunk
+    chunks: list[ChunkResult]
     counts: Counts
-    dropped: dict[str, int]
-    docs: int  # for progress
-    tokens: int
-
-
-def _task_dir(partial: str, index: int) -> str:
-    return os.path.join(partial, f'task-{index:05d}')
+    docs: int = 0  # for progress
+    tokens: int = 0
+    files: list[str] = field(default_factory=list)
 
 
 def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
     """A task's folder name (``task-NNNNN``) and the ``index.json`` its writer left there."""
-    sub = os.path.basename(_task_dir(partial, index))
+    sub = f'task-{index:05d}'
     with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
         return sub, json.load(f)
-
-
-def _init_task_worker(options: ConvertOptions, setup: Setup) -> None:
-    """Load the tokenizer once per Ray worker process (re-used by later tasks)."""
-    os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one task = one core
-    key = (options, setup.bos_id, setup.eos_id, setup.token_dtype)
-    if getattr(_init_task_worker, 'key', None) != key:
-        init_worker(*key)
-        _init_task_worker.key = key  # type: ignore[attr-defined]
 
 
 def _maybe_fail(spec: Optional[str], index: int, rows_written: int) -> None:
@@ -104,74 +86,33 @@ def _maybe_fail(spec: Optional[str], index: int, rows_written: int) -> None:
 def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: str,
              options: ConvertOptions, setup: Setup, fail: Optional[str] = None) -> TaskResult:
     """Encode ``chunks`` in order, build rows and write them as MDS shards (in a Ray worker)."""
-    _init_task_worker(options, setup)
-    with importing('streaming'):
-        from streaming import MDSWriter
+    os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one task = one core
+    init_worker(options, setup.bos_id, setup.eos_id, setup.token_dtype)  # the tokenizer is cached per process
     manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len,
                         token_dtype=setup.token_dtype, tokenizer=setup.info)
     builder = converter.builder(setup, options, manifest)
-    out = _task_dir(partial, index)
+    out = os.path.join(partial, f'task-{index:05d}')
     shutil.rmtree(out, ignore_errors=True)  # a previous attempt's rows
-    result = TaskResult(index, [], [], [], manifest.counts, manifest.dropped, 0, 0)
-    writer = MDSWriter(out=out, columns=mds_columns(options.max_seq_len, setup.token_dtype),
-                       compression=options.compression, size_limit=options.size_limit,
-                       hashes=options.hash_algorithms, progress_bar=False, exist_ok=False)
+    result = TaskResult(index, [], manifest.counts)
+    writer = mds_writer(out, mds_columns(options.max_seq_len, setup.token_dtype), options.compression,
+                        options.size_limit, options.hash_algorithms)
     for chunk in chunks:
         res = converter.encode_chunk(chunk)
-        result.chunk_lines.append(res.n_lines)
-        result.chunk_records.append(res.n_records)
-        result.chunk_errors.append(res.errors)
-        if res.errors.items and options.on_error == 'raise':
+        result.chunks.append(ChunkResult(res.n_lines, res.n_records, res.errors, res.dropped))
+        if res.errors and options.on_error == 'raise':
             break  # the driver raises for this record; nothing after it matters
-        for reason, n in res.dropped.items():  # as the default engine's driver counts them
-            manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
         for item in builder.add(res):
-            for row in rows_of(item):
-                writer.write(row)
+            write_rows(writer, item)
         docs, tokens = builder.progress(res)[:2]
         result.docs += docs
         result.tokens += tokens
         _maybe_fail(fail, index, manifest.counts.rows)
     for item in builder.flush():
-        for row in rows_of(item):
-            writer.write(row)
+        write_rows(writer, item)
     writer.finish()
     builder.close()
+    result.files = [f'task-{index:05d}/{stored_name(shard)}' for shard in writer.shards]
     return result
-
-
-class _MergedOutput(ShardWriter):
-    """The default engine's atomic output directory (:class:`ShardWriter`'s partial, publish
-    and abort), filled by tasks; its writer thread only creates the directory."""
-
-    def __init__(self, out: Optional[str], options: ConvertOptions, token_dtype: str,
-                 remote: Any = None) -> None:
-        super().__init__(out, options.max_seq_len, token_dtype, overwrite=options.overwrite,
-                         compression=options.compression, size_limit=options.size_limit,
-                         hashes=options.hash_algorithms, remote=remote)
-        os.makedirs(self.partial, exist_ok=True)
-
-    def task_done(self, index: int) -> None:
-        """Upload a finished task's shards now (with an ``s3://`` output), while others run."""
-        if self._uploader is None:
-            return
-        sub, index_json = _task_index(self.partial, index)
-        for shard in index_json['shards']:
-            self._uploader.submit(f'{sub}/{stored_name(shard)}')
-
-    def _run(self, *args: Any) -> None:
-        try:
-            os.makedirs(self.partial, exist_ok=True)
-            while self._queue.get() not in (None, _FINISH):
-                pass
-        except BaseException as e:  # handed to the caller's thread
-            self._error = e
-
-    def publish(self, manifest: Manifest, n_tasks: int) -> None:
-        """Merge the task indexes into ``index.json``, write the manifest, rename into place."""
-        merge_task_indexes(self.partial, n_tasks)
-        self.rows = manifest.counts.rows
-        self.finish(manifest)
 
 
 def merge_task_indexes(partial: str, n_tasks: int) -> None:
@@ -192,30 +133,10 @@ def merge_task_indexes(partial: str, n_tasks: int) -> None:
         os.fsync(f.fileno())
 
 
-def _add_counts(manifest: Manifest, res: TaskResult) -> None:
-    c = manifest.counts
-    for name in ('rows', 'tokens', 'pad_tokens', 'loss_tokens', 'documents_written', 'tail_tokens'):
-        setattr(c, name, getattr(c, name) + getattr(res.counts, name))
-    for reason, n in res.dropped.items():
-        manifest.dropped[reason] = manifest.dropped.get(reason, 0) + n
-
-
-def _apply_results(results: list[TaskResult], tasks: list[list[Chunk]], options: ConvertOptions,
-                   manifest: Manifest) -> None:
-    """Error policy, line numbers and counts, in input order, as the default engine does."""
-    lines = LineCounter()
-    for res, chunks in zip(results, tasks):
-        for chunk, n_lines, n_records, errors in zip(chunks, res.chunk_lines, res.chunk_records,
-                                                      res.chunk_errors):
-            apply_error_policy(chunk, errors, lines.first_line(chunk, n_lines), options.on_error, manifest)
-            manifest.counts.documents_read += n_records
-        _add_counts(manifest, res)
-
-
 def _connect(options: ConvertOptions) -> bool:
     """Use the Ray already initialized, else join ``ray_address`` or start a local one
     (``workers`` CPUs, no dashboard). True if this call started it (the caller shuts it down)."""
-    with importing('ray'):
+    with collector_paused():  # importing makes it run over and over, finding nothing
         import ray
     if ray.is_initialized():
         return False
@@ -227,40 +148,30 @@ def _connect(options: ConvertOptions) -> bool:
 
 
 def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[Chunk]], window: int,
-               progress: Progress, on_done: Callable[[int], None] = lambda index: None,
-               ) -> tuple[list[TaskResult], list[list[Chunk]]]:
+               progress: Progress, on_done: Callable[[TaskResult], None]) -> tuple[list[TaskResult], list[list[Chunk]]]:
     """Submit tasks as planned, at most ``window`` in flight: results in task order and each
-    task's chunks without payloads; ``on_done(index)`` per task; on failure the rest are cancelled."""
+    task's chunks without payloads; ``on_done(result)`` per task; on failure the rest are cancelled."""
+    import ray
     futures: list[Any] = []
     kept: list[list[Chunk]] = []
     results: dict[int, TaskResult] = {}
     pending: list[Any] = []
     try:
-        for i, chunks in enumerate(tasks):
-            kept.append([dataclasses.replace(c, payload=None) for c in chunks])
-            futures.append(submit(i, chunks))
-            pending.append(futures[-1])
-            while len(pending) >= window:
-                pending = _collect(pending, results, progress, on_done)
-        while pending:
-            pending = _collect(pending, results, progress, on_done)
+        for i, chunks in enumerate(itertools.chain(tasks, [None])):  # None: every task is submitted
+            if chunks is not None:
+                kept.append([dataclasses.replace(c, payload=None) for c in chunks])
+                futures.append(submit(i, chunks))
+                pending.append(futures[-1])
+            while pending and (chunks is None or len(pending) >= window):
+                done, pending = ray.wait(pending, num_returns=1)
+                res = ray.get(done[0])
+                results[res.index] = res
+                progress.update(res.docs, res.tokens)
+                on_done(res)
     except BaseException:
         _cancel(futures)  # before the partial directory is removed
         raise
     return [results[i] for i in range(len(futures))], kept
-
-
-def _collect(pending: list[Any], results: dict[int, TaskResult], progress: Progress,
-             on_done: Callable[[int], None]) -> list[Any]:
-    """Wait for one more task to finish; record it, update progress, call ``on_done``."""
-    import ray
-    done, pending = ray.wait(pending, num_returns=1)
-    for ref in done:
-        res = ray.get(ref)
-        results[res.index] = res
-        progress.update(res.docs, res.tokens)
-        on_done(res.index)
-    return pending
 
 
 def _cancel(futures: list[Any], timeout: float = 60) -> None:
@@ -276,8 +187,8 @@ def _cancel(futures: list[Any], timeout: float = 60) -> None:
         ray.wait(running, num_returns=len(running), timeout=timeout)
 
 
-def run(converter: 'Converter', setup: Setup, out: Optional[str], options: ConvertOptions,
-        manifest: Manifest) -> tuple[float, Optional[str]]:
+def run(converter: 'Converter', setup: Setup, options: ConvertOptions,
+        manifest: Manifest) -> tuple[float, None, Optional[str]]:
     """:func:`foundrymix.convert.driver.run` on Ray (same contract)."""
     started = _connect(options)
     import ray
@@ -288,19 +199,26 @@ def run(converter: 'Converter', setup: Setup, out: Optional[str], options: Conve
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=True)(run_task)
         window = max(2, 2 * int(ray.cluster_resources().get('CPU', 1)))
         fail = os.environ.get(FAIL_ENV)
-        with _MergedOutput(out, options, setup.token_dtype, remote=setup.remote) as output:
+        # the default engine's atomic output directory (partial, publish, abort), filled by tasks
+        with ShardWriter(setup.output.local, options.max_seq_len, setup.token_dtype, overwrite=options.overwrite,
+                         remote=setup.remote, tasks=True) as output:
             try:
                 results, kept = _run_tasks(
                     lambda i, chunks: remote.remote(converter, chunks, i, output.partial, options, lean, fail),
-                    tasks, window, progress, output.task_done)
+                    tasks, window, progress, lambda res: output.upload(res.files))  # while others run
             finally:
                 seconds = progress.close()
-            _apply_results(results, kept, options, manifest)
-            if manifest.counts.documents_read == 0:
-                raise UserError(f'no {converter.noun} found in {len(setup.inputs)} input file(s)')
-            check_rows(manifest)
-            output.publish(manifest, len(kept))
-        return seconds, output.upload_summary
+            tally = InputTally(options.on_error, manifest)  # in input order, as the default engine
+            for res, chunks in zip(results, kept):
+                for chunk, chunk_res in zip(chunks, res.chunks):
+                    tally.add(chunk, chunk_res)
+                for f in dataclasses.fields(Counts):
+                    setattr(manifest.counts, f.name, getattr(manifest.counts, f.name) + getattr(res.counts, f.name))
+            check_rows(manifest, len(setup.inputs), options.holdout)
+            merge_task_indexes(output.partial, len(kept))
+            output.rows = manifest.counts.rows
+            output.finish(manifest)
+        return seconds, None, output.upload_summary
     finally:
         if started:
             ray.shutdown()

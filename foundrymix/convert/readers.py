@@ -7,7 +7,9 @@ whole lines streamed by the calling thread. An unreadable record is a :class:`Ba
 
 from __future__ import annotations
 
+import functools
 import gzip
+import itertools
 import json
 import os
 import re
@@ -17,7 +19,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import zstandard
 
-from foundrymix.convert.discover import input_format
+from foundrymix.convert.paths import input_format
 from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.convert.mds_input import chunks_of, read_shard
 
@@ -29,12 +31,6 @@ HF_ROWS_PER_CHUNK = 2048
 
 class InputError(FoundrymixError, ValueError):
     """An input record is unusable; the message names file, line (or row) and field."""
-
-    def __init__(self, location: str, reason: str, detail: str) -> None:
-        super().__init__(f'{location}: {detail}')
-        self.location = location
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -62,37 +58,31 @@ class Chunk:
 
 def plan_chunks(inputs: Sequence[str], chunk_bytes: int) -> Iterator[Chunk]:
     """Lazily cut ``inputs`` into chunks of about ``chunk_bytes``, in input order."""
-    txt_group: list[str] = []
-    for path in inputs:
-        fmt = input_format(path)
-        if fmt != 'txt' and txt_group:
-            yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
-            txt_group = []
-        if fmt == 'jsonl':
-            yield from _jsonl_ranges(path, chunk_bytes)
-        elif fmt == 'jsonl_stream':
-            yield from _stream_blocks(path, chunk_bytes)
-        elif fmt == 'txt':
-            txt_group.append(path)
-            if len(txt_group) == TXT_FILES_PER_CHUNK:
-                yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
-                txt_group = []
-        elif fmt == 'parquet':
-            meta = _parquet_file(path).metadata
-            row = 0
-            for g in range(meta.num_row_groups):
-                yield Chunk('parquet', path, start=g, end=g + 1, first_line=row)
-                row += meta.row_group(g).num_rows
-        elif fmt == 'mds':  # an existing MDS dataset (foundrymix adopt): one chunk per shard
-            for shard, row in chunks_of(path):
-                yield Chunk('mds', path, start=shard, end=shard + 1, first_line=row)
-        else:  # hf
-            n = len(_load_hf(path))
-            for start in range(0, n, HF_ROWS_PER_CHUNK):
-                yield Chunk('hf', path, start=start, end=min(n, start + HF_ROWS_PER_CHUNK),
-                            first_line=start)
-    if txt_group:
-        yield Chunk('txt', txt_group[0], paths=tuple(txt_group))
+    for fmt, paths in itertools.groupby(inputs, input_format):
+        if fmt == 'txt':  # consecutive .txt files: up to TXT_FILES_PER_CHUNK a chunk
+            group = tuple(paths)
+            for i in range(0, len(group), TXT_FILES_PER_CHUNK):
+                yield Chunk('txt', group[i], paths=group[i:i + TXT_FILES_PER_CHUNK])
+            continue
+        for path in paths:
+            if fmt == 'jsonl':
+                yield from _jsonl_ranges(path, chunk_bytes)
+            elif fmt == 'jsonl_stream':
+                yield from _stream_blocks(path, chunk_bytes)
+            elif fmt == 'parquet':
+                meta = _parquet_file(path).metadata
+                row = 0
+                for g in range(meta.num_row_groups):
+                    yield Chunk('parquet', path, start=g, end=g + 1, first_line=row)
+                    row += meta.row_group(g).num_rows
+            elif fmt == 'mds':  # an existing MDS dataset (foundrymix adopt): one chunk per shard
+                for shard, row in chunks_of(path):
+                    yield Chunk('mds', path, start=shard, end=shard + 1, first_line=row)
+            else:  # hf
+                n = len(_load_hf(path))
+                for start in range(0, n, HF_ROWS_PER_CHUNK):
+                    yield Chunk('hf', path, start=start, end=min(n, start + HF_ROWS_PER_CHUNK),
+                                first_line=start)
 
 
 def _jsonl_ranges(path: str, chunk_bytes: int) -> Iterator[Chunk]:
@@ -143,11 +133,7 @@ def _decompressed(path: str) -> Iterator[bytes]:
 
 
 class _StreamEnded(Exception):
-    """A compressed input could not be read to its end: ``reason`` (manifest key), ``detail``."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
+    """A compressed input could not be read to its end: args ``(reason (manifest key), detail)``."""
 
 
 def _stream_blocks(path: str, chunk_bytes: int) -> Iterator[Chunk]:
@@ -171,9 +157,10 @@ def _stream_blocks(path: str, chunk_bytes: int) -> Iterator[Chunk]:
         complete = bytes(buf[:buf.rfind(b'\n') + 1])
         read = f'after line {done:,}: lines 1-{done:,} were read' if done else 'before its first line ends'
         lost = f', the rest of line {done + 1:,} is lost' if len(complete) < len(buf) else ''
+        reason, detail = e.args
         yield Chunk('jsonl_stream', path, first_line=line, payload=complete, bad=BadRecord(
-            e.reason, f'{e.detail} {read}{lost}; replace the file, or pass --on-error skip to convert '
-                      f'the lines before the damage'))
+            reason, f'{detail} {read}{lost}; replace the file, or pass --on-error skip to convert '
+                    f'the lines before the damage'))
         return
     if buf:
         yield Chunk('jsonl_stream', path, first_line=line, payload=bytes(buf))
@@ -216,7 +203,8 @@ def read_records(chunk: Chunk, fields: Optional[Sequence[str]]
             records.append((chunk.path, None, chunk.bad))
         return count_lines(data), records
     if chunk.fmt == 'txt':
-        return len(chunk.paths), [(path, None, _read_txt(path, fields[0] if fields else 'text')) for path in chunk.paths]
+        field = fields[0] if fields else 'text'
+        return len(chunk.paths), [(path, None, _read_txt(path, field)) for path in chunk.paths]
     if chunk.fmt == 'parquet':
         import pyarrow
         pf = _parquet_file(chunk.path)
@@ -298,22 +286,18 @@ def _parse_json_line(line: bytes, fields: Optional[Sequence[str]] = None) -> Any
     return rec
 
 
-_HF_CACHE: dict[str, Any] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _load_hf(path: str) -> Any:
     """A dataset saved to disk, memory-mapped once per process."""
-    if path not in _HF_CACHE:
-        import pyarrow
-        from datasets import load_from_disk
-        try:
-            ds = load_from_disk(path)
-        except (pyarrow.ArrowException, OSError) as e:  # a truncated .arrow file: OSError
-            raise UserError(f'{path}: this saved dataset cannot be read ({e})') from None
-        if not hasattr(ds, 'column_names') or isinstance(ds.column_names, dict):
-            raise UserError(f'{path}: expected a single dataset split, got a DatasetDict')
-        _HF_CACHE[path] = ds
-    return _HF_CACHE[path]
+    import pyarrow
+    from datasets import load_from_disk
+    try:
+        ds = load_from_disk(path)
+    except (pyarrow.ArrowException, OSError) as e:  # a truncated .arrow file: OSError
+        raise UserError(f'{path}: this saved dataset cannot be read ({e})') from None
+    if not hasattr(ds, 'column_names') or isinstance(ds.column_names, dict):
+        raise UserError(f'{path}: expected a single dataset split, got a DatasetDict')
+    return ds
 
 
 def location(path: str, line: Optional[int], fmt: str) -> str:

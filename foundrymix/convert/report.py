@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
 
-from foundrymix.errors import FoundrymixError
+from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.format.schema import Manifest
 
 
@@ -55,10 +55,6 @@ def manifest_table(manifest: Manifest, title: str, seconds: Optional[float] = No
 TOO_LONG_WARN = 0.05
 
 
-def _yes_no(flag: bool) -> str:
-    return 'yes' if flag else 'no'
-
-
 def separators_note(manifest: Manifest) -> str:
     """Whether BOS/EOS were inserted, and why (the tokenizer's default or an override)."""
     sep = manifest.options.get('separators', {})
@@ -76,9 +72,9 @@ def separators_note(manifest: Manifest) -> str:
     else:
         bos_why = 'not inserted'
     eos_why = '' if eos else ' (--no-eos)' if manifest.options.get('eos') is False else ' (not inserted)'
-    return (f'separators: BOS inserted before each {noun}: {_yes_no(bos)}'
+    return (f'separators: BOS inserted before each {noun}: {"yes" if bos else "no"}'
             f'{f" (id {t.bos_id})" if bos else ""} ({bos_why}); EOS inserted after each {noun}: '
-            f'{_yes_no(eos)}{f" (id {t.eos_id})" if eos else eos_why}.')
+            f'{"yes" if eos else "no"}{f" (id {t.eos_id})" if eos else eos_why}.')
 
 
 def _left_out(manifest: Manifest) -> str:
@@ -158,11 +154,19 @@ def _no_rows_reasons(manifest: Manifest) -> list[tuple[str, str]]:
     return reasons
 
 
-def check_rows(manifest: Manifest) -> None:
-    """Refuse to publish a conversion with no rows, saying why by reason and what to do."""
+def check_rows(manifest: Manifest, n_inputs: int, holdout: Any = None) -> None:
+    """Refuse to publish a conversion that read nothing (or nothing on its ``--holdout`` side) or
+    made no rows, saying why by reason and what to do."""
+    noun = 'documents' if manifest.kind == 'pretrain' else 'examples'
+    if not manifest.counts.documents_read:
+        if holdout is None:
+            raise UserError(f'no {noun} found in {n_inputs} input file(s)')
+        if holdout.side == 'eval':
+            raise UserError(f'--holdout {holdout.spec}: no {noun} fell in the eval split; give a larger '
+                            f'fraction, or a number of {noun}')
+        raise UserError(f'--holdout {holdout.spec}: every {noun} fell in the eval split; give a smaller fraction')
     if manifest.counts.rows:
         return
-    noun = 'documents' if manifest.kind == 'pretrain' else 'examples'
     reasons = _no_rows_reasons(manifest)
     what = '; '.join(r for r, _ in reasons) or 'none made a row'
     todo = '; '.join(a for _, a in reasons)
@@ -170,34 +174,21 @@ def check_rows(manifest: Manifest) -> None:
                            f'{noun} read; {what}.{f" {todo}" if todo else ""}')
 
 
-def no_separator_warning(inferred: str, tokenizer: str) -> str:
-    """The warning for a stream with no separator of ``tokenizer``: a wrong tokenizer or a
-    separator of several ids looks the same as one long document."""
-    return (f'warning: {inferred.split(":")[0]} of tokenizer {tokenizer!r} in the shards, so every row is '
-            f'one document. If the documents had separators, they were not its single EOS/BOS ids: '
-            f'the shards were made with another tokenizer (pass it with --tokenizer) or with an '
-            f'--eos_text/--bos_text of several ids (adopt finds single ids only).')
-
-
-def summary_notes(manifest: Manifest, fit_95: Optional[int] = None) -> list[str]:
-    """The plain sentences printed under the summary table; warnings start with ``warning:``."""
-    notes = [separators_note(manifest), documents_note(manifest)]
-    inferred = manifest.options.get('source', {}).get('inferred', '')
-    if inferred.startswith('neither EOS'):  # adopt found no separator (convert/adopt.py)
-        notes.append(no_separator_warning(inferred, manifest.tokenizer.name))
-    warning = too_long_warning(manifest, fit_95)
-    return notes + ([warning] if warning else [])
-
-
 def print_summary(manifest: Manifest, out: str, seconds: float, fit_95: Optional[int] = None,
                   uploaded: Optional[str] = None) -> None:
-    """The table printed at the end of a conversion (on stderr), then :func:`summary_notes`.
-
-    ``fit_95``: the length 95 % of the examples fit in, if known; ``uploaded``: the upload summary.
-    """
+    """The table printed at the end of a conversion (on stderr), then plain sentences (warnings in
+    yellow). ``fit_95``: the length 95 % of the examples fit in, if known; ``uploaded``: the upload
+    summary."""
     console = Console(file=sys.stderr)
     console.print(manifest_table(manifest, f'foundrymix convert -> {out}', seconds))
-    notes = summary_notes(manifest, fit_95) + ([uploaded[0].upper() + uploaded[1:] + '.'] if uploaded else [])
-    for note in notes:
+    notes = [separators_note(manifest), documents_note(manifest)]
+    inferred = manifest.options.get('source', {}).get('inferred', '')
+    if inferred.startswith('neither EOS'):  # adopt found no separator: a wrong tokenizer looks the same
+        notes.append(f'warning: {inferred.split(":")[0]} of tokenizer {manifest.tokenizer.name!r} in the shards, '
+                     f'so every row is one document. If the documents had separators, they were not its single '
+                     f'EOS/BOS ids: the shards were made with another tokenizer (pass it with --tokenizer) or '
+                     f'with an --eos_text/--bos_text of several ids (adopt finds single ids only).')
+    notes += [too_long_warning(manifest, fit_95)] + ([uploaded[0].upper() + uploaded[1:] + '.'] if uploaded else [])
+    for note in filter(None, notes):
         style = 'yellow' if note.startswith('warning:') else None
         console.print(note, style=style, soft_wrap=True, markup=False, highlight=False)

@@ -17,9 +17,9 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from foundrymix.errors import FoundrymixError
 from foundrymix.format.schema import MANIFEST_NAME
@@ -48,11 +48,10 @@ def parse_s3_url(url: str, flag: str = '--out') -> S3Url:
     """Split ``s3://bucket/prefix``; other schemes are refused (only S3 uploads are supported)."""
     scheme, sep, rest = url.partition('://')
     if not sep or scheme.lower() != 's3':
-        if flag != '--out':  # a source (adopt): read from a local copy instead
-            raise RemoteOutputError(f'{flag} {url}: only s3://bucket/prefix is supported as a remote source '
-                                    f'(for another store, copy it to a local directory first)')
-        raise RemoteOutputError(f'--out {url}: only s3://bucket/prefix is supported as a remote output '
-                                f'(for another store, convert to a local directory and copy it)')
+        what, fix = (('output', 'convert to a local directory and copy it') if flag == '--out' else
+                     ('source', 'copy it to a local directory first'))  # a source (adopt): read a local copy
+        raise RemoteOutputError(f'{flag} {url}: only s3://bucket/prefix is supported as a remote {what} '
+                                f'(for another store, {fix})')
     bucket, _, prefix = rest.partition('/')
     if not bucket:
         raise RemoteOutputError(f'{flag} {url}: no bucket name (expected s3://bucket/prefix)')
@@ -60,88 +59,68 @@ def parse_s3_url(url: str, flag: str = '--out') -> S3Url:
 
 
 @dataclass
-class Preflight:
-    """What the prefix held when the conversion started, and what it may replace."""
+class S3Target:
+    """A checked output prefix: what it held at the start and may replace, its clients (uploads;
+    quick checks and clean-up) and their retry counter."""
 
     url: S3Url
     old_metadata: list[str]  # index.json / foundrymix.json present (deleted first on overwrite)
     replaceable: set[str]  # shard files of the old index, and leftovers foundrymix wrote
-    foreign: int  # objects left alone
-    keys: set[str] = field(default_factory=set)  # everything under the prefix at the start
+    keys: set[str]  # everything under the prefix at the start
+    client: Any
+    quick: Any
+    retries: S3RetryCounter
 
 
-def preflight(url: S3Url, overwrite: bool, client: Any) -> Preflight:
-    """Check the bucket and prefix before any work; refuse what must not be written over."""
+def _call(what: str, url: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, an S3 error raised as :class:`RemoteOutputError` naming ``what``, ``url`` and S3's code."""
     from botocore.exceptions import BotoCoreError, ClientError
-
     try:
-        keys = list_keys(client, url)  # a LIST, not HEAD: its error body names S3's code
+        return fn()
     except (ClientError, BotoCoreError) as e:
-        raise RemoteOutputError(describe('listing the prefix', str(url), e)) from e
+        raise RemoteOutputError(describe(what, url, e)) from e
+
+
+def check_remote(url: str, overwrite: bool) -> S3Target:
+    """Parse ``url``, connect, and check the prefix before any tokenizing; refuse what must not
+    be written over."""
+    s3 = parse_s3_url(url)
+    retries = S3RetryCounter()
+    client = make_client(retries, threads=UPLOAD_THREADS)
+    # the up-front check fails fast: few attempts, short timeouts
+    quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10, threads=UPLOAD_THREADS)
+    keys = _call('listing the prefix', str(s3), lambda: list_keys(quick, s3))  # a LIST, not HEAD: it names S3's code
     metadata = [n for n in (INDEX_NAME, MANIFEST_NAME) if n in keys]
     if keys and not overwrite:
         what = (f'holds a dataset ({", ".join(metadata)})' if metadata else
                 f'is not empty ({len(keys)} object(s), e.g. {sorted(keys)[0]!r}; leftovers of an '
                 f'interrupted conversion have no index.json)')
-        raise RemoteOutputError(f'--out {url}: the prefix {what}; pass --overwrite to replace it '
+        raise RemoteOutputError(f'--out {s3}: the prefix {what}; pass --overwrite to replace it '
                                 f'(only objects foundrymix wrote are ever deleted), or choose another prefix')
     listed: set[str] = set()
     for name in (INDEX_NAME, REPLACING_NAME):  # the old index, and one a failed replacement left
         if name not in keys:
             continue
+        body = _call('reading the old index', s3.url(name),
+                     lambda: quick.get_object(Bucket=s3.bucket, Key=s3.key(name))['Body'].read())
         try:
-            body = client.get_object(Bucket=url.bucket, Key=url.key(name))['Body'].read()
             listed |= index_files(json.loads(body))
-        except (ClientError, BotoCoreError) as e:
-            raise RemoteOutputError(describe('reading the old index', url.url(name), e)) from e
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise RemoteOutputError(f'{url.url(name)}: not valid JSON of an MDS index ({e}); remove it '
+            raise RemoteOutputError(f'{s3.url(name)}: not valid JSON of an MDS index ({e}); remove it '
                                     f'yourself if the prefix may be replaced') from e
     replaceable = {k for k in keys if k in listed}
-    foreign = 0
     for key in keys:
-        if key in listed or key in metadata or key == REPLACING_NAME:
+        if key in listed or key in metadata or key == REPLACING_NAME or not SHARD_NAME.match(key):
             continue
-        if SHARD_NAME.match(key):
-            try:
-                meta = client.head_object(Bucket=url.bucket, Key=url.key(key)).get('Metadata', {})
-            except (ClientError, BotoCoreError) as e:
-                raise RemoteOutputError(describe('reading object metadata', url.url(key), e)) from e
-            if meta.get('foundrymix-writer') != WRITER_META['foundrymix-writer']:
-                raise RemoteOutputError(
-                    f'--out {url}: {url.url(key)} is named like a shard but is neither listed in an '
-                    f'index.json there nor written by foundrymix; a new shard could replace it. Move '
-                    f'it, or choose another prefix')
-            replaceable.add(key)  # left by an interrupted conversion
-        else:
-            foreign += 1
-    return Preflight(url=url, old_metadata=metadata, replaceable=replaceable, foreign=foreign,
-                     keys=set(keys))
-
-
-def check_remote(url: str, overwrite: bool) -> 'S3Target':
-    """Parse ``url``, connect, and check the prefix (before any tokenizing)."""
-    parsed = parse_s3_url(url)
-    retries = S3RetryCounter()
-    client = make_client(retries, threads=UPLOAD_THREADS)
-    # the up-front check fails fast: few attempts, short timeouts
-    quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10,
-                        threads=UPLOAD_THREADS)
-    return S3Target(preflight(parsed, overwrite, quick), client, quick, retries)
-
-
-@dataclass
-class S3Target:
-    """A checked output prefix, its clients (uploads; quick checks and clean-up), retry counter."""
-
-    checked: Preflight
-    client: Any
-    quick: Any
-    retries: S3RetryCounter
-
-    @property
-    def url(self) -> S3Url:
-        return self.checked.url
+        meta = _call('reading object metadata', s3.url(key),
+                     lambda: quick.head_object(Bucket=s3.bucket, Key=s3.key(key)).get('Metadata', {}))
+        if meta.get('foundrymix-writer') != WRITER_META['foundrymix-writer']:
+            raise RemoteOutputError(
+                f'--out {s3}: {s3.url(key)} is named like a shard but is neither listed in an '
+                f'index.json there nor written by foundrymix; a new shard could replace it. Move '
+                f'it, or choose another prefix')
+        replaceable.add(key)  # left by an interrupted conversion
+    return S3Target(s3, metadata, replaceable, set(keys), client, quick, retries)
 
 
 class Uploader:
@@ -152,6 +131,7 @@ class Uploader:
 
     def __init__(self, target: S3Target, local: str, keep_local: bool) -> None:
         self.target = target
+        self.url = target.url
         self.local = local
         self.keep_local = keep_local
         self.uploaded: list[str] = []
@@ -162,14 +142,8 @@ class Uploader:
         self.removed = 0
         self._slots = threading.BoundedSemaphore(MAX_PENDING)
         self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix='foundrymix-upload')
-        self._futures: list[Future] = []
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
-
-    @property
-    def url(self) -> S3Url:
-        return self.target.url
 
     def _start(self) -> None:
         """Before the first upload: take the old dataset's index and manifest away."""
@@ -177,24 +151,20 @@ class Uploader:
             return
         self._started = True
         self._t0 = time.perf_counter()
-        if self.target.checked.replaceable:  # remember the old shards before their index goes
+        if self.target.replaceable:  # remember the old shards before their index goes
             body = json.dumps({'shards': [{'raw_data': {'basename': n}}
-                                          for n in sorted(self.target.checked.replaceable)]})
+                                          for n in sorted(self.target.replaceable)]})
             self._call('writing', REPLACING_NAME, self.target.client.put_object, Bucket=self.url.bucket,
                        Key=self.url.key(REPLACING_NAME), Body=body.encode(), Metadata=WRITER_META)
-        for name in self.target.checked.old_metadata:  # index.json first: streaming's marker
+        for name in self.target.old_metadata:  # index.json first: streaming's marker
             self._call('deleting the old dataset\'s', name, self.target.client.delete_object,
                        Bucket=self.url.bucket, Key=self.url.key(name))
-        if self.target.checked.old_metadata:
+        if self.target.old_metadata:
             logger.info('%s: removed the old %s before uploading', self.url,
-                        ' and '.join(self.target.checked.old_metadata))
+                        ' and '.join(self.target.old_metadata))
 
     def _call(self, action: str, name: str, fn: Any, **kwargs: Any) -> Any:
-        from botocore.exceptions import BotoCoreError, ClientError
-        try:
-            return fn(**kwargs)
-        except (ClientError, BotoCoreError) as e:
-            raise RemoteOutputError(describe(f'{action} {name}', self.url.url(name), e)) from e
+        return _call(f'{action} {name}', self.url.url(name), lambda: fn(**kwargs))
 
     def _put(self, name: str) -> None:
         path = os.path.join(self.local, name)
@@ -229,15 +199,13 @@ class Uploader:
         self._start()
         while not self._slots.acquire(timeout=0.1):
             self.raise_error()
-        self._futures.append(self._pool.submit(self._upload_shard, name))
+        self._pool.submit(self._upload_shard, name)
 
     def drain(self) -> None:
         """Wait until every submitted shard is uploaded (raises the first upload error)."""
         self._start()
-        for fut in self._futures:
-            fut.result()
-        self.raise_error()
         self._pool.shutdown(wait=True)
+        self.raise_error()
 
     def stop(self) -> None:
         """Make every later :meth:`submit` raise, and queued shards be skipped."""
@@ -254,7 +222,7 @@ class Uploader:
         self._put(MANIFEST_NAME)
         self._put(INDEX_NAME)  # from here on readers see the new dataset
         self.published = True
-        stale = sorted(self.target.checked.replaceable - shard_files)
+        stale = sorted(self.target.replaceable - shard_files)
         for name in stale:
             try:
                 self.target.client.delete_object(Bucket=self.url.bucket, Key=self.url.key(name))
@@ -263,7 +231,7 @@ class Uploader:
                 logger.warning('%s', describe('removing the old shard', self.url.url(name), e))
                 break  # the list stays in REPLACING_NAME for the next --overwrite
         else:
-            if self.target.checked.replaceable or REPLACING_NAME in self.target.checked.keys:
+            if self.target.replaceable or REPLACING_NAME in self.target.keys:
                 try:
                     self.target.client.delete_object(Bucket=self.url.bucket, Key=self.url.key(REPLACING_NAME))
                 except Exception as e:  # noqa: BLE001

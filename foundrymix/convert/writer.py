@@ -7,6 +7,7 @@ place (atomic) once on disk; the next run removes a leftover whose process is go
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,15 +24,13 @@ import numpy as np
 import xxhash
 
 from foundrymix.format.mds import LeanMDSWriter
-from foundrymix.convert.paths import check_out_url
-from foundrymix.convert.pipeline import importing
 from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader
 from foundrymix.errors import UserError
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns
+from foundrymix.heap import collector_paused
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns, rows_of
 from foundrymix.format.shards import stored_name
-from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreign_message,
-                                       _keep_owned_attributes, check_output_dir, foreign_entries,
-                                       remove_output, remove_stale_partials)
+from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreign_message, _keep_owned_attributes,
+                                       foreign_entries, remove_output, remove_stale_partials)
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +73,27 @@ def check_compression(compression: Optional[str]) -> None:
                          f'(choose from {levels})')
 
 
-def _mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
-                hashes: list[str]) -> Any:
+def mds_writer(out: str, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
+               hashes: list[str]) -> Any:
     """:class:`LeanMDSWriter` (no streaming import) or, compressed, ``streaming.MDSWriter``."""
     if compression is None:
         return LeanMDSWriter(out, columns, hashes=hashes, size_limit=size_limit)
     # imported here, in the writer thread, after the conversion workers were forked
-    with importing('streaming'):
+    with collector_paused():  # importing makes it run over and over, finding nothing
         from streaming import MDSWriter
     return MDSWriter(out=out, columns=columns, compression=compression, size_limit=size_limit,
                      hashes=hashes, progress_bar=False, exist_ok=False)
+
+
+def write_rows(writer: Any, item: dict[str, Any] | RowBatch) -> None:
+    """Write one row, or a :class:`RowBatch` in one go where ``writer`` can (streaming's cannot)."""
+    if not isinstance(item, RowBatch):
+        writer.write(item)
+    elif hasattr(writer, 'write_batch'):
+        writer.write_batch(item.columns())
+    else:
+        for row in item.rows():
+            writer.write(row)
 
 
 #: rows waiting for the writer thread are capped at about this many bytes of tokens
@@ -93,7 +103,7 @@ QUEUE_BYTES = 64 << 20
 _FINISH = object()
 
 
-class ShardWriter:
+class ShardWriter(contextlib.AbstractContextManager):
     """An ``MDSWriter`` over the foundrymix columns that publishes atomically.
 
     Use as a context manager; :meth:`finish` publishes, leaving without it deletes the
@@ -103,18 +113,16 @@ class ShardWriter:
 
     def __init__(self, out: Optional[str], max_seq_len: int, token_dtype: str, overwrite: bool = False,
                  compression: Optional[str] = None, size_limit: int | str = '64mb',
-                 hashes: Optional[list[str]] = None, remote: Optional[S3Target] = None) -> None:
+                 hashes: Optional[list[str]] = None, remote: Optional[S3Target] = None, tasks: bool = False) -> None:
         """``out``: the local output directory, or None for an upload-only output (then
-        ``remote``, checked by :func:`~foundrymix.convert.upload.check_remote`, is required)."""
+        ``remote``, checked by :func:`~foundrymix.convert.upload.check_remote`, is required).
+        ``tasks``: others (Ray tasks) write the shards into :attr:`partial`; no writer thread."""
         assert out is not None or remote is not None, 'no output given'
         self.overwrite = overwrite
         hashes = [DEFAULT_HASH] if hashes is None else sorted(set(hashes))
-        check_hashes(hashes)
-        if out is not None:
-            check_out_url(out)
+        if out is not None:  # checked by prepare(); _publish checks it again
             # a symbolic link to a directory: write beside, and replace, its target
             self.out: Optional[str] = os.path.realpath(out)
-            check_output_dir(self.out, overwrite)
             parent, name = os.path.split(self.out)
             os.makedirs(parent, exist_ok=True)
         else:
@@ -134,13 +142,16 @@ class ShardWriter:
         self._lock = threading.Lock()  # orders creating the MDSWriter against abort()
         row_bytes = max_seq_len * np.dtype(token_dtype).itemsize
         self._capacity = max(64, QUEUE_BYTES // row_bytes)  # rows
-        self._queue: queue.Queue = queue.Queue(maxsize=self._capacity)
-        self._batch_rows = 0  # rows of RowBatch items queued (each takes one slot of the queue)
-        self._batch_room = threading.Condition()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued = 0  # rows in the queue
+        self._room = threading.Condition()
         self._thread = threading.Thread(
             target=self._run, name='foundrymix-shard-writer', daemon=True,
             args=(mds_columns(max_seq_len, token_dtype), compression, size_limit, hashes))
-        self._thread.start()
+        if tasks:
+            os.makedirs(self.partial)
+        else:
+            self._thread.start()
 
     def _run(self, columns: dict[str, str], compression: Optional[str], size_limit: int | str,
              hashes: list[str]) -> None:
@@ -148,77 +159,57 @@ class ShardWriter:
             with self._lock:
                 if self._closed:
                     return
-                self._writer = _mds_writer(self.partial, columns, compression, size_limit, hashes)
-            while True:
-                row = self._queue.get()
-                if row is _FINISH:
+                self._writer = mds_writer(self.partial, columns, compression, size_limit, hashes)
+            while (item := self._queue.get()) is not None and not self._closed:  # aborted: no further row
+                if item is _FINISH:
                     self._writer.finish()
                     self._upload_new_shards()
                     return
-                if row is None:  # abort
-                    return
-                if isinstance(row, RowBatch):
-                    self._write_batch(row)
-                else:
-                    self._writer.write(row)
+                if self._uploader is None:
+                    write_rows(self._writer, item)
+                else:  # row by row: a finished shard goes to the uploader before the next (bounds the disk)
+                    for row in rows_of(item):
+                        self._writer.write(row)
+                        self._upload_new_shards()
+                with self._room:
+                    self._queued -= len(item) if isinstance(item, RowBatch) else 1
+                    self._room.notify_all()
                 self._upload_new_shards()
         except BaseException as e:  # handed to the caller's thread
             self._error = e
 
-    def _write_batch(self, batch: RowBatch) -> None:
-        if hasattr(self._writer, 'write_batch'):
-            self._writer.write_batch(batch.columns())
-        else:  # streaming's MDSWriter (compressed output)
-            for row in batch.rows():
-                self._writer.write(row)
-        with self._batch_room:
-            self._batch_rows -= len(batch)
-            self._batch_room.notify_all()
+    def upload(self, names: list[str]) -> None:
+        """Upload these files that others wrote into :attr:`partial` now (with an ``s3://`` output)."""
+        for name in names if self._uploader is not None else ():
+            self._uploader.submit(name)
 
     def _upload_new_shards(self) -> None:
         """Hand the shards closed since the last call to the uploader (blocks while it is too
         far behind, which in turn holds back :meth:`write`)."""
-        if self._uploader is None:
-            return
         shards = self._writer.shards
-        while self._submitted < len(shards):
-            self._uploader.submit(stored_name(shards[self._submitted]))
-            self._submitted += 1
-
-    def _put(self, item: Any) -> None:
-        while True:
-            self._raise_error()
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                if not self._thread.is_alive():
-                    self._raise_error()
-                    raise RuntimeError('shard writer thread stopped')
+        self.upload([stored_name(s) for s in shards[self._submitted:]])
+        self._submitted = len(shards)
 
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+        if not self._thread.is_alive():
+            raise RuntimeError('shard writer thread stopped')
 
-    def write(self, row: dict[str, Any] | RowBatch) -> None:
-        """Queue one row, or a :class:`~foundrymix.format.schema.RowBatch` (written in one go;
-        waits while the queued batches' rows would pass the queue's capacity)."""
+    def write(self, item: dict[str, Any] | RowBatch) -> None:
+        """Queue one row, or a :class:`~foundrymix.format.schema.RowBatch` (written in one go);
+        waits while the rows queued would pass the queue's capacity."""
         assert not self._closed, 'writer already closed'
-        if not isinstance(row, RowBatch):
-            self._put(row)
-            self.rows += 1
-            return
-        n = len(row)
+        n = len(item) if isinstance(item, RowBatch) else 1
         if not n:
             return
-        with self._batch_room:
-            while self._batch_rows and self._batch_rows + n > self._capacity:
+        with self._room:
+            self._raise_error()
+            while self._queued and self._queued + n > self._capacity:
+                self._room.wait(0.1)
                 self._raise_error()
-                if not self._thread.is_alive():
-                    raise RuntimeError('shard writer thread stopped')
-                self._batch_room.wait(0.1)
-            self._batch_rows += n
-        self._put(row)
+            self._queued += n
+        self._queue.put(item)
         self.rows += n
 
     def finish(self, manifest: Manifest) -> str:
@@ -226,9 +217,11 @@ class ShardWriter:
         assert not self._closed, 'writer already closed'
         if manifest.counts.rows != self.rows:
             raise RuntimeError(f'manifest says {manifest.counts.rows} rows, {self.rows} were written')
-        self._put(_FINISH)
-        self._thread.join()
-        self._raise_error()
+        if self._thread.is_alive():
+            self._queue.put(_FINISH)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
         self._closed = True
         self._writer = None
         with open(os.path.join(self.partial, MANIFEST_NAME), 'w', encoding='utf-8') as f:
@@ -310,22 +303,13 @@ class ShardWriter:
         with self._lock:
             self._closed = True
             started = self._writer is not None
-        if started and self._thread.is_alive():
-            # stop the thread (it writes no further rows) before removing its directory
-            while True:
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
+        if started and self._thread.is_alive():  # stop the thread before removing its directory
             self._queue.put(None)
             self._thread.join()
         self._writer = None
         if self._uploader is not None:
             self._uploader.abort()
         shutil.rmtree(self.partial, ignore_errors=True)
-
-    def __enter__(self) -> 'ShardWriter':
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.finished:

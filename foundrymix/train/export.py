@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     if args.to_foundry is not None:
-        from foundrymix.convert.to_foundry import export_to_foundry
+        from foundrymix.convert.adopt import export_to_foundry
         done = export_to_foundry(args.checkpoint, args.to_foundry)
         print(f'exported {args.checkpoint} -> {done.out}: {done.rows:,} rows, {done.tokens:,} tokens in '
               f"{done.shards} shard(s), one tokens column (LLM-Foundry's StreamingTextDataset)")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from convert_helpers import ids, read_jsonl, read_rows
-from foundrymix.convert.encode import encode_long, encode_texts, slice_mode
+from foundrymix.convert.mapping import encode_long, encode_texts, slice_mode
 from foundrymix.tokenizer import DEMO_TOKENIZER, load_tokenizer, tokenizer_info
 
 
