@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 
 from foundrymix.errors import MissingError
-from foundrymix.format.row_errors import CorruptRowError
+from foundrymix.format.schema import CorruptRowError
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, decode_row
 from foundrymix.format.shards import (INDEX_NAME, check_shard_files, is_not_found, iter_shard_rows, read_index,
                                      shard_files_error, shard_name, shard_raw_bytes, stored_name)

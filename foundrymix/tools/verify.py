@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from foundrymix.errors import MissingError
 from foundrymix.format.advice import adopt_advice, read_index_or_none, splits_advice
-from foundrymix.format.row_errors import format_row_error
+from foundrymix.format.schema import format_row_error
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
 from foundrymix.format.shards import (INDEX_NAME, is_not_found, IndexFileError, ShardProblem, shard_raw_bytes, iter_shard_rows,
                                hashes_dropped_problem, row_count_problem, shard_hash_checks, shard_header_problems, shard_name,
