@@ -7,7 +7,7 @@ minimum a trainer needs (stack ``input_ids``); the mixer side decodes every row
 (labels, attention mask, positions, sequence ids, stream id) into 7 int64 tensors.
 
 What the mixer side does: its workers read each batch's rows in foundrymix's own order
-(``foundrymix/loader/span.py``: rows by index from the stage's row store), ``collate``
+(``Span`` in ``foundrymix/loader/run_loader.py``: rows by index from the stage's row store), ``collate``
 decodes a batch at a time into one buffer, and the batch crosses to the main process as
 its compact rows (~4 KB per row, through the worker's result pipe) and is decoded again
 there. The raw side is streaming's own sampler and iteration, shipping its ``input_ids``

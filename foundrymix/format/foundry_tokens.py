@@ -26,6 +26,9 @@ class Layout:
     row_bytes: int    # one row's bytes in a shard (its encoding included)
     header: int       # a shard's bytes before its offset table ends, less 4 x (rows + 1)
 
+    def shard_bytes(self, rows: int) -> int:
+        return self.header + 4 * (rows + 1) + rows * self.row_bytes
+
 
 def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> tuple[Layout, np.ndarray]:
     """The rows' layout and the tokens (``[rows, length]``) of shard 0 from its raw bytes;
@@ -44,17 +47,6 @@ def shard0_layout(data: bytes, shard: dict[str, Any], where: str) -> tuple[Layou
     layout = Layout(length=int(tokens.shape[1]), dtype=dtype, row_bytes=int(sizes[0]),
                     header=int(offsets[0]) - 4 * (n + 1))
     return layout, tokens
-
-
-def uneven_shards(index: dict[str, Any], layout: Layout) -> list[str]:
-    """Shards whose size in ``index.json`` is not that of rows of ``layout``'s one size."""
-    out = []
-    for shard in index['shards']:
-        n = int(shard['samples'])
-        want = layout.header + 4 * (n + 1) + n * layout.row_bytes
-        if int(shard['raw_data']['bytes']) != want or shard_dtype(shard) != layout.dtype:
-            out.append(shard['raw_data']['basename'])
-    return out
 
 
 def document_rule(tokens: np.ndarray, eos_id: Optional[int], bos_id: Optional[int]) -> tuple[str, Optional[int]]:
@@ -78,7 +70,8 @@ def in_place_manifest(index: dict[str, Any], shard0: bytes, tokenizer: Tokenizer
     ``index.json``, the row length and document rule from shard 0's bytes (``shard0``), the
     converted dtype for ``tokenizer``. ValueError (naming ``where``) for rows of another length."""
     layout, rows0 = shard0_layout(shard0, index['shards'][0], where)
-    uneven = uneven_shards(index, layout)
+    uneven = [s['raw_data']['basename'] for s in index['shards']  # not rows of the layout's one size
+              if int(s['raw_data']['bytes']) != layout.shard_bytes(int(s['samples'])) or shard_dtype(s) != layout.dtype]
     if uneven:
         raise ValueError(f"{where}: {', '.join(uneven[:3])}{' ...' if len(uneven) > 3 else ''}: rows of "
                          f"another length than shard 0's {layout.length} tokens; LLM-Foundry token rows "

@@ -109,21 +109,17 @@ class LeanMDSWriter:
         self.config_data = json.dumps(self.config, sort_keys=True).encode('utf-8')
         self.size_limit = limit
         self.shards: list[dict[str, Any]] = []
+        self._new_shard()
+
+    def _new_shard(self) -> None:
         self._samples: list[bytes | memoryview] = []  # encoded rows (one or many each), in order
         self._sizes: list[int] = []  # each pending row's encoded bytes
         self._shard_size = 4 + 4 + len(self.config_data)  # sample count, last offset, config
 
-    def encode_sample(self, sample: dict[str, Any]) -> bytes:
-        sizes, data = [], []
-        for column in self.columns:
-            datum = column.encode(sample[column.name])
-            if column.size is None:
-                sizes.append(len(datum))
-            data.append(datum)
-        return np.asarray(sizes, dtype=np.uint32).tobytes() + b''.join(data)
-
     def write(self, sample: dict[str, Any]) -> None:
-        encoded = self.encode_sample(sample)
+        data = [column.encode(sample[column.name]) for column in self.columns]
+        sizes = [len(datum) for column, datum in zip(self.columns, data) if column.size is None]
+        encoded = np.asarray(sizes, dtype=np.uint32).tobytes() + b''.join(data)
         size = len(encoded) + _OFFSET_BYTES
         if self.size_limit and self.size_limit < self._shard_size + size:
             self._flush_shard()
@@ -140,14 +136,12 @@ class LeanMDSWriter:
         with_offset = sizes + _OFFSET_BYTES
         i, n = 0, len(sizes)
         while i < n:
-            if self.size_limit:  # the rows that still fit, by write()'s rule (a row never fits: alone)
-                fit = np.cumsum(with_offset[i:])
-                k = int(np.searchsorted(fit, self.size_limit - self._shard_size, side='right'))
-                if k == 0:
-                    self._flush_shard()
-                    k = 1
-            else:
-                fit, k = np.cumsum(with_offset[i:]), n - i
+            fit = np.cumsum(with_offset[i:])  # the rows that still fit, by write()'s rule
+            room = self.size_limit - self._shard_size if self.size_limit else np.inf
+            k = int(np.searchsorted(fit, room, side='right'))
+            if k == 0:  # not one more row: a new shard (a row that never fits goes alone)
+                self._flush_shard()
+                k = 1
             self._samples.extend(parts[i * per_row:(i + k) * per_row])
             self._sizes.extend(sizes[i:i + k].tolist())
             self._shard_size += int(fit[k - 1])
@@ -155,7 +149,7 @@ class LeanMDSWriter:
 
     def _encode_batch(self, columns: dict[str, Any]) -> tuple[list[memoryview], np.ndarray]:
         """``(every row's parts in order, each row's size)``: a row's parts joined are what
-        :meth:`encode_sample` gives. Parts, not a joined blob, so bytes are copied once, on flush."""
+        :meth:`write` encodes. Parts, not a joined blob, so bytes are copied once, on flush."""
         n = None
         segments: list[Any] = []  # per row in order: small parts (flat, lens) or big ones (rows 2-D)
         var_sizes = []
@@ -225,9 +219,7 @@ class LeanMDSWriter:
         raw = {'basename': basename, 'bytes': sum(len(p) for p in parts),
                'hashes': {a: h.hexdigest() for a, h in zip(self.hashes, hashers)}}
         self.shards.append({'samples': n, 'raw_data': raw, 'zip_data': None, **self.config})
-        self._samples = []
-        self._sizes = []
-        self._shard_size = 4 + 4 + len(self.config_data)
+        self._new_shard()
 
     def finish(self) -> None:
         if self._sizes:

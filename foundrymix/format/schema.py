@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 import numpy as np
 
-from foundrymix.errors import MissingError, UserError
+from foundrymix.errors import FoundrymixError, MissingError, UserError
 from foundrymix.format.advice import MANIFEST_NAME, adopt_advice, read_index_or_none, splits_advice
 
 SCHEMA_VERSION = 1
@@ -50,9 +51,6 @@ def mds_columns(max_seq_len: int, token_dtype: str) -> dict[str, str]:
         'loss_spans': 'ndarray:int32',
         'doc_lens': 'ndarray:int32',
     }
-
-
-COLUMN_NAMES = ('input_ids', 'loss_spans', 'doc_lens')
 
 
 @dataclass(frozen=True)
@@ -264,6 +262,49 @@ def check_row(row: dict[str, Any], vocab_size: Optional[int] = None,
 
 def _short(values: list) -> str:
     return str(values) if len(values) <= 8 else f'[{", ".join(map(str, values[:8]))}, ...]'
+
+
+class CorruptRowError(FoundrymixError, ValueError):
+    """A stored row that cannot be read or breaks the schema, named by stream, shard and row,
+    so a damaged shard stops the run there rather than in the model's embedding.
+
+    Constructible from its message alone (torch's DataLoader re-raises a worker's error as
+    ``type(e)(text)``): the fields are parsed back from the worker's text."""
+
+    def __init__(self, text: str = '', *, stream: Optional[str] = None, shard: Optional[str] = None,
+                 row: Optional[int] = None, sample_id: Optional[int] = None,
+                 problem: Optional[str] = None, directory: Optional[str] = None) -> None:
+        found = list(_ROW_ERROR_RE.finditer(text)) if problem is None else []
+        if found:  # the last row error line of ``text`` (e.g. a worker's traceback)
+            m = found[-1]
+            text, stream, shard, problem, directory = m[0], m['stream'], m['shard'], m['problem'], m['sdir'] or m['dir']
+            row, sample_id = int(m['row']), int(m['sample']) if m['sample'] is not None else None
+        elif problem is not None and not text:
+            text = format_row_error(problem, shard=shard, row=row, stream=stream,
+                                    sample_id=sample_id, directory=directory)
+        super().__init__(text)
+        self.stream, self.shard, self.row = stream, shard, row
+        self.sample_id, self.problem, self.directory = sample_id, problem, directory
+
+
+def format_row_error(problem: str, *, shard: Optional[str], row: Optional[int],
+                     stream: Optional[str] = None, sample_id: Optional[int] = None,
+                     directory: Optional[str] = None) -> str:
+    """One line: ``corrupt row: stream 'S' (DIR), shard F, row R (sample N): PROBLEM``."""
+    where = []
+    if stream is not None:
+        where.append(f"stream '{stream}'" + (f' ({directory})' if directory else ''))
+    elif directory:
+        where.append(directory)
+    where.append(f'shard {shard}, row {row}' + (f' (sample {sample_id})' if sample_id is not None else ''))
+    problem = ' '.join(str(problem).split())  # one line, so it survives a worker's traceback
+    return f"corrupt row: {', '.join(where)}: {problem}"
+
+
+_ROW_ERROR_RE = re.compile(
+    r"corrupt row: (?:stream '(?P<stream>[^']*)'(?: \((?P<sdir>[^)]*)\))?, |(?P<dir>[^,\n]*), )?"
+    r"shard (?P<shard>[^,\n]*), row (?P<row>\d+)(?: \(sample (?P<sample>\d+)\))?: "
+    r"(?P<problem>[^\n]*)")
 
 
 #: decoded keys, in the order of the rows of the per-sample block

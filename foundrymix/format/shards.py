@@ -67,10 +67,9 @@ def validate_index(index: Any, where: str = INDEX_NAME) -> dict[str, Any]:
         at = f'{where}: shard {i}'
         if not isinstance(shard, dict):
             raise IndexFileError(f'{at}: expected an object, found {type(shard).__name__}')
-        if shard.get('format') != 'mds':
-            raise IndexFileError(f'{at}: format {shard.get("format")!r}, expected "mds"')
-        if shard.get('version') != INDEX_VERSION:
-            raise IndexFileError(f'{at}: version {shard.get("version")!r}, expected {INDEX_VERSION}')
+        for key, want in (('format', 'mds'), ('version', INDEX_VERSION)):
+            if shard.get(key) != want:
+                raise IndexFileError(f'{at}: {key} {shard.get(key)!r}, expected {json.dumps(want)}')
         if not _is_count(shard.get('samples')):
             raise IndexFileError(f'{at}: "samples" is {shard.get("samples")!r}, expected a count')
         for key in ('column_names', 'column_encodings', 'column_sizes'):
@@ -167,9 +166,7 @@ def check_shard_files(directory: str, index: dict[str, Any],
     problems = []
     for shard in index['shards']:
         name = shard_name(shard)
-        pairs = [shard['raw_data']] + ([shard['zip_data']] if shard.get('zip_data') else [])
-        if shard.get('zip_data') and not allow_missing:
-            pairs = [shard['zip_data']]
+        pairs = [f for f in (shard['raw_data'], shard.get('zip_data')) if f] if allow_missing else [_stored(shard)]
         present = 0
         for info in pairs:
             path = os.path.join(directory, info['basename'])
@@ -179,10 +176,9 @@ def check_shard_files(directory: str, index: dict[str, Any],
             present += 1
             if found != int(info['bytes']):
                 problems.append(ShardProblem(name, path, 'size', int(info['bytes']), found))
-        if not present and not allow_missing:
-            stored = pairs[-1]  # what a conversion writes: the compressed file if any
-            problems.append(ShardProblem(name, os.path.join(directory, stored['basename']),
-                                         'missing', int(stored['bytes']), None))
+        if not present and not allow_missing:  # what a conversion writes: the compressed file if any
+            problems.append(ShardProblem(name, os.path.join(directory, pairs[0]['basename']),
+                                         'missing', int(pairs[0]['bytes']), None))
     return problems
 
 

@@ -7,6 +7,7 @@ one lock: two loader threads importing streaming at once deadlock on CPython's i
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from types import SimpleNamespace
@@ -15,29 +16,21 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 _LOADING = threading.Lock()
-_loaded: Optional[SimpleNamespace] = None
 
 
-def _fresh_lock() -> None:
-    global _LOADING
-    _LOADING = threading.Lock()  # a child forked while a thread imported must not wait on it
+# a child forked while a thread imported must not wait on the parent's lock
+os.register_at_fork(after_in_child=lambda: globals().update(_LOADING=threading.Lock()))
 
 
-os.register_at_fork(after_in_child=_fresh_lock)
-
-
+@functools.cache
 def _streaming() -> SimpleNamespace:
-    """streaming's four functions, imported once by one thread at a time."""
-    global _loaded
-    if _loaded is None:
-        with _LOADING:
-            if _loaded is None:
-                from streaming.base.compression import decompress
-                from streaming.base.format import reader_from_json
-                from streaming.base.hashing import get_hash, is_hash
-                _loaded = SimpleNamespace(decompress=decompress, reader_from_json=reader_from_json,
-                                          get_hash=get_hash, is_hash=is_hash)
-    return _loaded
+    """streaming's four functions, imported by one thread at a time (then cached)."""
+    with _LOADING:
+        from streaming.base.compression import decompress
+        from streaming.base.format import reader_from_json
+        from streaming.base.hashing import get_hash, is_hash
+        return SimpleNamespace(decompress=decompress, reader_from_json=reader_from_json,
+                               get_hash=get_hash, is_hash=is_hash)
 
 
 def load() -> None:

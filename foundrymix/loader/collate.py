@@ -88,27 +88,22 @@ def _batch_from_rows(input_ids: np.ndarray, loss_spans: np.ndarray, span_counts:
     return Batch(values, buffer=buffer, layout=layout, rows=rows)
 
 
-def _collate_rows(samples: Sequence[dict[str, Any]]) -> Batch:
-    """Stored rows -> compact batch arrays -> :func:`_batch_from_rows`."""
-    spans = [s['loss_spans'] for s in samples]
-    docs = [s['doc_lens'] for s in samples]
-    return _batch_from_rows(
-        np.stack([s['input_ids'] for s in samples]),
-        np.concatenate(spans).astype(np.int32, copy=False).reshape(-1),
-        np.fromiter(map(np.size, spans), dtype=np.int64, count=len(spans)),
-        np.concatenate(docs).astype(np.int32, copy=False).reshape(-1),
-        np.fromiter(map(np.size, docs), dtype=np.int64, count=len(docs)),
-        np.fromiter((s['stream_id'] for s in samples), dtype=np.int64, count=len(samples)),
-        np.fromiter((s['sample_id'] for s in samples), dtype=np.int64, count=len(samples)))
-
-
 def collate(samples: Sequence[dict[str, Any]]) -> Batch:
     """Batch samples (batch dimension first): stored rows with ids (``get_row``), decoded here
     for the whole batch, or decoded samples (``store[i]``), stacked -- bitwise the same batch."""
     if not samples:
         raise ValueError('cannot collate an empty batch')
     if 'loss_spans' in samples[0]:
-        return _collate_rows(samples)
+        spans = [s['loss_spans'] for s in samples]
+        docs = [s['doc_lens'] for s in samples]
+        return _batch_from_rows(
+            np.stack([s['input_ids'] for s in samples]),
+            np.concatenate(spans).astype(np.int32, copy=False).reshape(-1),
+            np.fromiter(map(np.size, spans), dtype=np.int64, count=len(spans)),
+            np.concatenate(docs).astype(np.int32, copy=False).reshape(-1),
+            np.fromiter(map(np.size, docs), dtype=np.int64, count=len(docs)),
+            np.fromiter((s['stream_id'] for s in samples), dtype=np.int64, count=len(samples)),
+            np.fromiter((s['sample_id'] for s in samples), dtype=np.int64, count=len(samples)))
     n = len(samples)
     shapes = {key: (n,) + tuple(np.shape(value)) for key, value in samples[0].items()}
     buffer = _new_buffer(sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()))

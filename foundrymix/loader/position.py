@@ -156,7 +156,6 @@ class StagedPosition:
         name = old['name']
         new = next((s for s in self.run.stages if s.name == name), None)
         where = f'train_loader.stages ({name})' if self.run.explicit else 'train_loader'
-        trained = batch - old['start_batch']
         if new is None:
             raise ConfigError(
                 f'train_loader.stages: stage {name!r} was trained (batches {old["start_batch"]} to '
@@ -169,14 +168,11 @@ class StagedPosition:
             raise ConfigError(f'{where}: starts at batch {new.start_batch}, the checkpoint trained '
                               f'it from batch {old["start_batch"]}; earlier stages changed length')
         finished = old['start_batch'] + old['batches'] <= batch
-        trained = min(trained, old['batches'])
-        # a stage may grow (a later trained stage would move: refused above), never shrink
-        if new.batches < trained and finished:
-            raise ConfigError(f'{where}: finished with {old["batches"]} batches, now '
-                              f'{new.batches}; what is trained cannot be undone')
-        if new.batches < trained:
-            raise ConfigError(f'{where}: now {new.batches} batches, but the checkpoint already '
-                              f'trained {trained} of it; what is trained cannot be undone')
+        trained = min(batch - old['start_batch'], old['batches'])
+        if new.batches < trained:  # a stage may grow (a later trained stage would move: refused above)
+            done = (f'finished with {old["batches"]} batches, now {new.batches}' if finished else
+                    f'now {new.batches} batches, but the checkpoint already trained {trained} of it')
+            raise ConfigError(f'{where}: {done}; what is trained cannot be undone')
         changes = fingerprint_changes(old['fingerprint'], new.fingerprint)
         if changes:
             if any(c.startswith('passes_after_adaptive') for c in changes):

@@ -2,7 +2,7 @@
 A plain stateful iterable (``__iter__``, ``__len__``, ``state_dict``, ``load_state_dict``), not a
 torch ``DataLoader``, so a trainer that rebuilds DataLoaders (accelerate, Lightning) passes it
 through unchanged. Its state is the run's position (:mod:`foundrymix.loader.position`); its
-iterator reads spans (:mod:`foundrymix.loader.span`), so a resume at any batch, on any number of
+iterator reads spans (:class:`Span`), so a resume at any batch, on any number of
 ranks with the same global batch, replays nothing."""
 
 from __future__ import annotations
@@ -11,34 +11,27 @@ import atexit
 import logging
 import sys
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from foundrymix.config import ConfigError
+from foundrymix.format import streaming_format
+from foundrymix.loader.collate import collate
 from foundrymix.loader.position import StagedPosition
 from foundrymix.loader.storage import build_store
 from foundrymix.plan.adaptive import AdaptiveController
 from foundrymix.plan.stages import RunPlan, StagePlan, build_run_plan, plan_run
-from foundrymix.loader.span import Span, span_loader
 from foundrymix.plan.topology import Topology, env_rank
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
-
     from foundrymix.plan.catalog import Catalog
     from foundrymix.plan.config import LoaderConfig
-    from foundrymix.plan.topology import Topology
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Active:
-    stage: StagePlan
-    store: Any
 
 
 class StagedDataLoader:
@@ -55,7 +48,8 @@ class StagedDataLoader:
         self.stream_names = run.stream_names
         column = {n: i for i, n in enumerate(self.stream_names)}  # list.index: O(N^2) at 10,000 streams
         self._maps = [torch.tensor([column[n] for n in s.stream_names]) for s in run.stages]
-        self._active: Optional[_Active] = None
+        self._stage: Optional[int] = None  # the stage whose storage is built
+        self._store: Any = None
         self._open = 0  # iterators of this loader started and not finished or closed
 
     @property
@@ -77,7 +71,7 @@ class StagedDataLoader:
     def storage(self) -> Any:
         """The :class:`~foundrymix.loader.storage.RowStore` of the stage being read, or None
         before :meth:`prepare` / the first batch and after :meth:`release`."""
-        return self._active.store if self._active is not None else None
+        return self._store
 
     def prepare(self) -> None:
         """Build the storage of the stage at the position now: what refuses a run refuses it here."""
@@ -115,29 +109,31 @@ class StagedDataLoader:
         return batches
 
     def _batches(self, end: Optional[int]) -> Iterator[Any]:
-        position = self.position
         end = self.run.total_batches if end is None else min(end, self.run.total_batches)
         self._open += 1
         try:
-            while position.batch < end:
-                stage = self.run.stage_at(position.batch)
-                yield from self._span(stage, position, min(end, self._span_end(stage, position)))
+            while self.position.batch < end:
+                yield from self._span(self.run.stage_at(self.position.batch), end)
         finally:
             self._open -= 1
 
-    def _span_end(self, stage: StagePlan, position: StagedPosition) -> int:
-        """The end of the span from the position: the stage's, or the adaptive segment's (the
-        next is decided from the loss)."""
-        end = stage.end_batch
+    def _span(self, stage: StagePlan, end: int) -> Iterator[Any]:
+        """``stage``'s batches from the position up to ``end``, the stage's end or its adaptive
+        segment's (the next is decided from the loss), by a DataLoader over a :class:`Span`."""
+        position, store, config = self.position, self._activate(stage), stage.config
+        assert config is not None
+        end, order = min(end, stage.end_batch), position.order(stage)
+        batch_rows = order.batch
         controller = position.adaptive.get(stage.index)
         if controller is not None:
             k = controller.spec.segment_of(position.batch)
             end = min(end, controller.spec.segment_start(k) + controller.spec.segment_batches(k))
-        return end
-
-    def _span(self, stage: StagePlan, position: StagedPosition, end: int) -> Iterator[Any]:
+            batch_rows = _segment_rows(controller, position.batch, order.start)
+        rank = env_rank() if self.rank is None else self.rank
+        span = Span(store, batch_rows, position.batch - stage.start_batch, end - stage.start_batch, rank,
+                    stage.batch_size)
         stream_map = self._maps[stage.index]
-        for batch in self._span_loader(stage, position, end):
+        for batch in span_loader(span, config.num_workers, config.pin_memory, config.timeout, config.prefetch_factor):
             ids = batch['stream_id']  # in place: a pinned batch stays pinned
             ids.copy_(stream_map[ids])
             if self.run.explicit:
@@ -146,38 +142,21 @@ class StagedDataLoader:
             position.batch += 1
             yield batch
 
-    def _span_loader(self, stage: StagePlan, position: StagedPosition, end: int) -> 'DataLoader':
-        """The DataLoader of batches ``[position, end)`` of ``stage`` (its storage built if new)."""
-        active = self._activate(stage)
-        config = stage.config
-        assert config is not None
-        controller = position.adaptive.get(stage.index)
-        order = position.order(stage)
-        batch_rows = order.batch if controller is None else _segment_rows(controller, position.batch, order.start)
-        rank = env_rank() if self.rank is None else self.rank
-        span = Span(active.store, batch_rows, position.batch - stage.start_batch,
-                    end - stage.start_batch, rank, stage.batch_size)
-        return span_loader(span, config.num_workers, config.pin_memory, config.timeout,
-                           config.prefetch_factor)
-
-    def _activate(self, stage: StagePlan) -> _Active:
+    def _activate(self, stage: StagePlan) -> Any:
         """The stage's storage, built from its plan once per stage."""
-        if self._active is not None and self._active.stage.index == stage.index:
-            return self._active
-        self.release()
-        assert stage.config is not None
-        self._active = _Active(stage, build_store(stage.config, stage.infos, stage.where))
-        return self._active
+        if self._store is None or self._stage != stage.index:
+            self.release()
+            assert stage.config is not None
+            self._store = build_store(stage.config, stage.infos, stage.where)
+            self._stage = stage.index
+        return self._store
 
     def release(self) -> None:
         """Drop the current stage's storage, its locks and cache claims given back."""
-        active, self._active = self._active, None
-        if active is None or sys is None or sys.is_finalizing():
-            # an iterator closed in interpreter teardown: module globals (``sys``) may be gone
-            return
-        store = active.store
-        del active
-        store.release()
+        store, self._store = self._store, None
+        # an iterator closed in interpreter teardown: module globals (``sys``) may be gone
+        if store is not None and sys is not None and not sys.is_finalizing():
+            store.release()
 
 
 #: the iterators not yet finished or closed, closed at exit while every module is whole: closed
@@ -190,6 +169,71 @@ _OPEN: 'weakref.WeakSet[Iterator[Any]]' = weakref.WeakSet()
 def _close_open() -> None:
     for batches in list(_OPEN):
         batches.close()
+
+
+#: a worker's next batches whose shards are opened (fetched side by side) ahead of reading
+PREFETCH_BATCHES = 8
+PREFETCH_THREADS = 4
+
+#: (global batch index within the stage) -> (stream index, row) of each of its rows
+BatchRows = Callable[[int], tuple[np.ndarray, np.ndarray]]
+
+
+class Span(IterableDataset):
+    """Global batches ``[first, end)`` of one stage: rank ``rank``'s ``batch_size`` rows of each,
+    read from ``storage`` by sample id and collated in DataLoader workers. The order maps any batch
+    to its rows (no sampler state), so resuming is starting a span there. A (stream, row) becomes
+    an id by the store's own numbering, the one it reads by. Worker ``w`` of ``W`` reads batches
+    ``first + w, first + w + W, ...``, in turn."""
+
+    def __init__(self, storage: Any, batch_rows: BatchRows, first: int, end: int, rank: int,
+                 batch_size: int) -> None:
+        self.storage = storage
+        self.batch_rows = batch_rows
+        self.first, self.end = first, end
+        self.rank, self.batch_size = rank, batch_size
+        self.offsets = np.asarray(storage.sample_offset_per_stream, np.int64)
+
+    def sample_ids(self, b: int) -> np.ndarray:
+        """This rank's sample ids of stage batch ``b``."""
+        streams, rows = self.batch_rows(b)
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return self.offsets[streams[mine]] + rows[mine]
+
+    def __iter__(self) -> Iterator[Any]:
+        """This worker's batches, the shards of the next ones opened in threads meanwhile."""
+        info = get_worker_info()
+        w, W = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = range(self.first + w, self.end, W)
+        ahead = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix='foundrymix-prefetch')
+        try:
+            for k in range(min(PREFETCH_BATCHES, len(mine))):
+                ahead.submit(self.storage.prefetch, self.sample_ids(mine[k]))
+            for k, b in enumerate(mine):
+                if k + PREFETCH_BATCHES < len(mine):
+                    ahead.submit(self.storage.prefetch, self.sample_ids(mine[k + PREFETCH_BATCHES]))
+                yield collate([self.storage.get_row(int(i)) for i in self.sample_ids(b)])
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)  # nothing runs on after the reader
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.first)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+def span_loader(span: Span, num_workers: int, pin_memory: Optional[bool] = None, timeout: float = 0,
+                prefetch_factor: Optional[int] = None) -> DataLoader:
+    """A DataLoader over a span: collated batches in order; never more workers than batches,
+    forked after streaming's format modules are imported here (else each imports streaming)."""
+    workers = min(num_workers, len(span))
+    extra = {'prefetch_factor': prefetch_factor} if workers > 0 and prefetch_factor is not None else {}
+    if workers > 0:
+        streaming_format.load()
+    return DataLoader(span, batch_size=None, collate_fn=_as_is, num_workers=workers, timeout=timeout if workers else 0,
+                      pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory, **extra)
 
 
 def build_run_loader(config: 'LoaderConfig', batch_size: int, max_duration: Optional[str] = None,
@@ -216,7 +260,7 @@ def build_run_loader(config: 'LoaderConfig', batch_size: int, max_duration: Opti
 def _segment_rows(controller: AdaptiveController, batch: int, start: np.ndarray) -> Any:
     """An adaptive segment's batches as (stream, row), decided before its first batch is read
     (``start``: the streams' draws earlier stages took); the store alone turns them into sample
-    ids (:class:`~foundrymix.loader.span.Span`)."""
+    ids (:class:`Span`)."""
     spec = controller.spec
     k = spec.segment_of(batch)
     streams, rows = (a.reshape(-1, spec.global_batch) for a in controller.segment_rows(k, start))

@@ -13,17 +13,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from foundrymix.claims import FileLock
 from foundrymix.errors import WorkerError
 from foundrymix.format.foundry_tokens import foundry_row
-from foundrymix.format.row_errors import CorruptRowError
-from foundrymix.format.schema import check_row, decode_row
+from foundrymix.format.schema import CorruptRowError, check_row, decode_row
 from foundrymix.heap import collector_paused
 from foundrymix.loader import cache
-from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes, cache_file
-from foundrymix.loader.cache.sources import Source, sources_of  # noqa: F401 (re-exported)
+from foundrymix.loader.cache.hashes import CorruptLocalShardError, ShardHashes, cache_file, node_lock, write_atomic
+from foundrymix.loader.cache import Source, disk_full_hint, has_file, sources_of
 from foundrymix.format.streaming_format import ShardRows, decompress, get_hash
-from foundrymix.loader.cache import disk_full_hint
 from foundrymix.s3.remote import RemoteError, download
 
 if TYPE_CHECKING:
@@ -48,7 +45,6 @@ class RowStore:
     def __init__(self, sources: list[Source], config: Any, vocab_size: Optional[int] = None,
                  max_seq_len: Optional[int] = None, budget: Any = None) -> None:
         self.sources = sources
-        self.stream_names = [s.name for s in sources]
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.download_timeout = float(config.download_timeout)
         self.download_retry = max(1, int(config.download_retry))
@@ -212,23 +208,17 @@ class RowStore:
                     removed.append(path)
         return removed
 
-    def _shard_lock(self, directory: str, slot: int) -> FileLock:
-        """This node's lock on one shard of a cache directory (one lock file per shard): one
-        thread of one process fetches it, the others wait."""
-        path = cache_file(self.cache_root, 'locks', directory, f'-{slot}.lock')
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return FileLock(path)
-
     def _fetch(self, src: Source, j: int) -> bool:
         """Put shard ``j``'s raw file in ``src.directory`` if absent (or of another size);
         whether it fetched."""
         info = src.shards[j]
         raw = info['raw_data']
         path = os.path.join(src.directory, raw['basename'])
-        if _has(path, raw['bytes']):
+        if has_file(path, raw['bytes']):
             return False
-        with self._shard_lock(src.directory, j):
-            if _has(path, raw['bytes']):
+        # one thread of one process of the node fetches a shard, the others wait
+        with node_lock(cache_file(self.cache_root, 'locks', src.directory, f'-{j}.lock')):
+            if has_file(path, raw['bytes']):
                 return False  # another process of the node fetched it meanwhile
             with contextlib.suppress(FileNotFoundError):
                 size = os.stat(path).st_size
@@ -258,7 +248,7 @@ class RowStore:
         remote = f"{src.remote.rstrip('/')}/{name}"
         if zip_ and not src.remote.startswith('s3://') and '://' not in src.remote:
             local = os.path.join(src.remote, name)  # a mounted remote: unpack from it in place
-        elif not _has(local, (zip_ or raw)['bytes']):
+        elif not has_file(local, (zip_ or raw)['bytes']):
             for attempt in range(self.download_retry):
                 try:
                     download(remote, local, self.download_timeout)
@@ -276,15 +266,7 @@ class RowStore:
                     os.remove(local)
                     removed.append(local)
                 raise _remote_damaged(src, info, removed)
-            out = os.path.join(src.directory, raw['basename'])
-            tmp = f'{out}.part-{os.getpid()}'
-            try:
-                with open(tmp, 'wb') as f:
-                    f.write(decompress(info['compression'], data))
-                os.replace(tmp, out)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(tmp)
+            write_atomic(os.path.join(src.directory, raw['basename']), decompress(info['compression'], data))
             if not self.keep_zip and local.startswith(src.directory + os.sep):
                 os.remove(local)
 
@@ -319,13 +301,6 @@ def _remote_damaged(src: Source, info: dict[str, Any], removed: list[str]) -> Co
         f'does not match the {src.algorithm} hash its index.json records: the shard in the {what} '
         f'is damaged (or was replaced without its index.json). {done}; `foundrymix verify {remote}` '
         f'checks every shard of the {what}')
-
-
-def _has(path: str, size: Any) -> bool:
-    try:
-        return os.stat(path).st_size == int(size)
-    except FileNotFoundError:
-        return False
 
 
 @collector_paused()  # at each start and stage switch: per-stream objects (heap.py)

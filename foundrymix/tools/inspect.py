@@ -16,8 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from foundrymix.errors import MissingError
-from foundrymix.format.row_errors import CorruptRowError
-from foundrymix.format.schema import Manifest, decode_row
+from foundrymix.format.schema import CorruptRowError, Manifest, decode_row
 from foundrymix.format.shards import (INDEX_NAME, check_shard_files, iter_shard_rows, read_index, shard_files_error,
                                       shard_name, shard_raw_bytes, stored_name)
 from foundrymix.tokenizer import load_tokenizer

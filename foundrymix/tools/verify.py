@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from foundrymix.errors import MissingError, UserError
-from foundrymix.format.row_errors import format_row_error
-from foundrymix.format.schema import MANIFEST_NAME, Manifest, mds_columns
+from foundrymix.format.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
 from foundrymix.format.shards import (INDEX_NAME, IndexFileError, ShardProblem, hashes_dropped_problem, is_not_found,
                                       iter_shard_rows, read_index, row_count_problem, shard_hash_checks,
                                       shard_header_problems, shard_name, shard_raw_bytes)

@@ -25,7 +25,7 @@ from foundrymix.cli import main
 from foundrymix.loader.cache import CorruptLocalShardError
 from foundrymix.loader.storage import ShardPrepareError
 from foundrymix.loader.mixer import StreamMixer
-from foundrymix.format.row_errors import CorruptRowError
+from foundrymix.format.schema import CorruptRowError
 from foundrymix.format.schema import Manifest, check_row
 from foundrymix.format.shards import (IndexFileError, ShardFilesError, ShardProblem, check_shard_files,
                                hashes_in_index, read_index, validate_hash_problem)

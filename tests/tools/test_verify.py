@@ -252,7 +252,7 @@ def test_loader_names_a_shard_missing_from_the_remote(tmp_path, s3, hashed):
     loader names the stream and shard."""
     from foundrymix.loader.storage import ShardPrepareError
     from foundrymix.loader.mixer import StreamMixer
-    from foundrymix.format.row_errors import CorruptRowError
+    from foundrymix.format.schema import CorruptRowError
     deleted = copy_stream(hashed, tmp_path / 'del')
     shard_path(deleted, 1).unlink()
     url = upload(s3, deleted, 'loader-del')
