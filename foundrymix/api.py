@@ -15,7 +15,6 @@ from foundrymix.plan.topology import Topology
 
 if TYPE_CHECKING:
     from foundrymix.loader.run_loader import StagedDataLoader
-    from foundrymix.plan.data_config import DataConfig
 
 #: a YAML file, or the same keys as a mapping (``${variables.x}`` interpolations resolved)
 ConfigSource = Union[str, 'os.PathLike[str]', Mapping[str, Any]]
@@ -62,7 +61,7 @@ def _ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
 
 
 @collector_paused()  # a large YAML allocates much and frees nothing (foundrymix/heap.py)
-def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional[str]) -> 'DataConfig':
+def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional[str]) -> DataConfig:
     """The data part of the config (:meth:`~foundrymix.plan.data_config.DataConfig.from_run`:
     a YAML without ``model`` is data-only, every key checked)."""
     if isinstance(config, (str, os.PathLike)):

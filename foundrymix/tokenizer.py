@@ -165,14 +165,9 @@ def adds_bos(tok: Any) -> bool:
     return bool(ids) and ids[0] == tok.bos_token_id
 
 
-def fingerprint(tok: Any) -> str:
-    """SHA-256 over the tokenizer's canonical serialization and special-token settings."""
-    return _fingerprint(tok.backend_tokenizer.to_str(), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
-                        adds_bos(tok), len(tok))
-
-
 def _fingerprint(serialized: str, bos: Optional[int], eos: Optional[int], pad: Optional[int], add_bos: bool,
                  vocab: int) -> str:
+    """SHA-256 over the tokenizer's canonical serialization and special-token settings."""
     h = hashlib.sha256()
     h.update(serialized.encode('utf-8'))
     h.update(json.dumps({'bos': bos, 'eos': eos, 'pad': pad, 'add_bos': add_bos, 'vocab': vocab},
@@ -183,14 +178,16 @@ def _fingerprint(serialized: str, bos: Optional[int], eos: Optional[int], pad: O
 def tokenizer_info(tok: Any) -> TokenizerInfo:
     """The manifest's description of a tokenizer. Padding uses pad, else EOS."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    add_bos = adds_bos(tok)
     return TokenizerInfo(
         name=str(getattr(tok, 'foundrymix_name', tok.name_or_path)),
         vocab_size=len(tok),
-        fingerprint=fingerprint(tok),
+        fingerprint=_fingerprint(tok.backend_tokenizer.to_str(), tok.bos_token_id, tok.eos_token_id,
+                                 tok.pad_token_id, add_bos, len(tok)),
         bos_id=tok.bos_token_id,
         eos_id=int(tok.eos_token_id),
         pad_id=int(pad),
-        add_bos=adds_bos(tok),
+        add_bos=add_bos,
     )
 
 

@@ -9,8 +9,8 @@ is a dataclass; :func:`read_dataclass` checks every annotation (real types, from
 
 from __future__ import annotations
 
-from foundrymix.config.errors import (FOUNDRY_RENAMES, ConfigError, ConfigErrors, Gather, check_keys,  # noqa: F401
-                                      did_you_mean, errors_of, foundry_advice, join)
+from foundrymix.errors import (FOUNDRY_RENAMES, ConfigError, ConfigErrors, Gather, check_keys,  # noqa: F401
+                               did_you_mean, errors_of, foundry_advice, join)
 from foundrymix.config.loading import (OVERRIDES_HELP, _omegaconf_load, blame, load_yaml,  # noqa: F401
                                        load_yaml_overrides, to_plain)
 from foundrymix.config.reader import (DERIVED, FROM_KEY, TableEntry, number_abbrev_to_int,  # noqa: F401

@@ -9,8 +9,7 @@ import os
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from foundrymix.errors import MissingError
-from foundrymix.config.errors import ConfigError, ConfigErrors, did_you_mean, errors_of
+from foundrymix.errors import ConfigError, ConfigErrors, MissingError, did_you_mean, errors_of
 
 
 #: ``--help`` of the ``key=value`` arguments of ``train`` and ``plan`` (see :func:`load_yaml`)
