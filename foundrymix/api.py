@@ -72,17 +72,12 @@ def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional
     if overrides:
         raise ConfigError('build_loader: overrides apply to a YAML file; set the keys in the '
                           'mapping instead')
-    data = _resolved(config)
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:  # a plain copy with ``${...}`` interpolations resolved, as a YAML's are
+        data: Any = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f'config: {type(e).__name__}: {e}') from None
     if max_duration is not None:
         data['max_duration'] = max_duration
     return DataConfig.from_run(data)
-
-
-def _resolved(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain copy of ``config`` with ``${...}`` interpolations resolved, as a YAML's are."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-    try:
-        return OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=True)  # type: ignore[return-value]
-    except OmegaConfBaseException as e:
-        raise ConfigError(f'config: {type(e).__name__}: {e}') from None
