@@ -158,12 +158,10 @@ def is_transient(error: BaseException) -> bool:
 
 
 def within(call: Callable[[], T], url: str, timeout: float, max_attempts: int) -> T:
-    """``call()`` (requests whose connect and read timeouts are at most ``timeout``, botocore's
-    retries off), retried on transient failures with backoff and jitter, at most
-    ``max_attempts`` times and no retry started past ``timeout`` s after the first attempt
-    began: a store that never answers is named after ``timeout`` s, throttling is retried
-    within it. Retries are logged (WARNING); failures raise :class:`RemoteError` naming ``url``.
-    """
+    """``call()`` (requests whose timeouts are at most ``timeout``, botocore's retries off), retried
+    on transient failures with backoff and jitter, at most ``max_attempts`` times and none started
+    past ``timeout`` s after the first attempt began. Retries are logged (WARNING); failures raise
+    :class:`RemoteError` naming ``url``."""
     deadline, attempt = time.monotonic() + timeout, 0
     while True:
         attempt += 1
@@ -239,9 +237,8 @@ def _get(client: Any, remote: str, local: str) -> None:
 
 @contextlib.contextmanager
 def _replacing(local: str) -> Iterator[str]:
-    """A temporary name beside ``local`` (its directory made), renamed to ``local`` if the block
-    succeeds and removed otherwise: no reader (or concurrent rank) sees a partial file."""
-    os.makedirs(os.path.dirname(local) or '.', exist_ok=True)
+    """A temporary name beside ``local``, renamed to ``local`` if the block succeeds and removed
+    otherwise: no reader (or concurrent rank) sees a partial file."""
     tmp = f'{local}.part-{os.getpid()}-{random.randrange(1 << 30):x}'
     try:
         yield tmp
@@ -252,21 +249,19 @@ def _replacing(local: str) -> Iterator[str]:
 
 
 def download(url: str, local: str, timeout: float) -> None:
-    """Fetch ``url`` (``s3://`` or a local path) to ``local``, replacing it, within the bound
-    above; written under a temporary name and renamed, so no reader sees a partial file.
-
-    Raises :class:`RemoteError` for every failure of the remote, :class:`LocalWriteError`
-    when ``local`` may not be written.
-    """
+    """Fetch ``url`` (``s3://`` or a local path) to ``local`` (its directory made), replacing it,
+    within the bound above. Raises :class:`RemoteError` for every failure of the remote,
+    :class:`LocalWriteError` when ``local`` may not be written."""
     try:
+        path = url[len('file://'):] if url.startswith('file://') else url
+        if '://' in path and not url.startswith('s3://'):
+            raise ValueError(f'{url}: only s3:// URLs and local paths are remotes')
+        os.makedirs(os.path.dirname(local) or '.', exist_ok=True)
         if url.startswith('s3://'):
             _s3_download(url, local, timeout)
-            return
-        path = url[len('file://'):] if url.startswith('file://') else url
-        if '://' in path:
-            raise ValueError(f'{url}: only s3:// URLs and local paths are remotes')
-        with _replacing(local) as tmp:
-            shutil.copyfile(path, tmp)
+        else:
+            with _replacing(local) as tmp:
+                shutil.copyfile(path, tmp)
     except Exception as e:  # boto3, botocore and OS errors
         denied = local_denied(e, local)
         if denied is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -90,7 +89,7 @@ class S3RetryCounter:
     """Counters shared by this process and the processes forked from it."""
 
     def __init__(self) -> None:
-        ctx = multiprocessing.get_context('fork') if sys.platform != 'win32' else multiprocessing
+        ctx = multiprocessing.get_context('fork')  # foundrymix is POSIX-only (flock)
         self._values = ctx.RawArray('q', len(_STORED))
         self._lock = ctx.Lock()
 
