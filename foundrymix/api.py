@@ -15,7 +15,6 @@ from foundrymix.plan.topology import Topology
 
 if TYPE_CHECKING:
     from foundrymix.loader.run_loader import StagedDataLoader
-    from foundrymix.plan.data_config import DataConfig
 
 #: a YAML file, or the same keys as a mapping (``${variables.x}`` interpolations resolved)
 ConfigSource = Union[str, 'os.PathLike[str]', Mapping[str, Any]]
@@ -62,7 +61,7 @@ def _ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
 
 
 @collector_paused()  # a large YAML allocates much and frees nothing (foundrymix/heap.py)
-def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional[str]) -> 'DataConfig':
+def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional[str]) -> DataConfig:
     """The data part of the config (:meth:`~foundrymix.plan.data_config.DataConfig.from_run`:
     a YAML without ``model`` is data-only, every key checked)."""
     if isinstance(config, (str, os.PathLike)):
@@ -73,17 +72,12 @@ def _read(config: ConfigSource, overrides: Sequence[str], max_duration: Optional
     if overrides:
         raise ConfigError('build_loader: overrides apply to a YAML file; set the keys in the '
                           'mapping instead')
-    data = _resolved(config)
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:  # a plain copy with ``${...}`` interpolations resolved, as a YAML's are
+        data: Any = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f'config: {type(e).__name__}: {e}') from None
     if max_duration is not None:
         data['max_duration'] = max_duration
     return DataConfig.from_run(data)
-
-
-def _resolved(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain copy of ``config`` with ``${...}`` interpolations resolved, as a YAML's are."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-    try:
-        return OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=True)  # type: ignore[return-value]
-    except OmegaConfBaseException as e:
-        raise ConfigError(f'config: {type(e).__name__}: {e}') from None

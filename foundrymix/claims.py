@@ -4,22 +4,16 @@
 cache directory the user named; ``SHARED``: any number of readers -- the stream directories a run
 reads. Each is refused while the other is held by another run.
 
-How: a process holding claims keeps one file in ``<tmp>/foundrymix-claims`` (never in the
-user's directory), ``<pid>-<nonce>.run``, locked (``flock``) for as long as it holds any,
-listing who it is and every path it claims -- one open file however many paths (a run of
-thousands of streams fits a default ``ulimit -n``). ``flock`` is released by the kernel
-when a process dies, even by SIGKILL, so a claim never goes stale: a run file nobody locks
-is a dead process's, removed by the next claimer. ``decide.lock`` is held for the
-milliseconds a claim is decided or released, so two processes never decide at once and a
-run file is only written or read under it.
+How: a process holding claims keeps one file, ``<tmp>/foundrymix-claims/<pid>-<nonce>.run`` (never
+in the user's directory), ``flock``-ed while it holds any and listing who it is and every path it
+claims: one open file however many paths. The kernel releases ``flock`` when a process dies, even
+by SIGKILL, so a claim never goes stale: a run file nobody locks is a dead process's, removed by
+the next claimer. Deciding or releasing a claim holds ``decide.lock``, so two never interleave.
 
-The processes of one job share the run id ``MASTER_ADDR:MASTER_PORT`` (the launcher's
-rendezvous; two live jobs on a node cannot share it) and so one exclusive claim, as the
-ranks writing one ``save_folder`` or reading one cache directory must; a single
-process's run id is its pid. Claims are per machine: the claims directory is local, so
-runs on different nodes over a shared file system do not see each other's claims. A forked
-child inherits its parent's locked file (its claims live while the child does) but starts
-with no claims of its own.
+The processes of one job share the run id ``MASTER_ADDR:MASTER_PORT`` (the launcher's rendezvous)
+and so one exclusive claim; a single process's run id is its pid. Claims are per machine (the
+claims directory is local). A forked child inherits its parent's locked file (its claims live
+while the child does) but starts with no claims of its own.
 """
 
 from __future__ import annotations
@@ -76,11 +70,9 @@ def pid_alive(pid: int) -> bool:
 
 
 class FileLock:
-    """An ``flock`` on one file (made if absent): exclusive, or shared with other shared holders.
-
-    The one lock of the node's files. It belongs to the open file, so threads and processes
-    exclude each other alike, and it never goes stale. Opening raises ``OSError`` before anything
-    is locked. ``with FileLock(path):`` holds it exclusively for the block."""
+    """An ``flock`` on one file (made if absent), the one lock of the node's files: it belongs to
+    the open file, so threads and processes exclude each other alike, and it never goes stale.
+    ``with FileLock(path):`` holds it exclusively for the block."""
 
     def __init__(self, path: str, create: bool = True) -> None:
         self.path = path

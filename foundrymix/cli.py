@@ -30,22 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
         description='Convert corpora to MDS shards, plan exact mixtures, train with Composer.')
     sub = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # subcommand not built yet
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run(build_parser().parse_args(argv))
-
-
-#: run a parsed subcommand; user-facing errors become one line (see foundrymix.errors)
-run = run_command
+    """Run one subcommand; user-facing errors become one line (see :func:`foundrymix.errors.run_command`)."""
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == '__main__':

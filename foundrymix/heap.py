@@ -1,13 +1,8 @@
 """Python's cyclic garbage collector, paused over start-up work that allocates much and frees little.
 
-Why: reading a run allocates hundreds of thousands of objects that all stay alive, so the
-collector's thresholds are crossed again and again and each pass of the oldest generation
-walks the whole heap to free nothing (figures: docs/measured.md).
-
-Pausing changes only *when* cycles are freed, never whether: every object is still freed
-by reference counting when it is dropped, and cycles made while paused are collected by
-the first collection after. Measured against the same start-up without it:
-benchmarks/bench_gc.py.
+Why: reading a run allocates hundreds of thousands of objects that all stay alive, so each pass
+of the oldest generation walks the whole heap to free nothing (benchmarks/bench_gc.py). Pausing
+changes only *when* cycles are freed, never whether.
 """
 
 from __future__ import annotations

@@ -23,19 +23,14 @@ BUNDLED_DIR = Path(__file__).resolve().parent / 'assets' / 'tokenizers'
 DEMO_TOKENIZER = 'foundrymix-bpe-8k'
 
 
-#: files of which a Hugging Face tokenizer directory holds at least one (or a ``*.model``);
-#: a directory with none of them (an empty one, a model without its tokenizer) is refused
-#: by name instead of with transformers' message, which lists hundreds of model types
+#: a tokenizer directory holds one of these (or a ``*.model``); one with none is refused by name,
+#: not with transformers' message, which lists hundreds of model types
 TOKENIZER_FILES = frozenset({'tokenizer.json', 'tokenizer_config.json', 'config.json', 'vocab.json',
                              'vocab.txt'})
 
 
 class TokenizerError(FoundrymixError, ValueError):
     """A tokenizer could not be loaded offline."""
-
-
-def bundled_tokenizers() -> list[str]:
-    return sorted(p.name for p in BUNDLED_DIR.iterdir() if p.is_dir()) if BUNDLED_DIR.is_dir() else []
 
 
 def _resolve(name_or_path: str) -> tuple[str, str]:
@@ -81,15 +76,18 @@ def load_tokenizer(name_or_path: str) -> Any:
         else:
             tok = AutoTokenizer.from_pretrained(location, local_files_only=True, use_fast=True)
     except Exception as e:  # transformers raises OSError/ValueError/others
+        # the cause in one line of at most 200 characters: transformers' can list every model type
+        line = (str(e).strip().splitlines() or [''])[0]
+        cause = f'{type(e).__name__}: {line if len(line) <= 200 else line[:197] + "..."}'
         if kind == 'spm':
             need = ' (needs the sentencepiece and protobuf packages)' if isinstance(e, ImportError) else ''
-            raise TokenizerError(f'{name_or_path}: cannot load this SentencePiece model{need}: '
-                                 f'{type(e).__name__}: {_first_line(e)}') from None
-        hint = f'bundled: {", ".join(bundled_tokenizers())}' if bundled_tokenizers() else ''
+            raise TokenizerError(f'{name_or_path}: cannot load this SentencePiece model{need}: {cause}') from None
+        bundled = sorted(p.name for p in BUNDLED_DIR.glob('*/'))
         raise TokenizerError(
             f'unknown tokenizer {name_or_path!r}: not a bundled name, a local tokenizer directory, '
             f'a SentencePiece .model file, or a name in the local Hugging Face cache '
-            f'(nothing is downloaded). {hint}; cause: {type(e).__name__}: {_first_line(e)}') from None
+            f'(nothing is downloaded). {"bundled: " + ", ".join(bundled) if bundled else ""}; '
+            f'cause: {cause}') from None
     if not getattr(tok, 'is_fast', False):
         raise TokenizerError(f'tokenizer {name_or_path!r} has no fast (Rust) implementation')
     if tok.eos_token_id is None:
@@ -150,29 +148,9 @@ def _load_spm(path: str) -> Any:
 SPM_PROBE = '  Hello world, x  y   z    w\n\n\tcode(1234) \u00fcber na\u00efve \u6f22\u5b57 \U0001f917 end.'
 
 
-def _first_line(e: BaseException, limit: int = 200) -> str:
-    """An exception's message cut to one line of at most ``limit`` characters (the CLI's
-    errors are one line; transformers' can list every model type it knows)."""
-    text = (str(e).strip().splitlines() or [''])[0]
-    return text if len(text) <= limit else text[:limit - 3] + '...'
-
-
-def adds_bos(tok: Any) -> bool:
-    """Whether the tokenizer puts BOS in front of an encoded text by default."""
-    if tok.bos_token_id is None:
-        return False
-    ids = tok('a', add_special_tokens=True)['input_ids']
-    return bool(ids) and ids[0] == tok.bos_token_id
-
-
-def fingerprint(tok: Any) -> str:
-    """SHA-256 over the tokenizer's canonical serialization and special-token settings."""
-    return _fingerprint(tok.backend_tokenizer.to_str(), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
-                        adds_bos(tok), len(tok))
-
-
 def _fingerprint(serialized: str, bos: Optional[int], eos: Optional[int], pad: Optional[int], add_bos: bool,
                  vocab: int) -> str:
+    """SHA-256 over the tokenizer's canonical serialization and special-token settings."""
     h = hashlib.sha256()
     h.update(serialized.encode('utf-8'))
     h.update(json.dumps({'bos': bos, 'eos': eos, 'pad': pad, 'add_bos': add_bos, 'vocab': vocab},
@@ -181,16 +159,19 @@ def _fingerprint(serialized: str, bos: Optional[int], eos: Optional[int], pad: O
 
 
 def tokenizer_info(tok: Any) -> TokenizerInfo:
-    """The manifest's description of a tokenizer. Padding uses pad, else EOS."""
+    """The manifest's description of a tokenizer. Padding uses pad, else EOS; ``add_bos``: whether
+    it puts BOS in front of an encoded text by default."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    add_bos = tok.bos_token_id is not None and tok('a', add_special_tokens=True)['input_ids'][:1] == [tok.bos_token_id]
     return TokenizerInfo(
         name=str(getattr(tok, 'foundrymix_name', tok.name_or_path)),
         vocab_size=len(tok),
-        fingerprint=fingerprint(tok),
+        fingerprint=_fingerprint(tok.backend_tokenizer.to_str(), tok.bos_token_id, tok.eos_token_id,
+                                 tok.pad_token_id, add_bos, len(tok)),
         bos_id=tok.bos_token_id,
         eos_id=int(tok.eos_token_id),
         pad_id=int(pad),
-        add_bos=adds_bos(tok),
+        add_bos=add_bos,
     )
 
 
@@ -203,14 +184,12 @@ def describe_tokenizer(name_or_path: str, memo_dir: Optional[str] = None) -> Tok
     if memo_dir is None:
         return _describe(name_or_path)
     memo = _memo_path(name_or_path, memo_dir)
-    if memo is not None:
-        known = _read_memo(memo)
-        if known is not None:
-            return known
-    plain = _plain_fast_info(name_or_path)
-    if plain is not None and memo is not None:
-        _write_memo(memo, plain)
-    return plain or tokenizer_info(load_tokenizer(name_or_path))
+    known = None if memo is None else _read_memo(memo)
+    if known is None:
+        known = _plain_fast_info(name_or_path)
+        if known is not None and memo is not None:
+            _write_memo(memo, known)
+    return known or tokenizer_info(load_tokenizer(name_or_path))
 
 
 @functools.lru_cache(maxsize=8)

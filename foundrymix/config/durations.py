@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Optional, Sequence
 
-from foundrymix.config.errors import ConfigError
+from foundrymix.errors import ConfigError
 from foundrymix.config.reader import read_value
 
 #: unit -> what it counts (``dur`` and ``%``: a fraction and a percentage of the run)

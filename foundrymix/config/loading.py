@@ -9,8 +9,7 @@ import os
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from foundrymix.errors import MissingError
-from foundrymix.config.errors import ConfigError, ConfigErrors, did_you_mean, errors_of
+from foundrymix.errors import ConfigError, ConfigErrors, MissingError, did_you_mean, errors_of
 
 
 #: ``--help`` of the ``key=value`` arguments of ``train`` and ``plan`` (see :func:`load_yaml`)
@@ -25,20 +24,14 @@ ALIAS_NODE_ALLOWANCE = 10_000
 
 def _node_limit(load: Any, path: str) -> dict[str, int]:
     """``max_yaml_expanded_nodes`` for omegaconf's ``load`` of ``path``: the file's size plus
-    :data:`ALIAS_NODE_ALLOWANCE`; none where ``load`` has no such limit (omegaconf < 2.4) or
-    ``OMEGACONF_MAX_YAML_EXPANDED_NODES`` is set (then omegaconf's own setting holds)."""
+    :data:`ALIAS_NODE_ALLOWANCE` (a plain mix of thousands of streams has more than 10,000 nodes):
+    what the file spells out is never refused, aliases may still add 10,000 nodes, and omegaconf's
+    ratio guard against alias bombs stays on. None where ``load`` has no such limit (omegaconf < 2.4)
+    or ``OMEGACONF_MAX_YAML_EXPANDED_NODES`` is set (then omegaconf's own setting holds)."""
     if ('max_yaml_expanded_nodes' not in inspect.signature(load).parameters
             or 'OMEGACONF_MAX_YAML_EXPANDED_NODES' in os.environ):
         return {}
     return {'max_yaml_expanded_nodes': os.path.getsize(path) + ALIAS_NODE_ALLOWANCE}
-
-
-def _omegaconf_load(path: str) -> Any:
-    """``OmegaConf.load(path)`` with the node limit N bytes + 10,000 instead of 10,000 (a plain mix of
-    thousands of streams has more nodes): what the file spells out is never refused, aliases may
-    still add 10,000 nodes, and omegaconf's ratio guard against alias bombs stays on."""
-    from omegaconf import OmegaConf
-    return OmegaConf.load(path, **_node_limit(OmegaConf.load, path))
 
 
 def _plain_yaml(path: str) -> Optional[dict[str, Any]]:
@@ -108,7 +101,7 @@ def load_yaml_overrides(path: str, overrides: Sequence[str] = ()) -> tuple[dict[
             plain = _plain_yaml(path)
             if plain is not None:
                 return plain, applied
-        cfg = _omegaconf_load(path)
+        cfg = OmegaConf.load(path, **_node_limit(OmegaConf.load, path))
         for (key, value), item in zip(pairs, overrides):
             applied.append(_created(cfg, Override(text=item, key=key)))
             # omegaconf's own value grammar (lists, mappings, ${...}); update() also walks

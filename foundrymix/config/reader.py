@@ -3,13 +3,14 @@ every problem of a config reported at once with its full key path."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import types
 import typing
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
 
-from foundrymix.config.errors import ConfigError, Gather, check_keys, did_you_mean, foundry_advice, join
+from foundrymix.errors import ConfigError, Gather, check_keys, did_you_mean, foundry_advice, join
 from foundrymix.config.loading import to_plain
 
 
@@ -151,19 +152,16 @@ def _read_int(value: Any) -> int:
     return int(value)
 
 
-def _read_float(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise TypeError
-    return float(value)
+def _read_number_or_text(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A reader of a float or a str: any number or text but a boolean (``yes`` is no float)."""
+    def read(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError
+        return convert(value)
+    return read
 
 
-def _read_str(value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise TypeError
-    return str(value)
-
-
-_SCALARS = {bool: _read_bool, int: _read_int, float: _read_float, str: _read_str}
+_SCALARS = {bool: _read_bool, int: _read_int, float: _read_number_or_text(float), str: _read_number_or_text(str)}
 
 #: field metadata: the field is filled from the mapping key the section sits under
 FROM_KEY = {'from_key': True}
@@ -171,14 +169,8 @@ FROM_KEY = {'from_key': True}
 DERIVED = {'derived': True}
 
 
-@dataclasses.dataclass(frozen=True)
-class _FieldPlan:
-    """How :func:`read_dataclass` fills one field."""
-
-    name: str
-    tp: Any
-    from_key: bool
-    required: bool
+#: how :func:`read_dataclass` fills one field
+_FieldPlan = collections.namedtuple('_FieldPlan', 'name tp from_key required')
 
 
 @functools.lru_cache(maxsize=None)

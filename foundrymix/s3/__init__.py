@@ -1,1 +1,1 @@
-"""Every S3 touch: the bounded download (one client factory, one vocabulary of error codes and hints) and retry counting."""
+"""Every S3 touch: one client factory and error vocabulary, the bounded download, retry counting."""

@@ -1,28 +1,22 @@
 """Remote files: one bounded download, and an error that says what went wrong and what to check.
 
-Why not streaming's S3 downloader: it leaves ``connect_timeout`` at 60 s and botocore's
-retries on, so an endpoint that accepts connections and never answers fails long after
-``download_timeout``; and ``download_file`` first sends a HEAD request, whose error
-responses have no body, so wrong credentials, a missing bucket and a missing key all read
-"403"/"404" ("not found"). Here:
-
-* :class:`BoundedS3Downloader` (foundrymix's own: streaming's ``Stream`` offers no public
-  way to change its downloader) sends one ``GetObject`` per attempt, with botocore's
-  retries off and ``connect_timeout = read_timeout = download_timeout``. It retries
-  transient failures itself with backoff, but never starts or waits on an attempt past a
-  deadline of ``download_timeout`` after the first one began. **Bound per file**: a
-  download that cannot succeed fails within ``download_timeout`` plus client set-up; a
-  transfer that keeps receiving bytes is not cut (the timeout bounds each stall, not a
-  slow but moving shard). Retries are logged (WARNING) with the URL, attempt and cause,
-  and counted (:mod:`foundrymix.s3.retries`).
-* :class:`RemoteError` classifies a failure; its message names the URL, the S3 error
-  code, the endpoint, and what to check.
+Why not streaming's S3 downloader: it leaves ``connect_timeout`` at 60 s and botocore's retries
+on, so an endpoint that never answers fails long after ``download_timeout``; and its HEAD request's
+error responses have no body, so wrong credentials, a missing bucket and a missing key all read
+"403"/"404". Here each attempt is one ``GetObject`` with botocore's retries off and
+``connect_timeout = read_timeout = download_timeout``; transient failures are retried with backoff
+(logged at WARNING and counted, :mod:`foundrymix.s3.retries`), never past ``download_timeout`` after
+the first attempt began. **Bound per file**: a download that cannot succeed fails within
+``download_timeout`` plus client set-up; a transfer that keeps receiving bytes is not cut (the
+timeout bounds each stall). :class:`RemoteError` names the URL, the S3 error code, the endpoint
+and what to check.
 
 Remotes are ``s3://`` URLs or local paths (a mounted file system): a remote path is copied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -32,10 +26,11 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from foundrymix.errors import FoundrymixError
-from foundrymix.s3.retries import failure_reason, installed, watch
+from foundrymix.s3.client import make_client, s3_code
+from foundrymix.s3.retries import failure_reason, installed
 
 logger = logging.getLogger(__name__)
 T = TypeVar('T')
@@ -94,19 +89,6 @@ def local_denied(error: BaseException, local: str) -> Optional[LocalWriteError]:
     return LocalWriteError(f'cache directory {where}: {e.strerror.lower()} writing {failed} (the remote was not '
                            f'the problem): make it writable by this user, or point cache_root (or the '
                            f"stream's local:) at a directory this user can write")
-
-
-def s3_code(error: BaseException) -> Optional[str]:
-    """S3's error code (``NoSuchBucket``, ``SlowDown``...) or the HTTP status of a botocore
-    error; None for errors below HTTP (connection refused, timeouts)."""
-    response = getattr(error, 'response', None)
-    if isinstance(response, dict):
-        code = response.get('Error', {}).get('Code')
-        if code:
-            return str(code)
-        status = response.get('ResponseMetadata', {}).get('HTTPStatusCode')
-        return str(status) if status else None
-    return None
 
 
 def classify(error: BaseException, url: str, timeout: Optional[float] = None,
@@ -175,90 +157,11 @@ def is_transient(error: BaseException) -> bool:
                               HTTPClientError, socket.timeout, TimeoutError, ConnectionResetError))
 
 
-class BoundedS3Downloader:
-    """An S3 downloader with a deadline per file; see the module docstring for the bound.
-
-    Keeps streaming's S3 behaviours: ``S3_ENDPOINT_URL``, requester-pays buckets
-    (``MOSAICML_STREAMING_AWS_REQUESTER_PAYS``), unsigned access to public buckets when no
-    credentials are configured. Writes to a temporary name and renames, so a reader (or a
-    concurrent rank) never sees a partial file under the final name.
-    """
-
-    def __init__(self) -> None:
-        self._s3_client: Any = None
-        self._requester_pays_buckets = [
-            b.strip() for b in os.environ.get('MOSAICML_STREAMING_AWS_REQUESTER_PAYS', '').split(',')]
-
-    def download(self, remote: str, local: str, timeout: float) -> None:
-        """Fetch ``remote`` to ``local`` (its directory made if need be) within the bound."""
-        os.makedirs(os.path.dirname(local) or '.', exist_ok=True)
-        self._download_file_impl(remote, local, timeout)
-
-    def clean_up(self) -> None:
-        self._s3_client = None
-
-    def _create_s3_client(self, unsigned: bool = False, timeout: float = 60.0) -> Any:
-        from boto3.session import Session
-        from botocore import UNSIGNED
-        from botocore.config import Config
-        kwargs: dict[str, Any] = dict(connect_timeout=timeout, read_timeout=timeout,
-                                      retries={'mode': 'standard', 'total_max_attempts': 1})
-        if unsigned:
-            kwargs['signature_version'] = UNSIGNED
-        self._unsigned = unsigned
-        self._client_timeout = timeout
-        self._s3_client = watch(Session().client('s3', config=Config(**kwargs),
-                                                 endpoint_url=os.environ.get('S3_ENDPOINT_URL')))
-
-    def _download_file_impl(self, remote: str, local: str, timeout: float) -> None:
-        from botocore.exceptions import ClientError, NoCredentialsError
-        deadline, tried = time.monotonic() + timeout, []
-
-        def attempt() -> None:
-            # Socket timeouts of this attempt: the whole timeout for a first attempt, what is
-            # left of it for a retry (so no attempt outlives the deadline).
-            wanted = min(timeout, max(deadline - time.monotonic(), 0.05)) if tried else timeout
-            tried.append(wanted)
-            if self._s3_client is None or abs(getattr(self, '_client_timeout', wanted) - wanted) > 0.5:
-                self._create_s3_client(unsigned=getattr(self, '_unsigned', False), timeout=wanted)
-            try:
-                self._get(remote, local)
-            except (ClientError, NoCredentialsError) as e:
-                if getattr(self, '_unsigned', False) or not (isinstance(e, NoCredentialsError) or s3_code(e) == '400'):
-                    raise
-                # streaming's fallback for public buckets: try once unsigned
-                self._create_s3_client(unsigned=True, timeout=wanted)
-                self._get(remote, local)
-
-        within(attempt, remote, timeout, MAX_ATTEMPTS)
-
-    def _get(self, remote: str, local: str) -> None:
-        obj = urllib.parse.urlparse(remote)
-        extra = {'RequestPayer': 'requester'} if obj.netloc in self._requester_pays_buckets else {}
-        response = self._s3_client.get_object(Bucket=obj.netloc, Key=obj.path.lstrip('/'), **extra)
-        tmp = f'{local}.part-{os.getpid()}-{random.randrange(1 << 30):x}'
-        try:
-            with open(tmp, 'wb') as f:
-                try:
-                    for chunk in response['Body'].iter_chunks(1 << 20):
-                        f.write(chunk)
-                except Exception as e:  # a body cut mid-read: no hook saw this attempt fail
-                    if is_transient(e) and installed() is not None:
-                        installed().failed(failure_reason(error=e))
-                    raise
-            os.replace(tmp, local)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-
-
 def within(call: Callable[[], T], url: str, timeout: float, max_attempts: int) -> T:
-    """``call()`` (requests whose connect and read timeouts are at most ``timeout``, botocore's
-    retries off), retried on transient failures with backoff and jitter, at most
-    ``max_attempts`` times and no retry started past ``timeout`` s after the first attempt
-    began: a store that never answers is named after ``timeout`` s, throttling is retried
-    within it. Retries are logged (WARNING); failures raise :class:`RemoteError` naming ``url``.
-    """
+    """``call()`` (requests whose timeouts are at most ``timeout``, botocore's retries off), retried
+    on transient failures with backoff and jitter, at most ``max_attempts`` times and none started
+    past ``timeout`` s after the first attempt began. Retries are logged (WARNING); failures raise
+    :class:`RemoteError` naming ``url``."""
     deadline, attempt = time.monotonic() + timeout, 0
     while True:
         attempt += 1
@@ -280,37 +183,85 @@ _CLIENT_ENV = ('S3_ENDPOINT_URL', 'AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY', 
                'MOSAICML_STREAMING_AWS_REQUESTER_PAYS')
 
 
-def _downloader() -> BoundedS3Downloader:
-    """This thread's downloader: its S3 client (a session, credentials, a connection pool)
-    is made once and reused -- a client per shard cost more CPU than the shard's bytes."""
-    key = (os.getpid(), *(os.environ.get(k) for k in _CLIENT_ENV))  # what the client was made from
-    if getattr(_local, 'key', None) != key:
-        _local.downloader, _local.key = BoundedS3Downloader(), key
-    return _local.downloader
+def download_client(timeout: float) -> Any:
+    """This thread's download client: one ``GetObject`` per attempt (botocore's retries off), connect
+    and read timeouts ``timeout``. Made again only when the environment, signing or the timeout (by
+    over 0.5 s) changes: a client per shard cost more CPU than the shard's bytes."""
+    key = (os.getpid(), *(os.environ.get(k) for k in _CLIENT_ENV))
+    if getattr(_local, 'key', None) != key:  # a new process or environment: start afresh
+        _local.key, _local.unsigned, _local.made = key, False, None
+    unsigned, made = _local.unsigned, _local.made
+    if made is None or made[0] != unsigned or abs(made[1] - timeout) > 0.5:
+        client = make_client(max_attempts=1, connect_timeout=timeout, read_timeout=timeout, unsigned=unsigned)
+        _local.made = made = (unsigned, timeout, client)
+    return made[2]
+
+
+def _s3_download(remote: str, local: str, timeout: float) -> None:
+    """Fetch ``remote`` within the bound above, keeping streaming's S3 behaviours: requester-pays
+    buckets (``MOSAICML_STREAMING_AWS_REQUESTER_PAYS``), unsigned access to public buckets when
+    no credentials are configured."""
+    from botocore.exceptions import ClientError, NoCredentialsError
+    deadline, tried = time.monotonic() + timeout, []
+
+    def attempt() -> None:
+        # Socket timeouts of this attempt: the whole timeout for a first attempt, what is
+        # left of it for a retry (so no attempt outlives the deadline).
+        wanted = min(timeout, max(deadline - time.monotonic(), 0.05)) if tried else timeout
+        tried.append(wanted)
+        try:
+            _get(download_client(wanted), remote, local)
+        except (ClientError, NoCredentialsError) as e:
+            if _local.unsigned or not (isinstance(e, NoCredentialsError) or s3_code(e) == '400'):
+                raise
+            _local.unsigned = True  # streaming's fallback for public buckets: unsigned from now on
+            _get(download_client(wanted), remote, local)
+
+    within(attempt, remote, timeout, MAX_ATTEMPTS)
+
+
+def _get(client: Any, remote: str, local: str) -> None:
+    obj = urllib.parse.urlparse(remote)
+    payers = [b.strip() for b in os.environ.get('MOSAICML_STREAMING_AWS_REQUESTER_PAYS', '').split(',')]
+    extra = {'RequestPayer': 'requester'} if obj.netloc in payers else {}
+    response = client.get_object(Bucket=obj.netloc, Key=obj.path.lstrip('/'), **extra)
+    with _replacing(local) as tmp, open(tmp, 'wb') as f:
+        try:
+            for chunk in response['Body'].iter_chunks(1 << 20):
+                f.write(chunk)
+        except Exception as e:  # a body cut mid-read: no hook saw this attempt fail
+            if is_transient(e) and installed() is not None:
+                installed().failed(failure_reason(error=e))
+            raise
+
+
+@contextlib.contextmanager
+def _replacing(local: str) -> Iterator[str]:
+    """A temporary name beside ``local``, renamed to ``local`` if the block succeeds and removed
+    otherwise: no reader (or concurrent rank) sees a partial file."""
+    tmp = f'{local}.part-{os.getpid()}-{random.randrange(1 << 30):x}'
+    try:
+        yield tmp
+        os.replace(tmp, local)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def download(url: str, local: str, timeout: float) -> None:
-    """Fetch ``url`` (``s3://`` or a local path) to ``local``, replacing it, within the bound
-    above; written under a temporary name and renamed, so no reader sees a partial file.
-
-    Raises :class:`RemoteError` for every failure of the remote, :class:`LocalWriteError`
-    when ``local`` may not be written.
-    """
+    """Fetch ``url`` (``s3://`` or a local path) to ``local`` (its directory made), replacing it,
+    within the bound above. Raises :class:`RemoteError` for every failure of the remote,
+    :class:`LocalWriteError` when ``local`` may not be written."""
     try:
-        if url.startswith('s3://'):
-            _downloader().download(url, local, timeout)
-            return
         path = url[len('file://'):] if url.startswith('file://') else url
-        if '://' in path:
+        if '://' in path and not url.startswith('s3://'):
             raise ValueError(f'{url}: only s3:// URLs and local paths are remotes')
         os.makedirs(os.path.dirname(local) or '.', exist_ok=True)
-        tmp = f'{local}.part-{os.getpid()}-{random.randrange(1 << 30):x}'
-        try:
-            shutil.copyfile(path, tmp)
-            os.replace(tmp, local)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        if url.startswith('s3://'):
+            _s3_download(url, local, timeout)
+        else:
+            with _replacing(local) as tmp:
+                shutil.copyfile(path, tmp)
     except Exception as e:  # boto3, botocore and OS errors
         denied = local_denied(e, local)
         if denied is not None:

@@ -3,24 +3,20 @@
 Why: botocore retries 503 ``SlowDown`` replies, connection resets and timeouts silently, so
 a job that spends much of its time retrying looks like a slow job.
 
-How: :func:`watch` registers two handlers on a client's public event hooks
-(``client.meta.events``): ``before-send.s3`` counts every HTTP request put on the wire (an
-*attempt*), ``needs-retry.s3`` (which botocore emits after every attempt) counts an attempt
-that failed with a 5xx/429 answer or an exception, by reason. Every S3 client foundrymix makes
-is watched (:mod:`foundrymix.s3.client`, :mod:`foundrymix.s3.remote`); clients made by other
-libraries (the trainer's checkpoint uploader) are not counted. No logger is touched.
+How: :func:`watch` registers two handlers on a client's public event hooks: ``before-send.s3``
+counts every HTTP request put on the wire (an *attempt*), ``needs-retry.s3`` (emitted after every
+attempt) counts one that failed with a 5xx/429 answer or an exception, by reason. Every client
+foundrymix makes is watched (:func:`foundrymix.s3.client.make_client`); no logger is touched.
 
-Guarantees: ``attempts`` is the number of HTTP requests sent; ``retries`` the failed attempts
-(the last one of a request that fails for good included: the request then fails and says
-so); ``requests = attempts - retries``. The counters live in shared memory, so DataLoader
-workers forked after :func:`install` add to the same counts.
+Guarantees: ``attempts`` is the number of HTTP requests sent; ``retries`` the failed attempts (a
+request's last one included); ``requests = attempts - retries``. The counters live in shared
+memory, so DataLoader workers forked after :func:`install` add to the same counts.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import socket
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -93,7 +89,7 @@ class S3RetryCounter:
     """Counters shared by this process and the processes forked from it."""
 
     def __init__(self) -> None:
-        ctx = multiprocessing.get_context('fork') if sys.platform != 'win32' else multiprocessing
+        ctx = multiprocessing.get_context('fork')  # foundrymix is POSIX-only (flock)
         self._values = ctx.RawArray('q', len(_STORED))
         self._lock = ctx.Lock()
 

@@ -1,7 +1,7 @@
 """Configs at scale: a plain YAML of 10,000 streams is read; an alias bomb is still refused.
 
 omegaconf 2.4 refuses a document that expands to more than 10,000 nodes; foundrymix raises
-that limit to the file's own size plus omegaconf's 10,000 (``foundrymix.config._omegaconf_load``).
+that limit to the file's own size plus omegaconf's 10,000 (``foundrymix.config.loading._node_limit``).
 """
 
 from __future__ import annotations

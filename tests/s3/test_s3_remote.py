@@ -27,7 +27,7 @@ import yaml
 from foundrymix.cli import main
 from foundrymix.config import ConfigError
 from foundrymix.loader.mixer import StreamMixer
-from foundrymix.s3.remote import BoundedS3Downloader
+from foundrymix.s3.remote import download_client
 import mix_helpers
 from helpers import ROOT, free_port, moto_auth, moto_s3, s3_requests, silent_server, tiny_run_config
 
@@ -194,9 +194,7 @@ def test_hung_endpoint_fails_within_download_timeout(tmp_path, s3, small_streams
     """An endpoint that accepts and never answers, download_timeout 2: plan (CLI) and the
     catalog fail after one attempt, whose connect and read timeouts are download_timeout
     (botocore alone: 3 x 60 s connect/read timeouts + retries)."""
-    client = BoundedS3Downloader()
-    client._create_s3_client(timeout=2)
-    botocore = client._s3_client.meta.config  # what botocore will apply to every request
+    botocore = download_client(2).meta.config  # what botocore will apply to every request
     assert (botocore.connect_timeout, botocore.read_timeout) == (2, 2)
     assert botocore.retries['total_max_attempts'] == 1
     url = upload(s3, small_streams['dolly'], 'hung')
