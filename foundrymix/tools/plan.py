@@ -31,8 +31,8 @@ def lr_schedule(cfg: Any, run: Any) -> Any:
     refuses it."""
     if getattr(cfg, 'scheduler', None) is None or cfg.scheduler.name != 'wsd':
         return None
-    from foundrymix.train.lr_schedule import Timeline, resolve_wsd
-    return resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run))
+    from foundrymix.train.lr_schedule import resolve_wsd
+    return resolve_wsd(cfg, run)
 
 
 @collector_paused()  # as the trainer reads and plans a run (foundrymix/heap.py)

@@ -40,7 +40,7 @@ from foundrymix.train.gpu import convert_to_fp8, parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import build_optimizer
 from foundrymix.train.preflight import check_start, local_device
-from foundrymix.train.schedule import WSDScheduler, apply_resume_lr, build_scheduler
+from foundrymix.train.lr_schedule import WSDSchedule, build_scheduler, resolve_wsd
 from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
 from foundrymix.train.local_save import LocalSave
 from foundrymix.train.remote_save import RemoteSave, remote_save
@@ -297,9 +297,9 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     finished = None if cfg.load_weights_only else finished_line(trainer.state)
     line = None if finished else resume_line(trainer.state, cfg.load_weights_only)
     extended = None
-    if line and isinstance(scheduler, WSDScheduler):
+    if line and isinstance(scheduler, WSDSchedule):
         extended = wsd_resume_line(trainer.state, scheduler)
-        apply_resume_lr(trainer.state, scheduler)  # the resume batch's LR under this run's schedule
+        scheduler.apply_resume_lr(trainer.state)
     elif line:
         extended = extension_line(trainer.state, scheduler, cfg.optimizer.lr)
     if line:
@@ -352,6 +352,5 @@ def _plot_staged(run: TrainRun) -> None:
     realized = (batches, [p['samples'] for p in history])
     losses = (batches, [p['loss_sum'] for p in history], [p['loss_targets'] for p in history])
     cfg = run.config
-    lr = ((WSDScheduler.of(cfg, run.run_plan).schedule, cfg.optimizer.lr)
-          if cfg.scheduler.name == 'wsd' else None)
+    lr = (resolve_wsd(cfg, run.run_plan), cfg.optimizer.lr) if cfg.scheduler.name == 'wsd' else None
     plot_run_plan(run.run_plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized, losses, lr)

@@ -95,14 +95,14 @@ def wsd_resume_line(state: Any, scheduler: Any) -> Optional[str]:
         return None
     base = state.schedulers[0].base_lrs[0]
     before = state.optimizers[0].param_groups[0]['lr']
-    after = base * scheduler.schedule.multiplier(resumed.batch)
+    after = base * scheduler.multiplier(resumed.batch)
     old, new = resumed.old_total_batches, run.total_batches
     if old == new and abs(before - after) <= 1e-12 * max(abs(before), 1e-30):
         return None
     length = ('' if old is None or old == new else
               f'the run is {"extended" if new > old else "shortened"} from {old} to {new} batches'
               f'{" (it had finished)" if resumed.batch >= old else ""}; ')
-    phase = next((n for n, a, b in scheduler.schedule.phases() if a <= resumed.batch < b), 'end')
+    phase = next((n for n, a, b in scheduler.phases() if a <= resumed.batch < b), 'end')
     return (f'{length}LR at batch {resumed.batch}: {before:.6g} as the checkpoint left it, '
-            f'{after:.6g} now (wsd {phase}; decay batches {scheduler.schedule.decay_start}-'
-            f'{scheduler.schedule.decay_end - 1})')
+            f'{after:.6g} now (wsd {phase}; decay batches {scheduler.decay_start}-'
+            f'{scheduler.decay_end - 1})')
