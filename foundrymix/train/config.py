@@ -13,7 +13,7 @@ from foundrymix.plan.data_config import (DataConfig, batch_per_rank, check_data_
                                          read_yaml_config, run_batches)
 from foundrymix.train.lr_schedule import Decay, Span, check_stage_names
 from foundrymix.train.algorithms import Algorithms
-from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
+from foundrymix.train.callbacks import CALLBACKS
 from foundrymix.train.gpu import CompileSettings, FSDPSettings
 from foundrymix.train.loggers import Loggers
 from foundrymix.train.model_spec import ModelSpec
@@ -138,10 +138,6 @@ class TrainConfig(DataConfig):
             check_stage_names([('scheduler.warmup', self.scheduler.warmup),
                                ('scheduler.decay', self.scheduler.decay and self.scheduler.decay.span)],
                               names, stages is not None)
-
-    @property
-    def stream_accounting(self) -> StreamAccountingConfig:
-        return self.callbacks.get('stream_accounting') or StreamAccountingConfig()
 
 
 @dataclass(kw_only=True)

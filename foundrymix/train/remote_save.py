@@ -100,13 +100,10 @@ class CheckpointUploader(LoggerDestination):
         every rank stops at the same batch (one rank raising alone would leave the others waiting)."""
         return None if self.failure is None else FoundrymixError(self.failure)
 
-    def check(self) -> None:
-        if self.failure is not None:
-            raise FoundrymixError(self.failure)
-
     def fit_end(self, state: Any, logger: Any) -> None:
         self._queue.join()  # the last checkpoint and its pointer are in the bucket, or named
-        self.check()
+        if self.failure is not None:
+            raise FoundrymixError(self.failure)
 
     def post_close(self) -> None:
         if self._thread.is_alive():

@@ -223,7 +223,7 @@ def test_listing_at_start_outlasts_four_503s_per_request(tmp_path, s3):
             found = remote_checkpoint(f's3://{BUCKET}/storm/ckpts', timeout=60)
         finally:
             mp.undo()
-    assert found is not None and found.uri == f's3://{BUCKET}/storm/ckpts/ep0-ba5-rank0.pt'
+    assert found is not None and found.path == f's3://{BUCKET}/storm/ckpts/ep0-ba5-rank0.pt'
     assert proxy.counts['503'] == 4 and proxy.counts['forward'] >= 2  # the listing, its ranged reads
 
 
