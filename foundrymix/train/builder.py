@@ -40,8 +40,7 @@ from foundrymix.train.optim import build_optimizer
 from foundrymix.train.preflight import check_start, local_device
 from foundrymix.train.lr_schedule import WSDSchedule, build_scheduler, resolve_wsd
 from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
-from foundrymix.train.local_save import LocalSave
-from foundrymix.train.remote_save import RemoteSave, remote_save
+from foundrymix.train.save import LocalSave, RemoteSave, remote_save
 from foundrymix.train.together import StopTogether
 
 # Modules every trainer start uses, imported with the trainer rather than inside the start
@@ -72,7 +71,7 @@ class TrainRun:
     claims: claims.ClaimSet = dataclasses.field(default_factory=claims.ClaimSet)
     #: ``already finished: ...`` when it resumed at or past max_duration (nothing was trained)
     finished: Optional[str] = None
-    #: a remote save_folder's saver and uploader (:mod:`foundrymix.train.remote_save`)
+    #: a remote save_folder's saver and uploader (:mod:`foundrymix.train.save`)
     remote_save: Optional[RemoteSave] = None
 
 
@@ -187,8 +186,8 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
              micro: Union[int, str], callbacks: list[Callback], max_duration: str,
              scheduler: Any) -> tuple[Trainer, Optional[RemoteSave]]:
     """The Composer trainer, and for a remote ``save_folder`` (not sharded) the saver and
-    uploader it is given in place of Composer's own (:mod:`foundrymix.train.remote_save`); a
-    local one (not sharded) gets :class:`~foundrymix.train.local_save.LocalSave`."""
+    uploader it is given in place of Composer's own; a local one (not sharded) gets
+    :class:`~foundrymix.train.save.LocalSave` (:mod:`foundrymix.train.save`)."""
     device = _device(cfg)
     _share_cpu_threads(device)
     resume = {'save_overwrite': cfg.save_overwrite, **resume_kwargs(cfg, device)}
@@ -197,7 +196,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
     if is_remote(cfg.save_folder) and not sharded(cfg):
         saving = remote_save(cfg, resume.pop('save_overwrite'))
         callbacks, loggers = [*callbacks, saving.saver], [*loggers, saving.uploader]
-    elif local:  # write-then-rename (:mod:`foundrymix.train.local_save`)
+    elif local:  # write-then-rename
         callbacks = [*callbacks, LocalSave(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
                                            cfg.save_num_checkpoints_to_keep)]
     if cfg.compile_config is not None:  # every recompilation is printed with its reason
@@ -321,13 +320,14 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     if saving is not None:  # a failed checkpoint upload stops every rank at the next batch
         composer_loader.together.probes.append(saving.uploader.failed)
     finished = None if cfg.load_weights_only else finished_line(trainer.state)
-    line = None if finished else resume_line(trainer.state, cfg.load_weights_only)
+    position = data.loader.position
+    line = None if finished else resume_line(trainer.state, position, cfg.load_weights_only)
     extended = None
     if line and isinstance(scheduler, WSDSchedule):
-        extended = wsd_resume_line(trainer.state, scheduler)
+        extended = wsd_resume_line(trainer.state, position, scheduler)
         scheduler.apply_resume_lr(trainer.state)
     elif line:
-        extended = extension_line(trainer.state, scheduler, cfg.optimizer.lr)
+        extended = extension_line(trainer.state, position, scheduler, cfg.optimizer.lr)
     if line:
         _print0(line, extended)
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
