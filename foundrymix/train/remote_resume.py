@@ -100,34 +100,24 @@ def resume_kwargs(cfg: Any, device: str) -> dict[str, Any]:
     """Composer's ``autoresume``/``load_path``/``save_overwrite``, with the newest complete
     checkpoint found here where Composer's own choice could be incomplete."""
     from composer.utils import dist, format_name_with_dist
-    if cfg.autoresume and is_remote(cfg.save_folder):
-        folder = format_name_with_dist(cfg.save_folder, cfg.run_name)
-        timeout = float(cfg.train_loader.download_timeout)
-        if sharded(cfg):
-            latest = agreed(lambda: latest_checkpoint(folder, timeout), device)
-            return {'autoresume': False, 'load_path': latest or cfg.load_path}
-        remote = agreed(lambda: remote_checkpoint(folder, timeout), device)
-        if remote is None:
-            return {'autoresume': False, 'load_path': cfg.load_path}
-        if remote.skipped and dist.get_global_rank() == 0:
-            print(remote.line(), flush=True)
-        # The newer objects are all incomplete: overwriting lets the run rewrite them.
-        return {'autoresume': False, 'load_path': remote.path,
-                'save_overwrite': cfg.save_overwrite or bool(remote.skipped)}
     if cfg.autoresume and cfg.save_folder:
         folder = format_name_with_dist(cfg.save_folder, cfg.run_name)
-        found = local_checkpoint(folder)
+        remote, timeout = is_remote(folder), float(cfg.train_loader.download_timeout)
+        if remote and sharded(cfg):
+            latest = agreed(lambda: latest_checkpoint(folder, timeout), device)
+            return {'autoresume': False, 'load_path': latest or cfg.load_path}
+        found = agreed(lambda: remote_checkpoint(folder, timeout), device) if remote else local_checkpoint(folder)
         if found is None and not sharded(cfg):  # (LocalSave's folder: Composer's autoresume wants a remote name)
             return {'autoresume': False, 'load_path': cfg.load_path}
         if found is not None and (found.skipped or not found.is_latest or not sharded(cfg)):
-            # Loaded here: overwriting lets Composer's start-of-fit check pass the newer,
-            # incomplete files and the run rewrite them; all of it, as Composer's autoresume does.
+            # Loaded here, all of it, as Composer's autoresume does; overwriting lets Composer's
+            # start-of-fit check pass the newer, incomplete files and the run rewrite them.
             if found.skipped and dist.get_global_rank() == 0:
                 print(found.line(), flush=True)
             # named as Composer's autoresume names it
-            path = os.path.join(folder, LOCAL_LATEST) if found.is_latest and not found.skipped else found.path
-            return {'autoresume': False, 'load_path': path, 'load_weights_only': False,
-                    'save_overwrite': cfg.save_overwrite or bool(found.skipped)}
+            named = found.is_latest and not found.skipped and not remote
+            return {'autoresume': False, 'load_path': os.path.join(folder, LOCAL_LATEST) if named else found.path,
+                    'load_weights_only': False, 'save_overwrite': cfg.save_overwrite or bool(found.skipped)}
     return {'autoresume': cfg.autoresume,
             'load_path': None if cfg.autoresume and not cfg.load_path else cfg.load_path}
 
