@@ -22,14 +22,16 @@ from foundrymix.config import ConfigError
 from foundrymix.s3 import retries as s3_retries
 from foundrymix.errors import ExistsError
 from foundrymix.heap import collector_paused
+from foundrymix.loader.mixer import StreamMixer
 from foundrymix.loader.run_loader import StagedDataLoader, build_run_loader
+from foundrymix.plan.data_config import check_eval_catalog
 from foundrymix.plan.stages import RunPlan
 from foundrymix.s3.retries import RetryCounts, S3RetryCounter
 from foundrymix.format.schema import TokenizerInfo
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.run import ModelInfo, ResumeRng, S3Log
-from foundrymix.train.config import TrainConfig, check_eval_streams, check_streams, split_batch
+from foundrymix.train.config import TrainConfig, check_streams, split_batch
 from foundrymix.train.data_adapter import ComposerLoader
 from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
@@ -110,7 +112,8 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
     """The ``eval_loader`` as an evaluator (or None; rows like the train streams') and its stream names."""
     if cfg.eval_loader is None:
         return None, []
-    eval_mixer = check_eval_streams(cfg, cfg.max_seq_len, tokenizer)
+    eval_mixer = StreamMixer(cfg.eval_loader, 'eval_loader')
+    check_eval_catalog(eval_mixer.catalog, cfg.max_seq_len, tokenizer)  # rows like the train streams'
     eval_batch = cfg.device_eval_batch_size or device_batch
     loader = eval_mixer.build_dataloader(batch_size=eval_batch, rewind=True)
     left = {n: k for n, k in loader.run.stages[0].plan.left_out_per_epoch.items() if k}
