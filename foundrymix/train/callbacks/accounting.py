@@ -222,7 +222,7 @@ class StreamAccounting(Callback):
         if not self.history or self.history[-1]['batch'] != int(state.timestamp.batch):
             self.record(state, logger)
         if dist.get_global_rank() == 0:
-            self.write_summary(state)
+            report.write_report({**self.summary(state), 'history': self.history}, self.out_dir, plot=self.plot)
 
     def record(self, state: State, logger: Logger) -> None:
         """Append a history point and log the per-stream metrics."""
@@ -261,9 +261,6 @@ class StreamAccounting(Callback):
             out['batch'] = int(state.timestamp.batch)
             out['epoch'] = int(state.timestamp.epoch)
         return out
-
-    def write_summary(self, state: Optional[State] = None) -> None:
-        report.write_report({**self.summary(state), 'history': self.history}, self.out_dir, plot=self.plot)
 
     # -- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
