@@ -130,8 +130,8 @@ def _run(args: argparse.Namespace) -> int:
     plan = run if run.explicit else run.stages[0].plan
     schedule = lr = None  # the run's wsd schedule as the trainer's scheduler evaluates it (not Composer's)
     if getattr(cfg, 'scheduler', None) is not None and cfg.scheduler.name == 'wsd':
-        from foundrymix.train.lr_schedule import Timeline, resolve_wsd
-        schedule, lr = resolve_wsd(cfg.scheduler.warmup, cfg.scheduler.decay, Timeline.of(run)), cfg.optimizer.lr
+        from foundrymix.train.lr_schedule import resolve_wsd
+        schedule, lr = resolve_wsd(cfg, run), cfg.optimizer.lr
     evals = eval_plan(cfg, world, nodes)
     if args.json:
         out = {**plan.to_dict(), **({} if evals is None else {'eval': asdict(evals)})}

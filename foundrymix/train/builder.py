@@ -22,16 +22,16 @@ from foundrymix.config import ConfigError
 from foundrymix.s3 import retries as s3_retries
 from foundrymix.errors import ExistsError
 from foundrymix.heap import collector_paused
+from foundrymix.loader.mixer import StreamMixer
 from foundrymix.loader.run_loader import StagedDataLoader, build_run_loader
+from foundrymix.plan.data_config import check_eval_catalog
 from foundrymix.plan.stages import RunPlan
 from foundrymix.s3.retries import RetryCounts, S3RetryCounter
 from foundrymix.format.schema import TokenizerInfo
 from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
-from foundrymix.train.callbacks.model_info import ModelInfo
-from foundrymix.train.callbacks.rng_resume import ResumeRng
-from foundrymix.train.callbacks.s3_log import S3Log
-from foundrymix.train.config import TrainConfig, check_eval_streams, check_streams, split_batch
+from foundrymix.train.callbacks.run import ModelInfo, ResumeRng, S3Log
+from foundrymix.train.config import TrainConfig, check_streams, split_batch
 from foundrymix.train.data_adapter import ComposerLoader
 from foundrymix.train.model_spec import mpt_attention_line
 from foundrymix.train.console import console_kwargs, extension_line, finished_line, resume_line, wsd_resume_line
@@ -40,11 +40,9 @@ from foundrymix.train.gpu import convert_to_fp8, parallelism_config
 from foundrymix.train.model import CausalLM, build_hf_model
 from foundrymix.train.optim import build_optimizer
 from foundrymix.train.preflight import check_start, local_device
-from foundrymix.train.schedule import WSDScheduler, apply_resume_lr, build_scheduler
+from foundrymix.train.lr_schedule import WSDSchedule, build_scheduler, resolve_wsd
 from foundrymix.train.remote_resume import is_remote, resume_kwargs, sharded
-from foundrymix.train.local_save import LocalSave
-from foundrymix.train.remote_save import RemoteSave, remote_save
-from foundrymix.train.run_claims import claim_run
+from foundrymix.train.save import LocalSave, RemoteSave, remote_save
 from foundrymix.train.together import StopTogether
 
 # Modules every trainer start uses, imported with the trainer rather than inside the start
@@ -75,7 +73,7 @@ class TrainRun:
     claims: claims.ClaimSet = dataclasses.field(default_factory=claims.ClaimSet)
     #: ``already finished: ...`` when it resumed at or past max_duration (nothing was trained)
     finished: Optional[str] = None
-    #: a remote save_folder's saver and uploader (:mod:`foundrymix.train.remote_save`)
+    #: a remote save_folder's saver and uploader (:mod:`foundrymix.train.save`)
     remote_save: Optional[RemoteSave] = None
 
 
@@ -114,7 +112,8 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
     """The ``eval_loader`` as an evaluator (or None; rows like the train streams') and its stream names."""
     if cfg.eval_loader is None:
         return None, []
-    eval_mixer = check_eval_streams(cfg, cfg.max_seq_len, tokenizer)
+    eval_mixer = StreamMixer(cfg.eval_loader, 'eval_loader')
+    check_eval_catalog(eval_mixer.catalog, cfg.max_seq_len, tokenizer)  # rows like the train streams'
     eval_batch = cfg.device_eval_batch_size or device_batch
     loader = eval_mixer.build_dataloader(batch_size=eval_batch, rewind=True)
     left = {n: k for n, k in loader.run.stages[0].plan.left_out_per_epoch.items() if k}
@@ -190,8 +189,8 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
              micro: Union[int, str], callbacks: list[Callback], max_duration: str,
              scheduler: Any) -> tuple[Trainer, Optional[RemoteSave]]:
     """The Composer trainer, and for a remote ``save_folder`` (not sharded) the saver and
-    uploader it is given in place of Composer's own (:mod:`foundrymix.train.remote_save`); a
-    local one (not sharded) gets :class:`~foundrymix.train.local_save.LocalSave`."""
+    uploader it is given in place of Composer's own; a local one (not sharded) gets
+    :class:`~foundrymix.train.save.LocalSave` (:mod:`foundrymix.train.save`)."""
     device = _device(cfg)
     _share_cpu_threads(device)
     resume = {'save_overwrite': cfg.save_overwrite, **resume_kwargs(cfg, device)}
@@ -200,7 +199,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
     if is_remote(cfg.save_folder) and not sharded(cfg):
         saving = remote_save(cfg, resume.pop('save_overwrite'))
         callbacks, loggers = [*callbacks, saving.saver], [*loggers, saving.uploader]
-    elif local:  # write-then-rename (:mod:`foundrymix.train.local_save`)
+    elif local:  # write-then-rename
         callbacks = [*callbacks, LocalSave(cfg.save_folder, cfg.save_interval, resume.pop('save_overwrite'),
                                            cfg.save_num_checkpoints_to_keep)]
     if cfg.compile_config is not None:  # every recompilation is printed with its reason
@@ -259,6 +258,35 @@ def _missing_dirs(cfg: TrainConfig) -> list[str]:
     return missing
 
 
+def claim_run(cfg: TrainConfig, held: claims.ClaimSet) -> None:
+    """Claim, into ``held`` (the caller releases it, also on a refusal), all at once or none, what this
+    run must not share: ``save_folder`` exclusively (an ``s3://`` one by its URL, on this machine), every
+    local stream directory of every stage and of ``eval_loader`` as a reader (a ``convert --overwrite``
+    would mix old and new rows). Taken before anything is written: a refused start changes nothing.
+    """
+    wanted: dict[tuple[str, str], Any] = {}  # (path, mode) -> the refusal's message(holders)
+    if cfg.save_folder:
+        folder = format_name_with_dist(cfg.save_folder, cfg.run_name)  # as Composer names it
+        wanted[(claims.normalize(folder), claims.EXCLUSIVE)] = lambda who: (
+            f'save_folder: {folder} is in use by another live run, {who}. Two runs saving into '
+            f"one folder overwrite each other's checkpoints: give this run its own save_folder, "
+            f'or wait for that run to end')
+    for where, loader in (('train_loader', cfg.train_loader), ('eval_loader', cfg.eval_loader)):
+        for stage in loader.stage_configs(where) if loader is not None else []:
+            for name, spec in stage.streams.items():
+                if spec.remote:
+                    continue
+                for path in dict.fromkeys((stage.stream_local(name), stage.stream_dir(name))):
+                    wanted.setdefault((claims.normalize(path), claims.SHARED), lambda who, where=where, name=name, path=path: (
+                        f'{where}.streams.{name}: {path} is held by another live run, {who} (a '
+                        f'conversion replacing it, or a run writing there); reading it now would '
+                        f'mix old and new rows. Wait for that run to end'))
+    try:
+        held.held.extend(claims.claim_all(wanted))
+    except claims.Busy as e:
+        raise ConfigError(wanted[(e.path, e.mode)](claims.describe(e.holders))) from None
+
+
 @contextlib.contextmanager
 def _start_together() -> Iterator[None]:
     """Every rank leaves the block together: a rank that fails in it raises its error and every other
@@ -295,13 +323,14 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     if saving is not None:  # a failed checkpoint upload stops every rank at the next batch
         composer_loader.together.probes.append(saving.uploader.failed)
     finished = None if cfg.load_weights_only else finished_line(trainer.state)
-    line = None if finished else resume_line(trainer.state, cfg.load_weights_only)
+    position = data.loader.position
+    line = None if finished else resume_line(trainer.state, position, cfg.load_weights_only)
     extended = None
-    if line and isinstance(scheduler, WSDScheduler):
-        extended = wsd_resume_line(trainer.state, scheduler)
-        apply_resume_lr(trainer.state, scheduler)  # the resume batch's LR under this run's schedule
+    if line and isinstance(scheduler, WSDSchedule):
+        extended = wsd_resume_line(trainer.state, position, scheduler)
+        scheduler.apply_resume_lr(trainer.state)
     elif line:
-        extended = extension_line(trainer.state, scheduler, cfg.optimizer.lr)
+        extended = extension_line(trainer.state, position, scheduler, cfg.optimizer.lr)
     if line:
         _print0(line, extended)
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
@@ -352,6 +381,5 @@ def _plot_staged(run: TrainRun) -> None:
     realized = (batches, [p['samples'] for p in history])
     losses = (batches, [p['loss_sum'] for p in history], [p['loss_targets'] for p in history])
     cfg = run.config
-    lr = ((WSDScheduler.of(cfg, run.run_plan).schedule, cfg.optimizer.lr)
-          if cfg.scheduler.name == 'wsd' else None)
+    lr = (resolve_wsd(cfg, run.run_plan), cfg.optimizer.lr) if cfg.scheduler.name == 'wsd' else None
     plot_run_plan(run.run_plan, os.path.join(run.accounting.out_dir, 'mixture.png'), realized, losses, lr)

@@ -9,15 +9,14 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 from foundrymix.config import ConfigError, Gather, Interval, read_table
 from foundrymix.heap import collector_paused
-from foundrymix.plan.data_config import (DataConfig, batch_per_rank, check_data_streams, check_eval_catalog,
-                                         read_yaml_config, run_batches)
+from foundrymix.plan.data_config import (DataConfig, batch_per_rank, check_data_streams, read_yaml_config,
+                                         run_batches)
 from foundrymix.train.lr_schedule import Decay, Span, check_stage_names
 from foundrymix.train.algorithms import Algorithms
-from foundrymix.train.callbacks import CALLBACKS, StreamAccountingConfig
+from foundrymix.train.callbacks import CALLBACKS
 from foundrymix.train.gpu import CompileSettings, FSDPSettings
 from foundrymix.train.loggers import Loggers
 from foundrymix.train.model_spec import ModelSpec
-from foundrymix.loader.mixer import StreamMixer
 from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer, check_spec_targets
 
 
@@ -139,10 +138,6 @@ class TrainConfig(DataConfig):
                                ('scheduler.decay', self.scheduler.decay and self.scheduler.decay.span)],
                               names, stages is not None)
 
-    @property
-    def stream_accounting(self) -> StreamAccountingConfig:
-        return self.callbacks.get('stream_accounting') or StreamAccountingConfig()
-
 
 @dataclass(kw_only=True)
 class PlanConfig(TrainConfig):
@@ -184,11 +179,3 @@ def check_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> None:
         check_pretrained_tokenizer(cfg.model, tokenizer)
     if cfg.model is not None and cfg.model.peft is not None:
         check_spec_targets(cfg.model, tokenizer)
-
-
-def check_eval_streams(cfg: TrainConfig, max_seq_len: int, tokenizer: Any) -> Any:
-    """The ``eval_loader``'s :class:`~foundrymix.loader.mixer.StreamMixer`, checked to hold rows
-    like the train streams' (:func:`~foundrymix.plan.data_config.check_eval_catalog`)."""
-    eval_mixer = StreamMixer(cfg.eval_loader, 'eval_loader')
-    check_eval_catalog(eval_mixer.catalog, max_seq_len, tokenizer)
-    return eval_mixer

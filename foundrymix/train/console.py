@@ -20,7 +20,7 @@ def console_kwargs(cfg: Any) -> dict[str, Any]:
             'console_stream': console.stream if console is not None else 'stdout'}
 
 
-def resume_line(state: Any, weights_only: bool = False) -> Optional[str]:
+def resume_line(state: Any, position: Any, weights_only: bool = False) -> Optional[str]:
     """``resumed from PATH at batch B (epoch E, batch b of it[, stage S, batch s of it])``, or None;
     with ``load_weights_only`` it says that only the weights were taken."""
     if not getattr(state, 'load_path', None):
@@ -30,10 +30,8 @@ def resume_line(state: Any, weights_only: bool = False) -> Optional[str]:
                 f'start fresh at batch 0 (load_weights_only)')
     ts = state.timestamp
     where = f'epoch {int(ts.epoch)}, batch {int(ts.batch_in_epoch)} of it'
-    position = getattr(state.train_dataloader, 'dataset', None)
-    run = getattr(position, 'run', None)
-    if run is not None and getattr(run, 'explicit', False):  # a run with stages
-        stage = run.stage_at(position.batch)
+    if position.run.explicit:  # a run with stages
+        stage = position.run.stage_at(position.batch)
         where += f', stage {stage.name!r}, batch {position.batch - stage.start_batch} of it'
     return f'resumed from {state.load_path} at batch {int(ts.batch)} ({where})'
 
@@ -51,17 +49,11 @@ def finished_line(state: Any) -> Optional[str]:
             f'max_duration)')
 
 
-def _resumed_run(state: Any) -> tuple[Any, Any]:
-    """The loader's resume point and its run's plan (None each where there is none)."""
-    position = getattr(state.train_dataloader, 'dataset', None)
-    return getattr(position, 'resumed', None), getattr(position, 'run', None)
-
-
-def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
+def extension_line(state: Any, position: Any, scheduler: Any, base_lr: float) -> Optional[str]:
     """The LR at the resume batch under the checkpoint's length and this run's, when a resume
     changed the run's length (Composer's schedules follow the fraction of ``max_duration``), or None."""
-    resumed, run = _resumed_run(state)
-    if resumed is None or run is None:
+    resumed, run = position.resumed, position.run
+    if resumed is None:
         return None
     saved = state.max_duration
     # per-stage batches: Composer runs in samples (foundrymix.train.preflight.composer_duration)
@@ -87,22 +79,22 @@ def extension_line(state: Any, scheduler: Any, base_lr: float) -> Optional[str]:
             f'length, {after:.6g} now{same}')
 
 
-def wsd_resume_line(state: Any, scheduler: Any) -> Optional[str]:
+def wsd_resume_line(state: Any, position: Any, scheduler: Any) -> Optional[str]:
     """For a ``wsd`` run resumed at batch B: B's LR as the checkpoint left it and under this run's
     schedule (an extended stable phase, an anneal branch), when they differ or the length changed."""
-    resumed, run = _resumed_run(state)
-    if resumed is None or run is None:
+    resumed, run = position.resumed, position.run
+    if resumed is None:
         return None
     base = state.schedulers[0].base_lrs[0]
     before = state.optimizers[0].param_groups[0]['lr']
-    after = base * scheduler.schedule.multiplier(resumed.batch)
+    after = base * scheduler.multiplier(resumed.batch)
     old, new = resumed.old_total_batches, run.total_batches
     if old == new and abs(before - after) <= 1e-12 * max(abs(before), 1e-30):
         return None
     length = ('' if old is None or old == new else
               f'the run is {"extended" if new > old else "shortened"} from {old} to {new} batches'
               f'{" (it had finished)" if resumed.batch >= old else ""}; ')
-    phase = next((n for n, a, b in scheduler.schedule.phases() if a <= resumed.batch < b), 'end')
+    phase = next((n for n, a, b in scheduler.phases() if a <= resumed.batch < b), 'end')
     return (f'{length}LR at batch {resumed.batch}: {before:.6g} as the checkpoint left it, '
-            f'{after:.6g} now (wsd {phase}; decay batches {scheduler.schedule.decay_start}-'
-            f'{scheduler.schedule.decay_end - 1})')
+            f'{after:.6g} now (wsd {phase}; decay batches {scheduler.decay_start}-'
+            f'{scheduler.decay_end - 1})')

@@ -16,7 +16,7 @@ from foundrymix.train.together import StopTogether, read_together
 
 class ComposerPosition(IterableDataset):
     """What Composer saves and loads as ``train_dataloader.dataset``: the loader's state (its
-    ``state_dict`` content, unchanged), and the resume facts the console lines read."""
+    ``state_dict`` content, unchanged)."""
 
     def __init__(self, loader: StagedDataLoader) -> None:
         self.loader = loader
@@ -30,12 +30,6 @@ class ComposerPosition(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        """``run``, ``batch``, ``resumed``: the position's, for the resume lines (train/console.py)."""
-        if name in ('run', 'batch', 'resumed'):
-            return getattr(self.loader.position, name)
-        raise AttributeError(name)
 
 
 class ComposerLoader(DataLoader):

@@ -78,11 +78,6 @@ def checkpoint_file(path: str, say: Any = None) -> str:
     return found.path
 
 
-def dataset_files(directory: str) -> list[str]:
-    """The dataset files (``foundrymix.json``, MDS ``index.json``) in ``directory``."""
-    return [n for n in (MANIFEST_NAME, INDEX_NAME) if os.path.isfile(os.path.join(directory, n))]
-
-
 def load_checkpoint(path: str) -> dict[str, Any]:
     """A (rank 0, unsharded) Composer checkpoint file: ``state`` and ``rng`` (one per rank)."""
     import torch
@@ -96,14 +91,6 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or 'state' not in ckpt or 'model' not in ckpt['state']:
         raise ExportError(f'{path}: not a Composer checkpoint (no state.model)')
     return ckpt
-
-
-def model_info(state: dict[str, Any], path: str) -> dict[str, Any]:
-    info = state.get('callbacks', {}).get('ModelInfo')
-    if info is None:
-        raise ExportError(f'{path}: the checkpoint has no ModelInfo record (written by a foundrymix older '
-                          f'than export support); resume it for one step with this version to re-save it')
-    return info
 
 
 def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
@@ -158,7 +145,7 @@ def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bo
     """Write ``checkpoint`` as a transformers model directory ``out``; returns ``out``. A LoRA run is
     written merged, or with ``adapter`` alone, only while the base directory holds, bitwise, the
     checkpoint's base weights. A dataset directory is refused even with ``overwrite``."""
-    held = dataset_files(out) if os.path.isdir(out) else []
+    held = [n for n in (MANIFEST_NAME, INDEX_NAME) if os.path.isfile(os.path.join(out, n))]
     if held:
         raise ExistsError(f'{out}: holds a dataset ({", ".join(held)}, {len(os.listdir(out))} entries); '
                           f'export writes model files, never into a dataset (not even with --overwrite): '
@@ -166,7 +153,10 @@ def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bo
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise ExistsError(f'{out}: exists and is not empty (use --overwrite)')
     state = load_checkpoint(checkpoint)['state']
-    info = model_info(state, checkpoint)
+    info = state.get('callbacks', {}).get('ModelInfo')
+    if info is None:
+        raise ExportError(f'{checkpoint}: the checkpoint has no ModelInfo record (written by a foundrymix older '
+                          f'than export support); resume it for one step with this version to re-save it')
     if adapter:
         _check_adapter_export(info, checkpoint)
     model = hf_model_from_state(state, info)

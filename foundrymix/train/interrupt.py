@@ -6,7 +6,7 @@ Why: Composer installs a handler that calls ``sys.exit`` wherever the main threa
 :func:`install` replaces that handler (``signal.signal``, the public way) with one that records
 the signal and raises ``KeyboardInterrupt``; whatever exception then leaves the run is reported as
 the stop. A checkpoint being written is abandoned (its ``.part`` removed,
-:mod:`foundrymix.train.local_save`), so the one named is whole. DataLoader workers (forked with the
+:mod:`foundrymix.train.save`), so the one named is whole. DataLoader workers (forked with the
 handler) raise ``KeyboardInterrupt``, which torch's worker loop leaves quietly; what the
 DataLoader's ``__del__`` then reports of its stopped workers ("Exception ignored") is dropped.
 """

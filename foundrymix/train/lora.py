@@ -39,12 +39,6 @@ def _one_line(e: BaseException) -> str:
     return ' '.join(str(e).split())
 
 
-def lora_keys() -> list[str]:
-    """The keys of peft's ``LoraConfig`` a YAML may set."""
-    from peft import LoraConfig
-    return sorted(f.name for f in dataclasses.fields(LoraConfig) if f.init and f.name not in _MANAGED)
-
-
 def read_peft_config(value: Any, where: str) -> dict[str, Any]:
     """``model.peft_config`` as plain ``LoraConfig`` keyword arguments (``task_type`` included),
     every problem refused at once, each naming its key."""
@@ -58,7 +52,8 @@ def read_peft_config(value: Any, where: str) -> dict[str, Any]:
     if str(task_type).upper() != 'CAUSAL_LM':
         gather.add(ConfigError(f'{where}.task_type: {task_type!r}: only CAUSAL_LM is supported (a causal LM '
                                f'trains here)'))
-    valid = lora_keys()
+    from peft import LoraConfig
+    valid = sorted(f.name for f in dataclasses.fields(LoraConfig) if f.init and f.name not in _MANAGED)
     for key in list(d):
         if key in valid:
             continue

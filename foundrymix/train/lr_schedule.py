@@ -1,7 +1,8 @@
 """The warmup-stable-decay LR schedule (``scheduler: {name: wsd, ...}``) as arithmetic over global
-batches, resolved against the run's stages. Pure (no Composer, no torch): ``foundrymix plan`` and the
-trainer's scheduler both evaluate :meth:`WSDSchedule.multiplier`, so the run trains at the LR the plan
-printed. A batch's LR is the schedule at its *end* (formulas: docs/schedules.md).
+batches, resolved against the run's stages, and the run's Composer scheduler. Imports no Composer or
+torch (:func:`build_scheduler` defers Composer's): ``foundrymix plan`` and the trainer both evaluate
+:meth:`WSDSchedule.multiplier`, so the run trains at the LR the plan printed. A batch's LR is the
+schedule at its *end* (formulas: docs/schedules.md).
 """
 
 from __future__ import annotations
@@ -73,55 +74,42 @@ def check_stage_names(spans: Sequence[tuple[str, Optional[Span]]], stages: Seque
     gather.raise_any()
 
 
-@dataclass
-class Timeline:
-    """What a schedule needs of a run: its stages' spans in batches and the units' sizes."""
+def span_batches(run: Any, text: str, where: str) -> int:
+    """A span duration as whole global batches of ``run`` (a RunPlan); refused with the numbers."""
+    time = parse_time(text, where, SPAN_UNITS, positive=True)
+    per_epoch = None if run.explicit else run.stages[0].plan.batches_per_epoch
+    if time.unit == 'ep' and per_epoch is None:
+        raise ConfigError(f'{where}: {text} is ambiguous with stages (epochs of which stage?); '
+                          f'give it in batches (ba), as a fraction of the run (0.1dur, 10%) or '
+                          f'as a stage ({{stage: NAME}})')
+    if time.unit in ('sp', 'tok') and run.batch_varies:
+        # wsd counts global batches; with per-stage batches samples are no fixed number of them
+        raise ConfigError(f'{where}: {text} is not a fixed number of global batches: the stages\' '
+                          f'global batches differ ({", ".join(map(str, run.batch_sizes))} rows); '
+                          f'give it as a stage ({{stage: NAME}}) or in batches (ba)')
+    G = run.global_batch_size
+    return to_batches(time, where, batches_per_epoch=per_epoch, samples_per_batch=G,
+                      tokens_per_batch=G * run.max_seq_len, total_batches=run.total_batches)
 
-    stages: list[tuple[str, int, int]]   # (name, first batch, batches)
-    total_batches: int
-    global_batch_size: int
-    max_seq_len: int
-    batches_per_epoch: Optional[int]     # a run without stages: its mixture's; else None
-    explicit: bool = True
-    batch_sizes: tuple[int, ...] = ()   # each stage's global batch (they may differ)
 
-    @classmethod
-    def of(cls, run: Any) -> 'Timeline':
-        """The timeline of a :class:`~foundrymix.plan.stages.RunPlan`."""
-        return cls(stages=[(s.name, s.start_batch, s.batches) for s in run.stages],
-                   total_batches=run.total_batches, global_batch_size=run.global_batch_size,
-                   max_seq_len=run.max_seq_len, explicit=run.explicit,
-                   batch_sizes=tuple(s.global_batch_size for s in run.stages),
-                   batches_per_epoch=None if run.explicit else run.stages[0].plan.batches_per_epoch)
-
-    def batches(self, text: str, where: str) -> int:
-        """A span duration as whole global batches of this run; refused with the numbers."""
-        time = parse_time(text, where, SPAN_UNITS, positive=True)
-        if time.unit == 'ep' and self.batches_per_epoch is None:
-            raise ConfigError(f'{where}: {text} is ambiguous with stages (epochs of which stage?); '
-                              f'give it in batches (ba), as a fraction of the run (0.1dur, 10%) or '
-                              f'as a stage ({{stage: NAME}})')
-        if time.unit in ('sp', 'tok') and len(set(self.batch_sizes)) > 1:
-            # wsd counts global batches; with per-stage batches samples are no fixed number of them
-            raise ConfigError(f'{where}: {text} is not a fixed number of global batches: the stages\' '
-                              f'global batches differ ({", ".join(map(str, self.batch_sizes))} rows); '
-                              f'give it as a stage ({{stage: NAME}}) or in batches (ba)')
-        G = self.global_batch_size
-        return to_batches(time, where, batches_per_epoch=self.batches_per_epoch, samples_per_batch=G,
-                          tokens_per_batch=G * self.max_seq_len, total_batches=self.total_batches)
-
-    def stage_span(self, name: str, where: str) -> tuple[int, int]:
-        for stage, start, batches in self.stages:
-            if stage == name:
-                return start, start + batches
-        names = [s[0] for s in self.stages]
-        raise ConfigError(f'{where}.stage: no stage {name!r}; the stages are: {", ".join(names)}'
-                          f'{did_you_mean(name, names)}')
+def stage_span(run: Any, name: str, where: str) -> tuple[int, int]:
+    """(first batch, one past the last) of ``run``'s stage ``name``."""
+    for stage in run.stages:
+        if stage.name == name:
+            return stage.start_batch, stage.start_batch + stage.batches
+    names = [s.name for s in run.stages]
+    raise ConfigError(f'{where}.stage: no stage {name!r}; the stages are: {", ".join(names)}'
+                      f'{did_you_mean(name, names)}')
 
 
 @dataclass
 class WSDSchedule:
-    """A warmup-stable-decay schedule resolved to batches: the LR multiplier of every batch."""
+    """A warmup-stable-decay schedule resolved to batches: the LR multiplier of every batch, and the
+    run's Composer scheduler (``callable(state) -> LR multiplier``).
+
+    Composer steps a scheduler at the end of batch ``b`` *before* advancing the timestamp, so a call
+    in training sets batch ``b + 1``'s LR (the call before training, ``state.batch`` None, batch 0's):
+    every batch trains at what ``plan`` prints."""
 
     warmup: int             # batches 0 .. warmup-1 warm up
     decay_start: int        # first batch of the decay
@@ -147,6 +135,20 @@ class WSDSchedule:
             return 1 - (1 - self.to) * math.sqrt(p)
         return 1 - (1 - self.to) * p
 
+    def __call__(self, state: Any, ssr: float = 1.0) -> float:
+        if ssr != 1.0:
+            raise ValueError('scheduler wsd does not support scale_schedule_ratio')
+        batch = int(state.timestamp.batch)
+        training = state.batch is not None  # a step after batch b sets batch b + 1's LR
+        return self.multiplier(batch + 1 if training else batch)
+
+    def apply_resume_lr(self, state: Any) -> None:
+        """Set the resume batch's LR under this run's schedule, not the checkpoint's."""
+        batch = int(state.timestamp.batch)
+        for compiled in state.schedulers:
+            for group, base in zip(compiled.optimizer.param_groups, compiled.base_lrs):
+                group['lr'] = base * self.multiplier(batch)
+
     def phases(self) -> list[tuple[str, int, int]]:
         """(phase, first batch, one past the last) of warmup, stable, decay and after, if any."""
         spans = [('warmup', 0, self.warmup), ('stable', self.warmup, self.decay_start),
@@ -170,28 +172,45 @@ class WSDSchedule:
                            for n, b in self.stage_starts]}
 
 
-def resolve_wsd(warmup: Optional[Span], decay: Decay, timeline: Timeline) -> WSDSchedule:
-    """The schedule's spans in batches of ``timeline`` (every problem at once): the warmup from batch 0
-    (a stage: to its end), the decay to the run's end (a duration) or over the named stage."""
+def resolve_wsd(cfg: Any, run: Any) -> WSDSchedule:
+    """The ``scheduler`` config's spans in batches of ``run`` (a RunPlan; every problem at once): the
+    warmup from batch 0 (a stage: to its end), the decay to the run's end (a duration) or over the
+    named stage."""
+    warmup, decay = cfg.scheduler.warmup, cfg.scheduler.decay
     gather, where = Gather(), 'scheduler'
-    W, start, end = 0, timeline.total_batches, timeline.total_batches
+    W, start, end = 0, run.total_batches, run.total_batches
     if warmup is not None:
         with gather:
-            W = (timeline.stage_span(warmup.stage, f'{where}.warmup')[1] if warmup.stage is not None
-                 else timeline.batches(str(warmup.duration), f'{where}.warmup'))
+            W = (stage_span(run, warmup.stage, f'{where}.warmup')[1] if warmup.stage is not None
+                 else span_batches(run, str(warmup.duration), f'{where}.warmup'))
     with gather:
         if decay.stage is not None:
-            start, end = timeline.stage_span(decay.stage, f'{where}.decay')
+            start, end = stage_span(run, decay.stage, f'{where}.decay')
         else:
-            start = end - timeline.batches(str(decay.duration), f'{where}.decay.duration')
+            start = end - span_batches(run, str(decay.duration), f'{where}.decay.duration')
     gather.raise_any()
     if start < 0:
         raise ConfigError(f'{where}.decay.duration: {decay.duration} is {end - start} batches, longer '
-                          f'than the run ({timeline.total_batches} batches)')
+                          f'than the run ({run.total_batches} batches)')
     if W > start:
         raise ConfigError(f'{where}.warmup: {warmup.text() if warmup else W} ends at batch {W}, '
                           f'after the decay starts (batch {start}); shorten the warmup or start '
                           f'the decay later')
     return WSDSchedule(warmup=W, decay_start=start, decay_end=end, to=decay.to, shape=decay.shape,
-                       total_batches=timeline.total_batches,
-                       stage_starts=[(n, b) for n, b, _ in timeline.stages])
+                       total_batches=run.total_batches, stage_starts=[(s.name, s.start_batch) for s in run.stages])
+
+
+def build_scheduler(cfg: Any, run: Any, t_warmup: Optional[str] = None) -> Any:
+    """The config's Composer scheduler (``wsd``: the :class:`WSDSchedule`); ``t_warmup``: the config's,
+    in the unit Composer runs in (:func:`foundrymix.train.preflight.composer_warmup`)."""
+    from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler,
+                                LinearWithWarmupScheduler)
+    s = cfg.scheduler
+    if s.name == 'wsd':
+        return resolve_wsd(cfg, run)
+    t_warmup = t_warmup or s.t_warmup
+    if s.name == 'cosine_with_warmup':
+        return CosineAnnealingWithWarmupScheduler(t_warmup=t_warmup, alpha_f=s.alpha_f)
+    if s.name == 'linear_decay_with_warmup':
+        return LinearWithWarmupScheduler(t_warmup=t_warmup, alpha_f=s.alpha_f)
+    return ConstantWithWarmupScheduler(t_warmup=t_warmup)

@@ -1,17 +1,6 @@
-"""The optimizers: LLM-Foundry's Lion (``decoupled_lionw``) and Composer's decoupled AdamW rule
-on torch's fused kernel (``decoupled_adamw`` on a GPU).
-
-``decoupled_lionw``: LLM-Foundry's Lion with decoupled weight decay.
-
-Composer has no Lion (Foundry's comes with all of Foundry); the same rule (Chen et al. 2023):
-
-* weight decay, decoupled and scaled by the schedule: ``p *= 1 - (lr / initial_lr) * wd``
-  (``initial_lr``: the group's lr when the optimizer was built, before any schedule);
-* ``p -= lr * sign(beta1 * m + (1 - beta1) * g)``;
-* ``m = beta2 * m + (1 - beta2) * g``.
-
-Foundry's defaults: ``betas=(0.9, 0.99)``, no ``eps``; its per-parameter norm metrics are not
-reproduced.
+"""The optimizers: LLM-Foundry's Lion (``decoupled_lionw``: Composer has none, and Foundry's comes
+with all of Foundry; its per-parameter norm metrics are not reproduced) and Composer's decoupled
+AdamW rule on torch's fused kernel (``decoupled_adamw`` on a GPU).
 """
 
 from __future__ import annotations
@@ -25,7 +14,9 @@ LION_BETAS = (0.9, 0.99)
 
 
 class DecoupledLionW(torch.optim.Optimizer):
-    """Lion with weight decay decoupled from the gradient and scaled by the LR schedule."""
+    """Lion (Chen et al. 2023) with weight decay decoupled from the gradient and scaled by the LR
+    schedule, ``p *= 1 - (lr / initial_lr) * wd`` (``initial_lr``: the group's lr when the optimizer
+    was built); Foundry's defaults, ``betas=(0.9, 0.99)`` and no ``eps``."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = LION_BETAS,
                  weight_decay: float = 0.0) -> None:

@@ -27,13 +27,6 @@ def local_device() -> str:
     return 'gpu' if torch.cuda.is_available() else 'cpu'
 
 
-def composer_max_duration(cfg: Any, run: Any) -> str:
-    """The ``max_duration`` Composer is given for ``cfg`` planned as ``run``: a single mixture keeps
-    the YAML's; stages and adaptive segments are :func:`composer_duration`."""
-    adaptive = any(s.config is not None and s.config.adaptive for s in run.stages)
-    return composer_duration(run) if run.explicit or adaptive else str(cfg.max_duration)
-
-
 def composer_duration(run: Any) -> str:
     """The ``max_duration`` Composer is given for a run with stages: its batches, or, when the
     stages' global batches differ, its samples, so that a ``dur`` schedule is a fraction of the
@@ -166,7 +159,9 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
         check_load_scheme(cfg)
     max_duration, t_warmup = str(cfg.max_duration), str(cfg.scheduler.t_warmup)
     with gather:
-        max_duration = composer_max_duration(cfg, run)
+        # a single mixture keeps the YAML's; stages and adaptive segments: composer_duration
+        adaptive = any(s.config is not None and s.config.adaptive for s in run.stages)
+        max_duration = composer_duration(run) if run.explicit or adaptive else str(cfg.max_duration)
         t_warmup = composer_warmup(cfg, max_duration, run)
     gather.raise_any()
     if cfg.load_path and '://' not in cfg.load_path and not os.path.exists(cfg.load_path):

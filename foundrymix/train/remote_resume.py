@@ -32,34 +32,52 @@ CHECKPOINT = re.compile(r'^ep(\d+)-ba(\d+)-rank0\.pt$')
 LOCAL_LATEST = 'latest-rank0.pt'  # Composer's save_latest_filename for rank 0
 
 
-def incomplete(path: str) -> Optional[str]:
-    """Why the checkpoint at ``path`` cannot be loaded (truncated, unreadable), or None when it
-    is a whole ``torch.save`` zip archive."""
-    return _zip_incomplete(path)
-
-
 @dataclass
-class LocalResume:
-    """What autoresume found in a local ``save_folder``."""
+class Found:
+    """What autoresume found in a ``save_folder``: the newest complete checkpoint (a local path or a
+    URI) and the newer incomplete ones, with why (left in place; the run rewrites them)."""
 
-    path: str                  # the newest complete checkpoint
-    #: newer checkpoints that are incomplete, with why (left in place; the run rewrites them)
+    path: str
     skipped: list[tuple[str, str]] = field(default_factory=list)
     is_latest: bool = True     # ``path`` is what ``latest-rank0.pt`` points at
 
     def line(self) -> str:
         """The one line a run that skipped files prints."""
-        why = '; '.join(f'{os.path.basename(p)} is incomplete ({reason})' for p, reason in self.skipped)
+        why = '; '.join(f'{_shown(p)} is incomplete ({reason})' for p, reason in self.skipped)
+        if is_remote(self.path):
+            return (f'autoresume: {why} -- not a whole checkpoint; left in place, resuming from the newest '
+                    f'complete checkpoint {self.path} (the run rewrites it)')
         return (f'autoresume: {why} -- a job killed while writing it; left in place, resuming from '
                 f'the newest complete checkpoint {self.path}')
 
 
-def local_checkpoint(folder: str) -> Optional[LocalResume]:
-    """The newest complete checkpoint in the local ``folder``, or None when it holds none.
+def _shown(path: str) -> str:
+    """A checkpoint as messages name it: a local one by its file name, a remote one by its URI."""
+    return path if is_remote(path) else os.path.basename(path)
 
-    Refused (naming the files) when every checkpoint there is incomplete: starting over
-    silently would overwrite them.
-    """
+
+def _newest_complete(found: list[tuple[int, str]], check: Callable[[str], Optional[str]],
+                     folder: str) -> tuple[Optional[str], list[tuple[str, str]]]:
+    """(the newest of ``found`` (batch, name) that ``check`` passes or None when ``found`` is empty,
+    the newer ones that it does not, with why). Refused (naming them) when none passes: starting
+    over silently would overwrite them."""
+    skipped: list[tuple[str, str]] = []
+    for _, name in sorted(found, reverse=True):
+        reason = check(name)
+        if reason is None:
+            return name, skipped
+        skipped.append((name, reason))
+    if not skipped:
+        return None, skipped
+    names = ', '.join(_shown(p) for p, _ in skipped)
+    killed = '' if is_remote(folder) else '; a job killed while writing'
+    raise UserError(f'autoresume: no complete checkpoint in {folder}: {names} incomplete ({skipped[0][1]}{killed}). '
+                    f'Set autoresume=false save_overwrite=true to start the run over in this folder (it '
+                    f'rewrites them), or give the run another save_folder')
+
+
+def local_checkpoint(folder: str) -> Optional[Found]:
+    """The newest complete checkpoint in the local ``folder``, or None when it holds none."""
     found: list[tuple[int, str]] = []
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         m = CHECKPOINT.match(name)
@@ -69,18 +87,8 @@ def local_checkpoint(folder: str) -> Optional[LocalResume]:
     target = os.path.realpath(latest) if os.path.exists(latest) else None
     if target is not None and all(os.path.realpath(p) != target for _, p in found):
         found.append((-1, target))  # a latest-rank0.pt that is not Composer's name: after the named ones
-    if not found:
-        return None
-    skipped: list[tuple[str, str]] = []
-    for _, path in sorted(found, reverse=True):
-        reason = incomplete(path)
-        if reason is None:
-            return LocalResume(path=path, skipped=skipped, is_latest=os.path.realpath(path) == target)
-        skipped.append((path, reason))
-    names = ', '.join(os.path.basename(p) for p, _ in skipped)
-    raise UserError(f'autoresume: no complete checkpoint in {folder}: {names} incomplete ({skipped[0][1]}; '
-                    f'a job killed while writing). Set autoresume=false save_overwrite=true to start the '
-                    f'run over in this folder (it rewrites them), or give the run another save_folder')
+    path, skipped = _newest_complete(found, incomplete, folder)
+    return None if path is None else Found(path, skipped, is_latest=os.path.realpath(path) == target)
 
 
 def sharded(cfg: Any) -> bool:
@@ -92,54 +100,30 @@ def resume_kwargs(cfg: Any, device: str) -> dict[str, Any]:
     """Composer's ``autoresume``/``load_path``/``save_overwrite``, with the newest complete
     checkpoint found here where Composer's own choice could be incomplete."""
     from composer.utils import dist, format_name_with_dist
-    if cfg.autoresume and is_remote(cfg.save_folder):
-        folder = format_name_with_dist(cfg.save_folder, cfg.run_name)
-        timeout = float(cfg.train_loader.download_timeout)
-        if sharded(cfg):
-            latest = agreed(lambda: latest_checkpoint(folder, timeout), device)
-            return {'autoresume': False, 'load_path': latest or cfg.load_path}
-        remote = agreed(lambda: remote_checkpoint(folder, timeout), device)
-        if remote is None:
-            return {'autoresume': False, 'load_path': cfg.load_path}
-        if remote.skipped and dist.get_global_rank() == 0:
-            print(remote.line(), flush=True)
-        # The newer objects are all incomplete: overwriting lets the run rewrite them.
-        return {'autoresume': False, 'load_path': remote.uri,
-                'save_overwrite': cfg.save_overwrite or bool(remote.skipped)}
     if cfg.autoresume and cfg.save_folder:
         folder = format_name_with_dist(cfg.save_folder, cfg.run_name)
-        found = local_checkpoint(folder)
+        remote, timeout = is_remote(folder), float(cfg.train_loader.download_timeout)
+        if remote and sharded(cfg):
+            latest = agreed(lambda: latest_checkpoint(folder, timeout), device)
+            return {'autoresume': False, 'load_path': latest or cfg.load_path}
+        found = agreed(lambda: remote_checkpoint(folder, timeout), device) if remote else local_checkpoint(folder)
         if found is None and not sharded(cfg):  # (LocalSave's folder: Composer's autoresume wants a remote name)
             return {'autoresume': False, 'load_path': cfg.load_path}
         if found is not None and (found.skipped or not found.is_latest or not sharded(cfg)):
-            # Loaded here: overwriting lets Composer's start-of-fit check pass the newer,
-            # incomplete files and the run rewrite them; all of it, as Composer's autoresume does.
+            # Loaded here, all of it, as Composer's autoresume does; overwriting lets Composer's
+            # start-of-fit check pass the newer, incomplete files and the run rewrite them.
             if found.skipped and dist.get_global_rank() == 0:
                 print(found.line(), flush=True)
             # named as Composer's autoresume names it
-            path = os.path.join(folder, LOCAL_LATEST) if found.is_latest and not found.skipped else found.path
-            return {'autoresume': False, 'load_path': path, 'load_weights_only': False,
-                    'save_overwrite': cfg.save_overwrite or bool(found.skipped)}
+            named = found.is_latest and not found.skipped and not remote
+            return {'autoresume': False, 'load_path': os.path.join(folder, LOCAL_LATEST) if named else found.path,
+                    'load_weights_only': False, 'save_overwrite': cfg.save_overwrite or bool(found.skipped)}
     return {'autoresume': cfg.autoresume,
             'load_path': None if cfg.autoresume and not cfg.load_path else cfg.load_path}
 
 
 def is_remote(path: Optional[str]) -> bool:
     return bool(path) and '://' in str(path)
-
-
-@dataclass
-class RemoteResume:
-    """What autoresume found in a remote ``save_folder``."""
-
-    uri: str                   # the newest complete checkpoint
-    #: newer checkpoint objects that are not whole, with why (left in place; the run rewrites them)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-
-    def line(self) -> str:
-        why = '; '.join(f'{uri} is incomplete ({reason})' for uri, reason in self.skipped)
-        return (f'autoresume: {why} -- not a whole checkpoint; left in place, resuming from the newest '
-                f'complete checkpoint {self.uri} (the run rewrites it)')
 
 
 class _RangedObject(io.RawIOBase):
@@ -174,8 +158,9 @@ class _RangedObject(io.RawIOBase):
         return len(data)
 
 
-def _zip_incomplete(source: Any, size: Optional[int] = None) -> Optional[str]:
-    """Why ``source`` (a path or a seekable file) is not a whole ``torch.save`` zip archive, or None."""
+def incomplete(source: Any, size: Optional[int] = None) -> Optional[str]:
+    """Why the checkpoint ``source`` (a path, or a seekable file of ``size`` bytes) cannot be loaded
+    (truncated, unreadable), or None when it is a whole ``torch.save`` zip archive."""
     try:
         with zipfile.ZipFile(source) as z:
             infos = z.infolist()
@@ -218,42 +203,36 @@ def _object_store(save_folder: str, timeout: float) -> tuple[Any, str]:
     return store, f'{path}/' if path else ''
 
 
-def remote_checkpoint(save_folder: str, timeout: float = 60) -> Optional[RemoteResume]:
-    """The newest complete checkpoint under the remote ``save_folder``, or None when it holds none.
-
-    Refused (naming them) when every checkpoint object there is incomplete: starting over
-    would overwrite them. Read errors name the URL and S3's error code; each request is
-    retried within ``timeout`` s (download_timeout) as the reads are, so a store that never
-    answers is named after it.
+def remote_checkpoint(save_folder: str, timeout: float = 60) -> Optional[Found]:
+    """The newest complete checkpoint under the remote ``save_folder``, or None when it holds none
+    (refused as :func:`local_checkpoint` refuses). Read errors name the URL and S3's error code;
+    each request is retried within ``timeout`` s (download_timeout) as the reads are, so a store
+    that never answers is named after it.
     """
     from composer.utils.object_store import S3ObjectStore
 
-
     store, prefix = _object_store(save_folder, timeout)
+    found, objects = [], {}  # (batch, URI); URI -> (key, size)
+
+    def check(uri: str) -> Optional[str]:
+        if not isinstance(store, S3ObjectStore):
+            return None
+        key, size = objects[uri]
+        raw = _RangedObject(store.client, store.bucket, key, size, timeout)
+        return incomplete(io.BufferedReader(raw, buffer_size=1 << 16), size)
+
     try:
-        listed = within(lambda: _listed(store, prefix), save_folder, timeout, attempts())
-        found = sorted(((int(m[2]), key, size) for key, size in listed.items()
-                        if (m := CHECKPOINT.match(key[len(prefix):]))), reverse=True)
-        skipped: list[tuple[str, str]] = []
-        for _, key, size in found:
-            reason = None
-            if isinstance(store, S3ObjectStore):
-                raw = _RangedObject(store.client, store.bucket, key, size, timeout)
-                reason = _zip_incomplete(io.BufferedReader(raw, buffer_size=1 << 16), size)
-            if reason is None:
-                return RemoteResume(uri=store.get_uri(key), skipped=skipped)
-            skipped.append((store.get_uri(key), reason))
+        for key, size in within(lambda: _listed(store, prefix), save_folder, timeout, attempts()).items():
+            if m := CHECKPOINT.match(key[len(prefix):]):
+                found.append((int(m[2]), store.get_uri(key)))
+                objects[store.get_uri(key)] = (key, size)
+        uri, skipped = _newest_complete(found, check, save_folder)
     except Exception as e:  # credentials, endpoint, permissions: say where and what
         if isinstance(e, UserError):
             raise
         raise UserError(f'autoresume: cannot read the checkpoints in {save_folder}: {classify(e, save_folder).text} '
                         f'(check the credentials and S3_ENDPOINT_URL, and that save_folder is right)') from None
-    if not skipped:
-        return None
-    names = ', '.join(uri for uri, _ in skipped)
-    raise UserError(f'autoresume: no complete checkpoint in {save_folder}: {names} incomplete ({skipped[0][1]}). '
-                    f'Set autoresume=false save_overwrite=true to start the run over in this folder (it '
-                    f'rewrites them), or give the run another save_folder')
+    return None if uri is None else Found(uri, skipped)
 
 
 def agreed(find: Callable[[], Any], device: str) -> Any:

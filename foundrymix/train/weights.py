@@ -61,22 +61,28 @@ def _checkpoint_shapes(directory: str) -> dict[str, tuple[str, list[int]]]:
     return shapes
 
 
-def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
-    """Every tensor of the pretrained directory's safetensors weights has the shape the model
-    built from ``config`` gives it (a file safetensors cannot open is left to the load)."""
+def meta_model(config: Any) -> Any:
+    """The causal LM of ``config`` on the ``meta`` device (no memory, no init), or None when
+    transformers cannot build it (not a causal LM, ...: the load's own refusal says so)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
+        with torch.device('meta'):
+            return AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    except (ValueError, ImportError):
+        return None
+
+
+def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
+    """Every tensor of the pretrained directory's safetensors weights has the shape the model
+    built from ``config`` gives it (a file safetensors cannot open is left to the load)."""
+    try:
         shapes = _checkpoint_shapes(spec.pretrained)
     except Exception:  # noqa: BLE001 -- a damaged file: the load's own refusal names it
         return
-    if not shapes:
-        return
-    try:
-        with torch.device('meta'):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    except (ValueError, ImportError):  # not a causal LM, ...: the load's own refusal says so
+    model = meta_model(config) if shapes else None
+    if model is None:
         return
     prefix = getattr(model, 'base_model_prefix', '')
     wanted = {k: list(v.shape) for k, v in model.state_dict().items()}
@@ -131,16 +137,12 @@ def check_pretrained_tokenizer(spec: ModelSpec, streams: Any) -> None:
 def check_spec_targets(spec: Any, tokenizer: Any) -> None:
     """:func:`~foundrymix.train.lora.check_targets` on the model ``spec`` describes, built on the ``meta`` device, so
     ``plan`` refuses what ``train`` would; a model that cannot be built is left to ``train``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     try:
-        config = copy.deepcopy(hf_config(spec, tokenizer))
-        with torch.device('meta'):
-            model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, ImportError, ConfigError):
+        model = meta_model(hf_config(spec, tokenizer))
+    except ConfigError:
         return
-    check_targets(model, spec.peft)
+    if model is not None:
+        check_targets(model, spec.peft)
 
 
 def changed_base_tensor(model: Any, directory: str) -> Optional[str]:

@@ -52,7 +52,7 @@ def test_trainer_gets_the_callbacks_the_yaml_names(small_streams, tmp_path):
     from foundrymix.train.builder import build_trainer
     from foundrymix.train.callbacks.accounting import StreamAccounting
     from foundrymix.train.callbacks.sample_log import SampleLog
-    from foundrymix.train.callbacks.stop_at import StopAt
+    from foundrymix.train.callbacks.run import StopAt
     from foundrymix.train.config import TrainConfig
 
     loader = {'streams': {name: {'local': str(path)} for name, path in small_streams.items()}, 'num_workers': 0}

@@ -218,7 +218,7 @@ def test_remote_checkpoint_is_the_newest_whole_object(s3, tmp_path):
         put(f'unit/ckpts/{key}', body)
     put('unit/ckpts-other/ep9-ba90-rank0.pt', whole)                 # a sibling prefix
     found = remote_checkpoint(f's3://{BUCKET}/unit/ckpts')
-    assert found.uri == f's3://{BUCKET}/unit/ckpts/ep0-ba10-rank0.pt'
+    assert found.path == f's3://{BUCKET}/unit/ckpts/ep0-ba10-rank0.pt'
     assert [(uri.rsplit('/', 1)[1], reason.split(':')[0]) for uri, reason in found.skipped] == [
         ('ep1-ba15-rank0.pt', 'BadZipFile'), ('ep1-ba12-rank0.pt', 'BadZipFile')]
 

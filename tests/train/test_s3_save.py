@@ -181,7 +181,7 @@ def test_an_upload_that_fails_for_good_stops_the_run_in_one_line(tmp_path, s3, s
 def test_a_store_that_never_answers_is_named_after_download_timeout(tmp_path, s3, small_streams):
     from foundrymix.s3.client import S3Url
     from foundrymix.s3.remote import RemoteError
-    from foundrymix.train.remote_save import abort_unfinished
+    from foundrymix.train.save import abort_unfinished
 
     accepted: list = []
     with silent_server(accepted) as hung:
@@ -223,13 +223,13 @@ def test_listing_at_start_outlasts_four_503s_per_request(tmp_path, s3):
             found = remote_checkpoint(f's3://{BUCKET}/storm/ckpts', timeout=60)
         finally:
             mp.undo()
-    assert found is not None and found.uri == f's3://{BUCKET}/storm/ckpts/ep0-ba5-rank0.pt'
+    assert found is not None and found.path == f's3://{BUCKET}/storm/ckpts/ep0-ba5-rank0.pt'
     assert proxy.counts['503'] == 4 and proxy.counts['forward'] >= 2  # the listing, its ranged reads
 
 
 def test_unfinished_uploads_of_our_names_are_aborted_at_start(s3):
     from foundrymix.s3.client import S3Url
-    from foundrymix.train.remote_save import abort_unfinished
+    from foundrymix.train.save import abort_unfinished
 
     ours = ['runs/mp/ckpts/ep0-ba4-rank0.pt', 'runs/mp/ckpts/latest-rank0.pt.symlink']
     others = ['runs/mp/ckpts/notes.bin', 'runs/mp/ckpts/sub/ep0-ba4-rank0.pt', 'runs/mp/ckpts-2/ep0-ba4-rank0.pt']

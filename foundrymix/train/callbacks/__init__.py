@@ -105,7 +105,7 @@ def part(module: str, name: str) -> Callable[..., Any]:
 CALLBACKS: dict[str, TableEntry] = {
     'stream_accounting': TableEntry(StreamAccountingConfig, _stream_accounting),
     'sample_log': TableEntry(SampleLogConfig, part('foundrymix.train.callbacks.sample_log', 'SampleLog')),
-    'stop_at': TableEntry(StopAtConfig, part('foundrymix.train.callbacks.stop_at', 'StopAt')),
+    'stop_at': TableEntry(StopAtConfig, part('foundrymix.train.callbacks.run', 'StopAt')),
     'speed_monitor': TableEntry(SpeedMonitorConfig, part('composer.callbacks', 'SpeedMonitor')),
     'lr_monitor': TableEntry(LRMonitorConfig, part('composer.callbacks', 'LRMonitor')),
     'memory_monitor': TableEntry(MemoryMonitorConfig, part('composer.callbacks', 'MemoryMonitor')),

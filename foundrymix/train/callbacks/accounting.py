@@ -21,8 +21,9 @@ from foundrymix.errors import UserError
 from foundrymix.format.schema import IGNORE_INDEX
 from foundrymix.train import report
 
-#: the counters, in the order of :meth:`StreamAccounting.count`'s rows
+#: the counters, in the order of :func:`count`'s rows, and with the loss: the rows of ``totals``
 COUNTERS = ('samples', 'tokens', 'loss_tokens')
+FIELDS = (*COUNTERS, 'loss_sum', 'loss_targets')
 
 
 @dataclass(frozen=True)
@@ -72,24 +73,18 @@ class StreamAccounting(Callback):
         self.eval_stream_names = list(eval_stream_names or ())
         #: a staged run's stages; batches then carry ``stage_id`` and are counted per stage too
         self.stage_names = list(stage_names) if stage_names else None
-        self.stage_counts = np.zeros((len(self.stage_names or ()), len(COUNTERS), len(self.stream_names)),
-                                     dtype=np.int64)
         self.planned_share = [float(s) for s in planned_share]
         self.out_dir = out_dir
         self.log_interval = Time.from_timestring(log_interval)
         self.plot = plot
-        self.counts = np.zeros((len(COUNTERS), len(self.stream_names)), dtype=np.int64)
         self.history: list[dict[str, Any]] = []
-        #: this rank's counts since the last reduce (``counts`` and ``stage_counts`` hold sums over ranks)
-        self._pending = np.zeros_like(self.counts)
-        self._pending_stages = np.zeros_like(self.stage_counts)
+        n, width = len(self.stream_names), 1 + len(self.stage_names or ())
+        #: summed over ranks, per (the run, then each stage) x :data:`FIELDS` x stream (float64: whole
+        #: numbers stay exact below 2**53)
+        self.totals = np.zeros((width, len(FIELDS), n))
+        #: this rank's counts since the last reduce, as ``totals``' first three fields
+        self._pending = np.zeros((width, len(COUNTERS), n), dtype=np.int64)
         self._device: Any = None  # the trainer's Composer ``Device`` (from fit_start); None: the CPU
-        n_stages, n = len(self.stage_names or ()), len(self.stream_names)
-        #: summed training loss and loss targets per stream (over ranks), and per stage
-        self.loss_sum = np.zeros(n, dtype=np.float64)
-        self.loss_targets = np.zeros(n, dtype=np.int64)
-        self.stage_loss_sum = np.zeros((n_stages, n), dtype=np.float64)
-        self.stage_loss_targets = np.zeros((n_stages, n), dtype=np.int64)
         #: this rank's loss since the last reduce, on the device: (sum, targets) x (run, stages...) x streams
         self._loss_pending: Optional[torch.Tensor] = None
         self._loss_batch: Optional[torch.Tensor] = None  # the batch in progress (its microbatches so far)
@@ -100,15 +95,23 @@ class StreamAccounting(Callback):
 
     @property
     def samples(self) -> np.ndarray:
-        return self.counts[0]
+        return self.totals[0, 0].astype(np.int64)
 
     @property
     def tokens(self) -> np.ndarray:
-        return self.counts[1]
+        return self.totals[0, 1].astype(np.int64)
 
     @property
     def loss_tokens(self) -> np.ndarray:
-        return self.counts[2]
+        return self.totals[0, 2].astype(np.int64)
+
+    @property
+    def loss_sum(self) -> np.ndarray:
+        return self.totals[0, 3].copy()
+
+    @property
+    def loss_targets(self) -> np.ndarray:
+        return self.totals[0, 4].astype(np.int64)
 
     # -- events -------------------------------------------------------------------
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -123,9 +126,9 @@ class StreamAccounting(Callback):
     def after_train_batch(self, state: State, logger: Logger) -> None:
         """Count the batch and add its loss (here, so counting runs while the GPU works)."""
         counts = count(state.batch, len(self.stream_names))
-        self._pending += counts
+        self._pending[0] += counts
         if self.stage_names is not None:  # a batch never straddles two stages
-            self._pending_stages[int(state.batch['stage_id'].reshape(-1)[0])] += counts
+            self._pending[1 + int(state.batch['stage_id'].reshape(-1)[0])] += counts
         if self._loss_batch is not None:
             if self._loss_pending is None:
                 self._loss_pending = torch.zeros_like(self._loss_batch)
@@ -144,37 +147,30 @@ class StreamAccounting(Callback):
             index = torch.cat([where, (1 + stage) * n + where])
             sums, targets = torch.cat([sums, sums]), torch.cat([targets, targets])
         if self._loss_batch is None:
-            self._loss_batch = torch.zeros(2, (1 + len(self.stage_names or ())) * n,
-                                           dtype=torch.float64, device=where.device)
+            self._loss_batch = torch.zeros(2, self.totals.shape[0] * n, dtype=torch.float64, device=where.device)
         self._loss_batch[0].index_add_(0, index, sums.to(torch.float64))
         self._loss_batch[1].index_add_(0, index, targets.to(torch.float64))
 
     def reduce(self) -> None:
         """Add every rank's pending counts and loss to the totals (one ``all_reduce``, called by
         every rank at the same points), then run the hooks of :meth:`add_reduce_hook`."""
-        n = len(self.stream_names)
-        width = (1 + len(self.stage_names or ())) * n
-        counts = torch.from_numpy(np.concatenate([self._pending.reshape(-1), self._pending_stages.reshape(-1)]))
-        loss = self._loss_pending if self._loss_pending is not None else torch.zeros(2, width, dtype=torch.float64)
-        pending = torch.cat([counts.to(torch.float64), loss.reshape(-1).to(counts.device)])
+        width, n = self.totals.shape[0], len(self.stream_names)
+        counts = torch.from_numpy(self._pending.reshape(-1)).to(torch.float64)
+        loss = self._loss_pending if self._loss_pending is not None else torch.zeros(2, width * n, dtype=torch.float64)
+        pending = torch.cat([counts, loss.reshape(-1).to(counts.device)])
         if self._device is not None:
             pending = self._device.tensor_to_device(pending)
         dist.all_reduce(pending, reduce_operation='SUM')
         summed = pending.cpu().numpy()
-        whole = np.rint(summed[:counts.numel()]).astype(np.int64)
-        self.counts += whole[:self.counts.size].reshape(self.counts.shape)
-        self.stage_counts += whole[self.counts.size:].reshape(self.stage_counts.shape)
-        loss_sum, targets = summed[counts.numel():].reshape(2, -1, n)
-        targets = np.rint(targets).astype(np.int64)
-        self.loss_sum += loss_sum[0]
-        self.loss_targets += targets[0]
-        self.stage_loss_sum += loss_sum[1:]
-        self.stage_loss_targets += targets[1:]
+        loss_sum, targets = summed[counts.numel():].reshape(2, width, n)
+        self.totals[:, :3] += np.rint(summed[:counts.numel()]).reshape(self._pending.shape)
+        self.totals[:, 3] += loss_sum
+        self.totals[:, 4] += np.rint(targets)
         self._pending[:] = 0
-        self._pending_stages[:] = 0
         if self._loss_pending is not None:
             self._loss_pending.zero_()
-        self._last_reduction = LossReduction(self._last_batch, loss_sum[0].copy(), targets[0].copy())
+        self._last_reduction = LossReduction(self._last_batch, loss_sum[0].copy(),
+                                             np.rint(targets[0]).astype(np.int64))
         for hook in self._reduce_hooks:
             hook(self._last_reduction)
 
@@ -226,14 +222,12 @@ class StreamAccounting(Callback):
         if not self.history or self.history[-1]['batch'] != int(state.timestamp.batch):
             self.record(state, logger)
         if dist.get_global_rank() == 0:
-            self.write_summary(state)
+            report.write_report({**self.summary(state), 'history': self.history}, self.out_dir, plot=self.plot)
 
     def record(self, state: State, logger: Logger) -> None:
         """Append a history point and log the per-stream metrics."""
-        point = {'batch': int(state.timestamp.batch), 'epoch': int(state.timestamp.epoch)}
-        point.update({name: self.counts[i].tolist() for i, name in enumerate(COUNTERS)})
         before = self.history[-1] if self.history else None
-        point.update({'loss_sum': self.loss_sum.tolist(), 'loss_targets': self.loss_targets.tolist()})
+        point = {'batch': int(state.timestamp.batch), 'epoch': int(state.timestamp.epoch), **_lists(self.totals[0])}
         self.history.append(point)
         metrics: dict[str, Any] = {'streams/epoch': int(state.timestamp.epoch)}
         for name, s in self.streams().items():
@@ -250,48 +244,33 @@ class StreamAccounting(Callback):
         """Per stream: the counters, realized shares of samples and tokens, planned share."""
         total_samples = max(int(self.samples.sum()), 1)
         total_tokens = max(int(self.tokens.sum()), 1)
-        return {name: {'samples': int(self.samples[i]),
-                       'tokens': int(self.tokens[i]),
-                       'loss_tokens': int(self.loss_tokens[i]),
-                       'share': float(self.samples[i]) / total_samples,
-                       'token_share': float(self.tokens[i]) / total_tokens,
-                       'planned_share': self.planned_share[i],
-                       'loss': report.mean_loss(self.loss_sum[i], self.loss_targets[i]),
-                       'loss_targets': int(self.loss_targets[i])}
+        return {name: _counts(self.totals[0], i, share=float(self.samples[i]) / total_samples,
+                              token_share=float(self.tokens[i]) / total_tokens,
+                              planned_share=self.planned_share[i])
                 for i, name in enumerate(self.stream_names)}
 
     def summary(self, state: Optional[State] = None) -> dict[str, Any]:
         """The report's data (without ``history``); ``batch``/``epoch`` from ``state`` if given."""
-        total = {name: int(self.counts[i].sum()) for i, name in enumerate(COUNTERS)}
-        total.update(loss=report.mean_loss(self.loss_sum.sum(), self.loss_targets.sum()),
-                     loss_targets=int(self.loss_targets.sum()))
+        total = _counts(self.totals[0].sum(axis=1, keepdims=True), 0)
         out: dict[str, Any] = {'streams': self.streams(), 'total': total}
         if self.stage_names is not None:
-            out['stages'] = {
-                stage: {name: {**{c: int(self.stage_counts[k, i, j]) for i, c in enumerate(COUNTERS)},
-                               'loss': report.mean_loss(self.stage_loss_sum[k, j], self.stage_loss_targets[k, j]),
-                               'loss_targets': int(self.stage_loss_targets[k, j])}
-                        for j, name in enumerate(self.stream_names) if self.stage_counts[k, 0, j]}
-                for k, stage in enumerate(self.stage_names)}
+            out['stages'] = {stage: {name: _counts(self.totals[1 + k], j) for j, name in enumerate(self.stream_names)
+                                     if self.totals[1 + k, 0, j]}
+                             for k, stage in enumerate(self.stage_names)}
         if state is not None:
             out['batch'] = int(state.timestamp.batch)
             out['epoch'] = int(state.timestamp.epoch)
         return out
 
-    def write_summary(self, state: Optional[State] = None) -> None:
-        report.write_report({**self.summary(state), 'history': self.history}, self.out_dir, plot=self.plot)
-
     # -- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The counters summed over ranks, up to the last batch (a collective: reduces first)."""
         self.reduce()
-        return {'stream_names': self.stream_names, 'samples': self.samples.tolist(),
-                'tokens': self.tokens.tolist(), 'loss_tokens': self.loss_tokens.tolist(),
-                'history': self.history, 'stage_names': self.stage_names,
-                'stage_counts': self.stage_counts.tolist(),
-                'loss_sum': self.loss_sum.tolist(), 'loss_targets': self.loss_targets.tolist(),
-                'stage_loss_sum': self.stage_loss_sum.tolist(),
-                'stage_loss_targets': self.stage_loss_targets.tolist()}
+        stages = [_lists(t) for t in self.totals[1:]]
+        return {'stream_names': self.stream_names, **_lists(self.totals[0]), 'history': self.history,
+                'stage_names': self.stage_names, 'stage_counts': [[s[c] for c in COUNTERS] for s in stages],
+                'stage_loss_sum': [s['loss_sum'] for s in stages],
+                'stage_loss_targets': [s['loss_targets'] for s in stages]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the checkpoint's counters and loss sums, by stream name; streams added since (ids
@@ -300,50 +279,44 @@ class StreamAccounting(Callback):
         if self.stream_names[:len(old)] != old:  # streams are numbered in order of first use
             raise UserError(f'checkpoint counts streams {old}, this run has {self.stream_names}: '
                              f'resuming a different mixture')
-        cols = list(range(len(old)))
+        zeros = [0] * len(old)
 
-        def widen(rows: Any, dtype: Any = np.int64) -> np.ndarray:
-            rows = np.array(rows, dtype=dtype).reshape(-1, len(old))
-            out = np.zeros((rows.shape[0], len(self.stream_names)), dtype=dtype)
-            out[:, cols] = rows
+        def ledger(counts: Any, loss_sum: Any, targets: Any) -> np.ndarray:
+            """One :data:`FIELDS` x stream block of ``totals`` from a checkpoint's lists (new streams: 0)."""
+            out = np.zeros((len(FIELDS), len(self.stream_names)))
+            out[:, :len(old)] = np.vstack([np.reshape(counts, (len(COUNTERS), len(old))), [loss_sum], [targets]])
             return out
 
-        zeros = [0] * len(old)
-        self.counts = widen([state[name] for name in COUNTERS])
-        self.loss_sum = widen(state.get('loss_sum', zeros), np.float64)[0]
-        self.loss_targets = widen(state.get('loss_targets', zeros))[0]
+        def saved(d: Mapping[str, Any]) -> np.ndarray:
+            return ledger([d[c] for c in COUNTERS], d.get('loss_sum', zeros), d.get('loss_targets', zeros))
+
+        self.totals[:] = 0
+        self.totals[0] = saved(state)
         self._pending[:] = 0
-        self._pending_stages[:] = 0
         self._loss_pending = None
         self._loss_batch = None
-        self.history = []
-        for point in state['history']:
-            point = dict(point)
-            for name in COUNTERS:
-                point[name] = widen([point[name]])[0].tolist()
-            point['loss_sum'] = widen([point.get('loss_sum', zeros)], np.float64)[0].tolist()
-            point['loss_targets'] = widen([point.get('loss_targets', zeros)])[0].tolist()
-            self.history.append(point)
-        self.stage_counts[:] = 0
-        self.stage_loss_sum[:] = 0
-        self.stage_loss_targets[:] = 0
-        if self.stage_names is not None and state.get('stage_names') is None:
+        self.history = [{**point, **_lists(saved(point))} for point in state['history']]
+        stages = list(state.get('stage_names') or [])
+        if self.stage_names is not None and not stages and 'main' in self.stage_names:
             # a run without stages (the stage 'main') that now has stages: it was all 'main'
-            if 'main' in self.stage_names:
-                k = self.stage_names.index('main')
-                self.stage_counts[k] = self.counts
-                self.stage_loss_sum[k] = self.loss_sum
-                self.stage_loss_targets[k] = self.loss_targets
-        elif self.stage_names is not None:
-            stages = list(state.get('stage_names') or [])
-            counts = np.array(state.get('stage_counts') or [], dtype=np.int64).reshape(
-                len(stages), len(COUNTERS), len(old))
-            no_loss = [zeros] * len(stages)
-            loss_sum = widen(state.get('stage_loss_sum', no_loss), np.float64)
-            loss_targets = widen(state.get('stage_loss_targets', no_loss))
-            for k, stage in enumerate(stages):  # stages appended since the checkpoint start at 0
-                if stage in self.stage_names:
-                    at = self.stage_names.index(stage)
-                    self.stage_counts[at] = widen(counts[k])
-                    self.stage_loss_sum[at] = loss_sum[k]
-                    self.stage_loss_targets[at] = loss_targets[k]
+            self.totals[1 + self.stage_names.index('main')] = self.totals[0]
+        no_loss = [zeros] * len(stages)
+        for k, stage in enumerate(stages):  # stages appended since the checkpoint start at 0
+            if self.stage_names is not None and stage in self.stage_names:
+                self.totals[1 + self.stage_names.index(stage)] = ledger(
+                    state['stage_counts'][k], state.get('stage_loss_sum', no_loss)[k],
+                    state.get('stage_loss_targets', no_loss)[k])
+
+
+def _lists(block: np.ndarray) -> dict[str, list[Any]]:
+    """A :data:`FIELDS` x stream block of ``totals`` as a checkpoint and the history hold it: whole
+    numbers as ints, ``loss_sum`` as floats."""
+    return {name: row.tolist() if name == 'loss_sum' else row.astype(np.int64).tolist()
+            for name, row in zip(FIELDS, block)}
+
+
+def _counts(block: np.ndarray, i: int, **shares: float) -> dict[str, Any]:
+    """Column ``i`` of a :data:`FIELDS` x stream block as the report gives a stream: the counters,
+    ``shares``, the mean loss per loss target and the targets."""
+    out = {name: int(block[k, i]) for k, name in enumerate(COUNTERS)}
+    return {**out, **shares, 'loss': report.mean_loss(block[3, i], int(block[4, i])), 'loss_targets': int(block[4, i])}

@@ -1,18 +1,26 @@
-"""Checkpoints to a remote ``save_folder`` (``s3://...``): Composer's ``CheckpointSaver`` writes
-them to a local scratch folder and :class:`CheckpointUploader` uploads them, in order, from a
-thread of the trainer (a killed run leaves nothing running).
+"""Checkpoint savers for a ``save_folder`` (a sharded run keeps Composer's own).
 
-Why not Composer's uploader (0.32.1): its client makes 3 attempts, and a failed upload kills
-its thread with a traceback while later checkpoints are lost. Here every request is retried
-(:func:`foundrymix.s3.client.make_client`: ``AWS_MAX_ATTEMPTS`` or 8 attempts, each waiting at
-most ``download_timeout``; counted in the S3 line). The pointer goes up after its checkpoint;
-an object appears only once whole. A file that still fails stops the run in one line naming
-it and its kept local copy, and nothing after it goes up. At start, unfinished multipart
-uploads of our names (a killed run's) are aborted. A sharded run keeps Composer's uploader.
+Local: Composer (0.32.1) writes ``ep{e}-ba{b}-rank{r}.pt`` in place, so a run stopped during the write
+(Ctrl-C, SIGTERM, SIGKILL, a full disk) leaves a truncated file that looks like a checkpoint.
+:class:`LocalSave` is Composer's public ``CheckpointSaver`` writing ``ep{e}-ba{b}-rank{r}.part.pt``;
+once that is whole (flushed to disk) it is renamed to ``<name>`` and ``latest-rank{r}.pt`` is
+re-pointed by an atomic rename too. A ``.part.pt`` is removed when its write fails, and ones a
+killed run left are removed at the next start (never the one ``latest`` points at).
+
+Remote (``s3://...``): Composer's ``CheckpointSaver`` writes them to a local scratch folder and
+:class:`CheckpointUploader` uploads them, in order, from a thread of the trainer (a killed run
+leaves nothing running). Why not Composer's uploader (0.32.1): its client makes 3 attempts, and a
+failed upload kills its thread with a traceback while later checkpoints are lost. Here every request
+is retried (:func:`foundrymix.s3.client.make_client`: ``AWS_MAX_ATTEMPTS`` or 8 attempts, each waiting
+at most ``download_timeout``; counted in the S3 line). The pointer goes up after its checkpoint; an
+object appears only once whole. A file that still fails stops the run in one line naming it and its
+kept local copy, and nothing after it goes up. At start, unfinished multipart uploads of our names
+(a killed run's) are aborted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -24,8 +32,9 @@ from typing import Any, Optional
 
 from boto3.exceptions import S3UploadFailedError
 from composer.callbacks import CheckpointSaver
-from composer.loggers import LoggerDestination
-from composer.utils import parse_uri
+from composer.core import State
+from composer.loggers import Logger, LoggerDestination
+from composer.utils import dist, ensure_folder_has_no_conflicting_files, format_name_with_dist, parse_uri
 
 from foundrymix.errors import ExistsError, FoundrymixError
 from foundrymix.s3.client import S3Url, attempts, make_client
@@ -35,6 +44,67 @@ FILENAME = 'ep{epoch}-ba{batch}-rank{rank}.pt'  # Composer's default save_filena
 LATEST = 'latest-rank{rank}.pt'                 # Composer's default save_latest_filename
 #: the names this module uploads (a checkpoint of any rank, the latest pointer)
 OURS = re.compile(r'^(ep\d+-ba\d+-rank\d+\.pt|latest-rank\d+\.pt\.symlink)$')
+PART = '.part.pt'  # in place of '.pt' (a name ending '.pt.<x>' is a compressed one to Composer)
+
+
+class LocalSave(CheckpointSaver):
+    """``CheckpointSaver`` into ``folder`` by write-then-rename; keeps the newest ``keep`` (-1: all)."""
+
+    def __init__(self, folder: str, save_interval: Any, overwrite: bool, keep: int) -> None:
+        # keep=0 (Composer: keep none locally) is Composer's own; else rotation is of the final names
+        super().__init__(folder=folder, filename=FILENAME[:-len('.pt')] + PART, remote_file_name=None,
+                         latest_filename=LATEST, latest_remote_file_name=None, save_interval=save_interval, overwrite=overwrite,
+                         num_checkpoints_to_keep=0 if keep == 0 else -1)
+        self.keep = keep
+        self.published: list[str] = []
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        folder = format_name_with_dist(self.folder, state.run_name)
+        latest = os.path.realpath(os.path.join(folder, format_name_with_dist(LATEST, state.run_name)))
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            path = os.path.join(folder, name)
+            if name.endswith(PART) and os.path.realpath(path) != latest:
+                with contextlib.suppress(FileNotFoundError):  # (another rank of this node removed it)
+                    os.remove(path)  # a write a killed run left unfinished
+        if not self.overwrite:  # Composer's check, of the names checkpoints are published under
+            ensure_folder_has_no_conflicting_files(folder, FILENAME, state.timestamp)
+        super().fit_start(state, logger)
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._publish(state, lambda: super(LocalSave, self).batch_checkpoint(state, logger))
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._publish(state, lambda: super(LocalSave, self).epoch_checkpoint(state, logger))
+
+    def iteration_checkpoint(self, state: State, logger: Logger) -> None:
+        self._publish(state, lambda: super(LocalSave, self).iteration_checkpoint(state, logger))
+
+    def _publish(self, state: State, save: Any) -> None:
+        """Run Composer's save; a ``.part`` it wrote becomes the checkpoint and ``latest``."""
+        part = self.filename.format(state)
+        try:
+            save()
+        except BaseException:
+            if os.path.exists(part):
+                os.remove(part)
+            raise
+        if not os.path.exists(part):
+            return  # no save at this event, or not this rank's
+        with open(part, 'rb') as f:
+            os.fsync(f.fileno())
+        final = part[:-len(PART)] + '.pt'
+        os.replace(part, final)
+        latest = self.latest_filename.format(state) if self.latest_filename is not None else None
+        if latest is not None:
+            tmp = latest + '.part'
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            os.symlink(os.path.relpath(final, os.path.dirname(latest)), tmp)
+            os.replace(tmp, latest)
+        self.published.append(final)
+        while self.keep > 0 and len(self.published) > self.keep:
+            os.remove(self.published.pop(0))
+
 
 
 class CheckpointUploader(LoggerDestination):
@@ -87,8 +157,8 @@ class CheckpointUploader(LoggerDestination):
         if not overwrite:
             try:
                 self.client.head_object(Bucket=self.url.bucket, Key=key)
-                raise ExistsError(f'it already exists (an earlier run\'s checkpoint: save_overwrite=true '
-                                  f'replaces it, autoresume=true continues that run)')
+                raise ExistsError('it already exists (an earlier run\'s checkpoint: save_overwrite=true '
+                                  'replaces it, autoresume=true continues that run)')
             except ClientError as e:
                 if e.response.get('Error', {}).get('Code') not in ('404', 'NoSuchKey', 'NotFound'):
                     raise
@@ -100,13 +170,10 @@ class CheckpointUploader(LoggerDestination):
         every rank stops at the same batch (one rank raising alone would leave the others waiting)."""
         return None if self.failure is None else FoundrymixError(self.failure)
 
-    def check(self) -> None:
-        if self.failure is not None:
-            raise FoundrymixError(self.failure)
-
     def fit_end(self, state: Any, logger: Any) -> None:
         self._queue.join()  # the last checkpoint and its pointer are in the bucket, or named
-        self.check()
+        if self.failure is not None:
+            raise FoundrymixError(self.failure)
 
     def post_close(self) -> None:
         if self._thread.is_alive():
@@ -152,7 +219,6 @@ def remote_save(cfg: Any, overwrite: bool) -> RemoteSave:
     """A ``CheckpointSaver`` writing under ``cfg.save_folder`` (an ``s3://`` URI, ``{run_name}``
     allowed) through a :class:`CheckpointUploader` whose requests wait at most the loader's
     ``download_timeout``; rank 0 first aborts the unfinished uploads a killed run left there."""
-    from composer.utils import dist, format_name_with_dist
     _, bucket, path = parse_uri(cfg.save_folder)
     prefix, timeout = path.strip('/'), float(cfg.train_loader.download_timeout)
     if dist.get_global_rank() == 0:
