@@ -104,10 +104,11 @@ def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
     model = AutoModelForCausalLM.from_config(config)
     weights = {k[len(PREFIX):]: v for k, v in state['model'].items() if k.startswith(PREFIX)}
     if info.get('peft') is not None:
-        lora = _require_peft()
-        model, missing, unexpected = lora.peft_model_from_state(model, info['peft'], weights, info.get('pretrained'))
-    else:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
+        from peft import get_peft_model
+        peft_config = _require_peft().lora_config(info['peft'])
+        peft_config.base_model_name_or_path = info.get('pretrained')  # the base the adapter's config names
+        model = get_peft_model(model, peft_config)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ExportError(f'checkpoint weights do not fit the recorded {config.model_type} config: '
                           f'missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}')
@@ -157,8 +158,13 @@ def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bo
     if info is None:
         raise ExportError(f'{checkpoint}: the checkpoint has no ModelInfo record (written by a foundrymix older '
                           f'than export support); resume it for one step with this version to re-save it')
-    if adapter:
-        _check_adapter_export(info, checkpoint)
+    if adapter and info.get('peft') is None:
+        raise ExportError(f'{checkpoint}: --adapter: the run trained every weight (no model.peft_config), '
+                          f'so there is no adapter: export without --adapter')
+    if adapter and not info.get('pretrained'):
+        raise ExportError(f'{checkpoint}: --adapter: the run\'s base model was built at random (no '
+                          f'model.pretrained), so an adapter alone has no base directory to load over: export '
+                          f'without --adapter (the merged model)')
     model = hf_model_from_state(state, info)
     if adapter:
         _check_base(model, info['pretrained'])
@@ -169,17 +175,6 @@ def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bo
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
-
-
-def _check_adapter_export(info: dict[str, Any], checkpoint: str) -> None:
-    if info.get('peft') is None:
-        raise ExportError(f'{checkpoint}: --adapter: the run trained every weight (no model.peft_config), '
-                          f'so there is no adapter: export without --adapter')
-    _require_peft()
-    if not info.get('pretrained'):
-        raise ExportError(f'{checkpoint}: --adapter: the run\'s base model was built at random (no '
-                          f'model.pretrained), so an adapter alone has no base directory to load over: export '
-                          f'without --adapter (the merged model)')
 
 
 def _check_base(model: Any, directory: str) -> None:

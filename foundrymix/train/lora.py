@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import importlib.util
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from foundrymix.config import ConfigError, Gather, to_plain
 
@@ -160,21 +160,6 @@ def trainable_line(model: Any, peft: Mapping[str, Any]) -> str:
     extra = f', modules_to_save {", ".join(map(str, save))} train whole' if save else ''
     return (f'model: LoRA r={peft.get("r", 8)} on {_short_names(layers)} ({len(layers)} layers{extra}): '
             f'{train:,} of {total:,} parameters train ({100 * train / total:.2f} %); the others are frozen')
-
-
-# ----------------------------------------------------------------------------- export
-
-def peft_model_from_state(base: Any, peft: Mapping[str, Any], weights: Mapping[str, Any],
-                          pretrained: Optional[str]) -> tuple[Any, list[str], list[str]]:
-    """(LoRA model over ``base`` with a checkpoint's ``weights``, missing keys, unexpected keys);
-    ``pretrained``: the base directory the adapter's config records."""
-    from peft import get_peft_model
-
-    config = lora_config(peft)
-    config.base_model_name_or_path = pretrained
-    model = get_peft_model(base, config)
-    missing, unexpected = model.load_state_dict(dict(weights), strict=False)
-    return model, list(missing), list(unexpected)
 
 
 def base_tensors(model: Any) -> dict[str, Any]:

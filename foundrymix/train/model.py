@@ -20,7 +20,7 @@ from torchmetrics import Metric
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec, hf_config
-from foundrymix.train.weights import VOCAB_PAD, check_has_weights, check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
+from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
 from foundrymix.train.flex import register
 from foundrymix.train.fused_loss import fused_token_loss
 from foundrymix.train.lora import wrap

@@ -155,8 +155,11 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
             gather.add(ConfigError(message.format(where=where)))
         for message in not_cpu if resolved == 'cpu' else []:
             gather.add(ConfigError(message.format(where=where)))
-    with gather:
-        check_load_scheme(cfg)
+    scheme = cfg.load_path.split('://', 1)[0] if '://' in (cfg.load_path or '') else None
+    if scheme is not None and scheme.lower() not in LOAD_SCHEMES:  # the object stores foundrymix reads
+        gather.add(ConfigError(f'load_path: {cfg.load_path}: foundrymix loads checkpoints from a local path or '
+                               f's3://bucket/key, not {scheme}://; give one of those, or leave load_path out '
+                               f'to start from scratch'))
     max_duration, t_warmup = str(cfg.max_duration), str(cfg.scheduler.t_warmup)
     with gather:
         # a single mixture keeps the YAML's; stages and adaptive segments: composer_duration
@@ -173,12 +176,3 @@ def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) ->
                               f'checkpoint a run saved whole (ep*-ba*-rank0.pt)')
     return max_duration, t_warmup
 
-
-def check_load_scheme(cfg: Any) -> None:
-    """``load_path`` is a local path or an ``s3://`` URL (the object stores foundrymix reads)."""
-    path = cfg.load_path or ''
-    scheme = path.split('://', 1)[0] if '://' in path else None
-    if scheme is not None and scheme.lower() not in LOAD_SCHEMES:
-        raise ConfigError(f'load_path: {path}: foundrymix loads checkpoints from a local path or '
-                          f's3://bucket/key, not {scheme}://; give one of those, or leave load_path out '
-                          f'to start from scratch')

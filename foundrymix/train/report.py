@@ -91,38 +91,32 @@ def write_plot(summary: dict[str, Any], path: str) -> None:
 
 def table(summary: dict[str, Any]) -> Any:
     """The summary as a rich table: per stream, what was consumed against the plan."""
-    from rich.table import Table
-
     title = 'per-stream accounting'
     if 'batch' in summary and summary.get('stages'):
         title += f' after {summary["batch"]} batches ({len(summary["stages"])} stages)'
     elif 'batch' in summary:
         title += f' after {summary["batch"]} batches ({summary["epoch"]} full epochs)'
-    out = Table(title=title)
-    for col in ('stream', 'samples', 'tokens', 'loss tokens', 'share', 'planned share', 'loss'):
-        out.add_column(col, justify='left' if col == 'stream' else 'right')
-    for name, s in summary['streams'].items():
-        out.add_row(name, f'{s["samples"]:,}', f'{s["tokens"]:,}', f'{s["loss_tokens"]:,}',
-                    f'{s["share"]:.2%}', f'{s["planned_share"]:.2%}', loss_cell(s))
-    return out
-
-
-def loss_cell(counts: dict[str, Any]) -> str:
-    """A mean loss for a table: 4 decimals, ``-`` where none was measured."""
-    loss = counts.get('loss')
-    return '-' if loss is None else f'{loss:.4f}'
+    rows = [([name], s, [f'{s["share"]:.2%}', f'{s["planned_share"]:.2%}']) for name, s in summary['streams'].items()]
+    return _table(title, ['stream'], ['share', 'planned share'], rows)
 
 
 def stage_table(stages: dict[str, Any]) -> Any:
     """Rows, tokens, loss tokens and the mean loss each stream gave to each stage of a staged run."""
+    rows = [([stage, name], c, []) for stage, streams in stages.items() for name, c in streams.items()]
+    return _table('per stage', ['stage', 'stream'], [], rows)
+
+
+def _table(title: str, names: list[str], shares: list[str], rows: list[tuple[list[str], Any, list[str]]]) -> Any:
+    """A rich table: the ``names`` columns, the counters, the ``shares`` columns, the mean loss
+    (4 decimals, ``-`` where none was measured)."""
     from rich.table import Table
-    t = Table(title='per stage')
-    for col in ('stage', 'stream', 'samples', 'tokens', 'loss tokens', 'loss'):
-        t.add_column(col, justify='left' if col in ('stage', 'stream') else 'right')
-    for stage, streams in stages.items():
-        for name, c in streams.items():
-            t.add_row(stage, name, f'{c["samples"]:,}', f'{c["tokens"]:,}', f'{c["loss_tokens"]:,}', loss_cell(c))
-    return t
+    out = Table(title=title)
+    for col in (*names, 'samples', 'tokens', 'loss tokens', *shares, 'loss'):
+        out.add_column(col, justify='left' if col in names else 'right')
+    for keys, c, cells in rows:
+        loss = '-' if c.get('loss') is None else f'{c["loss"]:.4f}'
+        out.add_row(*keys, f'{c["samples"]:,}', f'{c["tokens"]:,}', f'{c["loss_tokens"]:,}', *cells, loss)
+    return out
 
 
 def print_report(summary: dict[str, Any], out_dir: str, plot: bool, console: Optional[Any] = None) -> None:

@@ -49,18 +49,6 @@ def safetensors_files(directory: str) -> list[str]:
     return [os.path.join(directory, name) for name in files]
 
 
-def _checkpoint_shapes(directory: str) -> dict[str, tuple[str, list[int]]]:
-    """Tensor name -> (file, shape) of a directory's safetensors weights ({} if it has none)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[str, list[int]]] = {}
-    for path in safetensors_files(directory):
-        with safe_open(path, 'pt') as h:
-            for key in h.keys():
-                shapes[key] = (path, list(h.get_slice(key).get_shape()))
-    return shapes
-
-
 def meta_model(config: Any) -> Any:
     """The causal LM of ``config`` on the ``meta`` device (no memory, no init), or None when
     transformers cannot build it (not a causal LM, ...: the load's own refusal says so)."""
@@ -77,8 +65,13 @@ def meta_model(config: Any) -> Any:
 def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
     """Every tensor of the pretrained directory's safetensors weights has the shape the model
     built from ``config`` gives it (a file safetensors cannot open is left to the load)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[str, list[int]]] = {}  # tensor name -> (file, shape)
     try:
-        shapes = _checkpoint_shapes(spec.pretrained)
+        for path in safetensors_files(spec.pretrained):
+            with safe_open(path, 'pt') as h:
+                shapes.update((key, (path, list(h.get_slice(key).get_shape()))) for key in h.keys())
     except Exception:  # noqa: BLE001 -- a damaged file: the load's own refusal names it
         return
     model = meta_model(config) if shapes else None
