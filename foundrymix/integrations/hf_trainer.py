@@ -28,12 +28,9 @@ TRAINER_STATE = 'trainer_state.json'
 
 
 class FoundrymixTrainer(Trainer):
-    """``transformers.Trainer`` that trains ``loader`` (from :func:`foundrymix.build_loader`).
-
-    ``attention``: ``document`` (default) gives the model the packed rows' ``position_ids`` and no
-    mask (a model that builds its mask from them attends inside each document); ``causal`` the
-    padding ``attention_mask``. Every other argument is the Trainer's.
-    """
+    """``transformers.Trainer`` that trains ``loader`` (from :func:`foundrymix.build_loader`). ``attention``:
+    ``document`` (default) gives the model the packed rows' ``position_ids`` and no mask (it attends inside
+    each document), ``causal`` the padding ``attention_mask``. Every other argument is the Trainer's."""
 
     def __init__(self, model: Any = None, args: Optional[TrainingArguments] = None, *, loader: Any,
                  attention: Literal['document', 'causal'] = 'document', **kwargs: Any) -> None:

@@ -7,7 +7,7 @@ registering the subcommand keeps ``foundrymix plan`` fast.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from foundrymix.config import OVERRIDES_HELP
 from foundrymix.errors import Interrupted, UserError, run_command as run
@@ -31,16 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_arguments(subparsers.add_parser('train', help='train a causal LM on a stream mix with Composer',
                                         description=DESCRIPTION))
-
-
-def print_summary(run: Any) -> None:
-    """Per-stream table of what was consumed against the plan, and where the report is."""
-    from rich.console import Console
-
-    console = Console()
-    print_report(run.accounting.summary(run.trainer.state), run.accounting.out_dir, run.accounting.plot, console)
-    if run.config.save_folder:
-        console.print(f'checkpoints: {run.config.save_folder}')
 
 
 def require_composer() -> None:
@@ -73,8 +63,12 @@ def run_cli(args: argparse.Namespace) -> int:
         if interrupt.received is None or isinstance(e, Interrupted):
             raise
         raise interrupt.stopped(config, None, dist.get_global_rank()) from None
-    if dist.get_global_rank() == 0 and not run.finished:
-        print_summary(run)
+    if dist.get_global_rank() == 0 and not run.finished:  # the per-stream table and where the report is
+        from rich.console import Console
+        console = Console()
+        print_report(run.accounting.summary(run.trainer.state), run.accounting.out_dir, run.accounting.plot, console)
+        if run.config.save_folder:
+            console.print(f'checkpoints: {run.config.save_folder}')
     return 0
 
 

@@ -104,8 +104,12 @@ def hf_model_from_state(state: dict[str, Any], info: dict[str, Any]) -> Any:
     model = AutoModelForCausalLM.from_config(config)
     weights = {k[len(PREFIX):]: v for k, v in state['model'].items() if k.startswith(PREFIX)}
     if info.get('peft') is not None:
+        from foundrymix.train import lora
+        if not lora.peft_available():
+            raise ExportError(f'the checkpoint is of a LoRA run (model.peft_config): exporting it needs the '
+                              f'peft library, which is not installed: {lora.INSTALL}')
         from peft import get_peft_model
-        peft_config = _require_peft().lora_config(info['peft'])
+        peft_config = lora.lora_config(info['peft'])
         peft_config.base_model_name_or_path = info.get('pretrained')  # the base the adapter's config names
         model = get_peft_model(model, peft_config)
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -132,14 +136,6 @@ def find_tokenizer(info: dict[str, Any]) -> Any:
         tried.append(f'{name!r}: another fingerprint')
     raise ExportError(f"no tokenizer with the fingerprint the run trained with "
                       f"({info['tokenizer_fingerprint'][:12]}): {'; '.join(tried)}")
-
-
-def _require_peft() -> Any:
-    from foundrymix.train import lora
-    if not lora.peft_available():
-        raise ExportError(f'the checkpoint is of a LoRA run (model.peft_config): exporting it needs the '
-                          f'peft library, which is not installed: {lora.INSTALL}')
-    return lora
 
 
 def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bool = False) -> str:
@@ -178,17 +174,30 @@ def export_to_hf(checkpoint: str, out: str, overwrite: bool = False, adapter: bo
 
 
 def _check_base(model: Any, directory: str) -> None:
-    """The adapter is only right over the base it was trained on: ``directory`` must hold it."""
-    from foundrymix.train.weights import changed_base_tensor
+    """The adapter is only right over the base it was trained on: every tensor of ``directory``'s
+    safetensors weights must equal, bitwise, the LoRA ``model``'s base tensor of that name."""
+    import torch
+    from safetensors import safe_open
+
+    from foundrymix.train.weights import safetensors_files
 
     if not os.path.isdir(directory):
         raise ExportError(f'--adapter: the base directory the run started from, {directory}, is gone: export '
                           f'without --adapter (the merged model), or restore the directory')
-    try:
-        changed = changed_base_tensor(model, directory)
-    except ValueError as e:
-        raise ExportError(f'--adapter: {e}: export without --adapter (the merged model)') from None
-    if changed:
-        raise ExportError(f'--adapter: {changed} differs from the base weights the adapter was trained on '
-                          f'(the directory changed since, or the run took only its config): export without '
-                          f'--adapter (the merged model)')
+    files = safetensors_files(directory)
+    if not files:
+        raise ExportError(f'--adapter: {directory}: no safetensors weights to compare the base with: export '
+                          f'without --adapter (the merged model)')
+    mine = {key.removeprefix('base_model.model.').replace('.base_layer.', '.').replace('.original_module.', '.'): v
+            for key, v in model.state_dict().items() if 'lora_' not in key and '.modules_to_save.' not in key}
+    prefix = model.get_base_model().base_model_prefix
+    for path in files:
+        with safe_open(path, 'pt') as h:
+            for key in h.keys():
+                name = key if key in mine else f'{prefix}.{key}'
+                if name in mine and torch.equal(h.get_tensor(key), mine[name]):
+                    continue
+                gone = '' if name in mine else ' (not in the model the adapter was trained on)'
+                raise ExportError(f'--adapter: {path}: {key}{gone} differs from the base weights the adapter was '
+                                  f'trained on (the directory changed since, or the run took only its config): '
+                                  f'export without --adapter (the merged model)')

@@ -1,14 +1,10 @@
 """Ctrl-C (SIGINT) and SIGTERM stop a command-line run with one line: where it stopped, the newest
 complete checkpoint, and how to resume; exit ``128 + signal`` (130, 143), no traceback.
 
-Why: Composer installs a handler that calls ``sys.exit`` wherever the main thread is -- inside
-``torch.save`` it surfaced as ``RuntimeError: ... unexpected pos`` with two screens of traceback.
-:func:`install` replaces that handler (``signal.signal``, the public way) with one that records
-the signal and raises ``KeyboardInterrupt``; whatever exception then leaves the run is reported as
-the stop. A checkpoint being written is abandoned (its ``.part`` removed,
-:mod:`foundrymix.train.save`), so the one named is whole. DataLoader workers (forked with the
-handler) raise ``KeyboardInterrupt``, which torch's worker loop leaves quietly; what the
-DataLoader's ``__del__`` then reports of its stopped workers ("Exception ignored") is dropped.
+Composer's own handler calls ``sys.exit`` wherever the main thread is (inside ``torch.save``: a long
+traceback). :func:`install` replaces it with one that records the signal and raises ``KeyboardInterrupt``;
+whatever then leaves the run is reported as the stop. A checkpoint being written is abandoned, so the
+one named is whole; the DataLoader's reports of its stopped workers ("Exception ignored") are dropped.
 """
 
 from __future__ import annotations

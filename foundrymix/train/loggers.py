@@ -90,17 +90,11 @@ def _mlflow(o: MLFlowLoggerConfig, run_name: str) -> Any:
                         log_duplicated_metric_every_n_steps=o.log_duplicated_metric_every_n_steps)
 
 
-def _wandb_compat() -> None:
-    """Composer 0.32's ``WandBLogger.init`` calls ``wandb.run.get_url()``, which wandb 0.19+
-    dropped for ``url`` (and older wandb needs protobuf < 6): give new wandb the old name."""
-    from wandb.sdk.wandb_run import Run
-    if not hasattr(Run, 'get_url'):
-        Run.get_url = lambda self: self.url
-
-
 def _wandb(o: WandbLoggerConfig, run_name: str) -> Any:
     from composer.loggers import WandBLogger
-    _wandb_compat()
+    from wandb.sdk.wandb_run import Run
+    if not hasattr(Run, 'get_url'):  # Composer's WandBLogger.init calls it; wandb 0.19+ renamed it url
+        Run.get_url = lambda self: self.url
     init_kwargs = {k: v for k, v in (('mode', o.mode), ('dir', o.dir)) if v is not None}
     if o.dir:
         os.makedirs(o.dir, exist_ok=True)

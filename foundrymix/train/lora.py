@@ -28,22 +28,12 @@ def peft_available() -> bool:
     return importlib.util.find_spec('peft') is not None
 
 
-def require_peft(where: str) -> None:
-    """Refuse a ``peft_config`` when peft is not installed, saying how to install it."""
-    if not peft_available():
-        raise ConfigError(f'{where}: LoRA needs the peft library, which is not installed: {INSTALL}',
-                          path=where)
-
-
-def _one_line(e: BaseException) -> str:
-    return ' '.join(str(e).split())
-
-
 def read_peft_config(value: Any, where: str) -> dict[str, Any]:
     """``model.peft_config`` as plain ``LoraConfig`` keyword arguments (``task_type`` included),
     every problem refused at once, each naming its key."""
     d = to_plain(value, where)
-    require_peft(where)
+    if not peft_available():
+        raise ConfigError(f'{where}: LoRA needs the peft library, which is not installed: {INSTALL}', path=where)
     gather = Gather()
     peft_type = d.pop('peft_type', 'LORA')
     if str(peft_type).upper() != 'LORA':
@@ -75,7 +65,7 @@ def read_peft_config(value: Any, where: str) -> dict[str, Any]:
     try:
         lora_config(out)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f'{where}: {_one_line(e)}', path=where) from None
+        raise ConfigError(f'{where}: {" ".join(str(e).split())}', path=where) from None
     return out
 
 
@@ -144,8 +134,8 @@ def wrap(model: Any, peft: Mapping[str, Any]) -> Any:
         if peft.get('target_modules') is None:
             raise ConfigError(f'model.peft_config.target_modules: missing, and peft has no default for a {kind} '
                               f'model: give the layers to adapt, from: {_short_names(layers)}') from None
-        raise ConfigError(f'model.peft_config: {_one_line(e)} (the layers of the {kind} model LoRA can adapt: '
-                          f'{_short_names(layers)})', path='model.peft_config') from None
+        raise ConfigError(f'model.peft_config: {" ".join(str(e).split())} (the layers of the {kind} model LoRA can '
+                          f'adapt: {_short_names(layers)})', path='model.peft_config') from None
     wrapped.foundrymix_lora = trainable_line(wrapped, peft)
     return wrapped
 
@@ -160,14 +150,3 @@ def trainable_line(model: Any, peft: Mapping[str, Any]) -> str:
     extra = f', modules_to_save {", ".join(map(str, save))} train whole' if save else ''
     return (f'model: LoRA r={peft.get("r", 8)} on {_short_names(layers)} ({len(layers)} layers{extra}): '
             f'{train:,} of {total:,} parameters train ({100 * train / total:.2f} %); the others are frozen')
-
-
-def base_tensors(model: Any) -> dict[str, Any]:
-    """The base model's own tensors inside a peft LoRA model, under the base model's names."""
-    out = {}
-    for key, value in model.state_dict().items():
-        if 'lora_' in key or '.modules_to_save.' in key:
-            continue
-        name = key.removeprefix('base_model.model.').replace('.base_layer.', '.').replace('.original_module.', '.')
-        out[name] = value
-    return out

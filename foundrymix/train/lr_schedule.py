@@ -92,14 +92,11 @@ def span_batches(run: Any, text: str, where: str) -> int:
                       tokens_per_batch=G * run.max_seq_len, total_batches=run.total_batches)
 
 
-def stage_span(run: Any, name: str, where: str) -> tuple[int, int]:
-    """(first batch, one past the last) of ``run``'s stage ``name``."""
-    for stage in run.stages:
-        if stage.name == name:
-            return stage.start_batch, stage.start_batch + stage.batches
-    names = [s.name for s in run.stages]
-    raise ConfigError(f'{where}.stage: no stage {name!r}; the stages are: {", ".join(names)}'
-                      f'{did_you_mean(name, names)}')
+def stage_span(run: Any, name: str) -> tuple[int, int]:
+    """(first batch, one past the last) of ``run``'s stage ``name`` (:func:`check_stage_names` refused
+    an unknown name when the config was read)."""
+    stage = next(s for s in run.stages if s.name == name)
+    return stage.start_batch, stage.start_batch + stage.batches
 
 
 @dataclass
@@ -181,11 +178,11 @@ def resolve_wsd(cfg: Any, run: Any) -> WSDSchedule:
     W, start, end = 0, run.total_batches, run.total_batches
     if warmup is not None:
         with gather:
-            W = (stage_span(run, warmup.stage, f'{where}.warmup')[1] if warmup.stage is not None
+            W = (stage_span(run, warmup.stage)[1] if warmup.stage is not None
                  else span_batches(run, str(warmup.duration), f'{where}.warmup'))
     with gather:
         if decay.stage is not None:
-            start, end = stage_span(run, decay.stage, f'{where}.decay')
+            start, end = stage_span(run, decay.stage)
         else:
             start = end - span_batches(run, str(decay.duration), f'{where}.decay.duration')
     gather.raise_any()

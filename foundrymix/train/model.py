@@ -8,7 +8,6 @@ padding ``attention_mask``. The loss is computed once per token with the per-row
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -20,7 +19,7 @@ from torchmetrics import Metric
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec, hf_config
-from foundrymix.train.weights import check_has_weights, check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
+from foundrymix.train.weights import check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
 from foundrymix.train.flex import register
 from foundrymix.train.fused_loss import fused_token_loss
 from foundrymix.train.lora import wrap
@@ -44,7 +43,7 @@ def _check_fits(config: Any, tokenizer: TokenizerInfo, max_seq_len: int) -> None
 def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) -> torch.nn.Module:
     """The causal LM: random init, or a local pretrained directory's weights (then it carries
     :func:`loading_line` as ``foundrymix_loading``); LoRA-wrapped with ``peft_config``. Refuses,
-    before any weight loads, a model that cannot hold the data and weights missing or of other sizes."""
+    before any weight loads, a model that cannot hold the data and weights unreadable or of other sizes."""
     from transformers import AutoModelForCausalLM
 
     config = hf_config(spec, tokenizer)
@@ -52,9 +51,8 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
     attn = spec.attn_implementation or 'sdpa'
     if attn == 'flex_attention':
         attn = register()
-    if spec.pretrained is not None and spec.load_weights:
-        check_has_weights(spec)
-        check_weight_shapes(spec, config)  # named, before transformers' size-mismatch traceback
+    if spec.pretrained is not None and spec.load_weights:  # (a folder without weights: config.check_streams)
+        check_weight_shapes(spec, config)  # named, before transformers' tracebacks
     try:
         if spec.pretrained is not None and spec.load_weights:
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -65,31 +63,10 @@ def build_hf_model(spec: ModelSpec, tokenizer: TokenizerInfo, max_seq_len: int) 
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     except (ValueError, ImportError) as e:  # not a causal LM, flash-attn missing, ...
         raise ModelConfigError(f'model: {spec.model_type!r}: {e}') from None
-    except Exception as e:  # noqa: BLE001 -- only safetensors' own error is turned into a message
-        if type(e).__name__ != 'SafetensorError':
-            raise
-        raise ModelConfigError(f'model.pretrained: {_unreadable_weights(spec.pretrained, e)}') from None
     if spec.peft is not None:
         model = wrap(model, spec.peft)
     add_fsdp_hooks(model)
     return model
-
-
-def _unreadable_weights(directory: str, error: BaseException) -> str:
-    """``FILE: what is wrong`` for the first ``*.safetensors`` file safetensors cannot open (a
-    truncated copy), else ``directory`` and ``error``: transformers' own error names no file."""
-    from safetensors import safe_open
-
-    for name in sorted(os.listdir(directory)):
-        if name.endswith('.safetensors'):
-            path = os.path.join(directory, name)
-            try:
-                with safe_open(path, 'pt'):
-                    pass
-            except Exception as e:  # noqa: BLE001 -- SafetensorError, not importable by name
-                return (f'{path}: not a whole safetensors file ({e}); a truncated copy? Copy or save '
-                        f'the model again')
-    return f'{directory}: its weights cannot be read ({error})'
 
 
 #: names of tensors left at init that the loading line lists before '... and K more'

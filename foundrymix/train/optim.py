@@ -52,14 +52,10 @@ class DecoupledLionW(torch.optim.Optimizer):
 
 
 class FusedDecoupledAdamW(torch.optim.AdamW):
-    """Composer's ``DecoupledAdamW`` rule -- ``p *= 1 - (lr / initial_lr) * wd``, then Adam's step --
-    on torch's fused AdamW kernel: one launch for all tensors and no host sync per
-    tensor, where Composer's loop reads each tensor's step with ``.item()``.
-
-    torch decays by ``lr * wd'``; with ``wd' = wd / initial_lr`` that is Composer's decay, so the
-    group keeps Composer's ``weight_decay`` and ``initial_lr`` (its checkpoints load into either
-    class) and ``step`` hands torch ``wd'``. Equal to Composer's up to float rounding.
-    """
+    """Composer's ``DecoupledAdamW`` rule -- ``p *= 1 - (lr / initial_lr) * wd``, then Adam's step -- on
+    torch's fused AdamW kernel (no host sync per tensor), equal to Composer's up to float rounding: ``step``
+    hands torch ``wd / initial_lr``, the group keeps Composer's ``weight_decay`` and ``initial_lr`` (its
+    checkpoints load into either class)."""
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float) -> None:

@@ -1,12 +1,10 @@
 """Autoresume: the newest *complete* checkpoint of a local or a remote (``s3://...``) ``save_folder``.
 
-Why: Composer (0.32) writes ``ep{e}-ba{b}-rank0.pt`` in place, so a job killed while writing
-leaves a truncated file that its autoresume loads and dies on; on S3 it uploads
-``latest-rank0.pt.symlink`` late or not at all, and its autoresume first loads a stale local
-copy (``./s3:/b/run/ckpts/latest-rank0.pt``). So the checkpoint files (objects) are the truth:
-the newest batch whose zip central directory is whole (truncation removes it; on S3 a few
-ranged GETs read it) is resumed, and newer incomplete ones are named and left for the run to
-rewrite. On S3 rank 0 decides for every rank (:func:`agreed`). docs/resume.md, docs/s3.md.
+Why: Composer's autoresume loads a truncated file a killed job left, and on S3 a stale local copy
+(it uploads ``latest-rank0.pt.symlink`` late or not at all). So the checkpoint files (objects) are the
+truth: the newest batch whose zip central directory is whole (on S3 a few ranged GETs read it) is
+resumed, and newer incomplete ones are named and left for the run to rewrite. On S3 rank 0 decides
+for every rank (:func:`agreed`).
 """
 
 from __future__ import annotations
@@ -138,9 +136,6 @@ class _RangedObject(io.RawIOBase):
 
     def seekable(self) -> bool:
         return True
-
-    def tell(self) -> int:
-        return self.pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
         self.pos = max(0, {0: 0, 1: self.pos, 2: self.size}[whence] + offset)

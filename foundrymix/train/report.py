@@ -32,21 +32,13 @@ SUMMARY_NAME = 'stream_accounting.json'
 PLOT_NAME = 'stream_accounting.png'
 
 
-def summary_path(out_dir: str) -> str:
-    return os.path.join(out_dir, SUMMARY_NAME)
-
-
-def plot_path(out_dir: str) -> str:
-    return os.path.join(out_dir, PLOT_NAME)
-
-
 def write_report(summary: dict[str, Any], out_dir: str, plot: bool = True) -> None:
     """Write ``stream_accounting.json`` and (with ``plot`` and a history) the PNG into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(summary_path(out_dir), 'w', encoding='utf-8') as f:
+    with open(os.path.join(out_dir, SUMMARY_NAME), 'w', encoding='utf-8') as f:
         json.dump(summary, f, indent=2)
     if plot and summary.get('history'):
-        write_plot(summary, plot_path(out_dir))
+        write_plot(summary, os.path.join(out_dir, PLOT_NAME))
 
 
 #: streams the plot's legend names one by one
@@ -127,14 +119,14 @@ def print_report(summary: dict[str, Any], out_dir: str, plot: bool, console: Opt
     console.print(table(summary))
     if summary.get('stages'):
         console.print(stage_table(summary['stages']))
-    console.print(f'summary: {summary_path(out_dir)}')
+    console.print(f'summary: {os.path.join(out_dir, SUMMARY_NAME)}')
     if plot:
-        console.print(f'plot:    {plot_path(out_dir)}')
+        console.print(f'plot:    {os.path.join(out_dir, PLOT_NAME)}')
 
 
 def load_summary(path: str) -> tuple[dict[str, Any], str]:
     """``path`` is a report directory or its ``stream_accounting.json``: (summary, report dir)."""
-    file = summary_path(path) if os.path.isdir(path) else path
+    file = os.path.join(path, SUMMARY_NAME) if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise MissingError(f'{file}: no such file (expected a report directory or its {SUMMARY_NAME})')
     with open(file, encoding='utf-8') as f:
@@ -161,7 +153,7 @@ def run_cli(args: argparse.Namespace) -> int:
     summary, out_dir = load_summary(args.path)
     plot = args.plot and bool(summary.get('history'))
     if plot:
-        write_plot(summary, plot_path(out_dir))
+        write_plot(summary, os.path.join(out_dir, PLOT_NAME))
     print_report(summary, out_dir, plot)
     return 0
 

@@ -1,21 +1,15 @@
 """Checkpoint savers for a ``save_folder`` (a sharded run keeps Composer's own).
 
-Local: Composer (0.32.1) writes ``ep{e}-ba{b}-rank{r}.pt`` in place, so a run stopped during the write
-(Ctrl-C, SIGTERM, SIGKILL, a full disk) leaves a truncated file that looks like a checkpoint.
-:class:`LocalSave` is Composer's public ``CheckpointSaver`` writing ``ep{e}-ba{b}-rank{r}.part.pt``;
-once that is whole (flushed to disk) it is renamed to ``<name>`` and ``latest-rank{r}.pt`` is
-re-pointed by an atomic rename too. A ``.part.pt`` is removed when its write fails, and ones a
-killed run left are removed at the next start (never the one ``latest`` points at).
+Local: Composer writes ``ep{e}-ba{b}-rank{r}.pt`` in place, so a run stopped during the write leaves a
+truncated file that looks like a checkpoint. :class:`LocalSave` writes ``<name>.part.pt`` and renames it,
+then ``latest-rank{r}.pt``, once it is whole and flushed; a failed write's ``.part.pt`` is removed, and a
+killed run's at the next start (never the one ``latest`` points at).
 
-Remote (``s3://...``): Composer's ``CheckpointSaver`` writes them to a local scratch folder and
-:class:`CheckpointUploader` uploads them, in order, from a thread of the trainer (a killed run
-leaves nothing running). Why not Composer's uploader (0.32.1): its client makes 3 attempts, and a
-failed upload kills its thread with a traceback while later checkpoints are lost. Here every request
-is retried (:func:`foundrymix.s3.client.make_client`: ``AWS_MAX_ATTEMPTS`` or 8 attempts, each waiting
-at most ``download_timeout``; counted in the S3 line). The pointer goes up after its checkpoint; an
-object appears only once whole. A file that still fails stops the run in one line naming it and its
-kept local copy, and nothing after it goes up. At start, unfinished multipart uploads of our names
-(a killed run's) are aborted.
+Remote (``s3://...``): Composer's saver writes to a local scratch folder and :class:`CheckpointUploader`
+uploads in order, from one thread, every request retried (:func:`foundrymix.s3.client.make_client`):
+Composer's uploader gives up after 3 attempts and loses the checkpoints after a failed one. The pointer
+goes up after its checkpoint; a file that still fails stops the run in one line naming its kept local
+copy. A killed run's unfinished multipart uploads of our names are aborted at start.
 """
 
 from __future__ import annotations
@@ -104,7 +98,6 @@ class LocalSave(CheckpointSaver):
         self.published.append(final)
         while self.keep > 0 and len(self.published) > self.keep:
             os.remove(self.published.pop(0))
-
 
 
 class CheckpointUploader(LoggerDestination):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 from foundrymix.config import ConfigError
-from foundrymix.train.lora import base_tensors, check_targets
+from foundrymix.train.lora import check_targets
 from foundrymix.train.model_spec import ModelConfigError, ModelSpec, hf_config
 from foundrymix.format.schema import changed_tokenizer_note, tokenizer_differences
 from foundrymix.tokenizer import TokenizerError, load_tokenizer, tokenizer_info
@@ -63,16 +63,19 @@ def meta_model(config: Any) -> Any:
 
 
 def check_weight_shapes(spec: ModelSpec, config: Any) -> None:
-    """Every tensor of the pretrained directory's safetensors weights has the shape the model
-    built from ``config`` gives it (a file safetensors cannot open is left to the load)."""
-    from safetensors import safe_open
+    """Every safetensors file of the pretrained directory opens (else it is named: transformers' own
+    error names none) and holds each tensor in the shape the model built from ``config`` gives it."""
+    from safetensors import SafetensorError, safe_open
 
     shapes: dict[str, tuple[str, list[int]]] = {}  # tensor name -> (file, shape)
     try:
         for path in safetensors_files(spec.pretrained):
             with safe_open(path, 'pt') as h:
                 shapes.update((key, (path, list(h.get_slice(key).get_shape()))) for key in h.keys())
-    except Exception:  # noqa: BLE001 -- a damaged file: the load's own refusal names it
+    except SafetensorError as e:
+        raise ModelConfigError(f'model.pretrained: {path}: not a whole safetensors file ({e}); a truncated '
+                               f'copy? Copy or save the model again') from None
+    except Exception:  # noqa: BLE001 -- a missing shard, a broken index: the load's own refusal names it
         return
     model = meta_model(config) if shapes else None
     if model is None:
@@ -136,25 +139,3 @@ def check_spec_targets(spec: Any, tokenizer: Any) -> None:
         return
     if model is not None:
         check_targets(model, spec.peft)
-
-
-def changed_base_tensor(model: Any, directory: str) -> Optional[str]:
-    """The first base tensor of ``model`` that differs from ``directory``'s safetensors weights
-    (``FILE: TENSOR``), or None when all of them are bitwise equal; a directory without
-    safetensors weights gives ``ValueError``."""
-    import torch
-    from safetensors import safe_open
-
-    files = safetensors_files(directory)
-    if not files:
-        raise ValueError(f'{directory}: no safetensors weights to compare the base with')
-    mine = base_tensors(model)
-    for path in files:
-        with safe_open(path, 'pt') as h:
-            for key in h.keys():
-                name = key if key in mine else f'{model.get_base_model().base_model_prefix}.{key}'
-                if name not in mine:
-                    return f'{path}: {key} (not in the model the adapter was trained on)'
-                if not torch.equal(h.get_tensor(key), mine[name]):
-                    return f'{path}: {key}'
-    return None

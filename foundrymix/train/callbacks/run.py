@@ -39,13 +39,10 @@ class ModelInfo(Callback):
 
 
 class ResumeRng(Callback):
-    """Saves the ranks' RNG states with each checkpoint; a run resumed mid-epoch continues them.
-
-    Composer restores them only at an epoch's first batch or while spinning a dataloader forward,
-    which a loader that resumes itself skips: dropout would restart from the seed. They are restored
-    after the resume's first batch is read, before the model sees it; not at an epoch boundary
-    (Composer does) nor on another number of ranks (each rank had its own).
-    """
+    """Saves the ranks' RNG states with each checkpoint; a run resumed mid-epoch continues them (Composer
+    restores them only while spinning a dataloader forward, which this loader skips: dropout would restart
+    from the seed). Restored after the resume's first batch is read, before the model sees it; not at an
+    epoch boundary (Composer does) nor on another number of ranks (each rank had its own)."""
 
     def __init__(self) -> None:
         self._loaded: Optional[list[dict[str, Any]]] = None
@@ -68,13 +65,9 @@ class ResumeRng(Callback):
 
 
 class S3Log(Callback):
-    """Print ``S3 (epoch E): ...`` at each epoch end and ``S3 (run): ...`` at fit end (rank 0): the
-    S3 requests and retries summed over the ranks (retries keep a cloud job alive, but silently; a
-    job that spends its time retrying must say so). A run that made no S3 request prints nothing.
-
-    The run line covers everything since ``since``: the metadata fetched while the trainer was
-    built and every shard downloaded since (DataLoader workers fork and share the counters).
-    """
+    """Print ``S3 (epoch E): ...`` at each epoch end and ``S3 (run): ...`` (everything since ``since``,
+    the trainer's build included) at fit end, rank 0: the S3 requests and retries summed over the ranks,
+    since retries keep a job alive silently. A run that made no S3 request prints nothing."""
 
     def __init__(self, counter: S3RetryCounter, since: Optional[RetryCounts] = None) -> None:
         self.counter = counter

@@ -37,14 +37,10 @@ def batch_digest(rows: list[str]) -> str:
 
 
 class SampleLog(Callback):
-    """Append each global batch's sample ids and streams to a JSONL file (rank 0).
-
-    One line per batch: ``{"batch", "epoch", "sample_ids", "stream_ids", "tokens":
-    <batch_digest>, "tokens_order": "sorted"}``, ids in rank order. On resume, lines at or after
-    the checkpoint's batch are dropped at the first batch (a start refused earlier leaves the log
-    as it was), so the file is what the weights saw. Rank 0 gathers and writes every ``interval``,
-    at the end and at each checkpoint save: a checkpoint never covers a batch the file lacks.
-    """
+    """Append each global batch's ``{"batch", "epoch", "sample_ids", "stream_ids", "tokens": <batch_digest>,
+    "tokens_order": "sorted"}`` to a JSONL file (rank 0; ids in rank order). So that the file is what the
+    weights saw, a resume drops the lines at or after its batch at the first batch, and rank 0 writes every
+    ``interval``, at the end and at each checkpoint save."""
 
     def __init__(self, path: str, interval: str = '10ba') -> None:
         self.path = path
