@@ -5,7 +5,7 @@ reach Composer), ``compile_config`` and ``precision: amp_fp8`` (torchao's float8
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, Optional
 
 from foundrymix.config import ConfigError
@@ -57,11 +57,8 @@ class CompileSettings:
     backend: str = 'inductor'
 
     def as_dict(self) -> dict[str, Any]:
-        """``torch.compile`` keyword arguments."""
-        out = {'dynamic': self.dynamic, 'fullgraph': self.fullgraph, 'backend': self.backend}
-        if self.mode is not None:
-            out['mode'] = self.mode
-        return out
+        """``torch.compile`` keyword arguments (``mode`` only when set)."""
+        return {k: v for k, v in asdict(self).items() if k != 'mode' or v is not None}
 
 
 def parallelism_config(fsdp: Optional[FSDPSettings], device: str) -> Optional[dict[str, Any]]:

@@ -92,21 +92,15 @@ def warmup_in_samples(t_warmup: str, run: Any) -> str:
             f'scheduler.t_warmup: {t_warmup} is not whole rows of {L} tokens, and Composer counts '
             f'this run in samples: give t_warmup: {-(-value // L)}sp')
     batch = min(value, run.total_batches)
-    samples = _samples_before(run, batch)
+    stage = run.stage_at(batch) if batch < run.total_batches else run.stages[-1]
+    samples = (run.total_samples if batch >= stage.end_batch  # rows trained before batch ``batch``
+               else stage.start_sample + (batch - stage.start_batch) * stage.global_batch_size)
     raise ConfigError(
         f'scheduler.t_warmup: {t_warmup} ends after the first stage, and with stages of different '
         f'global_train_batch_size Composer counts the run in samples ({run.total_samples}sp): its '
         f'schedulers take t_warmup in samples only. Batch {batch} of this run is sample {samples}: '
         f'give t_warmup: {samples}sp (the LR then warms up linearly in samples), or a fraction '
         f'of the run ({samples / run.total_samples:.4g}dur)')
-
-
-def _samples_before(run: Any, batch: int) -> int:
-    """Rows trained before global batch ``batch`` (each stage with its own batch)."""
-    stage = run.stage_at(batch) if batch < run.total_batches else run.stages[-1]
-    if batch >= stage.end_batch:
-        return run.total_samples
-    return stage.start_sample + (batch - stage.start_batch) * stage.global_batch_size
 
 
 def check_start(cfg: Any, run: Any, device: Callable[[], str] = local_device) -> tuple[str, str]:
