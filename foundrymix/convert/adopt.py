@@ -26,7 +26,7 @@ from foundrymix.convert.driver import Converter, convert, parse_records
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
 from foundrymix.convert.mds_input import (MdsSplit, OutOfRange, download_datasets, find_splits,
                                          read_column_arrays, shard_count)
-from foundrymix.convert.output import check_can_create, check_output_dir
+from foundrymix.convert.writer import check_can_create, check_output_dir
 from foundrymix.convert.paths import check_overlap, is_url, sub_out
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows

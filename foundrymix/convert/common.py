@@ -10,8 +10,7 @@ from typing import Any, Optional
 from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
 from foundrymix.convert.paths import OutSpec, Output, check_overlap, discover_inputs, split_out
-from foundrymix.convert.output import check_output_dir
-from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
+from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir
 from foundrymix.errors import UserError
 from foundrymix.heap import collector_paused
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
