@@ -8,7 +8,6 @@ all counted in ``manifest.dropped``. Rows are packed first-fit, or one example p
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -17,7 +16,7 @@ import numpy as np
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.paths import OutSpec
 from foundrymix.convert.driver import Converter, RowBuilder, convert, parse_records
-from foundrymix.convert.mapping import (Segments, Template, chat_segments, encode_texts, parse_template,
+from foundrymix.convert.mapping import (Segments, Template, chat_segments, concat_ids, encode_texts, parse_template,
                                         read_fields)
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
@@ -185,25 +184,6 @@ def _fit(n: int, spans: list[tuple[int, int]], o: FinetuneOptions,
     return n, spans
 
 
-def _concat(parts: list[list[int] | np.ndarray], total: int, dtype: str) -> np.ndarray:
-    """``parts`` back to back as one array; runs of lists are converted in one C call each."""
-    if all(type(p) is list for p in parts):
-        return np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=total)
-    pieces: list[np.ndarray] = []
-    run: list[list[int]] = []
-    for p in parts:
-        if type(p) is list:
-            run.append(p)
-            continue
-        if run:
-            pieces.append(np.fromiter(itertools.chain.from_iterable(run), dtype=dtype))
-            run = []
-        pieces.append(np.asarray(p, dtype=dtype))
-    if run:
-        pieces.append(np.fromiter(itertools.chain.from_iterable(run), dtype=dtype))
-    return np.concatenate(pieces)
-
-
 def _chunk_examples(read: ChunkResult, laid_out: list[tuple[int, list[tuple[int, int]], list[list[int] | np.ndarray]]],
                     o: FinetuneOptions, dtype: str) -> _ChunkExamples:
     """The examples that fit (:func:`_fit`), back to back in one token array (per-example
@@ -221,13 +201,12 @@ def _chunk_examples(read: ChunkResult, laid_out: list[tuple[int, list[tuple[int,
         if keep == n:
             parts.extend(pieces)
         else:  # truncated: its first ``keep`` tokens
-            parts.append(_concat(pieces, n, 'uint32')[:keep])
+            parts.append(concat_ids(pieces, dtype)[:keep])
         kept_lens.append(keep)
         kept_spans.extend(x for span in spans for x in span)
         span_counts.append(len(spans))
-    total = sum(kept_lens)
     return _ChunkExamples(**vars(read),
-                          tokens=_concat(parts, total, dtype) if total else np.zeros(0, dtype=dtype),
+                          tokens=concat_ids(parts, dtype),
                           example_lens=np.asarray(kept_lens, dtype=np.int64),
                           spans=np.asarray(kept_spans, dtype=np.int32),
                           span_counts=np.asarray(span_counts, dtype=np.int64),

@@ -21,6 +21,7 @@ which is never sliced if neither way gives the whole-text tokens.
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import re
 import string
@@ -324,6 +325,15 @@ def encode_long(tok: Any, text: str, slice_chars: int = SLICE_CHARS) -> np.ndarr
         del piece
         start = end + (1 if cut is not None and mode == 'drop_space' else 0)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+
+
+def concat_ids(parts: list[list[int] | np.ndarray], dtype: str) -> np.ndarray:
+    """``parts`` (ids as :func:`encode_texts` gives them, separator lists) back to back as one
+    ``dtype`` array; each run of lists is converted in one C call."""
+    pieces: list[np.ndarray] = []
+    for is_list, run in itertools.groupby(parts, key=lambda p: type(p) is list):
+        pieces += [np.fromiter(itertools.chain.from_iterable(run), dtype=dtype)] if is_list else list(run)
+    return np.concatenate(pieces, dtype=dtype) if pieces else np.zeros(0, dtype=dtype)
 
 
 def _next_cut(text: str, pos: int) -> Optional[int]:
