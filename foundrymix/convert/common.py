@@ -4,7 +4,7 @@ before any work, so a mistake costs nothing and touches nothing."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from foundrymix.convert.mapping import load_preprocess
@@ -34,16 +34,16 @@ class ConvertOptions:
     max_seq_len: int = 2048
     workers: int = 0
     overwrite: bool = False
-    on_error: str = 'raise'
+    on_error: str = field(default='raise', metadata={'choices': ON_ERROR})  # choices: checked by prepare()
     bos: Optional[bool] = None
     eos: bool = True
     compression: Optional[str] = None
     size_limit: str = '64mb'
     chunk_bytes: int = 1 << 20
-    parallel: Optional[str] = None
+    parallel: Optional[str] = field(default=None, metadata={'choices': PARALLEL_MODES})
     progress: bool = False
     hash: tuple[str, ...] = ()
-    engine: str = 'local'
+    engine: str = field(default='local', metadata={'choices': ENGINES})
     ray_address: Optional[str] = None
     #: input per Ray task: large enough that its fixed cost stays small against tokenizing
     ray_task_bytes: int = 64 << 20
@@ -90,10 +90,10 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
             load: bool = True) -> Setup:
     """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
     ``min_content``: tokens a row must have room for; ``load=False``: describe the tokenizer only."""
-    for flag, value, choices in (('--on-error', options.on_error, ON_ERROR), ('--engine', options.engine, ENGINES),
-                                 ('--parallel', options.parallel or PARALLEL_MODES[0], PARALLEL_MODES)):
-        if value not in choices:
-            raise UserError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+    for f in fields(options):  # those with a fixed set of values, the converter's own too
+        value, choices = getattr(options, f.name), f.metadata.get('choices')
+        if choices and value is not None and value not in choices:
+            raise UserError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
     for knob in ('ray_task_bytes', 'chunk_bytes'):
         if getattr(options, knob) <= 0:
             raise UserError(f'{knob} must be positive, got {getattr(options, knob)}')

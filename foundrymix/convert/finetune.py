@@ -8,7 +8,7 @@ all counted in ``manifest.dropped``. Rows are packed first-fit, or one example p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -40,9 +40,9 @@ class FinetuneOptions(ConvertOptions):
     prompt_field: str = 'prompt'
     response_field: str = 'response'
     messages_field: str = 'messages'
-    too_long: str = 'drop'
+    too_long: str = field(default='drop', metadata={'choices': TOO_LONG})
     loss_on_prompt: bool = False
-    chat_loss: str = 'all'
+    chat_loss: str = field(default='all', metadata={'choices': CHAT_LOSS})
     pack: bool = True
     pack_window: int = 64
     prompt_template: Optional[str] = None  # --prompt '{context}' (see mapping.py)
@@ -305,10 +305,6 @@ FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chun
 
 def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions) -> Manifest:
     """Convert finetuning data in ``inputs`` to MDS shards plus manifest in ``out``."""
-    if options.too_long not in TOO_LONG:
-        raise UserError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {options.too_long!r}")
-    if options.chat_loss not in CHAT_LOSS:
-        raise UserError(f"--chat-loss must be one of {', '.join(CHAT_LOSS)}, got {options.chat_loss!r}")
     if options.pack_window < 1:
         raise UserError(f'pack_window must be >= 1, got {options.pack_window}')
     _templates(options)  # a bad template fails before any work

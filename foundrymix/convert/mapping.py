@@ -318,8 +318,8 @@ def encode_long(tok: Any, text: str, slice_chars: int = SLICE_CHARS) -> np.ndarr
     parts: list[np.ndarray] = []
     start = 0
     while start < len(text):
-        cut = _next_cut(text, start + slice_chars) if mode is not None else None
-        end = len(text) if cut is None else cut
+        cut = _CUT.search(text, start + slice_chars) if mode is not None else None  # None past the end
+        end = len(text) if cut is None else cut.start()
         piece = encode([text[start:end]], add_special_tokens=False)[0].ids
         parts.append(np.asarray(piece, dtype=np.uint32))
         del piece
@@ -334,13 +334,6 @@ def concat_ids(parts: list[list[int] | np.ndarray], dtype: str) -> np.ndarray:
     for is_list, run in itertools.groupby(parts, key=lambda p: type(p) is list):
         pieces += [np.fromiter(itertools.chain.from_iterable(run), dtype=dtype)] if is_list else list(run)
     return np.concatenate(pieces, dtype=dtype) if pieces else np.zeros(0, dtype=dtype)
-
-
-def _next_cut(text: str, pos: int) -> Optional[int]:
-    if pos >= len(text):
-        return None
-    m = _CUT.search(text, pos)
-    return None if m is None else m.start()
 
 
 def slice_mode(tok: Any) -> Optional[str]:

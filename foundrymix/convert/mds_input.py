@@ -6,6 +6,7 @@ reader. A directory with ``index.json`` is one dataset; else each below it is a 
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from dataclasses import dataclass
@@ -103,18 +104,13 @@ def find_splits(root: str) -> list[MdsSplit]:
     return found
 
 
-_INDEX_CACHE: dict[str, dict[str, Any]] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _index(path: str) -> dict[str, Any]:
     """``path``'s validated index, read once per process (workers read shards by number)."""
-    key = os.path.abspath(path)
-    if key not in _INDEX_CACHE:
-        try:
-            _INDEX_CACHE[key] = read_index(key)
-        except IndexFileError as e:
-            raise UserError(str(e)) from None
-    return _INDEX_CACHE[key]
+    try:
+        return read_index(os.path.abspath(path))
+    except IndexFileError as e:
+        raise UserError(str(e)) from None
 
 
 def shard_count(path: str) -> int:

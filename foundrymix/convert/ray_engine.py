@@ -66,13 +66,6 @@ class TaskResult:
     files: list[str] = field(default_factory=list)
 
 
-def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
-    """A task's folder name (``task-NNNNN``) and the ``index.json`` its writer left there."""
-    sub = f'task-{index:05d}'
-    with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
-        return sub, json.load(f)
-
-
 def _maybe_fail(spec: Optional[str], index: int, rows_written: int) -> None:
     """The :data:`FAIL_ENV` test hook: kill this worker once, mid-task (after some rows)."""
     if not spec or rows_written == 0:
@@ -120,7 +113,9 @@ def merge_task_indexes(partial: str, n_tasks: int) -> None:
     (streaming resolves basenames against the stream's root, so shards stay where written)."""
     shards = []
     for i in range(n_tasks):
-        sub, index = _task_index(partial, i)
+        sub = f'task-{i:05d}'
+        with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
+            index = json.load(f)
         for shard in index['shards']:
             for key in ('raw_data', 'zip_data'):
                 if shard.get(key):
