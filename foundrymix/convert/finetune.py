@@ -104,19 +104,6 @@ class Packer:
         return rows
 
 
-def build_row(examples: list[tuple[np.ndarray, np.ndarray]], max_seq_len: int, pad_id: int,
-              token_dtype: str) -> dict[str, np.ndarray]:
-    """One padded MDS row from packed examples (spans shifted to row positions)."""
-    ids = np.full(max_seq_len, pad_id, dtype=token_dtype)
-    spans, lens, pos = [], [], 0
-    for ex_ids, ex_spans in examples:
-        ids[pos:pos + len(ex_ids)] = ex_ids
-        spans.append(ex_spans + pos)
-        lens.append(len(ex_ids))
-        pos += len(ex_ids)
-    return encode_row(ids, np.concatenate(spans), lens, token_dtype)
-
-
 def _templates(o: FinetuneOptions) -> tuple[Optional[Template], Optional[Template]]:
     return parse_template(o.prompt_template, '--prompt'), parse_template(o.response_template, '--response')
 
@@ -255,15 +242,18 @@ class _FinetuneRows(RowBuilder):
 
     def _rows(self, rows: list[list[Example]]) -> Iterator[dict]:
         c = self.manifest.counts
-        for examples in rows:
-            row = build_row(examples, self.L, self.pad, self.dtype)
-            real = int(row['doc_lens'].sum())
+        for examples in rows:  # padded; spans shifted to row positions
+            lens = [len(x) for x, _ in examples]
+            real = sum(lens)
+            ids = np.full(self.L, self.pad, dtype=self.dtype)
+            ids[:real] = np.concatenate([x for x, _ in examples])
+            spans = np.concatenate([s + start for (_, s), start in zip(examples, np.cumsum([0, *lens[:-1]]))])
             c.rows += 1
             c.tokens += real
             c.pad_tokens += self.L - real
-            c.loss_tokens += int(np.diff(row['loss_spans'].reshape(-1, 2), axis=1).sum())
+            c.loss_tokens += int(np.diff(spans.reshape(-1, 2), axis=1).sum())
             c.documents_written += len(examples)
-            yield row
+            yield encode_row(ids, spans, lens, self.dtype)
 
     def fit_length(self, share: float) -> Optional[int]:
         """The smallest length that ``share`` of the examples (kept or dropped) fit in."""
