@@ -34,19 +34,19 @@ class ConvertOptions:
     max_seq_len: int = 2048
     workers: int = 0
     overwrite: bool = False
-    on_error: str = field(default='raise', metadata={'choices': ON_ERROR})  # choices: checked by prepare()
+    on_error: str = field(default='raise', metadata={'choices': ON_ERROR})  # metadata: checked by prepare()
     bos: Optional[bool] = None
     eos: bool = True
     compression: Optional[str] = None
     size_limit: str = '64mb'
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = field(default=1 << 20, metadata={'positive': True})
     parallel: Optional[str] = field(default=None, metadata={'choices': PARALLEL_MODES})
     progress: bool = False
     hash: tuple[str, ...] = ()
     engine: str = field(default='local', metadata={'choices': ENGINES})
     ray_address: Optional[str] = None
     #: input per Ray task: large enough that its fixed cost stays small against tokenizing
-    ray_task_bytes: int = 64 << 20
+    ray_task_bytes: int = field(default=64 << 20, metadata={'positive': True})
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
     from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
     split: Optional[str] = None  # the split of a saved DatasetDict input (paths.py)
@@ -90,13 +90,12 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
             load: bool = True) -> Setup:
     """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
     ``min_content``: tokens a row must have room for; ``load=False``: describe the tokenizer only."""
-    for f in fields(options):  # those with a fixed set of values, the converter's own too
+    for f in fields(options):  # the rules in the fields' metadata, the converter's own options' too
         value, choices = getattr(options, f.name), f.metadata.get('choices')
         if choices and value is not None and value not in choices:
             raise UserError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
-    for knob in ('ray_task_bytes', 'chunk_bytes'):
-        if getattr(options, knob) <= 0:
-            raise UserError(f'{knob} must be positive, got {getattr(options, knob)}')
+        if f.metadata.get('positive') and value <= 0:
+            raise UserError(f'{f.name} must be positive, got {value}')
     if not 0 <= options.workers <= MAX_WORKERS:
         raise UserError(f'--workers must be 0 (all cores) to {MAX_WORKERS:,}, got {options.workers}')
     if options.max_seq_len > MAX_SEQ_LEN:

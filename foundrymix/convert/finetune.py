@@ -20,7 +20,6 @@ from foundrymix.convert.mapping import (Segments, Template, chat_segments, conca
                                         read_fields)
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
-from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest, encode_row
 
 TOO_LONG = ('drop', 'truncate')
@@ -44,7 +43,7 @@ class FinetuneOptions(ConvertOptions):
     loss_on_prompt: bool = False
     chat_loss: str = field(default='all', metadata={'choices': CHAT_LOSS})
     pack: bool = True
-    pack_window: int = 64
+    pack_window: int = field(default=64, metadata={'positive': True})
     prompt_template: Optional[str] = None  # --prompt '{context}' (see mapping.py)
     response_template: Optional[str] = None  # --response ' {continuation}'
 
@@ -295,7 +294,5 @@ FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chun
 
 def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions) -> Manifest:
     """Convert finetuning data in ``inputs`` to MDS shards plus manifest in ``out``."""
-    if options.pack_window < 1:
-        raise UserError(f'pack_window must be >= 1, got {options.pack_window}')
     _templates(options)  # a bad template fails before any work
     return convert(FINETUNE, inputs, out, options)

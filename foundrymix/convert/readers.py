@@ -309,19 +309,12 @@ def location(path: str, line: Optional[int], fmt: str) -> str:
 
 def describe(chunk: Chunk) -> str:
     """Which share of the input a chunk is, for messages: file and byte, line or row range."""
-    if chunk.fmt == 'jsonl':
-        return f'{chunk.path} bytes {chunk.start}-{chunk.end}'
-    if chunk.fmt == 'jsonl_stream':
-        last = (chunk.first_line or 1) + count_lines(chunk.payload or b'') - 1
-        return f'{chunk.path} lines {chunk.first_line}-{last}'
-    if chunk.fmt == 'parquet':
-        return f'{chunk.path} row group {chunk.start} (from row {chunk.first_line})'
-    if chunk.fmt == 'mds':
-        return f'{chunk.path} shard {chunk.start} (from row {chunk.first_line})'
-    if chunk.fmt == 'hf':
-        return f'{chunk.path} rows {chunk.start}-{chunk.end - 1}'
-    more = len(chunk.paths) - 1
-    return f'{chunk.path} and {more} more .txt file(s)' if more > 0 else chunk.path
+    c, more = chunk, len(chunk.paths) - 1
+    last = (c.first_line or 1) + count_lines(c.payload or b'') - 1
+    return c.path + {'jsonl': f' bytes {c.start}-{c.end}', 'jsonl_stream': f' lines {c.first_line}-{last}',
+                     'parquet': f' row group {c.start} (from row {c.first_line})',
+                     'mds': f' shard {c.start} (from row {c.first_line})', 'hf': f' rows {c.start}-{c.end - 1}',
+                     'txt': f' and {more} more .txt file(s)' if more > 0 else ''}[c.fmt]
 
 
 def type_name(value: Any) -> str:
