@@ -190,9 +190,7 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
 
 def adopt(args: AdoptArgs, progress: bool = False) -> list[tuple[MdsSplit, Manifest]]:
     """Adopt every split of ``args.source`` (or those named) into ``args.out``; one manifest each.
-
-    Every split's output is checked before the first is written, so a refusal touches nothing.
-    """
+    Every split's output is checked before the first is written, so a refusal touches nothing."""
     if is_url(args.source):
         parse_s3_url(args.source, 'adopt')  # another store is refused before anything is copied
         with tempfile.TemporaryDirectory(prefix='foundrymix-adopt-') as staging:

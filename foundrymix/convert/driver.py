@@ -106,9 +106,7 @@ class Converter:
 
     def parallel_mode(self, setup: Setup, options: ConvertOptions) -> str:
         """``options.parallel`` if given, else this converter's default for these inputs."""
-        if options.parallel or isinstance(self.parallel, str):
-            return options.parallel or self.parallel
-        return self.parallel(setup, options)
+        return options.parallel or (self.parallel if isinstance(self.parallel, str) else self.parallel(setup, options))
 
 
 def convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:

@@ -42,10 +42,8 @@ def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]
     size = 0
     for chunk in chunks:
         current.append(chunk)
-        if chunk.payload is not None:
-            size += len(chunk.payload)
-        else:
-            size += chunk.end - chunk.start if chunk.fmt == 'jsonl' else max(1, task_bytes // 16)
+        size += (len(chunk.payload) if chunk.payload is not None else
+                 chunk.end - chunk.start if chunk.fmt == 'jsonl' else max(1, task_bytes // 16))
         if size >= task_bytes:
             yield current
             current, size = [], 0
