@@ -48,7 +48,7 @@ class ConvertOptions:
     #: input per Ray task: large enough that its fixed cost stays small against tokenizing
     ray_task_bytes: int = field(default=64 << 20, metadata={'positive': True})
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
-    from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
+    from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, readers.py)
     split: Optional[str] = None  # the split of a saved DatasetDict input (paths.py)
     #: ``--holdout`` as given ('2%', '0.02', '500'): write OUT/eval and OUT/train (driver.py);
     #: each run's side is a :class:`~foundrymix.convert.driver.Holdout` (its manifest records it)
