@@ -10,12 +10,11 @@ from typing import Any, Optional
 from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
 from foundrymix.convert.paths import OutSpec, Output, check_overlap, discover_inputs, split_out
-from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir
+from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir, check_remote
 from foundrymix.errors import UserError
 from foundrymix.heap import collector_paused
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info
-from foundrymix.convert.upload import check_remote
 
 ON_ERROR = ('raise', 'skip')
 #: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py)

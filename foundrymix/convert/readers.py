@@ -24,7 +24,7 @@ import numpy as np
 import zstandard
 
 from foundrymix.convert.paths import input_format
-from foundrymix.convert.upload import parse_s3_url
+from foundrymix.convert.writer import parse_s3_url
 from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.format.mds import ndarray_rows
 from foundrymix.format.shards import (INDEX_NAME, IndexFileError, check_shard_files, index_files, read_index,
