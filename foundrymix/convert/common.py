@@ -82,7 +82,7 @@ class Setup:
     eos_id: Optional[int]
     workers: int
     output: Output = Output(local=None, remote=None)
-    remote: Any = None  # the checked S3 prefix (foundrymix.convert.upload.S3Target), if any
+    remote: Any = None  # the checked S3 prefix (foundrymix.convert.writer.S3Target), if any
 
 
 def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_content: int = 1,

@@ -502,7 +502,7 @@ class ShardWriter(contextlib.AbstractContextManager):
                  compression: Optional[str] = None, size_limit: int | str = '64mb',
                  hashes: Optional[list[str]] = None, remote: Optional[S3Target] = None, tasks: bool = False) -> None:
         """``out``: the local output directory, or None for an upload-only output (then
-        ``remote``, checked by :func:`~foundrymix.convert.upload.check_remote`, is required).
+        ``remote``, checked by :func:`check_remote`, is required).
         ``tasks``: others (Ray tasks) write the shards into :attr:`partial`; no writer thread."""
         assert out is not None or remote is not None, 'no output given'
         self.overwrite = overwrite
