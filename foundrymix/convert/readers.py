@@ -85,8 +85,10 @@ def plan_chunks(inputs: Sequence[str], chunk_bytes: int) -> Iterator[Chunk]:
                     yield Chunk('parquet', path, start=g, end=g + 1, first_line=row)
                     row += meta.row_group(g).num_rows
             elif fmt == 'mds':  # an existing MDS dataset (foundrymix adopt): one chunk per shard
-                for shard, row in chunks_of(path):
+                row = 0
+                for shard, info in enumerate(_index(path)['shards']):
                     yield Chunk('mds', path, start=shard, end=shard + 1, first_line=row)
+                    row += int(info['samples'])
             else:  # hf
                 n = len(_load_hf(path))
                 for start in range(0, n, HF_ROWS_PER_CHUNK):
@@ -485,14 +487,6 @@ def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
                             f'written (e.g. ndarray:int64 for int32 tokens): correct them in {INDEX_NAME}, or '
                             f'write the dataset again') from None
     return name, rows
-
-
-def chunks_of(path: str) -> Iterator[tuple[int, int]]:
-    """``(shard number, first row)`` of each shard of the dataset in ``path``, in index order."""
-    row = 0
-    for i, shard in enumerate(_index(path)['shards']):
-        yield i, row
-        row += int(shard['samples'])
 
 
 class OutOfRange(Exception):

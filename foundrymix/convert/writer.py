@@ -388,19 +388,6 @@ def remove_output(out: str) -> list[str]:
         return sorted(os.listdir(out)) if os.path.isdir(out) else []
 
 
-def _keep_owned_attributes(path: str, was: os.stat_result) -> None:
-    """Give the published directory ``path`` the group and permission bits of the one it
-    replaced (``was``). The group first: changing it clears setgid. A group the writer may
-    not give is left as it is, with a log line."""
-    st = os.stat(path)
-    if st.st_gid != was.st_gid:
-        try:
-            os.chown(path, -1, was.st_gid)
-        except OSError as e:
-            logger.warning('%s: could not give it back its group %d (%s)', path, was.st_gid, e)
-    os.chmod(path, stat.S_IMODE(was.st_mode))
-
-
 def remove_stale_partials(parent: str, name: str) -> list[str]:
     """Remove ``.<name>.partial-<pid>[-<tag>]`` directories whose process is dead (a live one
     may be converting into the same ``--out``). Returns the removed paths."""
@@ -561,7 +548,6 @@ class ShardWriter(contextlib.AbstractContextManager):
                 with self._room:
                     self._queued -= len(item) if isinstance(item, RowBatch) else 1
                     self._room.notify_all()
-                self._upload_new_shards()
         except BaseException as e:  # handed to the caller's thread
             self._error = e
 
@@ -665,8 +651,13 @@ class ShardWriter(contextlib.AbstractContextManager):
             raise OutputExistsError(f'{self.out}: output directory appeared while converting (another '
                                     f'conversion into the same --out?); could not move this output '
                                     f'into place ({e}); left the other alone') from e
-        if kept is not None:
-            _keep_owned_attributes(self.out, kept)
+        if kept is not None:  # the group first (changing it clears setgid), then the permission bits
+            if os.stat(self.out).st_gid != kept.st_gid:
+                try:
+                    os.chown(self.out, -1, kept.st_gid)
+                except OSError as e:  # a group the writer may not give: left as it is
+                    logger.warning('%s: could not give it back its group %d (%s)', self.out, kept.st_gid, e)
+            os.chmod(self.out, stat.S_IMODE(kept.st_mode))
         if old is not None:
             left = remove_output(old)
             if left:  # written into --out in the instant between the check above and the rename
