@@ -4,19 +4,17 @@ before any work, so a mistake costs nothing and touches nothing."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
 from foundrymix.convert.paths import OutSpec, Output, check_overlap, discover_inputs, split_out
-from foundrymix.convert.output import check_output_dir
-from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
+from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir, check_remote
 from foundrymix.errors import UserError
 from foundrymix.heap import collector_paused
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
 from foundrymix.tokenizer import DEMO_TOKENIZER, describe_tokenizer, load_tokenizer, tokenizer_info
-from foundrymix.convert.upload import check_remote
 
 ON_ERROR = ('raise', 'skip')
 #: the longest row: ``loss_spans`` and ``doc_lens`` are int32 (format/schema.py)
@@ -35,21 +33,21 @@ class ConvertOptions:
     max_seq_len: int = 2048
     workers: int = 0
     overwrite: bool = False
-    on_error: str = 'raise'
+    on_error: str = field(default='raise', metadata={'choices': ON_ERROR})  # metadata: checked by prepare()
     bos: Optional[bool] = None
     eos: bool = True
     compression: Optional[str] = None
     size_limit: str = '64mb'
-    chunk_bytes: int = 1 << 20
-    parallel: Optional[str] = None
+    chunk_bytes: int = field(default=1 << 20, metadata={'positive': True})
+    parallel: Optional[str] = field(default=None, metadata={'choices': PARALLEL_MODES})
     progress: bool = False
     hash: tuple[str, ...] = ()
-    engine: str = 'local'
+    engine: str = field(default='local', metadata={'choices': ENGINES})
     ray_address: Optional[str] = None
     #: input per Ray task: large enough that its fixed cost stays small against tokenizing
-    ray_task_bytes: int = 64 << 20
+    ray_task_bytes: int = field(default=64 << 20, metadata={'positive': True})
     preprocess: Optional[str] = None  # module:function run on every record first (mapping.py)
-    from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, mds_input.py)
+    from_mds: bool = False  # inputs are MDS dataset folders (foundrymix adopt, readers.py)
     split: Optional[str] = None  # the split of a saved DatasetDict input (paths.py)
     #: ``--holdout`` as given ('2%', '0.02', '500'): write OUT/eval and OUT/train (driver.py);
     #: each run's side is a :class:`~foundrymix.convert.driver.Holdout` (its manifest records it)
@@ -84,20 +82,19 @@ class Setup:
     eos_id: Optional[int]
     workers: int
     output: Output = Output(local=None, remote=None)
-    remote: Any = None  # the checked S3 prefix (foundrymix.convert.upload.S3Target), if any
+    remote: Any = None  # the checked S3 prefix (foundrymix.convert.writer.S3Target), if any
 
 
 def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_content: int = 1,
             load: bool = True) -> Setup:
     """Validate ``options``, resolve inputs and load the tokenizer (fails fast, no output).
     ``min_content``: tokens a row must have room for; ``load=False``: describe the tokenizer only."""
-    for flag, value, choices in (('--on-error', options.on_error, ON_ERROR), ('--engine', options.engine, ENGINES),
-                                 ('--parallel', options.parallel or PARALLEL_MODES[0], PARALLEL_MODES)):
-        if value not in choices:
-            raise UserError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
-    for knob in ('ray_task_bytes', 'chunk_bytes'):
-        if getattr(options, knob) <= 0:
-            raise UserError(f'{knob} must be positive, got {getattr(options, knob)}')
+    for f in fields(options):  # the rules in the fields' metadata, the converter's own options' too
+        value, choices = getattr(options, f.name), f.metadata.get('choices')
+        if choices and value is not None and value not in choices:
+            raise UserError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
+        if f.metadata.get('positive') and value <= 0:
+            raise UserError(f'{f.name} must be positive, got {value}')
     if not 0 <= options.workers <= MAX_WORKERS:
         raise UserError(f'--workers must be 0 (all cores) to {MAX_WORKERS:,}, got {options.workers}')
     if options.max_seq_len > MAX_SEQ_LEN:

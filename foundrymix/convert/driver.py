@@ -106,9 +106,7 @@ class Converter:
 
     def parallel_mode(self, setup: Setup, options: ConvertOptions) -> str:
         """``options.parallel`` if given, else this converter's default for these inputs."""
-        if options.parallel or isinstance(self.parallel, str):
-            return options.parallel or self.parallel
-        return self.parallel(setup, options)
+        return options.parallel or (self.parallel if isinstance(self.parallel, str) else self.parallel(setup, options))
 
 
 def convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
@@ -130,7 +128,8 @@ def convert(converter: Converter, inputs: list[str], out: OutSpec, options: Conv
 
 
 def _convert_claimed(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
-    """With the local output claimed exclusively: a live run reading it would be fed mixed old and new rows."""
+    """Prepare, run the engine, print the summary, with the local output claimed exclusively: a live
+    run reading it would be fed mixed old and new rows."""
     local = split_out(out).local
     path = None if local is None else claims.normalize(local)
     try:
@@ -140,7 +139,15 @@ def _convert_claimed(converter: Converter, inputs: list[str], out: OutSpec, opti
                         f'writing there now would corrupt what it reads. Wait for that run to end, '
                         f'or choose another --out') from None
     try:
-        return _convert(converter, inputs, out, options)
+        setup = prepare(inputs, out, options, min_content=converter.min_content, load=converter.tokenizes)
+        manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
+                            tokenizer=setup.info, inputs=setup.inputs,
+                            options=converter.manifest_options(options, setup))
+        engine = ray_engine.run if options.engine == 'ray' else run  # Ray: tasks on a cluster, this module reused
+        seconds, fit_95, uploaded = engine(converter, setup, options, manifest)
+        if options.progress:
+            print_summary(manifest, str(setup.output), seconds, fit_95=fit_95, uploaded=uploaded)
+        return manifest
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -168,18 +175,6 @@ def no_space(local: Optional[str], error: OSError) -> str:
         free = ''
     return (f'{folder}: {what} on the device that holds it{free}; nothing was published (the partial '
             f'output was removed): {fix}')
-
-
-def _convert(converter: Converter, inputs: list[str], out: OutSpec, options: ConvertOptions) -> Manifest:
-    setup = prepare(inputs, out, options, min_content=converter.min_content, load=converter.tokenizes)
-    manifest = Manifest(kind=converter.kind, max_seq_len=options.max_seq_len, token_dtype=setup.token_dtype,
-                        tokenizer=setup.info, inputs=setup.inputs,
-                        options=converter.manifest_options(options, setup))
-    engine = ray_engine.run if options.engine == 'ray' else run  # Ray: tasks on a cluster, this module reused
-    seconds, fit_95, uploaded = engine(converter, setup, options, manifest)
-    if options.progress:
-        print_summary(manifest, str(setup.output), seconds, fit_95=fit_95, uploaded=uploaded)
-    return manifest
 
 
 def run(converter: Converter, setup: Setup, options: ConvertOptions,

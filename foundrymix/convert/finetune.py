@@ -8,8 +8,7 @@ all counted in ``manifest.dropped``. Rows are packed first-fit, or one example p
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -17,11 +16,10 @@ import numpy as np
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.paths import OutSpec
 from foundrymix.convert.driver import Converter, RowBuilder, convert, parse_records
-from foundrymix.convert.mapping import (Segments, Template, chat_segments, encode_texts, parse_template,
+from foundrymix.convert.mapping import (Segments, Template, chat_segments, concat_ids, encode_texts, parse_template,
                                         read_fields)
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string, plan_chunks, read_records
-from foundrymix.errors import UserError
 from foundrymix.format.schema import Manifest, encode_row
 
 TOO_LONG = ('drop', 'truncate')
@@ -41,11 +39,11 @@ class FinetuneOptions(ConvertOptions):
     prompt_field: str = 'prompt'
     response_field: str = 'response'
     messages_field: str = 'messages'
-    too_long: str = 'drop'
+    too_long: str = field(default='drop', metadata={'choices': TOO_LONG})
     loss_on_prompt: bool = False
-    chat_loss: str = 'all'
+    chat_loss: str = field(default='all', metadata={'choices': CHAT_LOSS})
     pack: bool = True
-    pack_window: int = 64
+    pack_window: int = field(default=64, metadata={'positive': True})
     prompt_template: Optional[str] = None  # --prompt '{context}' (see mapping.py)
     response_template: Optional[str] = None  # --response ' {continuation}'
 
@@ -103,19 +101,6 @@ class Packer:
     def flush(self) -> list[list[tuple[np.ndarray, np.ndarray]]]:
         rows, self.open, self.used = self.open, [], []
         return rows
-
-
-def build_row(examples: list[tuple[np.ndarray, np.ndarray]], max_seq_len: int, pad_id: int,
-              token_dtype: str) -> dict[str, np.ndarray]:
-    """One padded MDS row from packed examples (spans shifted to row positions)."""
-    ids = np.full(max_seq_len, pad_id, dtype=token_dtype)
-    spans, lens, pos = [], [], 0
-    for ex_ids, ex_spans in examples:
-        ids[pos:pos + len(ex_ids)] = ex_ids
-        spans.append(ex_spans + pos)
-        lens.append(len(ex_ids))
-        pos += len(ex_ids)
-    return encode_row(ids, np.concatenate(spans), lens, token_dtype)
 
 
 def _templates(o: FinetuneOptions) -> tuple[Optional[Template], Optional[Template]]:
@@ -185,25 +170,6 @@ def _fit(n: int, spans: list[tuple[int, int]], o: FinetuneOptions,
     return n, spans
 
 
-def _concat(parts: list[list[int] | np.ndarray], total: int, dtype: str) -> np.ndarray:
-    """``parts`` back to back as one array; runs of lists are converted in one C call each."""
-    if all(type(p) is list for p in parts):
-        return np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=total)
-    pieces: list[np.ndarray] = []
-    run: list[list[int]] = []
-    for p in parts:
-        if type(p) is list:
-            run.append(p)
-            continue
-        if run:
-            pieces.append(np.fromiter(itertools.chain.from_iterable(run), dtype=dtype))
-            run = []
-        pieces.append(np.asarray(p, dtype=dtype))
-    if run:
-        pieces.append(np.fromiter(itertools.chain.from_iterable(run), dtype=dtype))
-    return np.concatenate(pieces)
-
-
 def _chunk_examples(read: ChunkResult, laid_out: list[tuple[int, list[tuple[int, int]], list[list[int] | np.ndarray]]],
                     o: FinetuneOptions, dtype: str) -> _ChunkExamples:
     """The examples that fit (:func:`_fit`), back to back in one token array (per-example
@@ -221,13 +187,12 @@ def _chunk_examples(read: ChunkResult, laid_out: list[tuple[int, list[tuple[int,
         if keep == n:
             parts.extend(pieces)
         else:  # truncated: its first ``keep`` tokens
-            parts.append(_concat(pieces, n, 'uint32')[:keep])
+            parts.append(concat_ids(pieces, dtype)[:keep])
         kept_lens.append(keep)
         kept_spans.extend(x for span in spans for x in span)
         span_counts.append(len(spans))
-    total = sum(kept_lens)
     return _ChunkExamples(**vars(read),
-                          tokens=_concat(parts, total, dtype) if total else np.zeros(0, dtype=dtype),
+                          tokens=concat_ids(parts, dtype),
                           example_lens=np.asarray(kept_lens, dtype=np.int64),
                           spans=np.asarray(kept_spans, dtype=np.int32),
                           span_counts=np.asarray(span_counts, dtype=np.int64),
@@ -276,15 +241,18 @@ class _FinetuneRows(RowBuilder):
 
     def _rows(self, rows: list[list[Example]]) -> Iterator[dict]:
         c = self.manifest.counts
-        for examples in rows:
-            row = build_row(examples, self.L, self.pad, self.dtype)
-            real = int(row['doc_lens'].sum())
+        for examples in rows:  # padded; spans shifted to row positions
+            lens = [len(x) for x, _ in examples]
+            real = sum(lens)
+            ids = np.full(self.L, self.pad, dtype=self.dtype)
+            ids[:real] = np.concatenate([x for x, _ in examples])
+            spans = np.concatenate([s + start for (_, s), start in zip(examples, np.cumsum([0, *lens[:-1]]))])
             c.rows += 1
             c.tokens += real
             c.pad_tokens += self.L - real
-            c.loss_tokens += int(np.diff(row['loss_spans'].reshape(-1, 2), axis=1).sum())
+            c.loss_tokens += int(np.diff(spans.reshape(-1, 2), axis=1).sum())
             c.documents_written += len(examples)
-            yield row
+            yield encode_row(ids, spans, lens, self.dtype)
 
     def fit_length(self, share: float) -> Optional[int]:
         """The smallest length that ``share`` of the examples (kept or dropped) fit in."""
@@ -326,11 +294,5 @@ FINETUNE = Converter(kind='finetune', noun='examples', encode_chunk=_encode_chun
 
 def convert_finetune(inputs: list[str], out: 'OutSpec', options: FinetuneOptions) -> Manifest:
     """Convert finetuning data in ``inputs`` to MDS shards plus manifest in ``out``."""
-    if options.too_long not in TOO_LONG:
-        raise UserError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {options.too_long!r}")
-    if options.chat_loss not in CHAT_LOSS:
-        raise UserError(f"--chat-loss must be one of {', '.join(CHAT_LOSS)}, got {options.chat_loss!r}")
-    if options.pack_window < 1:
-        raise UserError(f'pack_window must be >= 1, got {options.pack_window}')
     _templates(options)  # a bad template fails before any work
     return convert(FINETUNE, inputs, out, options)

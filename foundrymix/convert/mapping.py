@@ -21,6 +21,7 @@ which is never sliced if neither way gives the whole-text tokens.
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import re
 import string
@@ -252,8 +253,7 @@ def chat_segments(messages: Any, field: str, chat_loss: str, loss_on_prompt: boo
 def allowed_roles(tok: Any) -> tuple[str, ...]:
     """Roles a chat may use: system, user and assistant, plus tool where the template names
     it or the plain template is used. A misspelt role (``USER``, ``Assistant``) would render
-    as unintended text or silently drop the turn from the loss.
-    """
+    as unintended text or silently drop the turn from the loss."""
     template = tok.chat_template
     if template is None or re.search(r"""['"]tool['"]""", str(template)):
         return CHAT_ROLES + ('tool',)
@@ -317,8 +317,8 @@ def encode_long(tok: Any, text: str, slice_chars: int = SLICE_CHARS) -> np.ndarr
     parts: list[np.ndarray] = []
     start = 0
     while start < len(text):
-        cut = _next_cut(text, start + slice_chars) if mode is not None else None
-        end = len(text) if cut is None else cut
+        cut = _CUT.search(text, start + slice_chars) if mode is not None else None  # None past the end
+        end = len(text) if cut is None else cut.start()
         piece = encode([text[start:end]], add_special_tokens=False)[0].ids
         parts.append(np.asarray(piece, dtype=np.uint32))
         del piece
@@ -326,35 +326,25 @@ def encode_long(tok: Any, text: str, slice_chars: int = SLICE_CHARS) -> np.ndarr
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
-def _next_cut(text: str, pos: int) -> Optional[int]:
-    if pos >= len(text):
-        return None
-    m = _CUT.search(text, pos)
-    return None if m is None else m.start()
+def concat_ids(parts: list[list[int] | np.ndarray], dtype: str) -> np.ndarray:
+    """``parts`` (ids as :func:`encode_texts` gives them, separator lists) back to back as one
+    ``dtype`` array; each run of lists is converted in one C call."""
+    pieces: list[np.ndarray] = []
+    for is_list, run in itertools.groupby(parts, key=lambda p: type(p) is list):
+        pieces += [np.fromiter(itertools.chain.from_iterable(run), dtype=dtype)] if is_list else list(run)
+    return np.concatenate(pieces, dtype=dtype) if pieces else np.zeros(0, dtype=dtype)
 
 
+@lru_cache(maxsize=8)  # per tokenizer object, as many as load_tokenizer keeps
 def slice_mode(tok: Any) -> Optional[str]:
     """How the slice after a cut must start for sliced tokens to equal whole-text tokens:
     ``'keep_space'`` (``" next..."``), ``'drop_space'`` (``"next..."``), or ``None``
     (slicing changes tokens: do not slice). Calibrated once per tokenizer object."""
-    cached = getattr(tok, '_foundrymix_slice_mode', 'unset')
-    if cached != 'unset':
-        return cached
-    encode = _batch_encoder(tok)
-
     def ids(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in encode(texts, add_special_tokens=False)]
+        return [e.ids for e in _batch_encoder(tok)(texts, add_special_tokens=False)]
 
-    mode = None
-    for candidate, space in (('keep_space', ' '), ('drop_space', '')):
-        wholes = ids([f'{a} {b}' for a, b in _PROBES])
-        heads = ids([a for a, _ in _PROBES])
-        tails = ids([space + b for _, b in _PROBES])
-        if all(h + t == w for h, t, w in zip(heads, tails, wholes)):
-            mode = candidate
-            break
-    try:
-        tok._foundrymix_slice_mode = mode
-    except AttributeError:
-        pass
-    return mode
+    wholes, heads = ids([f'{a} {b}' for a, b in _PROBES]), ids([a for a, _ in _PROBES])
+    for mode, space in (('keep_space', ' '), ('drop_space', '')):
+        if all(h + t == w for h, t, w in zip(heads, ids([space + b for _, b in _PROBES]), wholes)):
+            return mode
+    return None

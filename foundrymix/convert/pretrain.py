@@ -16,7 +16,7 @@ import numpy as np
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.paths import OutSpec
 from foundrymix.convert.driver import Converter, RowBuilder, convert, parse_records
-from foundrymix.convert.mapping import Template, encode_texts, parse_template, read_fields
+from foundrymix.convert.mapping import Template, concat_ids, encode_texts, parse_template, read_fields
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.readers import BadRecord, Chunk, get_string
 from foundrymix.errors import UserError
@@ -57,19 +57,8 @@ def _encode_chunk(chunk: Chunk) -> _ChunkTokens:
     ids = encode_texts(w.tok, texts)
     head = [] if w.bos_id is None else [w.bos_id]
     tail = [] if w.eos_id is None else [w.eos_id]
-    n_sep = len(head) + len(tail)
-    doc_lens = np.fromiter((len(x) + n_sep for x in ids), dtype=np.int64, count=len(ids))
-    tokens = np.empty(int(doc_lens.sum()), dtype=w.token_dtype)
-    pos = 0
-    for x in ids:
-        end = pos + len(x) + n_sep
-        if isinstance(x, list):
-            tokens[pos:end] = head + x + tail if n_sep else x
-        else:  # a huge document, already an array (no list concatenation)
-            tokens[pos:pos + len(head)] = head
-            tokens[pos + len(head):end - len(tail)] = x
-            tokens[end - len(tail):end] = tail
-        pos = end
+    doc_lens = np.fromiter((len(head) + len(x) + len(tail) for x in ids), dtype=np.int64, count=len(ids))
+    tokens = concat_ids([part for x in ids for part in (head, x, tail)], w.token_dtype)
     return _ChunkTokens(**vars(read), tokens=tokens, doc_lens=doc_lens)
 
 

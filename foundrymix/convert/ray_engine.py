@@ -42,10 +42,8 @@ def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]
     size = 0
     for chunk in chunks:
         current.append(chunk)
-        if chunk.payload is not None:
-            size += len(chunk.payload)
-        else:
-            size += chunk.end - chunk.start if chunk.fmt == 'jsonl' else max(1, task_bytes // 16)
+        size += (len(chunk.payload) if chunk.payload is not None else
+                 chunk.end - chunk.start if chunk.fmt == 'jsonl' else max(1, task_bytes // 16))
         if size >= task_bytes:
             yield current
             current, size = [], 0
@@ -64,13 +62,6 @@ class TaskResult:
     docs: int = 0  # for progress
     tokens: int = 0
     files: list[str] = field(default_factory=list)
-
-
-def _task_index(partial: str, index: int) -> tuple[str, dict[str, Any]]:
-    """A task's folder name (``task-NNNNN``) and the ``index.json`` its writer left there."""
-    sub = f'task-{index:05d}'
-    with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
-        return sub, json.load(f)
 
 
 def _maybe_fail(spec: Optional[str], index: int, rows_written: int) -> None:
@@ -120,7 +111,9 @@ def merge_task_indexes(partial: str, n_tasks: int) -> None:
     (streaming resolves basenames against the stream's root, so shards stay where written)."""
     shards = []
     for i in range(n_tasks):
-        sub, index = _task_index(partial, i)
+        sub = f'task-{i:05d}'
+        with open(os.path.join(partial, sub, 'index.json'), encoding='utf-8') as f:
+            index = json.load(f)
         for shard in index['shards']:
             for key in ('raw_data', 'zip_data'):
                 if shard.get(key):

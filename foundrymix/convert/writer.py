@@ -1,13 +1,23 @@
 """Write foundrymix rows to MDS shards so that a directory is complete or absent.
 
 Everything is written into a hidden sibling ``.<name>.partial-<pid>-<tag>`` and renamed into
-place (atomic) once on disk; the next run removes a leftover whose process is gone. For
-``s3://`` it is the staging area: shards are uploaded once closed, the metadata last.
+place (atomic) once on disk; the next run removes a leftover whose process is gone. In the
+output directory only what foundrymix wrote is ever replaced or removed (the refusals here).
+
+For ``s3://bucket/prefix`` it is the staging area, so that a reader never sees half a dataset:
+shards go up as finished, then ``foundrymix.json``, ``index.json`` last: a failed run leaves no
+index (and deletes its uploads, best effort). ``--overwrite`` deletes the old metadata before the
+first new shard and old shards only after the new index; only objects the old index lists or
+foundrymix wrote (:data:`WRITER_META`) are deleted, and the old list saved as
+:data:`REPLACING_NAME` lets a killed replacement be finished. Refused before tokenizing: an
+unusable bucket, a non-empty prefix without ``--overwrite``, foreign shard-named objects.
+Not streaming's ``S3Uploader``: it hides retries and uploads ``index.json`` before our manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -16,23 +26,387 @@ import queue
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
-from typing import Any, Optional
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import numpy as np
 import xxhash
 
+from foundrymix.claims import pid_alive
 from foundrymix.format.mds import LeanMDSWriter
-from foundrymix.convert.upload import INDEX_NAME, RemoteOutputError, S3Target, Uploader
-from foundrymix.errors import UserError
+from foundrymix.errors import FoundrymixError, UserError
 from foundrymix.heap import collector_paused
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, RowBatch, mds_columns, rows_of
-from foundrymix.format.shards import stored_name
-from foundrymix.convert.output import (NAMED_ENTRIES, OutputExistsError, _foreign_message, _keep_owned_attributes,
-                                       foreign_entries, remove_output, remove_stale_partials)
+from foundrymix.format.shards import INDEX_NAME, index_files, stored_name
+from foundrymix.s3.client import S3Url, describe, list_keys, make_client
+from foundrymix.s3.retries import S3RetryCounter
 
 logger = logging.getLogger(__name__)
+
+#: the replaced dataset's shard list, written before its index is deleted (``--overwrite``)
+REPLACING_NAME = '.foundrymix-replacing.json'
+#: S3 object metadata set on every object a conversion uploads (``x-amz-meta-foundrymix-writer``)
+WRITER_META = {'foundrymix-writer': 'convert'}
+#: object names a conversion writes besides the metadata files
+SHARD_NAME = re.compile(r'^(task-\d+/)?shard\.\d+\.mds(\.[A-Za-z0-9:_-]+)?$')
+#: shard uploads in flight, and finished shards the writer may get ahead by (bounds local disk)
+UPLOAD_THREADS = 4
+MAX_PENDING = 2 * UPLOAD_THREADS
+
+
+class RemoteOutputError(FoundrymixError, ValueError):
+    """The S3 output prefix cannot be written (named, with the S3 error code), or is not empty."""
+
+
+def parse_s3_url(url: str, flag: str = '--out') -> S3Url:
+    """Split ``s3://bucket/prefix``; other schemes are refused (only S3 uploads are supported)."""
+    scheme, sep, rest = url.partition('://')
+    if not sep or scheme.lower() != 's3':
+        what, fix = (('output', 'convert to a local directory and copy it') if flag == '--out' else
+                     ('source', 'copy it to a local directory first'))  # a source (adopt): read a local copy
+        raise RemoteOutputError(f'{flag} {url}: only s3://bucket/prefix is supported as a remote {what} '
+                                f'(for another store, {fix})')
+    bucket, _, prefix = rest.partition('/')
+    if not bucket:
+        raise RemoteOutputError(f'{flag} {url}: no bucket name (expected s3://bucket/prefix)')
+    return S3Url(bucket, prefix.strip('/'))
+
+
+@dataclass
+class S3Target:
+    """A checked output prefix: what it held at the start and may replace, its clients (uploads;
+    quick checks and clean-up) and their retry counter."""
+
+    url: S3Url
+    old_metadata: list[str]  # index.json / foundrymix.json present (deleted first on overwrite)
+    replaceable: set[str]  # shard files of the old index, and leftovers foundrymix wrote
+    keys: set[str]  # everything under the prefix at the start
+    client: Any
+    quick: Any
+    retries: S3RetryCounter
+
+
+def _call(what: str, url: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, an S3 error raised as :class:`RemoteOutputError` naming ``what``, ``url`` and S3's code."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    try:
+        return fn()
+    except (ClientError, BotoCoreError) as e:
+        raise RemoteOutputError(describe(what, url, e)) from e
+
+
+def check_remote(url: str, overwrite: bool) -> S3Target:
+    """Parse ``url``, connect, and check the prefix before any tokenizing; refuse what must not
+    be written over."""
+    s3 = parse_s3_url(url)
+    retries = S3RetryCounter()
+    client = make_client(retries, threads=UPLOAD_THREADS)
+    # the up-front check fails fast: few attempts, short timeouts
+    quick = make_client(retries, max_attempts=3, connect_timeout=5, read_timeout=10, threads=UPLOAD_THREADS)
+    keys = _call('listing the prefix', str(s3), lambda: list_keys(quick, s3))  # a LIST, not HEAD: it names S3's code
+    metadata = [n for n in (INDEX_NAME, MANIFEST_NAME) if n in keys]
+    if keys and not overwrite:
+        what = (f'holds a dataset ({", ".join(metadata)})' if metadata else
+                f'is not empty ({len(keys)} object(s), e.g. {sorted(keys)[0]!r}; leftovers of an '
+                f'interrupted conversion have no index.json)')
+        raise RemoteOutputError(f'--out {s3}: the prefix {what}; pass --overwrite to replace it '
+                                f'(only objects foundrymix wrote are ever deleted), or choose another prefix')
+    listed: set[str] = set()
+    for name in (INDEX_NAME, REPLACING_NAME):  # the old index, and one a failed replacement left
+        if name not in keys:
+            continue
+        body = _call('reading the old index', s3.url(name),
+                     lambda: quick.get_object(Bucket=s3.bucket, Key=s3.key(name))['Body'].read())
+        try:
+            listed |= index_files(json.loads(body))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise RemoteOutputError(f'{s3.url(name)}: not valid JSON of an MDS index ({e}); remove it '
+                                    f'yourself if the prefix may be replaced') from e
+    replaceable = {k for k in keys if k in listed}
+    for key in keys:
+        if key in listed or key in metadata or key == REPLACING_NAME or not SHARD_NAME.match(key):
+            continue
+        meta = _call('reading object metadata', s3.url(key),
+                     lambda: quick.head_object(Bucket=s3.bucket, Key=s3.key(key)).get('Metadata', {}))
+        if meta.get('foundrymix-writer') != WRITER_META['foundrymix-writer']:
+            raise RemoteOutputError(
+                f'--out {s3}: {s3.url(key)} is named like a shard but is neither listed in an '
+                f'index.json there nor written by foundrymix; a new shard could replace it. Move '
+                f'it, or choose another prefix')
+        replaceable.add(key)  # left by an interrupted conversion
+    return S3Target(s3, metadata, replaceable, set(keys), client, quick, retries)
+
+
+class Uploader:
+    """Uploads finished shards from ``local`` in the background, then the metadata last.
+
+    :meth:`submit` blocks while ``MAX_PENDING`` wait (uploaded local files go unless
+    ``keep_local``); the first upload error is raised by the next :meth:`submit` or :meth:`finish`."""
+
+    def __init__(self, target: S3Target, local: str, keep_local: bool) -> None:
+        self.target = target
+        self.url = target.url
+        self.local = local
+        self.keep_local = keep_local
+        self.uploaded: list[str] = []
+        self.bytes = 0
+        self.seconds = 0.0
+        self._started = False
+        self.published = False  # index.json of this conversion is up
+        self.removed = 0
+        self._slots = threading.BoundedSemaphore(MAX_PENDING)
+        self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix='foundrymix-upload')
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        """Before the first upload: take the old dataset's index and manifest away."""
+        if self._started:
+            return
+        self._started = True
+        self._t0 = time.perf_counter()
+        if self.target.replaceable:  # remember the old shards before their index goes
+            body = json.dumps({'shards': [{'raw_data': {'basename': n}}
+                                          for n in sorted(self.target.replaceable)]})
+            self._call('writing', REPLACING_NAME, self.target.client.put_object, Bucket=self.url.bucket,
+                       Key=self.url.key(REPLACING_NAME), Body=body.encode(), Metadata=WRITER_META)
+        for name in self.target.old_metadata:  # index.json first: streaming's marker
+            self._call('deleting the old dataset\'s', name, self.target.client.delete_object,
+                       Bucket=self.url.bucket, Key=self.url.key(name))
+        if self.target.old_metadata:
+            logger.info('%s: removed the old %s before uploading', self.url,
+                        ' and '.join(self.target.old_metadata))
+
+    def _call(self, action: str, name: str, fn: Any, **kwargs: Any) -> Any:
+        return _call(f'{action} {name}', self.url.url(name), lambda: fn(**kwargs))
+
+    def _put(self, name: str) -> None:
+        path = os.path.join(self.local, name)
+        size = os.path.getsize(path)
+        with open(path, 'rb') as f:
+            self._call('uploading', name, self.target.client.put_object, Bucket=self.url.bucket,
+                       Key=self.url.key(name), Body=f, ContentLength=size, Metadata=WRITER_META)
+        with self._lock:
+            self.uploaded.append(name)
+            self.bytes += size
+
+    def _upload_shard(self, name: str) -> None:
+        try:
+            if self._error is None:
+                self._put(name)
+                if not self.keep_local:
+                    os.remove(os.path.join(self.local, name))
+        except BaseException as e:
+            with self._lock:
+                if self._error is None:
+                    self._error = e
+        finally:
+            self._slots.release()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, name: str) -> None:
+        """Upload shard file ``name`` (relative to ``local``) in the background."""
+        self.raise_error()
+        self._start()
+        while not self._slots.acquire(timeout=0.1):
+            self.raise_error()
+        self._pool.submit(self._upload_shard, name)
+
+    def drain(self) -> None:
+        """Wait until every submitted shard is uploaded (raises the first upload error)."""
+        self._start()
+        self._pool.shutdown(wait=True)
+        self.raise_error()
+
+    def stop(self) -> None:
+        """Make every later :meth:`submit` raise, and queued shards be skipped."""
+        with self._lock:
+            if self._error is None:
+                self._error = RuntimeError('upload aborted')
+
+    def finish(self, shard_files: set[str]) -> None:
+        """After :meth:`drain`: upload ``foundrymix.json`` then ``index.json`` from ``local``,
+        then delete old shards the new dataset did not replace."""
+        self.drain()
+        missing = shard_files - set(self.uploaded)
+        assert not missing, f'shards never handed to the uploader: {sorted(missing)}'
+        self._put(MANIFEST_NAME)
+        self._put(INDEX_NAME)  # from here on readers see the new dataset
+        self.published = True
+        stale = sorted(self.target.replaceable - shard_files)
+        for name in stale:
+            try:
+                self.target.client.delete_object(Bucket=self.url.bucket, Key=self.url.key(name))
+                self.removed += 1
+            except Exception as e:  # noqa: BLE001 - the new dataset is complete; say what is left
+                logger.warning('%s', describe('removing the old shard', self.url.url(name), e))
+                break  # the list stays in REPLACING_NAME for the next --overwrite
+        else:
+            if self.target.replaceable or REPLACING_NAME in self.target.keys:
+                try:
+                    self.target.client.delete_object(Bucket=self.url.bucket, Key=self.url.key(REPLACING_NAME))
+                except Exception as e:  # noqa: BLE001
+                    logger.warning('%s', describe('removing', self.url.url(REPLACING_NAME), e))
+        self.seconds = time.perf_counter() - self._t0
+        logger.info('%s', self.summary())
+
+    def summary(self) -> str:
+        """Objects and MB uploaded, seconds from first shard to index, retries, old shards removed."""
+        removed = f'; removed {self.removed} old shard file(s)' if self.removed else ''
+        return (f'uploaded {len(self.uploaded)} objects ({self.bytes / 1e6:,.1f} MB, first shard to '
+                f'index {self.seconds:.1f} s) to {self.url}: {self.target.retries.summary()}{removed}')
+
+    def abort(self) -> None:
+        """Stop uploading and delete what this run uploaded, index and manifest first (best effort)."""
+        self.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.published:
+            return
+        with self._lock:
+            names = sorted(self.uploaded, key=lambda n: (n != INDEX_NAME, n != MANIFEST_NAME, n))
+        for name in names:
+            try:
+                self.target.quick.delete_object(Bucket=self.url.bucket, Key=self.url.key(name))
+            except Exception as e:  # noqa: BLE001 - the original error matters more
+                logger.warning('%s', describe('removing this conversion\'s', self.url.url(name), e))
+                if name in (INDEX_NAME, MANIFEST_NAME):
+                    continue
+                break  # the endpoint is likely gone; the prefix has no index either way
+
+
+class OutputExistsError(FoundrymixError, FileExistsError):
+    """The output directory exists and is not empty, and ``overwrite`` was not given; or it
+    holds files foundrymix did not write, which ``overwrite`` never replaces."""
+
+
+#: foreign entries named in a refusal (the rest are counted)
+NAMED_ENTRIES = 3
+
+
+def owned_files(out: str) -> set[str]:
+    """Files in ``out`` a conversion wrote: both metadata files and the shards the index lists
+    (names must match :data:`SHARD_NAME`, so an edited index claims nothing else)."""
+    meta = [os.path.join(out, n) for n in (MANIFEST_NAME, INDEX_NAME)]
+    if not all(os.path.isfile(p) and not os.path.islink(p) for p in meta):
+        return set()
+    try:
+        with open(meta[1], encoding='utf-8') as f:
+            listed = index_files(json.load(f))
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        listed = set()  # unreadable index: its shards cannot be told from the user's files
+    return {MANIFEST_NAME, INDEX_NAME} | {n for n in listed if SHARD_NAME.match(n)}
+
+
+def foreign_entries(out: str) -> list[str]:
+    """Entries of directory ``out`` that foundrymix did not write (folders with a trailing
+    ``/``; inside a ``task-NNNNN/`` folder of shards, its foreign files), sorted."""
+    owned = owned_files(out)
+    folders = {n.split('/', 1)[0] for n in owned if '/' in n}
+    foreign = []
+    for entry in sorted(os.listdir(out)):
+        path = os.path.join(out, entry)
+        is_dir = os.path.isdir(path) and not os.path.islink(path)
+        if is_dir and entry in folders:
+            for sub in sorted(os.listdir(path)):
+                rel = f'{entry}/{sub}'
+                if rel not in owned or os.path.isdir(os.path.join(path, sub)):
+                    foreign.append(rel)
+        elif is_dir or entry not in owned:
+            foreign.append(f'{entry}/' if is_dir else entry)
+    return foreign
+
+
+def check_output_dir(out: str, overwrite: bool, late: bool = False) -> None:
+    """Refuse a non-empty output directory unless ``overwrite``, and even with it one holding
+    anything foundrymix did not write: a typo in ``--out`` must not delete a project. ``late``: again
+    at publishing, against an ``out`` that appeared while converting (left alone, this output discarded)."""
+    if not late:
+        check_can_create(out)
+    if not (os.path.lexists if late else os.path.exists)(out):
+        return
+    if not os.path.isdir(out) or (late and os.path.islink(out)):
+        raise OutputExistsError(f'{out}: output path {"appeared while converting" if late else "exists"} and is '
+                                f'not a directory{"; left it alone" if late else ""}')
+    foreign = foreign_entries(out)
+    if foreign:  # with or without overwrite: advice to pass it would not work
+        named = ', '.join(foreign[:NAMED_ENTRIES])
+        more = f' and {len(foreign) - NAMED_ENTRIES:,} more' if len(foreign) > NAMED_ENTRIES else ''
+        no_manifest = f'; it has no {MANIFEST_NAME}' if not os.path.isfile(os.path.join(out, MANIFEST_NAME)) \
+            and MANIFEST_NAME not in foreign and any(e == INDEX_NAME for e in foreign) else ''
+        raise OutputExistsError(
+            f'{out} holds files foundrymix did not write ({named}{more}{no_manifest}); --overwrite replaces '
+            f'only a foundrymix dataset ({MANIFEST_NAME}, {INDEX_NAME} and the shards {INDEX_NAME} lists). '
+            f'Choose another --out, or remove them yourself{"; discarded this output" if late else ""}')
+    if os.listdir(out) and not overwrite:
+        raise OutputExistsError(
+            f'{out}: output directory appeared while converting (another conversion into the same --out?); '
+            f'left it alone and discarded this output. Pass --overwrite to replace it, or choose another --out'
+            if late else f'{out}: output directory is not empty; pass --overwrite to replace it')
+
+
+def check_can_create(out: str, flag: str = '--out') -> None:
+    """Refuse an ``out`` whose nearest existing ancestor is a file or not writable, before any
+    work (later, the error would name the hidden work directory made beside ``out``)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f'{out}: cannot be created, {parent} is a file, not a directory')
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f'{out}: cannot be created, no permission to write in {parent}; choose '
+                         f'another {flag}, or make {parent} writable')
+
+
+def remove_output(out: str) -> list[str]:
+    """Delete the files foundrymix wrote in ``out`` (:func:`owned_files`), then its emptied
+    ``task-NNNNN/`` folders and ``out`` itself if nothing is left; what is not foundrymix's
+    stays. Returns the entries left (:func:`foreign_entries`)."""
+    owned = owned_files(out)
+    # the index last: a removal cut short can be finished by the next call
+    for name in sorted(owned, key=lambda n: (n == INDEX_NAME, n == MANIFEST_NAME, n)):
+        try:
+            os.remove(os.path.join(out, name))
+        except FileNotFoundError:
+            pass
+    for folder in {n.split('/', 1)[0] for n in owned if '/' in n}:
+        try:
+            os.rmdir(os.path.join(out, folder))
+        except OSError:  # not empty (or gone): left alone
+            pass
+    try:
+        os.rmdir(out)
+        return []
+    except OSError:
+        return sorted(os.listdir(out)) if os.path.isdir(out) else []
+
+
+def remove_stale_partials(parent: str, name: str) -> list[str]:
+    """Remove ``.<name>.partial-<pid>[-<tag>]`` directories whose process is dead (a live one
+    may be converting into the same ``--out``). Returns the removed paths."""
+    removed = []
+    pattern = re.compile(rf'^\.{re.escape(name)}\.partial-(\d+)(?:-[0-9a-f]+)?(?:\.old)?$')
+    for stale in glob.glob(os.path.join(glob.escape(parent), f'.{glob.escape(name)}.partial-*')):
+        match = pattern.match(os.path.basename(stale))
+        if match is None or pid_alive(int(match.group(1))):
+            continue
+        if stale.endswith('.old'):  # a replaced output (see ShardWriter._publish): its files only
+            left = remove_output(stale)
+            if left:
+                logger.warning('%s: kept (a replaced output holding files foundrymix did not write: %s)',
+                               stale, ', '.join(left[:NAMED_ENTRIES]))
+                continue
+        else:
+            shutil.rmtree(stale, ignore_errors=True)
+        removed.append(stale)
+    return removed
 
 
 #: shard hash always written (cheap)
@@ -115,7 +489,7 @@ class ShardWriter(contextlib.AbstractContextManager):
                  compression: Optional[str] = None, size_limit: int | str = '64mb',
                  hashes: Optional[list[str]] = None, remote: Optional[S3Target] = None, tasks: bool = False) -> None:
         """``out``: the local output directory, or None for an upload-only output (then
-        ``remote``, checked by :func:`~foundrymix.convert.upload.check_remote`, is required).
+        ``remote``, checked by :func:`check_remote`, is required).
         ``tasks``: others (Ray tasks) write the shards into :attr:`partial`; no writer thread."""
         assert out is not None or remote is not None, 'no output given'
         self.overwrite = overwrite
@@ -174,7 +548,6 @@ class ShardWriter(contextlib.AbstractContextManager):
                 with self._room:
                     self._queued -= len(item) if isinstance(item, RowBatch) else 1
                     self._room.notify_all()
-                self._upload_new_shards()
         except BaseException as e:  # handed to the caller's thread
             self._error = e
 
@@ -264,18 +637,7 @@ class ShardWriter(contextlib.AbstractContextManager):
         """Move the partial directory into place, re-checking ``out``: an output published
         meanwhile is left alone unless ``overwrite`` (renamed aside, replaced, then deleted).
         A replaced ``out`` keeps its permission bits and group."""
-        if os.path.lexists(self.out):
-            if not os.path.isdir(self.out) or os.path.islink(self.out):
-                raise OutputExistsError(f'{self.out}: output path appeared while converting and is '
-                                        f'not a directory; left it alone')
-            if os.listdir(self.out) and not self.overwrite:
-                raise OutputExistsError(
-                    f'{self.out}: output directory appeared while converting (another conversion '
-                    f'into the same --out?); left it alone and discarded this output. Pass '
-                    f'--overwrite to replace it, or choose another --out')
-            foreign = foreign_entries(self.out)  # written there while this conversion ran
-            if foreign:
-                raise OutputExistsError(_foreign_message(self.out, foreign) + '; discarded this output')
+        check_output_dir(self.out, self.overwrite, late=True)
         old = None
         kept = os.stat(self.out) if os.path.isdir(self.out) else None
         if kept is not None and os.listdir(self.out):
@@ -289,8 +651,13 @@ class ShardWriter(contextlib.AbstractContextManager):
             raise OutputExistsError(f'{self.out}: output directory appeared while converting (another '
                                     f'conversion into the same --out?); could not move this output '
                                     f'into place ({e}); left the other alone') from e
-        if kept is not None:
-            _keep_owned_attributes(self.out, kept)
+        if kept is not None:  # the group first (changing it clears setgid), then the permission bits
+            if os.stat(self.out).st_gid != kept.st_gid:
+                try:
+                    os.chown(self.out, -1, kept.st_gid)
+                except OSError as e:  # a group the writer may not give: left as it is
+                    logger.warning('%s: could not give it back its group %d (%s)', self.out, kept.st_gid, e)
+            os.chmod(self.out, stat.S_IMODE(kept.st_mode))
         if old is not None:
             left = remove_output(old)
             if left:  # written into --out in the instant between the check above and the rename
