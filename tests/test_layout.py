@@ -112,6 +112,16 @@ def test_the_core_does_not_name_composer():
     assert 'composer' in (PACKAGE / 'train' / 'builder.py').read_text(encoding='utf-8').lower()
 
 
+#: the most lines a module of the package may have (issue 51): a longer one holds two concerns
+MODULE_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text(encoding='utf-8').splitlines()) for p in _modules()}
+    assert not {p: n for p, n in sizes.items() if n > MODULE_LINES}
+    assert max(sizes.values()) > MODULE_LINES // 2  # every module was read
+
+
 def test_test_modules_import_no_test_module():
     bad = [f'{path.relative_to(ROOT)}:{line} imports {module}'
            for path in sorted((ROOT / 'tests').rglob('*.py'))

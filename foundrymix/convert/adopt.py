@@ -24,12 +24,13 @@ import numpy as np
 from foundrymix.convert.common import ConvertOptions, Setup, worker_state
 from foundrymix.convert.driver import Converter, convert, parse_records
 from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_examples, _ChunkExamples, _layout
-from foundrymix.convert.writer import check_can_create, check_output_dir, parse_s3_url
+from foundrymix.convert.output import check_can_create, check_output_dir
+from foundrymix.convert.upload import parse_s3_url
 from foundrymix.convert.paths import check_overlap, is_url, sub_out
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
-from foundrymix.convert.readers import (BadRecord, Chunk, MdsSplit, OutOfRange, download_datasets, find_splits,
-                                        read_column_arrays, shard_count)
+from foundrymix.convert.mds_input import MdsSplit, OutOfRange, download_datasets, find_splits, read_column_arrays, shard_count
+from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.errors import ExistsError, UserError
 from foundrymix.format.foundry_tokens import document_rule
 from foundrymix.format.schema import Manifest

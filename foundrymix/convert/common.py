@@ -10,7 +10,9 @@ from typing import Any, Optional
 from foundrymix.convert.mapping import load_preprocess
 from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
 from foundrymix.convert.paths import OutSpec, Output, check_overlap, discover_inputs, split_out
-from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes, check_output_dir, check_remote
+from foundrymix.convert.output import check_output_dir
+from foundrymix.convert.upload import check_remote
+from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
 from foundrymix.errors import UserError
 from foundrymix.heap import collector_paused
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
@@ -82,7 +84,7 @@ class Setup:
     eos_id: Optional[int]
     workers: int
     output: Output = Output(local=None, remote=None)
-    remote: Any = None  # the checked S3 prefix (foundrymix.convert.writer.S3Target), if any
+    remote: Any = None  # the checked S3 prefix (foundrymix.convert.upload.S3Target), if any
 
 
 def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_content: int = 1,

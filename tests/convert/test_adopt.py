@@ -186,7 +186,7 @@ def test_unmanifested_mds_points_to_adopt(tmp_path):
 def test_ndarray_rows_equals_streaming_decode(tmp_path, encoding, lengths):
     """The one-view read of token shards gives streaming's own row decoding (or declines)."""
     from streaming import MDSWriter
-    from foundrymix.convert.readers import read_column_arrays, read_shard
+    from foundrymix.convert.mds_input import read_column_arrays, read_shard
     from foundrymix.format.mds import ndarray_rows
     from foundrymix.format.shards import read_index
     dtype = encoding.split(':')[1]

@@ -218,7 +218,7 @@ def test_overwrite_replaces_a_ray_output_and_no_rows_publishes_nothing(tmp_path,
     import os
 
     from foundrymix.convert.report import EmptyOutputError
-    from foundrymix.convert.writer import OutputExistsError
+    from foundrymix.convert.output import OutputExistsError
 
     def tree(root: Path) -> dict[str, str]:
         return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -26,10 +26,10 @@ import pytest
 
 from fault_proxy import FaultProxy
 from foundrymix.cli import main
-from foundrymix.convert import writer
+from foundrymix.convert import upload
 from foundrymix.convert.paths import UnsafePathsError
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
-from foundrymix.convert.writer import RemoteOutputError
+from foundrymix.convert.upload import RemoteOutputError
 from helpers import ROOT, SAMPLES, SMALL_SEQ, free_port, moto_s3
 
 BUCKET = 'fmx-convert'
@@ -97,7 +97,7 @@ def requests(proxy: FaultProxy, method: str) -> list[str]:
 
 def test_upload_is_the_local_conversion_while_it_runs_and_reads_back(s3, corpus, reference, tmp_path,
                                                                      monkeypatch):
-    monkeypatch.setattr(writer, 'MAX_PENDING', 2)
+    monkeypatch.setattr(upload, 'MAX_PENDING', 2)
     staged: list[int] = []  # shard files in the staging dir at each request
 
     def watch(method: str, path: str) -> bool:
@@ -194,7 +194,7 @@ def test_existing_dataset_is_refused_and_overwrite_deletes_only_what_foundrymix_
 
 def test_upload_under_faults_is_bitwise_the_same_and_counts_the_retries(s3, corpus, reference, monkeypatch,
                                                                          caplog):
-    caplog.set_level(logging.INFO, logger='foundrymix.convert.writer')
+    caplog.set_level(logging.INFO, logger='foundrymix.convert.upload')
     with FaultProxy(s3['endpoint'], error_rate=0.2, reset_rate=0.2, delay_rate=0.1, delay_s=0.05,
                     seed=1) as proxy:
         monkeypatch.setenv('S3_ENDPOINT_URL', proxy.endpoint)
@@ -313,7 +313,7 @@ def test_bad_remote_fails_before_any_work(corpus, monkeypatch, caplog, out, endp
 ])
 def test_a_non_s3_url_is_refused_as_what_it_is(flag, wording):
     """An output is converted elsewhere and copied; a source is copied first: each is told its own fix."""
-    from foundrymix.convert.writer import parse_s3_url
+    from foundrymix.convert.upload import parse_s3_url
     with pytest.raises(RemoteOutputError) as e:
         parse_s3_url('gs://bucket/x', flag)
     assert str(e.value) == f'{flag} gs://bucket/x: only s3://bucket/prefix is {wording}'

@@ -170,7 +170,8 @@ def test_stale_partials_of_dead_processes_only_are_removed(tmp_path, corpus):
 def test_output_that_appears_meanwhile_is_left_alone(tmp_path, corpus):
     """A second conversion into the same --out publishes first: this one fails at its
     rename with a clear error, and the other output is untouched."""
-    from foundrymix.convert.writer import OutputExistsError, ShardWriter
+    from foundrymix.convert.output import OutputExistsError
+    from foundrymix.convert.writer import ShardWriter
     from foundrymix.format.schema import encode_row
     from foundrymix.tokenizer import load_tokenizer, tokenizer_info
 

@@ -23,7 +23,7 @@ from convert_helpers import read_rows, spans, write_jsonl
 from helpers import DEMO_TOKENIZER, ROOT
 
 from foundrymix.convert.adopt import AdoptArgs, adopt
-from foundrymix.convert.readers import read_shard, shard_bytes, shard_count
+from foundrymix.convert.mds_input import read_shard, shard_bytes, shard_count
 from foundrymix.convert.pretrain import PretrainOptions, convert_pretrain
 from foundrymix.format.shards import read_index, shard_hash_checks
 from foundrymix.loader.mixer import StreamMixer
