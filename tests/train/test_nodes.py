@@ -182,7 +182,7 @@ def epoch_order(config, infos, batch_size: int, topology) -> list:
 
     from foundrymix.plan.mixture import _plan_epoch
     planned = _plan_epoch(config, infos, batch_size, topology, 'main')
-    offsets = np.concatenate(([0], np.cumsum(planned.rows)[:-1])).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum([i.rows for i in infos])[:-1])).astype(np.int64)
     out = []
     for b in range(planned.batches):
         streams, rows = planned.order.batch(b)
