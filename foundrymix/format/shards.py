@@ -316,17 +316,3 @@ def shard_raw_bytes(shard: dict[str, Any], stored: bytes) -> bytes:
         return stored
     return decompress(shard['compression'], stored)
 
-
-def is_not_found(error: BaseException) -> bool:
-    """True if a downloader error means "no such object" and nothing else: a missing bucket,
-    bad credentials or an unreachable endpoint keep their own error, never read as a missing dataset."""
-    if isinstance(error, FileNotFoundError):
-        return True
-    kind = getattr(error, 'kind', None)
-    if isinstance(kind, str):  # a foundrymix.s3.remote.RemoteError
-        return kind == 'not_found'
-    response = getattr(error, 'response', None)
-    if isinstance(response, dict):
-        code = str(response.get('Error', {}).get('Code', ''))
-        return code in ('404', 'NoSuchKey', 'NotFound')
-    return False

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from foundrymix.errors import MissingError, UserError
 from foundrymix.format.schema import MANIFEST_NAME, Manifest, format_row_error, mds_columns
-from foundrymix.format.shards import (INDEX_NAME, IndexFileError, ShardProblem, hashes_dropped_problem, is_not_found,
+from foundrymix.format.shards import (INDEX_NAME, IndexFileError, ShardProblem, hashes_dropped_problem,
                                       iter_shard_rows, read_index, row_count_problem, shard_hash_checks,
                                       shard_header_problems, shard_name, shard_raw_bytes)
 from foundrymix.s3.remote import download
@@ -118,7 +118,7 @@ class Source:
         try:
             download(f'{self.location}/{basename}', local, self.timeout)
         except ConnectionError as e:  # foundrymix.s3.remote.RemoteError: names URL, S3 code, what to check
-            if is_not_found(e):
+            if getattr(e, 'kind', None) == 'not_found':
                 return None
             raise
         return local
