@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import filecmp
 import hashlib
-import json
 import logging
 import os
 import re
@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from foundrymix import claims
 from foundrymix.config import ConfigError
+from foundrymix.format.advice import read_index_or_none
 from foundrymix.format.shards import index_files
 from foundrymix.loader.cache.hashes import CorruptLocalShardError  # noqa: F401 (re-exported)
 from foundrymix.loader.cache.hashes import CacheBudget, cache_file, hash_algorithm, write_atomic
@@ -260,19 +261,16 @@ def _moved(info: Any, local: str) -> Any:
     split = info.spec.split
     directory = os.path.join(local, split) if split else local
     os.makedirs(directory, exist_ok=True)
+    filecmp.clear_cache()  # its memo keys on (size, mtime): never trusted for a safety check
     for name in ('foundrymix.json', 'index.json'):
         src, dst = os.path.join(info.directory, name), os.path.join(directory, name)
-        with open(src, 'rb') as f:
-            data = f.read()
-        try:
-            with open(dst, 'rb') as f:
-                same = f.read() == data
-        except FileNotFoundError:
-            same = None
-        if same is False and name == 'index.json':
-            for old in index_files(json.loads(open(dst, encoding='utf-8').read())):
+        there = os.path.isfile(dst)
+        if there and filecmp.cmp(src, dst, shallow=False):
+            continue
+        if there and name == 'index.json':
+            for old in index_files(read_index_or_none(dst) or {}):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(directory, old))
-        if not same:
-            write_atomic(dst, data)
+        with open(src, 'rb') as f:
+            write_atomic(dst, f.read())
     return dataclasses.replace(info, local=local, directory=directory)
