@@ -136,10 +136,7 @@ def build_run_plan(config: LoaderConfig, infos: list[list[StreamInfo]], batch_si
     Without ``stages:`` the run is one stage, :data:`MAIN_STAGE`, as long as ``max_duration``."""
     configs = config.stage_configs(where)
     G = batch_size * topology.world_size
-    if config.stages is None:
-        if max_duration is None:
-            raise ConfigError("config: missing required key 'max_duration' (it may be left out "
-                              "only with train_loader.stages: the run is then the sum of the stages)")
+    if config.stages is None:  # max_duration given (DataConfig.check refuses a YAML without)
         specs = [(MAIN_STAGE, str(max_duration), where, G, None)]
     else:
         specs = [(s.name, s.duration, s.where, s.global_train_batch_size or G, f'{s.where}.duration')
