@@ -113,7 +113,7 @@ def _evaluator(cfg: TrainConfig, tokenizer: TokenizerInfo,
     if cfg.eval_loader is None:
         return None, []
     eval_mixer = StreamMixer(cfg.eval_loader, 'eval_loader')
-    check_eval_catalog(eval_mixer.catalog, cfg.max_seq_len, tokenizer)  # rows like the train streams'
+    check_eval_catalog(eval_mixer, cfg.max_seq_len, tokenizer)  # rows like the train streams'
     eval_batch = cfg.device_eval_batch_size or device_batch
     loader = eval_mixer.build_dataloader(batch_size=eval_batch, rewind=True)
     left = {n: k for n, k in loader.run.stages[0].plan.left_out_per_epoch.items() if k}

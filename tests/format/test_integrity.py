@@ -160,7 +160,7 @@ def test_truncated_shard_named_by_size_check_and_by_the_loader(streams):
     # Without the up-front check (e.g. a file cut after start-up) the row read names it.
     mixer = StreamMixer.from_dict(loader_cfg(streams))
     from foundrymix.loader.mixer import build_store
-    infos = [mixer.catalog.info(n) for n in mixer.stream_names]  # read, not validated
+    infos = [mixer.info(n) for n in mixer.stream_names]  # read, not validated
     ds = build_store(mixer.config, infos)
     try:
         with pytest.raises(CorruptRowError) as err:
