@@ -142,7 +142,7 @@ def main() -> int:
         from streaming import StreamingDataset
 
         from streaming import Stream
-        infos = mixer.catalog.infos()
+        infos = mixer.infos()
         raw_ds = StreamingDataset(streams=[Stream(local=i.local, repeat=i.spec.repeat,
                                                   proportion=i.spec.proportion, choose=i.spec.choose)
                                            for i in infos], batch_size=args.batch_size,

@@ -252,7 +252,7 @@ def test_cache_limit_reads_through_evictions_in_process(tmp_path, big):
     import numpy as np
     from foundrymix.plan.window import cache_need
     cfg = loader({'big': big}, 'remote', cache_root=str(tmp_path / 'c'))
-    limit = cache_need(StreamMixer.from_dict(cfg).catalog.infos(), 1)
+    limit = cache_need(StreamMixer.from_dict(cfg).infos())(1)
     ds = StreamMixer.from_dict(dict(cfg, cache_limit=limit)).build_store()
     ref = StreamMixer.from_dict(loader({'big': big}, 'local')).build_store()
     index = json.loads((Path(big['local']) / 'index.json').read_text())
@@ -274,11 +274,11 @@ def test_cache_limit_reads_through_evictions_in_process(tmp_path, big):
 def test_cache_limit_keeps_the_cache_bounded_through_an_epoch(tmp_path, big):
     streams = {'big': big}
     total = sum(f.stat().st_size for f in Path(big['local']).glob('shard.*'))
-    infos = StreamMixer.from_dict(loader(streams, 'remote', cache_root=str(tmp_path / 'c'))).catalog.infos()
-    limit = max(total // 3, cache_need(infos, 1))  # a third of the shards, or the least the loader needs
+    infos = StreamMixer.from_dict(loader(streams, 'remote', cache_root=str(tmp_path / 'c'))).infos()
+    limit = max(total // 3, cache_need(infos)(1))  # a third of the shards, or the least the loader needs
     assert limit < total // 2  # evictions, many
     cfg = loader(streams, 'remote', cache_limit=limit, cache_root=str(tmp_path / 'c'))
-    window = cache_window(StreamMixer.from_dict(cfg).config, StreamMixer.from_dict(cfg).catalog.infos())
+    window = cache_window(StreamMixer.from_dict(cfg).config, StreamMixer.from_dict(cfg).infos())
     want = local_summary(streams, batch=16, shuffle_block_size=window)  # the order in that window
     ld = StreamMixer.from_dict(cfg).build_dataloader(batch_size=16)
     ds = ld.storage

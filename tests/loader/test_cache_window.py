@@ -88,7 +88,7 @@ def test_a_tight_cache_fetches_each_shard_once_a_pass_and_never_overflows(tmp_pa
     cache = tmp_path / 'cache'
     cfg = {'streams': {n: {'remote': s['remote']} for n, s in data.items()}, 'shuffle_seed': 11,
            'cache_limit': limit, 'cache_root': str(cache)}
-    window = cache_window(StreamMixer.from_dict(cfg).config, StreamMixer.from_dict(cfg).catalog.infos())
+    window = cache_window(StreamMixer.from_dict(cfg).config, StreamMixer.from_dict(cfg).infos())
     assert 1 < window < 540 < WINDOW_ROWS  # the default window holds every shard: it would not fit
     # the plan says so (the batch size does not change the window)
     assert (f'shuffle window: {window:,} rows (the default, {WINDOW_ROWS:,}, does not fit cache_limit {limit}): '

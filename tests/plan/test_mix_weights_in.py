@@ -74,7 +74,7 @@ def test_weights_in_is_part_of_a_stage_fingerprint(small_streams):
     prints = {}
     for weights_in in ('rows', 'tokens'):
         mixer = StreamMixer.from_dict(loader_cfg(small_streams, 0.5, 0.5, 40, weights_in))
-        prints[weights_in] = stage_fingerprint(mixer.config, mixer.catalog.infos(), 1)
+        prints[weights_in] = stage_fingerprint(mixer.config, mixer.infos(), 1)
     assert 'weights_in' not in prints['rows']['knobs']  # fingerprints of older checkpoints unchanged
     assert fingerprint_changes(prints['rows'], prints['tokens']) == ["weights_in 'rows' -> 'tokens'"]
     assert fingerprint_changes(prints['tokens'], prints['rows']) == ["weights_in 'tokens' -> 'rows'"]

@@ -198,7 +198,7 @@ def test_four_ranks_on_two_nodes_train_the_plan_once(plan, mixer, one_rank, four
     assert len(epoch) == plan.batches_per_epoch and len(log4) == plan.batches_per_epoch + 2
     ids = [i for b in epoch for i in b['sample_ids']]
     assert len(ids) == len(set(ids)) == plan.epoch_size        # no sample id twice
-    sim = epoch_order(mixer.config, mixer.catalog.infos(), BATCH // 4, Topology(2, 2))
+    sim = epoch_order(mixer.config, mixer.infos(), BATCH // 4, Topology(2, 2))
     assert [b['sample_ids'] for b in epoch] == [b.tolist() for b in sim]
     per_stream = Counter(b for batch in epoch for b in batch['stream_ids'])
     names = [s.name for s in plan.streams]
