@@ -249,9 +249,7 @@ def build_run_loader(config: 'LoaderConfig', batch_size: int, max_duration: Opti
     topology = topology or Topology()
     if catalogs is None:
         run, catalogs = plan_run(config, batch_size, max_duration, topology, where, rank_count_limit=0)
-    else:
-        for catalog in catalogs:
-            catalog.validate()
+    else:  # infos() validates each
         run = build_run_plan(config, [c.infos() for c in catalogs], batch_size, max_duration,
                              topology, where, rank_count_limit=0)
     return StagedDataLoader(run, rank, rewind), catalogs

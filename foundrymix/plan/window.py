@@ -64,13 +64,10 @@ def largest_shard(infos: Sequence[Any]) -> tuple[int, str, str]:
                key=lambda t: t[0], default=(0, '', ''))  # the first of the largest
 
 
-def cache_need(infos: Sequence[Any], rows: int) -> int:
-    """Bytes a cache of the remote streams ``infos`` needs for windows of ``rows`` rows: every
-    stream's window, room to fetch :data:`ROOM_SHARDS` of the largest shard, and the fixed files."""
-    return _need(infos)(rows)
-
-
-def _need(infos: Sequence[Any]) -> Callable[[int], int]:
+def cache_need(infos: Sequence[Any]) -> Callable[[int], int]:
+    """Window rows -> the bytes a cache of the remote streams ``infos`` needs for windows of that
+    many rows: every stream's window, room to fetch :data:`ROOM_SHARDS` of the largest shard, and
+    the fixed files."""
     room = ROOM_SHARDS * largest_shard(infos)[0] + sum(fixed_bytes(i) for i in infos)
     return lambda rows: room + sum(window_bytes(i.index['shards'], rows) for i in infos)
 
@@ -85,7 +82,7 @@ def cache_window(config: Any, infos: Sequence[Any]) -> int:
     limit = limit_bytes(config, where)
     if not limit or not remote:
         return asked
-    need = _need(remote)
+    need = cache_need(remote)
     if need(asked if config.shuffle else 1) <= limit:  # unshuffled: a shard of each at a time
         return asked
     if need(1) > limit:

@@ -59,7 +59,7 @@ def test_the_default_window_is_kept_when_it_fits_and_the_largest_that_fits_chose
     limit = 3 * 90_000 + 3 * 40_000 + ROOM_SHARDS * 90_000 + fixed
     W = cache_window(SimpleNamespace(shuffle=True, cache_limit=limit, shuffle_block_size=None), [a, b])
     assert W == 200
-    assert cache_need([a, b], W) <= limit < cache_need([a, b], W + 1)
+    assert cache_need([a, b])(W) <= limit < cache_need([a, b])(W + 1)
     assert cache_window(SimpleNamespace(shuffle=True, cache_limit=f'{limit}b', shuffle_block_size=200), [a, b]) == 200
     # unshuffled, the window changes nothing (rows in shard order, one shard at a time): kept
     assert cache_window(SimpleNamespace(shuffle=False, cache_limit=limit, shuffle_block_size=None), [a, b]) == WINDOW_ROWS

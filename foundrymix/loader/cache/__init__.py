@@ -151,7 +151,7 @@ def check_space(config: Any, infos: list[Any], where: str) -> None:
                 f'{where}: the cache directory {directory} has {free:,} bytes free, and this run '
                 f'downloads {need:,} bytes into it (shards not cached yet of stream {names}'
                 f'{capped}). Free space there, set {where}.cache_limit (the loader then evicts '
-                f'shards as it goes; at least {cache_need([i for i, _, _ in streams], 1):,} '
+                f'shards as it goes; at least {cache_need([i for i, _, _ in streams])(1):,} '
                 f'bytes), or point {where}.cache_root (or the stream\'s local:) at a larger disk')
 
 
