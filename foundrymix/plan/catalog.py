@@ -106,9 +106,8 @@ class Catalog:
 
     def _read(self, name: str) -> StreamInfo:
         where = self._where(name)
-        path = self.fetch(name, MANIFEST_NAME)
+        path, index_path = self.fetch(name, MANIFEST_NAME), self.fetch(name, INDEX_NAME)
         if not os.path.isfile(path):
-            index_path = self.fetch(name, INDEX_NAME)
             if os.path.isfile(index_path):
                 index = _read_index(index_path, where)
                 if is_foundry_tokens(index):
@@ -127,7 +126,6 @@ class Catalog:
             raise ConfigError(f'{where}.tokenizer: only for LLM-Foundry token shards read in place; this '
                               f'stream records the tokenizer it was converted with ({manifest.tokenizer.name}): '
                               f'leave tokenizer out', path=f'{where}.tokenizer')
-        index_path = self.fetch(name, INDEX_NAME)
         if not os.path.isfile(index_path):
             raise ConfigError(f'{where}: manifest but no {INDEX_NAME} in '
                               f'{os.path.dirname(index_path)} (an incomplete conversion?)')

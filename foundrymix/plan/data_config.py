@@ -125,8 +125,7 @@ def check_data_streams(cfg: DataConfig, max_seq_len: int, tokenizer: Any) -> Non
 
 def check_eval_catalog(catalog: Any, max_seq_len: int, tokenizer: Any) -> None:
     """The ``eval_loader``'s streams (``catalog``, a :class:`~foundrymix.plan.catalog.Catalog`)
-    validated and holding rows like the train streams' (``max_seq_len``, ``tokenizer``)."""
-    catalog.validate()
+    validated (by reading its ``max_seq_len``) and holding rows like the train streams'."""
     if catalog.max_seq_len != max_seq_len or catalog.tokenizer.fingerprint != tokenizer.fingerprint:
         raise ConfigError(f'eval_loader.streams: rows of max_seq_len {catalog.max_seq_len} from tokenizer '
                           f'{catalog.tokenizer.name}, but the train streams\' are {max_seq_len} from '
