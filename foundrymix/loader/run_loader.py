@@ -49,7 +49,9 @@ class StagedDataLoader:
         column = {n: i for i, n in enumerate(self.stream_names)}  # list.index: O(N^2) at 10,000 streams
         self._maps = [torch.tensor([column[n] for n in s.stream_names]) for s in run.stages]
         self._stage: Optional[int] = None  # the stage whose storage is built
-        self._store: Any = None
+        #: the :class:`~foundrymix.loader.storage.RowStore` of the stage being read, or None
+        #: before :meth:`prepare` / the first batch and after :meth:`release`
+        self.storage: Any = None
         self._open = 0  # iterators of this loader started and not finished or closed
 
     @property
@@ -66,12 +68,6 @@ class StagedDataLoader:
     def samples_per_stream(self) -> dict[str, int]:
         """Stream name -> rows of it in all ranks' global batches before the position."""
         return self.position.rows_per_stream()
-
-    @property
-    def storage(self) -> Any:
-        """The :class:`~foundrymix.loader.storage.RowStore` of the stage being read, or None
-        before :meth:`prepare` / the first batch and after :meth:`release`."""
-        return self._store
 
     def prepare(self) -> None:
         """Build the storage of the stage at the position now: what refuses a run refuses it here."""
@@ -144,16 +140,16 @@ class StagedDataLoader:
 
     def _activate(self, stage: StagePlan) -> Any:
         """The stage's storage, built from its plan once per stage."""
-        if self._store is None or self._stage != stage.index:
+        if self.storage is None or self._stage != stage.index:
             self.release()
             assert stage.config is not None
-            self._store = build_store(stage.config, stage.infos, stage.where)
+            self.storage = build_store(stage.config, stage.infos, stage.where)
             self._stage = stage.index
-        return self._store
+        return self.storage
 
     def release(self) -> None:
         """Drop the current stage's storage, its locks and cache claims given back."""
-        store, self._store = self._store, None
+        store, self.storage = self.storage, None
         # an iterator closed in interpreter teardown: module globals (``sys``) may be gone
         if store is not None and sys is not None and not sys.is_finalizing():
             store.release()
