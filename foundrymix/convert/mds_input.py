@@ -18,7 +18,7 @@ from foundrymix.format.mds import ndarray_rows
 from foundrymix.format.shards import (INDEX_NAME, IndexFileError, check_shard_files, index_files, read_index,
                                      shard_header_problems, shard_raw_bytes)
 from foundrymix.format.streaming_format import ShardRows
-from foundrymix.s3.client import describe as describe_s3, list_keys, make_client
+from foundrymix.s3.remote import describe as describe_s3, list_keys, make_client
 
 
 #: how many splits a root may hold before it is taken as a mistake (e.g. a home directory)
