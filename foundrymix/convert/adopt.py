@@ -29,7 +29,7 @@ from foundrymix.convert.upload import parse_s3_url
 from foundrymix.convert.paths import check_overlap, is_url, sub_out
 from foundrymix.convert.pipeline import ChunkResult
 from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
-from foundrymix.convert.mds_input import MdsSplit, OutOfRange, download_datasets, find_splits, read_column_arrays, shard_count
+from foundrymix.convert.mds_input import MdsSplit, download_datasets, find_splits, read_column_arrays
 from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.errors import ExistsError, UserError
 from foundrymix.format.foundry_tokens import document_rule
@@ -88,14 +88,8 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
     """Read one token shard (no tokenizer): its rows joined, ids checked, document ends found."""
     w = worker_state()
     o: TokenOptions = w.options
-    vocab = w.vocab_size
-    try:
-        name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype, vocab)
-    except OutOfRange as e:
-        file, row, value = e.args
-        raise UserError(f'{file}:row {row}: token id {value} is outside the vocabulary of '
-                        f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
-                        f'tokenizer: pass it with --tokenizer') from None
+    _, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype,
+                                             (o.tokenizer, w.vocab_size))
     # a document ends after each EOS, or just before each BOS; 'none': the stream is one document
     ends = (np.flatnonzero(stream == o.boundary_id) + (o.boundary == 'eos') if o.boundary != 'none'
             else np.zeros(0, dtype=np.int64))
@@ -164,7 +158,7 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
     info = describe_tokenizer(tokenizer)
     window: Optional[int] = None
     previous: Optional[int] = None  # the last token of the shards read so far
-    for number in range(shard_count(split.path)):
+    for number in range(split.shards):
         _, stream, row_lens = read_column_arrays(split.path, number, 'tokens')
         if number == 0:
             lengths = set(row_lens.tolist())
