@@ -27,8 +27,7 @@ from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_exampl
 from foundrymix.convert.output import check_can_create, check_output_dir
 from foundrymix.convert.upload import parse_s3_url
 from foundrymix.convert.paths import check_overlap, is_url, sub_out
-from foundrymix.convert.pipeline import ChunkResult
-from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
+from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _ChunkTokens, _PretrainRows
 from foundrymix.convert.mds_input import MdsSplit, download_datasets, find_splits, read_column_arrays
 from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.errors import ExistsError, UserError
@@ -76,16 +75,9 @@ class TokenOptions(ConvertOptions):
     source_seq_len: Optional[int] = None  # the source's window length, if all rows share one
 
 
-@dataclass
-class _ChunkIds(ChunkResult):
-    """A shard's token ids back to back, and the offsets just after each document end."""
-
-    tokens: np.ndarray
-    ends: np.ndarray
-
-
-def _encode_tokens(chunk: Chunk) -> _ChunkIds:
-    """Read one token shard (no tokenizer): its rows joined, ids checked, document ends found."""
+def _encode_tokens(chunk: Chunk) -> _ChunkTokens:
+    """Read one token shard (no tokenizer): its rows joined, ids checked, and the tokens up to each
+    document end found (``doc_lens``, the first counted from the shard's start)."""
     w = worker_state()
     o: TokenOptions = w.options
     _, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype,
@@ -93,7 +85,7 @@ def _encode_tokens(chunk: Chunk) -> _ChunkIds:
     # a document ends after each EOS, or just before each BOS; 'none': the stream is one document
     ends = (np.flatnonzero(stream == o.boundary_id) + (o.boundary == 'eos') if o.boundary != 'none'
             else np.zeros(0, dtype=np.int64))
-    return _ChunkIds(len(row_lens), len(ends), [], {}, stream, ends)
+    return _ChunkTokens(len(row_lens), len(ends), [], {}, stream, np.diff(ends, prepend=0))
 
 
 class _TokenRows(_PretrainRows):
@@ -108,15 +100,14 @@ class _TokenRows(_PretrainRows):
         c = self.cutter
         return len(c.rest) - int(c.rest_pieces.sum())
 
-    def add(self, result: _ChunkIds) -> Iterator[dict]:
-        ends = result.ends
-        lens = np.diff(ends, prepend=0)
+    def add(self, result: _ChunkTokens) -> Iterator[dict]:
+        lens = result.doc_lens
+        ended = int(lens.sum())  # tokens up to the chunk's last document end
         if len(lens):
             lens[0] += self._open()
         kept = lens[lens > 0]  # a BOS at the very start of the stream ends nothing
         self.counts.documents_read -= len(lens) - len(kept)
-        self.since_end = len(result.tokens) - int(ends[-1]) if len(ends) else \
-            self.since_end + len(result.tokens)
+        self.since_end = len(result.tokens) - ended if len(lens) else self.since_end + len(result.tokens)
         yield from self._rows(result.tokens, kept)
 
     def flush(self) -> Iterator[dict]:
@@ -133,8 +124,8 @@ class _TokenRows(_PretrainRows):
         c = self.counts
         c.documents_written = c.documents_read - (self.cutter.tail_documents if c.tail_tokens else 0)
 
-    def progress(self, result: _ChunkIds) -> tuple[int, int]:
-        return len(result.ends), len(result.tokens)
+    def progress(self, result: _ChunkTokens) -> tuple[int, int]:
+        return len(result.doc_lens), len(result.tokens)
 
 
 @dataclass
