@@ -61,10 +61,7 @@ def _resolve(name_or_path: str) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(name_or_path: str) -> Any:
-    """Load a fast tokenizer offline; raise :class:`TokenizerError` naming what was tried.
-
-    Cached per process: conversion workers and the trainer ask for the same one often.
-    """
+    """Load a fast tokenizer offline (once per process); raise :class:`TokenizerError` naming what was tried."""
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
     from transformers import AutoTokenizer
@@ -148,31 +145,23 @@ def _load_spm(path: str) -> Any:
 SPM_PROBE = '  Hello world, x  y   z    w\n\n\tcode(1234) \u00fcber na\u00efve \u6f22\u5b57 \U0001f917 end.'
 
 
-def _fingerprint(serialized: str, bos: Optional[int], eos: Optional[int], pad: Optional[int], add_bos: bool,
-                 vocab: int) -> str:
-    """SHA-256 over the tokenizer's canonical serialization and special-token settings."""
-    h = hashlib.sha256()
-    h.update(serialized.encode('utf-8'))
+def _info(name: str, serialized: str, bos: Optional[int], eos: int, pad: Optional[int], add_bos: bool,
+          vocab: int) -> TokenizerInfo:
+    """The manifest's description of a tokenizer: padding uses pad, else EOS; the fingerprint is
+    SHA-256 over its canonical serialization and special-token settings."""
+    h = hashlib.sha256(serialized.encode('utf-8'))
     h.update(json.dumps({'bos': bos, 'eos': eos, 'pad': pad, 'add_bos': add_bos, 'vocab': vocab},
                         sort_keys=True).encode('utf-8'))
-    return h.hexdigest()
+    return TokenizerInfo(name=name, vocab_size=vocab, fingerprint=h.hexdigest(), bos_id=bos, eos_id=int(eos),
+                         pad_id=int(eos if pad is None else pad), add_bos=add_bos)
 
 
 def tokenizer_info(tok: Any) -> TokenizerInfo:
-    """The manifest's description of a tokenizer. Padding uses pad, else EOS; ``add_bos``: whether
-    it puts BOS in front of an encoded text by default."""
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    """The manifest's description of a loaded tokenizer; ``add_bos``: whether it puts BOS in front of
+    an encoded text by default."""
     add_bos = tok.bos_token_id is not None and tok('a', add_special_tokens=True)['input_ids'][:1] == [tok.bos_token_id]
-    return TokenizerInfo(
-        name=str(getattr(tok, 'foundrymix_name', tok.name_or_path)),
-        vocab_size=len(tok),
-        fingerprint=_fingerprint(tok.backend_tokenizer.to_str(), tok.bos_token_id, tok.eos_token_id,
-                                 tok.pad_token_id, add_bos, len(tok)),
-        bos_id=tok.bos_token_id,
-        eos_id=int(tok.eos_token_id),
-        pad_id=int(pad),
-        add_bos=add_bos,
-    )
+    return _info(str(getattr(tok, 'foundrymix_name', tok.name_or_path)), tok.backend_tokenizer.to_str(),
+                 tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, add_bos, len(tok))
 
 
 def describe_tokenizer(name_or_path: str, memo_dir: Optional[str] = None) -> TokenizerInfo:
@@ -301,7 +290,4 @@ def _plain_fast_info(name_or_path: str) -> Optional[TokenizerInfo]:
     tok = Tokenizer.from_str(text)
     bos, eos, pad = ids['bos_token'], ids['eos_token'], ids['pad_token']
     add_bos = bos is not None and tok.encode('a', add_special_tokens=True).ids[:1] == [bos]
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    return TokenizerInfo(name=name_or_path, vocab_size=vocab,
-                         fingerprint=_fingerprint(tok.to_str(), bos, eos, pad, add_bos, vocab),
-                         bos_id=bos, eos_id=eos, pad_id=eos if pad is None else pad, add_bos=add_bos)
+    return _info(name_or_path, tok.to_str(), bos, eos, pad, add_bos, tok.get_vocab_size(with_added_tokens=True))

@@ -72,12 +72,14 @@ class Override:
     siblings: tuple[str, ...] = ()
 
 
-def load_yaml(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Load ``path`` with omegaconf, apply ``key=value`` overrides, resolve interpolations."""
-    return load_yaml_overrides(path, overrides)[0]
+def load_yaml(path: str, overrides: Sequence[str] = (), resolve: bool = True) -> dict[str, Any]:
+    """Load ``path`` with omegaconf, apply ``key=value`` overrides, resolve interpolations (unless
+    ``resolve`` is False: ``${...}`` kept as written)."""
+    return load_yaml_overrides(path, overrides, resolve)[0]
 
 
-def load_yaml_overrides(path: str, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], list[Override]]:
+def load_yaml_overrides(path: str, overrides: Sequence[str] = (),
+                        resolve: bool = True) -> tuple[dict[str, Any], list[Override]]:
     """:func:`load_yaml`, and what each override created (for :func:`blame`).
 
     A mapping or list value (``train_loader.streams={a: {local: /d}}``) *replaces* the YAML's
@@ -112,7 +114,7 @@ def load_yaml_overrides(path: str, overrides: Sequence[str] = ()) -> tuple[dict[
                                  force_add=True)
             except (OmegaConfBaseException, TypeError, ValueError, IndexError) as e:
                 raise ConfigError(f'override {key}={value}: {e}') from None
-        data = OmegaConf.to_container(cfg, resolve=True)
+        data = OmegaConf.to_container(cfg, resolve=resolve)
     except OmegaConfBaseException as e:
         raise ConfigError(f'{path}: {type(e).__name__}: {e}') from None
     except Exception as e:  # yaml.YAMLError and friends
@@ -142,17 +144,13 @@ def _created(cfg: Any, o: Override) -> Override:
     return o
 
 
-def _normal_path(path: str) -> str:
-    return re.sub(r'\[(\d+)\]', r'.\1', path)
-
-
 def blame(error: ConfigError, path: str, overrides: Sequence[Override], data: Mapping[str, Any]) -> ConfigError:
     """``error`` (every line) prefixed with its cause: the ``key=value`` override that set or created
     its key, else the YAML ``path``; an override that creates a stream without a location
     (``streams.wbe.repeat=2``) is named a misspelt stream, with the streams the YAML has."""
     lines: list[ConfigError] = []
     for e in errors_of(error):
-        p = _normal_path(e.path) if e.path else None
+        p = re.sub(r'\[(\d+)\]', r'.\1', e.path) if e.path else None  # a[0].b as overrides name it: a.0.b
         line = f'{path}: {e}'
         for o in reversed(overrides):  # the last override of a key wins, as applied
             created = o.created and p is not None and (p == o.created or p.startswith(o.created + '.'))

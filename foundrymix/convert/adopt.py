@@ -27,9 +27,8 @@ from foundrymix.convert.finetune import FINETUNE, FinetuneOptions, _chunk_exampl
 from foundrymix.convert.output import check_can_create, check_output_dir
 from foundrymix.convert.upload import parse_s3_url
 from foundrymix.convert.paths import check_overlap, is_url, sub_out
-from foundrymix.convert.pipeline import ChunkResult
-from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _PretrainRows
-from foundrymix.convert.mds_input import MdsSplit, OutOfRange, download_datasets, find_splits, read_column_arrays, shard_count
+from foundrymix.convert.pretrain import PRETRAIN, PretrainOptions, _ChunkTokens, _PretrainRows
+from foundrymix.convert.mds_input import MdsSplit, download_datasets, find_splits, read_column_arrays
 from foundrymix.convert.readers import BadRecord, Chunk
 from foundrymix.errors import ExistsError, UserError
 from foundrymix.format.foundry_tokens import document_rule
@@ -76,30 +75,17 @@ class TokenOptions(ConvertOptions):
     source_seq_len: Optional[int] = None  # the source's window length, if all rows share one
 
 
-@dataclass
-class _ChunkIds(ChunkResult):
-    """A shard's token ids back to back, and the offsets just after each document end."""
-
-    tokens: np.ndarray
-    ends: np.ndarray
-
-
-def _encode_tokens(chunk: Chunk) -> _ChunkIds:
-    """Read one token shard (no tokenizer): its rows joined, ids checked, document ends found."""
+def _encode_tokens(chunk: Chunk) -> _ChunkTokens:
+    """Read one token shard (no tokenizer): its rows joined, ids checked, and the tokens up to each
+    document end found (``doc_lens``, the first counted from the shard's start)."""
     w = worker_state()
     o: TokenOptions = w.options
-    vocab = w.vocab_size
-    try:
-        name, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype, vocab)
-    except OutOfRange as e:
-        file, row, value = e.args
-        raise UserError(f'{file}:row {row}: token id {value} is outside the vocabulary of '
-                        f'tokenizer {o.tokenizer!r} ({vocab:,} ids); the shards were made with another '
-                        f'tokenizer: pass it with --tokenizer') from None
+    _, stream, row_lens = read_column_arrays(chunk.path, chunk.start, 'tokens', w.token_dtype,
+                                             (o.tokenizer, w.vocab_size))
     # a document ends after each EOS, or just before each BOS; 'none': the stream is one document
     ends = (np.flatnonzero(stream == o.boundary_id) + (o.boundary == 'eos') if o.boundary != 'none'
             else np.zeros(0, dtype=np.int64))
-    return _ChunkIds(len(row_lens), len(ends), [], {}, stream, ends)
+    return _ChunkTokens(len(row_lens), len(ends), [], {}, stream, np.diff(ends, prepend=0))
 
 
 class _TokenRows(_PretrainRows):
@@ -114,15 +100,14 @@ class _TokenRows(_PretrainRows):
         c = self.cutter
         return len(c.rest) - int(c.rest_pieces.sum())
 
-    def add(self, result: _ChunkIds) -> Iterator[dict]:
-        ends = result.ends
-        lens = np.diff(ends, prepend=0)
+    def add(self, result: _ChunkTokens) -> Iterator[dict]:
+        lens = result.doc_lens
+        ended = int(lens.sum())  # tokens up to the chunk's last document end
         if len(lens):
             lens[0] += self._open()
         kept = lens[lens > 0]  # a BOS at the very start of the stream ends nothing
         self.counts.documents_read -= len(lens) - len(kept)
-        self.since_end = len(result.tokens) - int(ends[-1]) if len(ends) else \
-            self.since_end + len(result.tokens)
+        self.since_end = len(result.tokens) - ended if len(lens) else self.since_end + len(result.tokens)
         yield from self._rows(result.tokens, kept)
 
     def flush(self) -> Iterator[dict]:
@@ -139,8 +124,8 @@ class _TokenRows(_PretrainRows):
         c = self.counts
         c.documents_written = c.documents_read - (self.cutter.tail_documents if c.tail_tokens else 0)
 
-    def progress(self, result: _ChunkIds) -> tuple[int, int]:
-        return len(result.ends), len(result.tokens)
+    def progress(self, result: _ChunkTokens) -> tuple[int, int]:
+        return len(result.doc_lens), len(result.tokens)
 
 
 @dataclass
@@ -164,7 +149,7 @@ def _sniff_tokens(split: MdsSplit, tokenizer: str) -> tuple[str, Optional[int], 
     info = describe_tokenizer(tokenizer)
     window: Optional[int] = None
     previous: Optional[int] = None  # the last token of the shards read so far
-    for number in range(shard_count(split.path)):
+    for number in range(split.shards):
         _, stream, row_lens = read_column_arrays(split.path, number, 'tokens')
         if number == 0:
             lengths = set(row_lens.tolist())

@@ -105,25 +105,14 @@ def _output_options(p: argparse.ArgumentParser, text: str = '') -> None:
                         'xxh64); xxh3_64 is always written. Read back with streaming\'s validate_hash')
 
 
-_ESCAPES = {'n': '\n', 't': '\t', '\\': '\\'}
-
-
-def unescape(template: Optional[str]) -> Optional[str]:
-    r"""``\n``, ``\t`` and ``\\`` in a command-line template as the characters (shells pass
-    them literally); other backslashes stay."""
-    if template is None:
-        return None
-    return re.sub(r'\\([nt\\])', lambda m: _ESCAPES[m.group(1)], template)
-
-
 def _options(cls: type, args: argparse.Namespace) -> Any:
     values = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
     for k in ('max_seq_len', 'tokenizer'):  # not given: the options' defaults (2048, the bundled demo tokenizer)
         if values.get(k) is None:
             values.pop(k, None)
     for k in ('text_template', 'prompt_template', 'response_template'):
-        if k in values:
-            values[k] = unescape(values[k])
+        if values.get(k) is not None:  # \n, \t, \\ as the characters (shells pass them literally)
+            values[k] = re.sub(r'\\([nt\\])', lambda m: {'n': '\n', 't': '\t', '\\': '\\'}[m.group(1)], values[k])
     values['hash'] = tuple(values.get('hash', ()))
     if getattr(args, 'ray_task_mb', None) is not None:
         values['ray_task_bytes'] = max(1, int(args.ray_task_mb * (1 << 20)))

@@ -12,7 +12,7 @@ from foundrymix.convert.pipeline import PARALLEL_MODES, default_workers
 from foundrymix.convert.paths import OutSpec, Output, check_overlap, discover_inputs, split_out
 from foundrymix.convert.output import check_output_dir
 from foundrymix.convert.upload import check_remote
-from foundrymix.convert.writer import DEFAULT_HASH, check_compression, check_hashes
+from foundrymix.convert.writer import DEFAULT_HASH, check_shard_options
 from foundrymix.errors import UserError
 from foundrymix.heap import collector_paused
 from foundrymix.format.schema import TokenizerInfo, token_dtype_for
@@ -116,8 +116,7 @@ def prepare(inputs: list[str], out: OutSpec, options: ConvertOptions, min_conten
     if local is not None:
         check_overlap([], resolved, local)
         check_output_dir(os.path.abspath(local), options.overwrite)
-    check_hashes(options.hash_algorithms)
-    check_compression(options.compression)
+    check_shard_options(options.hash_algorithms, options.compression)
     # reaches the endpoint: after the free checks, before any work
     remote = None if output.remote is None else check_remote(output.remote, options.overwrite)
     with collector_paused():  # importing makes it run over and over, finding nothing

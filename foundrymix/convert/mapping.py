@@ -268,17 +268,14 @@ def _template_segments(messages: list[dict], trained: set[int], loss_on_prompt: 
     segs: Segments = []
     done = ''
     for i, m in enumerate(messages):
-        if m['role'] == 'assistant':
-            head = render(messages[:i], True)
-            full = render(messages[:i + 1], False)
-            if not head.startswith(done) or not full.startswith(head):
-                raise UserError('chat template is not prefix-stable; cannot locate assistant turns')
-            segs += [(head[len(done):], loss_on_prompt), (full[len(head):], loss_on_prompt or i in trained)]
-        else:
-            full = render(messages[:i + 1], False)
-            if not full.startswith(done):
-                raise UserError('chat template is not prefix-stable; cannot locate assistant turns')
-            segs.append((full[len(done):], loss_on_prompt))
+        assistant = m['role'] == 'assistant'  # its header (the generation prompt) is a segment of its own
+        head = render(messages[:i], True) if assistant else done
+        full = render(messages[:i + 1], False)
+        if not head.startswith(done) or not full.startswith(head):
+            raise UserError('chat template is not prefix-stable; cannot locate assistant turns')
+        if assistant:
+            segs.append((head[len(done):], loss_on_prompt))
+        segs.append((full[len(head):], loss_on_prompt or i in trained))  # only assistant turns are trained
         done = full
     return segs
 
@@ -301,8 +298,6 @@ def encode_texts(tok: Any, texts: list[str],
                  slice_chars: int = SLICE_CHARS) -> list[list[int] | np.ndarray]:
     """Token ids of each text, without special tokens: lists of ints, or ``uint32`` arrays for
     texts over ``slice_chars`` (encoded in slices)."""
-    if not any(len(t) > slice_chars for t in texts):
-        return [e.ids for e in _batch_encoder(tok)(texts, add_special_tokens=False)] if texts else []
     out: list[Any] = [encode_long(tok, t, slice_chars) if len(t) > slice_chars else None for t in texts]
     short = [i for i, x in enumerate(out) if x is None]
     for i, e in zip(short, _batch_encoder(tok)([texts[i] for i in short], add_special_tokens=False)):

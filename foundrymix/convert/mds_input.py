@@ -18,7 +18,7 @@ from foundrymix.format.mds import ndarray_rows
 from foundrymix.format.shards import (INDEX_NAME, IndexFileError, check_shard_files, index_files, read_index,
                                      shard_header_problems, shard_raw_bytes)
 from foundrymix.format.streaming_format import ShardRows
-from foundrymix.s3.client import describe as describe_s3, list_keys, make_client
+from foundrymix.s3.remote import describe as describe_s3, list_keys, make_client
 
 
 #: how many splits a root may hold before it is taken as a mistake (e.g. a home directory)
@@ -40,11 +40,6 @@ class MdsSplit:
         cols = ', '.join(f'{k}: {v}' for k, v in self.columns.items())
         zipped = f', {self.compression}' if self.compression else ''
         return f"{self.name or '.'}: {self.rows:,} rows in {self.shards:,} shard(s){zipped} ({cols})"
-
-
-def is_mds_dir(path: str) -> bool:
-    """An MDS dataset directory: it holds ``index.json``."""
-    return os.path.isfile(os.path.join(path, INDEX_NAME))
 
 
 def load_split(path: str, name: str) -> MdsSplit:
@@ -82,7 +77,7 @@ def find_splits(root: str) -> list[MdsSplit]:
             raise UserError(f'{root}: not a directory; give the folder holding index.json '
                             f'(or the folder of its splits)')
         raise UserError(f'{root}: no such directory')
-    if is_mds_dir(root):
+    if os.path.isfile(os.path.join(root, INDEX_NAME)):
         return [load_split(root, '')]
     found: list[MdsSplit] = []
     for here, dirs, _files in os.walk(root):
@@ -90,7 +85,7 @@ def find_splits(root: str) -> list[MdsSplit]:
         dirs[:] = [d for d in dirs if not d.startswith('.')]
         for d in list(dirs):
             full = os.path.join(here, d)
-            if is_mds_dir(full):
+            if os.path.isfile(os.path.join(full, INDEX_NAME)):  # an MDS dataset
                 found.append(load_split(full, os.path.relpath(full, root)))
                 dirs.remove(d)  # a dataset's own subfolders are not splits
         if len(found) > MAX_SPLITS:
@@ -111,13 +106,9 @@ def dataset_index(path: str) -> dict[str, Any]:
         raise UserError(str(e)) from None
 
 
-def shard_count(path: str) -> int:
-    return len(dataset_index(path)['shards'])
-
-
-def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
-    """``(file, raw shard bytes)`` of shard ``number`` of the dataset in ``path``, once its header
-    agrees with ``index.json`` (a wrong index is named here, not met later as a bare numpy
+def shard_bytes(path: str, number: int) -> tuple[dict[str, Any], str, bytes | mmap.mmap]:
+    """``(index entry, file, raw bytes)`` of shard ``number`` of the dataset in ``path``, once its
+    header agrees with ``index.json`` (a wrong index is named here, not met later as a bare numpy
     ``ValueError``). Read from the uncompressed file if present (streaming keeps both with
     ``keep_zip``), memory-mapped: a fresh buffer would pay a page fault per page."""
     shard = dataset_index(path)['shards'][number]
@@ -141,14 +132,13 @@ def shard_bytes(path: str, number: int) -> tuple[str, bytes | mmap.mmap]:
     if problems:
         raise UserError(f'{name}: {problems[0]}: {INDEX_NAME} does not describe this shard; '
                         f'copy the dataset again from where it was written, or rewrite it')
-    return name, data
+    return shard, name, data
 
 
 def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
     """``(file, rows)`` of shard ``number``: each row a dict of its columns, read by
     :class:`foundrymix.format.streaming_format.ShardRows` (the reader training uses)."""
-    shard = dataset_index(path)['shards'][number]
-    name, data = shard_bytes(path, number)
+    shard, name, data = shard_bytes(path, number)
     reader = ShardRows(shard, data)
     rows = []
     for r in range(len(reader)):
@@ -163,17 +153,12 @@ def read_shard(path: str, number: int) -> tuple[str, list[dict[str, Any]]]:
     return name, rows
 
 
-class OutOfRange(Exception):
-    """A value of a column outside ``[0, below)``: args ``(shard file, row, value)``."""
-
-
 def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str] = None,
-                       below: Optional[int] = None) -> tuple[str, np.ndarray, np.ndarray]:
+                       vocab: Optional[tuple[str, int]] = None) -> tuple[str, np.ndarray, np.ndarray]:
     """``(file, values, row_lengths)``: one ndarray column of every row of a shard, back to back,
-    as ``dtype``; with ``below``, a stored value outside ``[0, below)`` raises :class:`OutOfRange`
-    (checked before narrowing)."""
-    shard = dataset_index(path)['shards'][number]
-    name, data = shard_bytes(path, number)
+    as ``dtype``; with ``vocab`` (tokenizer, size), an id outside the vocabulary is refused, naming
+    its row (checked before narrowing)."""
+    shard, name, data = shard_bytes(path, number)
     rows = ndarray_rows(data, shard) if shard['column_names'] == [column] else None
     if rows is not None:
         lens = np.full(rows.shape[0], rows.shape[1], dtype=np.int64)
@@ -182,10 +167,13 @@ def read_column_arrays(path: str, number: int, column: str, dtype: Optional[str]
         arrays = [np.asarray(r[column]).reshape(-1) for r in decoded]
         rows = np.concatenate(arrays)
         lens = np.asarray([len(a) for a in arrays], dtype=np.int64)
+    tokenizer, below = vocab or ('', None)
     if below is not None and rows.size and (int(rows.min()) < 0 or int(rows.max()) >= below):
         bad = int(np.flatnonzero((rows < 0) | (rows >= below))[0])
         row = int(np.searchsorted(np.cumsum(lens), bad, side='right'))
-        raise OutOfRange(name, row, int(rows.reshape(-1)[bad]))
+        raise UserError(f'{name}:row {row}: token id {int(rows.reshape(-1)[bad])} is outside the vocabulary of '
+                        f'tokenizer {tokenizer!r} ({below:,} ids); the shards were made with another '
+                        f'tokenizer: pass it with --tokenizer')
     values = rows.astype(dtype or rows.dtype).reshape(-1)  # the one copy out of the shard
     return name, values, lens
 

@@ -126,10 +126,9 @@ def remove_output(out: str) -> list[str]:
         return sorted(os.listdir(out)) if os.path.isdir(out) else []
 
 
-def remove_stale_partials(parent: str, name: str) -> list[str]:
+def remove_stale_partials(parent: str, name: str) -> None:
     """Remove ``.<name>.partial-<pid>[-<tag>]`` directories whose process is dead (a live one
-    may be converting into the same ``--out``). Returns the removed paths."""
-    removed = []
+    may be converting into the same ``--out``)."""
     pattern = re.compile(rf'^\.{re.escape(name)}\.partial-(\d+)(?:-[0-9a-f]+)?(?:\.old)?$')
     for stale in glob.glob(os.path.join(glob.escape(parent), f'.{glob.escape(name)}.partial-*')):
         match = pattern.match(os.path.basename(stale))
@@ -140,8 +139,5 @@ def remove_stale_partials(parent: str, name: str) -> list[str]:
             if left:
                 logger.warning('%s: kept (a replaced output holding files foundrymix did not write: %s)',
                                stale, ', '.join(left[:NAMED_ENTRIES]))
-                continue
         else:
             shutil.rmtree(stale, ignore_errors=True)
-        removed.append(stale)
-    return removed

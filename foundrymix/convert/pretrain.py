@@ -33,7 +33,8 @@ class PretrainOptions(ConvertOptions):
 
 @dataclass
 class _ChunkTokens(ChunkResult):
-    """A worker's result: all documents of a chunk, separators included, back to back."""
+    """A worker's result: all documents of a chunk, separators included, back to back, and their
+    lengths (adopt's token shards: the tokens up to each document end)."""
 
     tokens: np.ndarray
     doc_lens: np.ndarray

@@ -53,11 +53,11 @@ def plan_tasks(chunks: Iterable[Chunk], task_bytes: int) -> Iterator[list[Chunk]
 
 @dataclass
 class TaskResult:
-    """What a task hands back: each chunk's result without its arrays, the task's counts, and its
-    shard files (relative to the output)."""
+    """What a task hands back: each chunk (without its payload) and its result without the arrays,
+    the task's counts, and its shard files (relative to the output)."""
 
     index: int
-    chunks: list[ChunkResult]
+    chunks: list[tuple[Chunk, ChunkResult]]
     counts: Counts
     docs: int = 0  # for progress
     tokens: int = 0
@@ -89,7 +89,8 @@ def run_task(converter: 'Converter', chunks: list[Chunk], index: int, partial: s
                         options.size_limit, options.hash_algorithms)
     for chunk in chunks:
         res = converter.encode_chunk(chunk)
-        result.chunks.append(ChunkResult(res.n_lines, res.n_records, res.errors, res.dropped))
+        result.chunks.append((dataclasses.replace(chunk, payload=None),
+                              ChunkResult(res.n_lines, res.n_records, res.errors, res.dropped)))
         if res.errors and options.on_error == 'raise':
             break  # the driver raises for this record; nothing after it matters
         for item in builder.add(res):
@@ -141,18 +142,16 @@ def _connect(options: ConvertOptions) -> bool:
 
 
 def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[Chunk]], window: int,
-               progress: Progress, on_done: Callable[[TaskResult], None]) -> tuple[list[TaskResult], list[list[Chunk]]]:
-    """Submit tasks as planned, at most ``window`` in flight: results in task order and each
-    task's chunks without payloads; ``on_done(result)`` per task; on failure the rest are cancelled."""
+               progress: Progress, on_done: Callable[[TaskResult], None]) -> list[TaskResult]:
+    """Submit tasks as planned, at most ``window`` in flight: results in task order;
+    ``on_done(result)`` per task; on failure the rest are cancelled."""
     import ray
     futures: list[Any] = []
-    kept: list[list[Chunk]] = []
     results: dict[int, TaskResult] = {}
     pending: list[Any] = []
     try:
         for i, chunks in enumerate(itertools.chain(tasks, [None])):  # None: every task is submitted
             if chunks is not None:
-                kept.append([dataclasses.replace(c, payload=None) for c in chunks])
                 futures.append(submit(i, chunks))
                 pending.append(futures[-1])
             while pending and (chunks is None or len(pending) >= window):
@@ -164,7 +163,7 @@ def _run_tasks(submit: Callable[[int, list[Chunk]], Any], tasks: Iterable[list[C
     except BaseException:
         _cancel(futures)  # before the partial directory is removed
         raise
-    return [results[i] for i in range(len(futures))], kept
+    return [results[i] for i in range(len(futures))]
 
 
 def _cancel(futures: list[Any], timeout: float = 60) -> None:
@@ -196,19 +195,19 @@ def run(converter: 'Converter', setup: Setup, options: ConvertOptions,
         with ShardWriter(setup.output.local, options.max_seq_len, setup.token_dtype, overwrite=options.overwrite,
                          remote=setup.remote, tasks=True) as output:
             try:
-                results, kept = _run_tasks(
+                results = _run_tasks(
                     lambda i, chunks: remote.remote(converter, chunks, i, output.partial, options, lean, fail),
                     tasks, window, progress, lambda res: output.upload(res.files))  # while others run
             finally:
                 seconds = progress.close()
             tally = InputTally(options.on_error, manifest)  # in input order, as the default engine
-            for res, chunks in zip(results, kept):
-                for chunk, chunk_res in zip(chunks, res.chunks):
+            for res in results:
+                for chunk, chunk_res in res.chunks:
                     tally.add(chunk, chunk_res)
                 for f in dataclasses.fields(Counts):
                     setattr(manifest.counts, f.name, getattr(manifest.counts, f.name) + getattr(res.counts, f.name))
             check_rows(manifest, len(setup.inputs), options.holdout)
-            merge_task_indexes(output.partial, len(kept))
+            merge_task_indexes(output.partial, len(results))
             output.rows = manifest.counts.rows
             output.finish(manifest)
         return seconds, None, output.upload_summary

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 from foundrymix.errors import FoundrymixError
 from foundrymix.format.schema import MANIFEST_NAME
 from foundrymix.format.shards import INDEX_NAME, index_files
-from foundrymix.s3.client import S3Url, describe, list_keys, make_client
+from foundrymix.s3.remote import S3Url, describe, list_keys, make_client
 from foundrymix.s3.retries import S3RetryCounter
 
 logger = logging.getLogger(__name__)

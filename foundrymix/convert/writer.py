@@ -48,16 +48,7 @@ def supported_hashes() -> set[str]:
     return algos | set(xxhash.algorithms_available)
 
 
-def check_hashes(algos: list[str]) -> None:
-    known = supported_hashes()
-    unknown = [a for a in algos if a not in known]
-    if unknown:
-        raise UserError(f"--hash {unknown[0]!r} is not a hash streaming supports "
-                         f"(choose from {', '.join(sorted(known))})")
-
-
 #: streaming 0.13's shard codecs and levels, to check ``--compression`` without importing torch
-#: (``tests/convert/test_bad_inputs.py`` compares them with ``streaming.base.compression``)
 COMPRESSION_LEVELS = {'br': range(0, 12), 'bz2': range(1, 10), 'gz': range(0, 10), 'snappy': range(0),
                       'zstd': range(1, 23)}
 
@@ -67,7 +58,13 @@ def supported_compressions() -> set[str]:
     return set(COMPRESSION_LEVELS) | {f'{c}:{n}' for c, levels in COMPRESSION_LEVELS.items() for n in levels}
 
 
-def check_compression(compression: Optional[str]) -> None:
+def check_shard_options(hashes: list[str], compression: Optional[str]) -> None:
+    """Refuse, before any work, a ``--hash`` or ``--compression`` that streaming would refuse."""
+    known = supported_hashes()
+    unknown = [a for a in hashes if a not in known]
+    if unknown:
+        raise UserError(f"--hash {unknown[0]!r} is not a hash streaming supports "
+                         f"(choose from {', '.join(sorted(known))})")
     if compression is not None and compression not in supported_compressions():
         levels = ', '.join(f'{c}' + (f'[:{r.start}-{r.stop - 1}]' if r else '')
                            for c, r in sorted(COMPRESSION_LEVELS.items()))
@@ -213,7 +210,7 @@ class ShardWriter(contextlib.AbstractContextManager):
         self._queue.put(item)
         self.rows += n
 
-    def finish(self, manifest: Manifest) -> str:
+    def finish(self, manifest: Manifest) -> None:
         """Flush shards, write index and manifest, then move the directory into place."""
         assert not self._closed, 'writer already closed'
         if manifest.counts.rows != self.rows:
@@ -234,7 +231,6 @@ class ShardWriter(contextlib.AbstractContextManager):
         else:
             self._finish_upload()
         self.finished = True
-        return self.out or str(self._uploader.url)
 
     def _finish_upload(self) -> None:
         """Wait for the shard uploads, publish the local copy (if kept), upload the metadata."""

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -305,7 +306,9 @@ def _remote_damaged(src: Source, info: dict[str, Any], removed: list[str]) -> Co
 
 @collector_paused()  # at each start and stage switch: per-stream objects (heap.py)
 def build_store(config: LoaderConfig, infos: list['StreamInfo'], where: str = 'train_loader') -> 'RowStore':
-    """The store of one stage's streams; claims, cleans and checks the cache directories first."""
+    """The store of one stage's streams; claims, cleans and checks the cache directories first.
+    The claims go back at :meth:`RowStore.release` or when the store is collected (a loader
+    dropped unfinished or finished), never at process exit only."""
     infos, claims = cache.prepare(config, infos, where)
     manifest = infos[0].manifest
     try:
@@ -315,4 +318,5 @@ def build_store(config: LoaderConfig, infos: list['StreamInfo'], where: str = 't
         claims.release()
         raise
     store.cache_claims = claims
+    weakref.finalize(store, claims.release)
     return store

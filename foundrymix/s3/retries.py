@@ -6,7 +6,7 @@ a job that spends much of its time retrying looks like a slow job.
 How: :func:`watch` registers two handlers on a client's public event hooks: ``before-send.s3``
 counts every HTTP request put on the wire (an *attempt*), ``needs-retry.s3`` (emitted after every
 attempt) counts one that failed with a 5xx/429 answer or an exception, by reason. Every client
-foundrymix makes is watched (:func:`foundrymix.s3.client.make_client`); no logger is touched.
+foundrymix makes is watched (:func:`foundrymix.s3.remote.make_client`); no logger is touched.
 
 Guarantees: ``attempts`` is the number of HTTP requests sent; ``retries`` the failed attempts (a
 request's last one included); ``requests = attempts - retries``. The counters live in shared

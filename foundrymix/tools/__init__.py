@@ -1,1 +1,1 @@
-"""User commands on top of the flow: plan, inspect, verify."""
+"""User commands on top of the flow: plan, inspect, verify, compare, migrate."""

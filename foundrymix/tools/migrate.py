@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from foundrymix.config import ConfigError, foundry_advice
-from foundrymix.errors import ExistsError, MissingError
+from foundrymix.config import foundry_advice, load_yaml
+from foundrymix.errors import ExistsError
 from foundrymix.tools.migrate_keys import DATASET_KEYS, cpu_overrides, kept, model_keys, read_back, show
 
 #: top-level keys renamed one to one
@@ -243,15 +243,10 @@ def _model(m: Migration) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import yaml
-    from omegaconf import OmegaConf
 
-    if not os.path.isfile(args.config):
-        raise MissingError(f'{args.config}: no such config file')
+    data = load_yaml(args.config, resolve=False)
     if args.out and os.path.exists(args.out):
         raise ExistsError(f'--out {args.out}: exists; choose another file (migrate never replaces one)')
-    data = OmegaConf.to_container(OmegaConf.load(args.config), resolve=False)
-    if not isinstance(data, dict):
-        raise ConfigError(f'{args.config}: expected a mapping at the top level')
     m = migrate(data, os.path.splitext(os.path.basename(args.config))[0])
     report = m.report()
     text = yaml.safe_dump(m.data, sort_keys=False)

@@ -143,10 +143,7 @@ def _run(args: argparse.Namespace) -> int:
         console = console_for_output()
         if getattr(cfg, 'model', None) is None:
             print('no model section: the data is planned; `foundrymix train` needs a model (and max_seq_len)')
-        if run.explicit:
-            render_run_plan(plan, console, all_streams=args.streams == 'all')
-        else:
-            render_plan(plan, console, all_streams=args.streams == 'all')
+        (render_run_plan if run.explicit else render_plan)(plan, console, all_streams=args.streams == 'all')
         if schedule is not None:
             render_lr_schedule(schedule, lr, console)
         if evals is not None:

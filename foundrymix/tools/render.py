@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from foundrymix.plan.mixture import EVERY_STREAM_HINT, Plan, StreamPlan, under_one_pass_warnings
 from foundrymix.plan.stages import stream_location
@@ -24,11 +24,11 @@ def groups(names: Any) -> dict[str, list[str]]:
     return out if any(len(m) > 1 and g != '(no group)' for g, m in out.items()) else {}
 
 
-def _most_least(values: Mapping[str, Any], spec: str) -> str:
+def _most_least(values: Mapping[str, Any], text: Callable[[Any], str]) -> str:
     """``most: a 9, b 8; least: z 0, y 1``: the :data:`EXTREME_ROWS` largest and smallest."""
     order = sorted(values, key=lambda k: values[k])
-    most = ', '.join(f'{k} {values[k]:{spec}}' for k in reversed(order[-EXTREME_ROWS:]))
-    least = ', '.join(f'{k} {values[k]:{spec}}' for k in order[:EXTREME_ROWS])
+    most = ', '.join(f'{k} {text(values[k])}' for k in reversed(order[-EXTREME_ROWS:]))
+    least = ', '.join(f'{k} {text(values[k])}' for k in order[:EXTREME_ROWS])
     return f'most: {most}; least: {least}'
 
 
@@ -37,7 +37,7 @@ def counts_text(counts: Mapping[str, int], all_streams: bool = False) -> str:
     extremes and the groups (one line of 1,000 streams read as noise)."""
     if all_streams or len(counts) <= MAX_STREAM_ROWS:
         return ', '.join(f'{k} {v:,}' for k, v in counts.items())
-    text = f'{len(counts):,} streams, {sum(counts.values()):,} in all; {_most_least(counts, ",")}'
+    text = f'{len(counts):,} streams, {sum(counts.values()):,} in all; {_most_least(counts, "{:,}".format)}'
     grouped = groups(counts)
     if grouped:
         text += '; by group: ' + ', '.join(
@@ -185,8 +185,13 @@ def passes_line(passes: dict[str, float], scope: str, all_streams: bool = False)
     """``passes over the run: web 2.00, code 0.87`` -- how many times each stream's rows are
     trained in all (rows trained / rows); beyond :data:`MAX_STREAM_ROWS` streams, the extremes."""
     if all_streams or len(passes) <= MAX_STREAM_ROWS:
-        return f'passes over {scope}: ' + ', '.join(f'{k} {v:.2f}' for k, v in passes.items())
-    return f'passes over {scope} ({len(passes):,} streams): {_most_least(passes, ".2f")}'
+        return f'passes over {scope}: ' + ', '.join(f'{k} {_passes(v)}' for k, v in passes.items())
+    return f'passes over {scope} ({len(passes):,} streams): {_most_least(passes, _passes)}'
+
+
+def _passes(v: float) -> str:
+    """Two decimals; under 0.005 of a pass, two significant digits (a stream trained, never "0.00")."""
+    return f'{v:.2f}' if v == 0 or v >= 0.005 else f'{v:.2g}'
 
 
 def seen_text(s: StreamPlan) -> str:

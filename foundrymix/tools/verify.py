@@ -89,7 +89,7 @@ def is_remote(location: str) -> bool:
     return '://' in location and not location.startswith('file://')
 
 
-class Source:
+class Source(contextlib.AbstractContextManager):
     """A directory's files by basename: a local directory's own, or a remote one's fetched into a
     temporary directory, removed on exit."""
 
@@ -98,9 +98,6 @@ class Source:
         self.location = location.rstrip('/') if self.remote else location
         self.timeout = timeout
         self.dir = tempfile.mkdtemp(prefix='foundrymix-remote-') if self.remote else location
-
-    def __enter__(self) -> 'Source':
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.remote:

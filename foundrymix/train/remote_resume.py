@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from foundrymix.errors import UserError
-from foundrymix.s3.client import attempts
-from foundrymix.s3.remote import RemoteError, classify, within
+from foundrymix.s3.remote import RemoteError, attempts, classify, within
 from foundrymix.s3.retries import watch
 
 LATEST = 'latest-rank0.pt.symlink'  # Composer's save_latest_filename for rank 0, plus '.symlink'

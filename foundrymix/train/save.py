@@ -6,7 +6,7 @@ then ``latest-rank{r}.pt``, once it is whole and flushed; a failed write's ``.pa
 killed run's at the next start (never the one ``latest`` points at).
 
 Remote (``s3://...``): Composer's saver writes to a local scratch folder and :class:`CheckpointUploader`
-uploads in order, from one thread, every request retried (:func:`foundrymix.s3.client.make_client`):
+uploads in order, from one thread, every request retried (:func:`foundrymix.s3.remote.make_client`):
 Composer's uploader gives up after 3 attempts and loses the checkpoints after a failed one. The pointer
 goes up after its checkpoint; a file that still fails stops the run in one line naming its kept local
 copy. A killed run's unfinished multipart uploads of our names are aborted at start.
@@ -31,8 +31,7 @@ from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist, ensure_folder_has_no_conflicting_files, format_name_with_dist, parse_uri
 
 from foundrymix.errors import ExistsError, FoundrymixError
-from foundrymix.s3.client import S3Url, attempts, make_client
-from foundrymix.s3.remote import classify, within
+from foundrymix.s3.remote import S3Url, attempts, classify, make_client, within
 
 FILENAME = 'ep{epoch}-ba{batch}-rank{rank}.pt'  # Composer's default save_filename
 LATEST = 'latest-rank{rank}.pt'                 # Composer's default save_latest_filename

@@ -161,6 +161,30 @@ def test_a_named_local_held_by_a_live_run_is_refused_by_name(tmp_path, s3, small
     ds.release()
 
 
+def exclusive_owner_seen_from_another_process(path: str) -> int:
+    """The pid of the live run holding ``path`` exclusively, as a separate process sees it (0: none)."""
+    code = ('import sys; from foundrymix import claims; '
+            'h = claims.exclusive_owner(claims.normalize(sys.argv[1])); print(h.pid if h else 0)')
+    done = subprocess.run([sys.executable, '-c', code, path], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+def test_a_dropped_loader_gives_its_cache_directories_back(tmp_path, s3, small):
+    """A loader read to its end and dropped, without release(), frees its named cache directories
+    for other runs while this process lives on (as in a notebook)."""
+    named = {n: str(tmp_path / 'mine' / n) for n in small}
+    both = {'streams': {n: {'local': named[n], 'remote': s['remote']} for n, s in small.items()},
+            'shuffle_seed': 11}
+    ld = StreamMixer.from_dict(both).build_dataloader(batch_size=BATCH)
+    assert summary(ld) == local_summary(small)
+    assert [exclusive_owner_seen_from_another_process(d) for d in named.values()] == [os.getpid()] * len(named)
+    del ld
+    gc.collect()
+    assert [exclusive_owner_seen_from_another_process(d) for d in named.values()] == [0] * len(named)
+
+
 # ------------------------------------------------------------------ killed runs
 @pytest.mark.parametrize('when', ['built', 'paused'])
 def test_a_sigkilled_reader_does_not_stop_the_next_run(tmp_path, s3, small, monkeypatch, when):

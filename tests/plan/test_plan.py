@@ -182,6 +182,15 @@ def test_passes_over_the_run_in_one_line(root, tmp_path, capsys):
     assert sum(d['rows_per_stream'].values()) == 75 * 7
 
 
+
+def test_a_stream_trained_for_a_sliver_of_a_pass_is_not_printed_as_none():
+    """187 of 49,611 rows is 0.0038 of a pass: two decimals would print 0.00, as if untrained."""
+    from foundrymix.tools.render import passes_line
+    assert passes_line({'big': 187 / 49611, 'chat': 53 / 30, 'unused': 0.0}, 'the run') == \
+        'passes over the run: big 0.0038, chat 1.77, unused 0.00'
+    many = passes_line({f's{i}': i / 1000 for i in range(40)}, 'the run')
+    assert many.endswith('least: s0 0.00, s1 0.001, s2 0.002, s3 0.003, s4 0.004')
+
 STAGED = '''
 global_train_batch_size: 8
 max_seq_len: 32

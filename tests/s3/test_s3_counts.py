@@ -17,7 +17,7 @@ import pytest
 
 from fault_proxy import FaultProxy
 from foundrymix.s3 import remote, retries
-from foundrymix.s3.client import make_client
+from foundrymix.s3.remote import make_client
 from helpers import moto_s3
 
 BUCKET = 'fmx-counts'

@@ -179,7 +179,7 @@ def test_an_upload_that_fails_for_good_stops_the_run_in_one_line(tmp_path, s3, s
 
 @pytest.mark.slow  # a train.py start (the model is built before the trainer)
 def test_a_store_that_never_answers_is_named_after_download_timeout(tmp_path, s3, small_streams):
-    from foundrymix.s3.client import S3Url
+    from foundrymix.s3.remote import S3Url
     from foundrymix.s3.remote import RemoteError
     from foundrymix.train.save import abort_unfinished
 
@@ -228,7 +228,7 @@ def test_listing_at_start_outlasts_four_503s_per_request(tmp_path, s3):
 
 
 def test_unfinished_uploads_of_our_names_are_aborted_at_start(s3):
-    from foundrymix.s3.client import S3Url
+    from foundrymix.s3.remote import S3Url
     from foundrymix.train.save import abort_unfinished
 
     ours = ['runs/mp/ckpts/ep0-ba4-rank0.pt', 'runs/mp/ckpts/latest-rank0.pt.symlink']
