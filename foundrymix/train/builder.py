@@ -138,11 +138,6 @@ class TrainData:
     t_warmup: str = '0ba'         # scheduler.t_warmup as Composer is given it (in max_duration's unit)
 
     @property
-    def plan(self) -> Any:
-        """What ``TrainRun.plan`` shows: the mixture's Plan (no stages), else the RunPlan."""
-        return self.run if self.run.explicit else self.run.stages[0].plan
-
-    @property
     def planned_share(self) -> list[float]:
         """Per run-wide stream: its share of the rows the whole run trains (a run may end mid-epoch);
         adaptive stages, whose rows are not known before: the first stage's per-epoch share."""
@@ -313,7 +308,8 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     elif line:
         _print0(line, extension_line(trainer.state, position, scheduler, cfg.optimizer.lr))
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
-                    plan=data.plan, claims=held, finished=finished, remote_save=saving)
+                    plan=data.run if data.run.explicit else data.run.stages[0].plan, claims=held,
+                    finished=finished, remote_save=saving)
 
 
 def train(cfg: TrainConfig) -> TrainRun:
