@@ -72,7 +72,8 @@ def checkpoint_file(path: str) -> str:
         raise MissingError(f'{path}: a directory without checkpoints (no ep<N>-ba<N>-rank0.pt or '
                            f'latest-rank0.pt in it); give a checkpoint file or the save_folder of a run')
     skipped = ''.join(f'; skipped {os.path.basename(p)} (incomplete: {why})' for p, why in found.skipped)
-    print(f'{path} is a directory: exporting its newest complete checkpoint {os.path.basename(found.path)}{skipped}')
+    print(f'{path} is a directory: exporting its newest complete checkpoint '
+          f'{os.path.basename(found.path)}{skipped}')
     return found.path
 
 
