@@ -17,14 +17,13 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME as TRAINER_STATE  # written after the model and optimizer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from foundrymix.config import ConfigError
 
 #: the loader's state in each checkpoint directory
 LOADER_STATE = 'foundrymix_loader.pt'
-#: HF's record of a finished checkpoint (written after the model and optimizer)
-TRAINER_STATE = 'trainer_state.json'
 
 
 class FoundrymixTrainer(Trainer):

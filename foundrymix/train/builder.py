@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from composer import Trainer
@@ -28,7 +28,7 @@ from foundrymix.plan.data_config import check_eval_catalog
 from foundrymix.plan.stages import RunPlan
 from foundrymix.s3.retries import RetryCounts, S3RetryCounter
 from foundrymix.format.schema import TokenizerInfo
-from foundrymix.train.callbacks import CallbackContext, build_callbacks
+from foundrymix.train.callbacks import build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.run import ModelInfo, ResumeRng, S3Log
 from foundrymix.train.config import TrainConfig, check_streams, split_batch
@@ -138,11 +138,6 @@ class TrainData:
     t_warmup: str = '0ba'         # scheduler.t_warmup as Composer is given it (in max_duration's unit)
 
     @property
-    def plan(self) -> Any:
-        """What ``TrainRun.plan`` shows: the mixture's Plan (no stages), else the RunPlan."""
-        return self.run if self.run.explicit else self.run.stages[0].plan
-
-    @property
     def planned_share(self) -> list[float]:
         """Per run-wide stream: its share of the rows the whole run trains (a run may end mid-epoch);
         adaptive stages, whose rows are not known before: the first stage's per-epoch share."""
@@ -151,10 +146,6 @@ class TrainData:
             shares = {s.name: s.share for s in self.run.stages[0].plan.streams}
             return [shares.get(n, 0.0) for n in self.loader.stream_names]
         return [self.run.rows_per_stream.get(n, 0) / total for n in self.loader.stream_names]
-
-    @property
-    def stage_names(self) -> Optional[list[str]]:
-        return [s.name for s in self.run.stages] if self.run.explicit else None
 
 
 @collector_paused()  # the plan record and loader objects: many, all kept (foundrymix/heap.py)
@@ -173,10 +164,9 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
 def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: S3RetryCounter,
                since: RetryCounts, eval_streams: list[str]) -> tuple[list[Callback], StreamAccounting]:
     """``ModelInfo``, ``S3Log``, ``ResumeRng`` (and adaptive mixing), then the table's callbacks."""
-    ctx = CallbackContext(config=cfg, stream_names=data.loader.stream_names,
-                          planned_share=data.planned_share, stage_names=data.stage_names,
-                          eval_stream_names=eval_streams)
-    built = build_callbacks(cfg.callbacks, ctx)
+    built = build_callbacks(cfg.callbacks, config=cfg, stream_names=data.loader.stream_names,
+                            planned_share=data.planned_share, eval_stream_names=eval_streams,
+                            stage_names=[s.name for s in data.run.stages] if data.run.explicit else None)
     info = ModelInfo(hf_model.config, cfg.model.attention, data.tokenizer, cfg.model.pretrained, cfg.model.peft)
     accounting = built['stream_accounting']
     adaptive: list[Callback] = []
@@ -211,7 +201,7 @@ def _trainer(cfg: TrainConfig, model: CausalLM, train_loader: Any, evaluator: Op
             eval_subset_num_batches=cfg.eval_subset_num_batches, max_duration=max_duration,
             optimizers=build_optimizer(cfg, model, device), schedulers=scheduler, step_schedulers_every_batch=True,
             device=device, precision=_precision(cfg, device), device_train_microbatch_size=micro,
-            parallelism_config=parallelism_config(cfg.fsdp, device),
+            parallelism_config=parallelism_config(cfg.fsdp),
             compile_config=cfg.compile_config.as_dict() if cfg.compile_config is not None else None,
             callbacks=callbacks, algorithms=cfg.algorithms.build(), loggers=loggers, run_name=cfg.run_name,
             **console_kwargs(cfg), save_folder=cfg.save_folder if saving is None and not local else None,
@@ -233,7 +223,7 @@ def build_trainer(cfg: TrainConfig) -> TrainRun:
     claims are held from the start; :func:`train` releases them (a caller that only builds:
     ``run.claims.release()``)."""
     device_batch, micro = split_batch(cfg, dist.get_world_size())
-    if dist.get_world_size() > 1:  # now, so that the start is agreed (_start_together); Composer reuses it
+    if dist.get_world_size() > 1:  # now, so that the start is agreed (StopTogether); Composer reuses it
         dist.initialize_dist(_device(cfg))
     held = claims.ClaimSet()
     made = _missing_dirs(cfg)
@@ -287,23 +277,10 @@ def claim_run(cfg: TrainConfig, held: claims.ClaimSet) -> None:
         raise ConfigError(wanted[(e.path, e.mode)](claims.describe(e.holders))) from None
 
 
-@contextlib.contextmanager
-def _start_together() -> Iterator[None]:
-    """Every rank leaves the block together: a rank that fails in it raises its error and every other
-    rank says which rank failed and why, instead of waiting in the first collective until the timeout."""
-    together = StopTogether('could not start')
-    try:
-        yield
-    except Exception as e:
-        together(e)
-        raise
-    together(None)
-
-
 def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: claims.ClaimSet) -> TrainRun:
     retry_counter = s3_retries.install()  # before the first metadata fetch
     retries_before = retry_counter.snapshot()
-    with _start_together():  # nothing in it is collective: a rank that fails here stops them all
+    with StopTogether('could not start'):  # nothing in it is collective: a failing rank stops them all
         claim_run(cfg, held)
         data = _train_data(cfg, device_batch)
         scheduler = build_scheduler(cfg, data.run, data.t_warmup)  # wsd spans refused before the model
@@ -325,16 +302,14 @@ def _build(cfg: TrainConfig, device_batch: int, micro: Union[int, str], held: cl
     finished = None if cfg.load_weights_only else finished_line(trainer.state)
     position = data.loader.position
     line = None if finished else resume_line(trainer.state, position, cfg.load_weights_only)
-    extended = None
     if line and isinstance(scheduler, WSDSchedule):
-        extended = wsd_resume_line(trainer.state, position, scheduler)
+        _print0(line, wsd_resume_line(trainer.state, position, scheduler))  # the checkpoint's LR, then ours
         scheduler.apply_resume_lr(trainer.state)
     elif line:
-        extended = extension_line(trainer.state, position, scheduler, cfg.optimizer.lr)
-    if line:
-        _print0(line, extended)
+        _print0(line, extension_line(trainer.state, position, scheduler, cfg.optimizer.lr))
     return TrainRun(config=cfg, trainer=trainer, run_plan=data.run, accounting=accounting,
-                    plan=data.plan, claims=held, finished=finished, remote_save=saving)
+                    plan=data.run if data.run.explicit else data.run.stages[0].plan, claims=held,
+                    finished=finished, remote_save=saving)
 
 
 def train(cfg: TrainConfig) -> TrainRun:

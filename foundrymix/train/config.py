@@ -135,7 +135,7 @@ class TrainConfig(DataConfig):
             stages = self.train_loader.stages
             names = [s.name for s in stages] if stages is not None else ['main']
             check_stage_names([('scheduler.warmup', self.scheduler.warmup),
-                               ('scheduler.decay', self.scheduler.decay and self.scheduler.decay.span)],
+                               ('scheduler.decay', self.scheduler.decay)],
                               names, stages is not None)
 
 

@@ -50,15 +50,15 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f'exported {args.checkpoint} -> {done.out}: {done.rows:,} rows, {done.tokens:,} tokens in '
               f"{done.shards} shard(s), one tokens column (LLM-Foundry's StreamingTextDataset)")
         return 0
-    checkpoint = checkpoint_file(args.checkpoint, say=print)
+    checkpoint = checkpoint_file(args.checkpoint)
     out = export_to_hf(checkpoint, args.out, overwrite=args.overwrite, adapter=args.adapter)
     print(f'exported {checkpoint} -> {out}')
     return 0
 
 
-def checkpoint_file(path: str, say: Any = None) -> str:
-    """``path`` itself, or for a folder of checkpoints its newest complete one, announced
-    through ``say``; a folder with no checkpoint is refused, naming it."""
+def checkpoint_file(path: str) -> str:
+    """``path`` itself, or for a folder of checkpoints its newest complete one (printed); a folder
+    with no checkpoint is refused, naming it."""
     if not os.path.isdir(path):
         return path
     from foundrymix.train.remote_resume import local_checkpoint
@@ -71,10 +71,9 @@ def checkpoint_file(path: str, say: Any = None) -> str:
     if found is None:
         raise MissingError(f'{path}: a directory without checkpoints (no ep<N>-ba<N>-rank0.pt or '
                            f'latest-rank0.pt in it); give a checkpoint file or the save_folder of a run')
-    if say is not None:
-        skipped = ''.join(f'; skipped {os.path.basename(p)} (incomplete: {why})' for p, why in found.skipped)
-        say(f'{path} is a directory: exporting its newest complete checkpoint '
-            f'{os.path.basename(found.path)}{skipped}')
+    skipped = ''.join(f'; skipped {os.path.basename(p)} (incomplete: {why})' for p, why in found.skipped)
+    print(f'{path} is a directory: exporting its newest complete checkpoint '
+          f'{os.path.basename(found.path)}{skipped}')
     return found.path
 
 

@@ -61,13 +61,11 @@ class CompileSettings:
         return {k: v for k, v in asdict(self).items() if k != 'mode' or v is not None}
 
 
-def parallelism_config(fsdp: Optional[FSDPSettings], device: str) -> Optional[dict[str, Any]]:
-    """Composer's ``parallelism_config`` for the ``fsdp`` section; FSDP needs GPUs."""
+def parallelism_config(fsdp: Optional[FSDPSettings]) -> Optional[dict[str, Any]]:
+    """Composer's ``parallelism_config`` for the ``fsdp`` section (off a GPU refused by
+    :func:`foundrymix.train.preflight.check_start`)."""
     if fsdp is None:
         return None
-    if device != 'gpu':
-        raise ConfigError(f'fsdp: FSDP runs on GPUs; this run is on device {device!r} '
-                          f'(leave fsdp out, or set device: gpu)')
     keys = fsdp.as_dict()
     if fsdp.version != 2:
         if 'reshard_after_forward' in keys:

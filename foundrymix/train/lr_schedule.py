@@ -42,23 +42,18 @@ class Span:
 
 
 @dataclass
-class Decay:
+class Decay(Span):
     """``decay: {stage: anneal | duration: 20ba, to: 0.0, shape: linear|cosine|sqrt}``: the
     decay's span, the LR it ends at (a fraction of ``lr``) and its shape."""
 
-    duration: Optional[str] = None
-    stage: Optional[str] = None
     to: float = 0.0
     shape: Literal['linear', 'cosine', 'sqrt'] = 'linear'
+    from_config = classmethod(read_dataclass)  # a mapping only (a bare duration is a warmup's)
 
     def check(self, where: str) -> None:
-        self.span.check(where)
+        super().check(where)
         if not 0.0 <= self.to <= 1.0:
             raise ConfigError(f'{where}.to: {self.to} is not a fraction of lr in [0, 1]')
-
-    @property
-    def span(self) -> Span:
-        return Span(duration=self.duration, stage=self.stage)
 
 
 def check_stage_names(spans: Sequence[tuple[str, Optional[Span]]], stages: Sequence[str],

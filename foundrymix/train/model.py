@@ -19,13 +19,10 @@ from torchmetrics import Metric
 
 from foundrymix.format.schema import IGNORE_INDEX, TokenizerInfo
 from foundrymix.train.model_spec import AttentionMode, ModelConfigError, ModelSpec, hf_config
-from foundrymix.train.weights import check_pretrained_tokenizer, check_weight_shapes  # noqa: F401
+from foundrymix.train.weights import check_weight_shapes
 from foundrymix.train.flex import register
 from foundrymix.train.fused_loss import fused_token_loss
 from foundrymix.train.lora import wrap
-
-__all__ = ['AttentionMode', 'CausalLM', 'ModelConfigError', 'ModelSpec', 'RowLoss', 'build_hf_model',
-           'check_pretrained_tokenizer', 'token_loss']
 
 
 def _check_fits(config: Any, tokenizer: TokenizerInfo, max_seq_len: int) -> None:

@@ -118,11 +118,10 @@ class ModelSpec:
         with gather:
             if attention not in ('document', 'causal'):
                 raise ModelConfigError(f"{where}.attention: {attention!r}; allowed: document, causal")
-        peft = None
-        if d.get('peft_config') is not None:
+        peft, peft_config = None, d.pop('peft_config', None)
+        if peft_config is not None:
             with gather:
-                peft = read_peft_config(d.get('peft_config'), f'{where}.peft_config')
-        d.pop('peft_config', None)
+                peft = read_peft_config(peft_config, f'{where}.peft_config')
         attn = d.pop('attn_implementation', None)
         fused = d.pop('fused_loss', False)
         with gather:

@@ -32,11 +32,9 @@ def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
     fig, axes = plt.subplots(len(heights), 1, figsize=(9, 4.5 + 3.5 * (losses is not None) + 2 * (lr is not None)),
                              sharex=True, gridspec_kw={'height_ratios': heights}, squeeze=False)
     ax = axes[0][0]
-    loss_ax = axes[1][0] if losses is not None else None
-    lr_ax = axes[-1][0] if lr is not None else None
     bands = ax.stackplot(xs, np.array(shares).T, labels=[f'{n} (plan)' for n in names], alpha=0.45)
-    for s in run.stages[1:]:
-        for a in (ax, loss_ax) if loss_ax is not None else (ax,):
+    for s in run.stages[1:]:  # stage boundaries, on every panel
+        for a in axes[:, 0]:
             a.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
     for s in run.stages:
         ax.text((s.start_batch + s.end_batch) / 2, 1.01, s.name, ha='center', va='bottom', fontsize=8)
@@ -44,12 +42,11 @@ def plot_run_plan(run: Any, path: str, realized: Any = None, losses: Any = None,
         _draw_realized(ax, run, names, realized, [tuple(b.get_facecolor()[0][:3]) for b in bands])
     ax.set_xlim(0, run.total_batches)
     ax.set_ylim(0, 1.08)
-    if loss_ax is not None:
-        _draw_losses(loss_ax, names, losses, [tuple(b.get_facecolor()[0][:3]) for b in bands])
-    if lr_ax is not None:
-        _draw_lr(lr_ax, run, *lr)  # labels the batch axis
-    else:
-        axes[-1][0].set_xlabel('global batch')
+    if losses is not None:
+        _draw_losses(axes[1][0], names, losses, [tuple(b.get_facecolor()[0][:3]) for b in bands])
+    if lr is not None:
+        _draw_lr(axes[-1][0], *lr)
+    axes[-1][0].set_xlabel('global batch')
     ax.set_ylabel('share of rows (stacked)')
     ax.set_title('Planned mixture over training' + (' and realized (lines: share so far in the '
                                                      'stage)' if realized is not None else ''))
@@ -94,16 +91,12 @@ def _draw_realized(ax: Any, run: Any, names: list[str], realized: Any, colors: l
                     label=f'{name} (realized)' if stage.index == 0 else None)
 
 
-def _draw_lr(ax: Any, run: Any, schedule: Any, lr: float) -> None:
-    """The LR of every batch (a step per batch, batch ``b`` over ``[b, b + 1)``), stage
-    boundaries marked as above."""
+def _draw_lr(ax: Any, schedule: Any, lr: float) -> None:
+    """The LR of every batch (a step per batch, batch ``b`` over ``[b, b + 1)``)."""
     lrs = schedule.lrs(lr)
     xs = np.arange(len(lrs) + 1)
     ax.step(xs, lrs + lrs[-1:], where='post', color='black', linewidth=1.2)
-    for s in run.stages[1:]:
-        ax.axvline(s.start_batch, color='black', linewidth=0.8, linestyle='--')
     ax.set_ylim(0, lr * 1.08)
     ax.set_ylabel('LR')
-    ax.set_xlabel('global batch')
     ax.set_title(f'LR: wsd, warmup {schedule.warmup} ba, decay batches {schedule.decay_start}-'
                  f'{schedule.decay_end - 1} ({schedule.shape} to {schedule.to:g} x lr)', fontsize=9)

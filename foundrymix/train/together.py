@@ -53,6 +53,16 @@ class StopTogether:
         rank, (did, message) = next((r, m) for r, m in enumerate(said) if m is not None)
         raise OtherRankFailed(f'rank {rank} {did}, so every rank stops here: {message}')
 
+    def __enter__(self) -> 'StopTogether':
+        return self
+
+    def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> None:
+        """Every rank leaves the ``with`` block together: a rank whose block raised an ``Exception``
+        raises it, and every other rank says which rank failed and why, instead of waiting in the
+        first collective until the timeout."""
+        if error is None or isinstance(error, Exception):
+            self(error)
+
 
 def read_together(batches: Iterable[T], together: StopTogether) -> Iterator[T]:
     """``batches``, each agreed on by every rank before it is yielded: a rank's failed read (or

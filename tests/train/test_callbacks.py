@@ -24,12 +24,12 @@ def test_every_entry_is_a_dataclass_with_defaults_or_required_keys():
 
 
 def test_options_are_typed_per_callback():
-    from foundrymix.train.callbacks import LRMonitorConfig, SampleLogConfig, SpeedMonitorConfig, StopAtConfig
+    from foundrymix.train.callbacks import NoOptions, SampleLogConfig, SpeedMonitorConfig, StopAtConfig
     from foundrymix.train.config import TrainConfig
 
     cfg = TrainConfig.from_dict(config_dict({'speed_monitor': {'window_size': 5}, 'lr_monitor': None,
                                              'sample_log': {'path': 's.jsonl'}, 'stop_at': {'time': '3ba'}}))
-    assert cfg.callbacks == {'speed_monitor': SpeedMonitorConfig(window_size=5), 'lr_monitor': LRMonitorConfig(),
+    assert cfg.callbacks == {'speed_monitor': SpeedMonitorConfig(window_size=5), 'lr_monitor': NoOptions(),
                              'sample_log': SampleLogConfig(path='s.jsonl'), 'stop_at': StopAtConfig(time='3ba')}
 
 

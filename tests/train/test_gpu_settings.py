@@ -49,10 +49,10 @@ def test_every_fsdp_key_is_a_composer_fsdp_config_field_and_its_default_a_choice
 def test_fsdp_section_is_typed_and_only_set_keys_reach_composer():
     cfg = cfg_with(fsdp={'sharding_strategy': 'SHARD_GRAD_OP', 'activation_checkpointing': True,
                          'mixed_precision': 'PURE'})
-    assert parallelism_config(cfg.fsdp, 'gpu') == {'fsdp': {'sharding_strategy': 'SHARD_GRAD_OP',
+    assert parallelism_config(cfg.fsdp) == {'fsdp': {'sharding_strategy': 'SHARD_GRAD_OP',
                                                             'mixed_precision': 'PURE',
                                                             'activation_checkpointing': True}}
-    assert parallelism_config(cfg_with().fsdp, 'cpu') is None
+    assert parallelism_config(cfg_with().fsdp) is None
 
 
 @pytest.mark.parametrize('fsdp, message', [
@@ -66,22 +66,29 @@ def test_fsdp_mistakes_are_refused(fsdp, message):
     assert message in str(err.value)
 
 
+def check_start_on_cpu(cfg: TrainConfig) -> None:
+    """``check_start`` (the one refusal of FSDP off a GPU) of a one-stage run on ``device: cpu``."""
+    from types import SimpleNamespace
+
+    from foundrymix.train.preflight import check_start
+    check_start(cfg, SimpleNamespace(stages=[], explicit=False))
+
+
 def test_fsdp_on_cpu_is_refused_before_training():
     with pytest.raises(ConfigError) as err:
-        parallelism_config(FSDPSettings(), 'cpu')
-    assert str(err.value) == ("fsdp: FSDP runs on GPUs; this run is on device 'cpu' "
-                              "(leave fsdp out, or set device: gpu)")
+        check_start_on_cpu(cfg_with(fsdp={}, device='cpu'))
+    assert str(err.value) == 'fsdp: FSDP runs on GPUs, and this run is on device: cpu: leave fsdp out'
 
 
 def test_fsdp_version_2_hands_composer_an_fsdp2_config_of_the_set_keys():
     from composer.utils.parallelism import FSDP2Config
 
     cfg = cfg_with(fsdp={'version': 2, 'activation_checkpointing': True, 'reshard_after_forward': False})
-    got = parallelism_config(cfg.fsdp, 'gpu')['fsdp']
+    got = parallelism_config(cfg.fsdp)['fsdp']
     assert got == FSDP2Config(activation_checkpointing=True, reshard_after_forward=False, state_dict_type='full')
-    sharded = parallelism_config(cfg_with(fsdp={'version': 2, 'state_dict_type': 'sharded'}).fsdp, 'gpu')
+    sharded = parallelism_config(cfg_with(fsdp={'version': 2, 'state_dict_type': 'sharded'}).fsdp)
     assert sharded['fsdp'] == FSDP2Config(state_dict_type='sharded')
-    assert parallelism_config(cfg_with(fsdp={'version': 1}).fsdp, 'gpu') == {'fsdp': {}}
+    assert parallelism_config(cfg_with(fsdp={'version': 1}).fsdp) == {'fsdp': {}}
 
 
 @pytest.mark.parametrize('fsdp, message', [
@@ -95,12 +102,12 @@ def test_fsdp_version_2_hands_composer_an_fsdp2_config_of_the_set_keys():
 ])
 def test_keys_of_the_other_fsdp_version_are_refused_in_one_line(fsdp, message):
     with pytest.raises(ConfigError) as err:
-        parallelism_config(cfg_with(fsdp=fsdp).fsdp, 'gpu')
+        parallelism_config(cfg_with(fsdp=fsdp).fsdp)
     assert str(err.value) == message
     with pytest.raises(ConfigError, match=r"^fsdp.version: 3 is not one of 1, 2"):
         cfg_with(fsdp={'version': 3})
     with pytest.raises(ConfigError, match='^fsdp: FSDP runs on GPUs'):
-        parallelism_config(cfg_with(fsdp={'version': 2}).fsdp, 'cpu')
+        check_start_on_cpu(cfg_with(fsdp={'version': 2}, device='cpu'))
 
 
 def test_amp_fp8_is_refused_without_fp8_hardware_or_torchao(monkeypatch):

@@ -176,7 +176,7 @@ def test_streams_of_another_tokenizer_are_refused(small_streams, pretrained_dir,
 def test_without_a_tokenizer_the_vocab_size_must_match(small_streams, pretrained_dir, tmp_path, vocab, refused):
     import json
 
-    from foundrymix.train.model import check_pretrained_tokenizer
+    from foundrymix.train.weights import check_pretrained_tokenizer
     from foundrymix.loader.mixer import StreamMixer
 
     bare = tmp_path / 'bare'

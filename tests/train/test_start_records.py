@@ -193,7 +193,8 @@ def test_a_tokenizer_changed_since_the_conversion_is_refused_saying_what_differs
     import sys
 
     from foundrymix.loader.mixer import StreamMixer
-    from foundrymix.train.model import ModelSpec, check_pretrained_tokenizer
+    from foundrymix.train.model_spec import ModelSpec
+    from foundrymix.train.weights import check_pretrained_tokenizer
     from helpers import ROOT
 
     out = tmp_path / 'stream'

@@ -25,7 +25,7 @@ class AdaptiveMixing(Callback):
     """Per-stream loss -> the loader's adaptive controllers, at every segment boundary; at
     the end rank 0 writes ``mixture.json`` (every decision, the policy's state) to ``out_dir``."""
 
-    def __init__(self, loader: Any, out_dir: str, accounting: Any = None) -> None:
+    def __init__(self, loader: Any, out_dir: str, accounting: Any) -> None:
         self.loader = loader
         self.accounting = accounting  # its planned share becomes the decided one at the end
         self.position = loader.position
@@ -92,8 +92,7 @@ class AdaptiveMixing(Callback):
         logger.log_metrics({f'adaptive/{n}/weight': w for n, w in zip(controller.spec.names, decision.weights)})
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        if self.accounting is not None:  # before the accounting's own fit_end writes its table
-            self.accounting.planned_share = self.planned_share()
+        self.accounting.planned_share = self.planned_share()  # before the accounting's fit_end writes it
         if dist.get_global_rank() == 0:
             self.write_report()
 

@@ -34,9 +34,6 @@ class ModelInfo(Callback):
                 'tokenizer': self.tokenizer.name, 'tokenizer_fingerprint': self.tokenizer.fingerprint,
                 'pretrained': self.pretrained, 'peft': self.peft}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing to restore: this run's model describes itself."""
-
 
 class ResumeRng(Callback):
     """Saves the ranks' RNG states with each checkpoint; a run resumed mid-epoch continues them (Composer
