@@ -28,7 +28,7 @@ from foundrymix.plan.data_config import check_eval_catalog
 from foundrymix.plan.stages import RunPlan
 from foundrymix.s3.retries import RetryCounts, S3RetryCounter
 from foundrymix.format.schema import TokenizerInfo
-from foundrymix.train.callbacks import build_callbacks
+from foundrymix.train.callbacks import CallbackContext, build_callbacks
 from foundrymix.train.callbacks.accounting import StreamAccounting
 from foundrymix.train.callbacks.run import ModelInfo, ResumeRng, S3Log
 from foundrymix.train.config import TrainConfig, check_streams, split_batch
@@ -164,9 +164,10 @@ def _train_data(cfg: TrainConfig, device_batch: int) -> TrainData:
 def _callbacks(cfg: TrainConfig, data: TrainData, hf_model: Any, retry_counter: S3RetryCounter,
                since: RetryCounts, eval_streams: list[str]) -> tuple[list[Callback], StreamAccounting]:
     """``ModelInfo``, ``S3Log``, ``ResumeRng`` (and adaptive mixing), then the table's callbacks."""
-    built = build_callbacks(cfg.callbacks, config=cfg, stream_names=data.loader.stream_names,
-                            planned_share=data.planned_share, eval_stream_names=eval_streams,
-                            stage_names=[s.name for s in data.run.stages] if data.run.explicit else None)
+    ctx = CallbackContext(config=cfg, stream_names=data.loader.stream_names, planned_share=data.planned_share,
+                          stage_names=[s.name for s in data.run.stages] if data.run.explicit else None,
+                          eval_stream_names=eval_streams)
+    built = build_callbacks(cfg.callbacks, ctx)
     info = ModelInfo(hf_model.config, cfg.model.attention, data.tokenizer, cfg.model.pretrained, cfg.model.peft)
     accounting = built['stream_accounting']
     adaptive: list[Callback] = []

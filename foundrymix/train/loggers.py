@@ -133,4 +133,4 @@ class Loggers(dict):
 
     def build(self, run_name: str) -> list[Any]:
         """Composer logger destinations for every logger but ``console``, in YAML order."""
-        return [LOGGERS[n].factory(o, run_name=run_name) for n, o in self.items() if LOGGERS[n].factory is not None]
+        return [LOGGERS[n].factory(o, run_name) for n, o in self.items() if LOGGERS[n].factory is not None]

@@ -9,9 +9,20 @@ import dataclasses
 import importlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Sequence
 
 from foundrymix.config import Interval, TableEntry
+
+
+@dataclass
+class CallbackContext:
+    """What a factory may need besides its own options: the run and the planned mixture."""
+
+    config: Any  # the TrainConfig
+    stream_names: Sequence[str]
+    planned_share: Sequence[float]
+    stage_names: Optional[Sequence[str]] = None  # a staged run's stages, in order
+    eval_stream_names: Sequence[str] = ()  # the eval_loader's streams (none: no eval_loader)
 
 
 @dataclass
@@ -69,16 +80,18 @@ class RuntimeEstimatorConfig:
     time_unit: Literal['seconds', 'minutes', 'hours', 'days'] = 'hours'
 
 
-def _stream_accounting(opts: StreamAccountingConfig, config: Any, **run: Any) -> Any:
+def _stream_accounting(opts: StreamAccountingConfig, ctx: CallbackContext) -> Any:
     from foundrymix.train.callbacks.accounting import StreamAccounting
-    return StreamAccounting(**run, out_dir=opts.report_dir(config.save_folder, config.run_name),
+    return StreamAccounting(stream_names=ctx.stream_names, planned_share=ctx.planned_share,
+                            stage_names=ctx.stage_names, eval_stream_names=ctx.eval_stream_names,
+                            out_dir=opts.report_dir(ctx.config.save_folder, ctx.config.run_name),
                             log_interval=opts.log_interval, plot=opts.plot)
 
 
 def part(module: str, name: str) -> Callable[..., Any]:
     """A factory of ``module.name`` (imported when the trainer is built) whose keyword arguments are
     the options' fields: the options' dataclass names them as the class does."""
-    def build(opts: Any, **_: Any) -> Any:
+    def build(opts: Any, *_: Any) -> Any:
         return getattr(importlib.import_module(module), name)(**dataclasses.asdict(opts))
     return build
 
@@ -97,10 +110,8 @@ CALLBACKS: dict[str, TableEntry] = {
 ALWAYS_ON = ('stream_accounting',)
 
 
-def build_callbacks(options: dict[str, Any], **run: Any) -> dict[str, Any]:
+def build_callbacks(options: dict[str, Any], ctx: CallbackContext) -> dict[str, Any]:
     """YAML name -> Composer callback for every callback ``options`` names plus the always-on
-    ones, always-on first. ``run``: what a factory may need besides its options (``config``, the
-    TrainConfig; the streams' ``stream_names`` and ``planned_share``; ``stage_names`` of a staged
-    run; ``eval_stream_names``)."""
+    ones, always-on first."""
     names = [*ALWAYS_ON, *(n for n in options if n not in ALWAYS_ON)]
-    return {name: CALLBACKS[name].factory(options.get(name) or CALLBACKS[name].config(), **run) for name in names}
+    return {name: CALLBACKS[name].factory(options.get(name) or CALLBACKS[name].config(), ctx) for name in names}
